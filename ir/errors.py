@@ -1,0 +1,24 @@
+"""Errors the compiler front end raises for a user's mistake.
+
+A SpecError always names the file, the YAML path and the line, so the user can
+jump straight to the offending entry; it never surfaces as a Python traceback
+from deep inside the compiler (the CLI prints ``str(err)`` and exits).
+"""
+from __future__ import annotations
+
+
+class SpecError(ValueError):
+    """A mistake in a model spec: unknown op, undefined value, bad shape, missing dim..."""
+
+    def __init__(self, message: str, *, file: str = "<spec>", path: str = "", line: int | None = None):
+        self.file = file
+        self.path = path
+        self.line = line
+        self.message = message
+        where = file if line is None else f"{file}:{line}"
+        loc = f" at {path}" if path else ""
+        super().__init__(f"{where}{loc}: {message}")
+
+
+class GraphError(RuntimeError):
+    """The graph broke an invariant (a compiler bug, or a pass that went wrong)."""

@@ -1,0 +1,173 @@
+"""Spec -> networkx.DiGraph, one graph per phase (prefill, decode) from the same spec.
+
+Nodes are op instances; an edge u -> v carries the values u makes that v reads.
+Blocks are inlined (``call``) and layers unrolled, so every node binds concrete
+checkpoint names: node ``L3.mla.q`` is layer 3's q projection.  Graph attributes:
+
+  phase    "prefill" | "decode"
+  model    the ModelConfig (dims, eps, rope, softmax scale)
+  values   value name -> TType (shape, dtype)
+  weights  bound checkpoint name -> WeightInfo (expected shape, fp32, per-expert parts)
+  inputs   ["ids"];  outputs ["logits"]
+"""
+from __future__ import annotations
+
+import networkx as nx
+
+from .errors import SpecError
+from .ops import OPS, Node, ShapeError, TType, WeightInfo
+from .spec import Spec
+
+PHASES = ("prefill", "decode")
+
+
+def node_view(G: nx.DiGraph, nid: str) -> Node:
+    """The Node record ops see (attrs, bound weights, layer, model) for a graph node."""
+    data = G.nodes[nid]
+    return Node(op=data["op"], attrs=data["attrs"], weights=data["weights"], layer=data["layer"], model=G.graph["model"])
+
+
+def add_op(G: nx.DiGraph, nid: str, op: str, attrs: dict, inputs: list[str], outputs: list[str], *,
+           weights: dict | None = None, layer: int | None, path: str, order: float,
+           producers: dict[str, str] | None = None) -> list[TType]:
+    """Add one node, infer its outputs, bind its weights and wire its edges. Raises ShapeError."""
+    values = G.graph["values"]
+    node = Node(op=op, attrs=attrs, weights=weights or {}, layer=layer, model=G.graph["model"])
+    opdef = OPS[op]
+    out_types, wshapes = opdef.infer(node, [values[v] for v in inputs], G.graph["model"])
+    if len(out_types) != len(outputs):
+        raise ShapeError(f"{op} makes {len(out_types)} outputs, {len(outputs)} named")
+    G.add_node(nid, op=op, attrs=attrs, inputs=list(inputs), outputs=list(outputs), weights=dict(node.weights),
+               layer=layer, path=path, order=order)
+    producers = producers if producers is not None else value_producers(G)
+    for v in inputs:
+        src = producers.get(v)
+        if src is not None:
+            if G.has_edge(src, nid):
+                G.edges[src, nid]["values"].append(v)
+            else:
+                G.add_edge(src, nid, values=[v])
+    for v, t in zip(outputs, out_types):
+        values[v] = t
+        producers[v] = nid
+    return out_types
+
+
+def value_producers(G: nx.DiGraph) -> dict[str, str]:
+    return {v: n for n, d in G.nodes(data=True) for v in d["outputs"]}
+
+
+def bind_weights(G: nx.DiGraph, nid: str, templates: dict, wshapes: dict, layer: int | None) -> dict:
+    """Format {layer}/{expert} into checkpoint names and record what each must look like."""
+    opdef = OPS[G.nodes[nid]["op"]]
+    node = node_view(G, nid)
+    bound = {}
+    E = G.graph["model"].dims["experts"]
+    for role, template in templates.items():
+        keep_fp32 = role in opdef.fp32_roles(node)
+        if role in opdef.expert_weights:
+            parts = tuple(template.format(layer=layer, expert=e) for e in range(E))
+            name = template.format(layer=layer, expert="*")
+            info = WeightInfo(tuple(wshapes[role]), keep_fp32, parts)
+        else:
+            name = template.format(layer=layer)
+            info = WeightInfo(tuple(wshapes[role]), keep_fp32)
+        known = G.graph["weights"].get(name)
+        if known is not None and known != info:
+            raise ShapeError(f"weight {name} is bound twice with different shapes ({known.shape} vs {info.shape})")
+        G.graph["weights"][name] = info
+        bound[role] = name
+    return bound
+
+
+class _Builder:
+    def __init__(self, spec: Spec, phase: str):
+        self.spec = spec
+        self.G = nx.DiGraph(phase=phase, model=spec.model, spec_name=spec.name, values={}, weights={},
+                            inputs=["ids"], outputs=["logits"])
+        self.G.graph["values"]["ids"] = TType(("T",), "i64")
+        self.producers: dict[str, str] = {}
+        self.order = 0
+
+    def inline(self, block_name: str, prefix: str, bindings: dict[str, str], layer: int | None, kind) -> list[str]:
+        block = self.spec.blocks[block_name]
+        env = dict(bindings)
+        for decl in block.ops:
+            if decl.op == "call":
+                target = decl.attrs["block"]
+                if target == "{attention}":
+                    target = kind.attention
+                elif target == "{ffn}":
+                    target = kind.ffn
+                sub = self.spec.blocks[target]
+                if len(sub.inputs) != len(decl.inputs) or len(sub.outputs) != len(decl.outputs):
+                    raise self.spec.error(decl.path, f"block {target!r} takes {len(sub.inputs)} input(s) and makes "
+                                                     f"{len(sub.outputs)} output(s); the call passes {len(decl.inputs)} "
+                                                     f"and names {len(decl.outputs)}")
+                outs = self.inline(target, f"{prefix}{target}.", dict(zip(sub.inputs, (env[i] for i in decl.inputs))),
+                                   layer, kind)
+                env.update(zip(decl.outputs, outs))
+                continue
+            inputs = [env[i] for i in decl.inputs]
+            outputs = [prefix + o for o in decl.outputs]
+            attrs = dict(decl.attrs)
+            if "eps" in OPS[decl.op].attrs and attrs.get("eps") is None:
+                attrs["eps"] = self.spec.model.rms_norm_eps
+            nid = outputs[0]
+            try:
+                # Bind with placeholder shapes first so infer sees which optional weights exist.
+                node = Node(op=decl.op, attrs=attrs, weights=dict(decl.weights), layer=layer, model=self.spec.model)
+                out_types, wshapes = OPS[decl.op].infer(node, [self.G.graph["values"][v] for v in inputs], self.spec.model)
+                if len(out_types) != len(outputs):
+                    raise ShapeError(f"{decl.op} makes {len(out_types)} outputs, {len(outputs)} named")
+                add_op(self.G, nid, decl.op, attrs, inputs, outputs, weights={}, layer=layer, path=decl.path,
+                       order=self.order, producers=self.producers)
+                self.G.nodes[nid]["weights"] = bind_weights(self.G, nid, decl.weights, wshapes, layer)
+            except ShapeError as exc:
+                where = f" (layer {layer})" if layer is not None else ""
+                raise self.spec.error(decl.path, f"{decl.op}{where}: {exc}") from None
+            except KeyError as exc:
+                raise self.spec.error(decl.path, f"{decl.op}: missing {exc}") from None
+            self.order += 1
+            env.update(zip(decl.outputs, outputs))
+        return [env[o] for o in block.outputs]
+
+    def build(self) -> nx.DiGraph:
+        spec = self.spec
+        (x,) = self._single(self.inline("embed", "embed.", {spec.blocks["embed"].inputs[0]: "ids"}, None, None), "embed")
+        for layer in range(spec.dims["layers"]):
+            _, kind = spec.plan.kind(layer)
+            block = spec.blocks["decoder_layer"]
+            (x,) = self._single(self.inline("decoder_layer", f"L{layer}.", {block.inputs[0]: x}, layer, kind), "decoder_layer")
+        (logits,) = self._single(self.inline("head", "head.", {spec.blocks["head"].inputs[0]: x}, None, None), "head")
+        t = self.G.graph["values"][logits]
+        if t.shape[1:] != (spec.dims["vocab"],):
+            raise spec.error("blocks.head.outputs", f"the head must make logits [T, vocab={spec.dims['vocab']}], makes {t}")
+        self._rename_value(logits, "logits")
+        return self.G
+
+    def _single(self, outs, block):
+        if len(outs) != 1:
+            raise self.spec.error(f"blocks.{block}.outputs", f"block {block!r} must have exactly one output")
+        return outs
+
+    def _rename_value(self, old: str, new: str) -> None:
+        nid = self.producers[old]
+        data = self.G.nodes[nid]
+        data["outputs"] = [new if o == old else o for o in data["outputs"]]
+        self.G.graph["values"][new] = self.G.graph["values"].pop(old)
+
+
+def build_graph(spec: Spec, phase: str) -> nx.DiGraph:
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    for block in ("embed", "head", "decoder_layer"):
+        if len(spec.blocks[block].inputs) != 1:
+            raise SpecError(f"block {block!r} must take exactly one input", file=spec.file,
+                            path=f"blocks.{block}.inputs", line=spec.located.line(f"blocks.{block}.inputs"))
+    return _Builder(spec, phase).build()
+
+
+def topo_order(G: nx.DiGraph) -> list[str]:
+    """Deterministic execution order: topological, ties broken by the spec's op order."""
+    return list(nx.lexicographical_topological_sort(G, key=lambda n: (G.nodes[n]["order"], n)))

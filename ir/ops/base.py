@@ -1,0 +1,153 @@
+"""The op vocabulary's machinery: attribute schemas, tensor types, the registry.
+
+Every op is one class with
+  - ``inputs`` / ``outputs``: how many values it takes and makes,
+  - ``attrs``: its attributes with types and defaults (checked when the spec loads),
+  - ``weights``: the checkpoint tensors it binds, by role,
+  - ``infer``: shape/dtype inference (also the shapes of its weights),
+  - ``run``: reference semantics in plain torch: the ground truth for passes and kernels.
+
+Shapes are tuples whose first entry may be symbolic: "T" (tokens in the step) or
+"T*K" (token-expert pairs).  Dtypes are "act" (the activation dtype chosen at run
+time), "f32", "i64", and two opaque kinds: "state" (the layer's KV cache after a
+write; it orders reads after writes) and "routing" (an expert-sorted token plan).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+from ..expr import ExprError, evaluate
+
+OPS: dict[str, type["OpDef"]] = {}
+
+
+def register(cls):
+    OPS[cls.name] = cls
+    return cls
+
+
+@dataclass(frozen=True)
+class TType:
+    shape: tuple
+    dtype: str
+
+    def __str__(self) -> str:
+        dims = ", ".join(str(d) for d in self.shape)
+        return f"{self.dtype}[{dims}]"
+
+
+@dataclass(frozen=True)
+class WeightInfo:
+    """A bound checkpoint tensor: expected shape, fp32 pinning, per-expert parts."""
+
+    shape: tuple
+    keep_fp32: bool = False
+    parts: tuple[str, ...] | None = None  # stacked along a new dim 0 (one per expert)
+
+
+class AttrError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Attr:
+    """One attribute: kind is dim | int | float | bool | str | dims (list of dim exprs) | choice."""
+
+    kind: str
+    default: Any = ...
+    choices: tuple = ()
+
+    @property
+    def required(self) -> bool:
+        return self.default is ...
+
+    def parse(self, value, dims: dict[str, int | None]):
+        try:
+            if self.kind == "dim":
+                return evaluate(value, dims)
+            if self.kind == "dims":
+                if not isinstance(value, list) or not value:
+                    raise AttrError(f"expected a non-empty list of dims, got {value!r}")
+                return [evaluate(v, dims) for v in value]
+        except ExprError as exc:
+            raise AttrError(str(exc)) from None
+        if self.kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise AttrError(f"expected an integer, got {value!r}")
+            return value
+        if self.kind == "float":
+            if isinstance(value, bool):
+                raise AttrError(f"expected a number, got {value!r}")
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                raise AttrError(f"expected a number, got {value!r}") from None
+        if self.kind == "bool":
+            if not isinstance(value, bool):
+                raise AttrError(f"expected true or false, got {value!r}")
+            return value
+        if self.kind == "choice":
+            if value not in self.choices:
+                raise AttrError(f"expected one of {', '.join(map(str, self.choices))}; got {value!r}")
+            return value
+        if self.kind == "str":
+            if not isinstance(value, str):
+                raise AttrError(f"expected a string, got {value!r}")
+            return value
+        raise AssertionError(f"unknown attr kind {self.kind}")
+
+
+class ShapeError(ValueError):
+    """Raised by ``infer``; the graph builder turns it into a SpecError with the op's path."""
+
+
+@dataclass
+class Node:
+    """What ``infer`` and ``run`` see of a graph node."""
+
+    op: str
+    attrs: dict
+    weights: dict = field(default_factory=dict)  # role -> bound checkpoint name
+    layer: int | None = None
+    model: Any = None                            # the ModelConfig (dims, eps, rope, softmax scale)
+
+
+class OpDef:
+    name: ClassVar[str]
+    inputs: ClassVar[int | tuple[int, int]] = 1   # exact count, or (min, max)
+    outputs: ClassVar[int] = 1
+    attrs: ClassVar[dict[str, Attr]] = {}
+    weights: ClassVar[dict[str, bool]] = {}       # role -> required
+    expert_weights: ClassVar[tuple[str, ...]] = ()  # roles whose name has {expert}
+    fp32_weights: ClassVar[tuple[str, ...]] = ()   # roles kept in float32
+    doc: ClassVar[str] = ""
+
+    @classmethod
+    def fp32_roles(cls, node: Node) -> tuple[str, ...]:
+        return cls.fp32_weights
+
+    @classmethod
+    def infer(cls, node: Node, ins: list[TType], model) -> tuple[list[TType], dict[str, tuple]]:
+        """Return output types and the expected shape of each bound weight role."""
+        raise NotImplementedError
+
+    @classmethod
+    def run(cls, node: Node, ins: list, w: dict, ctx) -> list:
+        raise NotImplementedError
+
+
+def expect(cond: bool, message: str) -> None:
+    if not cond:
+        raise ShapeError(message)
+
+
+def same_rows(a: TType, b: TType, what: str) -> None:
+    expect(a.shape[0] == b.shape[0], f"{what}: row counts differ ({a.shape[0]} vs {b.shape[0]})")
+
+
+def is_float(t: TType) -> bool:
+    return t.dtype in ("act", "f32")
+
+
+Runner = Callable[..., list]

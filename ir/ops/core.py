@@ -1,0 +1,169 @@
+"""Dense building blocks: embedding, linear, norms, residual add, split, SwiGLU."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import Attr, Node, OpDef, TType, expect, is_float, register, same_rows
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Mirrors transformers: normalise in fp32, cast back, then scale by the weight.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@register
+class Embedding(OpDef):
+    name = "embedding"
+    weights = {"weight": True}
+    doc = "ids [T] -> rows of the embedding table [T, D]"
+
+    @classmethod
+    def infer(cls, node, ins, model):
+        (ids,) = ins
+        expect(ids.dtype == "i64" and len(ids.shape) == 1, f"embedding expects int64 ids [T], got {ids}")
+        D, vocab = model.dims["hidden"], model.dims["vocab"]
+        return [TType((ids.shape[0], D), "act")], {"weight": (vocab, D)}
+
+    @classmethod
+    def run(cls, node, ins, w, ctx):
+        return [w["weight"][ins[0]]]
+
+
+@register
+class Linear(OpDef):
+    name = "linear"
+    attrs = {"out_dim": Attr("dim"), "precision": Attr("choice", "act", ("act", "fp32"))}
+    weights = {"weight": True}
+    doc = "x [T, k] @ W[n, k]^T -> [T, n]; precision fp32 keeps the router in float32"
+
+    @classmethod
+    def infer(cls, node, ins, model):
+        (x,) = ins
+        expect(len(x.shape) == 2 and is_float(x), f"linear expects a float [T, k] input, got {x}")
+        n, k = node.attrs["out_dim"], x.shape[1]
+        out_dtype = "f32" if node.attrs["precision"] == "fp32" else "act"
+        expect(node.attrs["precision"] == "fp32" or x.dtype == "act",
+               f"linear at activation precision needs an activation input, got {x}")
+        return [TType((x.shape[0], n), out_dtype)], {"weight": (n, k)}
+
+    @classmethod
+    def fp32_roles(cls, node):
+        return ("weight",) if node.attrs["precision"] == "fp32" else ()
+
+    @classmethod
+    def run(cls, node, ins, w, ctx):
+        x, weight = ins[0], w["weight"]
+        if node.attrs["precision"] == "fp32":
+            return [F.linear(x.float(), weight.float())]
+        return [F.linear(x, weight)]
+
+
+@register
+class RmsNorm(OpDef):
+    name = "rms_norm"
+    attrs = {"eps": Attr("float", None)}
+    weights = {"weight": True}
+    doc = "x [T, n] -> x / rms(x) * w"
+
+    @classmethod
+    def infer(cls, node, ins, model):
+        (x,) = ins
+        expect(len(x.shape) == 2 and x.dtype == "act", f"rms_norm expects an activation [T, n], got {x}")
+        return [x], {"weight": (x.shape[1],)}
+
+    @classmethod
+    def run(cls, node, ins, w, ctx):
+        return [rms_norm_ref(ins[0], w["weight"], node.attrs["eps"])]
+
+
+@register
+class FusedAddRmsNorm(OpDef):
+    name = "fused_add_rms_norm"
+    inputs = 2
+    outputs = 2
+    attrs = {"eps": Attr("float", None)}
+    weights = {"weight": True}
+    doc = "[x, residual] -> [rms_norm(x + residual), x + residual]"
+
+    @classmethod
+    def infer(cls, node, ins, model):
+        x, r = ins
+        expect(x == r and len(x.shape) == 2 and x.dtype == "act", f"fused_add_rms_norm needs equal inputs, got {x} and {r}")
+        return [x, x], {"weight": (x.shape[1],)}
+
+    @classmethod
+    def run(cls, node, ins, w, ctx):
+        s = ins[0] + ins[1]
+        return [rms_norm_ref(s, w["weight"], node.attrs["eps"]), s]
+
+
+@register
+class Add(OpDef):
+    name = "add"
+    inputs = 2
+    doc = "elementwise a + b"
+
+    @classmethod
+    def infer(cls, node, ins, model):
+        a, b = ins
+        expect(a == b and is_float(a), f"add needs two float values of one type, got {a} and {b}")
+        return [a], {}
+
+    @classmethod
+    def run(cls, node, ins, w, ctx):
+        return [ins[0] + ins[1]]
+
+
+@register
+class Split(OpDef):
+    name = "split"
+    outputs = -1  # as many as sizes
+    attrs = {"sizes": Attr("dims"), "heads": Attr("dim", None)}
+    doc = "[T, sum] -> pieces [T, s_i]; with heads: [T, heads*sum] -> [T, heads, s_i] (views, no copy)"
+
+    @classmethod
+    def infer(cls, node, ins, model):
+        (x,) = ins
+        sizes, heads = node.attrs["sizes"], node.attrs["heads"]
+        total = sum(sizes)
+        if heads is None:
+            expect(len(x.shape) == 2 and x.shape[1] == total,
+                   f"split sizes {sizes} add up to {total}, the input is {x}")
+            return [TType((x.shape[0], s), x.dtype) for s in sizes], {}
+        width = x.shape[-1] if len(x.shape) == 3 else x.shape[1]
+        expect(len(x.shape) in (2, 3), f"split expects a 2-d or 3-d input, got {x}")
+        if len(x.shape) == 2:
+            expect(width == heads * total, f"split into {heads} heads of {sizes} needs width {heads * total}, input is {x}")
+        else:
+            expect(x.shape[1] == heads and width == total, f"split of {x} into {heads} heads of {sizes} does not fit")
+        return [TType((x.shape[0], heads, s), x.dtype) for s in sizes], {}
+
+    @classmethod
+    def run(cls, node, ins, w, ctx):
+        x, sizes, heads = ins[0], node.attrs["sizes"], node.attrs["heads"]
+        if heads is not None:
+            x = x.view(x.shape[0], heads, sum(sizes))
+        return list(torch.split(x, sizes, dim=-1))
+
+
+@register
+class SiluAndMul(OpDef):
+    name = "silu_and_mul"
+    inputs = 2
+    doc = "[gate, up] -> silu(gate) * up (SwiGLU)"
+
+    @classmethod
+    def infer(cls, node, ins, model):
+        g, u = ins
+        expect(g == u and g.dtype == "act", f"silu_and_mul needs equal activation inputs, got {g} and {u}")
+        return [g], {}
+
+    @classmethod
+    def run(cls, node, ins, w, ctx):
+        return [F.silu(ins[0]) * ins[1]]
+
+
+__all__ = ["rms_norm_ref", "same_rows", "Node"]

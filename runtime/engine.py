@@ -1,0 +1,243 @@
+"""The Engine: prompts in, logits and tokens out, over a paged latent KV cache.
+
+    engine = Engine.from_pretrained(model_dir, backend="reference", device="cpu", dtype=torch.float32)
+    engine.logits([[1, 2, 3], [4, 5]])                      # one [len, vocab] tensor per prompt
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=16))[0].token_ids
+
+A step packs sequences back to back (T tokens, B sequences) and hands the backend a
+StepContext: positions, per-sequence lengths, block tables and slot mapping.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ir import Spec
+from ir.context import StepContext
+
+from .errors import InputError
+from .kv_cache import BlockAllocator, BlockTables, PagedLatentCache
+from .model_loader import compile_graphs, load_config, load_model_weights, random_weights, resolve_spec
+from .reference_backend import ReferenceBackend
+from .sampling import SamplingParams, make_generator, sample_next
+from .scheduler import Scheduler, Sequence
+
+BACKENDS = ("reference", "cuda")
+DEFAULT_MAX_SEQ_LEN = 8192
+DEFAULT_MAX_NUM_SEQS = 64
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]                  # the new tokens (stop token included when one ended it)
+    finish_reason: str                    # "stop" | "length"
+    logits: torch.Tensor | None = None    # [new, vocab] float32 when SamplingParams.return_logits
+
+
+def _as_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise InputError(f"dtype must be one of {', '.join(table)}, got {dtype!r}")
+    return table[dtype]
+
+
+class Engine:
+    def __init__(self, spec: Spec, graphs: dict, weights: dict, *, backend: str = "reference", device="cpu",
+                 dtype=torch.float32, block_size: int = 16, num_blocks: int | None = None,
+                 max_seq_len: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, backend_impl=None):
+        if backend not in BACKENDS:
+            raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if block_size < 1:
+            raise InputError(f"block_size must be >= 1, got {block_size}")
+        self.spec = spec
+        self.graphs = graphs
+        self.device = torch.device(device)
+        self.dtype = _as_dtype(dtype)
+        self.block_size = block_size
+        dims = spec.dims
+        self.vocab = dims["vocab"]
+        self.max_seq_len = min(max_seq_len or DEFAULT_MAX_SEQ_LEN, dims["max_positions"])
+        if max_seq_len is not None and max_seq_len > dims["max_positions"]:
+            raise InputError(f"max_seq_len={max_seq_len} exceeds the model's max_positions={dims['max_positions']}")
+        blocks_per_seq = math.ceil(self.max_seq_len / block_size)
+        if num_blocks is None:
+            num_blocks = self._default_num_blocks(blocks_per_seq, max_num_seqs)
+        if num_blocks < 1:
+            raise InputError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.cache = PagedLatentCache(dims["layers"], num_blocks, block_size, spec.model.cache_width, self.dtype, self.device)
+        self.tables = BlockTables(BlockAllocator(num_blocks), block_size, blocks_per_seq)
+        self.max_num_seqs = max_num_seqs
+        self.backend_name = backend
+        self.backend = backend_impl or ReferenceBackend(graphs, weights)
+        self._seq_ids = itertools.count()
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model_dir, backend: str = "reference", device="cpu", dtype=torch.float32, spec=None,
+                        progress=None, **kwargs) -> "Engine":
+        """Load a Hugging Face DeepSeek-V2/V3 checkpoint directory (safetensors + config.json)."""
+        config = load_config(model_dir)
+        spec = resolve_spec(spec, config)
+        compiled = compile_graphs(spec)
+        dtype = _as_dtype(dtype)
+        weights = load_model_weights(model_dir, compiled.graphs, spec, dtype=dtype, device=device, progress=progress)
+        return cls._with_backend(spec, compiled.graphs, weights, backend=backend, device=device, dtype=dtype, **kwargs)
+
+    @classmethod
+    def from_spec(cls, spec, backend: str = "reference", device="cpu", dtype=torch.float32, seed: int = 0,
+                  **kwargs) -> "Engine":
+        """A spec with random weights (no checkpoint): for benchmarks and smoke runs."""
+        spec = resolve_spec(spec, None)
+        compiled = compile_graphs(spec)
+        dtype = _as_dtype(dtype)
+        weights = random_weights(compiled.graphs, dtype=dtype, device=device, seed=seed)
+        return cls._with_backend(spec, compiled.graphs, weights, backend=backend, device=device, dtype=dtype, **kwargs)
+
+    @classmethod
+    def _with_backend(cls, spec, graphs, weights, *, backend, device, dtype, bundle_dir=None, arch=None, **kwargs):
+        impl = None
+        if backend == "cuda":
+            from .cuda_backend import CudaBackend  # imports the driver only when asked for
+            impl = CudaBackend.create(spec, graphs, weights, device=device, dtype=dtype, bundle_dir=bundle_dir, arch=arch)
+        return cls(spec, graphs, weights, backend=backend, device=device, dtype=dtype, backend_impl=impl, **kwargs)
+
+    def _default_num_blocks(self, blocks_per_seq: int, max_num_seqs: int) -> int:
+        width = self.spec.model.cache_width
+        per_block = PagedLatentCache.bytes_per_block(self.spec.dims["layers"], self.block_size, width, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.5)
+        else:
+            budget = 1 << 30
+        return max(1, min(blocks_per_seq * max_num_seqs, budget // per_block))
+
+    # ---- input checks -------------------------------------------------------------------------
+    def _check_prompts(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist()
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InputError("prompts must be a non-empty list of token-id lists")
+        if all(isinstance(t, int) for t in prompts):
+            raise InputError("prompts must be a list of token-id lists (got a flat list; wrap it: [[...]])")
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, torch.Tensor):
+                p = p.tolist()
+            if not isinstance(p, (list, tuple)):
+                raise InputError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
+            if not p:
+                raise InputError(f"prompt {i} is empty; a prompt needs at least one token")
+            for j, t in enumerate(p):
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise InputError(f"prompt {i}, position {j}: token ids are integers, got {t!r}")
+                if not 0 <= t < self.vocab:
+                    raise InputError(f"prompt {i}, position {j}: token id {t} is out of range [0, {self.vocab})")
+            if len(p) > self.max_seq_len:
+                raise InputError(f"prompt {i} has {len(p)} tokens; the engine holds at most {self.max_seq_len} "
+                                 f"per sequence (max_seq_len; the model allows {self.spec.dims['max_positions']})")
+            out.append(list(p))
+        return out
+
+    # ---- one step -----------------------------------------------------------------------------
+    def _step(self, phase: str, seqs: list[Sequence]) -> torch.Tensor:
+        """Run the new tokens of ``seqs`` (prefill: all uncached; decode: the last one); logits [T, vocab]."""
+        ids, positions, slots, query_lens, context_lens = [], [], [], [], []
+        for s in seqs:
+            toks = s.tokens
+            start = s.cached if phase == "prefill" else len(toks) - 1
+            ids.extend(toks[start:])
+            positions.extend(range(start, len(toks)))
+            slots.extend(self.tables.slot_mapping(s.seq_id, start, len(toks)))
+            query_lens.append(len(toks) - start)
+            context_lens.append(len(toks))
+        dev = self.device
+        ctx = StepContext(
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            query_lens=query_lens, context_lens=context_lens,
+            block_tables=self.tables.table_tensor([s.seq_id for s in seqs], dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            kv_cache=self.cache.layers, block_size=self.block_size)
+        logits = self.backend.forward(phase, torch.tensor(ids, dtype=torch.int64, device=dev), ctx)
+        for s in seqs:
+            s.cached = len(s.tokens)
+        return logits
+
+    # ---- public API ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def logits(self, prompts) -> list[torch.Tensor]:
+        """Prefill each prompt; return its logits at every position ([len, vocab] float32 each)."""
+        prompts = self._check_prompts(prompts)
+        results: list[torch.Tensor | None] = [None] * len(prompts)
+        pending = list(enumerate(prompts))
+        while pending:
+            batch, reserved = [], 0
+            for i, p in pending:
+                seq = Sequence(next(self._seq_ids), p, SamplingParams(), None)
+                need = self.tables.blocks_needed(seq.seq_id, len(p))
+                if batch and (need > self.tables.free_blocks - reserved or len(batch) >= self.max_num_seqs):
+                    break
+                self.tables.reserve(seq.seq_id, len(p))  # raises CacheFullError if even one prompt cannot fit
+                batch.append((i, seq))
+            try:
+                out = self._step("prefill", [s for _, s in batch])
+            finally:
+                for _, s in batch:
+                    self.tables.release(s.seq_id)
+            start = 0
+            for i, s in batch:
+                results[i] = out[start:start + len(s.prompt)]
+                start += len(s.prompt)
+            pending = pending[len(batch):]
+        return results
+
+    @torch.inference_mode()
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationOutput]:
+        prompts = self._check_prompts(prompts)
+        if params is None:
+            params = SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InputError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        sched = Scheduler(self.tables, self.max_num_seqs, max_prefill_tokens=max(self.max_seq_len, 8192))
+        seqs = []
+        for p, sp in zip(prompts, plist):
+            if not isinstance(sp, SamplingParams):
+                raise InputError(f"params must be SamplingParams, got {type(sp).__name__}")
+            gen = None if sp.greedy else make_generator(sp.seed, self.device)
+            seq = Sequence(next(self._seq_ids), p, sp, gen)
+            seqs.append(seq)
+            sched.add(seq)
+        try:
+            while sched.has_work():
+                admitted = sched.admit()
+                if admitted:
+                    logits = self._step("prefill", admitted)
+                    last = torch.tensor([0] + [len(s.prompt) + len(s.output) for s in admitted]).cumsum(0)[1:] - 1
+                    self._advance(sched, admitted, logits[last.to(logits.device)])
+                batch = [s for s in sched.decode_batch() if s not in admitted and not s.done]
+                if batch:
+                    self._advance(sched, batch, self._step("decode", batch))
+        finally:
+            for s in seqs:
+                self.tables.release(s.seq_id)
+        return [GenerationOutput(s.output, s.finish_reason or "length",
+                                 torch.stack(s.logits) if s.params.return_logits and s.logits else None) for s in seqs]
+
+    def _advance(self, sched: Scheduler, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        next_ids = sample_next(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        for s, tok, row in zip(seqs, next_ids, logits):
+            s.output.append(tok)
+            if s.params.return_logits:
+                s.logits.append(row.float().cpu())
+            if tok in s.params.stop_token_ids:
+                s.finish_reason = "stop"
+            elif len(s.output) >= s.params.max_new_tokens or len(s.tokens) >= self.max_seq_len:
+                s.finish_reason = "length"
+            if s.done:
+                sched.finish(s)

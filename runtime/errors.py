@@ -1,0 +1,32 @@
+"""The runtime's user-facing exceptions.
+
+Everything dsgraph raises on purpose derives from DsgraphError, so a caller
+can catch the whole family in one clause while bugs (asserts, TypeErrors from
+our own code) still surface as themselves.
+"""
+
+
+class DsgraphError(Exception):
+    """Base class of every error dsgraph raises deliberately."""
+
+
+class WeightError(DsgraphError):
+    """A checkpoint or model directory does not fit the model: a tensor is
+    missing, unexpected, mis-shaped or of an unusable dtype, or the directory
+    or its config is absent or unreadable."""
+
+
+class CacheFullError(DsgraphError):
+    """Not enough free KV-cache blocks. `needed` and `free` (block counts) say
+    by how much, so a scheduler can decide whom to preempt without parsing the
+    message."""
+
+    def __init__(self, message: str, *, needed: int | None = None, free: int | None = None):
+        super().__init__(message)
+        self.needed = needed
+        self.free = free
+
+
+class InputError(DsgraphError, ValueError):
+    """A bad prompt or parameter. Also a ValueError, so code that already
+    guards against ValueError keeps working."""

@@ -1,0 +1,129 @@
+"""Sampling parameters and next-token selection.
+
+`sample_next` never synchronises with the host (no .item(), .tolist(),
+.cpu()), so a decode step stays asynchronous and capturable; the only Python
+loop is over the rows that actually sample. Order of the filters follows
+transformers: temperature, then top-k, then top-p.
+
+Dimension legend: B batch rows, V vocabulary, K kept candidates.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from runtime.errors import InputError
+
+_MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range for non-negative seeds
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k filter
+    top_p: float = 1.0  # 1 means no nucleus filter
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    return_logits: bool = False
+
+    def __post_init__(self):
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InputError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise InputError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
+            raise InputError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+        self.stop_token_ids = _token_ids(self.stop_token_ids)
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        # top_k == 1 leaves one candidate whatever the temperature; taking the
+        # argmax path makes that exact, ties included, and spends no randomness.
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _token_ids(ids) -> tuple[int, ...]:
+    if _is_int(ids):
+        ids = (ids,)
+    try:
+        out = tuple(ids)
+    except TypeError:
+        raise InputError(f"stop_token_ids must be a sequence of token ids, got {ids!r}") from None
+    for t in out:
+        if not _is_int(t) or t < 0:
+            raise InputError(f"stop_token_ids must hold non-negative integers, got {t!r} in {out!r}")
+    return tuple(int(t) for t in out)
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """A generator private to one request. Unseeded requests get a
+    non-deterministically seeded one, so no request touches global RNG state."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def sample_next(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """Next token per row: logits [B, V] (any float dtype/device) -> int64 [B]
+    on logits.device. A None generator falls back to torch's default one."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+    if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
+        raise ValueError(
+            f"{logits.shape[0]} logit rows but {len(params)} SamplingParams and {len(generators)} generators"
+        )
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)  # [B]; final for greedy rows
+    for row, (p, gen) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            tokens[row] = _sample_row(logits[row], p, gen)
+    return tokens
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
+    """One token (0-dim int64 tensor) from fp32 logits [V]."""
+    # Shifting by the max first keeps a tiny temperature from overflowing to inf.
+    scaled = (logits - logits.max()) / p.temperature  # [V]
+    vocab = scaled.shape[0]
+    order = None  # candidate index -> vocabulary id, when filtered to a sorted subset
+    if 0 < p.top_k < vocab:
+        scaled, order = torch.topk(scaled, p.top_k)  # [K], sorted descending
+    if p.top_p < 1:
+        if order is None:
+            scaled, order = torch.sort(scaled, descending=True)
+        probs = torch.softmax(scaled, dim=-1)
+        # Keep a candidate while the mass before it is short of top_p: the
+        # smallest prefix reaching top_p, and always the top token (mass 0 before it).
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        scaled = scaled.masked_fill(mass_before >= p.top_p, -math.inf)
+    probs = torch.softmax(scaled, dim=-1)
+    # Exponential-race sampling: argmax(probs / Exp(1)) draws from probs
+    # without multinomial's validity checks; clamping keeps 0-mass candidates
+    # at 0 rather than 0/0 = NaN (which argmax would pick).
+    race = torch.empty_like(probs).exponential_(1.0, generator=gen).clamp_min_(torch.finfo(probs.dtype).tiny)
+    choice = torch.argmax(probs / race)
+    return choice if order is None else order[choice]

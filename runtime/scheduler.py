@@ -1,0 +1,105 @@
+"""Which sequences run this step: admission, decode batches, finishing and preemption.
+
+Continuous batching: every step first admits waiting sequences (one packed prefill)
+while the cache has room, then advances every running sequence by one token (one
+batched decode).  When a running sequence needs a block and none is free, the most
+recently admitted other sequence is preempted: its blocks are freed and it waits to
+be recomputed from its tokens so far.  No sequence ever writes another's blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import CacheFullError
+from .kv_cache import BlockTables
+from .sampling import SamplingParams
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached: int = 0                    # tokens whose rows are in the cache
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    def __init__(self, tables: BlockTables, max_num_seqs: int, max_prefill_tokens: int):
+        self.tables = tables
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def admit(self) -> list[Sequence]:
+        """Sequences to prefill now (their whole token list), with cache reserved for them."""
+        batch, tokens = [], 0
+        while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = len(seq.tokens)
+            if batch and tokens + n > self.max_prefill_tokens:
+                break
+            try:
+                self.tables.reserve(seq.seq_id, n)
+            except CacheFullError:
+                if not self.running and not batch:
+                    raise  # alone and still no room: nothing to wait for
+                break
+            self.waiting.pop(0)
+            seq.cached = 0
+            batch.append(seq)
+            tokens += n
+        self.running.extend(batch)
+        return batch
+
+    def decode_batch(self) -> list[Sequence]:
+        """Running sequences to advance by one token; preempts the newest ones if blocks run out."""
+        ready = [s for s in self.running if not s.done]
+        i = 0
+        while i < len(ready):
+            seq = ready[i]
+            try:
+                self.tables.reserve(seq.seq_id, len(seq.tokens))
+                i += 1
+            except CacheFullError:
+                victim = ready[-1]
+                if victim is seq and len(ready) == 1:
+                    raise CacheFullError(
+                        f"sequence {seq.seq_id} needs more KV-cache blocks than the whole cache has "
+                        f"({self.tables.free_blocks} free); raise num_blocks or lower max_new_tokens") from None
+                self._preempt(victim)
+                ready.remove(victim)
+        return ready
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.tables.release(seq.seq_id)
+        seq.cached = 0
+        self.running.remove(seq)
+        self.waiting.insert(0, seq)
+        self.preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        self.tables.release(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)

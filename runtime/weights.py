@@ -1,0 +1,314 @@
+"""Lazy reading of safetensors checkpoints in the Hugging Face layout.
+
+A checkpoint is one `model.safetensors`, a sharded set described by
+`model.safetensors.index.json`, or loose `*.safetensors` files. The model
+states what it needs as WeightSpecs; `load_weights` checks the whole
+checkpoint against them from metadata alone before reading any tensor data,
+so a wrong checkpoint fails in milliseconds with every problem named rather
+than after minutes of loading.
+
+Dimension legend: E experts, I expert intermediate size, D hidden size.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from runtime.errors import WeightError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+# DeepSeek-V3's official FP8 checkpoints: F8_E4M3 weights with one float32
+# inverse scale per 128x128 block, stored next to the weight.
+FP8_DTYPE = "F8_E4M3"
+FP8_BLOCK = 128
+SCALE_SUFFIX = "_scale_inv"
+
+_FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+_MAX_LISTED = 10  # per kind of problem; the rest is summarised as a count
+
+
+class Checkpoint:
+    """Memory-mapped, read-only view of a checkpoint's tensors by name.
+
+    Each shard is opened once and its handle kept, so metadata queries and
+    reads cost no re-parsing of headers.
+    """
+
+    def __init__(self, model_dir: Path, handles: dict[str, object], shard_of: dict[str, str]):
+        self.model_dir = model_dir
+        self._handles = handles  # shard file name -> safe_open handle
+        self._shard_of = shard_of  # tensor name -> shard file name
+
+    @classmethod
+    def open(cls, model_dir: str | Path) -> Checkpoint:
+        root = Path(model_dir)
+        if not root.is_dir():
+            raise WeightError(f"model directory {root} does not exist or is not a directory")
+        # Same precedence as transformers: a single file wins over an index.
+        if (root / SINGLE_FILE).is_file():
+            return cls._from_files(root, [SINGLE_FILE])
+        if (root / INDEX_FILE).is_file():
+            return cls._from_index(root)
+        files = sorted(p.name for p in root.glob("*.safetensors") if p.is_file())
+        if not files:
+            raise WeightError(
+                f"{root} holds no safetensors checkpoint "
+                f"(looked for {SINGLE_FILE}, {INDEX_FILE} or *.safetensors)"
+            )
+        return cls._from_files(root, files)
+
+    @classmethod
+    def _from_files(cls, root: Path, files: list[str]) -> Checkpoint:
+        handles = {f: _open_shard(root / f) for f in files}
+        shard_of: dict[str, str] = {}
+        for f, handle in handles.items():
+            for name in handle.keys():
+                if name in shard_of:
+                    raise WeightError(
+                        f"tensor {name} is stored twice, in {root / shard_of[name]} and {root / f}; "
+                        f"add a {INDEX_FILE} or remove one of the files"
+                    )
+                shard_of[name] = f
+        return cls(root, handles, shard_of)
+
+    @classmethod
+    def _from_index(cls, root: Path) -> Checkpoint:
+        index_path = root / INDEX_FILE
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise WeightError(f"cannot read the weight_map of {index_path}: {e}") from None
+        shards = sorted(set(weight_map.values()))
+        absent = [s for s in shards if not (root / s).is_file()]
+        if absent:
+            raise WeightError(f"{index_path} names shard(s) that do not exist in {root}: {', '.join(absent)}")
+        handles = {s: _open_shard(root / s) for s in shards}
+        keys = {s: set(h.keys()) for s, h in handles.items()}
+        lost = sorted(n for n, s in weight_map.items() if n not in keys[s])
+        if lost:
+            raise WeightError(
+                f"{index_path} maps {len(lost)} tensor(s) to shards that do not contain them: "
+                + ", ".join(f"{n} -> {weight_map[n]}" for n in lost[:_MAX_LISTED])
+            )
+        return cls(root, handles, dict(weight_map))
+
+    def names(self) -> set[str]:
+        return set(self._shard_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._shard_of
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype_str(self, name: str) -> str:
+        return self._handle(name).get_slice(name).get_dtype()
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor as stored (dtype and shape untouched), on the CPU."""
+        return self._handle(name).get_tensor(name)
+
+    def _handle(self, name: str):
+        shard = self._shard_of.get(name)
+        if shard is None:
+            raise WeightError(f"tensor {name} is not in the checkpoint at {self.model_dir}")
+        return self._handles[shard]
+
+
+def _open_shard(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise WeightError(f"cannot open safetensors file {path}: {e}") from None
+
+
+def load_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise WeightError(f"cannot read model config {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise WeightError(f"model config {path} is not a JSON object")
+    return config
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """What the model needs under one bound name.
+
+    `parts`: checkpoint tensors stacked along a new dim 0 (per-expert weights
+    become one [E, ...] tensor); `shape` is then the stacked shape.
+    `keep_fp32`: load as float32 whatever the model dtype (routing is
+    sensitive to rounding: router weights, e_score_correction_bias).
+    """
+
+    shape: tuple[int, ...]
+    keep_fp32: bool = False
+    parts: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.parts is not None:
+            object.__setattr__(self, "parts", tuple(self.parts))
+            if not self.shape or self.shape[0] != len(self.parts):
+                raise ValueError(
+                    f"a stacked WeightSpec of {len(self.parts)} parts needs shape[0] == {len(self.parts)}, "
+                    f"got shape {self.shape}"
+                )
+
+    def sources(self, key: str) -> list[tuple[str, tuple[int, ...]]]:
+        """(checkpoint name, expected shape of that tensor) for each tensor read."""
+        if self.parts is None:
+            return [(key, self.shape)]
+        return [(name, self.shape[1:]) for name in self.parts]
+
+
+def _ignore_nothing(name: str) -> bool:
+    return False
+
+
+def load_weights(
+    ckpt: Checkpoint,
+    specs: dict[str, WeightSpec],
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    ignore: Callable[[str], bool] = _ignore_nothing,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """One tensor per key of `specs`, cast to `dtype` (float32 for keep_fp32
+    specs) and placed on `device`.
+
+    Tensors are read one at a time and written straight into their result, so
+    peak host memory stays near one tensor rather than a second copy of the
+    model. `progress(done, total)` counts checkpoint tensors read (FP8 scales
+    not included); it is first called with done=0.
+    """
+    check_checkpoint(ckpt, specs, ignore)
+    total = sum(len(spec.sources(key)) for key, spec in specs.items())
+    done = 0
+    if progress is not None:
+        progress(done, total)
+    out: dict[str, torch.Tensor] = {}
+    for key, spec in specs.items():
+        target = torch.float32 if spec.keep_fp32 else dtype
+        if spec.parts is None:
+            out[key] = _read(ckpt, key, device).to(device=device, dtype=target)
+            done += 1
+            if progress is not None:
+                progress(done, total)
+            continue
+        # Allocate the stack once at its final dtype and place; each expert is
+        # copied in and dropped, never held alongside the others.
+        stacked = torch.empty(spec.shape, dtype=target, device=device)
+        for e, name in enumerate(spec.parts):
+            stacked[e].copy_(_read(ckpt, name, device))
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        out[key] = stacked
+    return out
+
+
+def check_checkpoint(ckpt: Checkpoint, specs: dict[str, WeightSpec], ignore: Callable[[str], bool]) -> None:
+    """Raise one WeightError naming every missing, unexpected, mis-shaped or
+    unusable tensor; reads metadata only."""
+    available = ckpt.names()
+    used: set[str] = set()
+    missing: list[str] = []
+    wrong: list[str] = []
+    for key, spec in specs.items():
+        for name, shape in spec.sources(key):
+            if name not in available:
+                missing.append(f"{name} (expected shape {shape})")
+                continue
+            used.add(name)
+            problem = _check_tensor(ckpt, name, shape, used)
+            if problem:
+                wrong.append(problem)
+    unexpected = sorted(n for n in available - used if not _is_ignored(n, ignore))
+    sections = []
+    if missing:
+        sections.append(_section(f"{len(missing)} tensor(s) missing from the checkpoint", missing))
+    if unexpected:
+        sections.append(_section(f"{len(unexpected)} unexpected tensor(s), neither used nor ignored", unexpected))
+    if wrong:
+        sections.append(_section(f"{len(wrong)} tensor(s) with the wrong shape or dtype", wrong))
+    if sections:
+        raise WeightError(f"checkpoint at {ckpt.model_dir} does not match the model:\n" + "\n".join(sections))
+
+
+def _check_tensor(ckpt: Checkpoint, name: str, shape: tuple[int, ...], used: set[str]) -> str | None:
+    got = ckpt.shape(name)
+    if got != shape:
+        return f"{name}: checkpoint has shape {got}, the spec expects {shape}"
+    dt = ckpt.dtype_str(name)
+    if dt in _FLOAT_DTYPES:
+        return None
+    if dt != FP8_DTYPE:
+        return f"{name}: checkpoint dtype {dt} is not one dsgraph can load ({', '.join(sorted(_FLOAT_DTYPES))}, {FP8_DTYPE})"
+    scale = name + SCALE_SUFFIX
+    if scale not in ckpt:
+        return f"{name}: stored as {FP8_DTYPE} but the checkpoint has no {scale} to dequantise it"
+    used.add(scale)
+    if len(shape) != 2:
+        return f"{name}: {FP8_DTYPE} is only supported for 2-D weights, this one has shape {shape}"
+    want = fp8_scale_shape(shape)
+    if ckpt.shape(scale) != want:
+        return f"{scale}: checkpoint has shape {ckpt.shape(scale)}, expected {want} (one scale per {FP8_BLOCK}x{FP8_BLOCK} block)"
+    if ckpt.dtype_str(scale) not in _FLOAT_DTYPES:
+        return f"{scale}: checkpoint dtype {ckpt.dtype_str(scale)} is not a floating-point type"
+    return None
+
+
+def _is_ignored(name: str, ignore: Callable[[str], bool]) -> bool:
+    # An FP8 scale follows its weight: ignoring X.weight also ignores X.weight_scale_inv.
+    if name.endswith(SCALE_SUFFIX) and ignore(name[: -len(SCALE_SUFFIX)]):
+        return True
+    return ignore(name)
+
+
+def _section(title: str, items: list[str]) -> str:
+    lines = [f"{title}:"] + [f"  {item}" for item in items[:_MAX_LISTED]]
+    if len(items) > _MAX_LISTED:
+        lines.append(f"  ... and {len(items) - _MAX_LISTED} more")
+    return "\n".join(lines)
+
+
+def _read(ckpt: Checkpoint, name: str, device: torch.device | str) -> torch.Tensor:
+    """One checkpoint tensor, dequantised if FP8; the caller casts and places it."""
+    tensor = ckpt.get(name)
+    if ckpt.dtype_str(name) != FP8_DTYPE:
+        return tensor
+    # Dequantise where the result will live: the 1-byte weights cross the bus,
+    # not their 4-byte expansion.
+    scale = ckpt.get(name + SCALE_SUFFIX)
+    return dequantize_fp8_blockwise(tensor.to(device), scale.to(device))
+
+
+def fp8_scale_shape(shape: tuple[int, ...], block: int = FP8_BLOCK) -> tuple[int, int]:
+    rows, cols = shape
+    return (math.ceil(rows / block), math.ceil(cols / block))
+
+
+def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """float32 weight from an FP8 [rows, cols] weight and its per-block inverse
+    scales [ceil(rows/block), ceil(cols/block)]; edge blocks may be partial."""
+    rows, cols = weight.shape
+    want = fp8_scale_shape((rows, cols), block)
+    if tuple(scale_inv.shape) != want:
+        raise WeightError(f"FP8 scale has shape {tuple(scale_inv.shape)}, expected {want} for a weight of shape {(rows, cols)}")
+    scale = scale_inv.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return weight.float() * scale

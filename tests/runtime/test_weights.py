@@ -1,0 +1,240 @@
+"""Checkpoint reading and load_weights validation on tiny safetensors files."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from runtime.errors import DsgraphError, WeightError
+from runtime.weights import (
+    Checkpoint,
+    WeightSpec,
+    dequantize_fp8_blockwise,
+    load_config,
+    load_weights,
+)
+
+
+def _rand(*shape, dtype=torch.float32):
+    return (torch.randn(*shape) + 0.5).to(dtype)  # random, never zeros
+
+
+def _load(model_dir, specs, **kw):
+    kw.setdefault("dtype", torch.float32)
+    kw.setdefault("device", "cpu")
+    return load_weights(Checkpoint.open(model_dir), specs, **kw)
+
+
+@pytest.fixture
+def single(tmp_path):
+    tensors = {"a.weight": _rand(3, 4), "b.bias": _rand(5)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    return tmp_path, tensors
+
+
+def test_single_file(single):
+    model_dir, tensors = single
+    ckpt = Checkpoint.open(model_dir)
+    assert ckpt.names() == {"a.weight", "b.bias"}
+    assert ckpt.shape("a.weight") == (3, 4)
+    assert ckpt.dtype_str("a.weight") == "F32"
+    out = _load(model_dir, {"a.weight": WeightSpec((3, 4)), "b.bias": WeightSpec((5,))})
+    assert set(out) == {"a.weight", "b.bias"}
+    assert torch.equal(out["a.weight"], tensors["a.weight"])
+    assert torch.equal(out["b.bias"], tensors["b.bias"])
+
+
+def test_sharded_with_index(tmp_path):
+    a, b, c = _rand(2, 3), _rand(4), _rand(3, 3)
+    save_file({"a": a, "b": b}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"c": c}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+                            "c": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = _load(tmp_path, {"a": WeightSpec((2, 3)), "b": WeightSpec((4,)), "c": WeightSpec((3, 3))})
+    assert torch.equal(out["a"], a) and torch.equal(out["b"], b) and torch.equal(out["c"], c)
+
+
+def test_loose_files_without_index(tmp_path):
+    save_file({"a": _rand(2)}, str(tmp_path / "x.safetensors"))
+    save_file({"b": _rand(3)}, str(tmp_path / "y.safetensors"))
+    assert Checkpoint.open(tmp_path).names() == {"a", "b"}
+
+
+def test_index_naming_missing_shard(tmp_path):
+    save_file({"a": _rand(2)}, str(tmp_path / "s1.safetensors"))
+    index = {"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightError, match="s2.safetensors"):
+        Checkpoint.open(tmp_path)
+
+
+def test_bad_model_dirs(tmp_path):
+    with pytest.raises(WeightError, match="does not exist"):
+        Checkpoint.open(tmp_path / "nope")
+    with pytest.raises(WeightError, match="no safetensors"):
+        Checkpoint.open(tmp_path)
+    assert issubclass(WeightError, DsgraphError)
+
+
+def test_load_config(tmp_path):
+    with pytest.raises(WeightError, match="config.json"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(WeightError, match="config.json"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"hidden_size": 24}')
+    assert load_config(tmp_path) == {"hidden_size": 24}
+
+
+def test_expert_stacking(tmp_path):
+    experts = {f"mlp.experts.{e}.gate_proj.weight": _rand(6, 4) for e in range(3)}
+    save_file(experts, str(tmp_path / "model.safetensors"))
+    spec = WeightSpec((3, 6, 4), parts=tuple(f"mlp.experts.{e}.gate_proj.weight" for e in range(3)))
+    out = _load(tmp_path, {"mlp.experts.gate_proj": spec}, dtype=torch.bfloat16)
+    stacked = out["mlp.experts.gate_proj"]
+    assert stacked.shape == (3, 6, 4) and stacked.dtype == torch.bfloat16
+    for e in range(3):
+        assert torch.equal(stacked[e], experts[f"mlp.experts.{e}.gate_proj.weight"].to(torch.bfloat16))
+
+
+def test_stacked_spec_shape_must_match_parts():
+    with pytest.raises(ValueError, match="shape\\[0\\]"):
+        WeightSpec((2, 4), parts=("a", "b", "c"))
+
+
+def test_dtype_cast_and_keep_fp32(tmp_path):
+    w, router = _rand(4, 4, dtype=torch.bfloat16), _rand(2, 4, dtype=torch.bfloat16)
+    save_file({"w": w, "gate.weight": router}, str(tmp_path / "model.safetensors"))
+    specs = {"w": WeightSpec((4, 4)), "gate.weight": WeightSpec((2, 4), keep_fp32=True)}
+    out = _load(tmp_path, specs, dtype=torch.float16)
+    assert out["w"].dtype == torch.float16
+    assert torch.equal(out["w"], w.to(torch.float16))
+    assert out["gate.weight"].dtype == torch.float32
+    assert torch.equal(out["gate.weight"], router.float())
+
+
+def test_missing_tensor_names_it_and_its_shape(single):
+    model_dir, _ = single
+    specs = {"a.weight": WeightSpec((3, 4)), "b.bias": WeightSpec((5,)), "c.weight": WeightSpec((7, 2))}
+    with pytest.raises(WeightError, match=r"c\.weight \(expected shape \(7, 2\)\)"):
+        _load(model_dir, specs)
+
+
+def test_many_missing_are_summarised(single):
+    model_dir, _ = single
+    specs = {"a.weight": WeightSpec((3, 4)), "b.bias": WeightSpec((5,))}
+    specs.update({f"m{i}": WeightSpec((1,)) for i in range(25)})
+    with pytest.raises(WeightError) as info:
+        _load(model_dir, specs)
+    assert "25 tensor(s) missing" in str(info.value) and "and 15 more" in str(info.value)
+
+
+def test_unexpected_tensor_named(single):
+    model_dir, _ = single
+    with pytest.raises(WeightError, match=r"unexpected[^\n]*\n  b\.bias"):
+        _load(model_dir, {"a.weight": WeightSpec((3, 4))})
+
+
+def test_misshaped_names_both_shapes(single):
+    model_dir, _ = single
+    specs = {"a.weight": WeightSpec((4, 3)), "b.bias": WeightSpec((5,))}
+    with pytest.raises(WeightError, match=r"a\.weight: checkpoint has shape \(3, 4\), the spec expects \(4, 3\)"):
+        _load(model_dir, specs)
+
+
+def test_integer_dtype_rejected(tmp_path):
+    save_file({"a": torch.arange(4)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightError, match="a: checkpoint dtype I64"):
+        _load(tmp_path, {"a": WeightSpec((4,))})
+
+
+def test_ignore(single):
+    model_dir, _ = single
+    out = _load(model_dir, {"a.weight": WeightSpec((3, 4))}, ignore=lambda n: n.startswith("b."))
+    assert set(out) == {"a.weight"}
+
+
+def test_progress_called(tmp_path):
+    save_file({"x": _rand(2), **{f"e{i}": _rand(3) for i in range(4)}}, str(tmp_path / "model.safetensors"))
+    calls = []
+    _load(tmp_path, {"x": WeightSpec((2,)), "e": WeightSpec((4, 3), parts=("e0", "e1", "e2", "e3"))},
+          progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(i, 5) for i in range(6)]
+
+
+def _fp8_reference(weight, scale, block=128):
+    """Dequantise one block at a time, independently of the vectorised code."""
+    out = torch.empty(weight.shape, dtype=torch.float64)
+    rows, cols = weight.shape
+    for i in range(0, rows, block):
+        for j in range(0, cols, block):
+            out[i:i + block, j:j + block] = weight[i:i + block, j:j + block].double() * float(scale[i // block, j // block])
+    return out
+
+
+def _fp8_weight(rows, cols):
+    w = (torch.randn(rows, cols) * 2).to(torch.float8_e4m3fn)
+    scale = torch.rand((rows + 127) // 128, (cols + 127) // 128) + 0.1
+    return w, scale
+
+
+def test_fp8_dequant_matches_reference():
+    w, scale = _fp8_weight(200, 130)  # partial edge blocks in both dims
+    got = dequantize_fp8_blockwise(w, scale)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), _fp8_reference(w, scale), rtol=1e-6, atol=0)
+
+
+def test_fp8_dequant_rejects_wrong_scale_shape():
+    w, _ = _fp8_weight(200, 130)
+    with pytest.raises(WeightError, match=r"expected \(2, 2\)"):
+        dequantize_fp8_blockwise(w, torch.ones(1, 2))
+
+
+def test_fp8_checkpoint_loads_dequantised(tmp_path):
+    w, scale = _fp8_weight(130, 20)
+    save_file({"p.weight": w, "p.weight_scale_inv": scale}, str(tmp_path / "model.safetensors"))
+    out = _load(tmp_path, {"p.weight": WeightSpec((130, 20))}, dtype=torch.bfloat16)  # scale counts as used
+    assert out["p.weight"].dtype == torch.bfloat16
+    torch.testing.assert_close(out["p.weight"], _fp8_reference(w, scale).to(torch.bfloat16))
+
+
+def test_fp8_without_scale_rejected(tmp_path):
+    w, _ = _fp8_weight(4, 4)
+    save_file({"p.weight": w}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightError, match="p.weight_scale_inv"):
+        _load(tmp_path, {"p.weight": WeightSpec((4, 4))})
+
+
+def test_ignoring_fp8_weight_ignores_its_scale(tmp_path):
+    w, scale = _fp8_weight(4, 4)
+    save_file({"p.weight": w, "p.weight_scale_inv": scale, "q": _rand(2)}, str(tmp_path / "model.safetensors"))
+    out = _load(tmp_path, {"q": WeightSpec((2,))}, ignore=lambda n: n == "p.weight")
+    assert set(out) == {"q"}
+
+
+def test_transformers_deepseek_v2_checkpoint(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=61, hidden_size=24, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=6,
+        v_head_dim=8, first_k_dense_replace=1,
+    )
+    model = transformers.DeepseekV2ForCausalLM(cfg)
+    model.save_pretrained(tmp_path)
+    assert load_config(tmp_path)["n_routed_experts"] == 4
+    ckpt = Checkpoint.open(tmp_path)
+    parts = tuple(f"model.layers.1.mlp.experts.{e}.gate_proj.weight" for e in range(4))
+    assert set(parts) <= ckpt.names()
+    # Load everything else as-is so the unexpected-tensor check passes too.
+    specs = {n: WeightSpec(ckpt.shape(n)) for n in ckpt.names() if ".mlp.experts." not in n}
+    specs["model.layers.1.mlp.experts.gate_proj"] = WeightSpec((4, 12, 24), parts=parts)
+    ignore = lambda n: ".mlp.experts." in n and ".gate_proj." not in n  # noqa: E731
+    out = load_weights(ckpt, specs, dtype=torch.float32, device="cpu", ignore=ignore)
+    experts = model.model.layers[1].mlp.experts  # transformers 5 fuses experts in memory
+    assert torch.equal(out["model.layers.1.mlp.experts.gate_proj"], experts.gate_up_proj[:, :12].detach())
+    assert torch.equal(out["model.layers.0.self_attn.kv_b_proj.weight"],
+                       model.model.layers[0].self_attn.kv_b_proj.weight.detach())
