@@ -1,0 +1,266 @@
+"""Thin CUDA driver-API layer: load CUBINs, look up kernels, launch them on
+torch tensors and torch's current stream (no copies).
+
+The kernel ABI is explicit: integers must say their width (I32 / I64), floats
+are 32-bit, tensors are device pointers. A wrong width would not fail loudly;
+it would silently shift every later argument.
+
+cuda.bindings.driver is imported lazily so this module imports on machines
+without a GPU or driver (CI); every call here needs a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+# Above this much dynamic shared memory a kernel must opt in per function.
+_DEFAULT_DYNAMIC_SMEM = 48 * 1024
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _driver():
+    from cuda.bindings import driver
+    return driver
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed. `name` is the CUresult name, e.g. CUDA_ERROR_INVALID_VALUE."""
+
+    def __init__(self, call: str, code: int, name: str, text: str, hint: str = ""):
+        self.call, self.code, self.name, self.text = call, code, name, text
+        super().__init__(f"{call} failed: {name} ({text})" + (f"; {hint}" if hint else ""))
+
+    def __reduce__(self):
+        return (type(self), (self.call, self.code, self.name, self.text))
+
+
+def _raise(err, call: str, hint: str = "") -> None:
+    driver = _driver()
+    try:
+        e1, name = driver.cuGetErrorName(err)
+        e2, text = driver.cuGetErrorString(err)
+        name = name.decode() if e1 == driver.CUresult.CUDA_SUCCESS else str(err)
+        text = text.decode() if e2 == driver.CUresult.CUDA_SUCCESS else "no description"
+    except Exception:  # the error may be that the driver library itself is unusable
+        name, text = getattr(err, "name", str(err)), "no description"
+    raise CudaError(call, int(err), name, text, hint)
+
+
+def check(result, call: str = "CUDA driver call"):
+    """Unwrap a cuda-bindings result, (CUresult, *values), raising CudaError on failure.
+
+    Returns None, the single value, or a tuple of values.
+    """
+    driver = _driver()
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _raise(err, call)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+# -- kernel argument wrappers ----------------------------------------------------
+
+def _check_int(kind: str, value, bounds: tuple[int, int]) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{kind} needs an int, got {type(value).__name__}")
+    if not bounds[0] <= value <= bounds[1]:
+        raise OverflowError(f"{kind}({value}) is out of range")
+
+
+@dataclass(frozen=True)
+class I32:
+    value: int
+
+    def __post_init__(self):
+        _check_int("I32", self.value, _INT32)
+
+
+@dataclass(frozen=True)
+class I64:
+    value: int
+
+    def __post_init__(self):
+        _check_int("I64", self.value, _INT64)
+
+
+@dataclass(frozen=True)
+class F32:
+    value: float
+
+    def __post_init__(self):
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)):
+            raise TypeError(f"F32 needs a float, got {type(self.value).__name__}")
+
+
+def pack_args(args: list) -> tuple[tuple, tuple]:
+    """Kernel arguments -> cuda-bindings' kernelParams form ((values...), (ctypes...))."""
+    values, types = [], []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            # A host pointer in a kernel faults and poisons the whole context.
+            if not a.is_cuda:
+                raise ValueError(f"kernel argument {i} is a {a.device} tensor; kernels need "
+                                 f"CUDA tensors")
+            values.append(a.data_ptr())
+            types.append(ctypes.c_void_p)
+        elif a is None:
+            values.append(0)
+            types.append(ctypes.c_void_p)
+        elif isinstance(a, I32):
+            values.append(a.value)
+            types.append(ctypes.c_int)  # 32-bit on every platform CUDA supports
+        elif isinstance(a, I64):
+            values.append(a.value)
+            types.append(ctypes.c_longlong)
+        elif isinstance(a, F32):
+            values.append(float(a.value))
+            types.append(ctypes.c_float)
+        elif isinstance(a, float):
+            values.append(a)
+            types.append(ctypes.c_float)
+        elif isinstance(a, (bool, int)):
+            raise TypeError(f"kernel argument {i} is a bare {type(a).__name__} ({a!r}); "
+                            f"wrap it in I32(...) or I64(...) to state its width")
+        else:
+            raise TypeError(f"kernel argument {i} has unsupported type {type(a).__name__}; "
+                            f"expected a torch.Tensor, None, I32, I64, F32 or float")
+    return tuple(values), tuple(types)
+
+
+# -- modules ------------------------------------------------------------------------
+
+def _bind_torch_context():
+    """Make the primary context of torch's current device current on this thread.
+
+    torch binds it lazily and per thread, so a fresh thread (or one that has
+    only touched another device) can have none, or the wrong one, current.
+    Returns (context, device ordinal).
+    """
+    driver = _driver()
+    torch.cuda.init()  # creates torch's CUDA state; modules share its context
+    device = torch.cuda.current_device()
+    check(driver.cuInit(0), "cuInit")
+    current = check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if int(current) == 0 or int(check(driver.cuCtxGetDevice(), "cuCtxGetDevice")) != device:
+        cu_device = check(driver.cuDeviceGet(device), "cuDeviceGet")
+        current = check(driver.cuDevicePrimaryCtxRetain(cu_device), "cuDevicePrimaryCtxRetain")
+        check(driver.cuCtxSetCurrent(current), "cuCtxSetCurrent")
+    return current, device
+
+
+class LoadedModule:
+    """One CUBIN loaded into the primary context of torch's current device."""
+
+    def __init__(self, name: str, module, context, device: int):
+        self.name = name
+        self.device = device
+        self._module = module
+        self._context = context
+        self._functions: dict[str, object] = {}
+        self._dynamic_smem: dict[str, int] = {}
+
+    @classmethod
+    def load(cls, cubin: bytes, name: str) -> "LoadedModule":
+        driver = _driver()
+        context, device = _bind_torch_context()
+        module = check(driver.cuModuleLoadData(bytes(cubin)), f"cuModuleLoadData({name})")
+        return cls(name, module, context, device)
+
+    def function(self, kernel_name: str, shared_mem: int = 0):
+        """The CUfunction for `kernel_name`, opted in to `shared_mem` bytes of
+        dynamic shared memory when that is over the 48 KiB default."""
+        driver = _driver()
+        if self._module is None:
+            raise RuntimeError(f"module {self.name} was unloaded")
+        func = self._functions.get(kernel_name)
+        if func is None:
+            err, func = driver.cuModuleGetFunction(self._module, kernel_name.encode())
+            if err != driver.CUresult.CUDA_SUCCESS:
+                _raise(err, f"cuModuleGetFunction({kernel_name})",
+                       f"module {self.name} has no extern \"C\" kernel of that name")
+            self._functions[kernel_name] = func
+        if shared_mem > max(_DEFAULT_DYNAMIC_SMEM, self._dynamic_smem.get(kernel_name, 0)):
+            self._opt_in_shared_mem(kernel_name, func, shared_mem)
+        return func
+
+    def _opt_in_shared_mem(self, kernel_name: str, func, shared_mem: int) -> None:
+        driver = _driver()
+        cu_device = check(driver.cuDeviceGet(self.device), "cuDeviceGet")
+        limit = check(driver.cuDeviceGetAttribute(
+            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            cu_device), "cuDeviceGetAttribute")
+        static = check(driver.cuFuncGetAttribute(
+            driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func),
+            "cuFuncGetAttribute")
+        if shared_mem + static > limit:
+            raise ValueError(
+                f"kernel {kernel_name} needs {shared_mem} B dynamic + {static} B static shared "
+                f"memory per block; the device allows {limit} B "
+                f"({shared_mem + static - limit} B over)")
+        check(driver.cuFuncSetAttribute(
+            func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared_mem), f"cuFuncSetAttribute({kernel_name})")
+        self._dynamic_smem[kernel_name] = shared_mem
+
+    def unload(self) -> None:
+        if self._module is not None:
+            check(_driver().cuModuleUnload(self._module), f"cuModuleUnload({self.name})")
+            self._module = None
+            self._functions.clear()
+
+
+def _dims(what: str, dims, allow_zero: bool) -> tuple[int, int, int]:
+    if len(dims) != 3 or any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
+        raise TypeError(f"{what} must be three ints, got {dims!r}")
+    if any(d < (0 if allow_zero else 1) for d in dims):
+        raise ValueError(f"{what} dims must be {'>= 0' if allow_zero else '>= 1'}: {dims!r}")
+    return tuple(dims)
+
+
+def launch(func, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
+           args: list, stream: int | torch.cuda.Stream | None = None) -> None:
+    """Launch `func` (from LoadedModule.function) asynchronously on `stream`
+    (default: torch's current stream). An empty grid launches nothing."""
+    grid = _dims("grid", grid, allow_zero=True)
+    block = _dims("block", block, allow_zero=False)
+    if 0 in grid:
+        return  # e.g. no tokens this step; CUDA would reject a zero-sized grid
+    params = pack_args(args)
+    if stream is None:
+        stream = torch.cuda.current_stream().cuda_stream
+    elif isinstance(stream, torch.cuda.Stream):
+        stream = stream.cuda_stream
+    driver = _driver()
+    cu_stream = driver.CUstream(stream)
+    (err,) = driver.cuLaunchKernel(func, *grid, *block, shared_mem, cu_stream, params, 0)
+    if err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+        # A thread that has not used CUDA yet has no current context; bind
+        # torch's and retry (nothing was launched). Costs nothing when bound.
+        _bind_torch_context()
+        (err,) = driver.cuLaunchKernel(func, *grid, *block, shared_mem, cu_stream, params, 0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        hint = ""
+        if err == driver.CUresult.CUDA_ERROR_INVALID_VALUE:
+            # Error path only, so the query costs the hot path nothing.
+            opted = driver.cuFuncGetAttribute(
+                driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, func)
+            if opted[0] == driver.CUresult.CUDA_SUCCESS and shared_mem > opted[1]:
+                hint = (f"{shared_mem} B of dynamic shared memory is over the {opted[1]} B this "
+                        f"kernel is opted in to; get it with "
+                        f"LoadedModule.function(name, shared_mem={shared_mem})")
+            else:
+                hint = (f"check the kernel's parameter count and types "
+                        f"({len(args)} arguments given)")
+        _raise(err, f"cuLaunchKernel(grid={grid}, block={block}, shared_mem={shared_mem})",
+               hint)
+
+
+def device_arch() -> str:
+    """The current device as an NVRTC target, e.g. 'sm_90' on H100/H200."""
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
