@@ -6,7 +6,7 @@ ops with one template (``templates/<family>.cu.j2``).  It exposes
     FAMILY: str                 e.g. "rms_norm"
     TEMPLATE: str               e.g. "rms_norm.cu.j2"
     OPS: tuple[str, ...]        graph ops it implements, e.g. ("rms_norm",)
-    def lower(nid: str, G, opts: Options) -> KernelLaunch
+    def lower(nid: str, G, opts: Options) -> list[KernelLaunch]   (usually one; split-KV attention: two)
 
 Launch geometry and scalar arguments are *expressions* over the step's runtime sizes,
 evaluated by the runtime just before launching (no host sync: all are host-known):
@@ -23,6 +23,9 @@ Argument references (``Arg.ref``):
                               block_tables [B, W] i32, context_lens [B] i32, query_start [B+1] i32,
                               kv_cache (this node's layer) [blocks, block_size, C+R]
     "workspace:<name>"        a scratch buffer declared in KernelLaunch.workspace
+    "value:<R>.order" / "value:<R>.offsets"
+                              a value of dtype "routing" lives in two int32 buffers: pairs sorted
+                              by expert [NP] and each expert's start in that order [E + 1]
     "stride:<value>:<dim>"    (i64) the element stride of a value's view along dim
     "size:<expr>"             (i32 or i64) a runtime-size expression, e.g. "size:T"
     "const:<number>"          (f32/i32) a literal, e.g. the softmax scale
