@@ -1,8 +1,78 @@
-"""The pass pipeline: the table of contents of the compiler (filled in by the codegen issue)."""
+"""The pass pipeline: the table of contents of the compiler.
+
+Each pass is a function graph -> graph in its own file (its docstring draws the
+pattern before and after); it copies its input and never edits it.  ``run_pipeline``
+runs, in order, the passes that apply to the graph's phase and verifies the graph
+after each one.  Fusions a pass declines are logged on the ``dsgraph.passes``
+logger ("cannot fuse A with B: reason") and listed in ``G.graph["refusals"]``.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import networkx as nx
 
+from ..errors import GraphError
+from ..verify import verify
+from .eliminate_dead import eliminate_dead
+from .fuse_add_rms_norm import fuse_add_rms_norm
+from .fuse_combine_shared_residual import fuse_combine_shared_residual
+from .fuse_kv_norm_rope_cache import fuse_kv_norm_rope_cache
+from .fuse_moe_silu import fuse_moe_silu
+from .fuse_q_rope_into_query import fuse_q_rope_into_query
+from .fuse_router import fuse_router
+from .lower_mla_decode import lower_mla_decode
+from .lower_mla_prefill import lower_mla_prefill
+from .split_rope import split_rope
 
-def run_pipeline(G: nx.DiGraph) -> nx.DiGraph:
+
+@dataclass(frozen=True)
+class Pass:
+    run: Callable[[nx.DiGraph], nx.DiGraph]
+    phases: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.run.__name__
+
+
+BOTH = ("prefill", "decode")
+PREFILL = ("prefill",)
+DECODE = ("decode",)
+
+PIPELINE: list[Pass] = [
+    # MLA attention
+    Pass(split_rope,                   BOTH),     # rope(q, k) -> rope_q, rope_k
+    Pass(fuse_kv_norm_rope_cache,      BOTH),     # kv_a_layernorm + rope_k + cache_write -> mla_kv_cache_write
+    Pass(lower_mla_prefill,            PREFILL),  # mla_attention -> linear(kv_b) + mla_prefill_attention
+    Pass(lower_mla_decode,             DECODE),   # mla_attention -> q_absorb, decode_attention (576-wide rows), v_up
+    Pass(fuse_q_rope_into_query,       BOTH),     # q_absorb + rope_q -> mla_decode_query (refused in prefill)
+    # DeepSeekMoE
+    Pass(fuse_router,                  BOTH),     # linear(gate) + moe_topk + moe_align -> moe_route
+    Pass(fuse_moe_silu,                BOTH),     # moe_gate_up + silu_and_mul -> moe_gate_up_silu
+    Pass(fuse_combine_shared_residual, BOTH),     # moe_combine + shared add + residual add -> moe_combine_residual
+    # Residual stream
+    Pass(fuse_add_rms_norm,            BOTH),     # add + rms_norm -> fused_add_rms_norm
+    # Clean-up
+    Pass(eliminate_dead,               BOTH),     # drop ops nobody reads (cache writes always stay)
+]
+
+
+def run_pipeline(G: nx.DiGraph, passes: list[Pass] = PIPELINE) -> nx.DiGraph:
+    """Run the passes that apply to ``G.graph["phase"]``, verifying after each; ``G`` is not changed."""
+    phase = G.graph["phase"]
+    for p in passes:
+        if phase not in p.phases:
+            continue
+        G = p.run(G)
+        try:
+            verify(G)
+        except GraphError as exc:
+            raise GraphError(f"after pass {p.name}: {exc}") from exc
     return G
+
+
+__all__ = ["PIPELINE", "Pass", "run_pipeline", "eliminate_dead", "fuse_add_rms_norm", "fuse_combine_shared_residual",
+           "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_q_rope_into_query", "fuse_router", "lower_mla_decode",
+           "lower_mla_prefill", "split_rope"]
