@@ -1,0 +1,25 @@
+"""embedding: ids [T] int64 -> rows of the table [T, D] (one CTA per token, 16-byte copies)."""
+from __future__ import annotations
+
+from codegen.kernel import Arg, KernelLaunch
+from codegen.render import kernel_name
+
+from ._dense_util import ELEM_BYTES, act_ctype, block_threads_for_row, dims, inner_dims, node_io
+
+FAMILY = "embedding"
+TEMPLATE = "embedding.cu.j2"
+OPS = ("embedding",)
+
+
+def lower(nid, G, opts):
+    data, ins, outs, w = node_io(G, nid)
+    (D,) = inner_dims(G, outs[0])
+    vocab = dims(G)["vocab"]
+    threads = block_threads_for_row(D, ELEM_BYTES[opts.dtype], hi=256)
+    params = {"act": act_ctype(opts), "D": D, "vocab": vocab, "threads": threads}
+    return [KernelLaunch(
+        family=FAMILY, template=TEMPLATE,
+        name=kernel_name(FAMILY, [opts.dtype, f"v{vocab}_d{D}"]),
+        params=params, nodes=(nid,), grid=("T", 1, 1), block=(threads, 1, 1),
+        args=(Arg("ptr", f"value:{ins[0]}"), Arg("ptr", f"weight:{w['weight']}"),
+              Arg("ptr", f"value:{outs[0]}"), Arg("i32", "size:T")))]

@@ -1,0 +1,52 @@
+"""mla_decode_query / mla_q_absorb: the K up-projection absorbed into the query.
+
+mla_decode_query: [q_nope [T,H,N], q_pe [T,H,R]] -> q [T, H, C+R] = [q_nope @ W_UK | rope(q_pe)]
+mla_q_absorb:     q_nope [T,H,N] -> q_lat [T, H, C] = q_nope @ W_UK
+W_UK[h] = kv_b rows h*(N+V) .. h*(N+V)+N-1 ([N, C]). A batched skinny GEMM: CTA = (TT
+tokens, head, column block), weight rows streamed as 16-byte vectors.
+"""
+from __future__ import annotations
+
+from codegen.kernel import Arg, KernelLaunch
+from codegen.render import kernel_name
+
+from ._dense_util import ELEM_BYTES, act_ctype, dims, inner_dims, node_io, rope_params, rope_tag
+
+FAMILY = "mla_decode_query"
+TEMPLATE = "mla_decode_query.cu.j2"
+OPS = ("mla_decode_query", "mla_q_absorb")
+
+TT = 4
+MAX_CGB = 64
+TARGET_THREADS = 256
+
+
+def lower(nid, G, opts):
+    data, ins, outs, w = node_io(G, nid)
+    op = data["op"]
+    H, N = inner_dims(G, ins[0])
+    d = dims(G)
+    C, V, R = d["kv_lora_rank"], d["v_head_dim"], d["qk_rope_head_dim"]
+    eb = ELEM_BYTES[opts.dtype]
+    vec = 16 // eb if C % (16 // eb) == 0 else 1
+    cg = -(-C // vec)
+    cgb = min(cg, MAX_CGB)
+    ks = max(1, TARGET_THREADS // cgb)
+    has_rope = op == "mla_decode_query"
+    params = {"act": act_ctype(opts), "H": H, "N": N, "V": V, "C": C, "R": R,
+              "out_w": C + R if has_rope else C, "TT": TT, "vec": vec, "cgb": cgb, "ks": ks,
+              "has_rope": has_rope}
+    parts = [opts.dtype, f"h{H}_n{N}_c{C}"]
+    args = [Arg("ptr", f"value:{ins[0]}"), Arg("i64", f"stride:{ins[0]}:0"), Arg("i64", f"stride:{ins[0]}:1")]
+    if has_rope:
+        rp = rope_params(G, data["attrs"]["pairs"], data["attrs"]["output"])
+        params.update(rp)
+        parts += [f"r{R}", rope_tag(rp)]
+        args += [Arg("ptr", f"value:{ins[1]}"), Arg("i64", f"stride:{ins[1]}:0"), Arg("i64", f"stride:{ins[1]}:1"),
+                 Arg("ptr", "ctx:positions")]
+    else:
+        parts += ["absorb"]
+    args += [Arg("ptr", f"weight:{w['kv_b']}"), Arg("ptr", f"value:{outs[0]}"), Arg("i32", "size:T")]
+    return [KernelLaunch(
+        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
+        grid=(f"cdiv(T, {TT})", H, -(-cg // cgb)), block=(cgb * ks, 1, 1), args=tuple(args))]

@@ -1,0 +1,32 @@
+"""mla_v_up: o_lat [T, H, C] -> o [T, H*V] = o_lat @ W_UV^T per head (W_UV: the V half of kv_b)."""
+from __future__ import annotations
+
+from codegen.kernel import Arg, KernelLaunch
+from codegen.render import kernel_name
+
+from ._dense_util import ELEM_BYTES, act_ctype, dims, inner_dims, node_io
+
+FAMILY = "mla_v_up"
+TEMPLATE = "mla_v_up.cu.j2"
+OPS = ("mla_v_up",)
+
+TT = 8
+RPW = 2
+THREADS = 256
+
+
+def lower(nid, G, opts):
+    data, ins, outs, w = node_io(G, nid)
+    H, C = inner_dims(G, ins[0])
+    d = dims(G)
+    N, V = d["qk_nope_head_dim"], d["v_head_dim"]
+    eb = ELEM_BYTES[opts.dtype]
+    vec = 16 // eb if C % (16 // eb) == 0 else 1
+    rows_per_cta = (THREADS // 32) * RPW
+    params = {"act": act_ctype(opts), "H": H, "N": N, "V": V, "C": C, "TT": TT, "rpw": RPW,
+              "threads": THREADS, "vec": vec}
+    return [KernelLaunch(
+        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"h{H}_n{N}_v{V}_c{C}"]),
+        params=params, nodes=(nid,), grid=(f"cdiv(T, {TT})", H, -(-V // rows_per_cta)), block=(THREADS, 1, 1),
+        args=(Arg("ptr", f"value:{ins[0]}"), Arg("i64", f"stride:{ins[0]}:0"), Arg("i64", f"stride:{ins[0]}:1"),
+              Arg("ptr", f"weight:{w['kv_b']}"), Arg("ptr", f"value:{outs[0]}"), Arg("i32", "size:T")))]

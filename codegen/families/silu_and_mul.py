@@ -1,0 +1,26 @@
+"""silu_and_mul: [gate, up] [T, n] (possibly strided views) -> silu(gate) * up."""
+from __future__ import annotations
+
+from codegen.kernel import Arg, KernelLaunch
+from codegen.render import kernel_name
+
+from ._dense_util import ELEM_BYTES, act_ctype, inner_dims, node_io
+
+FAMILY = "silu_and_mul"
+TEMPLATE = "silu_and_mul.cu.j2"
+OPS = ("silu_and_mul",)
+THREADS = 256
+
+
+def lower(nid, G, opts):
+    data, ins, outs, w = node_io(G, nid)
+    (n,) = inner_dims(G, ins[0])
+    eb = ELEM_BYTES[opts.dtype]
+    vec = (16 // eb) if n % (16 // eb) == 0 else 1
+    params = {"act": act_ctype(opts), "N": n, "threads": THREADS}
+    return [KernelLaunch(
+        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"n{n}"]),
+        params=params, nodes=(nid,), grid=("T", -(-n // (THREADS * vec)), 1), block=(THREADS, 1, 1),
+        args=(Arg("ptr", f"value:{ins[0]}"), Arg("i64", f"stride:{ins[0]}:0"),
+              Arg("ptr", f"value:{ins[1]}"), Arg("i64", f"stride:{ins[1]}:0"),
+              Arg("ptr", f"value:{outs[0]}"), Arg("i32", "size:T")))]
