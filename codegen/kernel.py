@@ -81,3 +81,4 @@ class LibraryCall:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     weights: tuple[str, ...] = ()
+    attrs: dict = field(default_factory=dict)   # the node's attributes (e.g. linear precision)

@@ -1,6 +1,17 @@
 """dsgraph's runtime: load a bundle or a spec, keep the paged latent KV cache, run steps."""
-from .engine import Engine, GenerationOutput
 from .errors import CacheFullError, DsgraphError, InputError, WeightError
-from .sampling import SamplingParams
 
 __all__ = ["Engine", "GenerationOutput", "SamplingParams", "CacheFullError", "DsgraphError", "InputError", "WeightError"]
+
+# Engine and SamplingParams import torch; load them on first use so light entry points
+# (the `dsgraph` CLI answering from the bundle cache) start in milliseconds.
+_LAZY = {"Engine": ".engine", "GenerationOutput": ".engine", "SamplingParams": ".sampling"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

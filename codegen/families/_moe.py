@@ -1,0 +1,171 @@
+"""Helpers the MoE families share: node data, vector widths, the top-k and align launches.
+
+Not a family (the leading underscore keeps it out of the registry).  Device code lives in
+templates/include/moe.cuh; the families only choose constants and launch geometry.
+
+Dimension legend: T tokens, D hidden, E routed experts, K experts per token, G expert
+groups, M expert intermediate size, NP = T*K token-expert pairs (pair p = t*K + k).
+"""
+from __future__ import annotations
+
+import re
+
+from codegen.kernel import DTYPES, Arg, KernelLaunch
+
+from ._dense_util import c_float
+
+ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+MAX_EXPERTS = 1024        # top-k keeps E / 32 scores per lane; align keeps E counters in shared memory
+MAX_TOP_K = 32            # one lane per chosen expert
+TOPK_WARPS = 4            # tokens per top-k CTA (one warp each)
+ALIGN_THREADS = 1024      # the single align CTA
+_PAIRS_RE = re.compile(r"^(.+)\*(\d+)$")
+
+
+class MoeLoweringError(ValueError):
+    """A MoE node this family cannot lower (unsupported size or dtype); names the node."""
+
+
+def node_io(G, nid: str) -> tuple[dict, list[str], list[str], dict]:
+    """(attrs, input value names, output value names, weights role -> bound name)."""
+    data = G.nodes[nid]
+    return dict(data["attrs"]), list(data["inputs"]), list(data["outputs"]), dict(data["weights"])
+
+
+def vtype(G, name: str):
+    return G.graph["values"][name]
+
+
+def inner(G, nid: str, name: str, dim: int = 1) -> int:
+    d = vtype(G, name).shape[dim]
+    if not isinstance(d, int):
+        raise MoeLoweringError(f"node {nid}: value {name} has a symbolic dim {dim} ({vtype(G, name)})")
+    return d
+
+
+def act(nid: str, opts) -> tuple[str, str]:
+    """(dtype tag, C type) of activations and expert weights."""
+    if opts.dtype not in DTYPES:
+        raise MoeLoweringError(f"node {nid}: unsupported activation dtype {opts.dtype!r} "
+                               f"(one of {', '.join(DTYPES)})")
+    return opts.dtype, DTYPES[opts.dtype]
+
+
+def pairs_top_k(G, nid: str, routing: str) -> int:
+    """K from a routing value's pair dim ("T*K")."""
+    rows = vtype(G, routing).shape[0]
+    m = _PAIRS_RE.match(str(rows))
+    if m is None:
+        raise MoeLoweringError(f"node {nid}: routing {routing} has pair dim {rows!r}, expected 'T*K'")
+    return int(m.group(2))
+
+
+def vec_width(n: int, elem_bytes: int) -> int:
+    """Elements per load along a row of n: 16 bytes' worth, else 8 bytes', else 1 (odd dims)."""
+    for nbytes in (16, 8):
+        v = nbytes // elem_bytes
+        if v >= 1 and n % v == 0:
+            return v
+    return 1
+
+
+def _tag(x: float) -> str:
+    return repr(float(x)).replace(".", "p").replace("-", "m").replace("+", "")
+
+
+def check_experts(nid: str, E: int, K: int) -> None:
+    if not 1 <= E <= MAX_EXPERTS:
+        raise MoeLoweringError(f"node {nid}: {E} experts; the MoE kernels handle 1..{MAX_EXPERTS}")
+    if not 1 <= K <= min(MAX_TOP_K, E):
+        raise MoeLoweringError(f"node {nid}: top_k={K}; the MoE kernels handle 1..{min(MAX_TOP_K, E)}")
+
+
+# -- scoring + top-k (moe_topk, and stage 2 of moe_route) -----------------------------------
+
+def topk_params(nid: str, attrs: dict, E: int, has_bias: bool) -> dict:
+    K, G, TG = attrs["top_k"], attrs["groups"], attrs["topk_groups"]
+    check_experts(nid, E, K)
+    if G > 32 or E % G:
+        raise MoeLoweringError(f"node {nid}: {G} groups of {E} experts; the kernel needs E % G == 0, G <= 32")
+    return {
+        "E": E, "K": K, "groups": G, "topk_groups": TG,
+        "scoring": attrs["scoring"], "method": attrs["method"],
+        "norm_topk_prob": bool(attrs["norm_topk_prob"]),
+        "scaling": c_float(attrs["routed_scaling_factor"]),
+        "has_bias": has_bias, "warps": TOPK_WARPS,
+    }
+
+
+def topk_name_parts(p: dict) -> list[str]:
+    parts = [f"e{p['E']}_k{p['K']}"]
+    if p["method"] != "greedy" or p["groups"] != 1:
+        parts.append(f"g{p['groups']}_tg{p['topk_groups']}")
+    parts.append(f"{p['scoring']}_{p['method']}")
+    if p["norm_topk_prob"]:
+        parts.append("norm")
+    if p["scaling"] != "1.0f":
+        parts.append("rsf" + _tag(float(p["scaling"][:-1])))
+    if p["has_bias"]:
+        parts.append("bias")
+    return parts
+
+
+def topk_launch(family: str, template: str, name: str, params: dict, nid: str, logits_ref: str,
+                bias: str | None, ids: str, weights: str, workspace=()) -> KernelLaunch:
+    args = [Arg("ptr", logits_ref)]
+    if params["has_bias"]:
+        args.append(Arg("ptr", f"weight:{bias}"))
+    args += [Arg("ptr", f"value:{ids}"), Arg("ptr", f"value:{weights}"), Arg("i32", "size:T")]
+    return KernelLaunch(family=family, template=template, name=name, params=params, nodes=(nid,),
+                        grid=(f"cdiv(T, {params['warps']})", 1, 1), block=(params["warps"] * 32, 1, 1),
+                        args=tuple(args), workspace=tuple(workspace))
+
+
+# -- alignment (moe_align, and stage 3 of moe_route) ----------------------------------------
+
+def align_params(E: int) -> dict:
+    return {"E": E, "threads": ALIGN_THREADS}
+
+
+def align_launch(family: str, template: str, name: str, params: dict, nid: str, ids: str,
+                 routing: str) -> KernelLaunch:
+    # One CTA: the counts, the scan and the scatter need a block-wide barrier between them,
+    # and NP is at most a few tens of thousands of pairs.
+    return KernelLaunch(family=family, template=template, name=name, params=params, nodes=(nid,),
+                        grid=(1, 1, 1), block=(params["threads"], 1, 1),
+                        args=(Arg("ptr", f"value:{ids}"), Arg("ptr", f"value:{routing}.order"),
+                              Arg("ptr", f"value:{routing}.offsets"), Arg("i32", "size:NP")))
+
+
+# -- grouped expert GEMV (moe_gate_up_silu, moe_gate_up, moe_down) ----------------------------
+
+GROUPED_WARPS = 4
+GROUPED_PAIRS = 8         # pairs per pass over the weights: decode reads each weight row once
+
+
+def grouped_params(nid: str, opts, *, E: int, N: int, KD: int, K: int, rows_per_warp: int) -> dict:
+    dt, ct = act(nid, opts)
+    check_experts(nid, E, min(K, E))
+    return {"act": ct, "E": E, "N": N, "KD": KD, "K": K, "warps": GROUPED_WARPS, "rpw": rows_per_warp,
+            "pt": GROUPED_PAIRS, "vec": vec_width(KD, ELEM_BYTES[dt])}
+
+
+def grouped_grid(p: dict) -> tuple:
+    # Every expert gets its row tiles; the tiles of an expert without pairs exit at once.
+    return (p["E"], -(-p["N"] // (p["warps"] * p["rpw"])), 1)
+
+
+# -- combine ---------------------------------------------------------------------------------
+
+COMBINE_THREADS = 128
+
+
+def combine_params(nid: str, opts, *, D: int, K: int) -> dict:
+    dt, ct = act(nid, opts)
+    return {"act": ct, "D": D, "K": K, "threads": COMBINE_THREADS, "vec": vec_width(D, ELEM_BYTES[dt])}
+
+
+def combine_grid(p: dict) -> tuple:
+    return ("T", -(-p["D"] // (p["threads"] * p["vec"])), 1)
+
+

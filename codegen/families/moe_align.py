@@ -1,0 +1,20 @@
+"""moe_align: expert ids [T, K] -> routing: pairs grouped by expert (order [NP] i32) and each
+expert's start (offsets [E + 1] i32), in one CTA.  The same kernel is stage 3 of moe_route."""
+from __future__ import annotations
+
+from codegen.kernel import KernelLaunch, Options
+from codegen.render import kernel_name
+
+from . import _moe
+
+FAMILY = "moe_align"
+TEMPLATE = "moe_align.cu.j2"
+OPS = ("moe_align",)
+
+
+def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
+    attrs, (ids,), (routing,), _ = _moe.node_io(G, nid)
+    E = attrs["num_experts"]
+    _moe.check_experts(nid, E, 1)
+    p = _moe.align_params(E)
+    return [_moe.align_launch(FAMILY, TEMPLATE, kernel_name(FAMILY, [f"e{E}"]), p, nid, ids, routing)]

@@ -1,0 +1,26 @@
+"""moe_down: [a [NP, M], routing] -> eo [NP, D] = a[p] W[e]^T per pair, one grouped launch
+(experts x row tiles, 16-byte weight loads, inactive experts exit at once)."""
+from __future__ import annotations
+
+from codegen.kernel import Arg, KernelLaunch, Options
+from codegen.render import kernel_name
+
+from . import _moe
+
+FAMILY = "moe_down"
+TEMPLATE = "moe_down.cu.j2"
+OPS = ("moe_down",)
+ROWS_PER_WARP = 4
+
+
+def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
+    attrs, (a, routing), (out,), bound = _moe.node_io(G, nid)
+    E, D, M = attrs["num_experts"], attrs["out_dim"], _moe.inner(G, nid, a)
+    # Rows are per pair here, so the kernel never needs K.
+    p = _moe.grouped_params(nid, opts, E=E, N=D, KD=M, K=1, rows_per_warp=ROWS_PER_WARP)
+    return [KernelLaunch(
+        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"e{E}", f"d{D}_m{M}"]),
+        params=p, nodes=(nid,), grid=_moe.grouped_grid(p), block=(p["warps"] * 32, 1, 1),
+        args=(Arg("ptr", f"value:{a}"), Arg("ptr", f"weight:{bound['weight']}"),
+              Arg("ptr", f"value:{routing}.order"), Arg("ptr", f"value:{routing}.offsets"),
+              Arg("ptr", f"value:{out}")))]

@@ -1,0 +1,83 @@
+"""Golden files: the generated CUDA of every shipped spec, committed for review.
+
+    tests/codegen/golden/index.json                 spec -> its kernels (+ ops left unlowered)
+    tests/codegen/golden/<spec name>/<kernel>.cu    rendered source (no cubins)
+
+Rendered with the shipped defaults (bf16, block_size 64).  `python -m runtime.cli
+goldens` (or `dsgraph goldens`) rewrites them; tests/codegen/test_golden.py fails
+when they are stale.  A diff of these files is the reviewable effect of a change
+to a template, a family or a pass (tinygrad's "process replay").
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+from pathlib import Path
+
+from .cache import REPO_ROOT, write_atomic
+
+GOLDEN_DIR = REPO_ROOT / "tests" / "codegen" / "golden"
+SHIPPED_SPECS = ("deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
+GOLDEN_OPTIONS = {"dtype": "bf16", "block_size": 64}
+INDEX = "index.json"
+REFRESH_COMMAND = "python -m runtime.cli goldens"
+
+
+def spec_path(name: str) -> Path:
+    return REPO_ROOT / "model_specs" / f"{name}.yaml"
+
+
+def render_spec_sources(path, *, dtype: str = "bf16", block_size: int = 64) -> tuple[str, dict, dict]:
+    """(spec name, {kernel: source}, {phase: {op: count}} of unlowered nodes)."""
+    from .bundle import render_spec
+    name, sources, unlowered = render_spec(str(path), dtype=dtype, block_size=block_size, strict=False)
+    counts: dict = {}
+    for phase, _node, op in unlowered:
+        counts.setdefault(phase, collections.Counter())[op] += 1
+    return name, sources, {ph: dict(sorted(c.items())) for ph, c in sorted(counts.items())}
+
+
+def expected_files(specs=SHIPPED_SPECS) -> dict[str, str]:
+    """Relative path under GOLDEN_DIR -> text, for what the working tree generates now."""
+    files: dict[str, str] = {}
+    index: dict = {}
+    for spec in specs:
+        name, sources, unlowered = render_spec_sources(spec_path(spec), **GOLDEN_OPTIONS)
+        for kernel, src in sources.items():
+            files[f"{name}/{kernel}.cu"] = src
+        index[name] = {"spec": f"model_specs/{spec}.yaml", "options": GOLDEN_OPTIONS,
+                       "kernels": sorted(sources), "unlowered_ops": unlowered}
+    files[INDEX] = json.dumps(index, sort_keys=True, indent=1) + "\n"
+    return dict(sorted(files.items()))
+
+
+def committed_files(root: Path = GOLDEN_DIR) -> dict[str, str]:
+    if not root.is_dir():
+        return {}
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and (p.suffix == ".cu" or p.name == INDEX):
+            out[p.relative_to(root).as_posix()] = p.read_bytes().decode("utf-8")
+    return out
+
+
+def stale(expected: dict[str, str], committed: dict[str, str]) -> dict[str, list[str]]:
+    return {
+        "missing": sorted(set(expected) - set(committed)),
+        "extra": sorted(set(committed) - set(expected)),
+        "changed": sorted(k for k in set(expected) & set(committed) if expected[k] != committed[k]),
+    }
+
+
+def write(expected: dict[str, str], root: Path = GOLDEN_DIR) -> dict[str, list[str]]:
+    """Make `root` hold exactly `expected` (removing stale .cu files); returns what changed."""
+    diff = stale(expected, committed_files(root))
+    for rel in diff["extra"]:
+        os.unlink(root / rel)
+    for rel in diff["missing"] + diff["changed"]:
+        write_atomic(root / rel, expected[rel].encode("utf-8"))
+    for d in sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True):
+        if not any(d.iterdir()):
+            d.rmdir()
+    return diff

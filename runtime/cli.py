@@ -1,0 +1,257 @@
+"""The `dsgraph` command line (also `python -m runtime.cli`).
+
+    dsgraph spec --from-config CONFIG.json [-o spec.yaml] [--name NAME]
+    dsgraph compile [SPEC] [-o DIR] [--arch sm_90] [--dtype bf16] [--block-size 64]
+                    [--cache-dir DIR] [--jobs N] [--allow-unlowered]
+    dsgraph diff A B          A, B: a spec file, a bundle folder, "golden" or "worktree"
+    dsgraph goldens [--check]
+    dsgraph generate --model DIR (--prompt TEXT | --ids 1,2,3) [--max-new-tokens N] ...
+    dsgraph bench [--quick] [--json bench.json]
+
+Subcommands live in COMMANDS (name -> (add_arguments, run)); adding one is one
+entry.  A user's mistake (bad spec, failed kernel compile, damaged bundle, missing
+file) prints one message to stderr and exits 2, never a traceback.  Heavy imports
+(torch, the IR) happen inside the commands that need them, so a cached
+`dsgraph compile` answers in a fraction of a second.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from pathlib import Path
+
+from codegen.cache import REPO_ROOT
+
+from .bench import add_bench_args, run_bench
+from .cli_generate import add_generate_args, run_generate
+from .errors import DsgraphError
+
+DEFAULT_SPEC = REPO_ROOT / "model_specs" / "deepseek_v2_lite.yaml"
+EXIT_USER_ERROR = 2
+
+
+def _user_error_types() -> tuple[type, ...]:
+    """Exception types that mean "the user's input is wrong", from loaded modules only
+    (a SpecError cannot have been raised if ir was never imported)."""
+    types: list[type] = [FileNotFoundError, DsgraphError]
+    for module, name in (("ir.errors", "SpecError"), ("codegen.nvrtc", "KernelCompileError"),
+                         ("codegen.bundle", "BundleError"), ("codegen.lower", "LoweringError"),
+                         ("codegen.cache", "CacheError")):
+        mod = sys.modules.get(module)
+        if mod is not None:
+            types.append(getattr(mod, name))
+    return tuple(types)
+
+
+def _err(message: str) -> int:
+    print(f"dsgraph: error: {message}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+# -- spec --------------------------------------------------------------------------------
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from-config", required=True, metavar="CONFIG.json",
+                   help="a Hugging Face DeepSeek-V2/V3 config.json")
+    p.add_argument("-o", "--output", metavar="SPEC.yaml", help="write here (default: stdout)")
+    p.add_argument("--name", help="the spec's name (default: from the config's _name_or_path)")
+
+
+def run_spec(args) -> int:
+    """write a model spec from a Hugging Face config.json"""
+    from ir.config_to_spec import spec_from_config_file
+    if not Path(args.from_config).is_file():
+        raise FileNotFoundError(f"config file not found: {args.from_config}")
+    text = spec_from_config_file(args.from_config, name=args.name)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+# -- compile ----------------------------------------------------------------------------
+
+def add_compile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC),
+                   help="spec YAML (default: model_specs/deepseek_v2_lite.yaml)")
+    p.add_argument("-o", "--output", default="bundle", metavar="DIR",
+                   help="bundle folder to write (default: ./bundle)")
+    p.add_argument("--arch", default="sm_90", help="NVRTC target, e.g. sm_90 or sm_90a")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--block-size", type=int, default=64, help="KV-cache page size in tokens")
+    p.add_argument("--cache-dir", help="bundle cache (default: $DSGRAPH_CACHE_DIR or ~/.cache/dsgraph)")
+    p.add_argument("--jobs", type=int, help="parallel NVRTC compiles (default: one per core)")
+    p.add_argument("--allow-unlowered", action="store_true",
+                   help="let nodes no kernel family lowers through (listed in the manifest)")
+
+
+def run_compile(args) -> int:
+    """compile a spec into a kernel bundle (through the cache)"""
+    from codegen.bundle import compile_bundle
+    res = compile_bundle(args.spec, args.output, arch=args.arch, dtype=args.dtype,
+                         block_size=args.block_size, cache_dir=args.cache_dir, jobs=args.jobs,
+                         strict=not args.allow_unlowered)
+    manifest = json.loads((res.path / "manifest.json").read_text(encoding="utf-8"))
+    print(f"spec     {manifest['spec']['name']} ({args.spec})")
+    print(f"target   {manifest['arch']}, NVRTC {'.'.join(map(str, manifest['nvrtc_version']))}, "
+          f"{args.dtype}, block size {args.block_size}")
+    print(f"kernels  {res.kernels} unique")
+    for phase, plan in manifest["phases"].items():
+        kinds = [s["type"] for s in plan["steps"]]
+        line = (f"  {phase:<8} {kinds.count('kernel')} launches, "
+                f"{kinds.count('library')} library calls")
+        if plan.get("unlowered"):
+            line += f", {len(plan['unlowered'])} nodes unlowered"
+        print(line)
+    print(f"cache    {'hit' if res.cached else 'miss (built)'}  key {res.key[:16]}")
+    print(f"time     {res.seconds:.2f} s")
+    print(f"bundle   {res.path}")
+    return 0
+
+
+# -- diff -------------------------------------------------------------------------------
+
+def _sources(what: str, dtype: str, block_size: int) -> tuple[str, dict[str, dict[str, str]]]:
+    """(label, {spec name: {kernel: source}}) for a spec, bundle, 'golden' or 'worktree'."""
+    from codegen import goldens
+    if what == "golden":
+        out: dict[str, dict[str, str]] = {}
+        for rel, text in goldens.committed_files().items():
+            if rel.endswith(".cu"):
+                spec, kernel = rel[:-3].split("/", 1)
+                out.setdefault(spec, {})[kernel] = text
+        return "golden", out
+    if what == "worktree":
+        out = {}
+        for spec in goldens.SHIPPED_SPECS:
+            name, sources, _ = goldens.render_spec_sources(goldens.spec_path(spec),
+                                                           **goldens.GOLDEN_OPTIONS)
+            out[name] = sources
+        return "worktree", out
+    path = Path(what)
+    if path.is_dir():
+        from codegen.bundle import load_manifest
+        manifest = load_manifest(path)
+        return what, {manifest["spec"]["name"]: {
+            name: (path / k["source"]).read_text(encoding="utf-8")
+            for name, k in manifest["kernels"].items()}}
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} is not a spec file, a bundle folder, 'golden' or 'worktree'")
+    name, sources, _ = goldens.render_spec_sources(path, dtype=dtype, block_size=block_size)
+    return what, {name: sources}
+
+
+def _flatten(a: dict, b: dict) -> tuple[dict, dict]:
+    """Key both sides alike: by kernel when one side is one spec, by spec/kernel otherwise."""
+    if len(a) == 1 and len(b) == 1:
+        return next(iter(a.values())), next(iter(b.values()))
+    if len(a) == 1 or len(b) == 1:
+        single, multi = (a, b) if len(a) == 1 else (b, a)
+        name = next(iter(single))
+        picked = multi.get(name, {})
+        return (single[name], picked) if single is a else (picked, single[name])
+    flat = lambda d: {f"{s}/{k}": v for s, ks in d.items() for k, v in ks.items()}  # noqa: E731
+    return flat(a), flat(b)
+
+
+def add_diff_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", help="spec file, bundle folder, 'golden' or 'worktree'")
+    p.add_argument("b", help="spec file, bundle folder, 'golden' or 'worktree'")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                   help="dtype for rendering spec files")
+    p.add_argument("--block-size", type=int, default=64, help="page size for rendering spec files")
+    p.add_argument("--stat", action="store_true", help="only the summary, no source diff")
+
+
+def run_diff(args) -> int:
+    """diff the generated CUDA of two specs / bundles / the goldens / the working tree"""
+    la, sa = _sources(args.a, args.dtype, args.block_size)
+    lb, sb = _sources(args.b, args.dtype, args.block_size)
+    a, b = _flatten(sa, sb)
+    added = sorted(set(b) - set(a))
+    removed = sorted(set(a) - set(b))
+    changed = sorted(k for k in set(a) & set(b) if a[k] != b[k])
+    if not args.stat:
+        for k in sorted(set(added) | set(removed) | set(changed)):
+            sys.stdout.writelines(difflib.unified_diff(
+                a.get(k, "").splitlines(keepends=True), b.get(k, "").splitlines(keepends=True),
+                fromfile=f"a/{k}.cu" if k in a else "/dev/null",
+                tofile=f"b/{k}.cu" if k in b else "/dev/null"))
+    same = len(set(a) & set(b)) - len(changed)
+    print(f"{la} -> {lb}: {len(added)} added, {len(removed)} removed, {len(changed)} changed, "
+          f"{same} identical")
+    for label, names in (("added", added), ("removed", removed), ("changed", changed)):
+        for k in names:
+            print(f"  {label:<8} {k}")
+    return 1 if (added or removed or changed) else 0
+
+
+# -- goldens ---------------------------------------------------------------------------
+
+def add_goldens_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--check", action="store_true",
+                   help="only check that the committed goldens are current (exit 1 if stale)")
+
+
+def run_goldens(args) -> int:
+    """write (or --check) the golden CUDA of the shipped specs under tests/codegen/golden"""
+    from codegen import goldens
+    expected = goldens.expected_files()
+    if args.check:
+        diff = goldens.stale(expected, goldens.committed_files())
+        if not any(diff.values()):
+            print(f"goldens are current ({len(expected) - 1} kernels)")
+            return 0
+        for label, paths in diff.items():
+            for p in paths:
+                print(f"  {label:<8} {p}")
+        print(f"goldens are stale; refresh them with: {goldens.REFRESH_COMMAND}", file=sys.stderr)
+        return 1
+    diff = goldens.write(expected)
+    n = sum(len(v) for v in diff.values())
+    print(f"wrote {goldens.GOLDEN_DIR.relative_to(REPO_ROOT)}: {len(expected) - 1} kernels, "
+          f"{len(diff['missing'])} new, {len(diff['changed'])} changed, "
+          f"{len(diff['extra'])} removed" + ("" if n else " (already current)"))
+    return 0
+
+
+COMMANDS = {
+    "spec": (add_spec_args, run_spec),
+    "compile": (add_compile_args, run_compile),
+    "diff": (add_diff_args, run_diff),
+    "goldens": (add_goldens_args, run_goldens),
+    "generate": (add_generate_args, run_generate),
+    "bench": (add_bench_args, run_bench),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsgraph", description="DeepSeek MLA/MoE graph compiler")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (add_arguments, run) in COMMANDS.items():
+        doc = (run.__doc__ or "").strip().splitlines()
+        p = sub.add_parser(name, help=doc[0] if doc else None)
+        add_arguments(p)
+        p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args._run(args)
+    except KeyboardInterrupt:
+        print("dsgraph: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - sorted into user errors and bugs just below
+        if isinstance(e, _user_error_types()):
+            return _err(str(e))
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

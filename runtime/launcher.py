@@ -1,0 +1,217 @@
+"""Run KernelLaunch records on torch tensors: compile (or load) once, resolve args, launch.
+
+`KernelRunner` is the one place where the lowering contract of codegen/kernel.py
+meets the CUDA driver: it evaluates a launch's grid / shared memory / workspace
+shapes over the step's sizes (codegen/sizes.py), allocates its workspaces,
+binds every `Arg.ref` to a tensor or a width-tagged scalar, and launches on
+torch's current stream (or the one given).  No host synchronisation happens
+here, so a step of launches can be captured as a CUDA graph.
+
+Modules come either from NVRTC on demand (`KernelRunner()`, used by the kernel
+tests) or from a compiled bundle (`KernelRunner.from_bundle(dir)`, never compiles).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from codegen import sizes as size_exprs
+from codegen.kernel import Arg, KernelLaunch
+
+_WORKSPACE_DTYPES = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
+
+
+class LaunchError(RuntimeError):
+    """A launch cannot be bound: a missing tensor, a bad ref, an unknown kernel."""
+
+
+def _act_dtype(values: dict, weights: dict) -> torch.dtype:
+    for group in (values, weights):
+        for t in group.values():
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                return t.dtype
+    raise LaunchError("a workspace of dtype 'act' needs at least one float tensor among the "
+                      "values or weights to take its dtype from")
+
+
+def _device(values: dict, weights: dict, ctx: dict) -> torch.device:
+    for group in (values, weights, ctx):
+        for t in group.values():
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _lookup_value(values: dict, name: str, launch: KernelLaunch, ref: str) -> torch.Tensor:
+    """A value tensor; routing parts "<R>.order"/"<R>.offsets" may also be given as
+    values["<R>"] = {"order": ..., "offsets": ...} (what the reference op returns)."""
+    if name in values:
+        return values[name]
+    base, _, part = name.rpartition(".")
+    if base and part in ("order", "offsets") and isinstance(values.get(base), dict):
+        return values[base][part]
+    raise LaunchError(f"kernel {launch.name}: argument {ref!r} needs value {name!r}; "
+                      f"values given: {', '.join(sorted(values)) or '(none)'}")
+
+
+class KernelRunner:
+    """Compile-or-load and launch kernels described by KernelLaunch records."""
+
+    def __init__(self, arch: str | None = None, *, options: tuple[str, ...] = ()):
+        self._arch = arch
+        self._options = tuple(options)
+        self._modules: dict[str, object] = {}        # kernel name -> LoadedModule
+        self._cubins: dict[str, bytes] | None = None  # set by from_bundle: no compiling then
+        self.sources: dict[str, str] = {}            # kernel name -> rendered CUDA (compiled ones)
+
+    @property
+    def arch(self) -> str:
+        if self._arch is None:
+            from .cuda_driver import device_arch
+            self._arch = device_arch()
+        return self._arch
+
+    @classmethod
+    def from_bundle(cls, bundle_dir: str | Path) -> "KernelRunner":
+        """A runner over a compiled bundle's CUBINs: it never compiles, and a launch of a
+        kernel the bundle lacks is an error."""
+        from codegen.bundle import load_manifest
+        bundle_dir = Path(bundle_dir)
+        manifest = load_manifest(bundle_dir)
+        runner = cls(manifest["arch"])
+        runner._cubins = {name: (bundle_dir / "kernels" / f"{name}.cubin").read_bytes()
+                          for name in manifest["kernels"]}
+        return runner
+
+    # -- modules --------------------------------------------------------------
+
+    def source(self, launch: KernelLaunch) -> str:
+        from codegen.render import render
+        return render(launch.template, launch.params, launch.nodes, launch.name)
+
+    def cubin(self, launch: KernelLaunch) -> bytes:
+        if self._cubins is not None:
+            try:
+                return self._cubins[launch.name]
+            except KeyError:
+                raise LaunchError(f"kernel {launch.name} (nodes {', '.join(launch.nodes)}) is not "
+                                  f"in this bundle; recompile the bundle") from None
+        from codegen.nvrtc import compile_cubin
+        src = self.source(launch)
+        self.sources[launch.name] = src
+        return compile_cubin(src, launch.name, arch=self.arch, options=self._options,
+                             template=launch.template, nodes=tuple(launch.nodes)).cubin
+
+    def module(self, launch: KernelLaunch):
+        mod = self._modules.get(launch.name)
+        if mod is None:
+            from .cuda_driver import LoadedModule
+            mod = LoadedModule.load(self.cubin(launch), launch.name)
+            self._modules[launch.name] = mod
+        return mod
+
+    # -- binding --------------------------------------------------------------
+
+    def _arg(self, arg: Arg, launch: KernelLaunch, values, weights, ctx, workspaces, sizes):
+        from .cuda_driver import F32, I32, I64
+        scalar = {"i32": I32, "i64": I64, "f32": F32}
+        kind, ref = arg.kind, arg.ref
+        head, _, rest = ref.partition(":")
+        if kind == "ptr":
+            if head == "value":
+                return _lookup_value(values, rest, launch, ref)
+            table = {"weight": weights, "ctx": ctx, "workspace": workspaces}.get(head)
+            if table is None:
+                raise LaunchError(f"kernel {launch.name}: pointer argument {ref!r} must be a "
+                                  f"value:, weight:, ctx: or workspace: reference")
+            if rest not in table:
+                raise LaunchError(f"kernel {launch.name}: argument {ref!r} is not given; "
+                                  f"{head}s given: {', '.join(sorted(table)) or '(none)'}")
+            return table[rest]
+        if kind not in scalar:
+            raise LaunchError(f"kernel {launch.name}: argument {ref!r} has unknown kind {kind!r} "
+                              f"(ptr | i32 | i64 | f32)")
+        if head == "stride":
+            value, _, dim = rest.rpartition(":")
+            return scalar[kind](int(_lookup_value(values, value, launch, ref).stride(int(dim))))
+        if head == "size":
+            n = size_exprs.evaluate(rest, sizes)
+            return scalar[kind](float(n) if kind == "f32" else n)
+        if head == "const":
+            number = float(rest)
+            if kind == "f32":
+                return F32(number)
+            if not number.is_integer():
+                raise LaunchError(f"kernel {launch.name}: {ref!r} is not an integer for a {kind} arg")
+            return scalar[kind](int(number))
+        raise LaunchError(f"kernel {launch.name}: scalar argument {ref!r} must be a stride:, "
+                          f"size: or const: reference")
+
+    def workspaces(self, launch: KernelLaunch, *, values: dict, weights: dict, ctx: dict,
+                   sizes: dict) -> dict[str, torch.Tensor]:
+        device = _device(values, weights, ctx)
+        out: dict[str, torch.Tensor] = {}
+        for ws in launch.workspace:
+            shape = tuple(size_exprs.evaluate(d, sizes) for d in ws.shape)
+            if ws.dtype == "act":
+                dtype = _act_dtype(values, weights)
+            elif ws.dtype in _WORKSPACE_DTYPES:
+                dtype = _WORKSPACE_DTYPES[ws.dtype]
+            else:
+                raise LaunchError(f"kernel {launch.name}: workspace {ws.name} has unknown dtype "
+                                  f"{ws.dtype!r} (f32 | i32 | i64 | act)")
+            out[ws.name] = torch.empty(shape, dtype=dtype, device=device)
+        return out
+
+    @staticmethod
+    def step_sizes(sizes: dict, ctx: dict) -> dict:
+        """`sizes`, with T and B filled in from ctx tensor shapes when absent (no host sync)."""
+        full = dict(sizes)
+        if "T" not in full and isinstance(ctx.get("positions"), torch.Tensor):
+            full["T"] = int(ctx["positions"].shape[0])
+        if "B" not in full and isinstance(ctx.get("context_lens"), torch.Tensor):
+            full["B"] = int(ctx["context_lens"].shape[0])
+        return full
+
+    def run(self, launch: KernelLaunch, *, values: dict[str, torch.Tensor],
+            weights: dict[str, torch.Tensor] | None = None, ctx: dict[str, torch.Tensor] | None = None,
+            sizes: dict[str, int] | None = None, stream=None,
+            workspaces: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Launch one kernel; returns its workspaces (allocated here unless given)."""
+        from .cuda_driver import launch as cu_launch
+        weights, ctx = weights or {}, ctx or {}
+        sizes = self.step_sizes(sizes or {}, ctx)
+        if workspaces is None:
+            workspaces = self.workspaces(launch, values=values, weights=weights, ctx=ctx, sizes=sizes)
+        grid = tuple(size_exprs.evaluate(g, sizes) for g in launch.grid)
+        smem = size_exprs.evaluate(launch.smem, sizes)
+        args = [self._arg(a, launch, values, weights, ctx, workspaces, sizes) for a in launch.args]
+        func = self.module(launch).function(launch.name, smem)
+        cu_launch(func, grid, tuple(launch.block), smem, args, stream)
+        return workspaces
+
+    def run_all(self, launches, **kw) -> dict[str, torch.Tensor]:
+        """Run several launches in order (e.g. split-KV attention + its combine), sharing
+        workspaces by name; returns them all."""
+        shared: dict[str, torch.Tensor] = dict(kw.pop("workspaces", None) or {})
+        for launch in launches:
+            kw_ws = self.workspaces(launch, values=kw["values"], weights=kw.get("weights") or {},
+                                    ctx=kw.get("ctx") or {},
+                                    sizes=self.step_sizes(kw.get("sizes") or {}, kw.get("ctx") or {}))
+            for name, t in kw_ws.items():
+                shared.setdefault(name, t)
+            self.run(launch, workspaces=shared, **kw)
+        return shared
+
+    def close(self) -> None:
+        for mod in self._modules.values():
+            mod.unload()
+        self._modules.clear()
+
+
+def manifest_kernels(bundle_dir: str | Path) -> list[str]:
+    """Kernel names a bundle's manifest lists (no validation; see codegen.bundle.load_manifest)."""
+    manifest = json.loads((Path(bundle_dir) / "manifest.json").read_text(encoding="utf-8"))
+    return sorted(manifest.get("kernels", {}))

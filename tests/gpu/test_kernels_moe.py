@@ -1,0 +1,364 @@
+"""The MoE kernel families against the ops' reference semantics (ir/ops/moe.py).
+
+Hypothesis draws shapes (T from 1 to a few hundred, odd dims, every routing method, biases
+partly negative) and dtypes; each example lowers a one-node graph with its family, runs the
+kernel(s) on poisoned outputs and compares with the op's `run` in fp32 on the CPU.
+
+Routing: the router logits (launch 1's workspace) within fp32 tolerance of x.float() @ gate.T;
+the kernel's ids equal to route_ref's (on the kernel's own logits, and on the op reference's),
+where a differing pick is accepted only between selection values tied to fp32 rounding and
+the kernel's still come in descending order; weights on the rows whose ids match; the routing
+plan a permutation of the pairs grouped by expert with the reference's offsets (order inside
+an expert's segment is free).
+
+Prints "EXAMPLES <family> <n> worst_err <x>" per family, x = the largest
+|kernel - ref| / (atol + rtol |ref|) seen (1.0 is the tolerance edge), with the per-dtype
+largest absolute error.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections import defaultdict
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import GPU_MARKS, TORCH_DTYPES, poison, single_op_graph, tiny_model, tolerance  # noqa: E402
+
+from codegen import families  # noqa: E402
+from codegen.kernel import Options  # noqa: E402
+from ir.graph import node_view  # noqa: E402
+from ir.ops import OPS, TType  # noqa: E402
+from ir.ops.moe import align_ref, route_ref  # noqa: E402
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytestmark = GPU_MARKS
+DEV = "cuda"
+DTYPES = ("bf16", "fp16", "fp32")
+TOKENS = (1, 2, 5, 33, 128, 300)
+
+# family -> dtype -> [examples, worst normalised error, worst absolute error]
+STATS: dict = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0.0]))
+
+
+def _settings(n):
+    return settings(max_examples=n, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def runner(pytestconfig):
+    from runtime.launcher import KernelRunner
+    r = KernelRunner()
+    yield r
+    r.close()
+    capman = pytestconfig.pluginmanager.getplugin("capturemanager")
+    lines = []
+    for fam in sorted(STATS):
+        per = STATS[fam]
+        n = sum(v[0] for v in per.values())
+        worst = max(v[1] for v in per.values())
+        detail = " ".join(f"{dt}:n={v[0]},max_abs={v[2]:.3g},norm={v[1]:.3g}" for dt, v in sorted(per.items()))
+        lines.append(f"EXAMPLES {fam} {n} worst_err {worst:.3g}  ({detail})")
+    if capman is not None:
+        with capman.global_and_fixture_disabled():
+            print("\n" + "\n".join(lines))
+    else:
+        print("\n" + "\n".join(lines))
+
+
+def _record(fam: str, dtype: str, actual: torch.Tensor, expected: torch.Tensor, tol_dtype=None) -> None:
+    """Compare within the harness tolerance of `tol_dtype` (default: `dtype`) and log the error."""
+    rtol, atol = tolerance(tol_dtype or dtype)
+    a, b = actual.detach().float().cpu(), expected.detach().float().cpu()
+    assert a.shape == b.shape, (fam, a.shape, b.shape)
+    assert not torch.isnan(a).any(), f"{fam} {dtype}: unwritten (poisoned) or NaN elements"
+    diff = (a - b).abs()
+    norm = (diff / (atol + rtol * b.abs())).max().item() if diff.numel() else 0.0
+    st_ = STATS[fam][dtype]
+    st_[0] += 1
+    st_[1] = max(st_[1], norm)
+    st_[2] = max(st_[2], diff.max().item() if diff.numel() else 0.0)
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{fam} {dtype}: {m}")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _lower(G, nid, dtype):
+    fam = families.family_for_op(G.nodes[nid]["op"])
+    assert fam is not None, G.nodes[nid]["op"]
+    return fam.lower(nid, G, Options(dtype=dtype))
+
+
+def _random_ids(T, E, K, g) -> torch.Tensor:
+    """K distinct experts per token, skewed so some experts get many pairs and some none."""
+    logits = torch.randn(T, E, generator=g) + torch.linspace(0, 2, E)[torch.randperm(E, generator=g)]
+    return logits.topk(K, dim=1).indices
+
+
+def _check_routing(order: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor, E: int) -> None:
+    """order is a permutation of the pairs, grouped by ascending expert; offsets as the reference."""
+    flat = ids.reshape(-1).cpu()
+    ref = align_ref(flat.view(ids.shape), E)
+    order, offsets = order.cpu().long(), offsets.cpu().long()
+    assert torch.equal(offsets, ref["offsets"]), f"offsets {offsets.tolist()} != {ref['offsets'].tolist()}"
+    assert torch.equal(torch.sort(order).values, torch.arange(flat.numel())), "order is not a permutation of the pairs"
+    assert torch.equal(flat[order], torch.sort(flat).values), "order does not group the pairs by expert"
+
+
+def _selection(logits: torch.Tensor, bias, a: dict) -> torch.Tensor:
+    """The values route_ref ranks for its top-k (scores; masked scores; masked biased scores)."""
+    T, E = logits.shape
+    G = a["groups"]
+    scores = logits.float().softmax(-1) if a["scoring"] == "softmax" else logits.float().sigmoid()
+    if a["method"] == "greedy":
+        return scores
+    if a["method"] == "group_limited_greedy":
+        choice, gs, fill = scores, scores.view(T, G, E // G).max(-1).values, 0.0
+    else:
+        choice = scores + (bias.float() if bias is not None else 0.0)
+        gs, fill = choice.view(T, G, E // G).topk(2, dim=-1)[0].sum(-1), float("-inf")
+    keep = torch.zeros_like(gs).scatter_(1, gs.topk(a["topk_groups"], dim=-1)[1], 1).bool()
+    return choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), fill)
+
+
+def _check_ids(ids_k: torch.Tensor, ids_r: torch.Tensor, sel: torch.Tensor, what: str) -> torch.Tensor:
+    """ids equal to the reference's, except where near-tied selection values (fp32 rounding
+    apart) make either pick right; the kernel's values must still come in descending order.
+    Returns the rows that match exactly."""
+    ids_k = ids_k.cpu()
+    assert ids_k.min() >= 0 and ids_k.max() < sel.shape[1], f"expert ids out of range: {ids_k}"
+    srt = ids_k.sort(dim=1).values
+    assert (srt[:, 1:] != srt[:, :-1]).all(), f"an expert chosen twice for one token: {ids_k}"
+    vk, vr = sel.gather(1, ids_k), sel.gather(1, ids_r)
+    ok = torch.isclose(vk, vr, rtol=1e-5, atol=1e-6) | (vk == vr)
+    bad = (~ok.all(dim=1)).nonzero().flatten()
+    assert bad.numel() == 0, (f"ids differ from {what} beyond near-ties, token {bad[0].item()}: "
+                              f"{ids_k[bad[0]].tolist()} vs {ids_r[bad[0]].tolist()} "
+                              f"(values {vk[bad[0]].tolist()} vs {vr[bad[0]].tolist()})")
+    return (ids_k == ids_r).all(dim=1)
+
+
+# -- routing -----------------------------------------------------------------------------
+
+ROUTE_CASES = [
+    # (scoring, method, E, groups, topk_groups, K choices)
+    ("softmax", "greedy", 8, 1, 1, (1, 3)),
+    ("softmax", "greedy", 64, 1, 1, (6,)),
+    ("sigmoid", "greedy", 12, 1, 1, (3,)),
+    ("softmax", "group_limited_greedy", 12, 4, 2, (3, 6)),
+    ("softmax", "group_limited_greedy", 160, 8, 3, (6,)),
+    ("sigmoid", "noaux_tc", 12, 4, 2, (3,)),
+    ("sigmoid", "noaux_tc", 64, 8, 4, (6, 8)),
+    ("sigmoid", "noaux_tc", 256, 8, 4, (8,)),
+]
+
+
+@st.composite
+def route_cases(draw):
+    scoring, method, E, G, TG, ks = draw(st.sampled_from(ROUTE_CASES))
+    return {
+        "dtype": draw(st.sampled_from(DTYPES)), "T": draw(st.sampled_from(TOKENS)),
+        "D": draw(st.sampled_from((40, 45, 64, 256))), "E": E, "K": draw(st.sampled_from(ks)),
+        "attrs": {"scoring": scoring, "method": method, "groups": G, "topk_groups": TG,
+                  "norm_topk_prob": draw(st.booleans()), "routed_scaling_factor": draw(st.sampled_from((1.0, 2.5)))},
+        "bias": method == "noaux_tc" and draw(st.sampled_from((True, True, False))),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }
+
+
+@given(case=route_cases())
+@_settings(30)
+def test_moe_route(runner, case):
+    dtype, T, D, E, K = case["dtype"], case["T"], case["D"], case["E"], case["K"]
+    attrs = {**case["attrs"], "top_k": K, "num_experts": E}
+    wt = {"gate": "router.weight"}
+    if case["bias"]:
+        wt["bias"] = "router.bias"
+    G, nid = single_op_graph(tiny_model(), "moe_route", attrs, {"x": TType(("T", D), "act")}, wt)
+    ids_name, w_name, r_name = G.nodes[nid]["outputs"]
+    launches = _lower(G, nid, dtype)
+
+    g = _gen(case["seed"])
+    x = torch.randn(T, D, generator=g).to(TORCH_DTYPES[dtype])
+    gate = torch.randn(E, D, generator=g) / D ** 0.5 * 2.0      # logits ~ N(0, 4): picks well apart
+    weights = {"router.weight": gate.to(DEV)}
+    bias = None
+    if case["bias"]:
+        bias = torch.randn(E, generator=g) * 0.5                 # partly negative
+        weights["router.bias"] = bias.to(DEV)
+    values = {
+        "x": x.to(DEV),
+        ids_name: poison(torch.empty(T, K, dtype=torch.int64, device=DEV)),
+        w_name: poison(torch.empty(T, K, dtype=torch.float32, device=DEV)),
+        f"{r_name}.order": poison(torch.empty(T * K, dtype=torch.int32, device=DEV)),
+        f"{r_name}.offsets": poison(torch.empty(E + 1, dtype=torch.int32, device=DEV)),
+    }
+    ws = runner.run_all(launches, values=values, weights=weights, sizes={"T": T, "NP": T * K})
+
+    logits = ws["router_logits"].cpu()
+    _record("moe_route.logits", dtype, logits, x.float() @ gate.T, tol_dtype="fp32")
+    ids_k, w_k = values[ids_name].cpu(), values[w_name].cpu()
+    # against route_ref on the kernel's own logits, then against the op reference itself
+    ids_same, w_same = route_ref(logits, bias, attrs)
+    same = _check_ids(ids_k, ids_same, _selection(logits, bias, attrs), "route_ref(kernel logits)")
+    if same.any():
+        _record("moe_route", dtype, w_k[same], w_same[same], tol_dtype="fp32")
+    ids_ref, w_ref, _ = OPS["moe_route"].run(node_view(G, nid), [x.float()],
+                                             {"gate": gate, **({"bias": bias} if bias is not None else {})}, None)
+    _check_ids(ids_k, ids_ref, _selection(x.float() @ gate.T, bias, attrs), "the op reference")
+    _check_routing(values[f"{r_name}.order"], values[f"{r_name}.offsets"], ids_k, E)
+
+
+@given(case=route_cases())
+@_settings(12)
+def test_moe_topk(runner, case):
+    T, E, K = case["T"], case["E"], case["K"]
+    attrs = {**case["attrs"], "top_k": K}
+    G, nid = single_op_graph(tiny_model(), "moe_topk", attrs, {"logits": TType(("T", E), "f32")},
+                             {"bias": "router.bias"} if case["bias"] else {})
+    ids_name, w_name = G.nodes[nid]["outputs"]
+    g = _gen(case["seed"])
+    logits = torch.randn(T, E, generator=g) * 2
+    bias = torch.randn(E, generator=g) * 0.5 if case["bias"] else None
+    values = {"logits": logits.to(DEV),
+              ids_name: poison(torch.empty(T, K, dtype=torch.int64, device=DEV)),
+              w_name: poison(torch.empty(T, K, dtype=torch.float32, device=DEV))}
+    runner.run_all(_lower(G, nid, "fp32"), values=values,
+                   weights={"router.bias": bias.to(DEV)} if bias is not None else {}, sizes={"T": T})
+    ids_ref, w_ref = OPS["moe_topk"].run(node_view(G, nid), [logits], {"bias": bias} if bias is not None else {}, None)
+    same = _check_ids(values[ids_name].cpu(), ids_ref, _selection(logits, bias, attrs), "the op reference")
+    if same.any():
+        _record("moe_topk", "fp32", values[w_name].cpu()[same], w_ref[same])
+
+
+@given(T=st.sampled_from(TOKENS + (2048,)), E=st.sampled_from((1, 8, 12, 64, 256)), K=st.integers(1, 8),
+       seed=st.integers(0, 2**31 - 1))
+@_settings(12)
+def test_moe_align(runner, T, E, K, seed):
+    K = min(K, E)
+    G, nid = single_op_graph(tiny_model(), "moe_align", {"num_experts": E}, {"ids": TType(("T", K), "i64")}, {})
+    (r_name,) = G.nodes[nid]["outputs"]
+    ids = _random_ids(T, E, K, _gen(seed))
+    values = {"ids": ids.to(DEV),
+              f"{r_name}.order": poison(torch.empty(T * K, dtype=torch.int32, device=DEV)),
+              f"{r_name}.offsets": poison(torch.empty(E + 1, dtype=torch.int32, device=DEV))}
+    runner.run_all(_lower(G, nid, "bf16"), values=values, sizes={"T": T, "NP": T * K})
+    _check_routing(values[f"{r_name}.order"], values[f"{r_name}.offsets"], ids, E)
+    STATS["moe_align"]["int"][0] += 1
+
+
+# -- grouped experts -------------------------------------------------------------------------
+
+@st.composite
+def grouped_cases(draw):
+    E = draw(st.sampled_from((1, 8, 12, 64)))
+    return {"dtype": draw(st.sampled_from(DTYPES)), "T": draw(st.sampled_from(TOKENS)), "E": E,
+            "K": min(E, draw(st.sampled_from((1, 3, 6, 8)))), "D": draw(st.sampled_from((40, 64, 136, 256))),
+            "M": draw(st.sampled_from((36, 64, 72, 200))), "seed": draw(st.integers(0, 2**31 - 1))}
+
+
+def _routing(T, E, K, g):
+    ids = _random_ids(T, E, K, g)
+    ref = align_ref(ids, E)
+    dev = {"order": ref["order"].to(DEV, torch.int32), "offsets": ref["offsets"].to(DEV, torch.int32)}
+    return ref, dev
+
+
+def _grouped(runner, op, case):
+    dtype, T, E, K, D, M = (case[k] for k in ("dtype", "T", "E", "K", "D", "M"))
+    tdt = TORCH_DTYPES[dtype]
+    g = _gen(case["seed"])
+    ref_r, dev_r = _routing(T, E, K, g)
+    r = TType((f"T*{K}", E), "routing")
+    if op == "moe_down":
+        G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "out_dim": D},
+                                 {"a": TType((f"T*{K}", M), "act"), "R": r}, {"weight": "e.{expert}.down"})
+        inp = torch.randn(T * K, M, generator=g).to(tdt)
+        w = {"weight": (torch.randn(E, D, M, generator=g) / M ** 0.5).to(tdt)}
+        names = {"weight": "e.*.down"}
+        first = "a"
+    else:
+        G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "out_dim": M},
+                                 {"x": TType(("T", D), "act"), "R": r},
+                                 {"gate": "e.{expert}.gate", "up": "e.{expert}.up"})
+        inp = torch.randn(T, D, generator=g).to(tdt)
+        w = {"gate": (torch.randn(E, M, D, generator=g) / D ** 0.5).to(tdt),
+             "up": (torch.randn(E, M, D, generator=g) / D ** 0.5).to(tdt)}
+        names = {"gate": "e.*.gate", "up": "e.*.up"}
+        first = "x"
+    outs = G.nodes[nid]["outputs"]
+    n_out = M if op != "moe_down" else D
+    values = {first: inp.to(DEV), "R": dev_r,
+              **{o: poison(torch.empty(T * K, n_out, dtype=tdt, device=DEV)) for o in outs}}
+    runner.run_all(_lower(G, nid, dtype), values=values,
+                   weights={names[k]: v.to(DEV) for k, v in w.items()}, sizes={"T": T, "NP": T * K})
+    refs = OPS[op].run(node_view(G, nid), [inp.float(), ref_r], {k: v.float() for k, v in w.items()}, None)
+    for o, ref in zip(outs, refs):
+        _record(op, dtype, values[o], ref)
+
+
+@given(case=grouped_cases())
+@_settings(25)
+def test_moe_gate_up_silu(runner, case):
+    _grouped(runner, "moe_gate_up_silu", case)
+
+
+@given(case=grouped_cases())
+@_settings(10)
+def test_moe_gate_up(runner, case):
+    _grouped(runner, "moe_gate_up", case)
+
+
+@given(case=grouped_cases())
+@_settings(20)
+def test_moe_down(runner, case):
+    _grouped(runner, "moe_down", case)
+
+
+# -- combine ---------------------------------------------------------------------------------
+
+@st.composite
+def combine_cases(draw):
+    return {"dtype": draw(st.sampled_from(DTYPES)), "T": draw(st.sampled_from(TOKENS)),
+            "K": draw(st.sampled_from((1, 3, 6, 8))), "D": draw(st.sampled_from((40, 45, 64, 1000, 2048))),
+            "seed": draw(st.integers(0, 2**31 - 1))}
+
+
+def _combine(runner, op, case):
+    dtype, T, K, D = case["dtype"], case["T"], case["K"], case["D"]
+    tdt = TORCH_DTYPES[dtype]
+    g = _gen(case["seed"])
+    types = {"eo": TType((f"T*{K}", D), "act"), "w": TType(("T", K), "f32")}
+    # routing weights summing to about 1, as normalised routing makes them: the routed sum, the
+    # shared output and the residual stay O(1), where rounding to bf16 costs ~2^-9 of each
+    ins = [torch.randn(T * K, D, generator=g).to(tdt), torch.rand(T, K, generator=g) * (2.0 / K)]
+    if op == "moe_combine_residual":
+        types.update(shared=TType(("T", D), "act"), residual=TType(("T", D), "act"))
+        ins += [torch.randn(T, D, generator=g).to(tdt), torch.randn(T, D, generator=g).to(tdt)]
+    G, nid = single_op_graph(tiny_model(), op, {}, types, {})
+    (out,) = G.nodes[nid]["outputs"]
+    values = {name: t.to(DEV) for name, t in zip(types, ins)}
+    values[out] = poison(torch.empty(T, D, dtype=tdt, device=DEV))
+    runner.run_all(_lower(G, nid, dtype), values=values, sizes={"T": T, "NP": T * K})
+    (ref,) = OPS[op].run(node_view(G, nid), [t.float() for t in ins], {}, None)
+    _record(op, dtype, values[out], ref)
+
+
+@given(case=combine_cases())
+@_settings(12)
+def test_moe_combine(runner, case):
+    _combine(runner, "moe_combine", case)
+
+
+@given(case=combine_cases())
+@_settings(20)
+def test_moe_combine_residual(runner, case):
+    _combine(runner, "moe_combine_residual", case)
