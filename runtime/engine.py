@@ -104,7 +104,8 @@ class Engine:
         impl = None
         if backend == "cuda":
             from .cuda_backend import CudaBackend  # imports the driver only when asked for
-            impl = CudaBackend.create(spec, graphs, weights, device=device, dtype=dtype, bundle_dir=bundle_dir, arch=arch)
+            impl = CudaBackend.create(spec, graphs, weights, device=device, dtype=dtype, bundle_dir=bundle_dir,
+                                      arch=arch, block_size=kwargs.get("block_size", 16))
         return cls(spec, graphs, weights, backend=backend, device=device, dtype=dtype, backend_impl=impl, **kwargs)
 
     def _default_num_blocks(self, blocks_per_seq: int, max_num_seqs: int) -> int:
@@ -170,9 +171,16 @@ class Engine:
 
     # ---- public API ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def logits(self, prompts) -> list[torch.Tensor]:
-        """Prefill each prompt; return its logits at every position ([len, vocab] float32 each)."""
+    def logits(self, prompts, decode_after: int | None = None) -> list[torch.Tensor]:
+        """Logits at every position of each prompt ([len, vocab] float32 each).
+
+        By default each prompt is one prefill.  With ``decode_after=n`` the first n tokens
+        are prefilled and the rest are fed one decode step at a time (teacher forcing), so
+        the paged decode path is what computes positions n and later.
+        """
         prompts = self._check_prompts(prompts)
+        if decode_after is not None and decode_after < 1:
+            raise InputError(f"decode_after must be >= 1, got {decode_after}")
         results: list[torch.Tensor | None] = [None] * len(prompts)
         pending = list(enumerate(prompts))
         while pending:
@@ -185,16 +193,42 @@ class Engine:
                 self.tables.reserve(seq.seq_id, len(p))  # raises CacheFullError if even one prompt cannot fit
                 batch.append((i, seq))
             try:
-                out = self._step("prefill", [s for _, s in batch])
+                self._logits_batch([s for _, s in batch], decode_after, results, [i for i, _ in batch])
             finally:
                 for _, s in batch:
                     self.tables.release(s.seq_id)
-            start = 0
-            for i, s in batch:
-                results[i] = out[start:start + len(s.prompt)]
-                start += len(s.prompt)
             pending = pending[len(batch):]
         return results
+
+    def _logits_batch(self, seqs: list[Sequence], decode_after, results, slots) -> None:
+        if decode_after is None:
+            out = self._step("prefill", seqs)
+            start = 0
+            for i, s in zip(slots, seqs):
+                results[i] = out[start:start + len(s.prompt)]
+                start += len(s.prompt)
+            return
+        # Prefill the head of every prompt, then one decode step per further position.
+        full = {s.seq_id: s.prompt for s in seqs}
+        rows = {s.seq_id: [] for s in seqs}
+        for s in seqs:
+            s.prompt = full[s.seq_id][:decode_after]
+        out = self._step("prefill", seqs)
+        start = 0
+        for s in seqs:
+            rows[s.seq_id].append(out[start:start + len(s.prompt)])
+            start += len(s.prompt)
+        while True:
+            active = [s for s in seqs if len(s.prompt) < len(full[s.seq_id])]
+            if not active:
+                break
+            for s in active:
+                s.prompt = full[s.seq_id][:len(s.prompt) + 1]
+            out = self._step("decode", active)
+            for j, s in enumerate(active):
+                rows[s.seq_id].append(out[j:j + 1])
+        for i, s in zip(slots, seqs):
+            results[i] = torch.cat(rows[s.seq_id])
 
     @torch.inference_mode()
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationOutput]:

@@ -1,0 +1,306 @@
+"""`dsgraph bench`: DeepSeek-V2-Lite (random bf16 weights, full size) on one GPU, against the
+memory roofline and against transformers eager, in one run.
+
+What it prints and writes (JSON):
+  - the measured device-to-device copy bandwidth (the ceiling for memory-bound decode);
+  - prefill tokens/s for 1x2048 and 32x512;
+  - decode ms/step and tokens/s for batch 1/8/32/128 x context 512/4096, the bytes each step
+    must read (touched expert weights, attention, dense layer, lm_head, cache) and the
+    achieved fraction of the copy bandwidth;
+  - the same workloads through transformers (DeepseekV2ForCausalLM, eager, same weights);
+  - a per-kernel breakdown of one decode step.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+
+DECODE_CASES = [(1, 512), (8, 512), (32, 512), (128, 512), (1, 4096), (8, 4096), (32, 4096), (128, 4096)]
+PREFILL_CASES = [(1, 2048), (32, 512)]
+HF_DECODE_CASES = [(1, 512), (32, 512)]
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", default=None, help="default: model_specs/deepseek_v2_lite.yaml")
+    p.add_argument("--json", default="bench.json", metavar="FILE", help="where to write every number")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
+    p.add_argument("--quick", action="store_true", help="fewer cases (batch 1 and 32, context 512)")
+    p.add_argument("--block-size", type=int, default=64)
+
+
+def _timeit(fn, iters: int, warmup: int = 2) -> float:
+    """Median milliseconds of fn() over iters, timed with CUDA events."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy (read + write counted), 2 GiB buffers."""
+    import torch
+    n = 2 << 30
+    x = torch.empty(n, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = _timeit(lambda: y.copy_(x), 10)
+    del x, y
+    return 2 * n / (ms / 1e3)
+
+
+def decode_bytes(dims: dict, first_dense: int, batch: int, ctx: int, elt: int = 2) -> dict:
+    """Bytes one decode step must read: touched weights (expected distinct experts) and the cache."""
+    D, H, C, R, N, V = (dims[k] for k in ("hidden", "heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                                          "v_head_dim"))
+    E, K, M, I, L = dims["experts"], dims["top_k"], dims["moe_intermediate"], dims["intermediate"], dims["layers"]
+    Q = dims["q_lora_rank"]
+    q = D * H * (N + R) if not Q else D * Q + Q * H * (N + R)
+    attn = (q + D * (C + R) + C * H * (N + V) + H * V * D) * elt * L
+    dense = 3 * D * I * elt * first_dense
+    touched = E * (1 - (1 - K / E) ** batch)
+    moe_layers = L - first_dense
+    experts = touched * 3 * D * M * elt * moe_layers
+    shared = 3 * D * M * dims["shared_experts"] * elt * moe_layers
+    router = E * D * 4 * moe_layers
+    head = dims["vocab"] * D * elt
+    cache = batch * ctx * (C + R) * elt * L
+    parts = {"attention": attn, "dense_ffn": dense, "routed_experts": experts, "shared_experts": shared,
+             "router": router, "lm_head": head, "cache": cache}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _decode_ctx(engine, batch: int, ctx: int):
+    """A decode StepContext for `batch` sequences that each already hold `ctx - 1` cached tokens."""
+    import torch
+
+    from ir.context import StepContext
+    bs = engine.block_size
+    ids, slots = [], []
+    for b in range(batch):
+        engine.tables.reserve(10_000_000 + b, ctx)
+        slots.extend(engine.tables.slot_mapping(10_000_000 + b, ctx - 1, ctx))
+    seq_ids = [10_000_000 + b for b in range(batch)]
+    dev = engine.device
+    step = StepContext(positions=torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev),
+                       query_lens=[1] * batch, context_lens=[ctx] * batch,
+                       block_tables=engine.tables.table_tensor(seq_ids, dev),
+                       slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                       kv_cache=engine.cache.layers, block_size=bs)
+    tokens = torch.randint(0, engine.vocab, (batch,), device=dev)
+    return seq_ids, step, tokens
+
+
+def _prefill_ctx(engine, batch: int, length: int):
+    import torch
+
+    from ir.context import StepContext
+    seq_ids, slots = [], []
+    for b in range(batch):
+        sid = 20_000_000 + b
+        engine.tables.reserve(sid, length)
+        slots.extend(engine.tables.slot_mapping(sid, 0, length))
+        seq_ids.append(sid)
+    dev = engine.device
+    step = StepContext(positions=torch.arange(length, device=dev).repeat(batch),
+                       query_lens=[length] * batch, context_lens=[length] * batch,
+                       block_tables=engine.tables.table_tensor(seq_ids, dev),
+                       slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                       kv_cache=engine.cache.layers, block_size=engine.block_size)
+    return seq_ids, step, torch.randint(0, engine.vocab, (batch * length,), device=dev)
+
+
+def _release(engine, seq_ids):
+    for s in seq_ids:
+        engine.tables.release(s)
+
+
+def run_bench(args) -> int:
+    """benchmark DeepSeek-V2-Lite decode/prefill against the roofline and transformers"""
+    import torch
+
+    from .engine import Engine
+    from .errors import InputError
+    if not torch.cuda.is_available():
+        raise InputError("dsgraph bench needs a CUDA GPU")
+    from .cli import DEFAULT_SPEC
+    spec_path = args.spec or str(DEFAULT_SPEC)
+    result = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
+              "versions": {"torch": torch.__version__, "python": platform.python_version()}, "spec": spec_path}
+    try:
+        from codegen.nvrtc import nvrtc_version
+        result["versions"]["nvrtc"] = ".".join(map(str, nvrtc_version()))
+    except Exception:  # noqa: BLE001
+        pass
+    bw = copy_bandwidth()
+    result["copy_bandwidth_GBps"] = bw / 1e9
+    print(f"device-to-device copy: {bw / 1e12:.2f} TB/s", flush=True)
+
+    decode_cases = [(1, 512), (32, 512)] if args.quick else DECODE_CASES
+    prefill_cases = [(32, 512)] if args.quick else PREFILL_CASES
+    max_tokens = max(b * c for b, c in decode_cases + prefill_cases)
+    num_blocks = math.ceil(max_tokens / args.block_size) + 8 * max(b for b, _ in decode_cases)
+    t0 = time.perf_counter()
+    engine = Engine.from_spec(spec_path, backend="cuda", device="cuda", dtype="bf16", block_size=args.block_size,
+                              num_blocks=num_blocks, max_seq_len=8192, max_num_seqs=256)
+    result["load_seconds"] = time.perf_counter() - t0
+    backend = engine.backend
+    dims = engine.spec.dims
+    first_dense = engine.spec.plan.first_k_dense_replace
+
+    with torch.inference_mode():
+        result["prefill"] = []
+        for batch, length in prefill_cases:
+            seq_ids, step, ids = _prefill_ctx(engine, batch, length)
+            ms = _timeit(lambda: backend.forward("prefill", ids, step), max(3, args.iters // 3), warmup=1)
+            _release(engine, seq_ids)
+            row = {"batch": batch, "length": length, "ms": ms, "tokens_per_s": batch * length / (ms / 1e3)}
+            result["prefill"].append(row)
+            print(f"prefill {batch}x{length}: {ms:.1f} ms, {row['tokens_per_s']:.0f} tok/s", flush=True)
+
+        result["decode"] = []
+        for batch, ctx in decode_cases:
+            seq_ids, step, ids = _decode_ctx(engine, batch, ctx)
+            ms = _timeit(lambda: backend.forward("decode", ids, step), args.iters)
+            _release(engine, seq_ids)
+            need = decode_bytes(dims, first_dense, batch, ctx)
+            row = {"batch": batch, "context": ctx, "ms": ms, "tokens_per_s": batch / (ms / 1e3),
+                   "bytes": need, "floor_ms": need["total"] / bw * 1e3,
+                   "fraction_of_bandwidth": need["total"] / (ms / 1e3) / bw}
+            result["decode"].append(row)
+            print(f"decode b={batch} ctx={ctx}: {ms:.2f} ms/step (floor {row['floor_ms']:.2f}), "
+                  f"{row['fraction_of_bandwidth'] * 100:.0f}% of copy bandwidth", flush=True)
+
+        # Per-kernel breakdown of one decode step (batch 1, context 512); syncs after every launch.
+        seq_ids, step, ids = _decode_ctx(engine, 1, 512)
+        backend.forward("decode", ids, step)
+        backend.profile = []
+        torch.cuda.synchronize()
+        wall = time.perf_counter()
+        backend.forward("decode", ids, step)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - wall) * 1e3
+        prof, backend.profile = backend.profile, None
+        _release(engine, seq_ids)
+        by_family: dict[str, list] = {}
+        for family, _, ms in prof:
+            by_family.setdefault(family, []).append(ms)
+        result["decode_breakdown_b1_ctx512"] = {
+            "launches": len(prof), "kernel_ms": sum(ms for *_, ms in prof), "wall_ms_profiled": wall,
+            "families": {f: {"launches": len(v), "ms": sum(v)} for f, v in sorted(by_family.items(),
+                                                                                    key=lambda kv: -sum(kv[1]))}}
+
+    if not args.no_transformers:
+        result["transformers"] = _bench_transformers(engine, args, prefill_cases)
+        del engine
+    _print_table(result)
+    with open(args.json, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _bench_transformers(engine, args, prefill_cases) -> dict:
+    """The same workloads through transformers eager on the same weights."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DynamicCache
+
+    from .cli import DEFAULT_SPEC  # noqa: F401
+    cfg_path = __import__("pathlib").Path(__file__).resolve().parent.parent / "model_specs" / "hf_configs" / \
+        "deepseek_v2_lite.json"
+    raw = json.loads(cfg_path.read_text())
+    cfg = DeepseekV2Config(**{k: v for k, v in raw.items() if not k.startswith("_") and k not in ("architectures",
+                                                                                                   "torch_dtype")})
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)   # build in bf16 directly: an fp32 copy would need 63 GB
+    try:
+        with torch.device("meta"):
+            model = DeepseekV2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model = model.to_empty(device="cuda").eval()
+    _load_into_transformers(model, engine)
+    out = {"prefill": [], "decode": []}
+    with torch.inference_mode():
+        for batch, length in prefill_cases:
+            ids = torch.randint(0, cfg.vocab_size, (batch, length), device="cuda")
+            ms = _timeit(lambda: model(ids), 2, warmup=1)
+            out["prefill"].append({"batch": batch, "length": length, "ms": ms,
+                                   "tokens_per_s": batch * length / (ms / 1e3)})
+            print(f"transformers prefill {batch}x{length}: {ms:.0f} ms", flush=True)
+        for batch, ctx in HF_DECODE_CASES:
+            ids = torch.randint(0, cfg.vocab_size, (batch, ctx - 1), device="cuda")
+            cache = DynamicCache(config=cfg)
+            kw = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
+            model(ids, **{kw: cache}, use_cache=True)
+            nxt = torch.randint(0, cfg.vocab_size, (batch, 1), device="cuda")
+            base = cache.get_seq_length()
+
+            def step():
+                cache.crop(base)
+                model(nxt, **{kw: cache}, use_cache=True)
+            ms = _timeit(step, 3, warmup=1)
+            out["decode"].append({"batch": batch, "context": ctx, "ms": ms, "tokens_per_s": batch / (ms / 1e3)})
+            print(f"transformers decode b={batch} ctx={ctx}: {ms:.1f} ms/step", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def _load_into_transformers(model, engine) -> None:
+    """Copy dsgraph's weights into a transformers model (it fuses experts in memory)."""
+    import torch
+    params = dict(model.named_parameters())
+    w = engine.backend.weights
+    with torch.no_grad():
+        for name, t in w.items():
+            if ".experts.*." in name:
+                prefix, _, role = name.partition(".experts.*.")
+                if role.startswith("down_proj"):
+                    params[f"{prefix}.experts.down_proj"].copy_(t)
+                else:
+                    fused = params[f"{prefix}.experts.gate_up_proj"]
+                    M = fused.shape[1] // 2
+                    (fused[:, :M] if role.startswith("gate_proj") else fused[:, M:]).copy_(t)
+            elif name in params:
+                params[name].copy_(t)
+        # Buffers built on the meta device hold garbage after to_empty: rebuild the rotary tables.
+        model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to("cuda")
+
+
+def _print_table(r: dict) -> None:
+    hf = r.get("transformers", {})
+    hf_dec = {(d["batch"], d["context"]): d["ms"] for d in hf.get("decode", [])}
+    hf_pre = {(d["batch"], d["length"]): d["tokens_per_s"] for d in hf.get("prefill", [])}
+    print()
+    print(f"dsgraph bench — {r['gpu']}, {r['date']}, copy {r['copy_bandwidth_GBps'] / 1e3:.2f} TB/s")
+    print(f"{'case':<26}{'dsgraph':>14}{'floor':>10}{'% bw':>7}{'transformers':>15}{'speed-up':>10}")
+    for d in r["decode"]:
+        key = (d["batch"], d["context"])
+        t = hf_dec.get(key)
+        print(f"{'decode b=%d ctx=%d' % key:<26}{d['ms']:>11.2f} ms{d['floor_ms']:>7.2f} ms"
+              f"{d['fraction_of_bandwidth'] * 100:>6.0f}%" + (f"{t:>12.1f} ms{t / d['ms']:>9.1f}x" if t else ""))
+    for p in r["prefill"]:
+        key = (p["batch"], p["length"])
+        t = hf_pre.get(key)
+        print(f"{'prefill %dx%d' % key:<26}{p['tokens_per_s'] / 1e3:>9.1f}k tok/s{'':>17}"
+              + (f"{t / 1e3:>9.1f}k tok/s{p['tokens_per_s'] / t:>6.1f}x" if t else ""))
+    br = r.get("decode_breakdown_b1_ctx512")
+    if br:
+        print(f"\ndecode b=1 ctx=512 breakdown: {br['launches']} launches, {br['kernel_ms']:.2f} ms in kernels")
+        for fam, v in list(br["families"].items())[:12]:
+            print(f"  {fam:<28}{v['launches']:>5} launches {v['ms']:>8.3f} ms")
