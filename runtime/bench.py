@@ -98,7 +98,7 @@ def _decode_ctx(engine, batch: int, ctx: int):
     dev = engine.device
     step = StepContext(positions=torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev),
                        query_lens=[1] * batch, context_lens=[ctx] * batch,
-                       block_tables=engine.tables.table_tensor(seq_ids, dev),
+                       block_tables=engine.tables.table_tensor(seq_ids, dev, width=engine.blocks_per_seq),
                        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
                        kv_cache=engine.cache.layers, block_size=bs)
     tokens = torch.randint(0, engine.vocab, (batch,), device=dev)
@@ -122,6 +122,30 @@ def _prefill_ctx(engine, batch: int, length: int):
                        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
                        kv_cache=engine.cache.layers, block_size=engine.block_size)
     return seq_ids, step, torch.randint(0, engine.vocab, (batch * length,), device=dev)
+
+
+def _breakdown(step_fn) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    step_fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step_fn()
+        torch.cuda.synchronize()
+    families: dict[str, dict] = {}
+    total, launches = 0.0, 0
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if us <= 0 or ev.key.startswith(("Memcpy", "Memset", "cudaGraph")):
+            continue
+        family = ev.key.split("__")[0] if "__" in ev.key else "cublas/torch"
+        f = families.setdefault(family, {"launches": 0, "ms": 0.0})
+        f["launches"] += ev.count
+        f["ms"] += us / 1e3
+        total += us / 1e3
+        launches += ev.count
+    return {"launches": launches, "kernel_ms": total,
+            "families": dict(sorted(families.items(), key=lambda kv: -kv[1]["ms"]))}
 
 
 def _release(engine, seq_ids):
@@ -185,24 +209,11 @@ def run_bench(args) -> int:
             print(f"decode b={batch} ctx={ctx}: {ms:.2f} ms/step (floor {row['floor_ms']:.2f}), "
                   f"{row['fraction_of_bandwidth'] * 100:.0f}% of copy bandwidth", flush=True)
 
-        # Per-kernel breakdown of one decode step (batch 1, context 512); syncs after every launch.
+        # Per-kernel breakdown of one decode step (batch 1, context 512), from the CUPTI trace of a
+        # graph replay: device time per kernel, no launch overhead, no extra syncs.
         seq_ids, step, ids = _decode_ctx(engine, 1, 512)
-        backend.forward("decode", ids, step)
-        backend.profile = []
-        torch.cuda.synchronize()
-        wall = time.perf_counter()
-        backend.forward("decode", ids, step)
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - wall) * 1e3
-        prof, backend.profile = backend.profile, None
+        result["decode_breakdown_b1_ctx512"] = _breakdown(lambda: backend.forward("decode", ids, step))
         _release(engine, seq_ids)
-        by_family: dict[str, list] = {}
-        for family, _, ms in prof:
-            by_family.setdefault(family, []).append(ms)
-        result["decode_breakdown_b1_ctx512"] = {
-            "launches": len(prof), "kernel_ms": sum(ms for *_, ms in prof), "wall_ms_profiled": wall,
-            "families": {f: {"launches": len(v), "ms": sum(v)} for f, v in sorted(by_family.items(),
-                                                                                    key=lambda kv: -sum(kv[1]))}}
 
     if not args.no_transformers:
         result["transformers"] = _bench_transformers(engine, args, prefill_cases)

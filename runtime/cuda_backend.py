@@ -39,7 +39,9 @@ class CudaBackend:
         # node -> layer, for binding each launch to its layer's cache
         self.layer_of = {phase: {n: d.get("layer") for n, d in G.nodes(data=True)} for phase, G in graphs.items()}
         self.outputs_of = {phase: {n: list(d["outputs"]) for n, d in G.nodes(data=True)} for phase, G in graphs.items()}
-        self.profile = None   # set to a list to record (kernel, ms) per step (syncs per launch!)
+        self.use_graphs = True   # decode steps replay CUDA graphs (turn off to launch eagerly)
+        from .cuda_graphs import DecodeGraphs
+        self.graphs_decode = DecodeGraphs(self)
 
     @classmethod
     def create(cls, spec, graphs, weights, *, device, dtype, block_size: int = 16, bundle_dir=None, arch=None,
@@ -102,18 +104,25 @@ class CudaBackend:
             dtype = self.dtype if buf.dtype == "act" else _VALUE_DTYPES[buf.dtype]
             env[name] = torch.empty(self._shape(buf.shape, sizes), dtype=dtype, device=device)
 
-    def forward(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        plan = self.plans[phase]
-        sizes = self._sizes(ctx)
-        device = ids.device
-        env = {"ids": ids}
+    def _meta(self, ctx: StepContext, device) -> dict:
         qs = torch.tensor([0] + list(ctx.query_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        meta = {
+        return {
             "positions": ctx.positions, "slot_mapping": ctx.slot_mapping,
             "block_tables": ctx.block_tables.to(device=device, dtype=torch.int32),
             "context_lens": torch.tensor(ctx.context_lens, dtype=torch.int32).to(device, non_blocking=True),
             "query_start": qs.to(device, non_blocking=True),
         }
+
+    def forward(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """ids [T] -> logits [T, vocab] float32.  Decode steps replay a CUDA graph per shape bucket."""
+        if phase == "decode" and self.use_graphs and all(q == 1 for q in ctx.query_lens):
+            return self.graphs_decode.run(ids, ctx)
+        return self._forward(phase, ids, ctx, self._meta(ctx, ids.device), self._sizes(ctx))
+
+    def _forward(self, phase: str, ids: torch.Tensor, ctx: StepContext, meta: dict, sizes: dict) -> torch.Tensor:
+        plan = self.plans[phase]
+        device = ids.device
+        env = {"ids": ids}
         layer_of, outputs_of = self.layer_of[phase], self.outputs_of[phase]
         workspaces: dict[str, torch.Tensor] = {}
         last_node = None
@@ -122,15 +131,7 @@ class CudaBackend:
             for out in outputs_of[node]:
                 self._materialize(out, plan, env, sizes, ctx, device)
             if isinstance(step, LibraryCall):
-                if self.profile is not None and step.call != "view":
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    self._library(step, env)
-                    end.record()
-                    end.synchronize()
-                    self.profile.append((f"library:{step.op}", step.node, start.elapsed_time(end)))
-                else:
-                    self._library(step, env)
+                self._library(step, env)
                 continue
             layer = layer_of[node]
             meta["kv_cache"] = ctx.kv_cache[layer] if layer is not None else None
@@ -139,14 +140,7 @@ class CudaBackend:
                 last_node = node
             for ws in self.runner.workspaces(step, values=env, weights=self.weights, ctx=meta, sizes=sizes).items():
                 workspaces.setdefault(*ws)
-            if self.profile is not None:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
             self.runner.run(step, values=env, weights=self.weights, ctx=meta, sizes=sizes, workspaces=workspaces)
-            if self.profile is not None:
-                end.record()
-                end.synchronize()
-                self.profile.append((step.family, step.name, start.elapsed_time(end)))
         return env["logits"].float()
 
     def _library(self, call: LibraryCall, env: dict) -> None:

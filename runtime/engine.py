@@ -72,6 +72,7 @@ class Engine:
             raise InputError(f"num_blocks must be >= 1, got {num_blocks}")
         self.cache = PagedLatentCache(dims["layers"], num_blocks, block_size, spec.model.cache_width, self.dtype, self.device)
         self.tables = BlockTables(BlockAllocator(num_blocks), block_size, blocks_per_seq)
+        self.blocks_per_seq = blocks_per_seq
         self.max_num_seqs = max_num_seqs
         self.backend_name = backend
         self.backend = backend_impl or ReferenceBackend(graphs, weights)
@@ -161,7 +162,9 @@ class Engine:
         ctx = StepContext(
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             query_lens=query_lens, context_lens=context_lens,
-            block_tables=self.tables.table_tensor([s.seq_id for s in seqs], dev),
+            # Decode tables are always max-width so a captured step graph fits every step of a batch size.
+            block_tables=self.tables.table_tensor([s.seq_id for s in seqs], dev,
+                                                  width=self.blocks_per_seq if phase == "decode" else None),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             kv_cache=self.cache.layers, block_size=self.block_size)
         logits = self.backend.forward(phase, torch.tensor(ids, dtype=torch.int64, device=dev), ctx)
