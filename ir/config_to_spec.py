@@ -130,8 +130,12 @@ def _rope_params(cfg: dict) -> dict:
     if factor is None:
         factor = cfg["max_position_embeddings"] / orig
     out.update(factor=factor, original_max_position_embeddings=orig, beta_fast=raw.get("beta_fast") or 32,
-               beta_slow=raw.get("beta_slow") or 1, mscale=raw.get("mscale") or 1.0,
-               mscale_all_dim=raw.get("mscale_all_dim") or 0.0)
+               beta_slow=raw.get("beta_slow") or 1)
+    if raw.get("mscale"):
+        # Left out when unset: transformers then scales cos/sin by mscale(factor) even if
+        # mscale_all_dim is set, which is what RopeConfig's default (0.0, unset) means.
+        out["mscale"] = raw["mscale"]
+    out["mscale_all_dim"] = raw.get("mscale_all_dim") or 0.0
     if "truncate" in raw:
         out["truncate"] = bool(raw["truncate"])
     return out

@@ -41,7 +41,10 @@ def evaluate(expr, env: dict[str, int | None]) -> int:
                 raise ExprError(f"dim {node.id!r} is null (this model has none) but {expr!r} uses it")
             return value
         if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            return _BINOPS[type(node.op)](walk(node.left), walk(node.right))
+            left, right = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.FloorDiv) and right == 0:
+                raise ExprError(f"division by zero in dim expression {expr!r}")
+            return _BINOPS[type(node.op)](left, right)
         raise ExprError(f"unsupported syntax in dim expression {expr!r} (only + - * // and names)")
 
     return walk(tree)

@@ -108,6 +108,11 @@ class _Builder:
                                    layer, kind)
                 env.update(zip(decl.outputs, outs))
                 continue
+            if layer is None:
+                for role, template in decl.weights.items():
+                    if "{layer}" in template:
+                        raise self.spec.error(f"{decl.path}.{role}", f"weight {template!r} uses {{layer}}, but block "
+                                                                     f"{block_name!r} runs outside a decoder layer")
             inputs = [env[i] for i in decl.inputs]
             outputs = [prefix + o for o in decl.outputs]
             attrs = dict(decl.attrs)

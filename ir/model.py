@@ -23,7 +23,7 @@ class RopeConfig:
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
+    mscale: float = 0.0                    # 0 = unset: cos/sin then scale by mscale(factor), as in transformers
     mscale_all_dim: float = 0.0
     truncate: bool = True
 

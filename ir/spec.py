@@ -164,8 +164,10 @@ def _parse_config(loc: Located, data: dict, name: str, model_type: str, dims: di
         raise loc.error("config.rope.scaling", f"rope scaling must be none or yarn, got {values['scaling']!r}")
     if values.get("theta", 1.0) <= 0:
         raise loc.error("config.rope.theta", "theta must be positive")
-    if values.get("scaling") == "yarn" and values.get("factor", 1.0) <= 0:
-        raise loc.error("config.rope.factor", "factor must be positive")
+    if values.get("scaling") == "yarn":
+        for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+            if key in values and values[key] <= 0:
+                raise loc.error(f"config.rope.{key}", f"{key} must be positive, got {values[key]!r}")
     return ModelConfig(name=name, model_type=model_type, dims_items=tuple(sorted(dims.items())),
                        rms_norm_eps=eps, tie_word_embeddings=tie, rope=RopeConfig(**values))
 
@@ -227,6 +229,11 @@ def _parse_op(loc: Located, raw, path: str, dims: dict) -> OpDecl:
                                                  f"(allowed: {', '.join('{' + a + '}' for a in sorted(allowed))})")
             if key in opdef.expert_weights and "expert" not in names:
                 raise loc.error(f"{path}.{key}", f"per-expert weight {value!r} must contain {{expert}}")
+            try:
+                value.format(layer=0, expert=0)
+            except (ValueError, IndexError, KeyError) as exc:
+                raise loc.error(f"{path}.{key}", f"weight name {value!r} is not a valid name template "
+                                                 f"({exc}; write literal braces as {{{{ and }}}})") from None
             weights[key] = value
         elif key in opdef.attrs:
             try:
@@ -304,6 +311,29 @@ def _check_calls(loc: Located, blocks: dict, plan: LayerPlan) -> None:
                 raise loc.error(f"{decl.path}.block", f"unknown block {target!r}")
             if target == block.name:
                 raise loc.error(f"{decl.path}.block", f"block {target!r} calls itself")
+
+    # Walk the calls as the graph builder will inline them, so a cycle (possibly through
+    # {attention}/{ffn}) or a layer placeholder outside a decoder layer is a located error
+    # here rather than a RecursionError or AttributeError there.
+    def walk(name: str, kind: LayerKind | None, stack: list[str]) -> None:
+        for decl in blocks[name].ops:
+            if decl.op != "call":
+                continue
+            target = decl.attrs["block"]
+            if target in ("{attention}", "{ffn}"):
+                if kind is None:
+                    raise loc.error(f"{decl.path}.block", f"{target} names a block of the layer plan; it can only be "
+                                                          f"called inside decoder_layer, but block {name!r} runs outside one")
+                target = getattr(kind, target[1:-1])
+            if target in stack:
+                cycle = " -> ".join(stack[stack.index(target):] + [target])
+                raise loc.error(f"{decl.path}.block", f"blocks call each other in a cycle: {cycle}")
+            walk(target, kind, stack + [target])
+
+    walk("embed", None, ["embed"])
+    walk("head", None, ["head"])
+    for kind in (plan.dense_layer, plan.moe_layer):
+        walk("decoder_layer", kind, ["decoder_layer"])
 
 
 def parse_spec(text: str, file: str = "<spec>") -> Spec:

@@ -47,6 +47,8 @@ def _convert(node, path: str, lines: dict[str, int], file: str):
                 raise SpecError(f"duplicate key {key!r}", file=file, path=path, line=key_node.start_mark.line + 1)
             child = f"{path}.{key}" if path else key
             out[key] = _convert(value_node, child, lines, file)
+            # An entry's line is its key's: a block mapping or list value starts a line below it.
+            lines[child] = key_node.start_mark.line + 1
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_convert(v, f"{path}[{i}]", lines, file) for i, v in enumerate(node.value)]

@@ -182,8 +182,9 @@ class Engine:
         the paged decode path is what computes positions n and later.
         """
         prompts = self._check_prompts(prompts)
-        if decode_after is not None and decode_after < 1:
-            raise InputError(f"decode_after must be >= 1, got {decode_after}")
+        if decode_after is not None and (isinstance(decode_after, bool) or not isinstance(decode_after, int)
+                                         or decode_after < 1):
+            raise InputError(f"decode_after must be None or an integer >= 1, got {decode_after!r}")
         results: list[torch.Tensor | None] = [None] * len(prompts)
         pending = list(enumerate(prompts))
         while pending:

@@ -65,11 +65,11 @@ class Attr:
     def parse(self, value, dims: dict[str, int | None]):
         try:
             if self.kind == "dim":
-                return evaluate(value, dims)
+                return _positive(evaluate(value, dims), value)
             if self.kind == "dims":
                 if not isinstance(value, list) or not value:
                     raise AttrError(f"expected a non-empty list of dims, got {value!r}")
-                return [evaluate(v, dims) for v in value]
+                return [_positive(evaluate(v, dims), v) for v in value]
         except ExprError as exc:
             raise AttrError(str(exc)) from None
         if self.kind == "int":
@@ -96,6 +96,14 @@ class Attr:
                 raise AttrError(f"expected a string, got {value!r}")
             return value
         raise AssertionError(f"unknown attr kind {self.kind}")
+
+
+def _positive(n: int, expr) -> int:
+    # A size, head count or expert count of zero or less would bind a weight of impossible shape.
+    if n < 1:
+        shown = str(n) if isinstance(expr, int) else f"{expr!r} = {n}"
+        raise AttrError(f"a dim must be a positive integer, got {shown}")
+    return n
 
 
 class ShapeError(ValueError):

@@ -1,0 +1,109 @@
+"""ir.config_to_spec: the shipped specs are exactly what `--from-config` writes, they load,
+and both phase graphs built from them pass the verifier."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ir import PHASES, SpecError, build_graph, load_spec, verify
+from ir.config_to_spec import spec_from_config, spec_from_config_file
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECS = ROOT / "model_specs"
+SHIPPED = ["deepseek_v2_lite", "deepseek_v2", "deepseek_v3"]
+
+
+def _config(name: str) -> dict:
+    return json.loads((SPECS / "hf_configs" / f"{name}.json").read_text())
+
+
+def _title(text: str) -> str:
+    first = text.splitlines()[0]
+    assert first.startswith("# ")
+    return first[2:]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_spec_is_what_from_config_writes(name):
+    text = (SPECS / f"{name}.yaml").read_text()
+    assert spec_from_config(_config(name), name=name, title=_title(text)) == text
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_spec_builds_and_verifies_in_both_phases(name):
+    spec = load_spec(str(SPECS / f"{name}.yaml"))
+    assert spec.file == f"{name}.yaml" and spec.name == name
+    graphs = {phase: build_graph(spec, phase) for phase in PHASES}
+    for phase, G in graphs.items():
+        verify(G)
+        assert G.graph["phase"] == phase
+        assert G.graph["values"]["logits"].shape == ("T", spec.dims["vocab"])
+    assert graphs["prefill"].graph["weights"] == graphs["decode"].graph["weights"]
+
+
+def test_shipped_dims_are_the_published_ones():
+    lite, v2, v3 = (load_spec(str(SPECS / f"{n}.yaml")) for n in SHIPPED)
+    assert lite.dims["q_lora_rank"] is None and lite.dims["experts"] == 64 and lite.dims["top_k"] == 6
+    assert v2.dims["q_lora_rank"] == 1536 and v2.dims["experts"] == 160 and v2.dims["layers"] == 60
+    assert v3.dims["experts"] == 256 and v3.dims["top_k"] == 8 and v3.plan.first_k_dense_replace == 3
+    for spec in (lite, v2, v3):
+        assert spec.model.cache_width == 576
+
+
+def test_default_name_and_title_come_from_the_config():
+    text = spec_from_config(_config("deepseek_v2_lite"))
+    assert text.startswith("# deepseek_v2_lite (deepseek_v2)\n")
+    assert "\nname: deepseek_v2_lite\n" in text
+
+
+def test_config_file_round_trip(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_config("deepseek_v3")))
+    assert spec_from_config_file(str(path)) == spec_from_config(_config("deepseek_v3"))
+
+
+def test_legacy_rope_scaling_and_v5_rope_parameters_give_the_same_spec():
+    legacy = _config("deepseek_v2_lite")
+    modern = dict(legacy)
+    scaling = modern.pop("rope_scaling")
+    modern["rope_parameters"] = {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": "yarn",
+                                 "rope_theta": modern.pop("rope_theta")}
+    assert spec_from_config(modern) == spec_from_config(legacy)
+
+
+def _broken(**changes) -> dict:
+    cfg = _config("deepseek_v2_lite")
+    for key, value in changes.items():
+        if value is ...:
+            del cfg[key]
+        else:
+            cfg[key] = value
+    return cfg
+
+
+@pytest.mark.parametrize("changes, path, message", [
+    (dict(model_type="llama"), "model_type", "model_type must be deepseek_v2 or deepseek_v3, got 'llama'"),
+    (dict(hidden_size=...), "hidden_size", "config.json lacks 'hidden_size'"),
+    (dict(kv_lora_rank=None), "kv_lora_rank", "config.json lacks 'kv_lora_rank'"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling", "rope scaling 'linear' is not supported"),
+    (dict(rope_scaling={"type": "yarn", "factor": 2.0}), "rope_scaling", "needs original_max_position_embeddings"),
+    (dict(scoring_func="sigmoid"), "topk_method", "routing sigmoid/greedy is not supported"),
+    (dict(n_shared_experts=0), "n_shared_experts", "without shared experts"),
+])
+def test_configs_we_cannot_translate(changes, path, message):
+    with pytest.raises(SpecError) as err:
+        spec_from_config(_broken(**changes))
+    assert err.value.file == "config.json" and err.value.path == path
+    assert message in str(err.value)
+
+
+def test_unreadable_config_files(tmp_path):
+    with pytest.raises(SpecError, match="cannot read config"):
+        spec_from_config_file(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model_type": "deepseek_v2",\n oops}')
+    with pytest.raises(SpecError) as err:
+        spec_from_config_file(str(bad))
+    assert err.value.line == 2 and "not valid JSON" in str(err.value)
