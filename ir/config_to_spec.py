@@ -24,7 +24,7 @@ Q_DIRECT = """\
 """
 Q_LORA = """\
       - {op: linear, in: x, weight: "model.layers.{layer}.self_attn.q_a_proj.weight", out_dim: q_lora_rank, out: q_a}                               # [T, Q]
-      - {op: rms_norm, in: q_a, weight: "model.layers.{layer}.self_attn.q_a_layernorm.weight", out: q_a_n}
+      - {op: rms_norm, in: q_a, weight: "model.layers.{layer}.self_attn.q_a_layernorm.weight", eps: 1.0e-6, out: q_a_n}   # eps fixed, as in transformers
       - {op: linear, in: q_a_n, weight: "model.layers.{layer}.self_attn.q_b_proj.weight", out_dim: "heads * (qk_nope_head_dim + qk_rope_head_dim)", out: q}  # [T, H*(N+R)]
 """
 
@@ -61,7 +61,7 @@ blocks:
       - {{op: split, in: q, heads: heads, sizes: [qk_nope_head_dim, qk_rope_head_dim], out: [q_nope, q_pe]}}                                        # [T, H, N], [T, H, R]
       - {{op: linear, in: x, weight: "model.layers.{{layer}}.self_attn.kv_a_proj_with_mqa.weight", out_dim: "kv_lora_rank + qk_rope_head_dim", out: ckv}}  # [T, C+R]
       - {{op: split, in: ckv, sizes: [kv_lora_rank, qk_rope_head_dim], out: [c, k_pe]}}                                                             # [T, C], [T, R]
-      - {{op: rms_norm, in: c, weight: "model.layers.{{layer}}.self_attn.kv_a_layernorm.weight", out: c_n}}
+      - {{op: rms_norm, in: c, weight: "model.layers.{{layer}}.self_attn.kv_a_layernorm.weight", eps: 1.0e-6, out: c_n}}   # eps fixed, as in transformers
       - {{op: rope, in: [q_pe, k_pe], pairs: {rope_pairs}, output: {rope_output}, out: [q_rot, k_rot]}}
       - {{op: cache_write, in: [c_n, k_rot], out: kv_cache}}                                                                                          # rows [C | R]
       - {{op: mla_attention, in: [q_nope, q_rot, kv_cache], kv_b: "model.layers.{{layer}}.self_attn.kv_b_proj.weight", out: o}}                     # [T, H*V]

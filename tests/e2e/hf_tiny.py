@@ -95,8 +95,11 @@ def load_reference(model_dir: Path):
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(model_dir)
     cls = _model_class(config)
-    model = cls.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
-                                experts_implementation="eager")
+    try:
+        model = cls.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
+                                    experts_implementation="eager")
+    except TypeError:  # transformers releases before the experts_implementation switch
+        model = cls.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     model.generation_config.eos_token_id = None  # never stop early: compare fixed-length runs
     return model
@@ -104,14 +107,17 @@ def load_reference(model_dir: Path):
 
 @torch.no_grad()
 def hf_logits(model, prompt: list[int]) -> torch.Tensor:
-    """[len, vocab] logits of one prompt, no padding."""
-    return model(torch.tensor([prompt])).logits[0].float()
+    """[len, vocab] logits of one prompt, no padding (on the model's device)."""
+    device = next(model.parameters()).device
+    return model(torch.tensor([prompt], device=device)).logits[0].float()
 
 
 @torch.no_grad()
 def hf_generate(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and the logits each step chose from ([new, vocab]), through transformers' cache."""
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    device = next(model.parameters()).device
+    out = model.generate(torch.tensor([prompt], device=device),
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
                          max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     tokens = out.sequences[0, len(prompt):].tolist()

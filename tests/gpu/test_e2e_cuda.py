@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from tests.tiny_hf import FLAVOURS, hf_forward_logits, save
+from tests.e2e.hf_tiny import CONFIGS, build, hf_generate, hf_logits, load_reference
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -26,11 +26,11 @@ def _report(key, value):
         json.dump(data, open(REPORT, "w"), indent=1)
 
 
-@pytest.fixture(scope="module", params=sorted(FLAVOURS))
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
 def tiny(request, tmp_path_factory):
     from runtime import Engine
-    path = tmp_path_factory.mktemp(request.param)
-    model = save(request.param, path).to(DEV)
+    path = build(request.param, tmp_path_factory.mktemp(request.param))
+    model = load_reference(path).to(DEV)
     engine = Engine.from_pretrained(path, backend="cuda", device=DEV, dtype=torch.float32, block_size=5,
                                     num_blocks=64, max_seq_len=128)
     return request.param, model, engine
@@ -49,7 +49,7 @@ def test_tiny_prefill_and_decode_match_transformers(tiny):
     for decode_after in (None, 4):
         ours = engine.logits(PROMPTS, decode_after=decode_after)
         for p, o in zip(PROMPTS, ours):
-            ref = hf_forward_logits(model, p)
+            ref = hf_logits(model, p)
             rel = _rel(o, ref)
             worst = max(worst, rel)
             torch.testing.assert_close(o, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
@@ -61,8 +61,7 @@ def test_tiny_greedy_tokens_match_transformers(tiny):
     name, model, engine = tiny
     outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=12))
     for p, o in zip(PROMPTS, outs):
-        ref = model.generate(torch.tensor([p], device=DEV), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        ref, _ = hf_generate(model, p, 12)
         assert o.token_ids == ref
 
 
@@ -163,3 +162,24 @@ def test_graph_replay_equals_eager_decode(tiny):
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
     assert engine.backend.graphs_decode.graphs, "no decode graph was captured"
+
+
+def test_bad_input_on_the_gpu_path_fails_before_any_kernel(tiny, tmp_path):
+    from codegen.bundle import BundleError, compile_bundle
+    from runtime import Engine, InputError
+    name, _, engine = tiny
+    with pytest.raises(InputError, match="out of range"):
+        engine.logits([[1, 2, engine.vocab]])
+    with pytest.raises(InputError, match="holds at most"):
+        engine.logits([[1] * (engine.max_seq_len + 1)])
+    # A bundle compiled for another architecture is refused, not launched.
+    other = compile_bundle(engine.spec, tmp_path / "sm80", arch="sm_80", dtype="fp32", block_size=5,
+                           cache_dir=tmp_path / "cache")
+    with pytest.raises(BundleError, match="compiled for sm_80"):
+        Engine._with_backend(engine.spec, engine.graphs, engine.backend.weights, backend="cuda", device=DEV,
+                             dtype=torch.float32, block_size=5, bundle_dir=other.path)
+    # Tokens after the failures are unchanged: nothing leaked into another sequence's cache.
+    from runtime import SamplingParams
+    a = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))[0].token_ids
+    b = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))[0].token_ids
+    assert a == b
