@@ -1,9 +1,14 @@
 """mla_decode_attention: paged attention over the compressed [c_n | k_rot] cache rows.
 
 Two launches: `split` (CTA = token x head group x KV split; each cache row is read once
-per head group into shared memory with 16-byte loads) and `combine` (merge the splits'
-partial max / sum / accumulators from the workspace). The number of splits S is a size
-expression: enough CTAs to fill the GPU twice over, never more than one per KV tile pair.
+per head group into shared memory with 16-byte loads) and `combine` (merge the non-empty
+splits' partial max / sum / accumulators from the workspace).
+
+bf16 / fp16 with (C + R) % 16 == 0 and C % 64 == 0 (V2-Lite: 512 + 64) take the tensor-core
+split (MlaDecodeMma: 16 heads as the mma M dimension, 32-row tiles through a 2-deep cp.async
+ring, 4 warps, two CTAs per SM); fp32 and odd shapes the CUDA-core one (MlaDecode). The number
+of splits S is a size expression: about SLOTS CTAs in all (one wave at two CTAs per SM), never
+more than one split per KT-row tile of the longest context.
 
 The block-table width comes from the runtime size ``W`` (block_tables.shape[1]).
 """
@@ -23,6 +28,23 @@ KT = 32                 # cache rows per tile (one per lane in the score phase)
 MAX_HG = 16             # heads per CTA: all of them share each tile read
 SM_TARGET = 2 * 132     # CTAs to aim for (two waves' worth on an H100/H200)
 COMBINE_THREADS = 128
+MMA_WARPS = 4
+MMA_THREADS = 32 * MMA_WARPS
+MMA_HG = 16             # heads per CTA on the tensor-core path (the mma M dimension)
+NSTAGE = 2              # cp.async ring depth (tiles in flight per CTA)
+SLOTS = 2 * 132         # resident CTAs of the tensor-core split (2 per SM: ~81 KB of shared memory each)
+# Measured on the H200 at 64 x 4096: this (4 warps, 2 stages, 2 CTAs / SM) 134 us; 8 warps,
+# 4 stages, 1 CTA / SM 173 us -- more independent CTAs per SM beat a deeper ring.
+MAX_S = 2 * 132         # upper bound of S on either path (the combine's shared arrays)
+
+
+def use_mma(C: int, R: int, dtype: str) -> bool:
+    return dtype in ("bf16", "fp16") and (C + R) % 16 == 0 and C % (16 * MMA_WARPS) == 0
+
+
+def mma_smem_bytes(C: int, R: int) -> int:
+    kp = C + R + 8
+    return NSTAGE * KT * kp * 2 + MMA_WARPS * (KT // 8) * 32 * 16
 
 
 def smem_bytes(C: int, R: int, HG: int, elem: int) -> int:
@@ -41,18 +63,25 @@ def lower(nid, G, opts):
     _, R = inner_dims(G, ins[1])
     if opts.block_size < 1:
         raise LoweringError(f"block_size must be >= 1, got {opts.block_size}")
-    HG = min(H, MAX_HG)
-    NG = -(-H // HG)
-    smem = smem_bytes(C, R, HG, ELEM_BYTES[opts.dtype])
-    S = f"min(cdiv(MAXCTX, {2 * KT}), max(1, cdiv({SM_TARGET}, T * {NG})))"
+    mma = use_mma(C, R, opts.dtype)
+    if mma:
+        HG, threads = MMA_HG, MMA_THREADS
+        NG = -(-H // HG)
+        smem = mma_smem_bytes(C, R)
+        S = f"min(cdiv(MAXCTX, {KT}), max(1, {SLOTS} // (T * {NG})))"
+    else:
+        HG, threads = min(H, MAX_HG), THREADS
+        NG = -(-H // HG)
+        smem = smem_bytes(C, R, HG, ELEM_BYTES[opts.dtype])
+        S = f"min(cdiv(MAXCTX, {2 * KT}), max(1, cdiv({SM_TARGET}, T * {NG})))"
     base = {"act": act_ctype(opts), "C": C, "R": R, "H": H, "HG": HG, "KT": KT,
-            "block_size": opts.block_size, "threads": THREADS}
+            "block_size": opts.block_size, "threads": threads, "mma": mma, "nstage": NSTAGE, "max_s": MAX_S}
     name = kernel_name(FAMILY, [opts.dtype, f"c{C}_r{R}", f"h{H}", f"page{opts.block_size}"])
     ws = (Workspace("acc", ("T", f"{H} * ({S})", C), "f32"), Workspace("ml", ("T", f"{H} * ({S})", 2), "f32"))
     scale = G.graph["model"].softmax_scale
     split = KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=name, params={**base, "stage": "split", "smem": smem},
-        nodes=(nid,), grid=("T", NG, S), block=(THREADS, 1, 1), smem=smem, workspace=ws,
+        nodes=(nid,), grid=("T", NG, S), block=(threads, 1, 1), smem=smem, workspace=ws,
         args=(Arg("ptr", f"value:{ins[0]}"), Arg("i64", f"stride:{ins[0]}:0"), Arg("i64", f"stride:{ins[0]}:1"),
               Arg("ptr", f"value:{ins[1]}"), Arg("i64", f"stride:{ins[1]}:0"), Arg("i64", f"stride:{ins[1]}:1"),
               Arg("ptr", "ctx:kv_cache"), Arg("ptr", "ctx:block_tables"), Arg("i32", "size:W"),

@@ -2,8 +2,11 @@
 
 mla_decode_query: [q_nope [T,H,N], q_pe [T,H,R]] -> q [T, H, C+R] = [q_nope @ W_UK | rope(q_pe)]
 mla_q_absorb:     q_nope [T,H,N] -> q_lat [T, H, C] = q_nope @ W_UK
-W_UK[h] = kv_b rows h*(N+V) .. h*(N+V)+N-1 ([N, C]). A batched skinny GEMM: CTA = (TT
-tokens, head, column block), weight rows streamed as 16-byte vectors.
+W_UK[h] = kv_b rows h*(N+V) .. h*(N+V)+N-1 ([N, C]). A batched skinny GEMM: CTA = (token
+chunk, head, column block of CGB 16-byte column groups); the CTA's weight slice is loaded
+once into registers (KS row splits, RPT rows per thread, all loads in flight at once) and
+reused for every TT-token tile of its chunk. At most TCH token chunks, so the weight is
+read from memory at most TCH times (L2 after the first) whatever T is.
 """
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ TEMPLATE = "mla_decode_query.cu.j2"
 OPS = ("mla_decode_query", "mla_q_absorb")
 
 TT = 4
-MAX_CGB = 64
+MAX_CGB = 16            # 16-byte column groups per CTA (128 columns at bf16)
 TARGET_THREADS = 256
+MAX_RPT = 8             # weight rows per thread (registers: RPT * VEC floats)
+TCH = 16                # token chunks (grid x) at most
 
 
 def lower(nid, G, opts):
@@ -32,6 +37,9 @@ def lower(nid, G, opts):
     cg = -(-C // vec)
     cgb = min(cg, MAX_CGB)
     ks = max(1, TARGET_THREADS // cgb)
+    ks = max(ks, -(-N // MAX_RPT))
+    while (cgb * ks > 1024 or ks * TT * cgb * vec * 4 + TT * N * 4 > 48 * 1024) and cgb > 1:
+        cgb //= 2
     has_rope = op == "mla_decode_query"
     params = {"act": act_ctype(opts), "H": H, "N": N, "V": V, "C": C, "R": R,
               "out_w": C + R if has_rope else C, "TT": TT, "vec": vec, "cgb": cgb, "ks": ks,
@@ -49,4 +57,4 @@ def lower(nid, G, opts):
     args += [Arg("ptr", f"weight:{w['kv_b']}"), Arg("ptr", f"value:{outs[0]}"), Arg("i32", "size:T")]
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
-        grid=(f"cdiv(T, {TT})", H, -(-cg // cgb)), block=(cgb * ks, 1, 1), args=tuple(args))]
+        grid=(f"min(cdiv(T, {TT}), {TCH})", H, -(-cg // cgb)), block=(cgb * ks, 1, 1), args=tuple(args))]

@@ -1,4 +1,8 @@
-"""mla_v_up: o_lat [T, H, C] -> o [T, H*V] = o_lat @ W_UV^T per head (W_UV: the V half of kv_b)."""
+"""mla_v_up: o_lat [T, H, C] -> o [T, H*V] = o_lat @ W_UV^T per head (W_UV: the V half of kv_b).
+
+CTA = (token chunk, head, block of NWARPS * RPW weight rows); the rows are loaded once into
+registers and reused for every TT-token tile of the chunk; at most TCH chunks, so W_UV is
+read at most TCH times (L2 after the first) whatever T is."""
 from __future__ import annotations
 
 from codegen.kernel import Arg, KernelLaunch
@@ -13,6 +17,7 @@ OPS = ("mla_v_up",)
 TT = 8
 RPW = 2
 THREADS = 256
+TCH = 16                # token chunks (grid x) at most
 
 
 def lower(nid, G, opts):
@@ -27,6 +32,6 @@ def lower(nid, G, opts):
               "threads": THREADS, "vec": vec}
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"h{H}_n{N}_v{V}_c{C}"]),
-        params=params, nodes=(nid,), grid=(f"cdiv(T, {TT})", H, -(-V // rows_per_cta)), block=(THREADS, 1, 1),
+        params=params, nodes=(nid,), grid=(f"min(cdiv(T, {TT}), {TCH})", H, -(-V // rows_per_cta)), block=(THREADS, 1, 1),
         args=(Arg("ptr", f"value:{ins[0]}"), Arg("i64", f"stride:{ins[0]}:0"), Arg("i64", f"stride:{ins[0]}:1"),
               Arg("ptr", f"weight:{w['kv_b']}"), Arg("ptr", f"value:{outs[0]}"), Arg("i32", "size:T")))]
