@@ -137,22 +137,62 @@ def align_launch(family: str, template: str, name: str, params: dict, nid: str, 
                               Arg("ptr", f"value:{routing}.offsets"), Arg("i32", "size:NP")))
 
 
-# -- grouped expert GEMV (moe_gate_up_silu, moe_gate_up, moe_down) ----------------------------
+# -- grouped experts (moe_gate_up_silu, moe_gate_up, moe_down) --------------------------------
+# Two launches per node for bf16 / fp16: the GEMV takes the experts with at most GEMM_THRESHOLD
+# pairs (decode: each weight row read once), the tensor-core GEMM the others (prefill: ~T*K/E
+# pairs per expert).  Which expert goes where is decided on the device from the routing
+# offsets; the GEMM's grid is a host-side bound on its row tiles, 0 when NP <= GEMM_THRESHOLD.
+# fp32 has no tensor-core path here: its GEMV takes every expert.
 
 GROUPED_WARPS = 4
 GROUPED_PAIRS = 8         # pairs per pass over the weights: decode reads each weight row once
+GEMM_THRESHOLD = GROUPED_PAIRS
+GEMM_BM = 128             # pairs per row tile        (templates/include/moe.cuh GEMM_*)
+GEMM_BNW = 128            # weight rows per CTA: 64 gate + 64 up, or 128 down
+GEMM_BK, GEMM_STAGES, GEMM_THREADS = 32, 4, 256   # K slice, slices in flight (2 CTAs per SM)
+
+
+def gemm_smem(bk: int, stages: int) -> int:
+    return stages * (GEMM_BM + GEMM_BNW) * (bk + 8) * 2
 
 
 def grouped_params(nid: str, opts, *, E: int, N: int, KD: int, K: int, rows_per_warp: int) -> dict:
     dt, ct = act(nid, opts)
     check_experts(nid, E, min(K, E))
     return {"act": ct, "E": E, "N": N, "KD": KD, "K": K, "warps": GROUPED_WARPS, "rpw": rows_per_warp,
-            "pt": GROUPED_PAIRS, "vec": vec_width(KD, ELEM_BYTES[dt])}
+            "pt": GROUPED_PAIRS, "vec": vec_width(KD, ELEM_BYTES[dt]),
+            "thr": GEMM_THRESHOLD if has_gemm(opts) else 0}
+
+
+def has_gemm(opts) -> bool:
+    return opts.dtype in ("bf16", "fp16")
 
 
 def grouped_grid(p: dict) -> tuple:
     # Every expert gets its row tiles; the tiles of an expert without pairs exit at once.
     return (p["E"], -(-p["N"] // (p["warps"] * p["rpw"])), 1)
+
+
+def grouped_launches(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,
+                     opts, *, down: bool) -> list[KernelLaunch]:
+    """The GEMV launch, then (bf16 / fp16) the tensor-core GEMM launch over the same args."""
+    from codegen.render import kernel_name
+    launches = [KernelLaunch(
+        family=family, template=template, name=kernel_name(family, name_parts),
+        params={**p, "variant": "gemv"}, nodes=(nid,), grid=grouped_grid(p), block=(p["warps"] * 32, 1, 1),
+        args=args)]
+    if has_gemm(opts):
+        bn = GEMM_BNW if down else GEMM_BNW // 2
+        thr = p["thr"]
+        smem = gemm_smem(GEMM_BK, GEMM_STAGES)
+        gp = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "thr": thr,
+              "variant": "mma", "threads": GEMM_THREADS, "bk": GEMM_BK, "stages": GEMM_STAGES, "smem": smem}
+        launches.append(KernelLaunch(
+            family=family, template=template, name=kernel_name(family, [*name_parts, "mma"]),
+            params=gp, nodes=(nid,),
+            grid=(-(-p["N"] // bn), f"NP // {GEMM_BM} + min({p['E']}, NP // {thr + 1})", 1),
+            block=(GEMM_THREADS, 1, 1), args=args, smem=smem))
+    return launches
 
 
 # -- combine ---------------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """mla_prefill_attention: flash-style causal attention over each packed prompt's own
 decompressed keys ([kv_nope | k_rot], N + R wide) and values (V wide); fp32 online softmax.
-Grid: (query tiles of the longest prompt, heads, sequences)."""
+Grid: (query tiles of the longest prompt, heads, sequences).
+
+bf16 / fp16: tensor cores (MlaPrefillTC: mma.sync m16n8k16, 64-row query tiles, 4 warps);
+fp32: CUDA cores (MlaPrefill: 32-row query tiles, 256 threads)."""
 from __future__ import annotations
 
 from codegen.kernel import Arg, KernelLaunch
@@ -14,6 +17,8 @@ OPS = ("mla_prefill_attention",)
 
 BM = BN = 32
 THREADS = 256
+TC_BM = TC_BN = 64
+TC_THREADS = 128
 
 
 def smem_bytes(N: int, R: int, V: int) -> int:
@@ -21,17 +26,24 @@ def smem_bytes(N: int, R: int, V: int) -> int:
     return (BM * dk + BN * dk + BN * (V | 1) + BM * (BN + 1)) * 4
 
 
+def tc_smem_bytes(N: int, R: int, V: int) -> int:
+    dkp, vp = -(-(N + R) // 16) * 16, -(-V // 16) * 16
+    return (TC_BM * (dkp + 8) + TC_BN * (dkp + 8) + TC_BN * (vp + 8)) * 2
+
+
 def lower(nid, G, opts):
     data, ins, outs, w = node_io(G, nid)
     H, N = inner_dims(G, ins[0])
     _, R = inner_dims(G, ins[1])
     V = dims(G)["v_head_dim"]
-    smem = smem_bytes(N, R, V)
-    params = {"act": act_ctype(opts), "H": H, "N": N, "R": R, "V": V, "smem": smem}
+    tc = opts.dtype in ("bf16", "fp16")
+    smem = tc_smem_bytes(N, R, V) if tc else smem_bytes(N, R, V)
+    bm, threads = (TC_BM, TC_THREADS) if tc else (BM, THREADS)
+    params = {"act": act_ctype(opts), "H": H, "N": N, "R": R, "V": V, "smem": smem, "tc": tc}
     scale = G.graph["model"].softmax_scale
     return [KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"h{H}_n{N}_r{R}_v{V}"]),
-        params=params, nodes=(nid,), grid=(f"cdiv(MAXQ, {BM})", H, "B"), block=(THREADS, 1, 1), smem=smem,
+        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"h{H}_n{N}_r{R}_v{V}", *(["mma"] if tc else [])]),
+        params=params, nodes=(nid,), grid=(f"cdiv(MAXQ, {bm})", H, "B"), block=(threads, 1, 1), smem=smem,
         args=(Arg("ptr", f"value:{ins[0]}"), Arg("i64", f"stride:{ins[0]}:0"), Arg("i64", f"stride:{ins[0]}:1"),
               Arg("ptr", f"value:{ins[1]}"), Arg("i64", f"stride:{ins[1]}:0"), Arg("i64", f"stride:{ins[1]}:1"),
               Arg("ptr", f"value:{ins[2]}"), Arg("i64", f"stride:{ins[2]}:0"),

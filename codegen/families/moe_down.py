@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from codegen.kernel import Arg, KernelLaunch, Options
-from codegen.render import kernel_name
 
 from . import _moe
 
@@ -18,9 +17,7 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     E, D, M = attrs["num_experts"], attrs["out_dim"], _moe.inner(G, nid, a)
     # Rows are per pair here, so the kernel never needs K.
     p = _moe.grouped_params(nid, opts, E=E, N=D, KD=M, K=1, rows_per_warp=ROWS_PER_WARP)
-    return [KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"e{E}", f"d{D}_m{M}"]),
-        params=p, nodes=(nid,), grid=_moe.grouped_grid(p), block=(p["warps"] * 32, 1, 1),
-        args=(Arg("ptr", f"value:{a}"), Arg("ptr", f"weight:{bound['weight']}"),
-              Arg("ptr", f"value:{routing}.order"), Arg("ptr", f"value:{routing}.offsets"),
-              Arg("ptr", f"value:{out}")))]
+    args = (Arg("ptr", f"value:{a}"), Arg("ptr", f"weight:{bound['weight']}"),
+            Arg("ptr", f"value:{routing}.order"), Arg("ptr", f"value:{routing}.offsets"),
+            Arg("ptr", f"value:{out}"))
+    return _moe.grouped_launches(FAMILY, TEMPLATE, [opts.dtype, f"e{E}", f"d{D}_m{M}"], p, nid, args, opts, down=True)

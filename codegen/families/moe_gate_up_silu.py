@@ -7,7 +7,6 @@ once, so decode reads each touched expert's gate and up rows exactly once.
 from __future__ import annotations
 
 from codegen.kernel import Arg, KernelLaunch, Options
-from codegen.render import kernel_name
 
 from . import _moe
 
@@ -22,9 +21,7 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     E, M, D = attrs["num_experts"], attrs["out_dim"], _moe.inner(G, nid, x)
     K = _moe.pairs_top_k(G, nid, routing)
     p = _moe.grouped_params(nid, opts, E=E, N=M, KD=D, K=K, rows_per_warp=ROWS_PER_WARP)
-    return [KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"]),
-        params=p, nodes=(nid,), grid=_moe.grouped_grid(p), block=(p["warps"] * 32, 1, 1),
-        args=(Arg("ptr", f"value:{x}"), Arg("ptr", f"weight:{bound['gate']}"), Arg("ptr", f"weight:{bound['up']}"),
-              Arg("ptr", f"value:{routing}.order"), Arg("ptr", f"value:{routing}.offsets"),
-              Arg("ptr", f"value:{out}")))]
+    args = (Arg("ptr", f"value:{x}"), Arg("ptr", f"weight:{bound['gate']}"), Arg("ptr", f"weight:{bound['up']}"),
+            Arg("ptr", f"value:{routing}.order"), Arg("ptr", f"value:{routing}.offsets"),
+            Arg("ptr", f"value:{out}"))
+    return _moe.grouped_launches(FAMILY, TEMPLATE, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"], p, nid, args, opts, down=False)

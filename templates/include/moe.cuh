@@ -6,6 +6,7 @@
 // M expert intermediate size, NP = T*K token-expert pairs (pair p = t*K + k).
 #pragma once
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace dsg {
 namespace moe {
@@ -304,6 +305,7 @@ __device__ __forceinline__ void align(const i64* __restrict__ ids, int num_pairs
 // an expert with no pairs exits at once.  Each warp takes RPW rows of every weight matrix and
 // PT of the expert's pairs at a time; lanes split the reduction dim KD in VEC-wide (16-byte)
 // slices, so with <= PT pairs per expert (decode) every weight row is read exactly once.
+// THR > 0: experts with more than THR pairs are left to grouped_gemm (below).
 //   MODE GATE_UP_SILU: out0[p] = round(round(silu(round(x[p/K].Wg))) * round(x[p/K].Wu))
 //   MODE GATE_UP:      out0[p] = round(x[p/K].Wg), out1[p] = round(x[p/K].Wu)
 //   MODE DOWN:         out0[p] = round(x[p].W)      (x is per pair)
@@ -394,7 +396,7 @@ __device__ __forceinline__ void grouped_chunk(const T* __restrict__ x, const T* 
 // the register footprint to what is used; wider chunks amortise the weight reads over PT pairs.
 constexpr int GROUPED_NARROW = 2;
 
-template <typename T, int MODE, int E, int N, int KD, int K, int WARPS, int RPW, int PT, int VEC>
+template <typename T, int MODE, int E, int N, int KD, int K, int WARPS, int RPW, int PT, int VEC, int THR>
 __device__ __forceinline__ void grouped_gemv(const T* __restrict__ x, const T* __restrict__ w0,
                                              const T* __restrict__ w1, const i32* __restrict__ order,
                                              const i32* __restrict__ offsets, T* __restrict__ out0,
@@ -405,6 +407,7 @@ __device__ __forceinline__ void grouped_gemv(const T* __restrict__ x, const T* _
   const int e = blockIdx.x;
   const int beg = offsets[e], end = offsets[e + 1];
   if (beg >= end) return;                       // inactive expert: no weight traffic
+  if (THR > 0 && end - beg > THR) return;       // many pairs: the tensor-core GEMM's
   const int warp = threadIdx.x >> 5;
   const int row0 = (blockIdx.y * WARPS + warp) * RPW;
   if (row0 >= N) return;
@@ -416,6 +419,204 @@ __device__ __forceinline__ void grouped_gemv(const T* __restrict__ x, const T* _
     else
       grouped_chunk<T, MODE, NW, N, KD, K, RPW, PT, VEC>(x, W0, W1, order, c0, end, row0, out0, out1);
   }
+}
+
+// ---- 4b. grouped expert GEMM on tensor cores (bf16 / fp16): experts with many pairs ---------
+// Prefill gives each expert ~T*K/E pairs: a GEMM per expert, [pairs x KD] x [KD x N], with the
+// pair rows gathered through the routing order.  CTA = 256 threads (8 warps, 2 x 4) owns one
+// (expert, BM-pair row tile, column tile); the column tile is 128 weight rows: 64 gate rows and
+// the same 64 up rows (GATE_UP*, so SiLU * up fuses in registers) or 128 down rows (DOWN).
+// A warp computes 64 pairs x 32 weight rows with mma.sync m16n8k16 (fp32 accumulation), fed by
+// ldmatrix from a STAGES-deep cp.async ring of BK-wide K slices.  Row tiles are numbered over
+// the experts with more than THR pairs (the others are the GEMV's), so the grid is a host-side
+// bound: NP // BM + min(E, NP // (THR + 1)); tiles past the last one exit at once.
+
+// Columns col, col + 1 of one output row (col even): one 4-byte store when N is even.
+template <typename T, int N>
+__device__ __forceinline__ void store2(T* __restrict__ row, int col, float v0, float v1) {
+  if constexpr (N % 2 == 0 && sizeof(T) == 2) {
+    if (col < N) *reinterpret_cast<unsigned*>(row + col) = dsg::mma::pack2<T>(v0, v1);
+  } else {
+    if (col < N) row[col] = from_float<T>(v0);
+    if (col + 1 < N) row[col + 1] = from_float<T>(v1);
+  }
+}
+
+constexpr int GEMM_BM = 128, GEMM_BNW = 128, GEMM_THREADS = 256;
+// BK halves per K slice, ST slices in flight; rows padded by 8 halves (an odd number of 16-byte
+// chunks per row), so ldmatrix's eight rows hit distinct banks.
+__host__ __device__ constexpr int gemm_smem(int BK, int ST) { return ST * (GEMM_BM + GEMM_BNW) * (BK + 8) * 2; }
+
+template <typename T, int MODE, int E, int N, int KD, int K, int THR, int BK, int ST>
+__device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* __restrict__ w0,
+                                             const T* __restrict__ w1, const i32* __restrict__ order,
+                                             const i32* __restrict__ offsets, T* __restrict__ out0,
+                                             T* __restrict__ out1, char* smem) {
+  constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
+  constexpr int BM = GEMM_BM, BNW = GEMM_BNW, P = BK + 8;
+  static_assert(BK % 16 == 0 && (BM * BK / 8) % GEMM_THREADS == 0, "grouped gemm: BK must be a multiple of 16");
+  constexpr int BN = (MODE == DOWN) ? BNW : BNW / 2;      // output columns per CTA
+  constexpr bool ALIGNED = (KD % 8) == 0;
+  constexpr int KT = (KD + BK - 1) / BK;
+  __shared__ int s_tile[3];                                // expert, first pair, pairs
+  __shared__ int s_row[BM];                                // source row of each tile row
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (warp == 0) {
+    // which (expert, row tile) is blockIdx.y: a running count of the heavy experts' tiles
+    const int ty = blockIdx.y;
+    int base = 0, found = -1;
+    for (int e0 = 0; e0 < E && found < 0; e0 += 32) {
+      const int e = e0 + lane;
+      int cnt = 0;
+      if (e < E) cnt = offsets[e + 1] - offsets[e];
+      const int nt = (cnt > THR) ? (cnt + BM - 1) / BM : 0;
+      int incl = nt;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const bool mine = nt > 0 && ty >= base + incl - nt && ty < base + incl;
+      const unsigned hit = __ballot_sync(0xffffffffu, mine);
+      if (hit) {
+        const int src = __ffs(hit) - 1;
+        const int first = __shfl_sync(0xffffffffu, base + incl - nt, src);
+        found = e0 + src;
+        if (lane == 0) {
+          const int beg = offsets[found] + (ty - first) * BM;
+          s_tile[0] = found;
+          s_tile[1] = beg;
+          s_tile[2] = min(BM, offsets[found + 1] - beg);
+        }
+      }
+      base += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (found < 0 && lane == 0) s_tile[0] = -1;
+  }
+  __syncthreads();
+  const int e = s_tile[0];
+  if (e < 0) return;
+  const int pbeg = s_tile[1], rows = s_tile[2];
+  for (int r = tid; r < BM; r += GEMM_THREADS) {
+    const int pr = order[pbeg + min(r, rows - 1)];          // rows past the end repeat the last
+    s_row[r] = (MODE == DOWN) ? pr : pr / K;
+  }
+  __syncthreads();
+
+  const int n0 = blockIdx.x * BN;
+  const T* W0 = w0 + (i64)e * N * KD;
+  const T* W1 = ((MODE == DOWN) ? w0 : w1) + (i64)e * N * KD;
+  T* As = reinterpret_cast<T*>(smem);
+  T* Bs = As + ST * BM * P;
+
+  // each thread loads 2 A chunks and 2 B chunks (8 elements each) per stage
+  auto load_stage = [&](int stage, int kt) {
+    const int k0 = kt * BK;
+    T* a = As + stage * BM * P;
+    T* b = Bs + stage * BNW * P;
+#pragma unroll
+    for (int i = 0; i < (BM * BK / 8) / GEMM_THREADS; ++i) {
+      const int c = tid + i * GEMM_THREADS;
+      const int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+      const int valid = min(8, KD - (k0 + kc));
+      dsg::mma::load8<T, ALIGNED>(a + r * P + kc, x + (i64)s_row[r] * KD + k0 + kc, valid);
+    }
+#pragma unroll
+    for (int i = 0; i < (BNW * BK / 8) / GEMM_THREADS; ++i) {
+      const int c = tid + i * GEMM_THREADS;
+      const int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+      int n;
+      const T* Wm;
+      if constexpr (MODE == DOWN) { n = n0 + r; Wm = W0; }
+      else { n = n0 + (r % BN); Wm = (r < BN) ? W0 : W1; }
+      const int valid = (n < N) ? min(8, KD - (k0 + kc)) : 0;
+      dsg::mma::load8<T, ALIGNED>(b + r * P + kc, Wm + (i64)(n < N ? n : 0) * KD + k0 + kc, valid);
+    }
+  };
+
+  const int wm = warp >> 2, wn = warp & 3;                   // warp tile: rows wm*64, weight rows below
+  float acc[4][4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+  // smem weight row of the warp's n8 tiles 2q, 2q+1 (q = 0, 1)
+  int brow[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) brow[q] = (MODE == DOWN) ? wn * 32 + q * 16 : q * BN + wn * 16;
+
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {
+    if (s < KT) load_stage(s, s);
+    dsg::mma::cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    dsg::mma::cp_async_wait<ST - 2>();
+    __syncthreads();
+    if (kt + ST - 1 < KT) load_stage((kt + ST - 1) % ST, kt + ST - 1);
+    dsg::mma::cp_async_commit();
+    const T* a = As + (kt % ST) * BM * P;
+    const T* b = Bs + (kt % ST) * BNW * P;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      unsigned af[4][4], bf[2][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = wm * 64 + i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        dsg::mma::ldsm_x4(af[i], a + r * P + kk + (lane >> 4) * 8);
+      }
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int r = brow[q] + (lane & 7) + (lane >> 4) * 8;
+        dsg::mma::ldsm_x4(bf[q], b + r * P + kk + ((lane >> 3) & 1) * 8);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          dsg::mma::mma16816<BF16>(acc[i][j], af[i], bf[j >> 1][(j & 1) * 2], bf[j >> 1][(j & 1) * 2 + 1]);
+    }
+  }
+  dsg::mma::cp_async_wait<0>();
+
+  // epilogue: acc[i][j] holds rows wm*64 + i*16 + lane/4 (+8), columns 2*(lane%4) (+1) of n8 tile j
+  const int g = lane >> 2, t2 = (lane & 3) * 2;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = wm * 64 + i * 16 + g + h * 8;
+      if (r >= rows) continue;
+      const i64 orow = (i64)order[pbeg + r] * N;
+      if constexpr (MODE == DOWN) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int col = n0 + wn * 32 + j * 8 + t2;
+          store2<T, N>(out0 + orow, col, acc[i][j][h * 2], acc[i][j][h * 2 + 1]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int col = n0 + wn * 16 + j * 8 + t2;
+          float v[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float gv = acc[i][j][h * 2 + c], uv = acc[i][j + 2][h * 2 + c];
+            if constexpr (MODE == GATE_UP_SILU) {
+              const float gr = round_to<T>(gv), ur = round_to<T>(uv);
+              v[c] = round_to<T>(gr / (1.f + expf(-gr))) * ur;
+            } else {
+              v[c] = gv;
+            }
+          }
+          store2<T, N>(out0 + orow, col, v[0], v[1]);
+          if constexpr (MODE == GATE_UP) store2<T, N>(out1 + orow, col, acc[i][j + 2][h * 2], acc[i][j + 2][h * 2 + 1]);
+        }
+      }
+    }
 }
 
 // ---- 5. combine: out[t] = round(sum_k w[t, k] * eo[t*K + k])  (+ shared, + residual) --------

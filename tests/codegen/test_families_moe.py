@@ -90,23 +90,40 @@ def test_kernel_names():
     assert by_op["moe_route"] == ["moe_route__bf16__e256_d7168__gemv",
                                   "moe_route__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__topk",
                                   "moe_route__e256__align"]
-    assert by_op["moe_gate_up_silu"] == ["moe_gate_up_silu__bf16__e256_k8__m2048_d7168"]
-    assert by_op["moe_down"] == ["moe_down__bf16__e256__d7168_m2048"]
+    assert by_op["moe_gate_up_silu"] == ["moe_gate_up_silu__bf16__e256_k8__m2048_d7168",
+                                         "moe_gate_up_silu__bf16__e256_k8__m2048_d7168__mma"]
+    assert by_op["moe_down"] == ["moe_down__bf16__e256__d7168_m2048", "moe_down__bf16__e256__d7168_m2048__mma"]
+    fp32 = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "fp32")] for G, nid in moe_graphs(*DIMS["v3"])}
+    assert fp32["moe_down"] == ["moe_down__fp32__e256__d7168_m2048"]     # no tensor-core path for fp32
     assert by_op["moe_combine_residual"] == ["moe_combine_residual__bf16__k8_d7168"]
     v2 = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "fp16")] for G, nid in moe_graphs(*DIMS["v2"])}
     assert v2["moe_topk"] == ["moe_topk__e160_k6__g8_tg3__softmax_group_limited_greedy__rsf16p0"]
 
 
 def test_grouped_launch_covers_every_expert_and_row():
+    from codegen import sizes
     for G, nid in moe_graphs(*DIMS["v2_lite"]):
         op = G.nodes[nid]["op"]
         if op not in ("moe_gate_up_silu", "moe_gate_up", "moe_down"):
             continue
-        (launch,) = lower(G, nid, "bf16")
+        launch, gemm = lower(G, nid, "bf16")
         p = launch.params
         assert launch.grid[0] == 64                       # one slot per expert; inactive ones exit
         assert launch.grid[1] * p["warps"] * p["rpw"] >= p["N"]
         assert p["vec"] * 2 == 16                         # 16-byte weight loads
+        # the GEMM's column tiles cover N; its row-tile grid bounds the tiles of the experts with
+        # more than thr pairs for any split of NP pairs over the 64 experts, and is 0 for decode
+        q = gemm.params
+        bn = 128 if op == "moe_down" else 64
+        assert gemm.grid[0] * bn >= q["N"]
+        for NP in (1, 6, q["thr"], q["thr"] + 1, 384, 98304):
+            bound = sizes.evaluate(gemm.grid[1], {"NP": NP})
+            heavy = NP // (q["thr"] + 1)
+            worst = [q["thr"] + 1] * min(63, heavy) if heavy else []   # many small heavy experts
+            worst.append(NP - sum(worst))
+            need = sum(-(-c // 128) for c in worst if c > q["thr"])
+            assert bound >= need, (NP, bound, need)
+        assert sizes.evaluate(gemm.grid[1], {"NP": 6}) == 0
 
 
 def test_route_needs_no_host_sync():

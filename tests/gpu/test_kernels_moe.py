@@ -323,6 +323,35 @@ def test_moe_down(runner, case):
     _grouped(runner, "moe_down", case)
 
 
+@st.composite
+def many_pairs_cases(draw):
+    """Prefill-like: hundreds to thousands of pairs per expert, so the tensor-core GEMM path runs
+    (experts with more than GEMM_THRESHOLD pairs), next to light experts on the GEMV path; row
+    tiles with a partial last tile, odd dims (element loads), N not a multiple of the column tile."""
+    E = draw(st.sampled_from((1, 3, 8)))
+    return {"dtype": draw(st.sampled_from(("bf16", "fp16"))), "T": draw(st.sampled_from((150, 700, 2048))),
+            "E": E, "K": min(E, draw(st.sampled_from((1, 2, 6)))), "D": draw(st.sampled_from((40, 136, 256, 512))),
+            "M": draw(st.sampled_from((36, 72, 200, 1408))), "seed": draw(st.integers(0, 2**31 - 1))}
+
+
+@given(case=many_pairs_cases())
+@_settings(8)
+def test_moe_gate_up_silu_many_pairs(runner, case):
+    _grouped(runner, "moe_gate_up_silu", case)
+
+
+@given(case=many_pairs_cases())
+@_settings(5)
+def test_moe_gate_up_many_pairs(runner, case):
+    _grouped(runner, "moe_gate_up", case)
+
+
+@given(case=many_pairs_cases())
+@_settings(8)
+def test_moe_down_many_pairs(runner, case):
+    _grouped(runner, "moe_down", case)
+
+
 # -- combine ---------------------------------------------------------------------------------
 
 @st.composite

@@ -5,8 +5,10 @@
 // nodes:    L0.mla.o, L1.mla.o, L10.mla.o, L11.mla.o, L12.mla.o, L13.mla.o, L14.mla.o, L15.mla.o, L16.mla.o, L17.mla.o, L18.mla.o, L19.mla.o, L2.mla.o, L20.mla.o, L21.mla.o, L22.mla.o, L23.mla.o, L24.mla.o, L25.mla.o, L26.mla.o, L27.mla.o, L28.mla.o, L29.mla.o, L3.mla.o, L30.mla.o, L31.mla.o, L32.mla.o, L33.mla.o, L34.mla.o, L35.mla.o, L36.mla.o, L37.mla.o, L38.mla.o, L39.mla.o, L4.mla.o, L40.mla.o, L41.mla.o, L42.mla.o, L43.mla.o, L44.mla.o, L45.mla.o, L46.mla.o, L47.mla.o, L48.mla.o, L49.mla.o, L5.mla.o, L50.mla.o, L51.mla.o, L52.mla.o, L53.mla.o, L54.mla.o, L55.mla.o, L56.mla.o, L57.mla.o, L58.mla.o, L59.mla.o, L6.mla.o, L60.mla.o, L7.mla.o, L8.mla.o, L9.mla.o
 
 // o_lat [T, H, C] (strided view) -> o [T, H*V] = o_lat @ W_UV[h]^T per head,
-// W_UV[h] = kv_b rows h*(N+V)+N .. (h+1)*(N+V)-1 ([V, C]). CTA = (TT tokens, head, row
-// block): each warp streams RPW weight rows as 16-byte vectors against TT latent rows.
+// W_UV[h] = kv_b rows h*(N+V)+N .. (h+1)*(N+V)-1 ([V, C]). CTA = (token chunk, head, row
+// block): each warp owns RPW weight rows, loaded ONCE into registers as 16-byte vectors
+// (all loads in flight before the latent rows arrive), then the CTA walks token tiles
+// x, x + gridDim.x, ... of TT tokens (latent rows staged in shared memory as float).
 #include "vec.cuh"
 
 typedef __nv_bfloat16 act_t;
@@ -17,44 +19,69 @@ constexpr int THREADS = 256;
 constexpr int NWARPS = THREADS / 32;
 constexpr int VEC = 8;
 constexpr int CP = (C + VEC - 1) / VEC * VEC;  // latent pitch (zero padded)
+constexpr int NCH = (CP / VEC + 31) / 32;      // vector chunks per lane per row
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 mla_v_up__bf16__h128_n128_v128_c512(const act_t* __restrict__ ol, i64 ol_s0, i64 ol_s1, const act_t* __restrict__ kv_b,
                   act_t* __restrict__ out, int T) {
   __shared__ __align__(16) float o_s[TT][CP];
-  const int t0 = blockIdx.x * TT, h = blockIdx.y;
+  const int h = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int ntok = min(TT, T - t0);
-  for (int i = tid; i < TT * CP; i += THREADS) {
-    const int tt = i / CP, c = i % CP;
-    o_s[tt][c] = (tt < ntok && c < C) ? dsg::to_float(ol[(i64)(t0 + tt) * ol_s0 + (i64)h * ol_s1 + c]) : 0.f;
+  const int vbase = (blockIdx.z * NWARPS + warp) * RPW;
+
+  float w[RPW][NCH][VEC];
+  {
+    const bool vec = VEC > 1 && dsg::aligned16(kv_b);
+#pragma unroll
+    for (int k = 0; k < RPW; ++k) {
+      const int v = vbase + k;
+      const act_t* wr = kv_b + ((i64)h * (N + V) + N + min(v, V - 1)) * C;
+#pragma unroll
+      for (int q = 0; q < NCH; ++q) {
+        const int c0 = (q * 32 + lane) * VEC;
+        if (v < V && c0 < C) {
+          if (vec) dsg::load16(wr + c0, w[k][q]);
+          else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) w[k][q][j] = c0 + j < C ? dsg::to_float(wr[c0 + j]) : 0.f;
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) w[k][q][j] = 0.f;
+        }
+      }
+    }
   }
-  __syncthreads();
-  const bool vec = VEC > 1 && dsg::aligned16(kv_b);
+
+  for (int t0 = blockIdx.x * TT; t0 < T; t0 += gridDim.x * TT) {
+    const int ntok = min(TT, T - t0);
+    for (int i = tid; i < TT * CP; i += THREADS) {
+      const int tt = i / CP, c = i % CP;
+      o_s[tt][c] = (tt < ntok && c < C) ? dsg::to_float(ol[(i64)(t0 + tt) * ol_s0 + (i64)h * ol_s1 + c]) : 0.f;
+    }
+    __syncthreads();
 #pragma unroll
-  for (int k = 0; k < RPW; ++k) {
-    const int v = (blockIdx.z * NWARPS + warp) * RPW + k;
-    if (v >= V) break;   // warp-uniform
-    const act_t* wr = kv_b + ((i64)h * (N + V) + N + v) * C;
-    float acc[TT];
+    for (int k = 0; k < RPW; ++k) {
+      const int v = vbase + k;
+      float acc[TT];
 #pragma unroll
-    for (int tt = 0; tt < TT; ++tt) acc[tt] = 0.f;
-    for (int c0 = lane * VEC; c0 < C; c0 += 32 * VEC) {
-      float w[VEC];
-      if (vec) dsg::load16(wr + c0, w);
-      else {
+      for (int tt = 0; tt < TT; ++tt) acc[tt] = 0.f;
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) w[j] = c0 + j < C ? dsg::to_float(wr[c0 + j]) : 0.f;
+      for (int q = 0; q < NCH; ++q) {
+        const int c0 = (q * 32 + lane) * VEC;
+        if (c0 < CP) {
+#pragma unroll
+          for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[tt] = fmaf(w[k][q][j], o_s[tt][c0 + j], acc[tt]);
+        }
       }
 #pragma unroll
-      for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[tt] = fmaf(w[j], o_s[tt][c0 + j], acc[tt]);
+      for (int tt = 0; tt < TT; ++tt) {
+        const float s = dsg::warp_sum(acc[tt]);
+        if (lane == 0 && tt < ntok && v < V) out[((i64)(t0 + tt) * H + h) * V + v] = dsg::from_float<act_t>(s);
+      }
     }
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-      const float s = dsg::warp_sum(acc[tt]);
-      if (lane == 0 && tt < ntok) out[((i64)(t0 + tt) * H + h) * V + v] = dsg::from_float<act_t>(s);
-    }
+    __syncthreads();   // o_s reused by the next token tile
   }
 }

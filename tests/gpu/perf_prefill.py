@@ -1,0 +1,291 @@
+"""Prefill kernel timings at DeepSeek-V2-Lite dims (a script, not a test).
+
+    python3 tests/gpu/perf_prefill.py [--batch 32] [--seqlen 512] [--families moe,attn,...]
+
+Builds one-node graphs of the prefill phase's generated kernels (the same lowering the
+bundle uses), runs them through KernelRunner on random bf16 tensors at T = batch * seqlen
+and times every launch with CUDA events; a big-T spot check against torch follows for the
+tensor-core paths (the property tests in test_kernels_*.py cover the edges at small T).
+
+Roofline predictions at T = 16384 (32 x 512), K = 6 so NP = 98304 pairs; ceilings taken as
+~700 TFLOP/s dense bf16 on tensor cores (mma.sync reaches maybe 60-70% of it), ~60 TFLOP/s
+fp32 on CUDA cores and ~4 TB/s HBM:
+  mla_prefill_attention   causal 512 per prompt, H 16, DK 192, V 128:
+                          32*16 * (512*513/2) * (192 + 128) * 2 = 43 GFLOP -> 61 us at 700 TF;
+                          bytes: q 101 MB + kv 134 MB + out 67 MB = 302 MB -> 75 us.  ~0.1 ms
+                          (the fp32 CUDA-core kernel is bounded by ~60 TF fp32 -> >= 0.7 ms)
+  moe_gate_up_silu        NP * 2 * (2 * 1408) * 2048 = 1.13 TFLOP -> 1.6 ms at 700 TF (weights
+                          738 MB -> 0.18 ms, so compute-bound);  ~2.5 ms with mma.sync
+  moe_gate_up             same FLOPs, two outputs: 1.6 ms
+  moe_down                NP * 2 * 2048 * 1408 = 0.57 TFLOP -> 0.8 ms;  ~1.2 ms with mma.sync
+  moe_route gemv          T * 64 * 2048 * 2 = 4.3 GFLOP fp32 -> 70 us (x: 67 MB -> 17 us)
+  moe_route topk          logits 4 MB read: a few us
+  moe_route align         98k pairs, two smem atomics each, one CTA: ~50-100 us (latency-bound)
+  moe_combine_residual    eo 403 MB + 2 x 67 MB in + 67 MB out = 604 MB -> 0.15 ms
+  rms_norm / fused_add    67 MB in + 67 MB out (x2 for fused) -> 34 / 67 us
+The whole prefill then wants ~26 MoE layers x ~4 ms + attention ~27 x 0.3 ms ≈ 110 ms of
+generated kernels next to the cuBLAS linears.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from harness import single_op_graph  # noqa: E402
+
+import ir  # noqa: E402
+from codegen.families import family_for_op  # noqa: E402
+from codegen.kernel import Options  # noqa: E402
+from ir.ops import TType  # noqa: E402
+from runtime.launcher import KernelRunner  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEV = "cuda"
+DT = torch.bfloat16
+
+
+def lite():
+    return ir.load_spec(os.path.join(ROOT, "model_specs", "deepseek_v2_lite.yaml")).model
+
+
+def lower(G, nid, dtype="bf16"):
+    return family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype))
+
+
+def rand(*shape, scale=1.0, dtype=DT):
+    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
+
+
+def time_launch(runner, launch, kw, budget_s=0.3):
+    """ms per launch (median of a few event-timed batches)."""
+    runner.run(launch, **kw)                       # compile + warm up
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    runner.run(launch, **kw)
+    e.record()
+    torch.cuda.synchronize()
+    one = max(s.elapsed_time(e), 1e-3)
+    iters = int(max(1, min(50, budget_s * 1e3 / one)))
+    times = []
+    for _ in range(3 if one < 200 else 1):
+        s.record()
+        for _ in range(iters):
+            runner.run(launch, **kw)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / iters)
+    return sorted(times)[len(times) // 2]
+
+
+def routing(T, E, K, device=None):
+    """Uniform random top-K of E per token, grouped by expert (order, offsets) on the GPU."""
+    device = device or DEV
+    ids = torch.rand(T, E, device=device).topk(K, dim=1).indices
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices.to(torch.int32)
+    counts = torch.bincount(flat, minlength=E)
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device=device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return ids, order, offsets
+
+
+def relerr(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+
+
+ROWS = []
+
+
+def report(name, ms, predict_us, note=""):
+    ROWS.append((name, ms, predict_us, note))
+    print(f"{name:<58} {ms * 1e3:>11.1f} us   roofline ~{predict_us:>7.0f} us  {note}", flush=True)
+
+
+def bench_attention(runner, m, B, L):
+    d = m.dims
+    H, N, R, V, C = d["heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"], d["kv_lora_rank"]
+    T = B * L
+    G, nid = single_op_graph(m, "mla_prefill_attention", {},
+                             {"q_nope": TType(("T", H, N), "act"), "q_rot": TType(("T", H, R), "act"),
+                              "kv": TType(("T", H * (N + V)), "act"), "k_rot": TType(("T", R), "act")}, {})
+    qbuf = rand(T, H, N + R)
+    q_nope = qbuf[..., :N]
+    q_rot = rand(T, H, R)
+    kv = rand(T, H * (N + V))
+    k_rot = rand(T, C + R)[:, C:]
+    out = torch.full((T, H * V), float("nan"), device=DEV, dtype=DT)
+    qs = (torch.arange(B + 1, dtype=torch.int32) * L).to(DEV)
+    pos = torch.arange(L, dtype=torch.int64).repeat(B).to(DEV)
+    ctx = {"query_start": qs, "positions": pos}
+    kw = dict(values={"q_nope": q_nope, "q_rot": q_rot, "kv": kv, "k_rot": k_rot, "out": out}, ctx=ctx,
+              sizes={"T": T, "B": B, "MAXQ": L, "MAXCTX": L, "NP": T})
+    flops = B * H * (L * (L + 1) / 2) * (N + R + V) * 2
+    byts = (T * H * (N + R) + T * H * (N + V) + T * H * V) * 2
+    for launch in lower(G, nid):
+        ms = time_launch(runner, launch, kw)
+        report(launch.name, ms, max(flops / 700e12, byts / 4e12) * 1e6, f"{flops / ms / 1e9:.0f} TFLOP/s")
+    # spot check two sequences against torch (fp32)
+    scale = G.graph["model"].softmax_scale
+    errs = []
+    for b in (0, B - 1):
+        sl = slice(b * L, (b + 1) * L)
+        q = torch.cat([q_nope[sl], q_rot[sl]], -1).float().transpose(0, 1)               # [H, L, DK]
+        kvb = kv[sl].view(L, H, N + V).float()
+        k = torch.cat([kvb[..., :N], k_rot[sl].float()[:, None, :].expand(L, H, R)], -1).transpose(0, 1)
+        v = kvb[..., N:].transpose(0, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        errs.append(relerr(out[sl].view(L, H, V).transpose(0, 1), ref))
+    print(f"    spot check vs torch sdpa: max rel err {max(errs):.2e}", flush=True)
+
+
+def bench_route(runner, m, T):
+    d = m.dims
+    E, K, D = d["experts"], d["top_k"], d["hidden"]
+    attrs = {"top_k": K, "num_experts": E, "scoring": "softmax", "method": "greedy", "groups": 1,
+             "topk_groups": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0}
+    G, nid = single_op_graph(m, "moe_route", attrs, {"x": TType(("T", D), "act")}, {"gate": "router.weight"})
+    ids, w, r = G.nodes[nid]["outputs"]
+    values = {"x": rand(T, D), ids: torch.empty(T, K, dtype=torch.int64, device=DEV),
+              w: torch.empty(T, K, dtype=torch.float32, device=DEV),
+              f"{r}.order": torch.empty(T * K, dtype=torch.int32, device=DEV),
+              f"{r}.offsets": torch.empty(E + 1, dtype=torch.int32, device=DEV)}
+    weights = {"router.weight": torch.randn(E, D, device=DEV) / D ** 0.5}
+    launches = lower(G, nid)
+    sizes = {"T": T, "NP": T * K}
+    ws = runner.run_all(launches, values=values, weights=weights, sizes=sizes)
+    predict = {"gemv": T * E * D * 2 / 60e12, "topk": T * E * 4 / 4e12, "align": 60e-6}
+    for launch in launches:
+        kw = dict(values=values, weights=weights, sizes=sizes, workspaces=ws)
+        ms = time_launch(runner, launch, kw)
+        stage = launch.params.get("stage", "")
+        report(launch.name, ms, predict.get(stage.split("_")[-1], 0) * 1e6)
+
+
+def bench_grouped(runner, m, T, which):
+    d = m.dims
+    E, K, D, M = d["experts"], d["top_k"], d["hidden"], d["moe_intermediate"]
+    NP = T * K
+    ids, order, offsets = routing(T, E, K)
+    r = TType((f"T*{K}", E), "routing")
+    R = {"order": order, "offsets": offsets}
+    if which == "moe_down":
+        G, nid = single_op_graph(m, which, {"num_experts": E, "out_dim": D},
+                                 {"a": TType((f"T*{K}", M), "act"), "R": r}, {"weight": "e.{expert}.down"})
+        inp = rand(NP, M)
+        weights = {"e.*.down": rand(E, D, M, scale=M ** -0.5)}
+        first, n_out = "a", D
+        flops = NP * 2 * D * M
+    else:
+        G, nid = single_op_graph(m, which, {"num_experts": E, "out_dim": M},
+                                 {"x": TType(("T", D), "act"), "R": r},
+                                 {"gate": "e.{expert}.gate", "up": "e.{expert}.up"})
+        inp = rand(T, D)
+        weights = {"e.*.gate": rand(E, M, D, scale=D ** -0.5), "e.*.up": rand(E, M, D, scale=D ** -0.5)}
+        first, n_out = "x", M
+        flops = NP * 2 * 2 * M * D
+    outs = G.nodes[nid]["outputs"]
+    values = {first: inp, "R": R, **{o: torch.full((NP, n_out), float("nan"), device=DEV, dtype=DT) for o in outs}}
+    kw = dict(values=values, weights=weights, sizes={"T": T, "NP": NP})
+    launches = lower(G, nid)
+    total = 0.0
+    for launch in launches:
+        ms = time_launch(runner, launch, kw)
+        total += ms
+        report(launch.name, ms, flops / 700e12 * 1e6 / len(launches), f"{flops / ms / 1e9:.0f} TFLOP/s")
+    if len(launches) > 1:
+        report(f"  {which} total", total, flops / 700e12 * 1e6, f"{flops / total / 1e9:.0f} TFLOP/s")
+    runner.run_all(launches, **kw)
+    # spot check three experts against torch
+    errs = []
+    for e in (0, E // 2, E - 1):
+        beg, end = offsets[e].item(), offsets[e + 1].item()
+        pairs = order[beg:end].long()
+        if which == "moe_down":
+            ref = inp[pairs].float() @ weights["e.*.down"][e].float().T
+            errs.append(relerr(values[outs[0]][pairs], ref))
+        else:
+            xe = inp[pairs // K].float()
+            g = (xe @ weights["e.*.gate"][e].float().T)
+            u = (xe @ weights["e.*.up"][e].float().T)
+            if which == "moe_gate_up_silu":
+                errs.append(relerr(values[outs[0]][pairs], torch.nn.functional.silu(g) * u))
+            else:
+                errs.append(max(relerr(values[outs[0]][pairs], g), relerr(values[outs[1]][pairs], u)))
+    nan = any(torch.isnan(values[o]).any().item() for o in outs)
+    print(f"    spot check vs torch: max rel err {max(errs):.2e}; unwritten/NaN: {nan}", flush=True)
+
+
+def bench_small(runner, m, T):
+    D, K = m.dims["hidden"], m.dims["top_k"]
+    G, nid = single_op_graph(m, "rms_norm", {}, {"x": TType(("T", D), "act")}, {"weight": "w"})
+    kw = dict(values={"x": rand(T, D), "out": torch.empty(T, D, device=DEV, dtype=DT)},
+              weights={"w": rand(D) + 1}, sizes={"T": T})
+    for launch in lower(G, nid):
+        report(launch.name, time_launch(runner, launch, kw), T * D * 4 / 4e12 * 1e6)
+    G, nid = single_op_graph(m, "fused_add_rms_norm", {}, {"x": TType(("T", D), "act"), "r": TType(("T", D), "act")},
+                             {"weight": "w"})
+    kw = dict(values={"x": rand(T, D), "r": rand(T, D), "out0": torch.empty(T, D, device=DEV, dtype=DT),
+                      "out1": torch.empty(T, D, device=DEV, dtype=DT)}, weights={"w": rand(D) + 1}, sizes={"T": T})
+    for launch in lower(G, nid):
+        report(launch.name, time_launch(runner, launch, kw), T * D * 8 / 4e12 * 1e6)
+    types = {"eo": TType((f"T*{K}", D), "act"), "w": TType(("T", K), "f32"),
+             "shared": TType(("T", D), "act"), "residual": TType(("T", D), "act")}
+    G, nid = single_op_graph(m, "moe_combine_residual", {}, types, {})
+    (out,) = G.nodes[nid]["outputs"]
+    kw = dict(values={"eo": rand(T * K, D), "w": torch.rand(T, K, device=DEV), "shared": rand(T, D),
+                      "residual": rand(T, D), out: torch.empty(T, D, device=DEV, dtype=DT)},
+              sizes={"T": T, "NP": T * K})
+    for launch in lower(G, nid):
+        report(launch.name, time_launch(runner, launch, kw), T * D * 2 * (K + 3) / 4e12 * 1e6)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--families", default="attn,route,moe,small")
+    ap.add_argument("--gemm-variants", default="",
+                    help="extra (BK x stages) configurations of the MoE tensor-core GEMM to time, e.g. 64x3,32x3 "
+                         "(measured at T=16384: 32x4 4.55 ms gate_up_silu, 64x3 4.76, 32x3 4.60)")
+    a = ap.parse_args()
+    fams = set(a.families.split(","))
+    torch.manual_seed(0)
+    m = lite()
+    T = a.batch * a.seqlen
+    runner = KernelRunner()
+    print(f"# {torch.cuda.get_device_name()}  T = {a.batch} x {a.seqlen} = {T}", flush=True)
+    print(f"{'kernel':<58} {'time':>14}   {'prediction':>18}", flush=True)
+    if "attn" in fams:
+        bench_attention(runner, m, a.batch, a.seqlen)
+    if "route" in fams:
+        bench_route(runner, m, T)
+    if "moe" in fams:
+        for which in ("moe_gate_up_silu", "moe_gate_up", "moe_down"):
+            bench_grouped(runner, m, T, which)
+    if "small" in fams:
+        bench_small(runner, m, T)
+    runner.close()
+    if "moe" in fams and a.gemm_variants:
+        from codegen.families import _moe
+        default = (_moe.GEMM_BK, _moe.GEMM_STAGES)
+        for v in a.gemm_variants.split(","):
+            _moe.GEMM_BK, _moe.GEMM_STAGES = (int(x) for x in v.split("x"))
+            print(f"# MoE GEMM variant BK={_moe.GEMM_BK} stages={_moe.GEMM_STAGES} "
+                  f"(smem {_moe.gemm_smem(_moe.GEMM_BK, _moe.GEMM_STAGES)} B)", flush=True)
+            r = KernelRunner()              # kernel names repeat across variants: a fresh module cache
+            for which in ("moe_gate_up_silu", "moe_down"):
+                bench_grouped(r, m, T, which)
+            r.close()
+        _moe.GEMM_BK, _moe.GEMM_STAGES = default
+
+
+if __name__ == "__main__":
+    main()
