@@ -49,6 +49,11 @@ def _templates_dir(templates_dir: str | Path | None) -> str:
     return str(Path(templates_dir).resolve() if templates_dir is not None else TEMPLATES_DIR)
 
 
+def _natural(name: str) -> list:
+    """Sort key that orders L2 before L10 (reviewers read node lists layer by layer)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def header(template: str, params: dict, nodes, kernel_name: str) -> str:
     """The comment block that opens every generated file: where it came from."""
     try:
@@ -57,7 +62,7 @@ def header(template: str, params: dict, nodes, kernel_name: str) -> str:
         raise TemplateParamError(template, None,
                                  f"{template}: parameters must be JSON-serialisable "
                                  f"(they are recorded in the file header): {e}") from e
-    node_list = sorted(str(n) for n in nodes)
+    node_list = sorted((str(n) for n in nodes), key=_natural)
     for text in (template, kernel_name, *node_list):
         if "\n" in text or "\r" in text:
             raise ValueError(f"line break in header field {text!r}")

@@ -43,7 +43,7 @@ def test_header(tdir):
     assert lines[1] == "// template: toy.cu.j2"
     assert lines[2] == "// kernel:   toy__f32"
     assert lines[3] == '// params:   {"dims":[512,64],"dtype":"float","eps":1e-06}'
-    assert lines[4] == "// nodes:    n1, n10, n2"
+    assert lines[4] == "// nodes:    n1, n2, n10"  # natural order: layer 2 before layer 10
     assert 'extern "C" __global__ void toy__f32(float* out)' in out
     assert str(tdir) not in out and "/tmp" not in out
     assert not re.search(r"\d{4}-\d{2}-\d{2}|\d{2}:\d{2}:\d{2}", out)

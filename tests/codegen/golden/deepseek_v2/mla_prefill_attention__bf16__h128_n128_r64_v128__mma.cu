@@ -2,7 +2,7 @@
 // template: mla_prefill_attention.cu.j2
 // kernel:   mla_prefill_attention__bf16__h128_n128_r64_v128__mma
 // params:   {"H":128,"N":128,"R":64,"V":128,"act":"__nv_bfloat16","smem":68608,"tc":true}
-// nodes:    L0.mla.o, L1.mla.o, L10.mla.o, L11.mla.o, L12.mla.o, L13.mla.o, L14.mla.o, L15.mla.o, L16.mla.o, L17.mla.o, L18.mla.o, L19.mla.o, L2.mla.o, L20.mla.o, L21.mla.o, L22.mla.o, L23.mla.o, L24.mla.o, L25.mla.o, L26.mla.o, L27.mla.o, L28.mla.o, L29.mla.o, L3.mla.o, L30.mla.o, L31.mla.o, L32.mla.o, L33.mla.o, L34.mla.o, L35.mla.o, L36.mla.o, L37.mla.o, L38.mla.o, L39.mla.o, L4.mla.o, L40.mla.o, L41.mla.o, L42.mla.o, L43.mla.o, L44.mla.o, L45.mla.o, L46.mla.o, L47.mla.o, L48.mla.o, L49.mla.o, L5.mla.o, L50.mla.o, L51.mla.o, L52.mla.o, L53.mla.o, L54.mla.o, L55.mla.o, L56.mla.o, L57.mla.o, L58.mla.o, L59.mla.o, L6.mla.o, L7.mla.o, L8.mla.o, L9.mla.o
+// nodes:    L0.mla.o, L1.mla.o, L2.mla.o, L3.mla.o, L4.mla.o, L5.mla.o, L6.mla.o, L7.mla.o, L8.mla.o, L9.mla.o, L10.mla.o, L11.mla.o, L12.mla.o, L13.mla.o, L14.mla.o, L15.mla.o, L16.mla.o, L17.mla.o, L18.mla.o, L19.mla.o, L20.mla.o, L21.mla.o, L22.mla.o, L23.mla.o, L24.mla.o, L25.mla.o, L26.mla.o, L27.mla.o, L28.mla.o, L29.mla.o, L30.mla.o, L31.mla.o, L32.mla.o, L33.mla.o, L34.mla.o, L35.mla.o, L36.mla.o, L37.mla.o, L38.mla.o, L39.mla.o, L40.mla.o, L41.mla.o, L42.mla.o, L43.mla.o, L44.mla.o, L45.mla.o, L46.mla.o, L47.mla.o, L48.mla.o, L49.mla.o, L50.mla.o, L51.mla.o, L52.mla.o, L53.mla.o, L54.mla.o, L55.mla.o, L56.mla.o, L57.mla.o, L58.mla.o, L59.mla.o
 
 // MLA prefill attention (decompressed K/V, causal within each packed prompt). See mla_prefill.cuh:
 // MlaPrefillTC (tensor cores) for bf16 / fp16, MlaPrefill (fp32 CUDA cores) for fp32.

@@ -2,7 +2,7 @@
 // template: moe_combine_residual.cu.j2
 // kernel:   moe_combine_residual__bf16__k6_d5120
 // params:   {"D":5120,"K":6,"act":"__nv_bfloat16","threads":128,"vec":8}
-// nodes:    L1.x_out, L10.x_out, L11.x_out, L12.x_out, L13.x_out, L14.x_out, L15.x_out, L16.x_out, L17.x_out, L18.x_out, L19.x_out, L2.x_out, L20.x_out, L21.x_out, L22.x_out, L23.x_out, L24.x_out, L25.x_out, L26.x_out, L27.x_out, L28.x_out, L29.x_out, L3.x_out, L30.x_out, L31.x_out, L32.x_out, L33.x_out, L34.x_out, L35.x_out, L36.x_out, L37.x_out, L38.x_out, L39.x_out, L4.x_out, L40.x_out, L41.x_out, L42.x_out, L43.x_out, L44.x_out, L45.x_out, L46.x_out, L47.x_out, L48.x_out, L49.x_out, L5.x_out, L50.x_out, L51.x_out, L52.x_out, L53.x_out, L54.x_out, L55.x_out, L56.x_out, L57.x_out, L58.x_out, L59.x_out, L6.x_out, L7.x_out, L8.x_out, L9.x_out
+// nodes:    L1.x_out, L2.x_out, L3.x_out, L4.x_out, L5.x_out, L6.x_out, L7.x_out, L8.x_out, L9.x_out, L10.x_out, L11.x_out, L12.x_out, L13.x_out, L14.x_out, L15.x_out, L16.x_out, L17.x_out, L18.x_out, L19.x_out, L20.x_out, L21.x_out, L22.x_out, L23.x_out, L24.x_out, L25.x_out, L26.x_out, L27.x_out, L28.x_out, L29.x_out, L30.x_out, L31.x_out, L32.x_out, L33.x_out, L34.x_out, L35.x_out, L36.x_out, L37.x_out, L38.x_out, L39.x_out, L40.x_out, L41.x_out, L42.x_out, L43.x_out, L44.x_out, L45.x_out, L46.x_out, L47.x_out, L48.x_out, L49.x_out, L50.x_out, L51.x_out, L52.x_out, L53.x_out, L54.x_out, L55.x_out, L56.x_out, L57.x_out, L58.x_out, L59.x_out
 
 // moe_combine_residual: [eo [NP, D], w [T, K], shared [T, D], residual [T, D]] ->
 // residual + round(round(sum_k w * eo) + shared), one CTA per token.

@@ -2,7 +2,7 @@
 // template: rms_norm.cu.j2
 // kernel:   rms_norm__bf16__d5120
 // params:   {"N":5120,"act":"__nv_bfloat16","threads":640}
-// nodes:    L0.h_attn, L10.h_attn, L11.h_attn, L12.h_attn, L13.h_attn, L14.h_attn, L15.h_attn, L16.h_attn, L17.h_attn, L18.h_attn, L19.h_attn, L2.h_attn, L20.h_attn, L21.h_attn, L22.h_attn, L23.h_attn, L24.h_attn, L25.h_attn, L26.h_attn, L27.h_attn, L28.h_attn, L29.h_attn, L3.h_attn, L30.h_attn, L31.h_attn, L32.h_attn, L33.h_attn, L34.h_attn, L35.h_attn, L36.h_attn, L37.h_attn, L38.h_attn, L39.h_attn, L4.h_attn, L40.h_attn, L41.h_attn, L42.h_attn, L43.h_attn, L44.h_attn, L45.h_attn, L46.h_attn, L47.h_attn, L48.h_attn, L49.h_attn, L5.h_attn, L50.h_attn, L51.h_attn, L52.h_attn, L53.h_attn, L54.h_attn, L55.h_attn, L56.h_attn, L57.h_attn, L58.h_attn, L59.h_attn, L6.h_attn, L7.h_attn, L8.h_attn, L9.h_attn, head.h
+// nodes:    L0.h_attn, L2.h_attn, L3.h_attn, L4.h_attn, L5.h_attn, L6.h_attn, L7.h_attn, L8.h_attn, L9.h_attn, L10.h_attn, L11.h_attn, L12.h_attn, L13.h_attn, L14.h_attn, L15.h_attn, L16.h_attn, L17.h_attn, L18.h_attn, L19.h_attn, L20.h_attn, L21.h_attn, L22.h_attn, L23.h_attn, L24.h_attn, L25.h_attn, L26.h_attn, L27.h_attn, L28.h_attn, L29.h_attn, L30.h_attn, L31.h_attn, L32.h_attn, L33.h_attn, L34.h_attn, L35.h_attn, L36.h_attn, L37.h_attn, L38.h_attn, L39.h_attn, L40.h_attn, L41.h_attn, L42.h_attn, L43.h_attn, L44.h_attn, L45.h_attn, L46.h_attn, L47.h_attn, L48.h_attn, L49.h_attn, L50.h_attn, L51.h_attn, L52.h_attn, L53.h_attn, L54.h_attn, L55.h_attn, L56.h_attn, L57.h_attn, L58.h_attn, L59.h_attn, head.h
 
 // x [T, N] (rows x_stride apart: may be a view) -> out [T, N] contiguous; one CTA per row.
 #include "norm.cuh"

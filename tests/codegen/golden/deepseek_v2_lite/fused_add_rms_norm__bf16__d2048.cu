@@ -2,7 +2,7 @@
 // template: fused_add_rms_norm.cu.j2
 // kernel:   fused_add_rms_norm__bf16__d2048
 // params:   {"N":2048,"act":"__nv_bfloat16","threads":256}
-// nodes:    L0.h_ffn, L1.h_attn, L1.h_ffn, L10.h_ffn, L11.h_ffn, L12.h_ffn, L13.h_ffn, L14.h_ffn, L15.h_ffn, L16.h_ffn, L17.h_ffn, L18.h_ffn, L19.h_ffn, L2.h_ffn, L20.h_ffn, L21.h_ffn, L22.h_ffn, L23.h_ffn, L24.h_ffn, L25.h_ffn, L26.h_ffn, L3.h_ffn, L4.h_ffn, L5.h_ffn, L6.h_ffn, L7.h_ffn, L8.h_ffn, L9.h_ffn
+// nodes:    L0.h_ffn, L1.h_attn, L1.h_ffn, L2.h_ffn, L3.h_ffn, L4.h_ffn, L5.h_ffn, L6.h_ffn, L7.h_ffn, L8.h_ffn, L9.h_ffn, L10.h_ffn, L11.h_ffn, L12.h_ffn, L13.h_ffn, L14.h_ffn, L15.h_ffn, L16.h_ffn, L17.h_ffn, L18.h_ffn, L19.h_ffn, L20.h_ffn, L21.h_ffn, L22.h_ffn, L23.h_ffn, L24.h_ffn, L25.h_ffn, L26.h_ffn
 
 // [x, residual] [T, N] -> [h = rms_norm(s), s = x + residual]: s is rounded to the
 // activation type before it is normalised (as the reference adds in that type).

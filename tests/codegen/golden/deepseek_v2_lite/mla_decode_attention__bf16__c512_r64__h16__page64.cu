@@ -2,7 +2,7 @@
 // template: mla_decode_attention.cu.j2
 // kernel:   mla_decode_attention__bf16__c512_r64__h16__page64
 // params:   {"C":512,"H":16,"HG":16,"KT":32,"R":64,"act":"__nv_bfloat16","block_size":64,"max_s":264,"mma":true,"nstage":2,"smem":82944,"stage":"split","threads":128}
-// nodes:    L0.mla.o_lat, L1.mla.o_lat, L10.mla.o_lat, L11.mla.o_lat, L12.mla.o_lat, L13.mla.o_lat, L14.mla.o_lat, L15.mla.o_lat, L16.mla.o_lat, L17.mla.o_lat, L18.mla.o_lat, L19.mla.o_lat, L2.mla.o_lat, L20.mla.o_lat, L21.mla.o_lat, L22.mla.o_lat, L23.mla.o_lat, L24.mla.o_lat, L25.mla.o_lat, L26.mla.o_lat, L3.mla.o_lat, L4.mla.o_lat, L5.mla.o_lat, L6.mla.o_lat, L7.mla.o_lat, L8.mla.o_lat, L9.mla.o_lat
+// nodes:    L0.mla.o_lat, L1.mla.o_lat, L2.mla.o_lat, L3.mla.o_lat, L4.mla.o_lat, L5.mla.o_lat, L6.mla.o_lat, L7.mla.o_lat, L8.mla.o_lat, L9.mla.o_lat, L10.mla.o_lat, L11.mla.o_lat, L12.mla.o_lat, L13.mla.o_lat, L14.mla.o_lat, L15.mla.o_lat, L16.mla.o_lat, L17.mla.o_lat, L18.mla.o_lat, L19.mla.o_lat, L20.mla.o_lat, L21.mla.o_lat, L22.mla.o_lat, L23.mla.o_lat, L24.mla.o_lat, L25.mla.o_lat, L26.mla.o_lat
 
 // MLA decode attention over the paged latent cache, stage "split" of two
 // (split: partial softmax per KV split; combine: merge the splits). See mla_decode.cuh.

@@ -2,7 +2,7 @@
 // template: mla_prefill_attention.cu.j2
 // kernel:   mla_prefill_attention__bf16__h16_n128_r64_v128__mma
 // params:   {"H":16,"N":128,"R":64,"V":128,"act":"__nv_bfloat16","smem":68608,"tc":true}
-// nodes:    L0.mla.o, L1.mla.o, L10.mla.o, L11.mla.o, L12.mla.o, L13.mla.o, L14.mla.o, L15.mla.o, L16.mla.o, L17.mla.o, L18.mla.o, L19.mla.o, L2.mla.o, L20.mla.o, L21.mla.o, L22.mla.o, L23.mla.o, L24.mla.o, L25.mla.o, L26.mla.o, L3.mla.o, L4.mla.o, L5.mla.o, L6.mla.o, L7.mla.o, L8.mla.o, L9.mla.o
+// nodes:    L0.mla.o, L1.mla.o, L2.mla.o, L3.mla.o, L4.mla.o, L5.mla.o, L6.mla.o, L7.mla.o, L8.mla.o, L9.mla.o, L10.mla.o, L11.mla.o, L12.mla.o, L13.mla.o, L14.mla.o, L15.mla.o, L16.mla.o, L17.mla.o, L18.mla.o, L19.mla.o, L20.mla.o, L21.mla.o, L22.mla.o, L23.mla.o, L24.mla.o, L25.mla.o, L26.mla.o
 
 // MLA prefill attention (decompressed K/V, causal within each packed prompt). See mla_prefill.cuh:
 // MlaPrefillTC (tensor cores) for bf16 / fp16, MlaPrefill (fp32 CUDA cores) for fp32.

@@ -2,7 +2,7 @@
 // template: mla_v_up.cu.j2
 // kernel:   mla_v_up__bf16__h16_n128_v128_c512
 // params:   {"C":512,"H":16,"N":128,"TT":8,"V":128,"act":"__nv_bfloat16","rpw":2,"threads":256,"vec":8}
-// nodes:    L0.mla.o, L1.mla.o, L10.mla.o, L11.mla.o, L12.mla.o, L13.mla.o, L14.mla.o, L15.mla.o, L16.mla.o, L17.mla.o, L18.mla.o, L19.mla.o, L2.mla.o, L20.mla.o, L21.mla.o, L22.mla.o, L23.mla.o, L24.mla.o, L25.mla.o, L26.mla.o, L3.mla.o, L4.mla.o, L5.mla.o, L6.mla.o, L7.mla.o, L8.mla.o, L9.mla.o
+// nodes:    L0.mla.o, L1.mla.o, L2.mla.o, L3.mla.o, L4.mla.o, L5.mla.o, L6.mla.o, L7.mla.o, L8.mla.o, L9.mla.o, L10.mla.o, L11.mla.o, L12.mla.o, L13.mla.o, L14.mla.o, L15.mla.o, L16.mla.o, L17.mla.o, L18.mla.o, L19.mla.o, L20.mla.o, L21.mla.o, L22.mla.o, L23.mla.o, L24.mla.o, L25.mla.o, L26.mla.o
 
 // o_lat [T, H, C] (strided view) -> o [T, H*V] = o_lat @ W_UV[h]^T per head,
 // W_UV[h] = kv_b rows h*(N+V)+N .. (h+1)*(N+V)-1 ([V, C]). CTA = (token chunk, head, row

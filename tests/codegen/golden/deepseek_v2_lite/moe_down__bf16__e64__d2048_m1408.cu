@@ -2,7 +2,7 @@
 // template: moe_down.cu.j2
 // kernel:   moe_down__bf16__e64__d2048_m1408
 // params:   {"E":64,"K":1,"KD":1408,"N":2048,"act":"__nv_bfloat16","pt":8,"rpw":4,"thr":8,"variant":"gemv","vec":8,"warps":4}
-// nodes:    L1.moe_ffn.eo, L10.moe_ffn.eo, L11.moe_ffn.eo, L12.moe_ffn.eo, L13.moe_ffn.eo, L14.moe_ffn.eo, L15.moe_ffn.eo, L16.moe_ffn.eo, L17.moe_ffn.eo, L18.moe_ffn.eo, L19.moe_ffn.eo, L2.moe_ffn.eo, L20.moe_ffn.eo, L21.moe_ffn.eo, L22.moe_ffn.eo, L23.moe_ffn.eo, L24.moe_ffn.eo, L25.moe_ffn.eo, L26.moe_ffn.eo, L3.moe_ffn.eo, L4.moe_ffn.eo, L5.moe_ffn.eo, L6.moe_ffn.eo, L7.moe_ffn.eo, L8.moe_ffn.eo, L9.moe_ffn.eo
+// nodes:    L1.moe_ffn.eo, L2.moe_ffn.eo, L3.moe_ffn.eo, L4.moe_ffn.eo, L5.moe_ffn.eo, L6.moe_ffn.eo, L7.moe_ffn.eo, L8.moe_ffn.eo, L9.moe_ffn.eo, L10.moe_ffn.eo, L11.moe_ffn.eo, L12.moe_ffn.eo, L13.moe_ffn.eo, L14.moe_ffn.eo, L15.moe_ffn.eo, L16.moe_ffn.eo, L17.moe_ffn.eo, L18.moe_ffn.eo, L19.moe_ffn.eo, L20.moe_ffn.eo, L21.moe_ffn.eo, L22.moe_ffn.eo, L23.moe_ffn.eo, L24.moe_ffn.eo, L25.moe_ffn.eo, L26.moe_ffn.eo
 
 // moe_down: [a [NP, M], routing] -> eo [NP, D] = a[p] W[e]^T per pair: the GEMV (experts with
 // few pairs) or the tensor-core GEMM (variant mma: experts with more than thr pairs).

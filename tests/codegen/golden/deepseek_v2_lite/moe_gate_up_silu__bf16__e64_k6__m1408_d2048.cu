@@ -2,7 +2,7 @@
 // template: moe_gate_up_silu.cu.j2
 // kernel:   moe_gate_up_silu__bf16__e64_k6__m1408_d2048
 // params:   {"E":64,"K":6,"KD":2048,"N":1408,"act":"__nv_bfloat16","pt":8,"rpw":2,"thr":8,"variant":"gemv","vec":8,"warps":4}
-// nodes:    L1.moe_ffn.ea, L10.moe_ffn.ea, L11.moe_ffn.ea, L12.moe_ffn.ea, L13.moe_ffn.ea, L14.moe_ffn.ea, L15.moe_ffn.ea, L16.moe_ffn.ea, L17.moe_ffn.ea, L18.moe_ffn.ea, L19.moe_ffn.ea, L2.moe_ffn.ea, L20.moe_ffn.ea, L21.moe_ffn.ea, L22.moe_ffn.ea, L23.moe_ffn.ea, L24.moe_ffn.ea, L25.moe_ffn.ea, L26.moe_ffn.ea, L3.moe_ffn.ea, L4.moe_ffn.ea, L5.moe_ffn.ea, L6.moe_ffn.ea, L7.moe_ffn.ea, L8.moe_ffn.ea, L9.moe_ffn.ea
+// nodes:    L1.moe_ffn.ea, L2.moe_ffn.ea, L3.moe_ffn.ea, L4.moe_ffn.ea, L5.moe_ffn.ea, L6.moe_ffn.ea, L7.moe_ffn.ea, L8.moe_ffn.ea, L9.moe_ffn.ea, L10.moe_ffn.ea, L11.moe_ffn.ea, L12.moe_ffn.ea, L13.moe_ffn.ea, L14.moe_ffn.ea, L15.moe_ffn.ea, L16.moe_ffn.ea, L17.moe_ffn.ea, L18.moe_ffn.ea, L19.moe_ffn.ea, L20.moe_ffn.ea, L21.moe_ffn.ea, L22.moe_ffn.ea, L23.moe_ffn.ea, L24.moe_ffn.ea, L25.moe_ffn.ea, L26.moe_ffn.ea
 
 // moe_gate_up_silu: [x [T, D], routing] -> a [NP, M] = silu(x Wg[e]^T) * (x Wu[e]^T) per pair,
 // all active experts in one grouped launch per path: the GEMV (experts with few pairs) or the

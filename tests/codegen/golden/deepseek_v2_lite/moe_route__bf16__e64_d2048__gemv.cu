@@ -2,7 +2,7 @@
 // template: moe_route.cu.j2
 // kernel:   moe_route__bf16__e64_d2048__gemv
 // params:   {"D":2048,"E":64,"act":"__nv_bfloat16","epb":2,"stage":"router_gemv","threads":256,"tt":8,"vec":4}
-// nodes:    L1.moe_ffn.topk_ids, L10.moe_ffn.topk_ids, L11.moe_ffn.topk_ids, L12.moe_ffn.topk_ids, L13.moe_ffn.topk_ids, L14.moe_ffn.topk_ids, L15.moe_ffn.topk_ids, L16.moe_ffn.topk_ids, L17.moe_ffn.topk_ids, L18.moe_ffn.topk_ids, L19.moe_ffn.topk_ids, L2.moe_ffn.topk_ids, L20.moe_ffn.topk_ids, L21.moe_ffn.topk_ids, L22.moe_ffn.topk_ids, L23.moe_ffn.topk_ids, L24.moe_ffn.topk_ids, L25.moe_ffn.topk_ids, L26.moe_ffn.topk_ids, L3.moe_ffn.topk_ids, L4.moe_ffn.topk_ids, L5.moe_ffn.topk_ids, L6.moe_ffn.topk_ids, L7.moe_ffn.topk_ids, L8.moe_ffn.topk_ids, L9.moe_ffn.topk_ids
+// nodes:    L1.moe_ffn.topk_ids, L2.moe_ffn.topk_ids, L3.moe_ffn.topk_ids, L4.moe_ffn.topk_ids, L5.moe_ffn.topk_ids, L6.moe_ffn.topk_ids, L7.moe_ffn.topk_ids, L8.moe_ffn.topk_ids, L9.moe_ffn.topk_ids, L10.moe_ffn.topk_ids, L11.moe_ffn.topk_ids, L12.moe_ffn.topk_ids, L13.moe_ffn.topk_ids, L14.moe_ffn.topk_ids, L15.moe_ffn.topk_ids, L16.moe_ffn.topk_ids, L17.moe_ffn.topk_ids, L18.moe_ffn.topk_ids, L19.moe_ffn.topk_ids, L20.moe_ffn.topk_ids, L21.moe_ffn.topk_ids, L22.moe_ffn.topk_ids, L23.moe_ffn.topk_ids, L24.moe_ffn.topk_ids, L25.moe_ffn.topk_ids, L26.moe_ffn.topk_ids
 
 // moe_route, stage 1: router logits [T, E] = x.float() @ gate.T (fp32), EPB experts x TT tokens per CTA.
 #include "moe.cuh"

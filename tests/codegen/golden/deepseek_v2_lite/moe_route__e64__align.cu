@@ -2,7 +2,7 @@
 // template: moe_route.cu.j2
 // kernel:   moe_route__e64__align
 // params:   {"E":64,"stage":"align","threads":1024}
-// nodes:    L1.moe_ffn.topk_ids, L10.moe_ffn.topk_ids, L11.moe_ffn.topk_ids, L12.moe_ffn.topk_ids, L13.moe_ffn.topk_ids, L14.moe_ffn.topk_ids, L15.moe_ffn.topk_ids, L16.moe_ffn.topk_ids, L17.moe_ffn.topk_ids, L18.moe_ffn.topk_ids, L19.moe_ffn.topk_ids, L2.moe_ffn.topk_ids, L20.moe_ffn.topk_ids, L21.moe_ffn.topk_ids, L22.moe_ffn.topk_ids, L23.moe_ffn.topk_ids, L24.moe_ffn.topk_ids, L25.moe_ffn.topk_ids, L26.moe_ffn.topk_ids, L3.moe_ffn.topk_ids, L4.moe_ffn.topk_ids, L5.moe_ffn.topk_ids, L6.moe_ffn.topk_ids, L7.moe_ffn.topk_ids, L8.moe_ffn.topk_ids, L9.moe_ffn.topk_ids
+// nodes:    L1.moe_ffn.topk_ids, L2.moe_ffn.topk_ids, L3.moe_ffn.topk_ids, L4.moe_ffn.topk_ids, L5.moe_ffn.topk_ids, L6.moe_ffn.topk_ids, L7.moe_ffn.topk_ids, L8.moe_ffn.topk_ids, L9.moe_ffn.topk_ids, L10.moe_ffn.topk_ids, L11.moe_ffn.topk_ids, L12.moe_ffn.topk_ids, L13.moe_ffn.topk_ids, L14.moe_ffn.topk_ids, L15.moe_ffn.topk_ids, L16.moe_ffn.topk_ids, L17.moe_ffn.topk_ids, L18.moe_ffn.topk_ids, L19.moe_ffn.topk_ids, L20.moe_ffn.topk_ids, L21.moe_ffn.topk_ids, L22.moe_ffn.topk_ids, L23.moe_ffn.topk_ids, L24.moe_ffn.topk_ids, L25.moe_ffn.topk_ids, L26.moe_ffn.topk_ids
 
 // moe_route, stage 3: alignment (the moe_align kernel).
 // moe_align: expert ids [T, K] -> routing (pairs grouped by expert: order [NP], offsets [E + 1]), one CTA.

@@ -2,7 +2,7 @@
 // template: moe_route.cu.j2
 // kernel:   moe_route__e64_k6__softmax_greedy__topk
 // params:   {"E":64,"K":6,"groups":1,"has_bias":false,"method":"greedy","norm_topk_prob":false,"scaling":"1.0f","scoring":"softmax","stage":"topk","topk_groups":1,"warps":4}
-// nodes:    L1.moe_ffn.topk_ids, L10.moe_ffn.topk_ids, L11.moe_ffn.topk_ids, L12.moe_ffn.topk_ids, L13.moe_ffn.topk_ids, L14.moe_ffn.topk_ids, L15.moe_ffn.topk_ids, L16.moe_ffn.topk_ids, L17.moe_ffn.topk_ids, L18.moe_ffn.topk_ids, L19.moe_ffn.topk_ids, L2.moe_ffn.topk_ids, L20.moe_ffn.topk_ids, L21.moe_ffn.topk_ids, L22.moe_ffn.topk_ids, L23.moe_ffn.topk_ids, L24.moe_ffn.topk_ids, L25.moe_ffn.topk_ids, L26.moe_ffn.topk_ids, L3.moe_ffn.topk_ids, L4.moe_ffn.topk_ids, L5.moe_ffn.topk_ids, L6.moe_ffn.topk_ids, L7.moe_ffn.topk_ids, L8.moe_ffn.topk_ids, L9.moe_ffn.topk_ids
+// nodes:    L1.moe_ffn.topk_ids, L2.moe_ffn.topk_ids, L3.moe_ffn.topk_ids, L4.moe_ffn.topk_ids, L5.moe_ffn.topk_ids, L6.moe_ffn.topk_ids, L7.moe_ffn.topk_ids, L8.moe_ffn.topk_ids, L9.moe_ffn.topk_ids, L10.moe_ffn.topk_ids, L11.moe_ffn.topk_ids, L12.moe_ffn.topk_ids, L13.moe_ffn.topk_ids, L14.moe_ffn.topk_ids, L15.moe_ffn.topk_ids, L16.moe_ffn.topk_ids, L17.moe_ffn.topk_ids, L18.moe_ffn.topk_ids, L19.moe_ffn.topk_ids, L20.moe_ffn.topk_ids, L21.moe_ffn.topk_ids, L22.moe_ffn.topk_ids, L23.moe_ffn.topk_ids, L24.moe_ffn.topk_ids, L25.moe_ffn.topk_ids, L26.moe_ffn.topk_ids
 
 // moe_route, stage 2: scoring + top-k (the moe_topk kernel).
 // moe_topk: router logits [T, E] fp32 -> ids [T, K] i64, weights [T, K] fp32 (one warp per token).

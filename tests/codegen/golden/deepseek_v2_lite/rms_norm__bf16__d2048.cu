@@ -2,7 +2,7 @@
 // template: rms_norm.cu.j2
 // kernel:   rms_norm__bf16__d2048
 // params:   {"N":2048,"act":"__nv_bfloat16","threads":256}
-// nodes:    L0.h_attn, L10.h_attn, L11.h_attn, L12.h_attn, L13.h_attn, L14.h_attn, L15.h_attn, L16.h_attn, L17.h_attn, L18.h_attn, L19.h_attn, L2.h_attn, L20.h_attn, L21.h_attn, L22.h_attn, L23.h_attn, L24.h_attn, L25.h_attn, L26.h_attn, L3.h_attn, L4.h_attn, L5.h_attn, L6.h_attn, L7.h_attn, L8.h_attn, L9.h_attn, head.h
+// nodes:    L0.h_attn, L2.h_attn, L3.h_attn, L4.h_attn, L5.h_attn, L6.h_attn, L7.h_attn, L8.h_attn, L9.h_attn, L10.h_attn, L11.h_attn, L12.h_attn, L13.h_attn, L14.h_attn, L15.h_attn, L16.h_attn, L17.h_attn, L18.h_attn, L19.h_attn, L20.h_attn, L21.h_attn, L22.h_attn, L23.h_attn, L24.h_attn, L25.h_attn, L26.h_attn, head.h
 
 // x [T, N] (rows x_stride apart: may be a view) -> out [T, N] contiguous; one CTA per row.
 #include "norm.cuh"

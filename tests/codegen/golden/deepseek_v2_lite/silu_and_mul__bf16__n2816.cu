@@ -2,7 +2,7 @@
 // template: silu_and_mul.cu.j2
 // kernel:   silu_and_mul__bf16__n2816
 // params:   {"N":2816,"act":"__nv_bfloat16","threads":256}
-// nodes:    L1.moe_ffn.sa, L10.moe_ffn.sa, L11.moe_ffn.sa, L12.moe_ffn.sa, L13.moe_ffn.sa, L14.moe_ffn.sa, L15.moe_ffn.sa, L16.moe_ffn.sa, L17.moe_ffn.sa, L18.moe_ffn.sa, L19.moe_ffn.sa, L2.moe_ffn.sa, L20.moe_ffn.sa, L21.moe_ffn.sa, L22.moe_ffn.sa, L23.moe_ffn.sa, L24.moe_ffn.sa, L25.moe_ffn.sa, L26.moe_ffn.sa, L3.moe_ffn.sa, L4.moe_ffn.sa, L5.moe_ffn.sa, L6.moe_ffn.sa, L7.moe_ffn.sa, L8.moe_ffn.sa, L9.moe_ffn.sa
+// nodes:    L1.moe_ffn.sa, L2.moe_ffn.sa, L3.moe_ffn.sa, L4.moe_ffn.sa, L5.moe_ffn.sa, L6.moe_ffn.sa, L7.moe_ffn.sa, L8.moe_ffn.sa, L9.moe_ffn.sa, L10.moe_ffn.sa, L11.moe_ffn.sa, L12.moe_ffn.sa, L13.moe_ffn.sa, L14.moe_ffn.sa, L15.moe_ffn.sa, L16.moe_ffn.sa, L17.moe_ffn.sa, L18.moe_ffn.sa, L19.moe_ffn.sa, L20.moe_ffn.sa, L21.moe_ffn.sa, L22.moe_ffn.sa, L23.moe_ffn.sa, L24.moe_ffn.sa, L25.moe_ffn.sa, L26.moe_ffn.sa
 
 // [gate, up] [T, N] -> silu(gate) * up; silu(gate) is rounded to the activation type
 // first, as the reference computes F.silu(gate) * up in that type.

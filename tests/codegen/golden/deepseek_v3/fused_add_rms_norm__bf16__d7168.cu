@@ -2,7 +2,7 @@
 // template: fused_add_rms_norm.cu.j2
 // kernel:   fused_add_rms_norm__bf16__d7168
 // params:   {"N":7168,"act":"__nv_bfloat16","threads":896}
-// nodes:    L0.h_ffn, L1.h_attn, L1.h_ffn, L10.h_ffn, L11.h_ffn, L12.h_ffn, L13.h_ffn, L14.h_ffn, L15.h_ffn, L16.h_ffn, L17.h_ffn, L18.h_ffn, L19.h_ffn, L2.h_attn, L2.h_ffn, L20.h_ffn, L21.h_ffn, L22.h_ffn, L23.h_ffn, L24.h_ffn, L25.h_ffn, L26.h_ffn, L27.h_ffn, L28.h_ffn, L29.h_ffn, L3.h_attn, L3.h_ffn, L30.h_ffn, L31.h_ffn, L32.h_ffn, L33.h_ffn, L34.h_ffn, L35.h_ffn, L36.h_ffn, L37.h_ffn, L38.h_ffn, L39.h_ffn, L4.h_ffn, L40.h_ffn, L41.h_ffn, L42.h_ffn, L43.h_ffn, L44.h_ffn, L45.h_ffn, L46.h_ffn, L47.h_ffn, L48.h_ffn, L49.h_ffn, L5.h_ffn, L50.h_ffn, L51.h_ffn, L52.h_ffn, L53.h_ffn, L54.h_ffn, L55.h_ffn, L56.h_ffn, L57.h_ffn, L58.h_ffn, L59.h_ffn, L6.h_ffn, L60.h_ffn, L7.h_ffn, L8.h_ffn, L9.h_ffn
+// nodes:    L0.h_ffn, L1.h_attn, L1.h_ffn, L2.h_attn, L2.h_ffn, L3.h_attn, L3.h_ffn, L4.h_ffn, L5.h_ffn, L6.h_ffn, L7.h_ffn, L8.h_ffn, L9.h_ffn, L10.h_ffn, L11.h_ffn, L12.h_ffn, L13.h_ffn, L14.h_ffn, L15.h_ffn, L16.h_ffn, L17.h_ffn, L18.h_ffn, L19.h_ffn, L20.h_ffn, L21.h_ffn, L22.h_ffn, L23.h_ffn, L24.h_ffn, L25.h_ffn, L26.h_ffn, L27.h_ffn, L28.h_ffn, L29.h_ffn, L30.h_ffn, L31.h_ffn, L32.h_ffn, L33.h_ffn, L34.h_ffn, L35.h_ffn, L36.h_ffn, L37.h_ffn, L38.h_ffn, L39.h_ffn, L40.h_ffn, L41.h_ffn, L42.h_ffn, L43.h_ffn, L44.h_ffn, L45.h_ffn, L46.h_ffn, L47.h_ffn, L48.h_ffn, L49.h_ffn, L50.h_ffn, L51.h_ffn, L52.h_ffn, L53.h_ffn, L54.h_ffn, L55.h_ffn, L56.h_ffn, L57.h_ffn, L58.h_ffn, L59.h_ffn, L60.h_ffn
 
 // [x, residual] [T, N] -> [h = rms_norm(s), s = x + residual]: s is rounded to the
 // activation type before it is normalised (as the reference adds in that type).
