@@ -191,8 +191,9 @@ def run_bench(args) -> int:
         for batch, length in prefill_cases:
             seq_ids, step, ids = _prefill_ctx(engine, batch, length)
             ms = _timeit(lambda: backend.forward("prefill", ids, step), max(3, args.iters // 3), warmup=1)
+            row = {"batch": batch, "length": length, "ms": ms, "tokens_per_s": batch * length / (ms / 1e3),
+                   "breakdown": _breakdown(lambda: backend.forward("prefill", ids, step))}
             _release(engine, seq_ids)
-            row = {"batch": batch, "length": length, "ms": ms, "tokens_per_s": batch * length / (ms / 1e3)}
             result["prefill"].append(row)
             print(f"prefill {batch}x{length}: {ms:.1f} ms, {row['tokens_per_s']:.0f} tok/s", flush=True)
 
@@ -200,20 +201,18 @@ def run_bench(args) -> int:
         for batch, ctx in decode_cases:
             seq_ids, step, ids = _decode_ctx(engine, batch, ctx)
             ms = _timeit(lambda: backend.forward("decode", ids, step), args.iters)
-            _release(engine, seq_ids)
             need = decode_bytes(dims, first_dense, batch, ctx)
             row = {"batch": batch, "context": ctx, "ms": ms, "tokens_per_s": batch / (ms / 1e3),
                    "bytes": need, "floor_ms": need["total"] / bw * 1e3,
-                   "fraction_of_bandwidth": need["total"] / (ms / 1e3) / bw}
+                   "fraction_of_bandwidth": need["total"] / (ms / 1e3) / bw,
+                   "breakdown": _breakdown(lambda: backend.forward("decode", ids, step))}
+            _release(engine, seq_ids)
             result["decode"].append(row)
             print(f"decode b={batch} ctx={ctx}: {ms:.2f} ms/step (floor {row['floor_ms']:.2f}), "
                   f"{row['fraction_of_bandwidth'] * 100:.0f}% of copy bandwidth", flush=True)
 
-        # Per-kernel breakdown of one decode step (batch 1, context 512), from the CUPTI trace of a
-        # graph replay: device time per kernel, no launch overhead, no extra syncs.
-        seq_ids, step, ids = _decode_ctx(engine, 1, 512)
-        result["decode_breakdown_b1_ctx512"] = _breakdown(lambda: backend.forward("decode", ids, step))
-        _release(engine, seq_ids)
+        # Per-kernel device time of one step per case comes from the CUPTI trace (graph replay for
+        # decode): no launch overhead, no extra syncs.
 
     if not args.no_transformers:
         result["transformers"] = _bench_transformers(engine, args, prefill_cases)
@@ -310,8 +309,12 @@ def _print_table(r: dict) -> None:
         t = hf_pre.get(key)
         print(f"{'prefill %dx%d' % key:<26}{p['tokens_per_s'] / 1e3:>9.1f}k tok/s{'':>17}"
               + (f"{t / 1e3:>9.1f}k tok/s{p['tokens_per_s'] / t:>6.1f}x" if t else ""))
-    br = r.get("decode_breakdown_b1_ctx512")
-    if br:
-        print(f"\ndecode b=1 ctx=512 breakdown: {br['launches']} launches, {br['kernel_ms']:.2f} ms in kernels")
-        for fam, v in list(br["families"].items())[:12]:
-            print(f"  {fam:<28}{v['launches']:>5} launches {v['ms']:>8.3f} ms")
+    print("\nper-kernel device time of one step (top families, ms):")
+    for row in r["decode"] + r["prefill"]:
+        br = row.get("breakdown")
+        if not br:
+            continue
+        label = (f"decode b={row['batch']} ctx={row['context']}" if "context" in row
+                 else f"prefill {row['batch']}x{row['length']}")
+        top = ", ".join(f"{f[:22]} {v['ms']:.2f}" for f, v in list(br["families"].items())[:5])
+        print(f"  {label:<24}{br['kernel_ms']:>8.2f} in {br['launches']} kernels: {top}")

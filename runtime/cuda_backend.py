@@ -131,19 +131,21 @@ class CudaBackend:
             for out in outputs_of[node]:
                 self._materialize(out, plan, env, sizes, ctx, device)
             if isinstance(step, LibraryCall):
-                self._library(step, env)
+                self._library(self.graphs[phase], step, env)
                 continue
             layer = layer_of[node]
             meta["kv_cache"] = ctx.kv_cache[layer] if layer is not None else None
             if node != last_node:
                 workspaces = {}   # split-KV partials are shared by a node's launches only
                 last_node = node
-            for ws in self.runner.workspaces(step, values=env, weights=self.weights, ctx=meta, sizes=sizes).items():
-                workspaces.setdefault(*ws)
+            if any(ws.name not in workspaces for ws in step.workspace):
+                for name, t in self.runner.workspaces(step, values=env, weights=self.weights, ctx=meta,
+                                                      sizes=sizes).items():
+                    workspaces.setdefault(name, t)
             self.runner.run(step, values=env, weights=self.weights, ctx=meta, sizes=sizes, workspaces=workspaces)
         return env["logits"].float()
 
-    def _library(self, call: LibraryCall, env: dict) -> None:
+    def _library(self, G, call: LibraryCall, env: dict) -> None:
         if call.call == "view":
             return  # the buffer plan already made the views
         if call.op == "linear":
@@ -156,7 +158,6 @@ class CudaBackend:
             return
         from ir.ops import OPS
         from ir.graph import node_view
-        G = self.graphs["decode"] if call.node in self.graphs["decode"] else self.graphs["prefill"]
         node = node_view(G, call.node)
         w = {role: self.weights[name] for role, name in G.nodes[call.node]["weights"].items()}
         outs = OPS[call.op].run(node, [env[v] for v in call.inputs], w, None)

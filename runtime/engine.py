@@ -188,11 +188,11 @@ class Engine:
         results: list[torch.Tensor | None] = [None] * len(prompts)
         pending = list(enumerate(prompts))
         while pending:
-            batch, reserved = [], 0
+            batch = []
             for i, p in pending:
                 seq = Sequence(next(self._seq_ids), p, SamplingParams(), None)
                 need = self.tables.blocks_needed(seq.seq_id, len(p))
-                if batch and (need > self.tables.free_blocks - reserved or len(batch) >= self.max_num_seqs):
+                if batch and (need > self.tables.free_blocks or len(batch) >= self.max_num_seqs):
                     break
                 self.tables.reserve(seq.seq_id, len(p))  # raises CacheFullError if even one prompt cannot fit
                 batch.append((i, seq))
