@@ -171,12 +171,9 @@ def _step_json(step) -> dict:
                 "args": [{"kind": a.kind, "ref": a.ref} for a in step.args],
                 "workspace": [{"name": w.name, "shape": list(w.shape), "dtype": w.dtype}
                               for w in step.workspace]}
-    out = {"type": "library", "node": step.node, "op": step.op, "call": step.call,
-           "inputs": list(step.inputs), "outputs": list(step.outputs),
-           "weights": list(step.weights), "attrs": step.attrs}
-    if step.when is not None:
-        out["when"] = step.when
-    return out
+    return {"type": "library", "node": step.node, "op": step.op, "call": step.call,
+            "inputs": list(step.inputs), "outputs": list(step.outputs),
+            "weights": list(step.weights), "attrs": step.attrs}
 
 
 def _buffer_json(buf) -> dict:

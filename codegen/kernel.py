@@ -82,5 +82,3 @@ class LibraryCall:
     outputs: tuple[str, ...]
     weights: tuple[str, ...] = ()
     attrs: dict = field(default_factory=dict)   # the node's attributes (e.g. linear precision)
-    when: str | None = None      # size expression: the call runs only when it is non-zero
-                                 # (a family's kernel covers the other sizes), None: always

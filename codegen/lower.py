@@ -19,7 +19,7 @@ the layer's KV cache; a "routing" value lives in two int32 buffers
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import networkx as nx
 
@@ -211,17 +211,6 @@ def lower_graph(G: nx.DiGraph, opts: Options | None = None, *, strict: bool = Tr
             for launch in launches:
                 _check_launch(launch, nid, family.FAMILY)
             plan.steps.extend(launches)
-            # A family may cover only some sizes of a library op (linear: the GEMV for small T);
-            # the library call then runs for the rest, guarded by a size expression.
-            library_when = getattr(family, "library_when", None)
-            if op in LIBRARY_CALLS and (not launches or library_when is not None):
-                when = library_when(nid, G, opts) if library_when is not None else None
-                if when is not None:
-                    try:
-                        sizes.check(when)
-                    except sizes.SizeExprError as e:
-                        raise LoweringError(f"family {family.FAMILY} lowering node {nid}: {e}") from None
-                plan.steps.append(replace(_library_call(nid, data), when=when))
         elif op in LIBRARY_CALLS:
             plan.steps.append(_library_call(nid, data))
         elif strict:

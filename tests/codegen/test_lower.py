@@ -39,21 +39,15 @@ def test_every_node_is_accounted_for(spec, phase):
         else:
             assert isinstance(step, LibraryCall)
             assert step.call == LIBRARY_CALLS[step.op], step
-            family = families.family_for_op(step.op)
-            if family is not None:
-                # Only a family that covers some sizes (library_when) leaves a library call, and
-                # then the call is guarded by a size expression (or the family emitted nothing).
-                launched = any(isinstance(s, KernelLaunch) and s.nodes[0] == step.node for s in plan.steps)
-                assert (step.when is not None) if launched else (step.when is None), step
+            assert families.family_for_op(step.op) is None, f"{step.op} has a family but became a library call"
             covered[step.node] += 1
     for nid, op in plan.unlowered:
         assert families.family_for_op(op) is None and op not in LIBRARY_CALLS
         covered[nid] += 1
     missing = set(G.nodes) - set(covered)
     assert not missing, f"nodes with no step: {sorted(missing)[:5]}"
-    # A node is one library call, or launches of one family, never both — except a guarded
-    # library call beside the launches of a family that covers only some sizes.
-    lib_nodes = {s.node for s in plan.library_calls if s.when is None}
+    # A node is one library call, or launches of one family, never both.
+    lib_nodes = {s.node for s in plan.library_calls}
     launch_nodes = {n for s in plan.launches for n in s.nodes}
     assert not lib_nodes & launch_nodes
 
