@@ -8,6 +8,8 @@ arguments, and launches on torch's current stream; dense GEMMs and the views of
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,10 @@ from .launcher import KernelRunner
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _VALUE_DTYPES = {"f32": torch.float32, "i64": torch.int64, "i32": torch.int32}
+
+
+def _node_of(step) -> str:
+    return step.nodes[0] if isinstance(step, KernelLaunch) else step.node
 
 
 class CudaBackend:
@@ -124,30 +130,23 @@ class CudaBackend:
         device = ids.device
         env = {"ids": ids}
         layer_of, outputs_of = self.layer_of[phase], self.outputs_of[phase]
-        workspaces: dict[str, torch.Tensor] = {}
-        last_node = None
-        for step in plan.steps:
-            node = step.nodes[0] if isinstance(step, KernelLaunch) else step.node
+        # A node's steps are consecutive: its launches (sharing workspaces), or one library call.
+        for node, group in itertools.groupby(plan.steps, key=_node_of):
+            steps = list(group)
+            call = steps[0] if isinstance(steps[0], LibraryCall) else None
+            if call is not None and call.call != "view":
+                self._library(self.graphs[phase], call, env)   # the library allocates its outputs
+                continue
             for out in outputs_of[node]:
                 self._materialize(out, plan, env, sizes, ctx, device)
-            if isinstance(step, LibraryCall):
-                self._library(self.graphs[phase], step, env)
-                continue
+            if call is not None:
+                continue   # a view: the buffer plan made it
             layer = layer_of[node]
             meta["kv_cache"] = ctx.kv_cache[layer] if layer is not None else None
-            if node != last_node:
-                workspaces = {}   # split-KV partials are shared by a node's launches only
-                last_node = node
-            if any(ws.name not in workspaces for ws in step.workspace):
-                for name, t in self.runner.workspaces(step, values=env, weights=self.weights, ctx=meta,
-                                                      sizes=sizes).items():
-                    workspaces.setdefault(name, t)
-            self.runner.run(step, values=env, weights=self.weights, ctx=meta, sizes=sizes, workspaces=workspaces)
+            self.runner.run_all(steps, values=env, weights=self.weights, ctx=meta, sizes=sizes)
         return env["logits"].float()
 
     def _library(self, G, call: LibraryCall, env: dict) -> None:
-        if call.call == "view":
-            return  # the buffer plan already made the views
         if call.op == "linear":
             x = env[call.inputs[0]]
             w = self.weights[call.weights[0]]

@@ -192,17 +192,18 @@ class KernelRunner:
         cu_launch(func, grid, tuple(launch.block), smem, args, stream)
         return workspaces
 
-    def run_all(self, launches, **kw) -> dict[str, torch.Tensor]:
-        """Run several launches in order (e.g. split-KV attention + its combine), sharing
-        workspaces by name; returns them all."""
-        shared: dict[str, torch.Tensor] = dict(kw.pop("workspaces", None) or {})
+    def run_all(self, launches, *, values: dict, weights: dict | None = None, ctx: dict | None = None,
+                sizes: dict | None = None, stream=None, workspaces: dict | None = None) -> dict[str, torch.Tensor]:
+        """Run several launches of one node in order (e.g. split-KV attention + its combine),
+        sharing workspaces by name (each allocated once); returns them all."""
+        weights, ctx = weights or {}, ctx or {}
+        sizes = self.step_sizes(sizes or {}, ctx)
+        shared: dict[str, torch.Tensor] = dict(workspaces or {})
         for launch in launches:
-            kw_ws = self.workspaces(launch, values=kw["values"], weights=kw.get("weights") or {},
-                                    ctx=kw.get("ctx") or {},
-                                    sizes=self.step_sizes(kw.get("sizes") or {}, kw.get("ctx") or {}))
-            for name, t in kw_ws.items():
-                shared.setdefault(name, t)
-            self.run(launch, workspaces=shared, **kw)
+            if any(ws.name not in shared for ws in launch.workspace):
+                for name, t in self.workspaces(launch, values=values, weights=weights, ctx=ctx, sizes=sizes).items():
+                    shared.setdefault(name, t)
+            self.run(launch, values=values, weights=weights, ctx=ctx, sizes=sizes, stream=stream, workspaces=shared)
         return shared
 
     def close(self) -> None:
