@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import math
 import platform
 import sys
 import time
+from pathlib import Path
 
 DECODE_CASES = [(1, 512), (8, 512), (32, 512), (128, 512), (1, 4096), (8, 4096), (32, 4096), (128, 4096)]
 PREFILL_CASES = [(1, 2048), (32, 512)]
@@ -90,11 +92,11 @@ def _decode_ctx(engine, batch: int, ctx: int):
 
     from ir.context import StepContext
     bs = engine.block_size
-    ids, slots = [], []
-    for b in range(batch):
-        engine.tables.reserve(10_000_000 + b, ctx)
-        slots.extend(engine.tables.slot_mapping(10_000_000 + b, ctx - 1, ctx))
-    seq_ids = [10_000_000 + b for b in range(batch)]
+    seq_ids = [10_000_000 + b for b in range(batch)]   # ids no real request uses
+    slots = []
+    for sid in seq_ids:
+        engine.tables.reserve(sid, ctx)
+        slots.extend(engine.tables.slot_mapping(sid, ctx - 1, ctx))
     dev = engine.device
     step = StepContext(positions=torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev),
                        query_lens=[1] * batch, context_lens=[ctx] * batch,
@@ -229,9 +231,7 @@ def _bench_transformers(engine, args, prefill_cases) -> dict:
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DynamicCache
 
-    from .cli import DEFAULT_SPEC  # noqa: F401
-    cfg_path = __import__("pathlib").Path(__file__).resolve().parent.parent / "model_specs" / "hf_configs" / \
-        "deepseek_v2_lite.json"
+    cfg_path = Path(__file__).resolve().parent.parent / "model_specs" / "hf_configs" / "deepseek_v2_lite.json"
     raw = json.loads(cfg_path.read_text())
     cfg = DeepseekV2Config(**{k: v for k, v in raw.items() if not k.startswith("_") and k not in ("architectures",
                                                                                                    "torch_dtype")})
@@ -255,7 +255,8 @@ def _bench_transformers(engine, args, prefill_cases) -> dict:
         for batch, ctx in HF_DECODE_CASES:
             ids = torch.randint(0, cfg.vocab_size, (batch, ctx - 1), device="cuda")
             cache = DynamicCache(config=cfg)
-            kw = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
+            # transformers 5.24 renamed past_key_values to cache.
+            kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
             model(ids, **{kw: cache}, use_cache=True)
             nxt = torch.randint(0, cfg.vocab_size, (batch, 1), device="cuda")
             base = cache.get_seq_length()
@@ -274,20 +275,12 @@ def _bench_transformers(engine, args, prefill_cases) -> dict:
 def _load_into_transformers(model, engine) -> None:
     """Copy dsgraph's weights into a transformers model (it fuses experts in memory)."""
     import torch
-    params = dict(model.named_parameters())
-    w = engine.backend.weights
+
+    from .hf_layout import transformers_state, transformers_tensor
+    state = transformers_state(model)
     with torch.no_grad():
-        for name, t in w.items():
-            if ".experts.*." in name:
-                prefix, _, role = name.partition(".experts.*.")
-                if role.startswith("down_proj"):
-                    params[f"{prefix}.experts.down_proj"].copy_(t)
-                else:
-                    fused = params[f"{prefix}.experts.gate_up_proj"]
-                    M = fused.shape[1] // 2
-                    (fused[:, :M] if role.startswith("gate_proj") else fused[:, M:]).copy_(t)
-            elif name in params:
-                params[name].copy_(t)
+        for name, t in engine.backend.weights.items():
+            transformers_tensor(state, name).copy_(t)
         # Buffers built on the meta device hold garbage after to_empty: rebuild the rotary tables.
         model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to("cuda")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from codegen.kernel import Arg, KernelLaunch, Workspace
 from codegen.render import kernel_name
 
-from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, const_ref, dims, inner_dims, node_io
+from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, const_ref, inner_dims, node_io
 
 FAMILY = "mla_decode_attention"
 TEMPLATE = "mla_decode_attention.cu.j2"

@@ -94,24 +94,13 @@ def _v2_lite_config():
 
 def hf_to_dsgraph_weights(model, graphs) -> dict:
     """Our weight dict from a transformers model in memory (it fuses experts; we stack them per role)."""
+    from runtime.hf_layout import transformers_state, transformers_tensor
     from runtime.model_loader import weight_specs
-    state = dict(model.named_parameters())
-    state.update(dict(model.named_buffers()))
+    state = transformers_state(model)
     out = {}
     for name, spec in weight_specs(graphs).items():
-        if spec.parts is None:
-            t = state[name]
-            out[name] = t.float() if spec.keep_fp32 else t
-            continue
-        prefix, _, role = name.partition(".experts.*.")     # model.layers.L.mlp  /  gate_proj.weight
-        fused_up = state[f"{prefix}.experts.gate_up_proj"]
-        M = fused_up.shape[1] // 2
-        if role.startswith("gate_proj"):
-            out[name] = fused_up[:, :M].contiguous()
-        elif role.startswith("up_proj"):
-            out[name] = fused_up[:, M:].contiguous()
-        else:
-            out[name] = state[f"{prefix}.experts.down_proj"]
+        t = transformers_tensor(state, name)
+        out[name] = t.float() if spec.keep_fp32 else t.contiguous()
     return out
 
 
@@ -123,7 +112,6 @@ def test_full_size_v2_lite_bf16_error_within_transformers_bf16():
     from transformers import DeepseekV2ForCausalLM
     from runtime import Engine
     from runtime.model_loader import compile_graphs, resolve_spec
-    from ir.config_to_spec import spec_from_config
     cfg = _v2_lite_config()
     torch.manual_seed(0)
     with torch.device(DEV):
