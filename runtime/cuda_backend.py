@@ -20,6 +20,7 @@ from codegen import sizes as size_exprs
 from ir.context import StepContext
 
 from .errors import InputError
+from .h2d import upload
 from .launcher import KernelRunner
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -111,12 +112,12 @@ class CudaBackend:
             env[name] = torch.empty(self._shape(buf.shape, sizes), dtype=dtype, device=device)
 
     def _meta(self, ctx: StepContext, device) -> dict:
-        qs = torch.tensor([0] + list(ctx.query_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        starts = list(itertools.accumulate(ctx.query_lens, initial=0))
         return {
             "positions": ctx.positions, "slot_mapping": ctx.slot_mapping,
             "block_tables": ctx.block_tables.to(device=device, dtype=torch.int32),
-            "context_lens": torch.tensor(ctx.context_lens, dtype=torch.int32).to(device, non_blocking=True),
-            "query_start": qs.to(device, non_blocking=True),
+            "context_lens": upload(ctx.context_lens, torch.int32, device),
+            "query_start": upload(starts, torch.int32, device),
         }
 
     def forward(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:

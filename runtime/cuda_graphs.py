@@ -13,6 +13,8 @@ import torch
 
 from ir.context import StepContext
 
+from .h2d import upload
+
 MIN_CONTEXT_BUCKET = 256
 
 
@@ -50,7 +52,7 @@ class DecodeGraphs:
         x["positions"].copy_(ctx.positions, non_blocking=True)
         x["slot_mapping"].copy_(ctx.slot_mapping, non_blocking=True)
         x["block_tables"].copy_(ctx.block_tables, non_blocking=True)
-        x["context_lens"].copy_(torch.tensor(ctx.context_lens, dtype=torch.int32), non_blocking=True)
+        x["context_lens"].copy_(upload(ctx.context_lens, torch.int32, x["context_lens"].device), non_blocking=True)
         cap.graph.replay()
         return cap.output.clone()
 

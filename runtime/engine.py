@@ -19,6 +19,7 @@ from ir import Spec
 from ir.context import StepContext
 
 from .errors import InputError
+from .h2d import upload
 from .kv_cache import BlockAllocator, BlockTables, PagedLatentCache
 from .model_loader import compile_graphs, load_config, load_model_weights, random_weights, resolve_spec
 from .reference_backend import ReferenceBackend
@@ -160,14 +161,14 @@ class Engine:
             context_lens.append(len(toks))
         dev = self.device
         ctx = StepContext(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            positions=upload(positions, torch.int64, dev),
             query_lens=query_lens, context_lens=context_lens,
             # Decode tables are always max-width so a captured step graph fits every step of a batch size.
             block_tables=self.tables.table_tensor([s.seq_id for s in seqs], dev,
                                                   width=self.blocks_per_seq if phase == "decode" else None),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=upload(slots, torch.int64, dev),
             kv_cache=self.cache.layers, block_size=self.block_size)
-        logits = self.backend.forward(phase, torch.tensor(ids, dtype=torch.int64, device=dev), ctx)
+        logits = self.backend.forward(phase, upload(ids, torch.int64, dev), ctx)
         for s in seqs:
             s.cached = len(s.tokens)
         return logits

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from runtime.errors import CacheFullError, InputError
+from runtime.h2d import upload
 
 
 class BlockAllocator:
@@ -181,4 +182,4 @@ class BlockTables:
         elif width < longest:
             raise ValueError(f"table width {width} is narrower than the longest block table ({longest} blocks)")
         rows = [t + [0] * (width - len(t)) for t in tables]
-        return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(seq_ids), width)
+        return upload(rows, torch.int32, device).reshape(len(seq_ids), width)
