@@ -96,9 +96,15 @@ def rope_tag(params: dict) -> str:
     return f"{layout}__rope{hashlib.sha256(blob.encode()).hexdigest()[:8]}"
 
 
+def vec16(n: int, elem_bytes: int) -> int:
+    """Elements per load along a row of n: a 16-byte vector when n allows it, else 1 (odd dims)."""
+    v = 16 // elem_bytes
+    return v if n % v == 0 else 1
+
+
 def block_threads_for_row(n: int, elem_bytes: int, *, lo: int = 32, hi: int = 1024) -> int:
     """Threads for one CTA per row of n elements: one 16-byte chunk each, rounded to warps."""
-    vec = 16 // elem_bytes if n % (16 // elem_bytes) == 0 else 1
+    vec = vec16(n, elem_bytes)
     chunks = -(-n // vec)
     t = -(-chunks // 32) * 32
     return max(lo, min(hi, t))

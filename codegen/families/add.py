@@ -6,7 +6,7 @@ import math
 from codegen.kernel import Arg, KernelLaunch
 from codegen.render import kernel_name
 
-from ._dense_util import ELEM_BYTES, LoweringError, ctype_of, inner_dims, node_io
+from ._dense_util import ELEM_BYTES, LoweringError, ctype_of, inner_dims, node_io, vec16
 
 FAMILY = "add"
 TEMPLATE = "add.cu.j2"
@@ -22,7 +22,7 @@ def lower(nid, G, opts):
         raise LoweringError(f"add lowers [T, n] values; {ins[0]} is [T, {inner}]")
     n = math.prod(inner)
     tag, ctype = ctype_of(G, ins[0], opts)
-    vec = (16 // ELEM_BYTES[tag]) if n % (16 // ELEM_BYTES[tag]) == 0 else 1
+    vec = vec16(n, ELEM_BYTES[tag])
     per_cta = THREADS * vec
     params = {"ctype": ctype, "N": n, "threads": THREADS}
     return [KernelLaunch(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from codegen.kernel import Arg, KernelLaunch
 from codegen.render import kernel_name
 
-from ._dense_util import ELEM_BYTES, act_ctype, dims, inner_dims, node_io, rope_params, rope_tag
+from ._dense_util import ELEM_BYTES, act_ctype, dims, inner_dims, node_io, rope_params, rope_tag, vec16
 
 FAMILY = "mla_decode_query"
 TEMPLATE = "mla_decode_query.cu.j2"
@@ -33,7 +33,7 @@ def lower(nid, G, opts):
     d = dims(G)
     C, V, R = d["kv_lora_rank"], d["v_head_dim"], d["qk_rope_head_dim"]
     eb = ELEM_BYTES[opts.dtype]
-    vec = 16 // eb if C % (16 // eb) == 0 else 1
+    vec = vec16(C, eb)
     cg = -(-C // vec)
     cgb = min(cg, MAX_CGB)
     ks = max(1, TARGET_THREADS // cgb)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from codegen.kernel import Arg, KernelLaunch
 from codegen.render import kernel_name
 
-from ._dense_util import ELEM_BYTES, act_ctype, dims, inner_dims, node_io
+from ._dense_util import ELEM_BYTES, act_ctype, dims, inner_dims, node_io, vec16
 
 FAMILY = "mla_v_up"
 TEMPLATE = "mla_v_up.cu.j2"
@@ -26,7 +26,7 @@ def lower(nid, G, opts):
     d = dims(G)
     N, V = d["qk_nope_head_dim"], d["v_head_dim"]
     eb = ELEM_BYTES[opts.dtype]
-    vec = 16 // eb if C % (16 // eb) == 0 else 1
+    vec = vec16(C, eb)
     rows_per_cta = (THREADS // 32) * RPW
     params = {"act": act_ctype(opts), "H": H, "N": N, "V": V, "C": C, "TT": TT, "rpw": RPW,
               "threads": THREADS, "vec": vec}

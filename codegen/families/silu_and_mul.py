@@ -4,7 +4,7 @@ from __future__ import annotations
 from codegen.kernel import Arg, KernelLaunch
 from codegen.render import kernel_name
 
-from ._dense_util import ELEM_BYTES, act_ctype, inner_dims, node_io
+from ._dense_util import ELEM_BYTES, act_ctype, inner_dims, node_io, vec16
 
 FAMILY = "silu_and_mul"
 TEMPLATE = "silu_and_mul.cu.j2"
@@ -16,7 +16,7 @@ def lower(nid, G, opts):
     data, ins, outs, w = node_io(G, nid)
     (n,) = inner_dims(G, ins[0])
     eb = ELEM_BYTES[opts.dtype]
-    vec = (16 // eb) if n % (16 // eb) == 0 else 1
+    vec = vec16(n, eb)
     params = {"act": act_ctype(opts), "N": n, "threads": THREADS}
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"n{n}"]),
