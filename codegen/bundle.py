@@ -1,8 +1,10 @@
 """Spec -> bundle on disk: both phases lowered, every unique kernel rendered and compiled.
 
-    <bundle>/manifest.json        what runs, in order, per phase (see below)
-    <bundle>/kernels/<name>.cu    generated source (what reviewers diff)
-    <bundle>/kernels/<name>.cubin NVRTC output for the manifest's arch
+    <bundle>/manifest.json            what runs, in order, per phase (codegen/manifest.py)
+    <bundle>/spec.yaml                the spec it was compiled from (its text is part of the key)
+    <bundle>/kernels/<name>.cu        generated source (what reviewers diff)
+    <bundle>/kernels/include/<h>.cuh  the dsgraph headers the sources include: exactly what NVRTC saw
+    <bundle>/kernels/<name>.cubin     NVRTC output for the manifest's arch
 
 Bundles live in the content-addressed cache (codegen/cache.py); the key covers
 exactly the spec text, every template's text, the compiler's source, the NVRTC
@@ -10,23 +12,22 @@ version, the arch and the options.  A cache hit therefore needs no graph, no
 rendering and no NVRTC: only the key's inputs are read (and ir/torch are not
 imported), which keeps a warm `dsgraph compile` well under a second.
 
-manifest.json (schema 1; JSON with sorted keys, so it diffs cleanly):
+manifest.json (schema 2; JSON with sorted keys, so it diffs cleanly):
 
-    schema, key, spec {name, file, sha256}, compiler_hash, nvrtc_version [major, minor],
+    schema, key, spec {name, file, sha256, path}, compiler_hash, nvrtc_version [major, minor],
     arch, options {dtype, block_size},
-    phases.<prefill|decode>: inputs, outputs, unlowered [[node, op]...],
-        steps: [{type: "kernel", kernel, family, template, params, nodes, grid, block, smem,
-                 args: [{kind, ref}], workspace: [{name, shape, dtype}]}
-                | {type: "library", node, op, call, inputs, outputs, weights, attrs}],
-        buffers: {value: {shape, dtype, [view: {base, offset, strides}], [layer], [parts]}},
-    kernels: {name: {family, template, params, nodes, source, cubin}},
+    phases.<prefill|decode>: see codegen/manifest.py (steps with typed arguments, buffers, nodes),
+    kernels: {name: {family, role, template, params, nodes, source, cubin, includes}},
+    includes: {header: path},  weights: {name: {shape, keep_fp32, parts}},
     files: {relative path: sha256}   (added by the cache when the entry is sealed)
 
 A kernel shared by many layers (and phases) is compiled once; its file header
-lists every graph node it implements.
+lists every graph node and spec op it implements.  Loading (`load_bundle`) checks the
+key and the compiler hash against this dsgraph and never compiles anything.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -35,19 +36,22 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import render as render_mod
 from .cache import MANIFEST, BundleCache, cache_key, compiler_source_hash, default_cache_dir
-from .kernel import DTYPES, KernelLaunch, Options
+from .errors import DsgraphError
+from .kernel import DEFAULTS, DTYPES, KernelLaunch, Options, signature_key
 
-SCHEMA = 1
+SCHEMA = 2
 PHASES = ("prefill", "decode")  # same as ir.PHASES; spelled here so a cache hit never imports ir
+SPEC_FILE = "spec.yaml"
 
 
-class BundleError(RuntimeError):
-    """A bundle is missing, damaged, of another schema, or built for another arch / NVRTC."""
+class BundleError(DsgraphError, RuntimeError):
+    """A bundle is missing, damaged, of another schema, or built for another arch / NVRTC /
+    compiler / options; the message says how to recompile it."""
 
 
 @dataclass(frozen=True)
@@ -63,10 +67,21 @@ class BundleResult:
 class KernelSource:
     name: str
     family: str
+    role: str
     template: str
     params: dict
     nodes: tuple[str, ...]
+    origins: tuple
+    signature: tuple
     source: str
+    includes: dict           # header name -> text: what NVRTC is given beside the source
+
+
+@dataclass(frozen=True)
+class SpecPlan:
+    spec: object              # ir.Spec
+    plans: dict               # phase -> PhasePlan
+    graphs: dict              # phase -> post-pass graph
 
 
 # -- inputs ---------------------------------------------------------------------------
@@ -99,18 +114,23 @@ def _check_options(arch: str, dtype: str, block_size: int) -> None:
 
 def bundle_key(spec_text: str, *, arch: str, dtype: str, block_size: int, strict: bool = True) -> str:
     from .nvrtc import nvrtc_version
+    return cache_key(spec_text=spec_text, template_texts=render_mod.template_texts(),
+                     compiler_hash=compiler_source_hash(), nvrtc_version=nvrtc_version(),
+                     arch=arch, options=_options_json(dtype, block_size, strict))
+
+
+def _options_json(dtype: str, block_size: int, strict: bool) -> dict:
     options = {"dtype": dtype, "block_size": block_size}
     if not strict:
         options["allow_unlowered"] = True
-    return cache_key(spec_text=spec_text, template_texts=render_mod.template_texts(),
-                     compiler_hash=compiler_source_hash(), nvrtc_version=nvrtc_version(),
-                     arch=arch, options=options)
+    return options
 
 
 # -- planning and rendering (no NVRTC) ---------------------------------------------------
 
-def plan_spec(spec, opts: Options, *, strict: bool = True):
-    """Spec (path, text-bearing Spec) -> (spec, {phase: PhasePlan}, [KernelSource]) rendered."""
+def plan_spec(spec, opts: Options, *, strict: bool = True) -> SpecPlan:
+    """Spec (path, text-bearing Spec) -> both phases through the passes and lowering,
+    with kernel names made unique (see disambiguate)."""
     import ir
     from ir.passes import run_pipeline
 
@@ -118,81 +138,69 @@ def plan_spec(spec, opts: Options, *, strict: bool = True):
     if not (hasattr(spec, "text") and hasattr(spec, "model")):
         text, file = _spec_text(spec)
         spec = ir.parse_spec(text, file)
-    plans = {}
+    plans, graphs = {}, {}
     for phase in PHASES:
         G = run_pipeline(ir.build_graph(spec, phase))
+        graphs[phase] = G
         plans[phase] = lower_graph(G, opts, strict=strict)
-    return spec, plans, unique_kernels(plans)
+    return SpecPlan(spec, disambiguate(plans), graphs)
 
 
-def unique_kernels(plans: dict) -> list[KernelSource]:
-    """One rendered source per kernel name, in first-use order; nodes are the union over uses."""
+def _identity(launch: KernelLaunch) -> str:
+    return json.dumps([launch.template, launch.params, signature_key(launch.args)], sort_keys=True)
+
+
+def disambiguate(plans: dict) -> dict:
+    """Kernel names carry the dims that usually specialise a kernel; when two different
+    kernels of one bundle still share a name (say two norms of one width with different
+    eps), each gets a short digest of its template, parameters and signature appended."""
+    variants: dict[str, set] = {}
+    for plan in plans.values():
+        for launch in plan.launches:
+            variants.setdefault(launch.name, set()).add(_identity(launch))
+    clash = {name for name, ids in variants.items() if len(ids) > 1}
+    if not clash:
+        return plans
+    for plan in plans.values():
+        plan.steps = [dataclasses.replace(s, name=f"{s.name}__{hashlib.sha256(_identity(s).encode()).hexdigest()[:8]}")
+                      if isinstance(s, KernelLaunch) and s.name in clash else s for s in plan.steps]
+    return plans
+
+
+def unique_kernels(plans: dict, *, compiler_hash: str | None = None) -> list[KernelSource]:
+    """One rendered source per kernel name, in first-use order; nodes and origins are the
+    union over its uses.  `compiler_hash` is stamped into the headers (bundles, not goldens)."""
     seen: dict[str, KernelLaunch] = {}
     nodes: dict[str, set] = {}
+    origins: dict[str, dict] = {}
     for phase in PHASES:
         for launch in plans[phase].launches:
             first = seen.get(launch.name)
             if first is None:
                 seen[launch.name] = launch
-                nodes[launch.name] = set(launch.nodes)
-                continue
-            if (first.template, first.params) != (launch.template, launch.params):
+                nodes[launch.name], origins[launch.name] = set(), {}
+            elif _identity(first) != _identity(launch):
                 raise BundleError(
                     f"kernel name {launch.name} is used for two different kernels "
-                    f"({first.template} {json.dumps(first.params, sort_keys=True)} for "
-                    f"{', '.join(first.nodes)}; {launch.template} "
-                    f"{json.dumps(launch.params, sort_keys=True)} for {', '.join(launch.nodes)}): "
-                    f"the family must put every specialising parameter in the name")
+                    f"({first.template} for {', '.join(first.nodes)}; {launch.template} for "
+                    f"{', '.join(launch.nodes)}): their parameters or signatures differ")
             nodes[launch.name].update(launch.nodes)
+            origins[launch.name].update(dict.fromkeys(launch.origins))
     out = []
     for name, launch in seen.items():
-        ns = tuple(sorted(nodes[name]))
-        out.append(KernelSource(name, launch.family, launch.template, launch.params, ns,
-                                render_mod.render(launch.template, launch.params, ns, name)))
+        ns, os_ = tuple(sorted(nodes[name])), tuple(origins[name])
+        source = render_mod.render_launch(launch, nodes=ns, origins=os_, compiler_hash=compiler_hash)
+        out.append(KernelSource(name, launch.family, launch.role, launch.template, launch.params, ns, os_,
+                                signature_key(launch.args), source, render_mod.include_closure(source)))
     return out
 
 
-def render_spec(spec, *, dtype: str = "bf16", block_size: int = 64, arch: str = "sm_90",
-                strict: bool = False) -> tuple[str, dict[str, str], list]:
-    """(spec name, {kernel name: CUDA source}, unlowered [(phase, node, op)]): render only."""
-    spec, plans, kernels = plan_spec(spec, Options(arch=arch, dtype=dtype, block_size=block_size),
-                                     strict=strict)
-    unlowered = [(ph, n, op) for ph in PHASES for n, op in plans[ph].unlowered]
-    return spec.name, {k.name: k.source for k in kernels}, unlowered
-
-
-# -- manifest ----------------------------------------------------------------------------
-
-def _step_json(step) -> dict:
-    if isinstance(step, KernelLaunch):
-        return {"type": "kernel", "kernel": step.name, "family": step.family,
-                "template": step.template, "params": step.params, "nodes": list(step.nodes),
-                "grid": list(step.grid), "block": list(step.block), "smem": step.smem,
-                "args": [{"kind": a.kind, "ref": a.ref} for a in step.args],
-                "workspace": [{"name": w.name, "shape": list(w.shape), "dtype": w.dtype}
-                              for w in step.workspace]}
-    return {"type": "library", "node": step.node, "op": step.op, "call": step.call,
-            "inputs": list(step.inputs), "outputs": list(step.outputs),
-            "weights": list(step.weights), "attrs": step.attrs}
-
-
-def _buffer_json(buf) -> dict:
-    out = {"shape": list(buf.shape), "dtype": buf.dtype}
-    if buf.view is not None:
-        out["view"] = {"base": buf.view.base, "offset": buf.view.offset,
-                       "strides": list(buf.view.strides)}
-    if buf.layer is not None:
-        out["layer"] = buf.layer
-    if buf.parts:
-        out["parts"] = list(buf.parts)
-    return out
-
-
-def _phase_json(plan) -> dict:
-    return {"inputs": list(plan.inputs), "outputs": list(plan.outputs),
-            "steps": [_step_json(s) for s in plan.steps],
-            "buffers": {name: _buffer_json(b) for name, b in plan.buffers.items()},
-            "unlowered": [list(u) for u in plan.unlowered]}
+def render_spec(spec, *, dtype: str = DEFAULTS.dtype, block_size: int = DEFAULTS.block_size,
+                arch: str = DEFAULTS.arch, strict: bool = False):
+    """(spec name, [KernelSource], unlowered [(phase, node, op)]): render only, no compiler hash."""
+    sp = plan_spec(spec, Options(arch=arch, dtype=dtype, block_size=block_size), strict=strict)
+    unlowered = [(ph, n, op) for ph in PHASES for n, op in sp.plans[ph].unlowered]
+    return sp.spec.name, unique_kernels(sp.plans), unlowered
 
 
 def dumps(obj) -> str:
@@ -221,7 +229,8 @@ class _Progress:
 
 def _compile_one(k: KernelSource, arch: str) -> bytes:
     from .nvrtc import compile_cubin
-    return compile_cubin(k.source, k.name, arch=arch, template=k.template, nodes=k.nodes).cubin
+    return compile_cubin(k.source, k.name, arch=arch, template=k.template, nodes=k.nodes,
+                         headers=k.includes).cubin
 
 
 def compile_kernels(kernels: list[KernelSource], arch: str, *, jobs: int | None = None,
@@ -257,31 +266,40 @@ def _as_completed(futures):
     return as_completed(futures)
 
 
+INCLUDE_DIR = "kernels/include"
+
+
 def _builder(spec, spec_text: str, spec_file: str, key: str, opts: Options, strict: bool,
              jobs, progress: bool, stats: dict):
     def build(tmp: Path) -> None:
+        from .manifest import phase_to_json, weights_to_json
         from .nvrtc import nvrtc_version
-        parsed, plans, kernels = plan_spec(spec if hasattr(spec, "model") else _parse(spec_text, spec_file),
-                                           opts, strict=strict)
+        sp = plan_spec(spec if hasattr(spec, "model") else _parse(spec_text, spec_file), opts, strict=strict)
+        compiler_hash = compiler_source_hash()
+        kernels = unique_kernels(sp.plans, compiler_hash=compiler_hash)
         cubins = compile_kernels(kernels, opts.arch, jobs=jobs, progress=progress)
-        kdir = tmp / "kernels"
-        kdir.mkdir()
+        (tmp / INCLUDE_DIR).mkdir(parents=True)
+        includes: dict[str, str] = {}
         for k in kernels:
-            (kdir / f"{k.name}.cu").write_text(k.source, encoding="utf-8")
-            (kdir / f"{k.name}.cubin").write_bytes(cubins[k.name])
-        options = {"dtype": opts.dtype, "block_size": opts.block_size}
-        if not strict:
-            options["allow_unlowered"] = True
+            (tmp / "kernels" / f"{k.name}.cu").write_text(k.source, encoding="utf-8")
+            (tmp / "kernels" / f"{k.name}.cubin").write_bytes(cubins[k.name])
+            includes.update(k.includes)
+        for name, text in sorted(includes.items()):
+            (tmp / INCLUDE_DIR / name).write_text(text, encoding="utf-8")
+        (tmp / SPEC_FILE).write_text(spec_text, encoding="utf-8")
         manifest = {
             "schema": SCHEMA, "key": key,
-            "spec": {"name": parsed.name, "file": spec_file,
+            "spec": {"name": sp.spec.name, "file": spec_file, "path": SPEC_FILE,
                      "sha256": hashlib.sha256(spec_text.encode("utf-8")).hexdigest()},
-            "compiler_hash": compiler_source_hash(), "nvrtc_version": list(nvrtc_version()),
-            "arch": opts.arch, "options": options,
-            "phases": {ph: _phase_json(plans[ph]) for ph in PHASES},
-            "kernels": {k.name: {"family": k.family, "template": k.template, "params": k.params,
+            "compiler_hash": compiler_hash, "nvrtc_version": list(nvrtc_version()),
+            "arch": opts.arch, "options": _options_json(opts.dtype, opts.block_size, strict),
+            "phases": {ph: phase_to_json(sp.plans[ph]) for ph in PHASES},
+            "kernels": {k.name: {"family": k.family, "role": k.role, "template": k.template, "params": k.params,
                                  "nodes": list(k.nodes), "source": f"kernels/{k.name}.cu",
-                                 "cubin": f"kernels/{k.name}.cubin"} for k in kernels},
+                                 "cubin": f"kernels/{k.name}.cubin", "includes": sorted(k.includes)}
+                        for k in kernels},
+            "includes": {name: f"{INCLUDE_DIR}/{name}" for name in sorted(includes)},
+            "weights": weights_to_json(sp.graphs.values()),
         }
         (tmp / MANIFEST).write_text(dumps(manifest), encoding="utf-8")  # last: the commit marker
         stats["kernels"] = len(kernels)
@@ -323,8 +341,8 @@ def _copy_out(entry: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def compile_bundle(spec, out_dir=None, *, arch: str = "sm_90", dtype: str = "bf16",
-                   block_size: int = 64, cache_dir=None, progress: bool | None = None,
+def compile_bundle(spec, out_dir=None, *, arch: str = DEFAULTS.arch, dtype: str = DEFAULTS.dtype,
+                   block_size: int = DEFAULTS.block_size, cache_dir=None, progress: bool | None = None,
                    jobs: int | None = None, strict: bool = True) -> BundleResult:
     """Compile `spec` (a path or an ir.Spec) into a bundle, through the cache.
 
@@ -368,7 +386,7 @@ def load_manifest(bundle_dir) -> dict:
         got = manifest.get("schema") if isinstance(manifest, dict) else None
         raise BundleError(f"{path}: bundle schema {got!r}, this dsgraph reads schema {SCHEMA}; "
                           f"recompile the bundle (dsgraph compile)")
-    for field in ("arch", "nvrtc_version", "options", "phases", "kernels", "files"):
+    for field in ("arch", "nvrtc_version", "options", "phases", "kernels", "files", "spec", "compiler_hash"):
         if field not in manifest:
             raise BundleError(f"{path} lacks {field!r}")
     if not BundleCache._intact(bundle_dir):
@@ -382,17 +400,77 @@ def load_manifest(bundle_dir) -> dict:
     return manifest
 
 
-def check_compatible(manifest: dict, arch: str, nvrtc_version=None) -> None:
-    """Raise BundleError unless the bundle was built for `arch` (and this NVRTC, if given)."""
+def recompile_command(manifest: dict, bundle_dir, arch: str | None = None, dtype: str | None = None,
+                      block_size: int | None = None) -> str:
+    """The one command that rebuilds this bundle (for this device / these options)."""
+    opts = manifest.get("options", {})
+    spec = Path(bundle_dir) / manifest.get("spec", {}).get("path", SPEC_FILE)
+    return (f"dsgraph compile {spec} -o {bundle_dir} --arch {arch or manifest.get('arch')} "
+            f"--dtype {dtype or opts.get('dtype')} --block-size {block_size or opts.get('block_size')}")
+
+
+def check_compatible(manifest: dict, bundle_dir, *, arch: str, nvrtc_version=None,
+                     dtype: str | None = None, block_size: int | None = None) -> None:
+    """Raise BundleError (with the command that recompiles it) unless this bundle was built by
+    this compiler, from its own spec text, templates and options, for `arch` and this NVRTC."""
+    fix = recompile_command(manifest, bundle_dir, arch, dtype, block_size)
+    where = f"bundle {bundle_dir}"
     if manifest.get("arch") != arch:
-        raise BundleError(f"bundle was compiled for {manifest.get('arch')}, this device is {arch}; "
-                          f"recompile it: dsgraph compile --arch {arch}")
+        raise BundleError(f"{where} was compiled for {manifest.get('arch')}, this device is {arch}; "
+                          f"recompile it: {fix}")
     if nvrtc_version is not None and tuple(manifest.get("nvrtc_version", ())) != tuple(nvrtc_version):
         built = ".".join(map(str, manifest.get("nvrtc_version", ()))) or "?"
-        raise BundleError(f"bundle was compiled with NVRTC {built}, this is NVRTC "
-                          f"{'.'.join(map(str, nvrtc_version))}; recompile it (dsgraph compile)")
+        raise BundleError(f"{where} was compiled with NVRTC {built}, this is NVRTC "
+                          f"{'.'.join(map(str, nvrtc_version))}; recompile it: {fix}")
+    opts = manifest.get("options", {})
+    for name, want in (("dtype", dtype), ("block_size", block_size)):
+        if want is not None and opts.get(name) != want:
+            raise BundleError(f"{where} was compiled for {name}={opts.get(name)}, the engine runs "
+                              f"{name}={want}; recompile it: {fix}")
+    if manifest.get("compiler_hash") != compiler_source_hash():
+        raise BundleError(f"{where} was built by another dsgraph compiler (compiler hash "
+                          f"{str(manifest.get('compiler_hash'))[:12]}, this one is {compiler_source_hash()[:12]}); "
+                          f"recompile it: {fix}")
+    spec_text = (Path(bundle_dir) / manifest["spec"]["path"]).read_text(encoding="utf-8")
+    key = bundle_key(spec_text, arch=manifest["arch"], dtype=opts.get("dtype"), block_size=opts.get("block_size"),
+                     strict=not opts.get("allow_unlowered", False))
+    if key != manifest.get("key"):
+        raise BundleError(f"{where} is stale: its key does not match its spec, this dsgraph's templates and "
+                          f"NVRTC (something it was built from changed); recompile it: {fix}")
 
 
-__all__ = ["BundleError", "BundleResult", "KernelSource", "SCHEMA", "bundle_key", "check_compatible",
-           "compile_bundle", "compile_kernels", "load_manifest", "plan_spec", "render_spec",
-           "unique_kernels", "asdict"]
+@dataclass(frozen=True)
+class LoadedBundle:
+    """A bundle read back for running: its manifest, spec text and per-phase plans."""
+    path: Path
+    manifest: dict
+    spec_text: str
+    plans: dict              # phase -> codegen.plan.PhasePlan
+
+    @property
+    def weights(self) -> dict:
+        return self.manifest.get("weights", {})
+
+    @property
+    def options(self) -> dict:
+        return self.manifest["options"]
+
+
+def load_bundle(bundle_dir, *, arch: str, nvrtc_version=None, dtype: str | None = None,
+                block_size: int | None = None) -> LoadedBundle:
+    """Read a bundle to run it: verify its files, check it against this dsgraph and device
+    (check_compatible) and rebuild its phases' plans from the manifest.  No passes, no
+    lowering, no NVRTC, no networkx."""
+    from .manifest import phase_from_json
+    bundle_dir = Path(bundle_dir)
+    manifest = load_manifest(bundle_dir)
+    check_compatible(manifest, bundle_dir, arch=arch, nvrtc_version=nvrtc_version, dtype=dtype,
+                     block_size=block_size)
+    spec_text = (bundle_dir / manifest["spec"]["path"]).read_text(encoding="utf-8")
+    plans = {ph: phase_from_json(ph, d) for ph, d in manifest["phases"].items()}
+    return LoadedBundle(bundle_dir, manifest, spec_text, plans)
+
+
+__all__ = ["BundleError", "BundleResult", "KernelSource", "LoadedBundle", "SCHEMA", "SpecPlan", "bundle_key",
+           "check_compatible", "compile_bundle", "compile_kernels", "disambiguate", "load_bundle", "load_manifest",
+           "plan_spec", "recompile_command", "render_spec", "unique_kernels"]

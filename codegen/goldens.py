@@ -2,11 +2,15 @@
 
     tests/codegen/golden/index.json                 spec -> its kernels (+ ops left unlowered)
     tests/codegen/golden/<spec name>/<kernel>.cu    rendered source (no cubins)
+    tests/codegen/golden/include/<header>.cuh       every dsgraph header those sources include
 
-Rendered with the shipped defaults (bf16, block_size 64).  `python -m runtime.cli
-goldens` (or `dsgraph goldens`) rewrites them; tests/codegen/test_golden.py fails
-when they are stale.  A diff of these files is the reviewable effect of a change
-to a template, a family or a pass (tinygrad's "process replay").
+Together that is everything that reaches NVRTC (sources and headers; the numbers that
+change the computation are template constants, so they are in the sources).  Rendered
+with dsgraph's defaults (codegen.kernel.DEFAULTS), without the compiler hash, so a Python
+change that leaves the generated code alone leaves the goldens alone.  `dsgraph goldens`
+rewrites them; tests/codegen/test_golden.py fails when they are stale.  A diff of these
+files is the reviewable effect of a change to a template, a header, a family or a pass
+(tinygrad's "process replay").
 """
 from __future__ import annotations
 
@@ -16,26 +20,30 @@ import os
 from pathlib import Path
 
 from .cache import REPO_ROOT, write_atomic
+from .kernel import DEFAULTS
 
 GOLDEN_DIR = REPO_ROOT / "tests" / "codegen" / "golden"
 SHIPPED_SPECS = ("deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
-GOLDEN_OPTIONS = {"dtype": "bf16", "block_size": 64}
+GOLDEN_OPTIONS = {"dtype": DEFAULTS.dtype, "block_size": DEFAULTS.block_size}
 INDEX = "index.json"
-REFRESH_COMMAND = "python -m runtime.cli goldens"
+INCLUDE = "include"
+REFRESH_COMMAND = "dsgraph goldens"
 
 
 def spec_path(name: str) -> Path:
     return REPO_ROOT / "model_specs" / f"{name}.yaml"
 
 
-def render_spec_sources(path, *, dtype: str = "bf16", block_size: int = 64) -> tuple[str, dict, dict]:
-    """(spec name, {kernel: source}, {phase: {op: count}} of unlowered nodes)."""
+def render_spec_sources(path, *, dtype: str = DEFAULTS.dtype, block_size: int = DEFAULTS.block_size):
+    """(spec name, {kernel: source}, {header: text}, {phase: {op: count}} of unlowered nodes)."""
     from .bundle import render_spec
-    name, sources, unlowered = render_spec(str(path), dtype=dtype, block_size=block_size, strict=False)
+    name, kernels, unlowered = render_spec(str(path), dtype=dtype, block_size=block_size, strict=False)
     counts: dict = {}
     for phase, _node, op in unlowered:
         counts.setdefault(phase, collections.Counter())[op] += 1
-    return name, sources, {ph: dict(sorted(c.items())) for ph, c in sorted(counts.items())}
+    headers = {h: text for k in kernels for h, text in k.includes.items()}
+    return (name, {k.name: k.source for k in kernels}, dict(sorted(headers.items())),
+            {ph: dict(sorted(c.items())) for ph, c in sorted(counts.items())})
 
 
 def expected_files(specs=SHIPPED_SPECS) -> dict[str, str]:
@@ -43,11 +51,13 @@ def expected_files(specs=SHIPPED_SPECS) -> dict[str, str]:
     files: dict[str, str] = {}
     index: dict = {}
     for spec in specs:
-        name, sources, unlowered = render_spec_sources(spec_path(spec), **GOLDEN_OPTIONS)
+        name, sources, headers, unlowered = render_spec_sources(spec_path(spec), **GOLDEN_OPTIONS)
         for kernel, src in sources.items():
             files[f"{name}/{kernel}.cu"] = src
+        for header, text in headers.items():
+            files[f"{INCLUDE}/{header}"] = text
         index[name] = {"spec": f"model_specs/{spec}.yaml", "options": GOLDEN_OPTIONS,
-                       "kernels": sorted(sources), "unlowered_ops": unlowered}
+                       "kernels": sorted(sources), "includes": sorted(headers), "unlowered_ops": unlowered}
     files[INDEX] = json.dumps(index, sort_keys=True, indent=1) + "\n"
     return dict(sorted(files.items()))
 
@@ -57,7 +67,7 @@ def committed_files(root: Path = GOLDEN_DIR) -> dict[str, str]:
         return {}
     out = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file() and (p.suffix == ".cu" or p.name == INDEX):
+        if p.is_file() and (p.suffix in (".cu", ".cuh") or p.name == INDEX):
             out[p.relative_to(root).as_posix()] = p.read_bytes().decode("utf-8")
     return out
 

@@ -6,7 +6,6 @@ library:
 
     linear                      -> torch.nn.functional.linear (cuBLAS)
     split                       -> view (no copy: a strided view of its input)
-    mla_q_absorb, mla_v_up      -> torch.einsum (unless a family claims them)
 
 Anything else without a family is a LoweringError naming the node and its op.
 
@@ -18,115 +17,95 @@ the layer's KV cache; a "routing" value lives in two int32 buffers
 """
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import dataclass, field
 
 import networkx as nx
 
 from ir.graph import topo_order
 
 from . import families, sizes
-from .kernel import Arg, KernelLaunch, LibraryCall, Options
+from .errors import LoweringError
+from .kernel import (CTX_FIELDS, POINTER_REFS, SCALAR_KINDS, Arg, CtxRef, KernelLaunch, LibraryCall, Options,
+                     SizeRef, StrideRef, WorkspaceRef)
+from .plan import Buffer, NodeInfo, PhasePlan, View
+from .provenance import node_origins
 
+# The runtime runs these from the manifest alone (no graph, no op semantics at load).
 LIBRARY_CALLS = {
     "linear": "torch.nn.functional.linear",
     "split": "view",
-    "mla_q_absorb": "torch.einsum",
-    "mla_v_up": "torch.einsum",
 }
 
-ARG_KINDS = ("ptr", "i32", "i64", "f32")
 WORKSPACE_DTYPES = ("f32", "i32", "i64", "act")
-_REF_RE = re.compile(r"(value|weight|ctx|workspace|stride|size|const):(.+)")
-_CTX_FIELDS = ("positions", "slot_mapping", "block_tables", "context_lens", "query_start", "kv_cache")
-
-
-class LoweringError(RuntimeError):
-    """A node cannot be lowered (no family, no library call) or a family broke the contract."""
-
-
-@dataclass(frozen=True)
-class View:
-    base: str                    # the value whose storage this one shares (never itself a view)
-    offset: int                  # element offset into base's storage
-    strides: tuple[int | str, ...]  # element strides, one per dim (symbolic for dim 0 never needed)
-
-
-@dataclass(frozen=True)
-class Buffer:
-    name: str
-    shape: tuple[int | str, ...]  # first dim may be symbolic: "T", "T*6"
-    dtype: str                   # act | f32 | i64 | i32 | state | routing
-    view: View | None = None
-    layer: int | None = None     # state: whose cache
-    parts: tuple[str, ...] = ()  # routing: its two int32 buffers
-
-    @property
-    def allocated(self) -> bool:
-        return self.view is None and self.dtype not in ("state", "routing")
-
-
-@dataclass
-class PhasePlan:
-    phase: str
-    steps: list = field(default_factory=list)          # KernelLaunch | LibraryCall, in order
-    buffers: dict[str, Buffer] = field(default_factory=dict)
-    inputs: tuple[str, ...] = ()
-    outputs: tuple[str, ...] = ()
-    unlowered: list[tuple[str, str]] = field(default_factory=list)  # (node, op), strict=False only
-
-    @property
-    def launches(self) -> list[KernelLaunch]:
-        return [s for s in self.steps if isinstance(s, KernelLaunch)]
-
-    @property
-    def library_calls(self) -> list[LibraryCall]:
-        return [s for s in self.steps if isinstance(s, LibraryCall)]
+_IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 # -- checks on what families return --------------------------------------------------
 
+def _check_arg(a, names: set, ws_names: set) -> str | None:
+    """Why argument `a` breaks the contract, or None."""
+    if not isinstance(a, Arg):
+        return f"has a bad argument {a!r}"
+    if not _IDENT_RE.fullmatch(a.name) or a.name in names:
+        return f"argument name {a.name!r} is not a C identifier or is used twice"
+    names.add(a.name)
+    ref = a.ref
+    if isinstance(ref, POINTER_REFS) != a.is_pointer:
+        return f"argument {a.name} ({a.ctype}) binds {ref!r}: pointers bind values, weights, ctx and workspaces"
+    if not a.is_pointer and a.ctype not in SCALAR_KINDS:
+        return f"argument {a.name} has C type {a.ctype!r} (scalars are {', '.join(SCALAR_KINDS)})"
+    if isinstance(ref, WorkspaceRef) and ref.name not in ws_names:
+        return f"reads workspace {ref.name!r}, which it does not declare"
+    if isinstance(ref, CtxRef) and ref.field not in CTX_FIELDS:
+        return f"unknown ctx field {ref.field!r} (one of {', '.join(CTX_FIELDS)})"
+    if isinstance(ref, StrideRef) and a.ctype != "i64":
+        return f"argument {a.name}: strides are i64"
+    if isinstance(ref, SizeRef):
+        try:
+            sizes.check(ref.expr)
+        except sizes.SizeExprError as e:
+            return str(e)
+    return None
+
+
 def _check_launch(launch, nid: str, family: str) -> None:
     where = f"family {family} lowering node {nid}"
     if not isinstance(launch, KernelLaunch):
-        raise LoweringError(f"{where} returned {type(launch).__name__}, not a KernelLaunch")
+        raise TypeError(f"{where} returned {type(launch).__name__}, not a KernelLaunch")
+    problem = None
     try:
         if len(launch.grid) != 3 or len(launch.block) != 3:
-            raise LoweringError(f"{where}: kernel {launch.name} needs a 3-entry grid and block")
+            problem = "needs a 3-entry grid and block"
         for g in (*launch.grid, launch.smem):
             sizes.check(g)
         for ws in launch.workspace:
             for d in ws.shape:
                 sizes.check(d)
             if ws.dtype not in WORKSPACE_DTYPES:
-                raise LoweringError(f"{where}: workspace {ws.name} has dtype {ws.dtype!r} "
-                                    f"(one of {', '.join(WORKSPACE_DTYPES)})")
+                problem = f"workspace {ws.name} has dtype {ws.dtype!r} (one of {', '.join(WORKSPACE_DTYPES)})"
     except sizes.SizeExprError as e:
-        raise LoweringError(f"{where}: kernel {launch.name}: {e}") from None
+        problem = str(e)
     if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in launch.block):
-        raise LoweringError(f"{where}: kernel {launch.name} block {launch.block!r} must be positive ints")
+        problem = f"block {launch.block!r} must be positive ints"
+    names: set = set()
     ws_names = {w.name for w in launch.workspace}
     for a in launch.args:
-        if not isinstance(a, Arg) or a.kind not in ARG_KINDS:
-            raise LoweringError(f"{where}: kernel {launch.name} has a bad argument {a!r}")
-        m = _REF_RE.fullmatch(a.ref)
-        if m is None:
-            raise LoweringError(f"{where}: kernel {launch.name}: bad argument reference {a.ref!r}")
-        head, rest = m.groups()
-        if head == "workspace" and rest not in ws_names:
-            raise LoweringError(f"{where}: kernel {launch.name} reads workspace {rest!r}, "
-                                f"which it does not declare")
-        if head == "ctx" and rest not in _CTX_FIELDS:
-            raise LoweringError(f"{where}: kernel {launch.name}: unknown ctx field {rest!r} "
-                                f"(one of {', '.join(_CTX_FIELDS)})")
-        if head == "size":
-            try:
-                sizes.check(rest)
-            except sizes.SizeExprError as e:
-                raise LoweringError(f"{where}: kernel {launch.name}: {e}") from None
-        if (head in ("value", "weight", "ctx", "workspace")) != (a.kind == "ptr"):
-            raise LoweringError(f"{where}: kernel {launch.name}: argument {a.ref!r} of kind {a.kind} "
-                                f"(pointers are value:/weight:/ctx:/workspace:, scalars the rest)")
+        problem = problem or _check_arg(a, names, ws_names)
+    if problem:
+        # A family breaking the lowering contract is a compiler bug, not a user error.
+        raise TypeError(f"{where}: kernel {launch.name} {problem}")
+
+
+def node_location(G: nx.DiGraph, nid: str) -> str:
+    """"deepseek_v2_lite.yaml:88 at blocks.moe.ops[2]: node L3.mlp.h (moe_gate_up_silu)"."""
+    data = G.nodes[nid]
+    origins = node_origins(G, nid)
+    head = ""
+    if origins:
+        o = origins[0]
+        head = f"{o.file}:{o.line} at {o.path}: " if o.line is not None else f"{o.file} at {o.path}: "
+    return f"{head}node {nid} ({data['op']})"
 
 
 def _library_call(nid: str, data: dict) -> LibraryCall:
@@ -195,6 +174,21 @@ def buffer_plan(G: nx.DiGraph, order: list[str]) -> dict[str, Buffer]:
     return plan
 
 
+def _lower_node(G: nx.DiGraph, nid: str, family, opts: Options) -> list[KernelLaunch]:
+    try:
+        launches = family.lower(nid, G, opts)
+    except LoweringError as e:
+        if e.located:
+            raise
+        raise LoweringError(f"{node_location(G, nid)}: {e}", located=True) from None
+    origins = node_origins(G, nid)
+    out = []
+    for launch in launches:
+        _check_launch(launch, nid, family.FAMILY)
+        out.append(dataclasses.replace(launch, origins=origins))
+    return out
+
+
 def lower_graph(G: nx.DiGraph, opts: Options | None = None, *, strict: bool = True) -> PhasePlan:
     """Lower one phase's post-pass graph. strict=False records nodes nobody can lower
     in `plan.unlowered` instead of raising (for tooling while families are written)."""
@@ -207,16 +201,16 @@ def lower_graph(G: nx.DiGraph, opts: Options | None = None, *, strict: bool = Tr
         op = data["op"]
         family = families.family_for_op(op)
         if family is not None:
-            launches = family.lower(nid, G, opts)
-            for launch in launches:
-                _check_launch(launch, nid, family.FAMILY)
-            plan.steps.extend(launches)
+            plan.steps.extend(_lower_node(G, nid, family, opts))
         elif op in LIBRARY_CALLS:
             plan.steps.append(_library_call(nid, data))
         elif strict:
-            raise LoweringError(f"node {nid} (op {op!r}) has no kernel family and no library call; "
-                                f"families claim: {', '.join(sorted(families.claimed_ops())) or '(none)'}")
+            raise LoweringError(f"{node_location(G, nid)} has no kernel family and no library call; "
+                                f"families claim: {', '.join(sorted(families.claimed_ops())) or '(none)'}",
+                                located=True)
         else:
             plan.unlowered.append((nid, op))
+            continue
+        plan.nodes[nid] = NodeInfo(layer=data.get("layer"), outputs=tuple(data["outputs"]))
     plan.buffers = buffer_plan(G, order)
     return plan

@@ -11,10 +11,8 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES_INCLUDE = REPO_ROOT / "templates" / "include"
+from .errors import DsgraphError
 
 # The headers generated kernels rely on; the runtime header dir must hold them all.
 _REQUIRED_HEADERS = ("cuda_bf16.h", "cuda_fp16.h", "math_constants.h")
@@ -27,7 +25,7 @@ class NvrtcError(RuntimeError):
     """An NVRTC API call failed for a reason other than the source itself."""
 
 
-class KernelCompileError(RuntimeError):
+class KernelCompileError(DsgraphError, RuntimeError):
     """NVRTC rejected a generated kernel. Names what failed and where to look."""
 
     def __init__(self, kernel: str, template: str, nodes: tuple[str, ...], arch: str,
@@ -124,7 +122,8 @@ def _cuda_header_dir() -> str:
 
 
 def include_dirs() -> list[str]:
-    return [str(TEMPLATES_INCLUDE), _cuda_header_dir()]
+    """Only the CUDA toolkit's headers: dsgraph's own reach NVRTC as in-memory headers."""
+    return [_cuda_header_dir()]
 
 
 def _error_lines(log: str) -> tuple[str, ...]:
@@ -146,11 +145,14 @@ def _save_failure(log_dir: str | None, kernel_name: str, source: str,
 
 def compile_cubin(source: str, kernel_name: str, *, arch: str = "sm_90",
                   options: tuple[str, ...] = (), template: str = "?",
-                  nodes: tuple[str, ...] = (), log_dir: str | None = None) -> CompileResult:
+                  nodes: tuple[str, ...] = (), log_dir: str | None = None,
+                  headers: dict[str, str] | None = None) -> CompileResult:
     """Compile one generated translation unit to a CUBIN for `arch`.
 
-    `template` and `nodes` only feed the error message: they say which template
-    and which graph nodes a failing kernel came from.
+    `headers` ({name: text}) are the only dsgraph headers NVRTC sees, in memory; by default
+    the source's include closure from templates/include (codegen.render.include_closure),
+    which is also what a bundle ships and a reviewer diffs.  `template` and `nodes` only feed
+    the error message: they say which template and which graph nodes a failing kernel came from.
     """
     nvrtc = _nvrtc()
     arch_num = parse_arch(arch)
@@ -167,8 +169,12 @@ def compile_cubin(source: str, kernel_name: str, *, arch: str = "sm_90",
     opts = [f"--gpu-architecture={arch}", "-std=c++17",
             *(f"--include-path={d}" for d in include_dirs()),
             "-default-device", *options]
-    prog = _call(nvrtc.nvrtcCreateProgram, source.encode("utf-8"),
-                 f"{kernel_name}.cu".encode(), 0, [], [])
+    if headers is None:
+        from .render import include_closure
+        headers = include_closure(source)
+    names = sorted(headers)
+    prog = _call(nvrtc.nvrtcCreateProgram, source.encode("utf-8"), f"{kernel_name}.cu".encode(),
+                 len(names), [headers[n].encode("utf-8") for n in names], [n.encode() for n in names])
     try:
         encoded = [o.encode() for o in opts]
         (status,) = nvrtc.nvrtcCompileProgram(prog, len(encoded), encoded)

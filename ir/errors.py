@@ -7,7 +7,14 @@ from deep inside the compiler (the CLI prints ``str(err)`` and exits).
 from __future__ import annotations
 
 
-class SpecError(ValueError):
+class DsgraphError(Exception):
+    """Base class of every error dsgraph raises for something a user can cause (a spec, a
+    config, a checkpoint, an input, a bundle).  It lives here, at the bottom of the data
+    flow, so that ir, codegen and runtime all derive from the one class; the CLI prints
+    such an error as one line and never as a traceback."""
+
+
+class SpecError(DsgraphError, ValueError):
     """A mistake in a model spec: unknown op, undefined value, bad shape, missing dim..."""
 
     def __init__(self, message: str, *, file: str = "<spec>", path: str = "", line: int | None = None):
@@ -20,5 +27,5 @@ class SpecError(ValueError):
         super().__init__(f"{where}{loc}: {message}")
 
 
-class GraphError(RuntimeError):
+class GraphError(DsgraphError, RuntimeError):
     """The graph broke an invariant (a compiler bug, or a pass that went wrong)."""

@@ -9,8 +9,12 @@ checkpoint names: node ``L3.mla.q`` is layer 3's q projection.  Graph attributes
   values   value name -> TType (shape, dtype)
   weights  bound checkpoint name -> WeightInfo (expected shape, fp32, per-expert parts)
   inputs   ["ids"];  outputs ["logits"]
+  spec_file the spec's file name;  origins  builder node id -> SpecSite (op, YAML path, line),
+           kept through every pass so generated code can name the spec lines it implements
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import networkx as nx
 
@@ -19,6 +23,15 @@ from .ops import OPS, Node, ShapeError, TType, WeightInfo
 from .spec import Spec
 
 PHASES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class SpecSite:
+    """Where a builder node came from: its op and its entry in the spec."""
+    op: str
+    path: str            # YAML path, e.g. "blocks.mla.ops[4]"
+    line: int | None     # line in the spec file
+    layer: int | None    # the decoder layer it was unrolled for (None: embed / head)
 
 
 def node_view(G: nx.DiGraph, nid: str) -> Node:
@@ -84,7 +97,7 @@ class _Builder:
     def __init__(self, spec: Spec, phase: str):
         self.spec = spec
         self.G = nx.DiGraph(phase=phase, model=spec.model, spec_name=spec.name, values={}, weights={},
-                            inputs=["ids"], outputs=["logits"])
+                            inputs=["ids"], outputs=["logits"], spec_file=spec.file, origins={})
         self.G.graph["values"]["ids"] = TType(("T",), "i64")
         self.producers: dict[str, str] = {}
         self.order = 0
@@ -128,6 +141,7 @@ class _Builder:
                 add_op(self.G, nid, decl.op, attrs, inputs, outputs, weights={}, layer=layer, path=decl.path,
                        order=self.order, producers=self.producers)
                 self.G.nodes[nid]["weights"] = bind_weights(self.G, nid, decl.weights, wshapes, layer)
+                self.G.graph["origins"][nid] = SpecSite(decl.op, decl.path, self.spec.located.line(decl.path), layer)
             except ShapeError as exc:
                 where = f" (layer {layer})" if layer is not None else ""
                 raise self.spec.error(decl.path, f"{decl.op}{where}: {exc}") from None

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from codegen.kernel import DEFAULTS
+
 DECODE_CASES = [(1, 512), (8, 512), (32, 512), (128, 512), (1, 4096), (8, 4096), (32, 4096), (128, 4096)]
 PREFILL_CASES = [(1, 2048), (32, 512)]
 HF_DECODE_CASES = [(1, 512), (32, 512)]
@@ -33,7 +35,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
     p.add_argument("--quick", action="store_true", help="fewer cases (batch 1 and 32, context 512)")
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=DEFAULTS.block_size)
 
 
 def _timeit(fn, iters: int, warmup: int = 2) -> float:

@@ -17,12 +17,12 @@ file) prints one message to stderr and exits 2, never a traceback.  Heavy import
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import sys
 from pathlib import Path
 
 from codegen.cache import REPO_ROOT
+from codegen.kernel import DEFAULTS
 
 from .bench import add_bench_args, run_bench
 from .cli_generate import add_generate_args, run_generate
@@ -30,19 +30,6 @@ from .errors import DsgraphError
 
 DEFAULT_SPEC = REPO_ROOT / "model_specs" / "deepseek_v2_lite.yaml"
 EXIT_USER_ERROR = 2
-
-
-def _user_error_types() -> tuple[type, ...]:
-    """Exception types that mean "the user's input is wrong", from loaded modules only
-    (a SpecError cannot have been raised if ir was never imported)."""
-    types: list[type] = [FileNotFoundError, DsgraphError]
-    for module, name in (("ir.errors", "SpecError"), ("codegen.nvrtc", "KernelCompileError"),
-                         ("codegen.bundle", "BundleError"), ("codegen.lower", "LoweringError"),
-                         ("codegen.cache", "CacheError")):
-        mod = sys.modules.get(module)
-        if mod is not None:
-            types.append(getattr(mod, name))
-    return tuple(types)
 
 
 def _err(message: str) -> int:
@@ -80,9 +67,9 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="spec YAML (default: model_specs/deepseek_v2_lite.yaml)")
     p.add_argument("-o", "--output", default="bundle", metavar="DIR",
                    help="bundle folder to write (default: ./bundle)")
-    p.add_argument("--arch", default="sm_90", help="NVRTC target, e.g. sm_90 or sm_90a")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
-    p.add_argument("--block-size", type=int, default=64, help="KV-cache page size in tokens")
+    p.add_argument("--arch", default=DEFAULTS.arch, help="NVRTC target, e.g. sm_90 or sm_90a")
+    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="KV-cache page size in tokens")
     p.add_argument("--cache-dir", help="bundle cache (default: $DSGRAPH_CACHE_DIR or ~/.cache/dsgraph)")
     p.add_argument("--jobs", type=int, help="parallel NVRTC compiles (default: one per core)")
     p.add_argument("--allow-unlowered", action="store_true",
@@ -115,79 +102,60 @@ def run_compile(args) -> int:
 
 # -- diff -------------------------------------------------------------------------------
 
-def _sources(what: str, dtype: str, block_size: int) -> tuple[str, dict[str, dict[str, str]]]:
-    """(label, {spec name: {kernel: source}}) for a spec, bundle, 'golden' or 'worktree'."""
+def _side(what: str, dtype: str, block_size: int):
+    """What reaches NVRTC for a spec file, a bundle folder, 'golden' or 'worktree' (codegen.review.Side)."""
     from codegen import goldens
+    from codegen.review import Side, plan_text
     if what == "golden":
-        out: dict[str, dict[str, str]] = {}
+        side = Side("golden", {})
         for rel, text in goldens.committed_files().items():
-            if rel.endswith(".cu"):
-                spec, kernel = rel[:-3].split("/", 1)
-                out.setdefault(spec, {})[kernel] = text
-        return "golden", out
+            top, _, rest = rel.partition("/")
+            if top == goldens.INCLUDE:
+                side.headers[rest] = text
+            elif rel.endswith(".cu"):
+                side.kernels.setdefault(top, {})[rest[:-3]] = text
+        return side
     if what == "worktree":
-        out = {}
+        side = Side("worktree", {})
         for spec in goldens.SHIPPED_SPECS:
-            name, sources, _ = goldens.render_spec_sources(goldens.spec_path(spec),
-                                                           **goldens.GOLDEN_OPTIONS)
-            out[name] = sources
-        return "worktree", out
+            name, sources, headers, _ = goldens.render_spec_sources(goldens.spec_path(spec), **goldens.GOLDEN_OPTIONS)
+            side.kernels[name] = sources
+            side.headers.update(headers)
+        return side
     path = Path(what)
     if path.is_dir():
         from codegen.bundle import load_manifest
         manifest = load_manifest(path)
-        return what, {manifest["spec"]["name"]: {
-            name: (path / k["source"]).read_text(encoding="utf-8")
-            for name, k in manifest["kernels"].items()}}
+        name = manifest["spec"]["name"]
+        return Side(what, {name: {k: (path / e["source"]).read_text(encoding="utf-8")
+                                  for k, e in manifest["kernels"].items()}},
+                    headers={h: (path / rel).read_text(encoding="utf-8")
+                             for h, rel in manifest.get("includes", {}).items()},
+                    plans={name: plan_text(manifest["phases"])})
     if not path.is_file():
         raise FileNotFoundError(f"{what} is not a spec file, a bundle folder, 'golden' or 'worktree'")
-    name, sources, _ = goldens.render_spec_sources(path, dtype=dtype, block_size=block_size)
-    return what, {name: sources}
-
-
-def _flatten(a: dict, b: dict) -> tuple[dict, dict]:
-    """Key both sides alike: by kernel when one side is one spec, by spec/kernel otherwise."""
-    if len(a) == 1 and len(b) == 1:
-        return next(iter(a.values())), next(iter(b.values()))
-    if len(a) == 1 or len(b) == 1:
-        single, multi = (a, b) if len(a) == 1 else (b, a)
-        name = next(iter(single))
-        picked = multi.get(name, {})
-        return (single[name], picked) if single is a else (picked, single[name])
-    flat = lambda d: {f"{s}/{k}": v for s, ks in d.items() for k, v in ks.items()}  # noqa: E731
-    return flat(a), flat(b)
+    name, sources, headers, _ = goldens.render_spec_sources(path, dtype=dtype, block_size=block_size)
+    return Side(what, {name: sources}, headers=headers)
 
 
 def add_diff_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", help="spec file, bundle folder, 'golden' or 'worktree'")
     p.add_argument("b", help="spec file, bundle folder, 'golden' or 'worktree'")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=("bf16", "fp16", "fp32"),
                    help="dtype for rendering spec files")
-    p.add_argument("--block-size", type=int, default=64, help="page size for rendering spec files")
+    p.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="page size for rendering spec files")
     p.add_argument("--stat", action="store_true", help="only the summary, no source diff")
 
 
 def run_diff(args) -> int:
-    """diff the generated CUDA of two specs / bundles / the goldens / the working tree"""
-    la, sa = _sources(args.a, args.dtype, args.block_size)
-    lb, sb = _sources(args.b, args.dtype, args.block_size)
-    a, b = _flatten(sa, sb)
-    added = sorted(set(b) - set(a))
-    removed = sorted(set(a) - set(b))
-    changed = sorted(k for k in set(a) & set(b) if a[k] != b[k])
-    if not args.stat:
-        for k in sorted(set(added) | set(removed) | set(changed)):
-            sys.stdout.writelines(difflib.unified_diff(
-                a.get(k, "").splitlines(keepends=True), b.get(k, "").splitlines(keepends=True),
-                fromfile=f"a/{k}.cu" if k in a else "/dev/null",
-                tofile=f"b/{k}.cu" if k in b else "/dev/null"))
-    same = len(set(a) & set(b)) - len(changed)
-    print(f"{la} -> {lb}: {len(added)} added, {len(removed)} removed, {len(changed)} changed, "
-          f"{same} identical")
-    for label, names in (("added", added), ("removed", removed), ("changed", changed)):
-        for k in names:
-            print(f"  {label:<8} {k}")
-    return 1 if (added or removed or changed) else 0
+    """diff the generated CUDA (and headers) of two specs / bundles / the goldens / the working tree"""
+    from codegen.review import compare
+    report = compare(_side(args.a, args.dtype, args.block_size), _side(args.b, args.dtype, args.block_size))
+    print("\n".join(report.summary))
+    if not args.stat and report.diff:
+        sys.stdout.write("\n")
+        sys.stdout.writelines(report.diff)
+    return 1 if report.differs else 0
 
 
 # -- goldens ---------------------------------------------------------------------------
@@ -204,7 +172,8 @@ def run_goldens(args) -> int:
     if args.check:
         diff = goldens.stale(expected, goldens.committed_files())
         if not any(diff.values()):
-            print(f"goldens are current ({len(expected) - 1} kernels)")
+            print(f"goldens are current ({sum(p.endswith('.cu') for p in expected)} kernels, "
+                  f"{sum(p.endswith('.cuh') for p in expected)} headers)")
             return 0
         for label, paths in diff.items():
             for p in paths:
@@ -213,7 +182,7 @@ def run_goldens(args) -> int:
         return 1
     diff = goldens.write(expected)
     n = sum(len(v) for v in diff.values())
-    print(f"wrote {goldens.GOLDEN_DIR.relative_to(REPO_ROOT)}: {len(expected) - 1} kernels, "
+    print(f"wrote {goldens.GOLDEN_DIR.relative_to(REPO_ROOT)}: {sum(p.endswith('.cu') for p in expected)} kernels, "
           f"{len(diff['missing'])} new, {len(diff['changed'])} changed, "
           f"{len(diff['extra'])} removed" + ("" if n else " (already current)"))
     return 0
@@ -248,7 +217,9 @@ def main(argv=None) -> int:
         print("dsgraph: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - sorted into user errors and bugs just below
-        if isinstance(e, _user_error_types()):
+        # Everything a user can cause is a DsgraphError (spec, config, lowering, bundle, checkpoint,
+        # input) or a missing file; anything else is a bug and keeps its traceback.
+        if isinstance(e, (DsgraphError, FileNotFoundError)):
             return _err(str(e))
         raise
 

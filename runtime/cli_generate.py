@@ -32,7 +32,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="default: cuda when a GPU is present, else cpu")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--bundle", metavar="DIR", help="run a bundle made by `dsgraph compile` (backend cuda; its "
+                   "spec, dtype and block size)")
+    p.add_argument("--block-size", type=int, default=None, help="KV-cache page size (default: the bundle's, else 64)")
     p.add_argument("--max-seq-len", type=int, default=None)
 
 
@@ -76,9 +78,9 @@ def run_generate(args) -> int:
     from .sampling import SamplingParams
 
     cuda = torch.cuda.is_available()
-    device = args.device or ("cuda" if cuda else "cpu")
+    device = args.device or ("cuda" if cuda or args.bundle else "cpu")
     backend = args.backend or ("cuda" if device.startswith("cuda") else "reference")
-    dtype = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
+    dtype = args.dtype or (None if args.bundle else "bf16" if device.startswith("cuda") else "fp32")
     if args.model is None and not args.random_weights:
         raise InputError("give --model DIR (a checkpoint) or --random-weights (with --spec, or the default spec)")
     tok = _tokenizer(args.model)
@@ -91,12 +93,13 @@ def run_generate(args) -> int:
             ids = [int(x) for x in args.ids.replace(" ", "").split(",") if x != ""]
         except ValueError:
             raise InputError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
-    kwargs = dict(backend=backend, device=device, dtype=dtype, block_size=args.block_size,
-                  max_seq_len=args.max_seq_len)
+    kwargs = dict(backend=backend, device=device, dtype=dtype, bundle=args.bundle, max_seq_len=args.max_seq_len)
+    if args.block_size is not None:
+        kwargs["block_size"] = args.block_size
     t0 = time.perf_counter()
     if args.random_weights:
         from .cli import DEFAULT_SPEC
-        engine = Engine.from_spec(args.spec or str(DEFAULT_SPEC), **kwargs)
+        engine = Engine.from_spec(None if args.bundle else args.spec or str(DEFAULT_SPEC), **kwargs)
     else:
         engine = Engine.from_pretrained(args.model, spec=args.spec, progress=_Progress(), **kwargs)
     t1 = time.perf_counter()

@@ -1,10 +1,12 @@
-"""The `cuda` backend: run a phase's launches from a compiled bundle on torch tensors.
+"""The `cuda` backend: run a bundle's manifest on torch tensors.
 
-The bundle (codegen.bundle) is compiled on this machine for this GPU (a cache hit
-after the first time); the launch plan is the same lowering the manifest records.
-Each step allocates its values per the buffer plan, binds them to the kernels'
-arguments, and launches on torch's current stream; dense GEMMs and the views of
-``split`` are the only library calls.  No device-to-host copy happens in a step.
+A bundle (made by `dsgraph compile`, or compiled here through the cache when none is
+given) is the artifact: `open_bundle` checks it against this dsgraph and this GPU and
+reads back each phase's plan from its manifest; the backend then runs those steps as
+written, with no graph, no passes, no lowering and no NVRTC.  Each step allocates its
+values per the buffer plan, binds them to the kernels' typed arguments, and launches on
+torch's current stream; dense GEMMs (cuBLAS through torch) and the views of ``split`` are
+the only library calls.  No device-to-host copy happens in a step.
 """
 from __future__ import annotations
 
@@ -13,17 +15,15 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from codegen.bundle import check_compatible, compile_bundle, load_manifest
-from codegen.kernel import KernelLaunch, LibraryCall, Options
-from codegen.lower import lower_graph
 from codegen import sizes as size_exprs
+from codegen.kernel import DEFAULTS, KernelLaunch, LibraryCall
 from ir.context import StepContext
 
 from .errors import InputError
 from .h2d import upload
 from .launcher import KernelRunner
 
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _VALUE_DTYPES = {"f32": torch.float32, "i64": torch.int64, "i32": torch.int32}
 
 
@@ -31,56 +31,57 @@ def _node_of(step) -> str:
     return step.nodes[0] if isinstance(step, KernelLaunch) else step.node
 
 
+def check_cuda_device(device) -> torch.device:
+    """The device, if it is a CUDA device this process can use (checked before any weight is read)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise InputError(f"backend='cuda' needs a CUDA device, got device={device} "
+                         f"(CUDA available: {torch.cuda.is_available()})")
+    return device
+
+
+def open_bundle(spec, *, bundle_dir=None, device, dtype: torch.dtype | None, block_size: int | None,
+                cache_dir=None):
+    """The LoadedBundle to run on `device`: `bundle_dir` as given, or `spec` compiled for this
+    GPU through the bundle cache (with dsgraph's defaults for what is not given).  Either way it
+    is checked (compiler hash, key, arch, NVRTC, and dtype / block size where given) and read back
+    from its manifest: one path for both."""
+    from codegen.bundle import compile_bundle, load_bundle
+    from codegen.nvrtc import nvrtc_version
+
+    from .cuda_driver import device_arch
+    device = check_cuda_device(device)
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise InputError(f"backend='cuda' runs bf16, fp16 or fp32, got {dtype}")
+    with torch.cuda.device(device):
+        arch = device_arch()
+    name = DTYPE_NAMES[dtype] if dtype is not None else None
+    if bundle_dir is None:
+        bundle_dir = compile_bundle(spec, arch=arch, dtype=name or DEFAULTS.dtype,
+                                    block_size=block_size or DEFAULTS.block_size, cache_dir=cache_dir).path
+    return load_bundle(bundle_dir, arch=arch, nvrtc_version=nvrtc_version(), dtype=name, block_size=block_size)
+
+
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, spec, graphs: dict, weights: dict, plans: dict, runner: KernelRunner, *, dtype, block_size):
-        self.spec = spec
-        self.graphs = graphs
+    def __init__(self, plans: dict, weights: dict, runner, *, dtype, top_k: int):
+        self.plans = plans            # phase -> codegen.plan.PhasePlan, read from the manifest
         self.weights = weights
-        self.plans = plans
-        self.runner = runner
+        self.runner = runner          # KernelRunner (or a stand-in with run_all)
         self.dtype = dtype
-        self.block_size = block_size
-        self.top_k = spec.dims["top_k"]
-        # node -> layer, for binding each launch to its layer's cache
-        self.layer_of = {phase: {n: d.get("layer") for n, d in G.nodes(data=True)} for phase, G in graphs.items()}
-        self.outputs_of = {phase: {n: list(d["outputs"]) for n, d in G.nodes(data=True)} for phase, G in graphs.items()}
-        self.use_graphs = True   # decode steps replay CUDA graphs (turn off to launch eagerly)
+        self.top_k = top_k
+        self.use_graphs = True        # decode steps replay CUDA graphs (turn off to launch eagerly)
         from .cuda_graphs import DecodeGraphs
         self.graphs_decode = DecodeGraphs(self)
 
     @classmethod
-    def create(cls, spec, graphs, weights, *, device, dtype, block_size: int = 16, bundle_dir=None, arch=None,
-               cache_dir=None) -> "CudaBackend":
-        from codegen.nvrtc import nvrtc_version
-        from .cuda_driver import device_arch
-        device = torch.device(device)
-        if device.type != "cuda" or not torch.cuda.is_available():
-            raise InputError(f"backend='cuda' needs a CUDA device, got device={device} "
-                             f"(CUDA available: {torch.cuda.is_available()})")
-        if dtype not in _DTYPE_NAMES:
-            raise InputError(f"backend='cuda' runs bf16, fp16 or fp32, got {dtype}")
-        with torch.cuda.device(device):
-            arch = arch or device_arch()
-        if bundle_dir is None:
-            bundle_dir = compile_bundle(spec, arch=arch, dtype=_DTYPE_NAMES[dtype], block_size=block_size,
-                                        cache_dir=cache_dir).path
-        manifest = load_manifest(bundle_dir)
-        check_compatible(manifest, arch, nvrtc_version())
-        opts = manifest.get("options", {})
-        if opts.get("dtype") != _DTYPE_NAMES[dtype] or opts.get("block_size") != block_size:
-            raise InputError(f"bundle {bundle_dir} was compiled for dtype={opts.get('dtype')} "
-                             f"block_size={opts.get('block_size')}; the engine runs {_DTYPE_NAMES[dtype]} "
-                             f"with block_size={block_size}")
-        lowering = Options(arch=arch, dtype=_DTYPE_NAMES[dtype], block_size=block_size)
-        plans = {phase: lower_graph(G, lowering) for phase, G in graphs.items()}
-        runner = KernelRunner.from_bundle(bundle_dir)
-        missing = sorted({l.name for p in plans.values() for l in p.launches} - set(manifest["kernels"]))
-        if missing:
-            raise InputError(f"bundle {bundle_dir} lacks kernels {missing[:5]}: it was compiled from another "
-                             f"spec; recompile it")
-        return cls(spec, graphs, weights, plans, runner, dtype=dtype, block_size=block_size)
+    def from_bundle(cls, loaded, weights: dict, *, dtype, top_k: int) -> "CudaBackend":
+        unknown = sorted({s.op for p in loaded.plans.values() for s in p.library_calls} - {"linear", "split"})
+        if unknown:
+            raise InputError(f"bundle {loaded.path} asks for library calls this runtime does not run: "
+                             f"{', '.join(unknown)}")
+        return cls(loaded.plans, weights, KernelRunner.from_bundle(loaded), dtype=dtype, top_k=top_k)
 
     # ---- one step ----------------------------------------------------------------------------
     def _sizes(self, ctx: StepContext) -> dict:
@@ -130,35 +131,26 @@ class CudaBackend:
         plan = self.plans[phase]
         device = ids.device
         env = {"ids": ids}
-        layer_of, outputs_of = self.layer_of[phase], self.outputs_of[phase]
         # A node's steps are consecutive: its launches (sharing workspaces), or one library call.
         for node, group in itertools.groupby(plan.steps, key=_node_of):
             steps = list(group)
             call = steps[0] if isinstance(steps[0], LibraryCall) else None
-            if call is not None and call.call != "view":
-                self._library(self.graphs[phase], call, env)   # the library allocates its outputs
+            if call is not None and call.op == "linear":
+                self._linear(call, env)   # the library allocates its output
                 continue
-            for out in outputs_of[node]:
+            info = plan.nodes[node]
+            for out in info.outputs:
                 self._materialize(out, plan, env, sizes, ctx, device)
             if call is not None:
                 continue   # a view: the buffer plan made it
-            layer = layer_of[node]
-            meta["kv_cache"] = ctx.kv_cache[layer] if layer is not None else None
+            meta["kv_cache"] = ctx.kv_cache[info.layer] if info.layer is not None else None
             self.runner.run_all(steps, values=env, weights=self.weights, ctx=meta, sizes=sizes)
         return env["logits"].float()
 
-    def _library(self, G, call: LibraryCall, env: dict) -> None:
-        if call.op == "linear":
-            x = env[call.inputs[0]]
-            w = self.weights[call.weights[0]]
-            if call.attrs.get("precision") == "fp32":
-                env[call.outputs[0]] = F.linear(x.float(), w.float())
-            else:
-                env[call.outputs[0]] = F.linear(x, w)
-            return
-        from ir.ops import OPS
-        from ir.graph import node_view
-        node = node_view(G, call.node)
-        w = {role: self.weights[name] for role, name in G.nodes[call.node]["weights"].items()}
-        outs = OPS[call.op].run(node, [env[v] for v in call.inputs], w, None)
-        env.update(zip(call.outputs, outs))
+    def _linear(self, call: LibraryCall, env: dict) -> None:
+        x = env[call.inputs[0]]
+        w = self.weights[call.weights[0]]
+        if call.attrs.get("precision") == "fp32":
+            env[call.outputs[0]] = F.linear(x.float(), w.float())
+        else:
+            env[call.outputs[0]] = F.linear(x, w)

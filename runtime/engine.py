@@ -15,14 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ir import Spec
+from codegen.kernel import DEFAULTS
 from ir.context import StepContext
+from ir.spec import Spec, parse_spec
 
 from .errors import InputError
 from .h2d import upload
 from .kv_cache import BlockAllocator, BlockTables, PagedLatentCache
-from .model_loader import compile_graphs, load_config, load_model_weights, random_weights, resolve_spec
-from .reference_backend import ReferenceBackend
+from .model_loader import (compile_graphs, load_config, load_model_weights, manifest_weight_specs, random_weights,
+                           resolve_spec, weight_specs)
 from .sampling import SamplingParams, make_generator, sample_next
 from .scheduler import Scheduler, Sequence
 
@@ -50,7 +51,7 @@ def _as_dtype(dtype) -> torch.dtype:
 
 class Engine:
     def __init__(self, spec: Spec, graphs: dict, weights: dict, *, backend: str = "reference", device="cpu",
-                 dtype=torch.float32, block_size: int = 16, num_blocks: int | None = None,
+                 dtype=torch.float32, block_size: int = DEFAULTS.block_size, num_blocks: int | None = None,
                  max_seq_len: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, backend_impl=None):
         if backend not in BACKENDS:
             raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -76,39 +77,72 @@ class Engine:
         self.blocks_per_seq = blocks_per_seq
         self.max_num_seqs = max_num_seqs
         self.backend_name = backend
-        self.backend = backend_impl or ReferenceBackend(graphs, weights)
+        if backend_impl is None:
+            from .reference_backend import ReferenceBackend  # the interpreter (and networkx) only when used
+            backend_impl = ReferenceBackend(graphs, weights)
+        self.backend = backend_impl
         self._seq_ids = itertools.count()
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model_dir, backend: str = "reference", device="cpu", dtype=torch.float32, spec=None,
-                        progress=None, **kwargs) -> "Engine":
-        """Load a Hugging Face DeepSeek-V2/V3 checkpoint directory (safetensors + config.json)."""
+    def from_pretrained(cls, model_dir, backend: str | None = None, device=None, dtype=None, spec=None,
+                        bundle=None, progress=None, cache_dir=None, **kwargs) -> "Engine":
+        """Load a Hugging Face DeepSeek-V2/V3 checkpoint directory (safetensors + config.json).
+
+        backend="reference" (the default without a bundle) runs the graphs with each op's torch
+        semantics; backend="cuda" runs a bundle: `bundle=DIR` (made by `dsgraph compile`), or the
+        spec compiled for this GPU through the bundle cache."""
         config = load_config(model_dir)
-        spec = resolve_spec(spec, config)
-        compiled = compile_graphs(spec)
-        dtype = _as_dtype(dtype)
-        weights = load_model_weights(model_dir, compiled.graphs, spec, dtype=dtype, device=device, progress=progress)
-        return cls._with_backend(spec, compiled.graphs, weights, backend=backend, device=device, dtype=dtype, **kwargs)
+
+        def read(specs, spec, dtype, device):
+            return load_model_weights(model_dir, specs, spec, dtype=dtype, device=device, progress=progress)
+        return cls._assemble(spec, config, read, backend=backend, device=device, dtype=dtype, bundle=bundle,
+                             cache_dir=cache_dir, **kwargs)
 
     @classmethod
-    def from_spec(cls, spec, backend: str = "reference", device="cpu", dtype=torch.float32, seed: int = 0,
-                  **kwargs) -> "Engine":
-        """A spec with random weights (no checkpoint): for benchmarks and smoke runs."""
-        spec = resolve_spec(spec, None)
-        compiled = compile_graphs(spec)
-        dtype = _as_dtype(dtype)
-        weights = random_weights(compiled.graphs, dtype=dtype, device=device, seed=seed)
-        return cls._with_backend(spec, compiled.graphs, weights, backend=backend, device=device, dtype=dtype, **kwargs)
+    def from_spec(cls, spec, backend: str | None = None, device=None, dtype=None, seed: int = 0, bundle=None,
+                  cache_dir=None, weights: dict | None = None, **kwargs) -> "Engine":
+        """A spec (or a bundle) with random weights, no checkpoint: for benchmarks and smoke runs.
+        `weights` ({bound name: tensor}, e.g. taken from a transformers model in memory) replaces
+        the random ones."""
+        def draw(specs, spec, dtype, device):
+            if weights is None:
+                return random_weights(specs, dtype=dtype, device=device, seed=seed)
+            missing = sorted(set(specs) - set(weights))
+            if missing:
+                raise InputError(f"weights lack {len(missing)} tensor(s) the model binds, e.g. {missing[0]}")
+            return {name: weights[name] for name in specs}
+        return cls._assemble(spec, None, draw, backend=backend, device=device, dtype=dtype, bundle=bundle,
+                             cache_dir=cache_dir, **kwargs)
 
     @classmethod
-    def _with_backend(cls, spec, graphs, weights, *, backend, device, dtype, bundle_dir=None, arch=None, **kwargs):
-        impl = None
-        if backend == "cuda":
-            from .cuda_backend import CudaBackend  # imports the driver only when asked for
-            impl = CudaBackend.create(spec, graphs, weights, device=device, dtype=dtype, bundle_dir=bundle_dir,
-                                      arch=arch, block_size=kwargs.get("block_size", 16))
-        return cls(spec, graphs, weights, backend=backend, device=device, dtype=dtype, backend_impl=impl, **kwargs)
+    def _assemble(cls, spec, config, read_weights, *, backend, device, dtype, bundle, cache_dir, **kwargs):
+        """The one path from (spec | bundle) to an engine; `read_weights(specs, spec, dtype, device)`
+        supplies the weights the backend binds."""
+        backend = backend or ("cuda" if bundle is not None else "reference")
+        if backend not in BACKENDS:
+            raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if backend == "reference":
+            if bundle is not None:
+                raise InputError("a bundle runs on backend='cuda'; the reference backend runs the spec itself")
+            device, dtype = device or "cpu", _as_dtype(dtype or torch.float32)
+            spec = resolve_spec(spec, config)
+            compiled = compile_graphs(spec)
+            weights = read_weights(weight_specs(compiled.graphs), spec, dtype, device)
+            return cls(spec, compiled.graphs, weights, backend=backend, device=device, dtype=dtype, **kwargs)
+        from .cuda_backend import CudaBackend, check_cuda_device, open_bundle  # the driver only when asked for
+        device = check_cuda_device(device or "cuda")
+        if bundle is not None and spec is not None:
+            raise InputError("give a spec or a bundle, not both: a bundle carries the spec it was compiled from")
+        loaded = open_bundle(None if bundle is not None else resolve_spec(spec, config), bundle_dir=bundle,
+                             device=device, dtype=_as_dtype(dtype) if dtype is not None else None,
+                             block_size=kwargs.pop("block_size", None), cache_dir=cache_dir)
+        spec = parse_spec(loaded.spec_text, loaded.manifest["spec"]["file"])
+        dtype = _as_dtype(loaded.options["dtype"])
+        weights = read_weights(manifest_weight_specs(loaded.weights), spec, dtype, device)
+        impl = CudaBackend.from_bundle(loaded, weights, dtype=dtype, top_k=spec.dims["top_k"])
+        return cls(spec, None, weights, backend="cuda", device=device, dtype=dtype,
+                   block_size=loaded.options["block_size"], backend_impl=impl, **kwargs)
 
     def _default_num_blocks(self, blocks_per_seq: int, max_num_seqs: int) -> int:
         width = self.spec.model.cache_width

@@ -4,10 +4,9 @@ Everything dsgraph raises on purpose derives from DsgraphError, so a caller
 can catch the whole family in one clause while bugs (asserts, TypeErrors from
 our own code) still surface as themselves.
 """
+from ir.errors import DsgraphError  # the one base class, shared with the compiler
 
-
-class DsgraphError(Exception):
-    """Base class of every error dsgraph raises deliberately."""
+__all__ = ["CacheFullError", "DsgraphError", "InputError", "WeightError"]
 
 
 class WeightError(DsgraphError):

@@ -3,12 +3,13 @@
 `KernelRunner` is the one place where the lowering contract of codegen/kernel.py
 meets the CUDA driver: it evaluates a launch's grid / shared memory / workspace
 shapes over the step's sizes (codegen/sizes.py), allocates its workspaces,
-binds every `Arg.ref` to a tensor or a width-tagged scalar, and launches on
-torch's current stream (or the one given).  No host synchronisation happens
+binds every typed argument reference to a tensor or a width-tagged scalar, and
+launches on torch's current stream (or the one given).  No host synchronisation happens
 here, so a step of launches can be captured as a CUDA graph.
 
 Modules come either from NVRTC on demand (`KernelRunner()`, used by the kernel
-tests) or from a compiled bundle (`KernelRunner.from_bundle(dir)`, never compiles).
+tests; `templates_dir=` renders from another copy of templates/, e.g. a planted
+mutant) or from a compiled bundle (`KernelRunner.from_bundle(dir)`, never compiles).
 """
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from pathlib import Path
 import torch
 
 from codegen import sizes as size_exprs
-from codegen.kernel import Arg, KernelLaunch
+from codegen.errors import DsgraphError
+from codegen.kernel import Arg, CtxRef, KernelLaunch, SizeRef, StrideRef, ValueRef, WeightRef, WorkspaceRef, describe_ref
 
 _WORKSPACE_DTYPES = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
 
 
-class LaunchError(RuntimeError):
-    """A launch cannot be bound: a missing tensor, a bad ref, an unknown kernel."""
+class LaunchError(DsgraphError, RuntimeError):
+    """A launch cannot be bound: a missing tensor, a bad ref, a kernel the bundle lacks."""
 
 
 def _act_dtype(values: dict, weights: dict) -> torch.dtype:
@@ -44,7 +46,7 @@ def _device(values: dict, weights: dict, ctx: dict) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _lookup_value(values: dict, name: str, launch: KernelLaunch, ref: str) -> torch.Tensor:
+def _lookup_value(values: dict, name: str, launch: KernelLaunch, ref) -> torch.Tensor:
     """A value tensor; routing parts "<R>.order"/"<R>.offsets" may also be given as
     values["<R>"] = {"order": ..., "offsets": ...} (what the reference op returns)."""
     if name in values:
@@ -52,16 +54,17 @@ def _lookup_value(values: dict, name: str, launch: KernelLaunch, ref: str) -> to
     base, _, part = name.rpartition(".")
     if base and part in ("order", "offsets") and isinstance(values.get(base), dict):
         return values[base][part]
-    raise LaunchError(f"kernel {launch.name}: argument {ref!r} needs value {name!r}; "
+    raise LaunchError(f"kernel {launch.name}: argument {describe_ref(ref)} needs value {name!r}; "
                       f"values given: {', '.join(sorted(values)) or '(none)'}")
 
 
 class KernelRunner:
     """Compile-or-load and launch kernels described by KernelLaunch records."""
 
-    def __init__(self, arch: str | None = None, *, options: tuple[str, ...] = ()):
+    def __init__(self, arch: str | None = None, *, options: tuple[str, ...] = (), templates_dir=None):
         self._arch = arch
         self._options = tuple(options)
+        self._templates_dir = templates_dir
         self._modules: dict[str, object] = {}        # kernel name -> LoadedModule
         self._cubins: dict[str, bytes] | None = None  # set by from_bundle: no compiling then
         self.sources: dict[str, str] = {}            # kernel name -> rendered CUDA (compiled ones)
@@ -74,22 +77,25 @@ class KernelRunner:
         return self._arch
 
     @classmethod
-    def from_bundle(cls, bundle_dir: str | Path) -> "KernelRunner":
-        """A runner over a compiled bundle's CUBINs: it never compiles, and a launch of a
+    def from_bundle(cls, bundle) -> "KernelRunner":
+        """A runner over a bundle's CUBINs (a codegen.bundle.LoadedBundle, or a bundle folder,
+        whose manifest and checksums are then verified): it never compiles, and a launch of a
         kernel the bundle lacks is an error."""
-        from codegen.bundle import load_manifest
-        bundle_dir = Path(bundle_dir)
-        manifest = load_manifest(bundle_dir)
+        if hasattr(bundle, "manifest"):
+            bundle_dir, manifest = Path(bundle.path), bundle.manifest
+        else:
+            from codegen.bundle import load_manifest
+            bundle_dir = Path(bundle)
+            manifest = load_manifest(bundle_dir)
         runner = cls(manifest["arch"])
-        runner._cubins = {name: (bundle_dir / "kernels" / f"{name}.cubin").read_bytes()
-                          for name in manifest["kernels"]}
+        runner._cubins = {name: (bundle_dir / k["cubin"]).read_bytes() for name, k in manifest["kernels"].items()}
         return runner
 
     # -- modules --------------------------------------------------------------
 
     def source(self, launch: KernelLaunch) -> str:
-        from codegen.render import render
-        return render(launch.template, launch.params, launch.nodes, launch.name)
+        from codegen.render import render_launch
+        return render_launch(launch, templates_dir=self._templates_dir)
 
     def cubin(self, launch: KernelLaunch) -> bytes:
         if self._cubins is not None:
@@ -99,10 +105,12 @@ class KernelRunner:
                 raise LaunchError(f"kernel {launch.name} (nodes {', '.join(launch.nodes)}) is not "
                                   f"in this bundle; recompile the bundle") from None
         from codegen.nvrtc import compile_cubin
+        from codegen.render import include_closure
         src = self.source(launch)
         self.sources[launch.name] = src
         return compile_cubin(src, launch.name, arch=self.arch, options=self._options,
-                             template=launch.template, nodes=tuple(launch.nodes)).cubin
+                             template=launch.template, nodes=tuple(launch.nodes),
+                             headers=include_closure(src, self._templates_dir)).cubin
 
     def module(self, launch: KernelLaunch):
         mod = self._modules.get(launch.name)
@@ -116,38 +124,24 @@ class KernelRunner:
 
     def _arg(self, arg: Arg, launch: KernelLaunch, values, weights, ctx, workspaces, sizes):
         from .cuda_driver import F32, I32, I64
-        scalar = {"i32": I32, "i64": I64, "f32": F32}
-        kind, ref = arg.kind, arg.ref
-        head, _, rest = ref.partition(":")
-        if kind == "ptr":
-            if head == "value":
-                return _lookup_value(values, rest, launch, ref)
-            table = {"weight": weights, "ctx": ctx, "workspace": workspaces}.get(head)
-            if table is None:
-                raise LaunchError(f"kernel {launch.name}: pointer argument {ref!r} must be a "
-                                  f"value:, weight:, ctx: or workspace: reference")
-            if rest not in table:
-                raise LaunchError(f"kernel {launch.name}: argument {ref!r} is not given; "
-                                  f"{head}s given: {', '.join(sorted(table)) or '(none)'}")
-            return table[rest]
-        if kind not in scalar:
-            raise LaunchError(f"kernel {launch.name}: argument {ref!r} has unknown kind {kind!r} "
-                              f"(ptr | i32 | i64 | f32)")
-        if head == "stride":
-            value, _, dim = rest.rpartition(":")
-            return scalar[kind](int(_lookup_value(values, value, launch, ref).stride(int(dim))))
-        if head == "size":
-            n = size_exprs.evaluate(rest, sizes)
-            return scalar[kind](float(n) if kind == "f32" else n)
-        if head == "const":
-            number = float(rest)
-            if kind == "f32":
-                return F32(number)
-            if not number.is_integer():
-                raise LaunchError(f"kernel {launch.name}: {ref!r} is not an integer for a {kind} arg")
-            return scalar[kind](int(number))
-        raise LaunchError(f"kernel {launch.name}: scalar argument {ref!r} must be a stride:, "
-                          f"size: or const: reference")
+        ref = arg.ref
+        if arg.is_pointer:
+            if isinstance(ref, ValueRef):
+                return _lookup_value(values, ref.name, launch, ref)
+            table, key = {WeightRef: (weights, "name"), CtxRef: (ctx, "field"),
+                          WorkspaceRef: (workspaces, "name")}[type(ref)]
+            name = getattr(ref, key)
+            if name not in table or table[name] is None:
+                raise LaunchError(f"kernel {launch.name}: argument {arg.name} ({describe_ref(ref)}) is not given; "
+                                  f"given: {', '.join(sorted(k for k, v in table.items() if v is not None)) or '(none)'}")
+            return table[name]
+        scalar = {"i32": I32, "i64": I64, "f32": F32}[arg.kind]
+        if isinstance(ref, StrideRef):
+            return scalar(int(_lookup_value(values, ref.value, launch, ref).stride(ref.dim)))
+        if isinstance(ref, SizeRef):
+            n = size_exprs.evaluate(ref.expr, sizes)
+            return scalar(float(n) if arg.kind == "f32" else n)
+        raise LaunchError(f"kernel {launch.name}: scalar argument {arg.name} binds {describe_ref(ref)}")
 
     def workspaces(self, launch: KernelLaunch, *, values: dict, weights: dict, ctx: dict,
                    sizes: dict) -> dict[str, torch.Tensor]:

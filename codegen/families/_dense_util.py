@@ -8,12 +8,9 @@ import hashlib
 import json
 import math
 
+from codegen.errors import LoweringError
 from codegen.kernel import DTYPES
 from ir import rope as rope_math
-
-
-class LoweringError(ValueError):
-    """A node cannot be lowered by this family (unsupported shape or dtype)."""
 
 
 def node_io(G, nid: str) -> tuple[dict, list[str], list[str], dict]:
@@ -66,11 +63,6 @@ def c_float(x: float) -> str:
     if "e" not in text and "." not in text:
         text += ".0"
     return text + "f"
-
-
-def const_ref(x: float) -> str:
-    """A "const:<number>" argument reference with the exact decimal repr."""
-    return f"const:{float(x)!r}"
 
 
 def rope_params(G, pairs: str, output: str) -> dict:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 
-from codegen.kernel import DTYPES, Arg, KernelLaunch
+from codegen.errors import LoweringError
+from codegen.kernel import DTYPES, Arg, KernelLaunch, inp, out, size, weight
 
 from ._dense_util import c_float
 
@@ -20,10 +21,6 @@ MAX_TOP_K = 32            # one lane per chosen expert
 TOPK_WARPS = 4            # tokens per top-k CTA (one warp each)
 ALIGN_THREADS = 1024      # the single align CTA
 _PAIRS_RE = re.compile(r"^(.+)\*(\d+)$")
-
-
-class MoeLoweringError(ValueError):
-    """A MoE node this family cannot lower (unsupported size or dtype); names the node."""
 
 
 def node_io(G, nid: str) -> tuple[dict, list[str], list[str], dict]:
@@ -39,14 +36,14 @@ def vtype(G, name: str):
 def inner(G, nid: str, name: str, dim: int = 1) -> int:
     d = vtype(G, name).shape[dim]
     if not isinstance(d, int):
-        raise MoeLoweringError(f"node {nid}: value {name} has a symbolic dim {dim} ({vtype(G, name)})")
+        raise LoweringError(f"value {name} has a symbolic dim {dim} ({vtype(G, name)})")
     return d
 
 
 def act(nid: str, opts) -> tuple[str, str]:
     """(dtype tag, C type) of activations and expert weights."""
     if opts.dtype not in DTYPES:
-        raise MoeLoweringError(f"node {nid}: unsupported activation dtype {opts.dtype!r} "
+        raise LoweringError(f"unsupported activation dtype {opts.dtype!r} "
                                f"(one of {', '.join(DTYPES)})")
     return opts.dtype, DTYPES[opts.dtype]
 
@@ -56,7 +53,7 @@ def pairs_top_k(G, nid: str, routing: str) -> int:
     rows = vtype(G, routing).shape[0]
     m = _PAIRS_RE.match(str(rows))
     if m is None:
-        raise MoeLoweringError(f"node {nid}: routing {routing} has pair dim {rows!r}, expected 'T*K'")
+        raise LoweringError(f"routing {routing} has pair dim {rows!r}, expected 'T*K'")
     return int(m.group(2))
 
 
@@ -75,9 +72,9 @@ def _tag(x: float) -> str:
 
 def check_experts(nid: str, E: int, K: int) -> None:
     if not 1 <= E <= MAX_EXPERTS:
-        raise MoeLoweringError(f"node {nid}: {E} experts; the MoE kernels handle 1..{MAX_EXPERTS}")
+        raise LoweringError(f"{E} experts; the MoE kernels handle 1..{MAX_EXPERTS}")
     if not 1 <= K <= min(MAX_TOP_K, E):
-        raise MoeLoweringError(f"node {nid}: top_k={K}; the MoE kernels handle 1..{min(MAX_TOP_K, E)}")
+        raise LoweringError(f"top_k={K}; the MoE kernels handle 1..{min(MAX_TOP_K, E)}")
 
 
 # -- scoring + top-k (moe_topk, and stage 2 of moe_route) -----------------------------------
@@ -86,7 +83,7 @@ def topk_params(nid: str, attrs: dict, E: int, has_bias: bool) -> dict:
     K, G, TG = attrs["top_k"], attrs["groups"], attrs["topk_groups"]
     check_experts(nid, E, K)
     if G > 32 or E % G:
-        raise MoeLoweringError(f"node {nid}: {G} groups of {E} experts; the kernel needs E % G == 0, G <= 32")
+        raise LoweringError(f"{G} groups of {E} experts; the kernel needs E % G == 0, G <= 32")
     return {
         "E": E, "K": K, "groups": G, "topk_groups": TG,
         "scoring": attrs["scoring"], "method": attrs["method"],
@@ -110,15 +107,16 @@ def topk_name_parts(p: dict) -> list[str]:
     return parts
 
 
-def topk_launch(family: str, template: str, name: str, params: dict, nid: str, logits_ref: str,
-                bias: str | None, ids: str, weights: str, workspace=()) -> KernelLaunch:
-    args = [Arg("ptr", logits_ref)]
+def topk_launch(family: str, template: str, name: str, params: dict, nid: str, logits_ref,
+                bias: str | None, ids: str, weights: str, workspace=(), stage: str = "") -> KernelLaunch:
+    """`logits_ref`: where the fp32 router logits are (a ValueRef, or the route's WorkspaceRef)."""
+    args = [Arg("logits", "const float*", logits_ref)]
     if params["has_bias"]:
-        args.append(Arg("ptr", f"weight:{bias}"))
-    args += [Arg("ptr", f"value:{ids}"), Arg("ptr", f"value:{weights}"), Arg("i32", "size:T")]
+        args.append(weight("bias", "float", bias))
+    args += [out("ids", "i64", ids), out("weights", "float", weights), size("num_tokens", "T")]
     return KernelLaunch(family=family, template=template, name=name, params=params, nodes=(nid,),
                         grid=(f"cdiv(T, {params['warps']})", 1, 1), block=(params["warps"] * 32, 1, 1),
-                        args=tuple(args), workspace=tuple(workspace))
+                        args=tuple(args), workspace=tuple(workspace), stage=stage)
 
 
 # -- alignment (moe_align, and stage 3 of moe_route) ----------------------------------------
@@ -128,13 +126,14 @@ def align_params(E: int) -> dict:
 
 
 def align_launch(family: str, template: str, name: str, params: dict, nid: str, ids: str,
-                 routing: str) -> KernelLaunch:
+                 routing: str, stage: str = "") -> KernelLaunch:
     # One CTA: the counts, the scan and the scatter need a block-wide barrier between them,
     # and NP is at most a few tens of thousands of pairs.
     return KernelLaunch(family=family, template=template, name=name, params=params, nodes=(nid,),
                         grid=(1, 1, 1), block=(params["threads"], 1, 1),
-                        args=(Arg("ptr", f"value:{ids}"), Arg("ptr", f"value:{routing}.order"),
-                              Arg("ptr", f"value:{routing}.offsets"), Arg("i32", "size:NP")))
+                        args=(inp("ids", "i64", ids), out("order", "i32", f"{routing}.order"),
+                              out("offsets", "i32", f"{routing}.offsets"), size("num_pairs", "NP")),
+                        stage=stage)
 
 
 # -- grouped experts (moe_gate_up_silu, moe_gate_up, moe_down) --------------------------------
@@ -180,7 +179,7 @@ def grouped_launches(family: str, template: str, name_parts: list, p: dict, nid:
     launches = [KernelLaunch(
         family=family, template=template, name=kernel_name(family, name_parts),
         params={**p, "variant": "gemv"}, nodes=(nid,), grid=grouped_grid(p), block=(p["warps"] * 32, 1, 1),
-        args=args)]
+        args=args, stage="gemv")]
     if has_gemm(opts):
         bn = GEMM_BNW if down else GEMM_BNW // 2
         thr = p["thr"]
@@ -191,7 +190,7 @@ def grouped_launches(family: str, template: str, name_parts: list, p: dict, nid:
             family=family, template=template, name=kernel_name(family, [*name_parts, "mma"]),
             params=gp, nodes=(nid,),
             grid=(-(-p["N"] // bn), f"NP // {GEMM_BM} + min({p['E']}, NP // {thr + 1})", 1),
-            block=(GEMM_THREADS, 1, 1), args=args, smem=smem))
+            block=(GEMM_THREADS, 1, 1), args=args, smem=smem, stage="mma"))
     return launches
 
 

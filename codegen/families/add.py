@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from codegen.kernel import Arg, KernelLaunch
+from codegen.kernel import KernelLaunch, inp, out, size, stride
 from codegen.render import kernel_name
 
 from ._dense_util import ELEM_BYTES, LoweringError, ctype_of, inner_dims, node_io, vec16
@@ -28,6 +28,6 @@ def lower(nid, G, opts):
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [tag, f"n{n}"]),
         params=params, nodes=(nid,), grid=("T", -(-n // per_cta), 1), block=(THREADS, 1, 1),
-        args=(Arg("ptr", f"value:{ins[0]}"), Arg("i64", f"stride:{ins[0]}:0"),
-              Arg("ptr", f"value:{ins[1]}"), Arg("i64", f"stride:{ins[1]}:0"),
-              Arg("ptr", f"value:{outs[0]}"), Arg("i32", "size:T")))]
+        args=(inp("a", ctype, ins[0]), stride("a_stride", ins[0], 0),
+              inp("b", ctype, ins[1]), stride("b_stride", ins[1], 0),
+              out("out", ctype, outs[0]), size("T", "T")))]

@@ -1,7 +1,7 @@
 """embedding: ids [T] int64 -> rows of the table [T, D] (one CTA per token, 16-byte copies)."""
 from __future__ import annotations
 
-from codegen.kernel import Arg, KernelLaunch
+from codegen.kernel import KernelLaunch, inp, out, size, weight
 from codegen.render import kernel_name
 
 from ._dense_util import ELEM_BYTES, act_ctype, block_threads_for_row, dims, inner_dims, node_io
@@ -21,5 +21,5 @@ def lower(nid, G, opts):
         family=FAMILY, template=TEMPLATE,
         name=kernel_name(FAMILY, [opts.dtype, f"v{vocab}_d{D}"]),
         params=params, nodes=(nid,), grid=("T", 1, 1), block=(threads, 1, 1),
-        args=(Arg("ptr", f"value:{ins[0]}"), Arg("ptr", f"weight:{w['weight']}"),
-              Arg("ptr", f"value:{outs[0]}"), Arg("i32", "size:T")))]
+        args=(inp("ids", "i64", ins[0]), weight("table", params["act"], w["weight"]),
+              out("out", params["act"], outs[0]), size("T", "T")))]

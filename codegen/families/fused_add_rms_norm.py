@@ -1,10 +1,10 @@
 """fused_add_rms_norm: [x, residual] -> [rms_norm(x + residual), x + residual]; one CTA per row."""
 from __future__ import annotations
 
-from codegen.kernel import Arg, KernelLaunch
+from codegen.kernel import KernelLaunch, inp, out, size, stride, weight
 from codegen.render import kernel_name
 
-from ._dense_util import ELEM_BYTES, act_ctype, block_threads_for_row, const_ref, inner_dims, node_io
+from ._dense_util import ELEM_BYTES, act_ctype, block_threads_for_row, c_float, inner_dims, node_io
 
 FAMILY = "fused_add_rms_norm"
 TEMPLATE = "fused_add_rms_norm.cu.j2"
@@ -15,12 +15,11 @@ def lower(nid, G, opts):
     data, ins, outs, w = node_io(G, nid)
     (n,) = inner_dims(G, ins[0])
     threads = block_threads_for_row(n, ELEM_BYTES[opts.dtype])
-    params = {"act": act_ctype(opts), "N": n, "threads": threads}
+    params = {"act": act_ctype(opts), "N": n, "threads": threads, "eps": c_float(data["attrs"]["eps"])}
+    act = params["act"]
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"d{n}"]),
         params=params, nodes=(nid,), grid=("T", 1, 1), block=(threads, 1, 1),
-        args=(Arg("ptr", f"value:{ins[0]}"), Arg("i64", f"stride:{ins[0]}:0"),
-              Arg("ptr", f"value:{ins[1]}"), Arg("i64", f"stride:{ins[1]}:0"),
-              Arg("ptr", f"weight:{w['weight']}"),
-              Arg("ptr", f"value:{outs[0]}"), Arg("ptr", f"value:{outs[1]}"),
-              Arg("f32", const_ref(data["attrs"]["eps"])), Arg("i32", "size:T")))]
+        args=(inp("x", act, ins[0]), stride("x_stride", ins[0], 0),
+              inp("res", act, ins[1]), stride("res_stride", ins[1], 0),
+              weight("w", act, w["weight"]), out("h", act, outs[0]), out("s", act, outs[1]), size("T", "T")))]

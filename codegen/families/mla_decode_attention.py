@@ -14,10 +14,10 @@ The block-table width comes from the runtime size ``W`` (block_tables.shape[1]).
 """
 from __future__ import annotations
 
-from codegen.kernel import Arg, KernelLaunch, Workspace
+from codegen.kernel import KernelLaunch, Workspace, ctx, inp, out, size, stride, work
 from codegen.render import kernel_name
 
-from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, const_ref, inner_dims, node_io
+from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, c_float, inner_dims, node_io
 
 FAMILY = "mla_decode_attention"
 TEMPLATE = "mla_decode_attention.cu.j2"
@@ -78,20 +78,21 @@ def lower(nid, G, opts):
             "block_size": opts.block_size, "threads": threads, "mma": mma, "nstage": NSTAGE, "max_s": MAX_S}
     name = kernel_name(FAMILY, [opts.dtype, f"c{C}_r{R}", f"h{H}", f"page{opts.block_size}"])
     ws = (Workspace("acc", ("T", f"{H} * ({S})", C), "f32"), Workspace("ml", ("T", f"{H} * ({S})", 2), "f32"))
-    scale = G.graph["model"].softmax_scale
+    act = base["act"]
     split = KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=name, params={**base, "stage": "split", "smem": smem},
-        nodes=(nid,), grid=("T", NG, S), block=(threads, 1, 1), smem=smem, workspace=ws,
-        args=(Arg("ptr", f"value:{ins[0]}"), Arg("i64", f"stride:{ins[0]}:0"), Arg("i64", f"stride:{ins[0]}:1"),
-              Arg("ptr", f"value:{ins[1]}"), Arg("i64", f"stride:{ins[1]}:0"), Arg("i64", f"stride:{ins[1]}:1"),
-              Arg("ptr", "ctx:kv_cache"), Arg("ptr", "ctx:block_tables"), Arg("i32", "size:W"),
-              Arg("ptr", "ctx:context_lens"), Arg("ptr", "ctx:query_start"), Arg("ptr", "ctx:positions"),
-              Arg("ptr", "workspace:acc"), Arg("ptr", "workspace:ml"), Arg("f32", const_ref(scale)),
-              Arg("i32", "size:T"), Arg("i32", "size:B"), Arg("i32", f"size:{S}")))
+        family=FAMILY, template=TEMPLATE, name=name,
+        params={**base, "stage": "split", "smem": smem, "scale": c_float(G.graph["model"].softmax_scale)},
+        nodes=(nid,), grid=("T", NG, S), block=(threads, 1, 1), smem=smem, workspace=ws, stage="split",
+        args=(inp("q_lat", act, ins[0]), stride("ql_s0", ins[0], 0), stride("ql_s1", ins[0], 1),
+              inp("q_rot", act, ins[1]), stride("qr_s0", ins[1], 0), stride("qr_s1", ins[1], 1),
+              ctx("cache", "kv_cache", act), ctx("block_tables", "block_tables"), size("bt_width", "W"),
+              ctx("context_lens", "context_lens"), ctx("query_start", "query_start"), ctx("positions", "positions"),
+              work("ws_acc", "float", "acc"), work("ws_ml", "float", "ml"),
+              size("T", "T"), size("B", "B"), size("S", S)))
     combine = KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=name + "__combine",
         params={**base, "stage": "combine", "threads": COMBINE_THREADS},
-        nodes=(nid,), grid=("T", H, 1), block=(COMBINE_THREADS, 1, 1), workspace=ws,
-        args=(Arg("ptr", "workspace:acc"), Arg("ptr", "workspace:ml"), Arg("ptr", f"value:{outs[0]}"),
-              Arg("i32", "size:T"), Arg("i32", f"size:{S}")))
+        nodes=(nid,), grid=("T", H, 1), block=(COMBINE_THREADS, 1, 1), workspace=ws, stage="combine",
+        args=(work("ws_acc", "float", "acc", writes=False), work("ws_ml", "float", "ml", writes=False),
+              out("out", act, outs[0]), size("T", "T"), size("S", S)))
     return [split, combine]

@@ -10,7 +10,7 @@ read from memory at most TCH times (L2 after the first) whatever T is.
 """
 from __future__ import annotations
 
-from codegen.kernel import Arg, KernelLaunch
+from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride, weight
 from codegen.render import kernel_name
 
 from ._dense_util import ELEM_BYTES, act_ctype, dims, inner_dims, node_io, rope_params, rope_tag, vec16
@@ -45,16 +45,17 @@ def lower(nid, G, opts):
               "out_w": C + R if has_rope else C, "TT": TT, "vec": vec, "cgb": cgb, "ks": ks,
               "has_rope": has_rope}
     parts = [opts.dtype, f"h{H}_n{N}_c{C}"]
-    args = [Arg("ptr", f"value:{ins[0]}"), Arg("i64", f"stride:{ins[0]}:0"), Arg("i64", f"stride:{ins[0]}:1")]
+    act = params["act"]
+    args = [inp("qn", act, ins[0]), stride("qn_s0", ins[0], 0), stride("qn_s1", ins[0], 1)]
     if has_rope:
         rp = rope_params(G, data["attrs"]["pairs"], data["attrs"]["output"])
         params.update(rp)
         parts += [f"r{R}", rope_tag(rp)]
-        args += [Arg("ptr", f"value:{ins[1]}"), Arg("i64", f"stride:{ins[1]}:0"), Arg("i64", f"stride:{ins[1]}:1"),
-                 Arg("ptr", "ctx:positions")]
+        args += [inp("qp", act, ins[1]), stride("qp_s0", ins[1], 0), stride("qp_s1", ins[1], 1),
+                 ctx("positions", "positions")]
     else:
         parts += ["absorb"]
-    args += [Arg("ptr", f"weight:{w['kv_b']}"), Arg("ptr", f"value:{outs[0]}"), Arg("i32", "size:T")]
+    args += [weight("kv_b", act, w["kv_b"]), out("out", act, outs[0]), size("T", "T")]
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
         grid=(f"min(cdiv(T, {TT}), {TCH})", H, -(-cg // cgb)), block=(cgb * ks, 1, 1), args=tuple(args))]

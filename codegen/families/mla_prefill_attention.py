@@ -6,10 +6,10 @@ bf16 / fp16: tensor cores (MlaPrefillTC: mma.sync m16n8k16, 64-row query tiles, 
 fp32: CUDA cores (MlaPrefill: 32-row query tiles, 256 threads)."""
 from __future__ import annotations
 
-from codegen.kernel import Arg, KernelLaunch
+from codegen.kernel import KernelLaunch, ctx, inp, out, stride
 from codegen.render import kernel_name
 
-from ._dense_util import act_ctype, const_ref, dims, inner_dims, node_io
+from ._dense_util import act_ctype, c_float, dims, inner_dims, node_io
 
 FAMILY = "mla_prefill_attention"
 TEMPLATE = "mla_prefill_attention.cu.j2"
@@ -39,14 +39,14 @@ def lower(nid, G, opts):
     tc = opts.dtype in ("bf16", "fp16")
     smem = tc_smem_bytes(N, R, V) if tc else smem_bytes(N, R, V)
     bm, threads = (TC_BM, TC_THREADS) if tc else (BM, THREADS)
-    params = {"act": act_ctype(opts), "H": H, "N": N, "R": R, "V": V, "smem": smem, "tc": tc}
-    scale = G.graph["model"].softmax_scale
+    params = {"act": act_ctype(opts), "H": H, "N": N, "R": R, "V": V, "smem": smem, "tc": tc,
+              "scale": c_float(G.graph["model"].softmax_scale)}
+    act = params["act"]
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"h{H}_n{N}_r{R}_v{V}", *(["mma"] if tc else [])]),
         params=params, nodes=(nid,), grid=(f"cdiv(MAXQ, {bm})", H, "B"), block=(threads, 1, 1), smem=smem,
-        args=(Arg("ptr", f"value:{ins[0]}"), Arg("i64", f"stride:{ins[0]}:0"), Arg("i64", f"stride:{ins[0]}:1"),
-              Arg("ptr", f"value:{ins[1]}"), Arg("i64", f"stride:{ins[1]}:0"), Arg("i64", f"stride:{ins[1]}:1"),
-              Arg("ptr", f"value:{ins[2]}"), Arg("i64", f"stride:{ins[2]}:0"),
-              Arg("ptr", f"value:{ins[3]}"), Arg("i64", f"stride:{ins[3]}:0"),
-              Arg("ptr", "ctx:query_start"), Arg("ptr", "ctx:positions"), Arg("ptr", f"value:{outs[0]}"),
-              Arg("f32", const_ref(scale))))]
+        args=(inp("q_nope", act, ins[0]), stride("qn_s0", ins[0], 0), stride("qn_s1", ins[0], 1),
+              inp("q_rot", act, ins[1]), stride("qr_s0", ins[1], 0), stride("qr_s1", ins[1], 1),
+              inp("kv", act, ins[2]), stride("kv_s0", ins[2], 0),
+              inp("k_rot", act, ins[3]), stride("kr_s0", ins[3], 0),
+              ctx("query_start", "query_start"), ctx("positions", "positions"), out("out", act, outs[0])))]

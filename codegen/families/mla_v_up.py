@@ -5,7 +5,7 @@ registers and reused for every TT-token tile of the chunk; at most TCH chunks, s
 read at most TCH times (L2 after the first) whatever T is."""
 from __future__ import annotations
 
-from codegen.kernel import Arg, KernelLaunch
+from codegen.kernel import KernelLaunch, inp, out, size, stride, weight
 from codegen.render import kernel_name
 
 from ._dense_util import ELEM_BYTES, act_ctype, dims, inner_dims, node_io, vec16
@@ -33,5 +33,5 @@ def lower(nid, G, opts):
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"h{H}_n{N}_v{V}_c{C}"]),
         params=params, nodes=(nid,), grid=(f"min(cdiv(T, {TT}), {TCH})", H, -(-V // rows_per_cta)), block=(THREADS, 1, 1),
-        args=(Arg("ptr", f"value:{ins[0]}"), Arg("i64", f"stride:{ins[0]}:0"), Arg("i64", f"stride:{ins[0]}:1"),
-              Arg("ptr", f"weight:{w['kv_b']}"), Arg("ptr", f"value:{outs[0]}"), Arg("i32", "size:T")))]
+        args=(inp("ol", params["act"], ins[0]), stride("ol_s0", ins[0], 0), stride("ol_s1", ins[0], 1),
+              weight("kv_b", params["act"], w["kv_b"]), out("out", params["act"], outs[0]), size("T", "T")))]

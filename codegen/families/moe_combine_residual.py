@@ -2,7 +2,7 @@
 residual + round(round(sum_k w * eo) + shared), with the unfused chain's rounding points."""
 from __future__ import annotations
 
-from codegen.kernel import Arg, KernelLaunch, Options
+from codegen.kernel import KernelLaunch, inp, out, Options
 from codegen.render import kernel_name
 
 from . import _moe
@@ -13,11 +13,11 @@ OPS = ("moe_combine_residual",)
 
 
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
-    _, (eo, w, shared, residual), (out,), _ = _moe.node_io(G, nid)
+    _, (eo, w, shared, residual), (y,), _ = _moe.node_io(G, nid)
     D, K = _moe.inner(G, nid, eo), _moe.inner(G, nid, w)
     p = _moe.combine_params(nid, opts, D=D, K=K)
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"k{K}_d{D}"]),
         params=p, nodes=(nid,), grid=_moe.combine_grid(p), block=(p["threads"], 1, 1),
-        args=(Arg("ptr", f"value:{eo}"), Arg("ptr", f"value:{w}"), Arg("ptr", f"value:{shared}"),
-              Arg("ptr", f"value:{residual}"), Arg("ptr", f"value:{out}")))]
+        args=(inp("eo", p["act"], eo), inp("w", "float", w), inp("shared", p["act"], shared),
+              inp("residual", p["act"], residual), out("out", p["act"], y)))]

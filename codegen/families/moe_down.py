@@ -2,7 +2,7 @@
 (experts x row tiles, 16-byte weight loads, inactive experts exit at once)."""
 from __future__ import annotations
 
-from codegen.kernel import Arg, KernelLaunch, Options
+from codegen.kernel import KernelLaunch, inp, out, weight, Options
 
 from . import _moe
 
@@ -13,11 +13,12 @@ ROWS_PER_WARP = 4
 
 
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
-    attrs, (a, routing), (out,), bound = _moe.node_io(G, nid)
+    attrs, (a, routing), (y,), bound = _moe.node_io(G, nid)
     E, D, M = attrs["num_experts"], attrs["out_dim"], _moe.inner(G, nid, a)
     # Rows are per pair here, so the kernel never needs K.
     p = _moe.grouped_params(nid, opts, E=E, N=D, KD=M, K=1, rows_per_warp=ROWS_PER_WARP)
-    args = (Arg("ptr", f"value:{a}"), Arg("ptr", f"weight:{bound['weight']}"),
-            Arg("ptr", f"value:{routing}.order"), Arg("ptr", f"value:{routing}.offsets"),
-            Arg("ptr", f"value:{out}"))
+    act = p["act"]
+    args = (inp("a", act, a), weight("w", act, bound["weight"]),
+            inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
+            out("out", act, y))
     return _moe.grouped_launches(FAMILY, TEMPLATE, [opts.dtype, f"e{E}", f"d{D}_m{M}"], p, nid, args, opts, down=True)

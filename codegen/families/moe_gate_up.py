@@ -2,7 +2,7 @@
 launch; the unfused form of moe_gate_up_silu (same kernel body, two rounded outputs)."""
 from __future__ import annotations
 
-from codegen.kernel import Arg, KernelLaunch, Options
+from codegen.kernel import KernelLaunch, inp, out, weight, Options
 
 from . import _moe
 
@@ -17,7 +17,8 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     E, M, D = attrs["num_experts"], attrs["out_dim"], _moe.inner(G, nid, x)
     K = _moe.pairs_top_k(G, nid, routing)
     p = _moe.grouped_params(nid, opts, E=E, N=M, KD=D, K=K, rows_per_warp=ROWS_PER_WARP)
-    args = (Arg("ptr", f"value:{x}"), Arg("ptr", f"weight:{bound['gate']}"), Arg("ptr", f"weight:{bound['up']}"),
-            Arg("ptr", f"value:{routing}.order"), Arg("ptr", f"value:{routing}.offsets"),
-            Arg("ptr", f"value:{out_g}"), Arg("ptr", f"value:{out_u}"))
+    act = p["act"]
+    args = (inp("x", act, x), weight("w_gate", act, bound["gate"]), weight("w_up", act, bound["up"]),
+            inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
+            out("out_gate", act, out_g), out("out_up", act, out_u))
     return _moe.grouped_launches(FAMILY, TEMPLATE, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"], p, nid, args, opts, down=False)

@@ -6,7 +6,7 @@ once, so decode reads each touched expert's gate and up rows exactly once.
 """
 from __future__ import annotations
 
-from codegen.kernel import Arg, KernelLaunch, Options
+from codegen.kernel import KernelLaunch, inp, out, weight, Options
 
 from . import _moe
 
@@ -17,11 +17,12 @@ ROWS_PER_WARP = 2
 
 
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
-    attrs, (x, routing), (out,), bound = _moe.node_io(G, nid)
+    attrs, (x, routing), (h,), bound = _moe.node_io(G, nid)
     E, M, D = attrs["num_experts"], attrs["out_dim"], _moe.inner(G, nid, x)
     K = _moe.pairs_top_k(G, nid, routing)
     p = _moe.grouped_params(nid, opts, E=E, N=M, KD=D, K=K, rows_per_warp=ROWS_PER_WARP)
-    args = (Arg("ptr", f"value:{x}"), Arg("ptr", f"weight:{bound['gate']}"), Arg("ptr", f"weight:{bound['up']}"),
-            Arg("ptr", f"value:{routing}.order"), Arg("ptr", f"value:{routing}.offsets"),
-            Arg("ptr", f"value:{out}"))
+    act = p["act"]
+    args = (inp("x", act, x), weight("w_gate", act, bound["gate"]), weight("w_up", act, bound["up"]),
+            inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
+            out("out", act, h))
     return _moe.grouped_launches(FAMILY, TEMPLATE, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"], p, nid, args, opts, down=False)

@@ -11,7 +11,7 @@ No device-to-host copy: the grouped expert kernels read the routing from device 
 """
 from __future__ import annotations
 
-from codegen.kernel import Arg, KernelLaunch, Options, Workspace
+from codegen.kernel import KernelLaunch, Options, Workspace, WorkspaceRef, inp, size, weight, work
 from codegen.render import kernel_name
 
 from . import _moe
@@ -38,16 +38,16 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [dt, f"e{E}_d{D}", "gemv"]),
         params=gemv, nodes=(nid,), grid=(-(-E // EXPERTS_PER_CTA), f"cdiv(T, {TOKENS_PER_CTA})", 1),
         block=(GEMV_THREADS, 1, 1),
-        args=(Arg("ptr", f"value:{x}"), Arg("ptr", f"weight:{bound['gate']}"),
-              Arg("ptr", "workspace:router_logits"), Arg("i32", "size:T")),
-        workspace=(logits,))]
+        args=(inp("x", ct, x), weight("gate", "float", bound["gate"]),
+              work("logits", "float", "router_logits"), size("num_tokens", "T")),
+        workspace=(logits,), stage="router_gemv")]
 
     topk = {"stage": "topk", **_moe.topk_params(nid, attrs, E, bias is not None)}
     launches.append(_moe.topk_launch(
         FAMILY, TEMPLATE, kernel_name(FAMILY, [*_moe.topk_name_parts(topk), "topk"]), topk, nid,
-        "workspace:router_logits", bias, ids, weights, workspace=(logits,)))
+        WorkspaceRef("router_logits"), bias, ids, weights, workspace=(logits,), stage="topk"))
 
     align = {"stage": "align", **_moe.align_params(E)}
     launches.append(_moe.align_launch(FAMILY, TEMPLATE, kernel_name(FAMILY, [f"e{E}", "align"]), align,
-                                      nid, ids, routing))
+                                      nid, ids, routing, stage="align"))
     return launches

@@ -5,7 +5,7 @@ torch.topk(sorted=True) order.  The same kernel is stage 2 of moe_route.
 """
 from __future__ import annotations
 
-from codegen.kernel import KernelLaunch, Options
+from codegen.kernel import KernelLaunch, Options, ValueRef
 from codegen.render import kernel_name
 
 from . import _moe
@@ -21,4 +21,4 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     bias = bound.get("bias")
     p = _moe.topk_params(nid, attrs, E, bias is not None)
     return [_moe.topk_launch(FAMILY, TEMPLATE, kernel_name(FAMILY, _moe.topk_name_parts(p)), p, nid,
-                             f"value:{logits}", bias, ids, weights)]
+                             ValueRef(logits), bias, ids, weights)]

@@ -1,7 +1,7 @@
 """rope_q: q_pe [T, H, R] (a strided view) -> q_rot [T, H, R], rotated by position (YaRN tables inline)."""
 from __future__ import annotations
 
-from codegen.kernel import Arg, KernelLaunch
+from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride
 from codegen.render import kernel_name
 
 from ._dense_util import act_ctype, inner_dims, node_io, rope_params, rope_tag
@@ -21,5 +21,5 @@ def lower(nid, G, opts):
         family=FAMILY, template=TEMPLATE,
         name=kernel_name(FAMILY, [opts.dtype, f"h{H}_r{R}", rope_tag(rp)]),
         params=params, nodes=(nid,), grid=("T", 1, 1), block=(threads, 1, 1),
-        args=(Arg("ptr", f"value:{ins[0]}"), Arg("i64", f"stride:{ins[0]}:0"), Arg("i64", f"stride:{ins[0]}:1"),
-              Arg("ptr", "ctx:positions"), Arg("ptr", f"value:{outs[0]}"), Arg("i32", "size:T")))]
+        args=(inp("q", params["act"], ins[0]), stride("q_stride0", ins[0], 0), stride("q_stride1", ins[0], 1),
+              ctx("positions", "positions"), out("out", params["act"], outs[0]), size("T", "T")))]

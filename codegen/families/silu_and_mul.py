@@ -1,7 +1,7 @@
 """silu_and_mul: [gate, up] [T, n] (possibly strided views) -> silu(gate) * up."""
 from __future__ import annotations
 
-from codegen.kernel import Arg, KernelLaunch
+from codegen.kernel import KernelLaunch, inp, out, size, stride
 from codegen.render import kernel_name
 
 from ._dense_util import ELEM_BYTES, act_ctype, inner_dims, node_io, vec16
@@ -21,6 +21,6 @@ def lower(nid, G, opts):
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"n{n}"]),
         params=params, nodes=(nid,), grid=("T", -(-n // (THREADS * vec)), 1), block=(THREADS, 1, 1),
-        args=(Arg("ptr", f"value:{ins[0]}"), Arg("i64", f"stride:{ins[0]}:0"),
-              Arg("ptr", f"value:{ins[1]}"), Arg("i64", f"stride:{ins[1]}:0"),
-              Arg("ptr", f"value:{outs[0]}"), Arg("i32", "size:T")))]
+        args=(inp("g", params["act"], ins[0]), stride("g_stride", ins[0], 0),
+              inp("u", params["act"], ins[1]), stride("u_stride", ins[1], 0),
+              out("out", params["act"], outs[0]), size("T", "T")))]

@@ -14,7 +14,7 @@ from typing import Callable
 import networkx as nx
 
 from ..errors import GraphError
-from ..verify import verify
+from ..verifier import verify
 from .eliminate_dead import eliminate_dead
 from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_combine_shared_residual import fuse_combine_shared_residual
@@ -59,13 +59,25 @@ PIPELINE: list[Pass] = [
 ]
 
 
+def _run_one(p: Pass, G: nx.DiGraph) -> nx.DiGraph:
+    """Run one pass with its name in G.graph["running_pass"], where rewrite.replace reads it to
+    record which passes made a node (provenance); the name is gone again from both graphs after."""
+    G.graph["running_pass"] = p.name
+    try:
+        out = p.run(G)
+    finally:
+        G.graph.pop("running_pass", None)
+    out.graph.pop("running_pass", None)
+    return out
+
+
 def run_pipeline(G: nx.DiGraph, passes: list[Pass] = PIPELINE) -> nx.DiGraph:
     """Run the passes that apply to ``G.graph["phase"]``, verifying after each; ``G`` is not changed."""
     phase = G.graph["phase"]
     for p in passes:
         if phase not in p.phases:
             continue
-        G = p.run(G)
+        G = _run_one(p, G)
         try:
             verify(G)
         except GraphError as exc:

@@ -12,7 +12,9 @@ reader of it, so consumers need new edges but no renaming.  New nodes take the
 ``order`` of the earliest node they replace, which keeps ``ir.graph.topo_order``
 deterministic (edges alone already make it valid), its layer and spec path, and a
 ``sources`` list: the builder's node ids they stand for, so generated code can name
-its origin.  Weights are bound by the names the replaced nodes used; names no node
+its origin, and ``passes``: for each source, the passes that fused it into this node
+(inherited from the nodes replaced, plus the pass running now, which ``run_pipeline``
+names in ``G.graph["running_pass"]``).  Weights are bound by the names the replaced nodes used; names no node
 binds any more are dropped from ``G.graph["weights"]``.
 """
 from __future__ import annotations
@@ -132,6 +134,12 @@ def replace(G: nx.DiGraph, old: list[str], new: list[NewOp]) -> list[str]:
     first = min(old, key=lambda n: (G.nodes[n]["order"], n))
     order, layer, path = (G.nodes[first][k] for k in ("order", "layer", "path"))
     sources = [s for n in sorted(old, key=lambda n: (G.nodes[n]["order"], n)) for s in G.nodes[n].get("sources", [n])]
+    running = G.graph.get("running_pass")
+    passes = {}
+    for n in old:
+        for s in G.nodes[n].get("sources", [n]):
+            made_by = list(G.nodes[n].get("passes", {}).get(s, ()))
+            passes[s] = made_by + [running] if running and running not in made_by else made_by
     made = {v for op in new for v in op.outputs}
     # Readers outside the rewrite keep reading values the new ops make under the old names.
     kept_readers = {(v, r) for n in old for v in G.nodes[n]["outputs"] if v in made
@@ -144,6 +152,7 @@ def replace(G: nx.DiGraph, old: list[str], new: list[NewOp]) -> list[str]:
         add_op(G, nid, op.op, op.attrs, op.inputs, op.outputs, weights=op.weights, layer=layer, path=path,
                order=order, producers=producers)
         G.nodes[nid]["sources"] = list(sources)
+        G.nodes[nid]["passes"] = {s: list(p) for s, p in passes.items()}
         nids.append(nid)
     for v, r in sorted(kept_readers):
         src = producers[v]

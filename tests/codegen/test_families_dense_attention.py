@@ -11,7 +11,7 @@ import ir
 from codegen.families import family_for_op
 from codegen.kernel import Options
 from codegen.nvrtc import compile_cubin
-from codegen.render import render
+from codegen.render import render_launch
 from ir.ops import TType
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu"))
@@ -71,8 +71,8 @@ def test_lowers_renders_and_compiles(op, model_name, dtype):
     assert launches and len({l.name for l in launches}) == len(launches)
     assert launches == family_for_op(op).lower(nid, G, opts)   # lowering is deterministic
     for launch in launches:
-        src = render(launch.template, launch.params, launch.nodes, launch.name)
-        assert src == render(launch.template, launch.params, launch.nodes, launch.name)
+        src = render_launch(launch)
+        assert src == render_launch(launch)
         assert f"{launch.name}(" in src and dtype in launch.name
         cubin = compile_cubin(src, launch.name, arch="sm_90", template=launch.template, nodes=launch.nodes).cubin
         assert launch.name.encode() in cubin       # the cubin exports the launch's kernel

@@ -18,7 +18,8 @@ import ir  # noqa: E402
 import ir.passes  # noqa: E402
 from codegen import families  # noqa: E402
 from codegen.kernel import KernelLaunch, Options  # noqa: E402
-from codegen.render import render  # noqa: E402
+from codegen.kernel import SizeRef  # noqa: E402
+from codegen.render import render_launch  # noqa: E402
 from ir.ops import TType  # noqa: E402
 
 MOE_OPS = ("moe_route", "moe_topk", "moe_align", "moe_gate_up_silu", "moe_gate_up", "moe_down",
@@ -79,8 +80,8 @@ def test_lowering_is_deterministic_and_names_are_readable(dims):
             for launch in a:
                 assert launch.name.startswith(launch.family + "__")
                 assert launch.nodes == (nid,)
-                src = render(launch.template, launch.params, launch.nodes, launch.name)
-                assert src == render(launch.template, launch.params, launch.nodes, launch.name)
+                src = render_launch(launch)
+                assert src == render_launch(launch)
                 assert f'extern "C" __global__' in src and f"{launch.name}(" in src
                 assert "/work" not in src and "/home" not in src
 
@@ -135,8 +136,8 @@ def test_route_needs_no_host_sync():
             for g in (*launch.grid, launch.smem):
                 used |= sizes.names(g)
             for a in launch.args:
-                if a.ref.startswith("size:"):
-                    used |= sizes.names(a.ref[5:])
+                if isinstance(a.ref, SizeRef):
+                    used |= sizes.names(a.ref.expr)
             assert used <= {"T", "NP"}, (launch.name, used)
 
 
@@ -171,7 +172,7 @@ def test_compiles_to_sm90_cubin(dims, tmp_path):
                 if launch.name in seen:       # dtype-free kernels (top-k, align) compile once
                     continue
                 seen.add(launch.name)
-                src = render(launch.template, launch.params, launch.nodes, launch.name)
+                src = render_launch(launch)
                 out = compile_cubin(src, launch.name, arch="sm_90", template=launch.template,
                                     nodes=launch.nodes, log_dir=str(tmp_path))
                 assert out.cubin[:4] == b"\x7fELF", launch.name

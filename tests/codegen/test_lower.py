@@ -3,6 +3,7 @@ of its family or an allowed library call, and the buffer plan covers every value
 from __future__ import annotations
 
 import collections
+import re
 import functools
 from types import SimpleNamespace
 
@@ -10,8 +11,9 @@ import pytest
 
 import ir
 from codegen import families
-from codegen.kernel import Arg, KernelLaunch, LibraryCall, Options
+from codegen.kernel import Arg, CtxRef, KernelLaunch, LibraryCall, Options, SizeRef, StrideRef, ValueRef, WorkspaceRef
 from codegen.lower import LIBRARY_CALLS, LoweringError, lower_graph
+from ir.errors import DsgraphError
 from ir.passes import run_pipeline
 
 SPECS = ("deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
@@ -147,7 +149,7 @@ def test_registry_is_sorted_and_complete():
 
 def _launch(nid, **kw):
     base = dict(family="f", template="f.cu.j2", name="f__x", params={}, nodes=(nid,),
-                grid=("cdiv(T, 4)", 1, 1), block=(128, 1, 1), args=(Arg("ptr", "value:x"),))
+                grid=("cdiv(T, 4)", 1, 1), block=(128, 1, 1), args=(Arg("x", "const float*", ValueRef("x")),))
     base.update(kw)
     return KernelLaunch(**base)
 
@@ -155,14 +157,31 @@ def _launch(nid, **kw):
 @pytest.mark.parametrize("bad,match", [
     (dict(grid=("T",)), "3-entry"),
     (dict(grid=("eval(T)", 1, 1)), "unsupported syntax"),
-    (dict(args=(Arg("i32", "value:x"),)), "kind"),
-    (dict(args=(Arg("ptr", "workspace:nope"),)), "does not declare"),
-    (dict(args=(Arg("ptr", "ctx:nope"),)), "unknown ctx field"),
-    (dict(args=(Arg("i64", "bogus"),)), "bad argument reference"),
+    (dict(args=(Arg("x", "int", ValueRef("x")),)), "pointers bind"),
+    (dict(args=(Arg("x", "float*", WorkspaceRef("nope")),)), "does not declare"),
+    (dict(args=(Arg("x", "const i64*", CtxRef("nope")),)), "unknown ctx field"),
+    (dict(args=(Arg("x", "double", SizeRef("T")),)), "C type"),
+    (dict(args=(Arg("x", "int", SizeRef("T")), Arg("x", "int", SizeRef("B")))), "used twice"),
+    (dict(args=(Arg("s", "int", StrideRef("x", 0)),)), "strides are i64"),
     (dict(block=(0, 1, 1)), "block"),
 ])
 def test_family_contract_is_checked(monkeypatch, bad, match):
+    """A family breaking the lowering contract is a compiler bug: a TypeError, not a user error."""
     fam = _fake_family("rms_norm_fake", ["rms_norm"], lambda nid: [_launch(nid, **bad)])
     monkeypatch.setattr(families, "family_for_op", lambda op: fam if op == "rms_norm" else None)
-    with pytest.raises(LoweringError, match=match):
+    with pytest.raises(TypeError, match=match):
         lower_graph(_graph("deepseek_v2_lite", "decode"), Options(), strict=False)
+
+
+def test_a_family_refusal_names_the_node_and_the_spec_line(monkeypatch):
+    def refuse(nid, G, opts):
+        raise LoweringError("rows must be a multiple of 4")
+    fam = SimpleNamespace(__name__="codegen.families.x", FAMILY="x", TEMPLATE="x.cu.j2", OPS=("rms_norm",),
+                          lower=refuse)
+    monkeypatch.setattr(families, "family_for_op", lambda op: fam if op == "rms_norm" else None)
+    with pytest.raises(LoweringError) as info:
+        lower_graph(_graph("deepseek_v2_lite", "decode"), Options(), strict=False)
+    msg = str(info.value)
+    assert re.match(r"deepseek_v2_lite\.yaml:\d+ at blocks\.\w+\.ops\[\d+\]: node \S+ \(rms_norm\): "
+                    r"rows must be a multiple of 4$", msg), msg
+    assert isinstance(info.value, DsgraphError)

@@ -4,7 +4,9 @@ import re
 
 import pytest
 
-from codegen.render import TemplateParamError, kernel_name, render, template_texts
+from codegen.kernel import Arg, SizeRef, StrideRef, ValueRef
+from codegen.provenance import Origin
+from codegen.render import TemplateParamError, include_closure, kernel_name, parse_header, render, template_texts
 
 TEMPLATE = """\
 #include "common.cuh"
@@ -43,7 +45,8 @@ def test_header(tdir):
     assert lines[1] == "// template: toy.cu.j2"
     assert lines[2] == "// kernel:   toy__f32"
     assert lines[3] == '// params:   {"dims":[512,64],"dtype":"float","eps":1e-06}'
-    assert lines[4] == "// nodes:    n1, n2, n10"  # natural order: layer 2 before layer 10
+    assert lines[4] == "// includes: common.cuh"     # what NVRTC is given beside the source
+    assert lines[5] == "// nodes:    n1, n2, n10"  # natural order: layer 2 before layer 10
     assert 'extern "C" __global__ void toy__f32(float* out)' in out
     assert str(tdir) not in out and "/tmp" not in out
     assert not re.search(r"\d{4}-\d{2}-\d{2}|\d{2}:\d{2}:\d{2}", out)
@@ -58,9 +61,41 @@ def test_missing_variable_names_template_and_variable(tdir):
     assert isinstance(info.value, ValueError)
 
 
-def test_params_cannot_shadow_kernel_name(tdir):
-    with pytest.raises(TemplateParamError):
-        render("toy.cu.j2", {**PARAMS, "kernel_name": "x"}, [], "toy", templates_dir=tdir)
+def test_params_cannot_shadow_kernel_name_or_signature(tdir):
+    for reserved in ("kernel_name", "signature"):
+        with pytest.raises(TemplateParamError):
+            render("toy.cu.j2", {**PARAMS, reserved: "x"}, [], "toy", templates_dir=tdir)
+
+
+def test_signature_is_rendered_from_the_typed_arguments(tdir):
+    (tdir / "sig.cu.j2").write_text('extern "C" __global__ void {{ kernel_name }}(\n    {{ signature }}) {}\n')
+    args = (Arg("x", "const float*", ValueRef("L0.x")), Arg("x_stride", "i64", StrideRef("L0.x", 0)),
+            Arg("out", "float*", ValueRef("L0.y")), Arg("T", "int", SizeRef("T")))
+    out = render("sig.cu.j2", {}, ["L0.y"], "sig", args=args, role="sig.split", templates_dir=tdir)
+    assert ("sig(\n    const float* __restrict__ x,\n    i64 x_stride,\n    float* __restrict__ out,\n"
+            "    int T) {}") in out
+    assert "// role:     sig.split" in out
+
+
+def test_layer_prefixes_fold_and_provenance_is_summarised(tdir):
+    origins = [Origin("m.yaml", 41, "blocks.mla.ops[4]", "rms_norm", layer, ("fuse_kv_norm_rope_cache",))
+               for layer in (0, 1, 2, 5)]
+    out = render("toy.cu.j2", PARAMS, ["L0.mla.c", "L1.mla.c", "L2.mla.c", "L5.mla.c", "head.h"], "toy",
+                 origins=origins, compiler_hash="ab" * 32, templates_dir=tdir)
+    assert "// nodes:    head.h, L0-2,5.mla.c\n" in out
+    assert "//   m.yaml:41 blocks.mla.ops[4] rms_norm, layers 0-2, 5 (fuse_kv_norm_rope_cache)\n" in out
+    assert f"// compiler: {'ab' * 32}\n" in out
+    h = parse_header(out)
+    assert h["kernel"] == "toy" and h["implements"] == [
+        "m.yaml:41 blocks.mla.ops[4] rms_norm, layers 0-2, 5 (fuse_kv_norm_rope_cache)"]
+
+
+def test_include_closure_follows_nested_headers(tdir):
+    (tdir / "include" / "a.cuh").write_text('#pragma once\n#include "b.cuh"\n')
+    (tdir / "include" / "b.cuh").write_text('#pragma once\n#include <cuda_bf16.h>\n')
+    assert list(include_closure('#include "a.cuh"\n', tdir)) == ["a.cuh", "b.cuh"]
+    with pytest.raises(FileNotFoundError, match="nope.cuh"):
+        include_closure('#include "nope.cuh"\n', tdir)
 
 
 def test_template_texts(tdir):

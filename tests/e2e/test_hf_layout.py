@@ -6,7 +6,7 @@ import torch
 
 from hf_tiny import build, load_reference
 from runtime.hf_layout import transformers_state, transformers_tensor
-from runtime.model_loader import compile_graphs, load_model_weights, resolve_spec
+from runtime.model_loader import compile_graphs, load_model_weights, resolve_spec, weight_specs
 from runtime.weights import load_config
 
 
@@ -14,7 +14,7 @@ def test_every_weight_maps_onto_the_transformers_model(tmp_path):
     path = build("v3", tmp_path / "v3")
     spec = resolve_spec(None, load_config(path))
     graphs = compile_graphs(spec).graphs
-    ours = load_model_weights(path, graphs, spec, dtype=torch.float32, device="cpu")
+    ours = load_model_weights(path, weight_specs(graphs), spec, dtype=torch.float32, device="cpu")
     model = load_reference(path)
     state = transformers_state(model)
     for name, t in ours.items():

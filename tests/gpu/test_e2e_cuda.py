@@ -129,8 +129,8 @@ def test_full_size_v2_lite_bf16_error_within_transformers_bf16():
     graphs = compile_graphs(spec).graphs
     weights = hf_to_dsgraph_weights(model, graphs)
     del model
-    engine = Engine._with_backend(spec, graphs, weights, backend="cuda", device=DEV, dtype=torch.bfloat16,
-                                  block_size=64, num_blocks=64, max_seq_len=4096)
+    engine = Engine.from_spec(spec, weights=weights, backend="cuda", device=DEV, dtype=torch.bfloat16,
+                              block_size=64, num_blocks=64, max_seq_len=4096)
     ours = engine.logits([full], decode_after=len(prompt))[0]
     n = len(prompt) - 1  # positions predicted by the prefill, then 16 decode steps
     for label, sl in (("prefill", slice(0, n + 1)), ("decode", slice(n + 1, None))):
@@ -164,10 +164,39 @@ def test_bad_input_on_the_gpu_path_fails_before_any_kernel(tiny, tmp_path):
     other = compile_bundle(engine.spec, tmp_path / "sm80", arch="sm_80", dtype="fp32", block_size=5,
                            cache_dir=tmp_path / "cache")
     with pytest.raises(BundleError, match="compiled for sm_80"):
-        Engine._with_backend(engine.spec, engine.graphs, engine.backend.weights, backend="cuda", device=DEV,
-                             dtype=torch.float32, block_size=5, bundle_dir=other.path)
+        Engine.from_spec(None, bundle=other.path, device=DEV)
     # Tokens after the failures are unchanged: nothing leaked into another sequence's cache.
     from runtime import SamplingParams
     a = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))[0].token_ids
     b = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))[0].token_ids
     assert a == b
+
+
+def test_a_bundle_from_dsgraph_compile_runs_with_the_compiler_disabled(tiny, tmp_path, monkeypatch):
+    """`dsgraph compile` -> Engine.from_pretrained(model_dir, bundle=DIR): the engine runs the manifest
+    as written.  Every compiler entry point raises during the load; the logits equal the engine that
+    compiled the same spec itself."""
+    import codegen.bundle
+    import codegen.lower
+    import codegen.nvrtc
+    import ir.graph
+    import ir.passes
+    from runtime import Engine
+    from runtime.cli import main
+    name, _, engine = tiny
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(engine.spec.text)
+    path = build(name, tmp_path / "model")
+    assert main(["compile", str(spec), "-o", str(tmp_path / "b"), "--dtype", "fp32", "--block-size", "5",
+                 "--cache-dir", str(tmp_path / "cache")]) == 0
+
+    def forbid(*_, **__):
+        raise AssertionError("loading a bundle ran the compiler")
+    for mod, fn in ((ir.passes, "run_pipeline"), (ir.graph, "build_graph"), (codegen.lower, "lower_graph"),
+                    (codegen.nvrtc, "compile_cubin"), (codegen.bundle, "plan_spec"),
+                    (codegen.bundle, "compile_bundle")):
+        monkeypatch.setattr(mod, fn, forbid)
+    ours = Engine.from_pretrained(path, bundle=tmp_path / "b", num_blocks=64, max_seq_len=128)
+    assert ours.backend.name == "cuda" and ours.block_size == 5 and ours.dtype == torch.float32
+    for a, b in zip(ours.logits(PROMPTS, decode_after=3), engine.logits(PROMPTS, decode_after=3)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

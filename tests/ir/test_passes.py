@@ -21,7 +21,7 @@ from ir.context import StepContext
 from ir.errors import GraphError
 from ir.passes import PIPELINE, Pass, run_pipeline
 from ir.passes.rewrite import NewOp, RewriteError, copy_graph, replace
-from runtime.model_loader import random_weights
+from runtime.model_loader import random_weights, weight_specs
 
 V2_LITE = "model_specs/deepseek_v2_lite.yaml"
 PASSES = {p.name: p for p in PIPELINE}
@@ -120,7 +120,7 @@ def graphs_of(spec) -> dict:
 
 
 def make_weights(graphs, seed: int) -> dict:
-    w = random_weights(graphs, dtype=torch.float64, device="cpu", seed=seed, std=0.2)
+    w = random_weights(weight_specs(graphs), dtype=torch.float64, device="cpu", seed=seed, std=0.2)
     gen = torch.Generator().manual_seed(seed + 1)
     for name, t in w.items():  # norms away from 1, so a mis-bound norm weight shows
         if t.dim() == 1 and "norm" in name:

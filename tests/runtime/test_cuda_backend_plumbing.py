@@ -1,22 +1,35 @@
-"""The cuda backend's step plumbing on the CPU: buffer plan, views, library calls, cache binding.
+"""The cuda backend's step plumbing on the CPU, through a real bundle's manifest: buffer plan,
+views, library calls, cache binding.
 
-The kernels are replaced by a stub runner that computes each node with its reference op and
-writes the result into the buffers the backend allocated (as a kernel would), so everything the
-backend itself does — allocate or alias each value, run the library calls, bind each launch to
-its layer's cache, group a node's launches — is checked against the reference backend.
+A bundle is compiled with `compile_bundle` (NVRTC works without a GPU) and read back with
+`load_bundle`, exactly as the GPU path does; then the compiler's entry points are made to raise,
+so the backend provably runs from the manifest alone.  The kernels are replaced by a stub runner
+that computes each node with its reference op and writes the result into the buffers the backend
+allocated (as a kernel would), so everything the backend itself does — allocate or alias each
+value, run the library calls, bind each launch to its layer's cache, group a node's launches — is
+checked against the reference backend.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
 import torch
 
-from codegen.kernel import Options
-from codegen.lower import lower_graph
+import codegen.bundle as bundle_mod
+import codegen.lower
+import codegen.nvrtc
+import ir.graph
+import ir.passes
+from codegen.bundle import compile_bundle, load_bundle
+from codegen.nvrtc import nvrtc_version
 from ir.context import StepContext
 from ir.graph import node_view
 from ir.ops import OPS
 from runtime.cuda_backend import CudaBackend
 from runtime.reference_backend import ReferenceBackend
-from tiny_engine import compiled, make_engine, prompts
+from tiny_engine import ROOT, compiled, make_engine, prompts
 
 
 class ReferenceKernels:
@@ -62,15 +75,41 @@ class SteppedCuda(CudaBackend):
         return self._forward(phase, ids, ctx, self._meta(ctx, ids.device), self._sizes(ctx))
 
 
-def test_backend_plumbing_matches_the_reference_backend():
+def _forbid(*_, **__):
+    raise AssertionError("running a bundle must not run the compiler")
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    model, _ = compiled()
+    out = tmp_path_factory.mktemp("plumbing")
+    return compile_bundle(model.spec, out / "bundle", dtype="fp32", block_size=4, cache_dir=out / "cache").path
+
+
+def test_backend_runs_the_manifest_and_matches_the_reference_backend(bundle, monkeypatch):
     model, weights = compiled()
-    plans = {phase: lower_graph(G, Options(dtype="fp32", block_size=4)) for phase, G in model.graphs.items()}
-    stub = ReferenceKernels(model.graphs)
-    ours = make_engine(backend_impl=SteppedCuda(model.spec, model.graphs, weights, plans, stub,
-                                                dtype=torch.float32, block_size=4))
+    for mod, name in ((ir.passes, "run_pipeline"), (ir.graph, "build_graph"), (codegen.lower, "lower_graph"),
+                      (codegen.nvrtc, "compile_cubin"), (bundle_mod, "plan_spec"), (bundle_mod, "compile_bundle")):
+        monkeypatch.setattr(mod, name, _forbid)
+    loaded = load_bundle(bundle, arch="sm_90", nvrtc_version=nvrtc_version(), dtype="fp32", block_size=4)
+    backend = SteppedCuda.from_bundle(loaded, weights, dtype=torch.float32, top_k=model.spec.dims["top_k"])
+    assert sorted(backend.runner._cubins) == sorted(loaded.manifest["kernels"])   # the bundle's CUBINs
+    stub = backend.runner = ReferenceKernels(model.graphs)
+    ours = make_engine(backend_impl=backend)
     ref = make_engine()
     assert isinstance(ref.backend, ReferenceBackend)
     ps = prompts([1, 3, 4, 5, 9])
     for a, b in zip(ours.logits(ps, decode_after=2), ref.logits(ps, decode_after=2)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert stub.calls > 0
+
+
+def test_loading_a_bundle_imports_no_graph_machinery(bundle):
+    """The runtime side of a bundle (load, plans, backend) never imports networkx."""
+    code = ("import sys; from codegen.bundle import load_bundle; from codegen.nvrtc import nvrtc_version; "
+            "import runtime.cuda_backend, runtime.engine; "
+            f"b = load_bundle({str(bundle)!r}, arch='sm_90', nvrtc_version=nvrtc_version()); "
+            "assert b.plans['decode'].steps; "
+            "assert 'networkx' not in sys.modules, 'networkx was imported'; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

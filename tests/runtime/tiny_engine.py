@@ -7,13 +7,16 @@ different batch composition could flip.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ir import load_spec
 from ir.config_to_spec import spec_from_config
 from runtime import Engine
-from runtime.model_loader import compile_graphs, random_weights
+from runtime.model_loader import compile_graphs, random_weights, weight_specs
 
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 61
 
 CONFIG = {
@@ -33,7 +36,7 @@ def compiled():
     if "model" not in _COMPILED:
         spec = load_spec(spec_from_config(CONFIG, name="tiny"), file="tiny.yaml")
         model = compile_graphs(spec)
-        weights = random_weights(model.graphs, dtype=torch.float32, device="cpu", seed=7, std=0.3)
+        weights = random_weights(weight_specs(model.graphs), dtype=torch.float32, device="cpu", seed=7, std=0.3)
         _COMPILED["model"] = (model, weights)
     return _COMPILED["model"]
 

@@ -1,0 +1,94 @@
+"""The manifest's phases as JSON, and back: one place that writes and one that reads them.
+
+A phase in the manifest (JSON with sorted keys, so it diffs cleanly):
+
+    inputs, outputs, unlowered [[node, op]...],
+    steps: [{type: "kernel", kernel, family, stage, template, params, nodes, grid, block, smem,
+             args: [{name, ctype, ref: {value|weight|ctx|workspace|size: x} | {stride: [value, dim]}}],
+             workspace: [{name, shape, dtype}]}
+            | {type: "library", node, op, call, inputs, outputs, weights, attrs}],
+    buffers: {value: {shape, dtype, [view: {base, offset, strides}], [layer], [parts]}},
+    nodes: {node: {layer, outputs}}
+
+`phase_from_json` gives back the PhasePlan lowering made (launch records with typed
+arguments; provenance is left in the kernel sources), so the runtime runs exactly what the
+manifest says, with no graph, no passes and no lowering.
+"""
+from __future__ import annotations
+
+from .kernel import Arg, KernelLaunch, LibraryCall, Workspace
+from .plan import Buffer, NodeInfo, PhasePlan, View
+
+STEP_TYPES = ("kernel", "library")
+
+
+def step_to_json(step) -> dict:
+    if isinstance(step, KernelLaunch):
+        return {"type": "kernel", "kernel": step.name, "family": step.family, "stage": step.stage,
+                "template": step.template, "params": step.params, "nodes": list(step.nodes),
+                "grid": list(step.grid), "block": list(step.block), "smem": step.smem,
+                "args": [a.to_json() for a in step.args],
+                "workspace": [{"name": w.name, "shape": list(w.shape), "dtype": w.dtype} for w in step.workspace]}
+    return {"type": "library", "node": step.node, "op": step.op, "call": step.call,
+            "inputs": list(step.inputs), "outputs": list(step.outputs),
+            "weights": list(step.weights), "attrs": step.attrs}
+
+
+def step_from_json(d: dict):
+    kind = d.get("type")
+    if kind == "kernel":
+        return KernelLaunch(
+            family=d["family"], template=d["template"], name=d["kernel"], params=d["params"],
+            nodes=tuple(d["nodes"]), grid=tuple(d["grid"]), block=tuple(d["block"]), smem=d["smem"],
+            args=tuple(Arg.from_json(a) for a in d["args"]),
+            workspace=tuple(Workspace(w["name"], tuple(w["shape"]), w["dtype"]) for w in d["workspace"]),
+            stage=d.get("stage", ""))
+    if kind == "library":
+        return LibraryCall(node=d["node"], op=d["op"], call=d["call"], inputs=tuple(d["inputs"]),
+                           outputs=tuple(d["outputs"]), weights=tuple(d["weights"]), attrs=dict(d["attrs"]))
+    raise ValueError(f"unknown step type {kind!r} (one of {', '.join(STEP_TYPES)})")
+
+
+def buffer_to_json(buf: Buffer) -> dict:
+    out = {"shape": list(buf.shape), "dtype": buf.dtype}
+    if buf.view is not None:
+        out["view"] = {"base": buf.view.base, "offset": buf.view.offset, "strides": list(buf.view.strides)}
+    if buf.layer is not None:
+        out["layer"] = buf.layer
+    if buf.parts:
+        out["parts"] = list(buf.parts)
+    return out
+
+
+def buffer_from_json(name: str, d: dict) -> Buffer:
+    view = d.get("view")
+    return Buffer(name, tuple(d["shape"]), d["dtype"],
+                  view=View(view["base"], int(view["offset"]), tuple(view["strides"])) if view else None,
+                  layer=d.get("layer"), parts=tuple(d.get("parts", ())))
+
+
+def phase_to_json(plan: PhasePlan) -> dict:
+    return {"inputs": list(plan.inputs), "outputs": list(plan.outputs),
+            "steps": [step_to_json(s) for s in plan.steps],
+            "buffers": {name: buffer_to_json(b) for name, b in plan.buffers.items()},
+            "nodes": {n: {"layer": info.layer, "outputs": list(info.outputs)} for n, info in plan.nodes.items()},
+            "unlowered": [list(u) for u in plan.unlowered]}
+
+
+def phase_from_json(phase: str, d: dict) -> PhasePlan:
+    return PhasePlan(
+        phase=phase, steps=[step_from_json(s) for s in d["steps"]],
+        buffers={name: buffer_from_json(name, b) for name, b in d["buffers"].items()},
+        nodes={n: NodeInfo(layer=i["layer"], outputs=tuple(i["outputs"])) for n, i in d["nodes"].items()},
+        inputs=tuple(d["inputs"]), outputs=tuple(d["outputs"]),
+        unlowered=[tuple(u) for u in d.get("unlowered", ())])
+
+
+def weights_to_json(graphs) -> dict:
+    """Every weight the phases bind: {name: {shape, keep_fp32, parts}} (what loading reads)."""
+    out: dict = {}
+    for G in graphs:
+        for name, info in G.graph["weights"].items():
+            out[name] = {"shape": list(info.shape), "keep_fp32": bool(info.keep_fp32),
+                         "parts": list(info.parts) if info.parts is not None else None}
+    return dict(sorted(out.items()))

@@ -1,0 +1,655 @@
+// DeepSeekMoE device code: router GEMV, scoring + top-k, alignment, grouped expert GEMV, combine.
+// Semantics mirror ir/ops/moe.py (route_ref, align_ref, grouped_linear, combine_ref), including
+// where results are rounded to the activation type.  Templates only fill in the constants.
+//
+// Dimension legend: T tokens, D hidden, E routed experts, K experts per token, G expert groups,
+// M expert intermediate size, NP = T*K token-expert pairs (pair p = t*K + k).
+#pragma once
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace dsg {
+namespace moe {
+
+// ---- vector loads / stores: N elements of T <-> N floats ----------------------------------
+// One 16/8/4-byte transaction when N*sizeof(T) is that size (the caller keeps p aligned).
+
+template <typename T, int N>
+__device__ __forceinline__ void load_f(const T* __restrict__ p, float (&out)[N]) {
+  constexpr int BYTES = int(sizeof(T)) * N;
+  if constexpr (BYTES == 16) {
+    uint4 v = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(e[i]);
+  } else if constexpr (BYTES == 8) {
+    uint2 v = *reinterpret_cast<const uint2*>(p);
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(e[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(p[i]);
+  }
+}
+
+// Weights are read once per step and never written: the read-only (non-coherent) path.
+template <typename T, int N>
+__device__ __forceinline__ void load_f_ro(const T* __restrict__ p, float (&out)[N]) {
+  constexpr int BYTES = int(sizeof(T)) * N;
+  if constexpr (BYTES == 16) {
+    uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(e[i]);
+  } else if constexpr (BYTES == 8) {
+    uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(e[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(p[i]);
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_f(T* __restrict__ p, const float (&v)[N]) {
+  constexpr int BYTES = int(sizeof(T)) * N;
+  if constexpr (BYTES == 16 || BYTES == 8) {
+    T e[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) e[i] = from_float<T>(v[i]);
+    if constexpr (BYTES == 16) *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(e);
+    else *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(e);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) p[i] = from_float<T>(v[i]);
+  }
+}
+
+// ---- 1. router GEMV: logits[t, e] = sum_d float(x[t, d]) * gate[e, d]  (fp32, like x.float() @ gate.T)
+// One CTA computes EPB experts x TT tokens; threads split D in VEC-wide slices, then a block
+// reduction.  Decode (T = 1) spreads the E x D fp32 gate over cdiv(E, EPB) CTAs.
+template <typename T, int E, int D, int EPB, int TT, int NT, int VEC>
+__device__ __forceinline__ void router_logits(const T* __restrict__ x, const float* __restrict__ gate,
+                                              float* __restrict__ logits, int num_tokens) {
+  static_assert(D % VEC == 0, "router: D must be a multiple of the vector width");
+  __shared__ float red[NT / 32][EPB * TT];
+  const int e0 = blockIdx.x * EPB, t0 = blockIdx.y * TT;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float acc[EPB][TT];
+#pragma unroll
+  for (int i = 0; i < EPB; ++i)
+#pragma unroll
+    for (int j = 0; j < TT; ++j) acc[i][j] = 0.f;
+
+  for (int d = threadIdx.x * VEC; d < D; d += NT * VEC) {
+    float g[EPB][VEC];
+#pragma unroll
+    for (int i = 0; i < EPB; ++i) {
+      if (e0 + i < E) load_f_ro<float, VEC>(gate + (i64)(e0 + i) * D + d, g[i]);
+      else
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) g[i][v] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < TT; ++j) {
+      if (t0 + j < num_tokens) {
+        float xv[VEC];
+        load_f<T, VEC>(x + (i64)(t0 + j) * D + d, xv);
+#pragma unroll
+        for (int i = 0; i < EPB; ++i)
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) acc[i][j] = fmaf(g[i][v], xv[v], acc[i][j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < EPB; ++i)
+#pragma unroll
+    for (int j = 0; j < TT; ++j) {
+      const float s = warp_sum(acc[i][j]);
+      if (lane == 0) red[warp][i * TT + j] = s;
+    }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < EPB * TT; idx += NT) {
+    const int i = idx / TT, j = idx % TT;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < NT / 32; ++w) s += red[w][idx];
+    if (e0 + i < E && t0 + j < num_tokens) logits[(i64)(t0 + j) * E + e0 + i] = s;
+  }
+}
+
+// ---- 2. scoring + top-k: one warp per token ----------------------------------------------
+enum Scoring { SOFTMAX = 0, SIGMOID = 1 };
+enum Method { GREEDY = 0, GROUP_LIMITED_GREEDY = 1, NOAUX_TC = 2 };
+
+// (value, index) argmax across the warp; ties go to the lower index, so equal scores pick
+// experts in index order (torch.topk's order for exact ties is unspecified).
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+  }
+}
+
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
+  return v > bv || (v == bv && i < bi);
+}
+
+// Routes one token.  `sc` and `ch` are this warp's shared scratch of E floats each (scores and
+// selection values).  Writes ids[0..K) (descending by selection value, like torch.topk sorted)
+// and weights[0..K).
+template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS>
+__device__ __forceinline__ void topk_token(const float* __restrict__ logits, const float* __restrict__ bias,
+                                           float scaling, i64* __restrict__ ids, float* __restrict__ weights,
+                                           float* sc, float* ch) {
+  constexpr int SLOTS = (E + 31) / 32;   // experts a lane owns: e = lane + 32 * s
+  constexpr int GS = E / G;              // experts per group (contiguous)
+  static_assert(SLOTS <= 32, "moe top-k: at most 1024 experts");
+  static_assert(E % G == 0, "moe top-k: experts must divide into groups");
+  static_assert(K <= 32 && G <= 32, "moe top-k: K and groups must fit a warp");
+  const int lane = threadIdx.x & 31;
+
+  // scores: softmax over E, or sigmoid
+  float l[SLOTS];
+  float mx = -CUDART_INF_F;
+#pragma unroll
+  for (int s = 0; s < SLOTS; ++s) {
+    const int e = lane + 32 * s;
+    l[s] = (e < E) ? logits[e] : -CUDART_INF_F;
+    mx = fmaxf(mx, l[s]);
+  }
+  if constexpr (SCORING == SOFTMAX) {
+    mx = warp_max(mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) {
+      const int e = lane + 32 * s;
+      l[s] = (e < E) ? expf(l[s] - mx) : 0.f;
+      sum += l[s];
+    }
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) l[s] = l[s] / sum;
+  } else {
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) l[s] = 1.f / (1.f + expf(-l[s]));
+  }
+  // selection values: the score, or the score plus the correction bias (noaux_tc)
+#pragma unroll
+  for (int s = 0; s < SLOTS; ++s) {
+    const int e = lane + 32 * s;
+    if (e < E) {
+      sc[e] = l[s];
+      float c = l[s];
+      if constexpr (METHOD == NOAUX_TC && HAS_BIAS) c += bias[e];
+      ch[e] = c;
+    }
+  }
+  __syncwarp();
+
+  if constexpr (METHOD != GREEDY) {
+    // group score (lane g < G): the group's max (V2) or the sum of its top two (V3)
+    float gs = -CUDART_INF_F;
+    if (lane < G) {
+      float m1 = -CUDART_INF_F, m2 = -CUDART_INF_F;
+      for (int i = 0; i < GS; ++i) {
+        const float c = ch[lane * GS + i];
+        if (c > m1) { m2 = m1; m1 = c; } else if (c > m2) { m2 = c; }
+      }
+      gs = (METHOD == GROUP_LIMITED_GREEDY) ? m1 : m1 + m2;
+    }
+    // keep the TG best groups
+    bool keep = false;
+    float cand = gs;
+    for (int r = 0; r < TG; ++r) {
+      float v = (lane < G && !keep) ? cand : -CUDART_INF_F;
+      int i = (lane < G && !keep) ? lane : 0x7fffffff;
+      warp_argmax(v, i);
+      if (lane == i) keep = true;
+    }
+    const unsigned kept = __ballot_sync(0xffffffffu, keep);
+    __syncwarp();
+    // masked groups: 0 (group_limited_greedy) or -inf (noaux_tc)
+    const float MASKED = (METHOD == GROUP_LIMITED_GREEDY) ? 0.f : -CUDART_INF_F;
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) {
+      const int e = lane + 32 * s;
+      if (e < E && !((kept >> (e / GS)) & 1u)) ch[e] = MASKED;
+    }
+    __syncwarp();
+  }
+
+  // top-K on the selection values, K rounds of a warp argmax
+  float c[SLOTS];
+#pragma unroll
+  for (int s = 0; s < SLOTS; ++s) {
+    const int e = lane + 32 * s;
+    c[s] = (e < E) ? ch[e] : -CUDART_INF_F;
+  }
+  unsigned taken = 0u;
+  int my_id = 0;
+  float my_w = 0.f;
+  for (int k = 0; k < K; ++k) {
+    float bv = -CUDART_INF_F;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) {
+      const int e = lane + 32 * s;
+      if (e < E && !((taken >> s) & 1u) && better(c[s], e, bv, bi)) { bv = c[s]; bi = e; }
+    }
+    warp_argmax(bv, bi);
+    if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+    if (lane == k) my_id = bi;
+  }
+  // weights: the (unbiased) scores of the chosen experts
+  if (lane < K) my_w = sc[my_id];
+  if constexpr (NORM) {
+    const float sum = warp_sum(lane < K ? my_w : 0.f);
+    my_w = my_w / (sum + 1e-20f);
+  }
+  if (lane < K) {
+    ids[lane] = (i64)my_id;
+    weights[lane] = my_w * scaling;
+  }
+}
+
+// ---- 3. alignment: pairs grouped by expert (one CTA) ---------------------------------------
+// counts per expert -> exclusive scan -> offsets [E + 1], then each pair claims a slot in its
+// expert's segment.  Order inside a segment follows the atomics (it does not change any result:
+// every pair is computed on its own).
+template <int E, int NT>
+__device__ __forceinline__ void align(const i64* __restrict__ ids, int num_pairs, i32* __restrict__ order,
+                                      i32* __restrict__ offsets) {
+  __shared__ int count[E];
+  __shared__ int cursor[E];
+  for (int e = threadIdx.x; e < E; e += NT) count[e] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < num_pairs; p += NT) atomicAdd(&count[(int)ids[p]], 1);
+  __syncthreads();
+  // exclusive scan of count[] by warp 0, 32 experts per round
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int base = 0;
+    for (int e0 = 0; e0 < E; e0 += 32) {
+      const int e = e0 + lane;
+      const int c = (e < E) ? count[e] : 0;
+      int incl = c;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += n;
+      }
+      if (e < E) {
+        cursor[e] = base + incl - c;
+        offsets[e] = base + incl - c;
+      }
+      base += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) offsets[E] = base;
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < num_pairs; p += NT) {
+    const int slot = atomicAdd(&cursor[(int)ids[p]], 1);
+    order[slot] = p;
+  }
+}
+
+// ---- 4. grouped expert GEMV: all active experts in one launch ------------------------------
+// Grid (E, cdiv(N, WARPS * RPW)): a CTA owns one expert and WARPS * RPW of its N output rows;
+// an expert with no pairs exits at once.  Each warp takes RPW rows of every weight matrix and
+// PT of the expert's pairs at a time; lanes split the reduction dim KD in VEC-wide (16-byte)
+// slices, so with <= PT pairs per expert (decode) every weight row is read exactly once.
+// THR > 0: experts with more than THR pairs are left to grouped_gemm (below).
+//   MODE GATE_UP_SILU: out0[p] = round(round(silu(round(x[p/K].Wg))) * round(x[p/K].Wu))
+//   MODE GATE_UP:      out0[p] = round(x[p/K].Wg), out1[p] = round(x[p/K].Wu)
+//   MODE DOWN:         out0[p] = round(x[p].W)      (x is per pair)
+enum GroupedMode { GATE_UP_SILU = 0, GATE_UP = 1, DOWN = 2 };
+
+// One pass over the weight rows for up to PTC pairs order[c0 .. min(c0 + PTC, end)).
+template <typename T, int MODE, int NW, int N, int KD, int K, int RPW, int PTC, int VEC>
+__device__ __forceinline__ void grouped_chunk(const T* __restrict__ x, const T* __restrict__ W0,
+                                              const T* __restrict__ W1, const i32* __restrict__ order,
+                                              int c0, int end, int row0, T* __restrict__ out0,
+                                              T* __restrict__ out1) {
+  const int lane = threadIdx.x & 31;
+  const T* W[2] = {W0, W1};
+  int pair[PTC];
+  const T* xr[PTC];
+#pragma unroll
+  for (int j = 0; j < PTC; ++j) {
+    pair[j] = (c0 + j < end) ? order[c0 + j] : -1;
+    const int row = (MODE == DOWN) ? pair[j] : pair[j] / K;
+    xr[j] = x + (i64)(pair[j] >= 0 ? row : 0) * KD;
+  }
+  float acc[RPW][NW][PTC];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r)
+#pragma unroll
+    for (int m = 0; m < NW; ++m)
+#pragma unroll
+      for (int j = 0; j < PTC; ++j) acc[r][m][j] = 0.f;
+
+#pragma unroll 2
+  for (int d = lane * VEC; d < KD; d += 32 * VEC) {
+    float wv[RPW][NW][VEC];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+#pragma unroll
+      for (int m = 0; m < NW; ++m) {
+        if (row0 + r < N) load_f_ro<T, VEC>(W[m] + (i64)(row0 + r) * KD + d, wv[r][m]);
+        else
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) wv[r][m][v] = 0.f;
+      }
+#pragma unroll
+    for (int j = 0; j < PTC; ++j) {
+      if (pair[j] >= 0) {
+        float xv[VEC];
+        load_f<T, VEC>(xr[j] + d, xv);
+#pragma unroll
+        for (int r = 0; r < RPW; ++r)
+#pragma unroll
+          for (int m = 0; m < NW; ++m)
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) acc[r][m][j] = fmaf(wv[r][m][v], xv[v], acc[r][m][j]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RPW; ++r)
+#pragma unroll
+    for (int m = 0; m < NW; ++m)
+#pragma unroll
+      for (int j = 0; j < PTC; ++j) acc[r][m][j] = warp_sum(acc[r][m][j]);
+
+  // lane j stores pair j (every lane holds every sum after the xor reduction)
+#pragma unroll
+  for (int j = 0; j < PTC; ++j) {
+    if (lane == j && pair[j] >= 0) {
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        if (row0 + r >= N) continue;
+        const i64 o = (i64)pair[j] * N + row0 + r;
+        if constexpr (MODE == GATE_UP_SILU) {
+          const float g = round_to<T>(acc[r][0][j]);
+          const float u = round_to<T>(acc[r][1][j]);
+          const float s = round_to<T>(g / (1.f + expf(-g)));
+          out0[o] = from_float<T>(s * u);
+        } else if constexpr (MODE == GATE_UP) {
+          out0[o] = from_float<T>(acc[r][0][j]);
+          out1[o] = from_float<T>(acc[r][NW - 1][j]);
+        } else {
+          out0[o] = from_float<T>(acc[r][0][j]);
+        }
+      }
+    }
+  }
+}
+
+// Decode touches an expert with one or two pairs: a narrow pass then keeps the reduction and
+// the register footprint to what is used; wider chunks amortise the weight reads over PT pairs.
+constexpr int GROUPED_NARROW = 2;
+
+template <typename T, int MODE, int E, int N, int KD, int K, int WARPS, int RPW, int PT, int VEC, int THR>
+__device__ __forceinline__ void grouped_gemv(const T* __restrict__ x, const T* __restrict__ w0,
+                                             const T* __restrict__ w1, const i32* __restrict__ order,
+                                             const i32* __restrict__ offsets, T* __restrict__ out0,
+                                             T* __restrict__ out1) {
+  constexpr int NW = (MODE == DOWN) ? 1 : 2;   // weight matrices
+  static_assert(KD % VEC == 0, "grouped gemv: reduction dim must be a multiple of the vector width");
+  static_assert(PT <= 32 && PT >= GROUPED_NARROW, "grouped gemv: pairs per pass must fit a warp");
+  const int e = blockIdx.x;
+  const int beg = offsets[e], end = offsets[e + 1];
+  if (beg >= end) return;                       // inactive expert: no weight traffic
+  if (THR > 0 && end - beg > THR) return;       // many pairs: the tensor-core GEMM's
+  const int warp = threadIdx.x >> 5;
+  const int row0 = (blockIdx.y * WARPS + warp) * RPW;
+  if (row0 >= N) return;
+  const T* W0 = w0 + (i64)e * N * KD;
+  const T* W1 = (NW > 1 ? w1 : w0) + (i64)e * N * KD;
+  for (int c0 = beg; c0 < end; c0 += PT) {
+    if (end - c0 <= GROUPED_NARROW)
+      grouped_chunk<T, MODE, NW, N, KD, K, RPW, GROUPED_NARROW, VEC>(x, W0, W1, order, c0, end, row0, out0, out1);
+    else
+      grouped_chunk<T, MODE, NW, N, KD, K, RPW, PT, VEC>(x, W0, W1, order, c0, end, row0, out0, out1);
+  }
+}
+
+// ---- 4b. grouped expert GEMM on tensor cores (bf16 / fp16): experts with many pairs ---------
+// Prefill gives each expert ~T*K/E pairs: a GEMM per expert, [pairs x KD] x [KD x N], with the
+// pair rows gathered through the routing order.  CTA = 256 threads (8 warps, 2 x 4) owns one
+// (expert, BM-pair row tile, column tile); the column tile is 128 weight rows: 64 gate rows and
+// the same 64 up rows (GATE_UP*, so SiLU * up fuses in registers) or 128 down rows (DOWN).
+// A warp computes 64 pairs x 32 weight rows with mma.sync m16n8k16 (fp32 accumulation), fed by
+// ldmatrix from a STAGES-deep cp.async ring of BK-wide K slices.  Row tiles are numbered over
+// the experts with more than THR pairs (the others are the GEMV's), so the grid is a host-side
+// bound: NP // BM + min(E, NP // (THR + 1)); tiles past the last one exit at once.
+
+// Columns col, col + 1 of one output row (col even): one 4-byte store when N is even.
+template <typename T, int N>
+__device__ __forceinline__ void store2(T* __restrict__ row, int col, float v0, float v1) {
+  if constexpr (N % 2 == 0 && sizeof(T) == 2) {
+    if (col < N) *reinterpret_cast<unsigned*>(row + col) = dsg::mma::pack2<T>(v0, v1);
+  } else {
+    if (col < N) row[col] = from_float<T>(v0);
+    if (col + 1 < N) row[col + 1] = from_float<T>(v1);
+  }
+}
+
+constexpr int GEMM_BM = 128, GEMM_BNW = 128, GEMM_THREADS = 256;
+// BK halves per K slice, ST slices in flight; rows padded by 8 halves (an odd number of 16-byte
+// chunks per row), so ldmatrix's eight rows hit distinct banks.
+__host__ __device__ constexpr int gemm_smem(int BK, int ST) { return ST * (GEMM_BM + GEMM_BNW) * (BK + 8) * 2; }
+
+template <typename T, int MODE, int E, int N, int KD, int K, int THR, int BK, int ST>
+__device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* __restrict__ w0,
+                                             const T* __restrict__ w1, const i32* __restrict__ order,
+                                             const i32* __restrict__ offsets, T* __restrict__ out0,
+                                             T* __restrict__ out1, char* smem) {
+  constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
+  constexpr int BM = GEMM_BM, BNW = GEMM_BNW, P = BK + 8;
+  static_assert(BK % 16 == 0 && (BM * BK / 8) % GEMM_THREADS == 0, "grouped gemm: BK must be a multiple of 16");
+  constexpr int BN = (MODE == DOWN) ? BNW : BNW / 2;      // output columns per CTA
+  constexpr bool ALIGNED = (KD % 8) == 0;
+  constexpr int KT = (KD + BK - 1) / BK;
+  __shared__ int s_tile[3];                                // expert, first pair, pairs
+  __shared__ int s_row[BM];                                // source row of each tile row
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (warp == 0) {
+    // which (expert, row tile) is blockIdx.y: a running count of the heavy experts' tiles
+    const int ty = blockIdx.y;
+    int base = 0, found = -1;
+    for (int e0 = 0; e0 < E && found < 0; e0 += 32) {
+      const int e = e0 + lane;
+      int cnt = 0;
+      if (e < E) cnt = offsets[e + 1] - offsets[e];
+      const int nt = (cnt > THR) ? (cnt + BM - 1) / BM : 0;
+      int incl = nt;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const bool mine = nt > 0 && ty >= base + incl - nt && ty < base + incl;
+      const unsigned hit = __ballot_sync(0xffffffffu, mine);
+      if (hit) {
+        const int src = __ffs(hit) - 1;
+        const int first = __shfl_sync(0xffffffffu, base + incl - nt, src);
+        found = e0 + src;
+        if (lane == 0) {
+          const int beg = offsets[found] + (ty - first) * BM;
+          s_tile[0] = found;
+          s_tile[1] = beg;
+          s_tile[2] = min(BM, offsets[found + 1] - beg);
+        }
+      }
+      base += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (found < 0 && lane == 0) s_tile[0] = -1;
+  }
+  __syncthreads();
+  const int e = s_tile[0];
+  if (e < 0) return;
+  const int pbeg = s_tile[1], rows = s_tile[2];
+  for (int r = tid; r < BM; r += GEMM_THREADS) {
+    const int pr = order[pbeg + min(r, rows - 1)];          // rows past the end repeat the last
+    s_row[r] = (MODE == DOWN) ? pr : pr / K;
+  }
+  __syncthreads();
+
+  const int n0 = blockIdx.x * BN;
+  const T* W0 = w0 + (i64)e * N * KD;
+  const T* W1 = ((MODE == DOWN) ? w0 : w1) + (i64)e * N * KD;
+  T* As = reinterpret_cast<T*>(smem);
+  T* Bs = As + ST * BM * P;
+
+  // each thread loads 2 A chunks and 2 B chunks (8 elements each) per stage
+  auto load_stage = [&](int stage, int kt) {
+    const int k0 = kt * BK;
+    T* a = As + stage * BM * P;
+    T* b = Bs + stage * BNW * P;
+#pragma unroll
+    for (int i = 0; i < (BM * BK / 8) / GEMM_THREADS; ++i) {
+      const int c = tid + i * GEMM_THREADS;
+      const int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+      const int valid = min(8, KD - (k0 + kc));
+      dsg::mma::load8<T, ALIGNED>(a + r * P + kc, x + (i64)s_row[r] * KD + k0 + kc, valid);
+    }
+#pragma unroll
+    for (int i = 0; i < (BNW * BK / 8) / GEMM_THREADS; ++i) {
+      const int c = tid + i * GEMM_THREADS;
+      const int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+      int n;
+      const T* Wm;
+      if constexpr (MODE == DOWN) { n = n0 + r; Wm = W0; }
+      else { n = n0 + (r % BN); Wm = (r < BN) ? W0 : W1; }
+      const int valid = (n < N) ? min(8, KD - (k0 + kc)) : 0;
+      dsg::mma::load8<T, ALIGNED>(b + r * P + kc, Wm + (i64)(n < N ? n : 0) * KD + k0 + kc, valid);
+    }
+  };
+
+  const int wm = warp >> 2, wn = warp & 3;                   // warp tile: rows wm*64, weight rows below
+  float acc[4][4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+  // smem weight row of the warp's n8 tiles 2q, 2q+1 (q = 0, 1)
+  int brow[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) brow[q] = (MODE == DOWN) ? wn * 32 + q * 16 : q * BN + wn * 16;
+
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {
+    if (s < KT) load_stage(s, s);
+    dsg::mma::cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    dsg::mma::cp_async_wait<ST - 2>();
+    __syncthreads();
+    if (kt + ST - 1 < KT) load_stage((kt + ST - 1) % ST, kt + ST - 1);
+    dsg::mma::cp_async_commit();
+    const T* a = As + (kt % ST) * BM * P;
+    const T* b = Bs + (kt % ST) * BNW * P;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      unsigned af[4][4], bf[2][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = wm * 64 + i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        dsg::mma::ldsm_x4(af[i], a + r * P + kk + (lane >> 4) * 8);
+      }
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int r = brow[q] + (lane & 7) + (lane >> 4) * 8;
+        dsg::mma::ldsm_x4(bf[q], b + r * P + kk + ((lane >> 3) & 1) * 8);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          dsg::mma::mma16816<BF16>(acc[i][j], af[i], bf[j >> 1][(j & 1) * 2], bf[j >> 1][(j & 1) * 2 + 1]);
+    }
+  }
+  dsg::mma::cp_async_wait<0>();
+
+  // epilogue: acc[i][j] holds rows wm*64 + i*16 + lane/4 (+8), columns 2*(lane%4) (+1) of n8 tile j
+  const int g = lane >> 2, t2 = (lane & 3) * 2;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = wm * 64 + i * 16 + g + h * 8;
+      if (r >= rows) continue;
+      const i64 orow = (i64)order[pbeg + r] * N;
+      if constexpr (MODE == DOWN) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int col = n0 + wn * 32 + j * 8 + t2;
+          store2<T, N>(out0 + orow, col, acc[i][j][h * 2], acc[i][j][h * 2 + 1]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int col = n0 + wn * 16 + j * 8 + t2;
+          float v[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float gv = acc[i][j][h * 2 + c], uv = acc[i][j + 2][h * 2 + c];
+            if constexpr (MODE == GATE_UP_SILU) {
+              const float gr = round_to<T>(gv), ur = round_to<T>(uv);
+              v[c] = round_to<T>(gr / (1.f + expf(-gr))) * ur;
+            } else {
+              v[c] = gv;
+            }
+          }
+          store2<T, N>(out0 + orow, col, v[0], v[1]);
+          if constexpr (MODE == GATE_UP) store2<T, N>(out1 + orow, col, acc[i][j + 2][h * 2], acc[i][j + 2][h * 2 + 1]);
+        }
+      }
+    }
+}
+
+// ---- 5. combine: out[t] = round(sum_k w[t, k] * eo[t*K + k])  (+ shared, + residual) --------
+// Grid (T, cdiv(D, NT * VEC)): each thread owns one VEC-wide slice of one token's row.
+// RESID mirrors the reference's rounding: residual + round(round(routed) + shared).
+template <typename T, int D, int K, int NT, int VEC, bool RESID>
+__device__ __forceinline__ void combine(const T* __restrict__ eo, const float* __restrict__ w,
+                                        const T* __restrict__ shared, const T* __restrict__ residual,
+                                        T* __restrict__ out) {
+  static_assert(D % VEC == 0, "combine: D must be a multiple of the vector width");
+  const int t = blockIdx.x;
+  const int d = (blockIdx.y * NT + threadIdx.x) * VEC;
+  if (d >= D) return;
+  float s[VEC];
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) s[v] = 0.f;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const float wk = w[(i64)t * K + k];
+    float ev[VEC];
+    load_f<T, VEC>(eo + ((i64)t * K + k) * D + d, ev);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) s[v] += ev[v] * wk;
+  }
+  if constexpr (RESID) {
+    float sh[VEC], re[VEC];
+    load_f<T, VEC>(shared + (i64)t * D + d, sh);
+    load_f<T, VEC>(residual + (i64)t * D + d, re);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) s[v] = re[v] + round_to<T>(round_to<T>(s[v]) + sh[v]);
+  }
+  store_f<T, VEC>(out + (i64)t * D + d, s);
+}
+
+}  // namespace moe
+}  // namespace dsg

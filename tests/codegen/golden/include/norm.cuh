@@ -1,0 +1,23 @@
+// RMSNorm over one row held in registers, mirroring transformers' DeepseekV2RMSNorm:
+// normalise in fp32, round to the activation type, multiply by the weight, round again.
+#pragma once
+#include "vec.cuh"
+
+namespace dsg {
+
+// v[ITEMS] (a row of N in Layout's distribution) -> out row; weight w [N]. Block-wide:
+// every thread of the block must call it. `scratch` holds >= 32 floats of shared memory.
+template <typename T, int N, typename Layout>
+__device__ __forceinline__ void rms_norm_row(float* v, const T* __restrict__ w, float eps, float* scratch) {
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < Layout::ITEMS; ++i) ss += v[i] * v[i];
+  ss = block_sum(ss, scratch);
+  const float r = rsqrtf(ss / (float)N + eps);
+  float wv[Layout::ITEMS];
+  Layout::load(w, wv);
+#pragma unroll
+  for (int i = 0; i < Layout::ITEMS; ++i) v[i] = round_to<T>(wv[i] * round_to<T>(v[i] * r));
+}
+
+}  // namespace dsg
