@@ -22,7 +22,6 @@ import os
 import re
 import secrets
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -104,11 +103,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _unique_name(parent: Path, prefix: str) -> Path:
+    """A fresh name in `parent` that no other writer picks (O_EXCL / mkdir still guard it)."""
+    return parent / f"{prefix}{os.getpid()}-{secrets.token_hex(8)}"
+
+
 def write_atomic(path: str | Path, data: bytes) -> None:
     """Write `data` to `path` so readers see the old file or the new one, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    # Not mkstemp: its 0600 would outlive the rename; 0666 lets the user's umask decide.
+    tmp = _unique_name(path.parent, f"{path.name}.tmp-")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -240,7 +246,8 @@ class BundleCache:
             for pattern in (f"{key}.tmp-*", f"{key}.damaged-*"):
                 for stale in shard.glob(pattern):
                     shutil.rmtree(stale, ignore_errors=True)
-            tmp = Path(tempfile.mkdtemp(dir=shard, prefix=f"{key}.tmp-"))
+            tmp = _unique_name(shard, f"{key}.tmp-")
+            tmp.mkdir(0o777)  # not mkdtemp's 0700: the umask decides, as for any folder the user makes
             try:
                 build(tmp)
                 self._seal(tmp)

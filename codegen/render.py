@@ -13,8 +13,7 @@ from pathlib import Path
 
 import jinja2
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES_DIR = REPO_ROOT / "templates"
+from .paths import TEMPLATES_DIR
 
 _IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Kernel names become file names (<name>.cu, .cubin, .log); stay well under NAME_MAX.

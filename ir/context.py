@@ -9,8 +9,10 @@ serves the reference interpreter (which may read the lists) and the CUDA backend
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the compile path imports no torch
+    import torch
 
 
 @dataclass

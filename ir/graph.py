@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import networkx as nx
-
 from .errors import SpecError
+from .lazy import nx
 from .ops import OPS, Node, ShapeError, TType, WeightInfo
 from .spec import Spec
 

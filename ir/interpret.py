@@ -5,7 +5,10 @@ kernels (same result as the op) are tested against, and the `reference` backend.
 """
 from __future__ import annotations
 
-import networkx as nx
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only
+    import networkx as nx
 
 from .graph import node_view, topo_order
 from .ops import OPS

@@ -6,10 +6,9 @@ recorded types (shapes consistent); every bound weight recorded with that shape.
 """
 from __future__ import annotations
 
-import networkx as nx
-
 from .errors import GraphError
 from .graph import node_view, value_producers
+from .lazy import nx
 from .ops import OPS, ShapeError
 
 

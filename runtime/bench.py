@@ -20,7 +20,6 @@ import math
 import platform
 import sys
 import time
-from pathlib import Path
 
 from codegen.kernel import DEFAULTS
 
@@ -32,10 +31,10 @@ HF_DECODE_CASES = [(1, 512), (32, 512)]
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default=None, help="default: model_specs/deepseek_v2_lite.yaml")
     p.add_argument("--json", default="bench.json", metavar="FILE", help="where to write every number")
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="timed repetitions per case (the median counts)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
     p.add_argument("--quick", action="store_true", help="fewer cases (batch 1 and 32, context 512)")
-    p.add_argument("--block-size", type=int, default=DEFAULTS.block_size)
+    p.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="KV-cache page size in tokens")
 
 
 def _timeit(fn, iters: int, warmup: int = 2) -> float:
@@ -159,13 +158,15 @@ def _release(engine, seq_ids):
 
 def run_bench(args) -> int:
     """benchmark DeepSeek-V2-Lite decode/prefill against the roofline and transformers"""
+    from .errors import require_runtime
+    require_runtime("bench")
     import torch
 
     from .engine import Engine
     from .errors import InputError
     if not torch.cuda.is_available():
         raise InputError("dsgraph bench needs a CUDA GPU")
-    from .cli import DEFAULT_SPEC
+    from codegen.paths import DEFAULT_SPEC
     spec_path = args.spec or str(DEFAULT_SPEC)
     result = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),
               "versions": {"torch": torch.__version__, "python": platform.python_version()}, "spec": spec_path}
@@ -233,7 +234,8 @@ def _bench_transformers(engine, args, prefill_cases) -> dict:
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DynamicCache
 
-    cfg_path = Path(__file__).resolve().parent.parent / "model_specs" / "hf_configs" / "deepseek_v2_lite.json"
+    from codegen.paths import MODEL_SPECS_DIR
+    cfg_path = MODEL_SPECS_DIR / "hf_configs" / "deepseek_v2_lite.json"
     raw = json.loads(cfg_path.read_text())
     cfg = DeepseekV2Config(**{k: v for k, v in raw.items() if not k.startswith("_") and k not in ("architectures",
                                                                                                    "torch_dtype")})

@@ -1,5 +1,6 @@
 """The `dsgraph` command line (also `python -m runtime.cli`).
 
+    dsgraph --version
     dsgraph spec --from-config CONFIG.json [-o spec.yaml] [--name NAME]
     dsgraph compile [SPEC] [-o DIR] [--arch sm_90] [--dtype bf16] [--block-size 64]
                     [--cache-dir DIR] [--jobs N] [--allow-unlowered]
@@ -12,23 +13,26 @@ Subcommands live in COMMANDS (name -> (add_arguments, run)); adding one is one
 entry.  A user's mistake (bad spec, failed kernel compile, damaged bundle, missing
 file) prints one message to stderr and exits 2, never a traceback.  Heavy imports
 (torch, the IR) happen inside the commands that need them, so a cached
-`dsgraph compile` answers in a fraction of a second.
+`dsgraph compile` answers in a fraction of a second, and `spec / compile / diff /
+goldens` run where torch is not installed.  Every option's help names its default.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
 from pathlib import Path
 
-from codegen.cache import REPO_ROOT
 from codegen.kernel import DEFAULTS
+from codegen.paths import DEFAULT_SPEC, REPO_ROOT
 
+from . import __version__
 from .bench import add_bench_args, run_bench
 from .cli_generate import add_generate_args, run_generate
 from .errors import DsgraphError
 
-DEFAULT_SPEC = REPO_ROOT / "model_specs" / "deepseek_v2_lite.yaml"
 EXIT_USER_ERROR = 2
 
 
@@ -63,12 +67,11 @@ def run_spec(args) -> int:
 # -- compile ----------------------------------------------------------------------------
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", nargs="?", default=str(DEFAULT_SPEC),
-                   help="spec YAML (default: model_specs/deepseek_v2_lite.yaml)")
-    p.add_argument("-o", "--output", default="bundle", metavar="DIR",
-                   help="bundle folder to write (default: ./bundle)")
+    p.add_argument("spec", nargs="?", default=None,
+                   help=f"spec YAML (default: model_specs/{DEFAULT_SPEC.name}, shipped with dsgraph)")
+    p.add_argument("-o", "--output", default="bundle", metavar="DIR", help="bundle folder to write")
     p.add_argument("--arch", default=DEFAULTS.arch, help="NVRTC target, e.g. sm_90 or sm_90a")
-    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=("bf16", "fp16", "fp32"), help="activation dtype")
     p.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="KV-cache page size in tokens")
     p.add_argument("--cache-dir", help="bundle cache (default: $DSGRAPH_CACHE_DIR or ~/.cache/dsgraph)")
     p.add_argument("--jobs", type=int, help="parallel NVRTC compiles (default: one per core)")
@@ -79,6 +82,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
 def run_compile(args) -> int:
     """compile a spec into a kernel bundle (through the cache)"""
     from codegen.bundle import compile_bundle
+    args.spec = args.spec or str(DEFAULT_SPEC)
     res = compile_bundle(args.spec, args.output, arch=args.arch, dtype=args.dtype,
                          block_size=args.block_size, cache_dir=args.cache_dir, jobs=args.jobs,
                          strict=not args.allow_unlowered)
@@ -198,12 +202,46 @@ COMMANDS = {
 }
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help unless the help already says it.  argparse's
+    ArgumentDefaultsHelpFormatter would also print "(default: None)" for options whose default
+    is computed (their help says how) and "(default: False)" for flags."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or any(action.default is d for d in (None, False, argparse.SUPPRESS))
+                or (not action.option_strings and action.nargs not in ("?", "*"))):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def version_line() -> str:
+    """What `dsgraph --version` prints: the version and which copy of the code runs."""
+    where = Path(__file__).resolve().parent.parent
+    return f"dsgraph {__version__} from {where} (python {platform.python_version()})"
+
+
+class VersionAction(argparse.Action):
+    """`--version`: print version_line() unwrapped (argparse's own action wraps long paths)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version and where this dsgraph is installed, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsgraph", description="DeepSeek MLA/MoE graph compiler")
+    parser = argparse.ArgumentParser(prog="dsgraph", description="DeepSeek MLA/MoE graph compiler",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (add_arguments, run) in COMMANDS.items():
         doc = (run.__doc__ or "").strip().splitlines()
-        p = sub.add_parser(name, help=doc[0] if doc else None)
+        p = sub.add_parser(name, help=doc[0] if doc else None, description=doc[0] if doc else None,
+                           formatter_class=HelpFormatter)
         add_arguments(p)
         p.set_defaults(_run=run)
     return parser
@@ -216,6 +254,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("dsgraph: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader left (`dsgraph diff ... | head`): stop quietly, and keep Python's exit-time
+        # flush of stdout from failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as e:  # noqa: BLE001 - sorted into user errors and bugs just below
         # Everything a user can cause is a DsgraphError (spec, config, lowering, bundle, checkpoint,
         # input) or a missing file; anything else is a bug and keeps its traceback.

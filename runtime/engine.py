@@ -4,6 +4,11 @@
     engine.logits([[1, 2, 3], [4, 5]])                      # one [len, vocab] tensor per prompt
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=16))[0].token_ids
 
+Before anything is read or allocated, the constructors check the device (a GPU asked
+for and none visible) and the memory the model needs (runtime/memory.py).  Generation
+stops at the model's eos token (config.json / generation_config.json, as transformers'
+``generate``) unless ``SamplingParams(ignore_eos=True)``.
+
 A step packs sequences back to back (T tokens, B sequences) and hands the backend a
 StepContext: positions, per-sequence lengths, block tables and slot mapping.
 """
@@ -22,14 +27,17 @@ from ir.spec import Spec, parse_spec
 from .errors import InputError
 from .h2d import upload
 from .kv_cache import BlockAllocator, BlockTables, PagedLatentCache
-from .model_loader import (compile_graphs, load_config, load_model_weights, manifest_weight_specs, random_weights,
-                           resolve_spec, weight_specs)
-from .sampling import SamplingParams, make_generator, sample_next
+from .memory import MemoryEstimate, check_fits, weight_bytes
+from .model_loader import (compile_graphs, eos_token_ids, load_config, load_model_weights, manifest_weight_specs,
+                           random_weights, resolve_spec, weight_specs)
+from .sampling import SamplingParams, make_generator, sample_next, token_id_tuple
 from .scheduler import Scheduler, Sequence
 
 BACKENDS = ("reference", "cuda")
 DEFAULT_MAX_SEQ_LEN = 8192
 DEFAULT_MAX_NUM_SEQS = 64
+CPU_CACHE_BUDGET = 1 << 30        # default KV cache on the CPU (the reference backend's smoke runs)
+GPU_CACHE_FRACTION = 0.5          # default KV cache on a GPU: this share of the memory free after the weights
 
 
 @dataclass
@@ -49,29 +57,90 @@ def _as_dtype(dtype) -> torch.dtype:
     return table[dtype]
 
 
+def check_device(backend: str, device) -> torch.device:
+    """The device, once backend and device are known to be usable here; checked before
+    any weight is read, so a wrong choice costs a second, not a full load."""
+    if backend not in BACKENDS:
+        raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InputError(f"device {device!r} is not a torch device: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device={dev} needs a CUDA GPU and torch sees none (torch {torch.__version__}, "
+                         f"CUDA build: {torch.version.cuda or 'none'}); use device='cpu' with backend='reference'")
+    if backend == "cuda" and dev.type != "cuda":
+        raise InputError(f"backend='cuda' runs the generated kernels on a CUDA device, got device={dev}; "
+                         f"use device='cuda', or backend='reference' on the CPU")
+    return dev
+
+
+def _backend_and_device(backend: str | None, device, bundle) -> tuple[str, torch.device]:
+    """The defaults (a bundle runs on cuda; cuda runs on the GPU), checked."""
+    backend = backend or ("cuda" if bundle is not None else "reference")
+    return backend, check_device(backend, device if device is not None else ("cuda" if backend == "cuda" else "cpu"))
+
+
+def cache_plan(spec: Spec, *, block_size: int, dtype: torch.dtype, device: torch.device,
+               max_seq_len: int | None, max_num_seqs: int, num_blocks: int | None) -> tuple[int, int, int]:
+    """(max_seq_len, blocks per sequence, num_blocks) of the paged KV cache.
+
+    Unless given, num_blocks is what max_num_seqs sequences of max_seq_len need, capped by a
+    budget: CPU_CACHE_BUDGET on the CPU, GPU_CACHE_FRACTION of the free memory on a GPU.
+    """
+    dims = spec.dims
+    if block_size < 1:
+        raise InputError(f"block_size must be >= 1, got {block_size}")
+    if max_seq_len is not None and max_seq_len > dims["max_positions"]:
+        raise InputError(f"max_seq_len={max_seq_len} exceeds the model's max_positions={dims['max_positions']}")
+    max_seq_len = min(max_seq_len or DEFAULT_MAX_SEQ_LEN, dims["max_positions"])
+    blocks_per_seq = math.ceil(max_seq_len / block_size)
+    if num_blocks is None:
+        per_block = PagedLatentCache.bytes_per_block(dims["layers"], block_size, spec.model.cache_width, dtype)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * GPU_CACHE_FRACTION)
+        else:
+            budget = CPU_CACHE_BUDGET
+        num_blocks = max(1, min(blocks_per_seq * max_num_seqs, budget // per_block))
+    if num_blocks < 1:
+        raise InputError(f"num_blocks must be >= 1, got {num_blocks}")
+    return max_seq_len, blocks_per_seq, num_blocks
+
+
+def estimate_memory(spec: Spec, specs: dict, *, dtype: torch.dtype, device: torch.device,
+                    block_size: int = DEFAULTS.block_size, num_blocks: int | None = None,
+                    max_seq_len: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                    **_ignored) -> MemoryEstimate:
+    """Weights plus KV cache, before either exists.  On a GPU the default cache takes a share
+    of whatever is free after the weights, so only one full-length sequence's blocks count.
+    `specs`: the WeightSpecs the model binds (from the graphs, or from a bundle's manifest)."""
+    _, blocks_per_seq, planned = cache_plan(
+        spec, block_size=block_size, dtype=dtype, device=torch.device("cpu") if device.type == "cuda" else device,
+        max_seq_len=max_seq_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks)
+    if device.type == "cuda" and num_blocks is None:
+        planned = blocks_per_seq
+    per_block = PagedLatentCache.bytes_per_block(spec.dims["layers"], block_size, spec.model.cache_width, dtype)
+    return MemoryEstimate(weight_bytes(specs, dtype), planned * per_block, dtype)
+
+
 class Engine:
     def __init__(self, spec: Spec, graphs: dict, weights: dict, *, backend: str = "reference", device="cpu",
                  dtype=torch.float32, block_size: int = DEFAULTS.block_size, num_blocks: int | None = None,
-                 max_seq_len: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, backend_impl=None):
-        if backend not in BACKENDS:
-            raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        if block_size < 1:
-            raise InputError(f"block_size must be >= 1, got {block_size}")
+                 max_seq_len: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 eos_token_ids=(), backend_impl=None):
         self.spec = spec
         self.graphs = graphs
-        self.device = torch.device(device)
+        self.device = check_device(backend, device)
         self.dtype = _as_dtype(dtype)
         self.block_size = block_size
         dims = spec.dims
         self.vocab = dims["vocab"]
-        self.max_seq_len = min(max_seq_len or DEFAULT_MAX_SEQ_LEN, dims["max_positions"])
-        if max_seq_len is not None and max_seq_len > dims["max_positions"]:
-            raise InputError(f"max_seq_len={max_seq_len} exceeds the model's max_positions={dims['max_positions']}")
-        blocks_per_seq = math.ceil(self.max_seq_len / block_size)
-        if num_blocks is None:
-            num_blocks = self._default_num_blocks(blocks_per_seq, max_num_seqs)
-        if num_blocks < 1:
-            raise InputError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.max_seq_len, blocks_per_seq, num_blocks = cache_plan(
+            spec, block_size=block_size, dtype=self.dtype, device=self.device, max_seq_len=max_seq_len,
+            max_num_seqs=max_num_seqs, num_blocks=num_blocks)
+        # The model's end-of-sequence ids: generation stops there unless SamplingParams.ignore_eos.
+        self.eos_token_ids = token_id_tuple(eos_token_ids, "eos_token_ids")
         self.cache = PagedLatentCache(dims["layers"], num_blocks, block_size, spec.model.cache_width, self.dtype, self.device)
         self.tables = BlockTables(BlockAllocator(num_blocks), block_size, blocks_per_seq)
         self.blocks_per_seq = blocks_per_seq
@@ -91,13 +160,18 @@ class Engine:
 
         backend="reference" (the default without a bundle) runs the graphs with each op's torch
         semantics; backend="cuda" runs a bundle: `bundle=DIR` (made by `dsgraph compile`), or the
-        spec compiled for this GPU through the bundle cache."""
+        spec compiled for this GPU through the bundle cache.  ``progress``: None (quiet), True (a
+        tqdm bar on stderr, hidden when stderr is not a terminal) or a callable
+        ``progress(done, total)`` counting tensors read.
+        """
+        backend, device = _backend_and_device(backend, device, bundle)   # before anything is read
         config = load_config(model_dir)
+        kwargs.setdefault("eos_token_ids", eos_token_ids(model_dir, config))
 
         def read(specs, spec, dtype, device):
             return load_model_weights(model_dir, specs, spec, dtype=dtype, device=device, progress=progress)
-        return cls._assemble(spec, config, read, backend=backend, device=device, dtype=dtype, bundle=bundle,
-                             cache_dir=cache_dir, **kwargs)
+        return cls._assemble(spec, config, read, f"from {model_dir}", backend=backend, device=device, dtype=dtype,
+                             bundle=bundle, cache_dir=cache_dir, **kwargs)
 
     @classmethod
     def from_spec(cls, spec, backend: str | None = None, device=None, dtype=None, seed: int = 0, bundle=None,
@@ -112,47 +186,42 @@ class Engine:
             if missing:
                 raise InputError(f"weights lack {len(missing)} tensor(s) the model binds, e.g. {missing[0]}")
             return {name: weights[name] for name in specs}
-        return cls._assemble(spec, None, draw, backend=backend, device=device, dtype=dtype, bundle=bundle,
-                             cache_dir=cache_dir, **kwargs)
+        return cls._assemble(spec, None, draw, "with random weights" if weights is None else "with given weights",
+                             backend=backend, device=device, dtype=dtype, bundle=bundle, cache_dir=cache_dir,
+                             **kwargs)
 
     @classmethod
-    def _assemble(cls, spec, config, read_weights, *, backend, device, dtype, bundle, cache_dir, **kwargs):
-        """The one path from (spec | bundle) to an engine; `read_weights(specs, spec, dtype, device)`
-        supplies the weights the backend binds."""
-        backend = backend or ("cuda" if bundle is not None else "reference")
-        if backend not in BACKENDS:
-            raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    def _assemble(cls, spec, config, read_weights, what: str, *, backend, device, dtype, bundle, cache_dir,
+                  **kwargs):
+        """The one path from (spec | bundle) to an engine.  The device is checked before anything
+        is read and the memory before anything is allocated; `read_weights(specs, spec, dtype,
+        device)` then supplies the weights the backend binds."""
+        backend, device = _backend_and_device(backend, device, bundle)
         if backend == "reference":
             if bundle is not None:
                 raise InputError("a bundle runs on backend='cuda'; the reference backend runs the spec itself")
-            device, dtype = device or "cpu", _as_dtype(dtype or torch.float32)
+            dtype = _as_dtype(dtype or torch.float32)
             spec = resolve_spec(spec, config)
             compiled = compile_graphs(spec)
-            weights = read_weights(weight_specs(compiled.graphs), spec, dtype, device)
+            specs = weight_specs(compiled.graphs)
+            check_fits(estimate_memory(spec, specs, dtype=dtype, device=device, **kwargs), device, f"{spec.name} {what}")
+            weights = read_weights(specs, spec, dtype, device)
             return cls(spec, compiled.graphs, weights, backend=backend, device=device, dtype=dtype, **kwargs)
-        from .cuda_backend import CudaBackend, check_cuda_device, open_bundle  # the driver only when asked for
-        device = check_cuda_device(device or "cuda")
+        from .cuda_backend import CudaBackend, open_bundle  # the driver only when asked for
         if bundle is not None and spec is not None:
             raise InputError("give a spec or a bundle, not both: a bundle carries the spec it was compiled from")
         loaded = open_bundle(None if bundle is not None else resolve_spec(spec, config), bundle_dir=bundle,
                              device=device, dtype=_as_dtype(dtype) if dtype is not None else None,
                              block_size=kwargs.pop("block_size", None), cache_dir=cache_dir)
         spec = parse_spec(loaded.spec_text, loaded.manifest["spec"]["file"])
-        dtype = _as_dtype(loaded.options["dtype"])
-        weights = read_weights(manifest_weight_specs(loaded.weights), spec, dtype, device)
+        dtype, block_size = _as_dtype(loaded.options["dtype"]), loaded.options["block_size"]
+        specs = manifest_weight_specs(loaded.weights)
+        check_fits(estimate_memory(spec, specs, dtype=dtype, device=device, block_size=block_size, **kwargs),
+                   device, f"{spec.name} {what}")
+        weights = read_weights(specs, spec, dtype, device)
         impl = CudaBackend.from_bundle(loaded, weights, dtype=dtype, top_k=spec.dims["top_k"])
-        return cls(spec, None, weights, backend="cuda", device=device, dtype=dtype,
-                   block_size=loaded.options["block_size"], backend_impl=impl, **kwargs)
-
-    def _default_num_blocks(self, blocks_per_seq: int, max_num_seqs: int) -> int:
-        width = self.spec.model.cache_width
-        per_block = PagedLatentCache.bytes_per_block(self.spec.dims["layers"], self.block_size, width, self.dtype)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.5)
-        else:
-            budget = 1 << 30
-        return max(1, min(blocks_per_seq * max_num_seqs, budget // per_block))
+        return cls(spec, None, weights, backend="cuda", device=device, dtype=dtype, block_size=block_size,
+                   backend_impl=impl, **kwargs)
 
     # ---- input checks -------------------------------------------------------------------------
     def _check_prompts(self, prompts) -> list[list[int]]:
@@ -308,7 +377,7 @@ class Engine:
             s.output.append(tok)
             if s.params.return_logits:
                 s.logits.append(row.float().cpu())
-            if tok in s.params.stop_token_ids:
+            if tok in s.params.stop_token_ids or (not s.params.ignore_eos and tok in self.eos_token_ids):
                 s.finish_reason = "stop"
             elif len(s.output) >= s.params.max_new_tokens or len(s.tokens) >= self.max_seq_len:
                 s.finish_reason = "length"

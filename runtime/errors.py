@@ -29,3 +29,18 @@ class CacheFullError(DsgraphError):
 class InputError(DsgraphError, ValueError):
     """A bad prompt or parameter. Also a ValueError, so code that already
     guards against ValueError keeps working."""
+
+
+class MissingDependencyError(DsgraphError):
+    """A command needs packages that are not installed (the runtime's torch, safetensors, ...)."""
+
+
+def require_runtime(command: str) -> None:
+    """Raise MissingDependencyError, naming what to install, unless the runtime's packages import."""
+    try:
+        import torch  # noqa: F401
+        import safetensors  # noqa: F401
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"dsgraph {command} needs the runtime ({e.name or 'a package'} is not installed): install the torch "
+            f"build for your machine (https://pytorch.org), then pip install 'dsgraph[runtime]'") from None

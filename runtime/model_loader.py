@@ -8,14 +8,20 @@ is read.  The compiler (graph building, passes) is imported only by compile_grap
 """
 from __future__ import annotations
 
+import json
 import re
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ir.spec import Spec, load_spec
 
+from .errors import WeightError
 from .weights import Checkpoint, WeightSpec, load_config, load_weights
+
+GENERATION_CONFIG = "generation_config.json"
 
 # Checkpoint tensors we know and deliberately do not use.
 _ROTARY_BUFFER = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -77,11 +83,46 @@ def unused_checkpoint_tensors(num_layers: int):
     return ignore
 
 
+def eos_token_ids(model_dir, config: dict):
+    """The model's end-of-sequence id(s) (an int, a list, or None), where transformers' ``generate``
+    finds them: generation_config.json when the checkpoint has one, else config.json."""
+    path = Path(model_dir) / GENERATION_CONFIG
+    if path.is_file():
+        try:
+            generation = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise WeightError(f"cannot read {path}: {e}") from None
+        if not isinstance(generation, dict):
+            raise WeightError(f"{path} is not a JSON object")
+        return generation.get("eos_token_id")
+    return config.get("eos_token_id")
+
+
+def progress_bar(desc: str = "loading weights"):
+    """A ``progress(done, total)`` callback that draws a tqdm bar on stderr, as transformers does
+    while loading; tqdm leaves it out when stderr is not a terminal, so logs get no \\r runs."""
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=None, leave=False)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return update
+
+
 def load_model_weights(model_dir, specs: dict[str, WeightSpec], spec: Spec, *, dtype, device,
                        progress=None) -> dict[str, torch.Tensor]:
+    """``progress``: None, True (a tqdm bar, see progress_bar) or a ``progress(done, total)`` callable."""
     ckpt = Checkpoint.open(model_dir)
     return load_weights(ckpt, specs, dtype=dtype, device=device,
-                        ignore=unused_checkpoint_tensors(spec.dims["layers"]), progress=progress)
+                        ignore=unused_checkpoint_tensors(spec.dims["layers"]),
+                        progress=progress_bar() if progress is True else progress)
 
 
 def random_weights(specs: dict[str, WeightSpec], *, dtype, device, seed: int = 0,
@@ -104,5 +145,6 @@ def random_weights(specs: dict[str, WeightSpec], *, dtype, device, seed: int = 0
     return out
 
 
-__all__ = ["CompiledModel", "compile_graphs", "load_config", "load_model_weights", "manifest_weight_specs",
+__all__ = ["CompiledModel", "compile_graphs", "eos_token_ids", "load_config", "load_model_weights",
+           "manifest_weight_specs", "progress_bar",
            "random_weights", "resolve_spec", "weight_specs"]

@@ -30,7 +30,8 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k filter
     top_p: float = 1.0  # 1 means no nucleus filter
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # stop at these too (the model's eos always counts, see ignore_eos)
+    ignore_eos: bool = False  # True: run past the model's eos token (vLLM's name and default)
     return_logits: bool = False
 
     def __post_init__(self):
@@ -44,7 +45,9 @@ class SamplingParams:
             raise InputError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
             raise InputError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
-        self.stop_token_ids = _token_ids(self.stop_token_ids)
+        self.stop_token_ids = token_id_tuple(self.stop_token_ids, "stop_token_ids")
+        if not isinstance(self.ignore_eos, bool):
+            raise InputError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
 
@@ -59,16 +62,19 @@ def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _token_ids(ids) -> tuple[int, ...]:
+def token_id_tuple(ids, what: str) -> tuple[int, ...]:
+    """One id or a sequence of ids (None: none) as a tuple of non-negative ints."""
+    if ids is None:
+        return ()
     if _is_int(ids):
         ids = (ids,)
     try:
         out = tuple(ids)
     except TypeError:
-        raise InputError(f"stop_token_ids must be a sequence of token ids, got {ids!r}") from None
+        raise InputError(f"{what} must be a sequence of token ids, got {ids!r}") from None
     for t in out:
         if not _is_int(t) or t < 0:
-            raise InputError(f"stop_token_ids must hold non-negative integers, got {t!r} in {out!r}")
+            raise InputError(f"{what} must hold non-negative integers, got {t!r} in {out!r}")
     return tuple(int(t) for t in out)
 
 

@@ -72,7 +72,7 @@ def rope_params(G, pairs: str, output: str) -> dict:
     R = model.dims["qk_rope_head_dim"]
     if R % 2:
         raise LoweringError(f"qk_rope_head_dim must be even, got {R}")
-    inv = [c_float(f) for f in rope_math.inv_freq(model.rope, R).tolist()]
+    inv = [c_float(f) for f in rope_math.inv_freq_values(model.rope, R)]
     return {
         "rope_inv_freq": inv,
         "rope_attention_factor": c_float(rope_math.attention_factor(model.rope)),

@@ -8,9 +8,8 @@ the compressed rows, never decompressing them).
 """
 from __future__ import annotations
 
-import torch
-
 from .. import rope as rope_math
+from ..lazy import torch
 from .base import Attr, OpDef, TType, expect, register, same_rows
 
 PAIRS = ("adjacent", "halves")

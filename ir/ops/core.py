@@ -1,9 +1,7 @@
 """Dense building blocks: embedding, linear, norms, residual add, split, SwiGLU."""
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
+from ..lazy import F, torch
 from .base import Attr, Node, OpDef, TType, expect, is_float, register, same_rows
 
 

@@ -7,9 +7,7 @@ every active expert in one launch.
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
+from ..lazy import F, torch
 from .base import Attr, OpDef, TType, expect, register
 
 SCORING = ("softmax", "sigmoid")

@@ -1,6 +1,7 @@
 """NVRTC compiles generated CUDA to a CUBIN without a GPU, and a failure names
 its kernel, template and graph nodes and says where source and log were saved."""
 import os
+from pathlib import Path
 
 import pytest
 
@@ -58,8 +59,8 @@ def test_compile_error_names_kernel_template_nodes_and_saved_files(tmp_path):
     assert err.errors[0] in msg
     assert err.source_path in msg and err.log_path in msg
     assert os.path.isfile(err.source_path) and os.path.isfile(err.log_path)
-    assert open(err.source_path).read() == BAD
-    assert "error" in open(err.log_path).read()
+    assert Path(err.source_path).read_text() == BAD
+    assert "error" in Path(err.log_path).read_text()
     assert (err.kernel, err.template, err.nodes) == ("broken", "rms_norm.cu.j2", ("n3", "n7"))
 
 

@@ -3,6 +3,7 @@ and both phase graphs built from them pass the verifier."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,19 @@ def test_unreadable_config_files(tmp_path):
     with pytest.raises(SpecError) as err:
         spec_from_config_file(str(bad))
     assert err.value.line == 2 and "not valid JSON" in str(err.value)
+
+
+def test_tiny_spec_is_a_small_v2_lite_written_by_from_config():
+    """model_specs/deepseek_tiny.yaml (smoke runs, the README's examples) comes from its config the
+    same way, keeps DeepSeek-V2-Lite's structure, and is small enough for a CPU in seconds."""
+    text = (SPECS / "deepseek_tiny.yaml").read_text()
+    assert spec_from_config(_config("deepseek_tiny"), name="deepseek_tiny", title=_title(text)) == text
+    tiny, lite = load_spec(str(SPECS / "deepseek_tiny.yaml")), load_spec(str(SPECS / "deepseek_v2_lite.yaml"))
+    assert tiny.model.model_type == lite.model.model_type and tiny.dims["q_lora_rank"] is None
+    assert tiny.model.rope.scaling == lite.model.rope.scaling == "yarn"
+    assert tiny.plan.first_k_dense_replace == 1 and tiny.dims["layers"] == 2
+    for phase in PHASES:
+        G = build_graph(tiny, phase)
+        verify(G)
+        params = sum(math.prod(w.shape) for w in G.graph["weights"].values())
+        assert params < 1_000_000

@@ -134,3 +134,38 @@ def test_rotation_layouts_match_transformers():
     cos, sin = rope.cos_sin(ours3.rope, 8, positions)
     torch.testing.assert_close(rope.rotate(x, cos, sin, "adjacent", "halves"), q.transpose(1, 2)[0],
                                rtol=1e-5, atol=1e-6)
+
+
+# -- the tables codegen bakes in are computed without torch ---------------------------------------
+
+def _ulps(a: float, b: float) -> int:
+    import struct
+    ia, ib = (struct.unpack("<i", struct.pack("<f", v))[0] for v in (a, b))
+    return abs(ia - ib)
+
+
+@pytest.mark.parametrize("name", SHIPPED + ["deepseek_tiny"])
+def test_shipped_tables_equal_transformers_bit_for_bit(name):
+    """So the committed goldens (which print these constants) do not depend on the torch build."""
+    hf = _shipped_hf_config(name)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    spec = load_spec(str(ROOT / "model_specs" / f"{name}.yaml"))
+    assert rope.inv_freq_values(spec.model.rope, spec.dims["qk_rope_head_dim"]) == tuple(inv_freq.float().tolist())
+
+
+@pytest.mark.parametrize("theta", [10000.0, 50000.0, 1e6])
+@pytest.mark.parametrize("rope_dim", [8, 16, 64, 128])
+@pytest.mark.parametrize("params", [dict(factor=40.0, original_max_position_embeddings=4096),
+                                    dict(factor=4.0, original_max_position_embeddings=64, truncate=False),
+                                    dict(factor=8.0, original_max_position_embeddings=512, beta_fast=16.0,
+                                         beta_slow=2.0)])
+def test_tables_within_two_float32_ulps_of_transformers(theta, rope_dim, params):
+    """torch's vectorised float32 pow is not always correctly rounded; Python's is."""
+    max_pos = int(params["factor"] * params["original_max_position_embeddings"])   # transformers derives the factor
+    hf = _hf_config("deepseek_v3", {**params, "rope_theta": theta}, rope_dim=rope_dim, max_pos=max_pos)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    ours = rope.inv_freq_values(_ours(hf).rope, rope_dim)
+    assert max(_ulps(a, b) for a, b in zip(ours, inv_freq.float().tolist())) <= 2
+    plain = RopeConfig(theta=theta)
+    want = (1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)).tolist()
+    assert max(_ulps(a, b) for a, b in zip(rope.inv_freq_values(plain, rope_dim), want)) <= 1
