@@ -65,7 +65,20 @@ def v3_config():
         routed_scaling_factor=2.5, rope_interleave=True, rope_parameters=_yarn(4.0, 64, 1.0, 1.0)))
 
 
-CONFIGS = {"v2_lite": v2_lite_config, "v2": v2_config, "v3": v3_config}
+def v3_odd_config():
+    """Every width odd that may be (hidden 39, kv_lora_rank 21, rope 6, nope 11, v 13, q_lora 19,
+    intermediates 37 / 15, 7 experts): no row is a whole number of 16-byte vectors and the
+    splits of q and of [c | k_pe] start at odd offsets (issue 13: such a config faulted the GPU).
+    V3-style, because transformers' V2 rope views pairs as complex numbers and needs even strides."""
+    from transformers import DeepseekV3Config
+    return DeepseekV3Config(**_common(
+        hidden_size=39, intermediate_size=37, moe_intermediate_size=15, kv_lora_rank=21, qk_rope_head_dim=6,
+        qk_nope_head_dim=11, v_head_dim=13, num_hidden_layers=2, q_lora_rank=19, n_routed_experts=7,
+        num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=1.5, rope_interleave=True, rope_parameters=_yarn(4.0, 64, 1.0, 0.707)))
+
+
+CONFIGS = {"v2_lite": v2_lite_config, "v2": v2_config, "v3": v3_config, "v3_odd": v3_odd_config}
 
 
 def _model_class(config):

@@ -122,6 +122,7 @@ YARN_TWEAKS = {
     "v2_lite": ("mscale_all_dim: 0.707", "mscale_all_dim: 0.0"),   # drops the mscale² softmax factor
     "v2": ("mscale: 1.0", "mscale: 0.707"),                       # drops the cos/sin attention factor
     "v3": ("factor: 4.0", "factor: 1.0"),                         # no YaRN interpolation at all
+    "v3_odd": ("mscale_all_dim: 0.707", "mscale_all_dim: 1.0"),   # the mscale² softmax factor off by 41%
 }
 
 
@@ -147,6 +148,7 @@ ROUTING_TWEAKS = {
     "v2_lite": ("scoring: softmax", "scoring: sigmoid"),
     "v2": ("method: group_limited_greedy", "method: greedy"),   # the group limit must bite
     "v3": None,                                                   # the correction bias must bite (zeroed below)
+    "v3_odd": ("norm_topk_prob: true", "norm_topk_prob: false"),  # the top-k weights' normalisation
 }
 
 

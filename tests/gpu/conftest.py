@@ -25,3 +25,24 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.gpu)
         if skip is not None:
             item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    try:
+        from harness import EXAMPLES_SCALE, RUN_SEED
+    except Exception:  # no torch: the folder is skipped anyway
+        return None
+    return (f"dsgraph kernel tests: hypothesis seed {RUN_SEED} (replay: DSGRAPH_TEST_SEED={RUN_SEED}), "
+            f"examples x{EXAMPLES_SCALE:g} (DSGRAPH_EXAMPLES_SCALE)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and os.path.abspath(str(item.fspath)).startswith(HERE + os.sep):
+        try:
+            from harness import RUN_SEED
+            report.sections.append(("dsgraph seed", f"replay with DSGRAPH_TEST_SEED={RUN_SEED}"))
+        except Exception:
+            pass

@@ -12,24 +12,29 @@ import torch
 import ir
 from codegen.families import family_for_op
 from codegen.kernel import Options
-from harness import TORCH_DTYPES, assert_close, poison, single_op_graph, tiny_model, tolerance
+from harness import (TORCH_DTYPES, assert_close, assert_strict, kernel_test, poison, single_op_graph, tiny_model,
+                     tolerance)
 from ir.graph import node_view
 from ir.ops import OPS, TType
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = ("bf16", "fp16", "fp32")
-MODEL_NAMES = ("lite", "odd", "mid")
+MODEL_NAMES = ("lite", "odd", "odd2", "mid")
 
 
 @functools.lru_cache(maxsize=None)
 def model(name: str):
     """lite: DeepSeek-V2-Lite's dims; odd: small odd dims (H 3, C 20, R 8, N 10, V 12, D 40);
-    mid: H 5, C 64, R 16, N 24, V 32, D 96."""
+    odd2: every width odd that may be (H 3, C 21, R 6, N 11, V 13, D 41, I 37, M 15): no row is a
+    whole number of 16-byte vectors, and views split at odd offsets; mid: H 5, C 64, R 16, N 24, V 32, D 96."""
     if name == "lite":
         return ir.load_spec(str(ROOT / "model_specs" / "deepseek_v2_lite.yaml")).model
     if name == "odd":
         return tiny_model(hidden=40, heads=3, kv_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=10,
                           v_head_dim=12, intermediate=30, moe_intermediate=30)
+    if name == "odd2":
+        return tiny_model(hidden=41, heads=3, kv_lora_rank=21, qk_rope_head_dim=6, qk_nope_head_dim=11,
+                          v_head_dim=13, intermediate=37, moe_intermediate=15, vocab=127)
     if name == "mid":
         return tiny_model(hidden=96, heads=5, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=24,
                           v_head_dim=32, intermediate=72, moe_intermediate=40)
@@ -81,32 +86,40 @@ def reference(G, nid, inputs, weights=None, step=None):
 
 
 class Recorder:
-    """Counts examples and the worst error per dtype; prints one line at the end."""
+    """Counts examples and the worst errors per dtype (largest absolute, norm-wise relative);
+    prints one line at the end."""
 
     def __init__(self, family: str):
         self.family = family
         self.n = 0
         self.worst: dict[str, float] = {}
+        self.worst_rel: dict[str, float] = {}
 
     def check(self, actual: torch.Tensor, expected: torch.Tensor, dtype: str, msg: str = "") -> None:
+        """Element-wise within tolerance(dtype) (catches a wrong element anywhere) and norm-wise
+        within STRICT[dtype] (catches a small systematic error everywhere)."""
         a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
         err = float((a - e).abs().max()) if a.numel() else 0.0
         if err != err:  # NaN: an element was not written
             err = float("inf")
         self.worst[dtype] = max(self.worst.get(dtype, 0.0), err)
         assert_close(actual, expected, dtype, msg)
+        rel = assert_strict(actual, expected, dtype, f"{self.family} {msg}".strip())
+        self.worst_rel[dtype] = max(self.worst_rel.get(dtype, 0.0), rel)
 
     def example(self) -> None:
         self.n += 1
 
     def report(self) -> None:
         worst = " ".join(f"{k}:{v:.3g}" for k, v in sorted(self.worst.items()))
-        print(f"\nEXAMPLES {self.family} {self.n} worst_err {worst}")
+        rel = " ".join(f"{k}:{v:.3g}" for k, v in sorted(self.worst_rel.items()))
+        print(f"\nEXAMPLES {self.family} {self.n} worst_err {worst} worst_rel {rel}")
         path = os.environ.get("DSGRAPH_TEST_REPORT")
         if path:
             with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"family": self.family, "examples": self.n, "worst_err": self.worst}) + "\n")
+                f.write(json.dumps({"family": self.family, "examples": self.n, "worst_err": self.worst,
+                                    "worst_rel": self.worst_rel}) + "\n")
 
 
 __all__ = ["DTYPES", "MODEL_NAMES", "model", "act", "rand", "strided_view", "empty_out", "lower", "run_kernel",
-           "reference", "Recorder", "single_op_graph", "tolerance", "TORCH_DTYPES", "poison", "TType"]
+           "reference", "Recorder", "kernel_test", "single_op_graph", "tolerance", "TORCH_DTYPES", "poison", "TType"]

@@ -4,11 +4,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kernel_cases import (DTYPES, MODEL_NAMES, Recorder, TType, act, empty_out, model, rand, reference,
+from kernel_cases import (kernel_test, DTYPES, MODEL_NAMES, Recorder, TType, act, empty_out, model, rand, reference,
                           run_kernel, single_op_graph, strided_view)
 
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = kernel_test(25)
 RECS = {f: Recorder(f) for f in ("embedding", "rms_norm", "fused_add_rms_norm", "add", "silu_and_mul")}
 tokens = st.one_of(st.sampled_from([1, 2, 63, 64, 65]), st.integers(1, 300))
 

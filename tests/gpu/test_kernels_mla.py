@@ -7,11 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from harness import make_ctx, step_sizes
-from kernel_cases import (DTYPES, MODEL_NAMES, Recorder, TORCH_DTYPES, TType, act, empty_out, model, rand,
+from kernel_cases import (kernel_test, DTYPES, MODEL_NAMES, Recorder, TORCH_DTYPES, TType, act, empty_out, model, rand,
                           reference, run_kernel, single_op_graph)
 
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = kernel_test(25)
 FAMILIES = ("rope_q", "mla_kv_cache_write", "mla_decode_query", "mla_q_absorb", "mla_decode_attention",
             "mla_v_up", "mla_prefill_attention")
 RECS = {f: Recorder(f) for f in FAMILIES}

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import GPU_MARKS, TORCH_DTYPES, poison, single_op_graph, tiny_model, tolerance  # noqa: E402
+from harness import (GPU_MARKS, TORCH_DTYPES, assert_strict, kernel_test, poison, rel_error,  # noqa: E402
+                     single_op_graph, tiny_model, tolerance)
 
 from codegen import families  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
@@ -44,11 +45,11 @@ TOKENS = (1, 2, 5, 33, 128, 300)
 
 # family -> dtype -> [examples, worst normalised error, worst absolute error]
 STATS: dict = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0.0]))
+REL: dict = defaultdict(lambda: defaultdict(float))    # family -> dtype -> worst norm-wise relative error
 
 
 def _settings(n):
-    return settings(max_examples=n, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    return kernel_test(n)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,8 @@ def runner(pytestconfig):
         per = STATS[fam]
         n = sum(v[0] for v in per.values())
         worst = max(v[1] for v in per.values())
-        detail = " ".join(f"{dt}:n={v[0]},max_abs={v[2]:.3g},norm={v[1]:.3g}" for dt, v in sorted(per.items()))
+        detail = " ".join(f"{dt}:n={v[0]},max_abs={v[2]:.3g},norm={v[1]:.3g},rel={REL[fam][dt]:.3g}"
+                          for dt, v in sorted(per.items()))
         lines.append(f"EXAMPLES {fam} {n} worst_err {worst:.3g}  ({detail})")
     if capman is not None:
         with capman.global_and_fixture_disabled():
@@ -85,6 +87,8 @@ def _record(fam: str, dtype: str, actual: torch.Tensor, expected: torch.Tensor, 
     st_[1] = max(st_[1], norm)
     st_[2] = max(st_[2], diff.max().item() if diff.numel() else 0.0)
     torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{fam} {dtype}: {m}")
+    rel = assert_strict(a, b, tol_dtype or dtype, f"{fam} {dtype}")
+    REL[fam][dtype] = max(REL[fam][dtype], rel)
 
 
 def _gen(seed: int) -> torch.Generator:
