@@ -2,6 +2,7 @@
 and the per-family example counter ("EXAMPLES <family> <n> worst_err ...")."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -45,10 +46,28 @@ def act(*inner) -> TType:
     return TType(("T", *inner), "act")
 
 
-@functools.lru_cache(maxsize=1)
-def runner():
+@functools.lru_cache(maxsize=None)
+def _runner(templates_dir: str | None):
     from runtime.launcher import KernelRunner
-    return KernelRunner()
+    return KernelRunner(templates_dir=templates_dir)
+
+
+_TEMPLATES: list[str] = []   # innermost templates folder in force (tests/gpu/test_mutants.py), if any
+
+
+def runner():
+    """The KernelRunner of the tests: over templates/, or the folder `templates_from` put in force."""
+    return _runner(_TEMPLATES[-1] if _TEMPLATES else None)
+
+
+@contextlib.contextmanager
+def templates_from(folder):
+    """Compile the kernels of the tests run inside from another templates folder (a mutant)."""
+    _TEMPLATES.append(str(folder))
+    try:
+        yield runner()
+    finally:
+        _TEMPLATES.pop()
 
 
 def rand(shape, dtype: str, *, scale: float = 1.0, gen=None) -> torch.Tensor:
@@ -122,4 +141,4 @@ class Recorder:
 
 
 __all__ = ["DTYPES", "MODEL_NAMES", "model", "act", "rand", "strided_view", "empty_out", "lower", "run_kernel",
-           "reference", "Recorder", "kernel_test", "single_op_graph", "tolerance", "TORCH_DTYPES", "poison", "TType"]
+           "reference", "Recorder", "kernel_test", "runner", "templates_from", "single_op_graph", "tolerance", "TORCH_DTYPES", "poison", "TType"]

@@ -1,0 +1,104 @@
+"""Planted mutants: the kernel property tests must be strict enough to catch a 1% bug.
+
+Each mutant copies templates/ to a temporary folder, changes one constant or one line by 1%
+(a softmax scale, an eps, a routing weight, the rope attention factor), and runs one fixed
+example of the family's own property test (its Hypothesis body, `inner_test`) with kernels
+compiled from the mutated folder.  The unmutated kernel must pass that example and the mutant
+must fail it.  A mutation site that no longer matches exactly once fails the test with the
+site, so a template change cannot silently turn a mutant into a no-op.
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+import test_kernels_dense as dense
+import test_kernels_mla as mla
+import test_kernels_moe as moe
+from harness import GPU_MARKS
+from kernel_cases import templates_from
+
+pytestmark = GPU_MARKS
+TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str                 # under templates/
+    old: str                  # must occur exactly once
+    new: str
+    test: object              # a Hypothesis property test of tests/gpu
+    example: dict = field(default_factory=dict)
+    uses_runner: bool = False  # the MoE tests take the KernelRunner as an argument
+
+
+def _lite_decode():
+    """bf16 decode at V2-Lite's widths (the tensor-core split): 3 sequences, two of them long."""
+    return (64, [1, 1, 1], [700, 65, 1300])
+
+
+MUTANTS = [
+    Mutant("decode attention softmax scale x1.01 (tensor cores)", "mla_decode_attention.cu.j2",
+           "constexpr float SCALE = {{ scale }};", "constexpr float SCALE = {{ scale }} * 1.01f;",
+           mla.test_mla_decode_attention, dict(name="lite", dtype="bf16", batch=_lite_decode(), seed=3)),
+    Mutant("decode attention softmax scale x1.01 (CUDA cores, fp32)", "mla_decode_attention.cu.j2",
+           "constexpr float SCALE = {{ scale }};", "constexpr float SCALE = {{ scale }} * 1.01f;",
+           mla.test_mla_decode_attention, dict(name="odd2", dtype="fp32", batch=(16, [1, 1], [33, 300]), seed=4)),
+    Mutant("prefill attention softmax scale x1.01", "mla_prefill_attention.cu.j2",
+           "constexpr float SCALE = {{ scale }};", "constexpr float SCALE = {{ scale }} * 1.01f;",
+           mla.test_mla_prefill_attention, dict(name="lite", dtype="bf16", qlens=[65, 130], seed=5)),
+    Mutant("rope attention factor x1.01 (q)", "rope_q.cu.j2",
+           "constexpr float kAttentionFactor = {{ rope_attention_factor }};",
+           "constexpr float kAttentionFactor = {{ rope_attention_factor }} * 1.01f;",
+           mla.test_rope_q, dict(name="lite", dtype="bf16", bs=64, lens=[40, 3], layout=("adjacent", "interleaved"),
+                                 seed=6)),
+    Mutant("rms_norm eps x1.01 (fp32, rows whose mean square is ~eps)", "rms_norm.cu.j2",
+           "constexpr float EPS = {{ eps }};", "constexpr float EPS = {{ eps }} * 1.01f;",
+           dense.test_rms_norm, dict(name="lite", dtype="fp32", T=9, which="kv_lora_rank", extra=0, offset=0,
+                                     seed=7, magnitude=1e-3)),
+    Mutant("routed scaling factor x1.01 (routing weights)", "moe_topk.cu.j2",
+           "{{ scaling }},", "{{ scaling }} * 1.01f,",
+           moe.test_moe_topk, dict(case={
+               "dtype": "fp32", "T": 33, "D": 64, "E": 64, "K": 6, "bias": True, "seed": 8,
+               "attrs": {"scoring": "sigmoid", "method": "noaux_tc", "groups": 8, "topk_groups": 4,
+                         "norm_topk_prob": True, "routed_scaling_factor": 2.5}}), uses_runner=True),
+    Mutant("combine routing weight x1.01", "include/moe.cuh",
+           "const float wk = w[(i64)t * K + k];", "const float wk = w[(i64)t * K + k] * 1.01f;",
+           moe.test_moe_combine, dict(case={"dtype": "bf16", "T": 33, "K": 6, "D": 2048, "seed": 9}),
+           uses_runner=True),
+]
+
+
+def _mutated_templates(tmp: Path, m: Mutant) -> Path:
+    root = tmp / "templates"
+    shutil.copytree(TEMPLATES, root)
+    path = root / m.file
+    text = path.read_text()
+    count = text.count(m.old)
+    assert count == 1, f"mutation site of {m.name!r} occurs {count} times in templates/{m.file}: {m.old!r}"
+    path.write_text(text.replace(m.old, m.new))
+    return root
+
+
+def _run(m: Mutant, example: dict, runner_=None):
+    inner = m.test.hypothesis.inner_test
+    if m.uses_runner:
+        inner(runner_, **example)
+    else:
+        inner(**example)
+
+
+@pytest.mark.parametrize("m", MUTANTS, ids=lambda m: m.name)
+def test_planted_mutant_is_caught(m, tmp_path):
+    from runtime.launcher import KernelRunner
+    example = dict(m.example)
+    plain = KernelRunner() if m.uses_runner else None
+    _run(m, example, plain)                       # the real kernel passes this example
+    folder = _mutated_templates(tmp_path, m)
+    with templates_from(folder) as mutated:
+        with pytest.raises(AssertionError):
+            _run(m, example, KernelRunner(templates_dir=folder) if m.uses_runner else mutated)
