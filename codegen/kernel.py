@@ -14,6 +14,8 @@ evaluated by the runtime just before launching (no host sync: all are host-known
     T      tokens in the step             B      sequences in the step
     NP     token-expert pairs (T * K)     MAXQ   longest query of the step (prefill)
     MAXCTX longest context of the step    W      block-table width
+    SMS    streaming multiprocessors of the device the step runs on (the runner reads it
+           from the device; codegen/sizes.py DEVICE_SIZES)
     and integer literals, + - * // ( ), cdiv(a, b) = ceil(a / b), max(a, b), min(a, b)
 
 Arguments are typed: each ``Arg`` is one kernel parameter (its C name and C type, from

@@ -1,8 +1,9 @@
 """Launch-geometry expressions: grid, shared memory, workspace shapes and "size:" args.
 
 A family states them over the step's runtime sizes (T, B, NP, MAXQ, MAXCTX and
-any other name the caller supplies); the runtime evaluates them just before a
-launch.  Only integers, names, + - * // ( ), unary minus and cdiv/max/min are
+any other name the caller supplies) and the device's (DEVICE_SIZES: SMS, the number
+of streaming multiprocessors, which runtime.launcher.KernelRunner reads from the
+device the step runs on); the runtime evaluates them just before a launch.  Only integers, names, + - * // ( ), unary minus and cdiv/max/min are
 allowed: a launch plan is data, not a program, so there is no eval().
 """
 from __future__ import annotations
@@ -12,6 +13,9 @@ import functools
 import operator
 
 STEP_SIZES = ("T", "B", "NP", "MAXQ", "MAXCTX")
+# Facts of the device a launch runs on, supplied by the runtime at launch time (not part of
+# the bundle's cache key: the generated code does not depend on them, only launch geometry).
+DEVICE_SIZES = ("SMS",)
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.FloorDiv: operator.floordiv}

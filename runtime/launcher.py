@@ -13,6 +13,7 @@ mutant) or from a compiled bundle (`KernelRunner.from_bundle(dir)`, never compil
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -44,6 +45,24 @@ def _device(values: dict, weights: dict, ctx: dict) -> torch.device:
             if isinstance(t, torch.Tensor):
                 return t.device
     return torch.device("cuda", torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _sm_count(values: dict, ctx: dict) -> int | None:
+    """The SM count of the CUDA device the step's tensors are on (torch's current device if none
+    is a CUDA tensor). None where there is no CUDA device at all: then an expression that reads
+    SMS fails to evaluate with a message naming it (the runner cannot launch there anyway)."""
+    for group in (values, ctx):
+        for t in group.values():
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                return _device_sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    if torch.cuda.is_available():
+        return _device_sm_count(torch.cuda.current_device())
+    return None
 
 
 def _lookup_value(values: dict, name: str, launch: KernelLaunch, ref) -> torch.Tensor:
@@ -134,7 +153,15 @@ class KernelRunner:
             if name not in table or table[name] is None:
                 raise LaunchError(f"kernel {launch.name}: argument {arg.name} ({describe_ref(ref)}) is not given; "
                                   f"given: {', '.join(sorted(k for k, v in table.items() if v is not None)) or '(none)'}")
-            return table[name]
+            t = table[name]
+            if isinstance(ref, CtxRef) and ref.field == "kv_cache" and isinstance(t, torch.Tensor):
+                # Kernels index cache rows as cache + slot * width and read them with 16-byte
+                # vectors / cp.async where the width allows: a contiguous, 16-byte aligned cache.
+                if not t.is_contiguous() or t.data_ptr() % 16:
+                    raise LaunchError(f"kernel {launch.name}: the kv_cache must be a contiguous tensor with a "
+                                      f"16-byte aligned start (got strides {tuple(t.stride())}, "
+                                      f"address % 16 = {t.data_ptr() % 16})")
+            return t
         scalar = {"i32": I32, "i64": I64, "f32": F32}[arg.kind]
         if isinstance(ref, StrideRef):
             return scalar(int(_lookup_value(values, ref.value, launch, ref).stride(ref.dim)))
@@ -160,13 +187,18 @@ class KernelRunner:
         return out
 
     @staticmethod
-    def step_sizes(sizes: dict, ctx: dict) -> dict:
-        """`sizes`, with T and B filled in from ctx tensor shapes when absent (no host sync)."""
+    def step_sizes(sizes: dict, ctx: dict, values: dict | None = None) -> dict:
+        """`sizes`, with T and B filled in from ctx tensor shapes when absent (no host sync),
+        and the device sizes (SMS: the SM count) from the device the tensors live on."""
         full = dict(sizes)
         if "T" not in full and isinstance(ctx.get("positions"), torch.Tensor):
             full["T"] = int(ctx["positions"].shape[0])
         if "B" not in full and isinstance(ctx.get("context_lens"), torch.Tensor):
             full["B"] = int(ctx["context_lens"].shape[0])
+        if "SMS" not in full:
+            sms = _sm_count(values or {}, ctx)
+            if sms is not None:
+                full["SMS"] = sms
         return full
 
     def run(self, launch: KernelLaunch, *, values: dict[str, torch.Tensor],
@@ -176,7 +208,7 @@ class KernelRunner:
         """Launch one kernel; returns its workspaces (allocated here unless given)."""
         from .cuda_driver import launch as cu_launch
         weights, ctx = weights or {}, ctx or {}
-        sizes = self.step_sizes(sizes or {}, ctx)
+        sizes = self.step_sizes(sizes or {}, ctx, values)
         if workspaces is None:
             workspaces = self.workspaces(launch, values=values, weights=weights, ctx=ctx, sizes=sizes)
         grid = tuple(size_exprs.evaluate(g, sizes) for g in launch.grid)
@@ -191,7 +223,7 @@ class KernelRunner:
         """Run several launches of one node in order (e.g. split-KV attention + its combine),
         sharing workspaces by name (each allocated once); returns them all."""
         weights, ctx = weights or {}, ctx or {}
-        sizes = self.step_sizes(sizes or {}, ctx)
+        sizes = self.step_sizes(sizes or {}, ctx, values)
         shared: dict[str, torch.Tensor] = dict(workspaces or {})
         for launch in launches:
             if any(ws.name not in shared for ws in launch.workspace):

@@ -33,6 +33,9 @@ __device__ __forceinline__ int sequence_of(const i32* __restrict__ query_start, 
   return lo;
 }
 
+// Bytes rounded up to a multiple of 16 (shared-memory carve-ups start every piece 16-byte aligned).
+__host__ __device__ constexpr int round_up16(int bytes) { return (bytes + 15) / 16 * 16; }
+
 template <typename T, int C, int R, int H, int HG, int BS, int KT, int THREADS>
 struct MlaDecode {
   static constexpr int W = C + R;                       // cache row width
@@ -44,17 +47,27 @@ struct MlaDecode {
   static constexpr int KP = 2 * KPH;                     // row pitch in elements (shared)
   static constexpr int QP = 2 * WP;                      // query pitch (floats, zero padded)
   static constexpr int PP = (HG + 3) / 4 * 4;            // probabilities pitch (float4 reads)
+  // Cache rows take 16-byte loads when a row is a whole number of vectors: row r starts at
+  // cache + slot * W elements, and the cache is a contiguous [blocks, BS, W] tensor with a
+  // 16-byte aligned base (the runtime's own allocation; runtime/launcher.py checks it).
   static constexpr bool VEC_ROWS = (W * (int)sizeof(T)) % 16 == 0;
   static constexpr int VPR = VEC_ROWS ? W * (int)sizeof(T) / 16 : 0;  // 16-byte vectors per row
-  // shared memory carve-up (bytes), 16-byte aligned pieces
-  static constexpr int Q_BYTES = HG * QP * 4;
-  static constexpr int K_BYTES = (KT * KP * (int)sizeof(T) + 15) / 16 * 16;
-  static constexpr int P_BYTES = KT * PP * 4;
+  // Shared memory carve-up (bytes). Every piece is rounded up to 16 bytes so each one starts
+  // 16-byte aligned: ps is read as float4, ks written as u32 / read as pairs, slot_s is i64.
+  // (HG * QP * 4 alone is only a multiple of 8: HG * WP odd, e.g. H 3 and W 29, put ps off by 8.)
+  // codegen/families/mla_decode_attention.py smem_bytes() mirrors this; the kernel
+  // static_asserts that the two agree.
+  static constexpr int Q_BYTES = round_up16(HG * QP * 4);
+  static constexpr int K_BYTES = round_up16(KT * KP * (int)sizeof(T));
+  static constexpr int P_BYTES = KT * PP * 4;           // PP % 4 == 0: a multiple of 16
   static constexpr int A_BYTES = PP * 4;
   static constexpr int S_BYTES = KT * 8;
   static constexpr int SMEM = Q_BYTES + K_BYTES + P_BYTES + A_BYTES + S_BYTES;
   static_assert(KT == 32, "one lane per tile row in the score phase");
   static_assert(THREADS % 32 == 0, "whole warps");
+  static_assert(Q_BYTES % 16 == 0 && K_BYTES % 16 == 0 && P_BYTES % 16 == 0 && A_BYTES % 16 == 0,
+                "every shared piece starts 16-byte aligned (ps float4, slot_s i64)");
+  static_assert(PP % 4 == 0 && QP % 2 == 0 && KP % 2 == 0, "float4 / float2 / pair reads of shared rows");
 
   __device__ static void split(const T* __restrict__ q_lat, i64 ql_s0, i64 ql_s1,
                                const T* __restrict__ q_rot, i64 qr_s0, i64 qr_s1,
@@ -111,7 +124,7 @@ struct MlaDecode {
         slot_s[tid] = (i64)table[r / BS] * BS + (r % BS);
       }
       __syncthreads();
-      if constexpr (VEC_ROWS) {
+      if constexpr (VEC_ROWS) {   // cache + slot * W + 16k bytes: 16-byte aligned (see VEC_ROWS)
         for (int i = tid; i < rows * VPR; i += THREADS) {
           const int j = i / VPR, v = i % VPR;
           const uint4 raw = *reinterpret_cast<const uint4*>(cache + slot_s[j] * W + v * (16 / (int)sizeof(T)));
@@ -208,8 +221,12 @@ struct MlaDecode {
 // CTA (t, h): o_lat[t, h, :] = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M).
 // Warp 0 compacts the non-empty splits (m_s finite) with their weights into shared memory;
 // then every thread streams its columns over only those splits (empty splits never wrote acc).
+// The compacted list holds MAXS entries: the lowering clamps the split count's size expression
+// to min(MAXS, ...), so S <= MAXS by construction; a launch with a larger S (a hand-edited
+// plan) traps here rather than dropping splits.
 template <typename T, int C, int H, int MAXS>
 struct MlaCombine {
+  static_assert(MAXS >= 1 && MAXS <= 65535, "S is the split's grid z");
   __device__ static void combine(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
                                  T* __restrict__ out, int T_, int S) {
     __shared__ float w_s[MAXS];
@@ -217,6 +234,7 @@ struct MlaCombine {
     __shared__ int cnt_s;
     __shared__ float inv_s;
     const int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    if (S > MAXS) __trap();   // uniform, once per CTA; unreachable for a lowered plan
     if (t >= T_) return;
     const float* ml = ws_ml + ((i64)t * H + h) * S * 2;
     if (tid < 32) {
@@ -233,13 +251,14 @@ struct MlaCombine {
         if (ok) {
           const int p = base + __popc(bal & ((1u << tid) - 1u));
           const float w = exp2f(m - M);
-          if (p < MAXS) { w_s[p] = w; idx_s[p] = s; }
+          w_s[p] = w;          // p <= s < S <= MAXS: the rank of split s among the non-empty ones
+          idx_s[p] = s;
           L += ml[2 * s + 1] * w;
         }
         base += __popc(bal);
       }
       L = warp_sum(L);
-      if (tid == 0) { cnt_s = min(base, MAXS); inv_s = L > 0.f ? 1.f / L : 0.f; }
+      if (tid == 0) { cnt_s = base; inv_s = L > 0.f ? 1.f / L : 0.f; }
     }
     __syncthreads();
     const int cnt = cnt_s;

@@ -2,7 +2,7 @@
 // template: mla_decode_attention.cu.j2
 // kernel:   mla_decode_attention__bf16__c512_r64__h128__page64
 // role:     mla_decode_attention.split
-// params:   {"C":512,"H":128,"HG":16,"KT":32,"R":64,"act":"__nv_bfloat16","block_size":64,"max_s":264,"mma":true,"nstage":2,"scale":"0.1147213876247406f","smem":82944,"stage":"split","threads":128}
+// params:   {"C":512,"H":128,"HG":16,"KT":32,"R":64,"act":"__nv_bfloat16","block_size":64,"max_s":512,"mma":true,"nstage":2,"scale":"0.1147213876247406f","smem":82944,"stage":"split","threads":128}
 // includes: common.cuh, mla_decode.cuh, vec.cuh
 // nodes:    L0-59.mla.o_lat
 // implements (spec op, layers, passes that fused it):

@@ -2,7 +2,7 @@
 // template: mla_decode_attention.cu.j2
 // kernel:   mla_decode_attention__bf16__c512_r64__h128__page64__combine
 // role:     mla_decode_attention.combine
-// params:   {"C":512,"H":128,"HG":16,"KT":32,"R":64,"act":"__nv_bfloat16","block_size":64,"max_s":264,"mma":true,"nstage":2,"stage":"combine","threads":128}
+// params:   {"C":512,"H":128,"HG":16,"KT":32,"R":64,"act":"__nv_bfloat16","block_size":64,"max_s":512,"mma":true,"nstage":2,"stage":"combine","threads":128}
 // includes: common.cuh, mla_decode.cuh, vec.cuh
 // nodes:    L0-60.mla.o_lat
 // implements (spec op, layers, passes that fused it):
@@ -20,5 +20,5 @@ mla_decode_attention__bf16__c512_r64__h128__page64__combine(
     __nv_bfloat16* __restrict__ out,
     int T,
     int S) {
-  dsg::MlaCombine<act_t, /*C=*/512, /*H=*/128, /*MAXS=*/264>::combine(ws_acc, ws_ml, out, T, S);
+  dsg::MlaCombine<act_t, /*C=*/512, /*H=*/128, /*MAXS=*/512>::combine(ws_acc, ws_ml, out, T, S);
 }
