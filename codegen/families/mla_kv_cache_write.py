@@ -1,4 +1,9 @@
-"""mla_kv_cache_write: kv_a_layernorm + rope on k + the paged-cache write, one CTA per token."""
+"""mla_kv_cache_write: kv_a_layernorm + rope on k + the paged-cache write, one CTA per token.
+
+Alignment: c, c_n, the norm weight and the cache row go through dsg::RowLayout, whose 16-byte
+path needs C to be a whole number of vectors (compile time) and checks each row pointer at run
+time (once per CTA; c is a view at any offset, the cache row starts at slot * (C + R)), falling
+back to scalars; k_pe / k_rot and the cache row's rope part are element by element."""
 from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride, weight

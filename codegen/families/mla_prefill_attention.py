@@ -3,13 +3,21 @@ decompressed keys ([kv_nope | k_rot], N + R wide) and values (V wide); fp32 onli
 Grid: (query tiles of the longest prompt, heads, sequences).
 
 bf16 / fp16: tensor cores (MlaPrefillTC: mma.sync m16n8k16, 64-row query tiles, 4 warps);
-fp32: CUDA cores (MlaPrefill: 32-row query tiles, 256 threads)."""
+fp32: CUDA cores (MlaPrefill: 32-row query tiles, 256 threads).
+
+Alignment: the fp32 kernel reads and writes global memory element by element. The tensor-core
+kernel copies 16-byte chunks by cp.async only when N, R and V are multiples of 8 (compile time)
+and every base pointer is 16-byte aligned and every row / head stride a multiple of 8 elements
+(checked once per CTA); otherwise it gathers elements and stores whole 16-byte chunks to shared
+rows whose pitch is a multiple of 8 halves. Its output (a fresh contiguous buffer) takes 4-byte
+pair stores at even columns when V is even."""
 from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, ctx, inp, out, stride
 from codegen.render import kernel_name
 
 from ._dense_util import act_ctype, c_float, dims, inner_dims, node_io
+from .mla_decode_attention import check_smem
 
 FAMILY = "mla_prefill_attention"
 TEMPLATE = "mla_prefill_attention.cu.j2"
@@ -38,6 +46,8 @@ def lower(nid, G, opts):
     V = dims(G)["v_head_dim"]
     tc = opts.dtype in ("bf16", "fp16")
     smem = tc_smem_bytes(N, R, V) if tc else smem_bytes(N, R, V)
+    check_smem(f"mla_prefill_attention (N {N}, R {R}, V {V}, {opts.dtype})", smem, opts,
+               "qk_nope_head_dim + qk_rope_head_dim and v_head_dim are too wide for one query / key / value tile")
     bm, threads = (TC_BM, TC_THREADS) if tc else (BM, THREADS)
     params = {"act": act_ctype(opts), "H": H, "N": N, "R": R, "V": V, "smem": smem, "tc": tc,
               "scale": c_float(G.graph["model"].softmax_scale)}

@@ -2,13 +2,17 @@
 
 CTA = (token chunk, head, block of NWARPS * RPW weight rows); the rows are loaded once into
 registers and reused for every TT-token tile of the chunk; at most TCH chunks, so W_UV is
-read at most TCH times (L2 after the first) whatever T is."""
+read at most TCH times (L2 after the first) whatever T is.
+
+Alignment: the weight rows are loaded as 16-byte vectors only when C is a whole number of
+vectors (vec16) and kv_b is 16-byte aligned (checked once per CTA); o_lat (a view at any
+offset) is read element by element, the output written element by element."""
 from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, inp, out, size, stride, weight
 from codegen.render import kernel_name
 
-from ._dense_util import ELEM_BYTES, act_ctype, dims, inner_dims, node_io, vec16
+from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, dims, inner_dims, node_io, vec16
 
 FAMILY = "mla_v_up"
 TEMPLATE = "mla_v_up.cu.j2"
@@ -18,6 +22,7 @@ TT = 8
 RPW = 2
 THREADS = 256
 TCH = 16                # token chunks (grid x) at most
+STATIC_SMEM = 48 * 1024  # o_s [TT][CP] is a static __shared__ array: the 48 KB every device allows
 
 
 def lower(nid, G, opts):
@@ -28,6 +33,10 @@ def lower(nid, G, opts):
     eb = ELEM_BYTES[opts.dtype]
     vec = vec16(C, eb)
     rows_per_cta = (THREADS // 32) * RPW
+    cp = -(-C // vec) * vec
+    if TT * cp * 4 > STATIC_SMEM:
+        raise LoweringError(f"mla_v_up: kv_lora_rank {C} needs {TT * cp * 4} bytes of static shared memory "
+                            f"for {TT} latent rows; a CTA has {STATIC_SMEM}")
     params = {"act": act_ctype(opts), "H": H, "N": N, "V": V, "C": C, "TT": TT, "rpw": RPW,
               "threads": THREADS, "vec": vec}
     return [KernelLaunch(

@@ -1,4 +1,6 @@
-"""rope_q: q_pe [T, H, R] (a strided view) -> q_rot [T, H, R], rotated by position (YaRN tables inline)."""
+"""rope_q: q_pe [T, H, R] (a strided view) -> q_rot [T, H, R], rotated by position (YaRN tables inline).
+
+Alignment: no vector accesses (element loads and stores), so any view offset and stride is fine."""
 from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride

@@ -153,7 +153,11 @@ struct MlaPrefillTC {
   static constexpr int BM = 64, BN = 64, THREADS = 128;
   static constexpr int QKP = DKP + 8, VPP = VP + 8;
   static constexpr int SMEM = (BM * QKP + BN * QKP + BN * VPP) * 2;
+  // cp.async 16-byte chunks of global rows: chunk d of a row starts at a multiple of 8 elements
+  // when N, R, V are (compile time) and the bases / strides are (checked once per CTA in run()).
   static constexpr bool VEC_OK = (N % 8 == 0) && (R % 8 == 0) && (V % 8 == 0);
+  static_assert(QKP % 8 == 0 && VPP % 8 == 0 && (BM * QKP) % 8 == 0 && (BN * QKP) % 8 == 0,
+                "shared rows and tiles start 16-byte aligned (cp.async / uint4 stores, ldmatrix rows)");
   static constexpr bool BF16 = mma::MmaType<T>::BF16;
 
   // rows [row0, row0 + rows) of [q_nope | q_rot] (Q) or [kv_nope | k_rot] (K): DKP wide, zero padded
@@ -173,7 +177,7 @@ struct MlaPrefillTC {
         else if (ok && d < DK) { src = b + t * b_s0 + b_off + d - N; bytes = 16; }
         mma::cp_async16(o, src, bytes);
       } else {
-        T v[8];
+        __align__(16) T v[8];   // stored to shared memory as one uint4
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int dd = d + i;
@@ -197,7 +201,7 @@ struct MlaPrefillTC {
         const bool in = ok && d < V;
         mma::cp_async16(o, in ? kv + t * kv_s0 + off + d : kv, in ? 16 : 0);
       } else {
-        T v[8];
+        __align__(16) T v[8];   // stored to shared memory as one uint4
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = (ok && d + i < V) ? kv[t * kv_s0 + off + d + i] : from_float<T>(0.f);
         *reinterpret_cast<uint4*>(o) = *reinterpret_cast<const uint4*>(v);
