@@ -1,16 +1,42 @@
 """Property tests: rope_q, mla_kv_cache_write, mla_decode_query, mla_q_absorb,
 mla_decode_attention, mla_v_up, mla_prefill_attention kernels against the reference ops
-(float64 on the GPU): random dims (V2-Lite's and small odd ones), dtypes, strided views,
-paged caches with permuted block tables and context lengths at the page edges."""
+(float64 on the GPU): random dims (V2-Lite's and small odd ones), dtypes, strided views at
+odd element offsets (`lead`: no input starts 16-byte aligned unless lead is 0), paged caches
+with permuted block tables and context lengths at the page edges. The fixed regression cases
+are @example rows beside each test (issue 13: fp32 decode attention whose query carve-up left
+the probabilities' float4 reads misaligned)."""
+import functools
+
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from harness import make_ctx, step_sizes
-from kernel_cases import (kernel_test, DTYPES, MODEL_NAMES, Recorder, TORCH_DTYPES, TType, act, empty_out, model, rand,
+from harness import make_ctx, step_sizes, tiny_model
+from kernel_cases import (kernel_test, DTYPES, MODEL_NAMES, Recorder, TORCH_DTYPES, TType, act, empty_out, rand,
                           reference, run_kernel, single_op_graph)
+from kernel_cases import model as shared_model
 
 SETTINGS = kernel_test(25)
+
+# MLA-only models beside the shared ones (kernel_cases.MODEL_NAMES):
+#   w29:  H 3, C 23, R 6: the cache row is 29 wide (odd; 15 element pairs), so the CUDA-core
+#         decode split's query block (HG * QP floats = 3 * 30) is not a multiple of 16 bytes --
+#         the issue-13 crash (float4 reads of the probabilities off by 8 bytes) before the fix.
+#   h20:  H 20, C 64, R 16: two head groups, the second partial (4 heads), on the tensor-core
+#         decode path (bf16 / fp16) and the CUDA-core one (fp32).
+LOCAL_MODELS = {
+    "w29": dict(hidden=41, heads=3, kv_lora_rank=23, qk_rope_head_dim=6, qk_nope_head_dim=11, v_head_dim=13,
+                intermediate=37, moe_intermediate=15),
+    "h20": dict(hidden=64, heads=20, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=8, v_head_dim=16,
+                intermediate=48, moe_intermediate=16),
+}
+NAMES = (*MODEL_NAMES, *LOCAL_MODELS)
+LEAD = st.integers(0, 3)   # elements before each view's first element in its parent buffer
+
+
+@functools.lru_cache(maxsize=None)
+def model(name: str):
+    return tiny_model(**LOCAL_MODELS[name]) if name in LOCAL_MODELS else shared_model(name)
 FAMILIES = ("rope_q", "mla_kv_cache_write", "mla_decode_query", "mla_q_absorb", "mla_decode_attention",
             "mla_v_up", "mla_prefill_attention")
 RECS = {f: Recorder(f) for f in FAMILIES}
@@ -34,20 +60,42 @@ def dims(m):
     return d["heads"], d["kv_lora_rank"], d["qk_rope_head_dim"], d["qk_nope_head_dim"], d["v_head_dim"]
 
 
-def head_views(T, H, widths, dtype, gen):
-    """Views [T, H, w] of one [T, H, sum(widths)] buffer (as split with heads makes them)."""
-    buf = rand((T, H, sum(widths)), dtype, gen=gen)
-    out, start = [], 0
+def head_views(T, H, widths, dtype, gen, lead: int = 0):
+    """Views [T, H, w] of one [T, H, lead + sum(widths)] buffer (as split with heads makes them;
+    `lead` shifts every view by that many elements)."""
+    buf = rand((T, H, lead + sum(widths)), dtype, gen=gen)
+    out, start = [], lead
     for w in widths:
         out.append(buf[..., start:start + w])
         start += w
     return out
 
 
+def row_views(T, widths, dtype, gen, lead: int = 0, scale: float = 1.0):
+    """Views [T, w] of one [T, lead + sum(widths)] buffer (as split without heads makes them)."""
+    buf = rand((T, lead + sum(widths)), dtype, gen=gen, scale=scale)
+    out, start = [], lead
+    for w in widths:
+        out.append(buf[:, start:start + w])
+        start += w
+    return out
+
+
+def shifted(shape, dtype, gen, lead: int, scale: float = 1.0):
+    """A contiguous tensor of `shape` starting `lead` elements into its storage (a weight or a
+    latent that is not 16-byte aligned unless lead is 0)."""
+    n = 1
+    for d in shape:
+        n *= d
+    return rand((lead + n,), dtype, gen=gen, scale=scale)[lead:].view(shape)
+
+
 @SETTINGS
-@given(name=st.sampled_from(MODEL_NAMES), dtype=st.sampled_from(DTYPES), bs=st.sampled_from(BLOCK_SIZES),
-       lens=st.lists(st.integers(1, 300), min_size=1, max_size=4), layout=rope_layout, seed=st.integers(0, 2**31))
-def test_rope_q(name, dtype, bs, lens, layout, seed):
+@given(name=st.sampled_from(NAMES), dtype=st.sampled_from(DTYPES), bs=st.sampled_from(BLOCK_SIZES),
+       lens=st.lists(st.integers(1, 300), min_size=1, max_size=4), layout=rope_layout, lead=LEAD,
+       seed=st.integers(0, 2**31))
+@example(name="odd2", dtype="bf16", bs=16, lens=[5, 1], layout=("adjacent", "interleaved"), lead=1, seed=13)
+def test_rope_q(name, dtype, bs, lens, layout, lead, seed):
     m = model(name)
     H, C, R, N, V = dims(m)
     gen = torch.Generator().manual_seed(seed)
@@ -55,7 +103,7 @@ def test_rope_q(name, dtype, bs, lens, layout, seed):
                          ref_dtype=torch.float64, ref_device="cuda", seed=seed)
     T = step.num_tokens
     G, nid = single_op_graph(m, "rope_q", {"pairs": layout[0], "output": layout[1]}, {"q_pe": act(H, R)}, {})
-    _, q_pe = head_views(T, H, [N, R], dtype, gen)
+    _, q_pe = head_views(T, H, [N, R], dtype, gen, lead)
     out = empty_out((T, H, R), dtype)
     run_kernel(G, nid, dtype, values={"q_pe": q_pe, "out": out}, ctx=ctx, sizes=step_sizes(step), block_size=bs)
     (ref,) = reference(G, nid, [q_pe], step=step)
@@ -64,10 +112,12 @@ def test_rope_q(name, dtype, bs, lens, layout, seed):
 
 
 @SETTINGS
-@given(name=st.sampled_from(MODEL_NAMES), dtype=st.sampled_from(DTYPES), bs=st.sampled_from(BLOCK_SIZES),
+@given(name=st.sampled_from(NAMES), dtype=st.sampled_from(DTYPES), bs=st.sampled_from(BLOCK_SIZES),
        qlens=st.lists(st.integers(1, 200), min_size=1, max_size=4), past=st.integers(0, 130), layout=rope_layout,
-       seed=st.integers(0, 2**31))
-def test_mla_kv_cache_write(name, dtype, bs, qlens, past, layout, seed):
+       lead=LEAD, seed=st.integers(0, 2**31))
+@example(name="lite", dtype="bf16", bs=64, qlens=[3, 70], past=5, layout=("halves", "halves"), lead=1, seed=13)
+@example(name="w29", dtype="fp32", bs=16, qlens=[17], past=2, layout=("adjacent", "interleaved"), lead=0, seed=13)
+def test_mla_kv_cache_write(name, dtype, bs, qlens, past, layout, lead, seed):
     m = model(name)
     H, C, R, N, V = dims(m)
     gen = torch.Generator().manual_seed(seed)
@@ -77,9 +127,8 @@ def test_mla_kv_cache_write(name, dtype, bs, qlens, past, layout, seed):
     T = step.num_tokens
     G, nid = single_op_graph(m, "mla_kv_cache_write", {"pairs": layout[0], "output": layout[1]},
                              {"c": act(C), "k_pe": act(R)}, {"norm": "n"})
-    ckv = rand((T, C + R), dtype, gen=gen, scale=2)
-    c, k_pe = ckv[:, :C], ckv[:, C:]
-    norm = rand((C,), dtype, gen=gen) + 1
+    c, k_pe = row_views(T, [C, R], dtype, gen, lead, scale=2)
+    norm = shifted((C,), dtype, gen, lead).add_(1)   # in place: keeps the shifted start
     c_n, k_rot = empty_out((T, C), dtype), empty_out((T, R), dtype)
     cache = ctx["kv_cache"]
     cache.view(-1, C + R)[ctx["slot_mapping"]] = float("nan")   # the rows this step must write
@@ -94,17 +143,20 @@ def test_mla_kv_cache_write(name, dtype, bs, qlens, past, layout, seed):
 
 
 @SETTINGS
-@given(name=st.sampled_from(MODEL_NAMES), dtype=st.sampled_from(DTYPES), absorb=st.booleans(),
-       lens=st.lists(st.integers(1, 9), min_size=1, max_size=12), layout=rope_layout, seed=st.integers(0, 2**31))
-def test_mla_decode_query(name, dtype, absorb, lens, layout, seed):
+@given(name=st.sampled_from(NAMES), dtype=st.sampled_from(DTYPES), absorb=st.booleans(),
+       lens=st.lists(st.integers(1, 9), min_size=1, max_size=12), layout=rope_layout, lead=LEAD,
+       seed=st.integers(0, 2**31))
+@example(name="lite", dtype="bf16", absorb=False, lens=[1, 2], layout=("halves", "halves"), lead=3, seed=13)
+@example(name="odd2", dtype="fp32", absorb=True, lens=[4], layout=("halves", "halves"), lead=1, seed=13)
+def test_mla_decode_query(name, dtype, absorb, lens, layout, lead, seed):
     m = model(name)
     H, C, R, N, V = dims(m)
     gen = torch.Generator().manual_seed(seed)
     step, ctx = make_ctx(lens, [l + 40 for l in lens], block_size=64, model=m, dtype=TORCH_DTYPES[dtype],
                          ref_dtype=torch.float64, ref_device="cuda", seed=seed)
     T = step.num_tokens
-    q_nope, q_pe = head_views(T, H, [N, R], dtype, gen)
-    kv_b = rand((H * (N + V), C), dtype, gen=gen, scale=0.1)
+    q_nope, q_pe = head_views(T, H, [N, R], dtype, gen, lead)
+    kv_b = shifted((H * (N + V), C), dtype, gen, lead, scale=0.1)   # lead > 0: the scalar weight path
     if absorb:
         G, nid = single_op_graph(m, "mla_q_absorb", {}, {"q_nope": act(H, N)}, {"kv_b": "kvb"}, phase="decode")
         out = empty_out((T, H, C), dtype)
@@ -122,14 +174,17 @@ def test_mla_decode_query(name, dtype, absorb, lens, layout, seed):
 
 
 @SETTINGS
-@given(name=st.sampled_from(MODEL_NAMES), dtype=st.sampled_from(DTYPES), T=st.integers(1, 40), seed=st.integers(0, 2**31))
-def test_mla_v_up(name, dtype, T, seed):
+@given(name=st.sampled_from(NAMES), dtype=st.sampled_from(DTYPES), T=st.integers(1, 40), lead=LEAD,
+       seed=st.integers(0, 2**31))
+@example(name="lite", dtype="bf16", T=9, lead=1, seed=13)
+@example(name="odd2", dtype="fp16", T=3, lead=0, seed=13)
+def test_mla_v_up(name, dtype, T, lead, seed):
     m = model(name)
     H, C, R, N, V = dims(m)
     gen = torch.Generator().manual_seed(seed)
     G, nid = single_op_graph(m, "mla_v_up", {}, {"o_lat": act(H, C)}, {"kv_b": "kvb"}, phase="decode")
-    o_lat = rand((T, H, C), dtype, gen=gen)
-    kv_b = rand((H * (N + V), C), dtype, gen=gen, scale=0.1)
+    (o_lat,) = head_views(T, H, [C], dtype, gen, lead)
+    kv_b = shifted((H * (N + V), C), dtype, gen, lead, scale=0.1)
     out = empty_out((T, H * V), dtype)
     run_kernel(G, nid, dtype, values={"o_lat": o_lat, "out": out}, weights={"kvb": kv_b}, sizes={"T": T})
     (ref,) = reference(G, nid, [o_lat], {"kvb": kv_b})
@@ -147,8 +202,14 @@ def decode_batch(draw):
 
 
 @SETTINGS
-@given(name=st.sampled_from(MODEL_NAMES), dtype=st.sampled_from(DTYPES), batch=decode_batch(), seed=st.integers(0, 2**31))
-def test_mla_decode_attention(name, dtype, batch, seed):
+@given(name=st.sampled_from(NAMES), dtype=st.sampled_from(DTYPES), batch=decode_batch(), lead=LEAD,
+       seed=st.integers(0, 2**31))
+@example(name="w29", dtype="fp32", batch=(16, [1, 1], [1, 300]), lead=0, seed=13)    # issue 13
+@example(name="w29", dtype="bf16", batch=(64, [1, 2], [65, 1100]), lead=1, seed=13)
+@example(name="odd2", dtype="fp32", batch=(16, [1], [33]), lead=1, seed=13)
+@example(name="h20", dtype="bf16", batch=(16, [1, 1, 1], [1, 17, 2500]), lead=0, seed=13)
+@example(name="h20", dtype="fp32", batch=(64, [2], [129]), lead=3, seed=13)
+def test_mla_decode_attention(name, dtype, batch, lead, seed):
     bs, qlens, ctx_lens = batch
     m = model(name)
     H, C, R, N, V = dims(m)
@@ -160,7 +221,7 @@ def test_mla_decode_attention(name, dtype, batch, seed):
     G, nid = single_op_graph(m, "mla_decode_attention", {},
                              {"q_lat": act(H, C), "q_rot": act(H, R), "kv": TType(("cache",), "state")}, {},
                              phase="decode")
-    q_lat, q_rot = head_views(T, H, [C, R], dtype, gen)
+    q_lat, q_rot = head_views(T, H, [C, R], dtype, gen, lead)
     out = empty_out((T, H, C), dtype)
     sizes = step_sizes(step, W=int(ctx["block_tables"].shape[1]))
     run_kernel(G, nid, dtype, values={"q_lat": q_lat, "q_rot": q_rot, "out": out}, ctx=ctx, sizes=sizes,
@@ -170,6 +231,35 @@ def test_mla_decode_attention(name, dtype, batch, seed):
     RECS["mla_decode_attention"].example()
 
 
+@pytest.mark.parametrize("name,dtype,ctx_len", [("odd2", "fp32", 33000), ("lite", "bf16", 17000), ("h20", "fp16", 300)])
+@pytest.mark.parametrize("sms", [1, 7, 4096])
+def test_mla_decode_attention_split_count(name, dtype, ctx_len, sms):
+    """The split count S follows the SM count the runner is given (SMS) and is clamped to the
+    combine's bound MAX_S: with 4096 "SMs" the long contexts reach the clamp (S == MAX_S), and
+    the result is the same as with one split per few SMs."""
+    from codegen.families import mla_decode_attention as fam
+    from codegen import sizes as size_exprs
+    m = model(name)
+    H, C, R, N, V = dims(m)
+    step, ctx = make_ctx([1, 1], [ctx_len, 5], block_size=64, model=m, dtype=TORCH_DTYPES[dtype],
+                         ref_dtype=torch.float64, ref_device="cuda", seed=sms)
+    step.kv_cache[0] = ctx["kv_cache"].double()
+    T = step.num_tokens
+    G, nid = single_op_graph(m, "mla_decode_attention", {},
+                             {"q_lat": act(H, C), "q_rot": act(H, R), "kv": TType(("cache",), "state")}, {},
+                             phase="decode")
+    q_lat, q_rot = head_views(T, H, [C, R], dtype, torch.Generator().manual_seed(sms))
+    out = empty_out((T, H, C), dtype)
+    sizes = step_sizes(step, W=int(ctx["block_tables"].shape[1]), SMS=sms)
+    launches = run_kernel(G, nid, dtype, values={"q_lat": q_lat, "q_rot": q_rot, "out": out}, ctx=ctx, sizes=sizes)
+    S = size_exprs.evaluate(launches[0].grid[2], sizes)
+    assert 1 <= S <= fam.MAX_S
+    if sms == 4096 and ctx_len > 10000:
+        assert S == fam.MAX_S, S
+    (ref,) = reference(G, nid, [q_lat, q_rot, None], step=step)
+    RECS["mla_decode_attention"].check(out, ref, dtype, f"S={S}")
+
+
 @st.composite
 def prefill_batch(draw):
     return draw(st.lists(st.one_of(st.sampled_from([1, 31, 32, 33, 63, 64, 65, 1030]), st.integers(1, 150)),
@@ -177,8 +267,11 @@ def prefill_batch(draw):
 
 
 @SETTINGS
-@given(name=st.sampled_from(MODEL_NAMES), dtype=st.sampled_from(DTYPES), qlens=prefill_batch(), seed=st.integers(0, 2**31))
-def test_mla_prefill_attention(name, dtype, qlens, seed):
+@given(name=st.sampled_from(NAMES), dtype=st.sampled_from(DTYPES), qlens=prefill_batch(), lead=LEAD,
+       seed=st.integers(0, 2**31))
+@example(name="lite", dtype="bf16", qlens=[65, 3], lead=1, seed=13)     # the tensor-core gather path
+@example(name="odd2", dtype="fp16", qlens=[33], lead=0, seed=13)
+def test_mla_prefill_attention(name, dtype, qlens, lead, seed):
     m = model(name)
     H, C, R, N, V = dims(m)
     gen = torch.Generator().manual_seed(seed)
@@ -187,10 +280,10 @@ def test_mla_prefill_attention(name, dtype, qlens, seed):
     T = step.num_tokens
     G, nid = single_op_graph(m, "mla_prefill_attention", {},
                              {"q_nope": act(H, N), "q_rot": act(H, R), "kv": act(H * (N + V)), "k_rot": act(R)}, {})
-    q_nope, _ = head_views(T, H, [N, R], dtype, gen)
-    q_rot = rand((T, H, R), dtype, gen=gen)
-    kv = rand((T, H * (N + V)), dtype, gen=gen)
-    k_rot = rand((T, C + R), dtype, gen=gen)[:, C:]
+    q_nope, _ = head_views(T, H, [N, R], dtype, gen, lead)
+    q_rot = shifted((T, H, R), dtype, gen, lead)
+    (kv,) = row_views(T, [H * (N + V)], dtype, gen, lead)
+    _, k_rot = row_views(T, [C, R], dtype, gen, lead)
     out = empty_out((T, H * V), dtype)
     run_kernel(G, nid, dtype, values={"q_nope": q_nope, "q_rot": q_rot, "kv": kv, "k_rot": k_rot, "out": out},
                ctx=ctx, sizes=step_sizes(step))
