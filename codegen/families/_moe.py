@@ -12,6 +12,7 @@ import re
 
 from codegen.errors import LoweringError
 from codegen.kernel import DTYPES, Arg, KernelLaunch, inp, out, size, weight
+from ir.graph import value_producers
 
 from ._dense_util import c_float
 
@@ -57,6 +58,22 @@ def pairs_top_k(G, nid: str, routing: str) -> int:
     return int(m.group(2))
 
 
+def require_dense(G, nid: str, *names: str) -> None:
+    """The MoE kernels take no strides: row r of an operand of width n is at base + r * n, and
+    their vector widths (vec_width) are chosen from n alone.  A strided view (a split output,
+    which the runtime makes with the parent's row stride at an element offset) would be read at
+    the wrong rows, or misaligned: refuse it here.  Dense buffers are fresh allocations."""
+    from codegen import families                     # (both import the families: not at module level)
+    from codegen.lower import LIBRARY_CALLS
+    view_ops = {op for op, call in LIBRARY_CALLS.items() if call == "view" and families.family_for_op(op) is None}
+    producers = value_producers(G)
+    for name in names:
+        src = producers.get(name)
+        if src is not None and G.nodes[src]["op"] in view_ops:
+            raise LoweringError(f"{G.nodes[nid]['op']} needs {name} as dense rows (no strides), but it is a "
+                                f"strided view made by {G.nodes[src]['op']} node {src}")
+
+
 def vec_width(n: int, elem_bytes: int) -> int:
     """Elements per load along a row of n: 16 bytes' worth, else 8 bytes', else 1 (odd dims)."""
     for nbytes in (16, 8):
@@ -71,6 +88,9 @@ def _tag(x: float) -> str:
 
 
 def check_experts(nid: str, E: int, K: int) -> None:
+    """The bounds moe.cuh relies on: top-k keeps cdiv(E, 32) <= 32 scores per lane (its taken-mask
+    is 32 bits) and 2 * TOPK_WARPS * E floats of static shared memory (32 KiB at E = 1024); align
+    keeps 2 * E ints; one lane per chosen expert."""
     if not 1 <= E <= MAX_EXPERTS:
         raise LoweringError(f"{E} experts; the MoE kernels handle 1..{MAX_EXPERTS}")
     if not 1 <= K <= min(MAX_TOP_K, E):
@@ -142,6 +162,11 @@ def align_launch(family: str, template: str, name: str, params: dict, nid: str, 
 # pairs per expert).  Which expert goes where is decided on the device from the routing
 # offsets; the GEMM's grid is a host-side bound on its row tiles, 0 when NP <= GEMM_THRESHOLD.
 # fp32 has no tensor-core path here: its GEMV takes every expert.
+# Odd widths keep both paths: the GEMM copies K slices with 16-byte cp.async only when KD % 8 == 0
+# (else element loads with zero fill into the same 16-byte-aligned smem rows) and stores column
+# pairs as one 4-byte word only when N is even (else two element stores); its column tiles mask
+# n >= N.  So it is chosen for every D and M; at run time a CTA whose operands' bases are not
+# aligned for those wide accesses leaves its expert to the GEMV (moe.cuh gemm_operands_ok).
 
 GROUPED_WARPS = 4
 GROUPED_PAIRS = 8         # pairs per pass over the weights: decode reads each weight row once

@@ -15,6 +15,7 @@ OPS = ("moe_align",)
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     attrs, (ids,), (routing,), _ = _moe.node_io(G, nid)
     E = attrs["num_experts"]
+    _moe.require_dense(G, nid, ids)
     _moe.check_experts(nid, E, 1)
     p = _moe.align_params(E)
     return [_moe.align_launch(FAMILY, TEMPLATE, kernel_name(FAMILY, [f"e{E}"]), p, nid, ids, routing)]

@@ -14,6 +14,7 @@ OPS = ("moe_combine",)
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     _, (eo, w), (y,), _ = _moe.node_io(G, nid)
     D, K = _moe.inner(G, nid, eo), _moe.inner(G, nid, w)
+    _moe.require_dense(G, nid, eo, w)
     p = _moe.combine_params(nid, opts, D=D, K=K)
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"k{K}_d{D}"]),

@@ -15,6 +15,7 @@ OPS = ("moe_combine_residual",)
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     _, (eo, w, shared, residual), (y,), _ = _moe.node_io(G, nid)
     D, K = _moe.inner(G, nid, eo), _moe.inner(G, nid, w)
+    _moe.require_dense(G, nid, eo, w, shared, residual)
     p = _moe.combine_params(nid, opts, D=D, K=K)
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"k{K}_d{D}"]),

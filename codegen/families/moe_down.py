@@ -15,6 +15,7 @@ ROWS_PER_WARP = 4
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     attrs, (a, routing), (y,), bound = _moe.node_io(G, nid)
     E, D, M = attrs["num_experts"], attrs["out_dim"], _moe.inner(G, nid, a)
+    _moe.require_dense(G, nid, a)
     # Rows are per pair here, so the kernel never needs K.
     p = _moe.grouped_params(nid, opts, E=E, N=D, KD=M, K=1, rows_per_warp=ROWS_PER_WARP)
     act = p["act"]

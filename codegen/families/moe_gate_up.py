@@ -16,6 +16,7 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     attrs, (x, routing), (out_g, out_u), bound = _moe.node_io(G, nid)
     E, M, D = attrs["num_experts"], attrs["out_dim"], _moe.inner(G, nid, x)
     K = _moe.pairs_top_k(G, nid, routing)
+    _moe.require_dense(G, nid, x)
     p = _moe.grouped_params(nid, opts, E=E, N=M, KD=D, K=K, rows_per_warp=ROWS_PER_WARP)
     act = p["act"]
     args = (inp("x", act, x), weight("w_gate", act, bound["gate"]), weight("w_up", act, bound["up"]),

@@ -29,6 +29,7 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     attrs, (x,), (ids, weights, routing), bound = _moe.node_io(G, nid)
     dt, ct = _moe.act(nid, opts)
     E, D = attrs["num_experts"], _moe.inner(G, nid, x)
+    _moe.require_dense(G, nid, x)
     bias = bound.get("bias")
 
     gemv = {"stage": "router_gemv", "act": ct, "E": E, "D": D, "epb": EXPERTS_PER_CTA,

@@ -18,6 +18,7 @@ OPS = ("moe_topk",)
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     attrs, (logits,), (ids, weights), bound = _moe.node_io(G, nid)
     E = _moe.inner(G, nid, logits)
+    _moe.require_dense(G, nid, logits)
     bias = bound.get("bias")
     p = _moe.topk_params(nid, attrs, E, bias is not None)
     return [_moe.topk_launch(FAMILY, TEMPLATE, kernel_name(FAMILY, _moe.topk_name_parts(p)), p, nid,

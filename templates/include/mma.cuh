@@ -53,17 +53,20 @@ template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi
   return *reinterpret_cast<unsigned*>(&v);
 }
 
-// 8 elements of a row into shared memory: one 16-byte cp.async when the row is 16-byte aligned
-// (ALIGNED) and the chunk is whole or empty, else element loads with zero fill.
+// 8 elements of a row into shared memory (dst 16-byte aligned): one 16-byte cp.async when src is
+// 16-byte aligned (ALIGNED; the caller guarantees it) and the chunk is whole or empty, else
+// element loads with zero fill, staged in a uint4 (a T[8] cast to one could be under-aligned).
 template <typename T, bool ALIGNED>
 __device__ __forceinline__ void load8(T* dst, const T* src, int valid) {
+  static_assert(sizeof(T) == 2, "load8: 8 elements of a 16-bit type make one 16-byte chunk");
   if constexpr (ALIGNED) {
     cp_async16(dst, src, valid > 0 ? 16 : 0);   // 0 bytes: zero fill, src not read
   } else {
-    T v[8];
+    uint4 raw;
+    T* v = reinterpret_cast<T*>(&raw);
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = (i < valid) ? src[i] : from_float<T>(0.f);
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
+    *reinterpret_cast<uint4*>(dst) = raw;
   }
 }
 

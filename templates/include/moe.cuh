@@ -11,8 +11,33 @@
 namespace dsg {
 namespace moe {
 
+// ---- alignment -------------------------------------------------------------------------------
+// Every vector access below is safe by two facts, one per side:
+//   * lowering (codegen/families/_moe.py): a row of n elements is read VEC at a time only where
+//     n % VEC == 0, and every operand is a dense buffer (a strided view is refused), so row r,
+//     element d (d % VEC == 0) sits at base + (r * n + d) * sizeof(T): a multiple of the vector
+//     size past the base;
+//   * run time: the bases are tested once per CTA (aligned_to below, uniform across the CTA);
+//     where one is not aligned the kernel runs its scalar instantiation instead.
+
+// Bytes load_f / store_f of N elements of T need their pointer aligned to: the access size where
+// it is one 16- or 8-byte transaction, else one element's (scalar accesses).
+template <typename T, int N>
+__host__ __device__ constexpr int vec_align() {
+  return (int(sizeof(T)) * N == 16 || int(sizeof(T)) * N == 8) ? int(sizeof(T)) * N : int(sizeof(T));
+}
+
+// p is aligned to BYTES (a power of two).  A null pointer (an operand the mode does not use) is.
+template <int BYTES>
+__device__ __forceinline__ bool aligned_to(const void* p) {
+  static_assert(BYTES > 0 && (BYTES & (BYTES - 1)) == 0, "alignment must be a power of two");
+  return (reinterpret_cast<unsigned long long>(p) & (unsigned long long)(BYTES - 1)) == 0;
+}
+
 // ---- vector loads / stores: N elements of T <-> N floats ----------------------------------
-// One 16/8/4-byte transaction when N*sizeof(T) is that size (the caller keeps p aligned).
+// One 16/8-byte transaction when N*sizeof(T) is that size (p aligned to vec_align<T, N>()),
+// else element accesses.  The staging registers are a uint4 / uint2 (never a T array cast to
+// one: a T array is only sizeof(T)-aligned if it lands in local memory).
 
 template <typename T, int N>
 __device__ __forceinline__ void load_f(const T* __restrict__ p, float (&out)[N]) {
@@ -56,26 +81,44 @@ __device__ __forceinline__ void load_f_ro(const T* __restrict__ p, float (&out)[
 template <typename T, int N>
 __device__ __forceinline__ void store_f(T* __restrict__ p, const float (&v)[N]) {
   constexpr int BYTES = int(sizeof(T)) * N;
-  if constexpr (BYTES == 16 || BYTES == 8) {
-    T e[N];
+  if constexpr (BYTES == 16) {
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
     for (int i = 0; i < N; ++i) e[i] = from_float<T>(v[i]);
-    if constexpr (BYTES == 16) *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(e);
-    else *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(e);
+    *reinterpret_cast<uint4*>(p) = raw;
+  } else if constexpr (BYTES == 8) {
+    uint2 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N; ++i) e[i] = from_float<T>(v[i]);
+    *reinterpret_cast<uint2*>(p) = raw;
   } else {
 #pragma unroll
     for (int i = 0; i < N; ++i) p[i] = from_float<T>(v[i]);
   }
 }
 
+// Element-wise forms of load_f / store_f (the fallbacks when a base is not aligned).
+template <typename T, int N>
+__device__ __forceinline__ void load_f_scalar(const T* __restrict__ p, float (&out)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(p[i]);
+}
+template <typename T, int N>
+__device__ __forceinline__ void store_f_scalar(T* __restrict__ p, const float (&v)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) p[i] = from_float<T>(v[i]);
+}
+
 // ---- 1. router GEMV: logits[t, e] = sum_d float(x[t, d]) * gate[e, d]  (fp32, like x.float() @ gate.T)
 // One CTA computes EPB experts x TT tokens; threads split D in VEC-wide slices, then a block
 // reduction.  Decode (T = 1) spreads the E x D fp32 gate over cdiv(E, EPB) CTAs.
 template <typename T, int E, int D, int EPB, int TT, int NT, int VEC>
-__device__ __forceinline__ void router_logits(const T* __restrict__ x, const float* __restrict__ gate,
-                                              float* __restrict__ logits, int num_tokens) {
+__device__ __forceinline__ void router_logits_body(const T* __restrict__ x, const float* __restrict__ gate,
+                                                   float* __restrict__ logits, int num_tokens,
+                                                   float (*red)[EPB * TT]) {
   static_assert(D % VEC == 0, "router: D must be a multiple of the vector width");
-  __shared__ float red[NT / 32][EPB * TT];
   const int e0 = blockIdx.x * EPB, t0 = blockIdx.y * TT;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float acc[EPB][TT];
@@ -120,6 +163,21 @@ __device__ __forceinline__ void router_logits(const T* __restrict__ x, const flo
     for (int w = 0; w < NT / 32; ++w) s += red[w][idx];
     if (e0 + i < E && t0 + j < num_tokens) logits[(i64)(t0 + j) * E + e0 + i] = s;
   }
+}
+
+// VEC-wide loads of x (act) and of the fp32 gate where both bases allow them, else VEC = 1.
+template <typename T, int E, int D, int EPB, int TT, int NT, int VEC>
+__device__ __forceinline__ void router_logits(const T* __restrict__ x, const float* __restrict__ gate,
+                                              float* __restrict__ logits, int num_tokens) {
+  static_assert(NT % 32 == 0 && NT <= 1024, "router: whole warps, at most 1024 threads");
+  __shared__ float red[NT / 32][EPB * TT];
+  if constexpr (VEC > 1) {
+    if (aligned_to<vec_align<T, VEC>()>(x) && aligned_to<vec_align<float, VEC>()>(gate)) {
+      router_logits_body<T, E, D, EPB, TT, NT, VEC>(x, gate, logits, num_tokens, red);
+      return;
+    }
+  }
+  router_logits_body<T, E, D, EPB, TT, NT, 1>(x, gate, logits, num_tokens, red);
 }
 
 // ---- 2. scoring + top-k: one warp per token ----------------------------------------------
@@ -266,11 +324,19 @@ __device__ __forceinline__ void topk_token(const float* __restrict__ logits, con
 template <int E, int NT>
 __device__ __forceinline__ void align(const i64* __restrict__ ids, int num_pairs, i32* __restrict__ order,
                                       i32* __restrict__ offsets) {
+  // Any NP: every loop strides by NT; the scan is warp 0's, 32 experts a round.
+  static_assert(NT % 32 == 0 && NT <= 1024, "align: whole warps, at most 1024 threads");
+  static_assert(E >= 1 && 2 * E * sizeof(int) <= 48 * 1024, "align: count[] and cursor[] must fit static shared memory");
   __shared__ int count[E];
   __shared__ int cursor[E];
   for (int e = threadIdx.x; e < E; e += NT) count[e] = 0;
   __syncthreads();
-  for (int p = threadIdx.x; p < num_pairs; p += NT) atomicAdd(&count[(int)ids[p]], 1);
+  // ids come from top-k and lie in [0, E); one that does not (a caller's bug) must not write
+  // outside count[] / cursor[]: its pair is left out (offsets[E] < num_pairs then says so).
+  for (int p = threadIdx.x; p < num_pairs; p += NT) {
+    const i64 id = ids[p];
+    if (id >= 0 && id < E) atomicAdd(&count[(int)id], 1);
+  }
   __syncthreads();
   // exclusive scan of count[] by warp 0, 32 experts per round
   if (threadIdx.x < 32) {
@@ -295,7 +361,9 @@ __device__ __forceinline__ void align(const i64* __restrict__ ids, int num_pairs
   }
   __syncthreads();
   for (int p = threadIdx.x; p < num_pairs; p += NT) {
-    const int slot = atomicAdd(&cursor[(int)ids[p]], 1);
+    const i64 id = ids[p];
+    if (id < 0 || id >= E) continue;
+    const int slot = atomicAdd(&cursor[(int)id], 1);
     order[slot] = p;
   }
 }
@@ -396,6 +464,39 @@ __device__ __forceinline__ void grouped_chunk(const T* __restrict__ x, const T* 
 // the register footprint to what is used; wider chunks amortise the weight reads over PT pairs.
 constexpr int GROUPED_NARROW = 2;
 
+// The tensor-core GEMM's own conditions (which pointers its wide accesses need aligned); the GEMV
+// tests the same ones, so an expert the GEMM refuses at run time is the GEMV's (see below).
+template <int KD> __host__ __device__ constexpr bool gemm_cp_async() { return KD % 8 == 0; }
+template <typename T, int N> __host__ __device__ constexpr bool gemm_paired_store() {
+  return N % 2 == 0 && sizeof(T) == 2;
+}
+
+// Whether grouped_gemm can take these operands: its 16-byte cp.async copies of x and weight rows
+// (when KD % 8 == 0; rows are then 16-byte multiples apart) need 16-byte aligned bases, its
+// paired 4-byte stores (N even) 4-byte aligned outputs.  Unused operands are null (aligned).
+template <typename T, int N, int KD>
+__device__ __forceinline__ bool gemm_operands_ok(const T* x, const T* w0, const T* w1, const T* out0,
+                                                 const T* out1) {
+  bool ok = true;
+  if constexpr (gemm_cp_async<KD>()) ok = aligned_to<16>(x) && aligned_to<16>(w0) && aligned_to<16>(w1);
+  if constexpr (gemm_paired_store<T, N>()) ok = ok && aligned_to<4>(out0) && aligned_to<4>(out1);
+  return ok;
+}
+
+// One expert's rows row0 .. row0 + RPW for all its pairs, V elements per load.
+template <typename T, int MODE, int NW, int N, int KD, int K, int RPW, int PT, int V>
+__device__ __forceinline__ void grouped_rows(const T* __restrict__ x, const T* __restrict__ W0,
+                                             const T* __restrict__ W1, const i32* __restrict__ order,
+                                             int beg, int end, int row0, T* __restrict__ out0,
+                                             T* __restrict__ out1) {
+  for (int c0 = beg; c0 < end; c0 += PT) {
+    if (end - c0 <= GROUPED_NARROW)
+      grouped_chunk<T, MODE, NW, N, KD, K, RPW, GROUPED_NARROW, V>(x, W0, W1, order, c0, end, row0, out0, out1);
+    else
+      grouped_chunk<T, MODE, NW, N, KD, K, RPW, PT, V>(x, W0, W1, order, c0, end, row0, out0, out1);
+  }
+}
+
 template <typename T, int MODE, int E, int N, int KD, int K, int WARPS, int RPW, int PT, int VEC, int THR>
 __device__ __forceinline__ void grouped_gemv(const T* __restrict__ x, const T* __restrict__ w0,
                                              const T* __restrict__ w1, const i32* __restrict__ order,
@@ -407,18 +508,22 @@ __device__ __forceinline__ void grouped_gemv(const T* __restrict__ x, const T* _
   const int e = blockIdx.x;
   const int beg = offsets[e], end = offsets[e + 1];
   if (beg >= end) return;                       // inactive expert: no weight traffic
-  if (THR > 0 && end - beg > THR) return;       // many pairs: the tensor-core GEMM's
+  // many pairs: the tensor-core GEMM's, unless its operands are misaligned (then it leaves them here)
+  if (THR > 0 && end - beg > THR && gemm_operands_ok<T, N, KD>(x, w0, w1, out0, out1)) return;
   const int warp = threadIdx.x >> 5;
   const int row0 = (blockIdx.y * WARPS + warp) * RPW;
   if (row0 >= N) return;
   const T* W0 = w0 + (i64)e * N * KD;
   const T* W1 = (NW > 1 ? w1 : w0) + (i64)e * N * KD;
-  for (int c0 = beg; c0 < end; c0 += PT) {
-    if (end - c0 <= GROUPED_NARROW)
-      grouped_chunk<T, MODE, NW, N, KD, K, RPW, GROUPED_NARROW, VEC>(x, W0, W1, order, c0, end, row0, out0, out1);
-    else
-      grouped_chunk<T, MODE, NW, N, KD, K, RPW, PT, VEC>(x, W0, W1, order, c0, end, row0, out0, out1);
+  if constexpr (VEC > 1) {
+    // Rows are KD (a multiple of VEC) elements apart, so aligned bases keep every slice aligned.
+    constexpr int A = vec_align<T, VEC>();
+    if (aligned_to<A>(x) && aligned_to<A>(w0) && aligned_to<A>(NW > 1 ? w1 : w0)) {
+      grouped_rows<T, MODE, NW, N, KD, K, RPW, PT, VEC>(x, W0, W1, order, beg, end, row0, out0, out1);
+      return;
+    }
   }
+  grouped_rows<T, MODE, NW, N, KD, K, RPW, PT, 1>(x, W0, W1, order, beg, end, row0, out0, out1);
 }
 
 // ---- 4b. grouped expert GEMM on tensor cores (bf16 / fp16): experts with many pairs ---------
@@ -431,10 +536,11 @@ __device__ __forceinline__ void grouped_gemv(const T* __restrict__ x, const T* _
 // the experts with more than THR pairs (the others are the GEMV's), so the grid is a host-side
 // bound: NP // BM + min(E, NP // (THR + 1)); tiles past the last one exit at once.
 
-// Columns col, col + 1 of one output row (col even): one 4-byte store when N is even.
+// Columns col, col + 1 of one output row (col even): one 4-byte store when N is even (rows are
+// then 4-byte multiples apart; grouped_gemm checked the base), else element stores (odd N).
 template <typename T, int N>
 __device__ __forceinline__ void store2(T* __restrict__ row, int col, float v0, float v1) {
-  if constexpr (N % 2 == 0 && sizeof(T) == 2) {
+  if constexpr (gemm_paired_store<T, N>()) {
     if (col < N) *reinterpret_cast<unsigned*>(row + col) = dsg::mma::pack2<T>(v0, v1);
   } else {
     if (col < N) row[col] = from_float<T>(v0);
@@ -455,12 +561,19 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* _
   constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
   constexpr int BM = GEMM_BM, BNW = GEMM_BNW, P = BK + 8;
   static_assert(BK % 16 == 0 && (BM * BK / 8) % GEMM_THREADS == 0, "grouped gemm: BK must be a multiple of 16");
+  // Shared-memory carve-up: smem is 16-byte aligned (the template declares it so) and every tile
+  // row is P halves = a 16-byte multiple, so each cp.async / ldmatrix / 16-byte store target
+  // (row start + a multiple of 8 halves) is 16-byte aligned, in As and in Bs = As + ST * BM * P.
+  static_assert((P * sizeof(T)) % 16 == 0, "grouped gemm: padded smem rows must stay 16-byte multiples");
   constexpr int BN = (MODE == DOWN) ? BNW : BNW / 2;      // output columns per CTA
-  constexpr bool ALIGNED = (KD % 8) == 0;
+  constexpr bool ALIGNED = gemm_cp_async<KD>();            // else element loads (odd KD)
   constexpr int KT = (KD + BK - 1) / BK;
   __shared__ int s_tile[3];                                // expert, first pair, pairs
   __shared__ int s_row[BM];                                // source row of each tile row
 
+  // Misaligned bases (never the runtime's own buffers): every expert stays with the GEMV, which
+  // makes the same test.  Uniform across the grid, before any shared-memory traffic.
+  if (!gemm_operands_ok<T, N, KD>(x, w0, w1, out0, out1)) return;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (warp == 0) {
     // which (expert, row tile) is blockIdx.y: a running count of the heavy experts' tiles
@@ -622,14 +735,11 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* _
 // ---- 5. combine: out[t] = round(sum_k w[t, k] * eo[t*K + k])  (+ shared, + residual) --------
 // Grid (T, cdiv(D, NT * VEC)): each thread owns one VEC-wide slice of one token's row.
 // RESID mirrors the reference's rounding: residual + round(round(routed) + shared).
-template <typename T, int D, int K, int NT, int VEC, bool RESID>
-__device__ __forceinline__ void combine(const T* __restrict__ eo, const float* __restrict__ w,
-                                        const T* __restrict__ shared, const T* __restrict__ residual,
-                                        T* __restrict__ out) {
-  static_assert(D % VEC == 0, "combine: D must be a multiple of the vector width");
-  const int t = blockIdx.x;
-  const int d = (blockIdx.y * NT + threadIdx.x) * VEC;
-  if (d >= D) return;
+// VECTOR: one load / store per slice (bases aligned), else element accesses of the same slice.
+template <typename T, int D, int K, int VEC, bool RESID, bool VECTOR>
+__device__ __forceinline__ void combine_slice(const T* __restrict__ eo, const float* __restrict__ w,
+                                              const T* __restrict__ shared, const T* __restrict__ residual,
+                                              T* __restrict__ out, int t, int d) {
   float s[VEC];
 #pragma unroll
   for (int v = 0; v < VEC; ++v) s[v] = 0.f;
@@ -637,18 +747,44 @@ __device__ __forceinline__ void combine(const T* __restrict__ eo, const float* _
   for (int k = 0; k < K; ++k) {
     const float wk = w[(i64)t * K + k];
     float ev[VEC];
-    load_f<T, VEC>(eo + ((i64)t * K + k) * D + d, ev);
+    if constexpr (VECTOR) load_f<T, VEC>(eo + ((i64)t * K + k) * D + d, ev);
+    else load_f_scalar<T, VEC>(eo + ((i64)t * K + k) * D + d, ev);
 #pragma unroll
     for (int v = 0; v < VEC; ++v) s[v] += ev[v] * wk;
   }
   if constexpr (RESID) {
     float sh[VEC], re[VEC];
-    load_f<T, VEC>(shared + (i64)t * D + d, sh);
-    load_f<T, VEC>(residual + (i64)t * D + d, re);
+    if constexpr (VECTOR) {
+      load_f<T, VEC>(shared + (i64)t * D + d, sh);
+      load_f<T, VEC>(residual + (i64)t * D + d, re);
+    } else {
+      load_f_scalar<T, VEC>(shared + (i64)t * D + d, sh);
+      load_f_scalar<T, VEC>(residual + (i64)t * D + d, re);
+    }
 #pragma unroll
     for (int v = 0; v < VEC; ++v) s[v] = re[v] + round_to<T>(round_to<T>(s[v]) + sh[v]);
   }
-  store_f<T, VEC>(out + (i64)t * D + d, s);
+  if constexpr (VECTOR) store_f<T, VEC>(out + (i64)t * D + d, s);
+  else store_f_scalar<T, VEC>(out + (i64)t * D + d, s);
+}
+
+template <typename T, int D, int K, int NT, int VEC, bool RESID>
+__device__ __forceinline__ void combine(const T* __restrict__ eo, const float* __restrict__ w,
+                                        const T* __restrict__ shared, const T* __restrict__ residual,
+                                        T* __restrict__ out) {
+  static_assert(D % VEC == 0, "combine: D must be a multiple of the vector width");
+  const int t = blockIdx.x;
+  const int d = (blockIdx.y * NT + threadIdx.x) * VEC;
+  if (d >= D) return;                         // D % VEC == 0: a slice is whole or absent
+  if constexpr (VEC > 1) {
+    // Rows are D (a multiple of VEC) elements apart: aligned bases keep every slice aligned.
+    constexpr int A = vec_align<T, VEC>();
+    if (aligned_to<A>(eo) && aligned_to<A>(out) && (!RESID || (aligned_to<A>(shared) && aligned_to<A>(residual)))) {
+      combine_slice<T, D, K, VEC, RESID, true>(eo, w, shared, residual, out, t, d);
+      return;
+    }
+  }
+  combine_slice<T, D, K, VEC, RESID, false>(eo, w, shared, residual, out, t, d);
 }
 
 }  // namespace moe

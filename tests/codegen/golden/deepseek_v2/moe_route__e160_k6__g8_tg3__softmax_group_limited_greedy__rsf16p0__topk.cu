@@ -14,6 +14,9 @@
 // moe_topk: router logits [T, E] fp32 -> ids [T, K] i64, weights [T, K] fp32 (one warp per token).
 #include "moe.cuh"
 
+// Two rows of E floats per warp in static shared memory (lowering bounds E by MAX_EXPERTS).
+static_assert(2 * 4 * 160 * sizeof(float) <= 48 * 1024, "top-k scratch must fit static shared memory");
+
 extern "C" __global__ void __launch_bounds__(128)
 moe_route__e160_k6__g8_tg3__softmax_group_limited_greedy__rsf16p0__topk(
     const float* __restrict__ logits,
