@@ -19,12 +19,12 @@ def lower(nid, G, opts):
     inner = inner_dims(G, ins[0])
     if len(inner) != 1:
         # [T, H, d] values are added as [T, H*d] rows; that needs rows laid out densely.
-        raise LoweringError(f"add lowers [T, n] values; {ins[0]} is [T, {inner}]")
+        raise LoweringError(f"add lowers [T, n] values; {ins[0]} is [T, {', '.join(map(str, inner))}]")
     n = math.prod(inner)
     tag, ctype = ctype_of(G, ins[0], opts)
     vec = vec16(n, ELEM_BYTES[tag])
     per_cta = THREADS * vec
-    params = {"ctype": ctype, "N": n, "threads": THREADS}
+    params = {"ctype": ctype, "N": n, "threads": THREADS, "vec": vec}   # vec: static_assert'd in the kernel
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [tag, f"n{n}"]),
         params=params, nodes=(nid,), grid=("T", -(-n // per_cta), 1), block=(THREADS, 1, 1),

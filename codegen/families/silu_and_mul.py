@@ -4,7 +4,7 @@ from __future__ import annotations
 from codegen.kernel import KernelLaunch, inp, out, size, stride
 from codegen.render import kernel_name
 
-from ._dense_util import ELEM_BYTES, act_ctype, inner_dims, node_io, vec16
+from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, inner_dims, node_io, vec16
 
 FAMILY = "silu_and_mul"
 TEMPLATE = "silu_and_mul.cu.j2"
@@ -14,10 +14,13 @@ THREADS = 256
 
 def lower(nid, G, opts):
     data, ins, outs, w = node_io(G, nid)
-    (n,) = inner_dims(G, ins[0])
-    eb = ELEM_BYTES[opts.dtype]
-    vec = vec16(n, eb)
-    params = {"act": act_ctype(opts), "N": n, "threads": THREADS}
+    inner = inner_dims(G, ins[0])
+    if len(inner) != 1:
+        raise LoweringError(f"silu_and_mul lowers [T, n] values; {ins[0]} is [T, {', '.join(map(str, inner))}]")
+    (n,) = inner
+    ctype = act_ctype(opts)
+    vec = vec16(n, ELEM_BYTES[opts.dtype])
+    params = {"act": ctype, "N": n, "threads": THREADS, "vec": vec}   # vec: static_assert'd in the kernel
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"n{n}"]),
         params=params, nodes=(nid,), grid=("T", -(-n // (THREADS * vec)), 1), block=(THREADS, 1, 1),

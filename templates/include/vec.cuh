@@ -39,8 +39,11 @@ __device__ __forceinline__ void copy16(void* dst, const void* src) {
 // A row of N elements spread over THREADS threads in chunks of VEC consecutive elements:
 // thread tid owns elements (k * THREADS + tid) * VEC + j, k < CHUNKS, j < VEC.
 // VEC is 16 bytes' worth when N allows it, else 1 (odd test dims).
+// Safe for any N and any row pointer: the 16-byte path needs N % VEC == 0 (so a chunk is whole
+// or past the end) and an aligned row, tested once per call (uniform when one CTA owns the row).
 template <typename T, int N, int THREADS>
 struct RowLayout {
+  static constexpr int NTHREADS = THREADS;
   static constexpr int VEC = (N % Vec16<T>::N == 0) ? Vec16<T>::N : 1;
   static constexpr int CHUNKS = (N + THREADS * VEC - 1) / (THREADS * VEC);
   static constexpr int ITEMS = CHUNKS * VEC;

@@ -2,7 +2,7 @@
 // template: silu_and_mul.cu.j2
 // kernel:   silu_and_mul__bf16__n3072
 // role:     silu_and_mul
-// params:   {"N":3072,"act":"__nv_bfloat16","threads":256}
+// params:   {"N":3072,"act":"__nv_bfloat16","threads":256,"vec":8}
 // includes: common.cuh, elementwise.cuh, vec.cuh
 // nodes:    L1-59.moe_ffn.sa
 // implements (spec op, layers, passes that fused it):
@@ -15,6 +15,7 @@
 typedef __nv_bfloat16 act_t;
 constexpr int N = 3072;
 constexpr int THREADS = 256;
+static_assert(dsg::row_vec<act_t, N>() == 8, "vector width disagrees with the lowering's grid");
 
 struct SiluMulOp {
   __device__ __forceinline__ float operator()(float g, float u) const {

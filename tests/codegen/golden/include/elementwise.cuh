@@ -5,13 +5,17 @@
 
 namespace dsg {
 
+// Elements per access along a row of N: 16 bytes' worth when N allows it, else 1 (odd N).
+// The lowering sizes the grid with the same number (families/_dense_util.py vec16).
+template <typename T, int N>
+__host__ __device__ constexpr int row_vec() { return (N % Vec16<T>::N == 0) ? Vec16<T>::N : 1; }
+
 // out[t, :] = f(a[t, :], b[t, :]) with f applied in float; rows of a and b are a_stride /
 // b_stride elements apart. Vector path when N and every pointer allow 16-byte access.
 template <typename T, int N, int THREADS, typename F>
 __device__ __forceinline__ void binary_rows(const T* __restrict__ a, i64 a_stride, const T* __restrict__ b,
                                             i64 b_stride, T* __restrict__ out, int rows, F f) {
-  constexpr int V = Vec16<T>::N;
-  constexpr int VEC = (N % V == 0) ? V : 1;
+  constexpr int VEC = row_vec<T, N>();
   const int t = blockIdx.x;
   if (t >= rows) return;
   const T* ar = a + (i64)t * a_stride;
@@ -19,6 +23,8 @@ __device__ __forceinline__ void binary_rows(const T* __restrict__ a, i64 a_strid
   T* orow = out + (i64)t * N;
   const int i0 = ((int)blockIdx.y * THREADS + (int)threadIdx.x) * VEC;
   if (i0 >= N) return;
+  // N % VEC == 0: a chunk is whole.  Views start anywhere: the 16-byte path only for aligned rows
+  // (one test per thread, the same for the whole CTA: it owns one row).
   if (VEC > 1 && aligned16(ar) && aligned16(br) && aligned16(orow)) {
     float x[VEC], y[VEC];
     load16(ar + i0, x);

@@ -9,6 +9,8 @@ namespace dsg {
 // every thread of the block must call it. `scratch` holds >= 32 floats of shared memory.
 template <typename T, int N, typename Layout>
 __device__ __forceinline__ void rms_norm_row(float* v, const T* __restrict__ w, float eps, float* scratch) {
+  // block_sum: full-mask warp shuffles and one scratch slot per warp.
+  static_assert(Layout::NTHREADS % 32 == 0 && Layout::NTHREADS <= 1024, "rms_norm: whole warps, at most 1024 threads");
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < Layout::ITEMS; ++i) ss += v[i] * v[i];
