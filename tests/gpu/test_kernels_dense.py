@@ -1,8 +1,14 @@
 """Property tests: embedding, rms_norm, fused_add_rms_norm, add, silu_and_mul kernels
-against the ops' reference semantics (float64), on random shapes, dtypes and strided views."""
+against the ops' reference semantics (float64), on random shapes, dtypes and strided views.
+
+Models come from kernel_cases.MODEL_NAMES, among them odd2, where no width is a whole number of
+16-byte vectors.  `shift` moves a weight or operand one element past an aligned allocation
+(contiguous, base not 16-byte aligned), so the kernels' per-row alignment tests and their
+element fallbacks run on widths that would otherwise take the vector path.  Fixed regression
+cases sit beside each test as @example."""
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import example, given, strategies as st
 
 from kernel_cases import (kernel_test, DTYPES, MODEL_NAMES, Recorder, TType, act, empty_out, model, rand, reference,
                           run_kernel, single_op_graph, strided_view)
@@ -10,6 +16,16 @@ from kernel_cases import (kernel_test, DTYPES, MODEL_NAMES, Recorder, TType, act
 SETTINGS = kernel_test(25)
 RECS = {f: Recorder(f) for f in ("embedding", "rms_norm", "fused_add_rms_norm", "add", "silu_and_mul")}
 tokens = st.one_of(st.sampled_from([1, 2, 63, 64, 65]), st.integers(1, 300))
+
+
+def _shifted(t: torch.Tensor, shift: bool) -> torch.Tensor:
+    """t, or a contiguous copy of it starting one element past an aligned allocation."""
+    if not shift:
+        return t
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    return view
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,8 +36,12 @@ def _report():
 
 
 @SETTINGS
-@given(name=st.sampled_from(MODEL_NAMES), dtype=st.sampled_from(DTYPES), T=tokens, seed=st.integers(0, 2**31))
-def test_embedding(name, dtype, T, seed):
+@given(name=st.sampled_from(MODEL_NAMES), dtype=st.sampled_from(DTYPES), T=tokens, shift=st.booleans(),
+       seed=st.integers(0, 2**31))
+@example(name="odd2", dtype="bf16", T=65, shift=False, seed=1)
+@example(name="odd2", dtype="fp32", T=1, shift=True, seed=2)
+@example(name="lite", dtype="bf16", T=2, shift=True, seed=3)
+def test_embedding(name, dtype, T, shift, seed):
     m = model(name)
     D, vocab = m.dims["hidden"], min(m.dims["vocab"], 4096)
     m_small = m if m.dims["vocab"] == vocab else None
@@ -31,7 +51,7 @@ def test_embedding(name, dtype, T, seed):
     gen = torch.Generator().manual_seed(seed)
     G, nid = single_op_graph(m_small, "embedding", {}, {"ids": TType(("T",), "i64")}, {"weight": "emb"})
     ids = torch.randint(0, vocab, (T,), generator=gen).cuda()
-    table = rand((vocab, D), dtype, gen=gen)
+    table = _shifted(rand((vocab, D), dtype, gen=gen), shift)
     out = empty_out((T, D), dtype)
     run_kernel(G, nid, dtype, values={"ids": ids, "out": out}, weights={"emb": table}, sizes={"T": T})
     (ref,) = reference(G, nid, [ids], {"emb": table})
@@ -41,14 +61,17 @@ def test_embedding(name, dtype, T, seed):
 
 @SETTINGS
 @given(name=st.sampled_from(MODEL_NAMES), dtype=st.sampled_from(DTYPES), T=tokens, which=st.sampled_from(["hidden", "kv_lora_rank"]),
-       extra=st.sampled_from([0, 0, 3, 8, 64]), offset=st.integers(0, 64), seed=st.integers(0, 2**31))
-def test_rms_norm(name, dtype, T, which, extra, offset, seed):
+       extra=st.sampled_from([0, 0, 3, 8, 64]), offset=st.integers(0, 64), shift=st.booleans(), seed=st.integers(0, 2**31))
+@example(name="odd2", dtype="bf16", T=64, which="hidden", extra=3, offset=1, shift=False, seed=1)
+@example(name="odd2", dtype="fp16", T=65, which="kv_lora_rank", extra=0, offset=0, shift=True, seed=2)
+@example(name="lite", dtype="bf16", T=63, which="kv_lora_rank", extra=64, offset=1, shift=True, seed=3)
+def test_rms_norm(name, dtype, T, which, extra, offset, shift, seed):
     m = model(name)
     n = m.dims[which]
     gen = torch.Generator().manual_seed(seed)
     G, nid = single_op_graph(m, "rms_norm", {}, {"x": act(n)}, {"weight": "w"})
     x = strided_view(T, n, dtype, extra, offset, gen) * 3
-    w = rand((n,), dtype, gen=gen) + 1
+    w = _shifted(rand((n,), dtype, gen=gen) + 1, shift)
     out = empty_out((T, n), dtype)
     run_kernel(G, nid, dtype, values={"x": x, "out": out}, weights={"w": w}, sizes={"T": T})
     (ref,) = reference(G, nid, [x], {"w": w})
@@ -58,16 +81,19 @@ def test_rms_norm(name, dtype, T, which, extra, offset, seed):
 
 @SETTINGS
 @given(name=st.sampled_from(MODEL_NAMES), dtype=st.sampled_from(DTYPES), T=tokens, extra=st.sampled_from([0, 0, 5, 8]),
-       offset=st.integers(0, 8), seed=st.integers(0, 2**31))
-def test_fused_add_rms_norm(name, dtype, T, extra, offset, seed):
+       offset=st.integers(0, 8), shift=st.booleans(), seed=st.integers(0, 2**31))
+@example(name="odd2", dtype="bf16", T=65, extra=5, offset=3, shift=False, seed=1)
+@example(name="odd2", dtype="fp32", T=2, extra=0, offset=0, shift=True, seed=2)
+@example(name="lite", dtype="fp16", T=64, extra=8, offset=1, shift=True, seed=3)
+def test_fused_add_rms_norm(name, dtype, T, extra, offset, shift, seed):
     m = model(name)
     n = m.dims["hidden"]
     gen = torch.Generator().manual_seed(seed)
     G, nid = single_op_graph(m, "fused_add_rms_norm", {}, {"x": act(n), "r": act(n)}, {"weight": "w"})
     x = strided_view(T, n, dtype, extra, offset, gen)
-    r = rand((T, n), dtype, gen=gen)
-    w = rand((n,), dtype, gen=gen) + 1
-    h, s = empty_out((T, n), dtype), empty_out((T, n), dtype)
+    r = _shifted(rand((T, n), dtype, gen=gen), shift)
+    w = _shifted(rand((n,), dtype, gen=gen) + 1, shift)
+    h, s = _shifted(empty_out((T, n), dtype), shift), _shifted(empty_out((T, n), dtype), shift)
     run_kernel(G, nid, dtype, values={"x": x, "r": r, "out0": h, "out1": s}, weights={"w": w}, sizes={"T": T})
     # The reference adds in the activation type (the kernel rounds s before normalising).
     s_ref = (x + r)
@@ -79,8 +105,11 @@ def test_fused_add_rms_norm(name, dtype, T, extra, offset, seed):
 
 @SETTINGS
 @given(name=st.sampled_from(MODEL_NAMES), dtype=st.sampled_from(DTYPES + ("f32value",)), T=tokens,
-       extra=st.sampled_from([0, 0, 3, 8]), offset=st.integers(0, 8), seed=st.integers(0, 2**31))
-def test_add(name, dtype, T, extra, offset, seed):
+       extra=st.sampled_from([0, 0, 3, 8]), offset=st.integers(0, 8), shift=st.booleans(), seed=st.integers(0, 2**31))
+@example(name="odd2", dtype="bf16", T=65, extra=3, offset=1, shift=False, seed=1)
+@example(name="odd2", dtype="f32value", T=1, extra=0, offset=0, shift=True, seed=2)
+@example(name="lite", dtype="bf16", T=2, extra=0, offset=0, shift=True, seed=3)
+def test_add(name, dtype, T, extra, offset, shift, seed):
     m = model(name)
     n = m.dims["hidden"]
     gen = torch.Generator().manual_seed(seed)
@@ -89,8 +118,8 @@ def test_add(name, dtype, T, extra, offset, seed):
     act_dtype = "bf16" if dtype == "f32value" else dtype
     G, nid = single_op_graph(m, "add", {}, {"a": TType(("T", n), vdt), "b": TType(("T", n), vdt)}, {})
     a = strided_view(T, n, tdt, extra, offset, gen)
-    b = rand((T, n), tdt, gen=gen)
-    out = empty_out((T, n), tdt)
+    b = _shifted(rand((T, n), tdt, gen=gen), shift)
+    out = _shifted(empty_out((T, n), tdt), shift)
     run_kernel(G, nid, act_dtype, values={"a": a, "b": b, "out": out}, sizes={"T": T})
     (ref,) = reference(G, nid, [a, b])
     RECS["add"].check(out, ref, tdt)
@@ -99,8 +128,11 @@ def test_add(name, dtype, T, extra, offset, seed):
 
 @SETTINGS
 @given(name=st.sampled_from(MODEL_NAMES), dtype=st.sampled_from(DTYPES), T=tokens, which=st.sampled_from(["intermediate", "moe_intermediate"]),
-       fused=st.booleans(), seed=st.integers(0, 2**31))
-def test_silu_and_mul(name, dtype, T, which, fused, seed):
+       fused=st.booleans(), shift=st.booleans(), seed=st.integers(0, 2**31))
+@example(name="odd2", dtype="bf16", T=65, which="intermediate", fused=True, shift=False, seed=1)
+@example(name="odd2", dtype="fp16", T=3, which="moe_intermediate", fused=False, shift=True, seed=2)
+@example(name="lite", dtype="bf16", T=64, which="moe_intermediate", fused=True, shift=True, seed=3)
+def test_silu_and_mul(name, dtype, T, which, fused, shift, seed):
     m = model(name)
     n = m.dims[which]
     gen = torch.Generator().manual_seed(seed)
@@ -110,7 +142,7 @@ def test_silu_and_mul(name, dtype, T, which, fused, seed):
         g, u = gu[:, :n], gu[:, n:]
     else:
         g, u = rand((T, n), dtype, gen=gen, scale=3), rand((T, n), dtype, gen=gen)
-    out = empty_out((T, n), dtype)
+    out = _shifted(empty_out((T, n), dtype), shift)
     run_kernel(G, nid, dtype, values={"g": g, "u": u, "out": out}, sizes={"T": T})
     (ref,) = reference(G, nid, [g, u])
     RECS["silu_and_mul"].check(out, ref, dtype)

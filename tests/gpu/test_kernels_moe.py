@@ -1,8 +1,12 @@
 """The MoE kernel families against the ops' reference semantics (ir/ops/moe.py).
 
-Hypothesis draws shapes (T from 1 to a few hundred, odd dims, every routing method, biases
-partly negative) and dtypes; each example lowers a one-node graph with its family, runs the
-kernel(s) on poisoned outputs and compares with the op's `run` in fp32 on the CPU.
+Hypothesis draws shapes (T from 1 to thousands, odd dims: D 41/45, M 15/37, E 1/7/1024, K 1..8,
+every routing method, biases partly negative) and dtypes; each example lowers a one-node graph
+with its family, runs the kernel(s) on poisoned outputs and compares with the op's `run` in fp32
+on the CPU.  `misalign` moves some operands one element past an aligned allocation (contiguous,
+but the base is not 16-byte aligned): the kernels' run-time fallbacks to element accesses (and the
+tensor-core GEMM handing its experts to the GEMV) must give the same results.  Fixed regression
+cases sit beside each test as @example.
 
 Routing: the router logits (launch 1's workspace) within fp32 tolerance of x.float() @ gate.T;
 the kernel's ids equal to route_ref's (on the kernel's own logits, and on the op reference's),
@@ -35,7 +39,7 @@ from ir.ops import OPS, TType  # noqa: E402
 from ir.ops.moe import align_ref, route_ref  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 pytestmark = GPU_MARKS
@@ -93,6 +97,25 @@ def _record(fam: str, dtype: str, actual: torch.Tensor, expected: torch.Tensor, 
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+# Which operands sit one element past an aligned base (see the module docstring).
+MISALIGN = ("none", "none", "none", "inputs", "weights", "outputs", "all")
+
+
+def _shifted(t: torch.Tensor, shift: bool) -> torch.Tensor:
+    """t itself, or a contiguous copy of it whose data pointer is one element past an aligned
+    allocation (so 4-, 8- and 16-byte vector accesses to it are misaligned)."""
+    if not shift:
+        return t
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def _moved(misalign: str, role: str) -> bool:
+    return misalign == "all" or misalign == role
 
 
 def _lower(G, nid, dtype):
@@ -154,6 +177,8 @@ def _check_ids(ids_k: torch.Tensor, ids_r: torch.Tensor, sel: torch.Tensor, what
 
 ROUTE_CASES = [
     # (scoring, method, E, groups, topk_groups, K choices)
+    ("softmax", "greedy", 1, 1, 1, (1,)),
+    ("softmax", "greedy", 7, 1, 1, (1, 3, 7)),
     ("softmax", "greedy", 8, 1, 1, (1, 3)),
     ("softmax", "greedy", 64, 1, 1, (6,)),
     ("sigmoid", "greedy", 12, 1, 1, (3,)),
@@ -162,6 +187,8 @@ ROUTE_CASES = [
     ("sigmoid", "noaux_tc", 12, 4, 2, (3,)),
     ("sigmoid", "noaux_tc", 64, 8, 4, (6, 8)),
     ("sigmoid", "noaux_tc", 256, 8, 4, (8,)),
+    ("softmax", "greedy", 1024, 1, 1, (8,)),                 # MAX_EXPERTS: 32 scores per lane
+    ("sigmoid", "noaux_tc", 1024, 32, 4, (8,)),
 ]
 
 
@@ -170,15 +197,27 @@ def route_cases(draw):
     scoring, method, E, G, TG, ks = draw(st.sampled_from(ROUTE_CASES))
     return {
         "dtype": draw(st.sampled_from(DTYPES)), "T": draw(st.sampled_from(TOKENS)),
-        "D": draw(st.sampled_from((40, 45, 64, 256))), "E": E, "K": draw(st.sampled_from(ks)),
+        "D": draw(st.sampled_from((40, 41, 45, 64, 256))), "E": E, "K": draw(st.sampled_from(ks)),
         "attrs": {"scoring": scoring, "method": method, "groups": G, "topk_groups": TG,
                   "norm_topk_prob": draw(st.booleans()), "routed_scaling_factor": draw(st.sampled_from((1.0, 2.5)))},
         "bias": method == "noaux_tc" and draw(st.sampled_from((True, True, False))),
-        "seed": draw(st.integers(0, 2**31 - 1)),
+        "misalign": draw(st.sampled_from(MISALIGN)), "seed": draw(st.integers(0, 2**31 - 1)),
     }
 
 
+def _route_case(dtype, T, D, E, K, scoring="softmax", method="greedy", G=1, TG=1, bias=False, misalign="none"):
+    """A fixed routing case (for @example)."""
+    return {"dtype": dtype, "T": T, "D": D, "E": E, "K": K,
+            "attrs": {"scoring": scoring, "method": method, "groups": G, "topk_groups": TG,
+                      "norm_topk_prob": True, "routed_scaling_factor": 2.5},
+            "bias": bias, "misalign": misalign, "seed": 13}
+
+
 @given(case=route_cases())
+@example(case=_route_case("bf16", 33, 41, 7, 3))
+@example(case=_route_case("fp16", 1, 45, 1, 1, misalign="all"))
+@example(case=_route_case("fp32", 300, 41, 1024, 8, "sigmoid", "noaux_tc", 32, 4, bias=True))
+@example(case=_route_case("bf16", 2, 64, 64, 6, misalign="inputs"))
 @_settings(30)
 def test_moe_route(runner, case):
     dtype, T, D, E, K = case["dtype"], case["T"], case["D"], case["E"], case["K"]
@@ -193,13 +232,14 @@ def test_moe_route(runner, case):
     g = _gen(case["seed"])
     x = torch.randn(T, D, generator=g).to(TORCH_DTYPES[dtype])
     gate = torch.randn(E, D, generator=g) / D ** 0.5 * 2.0      # logits ~ N(0, 4): picks well apart
-    weights = {"router.weight": gate.to(DEV)}
+    mis = case.get("misalign", "none")
+    weights = {"router.weight": _shifted(gate.to(DEV), _moved(mis, "weights"))}
     bias = None
     if case["bias"]:
         bias = torch.randn(E, generator=g) * 0.5                 # partly negative
         weights["router.bias"] = bias.to(DEV)
     values = {
-        "x": x.to(DEV),
+        "x": _shifted(x.to(DEV), _moved(mis, "inputs")),
         ids_name: poison(torch.empty(T, K, dtype=torch.int64, device=DEV)),
         w_name: poison(torch.empty(T, K, dtype=torch.float32, device=DEV)),
         f"{r_name}.order": poison(torch.empty(T * K, dtype=torch.int32, device=DEV)),
@@ -222,6 +262,9 @@ def test_moe_route(runner, case):
 
 
 @given(case=route_cases())
+@example(case=_route_case("fp32", 65, 41, 7, 7))
+@example(case=_route_case("fp32", 5, 41, 1024, 8))
+@example(case=_route_case("fp32", 2, 41, 1, 1))
 @_settings(12)
 def test_moe_topk(runner, case):
     T, E, K = case["T"], case["E"], case["K"]
@@ -243,8 +286,11 @@ def test_moe_topk(runner, case):
         _record("moe_topk", "fp32", values[w_name].cpu()[same], w_ref[same])
 
 
-@given(T=st.sampled_from(TOKENS + (2048,)), E=st.sampled_from((1, 8, 12, 64, 256)), K=st.integers(1, 8),
-       seed=st.integers(0, 2**31 - 1))
+@given(T=st.sampled_from(TOKENS + (2048, 4097)), E=st.sampled_from((1, 7, 8, 12, 64, 256, 1024)),
+       K=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
+@example(T=4097, E=1024, K=8, seed=3)        # MAX_EXPERTS, NP = 32776 pairs through one 1024-thread CTA
+@example(T=1, E=1, K=1, seed=0)
+@example(T=300, E=7, K=7, seed=5)
 @_settings(12)
 def test_moe_align(runner, T, E, K, seed):
     K = min(K, E)
@@ -263,10 +309,15 @@ def test_moe_align(runner, T, E, K, seed):
 
 @st.composite
 def grouped_cases(draw):
-    E = draw(st.sampled_from((1, 8, 12, 64)))
+    E = draw(st.sampled_from((1, 7, 8, 12, 64)))
     return {"dtype": draw(st.sampled_from(DTYPES)), "T": draw(st.sampled_from(TOKENS)), "E": E,
-            "K": min(E, draw(st.sampled_from((1, 3, 6, 8)))), "D": draw(st.sampled_from((40, 64, 136, 256))),
-            "M": draw(st.sampled_from((36, 64, 72, 200))), "seed": draw(st.integers(0, 2**31 - 1))}
+            "K": min(E, draw(st.sampled_from((1, 2, 3, 6, 8)))), "D": draw(st.sampled_from((40, 41, 45, 64, 136, 256))),
+            "M": draw(st.sampled_from((15, 36, 37, 64, 72, 200))), "misalign": draw(st.sampled_from(MISALIGN)),
+            "seed": draw(st.integers(0, 2**31 - 1))}
+
+
+def _grouped_case(dtype, T, E, K, D, M, misalign="none"):
+    return {"dtype": dtype, "T": T, "E": E, "K": K, "D": D, "M": M, "misalign": misalign, "seed": 7}
 
 
 def _routing(T, E, K, g):
@@ -300,28 +351,52 @@ def _grouped(runner, op, case):
         first = "x"
     outs = G.nodes[nid]["outputs"]
     n_out = M if op != "moe_down" else D
-    values = {first: inp.to(DEV), "R": dev_r,
-              **{o: poison(torch.empty(T * K, n_out, dtype=tdt, device=DEV)) for o in outs}}
+    mis = case.get("misalign", "none")
+    values = {first: _shifted(inp.to(DEV), _moved(mis, "inputs")), "R": dev_r,
+              **{o: poison(_shifted(torch.empty(T * K, n_out, dtype=tdt, device=DEV), _moved(mis, "outputs")))
+                 for o in outs}}
     runner.run_all(_lower(G, nid, dtype), values=values,
-                   weights={names[k]: v.to(DEV) for k, v in w.items()}, sizes={"T": T, "NP": T * K})
+                   weights={names[k]: _shifted(v.to(DEV), _moved(mis, "weights")) for k, v in w.items()},
+                   sizes={"T": T, "NP": T * K})
     refs = OPS[op].run(node_view(G, nid), [inp.float(), ref_r], {k: v.float() for k, v in w.items()}, None)
+    if op == "moe_gate_up_silu" and dtype != "fp32":
+        refs = [_gate_up_silu_rounded(G, nid, inp, ref_r, w, tdt)]
     for o, ref in zip(outs, refs):
         _record(op, dtype, values[o], ref)
 
 
+def _gate_up_silu_rounded(G, nid, inp, routing, w, tdt):
+    """The reference rounded where the kernel (and transformers' bf16 expert) rounds: gate and up
+    to the activation type, silu(gate) to it, then their product (moe.cuh GATE_UP_SILU)."""
+    def rnd(t):
+        return t.to(tdt).double()
+    g, u = OPS["moe_gate_up"].run(node_view(G, nid), [inp.double(), routing], {k: v.double() for k, v in w.items()}, None)
+    g, u = rnd(g), rnd(u)
+    return rnd(torch.nn.functional.silu(g)) * u
+
+
 @given(case=grouped_cases())
+@example(case=_grouped_case("bf16", 5, 7, 3, 41, 15))
+@example(case=_grouped_case("fp16", 1, 7, 2, 45, 37, "all"))
+@example(case=_grouped_case("fp32", 33, 1, 1, 41, 37))
+@example(case=_grouped_case("bf16", 2, 64, 6, 256, 64, "weights"))
 @_settings(25)
 def test_moe_gate_up_silu(runner, case):
     _grouped(runner, "moe_gate_up_silu", case)
 
 
 @given(case=grouped_cases())
+@example(case=_grouped_case("fp16", 33, 7, 3, 45, 15))
+@example(case=_grouped_case("bf16", 2, 8, 8, 64, 36, "outputs"))
 @_settings(10)
 def test_moe_gate_up(runner, case):
     _grouped(runner, "moe_gate_up", case)
 
 
 @given(case=grouped_cases())
+@example(case=_grouped_case("bf16", 5, 7, 3, 41, 15))
+@example(case=_grouped_case("fp32", 128, 7, 6, 45, 37, "all"))
+@example(case=_grouped_case("fp16", 1, 64, 6, 64, 72, "inputs"))
 @_settings(20)
 def test_moe_down(runner, case):
     _grouped(runner, "moe_down", case)
@@ -332,25 +407,34 @@ def many_pairs_cases(draw):
     """Prefill-like: hundreds to thousands of pairs per expert, so the tensor-core GEMM path runs
     (experts with more than GEMM_THRESHOLD pairs), next to light experts on the GEMV path; row
     tiles with a partial last tile, odd dims (element loads), N not a multiple of the column tile."""
-    E = draw(st.sampled_from((1, 3, 8)))
+    E = draw(st.sampled_from((1, 3, 7, 8)))
     return {"dtype": draw(st.sampled_from(("bf16", "fp16"))), "T": draw(st.sampled_from((150, 700, 2048))),
-            "E": E, "K": min(E, draw(st.sampled_from((1, 2, 6)))), "D": draw(st.sampled_from((40, 136, 256, 512))),
-            "M": draw(st.sampled_from((36, 72, 200, 1408))), "seed": draw(st.integers(0, 2**31 - 1))}
+            "E": E, "K": min(E, draw(st.sampled_from((1, 2, 6)))),
+            "D": draw(st.sampled_from((40, 41, 45, 136, 256, 512))), "M": draw(st.sampled_from((15, 36, 37, 72, 200, 1408))),
+            "misalign": draw(st.sampled_from(MISALIGN)), "seed": draw(st.integers(0, 2**31 - 1))}
 
 
 @given(case=many_pairs_cases())
+@example(case=_grouped_case("bf16", 700, 7, 2, 41, 15))     # odd KD (element loads) and odd N (element stores)
+@example(case=_grouped_case("fp16", 2048, 3, 2, 45, 37))
+@example(case=_grouped_case("bf16", 700, 3, 2, 256, 200, "inputs"))   # the GEMM refuses, the GEMV takes all
 @_settings(8)
 def test_moe_gate_up_silu_many_pairs(runner, case):
     _grouped(runner, "moe_gate_up_silu", case)
 
 
 @given(case=many_pairs_cases())
+@example(case=_grouped_case("fp16", 700, 7, 6, 45, 15))
+@example(case=_grouped_case("bf16", 150, 1, 1, 136, 72, "outputs"))
 @_settings(5)
 def test_moe_gate_up_many_pairs(runner, case):
     _grouped(runner, "moe_gate_up", case)
 
 
 @given(case=many_pairs_cases())
+@example(case=_grouped_case("bf16", 700, 7, 2, 41, 15))     # KD = M = 15, N = D = 41
+@example(case=_grouped_case("fp16", 2048, 3, 2, 45, 37))
+@example(case=_grouped_case("bf16", 700, 3, 2, 256, 200, "weights"))
 @_settings(8)
 def test_moe_down_many_pairs(runner, case):
     _grouped(runner, "moe_down", case)
@@ -361,8 +445,12 @@ def test_moe_down_many_pairs(runner, case):
 @st.composite
 def combine_cases(draw):
     return {"dtype": draw(st.sampled_from(DTYPES)), "T": draw(st.sampled_from(TOKENS)),
-            "K": draw(st.sampled_from((1, 3, 6, 8))), "D": draw(st.sampled_from((40, 45, 64, 1000, 2048))),
-            "seed": draw(st.integers(0, 2**31 - 1))}
+            "K": draw(st.integers(1, 8)), "D": draw(st.sampled_from((40, 41, 45, 64, 1000, 2048))),
+            "misalign": draw(st.sampled_from(MISALIGN)), "seed": draw(st.integers(0, 2**31 - 1))}
+
+
+def _combine_case(dtype, T, K, D, misalign="none"):
+    return {"dtype": dtype, "T": T, "K": K, "D": D, "misalign": misalign, "seed": 11}
 
 
 def _combine(runner, op, case):
@@ -378,20 +466,27 @@ def _combine(runner, op, case):
         ins += [torch.randn(T, D, generator=g).to(tdt), torch.randn(T, D, generator=g).to(tdt)]
     G, nid = single_op_graph(tiny_model(), op, {}, types, {})
     (out,) = G.nodes[nid]["outputs"]
-    values = {name: t.to(DEV) for name, t in zip(types, ins)}
-    values[out] = poison(torch.empty(T, D, dtype=tdt, device=DEV))
+    mis = case.get("misalign", "none")
+    values = {name: _shifted(t.to(DEV), _moved(mis, "inputs")) for name, t in zip(types, ins)}
+    values[out] = poison(_shifted(torch.empty(T, D, dtype=tdt, device=DEV), _moved(mis, "outputs")))
     runner.run_all(_lower(G, nid, dtype), values=values, sizes={"T": T, "NP": T * K})
     (ref,) = OPS[op].run(node_view(G, nid), [t.float() for t in ins], {}, None)
     _record(op, dtype, values[out], ref)
 
 
 @given(case=combine_cases())
+@example(case=_combine_case("bf16", 33, 7, 41))
+@example(case=_combine_case("fp32", 1, 1, 45, "all"))
+@example(case=_combine_case("fp16", 5, 6, 2048, "outputs"))
 @_settings(12)
 def test_moe_combine(runner, case):
     _combine(runner, "moe_combine", case)
 
 
 @given(case=combine_cases())
+@example(case=_combine_case("bf16", 300, 3, 41))
+@example(case=_combine_case("fp16", 2, 8, 45, "inputs"))
+@example(case=_combine_case("bf16", 128, 6, 2048, "all"))
 @_settings(20)
 def test_moe_combine_residual(runner, case):
     _combine(runner, "moe_combine_residual", case)
