@@ -23,7 +23,8 @@ README = ROOT / "README.md"
 CI = ROOT / ".ci" / "run"
 
 FIRST_COMMAND = "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && dsgraph compile"
-GPU_MARKERS = ('device="cuda"', "-m gpu")     # the GPU API example; the GPU suite and bench
+# the GPU API example; the GPU suite and bench; the compute-sanitizer runs
+GPU_MARKERS = ('device="cuda"', "tests/gpu/run_isolated.py")
 
 
 def blocks(kind: str | None = None) -> list[str]:
@@ -52,7 +53,7 @@ def test_every_runnable_block_is_accounted_for():
     runnable = blocks("bash") + blocks("python")
     setup, gpu = _setup_commands(), [b for b in runnable if _is_gpu(b)]
     assert setup == [FIRST_COMMAND, ci_command()]
-    assert len(gpu) == 2, "a new GPU-only README block: list it here on purpose"
+    assert len(gpu) == 3, "a new GPU-only README block: list it here on purpose"
     assert len(runnable) == len(setup) + len(gpu) + len(_runnable_bash()) + len(_runnable_python())
     assert _runnable_bash() and _runnable_python()
     assert {info.strip() for info in re.findall(r"^```([^\n]*)\n.*?^```", README.read_text(), re.M | re.S)} <= \

@@ -65,6 +65,28 @@ def test_tiny_greedy_tokens_match_transformers(tiny):
         assert o.token_ids == ref
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_tiny_low_precision_error_within_transformers_own(name, dtype, tmp_path):
+    """bf16 / fp16 end to end on every tiny model (the all-odd-widths one too: the vector-width
+    fallbacks and alignment checks run here): our relative logit error against transformers fp32
+    is at most 1.5x transformers' own error in the same dtype, prefill and paged decode."""
+    from runtime import Engine
+    path = build(name, tmp_path / name)
+    ref_model = load_reference(path).to(DEV)
+    low = load_reference(path).to(DEV, dtype)
+    engine = Engine.from_pretrained(path, backend="cuda", device=DEV, dtype=dtype, block_size=5,
+                                    num_blocks=64, max_seq_len=128)
+    tag = "bf16" if dtype == torch.bfloat16 else "fp16"
+    for decode_after in (None, 4):
+        ours = engine.logits(PROMPTS, decode_after=decode_after)
+        for p, o in zip(PROMPTS, ours):
+            ref = hf_logits(ref_model, p)
+            e_ours, e_hf = _rel(o, ref), _rel(hf_logits(low, p), ref)
+            _report(f"tiny_{name}_{tag}_rel_ours_vs_transformers", f"{e_ours:.4g} / {e_hf:.4g}")
+            assert e_ours <= 1.5 * e_hf + 1e-3, f"{name} {tag}: ours {e_ours:.4g} vs transformers {e_hf:.4g}"
+
+
 def test_continuous_batching_equals_alone(tiny):
     from runtime import SamplingParams
     _, _, engine = tiny

@@ -61,16 +61,19 @@ def test_embedding(name, dtype, T, shift, seed):
 
 @SETTINGS
 @given(name=st.sampled_from(MODEL_NAMES), dtype=st.sampled_from(DTYPES), T=tokens, which=st.sampled_from(["hidden", "kv_lora_rank"]),
-       extra=st.sampled_from([0, 0, 3, 8, 64]), offset=st.integers(0, 64), shift=st.booleans(), seed=st.integers(0, 2**31))
-@example(name="odd2", dtype="bf16", T=64, which="hidden", extra=3, offset=1, shift=False, seed=1)
-@example(name="odd2", dtype="fp16", T=65, which="kv_lora_rank", extra=0, offset=0, shift=True, seed=2)
-@example(name="lite", dtype="bf16", T=63, which="kv_lora_rank", extra=64, offset=1, shift=True, seed=3)
-def test_rms_norm(name, dtype, T, which, extra, offset, shift, seed):
+       extra=st.sampled_from([0, 0, 3, 8, 64]), offset=st.integers(0, 64), shift=st.booleans(),
+       magnitude=st.sampled_from([3.0, 3.0, 1e-3]), seed=st.integers(0, 2**31))
+@example(name="odd2", dtype="bf16", T=64, which="hidden", extra=3, offset=1, shift=False, magnitude=3.0, seed=1)
+@example(name="odd2", dtype="fp16", T=65, which="kv_lora_rank", extra=0, offset=0, shift=True, magnitude=3.0, seed=2)
+@example(name="lite", dtype="bf16", T=63, which="kv_lora_rank", extra=64, offset=1, shift=True, magnitude=3.0, seed=3)
+@example(name="lite", dtype="fp32", T=9, which="kv_lora_rank", extra=0, offset=0, shift=False, magnitude=1e-3, seed=4)
+def test_rms_norm(name, dtype, T, which, extra, offset, shift, magnitude, seed):
+    """magnitude 1e-3: rows whose mean square is about eps (1e-6), so a wrong eps shows."""
     m = model(name)
     n = m.dims[which]
     gen = torch.Generator().manual_seed(seed)
     G, nid = single_op_graph(m, "rms_norm", {}, {"x": act(n)}, {"weight": "w"})
-    x = strided_view(T, n, dtype, extra, offset, gen) * 3
+    x = strided_view(T, n, dtype, extra, offset, gen) * magnitude
     w = _shifted(rand((n,), dtype, gen=gen) + 1, shift)
     out = empty_out((T, n), dtype)
     run_kernel(G, nid, dtype, values={"x": x, "out": out}, weights={"w": w}, sizes={"T": T})
