@@ -7,8 +7,15 @@ q_lora, the rope pair layout, the router's scoring and top-k method.
 from __future__ import annotations
 
 import json
+import math
+import re
+
+import yaml
 
 from .errors import SpecError
+
+CONFIG = "config.json"
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 
 HEADER = """\
 # {title}
@@ -113,82 +120,179 @@ def _num(x) -> str:
     return text
 
 
-def _rope_params(cfg: dict) -> dict:
-    raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    theta = raw.get("rope_theta", cfg.get("rope_theta", 10000.0))
+class _Config:
+    """Typed reads of a config.json dict: every value the spec uses is checked here, so a bad
+    one is a SpecError naming the config file and its key, never a TypeError further on."""
+
+    def __init__(self, cfg: dict, file: str):
+        self.cfg, self.file = cfg, file
+
+    def error(self, key: str, message: str) -> SpecError:
+        return SpecError(message, file=self.file, path=key)
+
+    def int(self, key: str, *, minimum: int = 1, default=..., source: dict | None = None, prefix: str = ""):
+        """An integer >= minimum; a missing or null key gives `default` (or an error when there is none)."""
+        data = self.cfg if source is None else source
+        value = data.get(key)
+        if value is None:
+            if default is ...:
+                raise self.error(prefix + key, f"config.json lacks {key!r}")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(prefix + key, f"{key} must be an integer >= {minimum}, got {value!r}")
+        if value < minimum:
+            raise self.error(prefix + key, f"{key} must be an integer >= {minimum}, got {value}")
+        return value
+
+    def float(self, key: str, *, default, positive: bool = False, source: dict | None = None, prefix: str = ""):
+        """A finite number (positive when asked); a missing or null key gives `default`."""
+        data = self.cfg if source is None else source
+        value = data.get(key)
+        if value is None:
+            return default
+        what = "a positive finite number" if positive else "a finite number"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.error(prefix + key, f"{key} must be {what}, got {value!r}")
+        if positive and value <= 0:
+            raise self.error(prefix + key, f"{key} must be {what}, got {value!r}")
+        return value
+
+    def bool(self, key: str, *, default: bool) -> bool:
+        value = self.cfg.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.error(key, f"{key} must be true or false, got {value!r}")
+        return value
+
+    def str(self, key: str, *, default):
+        value = self.cfg.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise self.error(key, f"{key} must be a string, got {value!r}")
+        return value
+
+
+def _rope_params(c: _Config) -> dict:
+    cfg = c.cfg
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    raw = cfg.get(key) or {}
+    if not isinstance(raw, dict):
+        raise c.error(key, f"{key} must be a mapping (or null), got {raw!r}")
+    p = f"{key}."
+    theta = c.float("rope_theta", source=raw, prefix=p, positive=True, default=None)
+    if theta is None:
+        theta = c.float("rope_theta", default=10000.0, positive=True)
     kind = raw.get("type", raw.get("rope_type", "default"))
     if kind in (None, "default"):
         return {"theta": theta, "scaling": "none"}
     if kind != "yarn":
-        raise SpecError(f"rope scaling {kind!r} is not supported (DeepSeek models use yarn or none)", file="config.json",
+        raise SpecError(f"rope scaling {kind!r} is not supported (DeepSeek models use yarn or none)", file=c.file,
                         path="rope_scaling")
     out = {"theta": theta, "scaling": "yarn"}
-    factor = raw.get("factor")
-    orig = raw.get("original_max_position_embeddings")
-    if orig is None:
-        raise SpecError("yarn rope scaling needs original_max_position_embeddings", file="config.json", path="rope_scaling")
+    if raw.get("original_max_position_embeddings") is None:
+        raise SpecError("yarn rope scaling needs original_max_position_embeddings", file=c.file, path="rope_scaling")
+    orig = c.int("original_max_position_embeddings", source=raw, prefix=p)
+    factor = c.float("factor", source=raw, prefix=p, positive=True, default=None)
     if factor is None:
-        factor = cfg["max_position_embeddings"] / orig
-    out.update(factor=factor, original_max_position_embeddings=orig, beta_fast=raw.get("beta_fast") or 32,
-               beta_slow=raw.get("beta_slow") or 1)
-    if raw.get("mscale"):
+        factor = c.int("max_position_embeddings") / orig
+    out.update(factor=factor, original_max_position_embeddings=orig,
+               beta_fast=c.float("beta_fast", source=raw, prefix=p, positive=True, default=None) or 32,
+               beta_slow=c.float("beta_slow", source=raw, prefix=p, positive=True, default=None) or 1)
+    mscale = c.float("mscale", source=raw, prefix=p, default=None)
+    if mscale:
         # Left out when unset: transformers then scales cos/sin by mscale(factor) even if
         # mscale_all_dim is set, which is what RopeConfig's default (0.0, unset) means.
-        out["mscale"] = raw["mscale"]
-    out["mscale_all_dim"] = raw.get("mscale_all_dim") or 0.0
+        out["mscale"] = mscale
+    out["mscale_all_dim"] = c.float("mscale_all_dim", source=raw, prefix=p, default=None) or 0.0
     if "truncate" in raw:
-        out["truncate"] = bool(raw["truncate"])
+        if not isinstance(raw["truncate"], bool):
+            raise c.error(p + "truncate", f"truncate must be true or false, got {raw['truncate']!r}")
+        out["truncate"] = raw["truncate"]
     return out
 
 
-def spec_from_config(cfg: dict, name: str | None = None, title: str | None = None) -> str:
-    """Return spec YAML text for a Hugging Face DeepSeek-V2/V3 config dict."""
+def _yaml_str(text: str) -> str:
+    """`text` as a YAML scalar that reads back as this string: plain when it is a simple
+    name (the shipped specs), else double-quoted (JSON's quoting is valid YAML)."""
+    if _PLAIN_NAME.fullmatch(text) and yaml.safe_load(text) == text:
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
+def spec_from_config(cfg: dict, name: str | None = None, title: str | None = None, *, file: str = CONFIG) -> str:
+    """Return spec YAML text for a Hugging Face DeepSeek-V2/V3 config dict.  Every value it
+    reads is checked first (type, range, the constraints between dims), so a config it cannot
+    translate is one SpecError naming `file` and the key."""
+    if not isinstance(cfg, dict):
+        raise SpecError(f"a config.json is a JSON object, got {type(cfg).__name__}", file=file)
+    c = _Config(cfg, file)
     model_type = cfg.get("model_type")
     if model_type not in ("deepseek_v2", "deepseek_v3"):
-        raise SpecError(f"model_type must be deepseek_v2 or deepseek_v3, got {model_type!r}", file="config.json",
+        raise SpecError(f"model_type must be deepseek_v2 or deepseek_v3, got {model_type!r}", file=file,
                         path="model_type")
     required = ["hidden_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                 "v_head_dim", "intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
                 "vocab_size", "num_hidden_layers", "max_position_embeddings"]
     for key in required:
         if cfg.get(key) is None:
-            raise SpecError(f"config.json lacks {key!r}", file="config.json", path=key)
+            raise SpecError(f"config.json lacks {key!r}", file=file, path=key)
+    ints = {key: c.int(key) for key in required}
+    q_lora_rank = c.int("q_lora_rank", default=None)
+    shared = c.int("n_shared_experts", minimum=0, default=0)
+    n_group = c.int("n_group", default=1)
+    topk_group = c.int("topk_group", default=1)
+    first_dense = c.int("first_k_dense_replace", minimum=0, default=0)
+    moe_freq = c.int("moe_layer_freq", default=1)
+    E, K = ints["n_routed_experts"], ints["num_experts_per_tok"]
+    if ints["qk_rope_head_dim"] % 2:
+        raise c.error("qk_rope_head_dim", f"qk_rope_head_dim must be even (rotary pairs), got {ints['qk_rope_head_dim']}")
+    if K > E:
+        raise c.error("num_experts_per_tok", f"num_experts_per_tok ({K}) must be at most n_routed_experts ({E})")
+    if E % n_group:
+        raise c.error("n_group", f"n_routed_experts ({E}) must divide into n_group ({n_group}) equal groups")
+    if topk_group > n_group:
+        raise c.error("topk_group", f"topk_group ({topk_group}) must be at most n_group ({n_group})")
     v3 = model_type == "deepseek_v3"
-    n_group = cfg.get("n_group") or 1
-    topk_group = cfg.get("topk_group") or 1
+    tie = c.bool("tie_word_embeddings", default=False)
     if v3:
         scoring, method = "sigmoid", "noaux_tc"   # transformers' DeepseekV3 always routes this way
-        norm = bool(cfg.get("norm_topk_prob", True))
-        interleave = cfg.get("rope_interleave", True)
+        norm = c.bool("norm_topk_prob", default=True)
+        interleave = c.bool("rope_interleave", default=True)
         rope_pairs, rope_output = ("adjacent", "halves") if interleave else ("halves", "halves")
     else:
         scoring = cfg.get("scoring_func", "softmax")
         method = cfg.get("topk_method", "greedy")
         if scoring != "softmax" or method not in ("greedy", "group_limited_greedy"):
-            raise SpecError(f"deepseek_v2 routing {scoring}/{method} is not supported", file="config.json", path="topk_method")
+            raise SpecError(f"deepseek_v2 routing {scoring}/{method} is not supported", file=file, path="topk_method")
         norm = False  # transformers' DeepseekV2 ignores norm_topk_prob; we match it
         rope_pairs, rope_output = "adjacent", "interleaved"
-    rope = _rope_params(cfg)
+    rope = _rope_params(c)
+    eps = c.float("rms_norm_eps", default=1e-6, positive=True)
+    routed_scaling_factor = c.float("routed_scaling_factor", default=1.0)
     dims = {
-        "hidden": ("D", cfg["hidden_size"]), "heads": ("H", cfg["num_attention_heads"]),
-        "q_lora_rank": ("Q", cfg.get("q_lora_rank")), "kv_lora_rank": ("C", cfg["kv_lora_rank"]),
-        "qk_nope_head_dim": ("N", cfg["qk_nope_head_dim"]), "qk_rope_head_dim": ("R", cfg["qk_rope_head_dim"]),
-        "v_head_dim": ("V", cfg["v_head_dim"]), "intermediate": ("I", cfg["intermediate_size"]),
-        "moe_intermediate": ("M", cfg["moe_intermediate_size"]), "experts": ("E", cfg["n_routed_experts"]),
-        "shared_experts": ("", cfg.get("n_shared_experts") or 0), "top_k": ("K", cfg["num_experts_per_tok"]),
-        "groups": ("", n_group), "topk_groups": ("", topk_group), "vocab": ("", cfg["vocab_size"]),
-        "layers": ("", cfg["num_hidden_layers"]), "max_positions": ("", cfg["max_position_embeddings"]),
+        "hidden": ("D", ints["hidden_size"]), "heads": ("H", ints["num_attention_heads"]),
+        "q_lora_rank": ("Q", q_lora_rank), "kv_lora_rank": ("C", ints["kv_lora_rank"]),
+        "qk_nope_head_dim": ("N", ints["qk_nope_head_dim"]), "qk_rope_head_dim": ("R", ints["qk_rope_head_dim"]),
+        "v_head_dim": ("V", ints["v_head_dim"]), "intermediate": ("I", ints["intermediate_size"]),
+        "moe_intermediate": ("M", ints["moe_intermediate_size"]), "experts": ("E", E),
+        "shared_experts": ("", shared), "top_k": ("K", K),
+        "groups": ("", n_group), "topk_groups": ("", topk_group), "vocab": ("", ints["vocab_size"]),
+        "layers": ("", ints["num_hidden_layers"]), "max_positions": ("", ints["max_position_embeddings"]),
     }
-    if not dims["shared_experts"][1]:
-        raise SpecError("models without shared experts are not supported yet", file="config.json", path="n_shared_experts")
-    name = name or cfg.get("_name_or_path", "").split("/")[-1].lower().replace("-", "_") or model_type
-    lines = [HEADER.format(title=title or f"{name} ({model_type})"), "schema: 1", f"name: {name}",
+    if not shared:
+        raise SpecError("models without shared experts are not supported yet", file=file, path="n_shared_experts")
+    if not name:
+        name = c.str("_name_or_path", default="").split("/")[-1].lower().replace("-", "_") or model_type
+    title = (title or f"{name} ({model_type})").replace("\r", " ").replace("\n", " ")   # one comment line
+    lines = [HEADER.format(title=title), "schema: 1", f"name: {_yaml_str(name)}",
              f"model_type: {model_type}", "", "dims:"]
     for key, (letter, value) in dims.items():
         text = "null" if value is None else str(value)
         lines.append((f"  {key}: {text}".ljust(28) + (f"# {letter}" if letter else "")).rstrip())
-    lines += ["", "config:", f"  rms_norm_eps: {_num(cfg.get('rms_norm_eps', 1e-6))}",
-              f"  tie_word_embeddings: {'true' if cfg.get('tie_word_embeddings', False) else 'false'}", "  rope:"]
+    lines += ["", "config:", f"  rms_norm_eps: {_num(eps)}",
+              f"  tie_word_embeddings: {'true' if tie else 'false'}", "  rope:"]
     for key, value in rope.items():
         if isinstance(value, bool):
             text = "true" if value else "false"
@@ -201,12 +305,12 @@ def spec_from_config(cfg: dict, name: str | None = None, title: str | None = Non
         lines.append(f"    {key}: {text}")
     lines.append("")
     bias = ' bias: "model.layers.{layer}.mlp.gate.e_score_correction_bias",' if v3 else ""
-    lm_head = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings", False) else "lm_head.weight"
+    lm_head = "model.embed_tokens.weight" if tie else "lm_head.weight"
     body = BODY.format(
-        first_k_dense_replace=cfg.get("first_k_dense_replace") or 0, moe_layer_freq=cfg.get("moe_layer_freq") or 1,
-        q_ops=Q_LORA if cfg.get("q_lora_rank") else Q_DIRECT, rope_pairs=rope_pairs, rope_output=rope_output,
+        first_k_dense_replace=first_dense, moe_layer_freq=moe_freq,
+        q_ops=Q_LORA if q_lora_rank else Q_DIRECT, rope_pairs=rope_pairs, rope_output=rope_output,
         scoring=scoring, method=method, norm_topk_prob="true" if norm else "false",
-        routed_scaling_factor=_num(cfg.get("routed_scaling_factor", 1.0)), bias=bias, lm_head=lm_head)
+        routed_scaling_factor=_num(routed_scaling_factor), bias=bias, lm_head=lm_head)
     return "\n".join(lines) + "\n" + body
 
 
@@ -218,4 +322,6 @@ def spec_from_config_file(path: str, name: str | None = None) -> str:
         raise SpecError(f"cannot read config: {exc.strerror}", file=str(path)) from None
     except json.JSONDecodeError as exc:
         raise SpecError(f"not valid JSON: {exc.msg}", file=str(path), line=exc.lineno) from None
-    return spec_from_config(cfg, name=name)
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"not UTF-8 text: {exc.reason} at byte {exc.start}", file=str(path)) from None
+    return spec_from_config(cfg, name=name, file=str(path))

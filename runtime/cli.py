@@ -53,11 +53,15 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 def run_spec(args) -> int:
     """write a model spec from a Hugging Face config.json"""
     from ir.config_to_spec import spec_from_config_file
+    from ir.errors import SpecError
     if not Path(args.from_config).is_file():
-        raise FileNotFoundError(f"config file not found: {args.from_config}")
+        raise SpecError("config file not found", file=args.from_config)
     text = spec_from_config_file(args.from_config, name=args.name)
     if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+        try:
+            Path(args.output).write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise DsgraphError(f"cannot write {args.output}: {e.strerror or e}") from None
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)

@@ -40,7 +40,7 @@ def resolve_spec(spec, config: dict | None) -> Spec:
     if spec is not None:
         return load_spec(str(spec))
     if config is None:
-        raise ValueError("no spec given and no config.json to write one from")
+        raise WeightError("no spec given and no config.json to write one from")
     from ir.config_to_spec import spec_from_config
     return load_spec(spec_from_config(config), file="config.json (generated spec)")
 
