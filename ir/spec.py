@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .errors import SpecError
 from .model import NULLABLE_DIMS, REQUIRED_DIMS, ModelConfig, RopeConfig
 from .ops import OPS
-from .ops.base import AttrError
+from .ops.base import FLOAT32_MAX, AttrError
 from .yaml_source import Located, load_located
 
 SCHEMA = 1
@@ -24,6 +24,7 @@ MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 REQUIRED_BLOCKS = ("embed", "decoder_layer", "head")
 PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+FLOAT32_MIN = 1.1754943508222875e-38   # the smallest normal float32
 
 
 @dataclass(frozen=True)
@@ -164,10 +165,20 @@ def _parse_config(loc: Located, data: dict, name: str, model_type: str, dims: di
         raise loc.error("config.rope.scaling", f"rope scaling must be none or yarn, got {values['scaling']!r}")
     if values.get("theta", 1.0) <= 0:
         raise loc.error("config.rope.theta", "theta must be positive")
+    for key, value in values.items():
+        # The rotary tables are computed in float32 (ir/rope.py), as transformers does.
+        if fields[key] is float and abs(value) > FLOAT32_MAX:
+            raise loc.error(f"config.rope.{key}", f"{key} must be within float32 range (|x| <= 3.4e38), got {value!r}")
     if values.get("scaling") == "yarn":
         for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
             if key in values and values[key] <= 0:
                 raise loc.error(f"config.rope.{key}", f"{key} must be positive, got {values[key]!r}")
+        if values.get("factor", 1.0) < FLOAT32_MIN:
+            raise loc.error("config.rope.factor", f"factor must be at least {FLOAT32_MIN:.3g} (a normal float32), "
+                                                  f"got {values['factor']!r}")
+        if values.get("theta", RopeConfig.theta) <= 1:
+            raise loc.error("config.rope.theta", f"theta must be greater than 1 under yarn scaling (its ramp divides "
+                                                 f"by log(theta)), got {values['theta']!r}")
     return ModelConfig(name=name, model_type=model_type, dims_items=tuple(sorted(dims.items())),
                        rms_norm_eps=eps, tie_word_embeddings=tie, rope=RopeConfig(**values))
 

@@ -14,12 +14,14 @@ write; it orders reads after writes) and "routing" (an expert-sorted token plan)
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 from ..expr import ExprError, evaluate
 
 OPS: dict[str, type["OpDef"]] = {}
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def register(cls):
@@ -80,9 +82,14 @@ class Attr:
             if isinstance(value, bool):
                 raise AttrError(f"expected a number, got {value!r}")
             try:
-                return float(value)
+                number = float(value)
             except (TypeError, ValueError):
                 raise AttrError(f"expected a number, got {value!r}") from None
+            # Kernels and the reference compute these in float32: a value beyond its range
+            # would silently become inf there.
+            if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+                raise AttrError(f"expected a finite number within float32 range (|x| <= 3.4e38), got {value!r}")
+            return number
         if self.kind == "bool":
             if not isinstance(value, bool):
                 raise AttrError(f"expected true or false, got {value!r}")
