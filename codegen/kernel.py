@@ -251,7 +251,7 @@ class KernelLaunch:
 class LibraryCall:
     """A node left to a library (cuBLAS through torch); the manifest says which."""
     node: str
-    op: str                      # linear | view
+    op: str                      # linear | split | all_reduce | moe_local_experts (codegen.lower.LIBRARY_CALLS)
     call: str                    # e.g. "torch.nn.functional.linear"
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]

@@ -6,6 +6,8 @@ library:
 
     linear                      -> torch.nn.functional.linear (cuBLAS)
     split                       -> view (no copy: a strided view of its input)
+    all_reduce                  -> torch.distributed.all_reduce (NCCL, on the current stream)
+    moe_local_experts           -> ir.ops.moe.local_experts_ref (two torch.where: ids and weights)
 
 Anything else without a family is a LoweringError naming the node and its op.
 
@@ -35,6 +37,9 @@ from .provenance import node_origins
 LIBRARY_CALLS = {
     "linear": "torch.nn.functional.linear",
     "split": "view",
+    # Only in a rank's graph (tensor / expert parallel; ir/passes/shard_for_rank.py).
+    "all_reduce": "torch.distributed.all_reduce",
+    "moe_local_experts": "ir.ops.moe.local_experts_ref",
 }
 
 WORKSPACE_DTYPES = ("f32", "i32", "i64", "act")

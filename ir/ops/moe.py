@@ -272,3 +272,36 @@ class MoeCombineResidual(OpDef):
         # Same rounding points as the unfused chain: routed sum -> act, + shared -> act, + residual.
         routed = combine_ref(eo, wt).to(eo.dtype)
         return [res + (routed + sh)]
+
+
+def local_experts_ref(ids: torch.Tensor, weights: torch.Tensor, first: int, count: int):
+    """(ids, weights) [T, K] over all E experts -> the same pairs over this rank's experts
+    [first, first + count), renumbered from 0.  A pair routed to another rank's expert keeps
+    weight 0 and is given the local expert ``id % count``: the grouped expert ops compute
+    every pair they are handed, so it must land on some local expert (round robin spreads
+    that waste evenly), and its finite result times 0 adds nothing to the combine."""
+    local = (ids >= first) & (ids < first + count)
+    return (torch.where(local, ids - first, ids % count),
+            torch.where(local, weights, torch.zeros((), dtype=weights.dtype, device=weights.device)))
+
+
+@register
+class MoeLocalExperts(OpDef):
+    name = "moe_local_experts"
+    inputs = 2
+    outputs = 2
+    attrs = {"first": Attr("int"), "count": Attr("dim")}
+    doc = ("[ids [T, K], weights [T, K] fp32] -> the pairs over this rank's experts [first, first+count) "
+           "(expert parallel): local ids, and weight 0 for pairs another rank serves")
+
+    @classmethod
+    def infer(cls, node, ins, model):
+        ids, wt = ins
+        expect(ids.dtype == "i64" and len(ids.shape) == 2, f"moe_local_experts expects expert ids [T, K], got {ids}")
+        expect(wt.dtype == "f32" and wt.shape == ids.shape, f"moe_local_experts expects fp32 weights like {ids}, got {wt}")
+        expect(node.attrs["first"] >= 0, f"moe_local_experts: first expert {node.attrs['first']} is negative")
+        return [ids, wt], {}
+
+    @classmethod
+    def run(cls, node, ins, w, ctx):
+        return list(local_experts_ref(ins[0], ins[1], node.attrs["first"], node.attrs["count"]))

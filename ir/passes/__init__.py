@@ -22,8 +22,10 @@ from .fuse_kv_norm_rope_cache import fuse_kv_norm_rope_cache
 from .fuse_moe_silu import fuse_moe_silu
 from .fuse_q_rope_into_query import fuse_q_rope_into_query
 from .fuse_router import fuse_router
+from .insert_all_reduce import insert_all_reduce
 from .lower_mla_decode import lower_mla_decode
 from .lower_mla_prefill import lower_mla_prefill
+from .shard_for_rank import shard_for_rank
 from .split_rope import split_rope
 
 
@@ -42,6 +44,9 @@ PREFILL = ("prefill",)
 DECODE = ("decode",)
 
 PIPELINE: list[Pass] = [
+    # Tensor / expert parallelism (a no-op unless G.graph["parallel"] asks for more than one rank)
+    Pass(shard_for_rank,               BOTH),     # the rank's heads, FFN columns and experts (ir/parallel.py)
+    Pass(insert_all_reduce,            BOTH),     # partial sums -> all_reduce before whoever needs them whole
     # MLA attention
     Pass(split_rope,                   BOTH),     # rope(q, k) -> rope_q, rope_k
     Pass(fuse_kv_norm_rope_cache,      BOTH),     # kv_a_layernorm + rope_k + cache_write -> mla_kv_cache_write
@@ -86,5 +91,5 @@ def run_pipeline(G: nx.DiGraph, passes: list[Pass] = PIPELINE) -> nx.DiGraph:
 
 
 __all__ = ["PIPELINE", "Pass", "run_pipeline", "eliminate_dead", "fuse_add_rms_norm", "fuse_combine_shared_residual",
-           "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_q_rope_into_query", "fuse_router", "lower_mla_decode",
-           "lower_mla_prefill", "split_rope"]
+           "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_q_rope_into_query", "fuse_router", "insert_all_reduce",
+           "lower_mla_decode", "lower_mla_prefill", "shard_for_rank", "split_rope"]
