@@ -8,6 +8,7 @@
     dsgraph goldens [--check]
     dsgraph generate --model DIR (--prompt TEXT | --ids 1,2,3) [--max-new-tokens N] ...
     dsgraph bench [--quick] [--json bench.json]
+    dsgraph plan [SPEC] [--gpus N[,N...]] [--dtype bf16] [--batch 32] [--context 4096] [--json] ...
 
 Subcommands live in COMMANDS (name -> (add_arguments, run)); adding one is one
 entry.  A user's mistake (bad spec, failed kernel compile, damaged bundle, missing
@@ -31,6 +32,7 @@ from codegen.paths import DEFAULT_SPEC, REPO_ROOT
 from . import __version__
 from .bench import add_bench_args, run_bench
 from .cli_generate import add_generate_args, run_generate
+from .cli_plan import add_plan_args, run_plan
 from .errors import DsgraphError
 
 EXIT_USER_ERROR = 2
@@ -203,6 +205,7 @@ COMMANDS = {
     "goldens": (add_goldens_args, run_goldens),
     "generate": (add_generate_args, run_generate),
     "bench": (add_bench_args, run_bench),
+    "plan": (add_plan_args, run_plan),
 }
 
 
