@@ -5,8 +5,8 @@ given) is the artifact: `open_bundle` checks it against this dsgraph and this GP
 reads back each phase's plan from its manifest; the backend then runs those steps as
 written, with no graph, no passes, no lowering and no NVRTC.  Each step allocates its
 values per the buffer plan, binds them to the kernels' typed arguments, and launches on
-torch's current stream; dense GEMMs (cuBLAS through torch) and the views of ``split`` are
-the only library calls.  No device-to-host copy happens in a step.
+torch's current stream; dense GEMMs (cuBLAS through torch), the views of ``split`` and, in a
+rank's bundle, the all-reduce and the local-expert renumbering are the only library calls.  No device-to-host copy happens in a step.
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from codegen import sizes as size_exprs
 from codegen.kernel import DEFAULTS, KernelLaunch, LibraryCall
 from ir.context import StepContext
+from ir.ops.collective import all_reduce_sum
+from ir.ops.moe import local_experts_ref
 
 from .errors import InputError
 from .h2d import upload
@@ -77,7 +79,7 @@ class CudaBackend:
 
     @classmethod
     def from_bundle(cls, loaded, weights: dict, *, dtype, top_k: int) -> "CudaBackend":
-        unknown = sorted({s.op for p in loaded.plans.values() for s in p.library_calls} - {"linear", "split"})
+        unknown = sorted({s.op for p in loaded.plans.values() for s in p.library_calls} - set(LIBRARY_OPS))
         if unknown:
             raise InputError(f"bundle {loaded.path} asks for library calls this runtime does not run: "
                              f"{', '.join(unknown)}")
@@ -135,8 +137,8 @@ class CudaBackend:
         for node, group in itertools.groupby(plan.steps, key=_node_of):
             steps = list(group)
             call = steps[0] if isinstance(steps[0], LibraryCall) else None
-            if call is not None and call.op == "linear":
-                self._linear(call, env)   # the library allocates its output
+            if call is not None and call.op in _ALLOCATING:
+                _ALLOCATING[call.op](self, call, env)   # the library allocates its output
                 continue
             info = plan.nodes[node]
             for out in info.outputs:
@@ -154,3 +156,18 @@ class CudaBackend:
             env[call.outputs[0]] = F.linear(x.float(), w.float())
         else:
             env[call.outputs[0]] = F.linear(x, w)
+
+    def _all_reduce(self, call: LibraryCall, env: dict) -> None:
+        # torch.distributed on torch's current stream (NCCL on GPUs, gloo on the CPU).
+        env[call.outputs[0]] = all_reduce_sum(env[call.inputs[0]])
+
+    def _local_experts(self, call: LibraryCall, env: dict) -> None:
+        ids, weights = local_experts_ref(env[call.inputs[0]], env[call.inputs[1]], call.attrs["first"],
+                                         call.attrs["count"])
+        env[call.outputs[0]], env[call.outputs[1]] = ids, weights
+
+
+# Library calls that make their own outputs; `split` is the other one (a view the buffer plan makes).
+_ALLOCATING = {"linear": CudaBackend._linear, "all_reduce": CudaBackend._all_reduce,
+               "moe_local_experts": CudaBackend._local_experts}
+LIBRARY_OPS = (*_ALLOCATING, "split")

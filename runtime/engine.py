@@ -22,6 +22,7 @@ import torch
 
 from codegen.kernel import DEFAULTS
 from ir.context import StepContext
+from ir.parallel import ParallelError, check_parallel
 from ir.spec import Spec, parse_spec
 
 from .errors import InputError
@@ -30,6 +31,7 @@ from .kv_cache import BlockAllocator, BlockTables, PagedLatentCache
 from .memory import MemoryEstimate, check_fits, weight_bytes
 from .model_loader import (compile_graphs, eos_token_ids, load_config, load_model_weights, manifest_weight_specs,
                            random_weights, resolve_spec, weight_specs)
+from .parallel import check_ranks_agree, init_parallel
 from .sampling import SamplingParams, make_generator, sample_next, token_id_tuple
 from .scheduler import Scheduler, Sequence
 
@@ -162,7 +164,9 @@ class Engine:
         semantics; backend="cuda" runs a bundle: `bundle=DIR` (made by `dsgraph compile`), or the
         spec compiled for this GPU through the bundle cache.  ``progress``: None (quiet), True (a
         tqdm bar on stderr, hidden when stderr is not a terminal) or a callable
-        ``progress(done, total)`` counting tensors read.
+        ``progress(done, total)`` counting tensors read.  ``tp=N`` (launched under
+        ``torchrun --nproc-per-node N``): this process is one of N ranks and reads only its
+        slice of the checkpoint (runtime/parallel.py).
         """
         backend, device = _backend_and_device(backend, device, bundle)   # before anything is read
         config = load_config(model_dir)
@@ -197,16 +201,24 @@ class Engine:
         is read and the memory before anything is allocated; `read_weights(specs, spec, dtype,
         device)` then supplies the weights the backend binds."""
         backend, device = _backend_and_device(backend, device, bundle)
+        tp = kwargs.pop("tp", None)
         if backend == "reference":
             if bundle is not None:
                 raise InputError("a bundle runs on backend='cuda'; the reference backend runs the spec itself")
             dtype = _as_dtype(dtype or torch.float32)
             spec = resolve_spec(spec, config)
-            compiled = compile_graphs(spec)
+            check_parallel(spec, 1 if tp is None else tp)     # before any process group is joined
+            world, rank, device = init_parallel(tp, device)   # tp > 1: this process is one rank (runtime/parallel.py)
+            check_ranks_agree("spec", spec.text)
+            compiled = compile_graphs(spec, world=world, rank=rank)
             specs = weight_specs(compiled.graphs)
-            check_fits(estimate_memory(spec, specs, dtype=dtype, device=device, **kwargs), device, f"{spec.name} {what}")
+            check_fits(estimate_memory(spec, specs, dtype=dtype, device=device, **kwargs), device,
+                       f"{spec.name} {what}" + (f" (rank {rank} of {world})" if world > 1 else ""))
             weights = read_weights(specs, spec, dtype, device)
             return cls(spec, compiled.graphs, weights, backend=backend, device=device, dtype=dtype, **kwargs)
+        if tp not in (None, 1):
+            raise ParallelError(f"tp={tp} runs on backend='reference' so far; backend='cuda' needs a bundle per "
+                                f"rank, which dsgraph compile does not make yet")
         from .cuda_backend import CudaBackend, open_bundle  # the driver only when asked for
         if bundle is not None and spec is not None:
             raise InputError("give a spec or a bundle, not both: a bundle carries the spec it was compiled from")

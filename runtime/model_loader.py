@@ -45,23 +45,41 @@ def resolve_spec(spec, config: dict | None) -> Spec:
     return load_spec(spec_from_config(config), file="config.json (generated spec)")
 
 
-def compile_graphs(spec: Spec, passes: bool = True) -> CompiledModel:
+def compile_graphs(spec: Spec, passes: bool = True, *, world: int = 1, rank: int = 0) -> CompiledModel:
+    """The phase graphs after the pipeline; with world > 1, rank `rank`'s part of them
+    (ir/passes/shard_for_rank.py), after ir.parallel.check_parallel said the model splits."""
     from ir import build_graph, verify
+    from ir.parallel import check_parallel
     from ir.passes import run_pipeline
+    check_parallel(spec, world)
     graphs = {}
     for phase in ("prefill", "decode"):
         G = build_graph(spec, phase)
         verify(G)
+        if world > 1:
+            G.graph["parallel"] = {"world": world, "rank": rank}
         graphs[phase] = run_pipeline(G) if passes else G
     return CompiledModel(spec, graphs)
 
 
 def weight_specs(graphs: dict) -> dict[str, WeightSpec]:
-    """What the graphs bind (the reference backend's weights)."""
+    """What the graphs bind (the reference backend's weights); in a rank's graphs, the slice
+    of each split weight the rank reads (the Shards shard_for_rank recorded)."""
     specs: dict[str, WeightSpec] = {}
     for G in graphs.values():
+        world = (G.graph.get("parallel") or {}).get("world", 1)
         for name, info in G.graph["weights"].items():
-            specs[name] = WeightSpec(shape=tuple(info.shape), keep_fp32=info.keep_fp32, parts=info.parts)
+            shard = (G.graph.get("shards") or {}).get(name)
+            extra = {}
+            if shard is not None and shard.dim is not None:
+                stored = list(info.shape)
+                stored[shard.dim] *= world
+                extra = {"part": (shard.dim, shard.start, shard.stop), "stored": tuple(stored)}
+            elif shard is not None and shard.kind == "experts":
+                held = set(info.parts)
+                extra = {"others": tuple(name.replace("*", str(e)) for e in range(G.graph["model"].dims["experts"])
+                                         if name.replace("*", str(e)) not in held)}
+            specs[name] = WeightSpec(shape=tuple(info.shape), keep_fp32=info.keep_fp32, parts=info.parts, **extra)
     return specs
 
 

@@ -47,6 +47,7 @@ class Checkpoint:
         self.model_dir = model_dir
         self._handles = handles  # shard file name -> safe_open handle
         self._shard_of = shard_of  # tensor name -> shard file name
+        self.reads: list[tuple[str, tuple[int, int, int] | None]] = []
 
     @classmethod
     def open(cls, model_dir: str | Path) -> Checkpoint:
@@ -115,9 +116,16 @@ class Checkpoint:
     def dtype_str(self, name: str) -> str:
         return self._handle(name).get_slice(name).get_dtype()
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor as stored (dtype and shape untouched), on the CPU."""
-        return self._handle(name).get_tensor(name)
+    def get(self, name: str, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The tensor as stored (dtype untouched), on the CPU; ``part`` = (dim, start, stop)
+        reads only that slice (safetensors get_slice: the rest is never read).  Every read is
+        logged in ``self.reads`` as (name, part), so a test can see what a rank touched."""
+        self.reads.append((name, part))
+        if part is None:
+            return self._handle(name).get_tensor(name)
+        dim, start, stop = part
+        sl = self._handle(name).get_slice(name)
+        return sl[start:stop] if dim == 0 else sl[:, start:stop]
 
     def _handle(self, name: str):
         shard = self._shard_of.get(name)
@@ -157,9 +165,18 @@ class WeightSpec:
     shape: tuple[int, ...]
     keep_fp32: bool = False
     parts: tuple[str, ...] | None = None
+    # Tensor / expert parallel (ir/parallel.py): `part` = (dim, start, stop) of the stored
+    # tensor this rank holds (its shape is then `stored`); `others` = the per-expert tensors
+    # other ranks hold, known to the checkpoint check but never read here.
+    part: tuple[int, int, int] | None = None
+    stored: tuple[int, ...] | None = None
+    others: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.stored is not None:
+            object.__setattr__(self, "stored", tuple(int(d) for d in self.stored))
+        object.__setattr__(self, "others", tuple(self.others))
         if self.parts is not None:
             object.__setattr__(self, "parts", tuple(self.parts))
             if not self.shape or self.shape[0] != len(self.parts):
@@ -171,7 +188,7 @@ class WeightSpec:
     def sources(self, key: str) -> list[tuple[str, tuple[int, ...]]]:
         """(checkpoint name, expected shape of that tensor) for each tensor read."""
         if self.parts is None:
-            return [(key, self.shape)]
+            return [(key, self.stored or self.shape)]
         return [(name, self.shape[1:]) for name in self.parts]
 
 
@@ -205,7 +222,7 @@ def load_weights(
     for key, spec in specs.items():
         target = torch.float32 if spec.keep_fp32 else dtype
         if spec.parts is None:
-            out[key] = _read(ckpt, key, device).to(device=device, dtype=target)
+            out[key] = _read(ckpt, key, device, spec.part).to(device=device, dtype=target)
             done += 1
             if progress is not None:
                 progress(done, total)
@@ -230,6 +247,7 @@ def check_checkpoint(ckpt: Checkpoint, specs: dict[str, WeightSpec], ignore: Cal
     missing: list[str] = []
     wrong: list[str] = []
     for key, spec in specs.items():
+        used.update(n for n in spec.others if n in available)   # other ranks' experts
         for name, shape in spec.sources(key):
             if name not in available:
                 missing.append(f"{name} (expected shape {shape})")
@@ -287,15 +305,26 @@ def _section(title: str, items: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _read(ckpt: Checkpoint, name: str, device: torch.device | str) -> torch.Tensor:
-    """One checkpoint tensor, dequantised if FP8; the caller casts and places it."""
-    tensor = ckpt.get(name)
+def _read(ckpt: Checkpoint, name: str, device: torch.device | str,
+          part: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """One checkpoint tensor (or its slice `part` = (dim, start, stop)), dequantised if FP8;
+    the caller casts and places it."""
     if ckpt.dtype_str(name) != FP8_DTYPE:
-        return tensor
-    # Dequantise where the result will live: the 1-byte weights cross the bus,
-    # not their 4-byte expansion.
-    scale = ckpt.get(name + SCALE_SUFFIX)
-    return dequantize_fp8_blockwise(tensor.to(device), scale.to(device))
+        return ckpt.get(name, part)
+    if part is None:
+        # Dequantise where the result will live: the 1-byte weights cross the bus,
+        # not their 4-byte expansion.
+        scale = ckpt.get(name + SCALE_SUFFIX)
+        return dequantize_fp8_blockwise(ckpt.get(name).to(device), scale.to(device))
+    # A slice reads the whole 128-blocks it overlaps (and their scales), then trims.
+    dim, start, stop = part
+    lo, hi = start // FP8_BLOCK, -(-stop // FP8_BLOCK)
+    whole = ckpt.shape(name)[dim]
+    weight = ckpt.get(name, (dim, lo * FP8_BLOCK, min(hi * FP8_BLOCK, whole)))
+    scale = ckpt.get(name + SCALE_SUFFIX, (dim, lo, hi))
+    full = dequantize_fp8_blockwise(weight.to(device), scale.to(device))
+    trim = slice(start - lo * FP8_BLOCK, stop - lo * FP8_BLOCK)
+    return full[trim] if dim == 0 else full[:, trim]
 
 
 def fp8_scale_shape(shape: tuple[int, ...], block: int = FP8_BLOCK) -> tuple[int, int]:

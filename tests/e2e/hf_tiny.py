@@ -81,6 +81,23 @@ def v3_odd_config():
 CONFIGS = {"v2_lite": v2_lite_config, "v2": v2_config, "v3": v3_config, "v3_odd": v3_odd_config}
 
 
+def _splittable(make):
+    """The same model with 4 heads (hidden 44: transformers wants it to divide by the heads),
+    intermediates dividing by 4 (the 8 or 12 experts already do),
+    so it runs on 2 and 4 ranks (tensor / expert parallel tests)."""
+    def config():
+        config = make()
+        for key, value in dict(hidden_size=44, num_attention_heads=4, num_key_value_heads=4, intermediate_size=48,
+                               moe_intermediate_size=12).items():
+            setattr(config, key, value)
+        return config
+    return config
+
+
+# Built by name like CONFIGS, but not part of the single-process parity runs over CONFIGS.
+PARALLEL_CONFIGS = {f"{name}_tp": _splittable(CONFIGS[name]) for name in ("v2_lite", "v2", "v3")}
+
+
 def _model_class(config):
     from transformers import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
     return DeepseekV3ForCausalLM if config.model_type == "deepseek_v3" else DeepseekV2ForCausalLM
@@ -88,7 +105,7 @@ def _model_class(config):
 
 def build(name: str, out_dir: Path, seed: int = 0) -> Path:
     """Build the tiny model ``name`` with a fixed seed and save it to ``out_dir``."""
-    config = CONFIGS[name]()
+    config = {**CONFIGS, **PARALLEL_CONFIGS}[name]()
     torch.manual_seed(seed)
     model = _model_class(config)(config).eval()
     gen = torch.Generator().manual_seed(seed + 1)

@@ -1,0 +1,72 @@
+"""Running one model over several processes (tensor / expert parallel, torch.distributed).
+
+Launch one process per rank with torchrun (it sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT), and ask every rank for the same engine:
+
+    torchrun --nproc-per-node 2 my_script.py       # my_script: Engine.from_pretrained(model_dir, tp=2)
+
+Each rank builds its own part of the graphs (ir/passes/shard_for_rank.py), reads only its
+slice of the checkpoint (runtime/weights.py, by the table in ir/parallel.py) and runs the
+same steps on the same inputs; the all_reduce steps sum the ranks' partial results (gloo on
+the CPU, NCCL on GPUs, with NVLink multicast off).  Greedy and seeded sampling then pick the
+same token on every rank, because every rank holds the same logits.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+
+from ir.parallel import ParallelError
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_parallel(tp, device: torch.device) -> tuple[int, int, torch.device]:
+    """(world, rank, device) for `tp` ranks: the default process group, initialised here from
+    torchrun's environment unless the caller already did; tp None or 1 is one process."""
+    if tp is None or tp == 1:
+        return 1, 0, device
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ParallelError(f"tp must be a whole number >= 1, got {tp!r}")
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        missing = [v for v in LAUNCH_VARS if v not in os.environ]
+        if missing:
+            raise ParallelError(f"tp={tp} needs one process per rank: launch with torchrun --nproc-per-node {tp} "
+                                f"(not set: {', '.join(missing)})")
+        if device.type == "cuda":
+            # NVLink multicast stays off (issue 12): NCCL runs its plain ring / tree kernels.
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != tp:
+        raise ParallelError(f"tp={tp} but the job has {world} ranks (torchrun --nproc-per-node {tp})")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    return world, rank, device
+
+
+def check_ranks_agree(what: str, text: str) -> None:
+    """Raise ParallelError on every rank unless every rank passed the same `text` (e.g. the spec)."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = hashlib.sha256(text.encode()).hexdigest()[:16]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if len(set(every)) > 1:
+        groups = {}
+        for r, h in enumerate(every):
+            groups.setdefault(h, []).append(r)
+        shown = "; ".join(f"ranks {', '.join(map(str, rs))}: {h}" for h, rs in groups.items())
+        raise ParallelError(f"the ranks disagree on the {what} ({shown}); give every rank the same one")
+
+
+def is_main_rank() -> bool:
+    """True on rank 0 (or without a process group): the rank that prints."""
+    import torch.distributed as dist
+    return not dist.is_initialized() or dist.get_rank() == 0
