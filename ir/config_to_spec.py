@@ -290,7 +290,9 @@ def spec_from_config(cfg: dict, name: str | None = None, title: str | None = Non
              f"model_type: {model_type}", "", "dims:"]
     for key, (letter, value) in dims.items():
         text = "null" if value is None else str(value)
-        lines.append((f"  {key}: {text}".ljust(28) + (f"# {letter}" if letter else "")).rstrip())
+        # ljust(27) + " ": the comment column of the shipped specs, and always a space before "#"
+        # (YAML reads "1000000000000# R" as one string).
+        lines.append((f"  {key}: {text}".ljust(27) + " " + (f"# {letter}" if letter else "")).rstrip())
     lines += ["", "config:", f"  rms_norm_eps: {_num(eps)}",
               f"  tie_word_embeddings: {'true' if tie else 'false'}", "  rope:"]
     for key, value in rope.items():

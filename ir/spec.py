@@ -16,6 +16,7 @@ from .errors import SpecError
 from .model import NULLABLE_DIMS, REQUIRED_DIMS, ModelConfig, RopeConfig
 from .ops import OPS
 from .ops.base import FLOAT32_MAX, AttrError
+from .rope import attention_factor
 from .yaml_source import Located, load_located
 
 SCHEMA = 1
@@ -25,6 +26,9 @@ REQUIRED_BLOCKS = ("embed", "decoder_layer", "head")
 PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 FLOAT32_MIN = 1.1754943508222875e-38   # the smallest normal float32
+MAX_LAYERS = 1024
+MAX_EXPERT_LAYERS = 1 << 20             # layers x experts
+MAX_ROPE_DIM = 4096
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,18 @@ def _parse_dims(loc: Located, data: dict) -> dict:
     for name in REQUIRED_DIMS:
         if name not in out:
             raise loc.error("dims", f"missing dim {name!r} (a spec names: {', '.join(REQUIRED_DIMS)})")
+    # The graph is built layer by layer, with one weight name per expert per layer, and the
+    # rotary inverse frequencies are computed one by one: bound them so that an absurd value
+    # is an error rather than minutes of work and gigabytes of names.
+    if out["layers"] > MAX_LAYERS:
+        raise loc.error("dims.layers", f"{out['layers']} layers; dsgraph builds at most {MAX_LAYERS}")
+    if out["layers"] * out["experts"] > MAX_EXPERT_LAYERS:
+        raise loc.error("dims.experts", f"{out['layers']} layers x {out['experts']} experts = "
+                                        f"{out['layers'] * out['experts']} per-expert weight sets; dsgraph builds at "
+                                        f"most {MAX_EXPERT_LAYERS} (DeepSeek-V3 has 61 x 256)")
+    if out["qk_rope_head_dim"] > MAX_ROPE_DIM:
+        raise loc.error("dims.qk_rope_head_dim", f"rotary dim {out['qk_rope_head_dim']} is larger than the "
+                                                 f"{MAX_ROPE_DIM} dsgraph tabulates")
     if out["experts"] % out["groups"]:
         raise loc.error("dims.groups", f"experts ({out['experts']}) must divide into groups ({out['groups']})")
     if out["qk_rope_head_dim"] % 2:
@@ -150,6 +166,8 @@ def _parse_config(loc: Located, data: dict, name: str, model_type: str, dims: di
     eps = _get(loc, cfg, "rms_norm_eps", "config", float)
     if eps <= 0:
         raise loc.error("config.rms_norm_eps", "rms_norm_eps must be positive")
+    if eps > FLOAT32_MAX:
+        raise loc.error("config.rms_norm_eps", f"rms_norm_eps must be within float32 range (<= 3.4e38), got {eps!r}")
     tie = _get(loc, cfg, "tie_word_embeddings", "config", bool, required=False, default=False)
     rope_raw = _get(loc, cfg, "rope", "config", dict)
     fields = {"theta": float, "scaling": str, "factor": float, "original_max_position_embeddings": int,
@@ -179,8 +197,23 @@ def _parse_config(loc: Located, data: dict, name: str, model_type: str, dims: di
         if values.get("theta", RopeConfig.theta) <= 1:
             raise loc.error("config.rope.theta", f"theta must be greater than 1 under yarn scaling (its ramp divides "
                                                  f"by log(theta)), got {values['theta']!r}")
-    return ModelConfig(name=name, model_type=model_type, dims_items=tuple(sorted(dims.items())),
-                       rms_norm_eps=eps, tie_word_embeddings=tie, rope=RopeConfig(**values))
+    model = ModelConfig(name=name, model_type=model_type, dims_items=tuple(sorted(dims.items())),
+                        rms_norm_eps=eps, tie_word_embeddings=tie, rope=RopeConfig(**values))
+    # The kernels bake these two as float32 constants; YaRN's mscale terms can overflow them
+    # (or, for a negative mscale, divide by zero).
+    checks = (("the attention softmax scale qk_head_dim**-0.5 * mscale(factor, mscale_all_dim)**2",
+               "config.rope.mscale_all_dim" if "mscale_all_dim" in rope_raw else "config.rope",
+               lambda: model.softmax_scale),
+              ("the rotary attention factor mscale(factor, mscale) / mscale(factor, mscale_all_dim)",
+               "config.rope", lambda: attention_factor(model.rope)))
+    for what, path, compute in checks:
+        try:
+            value = compute()
+        except ZeroDivisionError:
+            value = math.inf
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+            raise loc.error(path, f"{what} is {value:.3g}, beyond float32 range")
+    return model
 
 
 def _parse_plan(loc: Located, data: dict, dims: dict) -> LayerPlan:
