@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +45,8 @@ EXAMPLES = int(os.environ.get("DSGRAPH_FUZZ_EXAMPLES", "200"))
 COMPILE_EXAMPLES = int(os.environ.get("DSGRAPH_FUZZ_COMPILE_EXAMPLES", "3"))
 MAX_LAYERS_TO_LOWER = 6     # lowering V3's 61 layers takes seconds; structure repeats after a few
 FILE = "fuzz.yaml"
+# What codegen's c_float writes for a float32 overflow: not C, so NVRTC would fail on it.
+NON_FINITE_LITERAL = re.compile(r"(?<![A-Za-z0-9_.])(inf|nan)\.0f")
 
 # -- what gets mutated -----------------------------------------------------------------
 
@@ -91,12 +94,13 @@ DELETABLE = sorted(set(DIMS) | set(CHOICES) | {"rope_scaling"})
 ROPE_FIELD = {
     "type": st.sampled_from(["yarn", "default", "linear", "dynamic", None, "", 4, ["yarn"]]),
     "rope_type": st.sampled_from(["yarn", "default", "llama3", None]),
-    "factor": st.sampled_from([1, 4, 40, 0.5, 0, -1, 1e-300, 1e-40, 1e300, "4", None, float("nan")]),
+    "factor": st.sampled_from([1, 4, 40, 0.5, 0, -1, 1e-300, 1e-40, 1e30, 1e300, 22026.465794806718, "4", None,
+                               float("nan")]),
     "original_max_position_embeddings": st.sampled_from([1, 1024, 4096, 0, -1, 1.5, "4096", None, 10**20]),
     "beta_fast": st.sampled_from([32, 1, 0, -1, 1e-300, 1e300, "32", None]),
     "beta_slow": st.sampled_from([1, 32, 0, -1, "1", None]),
-    "mscale": st.sampled_from([0.707, 1, 0, -10, 1e300, "1", None]),
-    "mscale_all_dim": st.sampled_from([0.707, 1, 0, -1e3, 1e-300, "x", None]),
+    "mscale": st.sampled_from([0.707, 1, 0, -1, -10, 3e38, 1e300, "1", None]),
+    "mscale_all_dim": st.sampled_from([0.707, 1, 0, -1, -1e3, 1e-300, 3e38, "x", None]),
     "truncate": st.sampled_from([True, False, "no", 1, None]),
     "rope_theta": st.sampled_from([10000, 1, 0, "1e4", None]),
 }
@@ -206,8 +210,11 @@ def check_config(cfg: dict, run, workdir: Path, *, compile_ok: bool) -> str:
     spec, err = _library(load_spec, text, file=FILE)
     lowered = False
     if err is None and spec.dims["layers"] <= MAX_LAYERS_TO_LOWER:
-        _, err = _library(render_spec, spec, strict=True)
+        rendered, err = _library(render_spec, spec, strict=True)
         lowered = err is None
+        for k in rendered[1] if lowered else ():
+            bad = NON_FINITE_LITERAL.search(k.source)
+            assert bad is None, f"kernel {k.name} bakes a non-finite constant {bad.group(0)!r}"
     if err is not None:
         # A spec that does not load or lower fails `dsgraph compile` before NVRTC runs: cheap.
         rc, _, stderr = run("compile", str(spec_path), "-o", str(workdir / "bundle"),
@@ -252,6 +259,17 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, print_blob=True, database=
                                            {"type": "yarn", "original_max_position_embeddings": 1,
                                             "factor": 1e-300})])                           # ZeroDivision in rope
 @example(base="deepseek_tiny", mutations=[("set", "routed_scaling_factor", 1e300)])         # "inf.0f" constant
+@example(base="deepseek_tiny", mutations=[("set", "rms_norm_eps", 1e300)])                  # "inf.0f" norm eps
+@example(base="deepseek_tiny", mutations=[("set", "num_hidden_layers", 10**12)])            # graph build hangs
+@example(base="deepseek_tiny", mutations=[("set", "n_routed_experts", 10**12)])             # 10^12 weight names
+@example(base="deepseek_tiny", mutations=[("set", "qk_rope_head_dim", 10**12)])             # "...# R" dim string
+@example(base="deepseek_tiny", mutations=[("set", "rope_scaling",
+                                           {"type": "yarn", "original_max_position_embeddings": 1024, "factor": 1e30,
+                                            "mscale": 1, "mscale_all_dim": 3e38})])        # "inf.0f" softmax scale
+@example(base="deepseek_tiny", mutations=[("set", "rope_scaling",
+                                           {"type": "yarn", "original_max_position_embeddings": 1024,
+                                            "factor": 22026.465794806718, "mscale": 1,
+                                            "mscale_all_dim": -1})])                       # ZeroDivision: mscale 0
 # the edges named in the issue
 @example(base="deepseek_tiny", mutations=[("set", "n_routed_experts", 2048)])
 @example(base="deepseek_tiny", mutations=[("set", "n_routed_experts", 1025)])
