@@ -4,14 +4,17 @@
                      [--temperature T] [--top-k K] [--top-p P] [--seed S] [--ignore-eos]
                      [--backend cuda|reference] [--dtype bf16] [--device cuda]
     dsgraph generate --random-weights [--spec SPEC] --ids 1,2,3 ...
+    torchrun --nproc-per-node N --no-python dsgraph generate ...     (tensor / expert parallel; --tp N)
 
 With a tokenizer in the model directory (read offline) --prompt is tokenised and the
 answer decoded; otherwise token ids are printed.  Generation stops at the model's eos
-token unless --ignore-eos.
+token unless --ignore-eos.  Under torchrun every rank runs its part of the model and rank 0
+alone prints.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -46,6 +49,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache page size in tokens (default: the bundle's, else 64)")
     p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
                    help="longest sequence the KV cache holds (default: 8192, or the model's limit if lower)")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="ranks to spread the model over, one process each: launch with torchrun "
+                        "--nproc-per-node N (default: torchrun's WORLD_SIZE, else 1)")
 
 
 def _tokenizer(model_dir):
@@ -89,22 +95,29 @@ def run_generate(args) -> int:
             ids = [int(x) for x in args.ids.replace(" ", "").split(",") if x != ""]
         except ValueError:
             raise InputError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
+    tp = args.tp if args.tp is not None else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    main_rank = os.environ.get("RANK", "0") == "0"
     kwargs = dict(backend=backend, device=device, dtype=dtype, bundle=args.bundle, max_seq_len=args.max_seq_len)
+    if tp != 1:
+        kwargs["tp"] = tp
     if args.block_size is not None:
         kwargs["block_size"] = args.block_size
     t0 = time.perf_counter()
     if args.random_weights:
         engine = Engine.from_spec(None if args.bundle else args.spec or str(DEFAULT_SPEC), **kwargs)
     else:
-        engine = Engine.from_pretrained(args.model, spec=args.spec, progress=True, **kwargs)
+        engine = Engine.from_pretrained(args.model, spec=args.spec, progress=main_rank, **kwargs)
     t1 = time.perf_counter()
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     out = engine.generate([ids], params)[0]
     t2 = time.perf_counter()
+    if not main_rank:
+        return 0                # every rank holds the same tokens; rank 0 prints them
     if tok is not None:
         print(tok.decode(out.token_ids, skip_special_tokens=True))
     print("ids:", ",".join(map(str, out.token_ids)))
-    print(f"[{backend} {dtype} on {device}] load {t1 - t0:.1f}s, {len(out.token_ids)} tokens in {t2 - t1:.2f}s "
+    ranks = f", {tp} ranks" if tp != 1 else ""
+    print(f"[{backend} {dtype} on {device}{ranks}] load {t1 - t0:.1f}s, {len(out.token_ids)} tokens in {t2 - t1:.2f}s "
           f"({out.finish_reason})", file=sys.stderr)
     return 0

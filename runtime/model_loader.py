@@ -8,6 +8,8 @@ is read.  The compiler (graph building, passes) is imported only by compile_grap
 """
 from __future__ import annotations
 
+import hashlib
+
 import json
 import re
 import sys
@@ -147,20 +149,35 @@ def random_weights(specs: dict[str, WeightSpec], *, dtype, device, seed: int = 0
                    std: float = 0.02) -> dict[str, torch.Tensor]:
     """Random weights for a spec with no checkpoint (benchmarks, smoke runs); norms start at 1.
 
-    Drawn on the target device with its own generator (a full-size model has billions of
-    parameters); the same seed and device give the same weights.
+    Each checkpoint tensor is drawn from its own generator, seeded by (seed, its name), on the
+    target device (a full-size model has billions of parameters).  So the same seed gives the
+    same model however it is spread: a rank of a tensor-parallel run draws the whole tensor and
+    keeps its slice (`part`), and draws only its own experts; every rank holds the same
+    replicated weights, as it would reading one checkpoint.
     """
-    gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, spec in sorted(specs.items()):
         wdtype = torch.float32 if spec.keep_fp32 else dtype
-        if len(spec.shape) == 1 and "norm" in name:
-            out[name] = torch.ones(spec.shape, dtype=wdtype, device=device)
-        elif name.endswith("e_score_correction_bias"):
-            out[name] = (torch.rand(spec.shape, generator=gen, device=device) * 0.1).to(wdtype)
-        else:
-            out[name] = (torch.randn(spec.shape, generator=gen, device=device, dtype=wdtype) * std)
+        if spec.parts is not None:      # per-expert tensors, stacked: each drawn by its own name
+            out[name] = torch.stack([_draw(part, spec.shape[1:], wdtype, device, seed, std) for part in spec.parts])
+            continue
+        t = _draw(name, spec.stored or spec.shape, wdtype, device, seed, std)
+        if spec.part is not None:
+            dim, start, stop = spec.part
+            t = t.narrow(dim, start, stop - start).contiguous()
+        out[name] = t
     return out
+
+
+def _draw(name: str, shape, dtype, device, seed: int, std: float) -> torch.Tensor:
+    shape = tuple(shape)
+    if len(shape) == 1 and "norm" in name:
+        return torch.ones(shape, dtype=dtype, device=device)
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    if name.endswith("e_score_correction_bias"):
+        return (torch.rand(shape, generator=gen, device=device) * 0.1).to(dtype)
+    return torch.randn(shape, generator=gen, device=device, dtype=dtype) * std
 
 
 __all__ = ["CompiledModel", "compile_graphs", "eos_token_ids", "load_config", "load_model_weights",

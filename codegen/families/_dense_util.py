@@ -58,7 +58,12 @@ def c_float(x: float) -> str:
     if not math.isfinite(x):
         raise LoweringError(f"non-finite constant {x!r}")
     import struct
-    x32 = struct.unpack("f", struct.pack("f", x))[0]
+    try:
+        x32 = struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        x32 = math.inf
+    if not math.isfinite(x32):
+        raise LoweringError(f"constant {x!r} does not fit a float32 (the kernels bake it as one)")
     text = repr(x32)
     if "e" not in text and "." not in text:
         text += ".0"
