@@ -80,7 +80,6 @@ def parallel_problems(spec, world: int) -> list[str]:
         return [f"the number of ranks must be a whole number >= 1, got {world!r}"]
     if world == 1:
         return []
-    d = model.dims
     out = []
     names = {"heads": "heads (num_attention_heads)", "intermediate": "dense intermediate (intermediate_size)",
              "experts": "routed experts (n_routed_experts)",

@@ -145,6 +145,17 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def shifted(t: torch.Tensor, shift: bool = True) -> torch.Tensor:
+    """t itself, or a contiguous copy of it whose data pointer is one element past an aligned
+    allocation (so 4-, 8- and 16-byte vector accesses to it are misaligned)."""
+    if not shift:
+        return t
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
 # -- tiny models -------------------------------------------------------------------
 
 # Spec dim name -> Hugging Face config key (overrides may use either).

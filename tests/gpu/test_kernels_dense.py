@@ -8,6 +8,7 @@ element fallbacks run on widths that would otherwise take the vector path.  Fixe
 cases sit beside each test as @example."""
 import pytest
 import torch
+from harness import shifted
 from hypothesis import example, given, strategies as st
 
 from kernel_cases import (kernel_test, DTYPES, MODEL_NAMES, Recorder, TType, act, empty_out, model, rand, reference,
@@ -16,16 +17,6 @@ from kernel_cases import (kernel_test, DTYPES, MODEL_NAMES, Recorder, TType, act
 SETTINGS = kernel_test(25)
 RECS = {f: Recorder(f) for f in ("embedding", "rms_norm", "fused_add_rms_norm", "add", "silu_and_mul")}
 tokens = st.one_of(st.sampled_from([1, 2, 63, 64, 65]), st.integers(1, 300))
-
-
-def _shifted(t: torch.Tensor, shift: bool) -> torch.Tensor:
-    """t, or a contiguous copy of it starting one element past an aligned allocation."""
-    if not shift:
-        return t
-    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    view = buf[1:].view(t.shape)
-    view.copy_(t)
-    return view
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,7 +42,7 @@ def test_embedding(name, dtype, T, shift, seed):
     gen = torch.Generator().manual_seed(seed)
     G, nid = single_op_graph(m_small, "embedding", {}, {"ids": TType(("T",), "i64")}, {"weight": "emb"})
     ids = torch.randint(0, vocab, (T,), generator=gen).cuda()
-    table = _shifted(rand((vocab, D), dtype, gen=gen), shift)
+    table = shifted(rand((vocab, D), dtype, gen=gen), shift)
     out = empty_out((T, D), dtype)
     run_kernel(G, nid, dtype, values={"ids": ids, "out": out}, weights={"emb": table}, sizes={"T": T})
     (ref,) = reference(G, nid, [ids], {"emb": table})
@@ -74,7 +65,7 @@ def test_rms_norm(name, dtype, T, which, extra, offset, shift, magnitude, seed):
     gen = torch.Generator().manual_seed(seed)
     G, nid = single_op_graph(m, "rms_norm", {}, {"x": act(n)}, {"weight": "w"})
     x = strided_view(T, n, dtype, extra, offset, gen) * magnitude
-    w = _shifted(rand((n,), dtype, gen=gen) + 1, shift)
+    w = shifted(rand((n,), dtype, gen=gen) + 1, shift)
     out = empty_out((T, n), dtype)
     run_kernel(G, nid, dtype, values={"x": x, "out": out}, weights={"w": w}, sizes={"T": T})
     (ref,) = reference(G, nid, [x], {"w": w})
@@ -94,9 +85,9 @@ def test_fused_add_rms_norm(name, dtype, T, extra, offset, shift, seed):
     gen = torch.Generator().manual_seed(seed)
     G, nid = single_op_graph(m, "fused_add_rms_norm", {}, {"x": act(n), "r": act(n)}, {"weight": "w"})
     x = strided_view(T, n, dtype, extra, offset, gen)
-    r = _shifted(rand((T, n), dtype, gen=gen), shift)
-    w = _shifted(rand((n,), dtype, gen=gen) + 1, shift)
-    h, s = _shifted(empty_out((T, n), dtype), shift), _shifted(empty_out((T, n), dtype), shift)
+    r = shifted(rand((T, n), dtype, gen=gen), shift)
+    w = shifted(rand((n,), dtype, gen=gen) + 1, shift)
+    h, s = shifted(empty_out((T, n), dtype), shift), shifted(empty_out((T, n), dtype), shift)
     run_kernel(G, nid, dtype, values={"x": x, "r": r, "out0": h, "out1": s}, weights={"w": w}, sizes={"T": T})
     # The reference adds in the activation type (the kernel rounds s before normalising).
     s_ref = (x + r)
@@ -121,8 +112,8 @@ def test_add(name, dtype, T, extra, offset, shift, seed):
     act_dtype = "bf16" if dtype == "f32value" else dtype
     G, nid = single_op_graph(m, "add", {}, {"a": TType(("T", n), vdt), "b": TType(("T", n), vdt)}, {})
     a = strided_view(T, n, tdt, extra, offset, gen)
-    b = _shifted(rand((T, n), tdt, gen=gen), shift)
-    out = _shifted(empty_out((T, n), tdt), shift)
+    b = shifted(rand((T, n), tdt, gen=gen), shift)
+    out = shifted(empty_out((T, n), tdt), shift)
     run_kernel(G, nid, act_dtype, values={"a": a, "b": b, "out": out}, sizes={"T": T})
     (ref,) = reference(G, nid, [a, b])
     RECS["add"].check(out, ref, tdt)
@@ -145,7 +136,7 @@ def test_silu_and_mul(name, dtype, T, which, fused, shift, seed):
         g, u = gu[:, :n], gu[:, n:]
     else:
         g, u = rand((T, n), dtype, gen=gen, scale=3), rand((T, n), dtype, gen=gen)
-    out = _shifted(empty_out((T, n), dtype), shift)
+    out = shifted(empty_out((T, n), dtype), shift)
     run_kernel(G, nid, dtype, values={"g": g, "u": u, "out": out}, sizes={"T": T})
     (ref,) = reference(G, nid, [g, u])
     RECS["silu_and_mul"].check(out, ref, dtype)

@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import example, given, strategies as st
 
 from harness import make_ctx, step_sizes, tiny_model
 from kernel_cases import (kernel_test, DTYPES, MODEL_NAMES, Recorder, TORCH_DTYPES, TType, act, empty_out, rand,

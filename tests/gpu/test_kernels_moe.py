@@ -29,8 +29,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (GPU_MARKS, TORCH_DTYPES, assert_strict, kernel_test, poison, rel_error,  # noqa: E402
-                     single_op_graph, tiny_model, tolerance)
+from harness import (GPU_MARKS, TORCH_DTYPES, assert_strict, kernel_test, poison,  # noqa: E402
+                     shifted, single_op_graph, tiny_model, tolerance)
 
 from codegen import families  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
@@ -101,17 +101,6 @@ def _gen(seed: int) -> torch.Generator:
 
 # Which operands sit one element past an aligned base (see the module docstring).
 MISALIGN = ("none", "none", "none", "inputs", "weights", "outputs", "all")
-
-
-def _shifted(t: torch.Tensor, shift: bool) -> torch.Tensor:
-    """t itself, or a contiguous copy of it whose data pointer is one element past an aligned
-    allocation (so 4-, 8- and 16-byte vector accesses to it are misaligned)."""
-    if not shift:
-        return t
-    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    view = buf[1:].view(t.shape)
-    view.copy_(t)
-    return view
 
 
 def _moved(misalign: str, role: str) -> bool:
@@ -233,13 +222,13 @@ def test_moe_route(runner, case):
     x = torch.randn(T, D, generator=g).to(TORCH_DTYPES[dtype])
     gate = torch.randn(E, D, generator=g) / D ** 0.5 * 2.0      # logits ~ N(0, 4): picks well apart
     mis = case.get("misalign", "none")
-    weights = {"router.weight": _shifted(gate.to(DEV), _moved(mis, "weights"))}
+    weights = {"router.weight": shifted(gate.to(DEV), _moved(mis, "weights"))}
     bias = None
     if case["bias"]:
         bias = torch.randn(E, generator=g) * 0.5                 # partly negative
         weights["router.bias"] = bias.to(DEV)
     values = {
-        "x": _shifted(x.to(DEV), _moved(mis, "inputs")),
+        "x": shifted(x.to(DEV), _moved(mis, "inputs")),
         ids_name: poison(torch.empty(T, K, dtype=torch.int64, device=DEV)),
         w_name: poison(torch.empty(T, K, dtype=torch.float32, device=DEV)),
         f"{r_name}.order": poison(torch.empty(T * K, dtype=torch.int32, device=DEV)),
@@ -352,11 +341,11 @@ def _grouped(runner, op, case):
     outs = G.nodes[nid]["outputs"]
     n_out = M if op != "moe_down" else D
     mis = case.get("misalign", "none")
-    values = {first: _shifted(inp.to(DEV), _moved(mis, "inputs")), "R": dev_r,
-              **{o: poison(_shifted(torch.empty(T * K, n_out, dtype=tdt, device=DEV), _moved(mis, "outputs")))
+    values = {first: shifted(inp.to(DEV), _moved(mis, "inputs")), "R": dev_r,
+              **{o: poison(shifted(torch.empty(T * K, n_out, dtype=tdt, device=DEV), _moved(mis, "outputs")))
                  for o in outs}}
     runner.run_all(_lower(G, nid, dtype), values=values,
-                   weights={names[k]: _shifted(v.to(DEV), _moved(mis, "weights")) for k, v in w.items()},
+                   weights={names[k]: shifted(v.to(DEV), _moved(mis, "weights")) for k, v in w.items()},
                    sizes={"T": T, "NP": T * K})
     refs = OPS[op].run(node_view(G, nid), [inp.float(), ref_r], {k: v.float() for k, v in w.items()}, None)
     if op == "moe_gate_up_silu" and dtype != "fp32":
@@ -467,8 +456,8 @@ def _combine(runner, op, case):
     G, nid = single_op_graph(tiny_model(), op, {}, types, {})
     (out,) = G.nodes[nid]["outputs"]
     mis = case.get("misalign", "none")
-    values = {name: _shifted(t.to(DEV), _moved(mis, "inputs")) for name, t in zip(types, ins)}
-    values[out] = poison(_shifted(torch.empty(T, D, dtype=tdt, device=DEV), _moved(mis, "outputs")))
+    values = {name: shifted(t.to(DEV), _moved(mis, "inputs")) for name, t in zip(types, ins)}
+    values[out] = poison(shifted(torch.empty(T, D, dtype=tdt, device=DEV), _moved(mis, "outputs")))
     runner.run_all(_lower(G, nid, dtype), values=values, sizes={"T": T, "NP": T * K})
     (ref,) = OPS[op].run(node_view(G, nid), [t.float() for t in ins], {}, None)
     _record(op, dtype, values[out], ref)
