@@ -5,6 +5,7 @@
     <bundle>/kernels/<name>.cu        generated source (what reviewers diff)
     <bundle>/kernels/include/<h>.cuh  the dsgraph headers the sources include: exactly what NVRTC saw
     <bundle>/kernels/<name>.cubin     NVRTC output for the manifest's arch
+    <bundle>/ranks/rank<r>.json       world > 1 only: rank r's phases and weight slices
 
 Bundles live in the content-addressed cache (codegen/cache.py); the key covers
 exactly the spec text, every template's text, the compiler's source, the NVRTC
@@ -21,9 +22,19 @@ manifest.json (schema 2; JSON with sorted keys, so it diffs cleanly):
     includes: {header: path},  weights: {name: {shape, keep_fp32, parts}},
     files: {relative path: sha256}   (added by the cache when the entry is sealed)
 
+Tensor / expert parallel (`world` > 1, ir/parallel.py): one bundle serves every rank.  The
+options (and so the key) carry ``world``; instead of phases and weights the manifest lists
+``ranks`` [ranks/rank0.json, ...], each {world, rank, phases, weights} with the same phase
+format and each weight's slice (``part`` / ``stored``, ``experts``: codegen/manifest.py).  The
+ranks' kernels are one set under kernels/ (every rank runs at the same shapes, so they are the
+same kernels); what differs between ranks (expert ranges, weight slices) is what
+`diff ranks/rank0.json ranks/rank1.json` shows.  A world-1 bundle is exactly what it was before
+tensor parallelism (same key, same bytes).
+
 A kernel shared by many layers (and phases) is compiled once; its file header
 lists every graph node and spec op it implements.  Loading (`load_bundle`) checks the
-key and the compiler hash against this dsgraph and never compiles anything.
+key and the compiler hash against this dsgraph (and the world against the job's) and never
+compiles anything.
 """
 from __future__ import annotations
 
@@ -47,6 +58,9 @@ from .kernel import DEFAULTS, DTYPES, KernelLaunch, Options, signature_key
 SCHEMA = 2
 PHASES = ("prefill", "decode")  # same as ir.PHASES; spelled here so a cache hit never imports ir
 SPEC_FILE = "spec.yaml"
+RANKS_DIR = "ranks"
+# How `dsgraph compile` is asked for a bundle of N ranks (the flag recompile_command prints).
+WORLD_FLAG = "--tp"
 
 
 class BundleError(DsgraphError, RuntimeError):
@@ -82,6 +96,8 @@ class SpecPlan:
     spec: object              # ir.Spec
     plans: dict               # phase -> PhasePlan
     graphs: dict              # phase -> post-pass graph
+    world: int = 1
+    rank: int = 0
 
 
 # -- inputs ---------------------------------------------------------------------------
@@ -100,7 +116,7 @@ def _spec_text(spec) -> tuple[str, str]:
     return data.decode("utf-8"), path.name
 
 
-def _check_options(arch: str, dtype: str, block_size: int) -> None:
+def _check_options(arch: str, dtype: str, block_size: int, world: int = 1) -> None:
     from .nvrtc import parse_arch
     try:
         parse_arch(arch)
@@ -110,27 +126,42 @@ def _check_options(arch: str, dtype: str, block_size: int) -> None:
         raise BundleError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise BundleError(f"block_size must be a positive integer, got {block_size!r}")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise BundleError(f"world (the number of ranks) must be a positive integer, got {world!r}")
 
 
-def bundle_key(spec_text: str, *, arch: str, dtype: str, block_size: int, strict: bool = True) -> str:
+def bundle_key(spec_text: str, *, arch: str, dtype: str, block_size: int, strict: bool = True,
+               world: int = 1) -> str:
     from .nvrtc import nvrtc_version
     return cache_key(spec_text=spec_text, template_texts=render_mod.template_texts(),
                      compiler_hash=compiler_source_hash(), nvrtc_version=nvrtc_version(),
-                     arch=arch, options=_options_json(dtype, block_size, strict))
+                     arch=arch, options=_options_json(dtype, block_size, strict, world))
 
 
-def _options_json(dtype: str, block_size: int, strict: bool) -> dict:
+def _options_json(dtype: str, block_size: int, strict: bool, world: int = 1) -> dict:
     options = {"dtype": dtype, "block_size": block_size}
     if not strict:
         options["allow_unlowered"] = True
+    if world > 1:   # absent at world 1: one process's bundles keep their keys
+        options["world"] = world
     return options
+
+
+def bundle_world(manifest: dict) -> int:
+    """How many ranks a bundle was compiled for (1: an ordinary bundle)."""
+    return int(manifest.get("options", {}).get("world", 1))
+
+
+def rank_plan_path(rank: int) -> str:
+    return f"{RANKS_DIR}/rank{rank}.json"
 
 
 # -- planning and rendering (no NVRTC) ---------------------------------------------------
 
-def plan_spec(spec, opts: Options, *, strict: bool = True) -> SpecPlan:
+def plan_spec(spec, opts: Options, *, strict: bool = True, world: int = 1, rank: int = 0) -> SpecPlan:
     """Spec (path, text-bearing Spec) -> both phases through the passes and lowering,
-    with kernel names made unique (see disambiguate)."""
+    with kernel names made unique (see disambiguate).  world > 1: rank `rank`'s part of
+    them (G.graph["parallel"] asks ir/passes/shard_for_rank.py for it)."""
     import ir
     from ir.passes import run_pipeline
 
@@ -138,12 +169,18 @@ def plan_spec(spec, opts: Options, *, strict: bool = True) -> SpecPlan:
     if not (hasattr(spec, "text") and hasattr(spec, "model")):
         text, file = _spec_text(spec)
         spec = ir.parse_spec(text, file)
+    if world > 1:
+        from ir.parallel import check_parallel
+        check_parallel(spec, world)
     plans, graphs = {}, {}
     for phase in PHASES:
-        G = run_pipeline(ir.build_graph(spec, phase))
+        G = ir.build_graph(spec, phase)
+        if world > 1:
+            G.graph["parallel"] = {"world": world, "rank": rank}
+        G = run_pipeline(G)
         graphs[phase] = G
         plans[phase] = lower_graph(G, opts, strict=strict)
-    return SpecPlan(spec, disambiguate(plans), graphs)
+    return SpecPlan(spec, disambiguate(plans), graphs, world, rank)
 
 
 def _identity(launch: KernelLaunch) -> str:
@@ -167,14 +204,16 @@ def disambiguate(plans: dict) -> dict:
     return plans
 
 
-def unique_kernels(plans: dict, *, compiler_hash: str | None = None) -> list[KernelSource]:
+def unique_kernels(plans, *, compiler_hash: str | None = None) -> list[KernelSource]:
     """One rendered source per kernel name, in first-use order; nodes and origins are the
-    union over its uses.  `compiler_hash` is stamped into the headers (bundles, not goldens)."""
+    union over its uses.  `plans`: phase -> PhasePlan, or a list of those (every rank's).
+    `compiler_hash` is stamped into the headers (bundles, not goldens)."""
     seen: dict[str, KernelLaunch] = {}
     nodes: dict[str, set] = {}
     origins: dict[str, dict] = {}
-    for phase in PHASES:
-        for launch in plans[phase].launches:
+    for phase_plan in (p[phase] for p in (plans if isinstance(plans, (list, tuple)) else [plans])
+                       for phase in PHASES):
+        for launch in phase_plan.launches:
             first = seen.get(launch.name)
             if first is None:
                 seen[launch.name] = launch
@@ -270,13 +309,17 @@ INCLUDE_DIR = "kernels/include"
 
 
 def _builder(spec, spec_text: str, spec_file: str, key: str, opts: Options, strict: bool,
-             jobs, progress: bool, stats: dict):
+             jobs, progress: bool, stats: dict, world: int = 1):
     def build(tmp: Path) -> None:
         from .manifest import phase_to_json, weights_to_json
         from .nvrtc import nvrtc_version
-        sp = plan_spec(spec if hasattr(spec, "model") else _parse(spec_text, spec_file), opts, strict=strict)
+        parsed = spec if hasattr(spec, "model") else _parse(spec_text, spec_file)
+        ranks = [plan_spec(parsed, opts, strict=strict, world=world, rank=r) for r in range(world)]
+        if world > 1:   # one name, one kernel, across every rank's phases
+            disambiguate({(r, ph): p.plans[ph] for r, p in enumerate(ranks) for ph in PHASES})
+        sp = ranks[0]
         compiler_hash = compiler_source_hash()
-        kernels = unique_kernels(sp.plans, compiler_hash=compiler_hash)
+        kernels = unique_kernels([p.plans for p in ranks], compiler_hash=compiler_hash)
         cubins = compile_kernels(kernels, opts.arch, jobs=jobs, progress=progress)
         (tmp / INCLUDE_DIR).mkdir(parents=True)
         includes: dict[str, str] = {}
@@ -287,20 +330,30 @@ def _builder(spec, spec_text: str, spec_file: str, key: str, opts: Options, stri
         for name, text in sorted(includes.items()):
             (tmp / INCLUDE_DIR / name).write_text(text, encoding="utf-8")
         (tmp / SPEC_FILE).write_text(spec_text, encoding="utf-8")
+
+        def plan_json(p: SpecPlan) -> dict:
+            return {"phases": {ph: phase_to_json(p.plans[ph]) for ph in PHASES},
+                    "weights": weights_to_json(p.graphs.values())}
         manifest = {
             "schema": SCHEMA, "key": key,
             "spec": {"name": sp.spec.name, "file": spec_file, "path": SPEC_FILE,
                      "sha256": hashlib.sha256(spec_text.encode("utf-8")).hexdigest()},
             "compiler_hash": compiler_hash, "nvrtc_version": list(nvrtc_version()),
-            "arch": opts.arch, "options": _options_json(opts.dtype, opts.block_size, strict),
-            "phases": {ph: phase_to_json(sp.plans[ph]) for ph in PHASES},
+            "arch": opts.arch, "options": _options_json(opts.dtype, opts.block_size, strict, world),
             "kernels": {k.name: {"family": k.family, "role": k.role, "template": k.template, "params": k.params,
                                  "nodes": list(k.nodes), "source": f"kernels/{k.name}.cu",
                                  "cubin": f"kernels/{k.name}.cubin", "includes": sorted(k.includes)}
                         for k in kernels},
             "includes": {name: f"{INCLUDE_DIR}/{name}" for name in sorted(includes)},
-            "weights": weights_to_json(sp.graphs.values()),
         }
+        if world == 1:
+            manifest.update(plan_json(sp))
+        else:
+            (tmp / RANKS_DIR).mkdir()
+            for p in ranks:
+                (tmp / rank_plan_path(p.rank)).write_text(dumps({"world": world, "rank": p.rank, **plan_json(p)}),
+                                                          encoding="utf-8")
+            manifest["ranks"] = [rank_plan_path(r) for r in range(world)]
         (tmp / MANIFEST).write_text(dumps(manifest), encoding="utf-8")  # last: the commit marker
         stats["kernels"] = len(kernels)
     return build
@@ -343,23 +396,25 @@ def _copy_out(entry: Path, out_dir: Path) -> Path:
 
 def compile_bundle(spec, out_dir=None, *, arch: str = DEFAULTS.arch, dtype: str = DEFAULTS.dtype,
                    block_size: int = DEFAULTS.block_size, cache_dir=None, progress: bool | None = None,
-                   jobs: int | None = None, strict: bool = True) -> BundleResult:
+                   jobs: int | None = None, strict: bool = True, world: int = 1) -> BundleResult:
     """Compile `spec` (a path or an ir.Spec) into a bundle, through the cache.
 
     Returns where it is (the cache entry, or `out_dir` when given), whether it was a
     cache hit, how many kernels it holds and how long this call took.  strict=False
-    lets nodes no family lowers through (listed under "unlowered"; part of the key)."""
+    lets nodes no family lowers through (listed under "unlowered"; part of the key).
+    world > 1: one bundle for every rank of a tensor / expert parallel job (each rank's
+    graphs through the shard passes; see the module docstring); the key covers `world`."""
     t0 = time.perf_counter()
-    _check_options(arch, dtype, block_size)
+    _check_options(arch, dtype, block_size, world)
     text, file = _spec_text(spec)
-    key = bundle_key(text, arch=arch, dtype=dtype, block_size=block_size, strict=strict)
+    key = bundle_key(text, arch=arch, dtype=dtype, block_size=block_size, strict=strict, world=world)
     cache = BundleCache(cache_dir if cache_dir is not None else default_cache_dir())
     if progress is None:
         progress = sys.stderr.isatty()
     stats: dict = {}
     opts = Options(arch=arch, dtype=dtype, block_size=block_size)
     entry, built = cache.get_or_build(
-        key, _builder(spec, text, file, key, opts, strict, jobs, progress, stats))
+        key, _builder(spec, text, file, key, opts, strict, jobs, progress, stats, world))
     if "kernels" in stats:
         n = stats["kernels"]
     else:
@@ -386,7 +441,8 @@ def load_manifest(bundle_dir) -> dict:
         got = manifest.get("schema") if isinstance(manifest, dict) else None
         raise BundleError(f"{path}: bundle schema {got!r}, this dsgraph reads schema {SCHEMA}; "
                           f"recompile the bundle (dsgraph compile)")
-    for field in ("arch", "nvrtc_version", "options", "phases", "kernels", "files", "spec", "compiler_hash"):
+    plans_field = "phases" if "ranks" not in manifest else "ranks"
+    for field in ("arch", "nvrtc_version", "options", plans_field, "kernels", "files", "spec", "compiler_hash"):
         if field not in manifest:
             raise BundleError(f"{path} lacks {field!r}")
     if not BundleCache._intact(bundle_dir):
@@ -397,23 +453,29 @@ def load_manifest(bundle_dir) -> dict:
         for rel in (k.get("source"), k.get("cubin")):
             if rel not in files:
                 raise BundleError(f"bundle {bundle_dir}: kernel {name} has no {rel} file")
+    for rel in manifest.get("ranks", ()):
+        if rel not in files:
+            raise BundleError(f"bundle {bundle_dir}: its rank plan {rel} is not among its files")
     return manifest
 
 
 def recompile_command(manifest: dict, bundle_dir, arch: str | None = None, dtype: str | None = None,
-                      block_size: int | None = None) -> str:
-    """The one command that rebuilds this bundle (for this device / these options)."""
+                      block_size: int | None = None, world: int | None = None) -> str:
+    """The one command that rebuilds this bundle (for this device / these options / this many ranks)."""
     opts = manifest.get("options", {})
     spec = Path(bundle_dir) / manifest.get("spec", {}).get("path", SPEC_FILE)
+    world = world or bundle_world(manifest)
     return (f"dsgraph compile {spec} -o {bundle_dir} --arch {arch or manifest.get('arch')} "
-            f"--dtype {dtype or opts.get('dtype')} --block-size {block_size or opts.get('block_size')}")
+            f"--dtype {dtype or opts.get('dtype')} --block-size {block_size or opts.get('block_size')}"
+            + (f" {WORLD_FLAG} {world}" if world > 1 else ""))
 
 
 def check_compatible(manifest: dict, bundle_dir, *, arch: str, nvrtc_version=None,
-                     dtype: str | None = None, block_size: int | None = None) -> None:
+                     dtype: str | None = None, block_size: int | None = None, world: int | None = None) -> None:
     """Raise BundleError (with the command that recompiles it) unless this bundle was built by
-    this compiler, from its own spec text, templates and options, for `arch` and this NVRTC."""
-    fix = recompile_command(manifest, bundle_dir, arch, dtype, block_size)
+    this compiler, from its own spec text, templates and options, for `arch`, this NVRTC and
+    (where given) a job of `world` ranks."""
+    fix = recompile_command(manifest, bundle_dir, arch, dtype, block_size, world)
     where = f"bundle {bundle_dir}"
     if manifest.get("arch") != arch:
         raise BundleError(f"{where} was compiled for {manifest.get('arch')}, this device is {arch}; "
@@ -427,50 +489,87 @@ def check_compatible(manifest: dict, bundle_dir, *, arch: str, nvrtc_version=Non
         if want is not None and opts.get(name) != want:
             raise BundleError(f"{where} was compiled for {name}={opts.get(name)}, the engine runs "
                               f"{name}={want}; recompile it: {fix}")
+    built_for = bundle_world(manifest)
+    if world is not None and built_for != world:
+        run = f"run it with tp={built_for} (torchrun --nproc-per-node {built_for}) or " if built_for > 1 else ""
+        raise BundleError(f"{where} was compiled for {_ranks(built_for)}, this job runs {_ranks(world)}; "
+                          f"{run}recompile it: {fix}")
     if manifest.get("compiler_hash") != compiler_source_hash():
         raise BundleError(f"{where} was built by another dsgraph compiler (compiler hash "
                           f"{str(manifest.get('compiler_hash'))[:12]}, this one is {compiler_source_hash()[:12]}); "
                           f"recompile it: {fix}")
     spec_text = (Path(bundle_dir) / manifest["spec"]["path"]).read_text(encoding="utf-8")
     key = bundle_key(spec_text, arch=manifest["arch"], dtype=opts.get("dtype"), block_size=opts.get("block_size"),
-                     strict=not opts.get("allow_unlowered", False))
+                     strict=not opts.get("allow_unlowered", False), world=built_for)
     if key != manifest.get("key"):
         raise BundleError(f"{where} is stale: its key does not match its spec, this dsgraph's templates and "
                           f"NVRTC (something it was built from changed); recompile it: {fix}")
 
 
+def _ranks(n: int) -> str:
+    return f"{n} rank" + ("s" if n != 1 else "")
+
+
 @dataclass(frozen=True)
 class LoadedBundle:
-    """A bundle read back for running: its manifest, spec text and per-phase plans."""
+    """A bundle read back for running: its manifest, spec text and per-phase plans (of the
+    rank it was loaded for, when it was compiled for world > 1)."""
     path: Path
     manifest: dict
     spec_text: str
     plans: dict              # phase -> codegen.plan.PhasePlan
+    weight_table: dict | None = None    # the rank's weights table; None: the manifest's
+    world: int = 1
+    rank: int = 0
 
     @property
     def weights(self) -> dict:
-        return self.manifest.get("weights", {})
+        return self.weight_table if self.weight_table is not None else self.manifest.get("weights", {})
+
+    @property
+    def key(self) -> str:
+        return self.manifest["key"]
 
     @property
     def options(self) -> dict:
         return self.manifest["options"]
 
 
+def load_rank_plan(bundle_dir, manifest: dict, rank: int) -> dict:
+    """Rank `rank`'s {world, rank, phases, weights} of a bundle compiled for world > 1
+    (for world 1, the manifest itself holds them)."""
+    world = bundle_world(manifest)
+    if world == 1:
+        return manifest
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise BundleError(f"bundle {bundle_dir} holds ranks 0..{world - 1}, not rank {rank!r}")
+    rel = manifest["ranks"][rank]
+    plan = json.loads((Path(bundle_dir) / rel).read_text(encoding="utf-8"))
+    if plan.get("world") != world or plan.get("rank") != rank:
+        raise BundleError(f"bundle {bundle_dir}: {rel} is the plan of rank {plan.get('rank')} of "
+                          f"{plan.get('world')}, not of rank {rank} of {world}; recompile it: "
+                          f"{recompile_command(manifest, bundle_dir)}")
+    return plan
+
+
 def load_bundle(bundle_dir, *, arch: str, nvrtc_version=None, dtype: str | None = None,
-                block_size: int | None = None) -> LoadedBundle:
+                block_size: int | None = None, world: int = 1, rank: int = 0) -> LoadedBundle:
     """Read a bundle to run it: verify its files, check it against this dsgraph and device
-    (check_compatible) and rebuild its phases' plans from the manifest.  No passes, no
-    lowering, no NVRTC, no networkx."""
+    (check_compatible) and rebuild its phases' plans from the manifest; for a process that is
+    rank `rank` of `world`, the bundle must have been compiled for `world` ranks and the plans
+    are that rank's.  No passes, no lowering, no NVRTC, no networkx."""
     from .manifest import phase_from_json
     bundle_dir = Path(bundle_dir)
     manifest = load_manifest(bundle_dir)
     check_compatible(manifest, bundle_dir, arch=arch, nvrtc_version=nvrtc_version, dtype=dtype,
-                     block_size=block_size)
+                     block_size=block_size, world=world)
     spec_text = (bundle_dir / manifest["spec"]["path"]).read_text(encoding="utf-8")
-    plans = {ph: phase_from_json(ph, d) for ph, d in manifest["phases"].items()}
-    return LoadedBundle(bundle_dir, manifest, spec_text, plans)
+    plan = load_rank_plan(bundle_dir, manifest, rank)
+    plans = {ph: phase_from_json(ph, d) for ph, d in plan["phases"].items()}
+    return LoadedBundle(bundle_dir, manifest, spec_text, plans, weight_table=plan.get("weights", {}),
+                        world=world, rank=rank)
 
 
 __all__ = ["BundleError", "BundleResult", "KernelSource", "LoadedBundle", "SCHEMA", "SpecPlan", "bundle_key",
-           "check_compatible", "compile_bundle", "compile_kernels", "disambiguate", "load_bundle", "load_manifest",
-           "plan_spec", "recompile_command", "render_spec", "unique_kernels"]
+           "bundle_world", "check_compatible", "compile_bundle", "compile_kernels", "disambiguate", "load_bundle",
+           "load_manifest", "load_rank_plan", "plan_spec", "recompile_command", "render_spec", "unique_kernels"]

@@ -85,10 +85,25 @@ def phase_from_json(phase: str, d: dict) -> PhasePlan:
 
 
 def weights_to_json(graphs) -> dict:
-    """Every weight the phases bind: {name: {shape, keep_fp32, parts}} (what loading reads)."""
+    """Every weight the phases bind: {name: {shape, keep_fp32, parts}} (what loading reads).
+
+    In a rank's graphs (world > 1, ir/passes/shard_for_rank.py) a weight the rank holds a
+    slice of also says which: ``part`` [dim, start, stop] of the tensor as stored, whose
+    shape is ``stored``; a per-expert weight says ``experts`` [start, stop, of]: the rank
+    holds experts start..stop-1 of `of` (``parts`` names them; the others are on other ranks)."""
     out: dict = {}
     for G in graphs:
+        world = int((G.graph.get("parallel") or {}).get("world", 1))
+        shards = G.graph.get("shards") or {}
         for name, info in G.graph["weights"].items():
-            out[name] = {"shape": list(info.shape), "keep_fp32": bool(info.keep_fp32),
-                         "parts": list(info.parts) if info.parts is not None else None}
+            entry = {"shape": list(info.shape), "keep_fp32": bool(info.keep_fp32),
+                     "parts": list(info.parts) if info.parts is not None else None}
+            shard = shards.get(name)
+            if shard is not None and shard.dim is not None:
+                stored = list(info.shape)
+                stored[shard.dim] *= world
+                entry.update(part=[shard.dim, shard.start, shard.stop], stored=stored)
+            elif shard is not None and shard.kind == "experts":
+                entry["experts"] = [shard.start, shard.stop, int(G.graph["model"].dims["experts"])]
+            out[name] = entry
     return dict(sorted(out.items()))

@@ -66,30 +66,28 @@ def compile_graphs(spec: Spec, passes: bool = True, *, world: int = 1, rank: int
 
 def weight_specs(graphs: dict) -> dict[str, WeightSpec]:
     """What the graphs bind (the reference backend's weights); in a rank's graphs, the slice
-    of each split weight the rank reads (the Shards shard_for_rank recorded)."""
-    specs: dict[str, WeightSpec] = {}
-    for G in graphs.values():
-        world = (G.graph.get("parallel") or {}).get("world", 1)
-        for name, info in G.graph["weights"].items():
-            shard = (G.graph.get("shards") or {}).get(name)
-            extra = {}
-            if shard is not None and shard.dim is not None:
-                stored = list(info.shape)
-                stored[shard.dim] *= world
-                extra = {"part": (shard.dim, shard.start, shard.stop), "stored": tuple(stored)}
-            elif shard is not None and shard.kind == "experts":
-                held = set(info.parts)
-                extra = {"others": tuple(name.replace("*", str(e)) for e in range(G.graph["model"].dims["experts"])
-                                         if name.replace("*", str(e)) not in held)}
-            specs[name] = WeightSpec(shape=tuple(info.shape), keep_fp32=info.keep_fp32, parts=info.parts, **extra)
-    return specs
+    of each split weight the rank reads (the Shards shard_for_rank recorded).  This is the
+    table a bundle's manifest carries, read back the same way, so the two cannot disagree."""
+    from codegen.manifest import weights_to_json
+    return manifest_weight_specs(weights_to_json(graphs.values()))
 
 
 def manifest_weight_specs(table: dict) -> dict[str, WeightSpec]:
-    """What a bundle binds, from its manifest's weights table (codegen.manifest.weights_to_json)."""
-    return {name: WeightSpec(shape=tuple(w["shape"]), keep_fp32=bool(w["keep_fp32"]),
-                             parts=tuple(w["parts"]) if w["parts"] is not None else None)
-            for name, w in table.items()}
+    """What a bundle binds, from its manifest's weights table (codegen.manifest.weights_to_json).
+    In a rank's table: ``part`` / ``stored`` of a split weight and, for a per-expert weight, the
+    other ranks' expert tensors (``others``: known to the checkpoint check, never read)."""
+    specs: dict[str, WeightSpec] = {}
+    for name, w in table.items():
+        extra = {}
+        if w.get("part") is not None:
+            extra = {"part": tuple(w["part"]), "stored": tuple(w["stored"])}
+        elif w.get("experts") is not None:
+            held = set(w["parts"])
+            every = (name.replace("*", str(e)) for e in range(w["experts"][2]))
+            extra = {"others": tuple(n for n in every if n not in held)}
+        specs[name] = WeightSpec(shape=tuple(w["shape"]), keep_fp32=bool(w["keep_fp32"]),
+                                 parts=tuple(w["parts"]) if w["parts"] is not None else None, **extra)
+    return specs
 
 
 def unused_checkpoint_tensors(num_layers: int):

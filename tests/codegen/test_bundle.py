@@ -12,8 +12,8 @@ import pytest
 import codegen.bundle as bundle_mod
 import codegen.nvrtc as nvrtc
 from codegen import render
-from codegen.bundle import (SCHEMA, BundleError, check_compatible, compile_bundle, load_bundle, load_manifest,
-                            plan_spec)
+from codegen.bundle import (SCHEMA, BundleError, bundle_key, check_compatible, compile_bundle, load_bundle,
+                            load_manifest, plan_spec)
 from codegen.cache import compiler_source_hash
 from codegen.kernel import Options
 from tiny import ROOT, write_tiny_spec
@@ -120,7 +120,7 @@ def test_second_compile_is_a_hit_without_nvrtc(spec, tmp_path, fake_nvrtc, monke
     assert load_manifest(tmp_path / "out")["key"] == first.key
 
 
-@pytest.mark.parametrize("change", ["template", "arch", "dtype", "block_size", "spec", "compiler"])
+@pytest.mark.parametrize("change", ["template", "arch", "dtype", "block_size", "spec", "compiler", "world"])
 def test_each_key_input_misses(spec, tmp_path, fake_nvrtc, monkeypatch, change):
     base = _compile(spec, tmp_path / "c")
     kw = {}
@@ -134,6 +134,8 @@ def test_each_key_input_misses(spec, tmp_path, fake_nvrtc, monkeypatch, change):
         kw["dtype"] = "fp16"
     elif change == "block_size":
         kw["block_size"] = 32
+    elif change == "world":
+        kw["world"] = 2
     elif change == "spec":
         spec.write_text(spec.read_text() + "\n# a comment is a change too\n")
     elif change == "compiler":
@@ -270,7 +272,8 @@ def test_incompatible_bundle_is_detected(spec, tmp_path, fake_nvrtc, monkeypatch
 
 
 @pytest.mark.parametrize("kw,match", [(dict(arch="compute_90"), "architecture"),
-                                      (dict(dtype="fp8"), "dtype"), (dict(block_size=0), "block_size")])
+                                      (dict(dtype="fp8"), "dtype"), (dict(block_size=0), "block_size"),
+                                      (dict(world=0), "world")])
 def test_bad_options(spec, tmp_path, kw, match):
     with pytest.raises(BundleError, match=match):
         _compile(spec, tmp_path / "c", **kw)
@@ -285,3 +288,62 @@ def test_progress_lines(spec, tmp_path, fake_nvrtc, capsys):
     res = _compile(spec, tmp_path / "c", progress=True)
     err = capsys.readouterr().err
     assert err.count("compiled ") == res.kernels
+
+
+def test_a_bundle_for_two_ranks_holds_each_rank_over_one_set_of_kernels(spec, tmp_path, fake_nvrtc):
+    """world=2: a key of its own (world 1's is what it always was), the manifest lists one plan
+    per rank (ranks/rank<r>.json: phases and weight slices), one kernels/ folder serves both."""
+    one = _compile(spec, tmp_path / "c", out_dir=tmp_path / "b1")
+    two = _compile(spec, tmp_path / "c", world=2, out_dir=tmp_path / "b2")
+    four = _compile(spec, tmp_path / "c", world=4)
+    assert len({one.key, two.key, four.key}) == 3
+    assert one.key == bundle_key(spec.read_text(), arch="sm_90", dtype="bf16", block_size=64, strict=False)
+    m1, m = load_manifest(one.path), load_manifest(two.path)
+    assert "world" not in m1["options"] and "ranks" not in m1 and "phases" in m1
+    assert m["options"]["world"] == 2 and m["key"] == two.key
+    assert m["ranks"] == ["ranks/rank0.json", "ranks/rank1.json"] and "phases" not in m and "weights" not in m
+    plans = [json.loads((two.path / rel).read_text()) for rel in m["ranks"]]
+    assert [(p["world"], p["rank"]) for p in plans] == [(2, 0), (2, 1)]
+
+    def steps(p):
+        return [(ph, s.get("kernel") or s["op"]) for ph, d in p["phases"].items() for s in d["steps"]]
+    assert steps(plans[0]) == steps(plans[1])               # the same launches, of the same kernels
+    assert {k for _, k in steps(plans[0])} >= set(m["kernels"])
+    q = [p["weights"]["model.layers.0.self_attn.q_proj.weight"] for p in plans]
+    assert [w["part"] for w in q] == [[0, 0, 48], [0, 48, 96]] and q[1]["stored"] == [96, 64]
+    assert q[1]["shape"] == [48, 64]
+    o = plans[1]["weights"]["model.layers.0.self_attn.o_proj.weight"]
+    assert o["part"] == [1, 32, 64] and o["shape"] == [64, 32]
+    experts = [p["weights"]["model.layers.1.mlp.experts.*.gate_proj.weight"] for p in plans]
+    assert [w["experts"] for w in experts] == [[0, 4, 8], [4, 8, 8]]
+    assert experts[1]["parts"][0] == "model.layers.1.mlp.experts.4.gate_proj.weight"
+    assert "part" not in plans[1]["weights"]["model.embed_tokens.weight"]   # replicated
+    loaded = load_bundle(two.path, arch="sm_90", world=2, rank=1)
+    assert (loaded.world, loaded.rank, loaded.weights) == (2, 1, plans[1]["weights"])
+    assert set(loaded.plans) == {"prefill", "decode"}
+
+
+def test_a_bundle_for_other_ranks_is_refused_in_one_line(spec, tmp_path, fake_nvrtc):
+    b, b1 = _compile(spec, tmp_path / "c", world=2, out_dir=tmp_path / "b").path, \
+        _compile(spec, tmp_path / "c", out_dir=tmp_path / "b1").path
+    fix = f"dsgraph compile {b / 'spec.yaml'} -o {b} --arch sm_90 --dtype bf16 --block-size 64"
+    cases = [(b, dict(world=4, rank=0), "was compiled for 2 ranks, this job runs 4 ranks; run it with tp=2 "
+                                        f"(torchrun --nproc-per-node 2) or recompile it: {fix} --tp 4"),
+             (b, dict(), f"was compiled for 2 ranks, this job runs 1 rank; run it with tp=2 (torchrun "
+                         f"--nproc-per-node 2) or recompile it: {fix}"),
+             (b, dict(world=2, rank=2), "holds ranks 0..1, not rank 2"),
+             (b1, dict(world=2, rank=0), "was compiled for 1 rank, this job runs 2 ranks; recompile it: "
+                                         f"{fix.replace(str(b), str(b1))} --tp 2")]
+    for path, kw, message in cases:
+        with pytest.raises(BundleError) as info:
+            load_bundle(path, arch="sm_90", **kw)
+        text = str(info.value)
+        assert message in text and "\n" not in text, text
+        assert not text.endswith("--tp 1")
+
+
+def test_a_model_that_does_not_split_is_refused_before_compiling(spec, tmp_path, fake_nvrtc):
+    from ir.parallel import ParallelError
+    with pytest.raises(ParallelError, match="cannot run on 3 ranks: heads"):
+        _compile(spec, tmp_path / "c", world=3)
+    assert fake_nvrtc.calls == 0
