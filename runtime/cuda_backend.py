@@ -6,7 +6,12 @@ reads back each phase's plan from its manifest; the backend then runs those step
 written, with no graph, no passes, no lowering and no NVRTC.  Each step allocates its
 values per the buffer plan, binds them to the kernels' typed arguments, and launches on
 torch's current stream; dense GEMMs (cuBLAS through torch), the views of ``split`` and, in a
-rank's bundle, the all-reduce and the local-expert renumbering are the only library calls.  No device-to-host copy happens in a step.
+rank's bundle, the all-reduce and the local-expert renumbering are the only library calls.  No
+device-to-host copy happens in a step.
+
+Under tensor / expert parallelism (tp = world > 1) one bundle holds every rank's plan
+(codegen/bundle.py); each process loads its rank's, the ranks check that they loaded the same
+bundle (its key), and each binds its slices of the weights as the rank's manifest lists them.
 """
 from __future__ import annotations
 
@@ -42,26 +47,45 @@ def check_cuda_device(device) -> torch.device:
     return device
 
 
+def device_arch_of(device: torch.device) -> str:
+    """The SM architecture of `device` (sm_90 on H100/H200), as NVRTC names it."""
+    from .cuda_driver import device_arch
+    with torch.cuda.device(device):
+        return device_arch()
+
+
 def open_bundle(spec, *, bundle_dir=None, device, dtype: torch.dtype | None, block_size: int | None,
-                cache_dir=None):
+                cache_dir=None, world: int = 1, rank: int = 0):
     """The LoadedBundle to run on `device`: `bundle_dir` as given, or `spec` compiled for this
     GPU through the bundle cache (with dsgraph's defaults for what is not given).  Either way it
     is checked (compiler hash, key, arch, NVRTC, and dtype / block size where given) and read back
-    from its manifest: one path for both."""
+    from its manifest: one path for both.  As rank `rank` of `world` (world > 1, the process group
+    up): the bundle must be one compiled for `world` ranks, the plans are this rank's, and every
+    rank must have loaded the same bundle (its key, gathered over the group; ParallelError if not)."""
     from codegen.bundle import compile_bundle, load_bundle
     from codegen.nvrtc import nvrtc_version
 
-    from .cuda_driver import device_arch
+    from .parallel import agree_after
     device = check_cuda_device(device)
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise InputError(f"backend='cuda' runs bf16, fp16 or fp32, got {dtype}")
-    with torch.cuda.device(device):
-        arch = device_arch()
+    arch = device_arch_of(device)
     name = DTYPE_NAMES[dtype] if dtype is not None else None
-    if bundle_dir is None:
-        bundle_dir = compile_bundle(spec, arch=arch, dtype=name or DEFAULTS.dtype,
-                                    block_size=block_size or DEFAULTS.block_size, cache_dir=cache_dir).path
-    return load_bundle(bundle_dir, arch=arch, nvrtc_version=nvrtc_version(), dtype=name, block_size=block_size)
+    loaded, failure = None, None
+    try:
+        if bundle_dir is None:
+            bundle_dir = compile_bundle(spec, arch=arch, dtype=name or DEFAULTS.dtype,
+                                        block_size=block_size or DEFAULTS.block_size, cache_dir=cache_dir,
+                                        world=world).path
+        loaded = load_bundle(bundle_dir, arch=arch, nvrtc_version=nvrtc_version(), dtype=name,
+                             block_size=block_size, world=world, rank=rank)
+    except Exception as exc:   # any failure: the other ranks must not be left waiting in the all-gather
+        if world == 1:
+            raise
+        failure = exc
+    if world > 1:
+        agree_after("bundle key", loaded.key if loaded is not None else "", failure)
+    return loaded
 
 
 class CudaBackend:
@@ -83,7 +107,11 @@ class CudaBackend:
         if unknown:
             raise InputError(f"bundle {loaded.path} asks for library calls this runtime does not run: "
                              f"{', '.join(unknown)}")
-        return cls(loaded.plans, weights, KernelRunner.from_bundle(loaded), dtype=dtype, top_k=top_k)
+        backend = cls(loaded.plans, weights, KernelRunner.from_bundle(loaded), dtype=dtype, top_k=top_k)
+        # A rank's decode step launches eagerly until a multi-GPU machine has tested capturing
+        # its all-reduces (see _all_reduce); set use_graphs = True to try it there.
+        backend.use_graphs = loaded.world == 1
+        return backend
 
     # ---- one step ----------------------------------------------------------------------------
     def _sizes(self, ctx: StepContext) -> dict:
@@ -158,7 +186,18 @@ class CudaBackend:
             env[call.outputs[0]] = F.linear(x, w)
 
     def _all_reduce(self, call: LibraryCall, env: dict) -> None:
-        # torch.distributed on torch's current stream (NCCL on GPUs, gloo on the CPU).
+        """The sum of this rank's partial value over every rank: torch.distributed (NCCL on GPUs,
+        gloo on the CPU).  NCCL runs on its own stream, after the step's kernels on torch's current
+        stream, which then waits for it on the device (work.wait(): no host wait).
+
+        For this to stay inside a captured decode graph (cuda_graphs.DecodeGraphs; off for
+        world > 1 until tested, see from_bundle): NCCL >= 2.9.6 (collectives on a capturing
+        stream); the communicator made before the first capture (the eager prefill steps run an
+        all-reduce first); the reduced buffer allocated from the graph's pool during capture
+        (all_reduce_sum's copy is, so it has one address every replay); no host sync in the step
+        (none here: no .item(), no barrier, and TORCH_NCCL_BLOCKING_WAIT unset, which would make
+        wait() block the host); every rank capturing and replaying the same graphs in the same
+        order (they do: the ranks run the same steps on the same inputs).  Untested on GPUs."""
         env[call.outputs[0]] = all_reduce_sum(env[call.inputs[0]])
 
     def _local_experts(self, call: LibraryCall, env: dict) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from codegen.kernel import DEFAULTS
 from ir.context import StepContext
-from ir.parallel import ParallelError, check_parallel
+from ir.parallel import check_parallel
 from ir.spec import Spec, parse_spec
 
 from .errors import InputError
@@ -166,7 +166,9 @@ class Engine:
         tqdm bar on stderr, hidden when stderr is not a terminal) or a callable
         ``progress(done, total)`` counting tensors read.  ``tp=N`` (launched under
         ``torchrun --nproc-per-node N``): this process is one of N ranks and reads only its
-        slice of the checkpoint (runtime/parallel.py).
+        slice of the checkpoint (runtime/parallel.py); on backend="cuda" the bundle is one
+        compiled for N ranks (``compile_bundle(..., world=N)``, or the spec compiled so through
+        the cache) and this process runs its rank's plan from it.
         """
         backend, device = _backend_and_device(backend, device, bundle)   # before anything is read
         config = load_config(model_dir)
@@ -216,20 +218,22 @@ class Engine:
                        f"{spec.name} {what}" + (f" (rank {rank} of {world})" if world > 1 else ""))
             weights = read_weights(specs, spec, dtype, device)
             return cls(spec, compiled.graphs, weights, backend=backend, device=device, dtype=dtype, **kwargs)
-        if tp not in (None, 1):
-            raise ParallelError(f"tp={tp} runs on backend='reference' so far; backend='cuda' needs a bundle per "
-                                f"rank, which dsgraph compile does not make yet")
         from .cuda_backend import CudaBackend, open_bundle  # the driver only when asked for
         if bundle is not None and spec is not None:
             raise InputError("give a spec or a bundle, not both: a bundle carries the spec it was compiled from")
-        loaded = open_bundle(None if bundle is not None else resolve_spec(spec, config), bundle_dir=bundle,
-                             device=device, dtype=_as_dtype(dtype) if dtype is not None else None,
-                             block_size=kwargs.pop("block_size", None), cache_dir=cache_dir)
+        if bundle is None:
+            spec = resolve_spec(spec, config)
+            check_parallel(spec, 1 if tp is None else tp)     # before any process group is joined
+        world, rank, device = init_parallel(tp, device)
+        # tp > 1: one bundle for every rank (compiled for `world`); this process runs rank `rank`'s plan.
+        loaded = open_bundle(spec, bundle_dir=bundle, device=device,
+                             dtype=_as_dtype(dtype) if dtype is not None else None,
+                             block_size=kwargs.pop("block_size", None), cache_dir=cache_dir, world=world, rank=rank)
         spec = parse_spec(loaded.spec_text, loaded.manifest["spec"]["file"])
         dtype, block_size = _as_dtype(loaded.options["dtype"]), loaded.options["block_size"]
-        specs = manifest_weight_specs(loaded.weights)
+        specs = manifest_weight_specs(loaded.weights)    # the rank's slices
         check_fits(estimate_memory(spec, specs, dtype=dtype, device=device, block_size=block_size, **kwargs),
-                   device, f"{spec.name} {what}")
+                   device, f"{spec.name} {what}" + (f" (rank {rank} of {world})" if world > 1 else ""))
         weights = read_weights(specs, spec, dtype, device)
         impl = CudaBackend.from_bundle(loaded, weights, dtype=dtype, top_k=spec.dims["top_k"])
         return cls(spec, None, weights, backend="cuda", device=device, dtype=dtype, block_size=block_size,

@@ -9,7 +9,9 @@ Each rank builds its own part of the graphs (ir/passes/shard_for_rank.py), reads
 slice of the checkpoint (runtime/weights.py, by the table in ir/parallel.py) and runs the
 same steps on the same inputs; the all_reduce steps sum the ranks' partial results (gloo on
 the CPU, NCCL on GPUs, with NVLink multicast off).  Greedy and seeded sampling then pick the
-same token on every rank, because every rank holds the same logits.
+same token on every rank, because every rank holds the same logits.  On backend="cuda" every
+rank loads the same bundle (compiled for all the ranks, codegen/bundle.py) and runs its rank's
+plan from it; the ranks check that they agree on the bundle's key before any weight is read.
 """
 from __future__ import annotations
 
@@ -64,6 +66,20 @@ def check_ranks_agree(what: str, text: str) -> None:
             groups.setdefault(h, []).append(r)
         shown = "; ".join(f"ranks {', '.join(map(str, rs))}: {h}" for h, rs in groups.items())
         raise ParallelError(f"the ranks disagree on the {what} ({shown}); give every rank the same one")
+
+
+def agree_after(what: str, text: str, failure: Exception | None = None) -> None:
+    """check_ranks_agree after a step that may have failed on some ranks only (loading a bundle):
+    every rank still takes part in the all-gather, so none is left waiting on one that gave up;
+    a rank whose step failed then raises its own error, and the others a ParallelError."""
+    try:
+        check_ranks_agree(what, text if failure is None else f"(failed: {failure})")
+    except ParallelError:
+        if failure is not None:
+            raise failure from None
+        raise
+    if failure is not None:
+        raise failure
 
 
 def is_main_rank() -> bool:
