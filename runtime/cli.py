@@ -2,7 +2,7 @@
 
     dsgraph --version
     dsgraph spec --from-config CONFIG.json [-o spec.yaml] [--name NAME]
-    dsgraph compile [SPEC] [-o DIR] [--arch sm_90] [--dtype bf16] [--block-size 64]
+    dsgraph compile [SPEC] [-o DIR] [--arch sm_90] [--dtype bf16] [--block-size 64] [--tp 1]
                     [--cache-dir DIR] [--jobs N] [--allow-unlowered]
     dsgraph diff A B          A, B: a spec file, a bundle folder, "golden" or "worktree"
     dsgraph goldens [--check]
@@ -79,6 +79,8 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default=DEFAULTS.arch, help="NVRTC target, e.g. sm_90 or sm_90a")
     p.add_argument("--dtype", default=DEFAULTS.dtype, choices=("bf16", "fp16", "fp32"), help="activation dtype")
     p.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="KV-cache page size in tokens")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="ranks the model is spread over (tensor / expert parallel): one plan per rank, shared kernels")
     p.add_argument("--cache-dir", help="bundle cache (default: $DSGRAPH_CACHE_DIR or ~/.cache/dsgraph)")
     p.add_argument("--jobs", type=int, help="parallel NVRTC compiles (default: one per core)")
     p.add_argument("--allow-unlowered", action="store_true",
@@ -87,17 +89,19 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
 
 def run_compile(args) -> int:
     """compile a spec into a kernel bundle (through the cache)"""
-    from codegen.bundle import compile_bundle
+    from codegen.bundle import compile_bundle, load_rank_plan
     args.spec = args.spec or str(DEFAULT_SPEC)
     res = compile_bundle(args.spec, args.output, arch=args.arch, dtype=args.dtype,
                          block_size=args.block_size, cache_dir=args.cache_dir, jobs=args.jobs,
-                         strict=not args.allow_unlowered)
+                         strict=not args.allow_unlowered, world=args.tp)
     manifest = json.loads((res.path / "manifest.json").read_text(encoding="utf-8"))
     print(f"spec     {manifest['spec']['name']} ({args.spec})")
+    ranks = f", {args.tp} ranks" if args.tp != 1 else ""
     print(f"target   {manifest['arch']}, NVRTC {'.'.join(map(str, manifest['nvrtc_version']))}, "
-          f"{args.dtype}, block size {args.block_size}")
+          f"{args.dtype}, block size {args.block_size}{ranks}")
     print(f"kernels  {res.kernels} unique")
-    for phase, plan in manifest["phases"].items():
+    phases = load_rank_plan(res.path, manifest, 0)["phases"]   # every rank launches the same kernels
+    for phase, plan in phases.items():
         kinds = [s["type"] for s in plan["steps"]]
         line = (f"  {phase:<8} {kinds.count('kernel')} launches, "
                 f"{kinds.count('library')} library calls")
@@ -134,14 +138,15 @@ def _side(what: str, dtype: str, block_size: int):
         return side
     path = Path(what)
     if path.is_dir():
-        from codegen.bundle import load_manifest
+        from codegen.bundle import load_manifest, load_rank_plan
         manifest = load_manifest(path)
         name = manifest["spec"]["name"]
+        phases = load_rank_plan(path, manifest, 0)["phases"]     # rank 0's plan for a bundle of several
         return Side(what, {name: {k: (path / e["source"]).read_text(encoding="utf-8")
                                   for k, e in manifest["kernels"].items()}},
                     headers={h: (path / rel).read_text(encoding="utf-8")
                              for h, rel in manifest.get("includes", {}).items()},
-                    plans={name: plan_text(manifest["phases"])})
+                    plans={name: plan_text(phases)})
     if not path.is_file():
         raise FileNotFoundError(f"{what} is not a spec file, a bundle folder, 'golden' or 'worktree'")
     name, sources, headers, _ = goldens.render_spec_sources(path, dtype=dtype, block_size=block_size)

@@ -114,3 +114,20 @@ def test_loading_a_spec_imports_neither_torch_nor_networkx():
             "print(s.name, sorted(m for m in ('torch', 'networkx') if m in sys.modules))")
     r = _run(code)
     assert r.returncode == 0 and r.stdout.strip() == "deepseek_tiny []", r.stderr
+
+
+def test_compile_for_several_ranks_and_the_rank_counts_it_refuses(tmp_path, capsys):
+    """`dsgraph compile --tp N`: one bundle, a plan per rank over shared kernels (codegen/bundle.py);
+    diff reads rank 0's plan; a rank count the model cannot split is one line."""
+    from codegen.paths import MODEL_SPECS_DIR
+    tiny = str(MODEL_SPECS_DIR / "deepseek_tiny.yaml")
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert main(["compile", tiny, "--tp", "2", "-o", str(tmp_path / "tp2"), *cache]) == 0
+    out = capsys.readouterr().out
+    assert "2 ranks" in out and "launches" in out
+    assert sorted(p.name for p in (tmp_path / "tp2" / "ranks").iterdir()) == ["rank0.json", "rank1.json"]
+    assert main(["diff", tiny, str(tmp_path / "tp2"), "--stat"]) in (0, 1)
+    assert "h4__page64 -> mla_decode_attention__bf16__c32_r16__h2__page64" in capsys.readouterr().out
+    assert main(["compile", tiny, "--tp", "3", "-o", str(tmp_path / "tp3"), *cache]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dsgraph: error: deepseek_tiny cannot run on 3 ranks: heads")
