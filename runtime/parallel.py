@@ -15,6 +15,7 @@ plan from it; the ranks check that they agree on the bundle's key before any wei
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 
@@ -44,12 +45,22 @@ def init_parallel(tp, device: torch.device) -> tuple[int, int, torch.device]:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # The group this process joined is left at exit, also when the engine refuses to start
+        # (ranks that disagree): a gloo group still alive at interpreter teardown aborts the
+        # process ("terminate called without an active exception") instead of exiting cleanly.
+        atexit.register(_leave_group)
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != tp:
         raise ParallelError(f"tp={tp} but the job has {world} ranks (torchrun --nproc-per-node {tp})")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     return world, rank, device
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def check_ranks_agree(what: str, text: str) -> None:
