@@ -24,6 +24,11 @@ class StepContext:
     slot_mapping: torch.Tensor     # [T] int64: cache row (block * block_size + offset) of each token
     kv_cache: list                 # per layer: [num_blocks, block_size, C + R]
     block_size: int
+    # [L] int64 on the device, or None (every row): the rows of the step whose logits the
+    # caller uses.  Generation needs only each sequence's last token, so the head's linear
+    # (the op that makes the graph's "logits") runs on those L rows alone: at a 16k-token
+    # prefill that is 32 rows of lm_head instead of 16k, and a [L, vocab] output.
+    logit_rows: "torch.Tensor | None" = None
 
     @property
     def num_tokens(self) -> int:

@@ -123,7 +123,9 @@ def _prefill_ctx(engine, batch: int, length: int):
                        query_lens=[length] * batch, context_lens=[length] * batch,
                        block_tables=engine.tables.table_tensor(seq_ids, dev),
                        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-                       kv_cache=engine.cache.layers, block_size=engine.block_size)
+                       kv_cache=engine.cache.layers, block_size=engine.block_size,
+                       # as generate runs a prefill: the head on each sequence's last token only
+                       logit_rows=torch.arange(1, batch + 1, device=dev) * length - 1)
     return seq_ids, step, torch.randint(0, engine.vocab, (batch * length,), device=dev)
 
 
@@ -252,7 +254,9 @@ def _bench_transformers(engine, args, prefill_cases) -> dict:
     with torch.inference_mode():
         for batch, length in prefill_cases:
             ids = torch.randint(0, cfg.vocab_size, (batch, length), device="cuda")
-            ms = _timeit(lambda: model(ids), 2, warmup=1)
+            # the last position's logits only, as generation needs (and as dsgraph's prefill runs)
+            keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+            ms = _timeit(lambda: model(ids, **keep), 2, warmup=1)
             out["prefill"].append({"batch": batch, "length": length, "ms": ms,
                                    "tokens_per_s": batch * length / (ms / 1e3)})
             print(f"transformers prefill {batch}x{length}: {ms:.0f} ms", flush=True)

@@ -152,8 +152,9 @@ class CudaBackend:
         }
 
     def forward(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """ids [T] -> logits [T, vocab] float32.  Decode steps replay a CUDA graph per shape bucket."""
-        if phase == "decode" and self.use_graphs and all(q == 1 for q in ctx.query_lens):
+        """ids [T] -> logits [T, vocab] float32 (or [L, vocab]: the rows ctx.logit_rows names).
+        Decode steps replay a CUDA graph per shape bucket."""
+        if phase == "decode" and self.use_graphs and ctx.logit_rows is None and all(q == 1 for q in ctx.query_lens):
             return self.graphs_decode.run(ids, ctx)
         return self._forward(phase, ids, ctx, self._meta(ctx, ids.device), self._sizes(ctx))
 
@@ -166,6 +167,9 @@ class CudaBackend:
             steps = list(group)
             call = steps[0] if isinstance(steps[0], LibraryCall) else None
             if call is not None and call.op in _ALLOCATING:
+                if ctx.logit_rows is not None and "logits" in call.outputs:
+                    self._head_rows(call, env, ctx.logit_rows)
+                    continue
                 _ALLOCATING[call.op](self, call, env)   # the library allocates its output
                 continue
             info = plan.nodes[node]
@@ -175,7 +179,20 @@ class CudaBackend:
                 continue   # a view: the buffer plan made it
             meta["kv_cache"] = ctx.kv_cache[info.layer] if info.layer is not None else None
             self.runner.run_all(steps, values=env, weights=self.weights, ctx=meta, sizes=sizes)
+            if ctx.logit_rows is not None and "logits" in info.outputs:   # a kernel made them: all rows
+                env["logits"] = env["logits"].index_select(0, ctx.logit_rows)
         return env["logits"].float()
+
+    def _head_rows(self, call: LibraryCall, env: dict, rows: torch.Tensor) -> None:
+        """The call that makes "logits", on the rows the caller uses (StepContext.logit_rows)."""
+        if call.op == "linear":
+            sub = dict(env)
+            sub[call.inputs[0]] = env[call.inputs[0]].index_select(0, rows)
+            self._linear(call, sub)
+            env[call.outputs[0]] = sub[call.outputs[0]]
+        else:
+            _ALLOCATING[call.op](self, call, env)
+            env[call.outputs[0]] = env[call.outputs[0]].index_select(0, rows)
 
     def _linear(self, call: LibraryCall, env: dict) -> None:
         x = env[call.inputs[0]]

@@ -267,8 +267,9 @@ class Engine:
         return out
 
     # ---- one step -----------------------------------------------------------------------------
-    def _step(self, phase: str, seqs: list[Sequence]) -> torch.Tensor:
-        """Run the new tokens of ``seqs`` (prefill: all uncached; decode: the last one); logits [T, vocab]."""
+    def _step(self, phase: str, seqs: list[Sequence], *, last_only: bool = False) -> torch.Tensor:
+        """Run the new tokens of ``seqs`` (prefill: all uncached; decode: the last one); logits [T, vocab],
+        or with ``last_only`` [B, vocab]: each sequence's last token (the head runs on those rows alone)."""
         ids, positions, slots, query_lens, context_lens = [], [], [], [], []
         for s in seqs:
             toks = s.tokens
@@ -286,7 +287,9 @@ class Engine:
             block_tables=self.tables.table_tensor([s.seq_id for s in seqs], dev,
                                                   width=self.blocks_per_seq if phase == "decode" else None),
             slot_mapping=upload(slots, torch.int64, dev),
-            kv_cache=self.cache.layers, block_size=self.block_size)
+            kv_cache=self.cache.layers, block_size=self.block_size,
+            logit_rows=upload(list(itertools.accumulate(query_lens, initial=-1))[1:], torch.int64, dev)
+            if last_only else None)
         logits = self.backend.forward(phase, upload(ids, torch.int64, dev), ctx)
         for s in seqs:
             s.cached = len(s.tokens)
@@ -375,9 +378,7 @@ class Engine:
             while sched.has_work():
                 admitted = sched.admit()
                 if admitted:
-                    logits = self._step("prefill", admitted)
-                    last = torch.tensor([0] + [len(s.prompt) + len(s.output) for s in admitted]).cumsum(0)[1:] - 1
-                    self._advance(sched, admitted, logits[last.to(logits.device)])
+                    self._advance(sched, admitted, self._step("prefill", admitted, last_only=True))
                 batch = [s for s in sched.decode_batch() if s not in admitted and not s.done]
                 if batch:
                     self._advance(sched, batch, self._step("decode", batch))

@@ -27,6 +27,7 @@ from codegen.nvrtc import nvrtc_version
 from ir.context import StepContext
 from ir.graph import node_view
 from ir.ops import OPS
+from runtime import SamplingParams
 from runtime.cuda_backend import CudaBackend
 from runtime.reference_backend import ReferenceBackend
 from tiny_engine import ROOT, compiled, make_engine, prompts
@@ -101,6 +102,11 @@ def test_backend_runs_the_manifest_and_matches_the_reference_backend(bundle, mon
     ps = prompts([1, 3, 4, 5, 9])
     for a, b in zip(ours.logits(ps, decode_after=2), ref.logits(ps, decode_after=2)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # generate: the prefill's head runs on each sequence's last row only (StepContext.logit_rows)
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True, return_logits=True)
+    for a, b in zip(ours.generate(ps, sp), ref.generate(ps, sp)):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
     assert stub.calls > 0
 
 
