@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 
-import json
 import re
 import sys
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import torch
 from ir.spec import Spec, load_spec
 
 from .errors import WeightError
-from .weights import Checkpoint, WeightSpec, load_config, load_weights
+from .weights import Checkpoint, WeightSpec, load_config, load_weights, read_json_object
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -106,13 +105,7 @@ def eos_token_ids(model_dir, config: dict):
     finds them: generation_config.json when the checkpoint has one, else config.json."""
     path = Path(model_dir) / GENERATION_CONFIG
     if path.is_file():
-        try:
-            generation = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise WeightError(f"cannot read {path}: {e}") from None
-        if not isinstance(generation, dict):
-            raise WeightError(f"{path} is not a JSON object")
-        return generation.get("eos_token_id")
+        return read_json_object(path, "generation config").get("eos_token_id")
     return config.get("eos_token_id")
 
 

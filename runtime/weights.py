@@ -141,15 +141,19 @@ def _open_shard(path: Path):
         raise WeightError(f"cannot open safetensors file {path}: {e}") from None
 
 
-def load_config(model_dir: str | Path) -> dict:
-    path = Path(model_dir) / CONFIG_FILE
+def read_json_object(path: Path, what: str) -> dict:
+    """A checkpoint's JSON file that must hold an object; a WeightError naming `what` otherwise."""
     try:
-        config = json.loads(path.read_text())
+        data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        raise WeightError(f"cannot read model config {path}: {e}") from None
-    if not isinstance(config, dict):
-        raise WeightError(f"model config {path} is not a JSON object")
-    return config
+        raise WeightError(f"cannot read {what} {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise WeightError(f"{what} {path} is not a JSON object")
+    return data
+
+
+def load_config(model_dir: str | Path) -> dict:
+    return read_json_object(Path(model_dir) / CONFIG_FILE, "model config")
 
 
 @dataclass(frozen=True)
