@@ -32,12 +32,12 @@ def run_graph(G: nx.DiGraph, inputs: dict, weights: dict, ctx, keep: tuple[str, 
         for v in G.nodes[nid]["inputs"]:
             last_use[v] = i
     env = dict(inputs)
+    rows = getattr(ctx, "logit_rows", None)
     for i, nid in enumerate(order):
         data = G.nodes[nid]
         node = node_view(G, nid)
         w = {role: weights[name] for role, name in data["weights"].items()}
         ins = [env[v] for v in data["inputs"]]
-        rows = getattr(ctx, "logit_rows", None)
         if rows is not None and "logits" in data["outputs"]:
             ins, outs = logit_rows_only(data["op"], node, ins, w, ctx, rows)
         else:

@@ -167,10 +167,10 @@ class CudaBackend:
             steps = list(group)
             call = steps[0] if isinstance(steps[0], LibraryCall) else None
             if call is not None and call.op in _ALLOCATING:
-                if ctx.logit_rows is not None and "logits" in call.outputs:
-                    self._head_rows(call, env, ctx.logit_rows)
-                    continue
-                _ALLOCATING[call.op](self, call, env)   # the library allocates its output
+                if call.op == "linear" and "logits" in call.outputs:
+                    self._linear(call, env, rows=ctx.logit_rows)   # the head: only the rows used
+                else:
+                    _ALLOCATING[call.op](self, call, env)   # the library allocates its output
                 continue
             info = plan.nodes[node]
             for out in info.outputs:
@@ -183,19 +183,11 @@ class CudaBackend:
                 env["logits"] = env["logits"].index_select(0, ctx.logit_rows)
         return env["logits"].float()
 
-    def _head_rows(self, call: LibraryCall, env: dict, rows: torch.Tensor) -> None:
-        """The call that makes "logits", on the rows the caller uses (StepContext.logit_rows)."""
-        if call.op == "linear":
-            sub = dict(env)
-            sub[call.inputs[0]] = env[call.inputs[0]].index_select(0, rows)
-            self._linear(call, sub)
-            env[call.outputs[0]] = sub[call.outputs[0]]
-        else:
-            _ALLOCATING[call.op](self, call, env)
-            env[call.outputs[0]] = env[call.outputs[0]].index_select(0, rows)
-
-    def _linear(self, call: LibraryCall, env: dict) -> None:
+    def _linear(self, call: LibraryCall, env: dict, rows: torch.Tensor | None = None) -> None:
+        """x @ w.T through cuBLAS; `rows` (StepContext.logit_rows): on those rows of x alone."""
         x = env[call.inputs[0]]
+        if rows is not None:
+            x = x.index_select(0, rows)
         w = self.weights[call.weights[0]]
         if call.attrs.get("precision") == "fp32":
             env[call.outputs[0]] = F.linear(x.float(), w.float())

@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
+
+from test_parallel import _free_port, _launch_env   # what torchrun sets, loopback only
 
 from codegen.paths import MODEL_SPECS_DIR
 
@@ -18,15 +19,8 @@ ARGS = ["generate", "--random-weights", "--spec", TINY, "--ids", "5,17,3,99", "-
         "--ignore-eos", "--backend", "reference", "--device", "cpu"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _launch_env(rank, world, port)
     torch.set_num_threads(1)
     from runtime.cli import main
     out, err = io.StringIO(), io.StringIO()
