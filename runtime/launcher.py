@@ -56,13 +56,11 @@ def _sm_count(values: dict, ctx: dict) -> int | None:
     """The SM count of the CUDA device the step's tensors are on (torch's current device if none
     is a CUDA tensor). None where there is no CUDA device at all: then an expression that reads
     SMS fails to evaluate with a message naming it (the runner cannot launch there anyway)."""
-    for group in (values, ctx):
-        for t in group.values():
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                return _device_sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    if torch.cuda.is_available():
-        return _device_sm_count(torch.cuda.current_device())
-    return None
+    if not torch.cuda.is_available():
+        return None
+    dev = _device(values, {}, ctx)
+    return _device_sm_count(dev.index if dev.type == "cuda" and dev.index is not None
+                            else torch.cuda.current_device())
 
 
 def _lookup_value(values: dict, name: str, launch: KernelLaunch, ref) -> torch.Tensor:
