@@ -174,6 +174,10 @@ GEMM_THRESHOLD = GROUPED_PAIRS
 GEMM_BM = 128             # pairs per row tile        (templates/include/moe.cuh GEMM_*)
 GEMM_BNW = 128            # weight rows per CTA: 64 gate + 64 up, or 128 down
 GEMM_BK, GEMM_STAGES, GEMM_THREADS = 32, 4, 256   # K slice, slices in flight (2 CTAs per SM)
+# A row tile of at most GEMM_SKINNY pairs runs swapped: the 128 weight rows as the mma's M side,
+# the pairs as N in 16/32/64-wide tiles (moe.cuh 4c), so decode's few pairs per expert neither
+# waste the tile's copies nor its tensor work.  0 keeps every tile in the row-tile layout.
+GEMM_SKINNY = 64
 
 
 def gemm_smem(bk: int, stages: int) -> int:
@@ -210,7 +214,8 @@ def grouped_launches(family: str, template: str, name_parts: list, p: dict, nid:
         thr = p["thr"]
         smem = gemm_smem(GEMM_BK, GEMM_STAGES)
         gp = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "thr": thr,
-              "variant": "mma", "threads": GEMM_THREADS, "bk": GEMM_BK, "stages": GEMM_STAGES, "smem": smem}
+              "variant": "mma", "threads": GEMM_THREADS, "bk": GEMM_BK, "stages": GEMM_STAGES, "smem": smem,
+              "skinny": GEMM_SKINNY}
         launches.append(KernelLaunch(
             family=family, template=template, name=kernel_name(family, [*name_parts, "mma"]),
             params=gp, nodes=(nid,),

@@ -309,8 +309,8 @@ def _grouped_case(dtype, T, E, K, D, M, misalign="none"):
     return {"dtype": dtype, "T": T, "E": E, "K": K, "D": D, "M": M, "misalign": misalign, "seed": 7}
 
 
-def _routing(T, E, K, g):
-    ids = _random_ids(T, E, K, g)
+def _routing(T, E, K, g, ids=None):
+    ids = _random_ids(T, E, K, g) if ids is None else ids
     ref = align_ref(ids, E)
     dev = {"order": ref["order"].to(DEV, torch.int32), "offsets": ref["offsets"].to(DEV, torch.int32)}
     return ref, dev
@@ -320,7 +320,8 @@ def _grouped(runner, op, case):
     dtype, T, E, K, D, M = (case[k] for k in ("dtype", "T", "E", "K", "D", "M"))
     tdt = TORCH_DTYPES[dtype]
     g = _gen(case["seed"])
-    ref_r, dev_r = _routing(T, E, K, g)
+    ids = _ids_with_counts(case["counts"], K, g) if "counts" in case else None
+    ref_r, dev_r = _routing(T, E, K, g, ids)
     r = TType((f"T*{K}", E), "routing")
     if op == "moe_down":
         G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "out_dim": D},
@@ -426,6 +427,63 @@ def test_moe_gate_up_many_pairs(runner, case):
 @example(case=_grouped_case("bf16", 700, 3, 2, 256, 200, "weights"))
 @_settings(8)
 def test_moe_down_many_pairs(runner, case):
+    _grouped(runner, "moe_down", case)
+
+
+# Pair counts per expert around every boundary the kernels choose at: the GEMV's pass width and
+# the GEMM threshold (8), the swapped tensor-core tiles (16 / 32 / 64 pairs), the 128-pair row
+# tile, and experts never hit.
+PAIR_COUNTS = (0, 1, 7, 8, 9, 16, 17, 31, 33, 63, 64, 65, 127, 129, 256)
+
+
+def _ids_with_counts(counts, K, g) -> torch.Tensor:
+    """ids [T, K] in which expert e has exactly counts[e] pairs, in a random pair order (pairs of
+    one token may share an expert: the grouped kernels compute every pair on its own)."""
+    flat = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    return flat[torch.randperm(len(flat), generator=g)].view(-1, K)
+
+
+@st.composite
+def pair_count_cases(draw):
+    """Every expert's pair count drawn from PAIR_COUNTS; the last expert takes the 0..K-1 pairs
+    that make the total a whole number of tokens."""
+    E = draw(st.sampled_from((2, 3, 5, 8)))
+    K = draw(st.sampled_from((1, 2, 6)))
+    counts = [draw(st.sampled_from(PAIR_COUNTS)) for _ in range(E)]
+    counts[-1] += (-sum(counts)) % K
+    if sum(counts) == 0:
+        counts[0] = K
+    return {"dtype": draw(st.sampled_from(DTYPES)), "T": sum(counts) // K, "E": E, "K": K, "counts": counts,
+            "D": draw(st.sampled_from((40, 41, 64, 136, 256))), "M": draw(st.sampled_from((15, 36, 37, 72, 200))),
+            "misalign": draw(st.sampled_from(MISALIGN)), "seed": draw(st.integers(0, 2**31 - 1))}
+
+
+def _counts_case(dtype, counts, K, D, M, misalign="none"):
+    return {"dtype": dtype, "T": sum(counts) // K, "E": len(counts), "K": K, "counts": list(counts), "D": D, "M": M,
+            "misalign": misalign, "seed": 11}
+
+
+@given(case=pair_count_cases())
+@example(case=_counts_case("bf16", (9, 16, 17, 33, 64, 65, 0, 4), 2, 256, 200))   # GEMV, all three swapped tiles, row tile
+@example(case=_counts_case("fp16", (63, 0, 1, 129, 8, 31), 1, 41, 37))            # odd KD / N on the swapped tiles
+@example(case=_counts_case("bf16", (17, 64, 5), 2, 136, 72, "inputs"))             # the GEMM refuses: GEMV takes all
+@_settings(20)
+def test_moe_gate_up_silu_pair_counts(runner, case):
+    _grouped(runner, "moe_gate_up_silu", case)
+
+
+@given(case=pair_count_cases())
+@example(case=_counts_case("fp16", (9, 32, 33, 0), 2, 64, 37))
+@_settings(8)
+def test_moe_gate_up_pair_counts(runner, case):
+    _grouped(runner, "moe_gate_up", case)
+
+
+@given(case=pair_count_cases())
+@example(case=_counts_case("bf16", (9, 16, 17, 33, 64, 65, 0, 4), 2, 256, 200))
+@example(case=_counts_case("fp16", (63, 0, 1, 129, 8, 31), 1, 37, 41))            # N = D = 37: odd output columns
+@_settings(20)
+def test_moe_down_pair_counts(runner, case):
     _grouped(runner, "moe_down", case)
 
 

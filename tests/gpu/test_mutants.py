@@ -70,6 +70,11 @@ MUTANTS = [
            "const float wk = w[(i64)t * K + k];", "const float wk = w[(i64)t * K + k] * 1.01f;",
            moe.test_moe_combine, dict(case={"dtype": "bf16", "T": 33, "K": 6, "D": 2048, "misalign": "none", "seed": 9}),
            uses_runner=True),
+    Mutant("swapped expert tile output x1.01 (down, few pairs per expert)", "include/moe.cuh",
+           "if (col < N) o0[col] = from_float<T>(acc[j][c]);", "if (col < N) o0[col] = from_float<T>(acc[j][c] * 1.01f);",
+           moe.test_moe_down_pair_counts, dict(case={
+               "dtype": "fp16", "T": 122, "E": 4, "K": 1, "counts": [16, 33, 64, 9], "D": 256, "M": 200,
+               "misalign": "none", "seed": 10}), uses_runner=True),
 ]
 
 

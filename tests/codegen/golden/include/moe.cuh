@@ -553,7 +553,127 @@ constexpr int GEMM_BM = 128, GEMM_BNW = 128, GEMM_THREADS = 256;
 // chunks per row), so ldmatrix's eight rows hit distinct banks.
 __host__ __device__ constexpr int gemm_smem(int BK, int ST) { return ST * (GEMM_BM + GEMM_BNW) * (BK + 8) * 2; }
 
-template <typename T, int MODE, int E, int N, int KD, int K, int THR, int BK, int ST>
+// ---- 4c. few pairs per expert: the same CTA tile with the weight rows as the mma's M side ---
+// Decode at batch 16..256 gives an expert ~2..30 pairs: on the row-tile layout above a 128-row
+// tile then holds a handful of live rows (most of the tensor work and half the copies wasted).
+// Swapped, the CTA's 128 weight rows are M (one m16 tile per warp) and the tile's BP pairs are N
+// (BP / 8 n8 tiles, BP = 16 / 32 / 64 picked from the pair count at run time), so each weight
+// byte is copied once and the x rows are BP, not 128.  The ring is deeper than the row-tile
+// layout's (the pair tile is smaller, the same dynamic shared memory holds SST stages).
+// Shared rows (GATE_UP*): 16-row group q holds gate rows n0 + 8q .. + 8 then the up rows of the
+// same columns, so a thread's accumulators c0, c1 (row g) are gate and c2, c3 (row g + 8) up
+// of one output column: SiLU * up fuses in registers.  DOWN: shared row r is weight row n0 + r.
+__host__ __device__ constexpr int skinny_stages(int BK, int ST, int BP) {
+  return gemm_smem(BK, ST) / ((GEMM_BNW + BP) * (BK + 8) * 2) < 8 ? gemm_smem(BK, ST) / ((GEMM_BNW + BP) * (BK + 8) * 2) : 8;
+}
+
+template <typename T, int MODE, int N, int KD, int K, int BK, int ST, int BP>
+__device__ __forceinline__ void grouped_gemm_skinny(const T* __restrict__ x, const T* __restrict__ W0,
+                                                    const T* __restrict__ W1, const i32* __restrict__ order,
+                                                    const int* __restrict__ s_row, int pbeg, int rows, int n0,
+                                                    T* __restrict__ out0, T* __restrict__ out1, char* smem) {
+  constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
+  constexpr int BNW = GEMM_BNW, P = BK + 8, NJ = BP / 8;
+  constexpr int SST = skinny_stages(BK, ST, BP);
+  static_assert(BP % 16 == 0 && BP <= GEMM_BM, "skinny gemm: pair tiles are whole ldmatrix x4 loads");
+  static_assert(SST >= 2 && SST * (BNW + BP) * P * 2 <= gemm_smem(BK, ST), "skinny gemm: the ring must fit");
+  static_assert(GEMM_THREADS == 256 && BNW == 8 * 16, "skinny gemm: one m16 weight tile per warp");
+  constexpr bool ALIGNED = gemm_cp_async<KD>();
+  constexpr int KT = (KD + BK - 1) / BK;
+  constexpr int BN = (MODE == DOWN) ? BNW : BNW / 2;      // output columns per CTA
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  T* Ws = reinterpret_cast<T*>(smem);                      // SST x BNW x P
+  T* Xs = Ws + SST * BNW * P;                              // SST x BP x P (16-byte multiples: P is)
+
+  auto load_stage = [&](int stage, int kt) {
+    const int k0 = kt * BK;
+    T* w = Ws + stage * BNW * P;
+    T* a = Xs + stage * BP * P;
+#pragma unroll
+    for (int i = 0; i < (BNW * BK / 8) / GEMM_THREADS; ++i) {
+      const int c = tid + i * GEMM_THREADS;
+      const int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+      int n;
+      const T* Wm;
+      if constexpr (MODE == DOWN) { n = n0 + r; Wm = W0; }
+      else { n = n0 + (r >> 4) * 8 + (r & 7); Wm = (r & 8) ? W1 : W0; }
+      const int valid = (n < N) ? min(8, KD - (k0 + kc)) : 0;
+      dsg::mma::load8<T, ALIGNED>(w + r * P + kc, Wm + (i64)(n < N ? n : 0) * KD + k0 + kc, valid);
+    }
+    for (int c = tid; c < BP * BK / 8; c += GEMM_THREADS) {
+      const int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+      dsg::mma::load8<T, ALIGNED>(a + r * P + kc, x + (i64)s_row[r] * KD + k0 + kc, min(8, KD - (k0 + kc)));
+    }
+  };
+
+  float acc[NJ][4];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < SST - 1; ++s) {
+    if (s < KT) load_stage(s, s);
+    dsg::mma::cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    dsg::mma::cp_async_wait<SST - 2>();
+    __syncthreads();
+    if (kt + SST - 1 < KT) load_stage((kt + SST - 1) % SST, kt + SST - 1);
+    dsg::mma::cp_async_commit();
+    const T* w = Ws + (kt % SST) * BNW * P;
+    const T* a = Xs + (kt % SST) * BP * P;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      unsigned wf[4];
+      {
+        const int r = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        dsg::mma::ldsm_x4(wf, w + r * P + kk + (lane >> 4) * 8);
+      }
+#pragma unroll
+      for (int q = 0; q < NJ / 2; ++q) {
+        unsigned xf[4];
+        const int r = q * 16 + (lane & 7) + (lane >> 4) * 8;
+        dsg::mma::ldsm_x4(xf, a + r * P + kk + ((lane >> 3) & 1) * 8);
+        dsg::mma::mma16816<BF16>(acc[2 * q], wf, xf[0], xf[1]);
+        dsg::mma::mma16816<BF16>(acc[2 * q + 1], wf, xf[2], xf[3]);
+      }
+    }
+  }
+  dsg::mma::cp_async_wait<0>();
+
+  // epilogue: acc[j] holds weight rows warp*16 + g (c0, c1) and + 8 (c2, c3) for the tile's pairs
+  // j*8 + t2, j*8 + t2 + 1
+  const int g = lane >> 2, t2 = (lane & 3) * 2;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int r = j * 8 + t2 + c;                        // pair within the tile
+      if (r >= rows) continue;
+      T* o0 = out0 + (i64)order[pbeg + r] * N;
+      if constexpr (MODE == DOWN) {
+        const int col = n0 + warp * 16 + g;
+        if (col < N) o0[col] = from_float<T>(acc[j][c]);
+        if (col + 8 < N) o0[col + 8] = from_float<T>(acc[j][2 + c]);
+      } else {
+        const int col = n0 + warp * 8 + g;
+        if (col >= N) continue;
+        const float gv = acc[j][c], uv = acc[j][2 + c];
+        if constexpr (MODE == GATE_UP_SILU) {
+          const float gr = round_to<T>(gv), ur = round_to<T>(uv);
+          o0[col] = from_float<T>(round_to<T>(gr / (1.f + expf(-gr))) * ur);
+        } else {
+          o0[col] = from_float<T>(gv);
+          out1[(i64)order[pbeg + r] * N + col] = from_float<T>(uv);
+        }
+      }
+    }
+  static_assert(BN == ((MODE == DOWN) ? 8 * 16 : 8 * 8), "skinny gemm: the column tile is the warps' rows");
+}
+
+template <typename T, int MODE, int E, int N, int KD, int K, int THR, int BK, int ST, int SK>
 __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* __restrict__ w0,
                                              const T* __restrict__ w1, const i32* __restrict__ order,
                                              const i32* __restrict__ offsets, T* __restrict__ out0,
@@ -620,6 +740,26 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* _
   const int n0 = blockIdx.x * BN;
   const T* W0 = w0 + (i64)e * N * KD;
   const T* W1 = ((MODE == DOWN) ? w0 : w1) + (i64)e * N * KD;
+  // A tile of at most SK pairs (decode's usual case): the swapped orientation (4c above).
+  // rows is uniform across the CTA, so every thread takes the same branch.
+  if constexpr (SK >= 16) {
+    if (rows <= 16) {
+      grouped_gemm_skinny<T, MODE, N, KD, K, BK, ST, 16>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
+      return;
+    }
+  }
+  if constexpr (SK >= 32) {
+    if (rows <= 32) {
+      grouped_gemm_skinny<T, MODE, N, KD, K, BK, ST, 32>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
+      return;
+    }
+  }
+  if constexpr (SK >= 64) {
+    if (rows <= 64) {
+      grouped_gemm_skinny<T, MODE, N, KD, K, BK, ST, 64>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
+      return;
+    }
+  }
   T* As = reinterpret_cast<T*>(smem);
   T* Bs = As + ST * BM * P;
 
