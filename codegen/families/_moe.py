@@ -170,7 +170,11 @@ def align_launch(family: str, template: str, name: str, params: dict, nid: str, 
 
 GROUPED_WARPS = 4
 GROUPED_PAIRS = 8         # pairs per pass over the weights: decode reads each weight row once
-GEMM_THRESHOLD = GROUPED_PAIRS
+# Experts with more pairs than this go to the tensor-core GEMM.  The GEMV's narrow pass (moe.cuh
+# GROUPED_NARROW, 2 pairs) reads weights near the copy bandwidth (decode b=8); from 3 pairs on
+# the swapped tensor-core tiles (GEMM_SKINNY) read each weight byte once as well, without the
+# GEMV's per-pair FMAs and warp reductions (PERF_NOTES v6 has the measurement).
+GEMM_THRESHOLD = 2
 GEMM_BM = 128             # pairs per row tile        (templates/include/moe.cuh GEMM_*)
 GEMM_BNW = 128            # weight rows per CTA: 64 gate + 64 up, or 128 down
 GEMM_BK, GEMM_STAGES, GEMM_THREADS = 32, 4, 256   # K slice, slices in flight (2 CTAs per SM)
@@ -178,6 +182,14 @@ GEMM_BK, GEMM_STAGES, GEMM_THREADS = 32, 4, 256   # K slice, slices in flight (2
 # the pairs as N in 16/32/64-wide tiles (moe.cuh 4c), so decode's few pairs per expert neither
 # waste the tile's copies nor its tensor work.  0 keeps every tile in the row-tile layout.
 GEMM_SKINNY = 64
+
+
+def gemm_row_tiles(E: int, thr: int) -> str:
+    """A host-side bound on the GEMM's row tiles: every 128 pairs make at most one more tile, and
+    each expert with more than thr pairs at most one partial tile.  Top-k picks K distinct experts
+    per token, so no expert has more pairs than there are tokens: with T <= thr no expert is the
+    GEMM's and the launch is empty (decode at batch 1 and 2 pays nothing for it)."""
+    return f"(NP // {GEMM_BM} + min({E}, NP // {thr + 1})) * min(1, T // {thr + 1})"
 
 
 def gemm_smem(bk: int, stages: int) -> int:
@@ -219,7 +231,7 @@ def grouped_launches(family: str, template: str, name_parts: list, p: dict, nid:
         launches.append(KernelLaunch(
             family=family, template=template, name=kernel_name(family, [*name_parts, "mma"]),
             params=gp, nodes=(nid,),
-            grid=(-(-p["N"] // bn), f"NP // {GEMM_BM} + min({p['E']}, NP // {thr + 1})", 1),
+            grid=(-(-p["N"] // bn), gemm_row_tiles(p["E"], thr), 1),
             block=(GEMM_THREADS, 1, 1), args=args, smem=smem, stage="mma"))
     return launches
 

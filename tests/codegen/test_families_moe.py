@@ -118,13 +118,16 @@ def test_grouped_launch_covers_every_expert_and_row():
         bn = 128 if op == "moe_down" else 64
         assert gemm.grid[0] * bn >= q["N"]
         for NP in (1, 6, q["thr"], q["thr"] + 1, 384, 98304):
-            bound = sizes.evaluate(gemm.grid[1], {"NP": NP})
+            bound = sizes.evaluate(gemm.grid[1], {"NP": NP, "T": NP})      # T = NP: the most tokens
             heavy = NP // (q["thr"] + 1)
             worst = [q["thr"] + 1] * min(63, heavy) if heavy else []   # many small heavy experts
             worst.append(NP - sum(worst))
             need = sum(-(-c // 128) for c in worst if c > q["thr"])
             assert bound >= need, (NP, bound, need)
-        assert sizes.evaluate(gemm.grid[1], {"NP": 6}) == 0
+        # no expert has more pairs than tokens (top-k picks distinct experts): empty at T <= thr
+        assert sizes.evaluate(gemm.grid[1], {"NP": 6, "T": 1}) == 0
+        assert sizes.evaluate(gemm.grid[1], {"NP": 6 * q["thr"], "T": q["thr"]}) == 0
+        assert sizes.evaluate(gemm.grid[1], {"NP": 6 * (q["thr"] + 1), "T": q["thr"] + 1}) > 0
 
 
 def test_route_needs_no_host_sync():

@@ -2,7 +2,7 @@
 // template: moe_down.cu.j2
 // kernel:   moe_down__bf16__e64__d2048_m1408__mma
 // role:     moe_down.mma
-// params:   {"E":64,"K":1,"KD":1408,"N":2048,"act":"__nv_bfloat16","bk":32,"skinny":64,"smem":81920,"stages":4,"thr":8,"threads":256,"variant":"mma"}
+// params:   {"E":64,"K":1,"KD":1408,"N":2048,"act":"__nv_bfloat16","bk":32,"skinny":64,"smem":81920,"stages":4,"thr":2,"threads":256,"variant":"mma"}
 // includes: common.cuh, mma.cuh, moe.cuh
 // nodes:    L1-26.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
@@ -23,7 +23,7 @@ moe_down__bf16__e64__d2048_m1408__mma(
     const i32* __restrict__ offsets,
     __nv_bfloat16* __restrict__ out) {
   extern __shared__ __align__(16) char smem[];
-  dsg::moe::grouped_gemm<__nv_bfloat16, dsg::moe::DOWN, 64, 2048, 1408, 1, 8, 32,
+  dsg::moe::grouped_gemm<__nv_bfloat16, dsg::moe::DOWN, 64, 2048, 1408, 1, 2, 32,
                              4, 64>(
       a, w, nullptr, order, offsets, out, nullptr, smem);
 }

@@ -2,7 +2,7 @@
 // template: moe_gate_up_silu.cu.j2
 // kernel:   moe_gate_up_silu__bf16__e256_k8__m2048_d7168__mma
 // role:     moe_gate_up_silu.mma
-// params:   {"E":256,"K":8,"KD":7168,"N":2048,"act":"__nv_bfloat16","bk":32,"skinny":64,"smem":81920,"stages":4,"thr":8,"threads":256,"variant":"mma"}
+// params:   {"E":256,"K":8,"KD":7168,"N":2048,"act":"__nv_bfloat16","bk":32,"skinny":64,"smem":81920,"stages":4,"thr":2,"threads":256,"variant":"mma"}
 // includes: common.cuh, mma.cuh, moe.cuh
 // nodes:    L3-60.moe_ffn.ea
 // implements (spec op, layers, passes that fused it):
@@ -26,7 +26,7 @@ moe_gate_up_silu__bf16__e256_k8__m2048_d7168__mma(
     const i32* __restrict__ offsets,
     __nv_bfloat16* __restrict__ out) {
   extern __shared__ __align__(16) char smem[];
-  dsg::moe::grouped_gemm<__nv_bfloat16, dsg::moe::GATE_UP_SILU, 256, 2048, 7168, 8, 8, 32,
+  dsg::moe::grouped_gemm<__nv_bfloat16, dsg::moe::GATE_UP_SILU, 256, 2048, 7168, 8, 2, 32,
                              4, 64>(
       x, w_gate, w_up, order, offsets, out, nullptr, smem);
 }
