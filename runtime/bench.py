@@ -153,6 +153,19 @@ def _breakdown(step_fn) -> dict:
             "families": dict(sorted(families.items(), key=lambda kv: -kv[1]["ms"]))}
 
 
+ROUTED_EXPERT_FAMILIES = ("moe_gate_up_silu", "moe_down")
+
+
+def routed_expert_rate(row: dict) -> dict | None:
+    """The routed-expert kernels of one decode step: their device ms and the touched expert
+    weights they read (decode_bytes' routed_experts) per second; None without a breakdown."""
+    fams = (row.get("breakdown") or {}).get("families", {})
+    ms = sum(fams[f]["ms"] for f in ROUTED_EXPERT_FAMILIES if f in fams)
+    if not ms:
+        return None
+    return {"ms": ms, "bytes_per_s": row["bytes"]["routed_experts"] / (ms / 1e3)}
+
+
 def _release(engine, seq_ids):
     for s in seq_ids:
         engine.tables.release(s)
@@ -213,6 +226,7 @@ def run_bench(args) -> int:
                    "bytes": need, "floor_ms": need["total"] / bw * 1e3,
                    "fraction_of_bandwidth": need["total"] / (ms / 1e3) / bw,
                    "breakdown": _breakdown(lambda: backend.forward("decode", ids, step))}
+            row["routed_experts"] = routed_expert_rate(row)
             _release(engine, seq_ids)
             result["decode"].append(row)
             print(f"decode b={batch} ctx={ctx}: {ms:.2f} ms/step (floor {row['floor_ms']:.2f}), "
@@ -319,3 +333,10 @@ def _print_table(r: dict) -> None:
                  else f"prefill {row['batch']}x{row['length']}")
         top = ", ".join(f"{f[:22]} {v['ms']:.2f}" for f, v in list(br["families"].items())[:5])
         print(f"  {label:<24}{br['kernel_ms']:>8.2f} in {br['launches']} kernels: {top}")
+    rates = [(d, d.get("routed_experts")) for d in r["decode"]]
+    if any(x for _, x in rates):
+        print("\nrouted experts (gate_up_silu + down) per decode step, touched expert weights read:")
+        for d, x in rates:
+            if x:
+                print(f"  decode b={d['batch']} ctx={d['context']:<8}{x['ms']:>8.2f} ms  "
+                      f"{x['bytes_per_s'] / 1e12:5.2f} TB/s")
