@@ -1,0 +1,443 @@
+"""Routed-expert (grouped MoE) kernel timings at DeepSeek-V2-Lite dims (a script, not a test).
+
+    python3 tests/gpu/perf_moe.py [--pairs 1,2,4,8,9,12,16,32,64,65,128,256] [--batches 1,8,32,128,256]
+                                  [--variants thr8_skinny0,thr8_skinny64,thr2_skinny64,thr1_skinny64]
+                                  [--json PATH]
+    python3 tests/gpu/perf_moe.py --compile-only      # no GPU: lower, render and NVRTC-compile every
+                                                      # variant's kernels for --arch (default sm_90)
+
+Builds one-node graphs of moe_gate_up_silu and moe_down (E experts, hidden D, expert
+intermediate M, top-K read from model_specs/deepseek_v2_lite.yaml: 64, 2048, 1408, 6), lowers
+them with their families (the same lowering the bundle uses: a "gemv" launch for the experts
+with at most `thr` pairs, then an "mma" tensor-core launch for the others), runs them through
+KernelRunner on random bf16 tensors and times each family's launches together with CUDA events
+over ITERS launches captured in one CUDA graph (median of 3 replays); each launch alone too.
+
+Cases:
+  c=<c>   every one of the E experts gets exactly c pairs: ids = a random permutation of
+          repeat(arange(E), c) as [T, K], K = top_k when E*c % top_k == 0, else K = 1 (T = E*c)
+  B=<B>   decode batch B: T = B tokens, each with top_k distinct experts drawn uniformly
+          (the touched experts are counted and printed)
+Variants thr<t>_skinny<s>: both launches get param thr=t (the mma launch's row-tile bound is
+recomputed for it), the mma launch skinny=s (the largest row tile run in the swapped
+orientation; 0 turns it off).  thr0 means the GEMV alone (its THR = 0 takes every expert;
+the mma launch is dropped).  Every variant launch is renamed <lowered name>__thr<t> (gemv) or
+<lowered name>__thr<t>_skinny<s> (mma): KernelRunner keeps one compiled module per launch
+name, so distinct parameters must never share a name (checked below); identical gemv
+parameters across variants share one compile on purpose.
+
+Correctness: outputs poisoned with NaN, one run, norm-wise relative error ||out - ref|| / ||ref||
+against a torch fp32 reference on the GPU (BAD above 1e-2; the exit status is 1 if any).
+Bytes: touched experts x weight bytes (gate_up 2*M*D*2, down D*M*2 per expert) plus the
+activations read and the outputs written; rows print TB/s of the touched-weight bytes and of
+all bytes.  A summary table follows (cases x variants: gate_up_silu + down us and weight TB/s).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from harness import single_op_graph  # noqa: E402
+
+import ir  # noqa: E402
+from codegen import sizes as size_exprs  # noqa: E402
+from codegen.families import _moe  # noqa: E402
+from codegen.families import family_for_op  # noqa: E402
+from codegen.families._moe import GEMM_BM  # noqa: E402
+from codegen.kernel import Options  # noqa: E402
+from ir.ops import TType  # noqa: E402
+from ir.ops.moe import align_ref  # noqa: E402
+from runtime.launcher import KernelRunner  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEV = "cuda"
+DT = torch.bfloat16
+ITERS = 20
+BAD_ERR = 1e-2
+FAMILIES = ("moe_gate_up_silu", "moe_down")
+SHORT = {"moe_gate_up_silu": "gate_up_silu", "moe_down": "down"}
+_VARIANT_RE = re.compile(r"^thr(\d+)_skinny(\d+)$")
+
+
+def lite():
+    return ir.load_spec(os.path.join(ROOT, "model_specs", "deepseek_v2_lite.yaml")).model
+
+
+def dims(m) -> dict:
+    d = m.dims
+    return {"E": int(d["experts"]), "D": int(d["hidden"]), "M": int(d["moe_intermediate"]), "K": int(d["top_k"])}
+
+
+def row_tiles(E: int, thr: int) -> str:
+    """The mma launch's grid y for threshold thr: the lowering's own bound where it has one."""
+    if hasattr(_moe, "gemm_row_tiles"):
+        return _moe.gemm_row_tiles(E, thr)
+    return f"NP // {GEMM_BM} + min({E}, NP // ({thr} + 1))"
+
+
+# -- graphs, lowering, variants ------------------------------------------------------------
+
+def graph(m, family: str, K: int):
+    """A one-node graph of `family` with pair dim T*K (T is a runtime size)."""
+    dm = dims(m)
+    E, D, M = dm["E"], dm["D"], dm["M"]
+    r = TType((f"T*{K}", E), "routing")
+    if family == "moe_down":
+        return single_op_graph(m, "moe_down", {"num_experts": E, "out_dim": D},
+                               {"a": TType((f"T*{K}", M), "act"), "R": r}, {"weight": "e.{expert}.down"})
+    return single_op_graph(m, "moe_gate_up_silu", {"num_experts": E, "out_dim": M},
+                           {"x": TType(("T", D), "act"), "R": r},
+                           {"gate": "e.{expert}.gate", "up": "e.{expert}.up"})
+
+
+def parse_variant(v: str) -> tuple[int, int]:
+    mt = _VARIANT_RE.match(v)
+    if mt is None:
+        raise SystemExit(f"variant {v!r}: expected thr<int>_skinny<int>, e.g. thr2_skinny64")
+    return int(mt.group(1)), int(mt.group(2))
+
+
+def apply_variant(launches, thr: int, skinny: int) -> list:
+    """The family's launches with thr (both) and skinny (mma) overridden, renamed per parameters."""
+    stages = [la.stage for la in launches]
+    if stages != ["gemv", "mma"]:
+        raise SystemExit(f"expected the launches gemv, mma from the lowering; got {stages} "
+                         f"({[la.name for la in launches]})")
+    out = []
+    for la in launches:
+        if la.stage == "gemv":
+            out.append(dataclasses.replace(la, name=f"{la.name}__thr{thr}", params={**la.params, "thr": thr}))
+        elif thr > 0:
+            E = la.params["E"]
+            out.append(dataclasses.replace(
+                la, name=f"{la.name}__thr{thr}_skinny{skinny}",
+                params={**la.params, "thr": thr, "skinny": skinny},
+                grid=(la.grid[0], row_tiles(E, thr), la.grid[2])))
+    return out
+
+
+class Kernels:
+    """Lowered (and variant-applied) launches per (family, K, variant), lowered once each; checks
+    that no two different launches share a name (the runner caches compiled modules by name)."""
+
+    def __init__(self, m, runner: KernelRunner):
+        self.m, self.runner = m, runner
+        self._graphs: dict = {}
+        self._launches: dict = {}
+        self._by_name: dict = {}
+
+    def base(self, family: str, K: int):
+        key = (family, K)
+        if key not in self._graphs:
+            G, nid = graph(self.m, family, K)
+            launches = family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype="bf16"))
+            self._graphs[key] = (G, nid, launches)
+        return self._graphs[key]
+
+    def get(self, family: str, K: int, variant: str) -> list:
+        key = (family, K, variant)
+        if key not in self._launches:
+            thr, skinny = parse_variant(variant)
+            launches = apply_variant(self.base(family, K)[2], thr, skinny)
+            for la in launches:
+                ident = (la.template, json.dumps(la.params, sort_keys=True), tuple(la.args), la.grid, la.block,
+                         la.smem)
+                prev = self._by_name.setdefault(la.name, ident)
+                if prev != ident:
+                    raise SystemExit(f"two different launches named {la.name}: the runner would reuse one "
+                                     f"compiled module for both")
+            self.check_source(launches, thr, skinny)
+            self._launches[key] = launches
+        return self._launches[key]
+
+    def check_source(self, launches, thr: int, skinny: int) -> None:
+        """The rendered source declares the kernel under its launch name, and the overridden
+        params reach the template body (a warning where one does not change it)."""
+        for la in launches:
+            src = self.runner.source(la)
+            if not re.search(rf"\b{re.escape(la.name)}\s*\(", src):
+                raise SystemExit(f"rendered source of {la.name} does not declare a kernel of that name")
+            probes = [("thr", thr + 1)] + ([("skinny", 0 if skinny else 64)] if la.stage == "mma" else [])
+            for key, other in probes:
+                alt = dataclasses.replace(la, params={**la.params, key: other})
+                if _body(self.runner.source(alt), la.name) == _body(src, la.name):
+                    print(f"WARNING: param {key} does not change the rendered body of {la.name} "
+                          f"(template ignores it?)", flush=True)
+
+
+def _body(src: str, name: str) -> str:
+    """The rendered source below its header (which lists the params), kernel name normalised."""
+    return src.split("\n\n", 1)[-1].replace(name, "KERNEL")
+
+
+# -- cases ---------------------------------------------------------------------------------
+
+def pair_case(dm: dict, c: int) -> dict:
+    E, Km = dm["E"], dm["K"]
+    K = Km if (E * c) % Km == 0 else 1
+    T = E * c // K
+    g = torch.Generator().manual_seed(1000 + c)
+    flat = torch.arange(E).repeat(c)
+    ids = flat[torch.randperm(E * c, generator=g)].view(T, K)
+    return {"case": f"c={c}", "kind": "pairs", "c": c, "T": T, "K": K, "ids": ids}
+
+
+def batch_case(dm: dict, B: int) -> dict:
+    E, K = dm["E"], dm["K"]
+    g = torch.Generator().manual_seed(2000 + B)
+    ids = torch.rand(B, E, generator=g).topk(K, dim=1).indices      # K distinct experts per token
+    return {"case": f"B={B}", "kind": "decode", "B": B, "T": B, "K": K, "ids": ids}
+
+
+def finish_case(case: dict, E: int) -> dict:
+    ids = case["ids"]
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    case["NP"] = ids.numel()
+    case["touched"] = int((counts > 0).sum())
+    case["max_pairs"] = int(counts.max())
+    # The mma launch's bound is empty when T <= thr: it relies on no expert having more pairs
+    # than there are tokens (distinct experts per token).  True of every case built here.
+    assert case["max_pairs"] <= case["T"], case["case"]
+    return case
+
+
+# -- timing --------------------------------------------------------------------------------
+
+def time_us(fn):
+    """us per call of fn: ITERS calls captured into one CUDA graph (no host cost per launch,
+    like the engine's graph replay), replayed and timed with CUDA events (median of 3)."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()
+        stream.synchronize()
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(ITERS):
+                fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(3):
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / ITERS)
+    return sorted(times)[1]
+
+
+def launch_is_empty(runner, la, sizes: dict) -> bool:
+    full = runner.step_sizes(sizes, {})
+    return 0 in tuple(size_exprs.evaluate(x, full) for x in la.grid)
+
+
+# -- references ----------------------------------------------------------------------------
+
+def ref_gate_up_silu(x, wg, wu, order, offsets, K, NP, M):
+    out = torch.empty(NP, M, dtype=torch.float32, device=DEV)
+    offs = offsets.tolist()
+    for e in range(len(offs) - 1):
+        if offs[e] == offs[e + 1]:
+            continue
+        pairs = order[offs[e]:offs[e + 1]]
+        xe = x[pairs // K].float()
+        gate, up = xe @ wg[e].float().T, xe @ wu[e].float().T
+        out[pairs] = torch.nn.functional.silu(gate) * up
+    return out
+
+
+def ref_down(a, wd, order, offsets, NP, D):
+    out = torch.empty(NP, D, dtype=torch.float32, device=DEV)
+    offs = offsets.tolist()
+    for e in range(len(offs) - 1):
+        if offs[e] == offs[e + 1]:
+            continue
+        pairs = order[offs[e]:offs[e + 1]]
+        out[pairs] = a[pairs].float() @ wd[e].float().T
+    return out
+
+
+def rel_err(out, ref) -> float:
+    if torch.isnan(out).any():
+        return float("inf")
+    den = ref.norm().item()
+    num = (out.float() - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+# -- main ----------------------------------------------------------------------------------
+
+def ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v.strip()]
+
+
+def compile_only(args, m, variants):
+    dm = dims(m)
+    runner = KernelRunner(arch=args.arch)
+    kernels = Kernels(m, runner)
+    Ks = sorted({pair_case(dm, c)["K"] for c in ints(args.pairs)} | ({dm["K"]} if ints(args.batches) else set()))
+    done = set()
+    for v in variants:
+        for fam in FAMILIES:
+            for K in Ks:
+                for la in kernels.get(fam, K, v):
+                    if la.name in done:
+                        continue
+                    t0 = time.time()
+                    nbytes = len(runner.cubin(la))
+                    done.add(la.name)
+                    print(f"compiled {la.name:<72} grid {la.grid} {nbytes} B cubin {time.time() - t0:.1f} s",
+                          flush=True)
+    print(f"{len(done)} kernels for {args.arch}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", default="1,2,4,8,9,12,16,32,64,65,128,256",
+                    help="pairs per expert c (every expert gets exactly c pairs)")
+    ap.add_argument("--batches", default="1,8,32,128,256", help="decode batches B (K distinct experts per token)")
+    ap.add_argument("--variants", default="thr8_skinny0,thr8_skinny64,thr2_skinny64,thr1_skinny64",
+                    help="comma-separated thr<t>_skinny<s> (thr0: the GEMV alone)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write every row as JSON to PATH")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="no GPU: lower, render and compile every kernel with NVRTC for --arch, then stop")
+    ap.add_argument("--arch", default="sm_90", help="target of --compile-only (default sm_90)")
+    args = ap.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        parse_variant(v)
+    m = lite()
+    if args.compile_only:
+        compile_only(args, m, variants)
+        return 0
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --compile-only)")
+    torch.backends.cuda.matmul.allow_tf32 = False      # the fp32 reference stays fp32
+
+    dm = dims(m)
+    E, D, M = dm["E"], dm["D"], dm["M"]
+    print(f"{torch.cuda.get_device_name()}: E={E} D={D} M={M} top_k={dm['K']} bf16, ITERS={ITERS}", flush=True)
+    runner = KernelRunner()
+    kernels = Kernels(m, runner)
+
+    t0 = time.time()
+    torch.manual_seed(0)
+    wg = (torch.randn(E, M, D, device=DEV) / D ** 0.5).to(DT)
+    wu = (torch.randn(E, M, D, device=DEV) / D ** 0.5).to(DT)
+    wd = (torch.randn(E, D, M, device=DEV) / M ** 0.5).to(DT)
+    weights = {"moe_gate_up_silu": {"e.*.gate": wg, "e.*.up": wu}, "moe_down": {"e.*.down": wd}}
+    per_expert = {"moe_gate_up_silu": 2 * M * D * 2, "moe_down": D * M * 2}
+
+    cases = [finish_case(pair_case(dm, c), E) for c in ints(args.pairs)]
+    cases += [finish_case(batch_case(dm, B), E) for B in ints(args.batches)]
+
+    # compile every kernel up front (once per name), so compile time is visible on its own
+    compiled = set()
+    for v in variants:
+        for fam in FAMILIES:
+            for K in sorted({c["K"] for c in cases}):
+                for la in kernels.get(fam, K, v):
+                    if la.name not in compiled:
+                        t1 = time.time()
+                        runner.module(la)
+                        compiled.add(la.name)
+                        print(f"compiled {la.name} ({time.time() - t1:.1f} s)", flush=True)
+    print(f"setup + compile {time.time() - t0:.1f} s", flush=True)
+
+    rows = []
+    for case in cases:
+        T, K, NP = case["T"], case["K"], case["NP"]
+        ids = case["ids"]
+        r = align_ref(ids, E)
+        routing = {"order": r["order"].to(DEV, torch.int32), "offsets": r["offsets"].to(DEV, torch.int32)}
+        order, offsets = r["order"].to(DEV), r["offsets"]
+        x = torch.randn(T, D, device=DEV).to(DT)
+        a = torch.randn(NP, M, device=DEV).to(DT)
+        refs = {"moe_gate_up_silu": ref_gate_up_silu(x, wg, wu, order, offsets, K, NP, M),
+                "moe_down": ref_down(a, wd, order, offsets, NP, D)}
+        inputs = {"moe_gate_up_silu": {"x": x}, "moe_down": {"a": a}}
+        act_bytes = {"moe_gate_up_silu": (T * D + NP * M) * 2, "moe_down": (NP * M + NP * D) * 2}
+        n_out = {"moe_gate_up_silu": M, "moe_down": D}
+        sizes = {"T": T, "NP": NP}
+        head = (f"{case['case']:<7} T={T:<5} K={K} NP={NP:<6} experts={case['touched']:<2} "
+                f"max_pairs={case['max_pairs']}")
+        print(head, flush=True)
+        for v in variants:
+            for fam in FAMILIES:
+                launches = kernels.get(fam, K, v)
+                out = torch.full((NP, n_out[fam]), float("nan"), device=DEV, dtype=DT)
+                kw = dict(values={**inputs[fam], "R": routing, "out": out}, weights=weights[fam], sizes=sizes)
+                ws = runner.run_all(launches, **kw)
+                torch.cuda.synchronize()
+                err = rel_err(out, refs[fam])
+
+                def run_family(launches=launches, ws=ws, kw=kw):
+                    for la in launches:
+                        runner.run(la, workspaces=ws, **kw)
+
+                us = time_us(run_family)
+                stage_us = {}
+                for la in launches:
+                    if launch_is_empty(runner, la, sizes):
+                        stage_us[la.stage] = 0.0
+                    else:
+                        stage_us[la.stage] = time_us(lambda la=la: runner.run(la, workspaces=ws, **kw))
+                wbytes = case["touched"] * per_expert[fam]
+                nbytes = wbytes + act_bytes[fam]
+                bad = not err <= BAD_ERR
+                rows.append({"case": case["case"], "kind": case["kind"], "T": T, "K": K, "NP": NP,
+                             "touched": case["touched"], "max_pairs": case["max_pairs"], "variant": v,
+                             "family": fam, "us": us, "stage_us": stage_us, "weight_bytes": wbytes,
+                             "bytes": nbytes, "weight_TBps": wbytes / us / 1e6, "TBps": nbytes / us / 1e6,
+                             "rel_err": err, "bad": bad, "kernels": [la.name for la in launches]})
+                stages = " ".join(f"{k} {t:7.2f}" for k, t in stage_us.items())
+                print(f"  {case['case']:<7} {v:<15} {SHORT[fam]:<13} {us:9.2f} us  [{stages}]  "
+                      f"{wbytes / us / 1e6:5.2f} TB/s weights  {nbytes / us / 1e6:5.2f} TB/s all  "
+                      f"err {err:.2e}{'  BAD' if bad else ''}", flush=True)
+        del refs, x, a
+
+    # summary: cases x variants, gate_up_silu + down
+    print("\nsummary: gate_up_silu + down us (touched-weight TB/s)", flush=True)
+    w = 22
+    print(f"{'case':<8}{'T':>6}{'K':>3}{'experts':>8}  " + "".join(f"{v:>{w}}" for v in variants), flush=True)
+    by = {(rw["case"], rw["variant"], rw["family"]): rw for rw in rows}
+    for case in cases:
+        cells = []
+        for v in variants:
+            pair = [by[(case["case"], v, fam)] for fam in FAMILIES]
+            us = sum(p["us"] for p in pair)
+            tb = sum(p["weight_bytes"] for p in pair) / us / 1e6
+            flag = "!" if any(p["bad"] for p in pair) else " "
+            cells.append(f"{us:9.1f} us ({tb:4.2f}){flag}")
+        print(f"{case['case']:<8}{case['T']:>6}{case['K']:>3}{case['touched']:>8}  "
+              + "".join(f"{c:>{w}}" for c in cells), flush=True)
+    n_bad = sum(rw["bad"] for rw in rows)
+    print(f"{len(rows)} rows, {n_bad} BAD (rel err > {BAD_ERR:g}; '!' in the table)", flush=True)
+
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "dims": dm, "iters": ITERS, "variants": variants,
+                       "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}", flush=True)
+    return 1 if n_bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
