@@ -170,10 +170,10 @@ def align_launch(family: str, template: str, name: str, params: dict, nid: str, 
 
 GROUPED_WARPS = 4
 GROUPED_PAIRS = 8         # pairs per pass over the weights: decode reads each weight row once
-# Experts with more pairs than this go to the tensor-core GEMM.  The GEMV's narrow pass (moe.cuh
-# GROUPED_NARROW, 2 pairs) reads weights near the copy bandwidth (decode b=8); from 3 pairs on
-# the swapped tensor-core tiles (GEMM_SKINNY) read each weight byte once as well, without the
-# GEMV's per-pair FMAs and warp reductions (PERF_NOTES v6 has the measurement).
+# Experts with more pairs than this go to the tensor-core GEMM.  Measured on the H200 (PERF_NOTES
+# v6, tests/gpu/perf_moe.py): the GEMV reads the weights at 4.1 TB/s with 1 pair per expert and
+# 3.6 with 2, but 2.2 with 4 and 1.4 with 8; the swapped tensor-core tiles (GEMM_SKINNY) read them
+# at ~3.5 TB/s from 4 to 32 pairs.  Threshold 2 beat 4 and 8 at decode b=32 and b=128.
 GEMM_THRESHOLD = 2
 GEMM_BM = 128             # pairs per row tile        (templates/include/moe.cuh GEMM_*)
 GEMM_BNW = 128            # weight rows per CTA: 64 gate + 64 up, or 128 down
@@ -182,6 +182,10 @@ GEMM_BK, GEMM_STAGES, GEMM_THREADS = 32, 4, 256   # K slice, slices in flight (2
 # the pairs as N in 16/32/64-wide tiles (moe.cuh 4c), so decode's few pairs per expert neither
 # waste the tile's copies nor its tensor work.  0 keeps every tile in the row-tile layout.
 GEMM_SKINNY = 64
+# The swapped tiles' own K slice and ring depth, measured on the H200 (PERF_NOTES v6): a K slice
+# of 32 (64-byte runs of each weight row) read the weights at ~2.6 TB/s, 64 with 4 stages at
+# ~3.5 TB/s, 128 with 2 stages no better.  4 x (128 + 64) x 72 x 2 B = 110.6 KB: two CTAs per SM.
+SKINNY_BK, SKINNY_STAGES = 64, 4
 
 
 def gemm_row_tiles(E: int, thr: int) -> str:
@@ -194,6 +198,12 @@ def gemm_row_tiles(E: int, thr: int) -> str:
 
 def gemm_smem(bk: int, stages: int) -> int:
     return stages * (GEMM_BM + GEMM_BNW) * (bk + 8) * 2
+
+
+def gemm_launch_smem(bk: int, stages: int, skinny: int, sbk: int, sst: int) -> int:
+    """Dynamic shared memory of the GEMM launch: the larger of the row-tile ring and the swapped
+    tiles' ring (moe.cuh gemm_launch_smem); two CTAs per SM need it at most ~113 KB."""
+    return max(gemm_smem(bk, stages), sst * (GEMM_BNW + skinny) * (sbk + 8) * 2 if skinny else 0)
 
 
 def grouped_params(nid: str, opts, *, E: int, N: int, KD: int, K: int, rows_per_warp: int) -> dict:
@@ -224,10 +234,10 @@ def grouped_launches(family: str, template: str, name_parts: list, p: dict, nid:
     if has_gemm(opts):
         bn = GEMM_BNW if down else GEMM_BNW // 2
         thr = p["thr"]
-        smem = gemm_smem(GEMM_BK, GEMM_STAGES)
+        smem = gemm_launch_smem(GEMM_BK, GEMM_STAGES, GEMM_SKINNY, SKINNY_BK, SKINNY_STAGES)
         gp = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "thr": thr,
               "variant": "mma", "threads": GEMM_THREADS, "bk": GEMM_BK, "stages": GEMM_STAGES, "smem": smem,
-              "skinny": GEMM_SKINNY}
+              "skinny": GEMM_SKINNY, "sbk": SKINNY_BK, "sst": SKINNY_STAGES}
         launches.append(KernelLaunch(
             family=family, template=template, name=kernel_name(family, [*name_parts, "mma"]),
             params=gp, nodes=(nid,),

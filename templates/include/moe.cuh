@@ -558,25 +558,29 @@ __host__ __device__ constexpr int gemm_smem(int BK, int ST) { return ST * (GEMM_
 // tile then holds a handful of live rows (most of the tensor work and half the copies wasted).
 // Swapped, the CTA's 128 weight rows are M (one m16 tile per warp) and the tile's BP pairs are N
 // (BP / 8 n8 tiles, BP = 16 / 32 / 64 picked from the pair count at run time), so each weight
-// byte is copied once and the x rows are BP, not 128.  The ring is deeper than the row-tile
-// layout's (the pair tile is smaller, the same dynamic shared memory holds SST stages).
+// byte is copied once and the x rows are BP, not 128.  Its ring has its own K slice SBK (wider
+// than the row tile's: each weight row is then read in SBK * 2-byte runs) and SST stages; the
+// launch's dynamic shared memory is the larger of the two layouts' (gemm_launch_smem).
 // Shared rows (GATE_UP*): 16-row group q holds gate rows n0 + 8q .. + 8 then the up rows of the
 // same columns, so a thread's accumulators c0, c1 (row g) are gate and c2, c3 (row g + 8) up
 // of one output column: SiLU * up fuses in registers.  DOWN: shared row r is weight row n0 + r.
-__host__ __device__ constexpr int skinny_stages(int BK, int ST, int BP) {
-  return gemm_smem(BK, ST) / ((GEMM_BNW + BP) * (BK + 8) * 2) < 8 ? gemm_smem(BK, ST) / ((GEMM_BNW + BP) * (BK + 8) * 2) : 8;
+__host__ __device__ constexpr int skinny_smem(int SK, int SBK, int SST) {
+  return SK > 0 ? SST * (GEMM_BNW + SK) * (SBK + 8) * 2 : 0;
+}
+__host__ __device__ constexpr int gemm_launch_smem(int BK, int ST, int SK, int SBK, int SST) {
+  return gemm_smem(BK, ST) > skinny_smem(SK, SBK, SST) ? gemm_smem(BK, ST) : skinny_smem(SK, SBK, SST);
 }
 
-template <typename T, int MODE, int N, int KD, int K, int BK, int ST, int BP>
+template <typename T, int MODE, int N, int KD, int K, int SBK, int SST, int BP>
 __device__ __forceinline__ void grouped_gemm_skinny(const T* __restrict__ x, const T* __restrict__ W0,
                                                     const T* __restrict__ W1, const i32* __restrict__ order,
                                                     const int* __restrict__ s_row, int pbeg, int rows, int n0,
                                                     T* __restrict__ out0, T* __restrict__ out1, char* smem) {
   constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
-  constexpr int BNW = GEMM_BNW, P = BK + 8, NJ = BP / 8;
-  constexpr int SST = skinny_stages(BK, ST, BP);
+  constexpr int BK = SBK, BNW = GEMM_BNW, P = BK + 8, NJ = BP / 8;
   static_assert(BP % 16 == 0 && BP <= GEMM_BM, "skinny gemm: pair tiles are whole ldmatrix x4 loads");
-  static_assert(SST >= 2 && SST * (BNW + BP) * P * 2 <= gemm_smem(BK, ST), "skinny gemm: the ring must fit");
+  static_assert(BK % 16 == 0 && (BNW * BK / 8) % GEMM_THREADS == 0, "skinny gemm: whole 16-byte chunks per thread");
+  static_assert(SST >= 2, "skinny gemm: a ring of at least two stages");
   static_assert(GEMM_THREADS == 256 && BNW == 8 * 16, "skinny gemm: one m16 weight tile per warp");
   constexpr bool ALIGNED = gemm_cp_async<KD>();
   constexpr int KT = (KD + BK - 1) / BK;
@@ -673,7 +677,7 @@ __device__ __forceinline__ void grouped_gemm_skinny(const T* __restrict__ x, con
   static_assert(BN == ((MODE == DOWN) ? 8 * 16 : 8 * 8), "skinny gemm: the column tile is the warps' rows");
 }
 
-template <typename T, int MODE, int E, int N, int KD, int K, int THR, int BK, int ST, int SK>
+template <typename T, int MODE, int E, int N, int KD, int K, int THR, int BK, int ST, int SK, int SBK, int SST>
 __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* __restrict__ w0,
                                              const T* __restrict__ w1, const i32* __restrict__ order,
                                              const i32* __restrict__ offsets, T* __restrict__ out0,
@@ -744,19 +748,19 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* _
   // rows is uniform across the CTA, so every thread takes the same branch.
   if constexpr (SK >= 16) {
     if (rows <= 16) {
-      grouped_gemm_skinny<T, MODE, N, KD, K, BK, ST, 16>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
+      grouped_gemm_skinny<T, MODE, N, KD, K, SBK, SST, 16>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
       return;
     }
   }
   if constexpr (SK >= 32) {
     if (rows <= 32) {
-      grouped_gemm_skinny<T, MODE, N, KD, K, BK, ST, 32>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
+      grouped_gemm_skinny<T, MODE, N, KD, K, SBK, SST, 32>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
       return;
     }
   }
   if constexpr (SK >= 64) {
     if (rows <= 64) {
-      grouped_gemm_skinny<T, MODE, N, KD, K, BK, ST, 64>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
+      grouped_gemm_skinny<T, MODE, N, KD, K, SBK, SST, 64>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
       return;
     }
   }

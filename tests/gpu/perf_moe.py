@@ -66,7 +66,7 @@ ITERS = 20
 BAD_ERR = 1e-2
 FAMILIES = ("moe_gate_up_silu", "moe_down")
 SHORT = {"moe_gate_up_silu": "gate_up_silu", "moe_down": "down"}
-_VARIANT_RE = re.compile(r"^thr(\d+)_skinny(\d+)$")
+_VARIANT_RE = re.compile(r"^thr(\d+)_skinny(\d+)(?:_sbk(\d+)_sst(\d+))?$")
 
 
 def lite():
@@ -100,14 +100,17 @@ def graph(m, family: str, K: int):
                            {"gate": "e.{expert}.gate", "up": "e.{expert}.up"})
 
 
-def parse_variant(v: str) -> tuple[int, int]:
+def parse_variant(v: str) -> tuple:
+    """thr<t>_skinny<s>[_sbk<k>_sst<n>] -> (t, s, k or None, n or None); None keeps the lowering's
+    swapped-tile K slice / ring depth."""
     mt = _VARIANT_RE.match(v)
     if mt is None:
-        raise SystemExit(f"variant {v!r}: expected thr<int>_skinny<int>, e.g. thr2_skinny64")
-    return int(mt.group(1)), int(mt.group(2))
+        raise SystemExit(f"variant {v!r}: expected thr<int>_skinny<int>[_sbk<int>_sst<int>], e.g. thr2_skinny64")
+    sbk, sst = (int(mt.group(3)), int(mt.group(4))) if mt.group(3) else (None, None)
+    return int(mt.group(1)), int(mt.group(2)), sbk, sst
 
 
-def apply_variant(launches, thr: int, skinny: int) -> list:
+def apply_variant(launches, thr: int, skinny: int, sbk=None, sst=None) -> list:
     """The family's launches with thr (both) and skinny (mma) overridden, renamed per parameters."""
     stages = [la.stage for la in launches]
     if stages != ["gemv", "mma"]:
@@ -119,9 +122,18 @@ def apply_variant(launches, thr: int, skinny: int) -> list:
             out.append(dataclasses.replace(la, name=f"{la.name}__thr{thr}", params={**la.params, "thr": thr}))
         elif thr > 0:
             E = la.params["E"]
+            p = {**la.params, "thr": thr, "skinny": skinny}
+            suffix = f"__thr{thr}_skinny{skinny}"
+            if sbk is not None:
+                p.update(sbk=sbk, sst=sst)
+                suffix += f"_sbk{sbk}_sst{sst}"
+            smem = la.smem
+            if "sbk" in p:
+                from codegen.families._moe import gemm_launch_smem
+                smem = gemm_launch_smem(p["bk"], p["stages"], skinny, p["sbk"], p["sst"])
+                p["smem"] = smem
             out.append(dataclasses.replace(
-                la, name=f"{la.name}__thr{thr}_skinny{skinny}",
-                params={**la.params, "thr": thr, "skinny": skinny},
+                la, name=f"{la.name}{suffix}", params=p, smem=smem,
                 grid=(la.grid[0], row_tiles(E, thr), la.grid[2])))
     return out
 
@@ -147,8 +159,8 @@ class Kernels:
     def get(self, family: str, K: int, variant: str) -> list:
         key = (family, K, variant)
         if key not in self._launches:
-            thr, skinny = parse_variant(variant)
-            launches = apply_variant(self.base(family, K)[2], thr, skinny)
+            thr, skinny, sbk, sst = parse_variant(variant)
+            launches = apply_variant(self.base(family, K)[2], thr, skinny, sbk, sst)
             for la in launches:
                 ident = (la.template, json.dumps(la.params, sort_keys=True), tuple(la.args), la.grid, la.block,
                          la.smem)

@@ -2,7 +2,7 @@
 // template: moe_down.cu.j2
 // kernel:   moe_down__bf16__e64__d2048_m1408__mma
 // role:     moe_down.mma
-// params:   {"E":64,"K":1,"KD":1408,"N":2048,"act":"__nv_bfloat16","bk":32,"skinny":64,"smem":81920,"stages":4,"thr":2,"threads":256,"variant":"mma"}
+// params:   {"E":64,"K":1,"KD":1408,"N":2048,"act":"__nv_bfloat16","bk":32,"sbk":64,"skinny":64,"smem":110592,"sst":4,"stages":4,"thr":2,"threads":256,"variant":"mma"}
 // includes: common.cuh, mma.cuh, moe.cuh
 // nodes:    L1-26.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
@@ -12,7 +12,8 @@
 // few pairs) or the tensor-core GEMM (variant mma: experts with more than thr pairs).
 #include "moe.cuh"
 
-static_assert(dsg::moe::gemm_smem(32, 4) == 81920, "shared memory size disagrees with the lowering");
+static_assert(dsg::moe::gemm_launch_smem(32, 4, 64, 64, 4) == 110592,
+              "shared memory size disagrees with the lowering");
 static_assert(dsg::moe::GEMM_THREADS == 256, "block size disagrees with the lowering");
 
 extern "C" __global__ void __launch_bounds__(256, 2)
@@ -24,6 +25,6 @@ moe_down__bf16__e64__d2048_m1408__mma(
     __nv_bfloat16* __restrict__ out) {
   extern __shared__ __align__(16) char smem[];
   dsg::moe::grouped_gemm<__nv_bfloat16, dsg::moe::DOWN, 64, 2048, 1408, 1, 2, 32,
-                             4, 64>(
+                             4, 64, 64, 4>(
       a, w, nullptr, order, offsets, out, nullptr, smem);
 }

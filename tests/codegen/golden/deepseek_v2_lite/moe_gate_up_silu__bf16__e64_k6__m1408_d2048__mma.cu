@@ -2,7 +2,7 @@
 // template: moe_gate_up_silu.cu.j2
 // kernel:   moe_gate_up_silu__bf16__e64_k6__m1408_d2048__mma
 // role:     moe_gate_up_silu.mma
-// params:   {"E":64,"K":6,"KD":2048,"N":1408,"act":"__nv_bfloat16","bk":32,"skinny":64,"smem":81920,"stages":4,"thr":2,"threads":256,"variant":"mma"}
+// params:   {"E":64,"K":6,"KD":2048,"N":1408,"act":"__nv_bfloat16","bk":32,"sbk":64,"skinny":64,"smem":110592,"sst":4,"stages":4,"thr":2,"threads":256,"variant":"mma"}
 // includes: common.cuh, mma.cuh, moe.cuh
 // nodes:    L1-26.moe_ffn.ea
 // implements (spec op, layers, passes that fused it):
@@ -14,7 +14,8 @@
 // tensor-core GEMM (variant mma: experts with more than thr pairs).
 #include "moe.cuh"
 
-static_assert(dsg::moe::gemm_smem(32, 4) == 81920, "shared memory size disagrees with the lowering");
+static_assert(dsg::moe::gemm_launch_smem(32, 4, 64, 64, 4) == 110592,
+              "shared memory size disagrees with the lowering");
 static_assert(dsg::moe::GEMM_THREADS == 256, "block size disagrees with the lowering");
 
 extern "C" __global__ void __launch_bounds__(256, 2)
@@ -27,6 +28,6 @@ moe_gate_up_silu__bf16__e64_k6__m1408_d2048__mma(
     __nv_bfloat16* __restrict__ out) {
   extern __shared__ __align__(16) char smem[];
   dsg::moe::grouped_gemm<__nv_bfloat16, dsg::moe::GATE_UP_SILU, 64, 1408, 2048, 6, 2, 32,
-                             4, 64>(
+                             4, 64, 64, 4>(
       x, w_gate, w_up, order, offsets, out, nullptr, smem);
 }
