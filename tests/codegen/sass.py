@@ -1,0 +1,39 @@
+"""The machine code NVRTC produced for a kernel, for tests that check the instructions a kernel
+was written to use (a silent fall-back to a slower path then fails on the CPU).
+
+cuobjdump and nvdisasm come from the `nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels
+(the `test` extra); cuda.pathfinder finds them.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+
+
+def cuobjdump() -> str | None:
+    """The cuobjdump binary, with nvdisasm beside it, or None."""
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+    except ImportError:
+        return None
+    exe, dis = find_nvidia_binary_utility("cuobjdump"), find_nvidia_binary_utility("nvdisasm")
+    return exe if exe and dis else None
+
+
+def opcodes(cubin: bytes) -> collections.Counter:
+    """Opcode (with modifiers, e.g. HMMA.16816.F32.BF16) -> count, from `cuobjdump -sass`."""
+    exe = cuobjdump()
+    assert exe, "cuobjdump / nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)"
+    from cuda.pathfinder import find_nvidia_binary_utility
+    env = {**os.environ, "PATH": os.path.dirname(find_nvidia_binary_utility("nvdisasm")) + os.pathsep
+           + os.environ.get("PATH", "")}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        out = subprocess.run([exe, "-sass", fh.name], capture_output=True, text=True, env=env, check=True).stdout
+    return collections.Counter(m.group(1) for m in _OPCODE.finditer(out))

@@ -1,0 +1,49 @@
+"""The grouped expert GEMM compiles to the instructions it was written for (sm_90, NVRTC on the
+CPU): tensor-core HMMA fed by 16-byte cp.async (LDGSTS) and ldmatrix (LDSM), no register spills,
+and the swapped few-pairs tiles (moe.cuh 4c) add tensor-core code of their own."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass import cuobjdump, opcodes  # noqa: E402
+from test_families_moe import DIMS, lower, moe_graphs  # noqa: E402
+
+from codegen.families._moe import gemm_launch_smem  # noqa: E402
+from codegen.nvrtc import compile_cubin  # noqa: E402
+from codegen.render import render_launch  # noqa: E402
+
+pytestmark = pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
+
+
+def _mma_launch(op: str):
+    for G, nid in moe_graphs(*DIMS["v2_lite"]):
+        if G.nodes[nid]["op"] == op:
+            (launch,) = [la for la in lower(G, nid, "bf16") if la.stage == "mma"]
+            return launch
+    raise AssertionError(op)
+
+
+def _compile(launch):
+    res = compile_cubin(render_launch(launch), launch.name, options=("--ptxas-options=-v",))
+    return res, opcodes(res.cubin)
+
+
+@pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_down"])
+def test_grouped_gemm_runs_on_tensor_cores_without_spills(op):
+    launch = _mma_launch(op)
+    assert launch.params["skinny"] > 0
+    res, ops = _compile(launch)
+    assert ops["HMMA.16816.F32.BF16"] > 0, sorted(ops)
+    assert ops["LDGSTS.E.BYPASS.128"] > 0, "weights and rows are copied with 16-byte cp.async"
+    assert ops["LDSM.16.M88.4"] > 0, "fragments are loaded with ldmatrix x4"
+    assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
+    # the swapped tiles are their own tensor-core code, not a fall-back to the row tile or the GEMV
+    p = launch.params
+    smem = gemm_launch_smem(p["bk"], p["stages"], 0, p["sbk"], p["sst"])
+    _, without = _compile(dataclasses.replace(launch, params={**p, "skinny": 0, "smem": smem}, smem=smem))
+    assert ops["HMMA.16816.F32.BF16"] > without["HMMA.16816.F32.BF16"]
