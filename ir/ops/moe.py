@@ -64,9 +64,13 @@ def check_topk_attrs(attrs, E):
 
 
 def align_ref(ids: torch.Tensor, num_experts: int) -> dict:
+    """Pairs grouped by expert: order[offsets[e]:offsets[e + 1]] are expert e's pairs.  A pair
+    whose id is outside [0, E) (-1: another rank's expert, see local_experts_ref) is no expert's:
+    it sorts after every expert's segment, past offsets[E], and no grouped op computes it."""
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    valid = (flat >= 0) & (flat < num_experts)
+    order = torch.argsort(torch.where(valid, flat, num_experts), stable=True)
+    counts = torch.bincount(flat[valid], minlength=num_experts)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
     offsets[1:] = torch.cumsum(counts, 0)
     return {"order": order, "offsets": offsets, "top_k": ids.shape[1]}
@@ -203,8 +207,12 @@ class MoeDown(OpDef):
 
 
 def combine_ref(eo: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_k w[t, k] * eo[t*K + k]; a pair of weight 0 adds nothing, whatever its row holds (the
+    row of a pair no expert computed, e.g. another rank's, is never written)."""
     T, K = weights.shape
-    return (eo.view(T, K, -1).float() * weights[..., None].float()).sum(dim=1)
+    w = weights[..., None].float()
+    terms = torch.where(w != 0, eo.view(T, K, -1).float() * w, torch.zeros((), device=eo.device))
+    return terms.sum(dim=1)
 
 
 @register
@@ -276,12 +284,11 @@ class MoeCombineResidual(OpDef):
 
 def local_experts_ref(ids: torch.Tensor, weights: torch.Tensor, first: int, count: int):
     """(ids, weights) [T, K] over all E experts -> the same pairs over this rank's experts
-    [first, first + count), renumbered from 0.  A pair routed to another rank's expert keeps
-    weight 0 and is given the local expert ``id % count``: the grouped expert ops compute
-    every pair they are handed, so it must land on some local expert (round robin spreads
-    that waste evenly), and its finite result times 0 adds nothing to the combine."""
+    [first, first + count), renumbered from 0.  A pair routed to another rank's expert gets id
+    -1 and weight 0: alignment leaves it out (align_ref), so no grouped expert op computes it,
+    and the combine skips it (combine_ref); the rank's partial sum is all-reduced."""
     local = (ids >= first) & (ids < first + count)
-    return (torch.where(local, ids - first, ids % count),
+    return (torch.where(local, ids - first, torch.full((), -1, dtype=ids.dtype, device=ids.device)),
             torch.where(local, weights, torch.zeros((), dtype=weights.dtype, device=weights.device)))
 
 
@@ -292,7 +299,7 @@ class MoeLocalExperts(OpDef):
     outputs = 2
     attrs = {"first": Attr("int"), "count": Attr("dim")}
     doc = ("[ids [T, K], weights [T, K] fp32] -> the pairs over this rank's experts [first, first+count) "
-           "(expert parallel): local ids, and weight 0 for pairs another rank serves")
+           "(expert parallel): local ids, and id -1 with weight 0 for pairs another rank serves")
 
     @classmethod
     def infer(cls, node, ins, model):

@@ -294,6 +294,34 @@ def test_moe_align(runner, T, E, K, seed):
     STATS["moe_align"]["int"][0] += 1
 
 
+@given(T=st.sampled_from((1, 5, 33, 300, 2048)), E=st.sampled_from((2, 7, 64)), K=st.integers(1, 8),
+       seed=st.integers(0, 2**31 - 1))
+@example(T=300, E=64, K=6, seed=1)
+@_settings(8)
+def test_moe_align_leaves_out_other_ranks_pairs(runner, T, E, K, seed):
+    """Expert parallel: pairs of id -1 (another rank's expert, moe_local_experts) are no expert's;
+    offsets as align_ref's, and order[:offsets[E]] the local pairs grouped by expert."""
+    K = min(K, E)
+    G, nid = single_op_graph(tiny_model(), "moe_align", {"num_experts": E}, {"ids": TType(("T", K), "i64")}, {})
+    (r_name,) = G.nodes[nid]["outputs"]
+    g = _gen(seed)
+    ids = _random_ids(T, E, K, g)
+    ids[torch.rand(T, K, generator=g) < 0.5] = -1
+    values = {"ids": ids.to(DEV),
+              f"{r_name}.order": poison(torch.empty(T * K, dtype=torch.int32, device=DEV)),
+              f"{r_name}.offsets": poison(torch.empty(E + 1, dtype=torch.int32, device=DEV))}
+    runner.run_all(_lower(G, nid, "bf16"), values=values, sizes={"T": T, "NP": T * K})
+    ref = align_ref(ids, E)
+    offsets = values[f"{r_name}.offsets"].cpu().long()
+    assert torch.equal(offsets, ref["offsets"]), f"offsets {offsets.tolist()} != {ref['offsets'].tolist()}"
+    n = int(offsets[E])
+    flat = ids.reshape(-1)
+    order = values[f"{r_name}.order"].cpu().long()[:n]
+    assert len(set(order.tolist())) == n and (flat[order] >= 0).all(), "order claims a pair twice or another rank's"
+    assert torch.equal(flat[order], torch.sort(flat[flat >= 0]).values), "order does not group the local pairs"
+    STATS["moe_align"]["int"][0] += 1
+
+
 # -- grouped experts -------------------------------------------------------------------------
 
 @st.composite
@@ -504,11 +532,12 @@ def test_moe_down_pair_counts(runner, case):
 def combine_cases(draw):
     return {"dtype": draw(st.sampled_from(DTYPES)), "T": draw(st.sampled_from(TOKENS)),
             "K": draw(st.integers(1, 8)), "D": draw(st.sampled_from((40, 41, 45, 64, 1000, 2048))),
-            "misalign": draw(st.sampled_from(MISALIGN)), "seed": draw(st.integers(0, 2**31 - 1))}
+            "misalign": draw(st.sampled_from(MISALIGN)), "seed": draw(st.integers(0, 2**31 - 1)),
+            "other_ranks": draw(st.booleans())}
 
 
-def _combine_case(dtype, T, K, D, misalign="none"):
-    return {"dtype": dtype, "T": T, "K": K, "D": D, "misalign": misalign, "seed": 11}
+def _combine_case(dtype, T, K, D, misalign="none", other_ranks=False):
+    return {"dtype": dtype, "T": T, "K": K, "D": D, "misalign": misalign, "seed": 11, "other_ranks": other_ranks}
 
 
 def _combine(runner, op, case):
@@ -519,6 +548,12 @@ def _combine(runner, op, case):
     # routing weights summing to about 1, as normalised routing makes them: the routed sum, the
     # shared output and the residual stay O(1), where rounding to bf16 costs ~2^-9 of each
     ins = [torch.randn(T * K, D, generator=g).to(tdt), torch.rand(T, K, generator=g) * (2.0 / K)]
+    if case.get("other_ranks"):
+        # expert parallel: another rank's pairs have weight 0 and rows nobody wrote (NaN here);
+        # the combine must skip them, not multiply them
+        gone = torch.rand(T, K, generator=g) < 0.4
+        ins[1][gone] = 0.0
+        ins[0][gone.reshape(-1)] = float("nan")
     if op == "moe_combine_residual":
         types.update(shared=TType(("T", D), "act"), residual=TType(("T", D), "act"))
         ins += [torch.randn(T, D, generator=g).to(tdt), torch.randn(T, D, generator=g).to(tdt)]
@@ -536,6 +571,7 @@ def _combine(runner, op, case):
 @example(case=_combine_case("bf16", 33, 7, 41))
 @example(case=_combine_case("fp32", 1, 1, 45, "all"))
 @example(case=_combine_case("fp16", 5, 6, 2048, "outputs"))
+@example(case=_combine_case("bf16", 33, 6, 2048, other_ranks=True))
 @_settings(12)
 def test_moe_combine(runner, case):
     _combine(runner, "moe_combine", case)

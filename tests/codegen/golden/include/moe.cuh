@@ -877,6 +877,7 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* _
 }
 
 // ---- 5. combine: out[t] = round(sum_k w[t, k] * eo[t*K + k])  (+ shared, + residual) --------
+// Pairs of weight 0 are skipped, not multiplied (their rows may be unwritten).
 // Grid (T, cdiv(D, NT * VEC)): each thread owns one VEC-wide slice of one token's row.
 // RESID mirrors the reference's rounding: residual + round(round(routed) + shared).
 // VECTOR: one load / store per slice (bases aligned), else element accesses of the same slice.
@@ -890,6 +891,9 @@ __device__ __forceinline__ void combine_slice(const T* __restrict__ eo, const fl
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const float wk = w[(i64)t * K + k];
+    // a pair of weight 0 adds nothing; its row may never have been written (another rank's
+    // expert, which alignment left out: ir/ops/moe.py combine_ref)
+    if (wk == 0.f) continue;
     float ev[VEC];
     if constexpr (VECTOR) load_f<T, VEC>(eo + ((i64)t * K + k) * D + d, ev);
     else load_f_scalar<T, VEC>(eo + ((i64)t * K + k) * D + d, ev);
