@@ -204,6 +204,7 @@ def run_bench(args) -> int:
     result["load_seconds"] = time.perf_counter() - t0
     backend = engine.backend
     dims = engine.spec.dims
+    result["layers"] = dims["layers"]
     first_dense = engine.spec.plan.first_k_dense_replace
 
     with torch.inference_mode():
@@ -332,7 +333,8 @@ def _print_table(r: dict) -> None:
         label = (f"decode b={row['batch']} ctx={row['context']}" if "context" in row
                  else f"prefill {row['batch']}x{row['length']}")
         top = ", ".join(f"{f[:22]} {v['ms']:.2f}" for f, v in list(br["families"].items())[:5])
-        print(f"  {label:<24}{br['kernel_ms']:>8.2f} in {br['launches']} kernels: {top}")
+        per_layer = f" ({br['launches'] / r['layers']:.1f} a layer)" if r.get("layers") else ""
+        print(f"  {label:<24}{br['kernel_ms']:>8.2f} in {br['launches']} kernels{per_layer}: {top}")
     rates = [(d, d.get("routed_experts")) for d in r["decode"]]
     if any(x for _, x in rates):
         print("\nrouted experts (gate_up_silu + down) per decode step, touched expert weights read:")
