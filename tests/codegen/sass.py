@@ -15,23 +15,28 @@ import tempfile
 _OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
 
 
-def cuobjdump() -> str | None:
-    """The cuobjdump binary, with nvdisasm beside it, or None."""
+def _tools() -> tuple[str, str] | None:
+    """(cuobjdump, nvdisasm) paths, or None where either is missing."""
     try:
         from cuda.pathfinder import find_nvidia_binary_utility
     except ImportError:
         return None
     exe, dis = find_nvidia_binary_utility("cuobjdump"), find_nvidia_binary_utility("nvdisasm")
-    return exe if exe and dis else None
+    return (exe, dis) if exe and dis else None
+
+
+def cuobjdump() -> str | None:
+    """The cuobjdump binary, with nvdisasm beside it, or None."""
+    tools = _tools()
+    return tools[0] if tools else None
 
 
 def opcodes(cubin: bytes) -> collections.Counter:
     """Opcode (with modifiers, e.g. HMMA.16816.F32.BF16) -> count, from `cuobjdump -sass`."""
-    exe = cuobjdump()
-    assert exe, "cuobjdump / nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)"
-    from cuda.pathfinder import find_nvidia_binary_utility
-    env = {**os.environ, "PATH": os.path.dirname(find_nvidia_binary_utility("nvdisasm")) + os.pathsep
-           + os.environ.get("PATH", "")}
+    tools = _tools()
+    assert tools, "cuobjdump / nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)"
+    exe, dis = tools
+    env = {**os.environ, "PATH": os.path.dirname(dis) + os.pathsep + os.environ.get("PATH", "")}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
         fh.write(cubin)
         fh.flush()

@@ -50,9 +50,9 @@ def rand(*shape, scale=1.0):
     return (torch.randn(*shape, device=DEV) * scale).to(DT)
 
 
-def time_us(fn):
-    """us per launch: ITERS launches captured into one CUDA graph (no host cost per launch,
-    like the engine's graph replay), replayed and timed with CUDA events."""
+def time_us(fn, iters=ITERS):
+    """us per call of fn: `iters` calls captured into one CUDA graph (no host cost per launch,
+    like the engine's graph replay), replayed and timed with CUDA events (median of 3)."""
     fn()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
@@ -62,7 +62,7 @@ def time_us(fn):
         fn()
         stream.synchronize()
         with torch.cuda.graph(g, stream=stream):
-            for _ in range(ITERS):
+            for _ in range(iters):
                 fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
@@ -75,7 +75,7 @@ def time_us(fn):
         g.replay()
         e.record()
         torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / ITERS)
+        times.append(s.elapsed_time(e) * 1e3 / iters)
     return sorted(times)[1]
 
 

@@ -48,18 +48,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from harness import single_op_graph  # noqa: E402
+from perf_decode import lite, time_us  # noqa: E402
 
-import ir  # noqa: E402
 from codegen import sizes as size_exprs  # noqa: E402
-from codegen.families import _moe  # noqa: E402
 from codegen.families import family_for_op  # noqa: E402
-from codegen.families._moe import GEMM_BM  # noqa: E402
+from codegen.families._moe import gemm_launch_smem, gemm_row_tiles  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
 from ir.ops import TType  # noqa: E402
 from ir.ops.moe import align_ref  # noqa: E402
 from runtime.launcher import KernelRunner  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEV = "cuda"
 DT = torch.bfloat16
 ITERS = 20
@@ -69,20 +67,9 @@ SHORT = {"moe_gate_up_silu": "gate_up_silu", "moe_down": "down"}
 _VARIANT_RE = re.compile(r"^thr(\d+)_skinny(\d+)(?:_sbk(\d+)_sst(\d+))?$")
 
 
-def lite():
-    return ir.load_spec(os.path.join(ROOT, "model_specs", "deepseek_v2_lite.yaml")).model
-
-
 def dims(m) -> dict:
     d = m.dims
     return {"E": int(d["experts"]), "D": int(d["hidden"]), "M": int(d["moe_intermediate"]), "K": int(d["top_k"])}
-
-
-def row_tiles(E: int, thr: int) -> str:
-    """The mma launch's grid y for threshold thr: the lowering's own bound where it has one."""
-    if hasattr(_moe, "gemm_row_tiles"):
-        return _moe.gemm_row_tiles(E, thr)
-    return f"NP // {GEMM_BM} + min({E}, NP // ({thr} + 1))"
 
 
 # -- graphs, lowering, variants ------------------------------------------------------------
@@ -127,14 +114,10 @@ def apply_variant(launches, thr: int, skinny: int, sbk=None, sst=None) -> list:
             if sbk is not None:
                 p.update(sbk=sbk, sst=sst)
                 suffix += f"_sbk{sbk}_sst{sst}"
-            smem = la.smem
-            if "sbk" in p:
-                from codegen.families._moe import gemm_launch_smem
-                smem = gemm_launch_smem(p["bk"], p["stages"], skinny, p["sbk"], p["sst"])
-                p["smem"] = smem
+            smem = p["smem"] = gemm_launch_smem(p["bk"], p["stages"], skinny, p["sbk"], p["sst"])
             out.append(dataclasses.replace(
                 la, name=f"{la.name}{suffix}", params=p, smem=smem,
-                grid=(la.grid[0], row_tiles(E, thr), la.grid[2])))
+                grid=(la.grid[0], gemm_row_tiles(E, thr), la.grid[2])))
     return out
 
 
@@ -224,35 +207,6 @@ def finish_case(case: dict, E: int) -> dict:
 
 
 # -- timing --------------------------------------------------------------------------------
-
-def time_us(fn):
-    """us per call of fn: ITERS calls captured into one CUDA graph (no host cost per launch,
-    like the engine's graph replay), replayed and timed with CUDA events (median of 3)."""
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        fn()
-        stream.synchronize()
-        with torch.cuda.graph(g, stream=stream):
-            for _ in range(ITERS):
-                fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(3):
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / ITERS)
-    return sorted(times)[1]
-
 
 def launch_is_empty(runner, la, sizes: dict) -> bool:
     full = runner.step_sizes(sizes, {})
@@ -404,13 +358,13 @@ def main():
                     for la in launches:
                         runner.run(la, workspaces=ws, **kw)
 
-                us = time_us(run_family)
+                us = time_us(run_family, ITERS)
                 stage_us = {}
                 for la in launches:
                     if launch_is_empty(runner, la, sizes):
                         stage_us[la.stage] = 0.0
                     else:
-                        stage_us[la.stage] = time_us(lambda la=la: runner.run(la, workspaces=ws, **kw))
+                        stage_us[la.stage] = time_us(lambda la=la: runner.run(la, workspaces=ws, **kw), ITERS)
                 wbytes = case["touched"] * per_expert[fam]
                 nbytes = wbytes + act_bytes[fam]
                 bad = not err <= BAD_ERR

@@ -42,6 +42,27 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// A ST-deep cp.async ring over KT K slices: load(stage, kt) issues slice kt's copies into ring
+// slot `stage`, compute(stage) consumes a landed slot.  ST - 1 slices stay in flight; the barrier
+// before each refill keeps a slot from being overwritten while a warp still reads it.
+template <int ST, typename Load, typename Compute>
+__device__ __forceinline__ void cp_async_ring(int KT, Load&& load, Compute&& compute) {
+  static_assert(ST >= 2, "cp_async_ring: at least two stages");
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) {
+    if (s < KT) load(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<ST - 2>();
+    __syncthreads();
+    if (kt + ST - 1 < KT) load((kt + ST - 1) % ST, kt + ST - 1);
+    cp_async_commit();
+    compute(kt % ST);
+  }
+  cp_async_wait<0>();
+}
+
 // two floats -> one register of two 16-bit values (lo = first)
 template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
 template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {

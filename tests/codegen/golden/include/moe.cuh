@@ -616,18 +616,9 @@ __device__ __forceinline__ void grouped_gemm_skinny(const T* __restrict__ x, con
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
 
-#pragma unroll
-  for (int s = 0; s < SST - 1; ++s) {
-    if (s < KT) load_stage(s, s);
-    dsg::mma::cp_async_commit();
-  }
-  for (int kt = 0; kt < KT; ++kt) {
-    dsg::mma::cp_async_wait<SST - 2>();
-    __syncthreads();
-    if (kt + SST - 1 < KT) load_stage((kt + SST - 1) % SST, kt + SST - 1);
-    dsg::mma::cp_async_commit();
-    const T* w = Ws + (kt % SST) * BNW * P;
-    const T* a = Xs + (kt % SST) * BP * P;
+  dsg::mma::cp_async_ring<SST>(KT, load_stage, [&](int stage) {
+    const T* w = Ws + stage * BNW * P;
+    const T* a = Xs + stage * BP * P;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       unsigned wf[4];
@@ -644,8 +635,7 @@ __device__ __forceinline__ void grouped_gemm_skinny(const T* __restrict__ x, con
         dsg::mma::mma16816<BF16>(acc[2 * q + 1], wf, xf[2], xf[3]);
       }
     }
-  }
-  dsg::mma::cp_async_wait<0>();
+  });
 
   // epilogue: acc[j] holds weight rows warp*16 + g (c0, c1) and + 8 (c2, c3) for the tile's pairs
   // j*8 + t2, j*8 + t2 + 1
@@ -805,18 +795,9 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* _
 #pragma unroll
   for (int q = 0; q < 2; ++q) brow[q] = (MODE == DOWN) ? wn * 32 + q * 16 : q * BN + wn * 16;
 
-#pragma unroll
-  for (int s = 0; s < ST - 1; ++s) {
-    if (s < KT) load_stage(s, s);
-    dsg::mma::cp_async_commit();
-  }
-  for (int kt = 0; kt < KT; ++kt) {
-    dsg::mma::cp_async_wait<ST - 2>();
-    __syncthreads();
-    if (kt + ST - 1 < KT) load_stage((kt + ST - 1) % ST, kt + ST - 1);
-    dsg::mma::cp_async_commit();
-    const T* a = As + (kt % ST) * BM * P;
-    const T* b = Bs + (kt % ST) * BNW * P;
+  dsg::mma::cp_async_ring<ST>(KT, load_stage, [&](int stage) {
+    const T* a = As + stage * BM * P;
+    const T* b = Bs + stage * BNW * P;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       unsigned af[4][4], bf[2][4];
@@ -836,8 +817,7 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* _
         for (int j = 0; j < 4; ++j)
           dsg::mma::mma16816<BF16>(acc[i][j], af[i], bf[j >> 1][(j & 1) * 2], bf[j >> 1][(j & 1) * 2 + 1]);
     }
-  }
-  dsg::mma::cp_async_wait<0>();
+  });
 
   // epilogue: acc[i][j] holds rows wm*64 + i*16 + lane/4 (+8), columns 2*(lane%4) (+1) of n8 tile j
   const int g = lane >> 2, t2 = (lane & 3) * 2;
