@@ -157,24 +157,31 @@ def align_launch(family: str, template: str, name: str, params: dict, nid: str, 
 
 
 # -- grouped experts (moe_gate_up_silu, moe_gate_up, moe_down) --------------------------------
-# Two launches per node for bf16 / fp16: the GEMV takes the experts with at most GEMM_THRESHOLD
-# pairs (decode: each weight row read once), the tensor-core GEMM the others (prefill: ~T*K/E
-# pairs per expert).  Which expert goes where is decided on the device from the routing
-# offsets; the GEMM's grid is a host-side bound on its row tiles, 0 when NP <= GEMM_THRESHOLD.
-# fp32 has no tensor-core path here: its GEMV takes every expert.
+# Two launches per node for bf16 / fp16, of which a step runs one (the other's grid is 0):
+#   * "gemv" at T <= GEMV_ONLY_TOKENS (decode's smallest batches): CUDA cores for every expert,
+#     one CTA row of slots per expert with pairs (moe.cuh 4);
+#   * "mma" above: one grid for every expert, the ones with more than GEMM_THRESHOLD pairs on
+#     tensor cores (prefill: ~T*K/E pairs each; decode b >= 16: swapped tiles), the light ones on
+#     CUDA cores in slots ahead of the tiles (moe.cuh 4b), so neither kind waits for the other's
+#     tail.  Which expert goes where is decided on the device from the routing offsets.
+# fp32 has no tensor-core path here: its GEMV takes every expert at every T.
 # Odd widths keep both paths: the GEMM copies K slices with 16-byte cp.async only when KD % 8 == 0
 # (else element loads with zero fill into the same 16-byte-aligned smem rows) and stores column
 # pairs as one 4-byte word only when N is even (else two element stores); its column tiles mask
-# n >= N.  So it is chosen for every D and M; at run time a CTA whose operands' bases are not
-# aligned for those wide accesses leaves its expert to the GEMV (moe.cuh gemm_operands_ok).
+# n >= N.  So it is chosen for every D and M; at run time a launch whose operands' bases are not
+# aligned for those wide accesses runs every expert as a light one (moe.cuh gemm_operands_ok).
 
 GROUPED_WARPS = 4
 GROUPED_PAIRS = 8         # pairs per pass over the weights: decode reads each weight row once
-# Experts with more pairs than this go to the tensor-core GEMM.  Measured on the H200 (PERF_NOTES
+# Experts with more pairs than this go to the tensor-core tiles.  Measured on the H200 (PERF_NOTES
 # v6, tests/gpu/perf_moe.py): the GEMV reads the weights at 4.1 TB/s with 1 pair per expert and
 # 3.6 with 2, but 2.2 with 4 and 1.4 with 8; the swapped tensor-core tiles (GEMM_SKINNY) read them
 # at ~3.5 TB/s from 4 to 32 pairs.  Threshold 2 beat 4 and 8 at decode b=32 and b=128.
 GEMM_THRESHOLD = 2
+# Up to this many tokens the GEMV alone takes every expert (an expert then has at most T pairs):
+# at decode b=8 it read the touched weights at 3.75 TB/s where the GEMV + tiles split of
+# threshold 2 read 3.42 (PERF_NOTES v6, B=8).  Above it, the one-grid "mma" launch.
+GEMV_ONLY_TOKENS = 8
 GEMM_BM = 128             # pairs per row tile        (templates/include/moe.cuh GEMM_*)
 GEMM_BNW = 128            # weight rows per CTA: 64 gate + 64 up, or 128 down
 GEMM_BK, GEMM_STAGES, GEMM_THREADS = 32, 4, 256   # K slice, slices in flight (2 CTAs per SM)
@@ -182,18 +189,38 @@ GEMM_BK, GEMM_STAGES, GEMM_THREADS = 32, 4, 256   # K slice, slices in flight (2
 # the pairs as N in 16/32/64-wide tiles (moe.cuh 4c), so decode's few pairs per expert neither
 # waste the tile's copies nor its tensor work.  0 keeps every tile in the row-tile layout.
 GEMM_SKINNY = 64
-# The swapped tiles' own K slice and ring depth, measured on the H200 (PERF_NOTES v6): a K slice
-# of 32 (64-byte runs of each weight row) read the weights at ~2.6 TB/s, 64 with 4 stages at
-# ~3.5 TB/s, 128 with 2 stages no better.  4 x (128 + 64) x 72 x 2 B = 110.6 KB: two CTAs per SM.
+# The swapped tiles' own K slice and ring depth, measured on the H200 (PERF_NOTES v6, v7): a K
+# slice of 32 (64-byte runs of each weight row) read the weights at ~2.6 TB/s, 64 with 4 stages
+# at ~3.5 TB/s; 128 with 2, 3 or 4 stages, 256 with 2 and 64 with 6 (one CTA per SM) no better.
+# 4 x (128 + 64) x 72 x 2 B = 110.6 KB: two CTAs per SM.
 SKINNY_BK, SKINNY_STAGES = 64, 4
+
+
+def slots(E: int) -> str:
+    """CUDA-core expert slots: no more than min(E, NP) experts can have pairs."""
+    return f"min({E}, NP)"
+
+
+def only_below(ts: int) -> str:
+    """1 while T <= ts, else 0 (a grid factor)."""
+    return f"(1 - min(1, T // {ts + 1}))"
+
+
+def only_above(ts: int) -> str:
+    """1 while T > ts, else 0 (a grid factor)."""
+    return f"min(1, T // {ts + 1})"
 
 
 def gemm_row_tiles(E: int, thr: int) -> str:
     """A host-side bound on the GEMM's row tiles: every 128 pairs make at most one more tile, and
     each expert with more than thr pairs at most one partial tile.  Top-k picks K distinct experts
-    per token, so no expert has more pairs than there are tokens: with T <= thr no expert is the
-    GEMM's and the launch is empty (decode at batch 1 and 2 pays nothing for it)."""
+    per token, so no expert has more pairs than there are tokens: with T <= thr there is none."""
     return f"(NP // {GEMM_BM} + min({E}, NP // {thr + 1})) * min(1, T // {thr + 1})"
+
+
+def mma_grid_y(E: int, thr: int, ts: int) -> str:
+    """The one-grid launch's y extent: the light slots, then the row tiles; 0 while T <= ts."""
+    return f"({slots(E)} + {gemm_row_tiles(E, thr)}) * {only_above(ts)}"
 
 
 def gemm_smem(bk: int, stages: int) -> int:
@@ -210,39 +237,41 @@ def grouped_params(nid: str, opts, *, E: int, N: int, KD: int, K: int, rows_per_
     dt, ct = act(nid, opts)
     check_experts(nid, E, min(K, E))
     return {"act": ct, "E": E, "N": N, "KD": KD, "K": K, "warps": GROUPED_WARPS, "rpw": rows_per_warp,
-            "pt": GROUPED_PAIRS, "vec": vec_width(KD, ELEM_BYTES[dt]),
-            "thr": GEMM_THRESHOLD if has_gemm(opts) else 0}
+            "pt": GROUPED_PAIRS, "vec": vec_width(KD, ELEM_BYTES[dt])}
 
 
 def has_gemm(opts) -> bool:
     return opts.dtype in ("bf16", "fp16")
 
 
-def grouped_grid(p: dict) -> tuple:
-    # Every expert gets its row tiles; the tiles of an expert without pairs exit at once.
-    return (p["E"], -(-p["N"] // (p["warps"] * p["rpw"])), 1)
+def gemv_grid(p: dict, ts: int | None) -> tuple:
+    """Slot x row group; ts: the GEMV runs only while T <= ts (None: at every T, fp32)."""
+    x = slots(p["E"]) if ts is None else f"{slots(p['E'])} * {only_below(ts)}"
+    return (x, -(-p["N"] // (p["warps"] * p["rpw"])), 1)
 
 
 def grouped_launches(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,
                      opts, *, down: bool) -> list[KernelLaunch]:
-    """The GEMV launch, then (bf16 / fp16) the tensor-core GEMM launch over the same args."""
+    """The GEMV launch, then (bf16 / fp16) the one-grid tensor-core launch over the same args."""
     from codegen.render import kernel_name
+    gemm = has_gemm(opts)
     launches = [KernelLaunch(
         family=family, template=template, name=kernel_name(family, name_parts),
-        params={**p, "variant": "gemv"}, nodes=(nid,), grid=grouped_grid(p), block=(p["warps"] * 32, 1, 1),
-        args=args, stage="gemv")]
-    if has_gemm(opts):
+        params={**p, "variant": "gemv"}, nodes=(nid,), grid=gemv_grid(p, GEMV_ONLY_TOKENS if gemm else None),
+        block=(p["warps"] * 32, 1, 1), args=args, stage="gemv")]
+    if gemm:
         bn = GEMM_BNW if down else GEMM_BNW // 2
-        thr = p["thr"]
+        thr = GEMM_THRESHOLD
         smem = gemm_launch_smem(GEMM_BK, GEMM_STAGES, GEMM_SKINNY, SKINNY_BK, SKINNY_STAGES)
         gp = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "thr": thr,
               "variant": "mma", "threads": GEMM_THREADS, "bk": GEMM_BK, "stages": GEMM_STAGES, "smem": smem,
-              "skinny": GEMM_SKINNY, "sbk": SKINNY_BK, "sst": SKINNY_STAGES}
+              "skinny": GEMM_SKINNY, "sbk": SKINNY_BK, "sst": SKINNY_STAGES,
+              "rpw": p["rpw"], "vec": p["vec"]}
         launches.append(KernelLaunch(
             family=family, template=template, name=kernel_name(family, [*name_parts, "mma"]),
             params=gp, nodes=(nid,),
-            grid=(-(-p["N"] // bn), gemm_row_tiles(p["E"], thr), 1),
-            block=(GEMM_THREADS, 1, 1), args=args, smem=smem, stage="mma"))
+            grid=(-(-p["N"] // bn), mma_grid_y(p["E"], thr, GEMV_ONLY_TOKENS), 1),
+            block=(GEMM_THREADS, 1, 1), args=(*args, size("num_pairs", "NP")), smem=smem, stage="mma"))
     return launches
 
 

@@ -1,5 +1,6 @@
-"""moe_down: [a [NP, M], routing] -> eo [NP, D] = a[p] W[e]^T per pair, one grouped launch
-(experts x row tiles, 16-byte weight loads, inactive experts exit at once)."""
+"""moe_down: [a [NP, M], routing] -> eo [NP, D] = a[p] W[e]^T per pair, one grouped launch a
+step: the GEMV at decode's smallest batches, else one grid of CUDA-core slots for light experts
+and tensor-core tiles for the rest (codegen/families/_moe.py, grouped experts)."""
 from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, inp, out, weight, Options

@@ -1,8 +1,9 @@
 """moe_gate_up_silu: [x [T, D], routing] -> a [NP, M] = silu(x Wg[e]^T) * (x Wu[e]^T) per pair.
 
-One grouped launch over (experts x row tiles); each CTA walks its expert's pairs from the
-routing offsets, GATE_UP rows per warp, 16-byte weight loads; experts without pairs exit at
-once, so decode reads each touched expert's gate and up rows exactly once.
+One grouped launch a step (codegen/families/_moe.py, grouped experts): the GEMV at decode's
+smallest batches, else one grid of CUDA-core slots for light experts and tensor-core tiles for
+the rest.  Only experts with pairs get CTAs, so decode reads each touched expert's gate and up
+rows exactly once.
 """
 from __future__ import annotations
 

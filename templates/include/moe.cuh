@@ -369,11 +369,13 @@ __device__ __forceinline__ void align(const i64* __restrict__ ids, int num_pairs
 }
 
 // ---- 4. grouped expert GEMV: all active experts in one launch ------------------------------
-// Grid (E, cdiv(N, WARPS * RPW)): a CTA owns one expert and WARPS * RPW of its N output rows;
-// an expert with no pairs exits at once.  Each warp takes RPW rows of every weight matrix and
-// PT of the expert's pairs at a time; lanes split the reduction dim KD in VEC-wide (16-byte)
-// slices, so with <= PT pairs per expert (decode) every weight row is read exactly once.
-// THR > 0: experts with more than THR pairs are left to grouped_gemm (below).
+// Grid (slots, cdiv(N, WARPS * RPW)): slot s is the s-th expert that has pairs (the lowering
+// makes min(E, NP) slots: no more experts can have pairs), and a CTA owns WARPS * RPW of its N
+// output rows, so an expert without pairs costs no CTA (decode at batch 1 touches 6 of 64).
+// Each warp takes RPW rows of every weight matrix and PT of the expert's pairs at a time; lanes
+// split the reduction dim KD in VEC-wide (16-byte) slices, so with <= PT pairs per expert
+// (decode) every weight row is read exactly once.  grouped_gemm (4b) runs the same rows for its
+// light experts inside the tensor-core launch.
 //   MODE GATE_UP_SILU: out0[p] = round(round(silu(round(x[p/K].Wg))) * round(x[p/K].Wu))
 //   MODE GATE_UP:      out0[p] = round(x[p/K].Wg), out1[p] = round(x[p/K].Wu)
 //   MODE DOWN:         out0[p] = round(x[p].W)      (x is per pair)
@@ -497,22 +499,40 @@ __device__ __forceinline__ void grouped_rows(const T* __restrict__ x, const T* _
   }
 }
 
-template <typename T, int MODE, int E, int N, int KD, int K, int WARPS, int RPW, int PT, int VEC, int THR>
-__device__ __forceinline__ void grouped_gemv(const T* __restrict__ x, const T* __restrict__ w0,
-                                             const T* __restrict__ w1, const i32* __restrict__ order,
-                                             const i32* __restrict__ offsets, T* __restrict__ out0,
-                                             T* __restrict__ out1) {
+// The s-th expert, in expert order, that a CUDA-core pass takes: one with pairs that is not left
+// to the tensor-core tiles (THR > 0: more than THR pairs, with operands the GEMM can take,
+// gemm_ok).  -1 when there are fewer.  Each warp scans the offsets by itself, 32 experts a
+// ballot, so the answer is warp-uniform without a barrier.
+template <int E, int THR>
+__device__ __forceinline__ int nth_light_expert(const i32* __restrict__ offsets, int s, bool gemm_ok) {
+  const int lane = threadIdx.x & 31;
+  int seen = 0;
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    const int e = e0 + lane;
+    const int cnt = (e < E) ? offsets[e + 1] - offsets[e] : 0;
+    const bool light = cnt > 0 && !(THR > 0 && cnt > THR && gemm_ok);
+    unsigned m = __ballot_sync(0xffffffffu, light);
+    const int n = __popc(m);
+    if (s < seen + n) {
+      for (int i = seen; i < s; ++i) m &= m - 1;      // drop the lower set bits
+      return e0 + __ffs(m) - 1;
+    }
+    seen += n;
+  }
+  return -1;
+}
+
+// Expert e's rows row0 .. row0 + RPW (< N checked per row) for all its pairs: the wide loads when
+// the bases are aligned for them, else element loads.
+template <typename T, int MODE, int N, int KD, int K, int RPW, int PT, int VEC>
+__device__ __forceinline__ void grouped_expert_rows(const T* __restrict__ x, const T* __restrict__ w0,
+                                                    const T* __restrict__ w1, const i32* __restrict__ order,
+                                                    const i32* __restrict__ offsets, int e, int row0,
+                                                    T* __restrict__ out0, T* __restrict__ out1) {
   constexpr int NW = (MODE == DOWN) ? 1 : 2;   // weight matrices
   static_assert(KD % VEC == 0, "grouped gemv: reduction dim must be a multiple of the vector width");
   static_assert(PT <= 32 && PT >= GROUPED_NARROW, "grouped gemv: pairs per pass must fit a warp");
-  const int e = blockIdx.x;
   const int beg = offsets[e], end = offsets[e + 1];
-  if (beg >= end) return;                       // inactive expert: no weight traffic
-  // many pairs: the tensor-core GEMM's, unless its operands are misaligned (then it leaves them here)
-  if (THR > 0 && end - beg > THR && gemm_operands_ok<T, N, KD>(x, w0, w1, out0, out1)) return;
-  const int warp = threadIdx.x >> 5;
-  const int row0 = (blockIdx.y * WARPS + warp) * RPW;
-  if (row0 >= N) return;
   const T* W0 = w0 + (i64)e * N * KD;
   const T* W1 = (NW > 1 ? w1 : w0) + (i64)e * N * KD;
   if constexpr (VEC > 1) {
@@ -526,6 +546,18 @@ __device__ __forceinline__ void grouped_gemv(const T* __restrict__ x, const T* _
   grouped_rows<T, MODE, NW, N, KD, K, RPW, PT, 1>(x, W0, W1, order, beg, end, row0, out0, out1);
 }
 
+template <typename T, int MODE, int E, int N, int KD, int K, int WARPS, int RPW, int PT, int VEC>
+__device__ __forceinline__ void grouped_gemv(const T* __restrict__ x, const T* __restrict__ w0,
+                                             const T* __restrict__ w1, const i32* __restrict__ order,
+                                             const i32* __restrict__ offsets, T* __restrict__ out0,
+                                             T* __restrict__ out1) {
+  const int e = nth_light_expert<E, 0>(offsets, blockIdx.x, false);   // every expert with pairs
+  if (e < 0) return;
+  const int row0 = (blockIdx.y * WARPS + (threadIdx.x >> 5)) * RPW;
+  if (row0 >= N) return;
+  grouped_expert_rows<T, MODE, N, KD, K, RPW, PT, VEC>(x, w0, w1, order, offsets, e, row0, out0, out1);
+}
+
 // ---- 4b. grouped expert GEMM on tensor cores (bf16 / fp16): experts with many pairs ---------
 // Prefill gives each expert ~T*K/E pairs: a GEMM per expert, [pairs x KD] x [KD x N], with the
 // pair rows gathered through the routing order.  CTA = 256 threads (8 warps, 2 x 4) owns one
@@ -533,8 +565,13 @@ __device__ __forceinline__ void grouped_gemv(const T* __restrict__ x, const T* _
 // the same 64 up rows (GATE_UP*, so SiLU * up fuses in registers) or 128 down rows (DOWN).
 // A warp computes 64 pairs x 32 weight rows with mma.sync m16n8k16 (fp32 accumulation), fed by
 // ldmatrix from a STAGES-deep cp.async ring of BK-wide K slices.  Row tiles are numbered over
-// the experts with more than THR pairs (the others are the GEMV's), so the grid is a host-side
-// bound: NP // BM + min(E, NP // (THR + 1)); tiles past the last one exit at once.
+// the experts with more than THR pairs; tiles past the last one exit at once.
+// The same launch serves the light experts (1..THR pairs) on CUDA cores, so one launch a layer
+// covers every expert and the two kinds of CTA share the machine instead of running one after
+// the other: grid y = min(E, NP) light slots (slot y is the y-th light expert, the CTA's column
+// tile of it; grouped_gemv's row code, LRPW rows a warp at a time) and then a host-side bound on
+// the row tiles, NP // BM + min(E, NP // (THR + 1)).  When the operands do not fit the GEMM's
+// wide accesses (gemm_operands_ok), every expert with pairs is light.
 
 // Columns col, col + 1 of one output row (col even): one 4-byte store when N is even (rows are
 // then 4-byte multiples apart; grouped_gemm checked the base), else element stores (odd N).
@@ -667,11 +704,12 @@ __device__ __forceinline__ void grouped_gemm_skinny(const T* __restrict__ x, con
   static_assert(BN == ((MODE == DOWN) ? 8 * 16 : 8 * 8), "skinny gemm: the column tile is the warps' rows");
 }
 
-template <typename T, int MODE, int E, int N, int KD, int K, int THR, int BK, int ST, int SK, int SBK, int SST>
+template <typename T, int MODE, int E, int N, int KD, int K, int THR, int BK, int ST, int SK, int SBK, int SST,
+          int LRPW, int VEC>
 __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* __restrict__ w0,
                                              const T* __restrict__ w1, const i32* __restrict__ order,
-                                             const i32* __restrict__ offsets, T* __restrict__ out0,
-                                             T* __restrict__ out1, char* smem) {
+                                             const i32* __restrict__ offsets, int num_pairs,
+                                             T* __restrict__ out0, T* __restrict__ out1, char* smem) {
   constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
   constexpr int BM = GEMM_BM, BNW = GEMM_BNW, P = BK + 8;
   static_assert(BK % 16 == 0 && (BM * BK / 8) % GEMM_THREADS == 0, "grouped gemm: BK must be a multiple of 16");
@@ -685,13 +723,31 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* _
   __shared__ int s_tile[3];                                // expert, first pair, pairs
   __shared__ int s_row[BM];                                // source row of each tile row
 
-  // Misaligned bases (never the runtime's own buffers): every expert stays with the GEMV, which
-  // makes the same test.  Uniform across the grid, before any shared-memory traffic.
-  if (!gemm_operands_ok<T, N, KD>(x, w0, w1, out0, out1)) return;
+  // Misaligned bases (never the runtime's own buffers): every expert is light.  Uniform across
+  // the grid, before any shared-memory traffic.
+  const bool ok = gemm_operands_ok<T, N, KD>(x, w0, w1, out0, out1);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int light_slots = min(E, num_pairs);
+  if ((int)blockIdx.y < light_slots) {
+    // Light slot: this CTA's BN output columns of the slot's expert, RW rows per warp (gate and
+    // up rows of 8 columns, or 16 down rows), LRPW at a time.  No shared memory, no barrier.
+    // A light expert has at most THR pairs, so one pass of LPT pairs takes them all (only
+    // misaligned operands bring more, in more passes): a wider pass would cost registers the
+    // tiles' 128 (two CTAs per SM) cannot spare.
+    constexpr int RW = BN / (GEMM_THREADS / 32);
+    constexpr int LPT = THR > GROUPED_NARROW ? (THR < 32 ? THR : 32) : GROUPED_NARROW;
+    static_assert(RW % LRPW == 0, "grouped gemm: a warp's light rows are whole passes");
+    const int e = nth_light_expert<E, THR>(offsets, blockIdx.y, ok);
+    if (e < 0) return;
+    const int r_beg = blockIdx.x * BN + warp * RW;
+    for (int row0 = r_beg; row0 < r_beg + RW && row0 < N; row0 += LRPW)
+      grouped_expert_rows<T, MODE, N, KD, K, LRPW, LPT, VEC>(x, w0, w1, order, offsets, e, row0, out0, out1);
+    return;
+  }
+  if (!ok) return;
   if (warp == 0) {
-    // which (expert, row tile) is blockIdx.y: a running count of the heavy experts' tiles
-    const int ty = blockIdx.y;
+    // which (expert, row tile) is this CTA's: a running count of the heavy experts' tiles
+    const int ty = blockIdx.y - light_slots;
     int base = 0, found = -1;
     for (int e0 = 0; e0 < E && found < 0; e0 += 32) {
       const int e = e0 + lane;

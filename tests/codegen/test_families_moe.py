@@ -101,33 +101,45 @@ def test_kernel_names():
     assert v2["moe_topk"] == ["moe_topk__e160_k6__g8_tg3__softmax_group_limited_greedy__rsf16p0"]
 
 
+def _worst_tiles(NP: int, thr: int) -> int:
+    """Row tiles needed by the split of NP pairs over 64 experts with the most tiles: many small
+    heavy experts (thr + 1 pairs each) and one taking the rest."""
+    heavy = NP // (thr + 1)
+    worst = [thr + 1] * min(63, heavy) if heavy else []
+    worst.append(NP - sum(worst))
+    return sum(-(-c // 128) for c in worst if c > thr)
+
+
 def test_grouped_launch_covers_every_expert_and_row():
+    """Exactly one of the two launches runs at each T, and it covers every expert with pairs: the
+    GEMV while T <= GEMV_ONLY_TOKENS (a slot per expert that can have pairs), the one-grid mma
+    launch above (the same light slots, then a bound on the row tiles)."""
     from codegen import sizes
+    from codegen.families._moe import GEMV_ONLY_TOKENS
     for G, nid in moe_graphs(*DIMS["v2_lite"]):
         op = G.nodes[nid]["op"]
         if op not in ("moe_gate_up_silu", "moe_gate_up", "moe_down"):
             continue
         launch, gemm = lower(G, nid, "bf16")
-        p = launch.params
-        assert launch.grid[0] == 64                       # one slot per expert; inactive ones exit
+        p, q = launch.params, gemm.params
         assert launch.grid[1] * p["warps"] * p["rpw"] >= p["N"]
         assert p["vec"] * 2 == 16                         # 16-byte weight loads
-        # the GEMM's column tiles cover N; its row-tile grid bounds the tiles of the experts with
-        # more than thr pairs for any split of NP pairs over the 64 experts, and is 0 for decode
-        q = gemm.params
         bn = 128 if op == "moe_down" else 64
-        assert gemm.grid[0] * bn >= q["N"]
-        for NP in (1, 6, q["thr"], q["thr"] + 1, 384, 98304):
-            bound = sizes.evaluate(gemm.grid[1], {"NP": NP, "T": NP})      # T = NP: the most tokens
-            heavy = NP // (q["thr"] + 1)
-            worst = [q["thr"] + 1] * min(63, heavy) if heavy else []   # many small heavy experts
-            worst.append(NP - sum(worst))
-            need = sum(-(-c // 128) for c in worst if c > q["thr"])
-            assert bound >= need, (NP, bound, need)
-        # no expert has more pairs than tokens (top-k picks distinct experts): empty at T <= thr
-        assert sizes.evaluate(gemm.grid[1], {"NP": 6, "T": 1}) == 0
-        assert sizes.evaluate(gemm.grid[1], {"NP": 6 * q["thr"], "T": q["thr"]}) == 0
-        assert sizes.evaluate(gemm.grid[1], {"NP": 6 * (q["thr"] + 1), "T": q["thr"] + 1}) > 0
+        assert gemm.grid[0] * bn >= q["N"]                # the column tiles cover N
+        assert any(a.name == "num_pairs" for a in gemm.args)   # where the tiles start (moe.cuh 4b)
+        for T in (1, 2, 3, GEMV_ONLY_TOKENS, GEMV_ONLY_TOKENS + 1, 64, 128, 16384):
+            NP = 6 * T
+            env = {"NP": NP, "T": T}
+            gemv_x, mma_y = sizes.evaluate(launch.grid[0], env), sizes.evaluate(gemm.grid[1], env)
+            if T <= GEMV_ONLY_TOKENS:
+                assert (gemv_x, mma_y) == (min(64, NP), 0), (T, gemv_x, mma_y)
+            else:
+                assert gemv_x == 0, T
+                assert mma_y >= min(64, NP) + _worst_tiles(NP, q["thr"]), (T, mma_y)
+        # fp32 has no tensor-core launch: its GEMV takes every expert at every T
+        (f32,) = lower(G, nid, "fp32")
+        for T in (1, GEMV_ONLY_TOKENS + 1, 16384):
+            assert sizes.evaluate(f32.grid[0], {"NP": 6 * T, "T": T}) == min(64, 6 * T)
 
 
 def test_route_needs_no_host_sync():

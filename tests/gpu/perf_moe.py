@@ -1,15 +1,16 @@
 """Routed-expert (grouped MoE) kernel timings at DeepSeek-V2-Lite dims (a script, not a test).
 
     python3 tests/gpu/perf_moe.py [--pairs 1,2,4,8,9,12,16,32,64,65,128,256] [--batches 1,8,32,128,256]
-                                  [--variants thr8_skinny0,thr8_skinny64,thr2_skinny64,thr1_skinny64]
+                                  [--variants ts8_thr2_skinny64,ts0_thr2_skinny64,thr0_skinny0]
                                   [--json PATH]
     python3 tests/gpu/perf_moe.py --compile-only      # no GPU: lower, render and NVRTC-compile every
                                                       # variant's kernels for --arch (default sm_90)
 
 Builds one-node graphs of moe_gate_up_silu and moe_down (E experts, hidden D, expert
 intermediate M, top-K read from model_specs/deepseek_v2_lite.yaml: 64, 2048, 1408, 6), lowers
-them with their families (the same lowering the bundle uses: a "gemv" launch for the experts
-with at most `thr` pairs, then an "mma" tensor-core launch for the others), runs them through
+them with their families (the same lowering the bundle uses: a "gemv" launch that takes every
+expert while T <= ts, else one "mma" launch: experts with more than `thr` pairs on tensor cores,
+the others on CUDA cores in the same grid), runs them through
 KernelRunner on random bf16 tensors and times each family's launches together with CUDA events
 over ITERS launches captured in one CUDA graph (median of 3 replays); each launch alone too.
 
@@ -18,13 +19,13 @@ Cases:
           repeat(arange(E), c) as [T, K], K = top_k when E*c % top_k == 0, else K = 1 (T = E*c)
   B=<B>   decode batch B: T = B tokens, each with top_k distinct experts drawn uniformly
           (the touched experts are counted and printed)
-Variants thr<t>_skinny<s>: both launches get param thr=t (the mma launch's row-tile bound is
-recomputed for it), the mma launch skinny=s (the largest row tile run in the swapped
-orientation; 0 turns it off).  thr0 means the GEMV alone (its THR = 0 takes every expert;
-the mma launch is dropped).  Every variant launch is renamed <lowered name>__thr<t> (gemv) or
-<lowered name>__thr<t>_skinny<s> (mma): KernelRunner keeps one compiled module per launch
-name, so distinct parameters must never share a name (checked below); identical gemv
-parameters across variants share one compile on purpose.
+Variants [ts<n>_]thr<t>_skinny<s>[_sbk<k>_sst<n>]: the GEMV runs while T <= n (default: the
+lowering's GEMV_ONLY_TOKENS), the mma launch above it with param thr=t and skinny=s (the largest
+row tile run in the swapped orientation; 0 turns it off), and optionally the swapped tiles' K
+slice and ring depth; both grids are recomputed.  thr0 means the GEMV alone at every T (the mma
+launch is dropped).  Every variant launch is renamed <lowered name>__ts<n> (gemv) or
+<lowered name>__ts<n>_thr<t>_skinny<s>... (mma): KernelRunner keeps one compiled module per
+launch name, so distinct launches must never share a name (checked below).
 
 Correctness: outputs poisoned with NaN, one run, norm-wise relative error ||out - ref|| / ||ref||
 against a torch fp32 reference on the GPU (BAD above 1e-2; the exit status is 1 if any).
@@ -52,7 +53,7 @@ from perf_decode import lite, time_us  # noqa: E402
 
 from codegen import sizes as size_exprs  # noqa: E402
 from codegen.families import family_for_op  # noqa: E402
-from codegen.families._moe import gemm_launch_smem, gemm_row_tiles  # noqa: E402
+from codegen.families._moe import GEMV_ONLY_TOKENS, gemm_launch_smem, gemv_grid, mma_grid_y  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
 from ir.ops import TType  # noqa: E402
 from ir.ops.moe import align_ref  # noqa: E402
@@ -64,7 +65,8 @@ ITERS = 20
 BAD_ERR = 1e-2
 FAMILIES = ("moe_gate_up_silu", "moe_down")
 SHORT = {"moe_gate_up_silu": "gate_up_silu", "moe_down": "down"}
-_VARIANT_RE = re.compile(r"^thr(\d+)_skinny(\d+)(?:_sbk(\d+)_sst(\d+))?$")
+_VARIANT_RE = re.compile(r"^(?:ts(\d+)_)?thr(\d+)_skinny(\d+)(?:_sbk(\d+)_sst(\d+))?$")
+GEMV_ALONE = 1 << 30     # ts of thr0: the GEMV at every T
 
 
 def dims(m) -> dict:
@@ -88,17 +90,20 @@ def graph(m, family: str, K: int):
 
 
 def parse_variant(v: str) -> tuple:
-    """thr<t>_skinny<s>[_sbk<k>_sst<n>] -> (t, s, k or None, n or None); None keeps the lowering's
-    swapped-tile K slice / ring depth."""
+    """[ts<n>_]thr<t>_skinny<s>[_sbk<k>_sst<n>] -> (ts, t, s, k or None, n or None); None keeps the
+    lowering's swapped-tile K slice / ring depth."""
     mt = _VARIANT_RE.match(v)
     if mt is None:
-        raise SystemExit(f"variant {v!r}: expected thr<int>_skinny<int>[_sbk<int>_sst<int>], e.g. thr2_skinny64")
-    sbk, sst = (int(mt.group(3)), int(mt.group(4))) if mt.group(3) else (None, None)
-    return int(mt.group(1)), int(mt.group(2)), sbk, sst
+        raise SystemExit(f"variant {v!r}: expected [ts<int>_]thr<int>_skinny<int>[_sbk<int>_sst<int>], "
+                         f"e.g. ts8_thr2_skinny64")
+    thr = int(mt.group(2))
+    ts = GEMV_ALONE if thr == 0 else (int(mt.group(1)) if mt.group(1) else GEMV_ONLY_TOKENS)
+    sbk, sst = (int(mt.group(4)), int(mt.group(5))) if mt.group(4) else (None, None)
+    return ts, thr, int(mt.group(3)), sbk, sst
 
 
-def apply_variant(launches, thr: int, skinny: int, sbk=None, sst=None) -> list:
-    """The family's launches with thr (both) and skinny (mma) overridden, renamed per parameters."""
+def apply_variant(launches, ts: int, thr: int, skinny: int, sbk=None, sst=None) -> list:
+    """The family's launches with ts (both grids), thr and skinny (mma) overridden, renamed."""
     stages = [la.stage for la in launches]
     if stages != ["gemv", "mma"]:
         raise SystemExit(f"expected the launches gemv, mma from the lowering; got {stages} "
@@ -106,18 +111,18 @@ def apply_variant(launches, thr: int, skinny: int, sbk=None, sst=None) -> list:
     out = []
     for la in launches:
         if la.stage == "gemv":
-            out.append(dataclasses.replace(la, name=f"{la.name}__thr{thr}", params={**la.params, "thr": thr}))
+            out.append(dataclasses.replace(la, name=f"{la.name}__ts{ts}", grid=gemv_grid(la.params, ts)))
         elif thr > 0:
             E = la.params["E"]
             p = {**la.params, "thr": thr, "skinny": skinny}
-            suffix = f"__thr{thr}_skinny{skinny}"
+            suffix = f"__ts{ts}_thr{thr}_skinny{skinny}"
             if sbk is not None:
                 p.update(sbk=sbk, sst=sst)
                 suffix += f"_sbk{sbk}_sst{sst}"
             smem = p["smem"] = gemm_launch_smem(p["bk"], p["stages"], skinny, p["sbk"], p["sst"])
             out.append(dataclasses.replace(
                 la, name=f"{la.name}{suffix}", params=p, smem=smem,
-                grid=(la.grid[0], gemm_row_tiles(E, thr), la.grid[2])))
+                grid=(la.grid[0], mma_grid_y(E, thr, ts), la.grid[2])))
     return out
 
 
@@ -142,8 +147,8 @@ class Kernels:
     def get(self, family: str, K: int, variant: str) -> list:
         key = (family, K, variant)
         if key not in self._launches:
-            thr, skinny, sbk, sst = parse_variant(variant)
-            launches = apply_variant(self.base(family, K)[2], thr, skinny, sbk, sst)
+            ts, thr, skinny, sbk, sst = parse_variant(variant)
+            launches = apply_variant(self.base(family, K)[2], ts, thr, skinny, sbk, sst)
             for la in launches:
                 ident = (la.template, json.dumps(la.params, sort_keys=True), tuple(la.args), la.grid, la.block,
                          la.smem)
@@ -162,7 +167,7 @@ class Kernels:
             src = self.runner.source(la)
             if not re.search(rf"\b{re.escape(la.name)}\s*\(", src):
                 raise SystemExit(f"rendered source of {la.name} does not declare a kernel of that name")
-            probes = [("thr", thr + 1)] + ([("skinny", 0 if skinny else 64)] if la.stage == "mma" else [])
+            probes = [("thr", thr + 1), ("skinny", 0 if skinny else 64)] if la.stage == "mma" else []
             for key, other in probes:
                 alt = dataclasses.replace(la, params={**la.params, key: other})
                 if _body(self.runner.source(alt), la.name) == _body(src, la.name):
@@ -200,8 +205,8 @@ def finish_case(case: dict, E: int) -> dict:
     case["NP"] = ids.numel()
     case["touched"] = int((counts > 0).sum())
     case["max_pairs"] = int(counts.max())
-    # The mma launch's bound is empty when T <= thr: it relies on no expert having more pairs
-    # than there are tokens (distinct experts per token).  True of every case built here.
+    # The row-tile bound is empty when T <= thr: it relies on no expert having more pairs than
+    # there are tokens (distinct experts per token).  True of every case built here.
     assert case["max_pairs"] <= case["T"], case["case"]
     return case
 
@@ -279,8 +284,8 @@ def main():
     ap.add_argument("--pairs", default="1,2,4,8,9,12,16,32,64,65,128,256",
                     help="pairs per expert c (every expert gets exactly c pairs)")
     ap.add_argument("--batches", default="1,8,32,128,256", help="decode batches B (K distinct experts per token)")
-    ap.add_argument("--variants", default="thr8_skinny0,thr8_skinny64,thr2_skinny64,thr1_skinny64",
-                    help="comma-separated thr<t>_skinny<s> (thr0: the GEMV alone)")
+    ap.add_argument("--variants", default="ts8_thr2_skinny64,ts0_thr2_skinny64,thr0_skinny0",
+                    help="comma-separated [ts<n>_]thr<t>_skinny<s>[_sbk<k>_sst<n>] (thr0: the GEMV alone)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write every row as JSON to PATH")
     ap.add_argument("--compile-only", action="store_true",
                     help="no GPU: lower, render and compile every kernel with NVRTC for --arch, then stop")

@@ -460,7 +460,8 @@ def test_moe_down_many_pairs(runner, case):
 
 # Pair counts per expert around every boundary the kernels choose at: the GEMM threshold (2),
 # the GEMV's pass width (8), the swapped tensor-core tiles (16 / 32 / 64 pairs), the 128-pair row
-# tile, and experts never hit.
+# tile, and experts never hit.  The token count picks the launch (the GEMV alone while
+# T <= GEMV_ONLY_TOKENS = 8, else the one grid of light slots and tiles): both are drawn.
 PAIR_COUNTS = (0, 1, 2, 3, 7, 8, 9, 16, 17, 31, 33, 63, 64, 65, 127, 129, 256)
 
 
@@ -505,7 +506,9 @@ def _counts_case(dtype, counts, K, D, M, misalign="none"):
 @given(case=pair_count_cases())
 @example(case=_counts_case("bf16", (9, 16, 17, 33, 64, 65, 0, 4), 2, 256, 200))   # GEMV, all three swapped tiles, row tile
 @example(case=_counts_case("fp16", (63, 0, 1, 129, 8, 31), 1, 41, 37))            # odd KD / N on the swapped tiles
-@example(case=_counts_case("bf16", (17, 64, 5), 1, 136, 72, "inputs"))             # the GEMM refuses: GEMV takes all
+@example(case=_counts_case("bf16", (17, 64, 5), 1, 136, 72, "inputs"))             # the GEMM refuses: light slots take all
+@example(case=_counts_case("bf16", (8, 3, 5, 0, 8), 3, 256, 200))                 # T = 8: the GEMV alone, up to 8 pairs
+@example(case=_counts_case("fp16", (1, 2, 9, 0, 12, 3, 2, 7), 2, 64, 37))         # T = 18: light slots beside tiles
 @_settings(20)
 def test_moe_gate_up_silu_pair_counts(runner, case):
     _grouped(runner, "moe_gate_up_silu", case)
@@ -521,6 +524,8 @@ def test_moe_gate_up_pair_counts(runner, case):
 @given(case=pair_count_cases())
 @example(case=_counts_case("bf16", (9, 16, 17, 33, 64, 65, 0, 4), 2, 256, 200))
 @example(case=_counts_case("fp16", (63, 0, 1, 129, 8, 31), 1, 37, 41))            # N = D = 37: odd output columns
+@example(case=_counts_case("bf16", (8, 3, 5, 0, 8), 3, 256, 200))                 # T = 8: the GEMV alone
+@example(case=_counts_case("bf16", (1, 2, 9, 0, 12, 3, 2, 7), 2, 136, 41))        # T = 18: light slots beside tiles
 @_settings(20)
 def test_moe_down_pair_counts(runner, case):
     _grouped(runner, "moe_down", case)

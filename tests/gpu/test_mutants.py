@@ -75,6 +75,11 @@ MUTANTS = [
            moe.test_moe_down_pair_counts, dict(case={
                "dtype": "fp16", "T": 122, "E": 4, "K": 1, "counts": [16, 33, 64, 9], "D": 256, "M": 200,
                "misalign": "none", "seed": 10}), uses_runner=True),
+    Mutant("light expert output x1.01 (gate_up_silu, CUDA-core slots of the one-grid launch)", "include/moe.cuh",
+           "out0[o] = from_float<T>(s * u);", "out0[o] = from_float<T>(s * u * 1.01f);",
+           moe.test_moe_gate_up_silu_pair_counts, dict(case={
+               "dtype": "fp16", "T": 15, "E": 6, "K": 1, "counts": [1, 2, 2, 1, 9, 0], "D": 256, "M": 200,
+               "misalign": "none", "seed": 12}), uses_runner=True),
 ]
 
 

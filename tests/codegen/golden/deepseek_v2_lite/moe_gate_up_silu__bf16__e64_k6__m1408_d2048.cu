@@ -2,7 +2,7 @@
 // template: moe_gate_up_silu.cu.j2
 // kernel:   moe_gate_up_silu__bf16__e64_k6__m1408_d2048
 // role:     moe_gate_up_silu.gemv
-// params:   {"E":64,"K":6,"KD":2048,"N":1408,"act":"__nv_bfloat16","pt":8,"rpw":2,"thr":2,"variant":"gemv","vec":8,"warps":4}
+// params:   {"E":64,"K":6,"KD":2048,"N":1408,"act":"__nv_bfloat16","pt":8,"rpw":2,"variant":"gemv","vec":8,"warps":4}
 // includes: common.cuh, mma.cuh, moe.cuh
 // nodes:    L1-26.moe_ffn.ea
 // implements (spec op, layers, passes that fused it):
@@ -10,8 +10,8 @@
 //   deepseek_v2_lite.yaml:101 blocks.moe_ffn.ops[4] silu_and_mul, layers 1-26 (fuse_moe_silu)
 
 // moe_gate_up_silu: [x [T, D], routing] -> a [NP, M] = silu(x Wg[e]^T) * (x Wu[e]^T) per pair,
-// all active experts in one grouped launch per path: the GEMV (experts with few pairs) or the
-// tensor-core GEMM (variant mma: experts with more than thr pairs).
+// all active experts in one grouped launch: the GEMV at decode's smallest batches, else variant
+// mma (experts with more than thr pairs on tensor cores, the others on CUDA cores, one grid).
 #include "moe.cuh"
 
 extern "C" __global__ void __launch_bounds__(128)
@@ -23,5 +23,5 @@ moe_gate_up_silu__bf16__e64_k6__m1408_d2048(
     const i32* __restrict__ offsets,
     __nv_bfloat16* __restrict__ out) {
   dsg::moe::grouped_gemv<__nv_bfloat16, dsg::moe::GATE_UP_SILU, 64, 1408, 2048, 6, 4,
-                         2, 8, 8, 2>(x, w_gate, w_up, order, offsets, out, nullptr);
+                         2, 8, 8>(x, w_gate, w_up, order, offsets, out, nullptr);
 }

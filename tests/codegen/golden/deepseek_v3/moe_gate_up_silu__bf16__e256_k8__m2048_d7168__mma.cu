@@ -2,7 +2,7 @@
 // template: moe_gate_up_silu.cu.j2
 // kernel:   moe_gate_up_silu__bf16__e256_k8__m2048_d7168__mma
 // role:     moe_gate_up_silu.mma
-// params:   {"E":256,"K":8,"KD":7168,"N":2048,"act":"__nv_bfloat16","bk":32,"sbk":64,"skinny":64,"smem":110592,"sst":4,"stages":4,"thr":2,"threads":256,"variant":"mma"}
+// params:   {"E":256,"K":8,"KD":7168,"N":2048,"act":"__nv_bfloat16","bk":32,"rpw":2,"sbk":64,"skinny":64,"smem":110592,"sst":4,"stages":4,"thr":2,"threads":256,"variant":"mma","vec":8}
 // includes: common.cuh, mma.cuh, moe.cuh
 // nodes:    L3-60.moe_ffn.ea
 // implements (spec op, layers, passes that fused it):
@@ -10,8 +10,8 @@
 //   deepseek_v3.yaml:103 blocks.moe_ffn.ops[4] silu_and_mul, layers 3-60 (fuse_moe_silu)
 
 // moe_gate_up_silu: [x [T, D], routing] -> a [NP, M] = silu(x Wg[e]^T) * (x Wu[e]^T) per pair,
-// all active experts in one grouped launch per path: the GEMV (experts with few pairs) or the
-// tensor-core GEMM (variant mma: experts with more than thr pairs).
+// all active experts in one grouped launch: the GEMV at decode's smallest batches, else variant
+// mma (experts with more than thr pairs on tensor cores, the others on CUDA cores, one grid).
 #include "moe.cuh"
 
 static_assert(dsg::moe::gemm_launch_smem(32, 4, 64, 64, 4) == 110592,
@@ -25,9 +25,10 @@ moe_gate_up_silu__bf16__e256_k8__m2048_d7168__mma(
     const __nv_bfloat16* __restrict__ w_up,
     const i32* __restrict__ order,
     const i32* __restrict__ offsets,
-    __nv_bfloat16* __restrict__ out) {
+    __nv_bfloat16* __restrict__ out,
+    int num_pairs) {
   extern __shared__ __align__(16) char smem[];
   dsg::moe::grouped_gemm<__nv_bfloat16, dsg::moe::GATE_UP_SILU, 256, 2048, 7168, 8, 2, 32,
-                             4, 64, 64, 4>(
-      x, w_gate, w_up, order, offsets, out, nullptr, smem);
+                             4, 64, 64, 4, 2, 8>(
+      x, w_gate, w_up, order, offsets, num_pairs, out, nullptr, smem);
 }
