@@ -1,5 +1,5 @@
 """The grouped expert GEMM compiles to the instructions it was written for (sm_90, NVRTC on the
-CPU): tensor-core HMMA fed by 16-byte cp.async (LDGSTS) and ldmatrix (LDSM), no register spills,
+CPU): tensor-core HMMA fed by 16-byte cp.async (LDGSTS, L2 128-byte hint) and ldmatrix (LDSM), no register spills,
 and the swapped few-pairs tiles (moe.cuh 4c) add tensor-core code of their own."""
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def test_grouped_gemm_runs_on_tensor_cores_without_spills(op):
     assert launch.params["skinny"] > 0
     res, ops = _compile(launch)
     assert ops["HMMA.16816.F32.BF16"] > 0, sorted(ops)
-    assert ops["LDGSTS.E.BYPASS.128"] > 0, "weights and rows are copied with 16-byte cp.async"
+    assert ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0, \
+        "weights and rows are copied with 16-byte cp.async, hinted to fetch 128-byte L2 lines (mma.cuh)"
     assert ops["LDSM.16.M88.4"] > 0, "fragments are loaded with ldmatrix x4"
     assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
     # the swapped tiles are their own tensor-core code, not a fall-back to the row tile or the GEMV
