@@ -19,10 +19,11 @@ Cases:
           repeat(arange(E), c) as [T, K], K = top_k when E*c % top_k == 0, else K = 1 (T = E*c)
   B=<B>   decode batch B: T = B tokens, each with top_k distinct experts drawn uniformly
           (the touched experts are counted and printed)
-Variants [ts<n>_]thr<t>_skinny<s>[_sbk<k>_sst<n>]: the GEMV runs while T <= n (default: the
-lowering's GEMV_ONLY_TOKENS), the mma launch above it with param thr=t and skinny=s (the largest
-row tile run in the swapped orientation; 0 turns it off), and optionally the swapped tiles' K
-slice and ring depth; both grids are recomputed.  thr0 means the GEMV alone at every T (the mma
+Variants [ts<n>_]thr<t>_skinny<s>[_sbk<k>_sst<n>][_bulk]: the GEMV runs while T <= n (default:
+the lowering's GEMV_ONLY_TOKENS), the mma launch above it with param thr=t and skinny=s (the
+largest row tile run in the swapped orientation; 0 turns it off), optionally the swapped tiles'
+K slice and ring depth, and _bulk: their rows as bulk copies on mbarriers (SKINNY_BULK); both
+grids are recomputed.  thr0 means the GEMV alone at every T (the mma
 launch is dropped).  Every variant launch is renamed <lowered name>__ts<n> (gemv) or
 <lowered name>__ts<n>_thr<t>_skinny<s>... (mma): KernelRunner keeps one compiled module per
 launch name, so distinct launches must never share a name (checked below).
@@ -65,7 +66,7 @@ ITERS = 20
 BAD_ERR = 1e-2
 FAMILIES = ("moe_gate_up_silu", "moe_down")
 SHORT = {"moe_gate_up_silu": "gate_up_silu", "moe_down": "down"}
-_VARIANT_RE = re.compile(r"^(?:ts(\d+)_)?thr(\d+)_skinny(\d+)(?:_sbk(\d+)_sst(\d+))?$")
+_VARIANT_RE = re.compile(r"^(?:ts(\d+)_)?thr(\d+)_skinny(\d+)(?:_sbk(\d+)_sst(\d+))?(_bulk)?$")
 GEMV_ALONE = 1 << 30     # ts of thr0: the GEMV at every T
 
 
@@ -94,15 +95,15 @@ def parse_variant(v: str) -> tuple:
     lowering's swapped-tile K slice / ring depth."""
     mt = _VARIANT_RE.match(v)
     if mt is None:
-        raise SystemExit(f"variant {v!r}: expected [ts<int>_]thr<int>_skinny<int>[_sbk<int>_sst<int>], "
+        raise SystemExit(f"variant {v!r}: expected [ts<int>_]thr<int>_skinny<int>[_sbk<int>_sst<int>][_bulk], "
                          f"e.g. ts8_thr2_skinny64")
     thr = int(mt.group(2))
     ts = GEMV_ALONE if thr == 0 else (int(mt.group(1)) if mt.group(1) else GEMV_ONLY_TOKENS)
     sbk, sst = (int(mt.group(4)), int(mt.group(5))) if mt.group(4) else (None, None)
-    return ts, thr, int(mt.group(3)), sbk, sst
+    return ts, thr, int(mt.group(3)), sbk, sst, bool(mt.group(6))
 
 
-def apply_variant(launches, ts: int, thr: int, skinny: int, sbk=None, sst=None) -> list:
+def apply_variant(launches, ts: int, thr: int, skinny: int, sbk=None, sst=None, bulk=False) -> list:
     """The family's launches with ts (both grids), thr and skinny (mma) overridden, renamed."""
     stages = [la.stage for la in launches]
     if stages != ["gemv", "mma"]:
@@ -114,11 +115,13 @@ def apply_variant(launches, ts: int, thr: int, skinny: int, sbk=None, sst=None) 
             out.append(dataclasses.replace(la, name=f"{la.name}__ts{ts}", grid=gemv_grid(la.params, ts)))
         elif thr > 0:
             E = la.params["E"]
-            p = {**la.params, "thr": thr, "skinny": skinny}
+            p = {**la.params, "thr": thr, "skinny": skinny, "bulk": bulk}
             suffix = f"__ts{ts}_thr{thr}_skinny{skinny}"
             if sbk is not None:
                 p.update(sbk=sbk, sst=sst)
                 suffix += f"_sbk{sbk}_sst{sst}"
+            if bulk:
+                suffix += "_bulk"
             smem = p["smem"] = gemm_launch_smem(p["bk"], p["stages"], skinny, p["sbk"], p["sst"])
             out.append(dataclasses.replace(
                 la, name=f"{la.name}{suffix}", params=p, smem=smem,
@@ -147,8 +150,8 @@ class Kernels:
     def get(self, family: str, K: int, variant: str) -> list:
         key = (family, K, variant)
         if key not in self._launches:
-            ts, thr, skinny, sbk, sst = parse_variant(variant)
-            launches = apply_variant(self.base(family, K)[2], ts, thr, skinny, sbk, sst)
+            ts, thr, skinny, sbk, sst, bulk = parse_variant(variant)
+            launches = apply_variant(self.base(family, K)[2], ts, thr, skinny, sbk, sst, bulk)
             for la in launches:
                 ident = (la.template, json.dumps(la.params, sort_keys=True), tuple(la.args), la.grid, la.block,
                          la.smem)

@@ -21,6 +21,8 @@ largest absolute error.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import sys
 from collections import defaultdict
@@ -344,7 +346,7 @@ def _routing(T, E, K, g, ids=None):
     return ref, dev
 
 
-def _grouped(runner, op, case):
+def _grouped(runner, op, case, lower=None):
     dtype, T, E, K, D, M = (case[k] for k in ("dtype", "T", "E", "K", "D", "M"))
     tdt = TORCH_DTYPES[dtype]
     g = _gen(case["seed"])
@@ -373,7 +375,7 @@ def _grouped(runner, op, case):
     values = {first: shifted(inp.to(DEV), _moved(mis, "inputs")), "R": dev_r,
               **{o: poison(shifted(torch.empty(T * K, n_out, dtype=tdt, device=DEV), _moved(mis, "outputs")))
                  for o in outs}}
-    runner.run_all(_lower(G, nid, dtype), values=values,
+    runner.run_all((lower or _lower)(G, nid, dtype), values=values,
                    weights={names[k]: shifted(v.to(DEV), _moved(mis, "weights")) for k, v in w.items()},
                    sizes={"T": T, "NP": T * K})
     refs = OPS[op].run(node_view(G, nid), [inp.float(), ref_r], {k: v.float() for k, v in w.items()}, None)
@@ -529,6 +531,28 @@ def test_moe_gate_up_pair_counts(runner, case):
 @_settings(20)
 def test_moe_down_pair_counts(runner, case):
     _grouped(runner, "moe_down", case)
+
+
+def _lower_bulk(G, nid, dtype):
+    """The lowering with the swapped tiles' rows as bulk copies on mbarriers (moe.cuh 4c,
+    _moe.SKINNY_BULK, off by default until measured), renamed: the runner caches compiled
+    modules by launch name."""
+    out = []
+    for la in _lower(G, nid, dtype):
+        if la.stage == "mma":
+            la = dataclasses.replace(la, name=f"{la.name}__bulk", params={**la.params, "bulk": True})
+        out.append(la)
+    return out
+
+
+@given(case=pair_count_cases())
+@example(case=_counts_case("bf16", (9, 16, 17, 33, 64, 65, 0, 4), 2, 256, 200))   # all three swapped tiles
+@example(case=_counts_case("fp16", (63, 0, 1, 129, 8, 31), 1, 41, 37))            # odd KD: the cp.async ring stays
+@example(case=_counts_case("bf16", (1, 2, 9, 0, 12, 3, 2, 7), 2, 128, 64))        # whole slices: bulk copies
+@_settings(10)
+def test_moe_pair_counts_bulk_copies(runner, case):
+    _grouped(runner, "moe_gate_up_silu", case, lower=_lower_bulk)
+    _grouped(runner, "moe_down", case, lower=_lower_bulk)
 
 
 # -- combine ---------------------------------------------------------------------------------

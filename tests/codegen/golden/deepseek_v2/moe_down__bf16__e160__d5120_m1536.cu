@@ -3,7 +3,7 @@
 // kernel:   moe_down__bf16__e160__d5120_m1536
 // role:     moe_down.gemv
 // params:   {"E":160,"K":1,"KD":1536,"N":5120,"act":"__nv_bfloat16","pt":8,"rpw":4,"variant":"gemv","vec":8,"warps":4}
-// includes: common.cuh, mma.cuh, moe.cuh
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
 // nodes:    L1-59.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:104 blocks.moe_ffn.ops[5] moe_down, layers 1-59 (as written)

@@ -2,8 +2,8 @@
 // template: moe_down.cu.j2
 // kernel:   moe_down__bf16__e160__d5120_m1536__mma
 // role:     moe_down.mma
-// params:   {"E":160,"K":1,"KD":1536,"N":5120,"act":"__nv_bfloat16","bk":32,"rpw":4,"sbk":64,"skinny":64,"smem":110592,"sst":4,"stages":4,"thr":2,"threads":256,"variant":"mma","vec":8}
-// includes: common.cuh, mma.cuh, moe.cuh
+// params:   {"E":160,"K":1,"KD":1536,"N":5120,"act":"__nv_bfloat16","bk":32,"bulk":false,"rpw":4,"sbk":64,"skinny":64,"smem":110592,"sst":4,"stages":4,"thr":2,"threads":256,"variant":"mma","vec":8}
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
 // nodes:    L1-59.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:104 blocks.moe_ffn.ops[5] moe_down, layers 1-59 (as written)
@@ -27,6 +27,6 @@ moe_down__bf16__e160__d5120_m1536__mma(
     int num_pairs) {
   extern __shared__ __align__(16) char smem[];
   dsg::moe::grouped_gemm<__nv_bfloat16, dsg::moe::DOWN, 160, 5120, 1536, 1, 2, 32,
-                             4, 64, 64, 4, 4, 8>(
+                             4, 64, 64, 4, 4, 8, false>(
       a, w, nullptr, order, offsets, num_pairs, out, nullptr, smem);
 }

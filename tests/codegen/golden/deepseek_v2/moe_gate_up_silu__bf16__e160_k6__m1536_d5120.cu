@@ -3,7 +3,7 @@
 // kernel:   moe_gate_up_silu__bf16__e160_k6__m1536_d5120
 // role:     moe_gate_up_silu.gemv
 // params:   {"E":160,"K":6,"KD":5120,"N":1536,"act":"__nv_bfloat16","pt":8,"rpw":2,"variant":"gemv","vec":8,"warps":4}
-// includes: common.cuh, mma.cuh, moe.cuh
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
 // nodes:    L1-59.moe_ffn.ea
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:101 blocks.moe_ffn.ops[3] moe_gate_up, layers 1-59 (fuse_moe_silu)

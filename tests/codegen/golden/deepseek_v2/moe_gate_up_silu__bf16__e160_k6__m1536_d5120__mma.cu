@@ -2,8 +2,8 @@
 // template: moe_gate_up_silu.cu.j2
 // kernel:   moe_gate_up_silu__bf16__e160_k6__m1536_d5120__mma
 // role:     moe_gate_up_silu.mma
-// params:   {"E":160,"K":6,"KD":5120,"N":1536,"act":"__nv_bfloat16","bk":32,"rpw":2,"sbk":64,"skinny":64,"smem":110592,"sst":4,"stages":4,"thr":2,"threads":256,"variant":"mma","vec":8}
-// includes: common.cuh, mma.cuh, moe.cuh
+// params:   {"E":160,"K":6,"KD":5120,"N":1536,"act":"__nv_bfloat16","bk":32,"bulk":false,"rpw":2,"sbk":64,"skinny":64,"smem":110592,"sst":4,"stages":4,"thr":2,"threads":256,"variant":"mma","vec":8}
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
 // nodes:    L1-59.moe_ffn.ea
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:101 blocks.moe_ffn.ops[3] moe_gate_up, layers 1-59 (fuse_moe_silu)
@@ -29,6 +29,6 @@ moe_gate_up_silu__bf16__e160_k6__m1536_d5120__mma(
     int num_pairs) {
   extern __shared__ __align__(16) char smem[];
   dsg::moe::grouped_gemm<__nv_bfloat16, dsg::moe::GATE_UP_SILU, 160, 1536, 5120, 6, 2, 32,
-                             4, 64, 64, 4, 2, 8>(
+                             4, 64, 64, 4, 2, 8, false>(
       x, w_gate, w_up, order, offsets, num_pairs, out, nullptr, smem);
 }

@@ -3,7 +3,7 @@
 // kernel:   moe_down__bf16__e64__d2048_m1408
 // role:     moe_down.gemv
 // params:   {"E":64,"K":1,"KD":1408,"N":2048,"act":"__nv_bfloat16","pt":8,"rpw":4,"variant":"gemv","vec":8,"warps":4}
-// includes: common.cuh, mma.cuh, moe.cuh
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
 // nodes:    L1-26.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:102 blocks.moe_ffn.ops[5] moe_down, layers 1-26 (as written)

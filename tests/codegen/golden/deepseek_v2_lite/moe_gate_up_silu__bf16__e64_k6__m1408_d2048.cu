@@ -3,7 +3,7 @@
 // kernel:   moe_gate_up_silu__bf16__e64_k6__m1408_d2048
 // role:     moe_gate_up_silu.gemv
 // params:   {"E":64,"K":6,"KD":2048,"N":1408,"act":"__nv_bfloat16","pt":8,"rpw":2,"variant":"gemv","vec":8,"warps":4}
-// includes: common.cuh, mma.cuh, moe.cuh
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
 // nodes:    L1-26.moe_ffn.ea
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:99 blocks.moe_ffn.ops[3] moe_gate_up, layers 1-26 (fuse_moe_silu)

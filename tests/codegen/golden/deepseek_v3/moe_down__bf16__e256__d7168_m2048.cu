@@ -3,7 +3,7 @@
 // kernel:   moe_down__bf16__e256__d7168_m2048
 // role:     moe_down.gemv
 // params:   {"E":256,"K":1,"KD":2048,"N":7168,"act":"__nv_bfloat16","pt":8,"rpw":4,"variant":"gemv","vec":8,"warps":4}
-// includes: common.cuh, mma.cuh, moe.cuh
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
 // nodes:    L3-60.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:104 blocks.moe_ffn.ops[5] moe_down, layers 3-60 (as written)

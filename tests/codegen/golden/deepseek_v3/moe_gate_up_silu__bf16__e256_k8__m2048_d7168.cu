@@ -3,7 +3,7 @@
 // kernel:   moe_gate_up_silu__bf16__e256_k8__m2048_d7168
 // role:     moe_gate_up_silu.gemv
 // params:   {"E":256,"K":8,"KD":7168,"N":2048,"act":"__nv_bfloat16","pt":8,"rpw":2,"variant":"gemv","vec":8,"warps":4}
-// includes: common.cuh, mma.cuh, moe.cuh
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
 // nodes:    L3-60.moe_ffn.ea
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:101 blocks.moe_ffn.ops[3] moe_gate_up, layers 3-60 (fuse_moe_silu)

@@ -3,7 +3,7 @@
 // kernel:   moe_route__bf16__e256_d7168__gemv
 // role:     moe_route.router_gemv
 // params:   {"D":7168,"E":256,"act":"__nv_bfloat16","epb":2,"stage":"router_gemv","threads":256,"tt":8,"vec":4}
-// includes: common.cuh, mma.cuh, moe.cuh
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
 // nodes:    L3-60.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:97 blocks.moe_ffn.ops[0] linear, layers 3-60 (fuse_router)
