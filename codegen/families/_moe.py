@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from codegen.errors import LoweringError
-from codegen.kernel import DTYPES, Arg, KernelLaunch, inp, out, size, weight
+from codegen.kernel import DTYPES, Arg, KernelLaunch, Workspace, inp, out, size, weight, work
 from ir.graph import value_producers
 
 from ._dense_util import c_float
@@ -20,7 +20,12 @@ ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MAX_EXPERTS = 1024        # top-k keeps E / 32 scores per lane; align keeps E counters in shared memory
 MAX_TOP_K = 32            # one lane per chosen expert
 TOPK_WARPS = 4            # tokens per top-k CTA (one warp each)
-ALIGN_THREADS = 1024      # the single align CTA
+ALIGN_THREADS = 1024      # the single align CTA (and the scan of the parallel one)
+# Above this many pairs the alignment runs as count / scan / scatter over ALIGN_CHUNK-pair chunks
+# (moe.cuh 3b) instead of one CTA.  None: one CTA at every NP, until the parallel form is
+# measured on the H200 (issue 11, item 2; tests/gpu/test_kernels_moe.py runs it at 512).
+ALIGN_PARALLEL_PAIRS = None
+ALIGN_CHUNK, ALIGN_CHUNK_THREADS = 2048, 256
 _PAIRS_RE = re.compile(r"^(.+)\*(\d+)$")
 
 
@@ -142,18 +147,39 @@ def topk_launch(family: str, template: str, name: str, params: dict, nid: str, l
 # -- alignment (moe_align, and stage 3 of moe_route) ----------------------------------------
 
 def align_params(E: int) -> dict:
-    return {"E": E, "threads": ALIGN_THREADS}
+    return {"E": E, "threads": ALIGN_THREADS, "part": "one_cta"}
 
 
-def align_launch(family: str, template: str, name: str, params: dict, nid: str, ids: str,
-                 routing: str, stage: str = "") -> KernelLaunch:
-    # One CTA: the counts, the scan and the scatter need a block-wide barrier between them,
-    # and NP is at most a few tens of thousands of pairs.
-    return KernelLaunch(family=family, template=template, name=name, params=params, nodes=(nid,),
-                        grid=(1, 1, 1), block=(params["threads"], 1, 1),
-                        args=(inp("ids", "i64", ids), out("order", "i32", f"{routing}.order"),
-                              out("offsets", "i32", f"{routing}.offsets"), size("num_pairs", "NP")),
-                        stage=stage)
+def align_launches(family: str, template: str, name: str, params: dict, nid: str, ids: str,
+                   routing: str, stage: str = "") -> list[KernelLaunch]:
+    """The one-CTA align; with ALIGN_PARALLEL_PAIRS set, it runs only up to that many pairs and
+    the count / scan / scatter launches (moe.cuh 3b) take larger NP (each grid is 0 otherwise)."""
+    io = (inp("ids", "i64", ids), out("order", "i32", f"{routing}.order"),
+          out("offsets", "i32", f"{routing}.offsets"), size("num_pairs", "NP"))
+    big = ALIGN_PARALLEL_PAIRS
+    # One CTA: the counts, the scan and the scatter need a block-wide barrier between them.
+    launches = [KernelLaunch(family=family, template=template, name=name, params=params, nodes=(nid,),
+                             grid=(1 if big is None else f"1 - min(1, NP // {big + 1})", 1, 1),
+                             block=(params["threads"], 1, 1), args=io, stage=stage)]
+    if big is None:
+        return launches
+    E = params["E"]
+    chunks = f"cdiv(NP, {ALIGN_CHUNK}) * min(1, NP // {big + 1})"
+    hist = Workspace("align_hist", (f"cdiv(NP, {ALIGN_CHUNK})", E), "i32")
+    for part, grid, threads, args in (
+            ("count", chunks, ALIGN_CHUNK_THREADS,
+             (io[0], work("hist", "i32", "align_hist"), io[3])),
+            ("scan", f"min(1, NP // {big + 1})", ALIGN_THREADS,
+             (work("hist", "i32", "align_hist"), size("chunks", f"cdiv(NP, {ALIGN_CHUNK})"), io[2])),
+            ("scatter", chunks, ALIGN_CHUNK_THREADS,
+             (io[0], io[3], work("hist", "i32", "align_hist", writes=False),
+              inp("offsets", "i32", f"{routing}.offsets"), io[1]))):
+        p = {**params, "part": part, "threads": threads, "chunk": ALIGN_CHUNK}
+        launches.append(KernelLaunch(
+            family=family, template=template, name=f"{name}_{part}", params=p, nodes=(nid,),
+            grid=(grid, 1, 1), block=(threads, 1, 1), args=args, workspace=(hist,),
+            stage=f"{stage}_{part}" if stage else part))
+    return launches
 
 
 # -- grouped experts (moe_gate_up_silu, moe_gate_up, moe_down) --------------------------------

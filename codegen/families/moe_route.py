@@ -49,6 +49,6 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
         WorkspaceRef("router_logits"), bias, ids, weights, workspace=(logits,), stage="topk"))
 
     align = {"stage": "align", **_moe.align_params(E)}
-    launches.append(_moe.align_launch(FAMILY, TEMPLATE, kernel_name(FAMILY, [f"e{E}", "align"]), align,
-                                      nid, ids, routing, stage="align"))
+    launches += _moe.align_launches(FAMILY, TEMPLATE, kernel_name(FAMILY, [f"e{E}", "align"]), align,
+                                    nid, ids, routing, stage="align")
     return launches

@@ -191,3 +191,42 @@ def test_compiles_to_sm90_cubin(dims, tmp_path):
                 out = compile_cubin(src, launch.name, arch="sm_90", template=launch.template,
                                     nodes=launch.nodes, log_dir=str(tmp_path))
                 assert out.cubin[:4] == b"\x7fELF", launch.name
+
+
+@pytest.mark.parametrize("op", ["moe_align", "moe_route"])
+def test_parallel_align_takes_over_above_its_pair_count(op, monkeypatch):
+    """With _moe.ALIGN_PARALLEL_PAIRS set, the one-CTA align runs up to that many pairs and the
+    count / scan / scatter launches above it (each grid 0 otherwise); the chunks cover NP, the
+    scan is one CTA, and all three share one hist workspace of a row per chunk."""
+    from codegen import sizes
+    from codegen.families import _moe
+    monkeypatch.setattr(_moe, "ALIGN_PARALLEL_PAIRS", 512)
+    for G, nid in moe_graphs(*DIMS["v2_lite"]):
+        if G.nodes[nid]["op"] != op:
+            continue
+        launches = [la for la in lower(G, nid, "bf16") if "align" in la.name]
+        assert [la.stage.removeprefix("align").lstrip("_") for la in launches] == ["", "count", "scan", "scatter"]
+        one, count, scan, scatter = launches
+        for NP in (1, 511, 512, 513, 2048, 2049, 98304):
+            env = {"NP": NP, "T": NP}
+            grids = [sizes.evaluate(la.grid[0], env) for la in launches]
+            if NP <= 512:
+                assert grids == [1, 0, 0, 0], (NP, grids)
+            else:
+                assert grids[0] == 0 and grids[2] == 1 and grids[1] == grids[3], (NP, grids)
+                assert grids[1] * count.params["chunk"] >= NP > (grids[1] - 1) * count.params["chunk"]
+                (ws,) = count.workspace
+                assert sizes.evaluate(ws.shape[0], env) == grids[1] and ws.shape[1] == count.params["E"]
+        assert count.workspace == scan.workspace == scatter.workspace
+        assert "align_count" in render_launch(count) and "align_scatter" in render_launch(scatter)
+        return
+    raise AssertionError(f"no {op} node")
+
+
+def test_align_is_one_cta_by_default():
+    """Until the parallel form is measured on the H200 the default lowering has only the one CTA."""
+    from codegen.families import _moe
+    assert _moe.ALIGN_PARALLEL_PAIRS is None
+    for G, nid in moe_graphs(*DIMS["v2_lite"]):
+        if G.nodes[nid]["op"] == "moe_route":
+            assert [la.stage for la in lower(G, nid, "bf16")] == ["router_gemv", "topk", "align"]

@@ -324,6 +324,45 @@ def test_moe_align_leaves_out_other_ranks_pairs(runner, T, E, K, seed):
     STATS["moe_align"]["int"][0] += 1
 
 
+@given(T=st.sampled_from((1, 33, 300, 2048, 5000)), E=st.sampled_from((2, 7, 64, 160)), K=st.integers(1, 8),
+       other_ranks=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@example(T=2048, E=64, K=6, other_ranks=False, seed=1)      # 12288 pairs: 6 chunks
+@example(T=5000, E=160, K=6, other_ranks=True, seed=2)
+@example(T=85, E=7, K=6, other_ranks=False, seed=3)         # 510 pairs: still the one CTA
+@_settings(10)
+def test_moe_align_parallel(runner, T, E, K, other_ranks, seed):
+    """The count / scan / scatter alignment (moe.cuh 3b; off by default, _moe.ALIGN_PARALLEL_PAIRS)
+    switched on above 512 pairs: the same contract as the one-CTA align, with and without pairs
+    of other ranks (id -1)."""
+    from codegen.families import _moe
+    K = min(K, E)
+    G, nid = single_op_graph(tiny_model(), "moe_align", {"num_experts": E}, {"ids": TType(("T", K), "i64")}, {})
+    saved, _moe.ALIGN_PARALLEL_PAIRS = _moe.ALIGN_PARALLEL_PAIRS, 512   # (a fixture would not suit @given)
+    try:
+        launches = _lower(G, nid, "bf16")
+    finally:
+        _moe.ALIGN_PARALLEL_PAIRS = saved
+    (r_name,) = G.nodes[nid]["outputs"]
+    g = _gen(seed)
+    ids = _random_ids(T, E, K, g)
+    if other_ranks:
+        ids[torch.rand(T, K, generator=g) < 0.5] = -1
+    values = {"ids": ids.to(DEV),
+              f"{r_name}.order": poison(torch.empty(T * K, dtype=torch.int32, device=DEV)),
+              f"{r_name}.offsets": poison(torch.empty(E + 1, dtype=torch.int32, device=DEV))}
+    assert [la.stage for la in launches] == ["", "count", "scan", "scatter"]
+    runner.run_all(launches, values=values, sizes={"T": T, "NP": T * K})
+    ref = align_ref(ids, E)
+    offsets = values[f"{r_name}.offsets"].cpu().long()
+    assert torch.equal(offsets, ref["offsets"]), f"offsets {offsets.tolist()} != {ref['offsets'].tolist()}"
+    n = int(offsets[E])
+    flat = ids.reshape(-1)
+    order = values[f"{r_name}.order"].cpu().long()[:n]
+    assert len(set(order.tolist())) == n and (flat[order] >= 0).all(), "order claims a pair twice or another rank's"
+    assert torch.equal(flat[order], torch.sort(flat[flat >= 0]).values), "order does not group the pairs"
+    STATS["moe_align"]["int"][0] += 1
+
+
 # -- grouped experts -------------------------------------------------------------------------
 
 @st.composite

@@ -2,7 +2,7 @@
 // template: moe_route.cu.j2
 // kernel:   moe_route__e256__align
 // role:     moe_route.align
-// params:   {"E":256,"stage":"align","threads":1024}
+// params:   {"E":256,"part":"one_cta","stage":"align","threads":1024}
 // includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
 // nodes:    L3-60.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
@@ -11,7 +11,8 @@
 //   deepseek_v3.yaml:100 blocks.moe_ffn.ops[2] moe_align, layers 3-60 (fuse_router)
 
 // moe_route, stage 3: alignment (the moe_align kernel).
-// moe_align: expert ids [T, K] -> routing (pairs grouped by expert: order [NP], offsets [E + 1]), one CTA.
+// moe_align: expert ids [T, K] -> routing (pairs grouped by expert: order [NP], offsets [E + 1]):
+// one CTA (part one_cta), or for many pairs three launches: count, scan, scatter (moe.cuh 3b).
 #include "moe.cuh"
 
 extern "C" __global__ void __launch_bounds__(1024)

@@ -319,6 +319,31 @@ __device__ __forceinline__ void topk_token(const float* __restrict__ logits, con
 }
 
 // ---- 3. alignment: pairs grouped by expert (one CTA) ---------------------------------------
+// Exclusive scan of count[0..E) by warp 0, 32 experts a round: start[e] and offsets[e] get the
+// first slot of expert e's segment, offsets[E] the total.  Every thread calls it; warp 0 works.
+template <int E>
+__device__ __forceinline__ void scan_counts(const int* count, int* start, i32* __restrict__ offsets) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  int base = 0;
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    const int e = e0 + lane;
+    const int c = (e < E) ? count[e] : 0;
+    int incl = c;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int n = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += n;
+    }
+    if (e < E) {
+      start[e] = base + incl - c;
+      offsets[e] = base + incl - c;
+    }
+    base += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  if (lane == 0) offsets[E] = base;
+}
+
 // counts per expert -> exclusive scan -> offsets [E + 1], then each pair claims a slot in its
 // expert's segment.  Order inside a segment follows the atomics (it does not change any result:
 // every pair is computed on its own).
@@ -339,33 +364,68 @@ __device__ __forceinline__ void align(const i64* __restrict__ ids, int num_pairs
     if (id >= 0 && id < E) atomicAdd(&count[(int)id], 1);
   }
   __syncthreads();
-  // exclusive scan of count[] by warp 0, 32 experts per round
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    int base = 0;
-    for (int e0 = 0; e0 < E; e0 += 32) {
-      const int e = e0 + lane;
-      const int c = (e < E) ? count[e] : 0;
-      int incl = c;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += n;
-      }
-      if (e < E) {
-        cursor[e] = base + incl - c;
-        offsets[e] = base + incl - c;
-      }
-      base += __shfl_sync(0xffffffffu, incl, 31);
-    }
-    if (lane == 0) offsets[E] = base;
-  }
+  scan_counts<E>(count, cursor, offsets);
   __syncthreads();
   for (int p = threadIdx.x; p < num_pairs; p += NT) {
     const i64 id = ids[p];
     if (id < 0 || id >= E) continue;
     const int slot = atomicAdd(&cursor[(int)id], 1);
     order[slot] = p;
+  }
+}
+
+// ---- 3b. alignment of many pairs (prefill): count, scan, scatter over CHUNK-pair chunks ----
+// The one-CTA align serialises every pair on one SM's shared-memory atomics.  For ~100k pairs
+// three launches spread the work, with the same contract (ids outside [0, E) are left out, and
+// order inside a segment follows the atomics):
+//   align_count:   CTA c counts the ids of pairs [c * CHUNK, (c + 1) * CHUNK) into hist[c][e];
+//   align_scan:    one CTA turns hist[c][e] into chunk c's first slot within expert e's segment
+//                  (an exclusive sum over chunks) and writes the offsets;
+//   align_scatter: CTA c places its chunk's pairs from offsets[e] + hist[c][e] on.
+template <int E, int NT, int CHUNK>
+__device__ __forceinline__ void align_count(const i64* __restrict__ ids, int num_pairs, i32* __restrict__ hist) {
+  static_assert(E >= 1 && E * sizeof(int) <= 48 * 1024, "align: count[] must fit static shared memory");
+  __shared__ int count[E];
+  for (int e = threadIdx.x; e < E; e += NT) count[e] = 0;
+  __syncthreads();
+  const int p1 = min(num_pairs, (int)(blockIdx.x + 1) * CHUNK);
+  for (int p = blockIdx.x * CHUNK + threadIdx.x; p < p1; p += NT) {
+    const i64 id = ids[p];
+    if (id >= 0 && id < E) atomicAdd(&count[(int)id], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += NT) hist[(i64)blockIdx.x * E + e] = count[e];
+}
+
+template <int E, int NT>
+__device__ __forceinline__ void align_scan(i32* __restrict__ hist, int chunks, i32* __restrict__ offsets) {
+  static_assert(2 * E * sizeof(int) <= 48 * 1024, "align: total[] and start[] must fit static shared memory");
+  __shared__ int total[E];
+  __shared__ int start[E];
+  for (int e = threadIdx.x; e < E; e += NT) {
+    int run = 0;
+    for (int c = 0; c < chunks; ++c) {
+      const int v = hist[(i64)c * E + e];
+      hist[(i64)c * E + e] = run;
+      run += v;
+    }
+    total[e] = run;
+  }
+  __syncthreads();
+  scan_counts<E>(total, start, offsets);
+}
+
+template <int E, int NT, int CHUNK>
+__device__ __forceinline__ void align_scatter(const i64* __restrict__ ids, int num_pairs, const i32* __restrict__ hist,
+                                              const i32* __restrict__ offsets, i32* __restrict__ order) {
+  __shared__ int cursor[E];
+  for (int e = threadIdx.x; e < E; e += NT) cursor[e] = offsets[e] + hist[(i64)blockIdx.x * E + e];
+  __syncthreads();
+  const int p1 = min(num_pairs, (int)(blockIdx.x + 1) * CHUNK);
+  for (int p = blockIdx.x * CHUNK + threadIdx.x; p < p1; p += NT) {
+    const i64 id = ids[p];
+    if (id < 0 || id >= E) continue;
+    order[atomicAdd(&cursor[(int)id], 1)] = p;
   }
 }
 
