@@ -18,6 +18,7 @@ import inspect
 import json
 import math
 import platform
+import re
 import sys
 import time
 
@@ -87,6 +88,19 @@ def decode_bytes(dims: dict, first_dense: int, batch: int, ctx: int, elt: int = 
     return parts
 
 
+def linear_bytes(dims: dict, first_dense: int, elt: int = 2) -> int:
+    """Weight bytes the step's `linear` ops read (cuBLAS), whatever the batch: per layer the q
+    (or q_a + q_b), kv_a and o projections, the dense FFN or the shared experts, and the head.
+    kv_b is not among them in decode (the absorbed query and v_up kernels read it)."""
+    D, H, C, R, N, V = (dims[k] for k in ("hidden", "heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                                          "v_head_dim"))
+    L, Q, M, I = dims["layers"], dims["q_lora_rank"], dims["moe_intermediate"], dims["intermediate"]
+    q = D * H * (N + R) if not Q else D * Q + Q * H * (N + R)
+    attn = (q + D * (C + R) + H * V * D) * L
+    ffn = 3 * D * I * first_dense + 3 * D * M * dims["shared_experts"] * (L - first_dense)
+    return (attn + ffn + dims["vocab"] * D) * elt
+
+
 def _decode_ctx(engine, batch: int, ctx: int):
     """A decode StepContext for `batch` sequences that each already hold `ctx - 1` cached tokens."""
     import torch
@@ -129,6 +143,16 @@ def _prefill_ctx(engine, batch: int, length: int):
     return seq_ids, step, torch.randint(0, engine.vocab, (batch * length,), device=dev)
 
 
+_GENERATED = re.compile(r"^([a-z][a-z0-9_]*?)__")
+
+
+def family_of(kernel: str) -> str:
+    """A generated kernel's family (its name is family__parts: codegen.render.kernel_name); any
+    other kernel is the libraries' (cuBLAS, its split-K reduce, torch)."""
+    m = _GENERATED.match(kernel)
+    return m.group(1) if m else "cublas/torch"
+
+
 def _breakdown(step_fn) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -143,7 +167,7 @@ def _breakdown(step_fn) -> dict:
         us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
         if us <= 0 or ev.key.startswith(("Memcpy", "Memset", "cudaGraph")):
             continue
-        family = ev.key.split("__")[0] if "__" in ev.key else "cublas/torch"
+        family = family_of(ev.key)
         f = families.setdefault(family, {"launches": 0, "ms": 0.0})
         f["launches"] += ev.count
         f["ms"] += us / 1e3
@@ -154,6 +178,16 @@ def _breakdown(step_fn) -> dict:
 
 
 ROUTED_EXPERT_FAMILIES = ("moe_gate_up_silu", "moe_down")
+LIBRARY_FAMILY = "cublas/torch"
+
+
+def linear_rate(row: dict) -> dict | None:
+    """The library kernels of one decode step (the linears, cuBLAS): their device ms and the
+    weight bytes the linears read (row["linear_bytes"]) per second; None without a breakdown."""
+    fam = (row.get("breakdown") or {}).get("families", {}).get(LIBRARY_FAMILY)
+    if not fam or not fam["ms"] or not row.get("linear_bytes"):
+        return None
+    return {"ms": fam["ms"], "bytes_per_s": row["linear_bytes"] / (fam["ms"] / 1e3)}
 
 
 def routed_expert_rate(row: dict) -> dict | None:
@@ -228,6 +262,8 @@ def run_bench(args) -> int:
                    "fraction_of_bandwidth": need["total"] / (ms / 1e3) / bw,
                    "breakdown": _breakdown(lambda: backend.forward("decode", ids, step))}
             row["routed_experts"] = routed_expert_rate(row)
+            row["linear_bytes"] = linear_bytes(dims, first_dense)
+            row["linears"] = linear_rate(row)
             _release(engine, seq_ids)
             result["decode"].append(row)
             print(f"decode b={batch} ctx={ctx}: {ms:.2f} ms/step (floor {row['floor_ms']:.2f}), "
@@ -342,3 +378,11 @@ def _print_table(r: dict) -> None:
             if x:
                 print(f"  decode b={d['batch']} ctx={d['context']:<8}{x['ms']:>8.2f} ms  "
                       f"{x['bytes_per_s'] / 1e12:5.2f} TB/s")
+    lins = [(d, d.get("linears")) for d in r["decode"]]
+    if any(x for _, x in lins):
+        print("\nlinears (cuBLAS and its split-K reduce) per decode step, their weights read:")
+        for d, x in lins:
+            if x:
+                frac = x["bytes_per_s"] / (r["copy_bandwidth_GBps"] * 1e9)
+                print(f"  decode b={d['batch']} ctx={d['context']:<8}{x['ms']:>8.2f} ms  "
+                      f"{x['bytes_per_s'] / 1e12:5.2f} TB/s  ({frac * 100:.0f}% of copy)")

@@ -38,3 +38,47 @@ def test_table_prints_kernels_per_layer_and_the_routed_expert_rate(capsys):
     out = capsys.readouterr().out
     assert "591 kernels (21.9 a layer)" in out
     assert "8.42 ms   3.42 TB/s" in out
+
+
+def test_kernels_are_attributed_to_their_family_or_the_libraries():
+    from runtime.bench import family_of
+    assert family_of("moe_gate_up_silu__bf16__e64_k6__m1408_d2048__mma") == "moe_gate_up_silu"
+    assert family_of("mla_decode_attention__bf16__h16") == "mla_decode_attention"
+    # cuBLAS's split-K reduce has "__" in its template arguments, but is the library's
+    assert family_of("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>(...)") == "cublas/torch"
+    assert family_of("nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT") == "cublas/torch"
+
+
+@pytest.mark.parametrize("spec_file", ["deepseek_v2_lite.yaml", "deepseek_v2.yaml", "deepseek_v3.yaml"])
+def test_linear_bytes_are_the_decode_graphs_linear_weights(spec_file):
+    """linear_bytes is what the decode graph's linear ops bind, weight by weight."""
+    from codegen.paths import MODEL_SPECS_DIR
+    from ir.graph import build_graph
+    from ir.passes import run_pipeline
+    from ir.spec import load_spec
+    from runtime.bench import linear_bytes
+    spec = load_spec(str(MODEL_SPECS_DIR / spec_file))
+    G = run_pipeline(build_graph(spec, "decode"))
+    info = G.graph["weights"]
+    want = 0
+    for _, d in G.nodes(data=True):
+        if d.get("op") == "linear":
+            for name in d["weights"].values():
+                rows, cols = info[name].shape
+                want += rows * cols * 2
+    dims = {k: (v or 0) for k, v in spec.dims.items()}
+    assert linear_bytes(dims, spec.plan.first_k_dense_replace) == want
+
+
+def test_table_prints_the_linears_rate(capsys):
+    from runtime.bench import linear_bytes, linear_rate
+    row = {"batch": 1, "context": 512, "ms": 3.9, "floor_ms": 1.17, "fraction_of_bandwidth": 0.3,
+           "bytes": decode_bytes(DIMS, 1, 1, 512), "linear_bytes": linear_bytes(DIMS, 1),
+           "breakdown": {"launches": 565, "kernel_ms": 3.3, "families": {"cublas/torch": {"ms": 1.0, "launches": 191}}}}
+    row["linears"] = linear_rate(row)
+    assert row["linears"]["bytes_per_s"] == pytest.approx(row["linear_bytes"] / 1e-3)
+    _print_table({"gpu": "H200", "date": "2026-12-01", "copy_bandwidth_GBps": 4200.0, "layers": 27,
+                  "decode": [row], "prefill": []})
+    out = capsys.readouterr().out
+    tbps = row["linear_bytes"] / 1e-3 / 1e12
+    assert f"1.00 ms  {tbps:5.2f} TB/s  ({tbps / 4.2 * 100:.0f}% of copy)" in out
