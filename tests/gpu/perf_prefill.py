@@ -1,6 +1,7 @@
 """Prefill kernel timings at DeepSeek-V2-Lite dims (a script, not a test).
 
     python3 tests/gpu/perf_prefill.py [--batch 32] [--seqlen 512] [--families moe,attn,...]
+                                      [--align-parallel 4096]
 
 Builds one-node graphs of the prefill phase's generated kernels (the same lowering the
 bundle uses), runs them through KernelRunner on random bf16 tensors at T = batch * seqlen
@@ -255,6 +256,9 @@ def main():
     ap.add_argument("--gemm-variants", default="",
                     help="extra (BK x stages) configurations of the MoE tensor-core GEMM to time, e.g. 64x3,32x3 "
                          "(measured at T=16384: 32x4 4.55 ms gate_up_silu, 64x3 4.76, 32x3 4.60)")
+    ap.add_argument("--align-parallel", type=int, default=None, metavar="PAIRS",
+                    help="also time the route with the count / scan / scatter alignment above PAIRS pairs "
+                         "(_moe.ALIGN_PARALLEL_PAIRS; off in the lowering by default)")
     a = ap.parse_args()
     fams = set(a.families.split(","))
     torch.manual_seed(0)
@@ -267,6 +271,12 @@ def main():
         bench_attention(runner, m, a.batch, a.seqlen)
     if "route" in fams:
         bench_route(runner, m, T)
+        if a.align_parallel is not None:
+            from codegen.families import _moe
+            default, _moe.ALIGN_PARALLEL_PAIRS = _moe.ALIGN_PARALLEL_PAIRS, a.align_parallel
+            print(f"# route with the parallel alignment above {a.align_parallel} pairs", flush=True)
+            bench_route(runner, m, T)     # the one-CTA align keeps its name (and code); its grid is then 0
+            _moe.ALIGN_PARALLEL_PAIRS = default
     if "moe" in fams:
         for which in ("moe_gate_up_silu", "moe_gate_up", "moe_down"):
             bench_grouped(runner, m, T, which)
