@@ -164,13 +164,14 @@ def align_launches(family: str, template: str, name: str, params: dict, nid: str
     if big is None:
         return launches
     E = params["E"]
-    chunks = f"cdiv(NP, {ALIGN_CHUNK}) * min(1, NP // {big + 1})"
-    hist = Workspace("align_hist", (f"cdiv(NP, {ALIGN_CHUNK})", E), "i32")
+    n_chunks, on = f"cdiv(NP, {ALIGN_CHUNK})", f"min(1, NP // {big + 1})"
+    chunks = f"{n_chunks} * {on}"
+    hist = Workspace("align_hist", (n_chunks, E), "i32")
     for part, grid, threads, args in (
             ("count", chunks, ALIGN_CHUNK_THREADS,
              (io[0], work("hist", "i32", "align_hist"), io[3])),
-            ("scan", f"min(1, NP // {big + 1})", ALIGN_THREADS,
-             (work("hist", "i32", "align_hist"), size("chunks", f"cdiv(NP, {ALIGN_CHUNK})"), io[2])),
+            ("scan", on, ALIGN_THREADS,
+             (work("hist", "i32", "align_hist"), size("chunks", n_chunks), io[2])),
             ("scatter", chunks, ALIGN_CHUNK_THREADS,
              (io[0], io[3], work("hist", "i32", "align_hist", writes=False),
               inp("offsets", "i32", f"{routing}.offsets"), io[1]))):

@@ -669,6 +669,13 @@ __host__ __device__ constexpr int gemm_launch_smem(int BK, int ST, int SK, int S
   return gemm_smem(BK, ST) > skinny_smem(SK, SBK, SST) ? gemm_smem(BK, ST) : skinny_smem(SK, SBK, SST);
 }
 
+// Shared row r of the swapped layout: weight row *n of matrix *Wm (the interleave above).
+template <int MODE, typename T>
+__device__ __forceinline__ void skinny_weight_row(int n0, int r, const T* W0, const T* W1, int& n, const T*& Wm) {
+  if constexpr (MODE == DOWN) { n = n0 + r; Wm = W0; }
+  else { n = n0 + (r >> 4) * 8 + (r & 7); Wm = (r & 8) ? W1 : W0; }
+}
+
 // BULK: a stage's weight and x rows arrive as one bulk copy per row (bulk.cuh), counted on the
 // stage's mbarrier, issued by warp 0; only for shapes where every slice is whole (KD % SBK == 0,
 // N % BN == 0, 16-byte rows), else the cp.async ring with its zero fill.
@@ -705,8 +712,7 @@ __device__ __forceinline__ void grouped_gemm_skinny(const T* __restrict__ x, con
       const int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
       int n;
       const T* Wm;
-      if constexpr (MODE == DOWN) { n = n0 + r; Wm = W0; }
-      else { n = n0 + (r >> 4) * 8 + (r & 7); Wm = (r & 8) ? W1 : W0; }
+      skinny_weight_row<MODE>(n0, r, W0, W1, n, Wm);
       const int valid = (n < N) ? min(8, KD - (k0 + kc)) : 0;
       dsg::mma::load8<T, ALIGNED>(w + r * P + kc, Wm + (i64)(n < N ? n : 0) * KD + k0 + kc, valid);
     }
@@ -766,8 +772,7 @@ __device__ __forceinline__ void grouped_gemm_skinny(const T* __restrict__ x, con
         const int r = lane + 32 * i;
         int n;
         const T* Wm;
-        if constexpr (MODE == DOWN) { n = n0 + r; Wm = W0; }
-        else { n = n0 + (r >> 4) * 8 + (r & 7); Wm = (r & 8) ? W1 : W0; }
+        skinny_weight_row<MODE>(n0, r, W0, W1, n, Wm);
         dsg::bulk::copy(w + r * P, Wm + (i64)n * KD + k0, ROW_BYTES, &bars[stage]);
       }
       for (int r = lane; r < BP; r += 32) dsg::bulk::copy(a + r * P, x + (i64)s_row[r] * KD + k0, ROW_BYTES, &bars[stage]);

@@ -223,13 +223,17 @@ def launch_is_empty(runner, la, sizes: dict) -> bool:
 
 # -- references ----------------------------------------------------------------------------
 
-def ref_gate_up_silu(x, wg, wu, order, offsets, K, NP, M):
-    out = torch.empty(NP, M, dtype=torch.float32, device=DEV)
+def expert_pairs(order, offsets):
+    """(expert, its pairs) for every expert with pairs."""
     offs = offsets.tolist()
     for e in range(len(offs) - 1):
-        if offs[e] == offs[e + 1]:
-            continue
-        pairs = order[offs[e]:offs[e + 1]]
+        if offs[e] < offs[e + 1]:
+            yield e, order[offs[e]:offs[e + 1]]
+
+
+def ref_gate_up_silu(x, wg, wu, order, offsets, K, NP, M):
+    out = torch.empty(NP, M, dtype=torch.float32, device=DEV)
+    for e, pairs in expert_pairs(order, offsets):
         xe = x[pairs // K].float()
         gate, up = xe @ wg[e].float().T, xe @ wu[e].float().T
         out[pairs] = torch.nn.functional.silu(gate) * up
@@ -238,11 +242,7 @@ def ref_gate_up_silu(x, wg, wu, order, offsets, K, NP, M):
 
 def ref_down(a, wd, order, offsets, NP, D):
     out = torch.empty(NP, D, dtype=torch.float32, device=DEV)
-    offs = offsets.tolist()
-    for e in range(len(offs) - 1):
-        if offs[e] == offs[e + 1]:
-            continue
-        pairs = order[offs[e]:offs[e + 1]]
+    for e, pairs in expert_pairs(order, offsets):
         out[pairs] = a[pairs].float() @ wd[e].float().T
     return out
 

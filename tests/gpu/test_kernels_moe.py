@@ -296,6 +296,19 @@ def test_moe_align(runner, T, E, K, seed):
     STATS["moe_align"]["int"][0] += 1
 
 
+def _check_local_routing(values, r_name, ids, E):
+    """offsets as align_ref's, and order[:offsets[E]] the pairs of ids in [0, E), each once, grouped
+    by expert (pairs of id -1 are another rank's: no expert's)."""
+    ref = align_ref(ids, E)
+    offsets = values[f"{r_name}.offsets"].cpu().long()
+    assert torch.equal(offsets, ref["offsets"]), f"offsets {offsets.tolist()} != {ref['offsets'].tolist()}"
+    n = int(offsets[E])
+    flat = ids.reshape(-1)
+    order = values[f"{r_name}.order"].cpu().long()[:n]
+    assert len(set(order.tolist())) == n and (flat[order] >= 0).all(), "order claims a pair twice or another rank's"
+    assert torch.equal(flat[order], torch.sort(flat[flat >= 0]).values), "order does not group the local pairs"
+
+
 @given(T=st.sampled_from((1, 5, 33, 300, 2048)), E=st.sampled_from((2, 7, 64)), K=st.integers(1, 8),
        seed=st.integers(0, 2**31 - 1))
 @example(T=300, E=64, K=6, seed=1)
@@ -313,14 +326,7 @@ def test_moe_align_leaves_out_other_ranks_pairs(runner, T, E, K, seed):
               f"{r_name}.order": poison(torch.empty(T * K, dtype=torch.int32, device=DEV)),
               f"{r_name}.offsets": poison(torch.empty(E + 1, dtype=torch.int32, device=DEV))}
     runner.run_all(_lower(G, nid, "bf16"), values=values, sizes={"T": T, "NP": T * K})
-    ref = align_ref(ids, E)
-    offsets = values[f"{r_name}.offsets"].cpu().long()
-    assert torch.equal(offsets, ref["offsets"]), f"offsets {offsets.tolist()} != {ref['offsets'].tolist()}"
-    n = int(offsets[E])
-    flat = ids.reshape(-1)
-    order = values[f"{r_name}.order"].cpu().long()[:n]
-    assert len(set(order.tolist())) == n and (flat[order] >= 0).all(), "order claims a pair twice or another rank's"
-    assert torch.equal(flat[order], torch.sort(flat[flat >= 0]).values), "order does not group the local pairs"
+    _check_local_routing(values, r_name, ids, E)
     STATS["moe_align"]["int"][0] += 1
 
 
@@ -352,14 +358,7 @@ def test_moe_align_parallel(runner, T, E, K, other_ranks, seed):
               f"{r_name}.offsets": poison(torch.empty(E + 1, dtype=torch.int32, device=DEV))}
     assert [la.stage for la in launches] == ["", "count", "scan", "scatter"]
     runner.run_all(launches, values=values, sizes={"T": T, "NP": T * K})
-    ref = align_ref(ids, E)
-    offsets = values[f"{r_name}.offsets"].cpu().long()
-    assert torch.equal(offsets, ref["offsets"]), f"offsets {offsets.tolist()} != {ref['offsets'].tolist()}"
-    n = int(offsets[E])
-    flat = ids.reshape(-1)
-    order = values[f"{r_name}.order"].cpu().long()[:n]
-    assert len(set(order.tolist())) == n and (flat[order] >= 0).all(), "order claims a pair twice or another rank's"
-    assert torch.equal(flat[order], torch.sort(flat[flat >= 0]).values), "order does not group the pairs"
+    _check_local_routing(values, r_name, ids, E)
     STATS["moe_align"]["int"][0] += 1
 
 
