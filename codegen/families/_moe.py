@@ -132,15 +132,25 @@ def topk_name_parts(p: dict) -> list[str]:
     return parts
 
 
+def when(grid, factor: str | None):
+    """A grid extent that runs only while `factor` (a 0 / 1 expression: only_below, only_above)
+    is 1; None: always."""
+    if factor is None:
+        return grid
+    return factor if grid == 1 else f"{grid} * {factor}"
+
+
 def topk_launch(family: str, template: str, name: str, params: dict, nid: str, logits_ref,
-                bias: str | None, ids: str, weights: str, workspace=(), stage: str = "") -> KernelLaunch:
-    """`logits_ref`: where the fp32 router logits are (a ValueRef, or the route's WorkspaceRef)."""
+                bias: str | None, ids: str, weights: str, workspace=(), stage: str = "",
+                only: str | None = None) -> KernelLaunch:
+    """`logits_ref`: where the fp32 router logits are (a ValueRef, or the route's WorkspaceRef);
+    `only`: a grid factor (see `when`)."""
     args = [Arg("logits", "const float*", logits_ref)]
     if params["has_bias"]:
         args.append(weight("bias", "float", bias))
     args += [out("ids", "i64", ids), out("weights", "float", weights), size("num_tokens", "T")]
     return KernelLaunch(family=family, template=template, name=name, params=params, nodes=(nid,),
-                        grid=(f"cdiv(T, {params['warps']})", 1, 1), block=(params["warps"] * 32, 1, 1),
+                        grid=(when(f"cdiv(T, {params['warps']})", only), 1, 1), block=(params["warps"] * 32, 1, 1),
                         args=tuple(args), workspace=tuple(workspace), stage=stage)
 
 
@@ -151,20 +161,22 @@ def align_params(E: int) -> dict:
 
 
 def align_launches(family: str, template: str, name: str, params: dict, nid: str, ids: str,
-                   routing: str, stage: str = "") -> list[KernelLaunch]:
+                   routing: str, stage: str = "", only: str | None = None) -> list[KernelLaunch]:
     """The one-CTA align; with ALIGN_PARALLEL_PAIRS set, it runs only up to that many pairs and
-    the count / scan / scatter launches (moe.cuh 3b) take larger NP (each grid is 0 otherwise)."""
+    the count / scan / scatter launches (moe.cuh 3b) take larger NP (each grid is 0 otherwise).
+    `only`: a grid factor on all of them (see `when`)."""
     io = (inp("ids", "i64", ids), out("order", "i32", f"{routing}.order"),
           out("offsets", "i32", f"{routing}.offsets"), size("num_pairs", "NP"))
     big = ALIGN_PARALLEL_PAIRS
     # One CTA: the counts, the scan and the scatter need a block-wide barrier between them.
+    one = 1 if big is None else f"(1 - min(1, NP // {big + 1}))"
     launches = [KernelLaunch(family=family, template=template, name=name, params=params, nodes=(nid,),
-                             grid=(1 if big is None else f"1 - min(1, NP // {big + 1})", 1, 1),
+                             grid=(when(one, only), 1, 1),
                              block=(params["threads"], 1, 1), args=io, stage=stage)]
     if big is None:
         return launches
     E = params["E"]
-    n_chunks, on = f"cdiv(NP, {ALIGN_CHUNK})", f"min(1, NP // {big + 1})"
+    n_chunks, on = f"cdiv(NP, {ALIGN_CHUNK})", when(f"min(1, NP // {big + 1})", only)
     chunks = f"{n_chunks} * {on}"
     hist = Workspace("align_hist", (n_chunks, E), "i32")
     for part, grid, threads, args in (

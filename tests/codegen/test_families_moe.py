@@ -12,6 +12,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import single_op_graph, tiny_model  # noqa: E402
 
 import ir  # noqa: E402
@@ -88,7 +89,8 @@ def test_lowering_is_deterministic_and_names_are_readable(dims):
 
 def test_kernel_names():
     by_op = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "bf16")] for G, nid in moe_graphs(*DIMS["v3"])}
-    assert by_op["moe_route"] == ["moe_route__bf16__e256_d7168__gemv",
+    assert by_op["moe_route"] == ["moe_route__bf16__d7168__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__fused_t256",
+                                  "moe_route__bf16__e256_d7168__gemv",
                                   "moe_route__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__topk",
                                   "moe_route__e256__align"]
     assert by_op["moe_gate_up_silu"] == ["moe_gate_up_silu__bf16__e256_k8__m2048_d7168",
@@ -199,8 +201,11 @@ def test_parallel_align_takes_over_above_its_pair_count(op, monkeypatch):
     count / scan / scatter launches above it (each grid 0 otherwise); the chunks cover NP, the
     scan is one CTA, and all three share one hist workspace of a row per chunk."""
     from codegen import sizes
-    from codegen.families import _moe
+    from codegen.families import _moe, moe_route
     monkeypatch.setattr(_moe, "ALIGN_PARALLEL_PAIRS", 512)
+    # moe_route aligns in its fused launch while T <= ROUTE_FUSED_TOKENS: its align launches then
+    # have grid 0 (test_route_runs_one_form_at_each_t); here T is past that bound.
+    T = moe_route.ROUTE_FUSED_TOKENS + 1 if op == "moe_route" else None
     for G, nid in moe_graphs(*DIMS["v2_lite"]):
         if G.nodes[nid]["op"] != op:
             continue
@@ -208,7 +213,7 @@ def test_parallel_align_takes_over_above_its_pair_count(op, monkeypatch):
         assert [la.stage.removeprefix("align").lstrip("_") for la in launches] == ["", "count", "scan", "scatter"]
         one, count, scan, scatter = launches
         for NP in (1, 511, 512, 513, 2048, 2049, 98304):
-            env = {"NP": NP, "T": NP}
+            env = {"NP": NP, "T": T or NP}
             grids = [sizes.evaluate(la.grid[0], env) for la in launches]
             if NP <= 512:
                 assert grids == [1, 0, 0, 0], (NP, grids)
@@ -229,4 +234,89 @@ def test_align_is_one_cta_by_default():
     assert _moe.ALIGN_PARALLEL_PAIRS is None
     for G, nid in moe_graphs(*DIMS["v2_lite"]):
         if G.nodes[nid]["op"] == "moe_route":
-            assert [la.stage for la in lower(G, nid, "bf16")] == ["router_gemv", "topk", "align"]
+            assert [la.stage for la in lower(G, nid, "bf16")] == ["fused", "router_gemv", "topk", "align"]
+
+
+# T at the fused bound's edges (255, 256, 257 with the default 256) and at a tile's (7, 8, 9).
+def _route_tokens(ft):
+    return sorted(t for t in {1, 2, 7, 8, 9, 31, 33, 128, 16384} | ({ft - 1, ft, ft + 1} if ft else set()) if t >= 1)
+
+
+@pytest.mark.parametrize("dims", sorted(DIMS))
+@pytest.mark.parametrize("ft", ["default", None, 1, 8, 100])
+def test_route_runs_one_form_at_each_t(dims, ft, monkeypatch):
+    """Exactly one form of the route runs at each T: the fused launch while T <= ROUTE_FUSED_TOKENS
+    (its grid covers every expert and token, and stays within its tickets' tiles), the three
+    launches above it (their grids 0 below it); None: the three launches alone, at every T."""
+    from codegen import sizes
+    from codegen.families import moe_route
+    if ft != "default":
+        monkeypatch.setattr(moe_route, "ROUTE_FUSED_TOKENS", ft)
+    ft = moe_route.ROUTE_FUSED_TOKENS
+    E, K = DIMS[dims][0], DIMS[dims][1]
+    G, nid = moe_graphs(*DIMS[dims])[0]
+    launches = lower(G, nid, "bf16")
+    assert [la.stage for la in launches] == (["fused"] if ft is not None else []) + ["router_gemv", "topk", "align"]
+    for T in _route_tokens(ft):
+        env = {"T": T, "NP": T * K}
+        extents = {la.stage: [sizes.evaluate(g, env) for g in la.grid] for la in launches}
+        running = {stage for stage, grid in extents.items() if 0 not in grid}
+        if ft is not None and T <= ft:
+            assert running == {"fused"}, (T, extents)
+            fused = next(la for la in launches if la.stage == "fused")
+            p = fused.params
+            gx, gy, _ = extents["fused"]
+            assert gx * p["epb"] >= E > (gx - 1) * p["epb"], (T, gx)
+            assert gy * p["tt"] >= T > (gy - 1) * p["tt"] and gy <= p["tiles"], (T, gy)
+            assert sizes.evaluate(fused.smem, env) == p["smem"] >= max(2 * p["warps"] * E * 4, T * K * 4)
+            assert p["warps"] == p["tt"] == p["threads"] // 32       # one warp per token of a tile
+        else:
+            assert running == {"router_gemv", "topk", "align"}, (T, extents)
+            assert extents["topk"][0] * launches[-2].params["warps"] >= T
+            assert extents["align"][0] == 1
+
+
+def test_fused_route_keeps_the_three_launch_interface():
+    """The fused launch writes the same outputs as the three launches (ids, weights, the routing's
+    order and offsets) and the same router_logits workspace (tests read it), with the gate and
+    bias bound alike, so the buffer plan does not depend on which form runs."""
+    G, nid = moe_graphs(*DIMS["v3"])[0]
+    fused, gemv, topk, align = lower(G, nid, "bf16")
+    refs = lambda las: {a.ref for la in las for a in la.args}                  # noqa: E731
+    assert refs([fused]) == refs([gemv, topk, align]) - {SizeRef("NP")}
+    assert fused.workspace == gemv.workspace == topk.workspace
+
+
+def _route_launches_of_shipped_specs():
+    """Every moe_route launch of the shipped specs' decode and prefill graphs (bf16), once by name."""
+    seen = {}
+    for spec in ("deepseek_v2_lite", "deepseek_v2", "deepseek_v3"):
+        for phase in ("decode", "prefill"):
+            G = ir.passes.run_pipeline(ir.build_graph(ir.load_spec(f"model_specs/{spec}.yaml"), phase))
+            for nid, data in G.nodes(data=True):
+                if data["op"] == "moe_route":
+                    for launch in lower(G, nid, "bf16"):
+                        seen.setdefault(launch.name, launch)
+    return [seen[k] for k in sorted(seen)]
+
+
+def test_route_of_shipped_specs_compiles_without_spills():
+    """Every route kernel of the shipped specs builds for sm_90 with no spills; where cuobjdump is
+    installed, each waits for the previous kernel and lets the next one launch (PDL: griddepcontrol
+    is ACQBULK / PREEXIT in SASS), and the fused one takes its tickets with global atomics and reads
+    the logits and ids that other CTAs wrote past L1 (LDG.E.STRONG.GPU, not the read-only path)."""
+    _nvrtc_or_skip()
+    from codegen.nvrtc import compile_cubin
+    from sass import cuobjdump, opcodes
+    launches = _route_launches_of_shipped_specs()
+    assert sum(la.stage == "fused" for la in launches) == 3       # V2-Lite, V2, V3
+    for launch in launches:
+        res = compile_cubin(render_launch(launch), launch.name, arch="sm_90", options=("--ptxas-options=-v",))
+        assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, (launch.name, res.log)
+        if cuobjdump() is None:
+            continue
+        ops = opcodes(res.cubin)
+        assert ops["ACQBULK"] >= 1 and ops["PREEXIT"] >= 1, (launch.name, "PDL wait / launch_dependents")
+        if launch.stage == "fused":
+            assert ops["ATOMG.E.ADD.STRONG.GPU"] == 2 and ops["MEMBAR.SC.GPU"] >= 2, launch.name
+            assert ops["LDG.E.STRONG.GPU"] >= 2, launch.name

@@ -204,13 +204,43 @@ def _route_case(dtype, T, D, E, K, scoring="softmax", method="greedy", G=1, TG=1
             "bias": bias, "misalign": misalign, "seed": 13}
 
 
-@given(case=route_cases())
-@example(case=_route_case("bf16", 33, 41, 7, 3))
-@example(case=_route_case("fp16", 1, 45, 1, 1, misalign="all"))
-@example(case=_route_case("fp32", 300, 41, 1024, 8, "sigmoid", "noaux_tc", 32, 4, bias=True))
-@example(case=_route_case("bf16", 2, 64, 64, 6, misalign="inputs"))
-@_settings(30)
-def test_moe_route(runner, case):
+@dataclasses.dataclass
+class RouteProblem:
+    """One moe_route node, its inputs, and its poisoned outputs on the device."""
+    case: dict
+    attrs: dict
+    G: object
+    nid: str
+    x: torch.Tensor              # [T, D] act, on the CPU
+    gate: torch.Tensor           # [E, D] fp32
+    bias: object                 # [E] fp32 or None
+    values: dict                 # kernel values: x on the device and the poisoned outputs
+    weights: dict
+
+    @property
+    def names(self):
+        return self.G.nodes[self.nid]["outputs"]
+
+    @property
+    def sizes(self):
+        return {"T": self.case["T"], "NP": self.case["T"] * self.case["K"]}
+
+    def poison(self, workspaces=None) -> None:
+        ids_name, w_name, r_name = self.names
+        for name in (ids_name, w_name, f"{r_name}.order", f"{r_name}.offsets"):
+            poison(self.values[name])
+        for t in (workspaces or {}).values():
+            poison(t)
+
+    def new_x(self, seed: int) -> None:
+        """Fresh activations in the same device buffer (as a replayed graph sees them)."""
+        self.x = torch.randn(self.x.shape, generator=_gen(seed)).to(self.x.dtype)
+        self.values["x"].copy_(self.x.to(DEV))
+
+
+def _route_problem(case) -> RouteProblem:
+    """`case["ties"]`: every odd expert a copy of the even one before it (gate row and bias), so
+    their selection values tie exactly."""
     dtype, T, D, E, K = case["dtype"], case["T"], case["D"], case["E"], case["K"]
     attrs = {**case["attrs"], "top_k": K, "num_experts": E}
     wt = {"gate": "router.weight"}
@@ -218,16 +248,17 @@ def test_moe_route(runner, case):
         wt["bias"] = "router.bias"
     G, nid = single_op_graph(tiny_model(), "moe_route", attrs, {"x": TType(("T", D), "act")}, wt)
     ids_name, w_name, r_name = G.nodes[nid]["outputs"]
-    launches = _lower(G, nid, dtype)
-
     g = _gen(case["seed"])
     x = torch.randn(T, D, generator=g).to(TORCH_DTYPES[dtype])
     gate = torch.randn(E, D, generator=g) / D ** 0.5 * 2.0      # logits ~ N(0, 4): picks well apart
+    bias = torch.randn(E, generator=g) * 0.5 if case["bias"] else None   # partly negative
+    if case.get("ties"):
+        gate[1::2] = gate[0:E - 1:2]
+        if bias is not None:
+            bias[1::2] = bias[0:E - 1:2]
     mis = case.get("misalign", "none")
     weights = {"router.weight": shifted(gate.to(DEV), _moved(mis, "weights"))}
-    bias = None
-    if case["bias"]:
-        bias = torch.randn(E, generator=g) * 0.5                 # partly negative
+    if bias is not None:
         weights["router.bias"] = bias.to(DEV)
     values = {
         "x": shifted(x.to(DEV), _moved(mis, "inputs")),
@@ -236,20 +267,144 @@ def test_moe_route(runner, case):
         f"{r_name}.order": poison(torch.empty(T * K, dtype=torch.int32, device=DEV)),
         f"{r_name}.offsets": poison(torch.empty(E + 1, dtype=torch.int32, device=DEV)),
     }
-    ws = runner.run_all(launches, values=values, weights=weights, sizes={"T": T, "NP": T * K})
+    return RouteProblem(case, attrs, G, nid, x, gate, bias, values, weights)
 
-    logits = ws["router_logits"].cpu()
-    _record("moe_route.logits", dtype, logits, x.float() @ gate.T, tol_dtype="fp32")
-    ids_k, w_k = values[ids_name].cpu(), values[w_name].cpu()
+
+def _check_route(p: RouteProblem, logits: torch.Tensor) -> None:
+    """The logits within fp32 tolerance of x.float() @ gate.T; ids equal to route_ref's on the
+    kernel's own logits and on the op reference's (up to near-ties), weights on the rows whose ids
+    match; the routing plan a permutation of the pairs grouped by expert.  With exact ties
+    (case["ties"]) the kernel takes the lower index first, and the weights are compared on every
+    row whose ids match up to the tied copies."""
+    dtype, E = p.case["dtype"], p.case["E"]
+    ids_name, w_name, r_name = p.names
+    logits = logits.cpu()
+    _record("moe_route.logits", dtype, logits, p.x.float() @ p.gate.T, tol_dtype="fp32")
+    ids_k, w_k = p.values[ids_name].cpu(), p.values[w_name].cpu()
+    assert not torch.isnan(w_k).any(), "routing weights unwritten (poisoned)"
     # against route_ref on the kernel's own logits, then against the op reference itself
-    ids_same, w_same = route_ref(logits, bias, attrs)
-    same = _check_ids(ids_k, ids_same, _selection(logits, bias, attrs), "route_ref(kernel logits)")
+    ids_same, w_same = route_ref(logits, p.bias, p.attrs)
+    sel = _selection(logits, p.bias, p.attrs)
+    same = _check_ids(ids_k, ids_same, sel, "route_ref(kernel logits)")
+    if p.case.get("ties"):
+        vk = sel.gather(1, ids_k)
+        tied = vk[:, 1:] == vk[:, :-1]
+        assert (ids_k[:, 1:] > ids_k[:, :-1])[tied].all(), "exactly tied experts not taken lowest index first"
+        same = ((ids_k // 2) == (ids_same // 2)).all(dim=1)        # an odd expert is its even one's copy
     if same.any():
         _record("moe_route", dtype, w_k[same], w_same[same], tol_dtype="fp32")
-    ids_ref, w_ref, _ = OPS["moe_route"].run(node_view(G, nid), [x.float()],
-                                             {"gate": gate, **({"bias": bias} if bias is not None else {})}, None)
-    _check_ids(ids_k, ids_ref, _selection(x.float() @ gate.T, bias, attrs), "the op reference")
-    _check_routing(values[f"{r_name}.order"], values[f"{r_name}.offsets"], ids_k, E)
+    ids_ref, w_ref, _ = OPS["moe_route"].run(node_view(p.G, p.nid), [p.x.float()],
+                                             {"gate": p.gate, **({"bias": p.bias} if p.bias is not None else {})}, None)
+    _check_ids(ids_k, ids_ref, _selection(p.x.float() @ p.gate.T, p.bias, p.attrs), "the op reference")
+    _check_routing(p.values[f"{r_name}.order"], p.values[f"{r_name}.offsets"], ids_k, E)
+
+
+def _route_stages_running(launches, sizes_: dict) -> list[str]:
+    from codegen import sizes
+    return [la.stage for la in launches if 0 not in [sizes.evaluate(g, sizes_) for g in la.grid]]
+
+
+@given(case=route_cases())
+@example(case=_route_case("bf16", 33, 41, 7, 3))
+@example(case=_route_case("fp16", 1, 45, 1, 1, misalign="all"))
+@example(case=_route_case("fp32", 300, 41, 1024, 8, "sigmoid", "noaux_tc", 32, 4, bias=True))
+@example(case=_route_case("bf16", 2, 64, 64, 6, misalign="inputs"))
+@_settings(30)
+def test_moe_route(runner, case):
+    p = _route_problem(case)
+    ws = runner.run_all(_lower(p.G, p.nid, case["dtype"]), values=p.values, weights=p.weights, sizes=p.sizes)
+    _check_route(p, ws["router_logits"])
+
+
+# The fused route (one launch while T <= moe_route.ROUTE_FUSED_TOKENS) at the shipped specs' routing:
+# (name, scoring, method, E, groups, topk_groups, K, D, norm_topk_prob, routed_scaling_factor, bias)
+FUSED_SHAPES = {
+    "v2_lite": ("softmax", "greedy", 64, 1, 1, 6, 2048, False, 1.0, False),
+    "v2": ("softmax", "group_limited_greedy", 160, 8, 3, 6, 5120, False, 16.0, False),
+    "v3": ("sigmoid", "noaux_tc", 256, 8, 4, 8, 7168, True, 2.5, True),
+    "odd": ("sigmoid", "noaux_tc", 12, 4, 2, 3, 41, True, 2.5, True),
+    "e1024": ("softmax", "greedy", 1024, 1, 1, 8, 64, True, 1.0, False),   # 64 KB of top-k scratch
+}
+
+
+def _fused_tokens() -> tuple:
+    """T at a token tile's edges (7, 8, 9) and the fused bound's (255, 256, 257 at its default)."""
+    from codegen.families import moe_route
+    ft = moe_route.ROUTE_FUSED_TOKENS or 256
+    return tuple(sorted({1, 2, 7, 8, 9, ft - 1, ft, ft + 1}))
+
+
+def _shape_case(shape, dtype, T, *, ties=False, seed=17, misalign="none"):
+    scoring, method, E, G, TG, K, D, norm, rsf, bias = FUSED_SHAPES[shape]
+    return {"dtype": dtype, "T": T, "D": D, "E": E, "K": K, "bias": bias, "ties": ties and (E // G) % 2 == 0,
+            "attrs": {"scoring": scoring, "method": method, "groups": G, "topk_groups": TG,
+                      "norm_topk_prob": norm, "routed_scaling_factor": rsf},
+            "misalign": misalign, "seed": seed}
+
+
+@st.composite
+def fused_cases(draw, tokens=None):
+    return _shape_case(draw(st.sampled_from(sorted(FUSED_SHAPES))), draw(st.sampled_from(("bf16", "fp32"))),
+                       draw(st.sampled_from(tokens or _fused_tokens())), ties=draw(st.booleans()),
+                       seed=draw(st.integers(0, 2**31 - 1)), misalign=draw(st.sampled_from(MISALIGN)))
+
+
+@given(case=fused_cases())
+@example(case=_shape_case("v3", "bf16", 1))
+@example(case=_shape_case("v3", "bf16", 256, ties=True))
+@example(case=_shape_case("v2", "bf16", 9))
+@example(case=_shape_case("v2_lite", "bf16", 257))
+@example(case=_shape_case("v2_lite", "fp32", 8, ties=True, misalign="all"))
+@_settings(20)
+def test_moe_route_fused(runner, case):
+    """At the bound's edges: the fused launch alone runs while T <= ROUTE_FUSED_TOKENS, the three
+    launches alone above it, and both route like the reference (all three methods, biases partly
+    negative, exact ties)."""
+    from codegen.families import moe_route
+    p = _route_problem(case)
+    launches = _lower(p.G, p.nid, case["dtype"])
+    ft = moe_route.ROUTE_FUSED_TOKENS
+    fused = ft is not None and case["T"] <= ft
+    assert _route_stages_running(launches, p.sizes) == (["fused"] if fused else ["router_gemv", "topk", "align"])
+    ws = runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes)
+    _check_route(p, ws["router_logits"])
+
+
+@given(case=fused_cases(tokens=(1, 2, 9, 64, 256)))
+@example(case=_shape_case("v3", "bf16", 1))
+@example(case=_shape_case("v2_lite", "bf16", 9))
+@_settings(6)
+def test_moe_route_fused_runs_again_and_replays_in_a_graph(runner, case):
+    """The fused launch's tickets reset themselves: it routes right when run twice in a row, after
+    a launch of the same kernel at another T (another grid), and when captured in a CUDA graph and
+    replayed twice, with new activations and poisoned outputs (and logits) before every run."""
+    case = {**case, "misalign": "none"}
+    p = _route_problem(case)
+    launches = _lower(p.G, p.nid, case["dtype"])
+    ws = None
+    for rep in range(2):
+        p.new_x(case["seed"] + rep)
+        p.poison(ws)
+        ws = runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes, workspaces=ws)
+        _check_route(p, ws["router_logits"])
+    other = _route_problem({**case, "T": 9 if case["T"] != 9 else 1, "seed": case["seed"] + 7})
+    ws2 = runner.run_all(_lower(other.G, other.nid, case["dtype"]), values=other.values, weights=other.weights,
+                         sizes=other.sizes)
+    _check_route(other, ws2["router_logits"])
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes, workspaces=ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    for rep in range(2):
+        p.new_x(case["seed"] + 100 + rep)
+        p.poison(ws)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_route(p, ws["router_logits"])
 
 
 @given(case=route_cases())
