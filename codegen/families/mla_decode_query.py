@@ -26,6 +26,7 @@ from __future__ import annotations
 from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride, weight
 from codegen.render import kernel_name
 
+from ._absorb import min_blocks, token_chunks, variant_tag
 from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, dims, inner_dims, node_io, rope_params, rope_tag, vec16
 
 FAMILY = "mla_decode_query"
@@ -45,6 +46,11 @@ TC_TOKENS = 32           # tokens per tile: 4 n8 tiles, 32 accumulators per thre
 TC_WARPS = 4             # warps per CTA (32 columns each) at most: 4 -> 64 CTAs a token chunk at V2-Lite
 TC_CHUNKS = 8            # token chunks (grid x) at most
 TC_MAX_N = 128           # qk_nope_head_dim at most: a warp holds N / 2 weight registers
+TC_BALANCED = False      # the balanced token dealing (_absorb.py), off until measured again
+# Registers a thread at most (__launch_bounds__' CTAs per SM), None: ptxas chooses (137 at V2-Lite:
+# 3 CTAs an SM, 396 of T=256's 512 at once); 128 holds V2-Lite's kernels without spills at 4 CTAs
+# an SM (perf_decode.py mma_regcap; unmeasured)
+TC_MAX_REGS = None
 
 
 def _static_smem(N: int, ks: int, cgb: int, vec: int) -> int:
@@ -63,7 +69,8 @@ def tensor_core_params(N: int, C: int, dtype: str) -> dict | None:
     if not TENSOR_CORES or dtype not in ("bf16", "fp16") or N % 16 or N > TC_MAX_N or C % 32:
         return None
     wpc = max(w for w in range(1, TC_WARPS + 1) if (C // 32) % w == 0)   # no warp past column C
-    return {"TN": TC_TOKENS, "wpc": wpc, "threads": 32 * wpc, "smem_bytes": TC_TOKENS * _tc_pitch(N) * 2}
+    return {"TN": TC_TOKENS, "wpc": wpc, "threads": 32 * wpc, "smem_bytes": TC_TOKENS * _tc_pitch(N) * 2,
+            "min_blocks": min_blocks(32 * wpc, TC_MAX_REGS), "balanced": TC_BALANCED}
 
 
 def lower(nid, G, opts):
@@ -77,8 +84,9 @@ def lower(nid, G, opts):
     if tc is not None:
         params = {"act": act_ctype(opts), "H": H, "N": N, "V": V, "C": C, "R": R,
                   "out_w": C + R if has_rope else C, "has_rope": has_rope, "mma": True, **tc}
-        grid = (f"min(cdiv(T, {TC_TOKENS}), {TC_CHUNKS})", H, C // (32 * tc["wpc"]))
-        return [_launch(nid, G, opts, params, grid, tc["threads"], f"mma_t{tc['TN']}_w{tc['wpc']}")]
+        grid = (token_chunks(TC_TOKENS, TC_CHUNKS, TC_BALANCED), H, C // (32 * tc["wpc"]))
+        tag = variant_tag(f"mma_t{tc['TN']}_w{tc['wpc']}", TC_BALANCED, tc["min_blocks"])
+        return [_launch(nid, G, opts, params, grid, tc["threads"], tag)]
     eb = ELEM_BYTES[opts.dtype]
     vec = vec16(C, eb)
     cg = -(-C // vec)

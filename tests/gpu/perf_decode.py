@@ -138,10 +138,10 @@ def bench_attention(runner, m, B, L):
 ABSORB_VARIANTS = {
     "cc": dict(query=dict(TENSOR_CORES=False), v_up=dict(TENSOR_CORES=False)),
     "mma": dict(query={}, v_up={}),
-    "mma_w2_m1": dict(query=dict(TC_WARPS=2), v_up=dict(TC_MTILES=1)),
-    "mma_w1_m4": dict(query=dict(TC_WARPS=1), v_up=dict(TC_MTILES=4)),
-    "mma_ch16": dict(query=dict(TC_CHUNKS=16), v_up=dict(TC_CHUNKS=16)),
-    "mma_t16": dict(query=dict(TC_TOKENS=16), v_up=dict(TC_TOKENS=16)),
+    "mma_balanced": dict(query=dict(TC_BALANCED=True), v_up=dict(TC_BALANCED=True)),
+    "mma_regcap": dict(query=dict(TC_MAX_REGS=128), v_up=dict(TC_MAX_REGS=80)),
+    "mma_balanced_regcap": dict(query=dict(TC_BALANCED=True, TC_MAX_REGS=128),
+                                v_up=dict(TC_BALANCED=True, TC_MAX_REGS=80)),
 }
 
 

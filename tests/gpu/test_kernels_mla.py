@@ -261,13 +261,24 @@ def test_mla_v_up(name, dtype, T, lead, seed):
     check_v_up(name, dtype, T, lead, seed)
 
 
+# The tensor-core variants the families can be switched to (perf_decode.py ABSORB_VARIANTS):
+# module constants of both families.
+ABSORB_VARIANTS = {"default": {}, "balanced_regcap": {"TC_BALANCED": True, "TC_MAX_REGS": 128}}
+
+
+@pytest.mark.parametrize("variant", list(ABSORB_VARIANTS))
 @pytest.mark.parametrize("lead", [0, 1])
 @pytest.mark.parametrize("T", TOKEN_EDGES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["lite", "tc32", "tc16"])
-def test_absorb_token_edges(name, dtype, T, lead):
+def test_absorb_token_edges(name, dtype, T, lead, variant, monkeypatch):
     """Every token count at a tile edge, for the three kernels, aligned (lead 0: every vector
-    path) and not (lead 1: every scalar fall-back); bf16 / fp16 take the tensor-core kernels."""
+    path) and not (lead 1: every scalar fall-back); bf16 / fp16 take the tensor-core kernels,
+    in their default variant and the balanced token dealing with capped registers."""
+    from codegen.families import mla_decode_query, mla_v_up
+    for mod in (mla_decode_query, mla_v_up):
+        for k, v in ABSORB_VARIANTS[variant].items():
+            monkeypatch.setattr(mod, k, v)
     launches = [check_query(name, dtype, absorb, split_tokens(T, 1 + T % 3), ("adjacent", "interleaved"), lead,
                             seed=T) for absorb in (False, True)]
     launches.append(check_v_up(name, dtype, T, lead, seed=T))
