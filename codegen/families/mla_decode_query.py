@@ -2,22 +2,31 @@
 
 mla_decode_query: [q_nope [T,H,N], q_pe [T,H,R]] -> q [T, H, C+R] = [q_nope @ W_UK | rope(q_pe)]
 mla_q_absorb:     q_nope [T,H,N] -> q_lat [T, H, C] = q_nope @ W_UK
-W_UK[h] = kv_b rows h*(N+V) .. h*(N+V)+N-1 ([N, C]). A batched skinny GEMM: CTA = (token
-chunk, head, column block of CGB 16-byte column groups); the CTA's weight slice is loaded
-once into registers (KS row splits, RPT rows per thread, all loads in flight at once) and
-reused for every TT-token tile of its chunk. At most TCH token chunks, so the weight is
-read from memory at most TCH times (L2 after the first) whatever T is.
+W_UK[h] = kv_b rows h*(N+V) .. h*(N+V)+N-1 ([N, C]). A batched skinny GEMM, two kernels:
 
-Alignment: the only vector loads are the weight's 16-byte rows, taken when C is a whole number
-of vectors (vec16: every row h*(N+V)+n of W_UK then starts at a multiple of VEC elements, and
-so does every column group) and the kernel finds kv_b 16-byte aligned (once per CTA); q_nope,
-q_pe (views at any offset) and the output are read / written element by element.
+- tensor cores (bf16 / fp16, N % 16 == 0, N <= 128, C % 32 == 0: every shipped spec):
+  templates/include/mla_absorb.cuh AbsorbQuery, mma.sync swap-AB: the C columns are the MMA's M
+  side, tokens its N side in TC_TOKENS tiles; CTA = (token chunk, head, TC_WARPS * 32 columns),
+  each warp's [N, 32] weight slice in registers (N / 2 of them) for every token tile of its chunk.
+- CUDA cores (fp32, odd dims): CTA = (token chunk, head, column block of CGB 16-byte column
+  groups); the CTA's weight slice is loaded once into registers (KS row splits, RPT rows per
+  thread, all loads in flight at once) and reused for every TT-token tile of its chunk.
+Both take at most TCH / TC_CHUNKS token chunks (grid x), so the weight is read from memory at
+most that many times (L2 after the first) whatever T is. Both keep the PDL contract (pdl.cuh):
+weights are loaded before pdl_wait, activations after.
+
+Alignment (checked once per CTA, scalar fall-backs otherwise): CUDA cores load the weight's
+16-byte rows when C is a whole number of vectors (vec16) and kv_b is 16-byte aligned; q_nope,
+q_pe (views at any offset) and the output element by element. Tensor cores load 8-byte weight
+runs when kv_b is 8-byte aligned, stage q_nope rows with 16-byte cp.async when the view and its
+strides are 16-byte aligned, and store 8-byte output runs when out is 8-byte aligned.
 """
 from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride, weight
 from codegen.render import kernel_name
 
+from ._absorb import min_blocks, token_chunks, variant_tag
 from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, dims, inner_dims, node_io, rope_params, rope_tag, vec16
 
 FAMILY = "mla_decode_query"
@@ -30,11 +39,38 @@ TARGET_THREADS = 256
 MAX_RPT = 8             # weight rows per thread (registers: RPT * VEC floats)
 TCH = 16                # token chunks (grid x) at most
 STATIC_SMEM = 48 * 1024  # q_s + red are static __shared__ arrays: the 48 KB every device allows
+PDL = True
+
+TENSOR_CORES = True      # the mma.sync kernel where it applies (perf_decode.py times both)
+TC_TOKENS = 32           # tokens per tile: 4 n8 tiles, 32 accumulators per thread
+TC_WARPS = 4             # warps per CTA (32 columns each) at most: 4 -> 64 CTAs a token chunk at V2-Lite
+TC_CHUNKS = 8            # token chunks (grid x) at most
+TC_MAX_N = 128           # qk_nope_head_dim at most: a warp holds N / 2 weight registers
+TC_BALANCED = False      # the balanced token dealing (_absorb.py), off until measured again
+# Registers a thread at most (__launch_bounds__' CTAs per SM), None: ptxas chooses (137 at V2-Lite:
+# 3 CTAs an SM, 396 of T=256's 512 at once); 128 holds V2-Lite's kernels without spills at 4 CTAs
+# an SM (perf_decode.py mma_regcap; unmeasured)
+TC_MAX_REGS = None
 
 
 def _static_smem(N: int, ks: int, cgb: int, vec: int) -> int:
     """Bytes of q_s [TT][N] + red [KS][TT][COLS] (floats) in the template."""
     return ks * TT * cgb * vec * 4 + TT * N * 4
+
+
+def _tc_pitch(N: int) -> int:
+    """Staged q_nope row pitch (elements) of AbsorbQuery::NP: N padded to an odd multiple of 16."""
+    return N + ((16 - N % 32) + 32) % 32
+
+
+def tensor_core_params(N: int, C: int, dtype: str) -> dict | None:
+    """AbsorbQuery's template params, or None where the CUDA-core kernel serves (fp32, or dims
+    the mma tiling does not cover)."""
+    if not TENSOR_CORES or dtype not in ("bf16", "fp16") or N % 16 or N > TC_MAX_N or C % 32:
+        return None
+    wpc = max(w for w in range(1, TC_WARPS + 1) if (C // 32) % w == 0)   # no warp past column C
+    return {"TN": TC_TOKENS, "wpc": wpc, "threads": 32 * wpc, "smem_bytes": TC_TOKENS * _tc_pitch(N) * 2,
+            "min_blocks": min_blocks(32 * wpc, TC_MAX_REGS), "balanced": TC_BALANCED}
 
 
 def lower(nid, G, opts):
@@ -43,6 +79,14 @@ def lower(nid, G, opts):
     H, N = inner_dims(G, ins[0])
     d = dims(G)
     C, V, R = d["kv_lora_rank"], d["v_head_dim"], d["qk_rope_head_dim"]
+    has_rope = op == "mla_decode_query"
+    tc = tensor_core_params(N, C, opts.dtype)
+    if tc is not None:
+        params = {"act": act_ctype(opts), "H": H, "N": N, "V": V, "C": C, "R": R,
+                  "out_w": C + R if has_rope else C, "has_rope": has_rope, "mma": True, **tc}
+        grid = (token_chunks(TC_TOKENS, TC_CHUNKS, TC_BALANCED), H, C // (32 * tc["wpc"]))
+        tag = variant_tag(f"mma_t{tc['TN']}_w{tc['wpc']}", TC_BALANCED, tc["min_blocks"])
+        return [_launch(nid, G, opts, params, grid, tc["threads"], tag)]
     eb = ELEM_BYTES[opts.dtype]
     vec = vec16(C, eb)
     cg = -(-C // vec)
@@ -55,10 +99,18 @@ def lower(nid, G, opts):
         raise LoweringError(f"{op}: qk_nope_head_dim {N} needs {ks} row splits of at most {MAX_RPT} rows "
                             f"({cgb * ks} threads, {_static_smem(N, ks, cgb, vec)} bytes of static shared memory); "
                             f"a CTA has at most 1024 threads and {STATIC_SMEM} bytes")
-    has_rope = op == "mla_decode_query"
     params = {"act": act_ctype(opts), "H": H, "N": N, "V": V, "C": C, "R": R,
               "out_w": C + R if has_rope else C, "TT": TT, "vec": vec, "cgb": cgb, "ks": ks,
-              "has_rope": has_rope}
+              "has_rope": has_rope, "mma": False}
+    grid = (f"min(cdiv(T, {TT}), {TCH})", H, -(-cg // cgb))
+    return [_launch(nid, G, opts, params, grid, cgb * ks, None)]
+
+
+def _launch(nid, G, opts, params: dict, grid, threads: int, variant: str | None) -> KernelLaunch:
+    """The launch of either kernel: the same arguments; the name tells the tensor-core variant apart."""
+    data, ins, outs, w = node_io(G, nid)
+    has_rope = params["has_rope"]
+    H, N, C, R = params["H"], params["N"], params["C"], params["R"]
     parts = [opts.dtype, f"h{H}_n{N}_c{C}"]
     act = params["act"]
     args = [inp("qn", act, ins[0]), stride("qn_s0", ins[0], 0), stride("qn_s1", ins[0], 1)]
@@ -70,7 +122,9 @@ def lower(nid, G, opts):
                  ctx("positions", "positions")]
     else:
         parts += ["absorb"]
+    if variant:
+        parts += [variant]
     args += [weight("kv_b", act, w["kv_b"]), out("out", act, outs[0]), size("T", "T")]
-    return [KernelLaunch(
+    return KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
-        grid=(f"min(cdiv(T, {TT}), {TCH})", H, -(-cg // cgb)), block=(cgb * ks, 1, 1), args=tuple(args))]
+        grid=grid, block=(threads, 1, 1), args=tuple(args))

@@ -1,22 +1,35 @@
 """mla_v_up: o_lat [T, H, C] -> o [T, H*V] = o_lat @ W_UV^T per head (W_UV: the V half of kv_b).
 
-CTA = (token chunk, head, block of NWARPS * RPW weight rows); the rows are loaded once into
-registers and reused for every TT-token tile of the chunk; at most TCH chunks, so W_UV is
-read at most TCH times (L2 after the first) whatever T is.
+Two kernels:
+- tensor cores (bf16 / fp16, C % 32 == 0: every shipped spec): templates/include/mla_absorb.cuh
+  AbsorbVUp, mma.sync swap-AB: the V weight rows are the MMA's M side, tokens its N side in
+  TC_TOKENS tiles; CTA = (token chunk, head, TC_MTILES * 16 rows), warps = m16 tiles x k slices of
+  at most TC_SLICE_CHUNKS * 32 columns, each warp's weight fragment in registers (16-byte loads,
+  2 * CPS of them a thread) for every token tile of its chunk; the k slices' partial sums meet in
+  shared memory.
+- CUDA cores (fp32, odd dims): CTA = (token chunk, head, block of NWARPS * RPW weight rows); the
+  rows are loaded once into registers and reused for every TT-token tile of the chunk.
+Both take at most TCH / TC_CHUNKS token chunks (grid x), so W_UV is read from memory at most
+that many times (L2 after the first) whatever T is. Both keep the PDL contract (pdl.cuh):
+weights are loaded before pdl_wait, o_lat after.
 
-Alignment: the weight rows are loaded as 16-byte vectors only when C is a whole number of
-vectors (vec16) and kv_b is 16-byte aligned (checked once per CTA); o_lat (a view at any
-offset) is read element by element, the output written element by element."""
+Alignment (checked once per CTA, scalar fall-backs otherwise): the weight rows are loaded as
+16-byte vectors only when C is a whole number of vectors and kv_b is 16-byte aligned; o_lat (a
+view at any offset) is read element by element by the CUDA-core kernel, staged with 16-byte
+cp.async by the tensor-core one when the view and its strides allow; the output is written
+element by element."""
 from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, inp, out, size, stride, weight
 from codegen.render import kernel_name
 
+from ._absorb import min_blocks, token_chunks, variant_tag
 from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, dims, inner_dims, node_io, vec16
 
 FAMILY = "mla_v_up"
 TEMPLATE = "mla_v_up.cu.j2"
 OPS = ("mla_v_up",)
+PDL = True
 
 TT = 8
 RPW = 2
@@ -24,23 +37,62 @@ THREADS = 256
 TCH = 16                # token chunks (grid x) at most
 STATIC_SMEM = 48 * 1024  # o_s [TT][CP] is a static __shared__ array: the 48 KB every device allows
 
+TENSOR_CORES = True      # the mma.sync kernel where it applies (perf_decode.py times both)
+TC_TOKENS = 32           # tokens per tile: 4 n8 tiles, 16 accumulators per thread
+TC_MTILES = 2            # m16 weight-row tiles per CTA: 2 -> 64 CTAs a token chunk at V2-Lite
+TC_SLICE_CHUNKS = 4      # 32-column chunks per warp at most (k slice): 2 * 4 16-byte registers
+TC_CHUNKS = 8            # token chunks (grid x) at most
+TC_BALANCED = False      # the balanced token dealing (_absorb.py), off until measured again
+# Registers a thread at most (__launch_bounds__' CTAs per SM), None: ptxas chooses (96 at V2-Lite:
+# 2 CTAs an SM); 80 holds V2-Lite's kernel without spills at 3 CTAs an SM (perf_decode.py
+# mma_regcap; unmeasured), 64 spills
+TC_MAX_REGS = None
+
+
+def tensor_core_params(V: int, C: int, dtype: str) -> dict | None:
+    """AbsorbVUp's template params, or None where the CUDA-core kernel serves (fp32, C % 32 != 0,
+    or a staged tile over the static shared memory)."""
+    if not TENSOR_CORES or dtype not in ("bf16", "fp16") or C % 32:
+        return None
+    nch = C // 32
+    ks = -(-nch // TC_SLICE_CHUNKS)
+    cps = -(-nch // ks)
+    mt = min(TC_MTILES, -(-V // 16))
+    pitch = C + ((32 - C % 64) + 64) % 64              # AbsorbVUp::CP
+    smem = max(TC_TOKENS * pitch * 2, ks * TC_TOKENS * (16 * mt + 4) * 4)
+    if smem > STATIC_SMEM:
+        return None
+    return {"TN": TC_TOKENS, "mt": mt, "ks": ks, "cps": cps, "threads": 32 * mt * ks, "smem_bytes": smem,
+            "min_blocks": min_blocks(32 * mt * ks, TC_MAX_REGS), "balanced": TC_BALANCED}
+
 
 def lower(nid, G, opts):
     data, ins, outs, w = node_io(G, nid)
     H, C = inner_dims(G, ins[0])
     d = dims(G)
     N, V = d["qk_nope_head_dim"], d["v_head_dim"]
-    eb = ELEM_BYTES[opts.dtype]
-    vec = vec16(C, eb)
-    rows_per_cta = (THREADS // 32) * RPW
-    cp = -(-C // vec) * vec
-    if TT * cp * 4 > STATIC_SMEM:
-        raise LoweringError(f"mla_v_up: kv_lora_rank {C} needs {TT * cp * 4} bytes of static shared memory "
-                            f"for {TT} latent rows; a CTA has {STATIC_SMEM}")
-    params = {"act": act_ctype(opts), "H": H, "N": N, "V": V, "C": C, "TT": TT, "rpw": RPW,
-              "threads": THREADS, "vec": vec}
+    act = act_ctype(opts)
+    parts = [opts.dtype, f"h{H}_n{N}_v{V}_c{C}"]
+    tc = tensor_core_params(V, C, opts.dtype)
+    if tc is not None:
+        params = {"act": act, "H": H, "N": N, "V": V, "C": C, "mma": True, **tc}
+        parts.append(variant_tag(f"mma_t{tc['TN']}_m{tc['mt']}", TC_BALANCED, tc["min_blocks"]))
+        grid = (token_chunks(TC_TOKENS, TC_CHUNKS, TC_BALANCED), H, -(-V // (16 * tc["mt"])))
+        threads = tc["threads"]
+    else:
+        eb = ELEM_BYTES[opts.dtype]
+        vec = vec16(C, eb)
+        rows_per_cta = (THREADS // 32) * RPW
+        cp = -(-C // vec) * vec
+        if TT * cp * 4 > STATIC_SMEM:
+            raise LoweringError(f"mla_v_up: kv_lora_rank {C} needs {TT * cp * 4} bytes of static shared memory "
+                                f"for {TT} latent rows; a CTA has {STATIC_SMEM}")
+        params = {"act": act, "H": H, "N": N, "V": V, "C": C, "TT": TT, "rpw": RPW,
+                  "threads": THREADS, "vec": vec, "mma": False}
+        grid = (f"min(cdiv(T, {TT}), {TCH})", H, -(-V // rows_per_cta))
+        threads = THREADS
     return [KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"h{H}_n{N}_v{V}_c{C}"]),
-        params=params, nodes=(nid,), grid=(f"min(cdiv(T, {TT}), {TCH})", H, -(-V // rows_per_cta)), block=(THREADS, 1, 1),
-        args=(inp("ol", params["act"], ins[0]), stride("ol_s0", ins[0], 0), stride("ol_s1", ins[0], 1),
-              weight("kv_b", params["act"], w["kv_b"]), out("out", params["act"], outs[0]), size("T", "T")))]
+        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts),
+        params=params, nodes=(nid,), grid=grid, block=(threads, 1, 1),
+        args=(inp("ol", act, ins[0]), stride("ol_s0", ins[0], 0), stride("ol_s1", ins[0], 1),
+              weight("kv_b", act, w["kv_b"]), out("out", act, outs[0]), size("T", "T")))]

@@ -1,6 +1,7 @@
 """MLA decode kernel timings at DeepSeek-V2-Lite dims (a script, not a test).
 
     python3 tests/gpu/perf_decode.py [--cases 1x512,32x512,64x4096,128x4096]
+    python3 tests/gpu/perf_decode.py --absorb 1,8,32,64,128,256 [--absorb-variants cc,mma,...]
 
 Builds one-node graphs of mla_decode_attention (split + combine), mla_decode_query and
 mla_v_up (the same lowering the bundle uses), runs them through KernelRunner on random bf16
@@ -8,6 +9,10 @@ tensors (decode: one token per sequence, context `ctx`, paged cache with permute
 pages) and times every launch with CUDA events over 50 launches captured in one CUDA graph; prints us / launch and
 achieved GB/s of the bytes each must read. A spot check against torch (fp32) follows for
 attention (first and last token) and the two GEMMs.
+
+--absorb times only mla_decode_query and mla_v_up at those token counts, once per variant
+(ABSORB_VARIANTS: cc = the CUDA-core kernels, mma = the tensor-core defaults, the rest tensor-core
+tilings), one row per (kernel, T, variant) and a summary table.
 
 Bytes per layer: attention B * ctx * 576 * 2 (the cache; 302 MB at 64 x 4096 -> 92 us at
 3.3 TB/s); decode_query / v_up the 2 MB of W_UK / W_UV plus activations.
@@ -129,7 +134,33 @@ def bench_attention(runner, m, B, L):
     return total
 
 
-def bench_query(runner, m, T):
+# Variants of the absorbed projections: module constants of the two families, set while lowering.
+ABSORB_VARIANTS = {
+    "cc": dict(query=dict(TENSOR_CORES=False), v_up=dict(TENSOR_CORES=False)),
+    "mma": dict(query={}, v_up={}),
+    "mma_balanced": dict(query=dict(TC_BALANCED=True), v_up=dict(TC_BALANCED=True)),
+    "mma_regcap": dict(query=dict(TC_MAX_REGS=128), v_up=dict(TC_MAX_REGS=80)),
+    "mma_balanced_regcap": dict(query=dict(TC_BALANCED=True, TC_MAX_REGS=128),
+                                v_up=dict(TC_BALANCED=True, TC_MAX_REGS=80)),
+}
+
+
+def lower_variant(G, nid, family: str, variant: str | None):
+    """Lower with the variant's family constants in force (restored afterwards)."""
+    import importlib
+    mod = importlib.import_module(f"codegen.families.{'mla_decode_query' if family == 'query' else 'mla_v_up'}")
+    overrides = ABSORB_VARIANTS[variant][family] if variant else {}
+    saved = {k: getattr(mod, k) for k in overrides}
+    try:
+        for k, v in overrides.items():
+            setattr(mod, k, v)
+        return lower(G, nid)
+    finally:
+        for k, v in saved.items():
+            setattr(mod, k, v)
+
+
+def bench_query(runner, m, T, variant=None):
     d = m.dims
     H, N, R, V, C = d["heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"], d["kv_lora_rank"]
     G, nid = single_op_graph(m, "mla_decode_query", {"pairs": "adjacent", "output": "interleaved"},
@@ -140,16 +171,16 @@ def bench_query(runner, m, T):
     out = torch.full((T, H, C + R), float("nan"), device=DEV, dtype=DT)
     kw = dict(values={"q_nope": qb[..., :N], "q_pe": qb[..., N:], "out": out}, weights={"kvb": kv_b},
               ctx={"positions": torch.arange(T, dtype=torch.int64, device=DEV)}, sizes={"T": T})
-    (la,) = lower(G, nid)
+    (la,) = lower_variant(G, nid, "query", variant)
     us = time_us(lambda: runner.run(la, **kw))
-    row("mla_decode_query", T, 0, us, H * N * C * 2 + T * H * (N + R + C + R) * 2)
+    row("mla_decode_query" + (f" [{variant}]" if variant else ""), T, 0, us, H * N * C * 2 + T * H * (N + R + C + R) * 2)
     wuk = kv_b.view(H, N + V, C)[:, :N].float()
     ref = torch.einsum("thn,hnc->thc", qb[..., :N].float(), wuk)
     print(f"    decode_query spot check: max rel err {relerr(out[..., :C], ref):.2e}", flush=True)
     return us
 
 
-def bench_v_up(runner, m, T):
+def bench_v_up(runner, m, T, variant=None):
     d = m.dims
     H, N, V, C = d["heads"], d["qk_nope_head_dim"], d["v_head_dim"], d["kv_lora_rank"]
     G, nid = single_op_graph(m, "mla_v_up", {}, {"o_lat": TType(("T", H, C), "act")}, {"kv_b": "kvb"},
@@ -158,21 +189,40 @@ def bench_v_up(runner, m, T):
     kv_b = rand(H * (N + V), C, scale=0.1)
     out = torch.full((T, H * V), float("nan"), device=DEV, dtype=DT)
     kw = dict(values={"o_lat": o_lat, "out": out}, weights={"kvb": kv_b}, sizes={"T": T})
-    (la,) = lower(G, nid)
+    (la,) = lower_variant(G, nid, "v_up", variant)
     us = time_us(lambda: runner.run(la, **kw))
-    row("mla_v_up", T, 0, us, H * V * C * 2 + T * H * (C + V) * 2)
+    row("mla_v_up" + (f" [{variant}]" if variant else ""), T, 0, us, H * V * C * 2 + T * H * (C + V) * 2)
     wuv = kv_b.view(H, N + V, C)[:, N:].float()
     ref = torch.einsum("thc,hvc->thv", o_lat.float(), wuv).reshape(T, H * V)
     print(f"    v_up spot check: max rel err {relerr(out, ref):.2e}", flush=True)
     return us
 
 
+def bench_absorb(runner, m, tokens, variants):
+    """mla_decode_query and mla_v_up at each token count, once per variant; a summary table."""
+    res = {}
+    for T in tokens:
+        for v in variants:
+            res["query", T, v] = bench_query(runner, m, T, v)
+            res["v_up", T, v] = bench_v_up(runner, m, T, v)
+    print(f"\n{'us per launch':<18}" + "".join(f"{v:>11}" for v in variants), flush=True)
+    for fam in ("query", "v_up"):
+        for T in tokens:
+            print(f"{fam + ' T=' + str(T):<18}" + "".join(f"{res[fam, T, v]:>11.2f}" for v in variants), flush=True)
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="1x512,32x512,64x4096,128x4096")
+    ap.add_argument("--absorb", default=None, help="token counts: time only decode_query / v_up variants")
+    ap.add_argument("--absorb-variants", default=",".join(ABSORB_VARIANTS))
     args = ap.parse_args()
     m = lite()
     runner = KernelRunner()
+    if args.absorb:
+        bench_absorb(runner, m, [int(t) for t in args.absorb.split(",")], args.absorb_variants.split(","))
+        return
     for case in args.cases.split(","):
         B, L = map(int, case.split("x"))
         bench_attention(runner, m, B, L)

@@ -142,14 +142,59 @@ def test_mla_kv_cache_write(name, dtype, bs, qlens, past, layout, lead, seed):
     rec.example()
 
 
-@SETTINGS
-@given(name=st.sampled_from(NAMES), dtype=st.sampled_from(DTYPES), absorb=st.booleans(),
-       lens=st.lists(st.integers(1, 9), min_size=1, max_size=12), layout=rope_layout, lead=LEAD,
-       seed=st.integers(0, 2**31))
-@example(name="lite", dtype="bf16", absorb=False, lens=[1, 2], layout=("halves", "halves"), lead=3, seed=13)
-@example(name="odd2", dtype="fp32", absorb=True, lens=[4], layout=("halves", "halves"), lead=1, seed=13)
-def test_mla_decode_query(name, dtype, absorb, lens, layout, lead, seed):
-    m = model(name)
+# -- the absorbed projections (mla_decode_query / mla_q_absorb, mla_v_up) ---------------------
+# Both run on tensor cores for bf16 / fp16 where the dims allow (codegen/families: tensor_core_params;
+# lite, mid / h20 for v_up and the two models below), on CUDA cores otherwise (fp32, odd dims).
+#   tc32: H 3, N 32, C 64, V 24: query in 2-warp column blocks; v_up's second m16 tile half past V.
+#   tc16: H 2, N 16, C 160, V 40: query in 1-warp column blocks (C / 32 = 5); v_up in two k slices
+#         of 3 and 2 chunks (the short last slice) and a second row block whose second tile is
+#         wholly past V.
+ABSORB_MODELS = {
+    "tc32": dict(hidden=48, heads=3, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24,
+                 intermediate=40, moe_intermediate=16),
+    "tc16": dict(hidden=40, heads=2, kv_lora_rank=160, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=40,
+                 intermediate=40, moe_intermediate=16),
+}
+ABSORB_NAMES = (*NAMES, *ABSORB_MODELS)
+# token counts at the edges of the tensor-core tiles (8-token MMA columns, 32-token tiles,
+# 8 token chunks of 32 before a CTA loops)
+TOKEN_EDGES = (1, 7, 8, 9, 16, 17, 31, 32, 33, 63, 64, 65, 128, 129, 256, 257)
+
+
+@functools.lru_cache(maxsize=None)
+def absorb_model(name: str):
+    return tiny_model(**ABSORB_MODELS[name]) if name in ABSORB_MODELS else model(name)
+
+
+def token_counts():
+    return st.one_of(st.sampled_from(TOKEN_EDGES), st.integers(1, 300))
+
+
+@st.composite
+def query_lens(draw):
+    """Sequences of a decode step with one to a few query tokens each (the old strategy), or T
+    tokens at a tile edge split over one to four sequences."""
+    if draw(st.booleans()):
+        return draw(st.lists(st.integers(1, 9), min_size=1, max_size=12))
+    return split_tokens(draw(token_counts()), draw(st.integers(1, 4)))
+
+
+def split_tokens(T: int, k: int) -> list[int]:
+    k = min(k, T)
+    return [T // k + (i < T % k) for i in range(k)]
+
+
+def absorb_out(shape, dtype: str, lead: int) -> torch.Tensor:
+    """The poisoned output: contiguous, starting one element into its buffer when lead is odd
+    (the kernels' element-store fall-back), else where the allocation starts."""
+    n = 1
+    for d in shape:
+        n *= d
+    return empty_out((n + 1,), dtype)[lead % 2:][:n].view(shape)
+
+
+def check_query(name, dtype, absorb, lens, layout, lead, seed):
+    m = absorb_model(name)
     H, C, R, N, V = dims(m)
     gen = torch.Generator().manual_seed(seed)
     step, ctx = make_ctx(lens, [l + 40 for l in lens], block_size=64, model=m, dtype=TORCH_DTYPES[dtype],
@@ -159,37 +204,85 @@ def test_mla_decode_query(name, dtype, absorb, lens, layout, lead, seed):
     kv_b = shifted((H * (N + V), C), dtype, gen, lead, scale=0.1)   # lead > 0: the scalar weight path
     if absorb:
         G, nid = single_op_graph(m, "mla_q_absorb", {}, {"q_nope": act(H, N)}, {"kv_b": "kvb"}, phase="decode")
-        out = empty_out((T, H, C), dtype)
+        out = absorb_out((T, H, C), dtype, lead)
         values, inputs = {"q_nope": q_nope, "out": out}, [q_nope]
     else:
         G, nid = single_op_graph(m, "mla_decode_query", {"pairs": layout[0], "output": layout[1]},
                                  {"q_nope": act(H, N), "q_pe": act(H, R)}, {"kv_b": "kvb"}, phase="decode")
-        out = empty_out((T, H, C + R), dtype)
+        out = absorb_out((T, H, C + R), dtype, lead)
         values, inputs = {"q_nope": q_nope, "q_pe": q_pe, "out": out}, [q_nope, q_pe]
-    run_kernel(G, nid, dtype, values=values, weights={"kvb": kv_b}, ctx=ctx, sizes=step_sizes(step))
+    (launch,) = run_kernel(G, nid, dtype, values=values, weights={"kvb": kv_b}, ctx=ctx, sizes=step_sizes(step))
     (ref,) = reference(G, nid, inputs, {"kvb": kv_b}, step)
     rec = RECS["mla_q_absorb" if absorb else "mla_decode_query"]
-    rec.check(out, ref, dtype)
+    rec.check(out, ref, dtype, f"{launch.name} T={T}")
     rec.example()
+    return launch
 
 
 @SETTINGS
-@given(name=st.sampled_from(NAMES), dtype=st.sampled_from(DTYPES), T=st.integers(1, 40), lead=LEAD,
-       seed=st.integers(0, 2**31))
-@example(name="lite", dtype="bf16", T=9, lead=1, seed=13)
-@example(name="odd2", dtype="fp16", T=3, lead=0, seed=13)
-def test_mla_v_up(name, dtype, T, lead, seed):
-    m = model(name)
+@given(name=st.sampled_from(ABSORB_NAMES), dtype=st.sampled_from(DTYPES), absorb=st.booleans(),
+       lens=query_lens(), layout=rope_layout, lead=LEAD, seed=st.integers(0, 2**31))
+@example(name="lite", dtype="bf16", absorb=False, lens=[1, 2], layout=("halves", "halves"), lead=3, seed=13)
+@example(name="odd2", dtype="fp32", absorb=True, lens=[4], layout=("halves", "halves"), lead=1, seed=13)
+@example(name="lite", dtype="bf16", absorb=False, lens=[86, 85, 85], layout=("adjacent", "interleaved"), lead=0,
+         seed=13)     # tensor cores, every weight / q / output access vectorized, 8 chunks of 32 tokens
+@example(name="lite", dtype="fp16", absorb=True, lens=[129], layout=("halves", "halves"), lead=0, seed=13)
+@example(name="tc16", dtype="bf16", absorb=False, lens=[5, 4], layout=("adjacent", "halves"), lead=1, seed=13)
+@example(name="tc32", dtype="fp16", absorb=True, lens=[300], layout=("halves", "halves"), lead=2, seed=13)
+def test_mla_decode_query(name, dtype, absorb, lens, layout, lead, seed):
+    check_query(name, dtype, absorb, lens, layout, lead, seed)
+
+
+def check_v_up(name, dtype, T, lead, seed):
+    m = absorb_model(name)
     H, C, R, N, V = dims(m)
     gen = torch.Generator().manual_seed(seed)
     G, nid = single_op_graph(m, "mla_v_up", {}, {"o_lat": act(H, C)}, {"kv_b": "kvb"}, phase="decode")
     (o_lat,) = head_views(T, H, [C], dtype, gen, lead)
     kv_b = shifted((H * (N + V), C), dtype, gen, lead, scale=0.1)
-    out = empty_out((T, H * V), dtype)
-    run_kernel(G, nid, dtype, values={"o_lat": o_lat, "out": out}, weights={"kvb": kv_b}, sizes={"T": T})
+    out = absorb_out((T, H * V), dtype, lead)
+    (launch,) = run_kernel(G, nid, dtype, values={"o_lat": o_lat, "out": out}, weights={"kvb": kv_b}, sizes={"T": T})
     (ref,) = reference(G, nid, [o_lat], {"kvb": kv_b})
-    RECS["mla_v_up"].check(out, ref, dtype)
+    RECS["mla_v_up"].check(out, ref, dtype, f"{launch.name} T={T}")
     RECS["mla_v_up"].example()
+    return launch
+
+
+@SETTINGS
+@given(name=st.sampled_from(ABSORB_NAMES), dtype=st.sampled_from(DTYPES),
+       T=st.one_of(st.integers(1, 40), token_counts()), lead=LEAD, seed=st.integers(0, 2**31))
+@example(name="lite", dtype="bf16", T=9, lead=1, seed=13)
+@example(name="odd2", dtype="fp16", T=3, lead=0, seed=13)
+@example(name="lite", dtype="bf16", T=256, lead=0, seed=13)   # tensor cores, vectorized, 8 chunks
+@example(name="lite", dtype="fp16", T=257, lead=0, seed=13)   # ... and a CTA that loops
+@example(name="tc16", dtype="bf16", T=65, lead=1, seed=13)
+@example(name="h20", dtype="fp16", T=33, lead=0, seed=13)
+def test_mla_v_up(name, dtype, T, lead, seed):
+    check_v_up(name, dtype, T, lead, seed)
+
+
+# The tensor-core variants the families can be switched to (perf_decode.py ABSORB_VARIANTS):
+# module constants of both families.
+ABSORB_VARIANTS = {"default": {}, "balanced_regcap": {"TC_BALANCED": True, "TC_MAX_REGS": 128}}
+
+
+@pytest.mark.parametrize("variant", list(ABSORB_VARIANTS))
+@pytest.mark.parametrize("lead", [0, 1])
+@pytest.mark.parametrize("T", TOKEN_EDGES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["lite", "tc32", "tc16"])
+def test_absorb_token_edges(name, dtype, T, lead, variant, monkeypatch):
+    """Every token count at a tile edge, for the three kernels, aligned (lead 0: every vector
+    path) and not (lead 1: every scalar fall-back); bf16 / fp16 take the tensor-core kernels,
+    in their default variant and the balanced token dealing with capped registers."""
+    from codegen.families import mla_decode_query, mla_v_up
+    for mod in (mla_decode_query, mla_v_up):
+        for k, v in ABSORB_VARIANTS[variant].items():
+            monkeypatch.setattr(mod, k, v)
+    launches = [check_query(name, dtype, absorb, split_tokens(T, 1 + T % 3), ("adjacent", "interleaved"), lead,
+                            seed=T) for absorb in (False, True)]
+    launches.append(check_v_up(name, dtype, T, lead, seed=T))
+    assert all(("__mma_" in la.name) == (dtype != "fp32") for la in launches), [la.name for la in launches]
 
 
 @st.composite
