@@ -19,6 +19,7 @@ from . import _moe
 FAMILY = "moe_route"
 TEMPLATE = "moe_route.cu.j2"
 OPS = ("moe_route",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 
 GEMV_THREADS = 256
 EXPERTS_PER_CTA = 2
