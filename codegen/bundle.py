@@ -13,10 +13,10 @@ version, the arch and the options.  A cache hit therefore needs no graph, no
 rendering and no NVRTC: only the key's inputs are read (and ir/torch are not
 imported), which keeps a warm `dsgraph compile` well under a second.
 
-manifest.json (schema 2; JSON with sorted keys, so it diffs cleanly):
+manifest.json (schema 3; JSON with sorted keys, so it diffs cleanly):
 
     schema, key, spec {name, file, sha256, path}, compiler_hash, nvrtc_version [major, minor],
-    arch, options {dtype, block_size},
+    arch, options {dtype, block_size, pdl},
     phases.<prefill|decode>: see codegen/manifest.py (steps with typed arguments, buffers, nodes),
     kernels: {name: {family, role, template, params, nodes, source, cubin, includes}},
     includes: {header: path},  weights: {name: {shape, keep_fp32, parts}},
@@ -55,12 +55,14 @@ from .cache import MANIFEST, BundleCache, cache_key, compiler_source_hash, defau
 from .errors import DsgraphError
 from .kernel import DEFAULTS, DTYPES, KernelLaunch, Options, signature_key
 
-SCHEMA = 2
+SCHEMA = 3     # 3: each kernel step says whether it is launched with PDL ("pdl"), and so do the options
 PHASES = ("prefill", "decode")  # same as ir.PHASES; spelled here so a cache hit never imports ir
 SPEC_FILE = "spec.yaml"
 RANKS_DIR = "ranks"
-# How `dsgraph compile` is asked for a bundle of N ranks (the flag recompile_command prints).
+# How `dsgraph compile` is asked for a bundle of N ranks, and for one without programmatic dependent
+# launch (the flags recompile_command prints).
 WORLD_FLAG = "--tp"
+NO_PDL_FLAG = "--no-pdl"
 
 
 class BundleError(DsgraphError, RuntimeError):
@@ -116,7 +118,7 @@ def _spec_text(spec) -> tuple[str, str]:
     return data.decode("utf-8"), path.name
 
 
-def _check_options(arch: str, dtype: str, block_size: int, world: int = 1) -> None:
+def _check_options(arch: str, dtype: str, block_size: int, world: int = 1, pdl: bool = True) -> None:
     from .nvrtc import parse_arch
     try:
         parse_arch(arch)
@@ -128,18 +130,22 @@ def _check_options(arch: str, dtype: str, block_size: int, world: int = 1) -> No
         raise BundleError(f"block_size must be a positive integer, got {block_size!r}")
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise BundleError(f"world (the number of ranks) must be a positive integer, got {world!r}")
+    if not isinstance(pdl, bool):
+        raise BundleError(f"pdl (programmatic dependent launch) must be True or False, got {pdl!r}")
 
 
 def bundle_key(spec_text: str, *, arch: str, dtype: str, block_size: int, strict: bool = True,
-               world: int = 1) -> str:
+               world: int = 1, pdl: bool = DEFAULTS.pdl) -> str:
     from .nvrtc import nvrtc_version
     return cache_key(spec_text=spec_text, template_texts=render_mod.template_texts(),
                      compiler_hash=compiler_source_hash(), nvrtc_version=nvrtc_version(),
-                     arch=arch, options=_options_json(dtype, block_size, strict, world))
+                     arch=arch, options=_options_json(dtype, block_size, strict, world, pdl))
 
 
-def _options_json(dtype: str, block_size: int, strict: bool, world: int = 1) -> dict:
-    options = {"dtype": dtype, "block_size": block_size}
+def _options_json(dtype: str, block_size: int, strict: bool, world: int = 1, pdl: bool = DEFAULTS.pdl) -> dict:
+    # pdl changes no kernel source (pdl.cuh's instructions are no-ops in a launch without the
+    # attribute), only the manifest's launches: it is in the key because the manifest is.
+    options = {"dtype": dtype, "block_size": block_size, "pdl": pdl}
     if not strict:
         options["allow_unlowered"] = True
     if world > 1:   # absent at world 1: one process's bundles keep their keys
@@ -339,7 +345,7 @@ def _builder(spec, spec_text: str, spec_file: str, key: str, opts: Options, stri
             "spec": {"name": sp.spec.name, "file": spec_file, "path": SPEC_FILE,
                      "sha256": hashlib.sha256(spec_text.encode("utf-8")).hexdigest()},
             "compiler_hash": compiler_hash, "nvrtc_version": list(nvrtc_version()),
-            "arch": opts.arch, "options": _options_json(opts.dtype, opts.block_size, strict, world),
+            "arch": opts.arch, "options": _options_json(opts.dtype, opts.block_size, strict, world, opts.pdl),
             "kernels": {k.name: {"family": k.family, "role": k.role, "template": k.template, "params": k.params,
                                  "nodes": list(k.nodes), "source": f"kernels/{k.name}.cu",
                                  "cubin": f"kernels/{k.name}.cubin", "includes": sorted(k.includes)}
@@ -396,23 +402,25 @@ def _copy_out(entry: Path, out_dir: Path) -> Path:
 
 def compile_bundle(spec, out_dir=None, *, arch: str = DEFAULTS.arch, dtype: str = DEFAULTS.dtype,
                    block_size: int = DEFAULTS.block_size, cache_dir=None, progress: bool | None = None,
-                   jobs: int | None = None, strict: bool = True, world: int = 1) -> BundleResult:
+                   jobs: int | None = None, strict: bool = True, world: int = 1,
+                   pdl: bool = DEFAULTS.pdl) -> BundleResult:
     """Compile `spec` (a path or an ir.Spec) into a bundle, through the cache.
 
     Returns where it is (the cache entry, or `out_dir` when given), whether it was a
     cache hit, how many kernels it holds and how long this call took.  strict=False
     lets nodes no family lowers through (listed under "unlowered"; part of the key).
     world > 1: one bundle for every rank of a tensor / expert parallel job (each rank's
-    graphs through the shard passes; see the module docstring); the key covers `world`."""
+    graphs through the shard passes; see the module docstring); the key covers `world`.
+    pdl=False: no launch is a programmatic dependent launch (for an A/B against the default)."""
     t0 = time.perf_counter()
-    _check_options(arch, dtype, block_size, world)
+    _check_options(arch, dtype, block_size, world, pdl)
     text, file = _spec_text(spec)
-    key = bundle_key(text, arch=arch, dtype=dtype, block_size=block_size, strict=strict, world=world)
+    key = bundle_key(text, arch=arch, dtype=dtype, block_size=block_size, strict=strict, world=world, pdl=pdl)
     cache = BundleCache(cache_dir if cache_dir is not None else default_cache_dir())
     if progress is None:
         progress = sys.stderr.isatty()
     stats: dict = {}
-    opts = Options(arch=arch, dtype=dtype, block_size=block_size)
+    opts = Options(arch=arch, dtype=dtype, block_size=block_size, pdl=pdl)
     entry, built = cache.get_or_build(
         key, _builder(spec, text, file, key, opts, strict, jobs, progress, stats, world))
     if "kernels" in stats:
@@ -460,22 +468,24 @@ def load_manifest(bundle_dir) -> dict:
 
 
 def recompile_command(manifest: dict, bundle_dir, arch: str | None = None, dtype: str | None = None,
-                      block_size: int | None = None, world: int | None = None) -> str:
+                      block_size: int | None = None, world: int | None = None, pdl: bool | None = None) -> str:
     """The one command that rebuilds this bundle (for this device / these options / this many ranks)."""
     opts = manifest.get("options", {})
     spec = Path(bundle_dir) / manifest.get("spec", {}).get("path", SPEC_FILE)
     world = world or bundle_world(manifest)
+    pdl = opts.get("pdl", DEFAULTS.pdl) if pdl is None else pdl
     return (f"dsgraph compile {spec} -o {bundle_dir} --arch {arch or manifest.get('arch')} "
             f"--dtype {dtype or opts.get('dtype')} --block-size {block_size or opts.get('block_size')}"
-            + (f" {WORLD_FLAG} {world}" if world > 1 else ""))
+            + (f" {WORLD_FLAG} {world}" if world > 1 else "") + ("" if pdl else f" {NO_PDL_FLAG}"))
 
 
 def check_compatible(manifest: dict, bundle_dir, *, arch: str, nvrtc_version=None,
-                     dtype: str | None = None, block_size: int | None = None, world: int | None = None) -> None:
+                     dtype: str | None = None, block_size: int | None = None, world: int | None = None,
+                     pdl: bool | None = None) -> None:
     """Raise BundleError (with the command that recompiles it) unless this bundle was built by
     this compiler, from its own spec text, templates and options, for `arch`, this NVRTC and
-    (where given) a job of `world` ranks."""
-    fix = recompile_command(manifest, bundle_dir, arch, dtype, block_size, world)
+    (where given) a job of `world` ranks and these options."""
+    fix = recompile_command(manifest, bundle_dir, arch, dtype, block_size, world, pdl)
     where = f"bundle {bundle_dir}"
     if manifest.get("arch") != arch:
         raise BundleError(f"{where} was compiled for {manifest.get('arch')}, this device is {arch}; "
@@ -485,7 +495,7 @@ def check_compatible(manifest: dict, bundle_dir, *, arch: str, nvrtc_version=Non
         raise BundleError(f"{where} was compiled with NVRTC {built}, this is NVRTC "
                           f"{'.'.join(map(str, nvrtc_version))}; recompile it: {fix}")
     opts = manifest.get("options", {})
-    for name, want in (("dtype", dtype), ("block_size", block_size)):
+    for name, want in (("dtype", dtype), ("block_size", block_size), ("pdl", pdl)):
         if want is not None and opts.get(name) != want:
             raise BundleError(f"{where} was compiled for {name}={opts.get(name)}, the engine runs "
                               f"{name}={want}; recompile it: {fix}")
@@ -500,7 +510,7 @@ def check_compatible(manifest: dict, bundle_dir, *, arch: str, nvrtc_version=Non
                           f"recompile it: {fix}")
     spec_text = (Path(bundle_dir) / manifest["spec"]["path"]).read_text(encoding="utf-8")
     key = bundle_key(spec_text, arch=manifest["arch"], dtype=opts.get("dtype"), block_size=opts.get("block_size"),
-                     strict=not opts.get("allow_unlowered", False), world=built_for)
+                     strict=not opts.get("allow_unlowered", False), world=built_for, pdl=opts.get("pdl"))
     if key != manifest.get("key"):
         raise BundleError(f"{where} is stale: its key does not match its spec, this dsgraph's templates and "
                           f"NVRTC (something it was built from changed); recompile it: {fix}")
@@ -553,16 +563,19 @@ def load_rank_plan(bundle_dir, manifest: dict, rank: int) -> dict:
 
 
 def load_bundle(bundle_dir, *, arch: str, nvrtc_version=None, dtype: str | None = None,
-                block_size: int | None = None, world: int = 1, rank: int = 0) -> LoadedBundle:
+                block_size: int | None = None, world: int = 1, rank: int = 0,
+                pdl: bool | None = None) -> LoadedBundle:
     """Read a bundle to run it: verify its files, check it against this dsgraph and device
     (check_compatible) and rebuild its phases' plans from the manifest; for a process that is
     rank `rank` of `world`, the bundle must have been compiled for `world` ranks and the plans
-    are that rank's.  No passes, no lowering, no NVRTC, no networkx."""
+    are that rank's.  `pdl` (where given): the bundle's launches must have been planned with
+    programmatic dependent launch on (True) or off (False).  No passes, no lowering, no NVRTC, no
+    networkx."""
     from .manifest import phase_from_json
     bundle_dir = Path(bundle_dir)
     manifest = load_manifest(bundle_dir)
     check_compatible(manifest, bundle_dir, arch=arch, nvrtc_version=nvrtc_version, dtype=dtype,
-                     block_size=block_size, world=world)
+                     block_size=block_size, world=world, pdl=pdl)
     spec_text = (bundle_dir / manifest["spec"]["path"]).read_text(encoding="utf-8")
     plan = load_rank_plan(bundle_dir, manifest, rank)
     plans = {ph: phase_from_json(ph, d) for ph, d in plan["phases"].items()}

@@ -7,6 +7,11 @@ ops with one template (``templates/<family>.cu.j2``).  It exposes
     TEMPLATE: str               e.g. "rms_norm.cu.j2"
     OPS: tuple[str, ...]        graph ops it implements, e.g. ("rms_norm",)
     def lower(nid: str, G, opts: Options) -> list[KernelLaunch]   (usually one; split-KV attention: two)
+    PDL: bool                   optional, default False: every kernel of the family keeps the contract of
+                                templates/include/pdl.cuh (each CTA calls dsg::pdl_wait() before it reads
+                                another kernel's output or writes anything), so lowering marks its
+                                launches KernelLaunch.pdl and the runtime launches them with programmatic
+                                dependent launch (each overlaps the tail of the kernel before it)
 
 Launch geometry and size arguments are *expressions* over the step's runtime sizes,
 evaluated by the runtime just before launching (no host sync: all are host-known):
@@ -62,6 +67,8 @@ class Options:
     arch: str = "sm_90"
     dtype: str = "bf16"          # activation / weight dtype: bf16 | fp16 | fp32
     block_size: int = 64         # KV-cache page size (tokens per block)
+    pdl: bool = True             # launch the kernels of PDL families (FAMILY.PDL) with programmatic
+                                 # dependent launch; False: every launch waits for the one before it
 
 
 DEFAULTS = Options()
@@ -240,6 +247,8 @@ class KernelLaunch:
     workspace: tuple[Workspace, ...] = field(default_factory=tuple)
     stage: str = ""              # which launch of the family's node ("split", "combine", ...)
     origins: tuple = ()          # provenance (codegen.provenance.Origin), set by lowering
+    pdl: bool = False            # programmatic dependent launch (set by lowering: the family's PDL
+                                 # and Options.pdl); the kernel keeps templates/include/pdl.cuh's contract
 
     @property
     def role(self) -> str:

@@ -10,6 +10,8 @@ library:
     moe_local_experts           -> ir.ops.moe.local_experts_ref (two torch.where: ids and weights)
 
 Anything else without a family is a LoweringError naming the node and its op.
+The launches of a family that declares ``PDL = True`` are marked ``pdl`` (programmatic
+dependent launch; none are when ``Options.pdl`` is off).
 
 The buffer plan says, for every value, what the runtime must allocate (shape
 with symbolic first dim "T" / "T*K", dtype) or why it must not: split outputs
@@ -187,10 +189,12 @@ def _lower_node(G: nx.DiGraph, nid: str, family, opts: Options) -> list[KernelLa
             raise
         raise LoweringError(f"{node_location(G, nid)}: {e}", located=True) from None
     origins = node_origins(G, nid)
+    # Programmatic dependent launch only where the family's kernels keep pdl.cuh's contract.
+    pdl = opts.pdl and families.uses_pdl(family)
     out = []
     for launch in launches:
         _check_launch(launch, nid, family.FAMILY)
-        out.append(dataclasses.replace(launch, origins=origins))
+        out.append(dataclasses.replace(launch, origins=origins, pdl=pdl))
     return out
 
 

@@ -3,12 +3,15 @@
 A phase in the manifest (JSON with sorted keys, so it diffs cleanly):
 
     inputs, outputs, unlowered [[node, op]...],
-    steps: [{type: "kernel", kernel, family, stage, template, params, nodes, grid, block, smem,
+    steps: [{type: "kernel", kernel, family, stage, template, params, nodes, grid, block, smem, pdl,
              args: [{name, ctype, ref: {value|weight|ctx|workspace|size: x} | {stride: [value, dim]}}],
              workspace: [{name, shape, dtype}]}
             | {type: "library", node, op, call, inputs, outputs, weights, attrs}],
     buffers: {value: {shape, dtype, [view: {base, offset, strides}], [layer], [parts]}},
     nodes: {node: {layer, outputs}}
+
+A kernel step's ``pdl`` (true / false) says whether the runtime launches it with programmatic
+dependent launch (runtime/cuda_driver.py: cuLaunchKernelEx with programmatic stream serialization).
 
 `phase_from_json` gives back the PhasePlan lowering made (launch records with typed
 arguments; provenance is left in the kernel sources), so the runtime runs exactly what the
@@ -26,7 +29,7 @@ def step_to_json(step) -> dict:
     if isinstance(step, KernelLaunch):
         return {"type": "kernel", "kernel": step.name, "family": step.family, "stage": step.stage,
                 "template": step.template, "params": step.params, "nodes": list(step.nodes),
-                "grid": list(step.grid), "block": list(step.block), "smem": step.smem,
+                "grid": list(step.grid), "block": list(step.block), "smem": step.smem, "pdl": step.pdl,
                 "args": [a.to_json() for a in step.args],
                 "workspace": [{"name": w.name, "shape": list(w.shape), "dtype": w.dtype} for w in step.workspace]}
     return {"type": "library", "node": step.node, "op": step.op, "call": step.call,
@@ -42,7 +45,7 @@ def step_from_json(d: dict):
             nodes=tuple(d["nodes"]), grid=tuple(d["grid"]), block=tuple(d["block"]), smem=d["smem"],
             args=tuple(Arg.from_json(a) for a in d["args"]),
             workspace=tuple(Workspace(w["name"], tuple(w["shape"]), w["dtype"]) for w in d["workspace"]),
-            stage=d.get("stage", ""))
+            stage=d.get("stage", ""), pdl=bool(d["pdl"]))
     if kind == "library":
         return LibraryCall(node=d["node"], op=d["op"], call=d["call"], inputs=tuple(d["inputs"]),
                            outputs=tuple(d["outputs"]), weights=tuple(d["weights"]), attrs=dict(d["attrs"]))

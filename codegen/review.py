@@ -146,7 +146,8 @@ def plan_text(manifest_phases: dict) -> str:
         for s in manifest_phases[phase]["steps"]:
             if s["type"] == "kernel":
                 args = ", ".join(f"{a['name']}={next(iter(a['ref'].values()))}" for a in s["args"])
-                lines.append(f"{s['kernel']} grid={s['grid']} block={s['block']} smem={s['smem']} ({args})")
+                pdl = " pdl" if s.get("pdl") else ""
+                lines.append(f"{s['kernel']} grid={s['grid']} block={s['block']} smem={s['smem']}{pdl} ({args})")
             else:
                 lines.append(f"{s['call']} {s['node']} {s['inputs']} -> {s['outputs']} {s['weights']} {s['attrs']}")
     return "\n".join(lines) + "\n"

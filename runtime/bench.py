@@ -36,6 +36,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
     p.add_argument("--quick", action="store_true", help="fewer cases (batch 1 and 32, context 512)")
     p.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="KV-cache page size in tokens")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch every kernel without programmatic dependent launch (an A/B against the default)")
 
 
 def _timeit(fn, iters: int, warmup: int = 2) -> float:
@@ -177,6 +179,29 @@ def _breakdown(step_fn) -> dict:
             "families": dict(sorted(families.items(), key=lambda kv: -kv[1]["ms"]))}
 
 
+def pdl_edges(plan, sizes: dict) -> dict:
+    """How a step's launches follow one another (from the plan, no GPU): kernels launched (a grid
+    with a 0 dim is not), how many are programmatic dependent launches, and how many of those
+    follow a PDL kernel directly, the boundaries where a kernel can start during the previous
+    one's tail (that kernel calls launch_dependents; a library kernel or a kernel launched without
+    the attribute in front serialises as before).  A split is a view: nothing is launched."""
+    from codegen import sizes as size_exprs
+    from codegen.kernel import KernelLaunch
+    kernels = pdl = overlapped = 0
+    prev = None
+    for step in plan.steps:
+        if isinstance(step, KernelLaunch):
+            if 0 in (size_exprs.evaluate(g, sizes) for g in step.grid):
+                continue
+            kernels += 1
+            pdl += step.pdl
+            overlapped += step.pdl and prev == "pdl"
+            prev = "pdl" if step.pdl else "kernel"
+        elif step.op != "split":
+            prev = "library"
+    return {"kernels": kernels, "pdl": pdl, "overlapped": overlapped}
+
+
 ROUTED_EXPERT_FAMILIES = ("moe_gate_up_silu", "moe_down")
 LIBRARY_FAMILY = "cublas/torch"
 
@@ -234,7 +259,8 @@ def run_bench(args) -> int:
     num_blocks = math.ceil(max_tokens / args.block_size) + 8 * max(b for b, _ in decode_cases)
     t0 = time.perf_counter()
     engine = Engine.from_spec(spec_path, backend="cuda", device="cuda", dtype="bf16", block_size=args.block_size,
-                              num_blocks=num_blocks, max_seq_len=8192, max_num_seqs=256)
+                              num_blocks=num_blocks, max_seq_len=8192, max_num_seqs=256, pdl=not args.no_pdl)
+    result["pdl"] = not args.no_pdl
     result["load_seconds"] = time.perf_counter() - t0
     backend = engine.backend
     dims = engine.spec.dims
@@ -264,6 +290,8 @@ def run_bench(args) -> int:
             row["routed_experts"] = routed_expert_rate(row)
             row["linear_bytes"] = linear_bytes(dims, first_dense)
             row["linears"] = linear_rate(row)
+            sizes = {**backend._sizes(step), "SMS": torch.cuda.get_device_properties(0).multi_processor_count}
+            row["pdl_edges"] = pdl_edges(backend.plans["decode"], sizes)
             _release(engine, seq_ids)
             result["decode"].append(row)
             print(f"decode b={batch} ctx={ctx}: {ms:.2f} ms/step (floor {row['floor_ms']:.2f}), "
@@ -349,7 +377,8 @@ def _print_table(r: dict) -> None:
     hf_dec = {(d["batch"], d["context"]): d["ms"] for d in hf.get("decode", [])}
     hf_pre = {(d["batch"], d["length"]): d["tokens_per_s"] for d in hf.get("prefill", [])}
     print()
-    print(f"dsgraph bench — {r['gpu']}, {r['date']}, copy {r['copy_bandwidth_GBps'] / 1e3:.2f} TB/s")
+    pdl = {True: ", PDL on", False: ", PDL off (--no-pdl)"}.get(r.get("pdl"), "")
+    print(f"dsgraph bench — {r['gpu']}, {r['date']}, copy {r['copy_bandwidth_GBps'] / 1e3:.2f} TB/s{pdl}")
     print(f"{'case':<26}{'dsgraph':>14}{'floor':>10}{'% bw':>7}{'transformers':>15}{'speed-up':>10}")
     for d in r["decode"]:
         key = (d["batch"], d["context"])
@@ -371,6 +400,14 @@ def _print_table(r: dict) -> None:
         top = ", ".join(f"{f[:22]} {v['ms']:.2f}" for f, v in list(br["families"].items())[:5])
         per_layer = f" ({br['launches'] / r['layers']:.1f} a layer)" if r.get("layers") else ""
         print(f"  {label:<24}{br['kernel_ms']:>8.2f} in {br['launches']} kernels{per_layer}: {top}")
+    edges = [(d, d.get("pdl_edges")) for d in r["decode"]]
+    if any(x for _, x in edges):
+        print("\nprogrammatic dependent launch per decode step (kernels launched; PDL ones; PDL ones right after "
+              "a PDL kernel):")
+        for d, x in edges:
+            if x:
+                print(f"  decode b={d['batch']} ctx={d['context']:<8}{x['kernels']:>5} kernels  {x['pdl']:>4} PDL  "
+                      f"{x['overlapped']:>4} after a PDL kernel")
     rates = [(d, d.get("routed_experts")) for d in r["decode"]]
     if any(x for _, x in rates):
         print("\nrouted experts (gate_up_silu + down) per decode step, touched expert weights read:")

@@ -3,11 +3,11 @@
     dsgraph --version
     dsgraph spec --from-config CONFIG.json [-o spec.yaml] [--name NAME]
     dsgraph compile [SPEC] [-o DIR] [--arch sm_90] [--dtype bf16] [--block-size 64] [--tp 1]
-                    [--cache-dir DIR] [--jobs N] [--allow-unlowered]
+                    [--no-pdl] [--cache-dir DIR] [--jobs N] [--allow-unlowered]
     dsgraph diff A B          A, B: a spec file, a bundle folder, "golden" or "worktree"
     dsgraph goldens [--check]
     dsgraph generate --model DIR (--prompt TEXT | --ids 1,2,3) [--max-new-tokens N] ...
-    dsgraph bench [--quick] [--json bench.json]
+    dsgraph bench [--quick] [--no-pdl] [--json bench.json]
     dsgraph plan [SPEC] [--gpus N[,N...]] [--dtype bf16] [--batch 32] [--context 4096] [--json] ...
 
 Subcommands live in COMMANDS (name -> (add_arguments, run)); adding one is one
@@ -81,6 +81,9 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="KV-cache page size in tokens")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="ranks the model is spread over (tensor / expert parallel): one plan per rank, shared kernels")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch no kernel with programmatic dependent launch (default: the kernels that keep "
+                        "its contract, templates/include/pdl.cuh, are)")
     p.add_argument("--cache-dir", help="bundle cache (default: $DSGRAPH_CACHE_DIR or ~/.cache/dsgraph)")
     p.add_argument("--jobs", type=int, help="parallel NVRTC compiles (default: one per core)")
     p.add_argument("--allow-unlowered", action="store_true",
@@ -93,17 +96,18 @@ def run_compile(args) -> int:
     args.spec = args.spec or str(DEFAULT_SPEC)
     res = compile_bundle(args.spec, args.output, arch=args.arch, dtype=args.dtype,
                          block_size=args.block_size, cache_dir=args.cache_dir, jobs=args.jobs,
-                         strict=not args.allow_unlowered, world=args.tp)
+                         strict=not args.allow_unlowered, world=args.tp, pdl=not args.no_pdl)
     manifest = json.loads((res.path / "manifest.json").read_text(encoding="utf-8"))
     print(f"spec     {manifest['spec']['name']} ({args.spec})")
     ranks = f", {args.tp} ranks" if args.tp != 1 else ""
     print(f"target   {manifest['arch']}, NVRTC {'.'.join(map(str, manifest['nvrtc_version']))}, "
-          f"{args.dtype}, block size {args.block_size}{ranks}")
+          f"{args.dtype}, block size {args.block_size}{ranks}{', no PDL' if args.no_pdl else ''}")
     print(f"kernels  {res.kernels} unique")
     phases = load_rank_plan(res.path, manifest, 0)["phases"]   # every rank launches the same kernels
     for phase, plan in phases.items():
         kinds = [s["type"] for s in plan["steps"]]
-        line = (f"  {phase:<8} {kinds.count('kernel')} launches, "
+        pdl = sum(bool(s.get("pdl")) for s in plan["steps"])
+        line = (f"  {phase:<8} {kinds.count('kernel')} launches ({pdl} PDL), "
                 f"{kinds.count('library')} library calls")
         if plan.get("unlowered"):
             line += f", {len(plan['unlowered'])} nodes unlowered"

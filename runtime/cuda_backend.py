@@ -55,11 +55,11 @@ def device_arch_of(device: torch.device) -> str:
 
 
 def open_bundle(spec, *, bundle_dir=None, device, dtype: torch.dtype | None, block_size: int | None,
-                cache_dir=None, world: int = 1, rank: int = 0):
+                cache_dir=None, world: int = 1, rank: int = 0, pdl: bool | None = None):
     """The LoadedBundle to run on `device`: `bundle_dir` as given, or `spec` compiled for this
     GPU through the bundle cache (with dsgraph's defaults for what is not given).  Either way it
-    is checked (compiler hash, key, arch, NVRTC, and dtype / block size where given) and read back
-    from its manifest: one path for both.  As rank `rank` of `world` (world > 1, the process group
+    is checked (compiler hash, key, arch, NVRTC, and dtype / block size / pdl where given) and
+    read back from its manifest: one path for both.  As rank `rank` of `world` (world > 1, the process group
     up): the bundle must be one compiled for `world` ranks, the plans are this rank's, and every
     rank must have loaded the same bundle (its key, gathered over the group; ParallelError if not)."""
     from codegen.bundle import compile_bundle, load_bundle
@@ -76,9 +76,9 @@ def open_bundle(spec, *, bundle_dir=None, device, dtype: torch.dtype | None, blo
         if bundle_dir is None:
             bundle_dir = compile_bundle(spec, arch=arch, dtype=name or DEFAULTS.dtype,
                                         block_size=block_size or DEFAULTS.block_size, cache_dir=cache_dir,
-                                        world=world).path
+                                        world=world, pdl=DEFAULTS.pdl if pdl is None else pdl).path
         loaded = load_bundle(bundle_dir, arch=arch, nvrtc_version=nvrtc_version(), dtype=name,
-                             block_size=block_size, world=world, rank=rank)
+                             block_size=block_size, world=world, rank=rank, pdl=pdl)
     except Exception as exc:   # any failure: the other ranks must not be left waiting in the all-gather
         if world == 1:
             raise

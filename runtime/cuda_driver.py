@@ -11,6 +11,7 @@ without a GPU or driver (CI); every call here needs a GPU.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -222,10 +223,57 @@ def _dims(what: str, dims, allow_zero: bool) -> tuple[int, int, int]:
     return tuple(dims)
 
 
+# -- programmatic dependent launch ------------------------------------------------------
+# A PDL launch goes through cuLaunchKernelEx with one attribute, programmatic stream
+# serialization: the kernel may start while the one before it in the stream is still running
+# (once that one's CTAs have all called griddepcontrol.launch_dependents or exited), and its
+# griddepcontrol.wait then blocks until that kernel has completed and its writes are visible
+# (templates/include/pdl.cuh).  Stream capture keeps it as a programmatic edge of the graph.
+# The attribute is the same for every PDL launch, and a launch config is a few fields: the configs
+# of recent (grid, block, shared memory, stream) are kept, so the eager prefill's ~600 launches a
+# step mostly reuse one (building one costs ~1 us of Python, looking it up ~0.1 us).
+
+@functools.lru_cache(maxsize=1)
+def _pdl_attrs() -> tuple:
+    driver = _driver()
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    return (attr,)
+
+
+@functools.lru_cache(maxsize=512)
+def _pdl_config(grid: tuple, block: tuple, shared_mem: int, stream: int):
+    """The CUlaunchConfig of a programmatic dependent launch (never modified once made)."""
+    driver = _driver()
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = shared_mem
+    config.hStream = driver.CUstream(stream)
+    attrs = _pdl_attrs()
+    config.attrs = list(attrs)
+    config.numAttrs = len(attrs)
+    return config
+
+
+def _launch_once(func, grid, block, shared_mem: int, stream: int, params, pdl: bool):
+    """One driver launch; returns its CUresult."""
+    driver = _driver()
+    if pdl:
+        (err,) = driver.cuLaunchKernelEx(_pdl_config(grid, block, shared_mem, stream), func, params, 0)
+    else:
+        (err,) = driver.cuLaunchKernel(func, *grid, *block, shared_mem, driver.CUstream(stream), params, 0)
+    return err
+
+
 def launch(func, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
-           args: list, stream: int | torch.cuda.Stream | None = None) -> None:
+           args: list, stream: int | torch.cuda.Stream | None = None, *, pdl: bool = False) -> None:
     """Launch `func` (from LoadedModule.function) asynchronously on `stream`
-    (default: torch's current stream). An empty grid launches nothing."""
+    (default: torch's current stream). An empty grid launches nothing.
+
+    pdl=True: a programmatic dependent launch (cuLaunchKernelEx, see above); only for a kernel that
+    keeps templates/include/pdl.cuh's contract, which is what KernelLaunch.pdl records."""
     grid = _dims("grid", grid, allow_zero=True)
     block = _dims("block", block, allow_zero=False)
     if 0 in grid:
@@ -236,16 +284,18 @@ def launch(func, grid: tuple[int, int, int], block: tuple[int, int, int], shared
     elif isinstance(stream, torch.cuda.Stream):
         stream = stream.cuda_stream
     driver = _driver()
-    cu_stream = driver.CUstream(stream)
-    (err,) = driver.cuLaunchKernel(func, *grid, *block, shared_mem, cu_stream, params, 0)
+    err = _launch_once(func, grid, block, shared_mem, stream, params, pdl)
     if err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:
         # A thread that has not used CUDA yet has no current context; bind
         # torch's and retry (nothing was launched). Costs nothing when bound.
         _bind_torch_context()
-        (err,) = driver.cuLaunchKernel(func, *grid, *block, shared_mem, cu_stream, params, 0)
+        err = _launch_once(func, grid, block, shared_mem, stream, params, pdl)
     if err != driver.CUresult.CUDA_SUCCESS:
         hint = ""
-        if err == driver.CUresult.CUDA_ERROR_INVALID_VALUE:
+        if pdl and err == driver.CUresult.CUDA_ERROR_NOT_SUPPORTED:
+            hint = ("programmatic dependent launch needs an sm_90 (Hopper) or newer GPU and a CUDA 12.3+ "
+                    "driver; recompile the bundle without it (dsgraph compile --no-pdl)")
+        elif err == driver.CUresult.CUDA_ERROR_INVALID_VALUE:
             # Error path only, so the query costs the hot path nothing.
             opted = driver.cuFuncGetAttribute(
                 driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, func)
@@ -256,8 +306,8 @@ def launch(func, grid: tuple[int, int, int], block: tuple[int, int, int], shared
             else:
                 hint = (f"check the kernel's parameter count and types "
                         f"({len(args)} arguments given)")
-        _raise(err, f"cuLaunchKernel(grid={grid}, block={block}, shared_mem={shared_mem})",
-               hint)
+        call = "cuLaunchKernelEx(programmatic dependent launch, " if pdl else "cuLaunchKernel("
+        _raise(err, f"{call}grid={grid}, block={block}, shared_mem={shared_mem})", hint)
 
 
 def device_arch() -> str:

@@ -168,7 +168,9 @@ class Engine:
         ``torchrun --nproc-per-node N``): this process is one of N ranks and reads only its
         slice of the checkpoint (runtime/parallel.py); on backend="cuda" the bundle is one
         compiled for N ranks (``compile_bundle(..., world=N)``, or the spec compiled so through
-        the cache) and this process runs its rank's plan from it.
+        the cache) and this process runs its rank's plan from it.  ``pdl`` (backend="cuda"):
+        launch the kernels that keep the contract with programmatic dependent launch (True,
+        dsgraph's default) or not (False, for an A/B); None runs a given bundle as compiled.
         """
         backend, device = _backend_and_device(backend, device, bundle)   # before anything is read
         config = load_config(model_dir)
@@ -204,6 +206,7 @@ class Engine:
         device)` then supplies the weights the backend binds."""
         backend, device = _backend_and_device(backend, device, bundle)
         tp = kwargs.pop("tp", None)
+        pdl = kwargs.pop("pdl", None)   # the cuda backend's launches; the reference backend launches none
         if backend == "reference":
             if bundle is not None:
                 raise InputError("a bundle runs on backend='cuda'; the reference backend runs the spec itself")
@@ -228,7 +231,8 @@ class Engine:
         # tp > 1: one bundle for every rank (compiled for `world`); this process runs rank `rank`'s plan.
         loaded = open_bundle(spec, bundle_dir=bundle, device=device,
                              dtype=_as_dtype(dtype) if dtype is not None else None,
-                             block_size=kwargs.pop("block_size", None), cache_dir=cache_dir, world=world, rank=rank)
+                             block_size=kwargs.pop("block_size", None), cache_dir=cache_dir, world=world, rank=rank,
+                             pdl=pdl)
         spec = parse_spec(loaded.spec_text, loaded.manifest["spec"]["file"])
         dtype, block_size = _as_dtype(loaded.options["dtype"]), loaded.options["block_size"]
         specs = manifest_weight_specs(loaded.weights)    # the rank's slices

@@ -4,8 +4,9 @@
 meets the CUDA driver: it evaluates a launch's grid / shared memory / workspace
 shapes over the step's sizes (codegen/sizes.py), allocates its workspaces,
 binds every typed argument reference to a tensor or a width-tagged scalar, and
-launches on torch's current stream (or the one given).  No host synchronisation happens
-here, so a step of launches can be captured as a CUDA graph.
+launches on torch's current stream (or the one given), as a programmatic dependent launch where
+the record says so (KernelLaunch.pdl).  No host synchronisation happens here, so a step of
+launches can be captured as a CUDA graph.
 
 Modules come either from NVRTC on demand (`KernelRunner()`, used by the kernel
 tests; `templates_dir=` renders from another copy of templates/, e.g. a planted
@@ -213,7 +214,7 @@ class KernelRunner:
         smem = size_exprs.evaluate(launch.smem, sizes)
         args = [self._arg(a, launch, values, weights, ctx, workspaces, sizes) for a in launch.args]
         func = self.module(launch).function(launch.name, smem)
-        cu_launch(func, grid, tuple(launch.block), smem, args, stream)
+        cu_launch(func, grid, tuple(launch.block), smem, args, stream, pdl=launch.pdl)
         return workspaces
 
     def run_all(self, launches, *, values: dict, weights: dict | None = None, ctx: dict | None = None,

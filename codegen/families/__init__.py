@@ -6,6 +6,8 @@ A family module exposes (see codegen/kernel.py for the contract)
     TEMPLATE: str               e.g. "rms_norm.cu.j2"
     OPS: tuple[str, ...]        graph ops it implements
     def lower(nid, G, opts) -> list[KernelLaunch]
+    PDL: bool                   optional (default False): its kernels keep templates/include/pdl.cuh's
+                                contract, so they are launched with programmatic dependent launch
 
 Discovery is by module name, sorted, so the registry (and everything derived
 from it: kernel order, bundle manifests, goldens) is deterministic.  Two
@@ -35,6 +37,8 @@ def _check(module: ModuleType) -> None:
     ops = module.OPS
     if isinstance(ops, str) or not all(isinstance(o, str) for o in ops):
         raise RegistryError(f"{module.__name__}.OPS must be a tuple of op names, got {ops!r}")
+    if not isinstance(getattr(module, "PDL", False), bool):
+        raise RegistryError(f"{module.__name__}.PDL must be True or False, got {module.PDL!r}")
 
 
 def index(modules) -> dict[str, ModuleType]:
@@ -73,6 +77,11 @@ def family_for_op(op: str) -> ModuleType | None:
 def claimed_ops() -> dict[str, str]:
     """op -> family name, for every op some family implements."""
     return {op: m.FAMILY for op, m in sorted(_registry()[1].items())}
+
+
+def uses_pdl(module: ModuleType) -> bool:
+    """Whether a family's kernels keep the PDL contract (its PDL attribute; False when absent)."""
+    return getattr(module, "PDL", False)
 
 
 def reload() -> None:

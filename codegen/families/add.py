@@ -11,6 +11,7 @@ from ._dense_util import ELEM_BYTES, LoweringError, ctype_of, inner_dims, node_i
 FAMILY = "add"
 TEMPLATE = "add.cu.j2"
 OPS = ("add",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 THREADS = 256
 
 

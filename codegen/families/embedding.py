@@ -9,6 +9,7 @@ from ._dense_util import ELEM_BYTES, act_ctype, block_threads_for_row, dims, inn
 FAMILY = "embedding"
 TEMPLATE = "embedding.cu.j2"
 OPS = ("embedding",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 
 
 def lower(nid, G, opts):

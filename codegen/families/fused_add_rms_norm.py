@@ -9,6 +9,7 @@ from ._dense_util import ELEM_BYTES, act_ctype, block_threads_for_row, c_float, 
 FAMILY = "fused_add_rms_norm"
 TEMPLATE = "fused_add_rms_norm.cu.j2"
 OPS = ("fused_add_rms_norm",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 
 
 def lower(nid, G, opts):

@@ -15,6 +15,7 @@ from ._dense_util import (ELEM_BYTES, act_ctype, block_threads_for_row, c_float,
 FAMILY = "mla_kv_cache_write"
 TEMPLATE = "mla_kv_cache_write.cu.j2"
 OPS = ("mla_kv_cache_write",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 
 
 def lower(nid, G, opts):

@@ -22,6 +22,7 @@ from .mla_decode_attention import check_smem
 FAMILY = "mla_prefill_attention"
 TEMPLATE = "mla_prefill_attention.cu.j2"
 OPS = ("mla_prefill_attention",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 
 BM = BN = 32
 THREADS = 256

@@ -11,6 +11,7 @@ from . import _moe
 FAMILY = "moe_align"
 TEMPLATE = "moe_align.cu.j2"
 OPS = ("moe_align",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 
 
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:

@@ -9,6 +9,7 @@ from . import _moe
 FAMILY = "moe_combine"
 TEMPLATE = "moe_combine.cu.j2"
 OPS = ("moe_combine",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 
 
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:

@@ -10,6 +10,7 @@ from . import _moe
 FAMILY = "moe_combine_residual"
 TEMPLATE = "moe_combine_residual.cu.j2"
 OPS = ("moe_combine_residual",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 
 
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:

@@ -10,6 +10,7 @@ from . import _moe
 FAMILY = "moe_down"
 TEMPLATE = "moe_down.cu.j2"
 OPS = ("moe_down",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 ROWS_PER_WARP = 4
 
 

@@ -9,6 +9,7 @@ from . import _moe
 FAMILY = "moe_gate_up"
 TEMPLATE = "moe_gate_up.cu.j2"
 OPS = ("moe_gate_up",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 ROWS_PER_WARP = 2
 
 

@@ -14,6 +14,7 @@ from . import _moe
 FAMILY = "moe_gate_up_silu"
 TEMPLATE = "moe_gate_up_silu.cu.j2"
 OPS = ("moe_gate_up_silu",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 ROWS_PER_WARP = 2
 
 

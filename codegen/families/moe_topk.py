@@ -13,6 +13,7 @@ from . import _moe
 FAMILY = "moe_topk"
 TEMPLATE = "moe_topk.cu.j2"
 OPS = ("moe_topk",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 
 
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:

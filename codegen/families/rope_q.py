@@ -11,6 +11,7 @@ from ._dense_util import act_ctype, inner_dims, node_io, rope_params, rope_tag
 FAMILY = "rope_q"
 TEMPLATE = "rope_q.cu.j2"
 OPS = ("rope_q",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 
 
 def lower(nid, G, opts):

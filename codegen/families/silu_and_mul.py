@@ -9,6 +9,7 @@ from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, inner_dims, node_
 FAMILY = "silu_and_mul"
 TEMPLATE = "silu_and_mul.cu.j2"
 OPS = ("silu_and_mul",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 THREADS = 256
 
 

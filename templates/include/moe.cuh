@@ -8,6 +8,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "bulk.cuh"
+#include "pdl.cuh"
 
 namespace dsg {
 namespace moe {
@@ -164,6 +165,14 @@ __device__ __forceinline__ void router_logits_body(const T* __restrict__ x, cons
     for (int w = 0; w < NT / 32; ++w) s += red[w][idx];
     if (e0 + i < E && t0 + j < num_tokens) logits[(i64)(t0 + j) * E + e0 + i] = s;
   }
+}
+
+// This CTA's EPB gate rows (contiguous, fp32) towards L2, before pdl_wait(): the gate is a weight.
+// Only the first token tile's CTAs ask (the others read the same rows).
+template <int E, int D, int EPB>
+__device__ __forceinline__ void router_prefetch(const float* __restrict__ gate) {
+  const int e0 = blockIdx.x * EPB;
+  if (blockIdx.y == 0 && e0 < E) prefetch_l2(gate + (i64)e0 * D, (i64)min(EPB, E - e0) * D * (i64)sizeof(float));
 }
 
 // VEC-wide loads of x (act) and of the fp32 gate where both bases allow them, else VEC = 1.

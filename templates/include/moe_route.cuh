@@ -22,23 +22,6 @@
 namespace dsg {
 namespace moe {
 
-// Pull this CTA's EPB gate rows into L2 before waiting for the previous kernel (weights: allowed
-// before pdl_wait), so under PDL their DRAM latency overlaps the previous kernel's tail.  Token
-// tile 0 only: every tile reads the same rows.
-template <int E, int D, int EPB, int NT>
-__device__ __forceinline__ void prefetch_gate_l2(const float* __restrict__ gate) {
-  constexpr int LINES = (D * 4 + 127) / 128;      // 128-byte lines per fp32 row
-  if (blockIdx.y != 0) return;
-  const int e0 = blockIdx.x * EPB;
-  for (int i = threadIdx.x; i < EPB * LINES; i += NT) {
-    const int r = i / LINES, l = i % LINES;
-    if (e0 + r < E) {
-      const char* p = reinterpret_cast<const char*>(gate + (i64)(e0 + r) * D) + l * 128;
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-    }
-  }
-}
-
 // Top-k of the three-launch form: one warp per token, WARPS tokens per CTA.
 template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS, int WARPS>
 __device__ __forceinline__ void topk_rows(const float* __restrict__ logits, const float* __restrict__ bias,
@@ -90,7 +73,7 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
   constexpr int WARPS = NT / 32;
   constexpr int SLOTS = (E + 31) / 32;
   static_assert(TT == WARPS, "fused route: one warp per token of a tile");
-  prefetch_gate_l2<E, D, EPB, NT>(gate);
+  router_prefetch<E, D, EPB>(gate);   // moe.cuh: weights before pdl_wait
   pdl_wait();
   pdl_launch_dependents();
   // The lowering bounds T by TILES * TT; past it the tickets would be out of bounds (uniform).

@@ -28,4 +28,13 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// What a kernel may do before pdl_wait(): start weights it will read towards L2 (no kernel writes
+// them).  The block's threads share the 128-byte lines of [p, p + bytes), one prefetch per line.
+__device__ __forceinline__ void prefetch_l2(const void* p, long long bytes) {
+  const unsigned long long begin = reinterpret_cast<unsigned long long>(p);
+  const unsigned long long first = begin & ~127ull, end = begin + (unsigned long long)bytes;
+  for (unsigned long long a = first + 128ull * threadIdx.x; a < end; a += 128ull * blockDim.x)
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a));
+}
+
 }  // namespace dsg

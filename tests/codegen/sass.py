@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import tempfile
+from typing import NamedTuple
 
 _OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
 
@@ -31,8 +32,8 @@ def cuobjdump() -> str | None:
     return tools[0] if tools else None
 
 
-def opcodes(cubin: bytes) -> collections.Counter:
-    """Opcode (with modifiers, e.g. HMMA.16816.F32.BF16) -> count, from `cuobjdump -sass`."""
+def _sass(cubin: bytes) -> str:
+    """`cuobjdump -sass` of a cubin."""
     tools = _tools()
     assert tools, "cuobjdump / nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)"
     exe, dis = tools
@@ -40,5 +41,30 @@ def opcodes(cubin: bytes) -> collections.Counter:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
         fh.write(cubin)
         fh.flush()
-        out = subprocess.run([exe, "-sass", fh.name], capture_output=True, text=True, env=env, check=True).stdout
-    return collections.Counter(m.group(1) for m in _OPCODE.finditer(out))
+        return subprocess.run([exe, "-sass", fh.name], capture_output=True, text=True, env=env, check=True).stdout
+
+
+def opcodes(cubin: bytes) -> collections.Counter:
+    """Opcode (with modifiers, e.g. HMMA.16816.F32.BF16) -> count, from `cuobjdump -sass`."""
+    return collections.Counter(m.group(1) for m in _OPCODE.finditer(_sass(cubin)))
+
+
+class Instr(NamedTuple):
+    addr: int          # byte offset in the function
+    opcode: str        # with modifiers, e.g. LDG.E.128
+    operands: str      # the rest up to ';' (predicate guard not included)
+
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)([^;]*);")
+_FUNCTION = re.compile(r"^\s*Function : (\S+)\s*$", re.M)
+
+
+def instructions(cubin: bytes) -> dict[str, list[Instr]]:
+    """Function name -> its instructions in address order, from `cuobjdump -sass`."""
+    out = _sass(cubin)
+    heads = list(_FUNCTION.finditer(out))
+    funcs = {}
+    for i, m in enumerate(heads):
+        body = out[m.end():heads[i + 1].start() if i + 1 < len(heads) else len(out)]
+        funcs[m.group(1)] = [Instr(int(x.group(1), 16), x.group(2), x.group(3).strip()) for x in _INSTR.finditer(body)]
+    return funcs

@@ -120,7 +120,7 @@ def test_second_compile_is_a_hit_without_nvrtc(spec, tmp_path, fake_nvrtc, monke
     assert load_manifest(tmp_path / "out")["key"] == first.key
 
 
-@pytest.mark.parametrize("change", ["template", "arch", "dtype", "block_size", "spec", "compiler", "world"])
+@pytest.mark.parametrize("change", ["template", "arch", "dtype", "block_size", "spec", "compiler", "world", "pdl"])
 def test_each_key_input_misses(spec, tmp_path, fake_nvrtc, monkeypatch, change):
     base = _compile(spec, tmp_path / "c")
     kw = {}
@@ -136,6 +136,8 @@ def test_each_key_input_misses(spec, tmp_path, fake_nvrtc, monkeypatch, change):
         kw["block_size"] = 32
     elif change == "world":
         kw["world"] = 2
+    elif change == "pdl":
+        kw["pdl"] = False
     elif change == "spec":
         spec.write_text(spec.read_text() + "\n# a comment is a change too\n")
     elif change == "compiler":
@@ -252,7 +254,8 @@ def test_incompatible_bundle_is_detected(spec, tmp_path, fake_nvrtc, monkeypatch
     cases = [(dict(arch="sm_80"), "compiled for sm_90, this device is sm_80"),
              (dict(arch="sm_90", nvrtc_version=(12, 0)), "NVRTC"),
              (dict(arch="sm_90", dtype="fp16"), "dtype=bf16, the engine runs dtype=fp16"),
-             (dict(arch="sm_90", block_size=16), "block_size=64, the engine runs block_size=16")]
+             (dict(arch="sm_90", block_size=16), "block_size=64, the engine runs block_size=16"),
+             (dict(arch="sm_90", pdl=False), "pdl=True, the engine runs pdl=False")]
     for kw, match in cases:
         with pytest.raises(BundleError, match=match) as info:
             check_compatible(m, b, **kw)
@@ -273,7 +276,7 @@ def test_incompatible_bundle_is_detected(spec, tmp_path, fake_nvrtc, monkeypatch
 
 @pytest.mark.parametrize("kw,match", [(dict(arch="compute_90"), "architecture"),
                                       (dict(dtype="fp8"), "dtype"), (dict(block_size=0), "block_size"),
-                                      (dict(world=0), "world")])
+                                      (dict(world=0), "world"), (dict(pdl=1), "pdl")])
 def test_bad_options(spec, tmp_path, kw, match):
     with pytest.raises(BundleError, match=match):
         _compile(spec, tmp_path / "c", **kw)
@@ -347,3 +350,46 @@ def test_a_model_that_does_not_split_is_refused_before_compiling(spec, tmp_path,
     with pytest.raises(ParallelError, match="cannot run on 3 ranks: heads"):
         _compile(spec, tmp_path / "c", world=3)
     assert fake_nvrtc.calls == 0
+
+
+def test_a_bundle_says_which_launches_are_pdl_and_no_pdl_is_its_own_bundle(spec, tmp_path, fake_nvrtc):
+    """Each kernel step records whether it is a programmatic dependent launch (its family's PDL);
+    pdl=False gives another key whose manifest has none, and says so in its recompile command."""
+    from codegen import families
+    on = _compile(spec, tmp_path / "c", out_dir=tmp_path / "on")
+    off = _compile(spec, tmp_path / "c", out_dir=tmp_path / "off", pdl=False)
+    assert on.key != off.key
+    m_on, m_off = load_manifest(on.path), load_manifest(off.path)
+    assert m_on["options"]["pdl"] is True and m_off["options"]["pdl"] is False
+    pdl_family = {f.FAMILY: families.uses_pdl(f) for f in families.families()}
+    steps_on = [st for ph in m_on["phases"].values() for st in ph["steps"] if st["type"] == "kernel"]
+    steps_off = [st for ph in m_off["phases"].values() for st in ph["steps"] if st["type"] == "kernel"]
+    assert steps_on and all(st["pdl"] is pdl_family[st["family"]] for st in steps_on)
+    assert any(st["pdl"] for st in steps_on) and not any(st["pdl"] for st in steps_off)
+    # same kernels either way: PDL changes launches, not code
+    assert m_on["kernels"] == m_off["kernels"]
+    loaded = load_bundle(off.path, arch="sm_90", pdl=False)
+    assert not any(la.pdl for p in loaded.plans.values() for la in p.launches)
+    assert any(la.pdl for p in load_bundle(on.path, arch="sm_90").plans.values() for la in p.launches)
+    with pytest.raises(BundleError, match="pdl=False, the engine runs pdl=True") as info:
+        load_bundle(off.path, arch="sm_90", pdl=True)
+    assert "\n" not in str(info.value)
+    assert str(info.value).endswith(f"recompile it: dsgraph compile {off.path / 'spec.yaml'} -o {off.path} "
+                                    f"--arch sm_90 --dtype bf16 --block-size 64")
+    assert bundle_mod.recompile_command(m_off, off.path).endswith(" --no-pdl")
+
+
+def test_a_bundle_from_before_pdl_is_refused_in_one_line(spec, tmp_path, fake_nvrtc):
+    """Schema 2 bundles (no "pdl" on their launches) are refused with the command that rebuilds them."""
+    res = _compile(spec, tmp_path / "c", out_dir=tmp_path / "b")
+    m = json.loads((res.path / "manifest.json").read_text())
+    m["schema"] = 2
+    for ph in m["phases"].values():
+        for st in ph["steps"]:
+            st.pop("pdl", None)
+    (res.path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError) as info:
+        load_bundle(res.path, arch="sm_90")
+    msg = str(info.value)
+    assert "bundle schema 2, this dsgraph reads schema 3; recompile the bundle (dsgraph compile)" in msg
+    assert "\n" not in msg

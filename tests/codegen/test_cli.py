@@ -64,6 +64,20 @@ def test_compile_then_cached(tmp_path, capsys, cache_dir, monkeypatch):
     assert "cache    hit" in capsys.readouterr().out
 
 
+def test_compile_no_pdl_is_another_bundle_without_pdl_launches(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(nvrtc, "compile_cubin",
+                        lambda src, name, **kw: nvrtc.CompileResult(b"CUBIN" + name.encode(), ""))
+    spec = write_tiny_spec(tmp_path / "t.yaml")
+    assert main(["compile", str(spec), "-o", str(tmp_path / "on"), "--allow-unlowered"]) == 0
+    on = capsys.readouterr().out
+    assert main(["compile", str(spec), "-o", str(tmp_path / "off"), "--allow-unlowered", "--no-pdl"]) == 0
+    off = capsys.readouterr().out
+    assert "miss" in off and ", no PDL" in off and "(0 PDL)" in off and "no PDL" not in on
+    assert re.search(r"decode\s+\d+ launches \([1-9]\d* PDL\)", on), on
+    manifests = [json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("on", "off")]
+    assert [m["options"]["pdl"] for m in manifests] == [True, False]
+
+
 def test_diff_between_specs(tmp_path, capsys):
     a = write_tiny_spec(tmp_path / "a.yaml")
     b = write_tiny_spec(tmp_path / "b.yaml", num_hidden_layers=3)   # same kernels, more nodes

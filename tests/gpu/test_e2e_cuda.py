@@ -174,6 +174,26 @@ def test_graph_replay_equals_eager_decode(tiny):
     assert engine.backend.graphs_decode.graphs, "no decode graph was captured"
 
 
+def test_pdl_off_gives_exactly_the_same_logits(tiny):
+    """Programmatic dependent launch (on by default: every engine here runs it, prefill eagerly and
+    decode in captured graphs) changes when kernels start, never what they compute: the same model
+    with every launch plain gives the same logits, eager and graphed."""
+    from runtime import Engine
+    _, _, engine = tiny
+    launches = [la for p in engine.backend.plans.values() for la in p.launches]
+    assert any(la.pdl for la in launches), "the default engine launches no kernel with PDL"
+    off = Engine.from_spec(engine.spec, weights=engine.backend.weights, backend="cuda", device=DEV,
+                           dtype=torch.float32, block_size=5, num_blocks=64, max_seq_len=128, pdl=False)
+    assert not any(la.pdl for p in off.backend.plans.values() for la in p.launches)
+    try:
+        for graphs in (False, True):
+            engine.backend.use_graphs = off.backend.use_graphs = graphs
+            for a, b in zip(engine.logits(PROMPTS, decode_after=2), off.logits(PROMPTS, decode_after=2)):
+                assert torch.equal(a, b), f"PDL on and off differ (decode graphs {'on' if graphs else 'off'})"
+    finally:
+        engine.backend.use_graphs = True
+
+
 def test_bad_input_on_the_gpu_path_fails_before_any_kernel(tiny, tmp_path):
     from codegen.bundle import BundleError, compile_bundle
     from runtime import Engine, InputError

@@ -82,3 +82,53 @@ def test_table_prints_the_linears_rate(capsys):
     out = capsys.readouterr().out
     tbps = row["linear_bytes"] / 1e-3 / 1e12
     assert f"1.00 ms  {tbps:5.2f} TB/s  ({tbps / 4.2 * 100:.0f}% of copy)" in out
+
+
+def _k(pdl: bool, grid=(1, 1, 1)):
+    from codegen.kernel import KernelLaunch
+    return KernelLaunch(family="f", template="f.cu.j2", name="f", params={}, nodes=("n",), grid=grid,
+                        block=(32, 1, 1), args=(), pdl=pdl)
+
+
+def _lib(op: str):
+    from codegen.kernel import LibraryCall
+    return LibraryCall(node="n", op=op, call=op, inputs=(), outputs=())
+
+
+def test_pdl_edges_count_the_pdl_launches_right_after_a_pdl_kernel():
+    from codegen.plan import PhasePlan
+    from runtime.bench import pdl_edges
+    steps = [_k(True), _k(True),                  # the second overlaps the first
+             _lib("split"), _k(True),             # a view launches nothing: overlaps too
+             _lib("linear"), _k(True),            # after cuBLAS: PDL, not overlapped
+             _k(False), _k(True),                 # after a plain kernel: not overlapped
+             _k(True, grid=("T - 1", 1, 1)),      # not launched at T = 1 ...
+             _k(True)]                            # ... so this one follows the one before it
+    edges = pdl_edges(PhasePlan("decode", steps=steps), {"T": 1})
+    assert edges == {"kernels": 7, "pdl": 6, "overlapped": 3}
+
+
+def test_pdl_edges_of_a_v2_lite_decode_step():
+    """Batch 1, V2-Lite: each MoE layer's route (3 launches) and experts (2) follow a PDL kernel; with
+    pdl off, nothing is PDL and the same kernels launch."""
+    import dataclasses
+
+    from codegen.bundle import plan_spec
+    from codegen.kernel import DEFAULTS
+    from codegen.paths import MODEL_SPECS_DIR
+    from runtime.bench import pdl_edges
+    spec = str(MODEL_SPECS_DIR / "deepseek_v2_lite.yaml")
+    sizes = {"T": 1, "B": 1, "NP": 6, "MAXQ": 1, "MAXCTX": 512, "W": 128, "SMS": 132}
+    on = pdl_edges(plan_spec(spec, DEFAULTS).plans["decode"], sizes)
+    off = pdl_edges(plan_spec(spec, dataclasses.replace(DEFAULTS, pdl=False)).plans["decode"], sizes)
+    assert off == {"kernels": on["kernels"], "pdl": 0, "overlapped": 0}
+    assert on["kernels"] >= on["pdl"] >= on["overlapped"] >= 5 * 26
+
+
+def test_table_prints_the_pdl_edges(capsys):
+    row = {"batch": 1, "context": 512, "ms": 3.9, "floor_ms": 1.17, "fraction_of_bandwidth": 0.3,
+           "pdl_edges": {"kernels": 374, "pdl": 266, "overlapped": 157}}
+    _print_table({"gpu": "H200", "date": "2026-12-01", "copy_bandwidth_GBps": 4218.0, "layers": 27, "pdl": True,
+                  "decode": [row], "prefill": []})
+    out = capsys.readouterr().out
+    assert "PDL on" in out and "374 kernels   266 PDL   157 after a PDL kernel" in out
