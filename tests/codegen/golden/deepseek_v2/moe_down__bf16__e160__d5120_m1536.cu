@@ -3,7 +3,7 @@
 // kernel:   moe_down__bf16__e160__d5120_m1536
 // role:     moe_down.gemv
 // params:   {"E":160,"K":1,"KD":1536,"N":5120,"act":"__nv_bfloat16","pt":8,"rpw":4,"variant":"gemv","vec":8,"warps":4}
-// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh, pdl.cuh
 // nodes:    L1-59.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:104 blocks.moe_ffn.ops[5] moe_down, layers 1-59 (as written)
@@ -11,7 +11,10 @@
 // moe_down: [a [NP, M], routing] -> eo [NP, D] = a[p] W[e]^T per pair: the GEMV at decode's
 // smallest batches, else variant mma (experts with more than thr pairs on tensor cores, the
 // others on CUDA cores, one grid).
+// Both wait at entry (pdl.cuh): which expert's weights a CTA reads comes from the routing,
+// another kernel's output, so there is nothing to prefetch before the wait.
 #include "moe.cuh"
+#include "pdl.cuh"
 
 extern "C" __global__ void __launch_bounds__(128)
 moe_down__bf16__e160__d5120_m1536(
@@ -20,6 +23,8 @@ moe_down__bf16__e160__d5120_m1536(
     const i32* __restrict__ order,
     const i32* __restrict__ offsets,
     __nv_bfloat16* __restrict__ out) {
+  dsg::pdl_wait();                // pdl.cuh: every CTA, before it reads another kernel's output or writes
+  dsg::pdl_launch_dependents();
   dsg::moe::grouped_gemv<__nv_bfloat16, dsg::moe::DOWN, 160, 5120, 1536, 1, 4,
                          4, 8, 8>(a, w, nullptr, order, offsets, out, nullptr);
 }

@@ -3,17 +3,16 @@
 // kernel:   moe_route__e160__align
 // role:     moe_route.align
 // params:   {"E":160,"part":"one_cta","stage":"align","threads":1024}
-// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh, moe_route.cuh, pdl.cuh
 // nodes:    L1-59.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:97 blocks.moe_ffn.ops[0] linear, layers 1-59 (fuse_router)
 //   deepseek_v2.yaml:98 blocks.moe_ffn.ops[1] moe_topk, layers 1-59 (fuse_router)
 //   deepseek_v2.yaml:100 blocks.moe_ffn.ops[2] moe_align, layers 1-59 (fuse_router)
 
-// moe_route, stage 3: alignment (the moe_align kernel).
-// moe_align: expert ids [T, K] -> routing (pairs grouped by expert: order [NP], offsets [E + 1]):
-// one CTA (part one_cta), or for many pairs three launches: count, scan, scatter (moe.cuh 3b).
-#include "moe.cuh"
+// moe_route, launch 3 of 3: alignment (pairs grouped by expert): one CTA, or for many pairs
+// count / scan / scatter (moe.cuh 3b).
+#include "moe_route.cuh"
 
 extern "C" __global__ void __launch_bounds__(1024)
 moe_route__e160__align(
@@ -21,5 +20,7 @@ moe_route__e160__align(
     i32* __restrict__ order,
     i32* __restrict__ offsets,
     int num_pairs) {
+  dsg::pdl_wait();
+  dsg::pdl_launch_dependents();
   dsg::moe::align<160, 1024>(ids, num_pairs, order, offsets);
 }

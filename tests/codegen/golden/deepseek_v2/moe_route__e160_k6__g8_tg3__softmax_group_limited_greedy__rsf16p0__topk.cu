@@ -3,19 +3,15 @@
 // kernel:   moe_route__e160_k6__g8_tg3__softmax_group_limited_greedy__rsf16p0__topk
 // role:     moe_route.topk
 // params:   {"E":160,"K":6,"groups":8,"has_bias":false,"method":"group_limited_greedy","norm_topk_prob":false,"scaling":"16.0f","scoring":"softmax","stage":"topk","topk_groups":3,"warps":4}
-// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh, moe_route.cuh, pdl.cuh
 // nodes:    L1-59.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:97 blocks.moe_ffn.ops[0] linear, layers 1-59 (fuse_router)
 //   deepseek_v2.yaml:98 blocks.moe_ffn.ops[1] moe_topk, layers 1-59 (fuse_router)
 //   deepseek_v2.yaml:100 blocks.moe_ffn.ops[2] moe_align, layers 1-59 (fuse_router)
 
-// moe_route, stage 2: scoring + top-k (the moe_topk kernel).
-// moe_topk: router logits [T, E] fp32 -> ids [T, K] i64, weights [T, K] fp32 (one warp per token).
-#include "moe.cuh"
-
-// Two rows of E floats per warp in static shared memory (lowering bounds E by MAX_EXPERTS).
-static_assert(2 * 4 * 160 * sizeof(float) <= 48 * 1024, "top-k scratch must fit static shared memory");
+// moe_route, launch 2 of 3: scoring + top-k, one warp per token.
+#include "moe_route.cuh"
 
 extern "C" __global__ void __launch_bounds__(128)
 moe_route__e160_k6__g8_tg3__softmax_group_limited_greedy__rsf16p0__topk(
@@ -23,14 +19,10 @@ moe_route__e160_k6__g8_tg3__softmax_group_limited_greedy__rsf16p0__topk(
     i64* __restrict__ ids,
     float* __restrict__ weights,
     int num_tokens) {
-  __shared__ float scores[4][160];
-  __shared__ float choice[4][160];
-  const int warp = threadIdx.x >> 5;
-  const int t = blockIdx.x * 4 + warp;
-  if (t >= num_tokens) return;
-  dsg::moe::topk_token<160, 6, 8, 3, dsg::moe::SOFTMAX,
-                       dsg::moe::GROUP_LIMITED_GREEDY, false,
-                       false>(
-      logits + (i64)t * 160, nullptr, 16.0f,
-      ids + (i64)t * 6, weights + (i64)t * 6, scores[warp], choice[warp]);
+  dsg::pdl_wait();
+  dsg::pdl_launch_dependents();
+  dsg::moe::topk_rows<160, 6, 8, 3, dsg::moe::SOFTMAX,
+                      dsg::moe::GROUP_LIMITED_GREEDY, false,
+                      false, 4>(
+      logits, nullptr, 16.0f, ids, weights, num_tokens);
 }

@@ -3,7 +3,7 @@
 // kernel:   silu_and_mul__bf16__n12288
 // role:     silu_and_mul
 // params:   {"N":12288,"act":"__nv_bfloat16","threads":256,"vec":8}
-// includes: common.cuh, elementwise.cuh, vec.cuh
+// includes: common.cuh, elementwise.cuh, pdl.cuh, vec.cuh
 // nodes:    L0.dense_ffn.a
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:90 blocks.dense_ffn.ops[2] silu_and_mul, layer 0 (as written)
@@ -11,6 +11,7 @@
 // [gate, up] [T, N] -> silu(gate) * up; silu(gate) is rounded to the activation type
 // first, as the reference computes F.silu(gate) * up in that type.
 #include "elementwise.cuh"
+#include "pdl.cuh"
 
 typedef __nv_bfloat16 act_t;
 constexpr int N = 12288;
@@ -31,5 +32,7 @@ silu_and_mul__bf16__n12288(
     i64 u_stride,
     __nv_bfloat16* __restrict__ out,
     int T) {
+  dsg::pdl_wait();                // pdl.cuh: every CTA, before it reads another kernel's output or writes
+  dsg::pdl_launch_dependents();
   dsg::binary_rows<act_t, N, THREADS>(g, g_stride, u, u_stride, out, T, SiluMulOp());
 }

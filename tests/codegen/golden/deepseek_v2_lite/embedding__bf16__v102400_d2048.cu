@@ -3,12 +3,13 @@
 // kernel:   embedding__bf16__v102400_d2048
 // role:     embedding
 // params:   {"D":2048,"act":"__nv_bfloat16","threads":256,"vocab":102400}
-// includes: common.cuh, vec.cuh
+// includes: common.cuh, pdl.cuh, vec.cuh
 // nodes:    embed.x
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:55 blocks.embed.ops[0] embedding (as written)
 
 // ids [T] int64 -> out [T, D]: one CTA per token copies its row of the table.
+#include "pdl.cuh"
 #include "vec.cuh"
 
 typedef __nv_bfloat16 act_t;
@@ -22,6 +23,8 @@ embedding__bf16__v102400_d2048(
     const __nv_bfloat16* __restrict__ table,
     __nv_bfloat16* __restrict__ out,
     int T) {
+  dsg::pdl_wait();                // pdl.cuh: every CTA, before it reads another kernel's output or writes
+  dsg::pdl_launch_dependents();
   const int t = blockIdx.x;
   if (t >= T) return;
   const i64 id = ids[t];

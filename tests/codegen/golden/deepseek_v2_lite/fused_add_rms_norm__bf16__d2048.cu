@@ -3,7 +3,7 @@
 // kernel:   fused_add_rms_norm__bf16__d2048
 // role:     fused_add_rms_norm
 // params:   {"N":2048,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":256}
-// includes: common.cuh, norm.cuh, vec.cuh
+// includes: common.cuh, norm.cuh, pdl.cuh, vec.cuh
 // nodes:    L1.h_attn, L0-26.h_ffn
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layer 1 (fuse_add_rms_norm)
@@ -14,6 +14,7 @@
 // [x, residual] [T, N] -> [h = rms_norm(s), s = x + residual]: s is rounded to the
 // activation type before it is normalised (as the reference adds in that type).
 #include "norm.cuh"
+#include "pdl.cuh"
 
 typedef __nv_bfloat16 act_t;
 constexpr int N = 2048;
@@ -30,6 +31,8 @@ fused_add_rms_norm__bf16__d2048(
     __nv_bfloat16* __restrict__ h,
     __nv_bfloat16* __restrict__ s,
     int T) {
+  dsg::pdl_wait();                // pdl.cuh: every CTA, before it reads another kernel's output or writes
+  dsg::pdl_launch_dependents();
   __shared__ float scratch[32];
   const int t = blockIdx.x;
   if (t >= T) return;

@@ -3,7 +3,7 @@
 // kernel:   mla_prefill_attention__bf16__h16_n128_r64_v128__mma
 // role:     mla_prefill_attention
 // params:   {"H":16,"N":128,"R":64,"V":128,"act":"__nv_bfloat16","scale":"0.1147213876247406f","smem":68608,"tc":true}
-// includes: common.cuh, mla_prefill.cuh, mma.cuh
+// includes: common.cuh, mla_prefill.cuh, mma.cuh, pdl.cuh
 // nodes:    L0-26.mla.o
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:79 blocks.mla.ops[7] mla_attention, layers 0-26 (lower_mla_prefill)
@@ -11,6 +11,7 @@
 // MLA prefill attention (decompressed K/V, causal within each packed prompt). See mla_prefill.cuh:
 // MlaPrefillTC (tensor cores) for bf16 / fp16, MlaPrefill (fp32 CUDA cores) for fp32.
 #include "mla_prefill.cuh"
+#include "pdl.cuh"
 
 typedef __nv_bfloat16 act_t;
 typedef dsg::MlaPrefillTC<act_t, /*H=*/16, /*N=*/128, /*R=*/64, /*V=*/128> Attn;
@@ -32,6 +33,8 @@ mla_prefill_attention__bf16__h16_n128_r64_v128__mma(
     const i32* __restrict__ query_start,
     const i64* __restrict__ positions,
     __nv_bfloat16* __restrict__ out) {
+  dsg::pdl_wait();                // pdl.cuh: every CTA, before it reads another kernel's output or writes
+  dsg::pdl_launch_dependents();
   extern __shared__ __align__(16) char smem[];
   Attn::run(q_nope, qn_s0, qn_s1, q_rot, qr_s0, qr_s1, kv, kv_s0, k_rot, kr_s0, query_start, positions, out,
             SCALE, smem);

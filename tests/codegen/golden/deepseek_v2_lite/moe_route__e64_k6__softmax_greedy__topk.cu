@@ -3,19 +3,15 @@
 // kernel:   moe_route__e64_k6__softmax_greedy__topk
 // role:     moe_route.topk
 // params:   {"E":64,"K":6,"groups":1,"has_bias":false,"method":"greedy","norm_topk_prob":false,"scaling":"1.0f","scoring":"softmax","stage":"topk","topk_groups":1,"warps":4}
-// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh, moe_route.cuh, pdl.cuh
 // nodes:    L1-26.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:95 blocks.moe_ffn.ops[0] linear, layers 1-26 (fuse_router)
 //   deepseek_v2_lite.yaml:96 blocks.moe_ffn.ops[1] moe_topk, layers 1-26 (fuse_router)
 //   deepseek_v2_lite.yaml:98 blocks.moe_ffn.ops[2] moe_align, layers 1-26 (fuse_router)
 
-// moe_route, stage 2: scoring + top-k (the moe_topk kernel).
-// moe_topk: router logits [T, E] fp32 -> ids [T, K] i64, weights [T, K] fp32 (one warp per token).
-#include "moe.cuh"
-
-// Two rows of E floats per warp in static shared memory (lowering bounds E by MAX_EXPERTS).
-static_assert(2 * 4 * 64 * sizeof(float) <= 48 * 1024, "top-k scratch must fit static shared memory");
+// moe_route, launch 2 of 3: scoring + top-k, one warp per token.
+#include "moe_route.cuh"
 
 extern "C" __global__ void __launch_bounds__(128)
 moe_route__e64_k6__softmax_greedy__topk(
@@ -23,14 +19,10 @@ moe_route__e64_k6__softmax_greedy__topk(
     i64* __restrict__ ids,
     float* __restrict__ weights,
     int num_tokens) {
-  __shared__ float scores[4][64];
-  __shared__ float choice[4][64];
-  const int warp = threadIdx.x >> 5;
-  const int t = blockIdx.x * 4 + warp;
-  if (t >= num_tokens) return;
-  dsg::moe::topk_token<64, 6, 1, 1, dsg::moe::SOFTMAX,
-                       dsg::moe::GREEDY, false,
-                       false>(
-      logits + (i64)t * 64, nullptr, 1.0f,
-      ids + (i64)t * 6, weights + (i64)t * 6, scores[warp], choice[warp]);
+  dsg::pdl_wait();
+  dsg::pdl_launch_dependents();
+  dsg::moe::topk_rows<64, 6, 1, 1, dsg::moe::SOFTMAX,
+                      dsg::moe::GREEDY, false,
+                      false, 4>(
+      logits, nullptr, 1.0f, ids, weights, num_tokens);
 }

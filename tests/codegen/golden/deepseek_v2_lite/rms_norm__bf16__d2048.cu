@@ -3,7 +3,7 @@
 // kernel:   rms_norm__bf16__d2048
 // role:     rms_norm
 // params:   {"N":2048,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":256}
-// includes: common.cuh, norm.cuh, vec.cuh
+// includes: common.cuh, norm.cuh, pdl.cuh, vec.cuh
 // nodes:    head.h, L0,2-26.h_attn
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layers 0, 2-26 (as written)
@@ -11,6 +11,7 @@
 
 // x [T, N] (rows x_stride apart: may be a view) -> out [T, N] contiguous; one CTA per row.
 #include "norm.cuh"
+#include "pdl.cuh"
 
 typedef __nv_bfloat16 act_t;
 constexpr int N = 2048;
@@ -24,6 +25,8 @@ rms_norm__bf16__d2048(
     const __nv_bfloat16* __restrict__ w,
     __nv_bfloat16* __restrict__ out,
     int T) {
+  dsg::pdl_wait();                // pdl.cuh: every CTA, before it reads another kernel's output or writes
+  dsg::pdl_launch_dependents();
   __shared__ float scratch[32];
   const int t = blockIdx.x;
   if (t >= T) return;

@@ -3,7 +3,7 @@
 // kernel:   moe_combine_residual__bf16__k8_d7168
 // role:     moe_combine_residual
 // params:   {"D":7168,"K":8,"act":"__nv_bfloat16","threads":128,"vec":8}
-// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh, pdl.cuh
 // nodes:    L3-60.x_out
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:66 blocks.decoder_layer.ops[5] add, layers 3-60 (fuse_combine_shared_residual)
@@ -13,6 +13,7 @@
 // moe_combine_residual: [eo [NP, D], w [T, K], shared [T, D], residual [T, D]] ->
 // residual + round(round(sum_k w * eo) + shared), one CTA per token.
 #include "moe.cuh"
+#include "pdl.cuh"
 
 extern "C" __global__ void __launch_bounds__(128)
 moe_combine_residual__bf16__k8_d7168(
@@ -21,5 +22,7 @@ moe_combine_residual__bf16__k8_d7168(
     const __nv_bfloat16* __restrict__ shared,
     const __nv_bfloat16* __restrict__ residual,
     __nv_bfloat16* __restrict__ out) {
+  dsg::pdl_wait();                // pdl.cuh: every CTA, before it reads another kernel's output or writes
+  dsg::pdl_launch_dependents();
   dsg::moe::combine<__nv_bfloat16, 7168, 8, 128, 8, true>(eo, w, shared, residual, out);
 }

@@ -3,15 +3,16 @@
 // kernel:   moe_route__bf16__e256_d7168__gemv
 // role:     moe_route.router_gemv
 // params:   {"D":7168,"E":256,"act":"__nv_bfloat16","epb":2,"stage":"router_gemv","threads":256,"tt":8,"vec":4}
-// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh, moe_route.cuh, pdl.cuh
 // nodes:    L3-60.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:97 blocks.moe_ffn.ops[0] linear, layers 3-60 (fuse_router)
 //   deepseek_v3.yaml:98 blocks.moe_ffn.ops[1] moe_topk, layers 3-60 (fuse_router)
 //   deepseek_v3.yaml:100 blocks.moe_ffn.ops[2] moe_align, layers 3-60 (fuse_router)
 
-// moe_route, stage 1: router logits [T, E] = x.float() @ gate.T (fp32), EPB experts x TT tokens per CTA.
-#include "moe.cuh"
+// moe_route, launch 1 of 3 (T above the fused bound): router logits [T, E] = x.float() @ gate.T
+// (fp32), EPB experts x TT tokens per CTA.
+#include "moe_route.cuh"
 
 extern "C" __global__ void __launch_bounds__(256)
 moe_route__bf16__e256_d7168__gemv(
@@ -19,6 +20,9 @@ moe_route__bf16__e256_d7168__gemv(
     const float* __restrict__ gate,
     float* __restrict__ logits,
     int num_tokens) {
+  dsg::moe::router_prefetch<256, 7168, 2>(gate);
+  dsg::pdl_wait();
+  dsg::pdl_launch_dependents();
   dsg::moe::router_logits<__nv_bfloat16, 256, 7168, 2, 8, 256, 4>(
       x, gate, logits, num_tokens);
 }

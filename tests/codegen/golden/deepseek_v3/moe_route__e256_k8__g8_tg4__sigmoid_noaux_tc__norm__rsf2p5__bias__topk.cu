@@ -3,19 +3,15 @@
 // kernel:   moe_route__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__topk
 // role:     moe_route.topk
 // params:   {"E":256,"K":8,"groups":8,"has_bias":true,"method":"noaux_tc","norm_topk_prob":true,"scaling":"2.5f","scoring":"sigmoid","stage":"topk","topk_groups":4,"warps":4}
-// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh
+// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh, moe_route.cuh, pdl.cuh
 // nodes:    L3-60.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:97 blocks.moe_ffn.ops[0] linear, layers 3-60 (fuse_router)
 //   deepseek_v3.yaml:98 blocks.moe_ffn.ops[1] moe_topk, layers 3-60 (fuse_router)
 //   deepseek_v3.yaml:100 blocks.moe_ffn.ops[2] moe_align, layers 3-60 (fuse_router)
 
-// moe_route, stage 2: scoring + top-k (the moe_topk kernel).
-// moe_topk: router logits [T, E] fp32 -> ids [T, K] i64, weights [T, K] fp32 (one warp per token).
-#include "moe.cuh"
-
-// Two rows of E floats per warp in static shared memory (lowering bounds E by MAX_EXPERTS).
-static_assert(2 * 4 * 256 * sizeof(float) <= 48 * 1024, "top-k scratch must fit static shared memory");
+// moe_route, launch 2 of 3: scoring + top-k, one warp per token.
+#include "moe_route.cuh"
 
 extern "C" __global__ void __launch_bounds__(128)
 moe_route__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__topk(
@@ -24,14 +20,10 @@ moe_route__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__topk(
     i64* __restrict__ ids,
     float* __restrict__ weights,
     int num_tokens) {
-  __shared__ float scores[4][256];
-  __shared__ float choice[4][256];
-  const int warp = threadIdx.x >> 5;
-  const int t = blockIdx.x * 4 + warp;
-  if (t >= num_tokens) return;
-  dsg::moe::topk_token<256, 8, 8, 4, dsg::moe::SIGMOID,
-                       dsg::moe::NOAUX_TC, true,
-                       true>(
-      logits + (i64)t * 256, bias, 2.5f,
-      ids + (i64)t * 8, weights + (i64)t * 8, scores[warp], choice[warp]);
+  dsg::pdl_wait();
+  dsg::pdl_launch_dependents();
+  dsg::moe::topk_rows<256, 8, 8, 4, dsg::moe::SIGMOID,
+                      dsg::moe::NOAUX_TC, true,
+                      true, 4>(
+      logits, bias, 2.5f, ids, weights, num_tokens);
 }

@@ -3,13 +3,14 @@
 // kernel:   rms_norm__bf16__d1536
 // role:     rms_norm
 // params:   {"N":1536,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":192}
-// includes: common.cuh, norm.cuh, vec.cuh
+// includes: common.cuh, norm.cuh, pdl.cuh, vec.cuh
 // nodes:    L0-60.mla.q_a_n
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:73 blocks.mla.ops[1] rms_norm, layers 0-60 (as written)
 
 // x [T, N] (rows x_stride apart: may be a view) -> out [T, N] contiguous; one CTA per row.
 #include "norm.cuh"
+#include "pdl.cuh"
 
 typedef __nv_bfloat16 act_t;
 constexpr int N = 1536;
@@ -23,6 +24,8 @@ rms_norm__bf16__d1536(
     const __nv_bfloat16* __restrict__ w,
     __nv_bfloat16* __restrict__ out,
     int T) {
+  dsg::pdl_wait();                // pdl.cuh: every CTA, before it reads another kernel's output or writes
+  dsg::pdl_launch_dependents();
   __shared__ float scratch[32];
   const int t = blockIdx.x;
   if (t >= T) return;

@@ -8,6 +8,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "bulk.cuh"
+#include "pdl.cuh"
 
 namespace dsg {
 namespace moe {
@@ -166,6 +167,14 @@ __device__ __forceinline__ void router_logits_body(const T* __restrict__ x, cons
   }
 }
 
+// This CTA's EPB gate rows (contiguous, fp32) towards L2, before pdl_wait(): the gate is a weight.
+// Only the first token tile's CTAs ask (the others read the same rows).
+template <int E, int D, int EPB>
+__device__ __forceinline__ void router_prefetch(const float* __restrict__ gate) {
+  const int e0 = blockIdx.x * EPB;
+  if (blockIdx.y == 0 && e0 < E) prefetch_l2(gate + (i64)e0 * D, (i64)min(EPB, E - e0) * D * (i64)sizeof(float));
+}
+
 // VEC-wide loads of x (act) and of the fp32 gate where both bases allow them, else VEC = 1.
 template <typename T, int E, int D, int EPB, int TT, int NT, int VEC>
 __device__ __forceinline__ void router_logits(const T* __restrict__ x, const float* __restrict__ gate,
@@ -200,13 +209,15 @@ __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
   return v > bv || (v == bv && i < bi);
 }
 
-// Routes one token.  `sc` and `ch` are this warp's shared scratch of E floats each (scores and
-// selection values).  Writes ids[0..K) (descending by selection value, like torch.topk sorted)
-// and weights[0..K).
+// Routes one token from its logits in registers: lane owns experts e = lane + 32 * s, l[s] is
+// logit e (-inf where e >= E).  `sc` and `ch` are this warp's shared scratch of E floats each
+// (scores and selection values).  Writes ids[0..K) (descending by selection value, like
+// torch.topk sorted) and weights[0..K).  topk_token below loads the logits; the fused route
+// (moe_route.cuh) loads them past L1, since other CTAs of its launch wrote them.
 template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS>
-__device__ __forceinline__ void topk_token(const float* __restrict__ logits, const float* __restrict__ bias,
-                                           float scaling, i64* __restrict__ ids, float* __restrict__ weights,
-                                           float* sc, float* ch) {
+__device__ __forceinline__ void topk_scored(float (&l)[(E + 31) / 32], const float* __restrict__ bias,
+                                            float scaling, i64* __restrict__ ids, float* __restrict__ weights,
+                                            float* sc, float* ch) {
   constexpr int SLOTS = (E + 31) / 32;   // experts a lane owns: e = lane + 32 * s
   constexpr int GS = E / G;              // experts per group (contiguous)
   static_assert(SLOTS <= 32, "moe top-k: at most 1024 experts");
@@ -215,14 +226,9 @@ __device__ __forceinline__ void topk_token(const float* __restrict__ logits, con
   const int lane = threadIdx.x & 31;
 
   // scores: softmax over E, or sigmoid
-  float l[SLOTS];
   float mx = -CUDART_INF_F;
 #pragma unroll
-  for (int s = 0; s < SLOTS; ++s) {
-    const int e = lane + 32 * s;
-    l[s] = (e < E) ? logits[e] : -CUDART_INF_F;
-    mx = fmaxf(mx, l[s]);
-  }
+  for (int s = 0; s < SLOTS; ++s) mx = fmaxf(mx, l[s]);
   if constexpr (SCORING == SOFTMAX) {
     mx = warp_max(mx);
     float sum = 0.f;
@@ -318,6 +324,20 @@ __device__ __forceinline__ void topk_token(const float* __restrict__ logits, con
   }
 }
 
+template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS>
+__device__ __forceinline__ void topk_token(const float* __restrict__ logits, const float* __restrict__ bias,
+                                           float scaling, i64* __restrict__ ids, float* __restrict__ weights,
+                                           float* sc, float* ch) {
+  const int lane = threadIdx.x & 31;
+  float l[(E + 31) / 32];
+#pragma unroll
+  for (int s = 0; s < (E + 31) / 32; ++s) {
+    const int e = lane + 32 * s;
+    l[s] = (e < E) ? logits[e] : -CUDART_INF_F;
+  }
+  topk_scored<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS>(l, bias, scaling, ids, weights, sc, ch);
+}
+
 // ---- 3. alignment: pairs grouped by expert (one CTA) ---------------------------------------
 // Exclusive scan of count[0..E) by warp 0, 32 experts a round: start[e] and offsets[e] get the
 // first slot of expert e's segment, offsets[E] the total.  Every thread calls it; warp 0 works.
@@ -346,9 +366,10 @@ __device__ __forceinline__ void scan_counts(const int* count, int* start, i32* _
 
 // counts per expert -> exclusive scan -> offsets [E + 1], then each pair claims a slot in its
 // expert's segment.  Order inside a segment follows the atomics (it does not change any result:
-// every pair is computed on its own).
-template <int E, int NT>
-__device__ __forceinline__ void align(const i64* __restrict__ ids, int num_pairs, i32* __restrict__ order,
+// every pair is computed on its own).  Id: i64 (the ids output of top-k), or int (the fused
+// route's copy of them in shared memory).
+template <int E, int NT, typename Id = i64>
+__device__ __forceinline__ void align(const Id* __restrict__ ids, int num_pairs, i32* __restrict__ order,
                                       i32* __restrict__ offsets) {
   // Any NP: every loop strides by NT; the scan is warp 0's, 32 experts a round.
   static_assert(NT % 32 == 0 && NT <= 1024, "align: whole warps, at most 1024 threads");

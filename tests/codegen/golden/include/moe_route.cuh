@@ -1,0 +1,111 @@
+// moe_route device code: the router in one launch at decode sizes, and the PDL-keeping kernels of
+// its three-launch form (router GEMV, top-k, align).  The math is moe.cuh's (router_logits,
+// topk_scored, align); this header adds how one launch hands the work from stage to stage.
+//
+// Dimension legend: T tokens, D hidden, E routed experts, K experts per token, G expert groups,
+// NP = T*K token-expert pairs (pair p = t*K + k), TT tokens per token tile.
+//
+// The fused launch (route_fused): grid (cdiv(E, EPB), cdiv(T, TT)), the router GEMV's geometry.
+//   1. every CTA computes its EPB experts' logits for its tile's TT tokens (fp32 workspace);
+//   2. the CTA of a token tile that finishes last (a ticket per tile) runs top-k for the tile's
+//      tokens, one warp per token, on the logits the tile's other CTAs wrote;
+//   3. the tile that finishes top-k last (one more ticket) aligns all NP pairs in that CTA.
+// Each ticket is reset to 0 by the CTA that takes the last one, so the next launch (the next
+// layer, or the next replay of a captured CUDA graph) starts from 0 with no memset launch and no
+// host sync.  The tickets are a __device__ array of the kernel's own module (zero when the
+// module loads); launches of one kernel never overlap (stream order; under PDL every CTA waits
+// for the previous grid before it takes a ticket), so one array serves every layer.
+#pragma once
+#include "moe.cuh"
+#include "pdl.cuh"
+
+namespace dsg {
+namespace moe {
+
+// Top-k of the three-launch form: one warp per token, WARPS tokens per CTA.
+template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS, int WARPS>
+__device__ __forceinline__ void topk_rows(const float* __restrict__ logits, const float* __restrict__ bias,
+                                          float scaling, i64* __restrict__ ids, float* __restrict__ weights,
+                                          int num_tokens) {
+  static_assert(2 * WARPS * E * sizeof(float) <= 48 * 1024, "top-k scratch must fit static shared memory");
+  __shared__ float scores[WARPS][E];
+  __shared__ float choice[WARPS][E];
+  const int warp = threadIdx.x >> 5;
+  const int t = blockIdx.x * WARPS + warp;
+  if (t >= num_tokens) return;
+  topk_token<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS>(logits + (i64)t * E, bias, scaling, ids + (i64)t * K,
+                                                          weights + (i64)t * K, scores[warp], choice[warp]);
+}
+
+// A CTA's arrival at a ticket counter, after its global writes; true in the CTA that arrives
+// last of `expected`, which also resets the counter.  Every thread calls it.  The grid barrier
+// of cooperative groups orders memory the same way: the CTA barrier gathers every thread's
+// writes to thread 0, whose fence (cumulative) publishes them before its atomic; in the last
+// CTA, thread 0's atomic has seen every other CTA's, its fence and the barrier then order them
+// before every thread's loads, which go past L1 (__ldcg: other SMs wrote the data).
+__device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int expected) {
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const bool is_last = atomicAdd(counter, 1u) == expected - 1u;
+    if (is_last) {
+      atomicExch(counter, 0u);      // no other CTA of this launch touches it again
+      __threadfence();
+    }
+    last = is_last;
+  }
+  __syncthreads();
+  return last != 0;
+}
+
+// The whole route in one launch (see the top of this file).  `tickets`: TILES + 1 counters, one per
+// token tile and one for the tiles; `smem`: dynamic shared memory of max(2 * WARPS * E floats,
+// TILES * TT * K ints) (the top-k scratch, then the pairs' ids: one CTA uses them one after the
+// other).  The lowering runs it only while T <= TILES * TT.
+template <typename T, int E, int D, int EPB, int TT, int NT, int VEC, int K, int G, int TG, int SCORING,
+          int METHOD, bool NORM, bool HAS_BIAS, int TILES>
+__device__ __forceinline__ void route_fused(const T* __restrict__ x, const float* __restrict__ gate,
+                                            const float* __restrict__ bias, float scaling, float* __restrict__ logits,
+                                            i64* __restrict__ ids, float* __restrict__ weights,
+                                            i32* __restrict__ order, i32* __restrict__ offsets, int num_tokens,
+                                            unsigned int* __restrict__ tickets, float* smem) {
+  constexpr int WARPS = NT / 32;
+  constexpr int SLOTS = (E + 31) / 32;
+  static_assert(TT == WARPS, "fused route: one warp per token of a tile");
+  router_prefetch<E, D, EPB>(gate);   // moe.cuh: weights before pdl_wait
+  pdl_wait();
+  pdl_launch_dependents();
+  // The lowering bounds T by TILES * TT; past it the tickets would be out of bounds (uniform).
+  if (gridDim.y > TILES) return;
+
+  // 1. logits [T, E] of this CTA's experts and tokens
+  router_logits<T, E, D, EPB, TT, NT, VEC>(x, gate, logits, num_tokens);
+
+  // 2. the tile's last CTA: top-k of its TT tokens, a warp each
+  if (!last_arrival(&tickets[blockIdx.y], gridDim.x)) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t = blockIdx.y * TT + warp;
+  if (t < num_tokens) {
+    float l[SLOTS];
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) {
+      const int e = lane + 32 * s;
+      l[s] = (e < E) ? __ldcg(logits + (i64)t * E + e) : -CUDART_INF_F;
+    }
+    float* sc = smem + warp * 2 * E;
+    topk_scored<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS>(l, bias, scaling, ids + (i64)t * K,
+                                                              weights + (i64)t * K, sc, sc + E);
+  }
+
+  // 3. the last tile's CTA: align every pair (ids copied to shared memory past L1)
+  if (!last_arrival(&tickets[TILES], gridDim.y)) return;
+  const int num_pairs = num_tokens * K;
+  int* sid = reinterpret_cast<int*>(smem);
+  for (int p = threadIdx.x; p < num_pairs; p += NT) sid[p] = (int)__ldcg(ids + p);
+  __syncthreads();
+  align<E, NT, int>(sid, num_pairs, order, offsets);
+}
+
+}  // namespace moe
+}  // namespace dsg

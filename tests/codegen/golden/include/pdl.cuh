@@ -1,0 +1,40 @@
+// Programmatic dependent launch (PDL) on Hopper: lets a kernel start while the one before it in
+// the stream drains, so its launch latency and its weight prefetch overlap the previous tail.
+//
+// The contract every PDL-launched kernel keeps (the launcher sets the launch attribute only on
+// kernels whose family declares PDL = True):
+//  - every CTA calls pdl_wait() before its first read of anything another kernel writes
+//    (activations, step metadata, workspaces, the KV cache) and before its first global write,
+//    early-exiting CTAs included; reading weights before it is allowed (no kernel writes them).
+//    A CTA that returned without waiting could let this grid complete before its predecessor,
+//    and the kernel after it would then see the predecessor's writes unfinished.
+//  - pdl_launch_dependents() may come anywhere after that: it only lets the next kernel's CTAs be
+//    scheduled (they still wait for this grid to complete before touching its outputs).
+// Both are no-ops when the kernel was launched without the attribute. Raw PTX, not
+// cudaGridDependencySynchronize, because NVRTC builds without the device runtime.
+#pragma once
+
+namespace dsg {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// What a kernel may do before pdl_wait(): start weights it will read towards L2 (no kernel writes
+// them).  The block's threads share the 128-byte lines of [p, p + bytes), one prefetch per line.
+__device__ __forceinline__ void prefetch_l2(const void* p, long long bytes) {
+  const unsigned long long begin = reinterpret_cast<unsigned long long>(p);
+  const unsigned long long first = begin & ~127ull, end = begin + (unsigned long long)bytes;
+  for (unsigned long long a = first + 128ull * threadIdx.x; a < end; a += 128ull * blockDim.x)
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(a));
+}
+
+}  // namespace dsg
