@@ -94,9 +94,9 @@ struct Staged<T, VEC, 8> {
 };
 
 // One operand's share of a stage: ROWS rows x BK columns, VEC-wide vectors, every thread PER of
-// them (vector q = tid + NT * l: row q / CV, columns (q % CV) * VEC: a warp reads whole 16-byte
-// runs of consecutive rows, and stores them to distinct banks).  Rows >= `rows` and columns >= D
-// are zeros (the tile's edges, D's last slice).
+// them (vector q = tid + NT * l: row q / CV, columns (q % CV) * VEC, CV = BK / VEC vectors a row:
+// a warp loads whole BK-element runs of 32 / CV consecutive rows, and its stores spread evenly
+// over the banks).  Rows >= `rows` and columns >= D are zeros (the tile's edges, D's last slice).
 template <typename T, int ROWS, int BK, int NT, int VEC, int D>
 struct StageLoader {
   static constexpr int CV = BK / VEC;
