@@ -7,13 +7,18 @@ While T <= ROUTE_FUSED_TOKENS, one launch ("fused", templates/include/moe_route.
   tokens, a warp each; the last tile to finish aligns every pair (counts, scan, scatter) in its
   CTA.  The tickets reset themselves, so CUDA-graph replays need no memset launch.
 Above it, three launches:
-  1. router GEMV   logits [T, E] = x.float() @ gate.T in fp32 (workspace);
+  1. router logits [T, E] = x.float() @ gate.T in fp32 (workspace): while T <= GEMM_TOKENS the
+                   GEMV (EPB experts x TT tokens a CTA), above it the tiled GEMM of
+                   templates/include/router_gemm.cuh (BM tokens x BN experts a CTA, so x is read
+                   cdiv(E, BN) times instead of cdiv(E, EPB); D split over CTAs while the tiles are
+                   fewer than the SMs);
   2. top-k         one warp per token (the moe_topk kernel's math);
   3. align         counts, scan and scatter of the pairs by expert in one CTA (the moe_align
                    kernel's), or count / scan / scatter launches above _moe.ALIGN_PARALLEL_PAIRS.
 Which runs is chosen on the host from T alone (grid factors, _moe.only_below / only_above), so a
-decode step captured at a batch size carries only the launches that do work.  No device-to-host
-copy: the grouped expert kernels read the routing from device memory.
+decode step captured at a batch size carries only the launches that do work; a launch whose T
+range is empty under the bounds is not emitted.  No device-to-host copy: the grouped expert
+kernels read the routing from device memory.
 """
 from __future__ import annotations
 
@@ -36,6 +41,22 @@ TOKENS_PER_CTA = 8        # a token tile; in the fused launch, one warp per toke
 # three launches win; where they cross is for the H200 to say (tests/gpu/perf_route.py).  None:
 # always the three launches.
 ROUTE_FUSED_TOKENS = 256
+# The three-launch route's logits: the GEMV while T <= GEMM_TOKENS, the tiled GEMM above (None: the
+# GEMV at every T, as before the GEMM; 0: the GEMM at every T).  The GEMV re-reads each token's x
+# once per expert pair (569 us a layer at prefill 32x512 on the H200, PERF_NOTES v8); at the
+# fused bound the GEMM, split over D, already fills the SMs, so the two bounds meet.
+GEMM_TOKENS = 256
+# The GEMM's tiles (templates/include/router_gemm.cuh): BM tokens x BN experts a CTA of GEMM_THREADS,
+# BK of D a stage, TM x TN outputs a thread (16 FMAs per two 16-byte shared loads).  Two CTAs an SM:
+# 36.9 KB of shared memory each and at most 128 registers a thread.
+GEMM_BM, GEMM_BN, GEMM_BK = 64, 64, 32
+GEMM_TM, GEMM_TN = 4, 4
+GEMM_THREADS = 256
+# Split D over up to GEMM_SPLIT_MAX CTAs a tile, each at least GEMM_SPLIT_MIN_D of it, while the
+# tiles are fewer than the SMs (S = SMS // tiles): prefill 1 x 2048 at V2-Lite has 32 tiles, S = 4.
+# Each split writes a partial tile and the last one sums them (tickets: at most GEMM_TICKETS tiles).
+GEMM_SPLIT_MAX, GEMM_SPLIT_MIN_D = 8, 128
+GEMM_TICKETS = 512
 
 
 def fused_tiles(ft: int) -> int:
@@ -47,6 +68,36 @@ def fused_smem(E: int, K: int, tiles: int) -> int:
     """Dynamic shared memory of the fused launch: the top-k scratch (two rows of E floats per warp),
     then, in the last CTA, the pairs' ids (int each)."""
     return max(2 * (GEMV_THREADS // 32) * E * 4, tiles * TOKENS_PER_CTA * K * 4)
+
+
+def gemm_smem(bm: int, bn: int, bk: int) -> int:
+    """Dynamic shared memory of the GEMM: two stages of (BM + BN) rows of BK + 4 floats."""
+    return 2 * (bm + bn) * (bk + 4) * 4
+
+
+def gemm_split_cap(D: int) -> int:
+    """Most splits of D: GEMM_SPLIT_MAX, each at least GEMM_SPLIT_MIN_D (whole BK slices)."""
+    slices = -(-D // GEMM_BK)
+    return max(1, min(GEMM_SPLIT_MAX, slices // -(-GEMM_SPLIT_MIN_D // GEMM_BK)))
+
+
+def gemm_tiles(E: int) -> str:
+    """Output tiles of the GEMM at T tokens."""
+    return f"cdiv(T, {GEMM_BM}) * {-(-E // GEMM_BN)}"
+
+
+def gemm_splits(E: int, D: int) -> int | str:
+    """S, the GEMM's grid z: enough splits of D that tiles * S reaches the SM count, capped; 1 when
+    the tiles alone fill the SMs or would not fit the tickets (S > 1 means tiles <= GEMM_TICKETS)."""
+    cap = gemm_split_cap(D)
+    if cap == 1:
+        return 1
+    return f"max(1, min({cap}, min(SMS, {GEMM_TICKETS}) // ({gemm_tiles(E)})))"
+
+
+def _factors(*fs) -> str | None:
+    fs = [f for f in fs if f is not None]
+    return " * ".join(fs) if fs else None
 
 
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
@@ -81,13 +132,20 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
             block=(GEMV_THREADS, 1, 1), args=tuple(args), smem=smem, workspace=(logits,), stage="fused"))
     above = None if ft is None else _moe.only_above(ft)
 
-    launches.append(KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [dt, f"e{E}_d{D}", "gemv"]),
-        params={**gemv, "stage": "router_gemv"}, nodes=(nid,),
-        grid=(_moe.when(cta_cols, above), f"cdiv(T, {TOKENS_PER_CTA})", 1), block=(GEMV_THREADS, 1, 1),
-        args=(inp("x", ct, x), weight("gate", "float", bound["gate"]),
-              work("logits", "float", "router_logits"), size("num_tokens", "T")),
-        workspace=(logits,), stage="router_gemv"))
+    # the logits: the GEMV on (ft, GEMM_TOKENS], the GEMM above max(ft, GEMM_TOKENS)
+    gt = GEMM_TOKENS
+    if gt is None or ft is None or gt > ft:
+        gemv_only = _factors(above, None if gt is None else _moe.only_below(gt))
+        launches.append(KernelLaunch(
+            family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [dt, f"e{E}_d{D}", "gemv"]),
+            params={**gemv, "stage": "router_gemv"}, nodes=(nid,),
+            grid=(_moe.when(cta_cols, gemv_only), f"cdiv(T, {TOKENS_PER_CTA})", 1), block=(GEMV_THREADS, 1, 1),
+            args=(inp("x", ct, x), weight("gate", "float", bound["gate"]),
+                  work("logits", "float", "router_logits"), size("num_tokens", "T")),
+            workspace=(logits,), stage="router_gemv"))
+    if gt is not None:
+        lo = max(gt, ft or 0)
+        launches.append(_gemm_launch(nid, dt, ct, x, bound["gate"], E, D, logits, _moe.only_above(lo) if lo else None))
     launches.append(_moe.topk_launch(
         FAMILY, TEMPLATE, kernel_name(FAMILY, [*_moe.topk_name_parts(topk), "topk"]), topk, nid,
         WorkspaceRef("router_logits"), bias, ids, weights, workspace=(logits,), stage="topk", only=above))
@@ -95,3 +153,23 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     launches += _moe.align_launches(FAMILY, TEMPLATE, kernel_name(FAMILY, [f"e{E}", "align"]), align,
                                     nid, ids, routing, stage="align", only=above)
     return launches
+
+
+def _gemm_launch(nid, dt, ct, x, gate, E, D, logits, only) -> KernelLaunch:
+    """The GEMM's launch: grid (expert blocks, token tiles, splits of D); `only`: its T factor."""
+    bm, bn, bk, tm, tn, nt = GEMM_BM, GEMM_BN, GEMM_BK, GEMM_TM, GEMM_TN, GEMM_THREADS
+    smem = gemm_smem(bm, bn, bk)
+    params = {"stage": "router_gemm", "act": ct, "E": E, "D": D, "bm": bm, "bn": bn, "bk": bk, "tm": tm, "tn": tn,
+              "threads": nt, "min_blocks": 2 if tm * tn <= 16 else 1, "xvec": _moe.vec_width(D, _moe.ELEM_BYTES[dt]),
+              "gvec": _moe.vec_width(D, 4), "tickets": GEMM_TICKETS, "partial_width": tm * tn, "smem": smem}
+    S = gemm_splits(E, D)
+    # one row of TM * TN floats per thread of every split's CTA; none when S = 1
+    rows = 0 if S == 1 else f"({S}) * {gemm_tiles(E)} * {nt} * min(1, ({S}) - 1)"
+    partials = Workspace("router_partials", (rows, tm * tn), "f32")
+    return KernelLaunch(
+        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [dt, f"e{E}_d{D}", "gemm"]),
+        params=params, nodes=(nid,),
+        grid=(-(-E // bn), _moe.when(f"cdiv(T, {bm})", only), S), block=(nt, 1, 1),
+        args=(inp("x", ct, x), weight("gate", "float", gate), work("logits", "float", "router_logits"),
+              work("partials", "float", "router_partials"), size("num_tokens", "T")),
+        smem=smem, workspace=(logits, partials), stage="router_gemm")

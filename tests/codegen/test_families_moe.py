@@ -19,7 +19,7 @@ import ir  # noqa: E402
 import ir.passes  # noqa: E402
 from codegen import families  # noqa: E402
 from codegen.kernel import KernelLaunch, Options  # noqa: E402
-from codegen.kernel import SizeRef  # noqa: E402
+from codegen.kernel import SizeRef, WorkspaceRef  # noqa: E402
 from codegen.render import render_launch  # noqa: E402
 from ir.ops import TType  # noqa: E402
 
@@ -90,7 +90,7 @@ def test_lowering_is_deterministic_and_names_are_readable(dims):
 def test_kernel_names():
     by_op = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "bf16")] for G, nid in moe_graphs(*DIMS["v3"])}
     assert by_op["moe_route"] == ["moe_route__bf16__d7168__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__fused_t256",
-                                  "moe_route__bf16__e256_d7168__gemv",
+                                  "moe_route__bf16__e256_d7168__gemm",
                                   "moe_route__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__topk",
                                   "moe_route__e256__align"]
     assert by_op["moe_gate_up_silu"] == ["moe_gate_up_silu__bf16__e256_k8__m2048_d7168",
@@ -145,17 +145,18 @@ def test_grouped_launch_covers_every_expert_and_row():
 
 
 def test_route_needs_no_host_sync():
-    """Every size the route launches read is host-known (T, NP), none a device count."""
+    """Every size the route launches read is host-known (T, NP, and the device's SM count, which the
+    router GEMM's split of D reads), none a device count."""
     from codegen import sizes
     for G, nid in moe_graphs(*DIMS["v3"])[:3]:
         for launch in lower(G, nid, "bf16"):
             used = set()
-            for g in (*launch.grid, launch.smem):
+            for g in (*launch.grid, launch.smem, *(d for ws in launch.workspace for d in ws.shape)):
                 used |= sizes.names(g)
             for a in launch.args:
                 if isinstance(a.ref, SizeRef):
                     used |= sizes.names(a.ref.expr)
-            assert used <= {"T", "NP"}, (launch.name, used)
+            assert used <= {"T", "NP", "SMS"}, (launch.name, used)
 
 
 @pytest.mark.parametrize("spec", ["deepseek_v2_lite", "deepseek_v2", "deepseek_v3"])
@@ -234,57 +235,105 @@ def test_align_is_one_cta_by_default():
     assert _moe.ALIGN_PARALLEL_PAIRS is None
     for G, nid in moe_graphs(*DIMS["v2_lite"]):
         if G.nodes[nid]["op"] == "moe_route":
-            assert [la.stage for la in lower(G, nid, "bf16")] == ["fused", "router_gemv", "topk", "align"]
+            assert [la.stage for la in lower(G, nid, "bf16")] == ["fused", "router_gemm", "topk", "align"]
 
 
-# T at the fused bound's edges (255, 256, 257 with the default 256) and at a tile's (7, 8, 9).
-def _route_tokens(ft):
-    return sorted(t for t in {1, 2, 7, 8, 9, 31, 33, 128, 16384} | ({ft - 1, ft, ft + 1} if ft else set()) if t >= 1)
+# T at the bounds' edges (255, 256, 257 with the default 256), at a fused tile's (7, 8, 9) and a GEMM
+# tile's (63, 64, 65), and prefill's (2048: 1 x 2048, 16384: 32 x 512).
+def _route_tokens(*bounds):
+    edges = {b + d for b in bounds if b for d in (-1, 0, 1)}
+    return sorted(t for t in {1, 2, 7, 8, 9, 31, 33, 63, 64, 65, 128, 2048, 16384} | edges if t >= 1)
+
+
+def _check_gemm_grid(gemm, E, D, T, env):
+    """The GEMM's grid covers every expert and token; its split of D is within the cap, fills at
+    most the SMs, fits the tickets, and has its workspace rows (one per thread of every split)."""
+    from codegen import sizes
+    from codegen.families import moe_route
+    p = gemm.params
+    gx, gy, S = (sizes.evaluate(g, env) for g in gemm.grid)
+    assert gx * p["bn"] >= E > (gx - 1) * p["bn"], (T, gx)
+    assert gy * p["bm"] >= T > (gy - 1) * p["bm"], (T, gy)
+    assert 1 <= S <= moe_route.gemm_split_cap(D), (T, S)
+    if S > 1:
+        assert gx * gy <= p["tickets"] and gx * gy * S <= env["SMS"], (T, gx, gy, S)
+    else:
+        assert gx * gy * 2 > min(env["SMS"], p["tickets"]) or moe_route.gemm_split_cap(D) == 1, (T, gx, gy)
+    (logits, partials) = gemm.workspace
+    rows = sizes.evaluate(partials.shape[0], env)
+    assert rows == (S * gx * gy * p["threads"] if S > 1 else 0) and partials.shape[1] == p["tm"] * p["tn"]
+    assert sizes.evaluate(logits.shape[0], env) == T and logits.shape[1] == E
+    assert sizes.evaluate(gemm.smem, env) == p["smem"] == moe_route.gemm_smem(p["bm"], p["bn"], p["bk"])
 
 
 @pytest.mark.parametrize("dims", sorted(DIMS))
 @pytest.mark.parametrize("ft", ["default", None, 1, 8, 100])
-def test_route_runs_one_form_at_each_t(dims, ft, monkeypatch):
+@pytest.mark.parametrize("gt", ["default", None, 0, 8, 300])
+def test_route_runs_one_form_at_each_t(dims, ft, gt, monkeypatch):
     """Exactly one form of the route runs at each T: the fused launch while T <= ROUTE_FUSED_TOKENS
     (its grid covers every expert and token, and stays within its tickets' tiles), the three
-    launches above it (their grids 0 below it); None: the three launches alone, at every T."""
+    launches above it (their grids 0 below it), their logits from the GEMV while T <= GEMM_TOKENS
+    and from the GEMM above (its grid: _check_gemm_grid); a launch whose range of T is empty is not
+    emitted.  ft None: the three launches alone, at every T; gt None: no GEMM."""
     from codegen import sizes
     from codegen.families import moe_route
     if ft != "default":
         monkeypatch.setattr(moe_route, "ROUTE_FUSED_TOKENS", ft)
-    ft = moe_route.ROUTE_FUSED_TOKENS
-    E, K = DIMS[dims][0], DIMS[dims][1]
+    if gt != "default":
+        monkeypatch.setattr(moe_route, "GEMM_TOKENS", gt)
+    ft, gt = moe_route.ROUTE_FUSED_TOKENS, moe_route.GEMM_TOKENS
+    E, K, D = DIMS[dims][0], DIMS[dims][1], DIMS[dims][4]
     G, nid = moe_graphs(*DIMS[dims])[0]
     launches = lower(G, nid, "bf16")
-    assert [la.stage for la in launches] == (["fused"] if ft is not None else []) + ["router_gemv", "topk", "align"]
-    for T in _route_tokens(ft):
-        env = {"T": T, "NP": T * K}
-        extents = {la.stage: [sizes.evaluate(g, env) for g in la.grid] for la in launches}
-        running = {stage for stage, grid in extents.items() if 0 not in grid}
-        if ft is not None and T <= ft:
-            assert running == {"fused"}, (T, extents)
-            fused = next(la for la in launches if la.stage == "fused")
-            p = fused.params
-            gx, gy, _ = extents["fused"]
-            assert gx * p["epb"] >= E > (gx - 1) * p["epb"], (T, gx)
-            assert gy * p["tt"] >= T > (gy - 1) * p["tt"] and gy <= p["tiles"], (T, gy)
-            assert sizes.evaluate(fused.smem, env) == p["smem"] >= max(2 * p["warps"] * E * 4, T * K * 4)
-            assert p["warps"] == p["tt"] == p["threads"] // 32       # one warp per token of a tile
-        else:
-            assert running == {"router_gemv", "topk", "align"}, (T, extents)
+    gemv = gt is None or ft is None or gt > ft
+    assert [la.stage for la in launches] == ((["fused"] if ft is not None else []) + (["router_gemv"] if gemv else [])
+                                             + (["router_gemm"] if gt is not None else []) + ["topk", "align"])
+    for T in _route_tokens(ft, gt):
+        for sms in (132, 16, 4096):
+            env = {"T": T, "NP": T * K, "SMS": sms}
+            extents = {la.stage: [sizes.evaluate(g, env) for g in la.grid] for la in launches}
+            running = {stage for stage, grid in extents.items() if 0 not in grid}
+            if ft is not None and T <= ft:
+                assert running == {"fused"}, (T, extents)
+                fused = next(la for la in launches if la.stage == "fused")
+                p = fused.params
+                gx, gy, _ = extents["fused"]
+                assert gx * p["epb"] >= E > (gx - 1) * p["epb"], (T, gx)
+                assert gy * p["tt"] >= T > (gy - 1) * p["tt"] and gy <= p["tiles"], (T, gy)
+                assert sizes.evaluate(fused.smem, env) == p["smem"] >= max(2 * p["warps"] * E * 4, T * K * 4)
+                assert p["warps"] == p["tt"] == p["threads"] // 32       # one warp per token of a tile
+                continue
+            logits = "router_gemv" if gt is None or T <= gt else "router_gemm"
+            assert running == {logits, "topk", "align"}, (T, extents)
+            if logits == "router_gemm":
+                _check_gemm_grid(next(la for la in launches if la.stage == "router_gemm"), E, D, T, env)
             assert extents["topk"][0] * launches[-2].params["warps"] >= T
             assert extents["align"][0] == 1
+
+
+def test_route_gemm_splits_d_only_while_the_tiles_are_few():
+    """V2-Lite on 132 SMs: prefill 32 x 512 (256 tiles) runs unsplit, 1 x 2048 (32 tiles) in 4
+    splits of D, T = 257 (5 tiles) in the most (8), so every T above the fused bound fills the SMs."""
+    from codegen import sizes
+    G, nid = moe_graphs(*DIMS["v2_lite"])[0]
+    (gemm,) = [la for la in lower(G, nid, "bf16") if la.stage == "router_gemm"]
+    split = {T: sizes.evaluate(gemm.grid[2], {"T": T, "SMS": 132}) for T in (257, 2048, 4096, 16384)}
+    assert split == {257: 8, 2048: 4, 4096: 2, 16384: 1}, split
 
 
 def test_fused_route_keeps_the_three_launch_interface():
     """The fused launch writes the same outputs as the three launches (ids, weights, the routing's
     order and offsets) and the same router_logits workspace (tests read it), with the gate and
-    bias bound alike, so the buffer plan does not depend on which form runs."""
+    bias bound alike, so the buffer plan does not depend on which form runs.  The GEMM's split
+    workspace is its own (the partial sums of its CTAs)."""
     G, nid = moe_graphs(*DIMS["v3"])[0]
-    fused, gemv, topk, align = lower(G, nid, "bf16")
+    fused, gemm, topk, align = lower(G, nid, "bf16")
     refs = lambda las: {a.ref for la in las for a in la.args}                  # noqa: E731
-    assert refs([fused]) == refs([gemv, topk, align]) - {SizeRef("NP")}
-    assert fused.workspace == gemv.workspace == topk.workspace
+    partials = WorkspaceRef("router_partials")
+    assert partials in refs([gemm])
+    assert refs([fused]) == refs([gemm, topk, align]) - {SizeRef("NP"), partials}
+    assert fused.workspace == topk.workspace == gemm.workspace[:1]
+    assert [ws.name for ws in gemm.workspace] == ["router_logits", "router_partials"]
 
 
 def _route_launches_of_shipped_specs():
@@ -304,12 +353,14 @@ def test_route_of_shipped_specs_compiles_without_spills():
     """Every route kernel of the shipped specs builds for sm_90 with no spills; where cuobjdump is
     installed, each waits for the previous kernel and lets the next one launch (PDL: griddepcontrol
     is ACQBULK / PREEXIT in SASS), and the fused one takes its tickets with global atomics and reads
-    the logits and ids that other CTAs wrote past L1 (LDG.E.STRONG.GPU, not the read-only path)."""
+    the logits and ids that other CTAs wrote past L1 (LDG.E.STRONG.GPU, not the read-only path); the
+    router GEMM is fp32 FFMA fed by 16-byte shared loads, with the same tickets for its split of D."""
     _nvrtc_or_skip()
     from codegen.nvrtc import compile_cubin
     from sass import cuobjdump, opcodes
     launches = _route_launches_of_shipped_specs()
     assert sum(la.stage == "fused" for la in launches) == 3       # V2-Lite, V2, V3
+    assert sum(la.stage == "router_gemm" for la in launches) == 3
     for launch in launches:
         res = compile_cubin(render_launch(launch), launch.name, arch="sm_90", options=("--ptxas-options=-v",))
         assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, (launch.name, res.log)
@@ -320,3 +371,14 @@ def test_route_of_shipped_specs_compiles_without_spills():
         if launch.stage == "fused":
             assert ops["ATOMG.E.ADD.STRONG.GPU"] == 2 and ops["MEMBAR.SC.GPU"] >= 2, launch.name
             assert ops["LDG.E.STRONG.GPU"] >= 2, launch.name
+        if launch.stage == "router_gemm":
+            # fp32 FMAs on CUDA cores, never tensor cores (TF32 would move the logits' near-ties);
+            # per stage BK * TM * TN of them against BK / 4 * (TM + TN) 16-byte shared loads, in
+            # both instantiations (16-byte staging, and element staging for misaligned bases)
+            p = launch.params
+            assert not [op for op in ops if op.startswith(("HMMA", "HGMMA"))], launch.name
+            assert ops["FFMA"] >= 2 * p["bk"] * p["tm"] * p["tn"], (launch.name, ops["FFMA"])
+            assert ops["LDS.128"] >= 2 * p["bk"] // 4 * (p["tm"] + p["tn"]), (launch.name, ops["LDS.128"])
+            assert ops["LDG.E.128"] >= 1 and ops["STS.128"] >= 1, launch.name      # x: 16-byte loads, stores
+            # the split of D: tickets, and the other splits' partials read past L1
+            assert ops["ATOMG.E.ADD.STRONG.GPU"] == 2 and ops["LDG.E.128.STRONG.GPU"] >= 2, launch.name

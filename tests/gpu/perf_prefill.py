@@ -1,12 +1,31 @@
 """Prefill kernel timings at DeepSeek-V2-Lite dims (a script, not a test).
 
     python3 tests/gpu/perf_prefill.py [--batch 32] [--seqlen 512] [--families moe,attn,...]
-                                      [--align-parallel 4096]
+                                      [--route-tokens 257,2048,16384] [--route-variants default,gemv,align0]
 
 Builds one-node graphs of the prefill phase's generated kernels (the same lowering the
 bundle uses), runs them through KernelRunner on random bf16 tensors at T = batch * seqlen
-and times every launch with CUDA events; a big-T spot check against torch follows for the
-tensor-core paths (the property tests in test_kernels_*.py cover the edges at small T).
+and times every launch as a CUDA graph of a few launches of it (perf_decode.time_us: no host
+cost per launch, so a launch of a few us shows its device time, not the ~30 us an eager launch
+costs the host); a big-T spot check against torch follows for the tensor-core paths and the
+router logits (the property tests in test_kernels_*.py cover the edges at small T).
+
+The route (--families route) runs at each --route-tokens T (default: batch * seqlen) under each
+--route-variants entry, each with its own KernelRunner (kernel names repeat across variants):
+  default          the lowering as shipped (T > 256: router GEMM, top-k, one-CTA align)
+  gemv             moe_route.GEMM_TOKENS = None: the GEMV for the logits at every T (before the GEMM)
+  alignP           _moe.ALIGN_PARALLEL_PAIRS = P: count / scan / scatter above P pairs (align0: always)
+  tileBMxBNxTMxTN  the GEMM's tile (default 64x64x4x4; 128x64x8x4 runs one CTA an SM)
+Each running launch is timed alone, then the route's launches together ("route total", one graph
+node each, as a prefill step runs them).  Choosing ALIGN_PARALLEL_PAIRS: run default and align0 over
+--route-tokens 257,512,1024,2048,4096,8192,16384 and set it to the largest T*K at which the one-CTA
+align is still the faster (the parallel form's three launches against the one).
+
+Router GEMM prediction (V2-Lite, E 64, D 2048, H200 at ~1.8 GHz: 132 SMs x 128 fp32 lanes): its
+inner loop is 512 FFMA in 644 instructions a stage (ptxas, sm_90), so the issue rate caps it at
+~80% of the FMA peak.  T = 16384: 256 tiles, two CTAs an SM, 2 T E D = 4.3 GFLOP -> ~90-110 us
+(569 us with the GEMV).  T = 2048: 32 tiles x 4 splits of D = 128 CTAs, 0.54 GFLOP -> ~12-16 us
+with the split's sum (GEMV ~70 us).  T = 257: 5 tiles x 8 splits -> ~5 us.
 
 Roofline predictions at T = 16384 (32 x 512), K = 6 so NP = 98304 pairs; ceilings taken as
 ~700 TFLOP/s dense bf16 on tensor cores (mma.sync reaches maybe 60-70% of it), ~60 TFLOP/s
@@ -19,9 +38,11 @@ fp32 on CUDA cores and ~4 TB/s HBM:
                           738 MB -> 0.18 ms, so compute-bound);  ~2.5 ms with mma.sync
   moe_gate_up             same FLOPs, two outputs: 1.6 ms
   moe_down                NP * 2 * 2048 * 1408 = 0.57 TFLOP -> 0.8 ms;  ~1.2 ms with mma.sync
-  moe_route gemv          T * 64 * 2048 * 2 = 4.3 GFLOP fp32 -> 70 us (x: 67 MB -> 17 us)
+  moe_route gemm          T * 64 * 2048 * 2 = 4.3 GFLOP fp32 -> 70 us (x: 67 MB -> 17 us)
   moe_route topk          logits 4 MB read: a few us
-  moe_route align         98k pairs, two smem atomics each, one CTA: ~50-100 us (latency-bound)
+  moe_route align         98k pairs, two smem atomics each, one CTA: ~50-100 us (latency-bound;
+                          measured 90.6 us, PERF_NOTES v8); count / scan / scatter over 48
+                          chunks: ~3 launches of a few us each
   moe_combine_residual    eo 403 MB + 2 x 67 MB in + 67 MB out = 604 MB -> 0.15 ms
   rms_norm / fused_add    67 MB in + 67 MB out (x2 for fused) -> 34 / 67 us
 The whole prefill then wants ~26 MoE layers x ~4 ms + attention ~27 x 0.3 ms ≈ 110 ms of
@@ -39,6 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from harness import single_op_graph  # noqa: E402
+from perf_decode import time_us  # noqa: E402
 
 import ir  # noqa: E402
 from codegen.families import family_for_op  # noqa: E402
@@ -63,8 +85,9 @@ def rand(*shape, scale=1.0, dtype=DT):
     return (torch.randn(*shape, device=DEV) * scale).to(dtype)
 
 
-def time_launch(runner, launch, kw, budget_s=0.3):
-    """ms per launch (median of a few event-timed batches)."""
+def time_launch(runner, launch, kw, budget_s=0.05):
+    """ms per launch: a few launches captured in one CUDA graph, replayed and timed with events
+    (perf_decode.time_us), as many as fit ~budget_s of device time (3 to 20)."""
     runner.run(launch, **kw)                       # compile + warm up
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -72,17 +95,9 @@ def time_launch(runner, launch, kw, budget_s=0.3):
     runner.run(launch, **kw)
     e.record()
     torch.cuda.synchronize()
-    one = max(s.elapsed_time(e), 1e-3)
-    iters = int(max(1, min(50, budget_s * 1e3 / one)))
-    times = []
-    for _ in range(3 if one < 200 else 1):
-        s.record()
-        for _ in range(iters):
-            runner.run(launch, **kw)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / iters)
-    return sorted(times)[len(times) // 2]
+    one = max(s.elapsed_time(e), 1e-3)             # an upper bound (host launch cost included)
+    iters = int(max(3, min(20, budget_s * 1e3 / one)))
+    return time_us(lambda: runner.run(launch, **kw), iters) / 1e3
 
 
 def routing(T, E, K, device=None):
@@ -147,30 +162,72 @@ def bench_attention(runner, m, B, L):
     print(f"    spot check vs torch sdpa: max rel err {max(errs):.2e}", flush=True)
 
 
-def bench_route(runner, m, T):
+def route_variant(name: str):
+    """{module: {constant: value}} for a --route-variants entry (see the module docstring)."""
+    from codegen.families import _moe, moe_route
+    if name == "default":
+        return {}
+    if name == "gemv":
+        return {moe_route: {"GEMM_TOKENS": None}}
+    if name.startswith("align"):
+        return {_moe: {"ALIGN_PARALLEL_PAIRS": int(name[5:])}}
+    if name.startswith("tile"):
+        bm, bn, tm, tn = (int(v) for v in name[4:].split("x"))
+        return {moe_route: {"GEMM_BM": bm, "GEMM_BN": bn, "GEMM_TM": tm, "GEMM_TN": tn}}
+    raise SystemExit(f"unknown route variant {name!r}")
+
+
+def bench_route(m, T, variant="default"):
+    """The route at T under a variant: each running launch alone, then all of them ("route total");
+    the logits checked against torch (fp32) and the ids' alignment against torch's bincount."""
     d = m.dims
     E, K, D = d["experts"], d["top_k"], d["hidden"]
     attrs = {"top_k": K, "num_experts": E, "scoring": "softmax", "method": "greedy", "groups": 1,
              "topk_groups": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0}
     G, nid = single_op_graph(m, "moe_route", attrs, {"x": TType(("T", D), "act")}, {"gate": "router.weight"})
     ids, w, r = G.nodes[nid]["outputs"]
-    values = {"x": rand(T, D), ids: torch.empty(T, K, dtype=torch.int64, device=DEV),
+    x = rand(T, D)
+    values = {"x": x, ids: torch.empty(T, K, dtype=torch.int64, device=DEV),
               w: torch.empty(T, K, dtype=torch.float32, device=DEV),
               f"{r}.order": torch.empty(T * K, dtype=torch.int32, device=DEV),
               f"{r}.offsets": torch.empty(E + 1, dtype=torch.int32, device=DEV)}
-    weights = {"router.weight": torch.randn(E, D, device=DEV) / D ** 0.5}
-    launches = lower(G, nid)
-    sizes = {"T": T, "NP": T * K}
-    ws = runner.run_all(launches, values=values, weights=weights, sizes=sizes)
-    predict = {"gemv": T * E * D * 2 / 60e12, "topk": T * E * 4 / 4e12, "align": 60e-6}
+    gate = torch.randn(E, D, device=DEV) / D ** 0.5
+    weights = {"router.weight": gate}
+    saved = {(mod, k): getattr(mod, k) for mod, kv in route_variant(variant).items() for k in kv}
+    try:
+        for mod, kv in route_variant(variant).items():
+            for k, v in kv.items():
+                setattr(mod, k, v)
+        launches = lower(G, nid)
+    finally:
+        for (mod, k), v in saved.items():
+            setattr(mod, k, v)
+    runner = KernelRunner()                # kernel names repeat across variants: a fresh module cache
+    sizes = runner.step_sizes({"T": T, "NP": T * K}, {}, values)
     from codegen import sizes as size_exprs
-    for launch in launches:
-        if 0 in [size_exprs.evaluate(g, sizes) for g in launch.grid]:
-            continue     # the form that does not run at this T (the fused launch: decode sizes only)
-        kw = dict(values=values, weights=weights, sizes=sizes, workspaces=ws)
-        ms = time_launch(runner, launch, kw)
-        stage = launch.params.get("stage", "")
-        report(launch.name, ms, predict.get(stage.split("_")[-1], 0) * 1e6)
+    running = [la for la in launches if 0 not in [size_exprs.evaluate(g, sizes) for g in la.grid]]
+    kw = dict(values=values, weights=weights, sizes=sizes)
+    ws = runner.run_all(running, **kw)
+    kw["workspaces"] = ws
+    flops = T * E * D * 2
+    predict = {"router_gemv": flops / 60e12, "router_gemm": flops / 60e12, "topk": T * E * 4 / 4e12,
+               "align": 60e-6 * T / 16384}
+    print(f"# route T={T} ({variant})", flush=True)
+    for la in running:
+        ms = time_launch(runner, la, kw)
+        note = f"{flops / ms / 1e9:.1f} TFLOP/s" if la.stage.startswith("router_") else ""
+        if la.stage == "router_gemm":
+            note += f", {size_exprs.evaluate(la.grid[2], sizes)} splits of D"
+        report(f"  {la.name}", ms, predict.get(la.stage, 0) * 1e6, note)
+    total = time_us(lambda: runner.run_all(running, **kw), 10) / 1e3
+    report(f"  route total T={T} ({variant}, {len(running)} launches)", total, 0)
+    runner.run_all(running, **kw)
+    err = relerr(ws["router_logits"], x.float() @ gate.T)
+    offsets = values[f"{r}.offsets"].long()
+    counts = torch.bincount(values[ids].reshape(-1), minlength=E)
+    aligned = torch.equal(offsets[1:] - offsets[:-1], counts) and int(offsets[-1]) == T * K
+    print(f"    logits vs torch fp32: max rel err {err:.2e}; alignment matches the ids: {aligned}", flush=True)
+    runner.close()
 
 
 def bench_grouped(runner, m, T, which):
@@ -261,7 +318,10 @@ def main():
                          "(measured at T=16384: 32x4 4.55 ms gate_up_silu, 64x3 4.76, 32x3 4.60)")
     ap.add_argument("--align-parallel", type=int, default=None, metavar="PAIRS",
                     help="also time the route with the count / scan / scatter alignment above PAIRS pairs "
-                         "(_moe.ALIGN_PARALLEL_PAIRS; off in the lowering by default)")
+                         "(_moe.ALIGN_PARALLEL_PAIRS; off in the lowering by default): --route-variants alignPAIRS")
+    ap.add_argument("--route-tokens", default="", help="T values for the route (default: batch * seqlen)")
+    ap.add_argument("--route-variants", default="default",
+                    help="comma-separated: default, gemv, alignP, tileBMxBNxTMxTN (see the module docstring)")
     a = ap.parse_args()
     fams = set(a.families.split(","))
     torch.manual_seed(0)
@@ -273,13 +333,12 @@ def main():
     if "attn" in fams:
         bench_attention(runner, m, a.batch, a.seqlen)
     if "route" in fams:
-        bench_route(runner, m, T)
+        variants = a.route_variants.split(",")
         if a.align_parallel is not None:
-            from codegen.families import _moe
-            default, _moe.ALIGN_PARALLEL_PAIRS = _moe.ALIGN_PARALLEL_PAIRS, a.align_parallel
-            print(f"# route with the parallel alignment above {a.align_parallel} pairs", flush=True)
-            bench_route(runner, m, T)     # the one-CTA align keeps its name (and code); its grid is then 0
-            _moe.ALIGN_PARALLEL_PAIRS = default
+            variants.append(f"align{a.align_parallel}")
+        for t in ([int(v) for v in a.route_tokens.split(",")] if a.route_tokens else [T]):
+            for v in variants:
+                bench_route(m, t, v)
     if "moe" in fams:
         for which in ("moe_gate_up_silu", "moe_gate_up", "moe_down"):
             bench_grouped(runner, m, T, which)

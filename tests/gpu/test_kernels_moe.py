@@ -223,7 +223,11 @@ class RouteProblem:
 
     @property
     def sizes(self):
-        return {"T": self.case["T"], "NP": self.case["T"] * self.case["K"]}
+        """T and NP; SMS too where the case sets it (else the runner reads the device's)."""
+        sizes = {"T": self.case["T"], "NP": self.case["T"] * self.case["K"]}
+        if self.case.get("sms"):
+            sizes["SMS"] = self.case["sms"]
+        return sizes
 
     def poison(self, workspaces=None) -> None:
         ids_name, w_name, r_name = self.names
@@ -301,7 +305,17 @@ def _check_route(p: RouteProblem, logits: torch.Tensor) -> None:
 
 def _route_stages_running(launches, sizes_: dict) -> list[str]:
     from codegen import sizes
-    return [la.stage for la in launches if 0 not in [sizes.evaluate(g, sizes_) for g in la.grid]]
+    from runtime.launcher import KernelRunner
+    full = KernelRunner.step_sizes(sizes_, {})          # SMS: the router GEMM's split of D reads it
+    return [la.stage for la in launches if 0 not in [sizes.evaluate(g, full) for g in la.grid]]
+
+
+def _three_launches(T: int) -> list[str]:
+    """The stages of the three-launch route at T (above the fused bound): its logits from the GEMV
+    while T <= moe_route.GEMM_TOKENS, from the GEMM above."""
+    from codegen.families import moe_route
+    gt = moe_route.GEMM_TOKENS
+    return ["router_gemv" if gt is None or T <= gt else "router_gemm", "topk", "align"]
 
 
 @given(case=route_cases())
@@ -334,8 +348,12 @@ def _fused_tokens() -> tuple:
     return tuple(sorted({1, 2, 7, 8, 9, ft - 1, ft, ft + 1}))
 
 
+# ... and for the router GEMM an odd E with an odd D (element staging, a partial last slice of D).
+ROUTE_SHAPES = {**FUSED_SHAPES, "odd_e": ("softmax", "greedy", 7, 1, 1, 3, 1001, True, 1.0, False)}
+
+
 def _shape_case(shape, dtype, T, *, ties=False, seed=17, misalign="none"):
-    scoring, method, E, G, TG, K, D, norm, rsf, bias = FUSED_SHAPES[shape]
+    scoring, method, E, G, TG, K, D, norm, rsf, bias = ROUTE_SHAPES[shape]
     return {"dtype": dtype, "T": T, "D": D, "E": E, "K": K, "bias": bias, "ties": ties and (E // G) % 2 == 0,
             "attrs": {"scoring": scoring, "method": method, "groups": G, "topk_groups": TG,
                       "norm_topk_prob": norm, "routed_scaling_factor": rsf},
@@ -365,7 +383,7 @@ def test_moe_route_fused(runner, case):
     launches = _lower(p.G, p.nid, case["dtype"])
     ft = moe_route.ROUTE_FUSED_TOKENS
     fused = ft is not None and case["T"] <= ft
-    assert _route_stages_running(launches, p.sizes) == (["fused"] if fused else ["router_gemv", "topk", "align"])
+    assert _route_stages_running(launches, p.sizes) == (["fused"] if fused else _three_launches(case["T"]))
     ws = runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes)
     _check_route(p, ws["router_logits"])
 
@@ -390,6 +408,108 @@ def test_moe_route_fused_runs_again_and_replays_in_a_graph(runner, case):
     other = _route_problem({**case, "T": 9 if case["T"] != 9 else 1, "seed": case["seed"] + 7})
     ws2 = runner.run_all(_lower(other.G, other.nid, case["dtype"]), values=other.values, weights=other.weights,
                          sizes=other.sizes)
+    _check_route(other, ws2["router_logits"])
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes, workspaces=ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    for rep in range(2):
+        p.new_x(case["seed"] + 100 + rep)
+        p.poison(ws)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_route(p, ws["router_logits"])
+
+
+# The router GEMM: the three-launch route's logits above moe_route.GEMM_TOKENS (prefill sizes).
+def _gemm_tokens() -> tuple:
+    """T at the GEMM's lower edge (257 at the default bounds), between (1000), at a whole number of
+    its token tiles (4096) and one past it (4097)."""
+    from codegen.families import moe_route
+    lo = max(moe_route.GEMM_TOKENS or 0, moe_route.ROUTE_FUSED_TOKENS or 0)
+    return (lo + 1, 1000, 4096, 4097)
+
+
+def _gemm_case(shape, dtype, T, *, sms=None, ties=False, seed=19, misalign="none"):
+    """`sms`: the SM count the split of D is sized for (None: the device's; 1: never split; 4096:
+    the most splits the tickets and GEMM_SPLIT_MAX allow)."""
+    return {**_shape_case(shape, dtype, T, ties=ties, seed=seed, misalign=misalign), "sms": sms}
+
+
+@st.composite
+def gemm_cases(draw, shapes=None, tokens=None, sms=(None, 1, 4096)):
+    return _gemm_case(draw(st.sampled_from(shapes or sorted(ROUTE_SHAPES))), draw(st.sampled_from(DTYPES)),
+                      draw(st.sampled_from(tokens or _gemm_tokens())), sms=draw(st.sampled_from(sms)),
+                      ties=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
+                      misalign=draw(st.sampled_from(MISALIGN)))
+
+
+def _gemm_splits(runner, launches, sizes_: dict) -> int:
+    from codegen import sizes
+    (gemm,) = [la for la in launches if la.stage == "router_gemm"]
+    return sizes.evaluate(gemm.grid[2], runner.step_sizes(sizes_, {}))
+
+
+def _poisoned_workspaces(runner, launches, p: RouteProblem) -> dict:
+    """Every workspace of the launches (the logits, the GEMM's partial sums), NaN-filled, so a
+    partial or logit nobody wrote fails the check."""
+    sizes = runner.step_sizes(p.sizes, {})
+    ws = {}
+    for la in launches:
+        for name, t in runner.workspaces(la, values=p.values, weights=p.weights, ctx={}, sizes=sizes).items():
+            ws.setdefault(name, poison(t))
+    return ws
+
+
+@given(case=gemm_cases())
+@example(case=_gemm_case("v2_lite", "bf16", 257, sms=4096))          # the bound's edge, D in 8 splits
+@example(case=_gemm_case("v2_lite", "bf16", 4096))                   # the device's split (2 on 132 SMs)
+@example(case=_gemm_case("v3", "bf16", 4097, ties=True))
+@example(case=_gemm_case("v2", "fp16", 1000, sms=1))
+@example(case=_gemm_case("odd_e", "fp32", 1000, sms=4096, misalign="all"))
+@example(case=_gemm_case("e1024", "bf16", 257, misalign="inputs"))
+@_settings(16)
+def test_moe_route_gemm(runner, case):
+    """Above the GEMV's bound the router logits come from the tiled GEMM (split over D while its
+    tiles are few): the logits within fp32 tolerance of x.float() @ gate.T, and the top-k ids and
+    weights and the routing plan end to end against the reference op, with exact ties taken lowest
+    index first; outputs and workspaces (logits, partial sums) poisoned first."""
+    p = _route_problem(case)
+    launches = _lower(p.G, p.nid, case["dtype"])
+    assert _route_stages_running(launches, p.sizes) == ["router_gemm", "topk", "align"]
+    S = _gemm_splits(runner, launches, p.sizes)
+    assert S == 1 or case["sms"] != 1, S
+    ws = runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes,
+                        workspaces=_poisoned_workspaces(runner, launches, p))
+    _check_route(p, ws["router_logits"])
+    STATS["moe_route.gemm_splits"][f"S={S}"][0] += 1
+
+
+@given(case=gemm_cases(shapes=("v2_lite", "odd_e", "v3"), tokens=(257, 1000, 2048), sms=(4096,)))
+@example(case=_gemm_case("v2_lite", "bf16", 1000, sms=4096))
+@_settings(4)
+def test_moe_route_gemm_runs_again_and_replays_in_a_graph(runner, case):
+    """The split GEMM's tickets reset themselves: it routes right when run twice in a row, after a
+    launch of the same kernel at another T (another grid of tiles), and when captured in a CUDA graph
+    and replayed twice, with new activations and poisoned outputs and workspaces before every run."""
+    case = {**case, "misalign": "none"}
+    p = _route_problem(case)
+    launches = _lower(p.G, p.nid, case["dtype"])
+    assert _gemm_splits(runner, launches, p.sizes) > 1
+    ws = _poisoned_workspaces(runner, launches, p)
+    for rep in range(2):
+        p.new_x(case["seed"] + rep)
+        p.poison(ws)
+        runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes, workspaces=ws)
+        _check_route(p, ws["router_logits"])
+    other = _route_problem({**case, "T": 300 if case["T"] != 300 else 1000, "seed": case["seed"] + 7})
+    other_launches = _lower(other.G, other.nid, case["dtype"])
+    ws2 = runner.run_all(other_launches, values=other.values, weights=other.weights, sizes=other.sizes,
+                         workspaces=_poisoned_workspaces(runner, other_launches, other))
     _check_route(other, ws2["router_logits"])
 
     stream = torch.cuda.Stream()
