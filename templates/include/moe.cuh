@@ -651,6 +651,8 @@ constexpr int GEMM_BM = 128, GEMM_BNW = 128, GEMM_THREADS = 256;
 // chunks per row), so ldmatrix's eight rows hit distinct banks.
 __host__ __device__ constexpr int gemm_smem(int BK, int ST) { return ST * (GEMM_BM + GEMM_BNW) * (BK + 8) * 2; }
 
+// (4d, moe_wgmma.cuh: the same grouped GEMM on sm_90a's wgmma + TMA, for prefill's pair counts.)
+
 // ---- 4c. few pairs per expert: the same CTA tile with the weight rows as the mma's M side ---
 // Decode at batch 16..256 gives an expert ~2..30 pairs: on the row-tile layout above a 128-row
 // tile then holds a handful of live rows (most of the tensor work and half the copies wasted).
