@@ -4,7 +4,8 @@
     <bundle>/spec.yaml                the spec it was compiled from (its text is part of the key)
     <bundle>/kernels/<name>.cu        generated source (what reviewers diff)
     <bundle>/kernels/include/<h>.cuh  the dsgraph headers the sources include: exactly what NVRTC saw
-    <bundle>/kernels/<name>.cubin     NVRTC output for the manifest's arch
+    <bundle>/kernels/<name>.cubin     NVRTC output for the manifest's arch (a kernel that requires an
+                                      arch-specific feature, e.g. sm_90a: for that target; codegen/arch.py)
     <bundle>/ranks/rank<r>.json       world > 1 only: rank r's phases and weight slices
 
 Bundles live in the content-addressed cache (codegen/cache.py); the key covers
@@ -16,9 +17,9 @@ imported), which keeps a warm `dsgraph compile` well under a second.
 manifest.json (schema 3; JSON with sorted keys, so it diffs cleanly):
 
     schema, key, spec {name, file, sha256, path}, compiler_hash, nvrtc_version [major, minor],
-    arch, options {dtype, block_size, pdl},
+    arch, [features: the arch-specific ones its kernels need, e.g. ["sm_90a"]], options {dtype, block_size, pdl},
     phases.<prefill|decode>: see codegen/manifest.py (steps with typed arguments, buffers, nodes),
-    kernels: {name: {family, role, template, params, nodes, source, cubin, includes}},
+    kernels: {name: {family, role, template, params, nodes, source, cubin, includes, [requires]}},
     includes: {header: path},  weights: {name: {shape, keep_fp32, parts}},
     files: {relative path: sha256}   (added by the cache when the entry is sealed)
 
@@ -91,6 +92,7 @@ class KernelSource:
     signature: tuple
     source: str
     includes: dict           # header name -> text: what NVRTC is given beside the source
+    requires: tuple = ()     # arch-specific features (codegen/arch.py), e.g. ("sm_90a",)
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,10 @@ def plan_spec(spec, opts: Options, *, strict: bool = True, world: int = 1, rank:
 
 
 def _identity(launch: KernelLaunch) -> str:
-    return json.dumps([launch.template, launch.params, signature_key(launch.args)], sort_keys=True)
+    parts = [launch.template, launch.params, signature_key(launch.args)]
+    if launch.requires:
+        parts.append(list(launch.requires))
+    return json.dumps(parts, sort_keys=True)
 
 
 def disambiguate(plans: dict) -> dict:
@@ -236,7 +241,8 @@ def unique_kernels(plans, *, compiler_hash: str | None = None) -> list[KernelSou
         ns, os_ = tuple(sorted(nodes[name])), tuple(origins[name])
         source = render_mod.render_launch(launch, nodes=ns, origins=os_, compiler_hash=compiler_hash)
         out.append(KernelSource(name, launch.family, launch.role, launch.template, launch.params, ns, os_,
-                                signature_key(launch.args), source, render_mod.include_closure(source)))
+                                signature_key(launch.args), source, render_mod.include_closure(source),
+                                tuple(launch.requires)))
     return out
 
 
@@ -273,9 +279,11 @@ class _Progress:
 
 
 def _compile_one(k: KernelSource, arch: str) -> bytes:
+    from .arch import kernel_target
     from .nvrtc import compile_cubin
-    return compile_cubin(k.source, k.name, arch=arch, template=k.template, nodes=k.nodes,
-                         headers=k.includes).cubin
+    # a kernel that requires an arch-specific feature (codegen/arch.py) is built for that target
+    return compile_cubin(k.source, k.name, arch=kernel_target(arch, k.requires), template=k.template,
+                         nodes=k.nodes, headers=k.includes).cubin
 
 
 def compile_kernels(kernels: list[KernelSource], arch: str, *, jobs: int | None = None,
@@ -348,10 +356,14 @@ def _builder(spec, spec_text: str, spec_file: str, key: str, opts: Options, stri
             "arch": opts.arch, "options": _options_json(opts.dtype, opts.block_size, strict, world, opts.pdl),
             "kernels": {k.name: {"family": k.family, "role": k.role, "template": k.template, "params": k.params,
                                  "nodes": list(k.nodes), "source": f"kernels/{k.name}.cu",
-                                 "cubin": f"kernels/{k.name}.cubin", "includes": sorted(k.includes)}
+                                 "cubin": f"kernels/{k.name}.cubin", "includes": sorted(k.includes),
+                                 **({"requires": list(k.requires)} if k.requires else {})}
                         for k in kernels},
             "includes": {name: f"{INCLUDE_DIR}/{name}" for name in sorted(includes)},
         }
+        features = sorted({f for k in kernels for f in k.requires})
+        if features:   # absent where no kernel needs an arch-specific target: such bundles are unchanged
+            manifest["features"] = features
         if world == 1:
             manifest.update(plan_json(sp))
         else:
@@ -483,12 +495,21 @@ def check_compatible(manifest: dict, bundle_dir, *, arch: str, nvrtc_version=Non
                      dtype: str | None = None, block_size: int | None = None, world: int | None = None,
                      pdl: bool | None = None) -> None:
     """Raise BundleError (with the command that recompiles it) unless this bundle was built by
-    this compiler, from its own spec text, templates and options, for `arch`, this NVRTC and
+    this compiler, from its own spec text, templates and options, for a target that runs on a
+    device of arch `arch` (codegen/arch.py runs_on: sm_90 and sm_90a bundles on "sm_90"; a bundle
+    whose kernels need sm_90a features is refused elsewhere with their names), this NVRTC and
     (where given) a job of `world` ranks and these options."""
+    from .arch import runs_on
     fix = recompile_command(manifest, bundle_dir, arch, dtype, block_size, world, pdl)
     where = f"bundle {bundle_dir}"
-    if manifest.get("arch") != arch:
-        raise BundleError(f"{where} was compiled for {manifest.get('arch')}, this device is {arch}; "
+    built = manifest.get("arch")
+    if not (isinstance(built, str) and _arch_ok(built) and runs_on(built, arch)):
+        needs = sorted(name for name, k in manifest.get("kernels", {}).items() if k.get("requires"))
+        if needs:
+            shown = ", ".join(needs[:3]) + (f" and {len(needs) - 3} more" if len(needs) > 3 else "")
+            raise BundleError(f"{where} needs {', '.join(manifest.get('features', [built]))} (kernels {shown}), "
+                              f"which this device ({arch}) does not offer; recompile it: {fix}")
+        raise BundleError(f"{where} was compiled for {built}, this device is {arch}; "
                           f"recompile it: {fix}")
     if nvrtc_version is not None and tuple(manifest.get("nvrtc_version", ())) != tuple(nvrtc_version):
         built = ".".join(map(str, manifest.get("nvrtc_version", ()))) or "?"
@@ -514,6 +535,15 @@ def check_compatible(manifest: dict, bundle_dir, *, arch: str, nvrtc_version=Non
     if key != manifest.get("key"):
         raise BundleError(f"{where} is stale: its key does not match its spec, this dsgraph's templates and "
                           f"NVRTC (something it was built from changed); recompile it: {fix}")
+
+
+def _arch_ok(arch: str) -> bool:
+    from .nvrtc import parse_arch
+    try:
+        parse_arch(arch)
+    except ValueError:
+        return False
+    return True
 
 
 def _ranks(n: int) -> str:

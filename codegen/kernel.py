@@ -35,6 +35,13 @@ a reference saying what the runtime binds to it:
     WorkspaceRef(name)         a scratch buffer declared in KernelLaunch.workspace
     StrideRef(value, dim)      the element stride of a value's view along dim (i64)
     SizeRef(expr)              a runtime-size expression, e.g. "T"
+    TensorMapRef(weight, box, swizzle)
+                               a TMA descriptor of a bound weight (sm_90: templates/include/tma.cuh),
+                               passed by value as `const __grid_constant__ dsg::TensorMap`: box is
+                               the extent of one copy over the weight's trailing dims, outermost
+                               first (leading dims get 1), swizzle its shared-memory swizzle in
+                               bytes.  Weights are static, so the runtime encodes one per weight
+                               (cuTensorMapEncodeTiled) and reuses it
 
 Numbers that change the computation (eps, softmax scale, rope tables) are template
 parameters, so they appear in the generated source that reviewers diff.
@@ -107,18 +114,30 @@ class SizeRef:
     expr: str
 
 
-Ref = Union[ValueRef, WeightRef, CtxRef, WorkspaceRef, StrideRef, SizeRef]
+@dataclass(frozen=True)
+class TensorMapRef:
+    weight: str
+    box: tuple                   # ints: the copy's extent over the trailing dims, outermost first
+    swizzle: int = 128           # bytes: 0 (none), 32, 64 or 128
+
+
+Ref = Union[ValueRef, WeightRef, CtxRef, WorkspaceRef, StrideRef, SizeRef, TensorMapRef]
 POINTER_REFS = (ValueRef, WeightRef, CtxRef, WorkspaceRef)
+# The C type of a tensor-map parameter (templates/include/tma.cuh), passed by value.
+TENSOR_MAP_CTYPE = "dsg::TensorMap"
 _REF_TAGS = {ValueRef: "value", WeightRef: "weight", CtxRef: "ctx", WorkspaceRef: "workspace",
-             StrideRef: "stride", SizeRef: "size"}
+             StrideRef: "stride", SizeRef: "size", TensorMapRef: "tensor_map"}
 _TAG_REFS = {tag: cls for cls, tag in _REF_TAGS.items()}
 
 
 def ref_to_json(ref: Ref) -> dict:
-    """{"value": "L0.x"}, {"stride": ["L0.x", 0]}, ... (one key: the reference's kind)."""
+    """{"value": "L0.x"}, {"stride": ["L0.x", 0]}, {"tensor_map": ["w", [128, 64], 128]}, ... (one key:
+    the reference's kind)."""
     tag = _REF_TAGS[type(ref)]
     if isinstance(ref, StrideRef):
         return {tag: [ref.value, ref.dim]}
+    if isinstance(ref, TensorMapRef):
+        return {tag: [ref.weight, list(ref.box), ref.swizzle]}
     return {tag: next(iter(ref.__dict__.values()))}
 
 
@@ -132,6 +151,9 @@ def ref_from_json(data) -> Ref:
     if cls is StrideRef:
         value, dim = payload
         return StrideRef(str(value), int(dim))
+    if cls is TensorMapRef:
+        weight_name, box, swizzle = payload
+        return TensorMapRef(str(weight_name), tuple(int(b) for b in box), int(swizzle))
     return cls(str(payload))
 
 
@@ -139,6 +161,8 @@ def describe_ref(ref: Ref) -> str:
     """How a reference reads in a message: "value L0.mla.q", "stride L0.x:0"."""
     if isinstance(ref, StrideRef):
         return f"stride {ref.value}:{ref.dim}"
+    if isinstance(ref, TensorMapRef):
+        return f"tensor_map {ref.weight} box {'x'.join(map(str, ref.box))}"
     return f"{_REF_TAGS[type(ref)]} {next(iter(ref.__dict__.values()))}"
 
 
@@ -149,7 +173,8 @@ class Arg:
     """One kernel parameter: its C name, its C type, and what the runtime binds to it.
 
     ctype is a pointer ("const __nv_bfloat16*", "float*", "const i32*"; rendered with
-    __restrict__) or a scalar ("int", "i64", "float")."""
+    __restrict__), a scalar ("int", "i64", "float") or a tensor map (TENSOR_MAP_CTYPE, rendered
+    `const __grid_constant__`: a 128-byte parameter whose address the TMA copies take)."""
     name: str
     ctype: str
     ref: Ref
@@ -159,13 +184,21 @@ class Arg:
         return self.ctype.endswith("*")
 
     @property
+    def is_tensor_map(self) -> bool:
+        return self.ctype == TENSOR_MAP_CTYPE
+
+    @property
     def kind(self) -> str:
-        """ptr | i32 | i64 | f32: how the runtime passes it."""
+        """ptr | i32 | i64 | f32 | tmap: how the runtime passes it."""
+        if self.is_tensor_map:
+            return "tmap"
         return "ptr" if self.is_pointer else SCALAR_KINDS[self.ctype]
 
     def declaration(self) -> str:
         if self.is_pointer:
             return f"{self.ctype} __restrict__ {self.name}"
+        if self.is_tensor_map:
+            return f"const __grid_constant__ {self.ctype} {self.name}"
         return f"{self.ctype} {self.name}"
 
     def to_json(self) -> dict:
@@ -224,6 +257,11 @@ def size(name: str, expr: str) -> Arg:
     return Arg(name, "int", SizeRef(expr))
 
 
+def tensor_map(name: str, bound: str, box: tuple, swizzle: int = 128) -> Arg:
+    """A TMA descriptor of weight `bound` (TensorMapRef)."""
+    return Arg(name, TENSOR_MAP_CTYPE, TensorMapRef(bound, tuple(box), swizzle))
+
+
 # -- launches and library calls -----------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -249,6 +287,7 @@ class KernelLaunch:
     origins: tuple = ()          # provenance (codegen.provenance.Origin), set by lowering
     pdl: bool = False            # programmatic dependent launch (set by lowering: the family's PDL
                                  # and Options.pdl); the kernel keeps templates/include/pdl.cuh's contract
+    requires: tuple[str, ...] = ()   # architecture-specific features it is built with (codegen/arch.py)
 
     @property
     def role(self) -> str:

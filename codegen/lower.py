@@ -31,7 +31,7 @@ from ir.graph import topo_order
 from . import families, sizes
 from .errors import LoweringError
 from .kernel import (CTX_FIELDS, POINTER_REFS, SCALAR_KINDS, Arg, CtxRef, KernelLaunch, LibraryCall, Options,
-                     SizeRef, StrideRef, WorkspaceRef)
+                     SizeRef, StrideRef, TensorMapRef, WorkspaceRef)
 from .plan import Buffer, NodeInfo, PhasePlan, View
 from .provenance import node_origins
 
@@ -60,7 +60,12 @@ def _check_arg(a, names: set, ws_names: set) -> str | None:
     ref = a.ref
     if isinstance(ref, POINTER_REFS) != a.is_pointer:
         return f"argument {a.name} ({a.ctype}) binds {ref!r}: pointers bind values, weights, ctx and workspaces"
-    if not a.is_pointer and a.ctype not in SCALAR_KINDS:
+    if isinstance(ref, TensorMapRef) != a.is_tensor_map:
+        return f"argument {a.name} ({a.ctype}) binds {ref!r}: tensor maps, and only they, bind TensorMapRef"
+    if isinstance(ref, TensorMapRef) and (not ref.box or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                                                             for b in ref.box)):
+        return f"argument {a.name}: a tensor map's box is positive ints, got {ref.box!r}"
+    if not a.is_pointer and not a.is_tensor_map and a.ctype not in SCALAR_KINDS:
         return f"argument {a.name} has C type {a.ctype!r} (scalars are {', '.join(SCALAR_KINDS)})"
     if isinstance(ref, WorkspaceRef) and ref.name not in ws_names:
         return f"reads workspace {ref.name!r}, which it does not declare"
@@ -76,7 +81,8 @@ def _check_arg(a, names: set, ws_names: set) -> str | None:
     return None
 
 
-def _check_launch(launch, nid: str, family: str) -> None:
+def _check_launch(launch, nid: str, family: str, opts: Options) -> None:
+    from .arch import features
     where = f"family {family} lowering node {nid}"
     if not isinstance(launch, KernelLaunch):
         raise TypeError(f"{where} returned {type(launch).__name__}, not a KernelLaunch")
@@ -95,6 +101,9 @@ def _check_launch(launch, nid: str, family: str) -> None:
         problem = str(e)
     if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in launch.block):
         problem = f"block {launch.block!r} must be positive ints"
+    missing = set(launch.requires) - features(opts.arch)
+    if missing:
+        problem = f"requires {', '.join(sorted(missing))}, which the target {opts.arch} does not offer"
     names: set = set()
     ws_names = {w.name for w in launch.workspace}
     for a in launch.args:
@@ -193,7 +202,7 @@ def _lower_node(G: nx.DiGraph, nid: str, family, opts: Options) -> list[KernelLa
     pdl = opts.pdl and families.uses_pdl(family)
     out = []
     for launch in launches:
-        _check_launch(launch, nid, family.FAMILY)
+        _check_launch(launch, nid, family.FAMILY, opts)
         out.append(dataclasses.replace(launch, origins=origins, pdl=pdl))
     return out
 

@@ -4,8 +4,9 @@ A phase in the manifest (JSON with sorted keys, so it diffs cleanly):
 
     inputs, outputs, unlowered [[node, op]...],
     steps: [{type: "kernel", kernel, family, stage, template, params, nodes, grid, block, smem, pdl,
-             args: [{name, ctype, ref: {value|weight|ctx|workspace|size: x} | {stride: [value, dim]}}],
-             workspace: [{name, shape, dtype}]}
+             args: [{name, ctype, ref: {value|weight|ctx|workspace|size: x} | {stride: [value, dim]}
+                           | {tensor_map: [weight, box, swizzle]}}],
+             workspace: [{name, shape, dtype}], [requires: ["sm_90a"]]}
             | {type: "library", node, op, call, inputs, outputs, weights, attrs}],
     buffers: {value: {shape, dtype, [view: {base, offset, strides}], [layer], [parts]}},
     nodes: {node: {layer, outputs}}
@@ -27,11 +28,14 @@ STEP_TYPES = ("kernel", "library")
 
 def step_to_json(step) -> dict:
     if isinstance(step, KernelLaunch):
-        return {"type": "kernel", "kernel": step.name, "family": step.family, "stage": step.stage,
-                "template": step.template, "params": step.params, "nodes": list(step.nodes),
-                "grid": list(step.grid), "block": list(step.block), "smem": step.smem, "pdl": step.pdl,
-                "args": [a.to_json() for a in step.args],
-                "workspace": [{"name": w.name, "shape": list(w.shape), "dtype": w.dtype} for w in step.workspace]}
+        out = {"type": "kernel", "kernel": step.name, "family": step.family, "stage": step.stage,
+               "template": step.template, "params": step.params, "nodes": list(step.nodes),
+               "grid": list(step.grid), "block": list(step.block), "smem": step.smem, "pdl": step.pdl,
+               "args": [a.to_json() for a in step.args],
+               "workspace": [{"name": w.name, "shape": list(w.shape), "dtype": w.dtype} for w in step.workspace]}
+        if step.requires:   # only where a kernel needs an arch-specific target (codegen/arch.py)
+            out["requires"] = list(step.requires)
+        return out
     return {"type": "library", "node": step.node, "op": step.op, "call": step.call,
             "inputs": list(step.inputs), "outputs": list(step.outputs),
             "weights": list(step.weights), "attrs": step.attrs}
@@ -45,7 +49,7 @@ def step_from_json(d: dict):
             nodes=tuple(d["nodes"]), grid=tuple(d["grid"]), block=tuple(d["block"]), smem=d["smem"],
             args=tuple(Arg.from_json(a) for a in d["args"]),
             workspace=tuple(Workspace(w["name"], tuple(w["shape"]), w["dtype"]) for w in d["workspace"]),
-            stage=d.get("stage", ""), pdl=bool(d["pdl"]))
+            stage=d.get("stage", ""), pdl=bool(d["pdl"]), requires=tuple(d.get("requires", ())))
     if kind == "library":
         return LibraryCall(node=d["node"], op=d["op"], call=d["call"], inputs=tuple(d["inputs"]),
                            outputs=tuple(d["outputs"]), weights=tuple(d["weights"]), attrs=dict(d["attrs"]))

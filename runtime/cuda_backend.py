@@ -57,11 +57,13 @@ def device_arch_of(device: torch.device) -> str:
 def open_bundle(spec, *, bundle_dir=None, device, dtype: torch.dtype | None, block_size: int | None,
                 cache_dir=None, world: int = 1, rank: int = 0, pdl: bool | None = None):
     """The LoadedBundle to run on `device`: `bundle_dir` as given, or `spec` compiled for this
-    GPU through the bundle cache (with dsgraph's defaults for what is not given).  Either way it
-    is checked (compiler hash, key, arch, NVRTC, and dtype / block size / pdl where given) and
-    read back from its manifest: one path for both.  As rank `rank` of `world` (world > 1, the process group
+    GPU through the bundle cache (with dsgraph's defaults for what is not given; the target is
+    codegen.arch.target_arch of the device).  Either way it is checked (compiler hash, key, that its
+    target runs on this device, NVRTC, and dtype / block size / pdl where given) and read back
+    from its manifest: one path for both.  As rank `rank` of `world` (world > 1, the process group
     up): the bundle must be one compiled for `world` ranks, the plans are this rank's, and every
     rank must have loaded the same bundle (its key, gathered over the group; ParallelError if not)."""
+    from codegen.arch import target_arch
     from codegen.bundle import compile_bundle, load_bundle
     from codegen.nvrtc import nvrtc_version
 
@@ -74,7 +76,9 @@ def open_bundle(spec, *, bundle_dir=None, device, dtype: torch.dtype | None, blo
     loaded, failure = None, None
     try:
         if bundle_dir is None:
-            bundle_dir = compile_bundle(spec, arch=arch, dtype=name or DEFAULTS.dtype,
+            # dsgraph compile's default target where this device runs it (codegen/arch.py): one set
+            # of defaults, one cache entry
+            bundle_dir = compile_bundle(spec, arch=target_arch(arch), dtype=name or DEFAULTS.dtype,
                                         block_size=block_size or DEFAULTS.block_size, cache_dir=cache_dir,
                                         world=world, pdl=DEFAULTS.pdl if pdl is None else pdl).path
         loaded = load_bundle(bundle_dir, arch=arch, nvrtc_version=nvrtc_version(), dtype=name,

@@ -2,8 +2,9 @@
 torch tensors and torch's current stream (no copies).
 
 The kernel ABI is explicit: integers must say their width (I32 / I64), floats
-are 32-bit, tensors are device pointers. A wrong width would not fail loudly;
-it would silently shift every later argument.
+are 32-bit, tensors are device pointers, tensor maps (TMA descriptors) are 128
+bytes passed by value (TensorMap). A wrong width would not fail loudly; it would
+silently shift every later argument.
 
 cuda.bindings.driver is imported lazily so this module imports on machines
 without a GPU or driver (CI); every call here needs a GPU.
@@ -98,11 +99,26 @@ class F32:
             raise TypeError(f"F32 needs a float, got {type(self.value).__name__}")
 
 
+class TensorMap(ctypes.Structure):
+    """A TMA descriptor (the driver's CUtensorMap: 128 opaque bytes), a by-value kernel parameter
+    (`const __grid_constant__ dsg::TensorMap`, templates/include/tma.cuh).  Made by
+    encode_tensor_map, which places it 64-byte aligned as the driver requires."""
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+assert ctypes.sizeof(TensorMap) == 128
+
+
 def pack_args(args: list) -> tuple[tuple, tuple]:
-    """Kernel arguments -> cuda-bindings' kernelParams form ((values...), (ctypes...))."""
+    """Kernel arguments -> cuda-bindings' kernelParams form ((values...), (ctypes...)); a
+    TensorMap goes by address with type None (cuda-bindings copies the parameter's 128 bytes
+    from it)."""
     values, types = [], []
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, TensorMap):
+            values.append(a)
+            types.append(None)
+        elif isinstance(a, torch.Tensor):
             # A host pointer in a kernel faults and poisons the whole context.
             if not a.is_cuda:
                 raise ValueError(f"kernel argument {i} is a {a.device} tensor; kernels need "
@@ -129,7 +145,7 @@ def pack_args(args: list) -> tuple[tuple, tuple]:
                             f"wrap it in I32(...) or I64(...) to state its width")
         else:
             raise TypeError(f"kernel argument {i} has unsupported type {type(a).__name__}; "
-                            f"expected a torch.Tensor, None, I32, I64, F32 or float")
+                            f"expected a torch.Tensor, None, I32, I64, F32, float or TensorMap")
     return tuple(values), tuple(types)
 
 
@@ -314,3 +330,95 @@ def device_arch() -> str:
     """The current device as an NVRTC target, e.g. 'sm_90' on H100/H200."""
     major, minor = torch.cuda.get_device_capability()
     return f"sm_{major}{minor}"
+
+
+# -- tensor maps (TMA descriptors) ----------------------------------------------------
+
+_TMA_DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
+               torch.float32: "CU_TENSOR_MAP_DATA_TYPE_FLOAT32"}
+_TMA_SWIZZLES = {0: "CU_TENSOR_MAP_SWIZZLE_NONE", 32: "CU_TENSOR_MAP_SWIZZLE_32B", 64: "CU_TENSOR_MAP_SWIZZLE_64B",
+                 128: "CU_TENSOR_MAP_SWIZZLE_128B"}
+
+
+class TensorMapError(ValueError):
+    """A tensor cannot be described by the tensor map a kernel asks for (alignment, strides, box)."""
+
+
+@dataclass(frozen=True)
+class TiledMapParams:
+    """cuTensorMapEncodeTiled's geometry, innermost dimension first."""
+    dims: tuple            # elements per dim
+    strides: tuple         # bytes between consecutive indices of dims 1.. (dim 0 is contiguous)
+    box: tuple             # elements per copy along each dim
+
+
+def tiled_map_params(shape, strides, elem_bytes: int, address: int, box, swizzle: int) -> TiledMapParams:
+    """The TMA geometry of a tensor of `shape` / element `strides` at `address` for boxes of `box`
+    over its trailing dims (outermost first; leading dims get 1), with the driver's constraints
+    checked here so that a bad weight is one clear error, not an INVALID_VALUE: a contiguous
+    innermost dim, a 16-byte aligned base and 16-byte multiple strides, box dims of 1..256, and a
+    swizzled box row no wider than the swizzle span."""
+    shape, strides, box = tuple(int(d) for d in shape), tuple(int(s) for s in strides), tuple(int(b) for b in box)
+    if not 1 <= len(shape) <= 5 or len(box) > len(shape):
+        raise TensorMapError(f"a tensor map covers 1..5 dims with a box over at most all of them: "
+                             f"shape {shape}, box {box}")
+    if strides[-1] != 1:
+        raise TensorMapError(f"the innermost dim must be contiguous (strides {strides})")
+    if address % 16:
+        raise TensorMapError(f"TMA needs a 16-byte aligned base (address % 16 = {address % 16})")
+    if any((s * elem_bytes) % 16 for s in strides[:-1]):
+        raise TensorMapError(f"TMA needs strides that are 16-byte multiples (strides {strides} x {elem_bytes} B)")
+    full_box = (1,) * (len(shape) - len(box)) + box
+    if any(not 1 <= b <= 256 for b in full_box):
+        raise TensorMapError(f"box dims must be 1..256, got {box}")
+    if swizzle not in _TMA_SWIZZLES or (swizzle and full_box[-1] * elem_bytes > swizzle):
+        raise TensorMapError(f"swizzle {swizzle} B cannot take box rows of {full_box[-1] * elem_bytes} B")
+    return TiledMapParams(dims=shape[::-1], strides=tuple(s * elem_bytes for s in strides[-2::-1]),
+                          box=full_box[::-1])
+
+
+def _aligned_tensor_map() -> TensorMap:
+    """A TensorMap at a 64-byte aligned address (the driver's requirement for the descriptor it
+    writes; ctypes and cuda-bindings' own CUtensorMap objects are only 16-byte aligned)."""
+    buf = ctypes.create_string_buffer(ctypes.sizeof(TensorMap) + 64)
+    offset = (-ctypes.addressof(buf)) % 64
+    tmap = TensorMap.from_buffer(buf, offset)
+    tmap._buffer = buf          # keep the storage alive with the view
+    return tmap
+
+
+@functools.lru_cache(maxsize=None)
+def _encode_tiled():
+    """The driver's cuTensorMapEncodeTiled through ctypes, on the libcuda torch has loaded: it
+    writes into memory we place 64-byte aligned (see _aligned_tensor_map); the enum values are
+    cuda-bindings'."""
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def encode_tensor_map(tensor: torch.Tensor, box, swizzle: int = 128) -> TensorMap:
+    """A TMA descriptor of `tensor` (a CUDA tensor, e.g. a stacked expert weight [E, N, K]) for
+    boxes of `box` over its trailing dims, zeros filled outside it (TensorMapError if it cannot be
+    described; CudaError if the driver refuses)."""
+    if not tensor.is_cuda or tensor.dtype not in _TMA_DTYPES:
+        raise TensorMapError(f"a tensor map describes a CUDA tensor of {', '.join(map(str, _TMA_DTYPES))}, "
+                             f"got a {tensor.device} {tensor.dtype} tensor")
+    p = tiled_map_params(tensor.shape, tensor.stride(), tensor.element_size(), tensor.data_ptr(), box, swizzle)
+    driver = _driver()
+    rank = len(p.dims)
+    tmap = _aligned_tensor_map()
+    err = _encode_tiled()(
+        ctypes.addressof(tmap), int(getattr(driver.CUtensorMapDataType, _TMA_DTYPES[tensor.dtype])), rank,
+        tensor.data_ptr(), (ctypes.c_uint64 * rank)(*p.dims), (ctypes.c_uint64 * max(1, rank - 1))(*p.strides),
+        (ctypes.c_uint32 * rank)(*p.box), (ctypes.c_uint32 * rank)(*([1] * rank)),
+        int(driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE),
+        int(getattr(driver.CUtensorMapSwizzle, _TMA_SWIZZLES[swizzle])),
+        int(driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B),
+        int(driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+    if err:
+        _raise(driver.CUresult(err), f"cuTensorMapEncodeTiled(dims={p.dims}, box={p.box}, swizzle={swizzle})")
+    return tmap

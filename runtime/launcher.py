@@ -3,10 +3,10 @@
 `KernelRunner` is the one place where the lowering contract of codegen/kernel.py
 meets the CUDA driver: it evaluates a launch's grid / shared memory / workspace
 shapes over the step's sizes (codegen/sizes.py), allocates its workspaces,
-binds every typed argument reference to a tensor or a width-tagged scalar, and
-launches on torch's current stream (or the one given), as a programmatic dependent launch where
-the record says so (KernelLaunch.pdl).  No host synchronisation happens here, so a step of
-launches can be captured as a CUDA graph.
+binds every typed argument reference to a tensor, a width-tagged scalar or a TMA
+descriptor (encoded once per weight and kept), and launches on torch's current stream (or the
+one given), as a programmatic dependent launch where the record says so (KernelLaunch.pdl).
+No host synchronisation happens here, so a step of launches can be captured as a CUDA graph.
 
 Modules come either from NVRTC on demand (`KernelRunner()`, used by the kernel
 tests; `templates_dir=` renders from another copy of templates/, e.g. a planted
@@ -22,7 +22,8 @@ import torch
 
 from codegen import sizes as size_exprs
 from codegen.errors import DsgraphError
-from codegen.kernel import Arg, CtxRef, KernelLaunch, SizeRef, StrideRef, ValueRef, WeightRef, WorkspaceRef, describe_ref
+from codegen.kernel import (Arg, CtxRef, KernelLaunch, SizeRef, StrideRef, TensorMapRef, ValueRef, WeightRef,
+                            WorkspaceRef, describe_ref)
 
 _WORKSPACE_DTYPES = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64}
 
@@ -85,13 +86,18 @@ class KernelRunner:
         self._templates_dir = templates_dir
         self._modules: dict[str, object] = {}        # kernel name -> LoadedModule
         self._cubins: dict[str, bytes] | None = None  # set by from_bundle: no compiling then
+        self._tensor_maps: dict[tuple, object] = {}  # (weight address, geometry, box) -> TensorMap
         self.sources: dict[str, str] = {}            # kernel name -> rendered CUDA (compiled ones)
 
     @property
     def arch(self) -> str:
+        """The NVRTC target: as given, else the one dsgraph compiles for on this device
+        (codegen/arch.py target_arch: the default target where the device runs it)."""
         if self._arch is None:
+            from codegen.arch import target_arch
+
             from .cuda_driver import device_arch
-            self._arch = device_arch()
+            self._arch = target_arch(device_arch())
         return self._arch
 
     @classmethod
@@ -122,11 +128,16 @@ class KernelRunner:
             except KeyError:
                 raise LaunchError(f"kernel {launch.name} (nodes {', '.join(launch.nodes)}) is not "
                                   f"in this bundle; recompile the bundle") from None
+        from codegen.arch import features, kernel_target
         from codegen.nvrtc import compile_cubin
         from codegen.render import include_closure
+        missing = set(launch.requires) - features(self.arch)
+        if missing:
+            raise LaunchError(f"kernel {launch.name} is built with {', '.join(sorted(missing))} features, which "
+                              f"this runner's target {self.arch} does not offer (KernelRunner(arch=...))")
         src = self.source(launch)
         self.sources[launch.name] = src
-        return compile_cubin(src, launch.name, arch=self.arch, options=self._options,
+        return compile_cubin(src, launch.name, arch=kernel_target(self.arch, launch.requires), options=self._options,
                              template=launch.template, nodes=tuple(launch.nodes),
                              headers=include_closure(src, self._templates_dir)).cubin
 
@@ -140,9 +151,30 @@ class KernelRunner:
 
     # -- binding --------------------------------------------------------------
 
+    def _tensor_map(self, arg: Arg, launch: KernelLaunch, weights: dict):
+        """The TMA descriptor a TensorMapRef asks for, encoded once per weight (weights are static:
+        the key is the tensor's address and geometry, so a new tensor gets a new map)."""
+        from .cuda_driver import TensorMapError, encode_tensor_map
+        ref = arg.ref
+        t = weights.get(ref.weight)
+        if not isinstance(t, torch.Tensor):
+            raise LaunchError(f"kernel {launch.name}: argument {arg.name} ({describe_ref(ref)}) needs weight "
+                              f"{ref.weight!r}; given: {', '.join(sorted(k for k, v in weights.items() if v is not None)) or '(none)'}")
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device, ref.box, ref.swizzle)
+        tmap = self._tensor_maps.get(key)
+        if tmap is None:
+            try:
+                tmap = encode_tensor_map(t, ref.box, ref.swizzle)
+            except TensorMapError as e:
+                raise LaunchError(f"kernel {launch.name}: argument {arg.name} ({describe_ref(ref)}): {e}") from None
+            self._tensor_maps[key] = tmap
+        return tmap
+
     def _arg(self, arg: Arg, launch: KernelLaunch, values, weights, ctx, workspaces, sizes):
         from .cuda_driver import F32, I32, I64
         ref = arg.ref
+        if isinstance(ref, TensorMapRef):
+            return self._tensor_map(arg, launch, weights)
         if arg.is_pointer:
             if isinstance(ref, ValueRef):
                 return _lookup_value(values, ref.name, launch, ref)
@@ -235,6 +267,7 @@ class KernelRunner:
         for mod in self._modules.values():
             mod.unload()
         self._modules.clear()
+        self._tensor_maps.clear()
 
 
 def manifest_kernels(bundle_dir: str | Path) -> list[str]:

@@ -236,6 +236,11 @@ SKINNY_BK, SKINNY_STAGES = 64, 4
 # The swapped tiles' copies as one bulk copy per row on an mbarrier (moe.cuh 4c, bulk.cuh) instead
 # of 16-byte cp.async: fewer L2 requests for the same bytes.  Off until measured on the H200.
 SKINNY_BULK = False
+# Above this many tokens the grouped GEMM runs on Hopper's wgmma + TMA (moe_wgmma.cuh,
+# _moe_wgmma.py: a persistent warp-specialised grid, 128 x 256 x 64 tiles) in place of the mma
+# launch, on compute-capability-9.0 targets (that kernel is built for sm_90a; codegen/arch.py).
+# None: off until measured on the H200 (issue 11; tests/gpu/perf_prefill.py --gemm-variants wgmma).
+GEMM_WGMMA_TOKENS = None
 
 
 def slots(E: int) -> str:
@@ -314,6 +319,8 @@ def grouped_launches(family: str, template: str, name_parts: list, p: dict, nid:
             params=gp, nodes=(nid,),
             grid=(-(-p["N"] // bn), mma_grid_y(p["E"], thr, GEMV_ONLY_TOKENS), 1),
             block=(GEMM_THREADS, 1, 1), args=(*args, size("num_pairs", "NP")), smem=smem, stage="mma"))
+        from . import _moe_wgmma
+        launches = _moe_wgmma.take_over(launches, family, template, name_parts, p, nid, args, opts, down=down)
     return launches
 
 

@@ -13,7 +13,8 @@ import subprocess
 import tempfile
 from typing import NamedTuple
 
-_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+# Modifiers may hold lower case (HGMMA.64x256x16.F32.BF16).
+_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)")
 
 
 def _tools() -> tuple[str, str] | None:

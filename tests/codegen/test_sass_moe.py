@@ -1,6 +1,8 @@
 """The grouped expert GEMM compiles to the instructions it was written for (sm_90, NVRTC on the
 CPU): tensor-core HMMA fed by 16-byte cp.async (LDGSTS, L2 128-byte hint) and ldmatrix (LDSM), no register spills,
-and the swapped few-pairs tiles (moe.cuh 4c) add tensor-core code of their own."""
+and the swapped few-pairs tiles (moe.cuh 4c) add tensor-core code of their own.  The wgmma variant
+(sm_90a, moe_wgmma.cuh; off by default) is HGMMA fed by TMA boxes and gathering cp.async copies on
+mbarriers, with its registers moved between warpgroups, without spills."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +15,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sass import cuobjdump, opcodes  # noqa: E402
 from test_families_moe import DIMS, lower, moe_graphs  # noqa: E402
 
+from codegen import families  # noqa: E402
+from codegen.families import _moe  # noqa: E402
 from codegen.families._moe import gemm_launch_smem  # noqa: E402
-from codegen.nvrtc import compile_cubin  # noqa: E402
+from codegen.kernel import Options  # noqa: E402
+from codegen.nvrtc import KernelCompileError, compile_cubin  # noqa: E402
 from codegen.render import render_launch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
@@ -59,3 +64,43 @@ def test_bulk_copy_variant_compiles_to_bulk_copies(op):
     assert ops["UBLKCP.S.G"] > 0, sorted(ops)
     assert ops["SYNCS.PHASECHK.TRANS64.TRYWAIT"] > 0, "stages are waited for on their mbarrier"
     assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
+
+
+def _wgmma_launch(op: str, dtype: str, monkeypatch):
+    monkeypatch.setattr(_moe, "GEMM_WGMMA_TOKENS", 256)
+    for G, nid in moe_graphs(*DIMS["v2_lite"]):
+        if G.nodes[nid]["op"] == op:
+            launches = families.family_for_op(op).lower(nid, G, Options(dtype=dtype))
+            (launch,) = [la for la in launches if la.stage == "wgmma"]
+            return launch
+    raise AssertionError(op)
+
+
+@pytest.mark.parametrize("op,dtype", [("moe_gate_up_silu", "bf16"), ("moe_down", "bf16"), ("moe_gate_up_silu", "fp16"),
+                                      ("moe_gate_up", "bf16")])
+def test_wgmma_variant_is_hgmma_fed_by_tma_and_gathering_copies(op, dtype, monkeypatch):
+    """_moe.GEMM_WGMMA_TOKENS (off until measured on the H200): 4 HGMMA 64x256x16 per K slice,
+    the weights as 3-D TMA boxes, the pair rows as 16-byte cp.async reported to the stage's
+    mbarrier, warpgroup register reallocation; no mma.sync fall-back, no spills, registers within
+    the 168 a 384-thread CTA has at launch."""
+    launch = _wgmma_launch(op, dtype, monkeypatch)
+    res = compile_cubin(render_launch(launch), launch.name, arch="sm_90a", options=("--ptxas-options=-v",))
+    ops = opcodes(res.cubin)
+    assert ops["HGMMA.64x256x16.F32" + (".BF16" if dtype == "bf16" else "")] == 4, sorted(ops)   # fp16 has no suffix
+    assert not any(k.startswith("HMMA") for k in ops), "no mma.sync path inside"
+    assert ops["UTMALDG.3D"] > 0 and ops["UTMACCTL.PF"] > 0, "weights: TMA boxes of the tensor maps (prefetched)"
+    assert ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0 and ops["ARRIVES.LDGSTSBAR.64.ARVCNT"] > 0, \
+        "pair rows: gathering 16-byte cp.async whose landing arrives on the stage's mbarrier"
+    assert ops["SYNCS.PHASECHK.TRANS64.TRYWAIT"] > 0 and ops["SYNCS.ARRIVE.TRANS64"] > 0, "stages on mbarriers"
+    assert ops["WARPGROUP.ARRIVE"] > 0 and ops["WARPGROUP.DEPBAR.LE"] > 0
+    assert ops["USETMAXREG.DEALLOC.CTAPOOL"] > 0 and ops["USETMAXREG.TRY_ALLOC.CTAPOOL"] > 0
+    assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
+    used = int(res.log.split("Used ")[1].split(" registers")[0])
+    assert used <= 168, res.log
+
+
+def test_wgmma_variant_needs_the_sm90a_target(monkeypatch):
+    """wgmma.cuh refuses a plain sm_90 build with one clear error (the lowering never asks for one)."""
+    launch = _wgmma_launch("moe_down", "bf16", monkeypatch)
+    with pytest.raises(KernelCompileError, match="sm_90a"):
+        compile_cubin(render_launch(launch), launch.name, arch="sm_90")

@@ -2,6 +2,7 @@
 
     python3 tests/gpu/perf_prefill.py [--batch 32] [--seqlen 512] [--families moe,attn,...]
                                       [--route-tokens 257,2048,16384] [--route-variants default,gemv,align0]
+                                      [--gemm-variants wgmma,64x3] [--wgmma-shapes 32x512,1x2048]
 
 Builds one-node graphs of the prefill phase's generated kernels (the same lowering the
 bundle uses), runs them through KernelRunner on random bf16 tensors at T = batch * seqlen
@@ -284,6 +285,75 @@ def bench_grouped(runner, m, T, which):
     print(f"    spot check vs torch: max rel err {max(errs):.2e}; unwritten/NaN: {nan}", flush=True)
 
 
+def grouped_case(m, T, which):
+    """One grouped-expert node at V2-Lite dims with uniform random routing of T tokens: (G, nid,
+    kernel kwargs, FLOPs, a spot check of three experts against torch -> max rel err)."""
+    d = m.dims
+    E, K, D, M = d["experts"], d["top_k"], d["hidden"], d["moe_intermediate"]
+    NP = T * K
+    ids, order, offsets = routing(T, E, K)
+    r = TType((f"T*{K}", E), "routing")
+    if which == "moe_down":
+        G, nid = single_op_graph(m, which, {"num_experts": E, "out_dim": D},
+                                 {"a": TType((f"T*{K}", M), "act"), "R": r}, {"weight": "e.{expert}.down"})
+        inp, weights, first, n_out = rand(NP, M), {"e.*.down": rand(E, D, M, scale=M ** -0.5)}, "a", D
+        flops = NP * 2 * D * M
+    else:
+        G, nid = single_op_graph(m, which, {"num_experts": E, "out_dim": M},
+                                 {"x": TType(("T", D), "act"), "R": r},
+                                 {"gate": "e.{expert}.gate", "up": "e.{expert}.up"})
+        inp = rand(T, D)
+        weights = {"e.*.gate": rand(E, M, D, scale=D ** -0.5), "e.*.up": rand(E, M, D, scale=D ** -0.5)}
+        first, n_out, flops = "x", M, NP * 2 * 2 * M * D
+    outs = G.nodes[nid]["outputs"]
+    values = {first: inp, "R": {"order": order, "offsets": offsets},
+              **{o: torch.full((NP, n_out), float("nan"), device=DEV, dtype=DT) for o in outs}}
+
+    def check() -> float:
+        errs = []
+        for e in (0, E // 2, E - 1):
+            pairs = order[offsets[e].item():offsets[e + 1].item()].long()
+            if which == "moe_down":
+                ref = inp[pairs].float() @ weights["e.*.down"][e].float().T
+            else:
+                xe = inp[pairs // K].float()
+                ref = torch.nn.functional.silu(xe @ weights["e.*.gate"][e].float().T) * (xe @ weights["e.*.up"][e].float().T)
+            errs.append(relerr(values[outs[0]][pairs], ref))
+        return max(errs)
+    return G, nid, dict(values=values, weights=weights, sizes={"T": T, "NP": NP}), flops, outs, check
+
+
+def bench_wgmma(m, shapes):
+    """The wgmma + TMA grouped GEMM (built for sm_90a; _moe.GEMM_WGMMA_TOKENS, off by default) against the
+    mma.sync launch, per shape B x L: us, TFLOP/s, speed-up, and both against torch."""
+    from codegen.families import _moe
+    runner = KernelRunner()           # builds the wgmma kernel for sm_90a (it requires it), the rest for sm_90
+    for B, L in shapes:
+        T = B * L
+        print(f"# wgmma vs mma.sync at {B} x {L} = {T} tokens", flush=True)
+        for which in ("moe_gate_up_silu", "moe_down"):
+            G, nid, kw, flops, outs, check = grouped_case(m, T, which)
+            (mma,) = [la for la in lower(G, nid) if la.stage == "mma"]
+            saved, _moe.GEMM_WGMMA_TOKENS = _moe.GEMM_WGMMA_TOKENS, 8
+            try:
+                (wg,) = [la for la in lower(G, nid) if la.stage == "wgmma"]
+            finally:
+                _moe.GEMM_WGMMA_TOKENS = saved
+            ms_mma = time_launch(runner, mma, kw)
+            err_mma = check()
+            for o in outs:
+                kw["values"][o].fill_(float("nan"))
+            ms_wg = time_launch(runner, wg, kw)
+            err_wg = check()
+            nan = any(torch.isnan(kw["values"][o]).any().item() for o in outs)
+            report(f"  {which} mma.sync", ms_mma, flops / 700e12 * 1e6, f"{flops / ms_mma / 1e9:.0f} TFLOP/s")
+            report(f"  {which} wgmma", ms_wg, flops / 700e12 * 1e6,
+                   f"{flops / ms_wg / 1e9:.0f} TFLOP/s  x{ms_mma / ms_wg:.2f}")
+            print(f"    spot check vs torch: mma.sync {err_mma:.2e}, wgmma {err_wg:.2e}; unwritten/NaN: {nan}",
+                  flush=True)
+    runner.close()
+
+
 def bench_small(runner, m, T):
     D, K = m.dims["hidden"], m.dims["top_k"]
     G, nid = single_op_graph(m, "rms_norm", {}, {"x": TType(("T", D), "act")}, {"weight": "w"})
@@ -314,8 +384,11 @@ def main():
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--families", default="attn,route,moe,small")
     ap.add_argument("--gemm-variants", default="",
-                    help="extra (BK x stages) configurations of the MoE tensor-core GEMM to time, e.g. 64x3,32x3 "
-                         "(measured at T=16384: 32x4 4.55 ms gate_up_silu, 64x3 4.76, 32x3 4.60)")
+                    help="extra configurations of the MoE tensor-core GEMM to time: (BK x stages) of the mma.sync "
+                         "launch, e.g. 64x3,32x3 (measured at T=16384: 32x4 4.55 ms gate_up_silu, 64x3 4.76, 32x3 "
+                         "4.60), and/or 'wgmma': the sm_90a wgmma + TMA launch beside mma.sync at --wgmma-shapes")
+    ap.add_argument("--wgmma-shapes", default="32x512,1x2048",
+                    help="batch x seqlen shapes the 'wgmma' variant is timed at")
     ap.add_argument("--align-parallel", type=int, default=None, metavar="PAIRS",
                     help="also time the route with the count / scan / scatter alignment above PAIRS pairs "
                          "(_moe.ALIGN_PARALLEL_PAIRS; off in the lowering by default): --route-variants alignPAIRS")
@@ -345,10 +418,14 @@ def main():
     if "small" in fams:
         bench_small(runner, m, T)
     runner.close()
-    if "moe" in fams and a.gemm_variants:
+    variants = [v for v in a.gemm_variants.split(",") if v]
+    if "wgmma" in variants:
+        variants.remove("wgmma")
+        bench_wgmma(m, [tuple(int(x) for x in s.split("x")) for s in a.wgmma_shapes.split(",")])
+    if "moe" in fams and variants:
         from codegen.families import _moe
         default = (_moe.GEMM_BK, _moe.GEMM_STAGES)
-        for v in a.gemm_variants.split(","):
+        for v in variants:
             _moe.GEMM_BK, _moe.GEMM_STAGES = (int(x) for x in v.split("x"))
             print(f"# MoE GEMM variant BK={_moe.GEMM_BK} stages={_moe.GEMM_STAGES} "
                   f"(smem {_moe.gemm_smem(_moe.GEMM_BK, _moe.GEMM_STAGES)} B)", flush=True)

@@ -18,6 +18,7 @@ import pytest
 import test_kernels_dense as dense
 import test_kernels_mla as mla
 import test_kernels_moe as moe
+import test_kernels_moe_wgmma as moe_wgmma
 from harness import GPU_MARKS
 from kernel_cases import templates_from
 
@@ -97,6 +98,11 @@ MUTANTS = [
            moe.test_moe_gate_up_silu_pair_counts, dict(case={
                "dtype": "fp16", "T": 15, "E": 6, "K": 1, "counts": [1, 2, 2, 1, 9, 0], "D": 256, "M": 200,
                "misalign": "none", "seed": 12}), uses_runner=True),
+    Mutant("wgmma expert tile output x1.01 (gate_up_silu, sm_90a, many pairs per expert)", "include/moe_wgmma.cuh",
+           "v[c] = round_to<T>(gr / (1.f + expf(-gr))) * ur;", "v[c] = round_to<T>(gr / (1.f + expf(-gr))) * ur * 1.01f;",
+           moe_wgmma.test_moe_gate_up_silu_wgmma, dict(case={
+               "dtype": "bf16", "T": 452, "E": 6, "K": 1, "counts": [130, 64, 1, 0, 129, 128], "KD": 136, "N": 200,
+               "misalign": "none", "seed": 13}), uses_runner=True),
 ]
 
 

@@ -1,0 +1,76 @@
+"""The grouped expert GEMM on Hopper's wgmma + TMA (templates/include/moe_wgmma.cuh) as the
+launch of the grouped expert families (moe_gate_up_silu, moe_gate_up, moe_down) above
+`_moe.GEMM_WGMMA_TOKENS` tokens: prefill's ~T*K/E pairs per expert.
+
+Not a family (the leading underscore).  `take_over` gets the family's launches (GEMV, mma) and,
+where the variant applies, hands every T above the threshold from the mma launch (its grid then
+0) to a persistent wgmma launch over the same operands, the weights as TMA tensor maps:
+
+    T <= GEMV_ONLY_TOKENS            the GEMV                              (unchanged)
+    GEMV_ONLY_TOKENS < T <= threshold  the mma launch (light slots + tiles) (unchanged)
+    T > threshold                    wgmma: grid min(SMS, tile bound), 384 threads, every expert
+
+It applies where the target offers sm_90a (codegen/arch.py: a bundle for sm_90 or sm_90a; the
+launch `requires` it, so that kernel alone is built for sm_90a), the activations are 16-bit and
+KD % 8 == 0 (16-byte rows: TMA strides, cp.async); elsewhere the launches stay as they are.  Off
+while GEMM_WGMMA_TOKENS is None (until measured on the H200).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from codegen.arch import has_feature
+from codegen.kernel import KernelLaunch, WeightRef, tensor_map
+
+from . import _moe
+
+FEATURE = "sm_90a"
+BM, BN, BK = 128, 256, 64      # pairs, weight rows, K per tile and stage  (moe_wgmma.cuh WG_*)
+BOX = 128                      # weight rows per TMA box (two boxes a stage)
+THREADS = 384                  # a producer warpgroup and two consumer warpgroups
+# Slices in flight: 4 x 48 KB = 192 KB of the 227 KB a CTA may have (one CTA per SM).
+STAGES = 4
+
+
+def smem(stages: int) -> int:
+    """The ring plus 1 KB of slack to start it on a 1024-byte boundary (moe_wgmma.cuh wgmma_smem)."""
+    return stages * (BM + BN) * BK * 2 + 1024
+
+
+def applies(opts, p: dict) -> bool:
+    return (_moe.GEMM_WGMMA_TOKENS is not None and has_feature(opts.arch, FEATURE)
+            and opts.dtype in ("bf16", "fp16") and p["KD"] % 8 == 0)
+
+
+def threshold() -> int:
+    """Tokens above which the wgmma launch runs (never at or below the GEMV's)."""
+    return max(_moe.GEMM_WGMMA_TOKENS, _moe.GEMV_ONLY_TOKENS)
+
+
+def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
+           down: bool) -> KernelLaunch:
+    """The persistent wgmma launch over the family's operands, each weight as a tensor map of
+    [BOX rows x BK] boxes (128-byte rows: the 128B swizzle wgmma reads)."""
+    from codegen.render import kernel_name
+    cols = BN if down else BN // 2                       # output columns per tile
+    tiles = f"{-(-p['N'] // cols)} * (NP // {BM} + min({p['E']}, NP))"   # bound: one partial row tile per expert
+    targs = tuple(tensor_map(a.name, a.ref.name, (BOX, BK)) if isinstance(a.ref, WeightRef) else a for a in args)
+    params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "variant": "wgmma",
+              "threads": THREADS, "stages": STAGES, "smem": smem(STAGES), "cols": cols, "box_rows": BOX,
+              "box_k": BK}
+    return KernelLaunch(
+        family=family, template=template, name=kernel_name(family, [*name_parts, "wgmma"]), params=params,
+        nodes=(nid,), grid=(f"min(SMS, {tiles}) * {_moe.only_above(threshold())}", 1, 1), block=(THREADS, 1, 1),
+        args=targs, smem=smem(STAGES), stage="wgmma", requires=(FEATURE,))
+
+
+def take_over(launches: list, family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,
+              opts, *, down: bool) -> list:
+    """`launches` (GEMV, mma), with the wgmma launch taking T above the threshold where it applies."""
+    if not applies(opts, p):
+        return launches
+    *rest, mma = launches
+    assert mma.stage == "mma", mma.stage
+    below = dataclasses.replace(mma, grid=(mma.grid[0], f"({mma.grid[1]}) * {_moe.only_below(threshold())}",
+                                           mma.grid[2]))
+    return [*rest, below, launch(family, template, name_parts, p, nid, args, down=down)]
