@@ -191,13 +191,13 @@ def test_cuda_core_path_waits_and_does_not_spill():
 
 
 @sass
-@pytest.mark.parametrize("tag", ["w8s2c8", "w4s3c8", "w8s3c4", "w8s3c2", "w8s4c8"])
+@pytest.mark.parametrize("tag", ["w8s2c8", "w4s3c8", "w8s3c4"])
 def test_timed_variants_compile(tag):
-    """tests/gpu/perf_decode.py's variants compile (the 4-warp ones sit at 255 registers: a few
-    bytes of spill are allowed there, none at 8 warps)."""
+    """tests/gpu/perf_decode.py's variants compile, their largest split count and no split (the
+    4-warp one sits at 255 registers: a few bytes of spill are allowed there, none at 8 warps)."""
     w, s, c = (int(x) for x in tag[1:].replace("s", " ").replace("c", " ").split())
     _, launches = lowered("deepseek_v2_lite", variant=fam.Variant(w, s, c))
-    for la in launches:
+    for la in (launches[0], launches[-1]):
         res, ops = _compile(la)
         assert ops["HMMA.16816.F32.BF16"] > 0
         if w == 8:

@@ -293,7 +293,7 @@ def test_mla_decode_attention_split_count(name, dtype, ctx_len, sms):
     RECS["mla_decode_attention"].check(out, ref, dtype, f"S={S}")
 
 
-PERF_VARIANTS = ("w8s2c8", "w4s3c8", "w8s3c4", "w8s3c2", "w8s4c8")   # tests/gpu/perf_decode.py's candidates
+PERF_VARIANTS = ("w8s2c8", "w4s3c8", "w8s3c4")   # tests/gpu/perf_decode.py's candidates beside the default
 
 
 def _variant(tag: str):
@@ -304,11 +304,12 @@ def _variant(tag: str):
 
 
 @pytest.mark.parametrize("variant", PERF_VARIANTS)
-@pytest.mark.parametrize("name,dtype", [("lite", "bf16"), ("h20w", "fp16")])
+@pytest.mark.parametrize("name,dtype", [("lite", "bf16")])
 def test_mla_decode_attention_variants(variant, name, dtype):
     """Every tile / ring / cluster variant the timing script compares computes the same attention
-    (long and short contexts, page edges, several query tokens of one sequence), so the fastest can
-    become the default on its timing alone."""
+    (long and short contexts, page edges, several query tokens of one sequence; its largest split
+    count and no split), so the fastest can become the default on its timing alone. Two kernels a
+    variant (NVRTC takes ~10 s for each on the device)."""
     from codegen.families import mla_decode_attention as fam
     from codegen.kernel import Options
     v = _variant(variant)
@@ -324,7 +325,7 @@ def test_mla_decode_attention_variants(variant, name, dtype):
     q_lat, q_rot = head_views(T, H, [C, R], dtype, torch.Generator().manual_seed(11))
     (ref,) = reference(G, nid, [q_lat, q_rot, None], step=step)
     launches = fam.lower(nid, G, Options(dtype=dtype, block_size=64), variant=v)
-    for sms in (132, 4096, 1):
+    for sms in (4096, 1):
         out = empty_out((T, H, C), dtype)
         sizes = step_sizes(step, W=int(ctx["block_tables"].shape[1]), SMS=sms)
         _, live = run_decode(G, nid, dtype, values={"q_lat": q_lat, "q_rot": q_rot, "out": out}, ctx=ctx,
