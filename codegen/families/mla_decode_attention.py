@@ -1,32 +1,44 @@
-"""mla_decode_attention: paged attention over the compressed [c_n | k_rot] cache rows.
+"""mla_decode_attention: paged attention over the compressed [c_n | k_rot] cache rows, in one launch.
 
-Two launches: `split` (CTA = token x head group x KV split; each cache row is read once
-per head group into shared memory with 16-byte loads) and `combine` (merge the non-empty
-splits' partial max / sum / accumulators from the workspace).
+Work item = (token, group of up to 16 heads); its visible rows are cut into S contiguous KV
+splits, one CTA each, and the splits are merged inside the same launch (templates/include/
+mla_decode.cuh): with S >= 2 an item's S CTAs form one thread-block cluster and merge their
+partials through distributed shared memory; S == 1 needs no merge. S is a compile-time constant
+of each kernel (the cluster size, so clusters pack onto the GPCs as tightly as S allows), and the
+lowering emits one launch per S in 8, 4, 2 (up to Variant.cluster) and 1, of which exactly one
+has a non-empty grid at run time: a grid factor of the S expression, no host sync, so a captured
+decode graph holds one attention kernel per layer. No workspace, no device counter: nothing to
+reset between CUDA-graph replays. Clusters need sm_90; for older archs only S == 1 exists.
 
-bf16 / fp16 with (C + R) % 16 == 0 and C % 64 == 0 (V2-Lite: 512 + 64) take the tensor-core
-split (MlaDecodeMma: 16 heads as the mma M dimension, 32-row tiles through a 2-deep cp.async
-ring, 4 warps, two CTAs per SM); fp32 and odd shapes the CUDA-core one (MlaDecode). The number
-of splits S is a size expression over the step and the device's SM count ``SMS`` (a runtime size
-the runner reads from the device: codegen/sizes.py DEVICE_SIZES): about WAVES CTAs per SM in all,
-never more than one split per tile of the longest context, and never more than MAX_S (the
-combine's compacted split list; the combine traps on a larger S instead of dropping splits).
+S follows a size expression over the step and the device's SM count ``SMS`` (a runtime size the
+runner reads from the device: codegen/sizes.py DEVICE_SIZES): as many CTAs as the SMs hold at
+once (tensor cores; about WAVES * SMS on CUDA cores), never more than one split per 64 rows of the
+longest context, clamped to Variant.cluster (MAX_S) and rounded down to a power of two.
 
-The block-table width comes from the runtime size ``W`` (block_tables.shape[1]).
+bf16 / fp16 with (C + R) % 32 == 0 and C % (16 * warps) == 0 (V2-Lite / V2 / V3: 512 + 64) take
+the tensor-core split (MlaDecodeMma: 16 heads as the mma M dimension, 8 * warps-row tiles through
+a `stages`-deep cp.async ring, the queries in registers, each warp scoring its own 8 rows, one CTA
+per SM at 8 warps); fp32 and odd shapes the CUDA-core one (MlaDecode). The block-table width
+comes from the runtime size ``W`` (block_tables.shape[1]).
 
 Alignment (every vector access, checked here or in the kernel):
 - cache rows: 16-byte loads (CUDA-core, only when W * elem % 16 == 0) / cp.async (tensor-core,
-  which requires (C + R) % 16 == 0) at cache + slot * W. The cache is the runtime's per-layer
-  contiguous allocation; runtime/launcher.py refuses a kv_cache that is not contiguous and
-  16-byte aligned, so every row start is 16-byte aligned whenever a row is whole vectors.
-- queries (strided views at any offset): scalar loads on both paths.
+  (C + R) % 32 == 0) at cache + slot * W. The cache is the runtime's per-layer contiguous
+  allocation; runtime/launcher.py refuses a kv_cache that is not contiguous and 16-byte aligned,
+  so every row start is 16-byte aligned whenever a row is whole vectors.
+- queries (strided views at any offset): 16-byte cp.async on the tensor-core path where both views
+  and their head strides allow it (tested per CTA), else element loads.
 - shared memory: every piece of the CUDA-core carve-up is rounded to 16 bytes (smem_bytes below
-  mirrors MlaDecode::SMEM, static_asserted equal); the tensor-core pitch is C + R + 8 halves.
-- workspace: float2 stores on the tensor-core path at even columns of C % 64 == 0 rows.
+  mirrors MlaDecode::SMEM, mma_smem_bytes MlaDecodeMma::SMEM; static_asserted equal); the
+  tensor-core rows are whole 16-byte chunks.
+- output: 4-element stores only where C % 32 == 0 and the output pointer allows it (tested at run
+  time), else element stores.
 """
 from __future__ import annotations
 
-from codegen.kernel import KernelLaunch, Workspace, ctx, inp, out, size, stride, work
+from dataclasses import dataclass, replace
+
+from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride
 from codegen.render import kernel_name
 
 from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, c_float, inner_dims, node_io
@@ -34,34 +46,58 @@ from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, c_float, inner_di
 FAMILY = "mla_decode_attention"
 TEMPLATE = "mla_decode_attention.cu.j2"
 OPS = ("mla_decode_attention",)
+PDL = True              # every CTA waits (griddepcontrol.wait) at entry: the kernel keeps pdl.cuh's contract
 
-THREADS = 256
-KT = 32                 # cache rows per tile (one per lane in the score phase)
+THREADS = 256           # CUDA-core split
+KT = 32                 # CUDA-core tile rows (one per lane in the score phase)
 MAX_HG = 16             # heads per CTA: all of them share each tile read
-WAVES = 2               # CUDA-core split: aim for WAVES * SMS CTAs (two waves)
-COMBINE_THREADS = 128
-MMA_WARPS = 4
-MMA_THREADS = 32 * MMA_WARPS
+WAVES = 2               # CUDA-core split: aim for WAVES * SMS CTAs
 MMA_HG = 16             # heads per CTA on the tensor-core path (the mma M dimension)
-NSTAGE = 2              # cp.async ring depth (tiles in flight per CTA)
-MMA_CTAS_PER_SM = 2     # resident CTAs of the tensor-core split per SM (__launch_bounds__(128, 2), ~81 KB smem each)
-# Measured on the H200 at 64 x 4096: this (4 warps, 2 stages, 2 CTAs / SM) 134 us; 8 warps,
-# 4 stages, 1 CTA / SM 173 us -- more independent CTAs per SM beat a deeper ring.
-MAX_S = 512             # upper bound of S on either path (the combine's shared arrays: 4 KB); the
-                        # unclamped S is at most WAVES * SMS (2 per SM: 256 SMs before the clamp binds)
+
+# Shared memory per SM on sm_90 (228 KB) and what the hardware keeps per resident CTA (1 KB).
+_SM_SMEM = 228 * 1024
+_CTA_RESERVED = 1024
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The tensor-core split's switchable shape and the split policy's bound (tests/gpu/perf_decode.py
+    lowers several in one GPU run). warps = 8: 64-row tiles, 256 threads, ~220 registers (the queries
+    live in registers), one CTA per SM; warps = 4: 32-row tiles, two CTAs per SM where shared memory
+    allows. stages: cp.async ring depth (stages - 1 tiles in flight while one is computed).
+    cluster: CTAs per cluster = the most KV splits of one (token, head group)."""
+    warps: int = 8
+    stages: int = 3
+    cluster: int = 8
+
+    def __post_init__(self):
+        if self.warps not in (4, 8) or self.stages < 2 or self.cluster not in (1, 2, 4, 8):
+            raise ValueError(f"unsupported mla_decode_attention variant {self}")
+
+    @property
+    def tag(self) -> str:
+        return f"w{self.warps}s{self.stages}c{self.cluster}"
+
+
+DEFAULT = Variant()
+MAX_S = DEFAULT.cluster  # upper bound of S (the cluster: every split of an item merges on chip)
 
 # Shared memory a CTA may have (bytes; the opt-in maximum per block) by compute capability.
 _SMEM_LIMIT = {(7, 0): 96 * 1024, (7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024,
                (8, 7): 163 * 1024, (8, 9): 99 * 1024, (9, 0): 227 * 1024, (12, 0): 99 * 1024}
 
 
-def smem_limit(arch: str) -> int:
-    """The per-block shared-memory limit of `arch` ("sm_90", "sm_90a", ...); the arch is an
-    option (part of the cache key), so this is a device fact the bundle may depend on."""
+def compute_capability(arch: str) -> tuple[int, int]:
     digits = "".join(ch for ch in arch.removeprefix("sm_").removeprefix("compute_") if ch.isdigit())
     if len(digits) < 2:
         raise LoweringError(f"cannot read a compute capability from arch {arch!r} (expected sm_XY)")
-    major, minor = int(digits[:-1]), int(digits[-1])
+    return int(digits[:-1]), int(digits[-1])
+
+
+def smem_limit(arch: str) -> int:
+    """The per-block shared-memory limit of `arch` ("sm_90", "sm_90a", ...); the arch is an
+    option (part of the cache key), so this is a device fact the bundle may depend on."""
+    major, minor = compute_capability(arch)
     if (major, minor) in _SMEM_LIMIT:
         return _SMEM_LIMIT[(major, minor)]
     if major >= 9:
@@ -76,77 +112,130 @@ def check_smem(what: str, smem: int, opts, hint: str) -> None:
                             f"{limit}: {hint}")
 
 
-def use_mma(C: int, R: int, dtype: str) -> bool:
-    return dtype in ("bf16", "fp16") and (C + R) % 16 == 0 and C % (16 * MMA_WARPS) == 0
+def cluster_size(arch: str, v: Variant = DEFAULT) -> int:
+    """CTAs per cluster: thread-block clusters (and distributed shared memory) need sm_90."""
+    return v.cluster if compute_capability(arch)[0] >= 9 else 1
 
 
-def mma_smem_bytes(C: int, R: int) -> int:
-    kp = C + R + 8
-    return NSTAGE * KT * kp * 2 + MMA_WARPS * (KT // 8) * 32 * 16
+def use_mma(C: int, R: int, dtype: str, v: Variant = DEFAULT) -> bool:
+    return dtype in ("bf16", "fp16") and (C + R) % 32 == 0 and C % (16 * v.warps) == 0
 
 
 def _round16(b: int) -> int:
     return -(-b // 16) * 16
 
 
-def smem_bytes(C: int, R: int, HG: int, elem: int) -> int:
-    """MlaDecode::SMEM: queries, K tile, probabilities, alphas, slots; each piece 16-byte aligned."""
+def merge_bytes(C: int, HG: int, S: int) -> int:
+    """SplitMerge::BYTES: (max, sum) per head, the [HG][CP] accumulators, the merge weights."""
+    cp = C + 8 if C % 32 == 0 else C
+    return _round16(HG * 8) + _round16(HG * cp * 4) + S * HG * 4
+
+
+def mma_smem_bytes(C: int, R: int, S: int, v: Variant = DEFAULT) -> int:
+    """MlaDecodeMma::SMEM: the ring of 16-byte-chunk rows, per-warp maxima, the P tile."""
+    vpr = (C + R) // 8
+    pitch = vpr if vpr % 8 == 0 else vpr | 1
+    kt = 8 * v.warps
+    ring = v.stages * kt * pitch * 16
+    carve = ring + v.warps * MMA_HG * 4 + MMA_HG * (kt + 8) * 2
+    return max(carve, merge_bytes(C, MMA_HG, S))
+
+
+def smem_bytes(C: int, R: int, HG: int, elem: int, S: int) -> int:
+    """MlaDecode::SMEM: queries, K tile, probabilities, alphas, slots (each piece 16-byte aligned),
+    or the split's partial where that is larger."""
     W = C + R
     wp = (W + 1) // 2
     kph = wp if wp % 2 else wp + 1
     pp = (HG + 3) // 4 * 4
     q = _round16(HG * 2 * wp * 4)
     k = _round16(KT * 2 * kph * elem)
-    return q + k + KT * pp * 4 + pp * 4 + KT * 8
+    return max(q + k + KT * pp * 4 + pp * 4 + KT * 8, merge_bytes(C, HG, S))
 
 
-def split_count(mma: bool, NG: int) -> str:
-    """S, the KV splits per (token, head group): a size expression, at most MAX_S by construction."""
+def mma_ctas_per_sm(smem: int, v: Variant = DEFAULT) -> int:
+    """Resident CTAs per SM of the tensor-core split: 8 warps hold ~220 registers a thread (one
+    CTA); 4 warps fit twice where shared memory allows."""
+    return 2 if v.warps == 4 and 2 * (smem + _CTA_RESERVED) <= _SM_SMEM else 1
+
+
+def split_target(mma: bool, NG: int, cs: int, ctas_per_sm: int = 1, kt: int = 64) -> str:
+    """X, the splits per (token, head group) the step could use, clamped to [1, cs]; the split count
+    S is the power of two at or below X. Tensor cores: no more CTAs than the SMs hold at once (never
+    a second, tiny wave); CUDA cores: about WAVES * SMS CTAs; both at most one split per 64 rows of
+    the longest context."""
+    if cs == 1:
+        return "1"
     if mma:
-        s = f"min(cdiv(MAXCTX, {KT}), max(1, ({MMA_CTAS_PER_SM} * SMS) // (T * {NG})))"
-    else:
-        s = f"min(cdiv(MAXCTX, {2 * KT}), max(1, cdiv({WAVES} * SMS, T * {NG})))"
-    return f"min({MAX_S}, {s})"
+        return f"min({cs}, min(cdiv(MAXCTX, {kt}), max(1, ({ctas_per_sm} * SMS) // (T * {NG}))))"
+    return f"min({cs}, min(cdiv(MAXCTX, {2 * KT}), max(1, cdiv({WAVES} * SMS, T * {NG}))))"
 
 
-def lower(nid, G, opts):
+def only_splits(X: str, c: int, cs: int) -> str:
+    """The grid factor of the launch with S = c: 1 when c <= X < 2c (S = c is the power of two at or
+    below X; the largest, cs, takes X == cs), else 0."""
+    if cs == 1:
+        return "1"
+    if c == 1:
+        return f"(1 - min(1, ({X}) // 2))"
+    if c == cs:
+        return f"min(1, ({X}) // {c})"
+    return f"(min(1, ({X}) // {c}) - min(1, ({X}) // {2 * c}))"
+
+
+def cluster_sizes(cs: int) -> list[int]:
+    """The split counts a lowering serves, largest first: cs, cs / 2, ..., 1."""
+    out = [cs]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
+def lower(nid, G, opts, variant: Variant | None = None):
+    v = variant or DEFAULT
     data, ins, outs, w = node_io(G, nid)
     H, C = inner_dims(G, ins[0])
     _, R = inner_dims(G, ins[1])
     if opts.block_size < 1:
         raise LoweringError(f"block_size must be >= 1, got {opts.block_size}")
-    mma = use_mma(C, R, opts.dtype)
+    cs = cluster_size(opts.arch, v)
+    mma = use_mma(C, R, opts.dtype, v)
+    requested = v
+    if mma:   # a shallower ring where the arch has less shared memory (sm_80: 2 stages); none: CUDA cores
+        while v.stages > 2 and mma_smem_bytes(C, R, cs, v) > smem_limit(opts.arch):
+            v = replace(v, stages=v.stages - 1)
+        mma = mma_smem_bytes(C, R, cs, v) <= smem_limit(opts.arch)
     if mma:
-        HG, threads = MMA_HG, MMA_THREADS
-        smem = mma_smem_bytes(C, R)
+        HG, threads = MMA_HG, 32 * v.warps
+        smem_of = lambda n: mma_smem_bytes(C, R, n, v)   # noqa: E731
+        per_sm = mma_ctas_per_sm(smem_of(cs), v)
+        X = split_target(True, -(-H // HG), cs, per_sm, 8 * v.warps)
     else:
-        HG, threads = min(H, MAX_HG), THREADS
-        smem = smem_bytes(C, R, HG, ELEM_BYTES[opts.dtype])
+        HG, threads, per_sm = min(H, MAX_HG), THREADS, 1
+        smem_of = lambda n: smem_bytes(C, R, HG, ELEM_BYTES[opts.dtype], n)   # noqa: E731
+        X = split_target(False, -(-H // HG), cs)
     NG = -(-H // HG)
-    check_smem(f"mla_decode_attention (C {C}, R {R}, {HG} heads per CTA, {opts.dtype})", smem, opts,
+    check_smem(f"mla_decode_attention (C {C}, R {R}, {HG} heads per CTA, {opts.dtype})", smem_of(cs), opts,
                "kv_lora_rank + qk_rope_head_dim is too wide for one cache tile in shared memory")
-    if NG > 65535:
-        raise LoweringError(f"mla_decode_attention: {H} heads make {NG} head groups, more than grid y allows (65535)")
-    S = split_count(mma, NG)
-    base = {"act": act_ctype(opts), "C": C, "R": R, "H": H, "HG": HG, "KT": KT,
-            "block_size": opts.block_size, "threads": threads, "mma": mma, "nstage": NSTAGE, "max_s": MAX_S}
-    name = kernel_name(FAMILY, [opts.dtype, f"c{C}_r{R}", f"h{H}", f"page{opts.block_size}"])
-    ws = (Workspace("acc", ("T", f"{H} * ({S})", C), "f32"), Workspace("ml", ("T", f"{H} * ({S})", 2), "f32"))
-    act = base["act"]
-    split = KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=name,
-        params={**base, "stage": "split", "smem": smem, "scale": c_float(G.graph["model"].softmax_scale)},
-        nodes=(nid,), grid=("T", NG, S), block=(threads, 1, 1), smem=smem, workspace=ws, stage="split",
-        args=(inp("q_lat", act, ins[0]), stride("ql_s0", ins[0], 0), stride("ql_s1", ins[0], 1),
-              inp("q_rot", act, ins[1]), stride("qr_s0", ins[1], 0), stride("qr_s1", ins[1], 1),
-              ctx("cache", "kv_cache", act), ctx("block_tables", "block_tables"), size("bt_width", "W"),
-              ctx("context_lens", "context_lens"), ctx("query_start", "query_start"), ctx("positions", "positions"),
-              work("ws_acc", "float", "acc"), work("ws_ml", "float", "ml"),
-              size("T", "T"), size("B", "B"), size("S", S)))
-    combine = KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=name + "__combine",
-        params={**base, "stage": "combine", "threads": COMBINE_THREADS},
-        nodes=(nid,), grid=("T", H, 1), block=(COMBINE_THREADS, 1, 1), workspace=ws, stage="combine",
-        args=(work("ws_acc", "float", "acc", writes=False), work("ws_ml", "float", "ml", writes=False),
-              out("out", act, outs[0]), size("T", "T"), size("S", S)))
-    return [split, combine]
+    parts = [opts.dtype, f"c{C}_r{R}", f"h{H}", f"page{opts.block_size}"]
+    if requested != DEFAULT:
+        parts.append(requested.tag)
+    name = kernel_name(FAMILY, parts)
+    act = act_ctype(opts)
+    base = {"act": act, "C": C, "R": R, "H": H, "HG": HG, "KT": KT, "block_size": opts.block_size,
+            "threads": threads, "mma": mma, "nstage": v.stages, "min_blocks": per_sm,
+            "scale": c_float(G.graph["model"].softmax_scale)}
+    args = (inp("q_lat", act, ins[0]), stride("ql_s0", ins[0], 0), stride("ql_s1", ins[0], 1),
+            inp("q_rot", act, ins[1]), stride("qr_s0", ins[1], 0), stride("qr_s1", ins[1], 1),
+            ctx("cache", "kv_cache", act), ctx("block_tables", "block_tables"), size("bt_width", "W"),
+            ctx("context_lens", "context_lens"), ctx("query_start", "query_start"), ctx("positions", "positions"),
+            out("out", act, outs[0]), size("T", "T"), size("B", "B"))
+    launches = []
+    for c in cluster_sizes(cs):
+        # S = c: c CTAs per item (one cluster), grid T * NG * c, empty unless S is c
+        launches.append(KernelLaunch(
+            family=FAMILY, template=TEMPLATE, name=name if c == 1 else f"{name}__s{c}",
+            params={**base, "cs": c, "smem": smem_of(c)}, nodes=(nid,),
+            grid=(f"T * {NG * c} * {only_splits(X, c, cs)}", 1, 1), block=(threads, 1, 1), smem=smem_of(c),
+            stage="single" if c == 1 else f"splits{c}", args=args))
+    return launches

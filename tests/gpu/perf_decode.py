@@ -1,26 +1,36 @@
 """MLA decode kernel timings at DeepSeek-V2-Lite dims (a script, not a test).
 
-    python3 tests/gpu/perf_decode.py [--cases 1x512,32x512,64x4096,128x4096]
+    python3 tests/gpu/perf_decode.py [--cases 1x512,32x512,64x4096,128x4096,128x8192]
+                                     [--variants w8s3c8,w8s2c8,w4s3c8,w8s3c4] [--attention-only]
+                                     [--baseline DIR]
     python3 tests/gpu/perf_decode.py --absorb 1,8,32,64,128,256 [--absorb-variants cc,mma,...]
 
-Builds one-node graphs of mla_decode_attention (split + combine), mla_decode_query and
-mla_v_up (the same lowering the bundle uses), runs them through KernelRunner on random bf16
-tensors (decode: one token per sequence, context `ctx`, paged cache with permuted 64-row
-pages) and times every launch with CUDA events over 50 launches captured in one CUDA graph; prints us / launch and
-achieved GB/s of the bytes each must read. A spot check against torch (fp32) follows for
-attention (first and last token) and the two GEMMs.
+Builds one-node graphs of mla_decode_attention (one launch a layer: S = 1 or a cluster of S = 2, 4,
+8 KV splits merged on chip), mla_decode_query and mla_v_up (the same lowering the bundle
+uses), runs them through KernelRunner on random bf16 tensors (decode: one token per sequence,
+context `ctx`, paged cache with permuted 64-row pages) and times every launch with CUDA events
+over 50 launches captured in one CUDA graph; prints us / launch and achieved GB/s of the bytes
+each must read. Attention is timed per variant (codegen.families.mla_decode_attention.Variant:
+w<warps>s<ring stages>c<cluster = most splits>, the first the lowering's default), "hot" (one
+cache, L2-resident when small, as earlier PERF_NOTES measured) and, where the cache is under
+256 MB, "cold" (launches rotate over copies of the cache that together exceed L2); each variant's
+output is checked against torch (fp32, norm-wise per sequence, BAD above 1e-2). --baseline DIR
+runs DIR/tests/gpu/perf_decode.py (a checkout of the code before, e.g. main) on the same cases
+afterwards, for the old kernel's numbers in the same run.
 
 --absorb times only mla_decode_query and mla_v_up at those token counts, once per variant
 (ABSORB_VARIANTS: cc = the CUDA-core kernels, mma = the tensor-core defaults, the rest tensor-core
 tilings), one row per (kernel, T, variant) and a summary table.
 
-Bytes per layer: attention B * ctx * 576 * 2 (the cache; 302 MB at 64 x 4096 -> 92 us at
-3.3 TB/s); decode_query / v_up the 2 MB of W_UK / W_UV plus activations.
+Bytes per layer: attention B * ctx * 576 * 2 (the cache; 302 MB at 64 x 4096 -> 89 us at
+3.4 TB/s); decode_query / v_up the 2 MB of W_UK / W_UV plus activations.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
 
 import torch
@@ -93,7 +103,23 @@ def relerr(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
 
 
-def bench_attention(runner, m, B, L):
+ATTN_VARIANTS = "w8s3c8,w8s2c8,w4s3c8,w8s3c4"
+COLD_BYTES = 256 << 20     # cold timing: one graph rotates over this many bytes of cache copies (L2: 60 MB)
+
+
+def attention_variant(tag: str):
+    from codegen.families import mla_decode_attention as fam
+    mt = re.fullmatch(r"w(\d+)s(\d+)c(\d+)", tag)
+    if mt is None:
+        raise SystemExit(f"variant {tag!r}: expected w<warps>s<stages>c<cluster>, e.g. w8s3c8")
+    return fam.Variant(*map(int, mt.groups()))
+
+
+def bench_attention(runner, m, B, L, variants=(ATTN_VARIANTS.split(",")[0],)):
+    """us per launch of every variant at B sequences x L context (hot and, for small caches, cold);
+    returns {variant: (us hot, us cold or None, max error)}."""
+    from codegen import sizes as size_exprs
+    from codegen.families import mla_decode_attention as fam
     d = m.dims
     H, C, R = d["heads"], d["kv_lora_rank"], d["qk_rope_head_dim"]
     T = B
@@ -102,9 +128,12 @@ def bench_attention(runner, m, B, L):
                               "kv": TType(("cache",), "state")}, {}, phase="decode")
     pages = L // BS
     nblocks = B * pages + 3
-    cache = rand(nblocks, BS, C + R)
+    nbytes = B * L * (C + R) * 2
+    cache_bytes = nblocks * BS * (C + R) * 2
+    copies = min(400, COLD_BYTES // cache_bytes) if 4 * cache_bytes <= COLD_BYTES else 1   # one graph walks them all
+    caches = [rand(nblocks, BS, C + R) for _ in range(copies)]
     tables = torch.randperm(nblocks, device=DEV)[:B * pages].view(B, pages).to(torch.int32)
-    ctx = {"kv_cache": cache, "block_tables": tables,
+    ctx = {"kv_cache": caches[0], "block_tables": tables,
            "context_lens": torch.full((B,), L, dtype=torch.int32, device=DEV),
            "query_start": torch.arange(B + 1, dtype=torch.int32, device=DEV),
            "positions": torch.full((B,), L - 1, dtype=torch.int64, device=DEV),
@@ -112,26 +141,61 @@ def bench_attention(runner, m, B, L):
     qbuf = rand(T, H, C + R)
     q_lat, q_rot = qbuf[..., :C], qbuf[..., C:]
     out = torch.full((T, H, C), float("nan"), device=DEV, dtype=DT)
-    kw = dict(values={"q_lat": q_lat, "q_rot": q_rot, "out": out}, ctx=ctx,
-              sizes={"T": T, "B": B, "MAXQ": 1, "MAXCTX": L, "NP": T, "W": pages})
-    launches = lower(G, nid)
-    ws = runner.run_all(launches, **kw)
-    nbytes = B * L * (C + R) * 2
-    total = 0.0
-    for la in launches:
-        us = time_us(lambda: runner.run(la, workspaces=ws, **kw))
-        total += us
-        row(la.name.split("__")[-1] if la.name.endswith("combine") else "attention split", B, L, us, nbytes)
-    row("attention total", B, L, total, nbytes)
+    sizes = {"T": T, "B": B, "MAXQ": 1, "MAXCTX": L, "NP": T, "W": pages}
+    full = runner.step_sizes(sizes, ctx)
     scale = G.graph["model"].softmax_scale
-    errs = []
-    for t in (0, T - 1):
-        rows = cache[tables[t].long()].reshape(-1, C + R)[:L].float()
-        q = torch.cat([q_lat[t], q_rot[t]], -1).float()
-        p = torch.softmax(q @ rows.T * scale, -1)
-        errs.append(relerr(out[t], p @ rows[:, :C]))
-    print(f"    attention spot check vs torch: max rel err {max(errs):.2e}", flush=True)
-    return total
+    results = {}
+    for tag in variants:
+        v = attention_variant(tag)
+        launches = fam.lower(nid, G, Options(dtype="bf16", block_size=BS), variant=v)
+        live = [la for la in launches if 0 not in tuple(size_exprs.evaluate(x, full) for x in la.grid)]
+        (la,) = live
+        S = la.params["cs"]
+        kw = dict(values={"q_lat": q_lat, "q_rot": q_rot, "out": out}, ctx=ctx, sizes=sizes)
+        out.fill_(float("nan"))
+        runner.run(la, **kw)
+        torch.cuda.synchronize()
+        errs = []
+        for t in sorted({0, T // 2, T - 1}):
+            rows = caches[0][tables[t].long()].reshape(-1, C + R)[:L].float()
+            q = torch.cat([q_lat[t], q_rot[t]], -1).float()
+            ref = torch.softmax(q @ rows.T * scale, -1) @ rows[:, :C]
+            o = out[t].float()
+            errs.append(float("inf") if torch.isnan(o).any() else ((o - ref).norm() / ref.norm()).item())
+        err = max(errs)
+        hot = time_us(lambda: runner.run(la, **kw))
+        cold = None
+        if copies > 1:
+            calls = [dict(kw, ctx={**ctx, "kv_cache": c}) for c in caches]
+            n = [0]
+
+            def rotate():
+                runner.run(la, **calls[n[0] % copies])
+                n[0] += 1
+            cold = time_us(rotate, iters=copies)
+        what = f"attention {tag} (S={S})"
+        row(what + " hot", B, L, hot, nbytes)
+        if cold is not None:
+            row(what + f" cold x{copies}", B, L, cold, nbytes)
+        print(f"    {tag}: max norm-wise error vs torch (tokens 0, T/2, T-1) {err:.2e}"
+              f"{'  BAD' if not err <= 1e-2 else ''}", flush=True)
+        results[tag] = (hot, cold, err)
+    return results
+
+
+def attention_table(all_results: dict, variants) -> None:
+    """cases x variants: us hot (TB/s), and cold where timed."""
+    print("\nmla_decode_attention, us per layer (TB/s of cache reads); cold = rotated caches")
+    print(f"{'case':<12}" + "".join(f"{v:>26}" for v in variants))
+    for (B, L), res in all_results.items():
+        nbytes = B * L * 576 * 2
+        cells = []
+        for v in variants:
+            hot, cold, err = res[v]
+            t = cold if cold is not None else hot
+            cell = f"{hot:.1f}" + (f"/{cold:.1f}c" if cold is not None else "") + f" ({nbytes / t / 1e6:.2f})"
+            cells.append(cell + ("!" if not err <= 1e-2 else ""))
+        print(f"{B}x{L:<10}" + "".join(f"{c:>26}" for c in cells))
 
 
 # Variants of the absorbed projections: module constants of the two families, set while lowering.
@@ -214,7 +278,10 @@ def bench_absorb(runner, m, tokens, variants):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="1x512,32x512,64x4096,128x4096")
+    ap.add_argument("--cases", default="1x512,32x512,64x4096,128x4096,128x8192")
+    ap.add_argument("--variants", default=ATTN_VARIANTS, help="decode attention variants (first: the default)")
+    ap.add_argument("--attention-only", action="store_true", help="time decode attention alone")
+    ap.add_argument("--baseline", default=None, help="a checkout of the code before: run its perf_decode.py after")
     ap.add_argument("--absorb", default=None, help="token counts: time only decode_query / v_up variants")
     ap.add_argument("--absorb-variants", default=",".join(ABSORB_VARIANTS))
     args = ap.parse_args()
@@ -223,11 +290,19 @@ def main():
     if args.absorb:
         bench_absorb(runner, m, [int(t) for t in args.absorb.split(",")], args.absorb_variants.split(","))
         return
+    variants = args.variants.split(",")
+    attention = {}
     for case in args.cases.split(","):
         B, L = map(int, case.split("x"))
-        bench_attention(runner, m, B, L)
-        bench_query(runner, m, B)
-        bench_v_up(runner, m, B)
+        attention[(B, L)] = bench_attention(runner, m, B, L, variants)
+        if not args.attention_only:
+            bench_query(runner, m, B)
+            bench_v_up(runner, m, B)
+    attention_table(attention, variants)
+    if args.baseline:
+        print(f"\nbaseline: {args.baseline}", flush=True)
+        subprocess.run([sys.executable, os.path.join(args.baseline, "tests", "gpu", "perf_decode.py"),
+                        "--cases", args.cases], cwd=args.baseline, check=False)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import example, given, strategies as st
 
-from harness import make_ctx, step_sizes, tiny_model
-from kernel_cases import (kernel_test, DTYPES, MODEL_NAMES, Recorder, TORCH_DTYPES, TType, act, empty_out, rand,
-                          reference, run_kernel, single_op_graph)
+from harness import make_ctx, rel_error, step_sizes, tiny_model
+from kernel_cases import (kernel_test, DTYPES, MODEL_NAMES, Recorder, TORCH_DTYPES, TType, act, empty_out, lower, rand,
+                          reference, run_kernel, runner, single_op_graph)
 from kernel_cases import model as shared_model
 
 SETTINGS = kernel_test(25)
@@ -22,13 +22,17 @@ SETTINGS = kernel_test(25)
 #   w29:  H 3, C 23, R 6: the cache row is 29 wide (odd; 15 element pairs), so the CUDA-core
 #         decode split's query block (HG * QP floats = 3 * 30) is not a multiple of 16 bytes --
 #         the issue-13 crash (float4 reads of the probabilities off by 8 bytes) before the fix.
-#   h20:  H 20, C 64, R 16: two head groups, the second partial (4 heads), on the tensor-core
-#         decode path (bf16 / fp16) and the CUDA-core one (fp32).
+#   h20:  H 20, C 64, R 16: two head groups, the second partial (4 heads), on the CUDA-core
+#         decode path (every dtype: the tensor-core split needs C % 128 == 0).
+#   h20w: H 20, C 128, R 32: the same two head groups on the tensor-core decode path (bf16 / fp16),
+#         with 160-wide rows: 20 16-byte chunks, the odd-pitch shared layout (576-wide rows swizzle).
 LOCAL_MODELS = {
     "w29": dict(hidden=41, heads=3, kv_lora_rank=23, qk_rope_head_dim=6, qk_nope_head_dim=11, v_head_dim=13,
                 intermediate=37, moe_intermediate=15),
     "h20": dict(hidden=64, heads=20, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=8, v_head_dim=16,
                 intermediate=48, moe_intermediate=16),
+    "h20w": dict(hidden=64, heads=20, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=8, v_head_dim=16,
+                 intermediate=48, moe_intermediate=16),
 }
 NAMES = (*MODEL_NAMES, *LOCAL_MODELS)
 LEAD = st.integers(0, 3)   # elements before each view's first element in its parent buffer
@@ -294,6 +298,33 @@ def decode_batch(draw):
     return bs, qlens, ctx_lens
 
 
+def decode_graph(m):
+    H, C, R, N, V = dims(m)
+    return single_op_graph(m, "mla_decode_attention", {},
+                           {"q_lat": act(H, C), "q_rot": act(H, R), "kv": TType(("cache",), "state")}, {},
+                           phase="decode")
+
+
+def live_launch(launches, sizes):
+    """The one decode attention launch whose grid is not empty at these sizes (its params["cs"]
+    is the split count S)."""
+    from codegen import sizes as size_exprs
+    full = runner().step_sizes(sizes, {})
+    live = [la for la in launches if 0 not in tuple(size_exprs.evaluate(g, full) for g in la.grid)]
+    assert len(live) == 1, [la.name for la in live]
+    return live[0]
+
+
+def run_decode(G, nid, dtype: str, *, values, ctx, sizes, block_size: int = 64, launches=None):
+    """Lower decode attention (or take `launches`) and run the one launch these sizes select: the
+    runner would compile every launch it is handed, the three empty ones too (one per split count)."""
+    launches = launches or lower(G, nid, dtype, block_size)
+    live = live_launch(launches, sizes)
+    runner().run(live, values=values, ctx=ctx, sizes=sizes)
+    torch.cuda.synchronize()
+    return launches, live
+
+
 @SETTINGS
 @given(name=st.sampled_from(NAMES), dtype=st.sampled_from(DTYPES), batch=decode_batch(), lead=LEAD,
        seed=st.integers(0, 2**31))
@@ -302,6 +333,9 @@ def decode_batch(draw):
 @example(name="odd2", dtype="fp32", batch=(16, [1], [33]), lead=1, seed=13)
 @example(name="h20", dtype="bf16", batch=(16, [1, 1, 1], [1, 17, 2500]), lead=0, seed=13)
 @example(name="h20", dtype="fp32", batch=(64, [2], [129]), lead=3, seed=13)
+@example(name="h20w", dtype="bf16", batch=(16, [1, 1, 1], [1, 17, 2500]), lead=0, seed=13)   # mma, two groups
+@example(name="h20w", dtype="fp16", batch=(64, [3, 1], [64, 65]), lead=1, seed=13)           # mma, scalar queries
+@example(name="lite", dtype="bf16", batch=(64, [1, 1, 1, 1], [1, 63, 64, 513]), lead=0, seed=13)   # 16-byte queries
 def test_mla_decode_attention(name, dtype, batch, lead, seed):
     bs, qlens, ctx_lens = batch
     m = model(name)
@@ -311,46 +345,187 @@ def test_mla_decode_attention(name, dtype, batch, lead, seed):
                          ref_dtype=torch.float64, ref_device="cuda", seed=seed)
     step.kv_cache[0] = ctx["kv_cache"].double()   # the reference reads the same (rounded) rows
     T = step.num_tokens
-    G, nid = single_op_graph(m, "mla_decode_attention", {},
-                             {"q_lat": act(H, C), "q_rot": act(H, R), "kv": TType(("cache",), "state")}, {},
-                             phase="decode")
+    G, nid = decode_graph(m)
     q_lat, q_rot = head_views(T, H, [C, R], dtype, gen, lead)
     out = empty_out((T, H, C), dtype)
     sizes = step_sizes(step, W=int(ctx["block_tables"].shape[1]))
-    run_kernel(G, nid, dtype, values={"q_lat": q_lat, "q_rot": q_rot, "out": out}, ctx=ctx, sizes=sizes,
+    run_decode(G, nid, dtype, values={"q_lat": q_lat, "q_rot": q_rot, "out": out}, ctx=ctx, sizes=sizes,
                block_size=bs)
     (ref,) = reference(G, nid, [q_lat, q_rot, None], step=step)
     RECS["mla_decode_attention"].check(out, ref, dtype)
     RECS["mla_decode_attention"].example()
 
 
-@pytest.mark.parametrize("name,dtype,ctx_len", [("odd2", "fp32", 33000), ("lite", "bf16", 17000), ("h20", "fp16", 300)])
+@pytest.mark.parametrize("name,dtype,ctx_len", [("odd2", "fp32", 33000), ("lite", "bf16", 17000), ("h20", "fp16", 300),
+                                                ("h20w", "bf16", 5000)])
 @pytest.mark.parametrize("sms", [1, 7, 4096])
 def test_mla_decode_attention_split_count(name, dtype, ctx_len, sms):
-    """The split count S follows the SM count the runner is given (SMS) and is clamped to the
-    combine's bound MAX_S: with 4096 "SMs" the long contexts reach the clamp (S == MAX_S), and
-    the result is the same as with one split per few SMs."""
+    """The split count S follows the SM count the runner is given (SMS): a power of two, clamped
+    to the largest cluster (MAX_S). With 4096 "SMs" the long contexts reach the clamp (S == MAX_S);
+    with one SM it is 1; exactly one launch runs (the one whose cluster is S), and the result is the
+    same whatever S."""
     from codegen.families import mla_decode_attention as fam
-    from codegen import sizes as size_exprs
     m = model(name)
     H, C, R, N, V = dims(m)
     step, ctx = make_ctx([1, 1], [ctx_len, 5], block_size=64, model=m, dtype=TORCH_DTYPES[dtype],
                          ref_dtype=torch.float64, ref_device="cuda", seed=sms)
     step.kv_cache[0] = ctx["kv_cache"].double()
     T = step.num_tokens
-    G, nid = single_op_graph(m, "mla_decode_attention", {},
-                             {"q_lat": act(H, C), "q_rot": act(H, R), "kv": TType(("cache",), "state")}, {},
-                             phase="decode")
+    G, nid = decode_graph(m)
     q_lat, q_rot = head_views(T, H, [C, R], dtype, torch.Generator().manual_seed(sms))
     out = empty_out((T, H, C), dtype)
     sizes = step_sizes(step, W=int(ctx["block_tables"].shape[1]), SMS=sms)
-    launches = run_kernel(G, nid, dtype, values={"q_lat": q_lat, "q_rot": q_rot, "out": out}, ctx=ctx, sizes=sizes)
-    S = size_exprs.evaluate(launches[0].grid[2], sizes)
-    assert 1 <= S <= fam.MAX_S
+    _, live = run_decode(G, nid, dtype, values={"q_lat": q_lat, "q_rot": q_rot, "out": out}, ctx=ctx, sizes=sizes)
+    S = live.params["cs"]
+    assert 1 <= S <= fam.MAX_S and S & (S - 1) == 0, S
     if sms == 4096 and ctx_len > 10000:
         assert S == fam.MAX_S, S
+    if sms == 1:
+        assert S == 1, S
     (ref,) = reference(G, nid, [q_lat, q_rot, None], step=step)
     RECS["mla_decode_attention"].check(out, ref, dtype, f"S={S}")
+
+
+PERF_VARIANTS = ("w8s2c8", "w4s3c8", "w8s3c4")   # tests/gpu/perf_decode.py's candidates beside the default
+
+
+def _variant(tag: str):
+    import re
+    from codegen.families import mla_decode_attention as fam
+    w, st_, c = map(int, re.fullmatch(r"w(\d+)s(\d+)c(\d+)", tag).groups())
+    return fam.Variant(warps=w, stages=st_, cluster=c)
+
+
+@pytest.mark.parametrize("variant", PERF_VARIANTS)
+@pytest.mark.parametrize("name,dtype", [("lite", "bf16")])
+def test_mla_decode_attention_variants(variant, name, dtype):
+    """Every tile / ring / cluster variant the timing script compares computes the same attention
+    (long and short contexts, page edges, several query tokens of one sequence; its largest split
+    count and no split), so the fastest can become the default on its timing alone. Two kernels a
+    variant (NVRTC takes ~10 s for each on the device)."""
+    from codegen.families import mla_decode_attention as fam
+    from codegen.kernel import Options
+    v = _variant(variant)
+    m = model(name)
+    H, C, R, N, V = dims(m)
+    if not fam.use_mma(C, R, dtype, v):
+        pytest.skip(f"{variant}: {name} is on the CUDA-core path")
+    step, ctx = make_ctx([1, 1, 3, 1, 1], [1, 63, 65, 700, 3000], block_size=64, model=m, dtype=TORCH_DTYPES[dtype],
+                         ref_dtype=torch.float64, ref_device="cuda", seed=11)
+    step.kv_cache[0] = ctx["kv_cache"].double()
+    T = step.num_tokens
+    G, nid = decode_graph(m)
+    q_lat, q_rot = head_views(T, H, [C, R], dtype, torch.Generator().manual_seed(11))
+    (ref,) = reference(G, nid, [q_lat, q_rot, None], step=step)
+    launches = fam.lower(nid, G, Options(dtype=dtype, block_size=64), variant=v)
+    for sms in (4096, 1):
+        out = empty_out((T, H, C), dtype)
+        sizes = step_sizes(step, W=int(ctx["block_tables"].shape[1]), SMS=sms)
+        _, live = run_decode(G, nid, dtype, values={"q_lat": q_lat, "q_rot": q_rot, "out": out}, ctx=ctx,
+                             sizes=sizes, launches=launches)
+        RECS["mla_decode_attention"].check(out, ref, dtype, f"{variant} SMS={sms} S={live.params['cs']}")
+
+
+def test_mla_decode_attention_graph_replay():
+    """The launch keeps no state between runs (no workspace, no counter): two eager runs and two
+    replays of a captured CUDA graph give the same bits, for both launch forms."""
+    m = model("lite")
+    H, C, R, N, V = dims(m)
+    step, ctx = make_ctx([1, 1, 1], [700, 65, 1300], block_size=64, model=m, dtype=torch.bfloat16, seed=5)
+    T = step.num_tokens
+    G, nid = decode_graph(m)
+    q_lat, q_rot = head_views(T, H, [C, R], "bf16", torch.Generator().manual_seed(5))
+    launches = lower(G, nid, "bf16")
+    for sms in (132, 1):   # the S = 8 launch (a cluster of 8 per token), the single one
+        sizes = step_sizes(step, W=int(ctx["block_tables"].shape[1]), SMS=sms)
+        outs = [empty_out((T, H, C), "bf16") for _ in range(3)]
+
+        live = live_launch(launches, sizes)
+
+        def step_once(o):
+            runner().run(live, values={"q_lat": q_lat, "q_rot": q_rot, "out": o}, ctx=ctx, sizes=sizes)
+
+        step_once(outs[0])
+        step_once(outs[1])
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(graph, stream=stream):
+                step_once(outs[2])
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(2):
+            outs[2].fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(outs[2], outs[0]), f"graph replay differs (SMS={sms})"
+        assert torch.equal(outs[1], outs[0]), f"second eager run differs (SMS={sms})"
+        assert not torch.isnan(outs[0].float()).any()
+
+
+# FlashMLA's published decode test matrix (tests/test_flash_mla.py there: batch 128, contexts 4096 /
+# 8192 / 16384, fixed and variable lengths, 16 to 128 query heads, 576-wide rows of which 512 are
+# values), through our paged cache with permuted block tables, bf16, against float64 computed on
+# the GPU sequence by sequence. sms = 4096 forces S = 8 / 4 (the cluster merge at full scale);
+# 0 keeps the device's SM count (S = 1 at batch 128).
+FLASH_BATCH, FLASH_PAGE = 128, 64
+
+
+def _flash_case(H: int, ctx_len: int, varlen: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    if varlen:   # FlashMLA draws normal(ctx, ctx / 2); here clipped to [1, ctx], with both ends present
+        lens = torch.normal(float(ctx_len), ctx_len / 2, (FLASH_BATCH,), generator=g).clamp(1, ctx_len).long()
+        lens[0], lens[-1] = 1, ctx_len
+    else:
+        lens = torch.full((FLASH_BATCH,), ctx_len, dtype=torch.long)
+    pages = (lens + FLASH_PAGE - 1) // FLASH_PAGE
+    num_blocks = int(pages.sum()) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    W = int(pages.max())
+    tables = torch.zeros(FLASH_BATCH, W, dtype=torch.int32)
+    starts = torch.cumsum(pages, 0) - pages
+    for b in range(FLASH_BATCH):
+        tables[b, :pages[b]] = perm[starts[b]:starts[b] + pages[b]].to(torch.int32)
+    gpu = torch.Generator(device="cuda").manual_seed(seed)
+    cache = torch.randn(num_blocks, FLASH_PAGE, 576, generator=gpu, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(FLASH_BATCH, H, 576, generator=gpu, device="cuda", dtype=torch.bfloat16)
+    ctx = {"kv_cache": cache, "block_tables": tables.cuda(), "context_lens": lens.to("cuda", torch.int32),
+           "query_start": torch.arange(FLASH_BATCH + 1, dtype=torch.int32, device="cuda"),
+           "positions": (lens - 1).cuda(), "slot_mapping": torch.zeros(FLASH_BATCH, dtype=torch.int64, device="cuda")}
+    return lens, tables, cache, q, ctx, W
+
+
+@kernel_test(3)
+@given(H=st.sampled_from([16, 32, 64, 128]), ctx_len=st.sampled_from([4096, 8192, 16384]), varlen=st.booleans(),
+       sms=st.sampled_from([0, 4096]), seed=st.integers(0, 2**31))
+@example(H=128, ctx_len=16384, varlen=True, sms=0, seed=1)
+@example(H=16, ctx_len=4096, varlen=False, sms=4096, seed=2)
+@example(H=64, ctx_len=8192, varlen=True, sms=4096, seed=3)
+def test_mla_decode_attention_flashmla_matrix(H, ctx_len, varlen, sms, seed):
+    m = tiny_model(hidden=64, heads=H, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                   intermediate=48, moe_intermediate=16)
+    C = 512
+    lens, tables, cache, q, ctx, W = _flash_case(H, ctx_len, varlen, seed)
+    G, nid = decode_graph(m)
+    out = empty_out((FLASH_BATCH, H, C), "bf16")
+    sizes = {"T": FLASH_BATCH, "B": FLASH_BATCH, "NP": FLASH_BATCH, "MAXQ": 1, "MAXCTX": int(lens.max()), "W": W}
+    if sms:
+        sizes["SMS"] = sms
+    _, live = run_decode(G, nid, "bf16", values={"q_lat": q[..., :C], "q_rot": q[..., C:], "out": out}, ctx=ctx,
+                         sizes=sizes, block_size=FLASH_PAGE)
+    S = live.params["cs"]
+    scale = m.softmax_scale
+    worst = 0.0
+    for b in range(FLASH_BATCH):
+        n = int(lens[b])
+        rows = cache[tables[b, :(n + FLASH_PAGE - 1) // FLASH_PAGE].long().cuda()].reshape(-1, 576)[:n].double()
+        p = torch.softmax((q[b].double() @ rows.T) * scale, dim=-1)
+        ref = p @ rows[:, :C]
+        err = rel_error(out[b], ref)
+        worst = max(worst, err)
+        assert err <= 1e-2, f"sequence {b} (length {n}, H {H}, S {S}): norm-wise relative error {err:.3g} > 1e-2"
+    print(f"flashmla matrix H={H} ctx={ctx_len} varlen={varlen} S={S}: worst per-sequence error {worst:.3g}")
 
 
 @st.composite

@@ -3,7 +3,7 @@
 // kernel:   moe_combine_residual__bf16__k6_d5120
 // role:     moe_combine_residual
 // params:   {"D":5120,"K":6,"act":"__nv_bfloat16","threads":128,"vec":8}
-// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh, pdl.cuh
+// includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, pdl.cuh
 // nodes:    L1-59.x_out
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:66 blocks.decoder_layer.ops[5] add, layers 1-59 (fuse_combine_shared_residual)

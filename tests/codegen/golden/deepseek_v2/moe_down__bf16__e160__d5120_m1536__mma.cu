@@ -3,14 +3,15 @@
 // kernel:   moe_down__bf16__e160__d5120_m1536__mma
 // role:     moe_down.mma
 // params:   {"E":160,"K":1,"KD":1536,"N":5120,"act":"__nv_bfloat16","bk":32,"bulk":false,"rpw":4,"sbk":64,"skinny":64,"smem":110592,"sst":4,"stages":4,"thr":2,"threads":256,"variant":"mma","vec":8}
-// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh, pdl.cuh
+// includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, pdl.cuh
 // nodes:    L1-59.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:104 blocks.moe_ffn.ops[5] moe_down, layers 1-59 (as written)
 
 // moe_down: [a [NP, M], routing] -> eo [NP, D] = a[p] W[e]^T per pair: the GEMV at decode's
 // smallest batches, else variant mma (experts with more than thr pairs on tensor cores, the
-// others on CUDA cores, one grid).
+// others on CUDA cores, one grid), or above a token count on sm_90a variant wgmma (every expert
+// on wgmma + TMA tiles, moe_wgmma.cuh).
 // Both wait at entry (pdl.cuh): which expert's weights a CTA reads comes from the routing,
 // another kernel's output, so there is nothing to prefetch before the wait.
 #include "moe.cuh"

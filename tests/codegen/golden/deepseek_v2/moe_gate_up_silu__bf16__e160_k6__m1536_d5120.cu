@@ -3,7 +3,7 @@
 // kernel:   moe_gate_up_silu__bf16__e160_k6__m1536_d5120
 // role:     moe_gate_up_silu.gemv
 // params:   {"E":160,"K":6,"KD":5120,"N":1536,"act":"__nv_bfloat16","pt":8,"rpw":2,"variant":"gemv","vec":8,"warps":4}
-// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh, pdl.cuh
+// includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, pdl.cuh
 // nodes:    L1-59.moe_ffn.ea
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:101 blocks.moe_ffn.ops[3] moe_gate_up, layers 1-59 (fuse_moe_silu)
@@ -11,7 +11,8 @@
 
 // moe_gate_up_silu: [x [T, D], routing] -> a [NP, M] = silu(x Wg[e]^T) * (x Wu[e]^T) per pair,
 // all active experts in one grouped launch: the GEMV at decode's smallest batches, else variant
-// mma (experts with more than thr pairs on tensor cores, the others on CUDA cores, one grid).
+// mma (experts with more than thr pairs on tensor cores, the others on CUDA cores, one grid), or
+// above a token count on sm_90a variant wgmma (every expert on wgmma + TMA tiles, moe_wgmma.cuh).
 // Both wait at entry (pdl.cuh): which expert's weights a CTA reads comes from the routing,
 // another kernel's output, so there is nothing to prefetch before the wait.
 #include "moe.cuh"

@@ -3,14 +3,15 @@
 // kernel:   moe_down__bf16__e256__d7168_m2048
 // role:     moe_down.gemv
 // params:   {"E":256,"K":1,"KD":2048,"N":7168,"act":"__nv_bfloat16","pt":8,"rpw":4,"variant":"gemv","vec":8,"warps":4}
-// includes: bulk.cuh, common.cuh, mma.cuh, moe.cuh, pdl.cuh
+// includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, pdl.cuh
 // nodes:    L3-60.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:104 blocks.moe_ffn.ops[5] moe_down, layers 3-60 (as written)
 
 // moe_down: [a [NP, M], routing] -> eo [NP, D] = a[p] W[e]^T per pair: the GEMV at decode's
 // smallest batches, else variant mma (experts with more than thr pairs on tensor cores, the
-// others on CUDA cores, one grid).
+// others on CUDA cores, one grid), or above a token count on sm_90a variant wgmma (every expert
+// on wgmma + TMA tiles, moe_wgmma.cuh).
 // Both wait at entry (pdl.cuh): which expert's weights a CTA reads comes from the routing,
 // another kernel's output, so there is nothing to prefetch before the wait.
 #include "moe.cuh"

@@ -1,14 +1,22 @@
-// Split-KV paged MLA decode over compressed cache rows [c_n (C) | k_rot (R)].
+// Paged MLA decode over compressed cache rows [c_n (C) | k_rot (R)], in one launch.
 //
-// CTA (token t, head group g, split s) attends HG heads of token t over a contiguous
-// slice of the token's visible rows (j <= positions[t], j < context_len): each KT-row
-// tile is read once from the paged cache (16-byte loads) into shared memory and used by
-// all HG heads (scores over the W = C + R row, values over its first C columns). The
-// partial max / sum / unnormalised accumulators go to a workspace; MlaCombine merges
-// the splits. MlaDecode is the CUDA-core split (fp32, odd shapes); MlaDecodeMma the
-// tensor-core one (bf16 / fp16 when the row and value widths fit the mma tiles). Scores are kept in log2 units (exp2f) with the scale folded in.
+// Work item (token t, head group g): HG heads of token t attend the token's visible rows
+// (j <= positions[t], j < context_len). The item's rows are cut into S contiguous splits, one CTA
+// each. Every CTA streams its rows from the paged cache through shared memory (each row read
+// once for all HG heads), keeps an online softmax and leaves its partial (per head: max, sum,
+// unnormalised accumulators) in its own shared memory. SplitMerge then merges the S partials:
+// with S > 1 the item's CTAs form one thread-block cluster (S CTAs), and split s reads every
+// split's partial through distributed shared memory and writes output columns
+// [s * cdiv(C, S), ...). No workspace, no second launch, no counter to reset between CUDA-graph
+// replays. S is a compile-time constant of each kernel (the cluster size): the lowering emits one
+// kernel per S in 1, 2, 4, 8 and gives exactly one of them a non-empty grid.
+//
+// MlaDecode is the CUDA-core split (fp32, odd shapes); MlaDecodeMma the tensor-core one
+// (bf16 / fp16). Scores are kept in log2 units (exp2f) with the scale folded in.
 #pragma once
 #include "vec.cuh"
+#include "mma.cuh"
+#include "pdl.cuh"
 
 namespace dsg {
 
@@ -35,10 +43,171 @@ __device__ __forceinline__ int sequence_of(const i32* __restrict__ query_start, 
 
 // Bytes rounded up to a multiple of 16 (shared-memory carve-ups start every piece 16-byte aligned).
 __host__ __device__ constexpr int round_up16(int bytes) { return (bytes + 15) / 16 * 16; }
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
-template <typename T, int C, int R, int H, int HG, int BS, int KT, int THREADS>
+namespace mlad {
+// Thread-block clusters (sm_90): the cluster barrier, loads from a peer's shared memory.
+// Release / acquire: this CTA's shared-memory writes before the barrier are visible to every peer
+// that reads them after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// The last barrier only says "I am done reading my peers" (those loads completed: their values were
+// stored before it), so it need not release anything; it keeps every CTA's shared memory alive
+// until no peer reads it any more.
+__device__ __forceinline__ void cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+}
+// The shared::cluster address of `cta_addr` (a shared::cta address) in the CTA of cluster rank `rank`.
+__device__ __forceinline__ unsigned map_rank(unsigned cta_addr, unsigned rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(cta_addr), "r"(rank));
+  return r;
+}
+template <bool CLUSTER> __device__ __forceinline__ float ld_shared(unsigned a) {
+  float v;
+  if constexpr (CLUSTER) asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
+  else asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
+  return v;
+}
+template <bool CLUSTER> __device__ __forceinline__ float4 ld_shared4(unsigned a) {
+  float4 v;
+  if constexpr (CLUSTER)
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(a) : "memory");
+  else
+    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(a) : "memory");
+  return v;
+}
+}  // namespace mlad
+
+// The split of a CTA: blockIdx.x = item * S + s, item = t * NG + g. locate() is arithmetic only;
+// rows() reads the step metadata: rows [r_begin, r_end) of the item's n visible rows, every split
+// but the last whole KT tiles (later splits may be empty).
+template <int S>
+struct DecodeSplit {
+  bool valid;
+  int t, g, s, b, r_begin, r_end;
+
+  template <int NG>
+  __device__ __forceinline__ static DecodeSplit locate(int T_) {
+    DecodeSplit d;
+    const int item = (int)blockIdx.x / S;
+    d.s = (int)blockIdx.x - item * S;
+    d.valid = item < T_ * NG;   // the grid is exactly T * NG * S: a guard, not a case
+    d.t = item / NG;
+    d.g = item - d.t * NG;
+    d.b = 0;
+    d.r_begin = d.r_end = 0;
+    return d;
+  }
+  template <int KT>
+  __device__ __forceinline__ void rows(const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
+                                       const i64* __restrict__ positions, int B) {
+    if (!valid) return;
+    b = sequence_of(query_start, B, t);
+    const int n = (int)min((i64)context_lens[b], positions[t] + 1);   // visible rows
+    const int per = ((n + S - 1) / S + KT - 1) / KT * KT;
+    r_begin = s * per;
+    r_end = min(n, r_begin + per);
+  }
+  __device__ __forceinline__ int tiles(int KT) const { return r_end > r_begin ? (r_end - r_begin + KT - 1) / KT : 0; }
+};
+
+// The merge of one item's S split partials (S == 1 included: that kernel normalises its own).
+// Every CTA left its partial at the start of its shared memory: ML (per head: max in log2 units,
+// sum; (-inf, 0) for an empty split) then ACC [HG][CP] unnormalised accumulators (zero for an empty
+// split). Split s weighs each partial by 2^(m_s - M) / sum_s l_s 2^(m_s - M) and writes columns
+// [s * cdiv(C, S), ...) of the group's valid heads. run() is called by every thread of every CTA
+// (with S > 1 the cluster barriers need them all).
+template <typename T, int C, int H, int HG, int THREADS, int S>
+struct SplitMerge {
+  static constexpr bool VEC = C % 32 == 0;               // float4 column quads in every slice (S <= 8)
+  static constexpr int CP = VEC ? C + 8 : C;             // ACC pitch: the mma path's float2 stores of 8 heads
+                                                         // fall on distinct banks per half-warp
+  static constexpr int ML_BYTES = round_up16(HG * 8);
+  static constexpr int ACC_BYTES = round_up16(HG * CP * 4);
+  static constexpr int WT_BYTES = S * HG * 4;            // this CTA's merge weights (never read by peers)
+  static constexpr int BYTES = ML_BYTES + ACC_BYTES + WT_BYTES;
+  static_assert(S == 1 || S == 2 || S == 4 || S == 8, "a cluster of 1, 2, 4 or 8 CTAs (portable sizes)");
+
+  __device__ __forceinline__ static float2* ml(char* smem) { return reinterpret_cast<float2*>(smem); }
+  __device__ __forceinline__ static float* acc(char* smem) { return reinterpret_cast<float*>(smem + ML_BYTES); }
+
+  __device__ static void run(char* smem, bool valid, int t, int h0, int s, T* __restrict__ out) {
+    constexpr bool CL = S > 1;
+    const int tid = threadIdx.x;
+    float* wts = reinterpret_cast<float*>(smem + ML_BYTES + ACC_BYTES);
+    if constexpr (CL) mlad::cluster_sync(); else __syncthreads();
+    const unsigned own = mma::smem_u32(smem);
+    unsigned peer[S];    // each split's partial, as seen from here (cluster rank == split)
+#pragma unroll
+    for (int i = 0; i < S; ++i) peer[i] = CL ? mlad::map_rank(own, i) : own;
+    const int nh = min(HG, H - h0);
+    if (valid && tid < nh) {
+      float m[S], M = -CUDART_INF_F, L = 0.f;
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        m[i] = mlad::ld_shared<CL>(peer[i] + tid * 8);
+        M = fmaxf(M, m[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < S; ++i)
+        if (m[i] != -CUDART_INF_F) L += mlad::ld_shared<CL>(peer[i] + tid * 8 + 4) * exp2f(m[i] - M);
+      const float inv = L > 0.f ? 1.f / L : 0.f;   // L > 0: split 0 always holds the item's first rows
+#pragma unroll
+      for (int i = 0; i < S; ++i) wts[i * HG + tid] = m[i] != -CUDART_INF_F ? exp2f(m[i] - M) * inv : 0.f;
+    }
+    __syncthreads();
+    if (valid) {
+      const int span = (C + S - 1) / S, c0 = s * span, c1 = min(C, c0 + span);
+      T* o = out + ((i64)t * H + h0) * C;
+      if constexpr (VEC) {
+        // (t, h, c) rows of a contiguous [T, H, C] output: 4-element stores where the base allows
+        const bool ov = (reinterpret_cast<unsigned long long>(out) & (4 * sizeof(T) - 1)) == 0;
+        const int nq = (c1 - c0) / 4;   // C % 32 == 0 and S <= 8: whole quads
+        for (int e = tid; e < nh * nq; e += THREADS) {
+          const int hh = e / nq, c = c0 + 4 * (e - hh * nq);
+          const unsigned off = ML_BYTES + (hh * CP + c) * 4;
+          float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int i = 0; i < S; ++i) {
+            const float w = wts[i * HG + hh];
+            const float4 x = mlad::ld_shared4<CL>(peer[i] + off);
+            a.x = fmaf(w, x.x, a.x); a.y = fmaf(w, x.y, a.y); a.z = fmaf(w, x.z, a.z); a.w = fmaf(w, x.w, a.w);
+          }
+          T* dst = o + (i64)hh * C + c;
+          if (ov) {
+            if constexpr (sizeof(T) == 2) *reinterpret_cast<uint2*>(dst) = make_uint2(mma::pack2<T>(a.x, a.y), mma::pack2<T>(a.z, a.w));
+            else *reinterpret_cast<float4*>(dst) = a;
+          } else {
+            dst[0] = from_float<T>(a.x); dst[1] = from_float<T>(a.y); dst[2] = from_float<T>(a.z); dst[3] = from_float<T>(a.w);
+          }
+        }
+      } else {
+        const int nc = c1 - c0;
+        for (int e = tid; e < nh * nc; e += THREADS) {
+          const int hh = e / nc, c = c0 + (e - hh * nc);
+          const unsigned off = ML_BYTES + (hh * CP + c) * 4;
+          float a = 0.f;
+#pragma unroll
+          for (int i = 0; i < S; ++i) a = fmaf(wts[i * HG + hh], mlad::ld_shared<CL>(peer[i] + off), a);
+          o[(i64)hh * C + c] = from_float<T>(a);
+        }
+      }
+    }
+    if constexpr (CL) mlad::cluster_sync_relaxed();
+  }
+};
+
+// CUDA-core split: CTA = one split of one item, THREADS threads; KT = 32-row tiles (one lane per
+// row in the score phase), every piece of shared memory 16-byte aligned.
+template <typename T, int C, int R, int H, int HG, int BS, int KT, int THREADS, int S>
 struct MlaDecode {
   static constexpr int W = C + R;                       // cache row width
+  static constexpr int NG = (H + HG - 1) / HG;
+  static constexpr int BLOCK = THREADS;
   static constexpr int NWARPS = THREADS / 32;
   static constexpr int HPW = (HG + NWARPS - 1) / NWARPS;  // heads per warp (scores)
   static constexpr int CPT = (C + THREADS - 1) / THREADS; // value columns per thread
@@ -55,6 +224,7 @@ struct MlaDecode {
   // Shared memory carve-up (bytes). Every piece is rounded up to 16 bytes so each one starts
   // 16-byte aligned: ps is read as float4, ks written as u32 / read as pairs, slot_s is i64.
   // (HG * QP * 4 alone is only a multiple of 8: HG * WP odd, e.g. H 3 and W 29, put ps off by 8.)
+  // After the last tile the same memory holds the split's partial (SplitMerge).
   // codegen/families/mla_decode_attention.py smem_bytes() mirrors this; the kernel
   // static_asserts that the two agree.
   static constexpr int Q_BYTES = round_up16(HG * QP * 4);
@@ -62,42 +232,37 @@ struct MlaDecode {
   static constexpr int P_BYTES = KT * PP * 4;           // PP % 4 == 0: a multiple of 16
   static constexpr int A_BYTES = PP * 4;
   static constexpr int S_BYTES = KT * 8;
-  static constexpr int SMEM = Q_BYTES + K_BYTES + P_BYTES + A_BYTES + S_BYTES;
+  typedef SplitMerge<T, C, H, HG, THREADS, S> Merge;
+  static constexpr int SMEM = cmax(Q_BYTES + K_BYTES + P_BYTES + A_BYTES + S_BYTES, Merge::BYTES);
   static_assert(KT == 32, "one lane per tile row in the score phase");
   static_assert(THREADS % 32 == 0, "whole warps");
   static_assert(Q_BYTES % 16 == 0 && K_BYTES % 16 == 0 && P_BYTES % 16 == 0 && A_BYTES % 16 == 0,
                 "every shared piece starts 16-byte aligned (ps float4, slot_s i64)");
   static_assert(PP % 4 == 0 && QP % 2 == 0 && KP % 2 == 0, "float4 / float2 / pair reads of shared rows");
 
-  __device__ static void split(const T* __restrict__ q_lat, i64 ql_s0, i64 ql_s1,
-                               const T* __restrict__ q_rot, i64 qr_s0, i64 qr_s1,
-                               const T* __restrict__ cache, const i32* __restrict__ block_tables, int bt_width,
-                               const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
-                               const i64* __restrict__ positions, float* __restrict__ ws_acc,
-                               float* __restrict__ ws_ml, float scale, int T_, int B, int S, char* smem) {
+  __device__ static void run(const T* __restrict__ q_lat, i64 ql_s0, i64 ql_s1,
+                             const T* __restrict__ q_rot, i64 qr_s0, i64 qr_s1,
+                             const T* __restrict__ cache, const i32* __restrict__ block_tables, int bt_width,
+                             const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
+                             const i64* __restrict__ positions, T* __restrict__ out, float scale, int T_, int B,
+                             char* smem) {
     float* qs = reinterpret_cast<float*>(smem);
     T* ks = reinterpret_cast<T*>(smem + Q_BYTES);
     float* ps = reinterpret_cast<float*>(smem + Q_BYTES + K_BYTES);
     float* alpha_s = reinterpret_cast<float*>(smem + Q_BYTES + K_BYTES + P_BYTES);
     i64* slot_s = reinterpret_cast<i64*>(smem + Q_BYTES + K_BYTES + P_BYTES + A_BYTES);
 
-    const int t = blockIdx.x, g = blockIdx.y, s = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (t >= T_) return;
-    const int b = sequence_of(query_start, B, t);
-    const i64 pos = positions[t];
-    const int ctx_len = context_lens[b];
-    const int n = (int)min((i64)ctx_len, pos + 1);          // visible rows
-    const int per = (((n + S - 1) / S) + KT - 1) / KT * KT;  // rows per split, whole tiles
-    const int r_begin = s * per;
-    const int r_end = min(n, r_begin + per);
-    const int h0 = g * HG;
+    pdl_wait();   // everything below reads what earlier kernels wrote (queries, cache, step metadata)
+    DecodeSplit<S> sp = DecodeSplit<S>::template locate<NG>(T_);
+    sp.template rows<KT>(context_lens, query_start, positions, B);
+    const int t = sp.t, h0 = sp.g * HG;
 
     // Queries of the group, as float, zero past W and for heads past H.
     for (int i = tid; i < HG * QP; i += THREADS) {
       const int hh = i / QP, d = i % QP, h = h0 + hh;
       float v = 0.f;
-      if (h < H && d < W)
+      if (sp.valid && h < H && d < W)
         v = d < C ? to_float(q_lat[(i64)t * ql_s0 + (i64)h * ql_s1 + d])
                   : to_float(q_rot[(i64)t * qr_s0 + (i64)h * qr_s1 + (d - C)]);
       qs[i] = v;
@@ -115,9 +280,9 @@ struct MlaDecode {
 #pragma unroll
       for (int h = 0; h < HG; ++h) acc[k][h] = 0.f;
 
-    const i32* table = block_tables + (i64)b * bt_width;
-    for (int r0 = r_begin; r0 < r_end; r0 += KT) {
-      const int rows = min(KT, r_end - r0);
+    const i32* table = block_tables + (i64)sp.b * bt_width;
+    for (int r0 = sp.r_begin; r0 < sp.r_end; r0 += KT) {
+      const int rows = min(KT, sp.r_end - r0);
       __syncthreads();  // previous tile fully consumed (and qs / ks zeroing done)
       if (tid < rows) {
         const int r = r0 + tid;
@@ -192,335 +357,262 @@ struct MlaDecode {
         }
       }
     }
+    pdl_launch_dependents();
 
-    // Partials: [T, H, S, C] accumulators and [T, H, S, 2] (max, sum) in log2 units.
+    // The split's partial (an empty split: (-inf, 0) and zeros) over the tile memory, then the merge.
+    __syncthreads();
+    float2* ml = Merge::ml(smem);
+    float* accs = Merge::acc(smem);
 #pragma unroll
     for (int k = 0; k < HPW; ++k) {
-      const int hh = warp + k * NWARPS, h = h0 + hh;
-      if (hh < HG && h < H && lane == 0) {
-        float* ml = ws_ml + (((i64)t * H + h) * S + s) * 2;
-        ml[0] = m[k];
-        ml[1] = l[k];
-      }
+      const int hh = warp + k * NWARPS;
+      if (hh < HG && lane == 0) ml[hh] = make_float2(m[k], l[k]);
     }
 #pragma unroll
     for (int h = 0; h < HG; ++h) {
-      if (h0 + h >= H) break;
-      float* o = ws_acc + (((i64)t * H + h0 + h) * S + s) * C;
 #pragma unroll
       for (int k = 0; k < CPT; ++k) {
         const int c = tid + k * THREADS;
-        if (c < C) o[c] = acc[k][h];
+        if (c < C) accs[h * Merge::CP + c] = acc[k][h];
       }
     }
-  }
-
-};
-
-
-// CTA (t, h): o_lat[t, h, :] = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M).
-// Warp 0 compacts the non-empty splits (m_s finite) with their weights into shared memory;
-// then every thread streams its columns over only those splits (empty splits never wrote acc).
-// The compacted list holds MAXS entries: the lowering clamps the split count's size expression
-// to min(MAXS, ...), so S <= MAXS by construction; a launch with a larger S (a hand-edited
-// plan) traps here rather than dropping splits.
-template <typename T, int C, int H, int MAXS>
-struct MlaCombine {
-  static_assert(MAXS >= 1 && MAXS <= 65535, "S is the split's grid z");
-  __device__ static void combine(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
-                                 T* __restrict__ out, int T_, int S) {
-    __shared__ float w_s[MAXS];
-    __shared__ int idx_s[MAXS];
-    __shared__ int cnt_s;
-    __shared__ float inv_s;
-    const int t = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
-    if (S > MAXS) __trap();   // uniform, once per CTA; unreachable for a lowered plan
-    if (t >= T_) return;
-    const float* ml = ws_ml + ((i64)t * H + h) * S * 2;
-    if (tid < 32) {
-      float M = -CUDART_INF_F;
-      for (int s = tid; s < S; s += 32) M = fmaxf(M, ml[2 * s]);
-      M = warp_max(M);
-      int base = 0;
-      float L = 0.f;
-      for (int s0 = 0; s0 < S; s0 += 32) {
-        const int s = s0 + tid;
-        const float m = s < S ? ml[2 * s] : -CUDART_INF_F;
-        const bool ok = m != -CUDART_INF_F;
-        const unsigned bal = __ballot_sync(0xffffffffu, ok);
-        if (ok) {
-          const int p = base + __popc(bal & ((1u << tid) - 1u));
-          const float w = exp2f(m - M);
-          w_s[p] = w;          // p <= s < S <= MAXS: the rank of split s among the non-empty ones
-          idx_s[p] = s;
-          L += ml[2 * s + 1] * w;
-        }
-        base += __popc(bal);
-      }
-      L = warp_sum(L);
-      if (tid == 0) { cnt_s = base; inv_s = L > 0.f ? 1.f / L : 0.f; }
-    }
-    __syncthreads();
-    const int cnt = cnt_s;
-    const float inv = inv_s;
-    const float* acc = ws_acc + ((i64)t * H + h) * S * C;
-    for (int c = tid; c < C; c += blockDim.x) {
-      float o0 = 0.f, o1 = 0.f;
-      int p = 0;
-      for (; p + 1 < cnt; p += 2) {
-        o0 = fmaf(acc[(i64)idx_s[p] * C + c], w_s[p], o0);
-        o1 = fmaf(acc[(i64)idx_s[p + 1] * C + c], w_s[p + 1], o1);
-      }
-      if (p < cnt) o0 = fmaf(acc[(i64)idx_s[p] * C + c], w_s[p], o0);
-      out[((i64)t * H + h) * C + c] = from_float<T>((o0 + o1) * inv);
-    }
+    Merge::run(smem, sp.valid, t, h0, sp.s, out);
   }
 };
 
-namespace mlad {
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-__device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
-__device__ __forceinline__ void ldsm_x4_t(unsigned* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
-template <typename T> __device__ __forceinline__ unsigned pack2(float x, float y);
-template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float x, float y) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-  return *reinterpret_cast<unsigned*>(&v);
-}
-template <> __device__ __forceinline__ unsigned pack2<__half>(float x, float y) {
-  __half2 v = __floats2half2_rn(x, y);
-  return *reinterpret_cast<unsigned*>(&v);
-}
-template <typename T> __device__ __forceinline__ void mma16816(float* d, const unsigned* a, unsigned b0, unsigned b1);
-template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <> __device__ __forceinline__ void mma16816<__half>(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-}  // namespace mlad
-
-// Tensor-core split (bf16 / fp16): CTA (token t, group of 16 heads g, KV split s), NW warps.
-// The 16 heads are the M dimension of mma.sync m16n8k16 (heads past H: zero queries, not
-// stored). KT = 32-row cache tiles stream through an NSTAGE-deep cp.async ring (16-byte
-// copies, rows past the split zero-filled). Scores: warp w owns k-steps w, w+NW, ... of the
-// W-wide dot product with its query fragments in registers; the four partial 16 x 32 score
-// tiles are summed through shared memory (every warp gets the full tile and runs the same
-// online softmax). Values: warp w owns C/NW output columns; P stays in registers (the score
-// accumulator layout is the A-operand layout) and V comes from the same tile by ldmatrix.trans.
-template <typename T, int C, int R, int H, int BS, int KT, int NSTAGE, int NW>
+// Tensor-core split (bf16 / fp16): CTA = one split of one item (16 heads: the mma M dimension,
+// heads past H have zero queries and are not stored), NW warps, KT = 8 * NW-row cache tiles
+// through an NSTAGE-deep cp.async ring (16-byte copies; rows past the split zero-filled).
+// Row layout in shared memory: 16-byte chunks, c ^ (row & 7) when a row is a multiple of 8
+// chunks (576 wide: 72), else an odd chunk pitch: ldmatrix and the copies are conflict-free
+// either way, and a 64-row tile of 576-wide rows takes exactly 72 KB.
+// The queries live in registers as A fragments for the whole W (staged once through the last
+// ring slot). Per tile:
+//  - scores: warp w owns tile rows 8w .. 8w + 7 (one n8 tile) over all of W, four accumulator
+//    chains; its per-head maximum goes to shared memory;
+//  - every warp takes the tile maximum, computes P for its own rows (bf16/fp16) into shared
+//    memory and keeps its own share of the row sums;
+//  - values: warp w owns C / NW output columns; P (16 x KT) and V (the same tile) by ldmatrix.
+// Three barriers per tile; no partial scores cross warps.
+template <typename T, int C, int R, int H, int BS, int NW, int NSTAGE, int S>
 struct MlaDecodeMma {
+  static constexpr int HG = 16;
+  static constexpr int NG = (H + HG - 1) / HG;
   static constexpr int W = C + R;
   static constexpr int THREADS = NW * 32;
-  static constexpr int KP = W + 8;                 // smem row pitch (elements): 16 B aligned, ldmatrix conflict-free
+  static constexpr int BLOCK = THREADS;
+  static constexpr int KT = 8 * NW;                 // tile rows: 8 per warp in the score phase
+  static constexpr int VPR = W / 8;                 // 16-byte chunks per cache row
+  static constexpr bool SWZ = VPR % 8 == 0;
+  static constexpr int PITCH = SWZ ? VPR : (VPR | 1);   // shared row pitch in chunks
+  static constexpr int STAGE_BYTES = KT * PITCH * 16;
+  static constexpr int RING = NSTAGE * STAGE_BYTES;
   static constexpr int KSTEPS = W / 16;
-  static constexpr int QKS = (KSTEPS + NW - 1) / NW;
-  static constexpr int NT = KT / 8;                // score n-tiles
-  static constexpr int CW = C / NW;                // value columns per warp
-  static constexpr int VT = CW / 8;                // value n-tiles per warp
-  static constexpr int VPR = W * 2 / 16;           // 16-byte vectors per cache row
-  static constexpr int STAGE_BYTES = KT * KP * 2;
-  static constexpr int RED_BYTES = NW * NT * 32 * 16;
-  static constexpr int SMEM = NSTAGE * STAGE_BYTES + RED_BYTES;
+  static constexpr int CW = C / NW;                 // value columns per warp
+  static constexpr int VT = CW / 8;                 // value n8 tiles per warp
+  static constexpr int PPITCH = KT + 8;             // P tile pitch (elements): odd chunk pitch
+  static constexpr int MAX_OFF = RING;              // [NW][16] per-warp maxima (then row sums)
+  static constexpr int P_OFF = MAX_OFF + NW * HG * 4;
+  static constexpr int COPIES = (VPR + 31) / 32;    // chunks per lane per copied row
+  static constexpr int NCH = NW == 8 ? 4 : 2;       // score accumulator chains (4 warps: registers are short)
+  typedef SplitMerge<T, C, H, HG, THREADS, S> Merge;
+  static constexpr int SMEM = cmax(P_OFF + HG * PPITCH * 2, Merge::BYTES);
+  static constexpr bool BF16 = mma::MmaType<T>::BF16;
   static_assert(sizeof(T) == 2, "tensor-core path is bf16 / fp16");
-  static_assert(W % 16 == 0 && C % (16 * NW) == 0 && KT == 32, "tile shape");
+  static_assert(W % 32 == 0 && C % (16 * NW) == 0, "k-step pairs over the row; n8 tile pairs over a warp's columns");
+  static_assert(NSTAGE >= 2 && KT % 16 == 0, "ring and P tile shape");
+  static_assert(HG * PITCH * 16 <= STAGE_BYTES, "the queries are staged in one ring slot");
+  static_assert(Merge::BYTES <= RING, "the partial fits in the ring (the maxima region stays free for the sums)");
 
-  __device__ static float ldq(const T* __restrict__ q_lat, i64 ql, const T* __restrict__ q_rot, i64 qr, int d) {
-    return d < C ? to_float(q_lat[ql + d]) : to_float(q_rot[qr + (d - C)]);
+  __device__ __forceinline__ static char* chunk(char* base, int row, int c) {
+    return base + (row * PITCH + (SWZ ? (c ^ (row & 7)) : c)) * 16;
   }
 
-  __device__ static void split(const T* __restrict__ q_lat, i64 ql_s0, i64 ql_s1,
-                               const T* __restrict__ q_rot, i64 qr_s0, i64 qr_s1,
-                               const T* __restrict__ cache, const i32* __restrict__ block_tables, int bt_width,
-                               const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
-                               const i64* __restrict__ positions, float* __restrict__ ws_acc,
-                               float* __restrict__ ws_ml, float scale, int T_, int B, int S, char* smem) {
-    const int t = blockIdx.x, g = blockIdx.y, s = blockIdx.z;
+  // Tile `it` of the split into ring slot it % NSTAGE: warp w copies tile rows 8w .. 8w + 7 (their
+  // pages looked up first, eight independent loads), lane l the chunks l, l + 32, ... of each.
+  __device__ __forceinline__ static void issue(char* ring, int it, const DecodeSplit<S>& sp, const T* __restrict__ cache,
+                                               const i32* __restrict__ table, int warp, int lane) {
+    const int r0 = sp.r_begin + it * KT + warp * 8;
+    char* dst = ring + (it % NSTAGE) * STAGE_BYTES;
+    const T* src[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = r0 + i;
+      src[i] = cache;   // zero fill past the split: nothing is read
+      if (r < sp.r_end) src[i] = cache + ((i64)__ldg(table + r / BS) * BS + r % BS) * W;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int bytes = r0 + i < sp.r_end ? 16 : 0;
+#pragma unroll
+      for (int k = 0; k < COPIES; ++k) {
+        const int c = lane + 32 * k;
+        if (c < VPR) mma::cp_async16(chunk(dst, warp * 8 + i, c), src[i] + c * 8, bytes);
+      }
+    }
+  }
+
+  __device__ static void run(const T* __restrict__ q_lat, i64 ql_s0, i64 ql_s1,
+                             const T* __restrict__ q_rot, i64 qr_s0, i64 qr_s1,
+                             const T* __restrict__ cache, const i32* __restrict__ block_tables, int bt_width,
+                             const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
+                             const i64* __restrict__ positions, T* __restrict__ out, float scale, int T_, int B,
+                             char* smem) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    if (t >= T_) return;
-    const int b = sequence_of(query_start, B, t);
-    const i64 pos = positions[t];
-    const int n = (int)min((i64)context_lens[b], pos + 1);
-    const int per = (((n + S - 1) / S) + KT - 1) / KT * KT;
-    const int r_begin = s * per;
-    const int r_end = min(n, r_begin + per);
-    const int h0 = g * 16;
-    if (r_begin >= r_end) {    // empty split: only (max, sum) = (-inf, 0); combine skips it
-      if (tid < 16 && h0 + tid < H) {
-        float* ml = ws_ml + (((i64)t * H + h0 + tid) * S + s) * 2;
-        ml[0] = -CUDART_INF_F;
-        ml[1] = 0.f;
-      }
-      return;
-    }
-    T* ks = reinterpret_cast<T*>(smem);
-    float4* red = reinterpret_cast<float4*>(smem + NSTAGE * STAGE_BYTES);
-    const int ntiles = (r_end - r_begin + KT - 1) / KT;
-    const i32* table = block_tables + (i64)b * bt_width;
+    const int g8 = lane >> 2, c4 = lane & 3;   // mma fragment coordinates: heads g8, g8 + 8
+    pdl_wait();   // everything below reads what earlier kernels wrote (queries, cache, step metadata)
 
-    auto issue = [&](int it) {
-      const int r0 = r_begin + it * KT;
-      const int rows = min(KT, r_end - r0);
-      T* dst0 = ks + (it % NSTAGE) * KT * KP;
-#pragma unroll 6
-      for (int v = tid; v < KT * VPR; v += THREADS) {
-        const int j = v / VPR, c = v % VPR;
-        T* dst = dst0 + j * KP + c * 8;
-        if (j < rows) {
-          const int r = r0 + j;
-          const i64 slot = (i64)__ldg(table + r / BS) * BS + (r % BS);
-          mlad::cp_async16(dst, cache + slot * W + c * 8, 16);
-        } else {
-          mlad::cp_async16(dst, cache, 0);
-        }
-      }
-    };
-#pragma unroll
-    for (int st = 0; st < NSTAGE; ++st) {
-      if (st < ntiles) issue(st);
-      mlad::cp_async_commit();
-    }
-
-    // Query fragments (A operand, row = head): k-steps warp, warp + NW, ...
-    unsigned qf[QKS][4];
-    {
-      const int r0 = lane >> 2, cc = 2 * (lane & 3);
-#pragma unroll
-      for (int kk = 0; kk < QKS; ++kk) {
-        const int kstep = warp + kk * NW;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int h = h0 + r0 + (i & 1) * 8;
-          const int d = kstep * 16 + cc + (i >> 1) * 8;
-          float x0 = 0.f, x1 = 0.f;
-          if (kstep < KSTEPS && h < H) {
-            const i64 ql = (i64)t * ql_s0 + (i64)h * ql_s1, qr = (i64)t * qr_s0 + (i64)h * qr_s1;
-            x0 = ldq(q_lat, ql, q_rot, qr, d);
-            x1 = ldq(q_lat, ql, q_rot, qr, d + 1);
-          }
-          qf[kk][i] = mlad::pack2<T>(x0, x1);
-        }
+    // The group's queries go to the last ring slot (free until iteration 0 refills it, after its
+    // barrier) and from there into A fragments: qf[ks] = heads 0-15 x columns 16 ks .. 16 ks + 15.
+    // As 16-byte cp.async chunks where the views allow it (the engine's q_lat / q_rot are the two
+    // parts of one [T, H, C + R] buffer), committed ahead of the first tiles so that their latency
+    // overlaps the metadata chain; element by element otherwise. Heads past H are zero.
+    DecodeSplit<S> sp = DecodeSplit<S>::template locate<NG>(T_);
+    const int h0 = sp.g * HG;
+    const T* ql = q_lat + (i64)sp.t * ql_s0;
+    const T* qr = q_rot + (i64)sp.t * qr_s0;
+    const bool qvec = aligned16(ql) && aligned16(qr) && ql_s1 % 8 == 0 && qr_s1 % 8 == 0;   // uniform
+    char* qs = smem + (NSTAGE - 1) * STAGE_BYTES;
+    if (qvec) {
+      for (int e = tid; e < HG * VPR; e += THREADS) {
+        const int hh = e / VPR, c = e - hh * VPR, h = h0 + hh;
+        const bool live = sp.valid && h < H;
+        const T* src = c * 8 < C ? ql + (i64)h * ql_s1 + c * 8 : qr + (i64)h * qr_s1 + (c * 8 - C);
+        mma::cp_async16(chunk(qs, hh, c), live ? src : q_lat, live ? 16 : 0);
       }
     }
+    mma::cp_async_commit();
 
-    const float scale_log2 = scale * 1.4426950408889634f;
-    float m_r[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_r[2] = {0.f, 0.f};
+    sp.template rows<KT>(context_lens, query_start, positions, B);
+    const int ntiles = sp.tiles(KT);
+    const i32* table = block_tables + (i64)sp.b * bt_width;
+    char* ring = smem;
+#pragma unroll
+    for (int st = 0; st < NSTAGE - 1; ++st) {
+      if (st < ntiles) issue(ring, st, sp, cache, table, warp, lane);
+      mma::cp_async_commit();
+    }
+    if (!qvec) {
+      for (int e = tid; e < HG * W; e += THREADS) {
+        const int hh = e / W, d = e - hh * W, h = h0 + hh;
+        T v = from_float<T>(0.f);
+        if (sp.valid && h < H) v = d < C ? ql[(i64)h * ql_s1 + d] : qr[(i64)h * qr_s1 + (d - C)];
+        *reinterpret_cast<T*>(chunk(qs, hh, d >> 3) + (d & 7) * 2) = v;
+      }
+    }
+    mma::cp_async_wait<NSTAGE - 1>();   // the query group (the oldest) has landed
+    __syncthreads();
+    unsigned qf[KSTEPS][4];
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) mma::ldsm_x4(qf[ks], chunk(qs, lane & 15, 2 * ks + (lane >> 4)));
+
+    const float sl2 = scale * 1.4426950408889634f;
+    float* red = reinterpret_cast<float*>(smem + MAX_OFF);
+    T* ps = reinterpret_cast<T*>(smem + P_OFF);
+    float m_r[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_r[2] = {0.f, 0.f};   // heads g8, g8 + 8; l: this lane's rows
     float o[VT][4];
 #pragma unroll
     for (int v = 0; v < VT; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
 
+    // This lane's ldmatrix chunk in the score loop is (4 kp + l3) ^ (row & 7), l3 = lane >> 3 and
+    // row & 7 = lane & 7: with u = l3 ^ (lane & 7) that is 4 kp + (u & 3) + 4 (u >> 2) for even kp
+    // and 4 kp + (u & 3) - 4 (u >> 2) for odd kp, two fixed offsets instead of one XOR per k-step.
+    const int u = SWZ ? ((lane >> 3) ^ (lane & 7)) : (lane >> 3);
+    const int k_even = ((u & 3) + (u & 4)) * 16, k_odd = ((u & 3) - (u & 4)) * 16;
     for (int it = 0; it < ntiles; ++it) {
-      mlad::cp_async_wait<NSTAGE - 1>();
-      __syncthreads();
-      const T* kb = ks + (it % NSTAGE) * KT * KP;
-      float sc[NT][4];
+      mma::cp_async_wait<NSTAGE - 2>();   // groups: queries, tiles 0 .. it + NSTAGE - 2
+      __syncthreads();   // tile `it` landed for every thread; every warp is done with tile it - 1
+      if (it + NSTAGE - 1 < ntiles) issue(ring, it + NSTAGE - 1, sp, cache, table, warp, lane);
+      mma::cp_async_commit();
+      char* kb = ring + (it % NSTAGE) * STAGE_BYTES;
+      const int rows = min(KT, sp.r_end - (sp.r_begin + it * KT));
+
+      // Scores of this warp's 8 rows: S[head][row] = q[head] . k[row], NCH independent mma chains.
+      float sc[NCH][4];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+      for (int ch = 0; ch < NCH; ++ch) sc[ch][0] = sc[ch][1] = sc[ch][2] = sc[ch][3] = 0.f;
+      const char* krow = kb + (warp * 8 + (lane & 7)) * PITCH * 16;
 #pragma unroll
-      for (int kk = 0; kk < QKS; ++kk) {
-        const int kstep = warp + kk * NW;
-        if (kstep < KSTEPS) {
-#pragma unroll
-          for (int np = 0; np < NT / 2; ++np) {
-            unsigned bb[4];
-            mlad::ldsm_x4(bb, kb + (np * 16 + (lane >> 4) * 8 + (lane & 7)) * KP + kstep * 16 + ((lane >> 3) & 1) * 8);
-            mlad::mma16816<T>(sc[2 * np], qf[kk], bb[0], bb[1]);
-            mlad::mma16816<T>(sc[2 * np + 1], qf[kk], bb[2], bb[3]);
-          }
-        }
+      for (int kp = 0; kp < KSTEPS / 2; ++kp) {
+        unsigned bb[4];
+        mma::ldsm_x4(bb, krow + (kp & 1 ? k_odd : k_even) + kp * 64);
+        mma::mma16816<BF16>(sc[(2 * kp) % NCH], qf[2 * kp], bb[0], bb[1]);
+        mma::mma16816<BF16>(sc[(2 * kp + 1) % NCH], qf[2 * kp + 1], bb[2], bb[3]);
       }
+      const int j = warp * 8 + 2 * c4;   // this lane's rows j, j + 1
+      float x[4];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) red[(warp * NT + nt) * 32 + lane] = make_float4(sc[nt][0], sc[nt][1], sc[nt][2], sc[nt][3]);
-      __syncthreads();
-      const int rows = min(KT, r_end - (r_begin + it * KT));
-      float mx0 = -CUDART_INF_F, mx1 = -CUDART_INF_F;
+      for (int i = 0; i < 4; ++i) {
+        float v = sc[0][i];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        float4 a = red[nt * 32 + lane];
-#pragma unroll
-        for (int w = 1; w < NW; ++w) {
-          const float4 x = red[(w * NT + nt) * 32 + lane];
-          a.x += x.x; a.y += x.y; a.z += x.z; a.w += x.w;
-        }
-        const int j = nt * 8 + 2 * (lane & 3);
-        sc[nt][0] = j < rows ? a.x * scale_log2 : -CUDART_INF_F;
-        sc[nt][1] = j + 1 < rows ? a.y * scale_log2 : -CUDART_INF_F;
-        sc[nt][2] = j < rows ? a.z * scale_log2 : -CUDART_INF_F;
-        sc[nt][3] = j + 1 < rows ? a.w * scale_log2 : -CUDART_INF_F;
-        mx0 = fmaxf(mx0, fmaxf(sc[nt][0], sc[nt][1]));
-        mx1 = fmaxf(mx1, fmaxf(sc[nt][2], sc[nt][3]));
+        for (int ch = 1; ch < NCH; ++ch) v += sc[ch][i];
+        x[i] = j + (i & 1) < rows ? v * sl2 : -CUDART_INF_F;
       }
+      float mx0 = fmaxf(x[0], x[1]), mx1 = fmaxf(x[2], x[3]);
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      const float mn0 = fmaxf(m_r[0], mx0), mn1 = fmaxf(m_r[1], mx1);
+      if (c4 == 0) { red[warp * HG + g8] = mx0; red[warp * HG + g8 + 8] = mx1; }
+      __syncthreads();   // every warp's maxima
+
+      float mt0 = red[g8], mt1 = red[g8 + 8];
+#pragma unroll
+      for (int w = 1; w < NW; ++w) { mt0 = fmaxf(mt0, red[w * HG + g8]); mt1 = fmaxf(mt1, red[w * HG + g8 + 8]); }
+      const float mn0 = fmaxf(m_r[0], mt0), mn1 = fmaxf(m_r[1], mt1);   // finite: the tile has a row
       const float al0 = exp2f(m_r[0] - mn0), al1 = exp2f(m_r[1] - mn1);
       m_r[0] = mn0; m_r[1] = mn1;
-      float ls0 = 0.f, ls1 = 0.f;
-      unsigned pa[NT / 2][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const float p0 = exp2f(sc[nt][0] - mn0), p1 = exp2f(sc[nt][1] - mn0);
-        const float p2 = exp2f(sc[nt][2] - mn1), p3 = exp2f(sc[nt][3] - mn1);
-        ls0 += p0 + p1;
-        ls1 += p2 + p3;
-        pa[nt >> 1][(nt & 1) * 2] = mlad::pack2<T>(p0, p1);
-        pa[nt >> 1][(nt & 1) * 2 + 1] = mlad::pack2<T>(p2, p3);
-      }
-      l_r[0] = l_r[0] * al0 + ls0;
-      l_r[1] = l_r[1] * al1 + ls1;
+      const float p0 = exp2f(x[0] - mn0), p1 = exp2f(x[1] - mn0), p2 = exp2f(x[2] - mn1), p3 = exp2f(x[3] - mn1);
+      l_r[0] = l_r[0] * al0 + (p0 + p1);
+      l_r[1] = l_r[1] * al1 + (p2 + p3);
+      *reinterpret_cast<unsigned*>(ps + g8 * PPITCH + j) = mma::pack2<T>(p0, p1);
+      *reinterpret_cast<unsigned*>(ps + (g8 + 8) * PPITCH + j) = mma::pack2<T>(p2, p3);
+      __syncthreads();   // the whole P tile
+
 #pragma unroll
       for (int v = 0; v < VT; ++v) { o[v][0] *= al0; o[v][1] *= al0; o[v][2] *= al1; o[v][3] *= al1; }
 #pragma unroll
-      for (int vp = 0; vp < VT / 2; ++vp) {
-        const int n0 = warp * CW + vp * 16;
+      for (int k2 = 0; k2 < KT / 16; ++k2) {
+        unsigned pa[4];
+        mma::ldsm_x4(pa, ps + (lane & 15) * PPITCH + k2 * 16 + (lane >> 4) * 8);
 #pragma unroll
-        for (int k2 = 0; k2 < NT / 2; ++k2) {
+        for (int vp = 0; vp < VT / 2; ++vp) {
           unsigned bb[4];
-          mlad::ldsm_x4_t(bb, kb + (k2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * KP + n0 + (lane >> 4) * 8);
-          mlad::mma16816<T>(o[2 * vp], pa[k2], bb[0], bb[1]);
-          mlad::mma16816<T>(o[2 * vp + 1], pa[k2], bb[2], bb[3]);
+          mma::ldsm_x4_t(bb, chunk(kb, k2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                   (warp * CW + vp * 16) / 8 + (lane >> 4)));
+          mma::mma16816<BF16>(o[2 * vp], pa, bb[0], bb[1]);
+          mma::mma16816<BF16>(o[2 * vp + 1], pa, bb[2], bb[3]);
         }
       }
-      __syncthreads();   // tile and score partials consumed
-      if (it + NSTAGE < ntiles) issue(it + NSTAGE);
-      mlad::cp_async_commit();
     }
-    mlad::cp_async_wait<0>();
+    mma::cp_async_wait<0>();   // only empty groups can remain
+    pdl_launch_dependents();
 
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       l_r[i] += __shfl_xor_sync(0xffffffffu, l_r[i], 1);
       l_r[i] += __shfl_xor_sync(0xffffffffu, l_r[i], 2);
     }
-    const int hA = h0 + (lane >> 2), hB = hA + 8;
-    float* oA = ws_acc + (((i64)t * H + hA) * S + s) * C;
-    float* oB = ws_acc + (((i64)t * H + hB) * S + s) * C;
+    // The split's partial (an empty split: (-inf, 0) and zeros) over the ring, then the merge.
+    __syncthreads();   // every warp is done with the ring and the maxima
+    float2* ml = Merge::ml(smem);
+    float* acc = Merge::acc(smem);
+    if (c4 == 0) { red[warp * HG + g8] = l_r[0]; red[warp * HG + g8 + 8] = l_r[1]; }
+    if (warp == 0 && c4 == 0) { ml[g8].x = m_r[0]; ml[g8 + 8].x = m_r[1]; }
 #pragma unroll
     for (int v = 0; v < VT; ++v) {
-      const int c = warp * CW + v * 8 + 2 * (lane & 3);
-      if (hA < H) *reinterpret_cast<float2*>(oA + c) = make_float2(o[v][0], o[v][1]);
-      if (hB < H) *reinterpret_cast<float2*>(oB + c) = make_float2(o[v][2], o[v][3]);
+      const int c = warp * CW + v * 8 + 2 * c4;
+      *reinterpret_cast<float2*>(acc + g8 * Merge::CP + c) = make_float2(o[v][0], o[v][1]);
+      *reinterpret_cast<float2*>(acc + (g8 + 8) * Merge::CP + c) = make_float2(o[v][2], o[v][3]);
     }
-    if (warp == 0 && (lane & 3) == 0) {
-      if (hA < H) { float* ml = ws_ml + (((i64)t * H + hA) * S + s) * 2; ml[0] = m_r[0]; ml[1] = l_r[0]; }
-      if (hB < H) { float* ml = ws_ml + (((i64)t * H + hB) * S + s) * 2; ml[0] = m_r[1]; ml[1] = l_r[1]; }
+    __syncthreads();
+    if (tid < HG) {
+      float L = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) L += red[w * HG + tid];
+      ml[tid].y = L;
     }
+    Merge::run(smem, sp.valid, sp.t, h0, sp.s, out);
   }
 };
 

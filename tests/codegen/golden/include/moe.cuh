@@ -672,6 +672,8 @@ constexpr int GEMM_BM = 128, GEMM_BNW = 128, GEMM_THREADS = 256;
 // chunks per row), so ldmatrix's eight rows hit distinct banks.
 __host__ __device__ constexpr int gemm_smem(int BK, int ST) { return ST * (GEMM_BM + GEMM_BNW) * (BK + 8) * 2; }
 
+// (4d, moe_wgmma.cuh: the same grouped GEMM on sm_90a's wgmma + TMA, for prefill's pair counts.)
+
 // ---- 4c. few pairs per expert: the same CTA tile with the weight rows as the mma's M side ---
 // Decode at batch 16..256 gives an expert ~2..30 pairs: on the row-tile layout above a 128-row
 // tile then holds a handful of live rows (most of the tensor work and half the copies wasted).
@@ -776,8 +778,8 @@ __device__ __forceinline__ void grouped_gemm_skinny(const T* __restrict__ x, con
     __shared__ __align__(8) unsigned long long bars[SST];
     if (tid == 0) {
 #pragma unroll
-      for (int s = 0; s < SST; ++s) dsg::bulk::mbar_init(&bars[s], 1);
-      dsg::bulk::mbar_init_fence();
+      for (int s = 0; s < SST; ++s) dsg::mbar::init(&bars[s], 1);
+      dsg::mbar::init_fence();
     }
     __syncthreads();
     // warp 0 announces the stage's bytes, then its lanes copy 4 weight rows and BP / 32 x rows each
@@ -785,9 +787,9 @@ __device__ __forceinline__ void grouped_gemm_skinny(const T* __restrict__ x, con
       const int k0 = kt * BK;
       T* w = Ws + stage * BNW * P;
       T* a = Xs + stage * BP * P;
-      if (lane == 0) dsg::bulk::mbar_arrive_expect_tx(&bars[stage], STAGE_BYTES);
+      if (lane == 0) dsg::mbar::arrive_expect_tx(&bars[stage], STAGE_BYTES);
       __syncwarp();
-      dsg::bulk::fence_proxy_async();
+      dsg::mbar::fence_proxy_async();
 #pragma unroll
       for (int i = 0; i < BNW / 32; ++i) {
         const int r = lane + 32 * i;
@@ -801,7 +803,7 @@ __device__ __forceinline__ void grouped_gemm_skinny(const T* __restrict__ x, con
     if (warp == 0)
       for (int s = 0; s < SST - 1 && s < KT; ++s) issue(s, s);
     for (int kt = 0; kt < KT; ++kt) {
-      dsg::bulk::mbar_wait(&bars[kt % SST], (kt / SST) & 1);
+      dsg::mbar::wait(&bars[kt % SST], (kt / SST) & 1);
       __syncthreads();        // every warp is done with the stage refilled below (slice kt - 1's)
       if (warp == 0 && kt + SST - 1 < KT) issue((kt + SST - 1) % SST, kt + SST - 1);
       compute(kt % SST);

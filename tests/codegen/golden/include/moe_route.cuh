@@ -1,5 +1,5 @@
 // moe_route device code: the router in one launch at decode sizes, and the PDL-keeping kernels of
-// its three-launch form (router GEMV, top-k, align).  The math is moe.cuh's (router_logits,
+// its three-launch form (router GEMV or GEMM, top-k, align).  The math is moe.cuh's (router_logits,
 // topk_scored, align); this header adds how one launch hands the work from stage to stage.
 //
 // Dimension legend: T tokens, D hidden, E routed experts, K experts per token, G expert groups,
@@ -10,14 +10,14 @@
 //   2. the CTA of a token tile that finishes last (a ticket per tile) runs top-k for the tile's
 //      tokens, one warp per token, on the logits the tile's other CTAs wrote;
 //   3. the tile that finishes top-k last (one more ticket) aligns all NP pairs in that CTA.
-// Each ticket is reset to 0 by the CTA that takes the last one, so the next launch (the next
-// layer, or the next replay of a captured CUDA graph) starts from 0 with no memset launch and no
-// host sync.  The tickets are a __device__ array of the kernel's own module (zero when the
-// module loads); launches of one kernel never overlap (stream order; under PDL every CTA waits
-// for the previous grid before it takes a ticket), so one array serves every layer.
+// The tickets (tickets.cuh) reset themselves, so graph replays need no memset launch.
+//
+// Above the fused bound the router logits come from the GEMV below (router_logits) or, at
+// prefill sizes, from the tiled GEMM of router_gemm.cuh.
 #pragma once
 #include "moe.cuh"
 #include "pdl.cuh"
+#include "tickets.cuh"
 
 namespace dsg {
 namespace moe {
@@ -35,28 +35,6 @@ __device__ __forceinline__ void topk_rows(const float* __restrict__ logits, cons
   if (t >= num_tokens) return;
   topk_token<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS>(logits + (i64)t * E, bias, scaling, ids + (i64)t * K,
                                                           weights + (i64)t * K, scores[warp], choice[warp]);
-}
-
-// A CTA's arrival at a ticket counter, after its global writes; true in the CTA that arrives
-// last of `expected`, which also resets the counter.  Every thread calls it.  The grid barrier
-// of cooperative groups orders memory the same way: the CTA barrier gathers every thread's
-// writes to thread 0, whose fence (cumulative) publishes them before its atomic; in the last
-// CTA, thread 0's atomic has seen every other CTA's, its fence and the barrier then order them
-// before every thread's loads, which go past L1 (__ldcg: other SMs wrote the data).
-__device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int expected) {
-  __shared__ int last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const bool is_last = atomicAdd(counter, 1u) == expected - 1u;
-    if (is_last) {
-      atomicExch(counter, 0u);      // no other CTA of this launch touches it again
-      __threadfence();
-    }
-    last = is_last;
-  }
-  __syncthreads();
-  return last != 0;
 }
 
 // The whole route in one launch (see the top of this file).  `tickets`: TILES + 1 counters, one per
