@@ -50,7 +50,7 @@ def test_a_shared_header_edit_makes_the_goldens_stale_and_shows_in_the_diff(edit
                   headers={k.split("/", 1)[1]: v for k, v in committed.items() if k.startswith("include/")})
     report = compare(golden, _side("worktree", V2_LITE))
     assert report.differs
-    assert report.summary[0].endswith("25 identical kernels; 1 header(s) changed")
+    assert report.summary[0].endswith("26 identical kernels; 1 header(s) changed")
     assert any("include/norm.cuh (included by" in line and "rms_norm__bf16__d2048" in line
                for line in report.summary)
     assert "+  const float r = rsqrtf(ss / (float)N + 2.f * eps);\n" in report.diff
