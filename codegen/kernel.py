@@ -297,11 +297,19 @@ class KernelLaunch:
 
 @dataclass(frozen=True)
 class LibraryCall:
-    """A node left to a library (cuBLAS through torch); the manifest says which."""
+    """A node left to a library (cuBLAS through torch); the manifest says which.
+
+    A node may have both kernel launches and a library call (a linear: the skinny kernel for
+    few tokens, cuBLAS above): the call then runs from `from_tokens` tokens on and the launches
+    below (their grids are 0 from there on), so a step runs exactly one of them."""
     node: str
-    op: str                      # linear | split | all_reduce | moe_local_experts (codegen.lower.LIBRARY_CALLS)
+    op: str                      # linear | multi_linear | split | ... (codegen.lower.LIBRARY_CALLS)
     call: str                    # e.g. "torch.nn.functional.linear"
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     weights: tuple[str, ...] = ()
     attrs: dict = field(default_factory=dict)   # the node's attributes (e.g. linear precision)
+    from_tokens: int = 1         # the call runs in steps of at least this many tokens (T)
+
+    def runs_at(self, tokens: int) -> bool:
+        return tokens >= self.from_tokens

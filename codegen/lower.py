@@ -4,12 +4,16 @@ Every node, in `ir.topo_order`, becomes the kernel launches of the family that
 claims its op (codegen/families/), or a library call for the few ops left to a
 library:
 
-    linear                      -> torch.nn.functional.linear (cuBLAS)
+    linear, multi_linear        -> torch.nn.functional.linear (cuBLAS; one GEMM per weight)
+    gate_up_silu                -> ir.ops.core.gate_up_silu_ref (two cuBLAS GEMMs, silu(gate) * up)
     split                       -> view (no copy: a strided view of its input)
     all_reduce                  -> torch.distributed.all_reduce (NCCL, on the current stream)
     moe_local_experts           -> ir.ops.moe.local_experts_ref (two torch.where: ids and weights)
 
-Anything else without a family is a LoweringError naming the node and its op.
+Anything else without a family is a LoweringError naming the node and its op.  A family
+may also hand a node back to its library call, whole (the router's fp32 linear) or from a
+number of tokens on (LibraryCall.from_tokens: linear_skinny's kernel runs below it, cuBLAS
+from it on; the runtime runs one of the two per step).
 The launches of a family that declares ``PDL = True`` are marked ``pdl`` (programmatic
 dependent launch; none are when ``Options.pdl`` is off).
 
@@ -38,6 +42,8 @@ from .provenance import node_origins
 # The runtime runs these from the manifest alone (no graph, no op semantics at load).
 LIBRARY_CALLS = {
     "linear": "torch.nn.functional.linear",
+    "multi_linear": "torch.nn.functional.linear",   # one GEMM per weight
+    "gate_up_silu": "ir.ops.core.gate_up_silu_ref",  # two GEMMs, then silu(gate) * up
     "split": "view",
     # Only in a rank's graph (tensor / expert parallel; ir/passes/shard_for_rank.py).
     "all_reduce": "torch.distributed.all_reduce",
@@ -124,11 +130,31 @@ def node_location(G: nx.DiGraph, nid: str) -> str:
     return f"{head}node {nid} ({data['op']})"
 
 
-def _library_call(nid: str, data: dict) -> LibraryCall:
+def library_call(nid: str, data: dict, *, from_tokens: int = 1) -> LibraryCall:
+    """The library call of node `nid` (weights in role order: weight0, weight1, ... for a multi_linear)."""
     return LibraryCall(node=nid, op=data["op"], call=LIBRARY_CALLS[data["op"]],
                        inputs=tuple(data["inputs"]), outputs=tuple(data["outputs"]),
                        weights=tuple(data["weights"][r] for r in sorted(data["weights"])),
-                       attrs=dict(data["attrs"]))
+                       attrs=dict(data["attrs"]), from_tokens=from_tokens)
+
+
+def _check_library_steps(steps: list, nid: str, family: str) -> None:
+    """A family's library call: at most one, of the node's own op, last; one that starts above one
+    token needs launches for the steps below it."""
+    calls = [s for s in steps if isinstance(s, LibraryCall)]
+    where = f"family {family} lowering node {nid}"
+    if not calls:
+        return
+    call = calls[-1]
+    if len(calls) > 1 or steps[-1] is not call:
+        raise TypeError(f"{where}: at most one library call, after the node's launches")
+    if call.node != nid or call.op not in LIBRARY_CALLS or call.call != LIBRARY_CALLS[call.op]:
+        raise TypeError(f"{where}: library call {call.call} for {call.node} ({call.op}) is not the node's own")
+    if isinstance(call.from_tokens, bool) or not isinstance(call.from_tokens, int) or call.from_tokens < 1:
+        raise TypeError(f"{where}: from_tokens must be a positive int, got {call.from_tokens!r}")
+    if call.from_tokens > 1 and len(steps) == 1:
+        raise TypeError(f"{where}: the library call runs from {call.from_tokens} tokens on, but no launch "
+                        f"serves fewer")
 
 
 # -- buffer plan -------------------------------------------------------------------------
@@ -190,7 +216,7 @@ def buffer_plan(G: nx.DiGraph, order: list[str]) -> dict[str, Buffer]:
     return plan
 
 
-def _lower_node(G: nx.DiGraph, nid: str, family, opts: Options) -> list[KernelLaunch]:
+def _lower_node(G: nx.DiGraph, nid: str, family, opts: Options) -> list[KernelLaunch | LibraryCall]:
     try:
         launches = family.lower(nid, G, opts)
     except LoweringError as e:
@@ -198,10 +224,14 @@ def _lower_node(G: nx.DiGraph, nid: str, family, opts: Options) -> list[KernelLa
             raise
         raise LoweringError(f"{node_location(G, nid)}: {e}", located=True) from None
     origins = node_origins(G, nid)
+    _check_library_steps(launches, nid, family.FAMILY)
     # Programmatic dependent launch only where the family's kernels keep pdl.cuh's contract.
     pdl = opts.pdl and families.uses_pdl(family)
     out = []
     for launch in launches:
+        if isinstance(launch, LibraryCall):
+            out.append(launch)
+            continue
         _check_launch(launch, nid, family.FAMILY, opts)
         out.append(dataclasses.replace(launch, origins=origins, pdl=pdl))
     return out
@@ -221,7 +251,7 @@ def lower_graph(G: nx.DiGraph, opts: Options | None = None, *, strict: bool = Tr
         if family is not None:
             plan.steps.extend(_lower_node(G, nid, family, opts))
         elif op in LIBRARY_CALLS:
-            plan.steps.append(_library_call(nid, data))
+            plan.steps.append(library_call(nid, data))
         elif strict:
             raise LoweringError(f"{node_location(G, nid)} has no kernel family and no library call; "
                                 f"families claim: {', '.join(sorted(families.claimed_ops())) or '(none)'}",

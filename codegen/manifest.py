@@ -7,7 +7,7 @@ A phase in the manifest (JSON with sorted keys, so it diffs cleanly):
              args: [{name, ctype, ref: {value|weight|ctx|workspace|size: x} | {stride: [value, dim]}
                            | {tensor_map: [weight, box, swizzle]}}],
              workspace: [{name, shape, dtype}], [requires: ["sm_90a"]]}
-            | {type: "library", node, op, call, inputs, outputs, weights, attrs}],
+            | {type: "library", node, op, call, inputs, outputs, weights, attrs, from_tokens}],
     buffers: {value: {shape, dtype, [view: {base, offset, strides}], [layer], [parts]}},
     nodes: {node: {layer, outputs}}
 
@@ -38,7 +38,7 @@ def step_to_json(step) -> dict:
         return out
     return {"type": "library", "node": step.node, "op": step.op, "call": step.call,
             "inputs": list(step.inputs), "outputs": list(step.outputs),
-            "weights": list(step.weights), "attrs": step.attrs}
+            "weights": list(step.weights), "attrs": step.attrs, "from_tokens": step.from_tokens}
 
 
 def step_from_json(d: dict):
@@ -52,7 +52,8 @@ def step_from_json(d: dict):
             stage=d.get("stage", ""), pdl=bool(d["pdl"]), requires=tuple(d.get("requires", ())))
     if kind == "library":
         return LibraryCall(node=d["node"], op=d["op"], call=d["call"], inputs=tuple(d["inputs"]),
-                           outputs=tuple(d["outputs"]), weights=tuple(d["weights"]), attrs=dict(d["attrs"]))
+                           outputs=tuple(d["outputs"]), weights=tuple(d["weights"]), attrs=dict(d["attrs"]),
+                           from_tokens=int(d.get("from_tokens", 1)))
     raise ValueError(f"unknown step type {kind!r} (one of {', '.join(STEP_TYPES)})")
 
 

@@ -91,7 +91,8 @@ def decode_bytes(dims: dict, first_dense: int, batch: int, ctx: int, elt: int = 
 
 
 def linear_bytes(dims: dict, first_dense: int, elt: int = 2) -> int:
-    """Weight bytes the step's `linear` ops read (cuBLAS), whatever the batch: per layer the q
+    """Weight bytes the step's `linear` / `multi_linear` / `gate_up_silu` ops read (the skinny kernel or cuBLAS),
+    whatever the batch: per layer the q
     (or q_a + q_b), kv_a and o projections, the dense FFN or the shared experts, and the head.
     kv_b is not among them in decode (the absorbed query and v_up kernels read it)."""
     D, H, C, R, N, V = (dims[k] for k in ("hidden", "heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
@@ -204,15 +205,27 @@ def pdl_edges(plan, sizes: dict) -> dict:
 
 ROUTED_EXPERT_FAMILIES = ("moe_gate_up_silu", "moe_down")
 LIBRARY_FAMILY = "cublas/torch"
+SKINNY_FAMILY = "linear_skinny"
+LINEAR_FAMILIES = (SKINNY_FAMILY, LIBRARY_FAMILY)
 
 
 def linear_rate(row: dict) -> dict | None:
-    """The library kernels of one decode step (the linears, cuBLAS): their device ms and the
-    weight bytes the linears read (row["linear_bytes"]) per second; None without a breakdown."""
-    fam = (row.get("breakdown") or {}).get("families", {}).get(LIBRARY_FAMILY)
-    if not fam or not fam["ms"] or not row.get("linear_bytes"):
+    """The linears of one decode step: the skinny kernel's family (steps of at most
+    SKINNY_MAX_TOKENS tokens) plus the library kernels (cuBLAS and its split-K reduce above that;
+    torch's few other kernels count here too), their device ms and the weight bytes the linears
+    read (row["linear_bytes"]) per second; per family as well, each family's rate over the bytes it
+    read: all of them for the family that serves the step's T, none for the other.  None without a
+    breakdown."""
+    from codegen.families.linear_skinny import SKINNY_MAX_TOKENS
+    fams = (row.get("breakdown") or {}).get("families", {})
+    parts = {f: fams[f]["ms"] for f in LINEAR_FAMILIES if fams.get(f, {}).get("ms")}
+    if not parts or not row.get("linear_bytes"):
         return None
-    return {"ms": fam["ms"], "bytes_per_s": row["linear_bytes"] / (fam["ms"] / 1e3)}
+    ms = sum(parts.values())
+    serving = SKINNY_FAMILY if row.get("batch", SKINNY_MAX_TOKENS + 1) <= SKINNY_MAX_TOKENS else LIBRARY_FAMILY
+    per = {f: {"ms": v, "bytes_per_s": row["linear_bytes"] / (v / 1e3) if f == serving else None}
+           for f, v in parts.items()}
+    return {"ms": ms, "bytes_per_s": row["linear_bytes"] / (ms / 1e3), "families": per}
 
 
 def routed_expert_rate(row: dict) -> dict | None:
@@ -417,9 +430,13 @@ def _print_table(r: dict) -> None:
                       f"{x['bytes_per_s'] / 1e12:5.2f} TB/s")
     lins = [(d, d.get("linears")) for d in r["decode"]]
     if any(x for _, x in lins):
-        print("\nlinears (cuBLAS and its split-K reduce) per decode step, their weights read:")
+        print("\nlinears (the skinny kernel + cuBLAS and its split-K reduce) per decode step, their weights read;"
+              " per family (GB/s over the weights it read):")
         for d, x in lins:
             if x:
                 frac = x["bytes_per_s"] / (r["copy_bandwidth_GBps"] * 1e9)
+                fams = "; ".join(f"{f} {v['ms']:.2f} ms" + (f" {v['bytes_per_s'] / 1e9:.0f} GB/s"
+                                                            if v.get("bytes_per_s") else "")
+                                 for f, v in x.get("families", {}).items())
                 print(f"  decode b={d['batch']} ctx={d['context']:<8}{x['ms']:>8.2f} ms  "
-                      f"{x['bytes_per_s'] / 1e12:5.2f} TB/s  ({frac * 100:.0f}% of copy)")
+                      f"{x['bytes_per_s'] / 1e12:5.2f} TB/s  ({frac * 100:.0f}% of copy)" + (f"   {fams}" if fams else ""))

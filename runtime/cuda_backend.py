@@ -5,8 +5,9 @@ given) is the artifact: `open_bundle` checks it against this dsgraph and this GP
 reads back each phase's plan from its manifest; the backend then runs those steps as
 written, with no graph, no passes, no lowering and no NVRTC.  Each step allocates its
 values per the buffer plan, binds them to the kernels' typed arguments, and launches on
-torch's current stream; dense GEMMs (cuBLAS through torch), the views of ``split`` and, in a
-rank's bundle, the all-reduce and the local-expert renumbering are the only library calls.  No
+torch's current stream; dense GEMMs above the skinny kernel's token count (cuBLAS through torch),
+the views of ``split`` and, in a rank's bundle, the all-reduce and the local-expert renumbering are
+the only library calls.  No
 device-to-host copy happens in a step.
 
 Under tensor / expert parallelism (tp = world > 1) one bundle holds every rank's plan
@@ -24,6 +25,7 @@ from codegen import sizes as size_exprs
 from codegen.kernel import DEFAULTS, KernelLaunch, LibraryCall
 from ir.context import StepContext
 from ir.ops.collective import all_reduce_sum
+from ir.ops.core import gate_up_silu_ref
 from ir.ops.moe import local_experts_ref
 
 from .errors import InputError
@@ -166,10 +168,15 @@ class CudaBackend:
         plan = self.plans[phase]
         device = ids.device
         env = {"ids": ids}
-        # A node's steps are consecutive: its launches (sharing workspaces), or one library call.
+        # A node's steps are consecutive: its launches (sharing workspaces), one library call, or
+        # both (a linear: the launches below call.from_tokens tokens, the library call from there on;
+        # T is known on the host, so a captured decode graph holds exactly one of them).
         for node, group in itertools.groupby(plan.steps, key=_node_of):
             steps = list(group)
-            call = steps[0] if isinstance(steps[0], LibraryCall) else None
+            call = steps[-1] if isinstance(steps[-1], LibraryCall) else None
+            launches = [s for s in steps if isinstance(s, KernelLaunch)]
+            if call is not None and launches and not call.runs_at(sizes["T"]):
+                call = None   # the kernels' turn
             if call is not None and call.op in _ALLOCATING:
                 if call.op == "linear" and "logits" in call.outputs:
                     self._linear(call, env, rows=ctx.logit_rows)   # the head: only the rows used
@@ -182,21 +189,28 @@ class CudaBackend:
             if call is not None:
                 continue   # a view: the buffer plan made it
             meta["kv_cache"] = ctx.kv_cache[info.layer] if info.layer is not None else None
-            self.runner.run_all(steps, values=env, weights=self.weights, ctx=meta, sizes=sizes)
+            self.runner.run_all(launches, values=env, weights=self.weights, ctx=meta, sizes=sizes)
             if ctx.logit_rows is not None and "logits" in info.outputs:   # a kernel made them: all rows
                 env["logits"] = env["logits"].index_select(0, ctx.logit_rows)
         return env["logits"].float()
 
     def _linear(self, call: LibraryCall, env: dict, rows: torch.Tensor | None = None) -> None:
-        """x @ w.T through cuBLAS; `rows` (StepContext.logit_rows): on those rows of x alone."""
+        """x @ w.T through cuBLAS, one GEMM per weight (a multi_linear has several); `rows`
+        (StepContext.logit_rows): on those rows of x alone."""
         x = env[call.inputs[0]]
         if rows is not None:
             x = x.index_select(0, rows)
-        w = self.weights[call.weights[0]]
         if call.attrs.get("precision") == "fp32":
-            env[call.outputs[0]] = F.linear(x.float(), w.float())
-        else:
-            env[call.outputs[0]] = F.linear(x, w)
+            x = x.float()
+        for name, out in zip(call.weights, call.outputs, strict=True):
+            w = self.weights[name]
+            env[out] = F.linear(x, w.float() if call.attrs.get("precision") == "fp32" else w)
+
+    def _gate_up_silu(self, call: LibraryCall, env: dict) -> None:
+        """silu(x gate^T) * (x up^T) above the skinny kernel's token count: two cuBLAS GEMMs and
+        torch's SwiGLU, rounding where the kernel (and the unfused ops) round."""
+        gate, up = (self.weights[w] for w in call.weights)
+        env[call.outputs[0]] = gate_up_silu_ref(env[call.inputs[0]], gate, up)
 
     def _all_reduce(self, call: LibraryCall, env: dict) -> None:
         """The sum of this rank's partial value over every rank: torch.distributed (NCCL on GPUs,
@@ -220,6 +234,7 @@ class CudaBackend:
 
 
 # Library calls that make their own outputs; `split` is the other one (a view the buffer plan makes).
-_ALLOCATING = {"linear": CudaBackend._linear, "all_reduce": CudaBackend._all_reduce,
+_ALLOCATING = {"linear": CudaBackend._linear, "multi_linear": CudaBackend._linear,
+               "gate_up_silu": CudaBackend._gate_up_silu, "all_reduce": CudaBackend._all_reduce,
                "moe_local_experts": CudaBackend._local_experts}
 LIBRARY_OPS = (*_ALLOCATING, "split")

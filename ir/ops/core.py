@@ -59,6 +59,61 @@ class Linear(OpDef):
         return [F.linear(x, weight)]
 
 
+MULTI_LINEAR_MAX = 4   # weights of one multi_linear (roles weight0 .. weight3)
+
+
+@register
+class MultiLinear(OpDef):
+    name = "multi_linear"
+    outputs = -1  # as many as out_dims
+    attrs = {"out_dims": Attr("dims")}
+    weights = {f"weight{i}": i < 2 for i in range(MULTI_LINEAR_MAX)}
+    doc = ("x [T, k] @ W_i[n_i, k]^T -> [T, n_i] for each weight i: sibling linears that read one input "
+           "(ir/passes/fuse_sibling_linears.py), so one kernel reads x once for all of them")
+
+    @classmethod
+    def infer(cls, node, ins, model):
+        (x,) = ins
+        dims = node.attrs["out_dims"]
+        expect(len(x.shape) == 2 and x.dtype == "act", f"multi_linear expects an activation [T, k] input, got {x}")
+        expect(2 <= len(dims) <= MULTI_LINEAR_MAX, f"multi_linear has 2..{MULTI_LINEAR_MAX} weights, got {len(dims)}")
+        roles = [f"weight{i}" for i in range(len(dims))]
+        # (nothing bound yet while a graph builder adds the node: it binds the weights right after)
+        expect(not node.weights or sorted(node.weights) == roles,
+               f"multi_linear with {len(dims)} out_dims binds {', '.join(roles)}; bound: {', '.join(sorted(node.weights))}")
+        return [TType((x.shape[0], n), "act") for n in dims], {r: (n, x.shape[1]) for r, n in zip(roles, dims)}
+
+    @classmethod
+    def run(cls, node, ins, w, ctx):
+        return [F.linear(ins[0], w[f"weight{i}"]) for i in range(len(node.attrs["out_dims"]))]
+
+
+def gate_up_silu_ref(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(x gate^T) * (x up^T), rounded where the unfused linear, linear and silu_and_mul round
+    (in place on the gate product: the runtime runs this above the skinny kernel's token count)."""
+    return F.silu(F.linear(x, gate), inplace=True).mul_(F.linear(x, up))
+
+
+@register
+class GateUpSilu(OpDef):
+    name = "gate_up_silu"
+    attrs = {"out_dim": Attr("dim")}
+    weights = {"gate": True, "up": True}
+    doc = ("x [T, k] -> silu(x W_gate^T) * (x W_up^T) [T, n]: SwiGLU in the epilogue of the fused gate + up "
+           "linear (ir/passes/fuse_gate_up_silu.py)")
+
+    @classmethod
+    def infer(cls, node, ins, model):
+        (x,) = ins
+        expect(len(x.shape) == 2 and x.dtype == "act", f"gate_up_silu expects an activation [T, k] input, got {x}")
+        n = node.attrs["out_dim"]
+        return [TType((x.shape[0], n), "act")], {"gate": (n, x.shape[1]), "up": (n, x.shape[1])}
+
+    @classmethod
+    def run(cls, node, ins, w, ctx):
+        return [gate_up_silu_ref(ins[0], w["gate"], w["up"])]
+
+
 @register
 class RmsNorm(OpDef):
     name = "rms_norm"

@@ -18,10 +18,12 @@ from ..verifier import verify
 from .eliminate_dead import eliminate_dead
 from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_combine_shared_residual import fuse_combine_shared_residual
+from .fuse_gate_up_silu import fuse_gate_up_silu
 from .fuse_kv_norm_rope_cache import fuse_kv_norm_rope_cache
 from .fuse_moe_silu import fuse_moe_silu
 from .fuse_q_rope_into_query import fuse_q_rope_into_query
 from .fuse_router import fuse_router
+from .fuse_sibling_linears import fuse_sibling_linears
 from .insert_all_reduce import insert_all_reduce
 from .lower_mla_decode import lower_mla_decode
 from .lower_mla_prefill import lower_mla_prefill
@@ -57,6 +59,9 @@ PIPELINE: list[Pass] = [
     Pass(fuse_router,                  BOTH),     # linear(gate) + moe_topk + moe_align -> moe_route
     Pass(fuse_moe_silu,                BOTH),     # moe_gate_up + silu_and_mul -> moe_gate_up_silu
     Pass(fuse_combine_shared_residual, BOTH),     # moe_combine + shared add + residual add -> moe_combine_residual
+    # Dense linears
+    Pass(fuse_sibling_linears,         BOTH),     # linears reading one input (q + kv_a, gate + up) -> multi_linear
+    Pass(fuse_gate_up_silu,            BOTH),     # multi_linear (gate, up) + silu_and_mul -> gate_up_silu
     # Residual stream
     Pass(fuse_add_rms_norm,            BOTH),     # add + rms_norm -> fused_add_rms_norm
     # Clean-up
@@ -91,5 +96,6 @@ def run_pipeline(G: nx.DiGraph, passes: list[Pass] = PIPELINE) -> nx.DiGraph:
 
 
 __all__ = ["PIPELINE", "Pass", "run_pipeline", "eliminate_dead", "fuse_add_rms_norm", "fuse_combine_shared_residual",
-           "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_q_rope_into_query", "fuse_router", "insert_all_reduce",
-           "lower_mla_decode", "lower_mla_prefill", "shard_for_rank", "split_rope"]
+           "fuse_gate_up_silu", "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_q_rope_into_query", "fuse_router",
+           "fuse_sibling_linears", "insert_all_reduce", "lower_mla_decode", "lower_mla_prefill", "shard_for_rank",
+           "split_rope"]

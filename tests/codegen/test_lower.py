@@ -10,13 +10,14 @@ from types import SimpleNamespace
 import pytest
 
 import ir
-from codegen import families
+from codegen import families, sizes
 from codegen.kernel import Arg, CtxRef, KernelLaunch, LibraryCall, Options, SizeRef, StrideRef, ValueRef, WorkspaceRef
 from codegen.lower import LIBRARY_CALLS, LoweringError, lower_graph
 from ir.errors import DsgraphError
 from ir.passes import run_pipeline
 
 SPECS = ("deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
+LINEARS = ("linear", "multi_linear", "gate_up_silu")   # linear_skinny's: kernel below a token count, cuBLAS above
 CASES = [(s, ph) for s in SPECS for ph in ir.PHASES]
 
 
@@ -41,17 +42,28 @@ def test_every_node_is_accounted_for(spec, phase):
         else:
             assert isinstance(step, LibraryCall)
             assert step.call == LIBRARY_CALLS[step.op], step
-            assert families.family_for_op(step.op) is None, f"{step.op} has a family but became a library call"
+            if families.family_for_op(step.op) is not None:   # only the linear family hands nodes back
+                assert step.op in LINEARS, f"{step.op} has a family but became a library call"
             covered[step.node] += 1
     for nid, op in plan.unlowered:
         assert families.family_for_op(op) is None and op not in LIBRARY_CALLS
         covered[nid] += 1
     missing = set(G.nodes) - set(covered)
     assert not missing, f"nodes with no step: {sorted(missing)[:5]}"
-    # A node is one library call, or launches of one family, never both.
-    lib_nodes = {s.node for s in plan.library_calls}
+    # A node is one library call, or launches of one family, or (a linear) both, never both at one T:
+    # the launches' grids are 0 exactly where the library call runs.
+    calls = {s.node: s for s in plan.library_calls}
     launch_nodes = {n for s in plan.launches for n in s.nodes}
-    assert not lib_nodes & launch_nodes
+    for nid in calls.keys() - launch_nodes:
+        assert calls[nid].from_tokens == 1, nid
+        if calls[nid].op in LINEARS:
+            assert G.nodes[nid]["attrs"].get("precision") == "fp32", f"{nid}: a linear left to cuBLAS at every T"
+    for nid in calls.keys() & launch_nodes:
+        call = calls[nid]
+        assert call.op in LINEARS and call.from_tokens > 1, nid
+        for T in (1, call.from_tokens - 1, call.from_tokens, 4 * call.from_tokens):
+            grids = [sizes.evaluate(s.grid[0], {"T": T}) for s in plan.launches if nid in s.nodes]
+            assert all(g > 0 for g in grids) != call.runs_at(T), (nid, T, grids)
 
 
 @pytest.mark.parametrize("spec,phase", CASES)

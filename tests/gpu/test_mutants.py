@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import test_kernels_dense as dense
+import test_kernels_linear as linear
 import test_kernels_mla as mla
 import test_kernels_moe as moe
 import test_kernels_moe_wgmma as moe_wgmma
@@ -103,6 +104,20 @@ MUTANTS = [
            moe_wgmma.test_moe_gate_up_silu_wgmma, dict(case={
                "dtype": "bf16", "T": 452, "E": 6, "K": 1, "counts": [130, 64, 1, 0, 129, 128], "KD": 136, "N": 200,
                "misalign": "none", "seed": 13}), uses_runner=True),
+    Mutant("skinny linear output x1.01 (tensor cores, two stacked weights)", "include/skinny.cuh",
+           "if (tok < ntok) store_out<T, ROWS...>(m, row, tok, s);",
+           "if (tok < ntok) store_out<T, ROWS...>(m, row, tok, s * 1.01f);",
+           linear.test_linear_skinny, dict(dtype="bf16", T=5, K=512, rows=[100, 50], extra=0, offset=0, shift="none",
+                                           variant=linear.VARIANTS[0], seed=13)),
+    Mutant("skinny linear output x1.01 (fp32, CUDA cores)", "include/skinny.cuh",
+           "store_out<float, ROWS...>(m, row0 + i / MAX_TOKENS, tok, s);",
+           "store_out<float, ROWS...>(m, row0 + i / MAX_TOKENS, tok, s * 1.01f);",
+           linear.test_linear_skinny, dict(dtype="fp32", T=3, K=300, rows=[40], extra=0, offset=0, shift="none",
+                                           variant=linear.VARIANTS[0], seed=14)),
+    Mutant("SwiGLU epilogue of the fused gate + up x1.01 (skinny linear)", "include/skinny.cuh",
+           "m.y[0][(i64)tok * N + col] = from_float<T>(s * u);", "m.y[0][(i64)tok * N + col] = from_float<T>(s * u * 1.01f);",
+           linear.test_gate_up_silu, dict(dtype="bf16", T=3, K=256, n=40, extra=0, offset=0, shift="none",
+                                          variant=linear.VARIANTS[0], seed=15)),
 ]
 
 

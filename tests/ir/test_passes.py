@@ -38,6 +38,8 @@ ANCHOR = {
     "fuse_moe_silu": "moe_gate_up",
     "fuse_combine_shared_residual": "moe_combine",
     "fuse_add_rms_norm": "add",
+    "fuse_sibling_linears": "linear",
+    "fuse_gate_up_silu": "silu_and_mul",
 }
 
 
@@ -372,6 +374,68 @@ def test_fusions_refused_when_intermediates_have_other_readers(caplog):
     weights = make_weights(graphs, 7)
     step = Step(spec, [3, 5], 2, 7)
     assert_same_step(graphs["decode"], run_pipeline(graphs["decode"]), weights, step, graphs["prefill"])
+
+
+def test_sibling_linears_fuse_into_one_multi_linear_on_v2_lite():
+    """q + kv_a off the attention norm (27 layers) become a multi_linear, in execution order; the
+    shared experts' gate + up (26 MoE layers) and the dense FFN's (layer 0) off the FFN norm become one
+    too, and then, with their silu_and_mul, a gate_up_silu; the other linears stay."""
+    for phase in ir.PHASES:
+        G = run_pipeline(v2_lite_graph(phase))
+        multi = {n: d for n, d in G.nodes(data=True) if d["op"] == "multi_linear"}
+        swiglu = {n: d for n, d in G.nodes(data=True) if d["op"] == "gate_up_silu"}
+        assert len(multi) == 27 and len(swiglu) == 26 + 1
+        assert not any(d["op"] == "silu_and_mul" for _, d in G.nodes(data=True))
+        q = multi["L3.mla.q"]
+        assert q["inputs"] == ["L3.h_attn"] and q["outputs"] == ["L3.mla.q", "L3.mla.ckv"]
+        assert q["attrs"]["out_dims"] == [3072, 576]
+        assert q["weights"] == {"weight0": "model.layers.3.self_attn.q_proj.weight",
+                                "weight1": "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"}
+        sg = swiglu["L3.moe_ffn.sg"]
+        assert sg["inputs"] == ["L3.h_ffn"] and sg["outputs"] == ["L3.moe_ffn.sa"] and sg["attrs"]["out_dim"] == 2816
+        assert sg["weights"] == {"gate": "model.layers.3.mlp.shared_experts.gate_proj.weight",
+                                 "up": "model.layers.3.mlp.shared_experts.up_proj.weight"}
+        assert sg["passes"]["L3.moe_ffn.su"] == ["fuse_sibling_linears", "fuse_gate_up_silu"]
+        assert swiglu["L0.dense_ffn.g"]["outputs"] == ["L0.dense_ffn.a"]
+        # o_proj, the shared and dense down projections, the head (and prefill's kv_b) read values of their own
+        left = sorted({n.split(".", 1)[-1] for n, d in G.nodes(data=True) if d["op"] == "linear"})
+        assert left == (["dense_ffn.y", "logits", "mla.kv", "mla.y", "moe_ffn.shared"] if phase == "prefill"
+                        else ["dense_ffn.y", "logits", "mla.y", "moe_ffn.shared"])
+        assert any("fuse_sibling_linears" in p for p in q["passes"]["L3.mla.q"])
+
+
+def _more_siblings(text: str) -> str:
+    """Give the MoE's FFN input an fp32 linear and three more act linears (5 act siblings in all),
+    each read by an add (until eliminate_dead drops them all)."""
+    anchor = "      - {op: add, in: [routed, shared], out: y}\n"
+    assert anchor in text
+    extra = '      - {op: linear, in: x, weight: "model.layers.{layer}.extra_f32.weight", out_dim: 3, precision: fp32, out: e32}\n'
+    extra += "".join(f'      - {{op: linear, in: x, weight: "model.layers.{{layer}}.extra{i}.weight", out_dim: {i + 2}, '
+                     f'out: e{i}}}\n' for i in range(3))
+    extra += "".join(f"      - {{op: add, in: [{e}, {e}], out: {e}_twice}}\n" for e in ("e32", "e0", "e1", "e2"))
+    return text.replace(anchor, anchor + extra)
+
+
+def test_sibling_linear_refusals_are_logged_with_their_reason(caplog):
+    spec = spec_of(FIXED_CFG, edit=_more_siblings)
+    graphs = graphs_of(spec)
+    index = [p.name for p in PIPELINE].index("fuse_sibling_linears")
+    before = run_pipeline(graphs["decode"], PIPELINE[:index])
+    with caplog.at_level(logging.INFO, logger="dsgraph.passes"):
+        G = PASSES["fuse_sibling_linears"].run(before)
+    ir.verify(G)
+    refusals = "\n".join(G.graph["refusals"])
+    assert "L1.moe_ffn.e32 is an fp32 linear" in refusals
+    assert ("cannot fuse L1.moe_ffn.sg (linear) with L1.moe_ffn.e2 (linear): a multi_linear takes at most 4 "
+            "weights; L1.moe_ffn.e2 start another") in refusals
+    assert "cannot fuse L1.moe_ffn.e32 (linear) with L1.moe_ffn.sg (linear)" in caplog.text
+    m = G.nodes["L1.moe_ffn.sg"]
+    assert m["op"] == "multi_linear"
+    assert m["outputs"] == ["L1.moe_ffn.sg", "L1.moe_ffn.su", "L1.moe_ffn.e0", "L1.moe_ffn.e1"]
+    assert G.nodes["L1.moe_ffn.e2"]["op"] == G.nodes["L1.moe_ffn.e32"]["op"] == "linear"
+    weights = make_weights(graphs, 3)
+    assert_same_step(graphs["decode"], run_pipeline(graphs["decode"]), weights, Step(spec, [2, 4], 2, 3),
+                     graphs["prefill"])
 
 
 def _dead_linear(text: str) -> str:

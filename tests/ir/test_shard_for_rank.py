@@ -183,6 +183,11 @@ def test_one_all_reduce_after_attention_and_one_after_the_ffn(caplog):
         "model.layers.1.mlp.experts.2.up_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight")
     assert w["model.layers.0.self_attn.o_proj.weight"].shape == (8, 2 * 3)
     assert w["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape == (6 + 2, 8)   # replicated
+    # sibling linears fuse at the rank's shapes: its heads' q rows beside the whole kv_a, its shared columns
+    for G in graphs.values():
+        q, sg = G.nodes["L0.mla.q"], G.nodes["L1.moe_ffn.sg"]
+        assert q["op"] == "multi_linear" and sg["op"] == "gate_up_silu"
+        assert q["attrs"]["out_dims"] == [2 * (4 + 2), 6 + 2] and sg["attrs"]["out_dim"] == 6
 
 
 def test_world_one_leaves_the_graph_alone():

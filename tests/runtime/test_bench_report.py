@@ -51,7 +51,8 @@ def test_kernels_are_attributed_to_their_family_or_the_libraries():
 
 @pytest.mark.parametrize("spec_file", ["deepseek_v2_lite.yaml", "deepseek_v2.yaml", "deepseek_v3.yaml"])
 def test_linear_bytes_are_the_decode_graphs_linear_weights(spec_file):
-    """linear_bytes is what the decode graph's linear ops bind, weight by weight."""
+    """linear_bytes is what the decode graph's linear ops (and the multi_linears and gate_up_silus
+    that fused sibling ones) bind, weight by weight."""
     from codegen.paths import MODEL_SPECS_DIR
     from ir.graph import build_graph
     from ir.passes import run_pipeline
@@ -62,7 +63,7 @@ def test_linear_bytes_are_the_decode_graphs_linear_weights(spec_file):
     info = G.graph["weights"]
     want = 0
     for _, d in G.nodes(data=True):
-        if d.get("op") == "linear":
+        if d.get("op") in ("linear", "multi_linear", "gate_up_silu"):
             for name in d["weights"].values():
                 rows, cols = info[name].shape
                 want += rows * cols * 2
@@ -132,3 +133,32 @@ def test_table_prints_the_pdl_edges(capsys):
                   "decode": [row], "prefill": []})
     out = capsys.readouterr().out
     assert "PDL on" in out and "374 kernels   266 PDL   157 after a PDL kernel" in out
+
+
+def test_the_linears_are_the_skinny_family_plus_cublas_each_with_its_rate(capsys):
+    """Up to SKINNY_MAX_TOKENS a step's linears are the linear_skinny kernels (cuBLAS keeps torch's
+    odd kernel), above it cuBLAS: the linear figure adds both, and the family that served the step
+    gets the rate over the linears' weights."""
+    from codegen.families.linear_skinny import SKINNY_MAX_TOKENS
+    from runtime.bench import family_of, linear_bytes, linear_rate
+    assert family_of("linear_skinny__bf16__k2048__o3072_576") == "linear_skinny"
+    lb = linear_bytes(DIMS, 1)
+    rows = []
+    for batch, fams in ((1, {"linear_skinny": 0.6, "cublas/torch": 0.02}),
+                        (SKINNY_MAX_TOKENS + 1, {"cublas/torch": 1.1})):
+        row = {"batch": batch, "context": 512, "ms": 3.9, "floor_ms": 1.17, "fraction_of_bandwidth": 0.3,
+               "bytes": decode_bytes(DIMS, 1, batch, 512), "linear_bytes": lb,
+               "breakdown": {"launches": 500, "kernel_ms": 3.0,
+                             "families": {f: {"ms": ms, "launches": 10} for f, ms in fams.items()}}}
+        row["linears"] = linear_rate(row)
+        rows.append(row)
+    small, big = rows[0]["linears"], rows[1]["linears"]
+    assert small["ms"] == pytest.approx(0.62) and small["bytes_per_s"] == pytest.approx(lb / 0.62e-3)
+    assert small["families"]["linear_skinny"]["bytes_per_s"] == pytest.approx(lb / 0.6e-3)
+    assert small["families"]["cublas/torch"]["bytes_per_s"] is None
+    assert big["ms"] == pytest.approx(1.1) and big["families"]["cublas/torch"]["bytes_per_s"] == pytest.approx(lb / 1.1e-3)
+    _print_table({"gpu": "H200", "date": "2026-12-02", "copy_bandwidth_GBps": 4200.0, "layers": 27,
+                  "decode": rows, "prefill": []})
+    out = capsys.readouterr().out
+    assert f"linear_skinny 0.60 ms {lb / 0.6e-3 / 1e9:.0f} GB/s; cublas/torch 0.02 ms" in out
+    assert f"cublas/torch 1.10 ms {lb / 1.1e-3 / 1e9:.0f} GB/s" in out

@@ -28,6 +28,7 @@ from ir.context import StepContext
 from ir.graph import node_view
 from ir.ops import OPS
 from runtime import SamplingParams
+import runtime.cuda_backend as cuda_backend
 from runtime.cuda_backend import CudaBackend
 from runtime.reference_backend import ReferenceBackend
 from tiny_engine import ROOT, compiled, make_engine, prompts
@@ -108,6 +109,53 @@ def test_backend_runs_the_manifest_and_matches_the_reference_backend(bundle, mon
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
     assert stub.calls > 0
+
+
+def test_linears_run_the_skinny_kernel_up_to_its_token_count_and_cublas_above(bundle, monkeypatch):
+    """A linear node carries both steps (codegen/families/linear_skinny.py); each step runs exactly
+    one of them, by T: the kernel through T = SKINNY_MAX_TOKENS, the library call from the next
+    token on, and the head's logit rows come out right either way."""
+    from codegen.families.linear_skinny import SKINNY_MAX_TOKENS
+    model, weights = compiled()
+    loaded = load_bundle(bundle, arch="sm_90", nvrtc_version=nvrtc_version(), dtype="fp32", block_size=4)
+    backend = SteppedCuda.from_bundle(loaded, weights, dtype=torch.float32, top_k=model.spec.dims["top_k"])
+    backend.runner = ReferenceKernels(model.graphs)
+    linear_nodes = {s.node for p in loaded.plans.values() for s in p.library_calls
+                    if s.op in ("linear", "multi_linear", "gate_up_silu")}
+    assert {s.op for p in loaded.plans.values() for s in p.library_calls} >= {"multi_linear", "gate_up_silu"}
+    kernel_ran, library_ran = [], []
+    run_all = ReferenceKernels.run_all
+
+    def spy_kernels(self, launches, **kw):
+        kernel_ran.append(launches[0].nodes[0])
+        return run_all(self, launches, **kw)
+    linear, swiglu = CudaBackend._linear, CudaBackend._gate_up_silu
+
+    def spy_library(self, call, env, rows=None):
+        library_ran.append(call.node)
+        if call.op == "gate_up_silu":
+            return swiglu(self, call, env)
+        return linear(self, call, env, rows=rows)
+    monkeypatch.setattr(ReferenceKernels, "run_all", spy_kernels)
+    monkeypatch.setattr(CudaBackend, "_linear", spy_library)            # the head
+    for op in ("linear", "multi_linear", "gate_up_silu"):                 # the others
+        monkeypatch.setitem(cuda_backend._ALLOCATING, op, spy_library)
+    ours, ref = make_engine(backend_impl=backend), make_engine()
+    for lens in ([SKINNY_MAX_TOKENS], [SKINNY_MAX_TOKENS + 1], [2, 3]):
+        kernel_ran.clear()
+        library_ran.clear()
+        ps = prompts(lens, seed=len(lens))
+        for a, b in zip(ours.logits(ps), ref.logits(ps)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        by_kernel = sum(lens) <= SKINNY_MAX_TOKENS
+        assert set(kernel_ran if by_kernel else library_ran) >= linear_nodes & set(model.graphs["prefill"])
+        assert not (set(library_ran if by_kernel else kernel_ran) & linear_nodes), lens
+    # a short prompt's generate: the head runs in the kernel on every row, then the last rows are kept
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True, return_logits=True)
+    ps = prompts([2, 3], seed=5)
+    for a, b in zip(ours.generate(ps, sp), ref.generate(ps, sp)):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
 
 
 def test_loading_a_bundle_imports_no_graph_machinery(bundle):

@@ -84,7 +84,8 @@ def test_cuda_backend_steps_on_two_ranks_match_one_process(tmp_path):
     mp.start_processes(_rank_main, args=(port, str(tmp_path)), nprocs=WORLD, start_method="spawn", join=True)
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"rank{rank}.pt")
-        assert got["calls"] == ["all_reduce", "linear", "moe_local_experts", "split"]
+        # (the linears' cuBLAS calls above the skinny kernel's token count: sibling-fused ones too)
+        assert got["calls"] == ["all_reduce", "gate_up_silu", "linear", "moe_local_experts", "multi_linear", "split"]
         for kind in ("prefill", "decode"):
             for a, b in zip(got[kind], want[kind]):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())

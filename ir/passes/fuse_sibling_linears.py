@@ -1,0 +1,71 @@
+"""fuse_sibling_linears: linears that read one input become one multi_linear.
+
+At decode's few tokens a linear is a pass over its weight; siblings that read the same x
+(MLA's q or q_a and kv_a off the attention norm, the shared experts' or the dense FFN's gate
+and up off the FFN norm) then cost one launch, one read of x and one tail instead of two.
+Above the skinny kernel's crossover the runtime still runs one GEMM per weight.
+"""
+from __future__ import annotations
+
+import networkx as nx
+
+from ..ops.core import MULTI_LINEAR_MAX
+from .rewrite import NewOp, RewriteError, copy_graph, nodes_of, readers_of, refuse, replace
+
+
+def fuse_sibling_linears(G: nx.DiGraph) -> nx.DiGraph:
+    """Fuse the act-precision ``linear`` nodes that read one value into one ``multi_linear``.
+
+    before                                        after
+
+                 h [T,D]                                      h [T,D]
+          /         |                                           |
+    linear (q)   linear (kv_a)              multi_linear (weight0 = q, weight1 = kv_a;
+         |          |                                     out_dims [H*(N+R), C+R])
+    q [T,H*(N+R)]  ckv [T,C+R]                         /                 \\
+                                               q [T,H*(N+R)]          ckv [T,C+R]
+
+    The siblings keep their output names (their readers are unchanged) and execution order
+    (weight i is the i-th sibling to run).  Refused, with the reason logged: an fp32 linear
+    (the router keeps float32 weights and output), a linear nothing reads (eliminate_dead's),
+    and siblings past MULTI_LINEAR_MAX (they form the next group).
+    """
+    G = copy_graph(G)
+    groups: dict[str, list[str]] = {}
+    for nid in nodes_of(G, "linear"):
+        groups.setdefault(G.nodes[nid]["inputs"][0], []).append(nid)
+    for x, siblings in groups.items():
+        if len(siblings) < 2:
+            continue
+        live = [n for n in siblings if _is_read(G, n)]
+        act = [n for n in live if G.nodes[n]["attrs"]["precision"] == "act"]
+        for n in siblings:
+            other = next((m for m in siblings if m != n), n)
+            if n not in live:
+                refuse(G, n, other, f"nothing reads {n} (eliminate_dead drops it)")
+            elif n not in act:
+                refuse(G, n, other, f"{n} is an fp32 linear (its weights and output stay float32); siblings "
+                                    f"reading {x} fuse at the activation precision only")
+        chunks = [act[i:i + MULTI_LINEAR_MAX] for i in range(0, len(act), MULTI_LINEAR_MAX)]
+        for group in chunks[1:]:
+            refuse(G, act[0], group[0], f"a multi_linear takes at most {MULTI_LINEAR_MAX} weights; "
+                                        f"{', '.join(group)} start another")
+        for group in chunks:
+            if len(group) >= 2:
+                _fuse(G, x, group)
+    return G
+
+
+def _is_read(G: nx.DiGraph, nid: str) -> bool:
+    (out,) = G.nodes[nid]["outputs"]
+    return bool(readers_of(G, nid, out)) or out in G.graph["outputs"]
+
+
+def _fuse(G: nx.DiGraph, x: str, group: list[str]) -> None:
+    outputs = [G.nodes[n]["outputs"][0] for n in group]
+    weights = {f"weight{i}": G.nodes[n]["weights"]["weight"] for i, n in enumerate(group)}
+    out_dims = [G.nodes[n]["attrs"]["out_dim"] for n in group]
+    try:
+        replace(G, group, [NewOp("multi_linear", [x], outputs, {"out_dims": out_dims}, weights, nid=group[0])])
+    except RewriteError as exc:
+        refuse(G, group[0], group[1], str(exc))
