@@ -54,9 +54,10 @@ class Instr(NamedTuple):
     addr: int          # byte offset in the function
     opcode: str        # with modifiers, e.g. LDG.E.128
     operands: str      # the rest up to ';' (predicate guard not included)
+    guarded: bool = False   # under a predicate guard (@P0 / @!P1 ...): may not execute
 
 
-_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)([^;]*);")
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)([^;]*);")
 _FUNCTION = re.compile(r"^\s*Function : (\S+)\s*$", re.M)
 
 
@@ -67,5 +68,6 @@ def instructions(cubin: bytes) -> dict[str, list[Instr]]:
     funcs = {}
     for i, m in enumerate(heads):
         body = out[m.end():heads[i + 1].start() if i + 1 < len(heads) else len(out)]
-        funcs[m.group(1)] = [Instr(int(x.group(1), 16), x.group(2), x.group(3).strip()) for x in _INSTR.finditer(body)]
+        funcs[m.group(1)] = [Instr(int(x.group(1), 16), x.group(3), x.group(4).strip(), x.group(2) is not None)
+                             for x in _INSTR.finditer(body)]
     return funcs
