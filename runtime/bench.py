@@ -413,30 +413,26 @@ def _print_table(r: dict) -> None:
         top = ", ".join(f"{f[:22]} {v['ms']:.2f}" for f, v in list(br["families"].items())[:5])
         per_layer = f" ({br['launches'] / r['layers']:.1f} a layer)" if r.get("layers") else ""
         print(f"  {label:<24}{br['kernel_ms']:>8.2f} in {br['launches']} kernels{per_layer}: {top}")
-    edges = [(d, d.get("pdl_edges")) for d in r["decode"]]
-    if any(x for _, x in edges):
-        print("\nprogrammatic dependent launch per decode step (kernels launched; PDL ones; PDL ones right after "
-              "a PDL kernel):")
-        for d, x in edges:
-            if x:
-                print(f"  decode b={d['batch']} ctx={d['context']:<8}{x['kernels']:>5} kernels  {x['pdl']:>4} PDL  "
-                      f"{x['overlapped']:>4} after a PDL kernel")
-    rates = [(d, d.get("routed_experts")) for d in r["decode"]]
-    if any(x for _, x in rates):
-        print("\nrouted experts (gate_up_silu + down) per decode step, touched expert weights read:")
-        for d, x in rates:
-            if x:
-                print(f"  decode b={d['batch']} ctx={d['context']:<8}{x['ms']:>8.2f} ms  "
-                      f"{x['bytes_per_s'] / 1e12:5.2f} TB/s")
-    lins = [(d, d.get("linears")) for d in r["decode"]]
-    if any(x for _, x in lins):
-        print("\nlinears (the skinny kernel + cuBLAS and its split-K reduce) per decode step, their weights read;"
-              " per family (GB/s over the weights it read):")
-        for d, x in lins:
-            if x:
-                frac = x["bytes_per_s"] / (r["copy_bandwidth_GBps"] * 1e9)
-                fams = "; ".join(f"{f} {v['ms']:.2f} ms" + (f" {v['bytes_per_s'] / 1e9:.0f} GB/s"
-                                                            if v.get("bytes_per_s") else "")
-                                 for f, v in x.get("families", {}).items())
-                print(f"  decode b={d['batch']} ctx={d['context']:<8}{x['ms']:>8.2f} ms  "
-                      f"{x['bytes_per_s'] / 1e12:5.2f} TB/s  ({frac * 100:.0f}% of copy)" + (f"   {fams}" if fams else ""))
+
+    def section(key: str, title: str, line) -> None:
+        """One block of per-decode-case lines, printed only where some case has `key`."""
+        rows = [(d, d.get(key)) for d in r["decode"]]
+        if any(x for _, x in rows):
+            print(f"\n{title}")
+            for d, x in rows:
+                if x:
+                    print(f"  decode b={d['batch']} ctx={d['context']:<8}" + line(x))
+
+    def linear_line(x: dict) -> str:
+        frac = x["bytes_per_s"] / (r["copy_bandwidth_GBps"] * 1e9)
+        fams = "; ".join(f"{f} {v['ms']:.2f} ms" + (f" {v['bytes_per_s'] / 1e9:.0f} GB/s" if v.get("bytes_per_s") else "")
+                         for f, v in x.get("families", {}).items())
+        return f"{x['ms']:>8.2f} ms  {x['bytes_per_s'] / 1e12:5.2f} TB/s  ({frac * 100:.0f}% of copy)" + (f"   {fams}" if fams else "")
+
+    section("pdl_edges", "programmatic dependent launch per decode step (kernels launched; PDL ones; PDL ones right "
+                         "after a PDL kernel):",
+            lambda x: f"{x['kernels']:>5} kernels  {x['pdl']:>4} PDL  {x['overlapped']:>4} after a PDL kernel")
+    section("routed_experts", "routed experts (gate_up_silu + down) per decode step, touched expert weights read:",
+            lambda x: f"{x['ms']:>8.2f} ms  {x['bytes_per_s'] / 1e12:5.2f} TB/s")
+    section("linears", "linears (the skinny kernel + cuBLAS and its split-K reduce) per decode step, their weights "
+                       "read; per family (GB/s over the weights it read):", linear_line)

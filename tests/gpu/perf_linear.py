@@ -30,6 +30,7 @@ a torch fp32 reference (BAD above 1e-2; the exit status is 1 if any).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -136,33 +137,11 @@ def copy_bandwidth() -> float:
 
 
 def time_cycled(fn, copies: int) -> float:
-    """us per call of fn(i), i cycling over `copies` weight copies, max(ITERS, copies) calls in one
-    CUDA graph (median of 3 replays)."""
-    import torch
-    iters = max(ITERS, copies)
-    fn(0)
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        fn(0)
-        stream.synchronize()
-        with torch.cuda.graph(g, stream=stream):
-            for i in range(iters):
-                fn(i % copies)
-    torch.cuda.current_stream().wait_stream(stream)
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(3):
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / iters)
-    return sorted(times)[1]
+    """us per call of fn(i), i cycling over `copies` weight copies (so the weights come from DRAM, not
+    L2): perf_decode.time_us over max(ITERS, copies) calls in one CUDA graph (median of 3 replays)."""
+    from perf_decode import time_us
+    calls = itertools.count()
+    return time_us(lambda: fn(next(calls) % copies), iters=max(ITERS, copies))
 
 
 def main() -> int:
