@@ -302,6 +302,24 @@ def _check_route(p: RouteProblem, logits: torch.Tensor) -> None:
     _check_ids(ids_k, ids_ref, _selection(p.x.float() @ p.gate.T, p.bias, p.attrs), "the op reference")
     _check_routing(p.values[f"{r_name}.order"], p.values[f"{r_name}.offsets"], ids_k, E)
 
+def _check_graph_replays(runner, launches, p, ws, seed: int) -> None:
+    """The route captured in a CUDA graph and replayed twice on new activations, poisoned outputs
+    and workspaces each time: whatever a launch keeps between runs (tickets) must reset itself."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes, workspaces=ws)
+    torch.cuda.current_stream().wait_stream(stream)
+    for rep in range(2):
+        p.new_x(seed + rep)
+        p.poison(ws)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_route(p, ws["router_logits"])
+
+
 
 def _route_stages_running(launches, sizes_: dict) -> list[str]:
     from codegen import sizes
@@ -409,20 +427,7 @@ def test_moe_route_fused_runs_again_and_replays_in_a_graph(runner, case):
     ws2 = runner.run_all(_lower(other.G, other.nid, case["dtype"]), values=other.values, weights=other.weights,
                          sizes=other.sizes)
     _check_route(other, ws2["router_logits"])
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes, workspaces=ws)
-    torch.cuda.current_stream().wait_stream(stream)
-    for rep in range(2):
-        p.new_x(case["seed"] + 100 + rep)
-        p.poison(ws)
-        graph.replay()
-        torch.cuda.synchronize()
-        _check_route(p, ws["router_logits"])
+    _check_graph_replays(runner, launches, p, ws, case["seed"] + 100)
 
 
 # The router GEMM: the three-launch route's logits above moe_route.GEMM_TOKENS (prefill sizes).
@@ -511,20 +516,7 @@ def test_moe_route_gemm_runs_again_and_replays_in_a_graph(runner, case):
     ws2 = runner.run_all(other_launches, values=other.values, weights=other.weights, sizes=other.sizes,
                          workspaces=_poisoned_workspaces(runner, other_launches, other))
     _check_route(other, ws2["router_logits"])
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes, workspaces=ws)
-    torch.cuda.current_stream().wait_stream(stream)
-    for rep in range(2):
-        p.new_x(case["seed"] + 100 + rep)
-        p.poison(ws)
-        graph.replay()
-        torch.cuda.synchronize()
-        _check_route(p, ws["router_logits"])
+    _check_graph_replays(runner, launches, p, ws, case["seed"] + 100)
 
 
 @given(case=route_cases())
