@@ -6,7 +6,8 @@ ops with one template (``templates/<family>.cu.j2``).  It exposes
     FAMILY: str                 e.g. "rms_norm"
     TEMPLATE: str               e.g. "rms_norm.cu.j2"
     OPS: tuple[str, ...]        graph ops it implements, e.g. ("rms_norm",)
-    def lower(nid: str, G, opts: Options) -> list[KernelLaunch]   (usually one; split-KV attention: two)
+    def lower(nid: str, G, opts: Options) -> list[KernelLaunch]   (usually one; several where
+                                the form depends on T: grid factors give one of them work a step)
     PDL: bool                   optional, default False: every kernel of the family keeps the contract of
                                 templates/include/pdl.cuh (each CTA calls dsg::pdl_wait() before it reads
                                 another kernel's output or writes anything), so lowering marks its

@@ -112,3 +112,19 @@ def check(expr) -> None:
     if not isinstance(expr, str):
         raise SizeExprError(f"expected an int or a size expression, got {expr!r}")
     _parse(expr)
+
+
+# -- grid factors: a launch that only runs in part of the token range -------------------------
+# A family that serves one node with different kernels by the step's token count multiplies each
+# launch's grid by one of these (0 / 1 expressions over T): exactly one form has work at each T,
+# and the choice is made on the host from sizes it already knows (no sync; a captured decode
+# graph holds only the launches with work).
+
+def only_below(ts: int) -> str:
+    """1 while T <= ts, else 0."""
+    return f"(1 - min(1, T // {ts + 1}))"
+
+
+def only_above(ts: int) -> str:
+    """1 while T > ts, else 0."""
+    return f"min(1, T // {ts + 1})"

@@ -236,13 +236,17 @@ class KernelRunner:
             weights: dict[str, torch.Tensor] | None = None, ctx: dict[str, torch.Tensor] | None = None,
             sizes: dict[str, int] | None = None, stream=None,
             workspaces: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Launch one kernel; returns its workspaces (allocated here unless given)."""
+        """Launch one kernel; returns its workspaces (allocated here unless given).  A launch whose
+        grid is empty at these sizes (the forms a family does not use at this T: grid factors) binds
+        nothing and loads no module: it would launch nothing."""
         from .cuda_driver import launch as cu_launch
         weights, ctx = weights or {}, ctx or {}
         sizes = self.step_sizes(sizes or {}, ctx, values)
         if workspaces is None:
             workspaces = self.workspaces(launch, values=values, weights=weights, ctx=ctx, sizes=sizes)
         grid = tuple(size_exprs.evaluate(g, sizes) for g in launch.grid)
+        if 0 in grid:
+            return workspaces
         smem = size_exprs.evaluate(launch.smem, sizes)
         args = [self._arg(a, launch, values, weights, ctx, workspaces, sizes) for a in launch.args]
         func = self.module(launch).function(launch.name, smem)

@@ -12,6 +12,7 @@ import re
 
 from codegen.errors import LoweringError
 from codegen.kernel import DTYPES, Arg, KernelLaunch, Workspace, inp, out, size, weight, work
+from codegen.sizes import only_above, only_below
 from ir.graph import value_producers
 
 from ._dense_util import c_float
@@ -133,8 +134,8 @@ def topk_name_parts(p: dict) -> list[str]:
 
 
 def when(grid, factor: str | None):
-    """A grid extent that runs only while `factor` (a 0 / 1 expression: only_below, only_above)
-    is 1; None: always."""
+    """A grid extent that runs only while `factor` (a 0 / 1 expression: codegen.sizes.only_below /
+    only_above) is 1; None: always."""
     if factor is None:
         return grid
     return factor if grid == 1 else f"{grid} * {factor}"
@@ -246,16 +247,6 @@ GEMM_WGMMA_TOKENS = None
 def slots(E: int) -> str:
     """CUDA-core expert slots: no more than min(E, NP) experts can have pairs."""
     return f"min({E}, NP)"
-
-
-def only_below(ts: int) -> str:
-    """1 while T <= ts, else 0 (a grid factor)."""
-    return f"(1 - min(1, T // {ts + 1}))"
-
-
-def only_above(ts: int) -> str:
-    """1 while T > ts, else 0 (a grid factor)."""
-    return f"min(1, T // {ts + 1})"
 
 
 def gemm_row_tiles(E: int, thr: int) -> str:

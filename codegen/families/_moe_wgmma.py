@@ -21,6 +21,7 @@ import dataclasses
 
 from codegen.arch import has_feature
 from codegen.kernel import KernelLaunch, WeightRef, tensor_map
+from codegen.sizes import only_above, only_below
 
 from . import _moe
 
@@ -60,7 +61,7 @@ def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args
               "box_k": BK}
     return KernelLaunch(
         family=family, template=template, name=kernel_name(family, [*name_parts, "wgmma"]), params=params,
-        nodes=(nid,), grid=(f"min(SMS, {tiles}) * {_moe.only_above(threshold())}", 1, 1), block=(THREADS, 1, 1),
+        nodes=(nid,), grid=(f"min(SMS, {tiles}) * {only_above(threshold())}", 1, 1), block=(THREADS, 1, 1),
         args=targs, smem=smem(STAGES), stage="wgmma", requires=(FEATURE,))
 
 
@@ -71,6 +72,6 @@ def take_over(launches: list, family: str, template: str, name_parts: list, p: d
         return launches
     *rest, mma = launches
     assert mma.stage == "mma", mma.stage
-    below = dataclasses.replace(mma, grid=(mma.grid[0], f"({mma.grid[1]}) * {_moe.only_below(threshold())}",
+    below = dataclasses.replace(mma, grid=(mma.grid[0], f"({mma.grid[1]}) * {only_below(threshold())}",
                                            mma.grid[2]))
     return [*rest, below, launch(family, template, name_parts, p, nid, args, down=down)]

@@ -7,7 +7,7 @@ a decode graph captured at one batch size holds exactly one of them):
     T <= SKINNY_MAX_TOKENS   the skinny kernel (templates/include/skinny.cuh): each weight byte read
                              once with 16-byte loads, tensor-core mma with the tokens as N, the
                              stacked weights of a multi_linear in one launch.  Its grid has the
-                             factor (1 - min(1, T // (SKINNY_MAX_TOKENS + 1))): 0 above.
+                             factor codegen.sizes.only_below(SKINNY_MAX_TOKENS): 0 above.
     T >  SKINNY_MAX_TOKENS   the library call (cuBLAS, one GEMM per weight), whose from_tokens says
                              so; the runtime skips it below.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 from codegen.errors import LoweringError
 from codegen.kernel import DTYPES, KernelLaunch, inp, out, size, stride, weight
 from codegen.render import kernel_name
+from codegen.sizes import only_below
 
 from ._dense_util import inner_dims, node_io
 
@@ -91,6 +92,6 @@ def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unrol
     # stage: the op served, so reviews pair kernels by it (role linear_skinny.multi_linear, ...)
     launch = KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
-        grid=(f"{ctas} * (1 - min(1, T // {SKINNY_MAX_TOKENS + 1}))", 1, 1), block=(warps * 32, 1, 1), args=args,
+        grid=(f"{ctas} * {only_below(SKINNY_MAX_TOKENS)}", 1, 1), block=(warps * 32, 1, 1), args=args,
         stage=data["op"])
     return [launch, library_call(nid, data, from_tokens=SKINNY_MAX_TOKENS + 1)]

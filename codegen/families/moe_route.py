@@ -15,15 +15,16 @@ Above it, three launches:
   2. top-k         one warp per token (the moe_topk kernel's math);
   3. align         counts, scan and scatter of the pairs by expert in one CTA (the moe_align
                    kernel's), or count / scan / scatter launches above _moe.ALIGN_PARALLEL_PAIRS.
-Which runs is chosen on the host from T alone (grid factors, _moe.only_below / only_above), so a
-decode step captured at a batch size carries only the launches that do work; a launch whose T
-range is empty under the bounds is not emitted.  No device-to-host copy: the grouped expert
+Which runs is chosen on the host from T alone (grid factors: codegen.sizes.only_below /
+only_above), so a decode step captured at a batch size carries only the launches that do work; a
+launch whose T range is empty under the bounds is not emitted.  No device-to-host copy: the grouped expert
 kernels read the routing from device memory.
 """
 from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, Options, Workspace, WorkspaceRef, inp, out, size, weight, work
 from codegen.render import kernel_name
+from codegen.sizes import only_above, only_below
 
 from . import _moe
 
@@ -128,14 +129,14 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
         launches.append(KernelLaunch(
             family=FAMILY, template=TEMPLATE,
             name=kernel_name(FAMILY, [dt, f"d{D}", *_moe.topk_name_parts(topk), f"fused_t{tiles * TOKENS_PER_CTA}"]),
-            params=fused, nodes=(nid,), grid=(f"{cta_cols} * {_moe.only_below(ft)}", f"cdiv(T, {TOKENS_PER_CTA})", 1),
+            params=fused, nodes=(nid,), grid=(f"{cta_cols} * {only_below(ft)}", f"cdiv(T, {TOKENS_PER_CTA})", 1),
             block=(GEMV_THREADS, 1, 1), args=tuple(args), smem=smem, workspace=(logits,), stage="fused"))
-    above = None if ft is None else _moe.only_above(ft)
+    above = None if ft is None else only_above(ft)
 
     # the logits: the GEMV on (ft, GEMM_TOKENS], the GEMM above max(ft, GEMM_TOKENS)
     gt = GEMM_TOKENS
     if gt is None or ft is None or gt > ft:
-        gemv_only = _factors(above, None if gt is None else _moe.only_below(gt))
+        gemv_only = _factors(above, None if gt is None else only_below(gt))
         launches.append(KernelLaunch(
             family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [dt, f"e{E}_d{D}", "gemv"]),
             params={**gemv, "stage": "router_gemv"}, nodes=(nid,),
@@ -145,7 +146,7 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
             workspace=(logits,), stage="router_gemv"))
     if gt is not None:
         lo = max(gt, ft or 0)
-        launches.append(_gemm_launch(nid, dt, ct, x, bound["gate"], E, D, logits, _moe.only_above(lo) if lo else None))
+        launches.append(_gemm_launch(nid, dt, ct, x, bound["gate"], E, D, logits, only_above(lo) if lo else None))
     launches.append(_moe.topk_launch(
         FAMILY, TEMPLATE, kernel_name(FAMILY, [*_moe.topk_name_parts(topk), "topk"]), topk, nid,
         WorkspaceRef("router_logits"), bias, ids, weights, workspace=(logits,), stage="topk", only=above))

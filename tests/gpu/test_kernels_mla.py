@@ -316,8 +316,8 @@ def live_launch(launches, sizes):
 
 
 def run_decode(G, nid, dtype: str, *, values, ctx, sizes, block_size: int = 64, launches=None):
-    """Lower decode attention (or take `launches`) and run the one launch these sizes select: the
-    runner would compile every launch it is handed, the three empty ones too (one per split count)."""
+    """Lower decode attention (or take `launches`) and run the one launch these sizes select (one
+    per split count; the returned live launch's params["cs"] is S, which the tests report)."""
     launches = launches or lower(G, nid, dtype, block_size)
     live = live_launch(launches, sizes)
     runner().run(live, values=values, ctx=ctx, sizes=sizes)
