@@ -25,6 +25,12 @@ template <typename T> __device__ __forceinline__ float round_to(float x) { retur
 
 __host__ __device__ __forceinline__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
+// A shared-memory pointer as the 32-bit shared::cta address the PTX of cp.async, ldmatrix,
+// mbarrier and the cluster loads take.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
 // ---- reductions ----
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

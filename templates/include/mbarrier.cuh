@@ -9,9 +9,6 @@
 namespace dsg {
 namespace mbar {
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
 
 // `arrivals` arrivals complete a phase (plus the bytes announced with arrive_expect_tx).
 __device__ __forceinline__ void init(unsigned long long* bar, unsigned arrivals) {

@@ -15,6 +15,7 @@
 // (bf16 / fp16). Scores are kept in log2 units (exp2f) with the scale folded in.
 #pragma once
 #include "vec.cuh"
+#include "cluster.cuh"
 #include "mma.cuh"
 #include "pdl.cuh"
 
@@ -44,43 +45,6 @@ __device__ __forceinline__ int sequence_of(const i32* __restrict__ query_start, 
 // Bytes rounded up to a multiple of 16 (shared-memory carve-ups start every piece 16-byte aligned).
 __host__ __device__ constexpr int round_up16(int bytes) { return (bytes + 15) / 16 * 16; }
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
-
-namespace mlad {
-// Thread-block clusters (sm_90): the cluster barrier, loads from a peer's shared memory.
-// Release / acquire: this CTA's shared-memory writes before the barrier are visible to every peer
-// that reads them after it.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// The last barrier only says "I am done reading my peers" (those loads completed: their values were
-// stored before it), so it need not release anything; it keeps every CTA's shared memory alive
-// until no peer reads it any more.
-__device__ __forceinline__ void cluster_sync_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
-}
-// The shared::cluster address of `cta_addr` (a shared::cta address) in the CTA of cluster rank `rank`.
-__device__ __forceinline__ unsigned map_rank(unsigned cta_addr, unsigned rank) {
-  unsigned r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(cta_addr), "r"(rank));
-  return r;
-}
-template <bool CLUSTER> __device__ __forceinline__ float ld_shared(unsigned a) {
-  float v;
-  if constexpr (CLUSTER) asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
-  else asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
-  return v;
-}
-template <bool CLUSTER> __device__ __forceinline__ float4 ld_shared4(unsigned a) {
-  float4 v;
-  if constexpr (CLUSTER)
-    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(a) : "memory");
-  else
-    asm volatile("ld.shared.v4.f32 {%0,%1,%2,%3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(a) : "memory");
-  return v;
-}
-}  // namespace mlad
 
 // The split of a CTA: blockIdx.x = item * S + s, item = t * NG + g. locate() is arithmetic only;
 // rows() reads the step metadata: rows [r_begin, r_end) of the item's n visible rows, every split
@@ -139,22 +103,22 @@ struct SplitMerge {
     constexpr bool CL = S > 1;
     const int tid = threadIdx.x;
     float* wts = reinterpret_cast<float*>(smem + ML_BYTES + ACC_BYTES);
-    if constexpr (CL) mlad::cluster_sync(); else __syncthreads();
-    const unsigned own = mma::smem_u32(smem);
+    if constexpr (CL) cluster::sync(); else __syncthreads();
+    const unsigned own = smem_u32(smem);
     unsigned peer[S];    // each split's partial, as seen from here (cluster rank == split)
 #pragma unroll
-    for (int i = 0; i < S; ++i) peer[i] = CL ? mlad::map_rank(own, i) : own;
+    for (int i = 0; i < S; ++i) peer[i] = CL ? cluster::map_rank(own, i) : own;
     const int nh = min(HG, H - h0);
     if (valid && tid < nh) {
       float m[S], M = -CUDART_INF_F, L = 0.f;
 #pragma unroll
       for (int i = 0; i < S; ++i) {
-        m[i] = mlad::ld_shared<CL>(peer[i] + tid * 8);
+        m[i] = cluster::ld<CL>(peer[i] + tid * 8);
         M = fmaxf(M, m[i]);
       }
 #pragma unroll
       for (int i = 0; i < S; ++i)
-        if (m[i] != -CUDART_INF_F) L += mlad::ld_shared<CL>(peer[i] + tid * 8 + 4) * exp2f(m[i] - M);
+        if (m[i] != -CUDART_INF_F) L += cluster::ld<CL>(peer[i] + tid * 8 + 4) * exp2f(m[i] - M);
       const float inv = L > 0.f ? 1.f / L : 0.f;   // L > 0: split 0 always holds the item's first rows
 #pragma unroll
       for (int i = 0; i < S; ++i) wts[i * HG + tid] = m[i] != -CUDART_INF_F ? exp2f(m[i] - M) * inv : 0.f;
@@ -174,7 +138,7 @@ struct SplitMerge {
 #pragma unroll
           for (int i = 0; i < S; ++i) {
             const float w = wts[i * HG + hh];
-            const float4 x = mlad::ld_shared4<CL>(peer[i] + off);
+            const float4 x = cluster::ld4<CL>(peer[i] + off);
             a.x = fmaf(w, x.x, a.x); a.y = fmaf(w, x.y, a.y); a.z = fmaf(w, x.z, a.z); a.w = fmaf(w, x.w, a.w);
           }
           T* dst = o + (i64)hh * C + c;
@@ -192,12 +156,12 @@ struct SplitMerge {
           const unsigned off = ML_BYTES + (hh * CP + c) * 4;
           float a = 0.f;
 #pragma unroll
-          for (int i = 0; i < S; ++i) a = fmaf(wts[i * HG + hh], mlad::ld_shared<CL>(peer[i] + off), a);
+          for (int i = 0; i < S; ++i) a = fmaf(wts[i * HG + hh], cluster::ld<CL>(peer[i] + off), a);
           o[(i64)hh * C + c] = from_float<T>(a);
         }
       }
     }
-    if constexpr (CL) mlad::cluster_sync_relaxed();
+    if constexpr (CL) cluster::sync_relaxed();
   }
 };
 

@@ -259,7 +259,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const T* __restrict__ x, cons
   __shared__ int tiles[E + 1];
   // Every read below (offsets, order, x) is of another kernel's output.
   dsg::pdl_wait();
-  const unsigned raw = mbar::smem_u32(smem);
+  const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;         // 128B-swizzle tiles start on 1024-byte boundaries
   if (threadIdx.x < 32) wgmma_row_tiles<E>(offsets, tiles);
   if (threadIdx.x == 0) {

@@ -31,7 +31,7 @@ __device__ __forceinline__ void load_3d(void* dst, const TensorMap* map, int c0,
                                         unsigned long long* bar) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"
-      ::"r"(mbar::smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(mbar::smem_u32(bar)),
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(smem_u32(bar)),
         "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }

@@ -3,7 +3,7 @@
 // kernel:   linear_skinny__bf16__k2048__o7168
 // role:     linear_skinny.linear
 // params:   {"K":2048,"act":"__nv_bfloat16","ks":1,"max_tokens":16,"min_blocks":2,"rows":[7168],"rt":1,"silu":false,"unroll":4,"w_args":["w0"],"warps":8,"y_args":["y0"]}
-// includes: common.cuh, mma.cuh, pdl.cuh, skinny.cuh, vec.cuh
+// includes: cluster.cuh, common.cuh, mma.cuh, pdl.cuh, skinny.cuh, vec.cuh
 // nodes:    L3-60.moe_ffn.shared
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:109 blocks.moe_ffn.ops[10] linear, layers 3-60 (as written)

@@ -13,7 +13,7 @@ namespace bulk {
 // on bar.
 __device__ __forceinline__ void copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(mbar::smem_u32(dst)), "l"(src), "r"(bytes), "r"(mbar::smem_u32(bar)) : "memory");
+               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
 
 }  // namespace bulk

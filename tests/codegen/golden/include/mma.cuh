@@ -10,9 +10,6 @@ template <typename T> struct MmaType;
 template <> struct MmaType<__nv_bfloat16> { static constexpr bool BF16 = true; };
 template <> struct MmaType<__half> { static constexpr bool BF16 = false; };
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
 // .L2::128B: the copies of a stage cover whole 128-byte runs of each row, and the hint lets L2
 // fetch a run as one line (H200, PERF_NOTES v7: the grouped expert tiles are L2-throughput-bound,
 // ~89% of L2 at 75% of DRAM; the hint gained 1-2% in every case measured, 256B lost).

@@ -36,6 +36,7 @@
 // x row stride that keeps rows aligned; a CTA tests that once and otherwise takes element loads.
 // Rows past O and tokens past T load zeros (no access) and are not stored.
 #pragma once
+#include "cluster.cuh"
 #include "common.cuh"
 #include "mma.cuh"
 #include "pdl.cuh"
@@ -64,33 +65,6 @@ __host__ __device__ constexpr int red_floats(int warps, int rt, int ks) {
   return (warps + (ks > 1 ? 1 : 0)) * rt * TILE * MAX_TOKENS;
 }
 
-// ---- clusters (sm_90): barrier, rank, distributed shared memory --------------------------------
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-#endif
-  return r;
-}
-// Every thread of every CTA of the cluster; orders shared-memory writes before it (release) with
-// the reads after it (acquire), cluster-wide.
-__device__ __forceinline__ void cluster_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-// *p in the shared memory of the cluster's CTA `rank` (p: this CTA's address of the same variable).
-__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
-  float v = 0.f;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(dsg::mma::smem_u32(p)), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
-#endif
-  return v;
-}
-
 // Sum the partial sums red[w * SLICE + i] of the WARPS warps (and, KS > 1, of the cluster's CTAs)
 // and hand them to store, in a fixed order (deterministic): store(i, s) for each i, or with PAIR > 0
 // store(i, s_i, s_{i + PAIR}) for each i with (i & PAIR) == 0 (SILU: a gate sum and its up's).
@@ -111,7 +85,7 @@ __device__ __forceinline__ void reduce_store(float* red, Store&& store) {
       for (int w = 0; w < WARPS; ++w) s += red[w * SLICE + i];
       sums[i] = s;
     }
-    cluster_sync();
+    cluster::sync();
   }
   auto total = [&](int i) {
     float s = 0.f;
@@ -120,18 +94,18 @@ __device__ __forceinline__ void reduce_store(float* red, Store&& store) {
       for (int w = 0; w < WARPS; ++w) s += sums[w * SLICE + i];
     } else {
 #pragma unroll
-      for (int q = 0; q < KS; ++q) s += ld_cluster(sums + i, (unsigned)q);
+      for (int q = 0; q < KS; ++q) s += cluster::ld<true>(cluster::map_rank(smem_u32(sums + i), (unsigned)q));
     }
     return s;
   };
   static_assert(JOBS % KS == 0, "skinny linear: the cluster's CTAs take equal shares of the outputs");
-  const int base = KS > 1 ? (int)cluster_rank() * (JOBS / KS) : 0;
+  const int base = KS > 1 ? (int)cluster::rank() * (JOBS / KS) : 0;
   for (int j = base + (int)threadIdx.x; j < base + JOBS / KS; j += WARPS * 32) {
     const int i = first(j);
     if constexpr (PAIR) store(i, total(i), total(i + PAIR));
     else store(i, total(i));
   }
-  if constexpr (KS > 1) cluster_sync();   // no CTA leaves while the others read its sums
+  if constexpr (KS > 1) cluster::sync();   // no CTA leaves while the others read its sums
 }
 
 // Stacked row r -> weight row pointer (nullptr past the last row).  ROWS... are the O_i; SILU: the
@@ -247,7 +221,7 @@ __device__ __forceinline__ void mma_tiles(const T* __restrict__ x, i64 x_stride,
   constexpr int NSTEPS = (K + STEP - 1) / STEP;
   constexpr int NW = KS * WARPS;                       // warps splitting K: the cluster's
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int warp = (KS > 1 ? (int)cluster_rank() * WARPS : 0) + (int)(threadIdx.x >> 5);
+  const int warp = (KS > 1 ? (int)cluster::rank() * WARPS : 0) + (int)(threadIdx.x >> 5);
   const T* wr[RT][2];
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt)
@@ -367,7 +341,7 @@ __device__ __forceinline__ void fp32_tiles(const float* __restrict__ x, i64 x_st
   constexpr int NSTEPS = (K + STEP - 1) / STEP;
   constexpr int NW = KS * WARPS;
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int warp = (KS > 1 ? (int)cluster_rank() * WARPS : 0) + (int)(threadIdx.x >> 5);
+  const int warp = (KS > 1 ? (int)cluster::rank() * WARPS : 0) + (int)(threadIdx.x >> 5);
   const float* wr[RT][2];
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt)
