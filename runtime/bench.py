@@ -91,9 +91,9 @@ def decode_bytes(dims: dict, first_dense: int, batch: int, ctx: int, elt: int = 
 
 
 def linear_bytes(dims: dict, first_dense: int, elt: int = 2) -> int:
-    """Weight bytes the step's `linear` / `multi_linear` / `gate_up_silu` ops read (the skinny kernel or cuBLAS),
-    whatever the batch: per layer the q
-    (or q_a + q_b), kv_a and o projections, the dense FFN or the shared experts, and the head.
+    """Weight bytes the step's `linear` / `multi_linear` / `gate_up_silu` ops read (the skinny kernel
+    or cuBLAS), whatever the batch: per layer the q (or q_a + q_b), kv_a and o projections, the
+    dense FFN or the shared experts, and the head.
     kv_b is not among them in decode (the absorbed query and v_up kernels read it)."""
     D, H, C, R, N, V = (dims[k] for k in ("hidden", "heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                                           "v_head_dim"))
