@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..lazy import F, torch
 from .base import Attr, OpDef, TType, expect, register
+from .core import rms_norm_ref
 
 SCORING = ("softmax", "sigmoid")
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -280,6 +281,27 @@ class MoeCombineResidual(OpDef):
         # Same rounding points as the unfused chain: routed sum -> act, + shared -> act, + residual.
         routed = combine_ref(eo, wt).to(eo.dtype)
         return [res + (routed + sh)]
+
+
+@register
+class MoeCombineResidualRmsNorm(OpDef):
+    name = "moe_combine_residual_rms_norm"
+    inputs = 4
+    outputs = 2
+    attrs = {"eps": Attr("float", None)}
+    weights = {"weight": True}
+    doc = ("[expert out [T*K, D], weights [T, K], shared [T, D], residual [T, D]] -> [rms_norm(s), s], "
+           "s = residual + shared + sum_k w * out: the MoE layer's combine and the next norm")
+
+    @classmethod
+    def infer(cls, node, ins, model):
+        (out,), _ = MoeCombineResidual.infer(node, ins, model)
+        return [out, out], {"weight": (out.shape[1],)}
+
+    @classmethod
+    def run(cls, node, ins, w, ctx):
+        (s,) = MoeCombineResidual.run(node, ins, w, ctx)
+        return [rms_norm_ref(s, w["weight"], node.attrs["eps"]), s]
 
 
 def local_experts_ref(ids: torch.Tensor, weights: torch.Tensor, first: int, count: int):

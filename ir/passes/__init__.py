@@ -63,7 +63,7 @@ PIPELINE: list[Pass] = [
     Pass(fuse_sibling_linears,         BOTH),     # linears reading one input (q + kv_a, gate + up) -> multi_linear
     Pass(fuse_gate_up_silu,            BOTH),     # multi_linear (gate, up) + silu_and_mul -> gate_up_silu
     # Residual stream
-    Pass(fuse_add_rms_norm,            BOTH),     # add + rms_norm -> fused_add_rms_norm
+    Pass(fuse_add_rms_norm,            BOTH),     # add (or moe_combine_residual) + rms_norm -> one op
     # Clean-up
     Pass(eliminate_dead,               BOTH),     # drop ops nobody reads (cache writes always stay)
 ]

@@ -1,7 +1,8 @@
 """fuse_add_rms_norm: the residual add and the next rms_norm in one sweep over the row.
 
 The sum s is still written (later residual adds read it) and keeps its name; the norm
-reads it from registers instead of memory.
+reads it from registers instead of memory.  Where the sum is a MoE layer's combine
+(moe_combine_residual), the norm joins that sweep instead.
 """
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import networkx as nx
 
 from .rewrite import NewOp, RewriteError, copy_graph, nodes_of, op_of, producer_of, refuse, replace
 
-AFTER_COMBINE_REASON = ("the residual sum is made by the MoE combine epilogue (fuse_combine_shared_residual ran "
-                        "first); normalising inside the combine is not implemented")
+# the op that makes the residual sum -> the op that also normalises it
+FUSED = {"add": "fused_add_rms_norm", "moe_combine_residual": "moe_combine_residual_rms_norm"}
 
 
 def fuse_add_rms_norm(G: nx.DiGraph) -> nx.DiGraph:
-    """Fuse ``add -> rms_norm`` into ``fused_add_rms_norm``.
+    """Fuse ``add -> rms_norm`` into ``fused_add_rms_norm`` and ``moe_combine_residual ->
+    rms_norm`` into ``moe_combine_residual_rms_norm``.
 
     before                          after
 
@@ -28,21 +30,21 @@ def fuse_add_rms_norm(G: nx.DiGraph) -> nx.DiGraph:
              |
           h [T,D]
 
-    Runs after fuse_combine_shared_residual: a norm after a MoE layer reads the sum
-    moe_combine_residual made, and that refusal is logged.
+    The same with moe_combine_residual (inputs eo, weights, shared, residual) in place of the
+    add: a MoE layer's output and the next layer's input norm (or the final norm) in one kernel.
+    Runs after fuse_combine_shared_residual, which makes those combines.
     """
     G = copy_graph(G)
     for norm in nodes_of(G, "rms_norm"):
         (s,) = G.nodes[norm]["inputs"]
-        add = producer_of(G, norm, s)
-        if op_of(G, add) == "moe_combine_residual":
-            refuse(G, add, norm, AFTER_COMBINE_REASON)
-        if op_of(G, add) != "add":
+        src = producer_of(G, norm, s)
+        fused_op = FUSED.get(op_of(G, src))
+        if fused_op is None:
             continue
-        fused = NewOp("fused_add_rms_norm", list(G.nodes[add]["inputs"]), [G.nodes[norm]["outputs"][0], s],
+        fused = NewOp(fused_op, list(G.nodes[src]["inputs"]), [G.nodes[norm]["outputs"][0], s],
                       {"eps": G.nodes[norm]["attrs"]["eps"]}, dict(G.nodes[norm]["weights"]))
         try:
-            replace(G, [add, norm], [fused])
+            replace(G, [src, norm], [fused])
         except RewriteError as exc:
-            refuse(G, add, norm, str(exc))
+            refuse(G, src, norm, str(exc))
     return G

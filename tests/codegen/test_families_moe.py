@@ -24,7 +24,7 @@ from codegen.render import render_launch  # noqa: E402
 from ir.ops import TType  # noqa: E402
 
 MOE_OPS = ("moe_route", "moe_topk", "moe_align", "moe_gate_up_silu", "moe_gate_up", "moe_down",
-           "moe_combine", "moe_combine_residual")
+           "moe_combine", "moe_combine_residual", "moe_combine_residual_rms_norm")
 
 # name: (E, K, groups, topk_groups, D, M, scoring, method, bias, norm, scaling)
 DIMS = {
@@ -58,6 +58,9 @@ def moe_graphs(E, K, G, TG, D, M, scoring, method, bias, norm, scaling):
         single_op_graph(model, "moe_combine", {}, pairs, {}),
         single_op_graph(model, "moe_combine_residual", {},
                         {**pairs, "shared": TType(("T", D), "act"), "residual": TType(("T", D), "act")}, {}),
+        single_op_graph(model, "moe_combine_residual_rms_norm", {},
+                        {**pairs, "shared": TType(("T", D), "act"), "residual": TType(("T", D), "act")},
+                        {"weight": "norm.weight"}),
     ]
 
 
@@ -99,6 +102,7 @@ def test_kernel_names():
     fp32 = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "fp32")] for G, nid in moe_graphs(*DIMS["v3"])}
     assert fp32["moe_down"] == ["moe_down__fp32__e256__d7168_m2048"]     # no tensor-core path for fp32
     assert by_op["moe_combine_residual"] == ["moe_combine_residual__bf16__k8_d7168"]
+    assert by_op["moe_combine_residual_rms_norm"] == ["moe_combine_residual_rms_norm__bf16__k8_d7168"]
     v2 = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "fp16")] for G, nid in moe_graphs(*DIMS["v2"])}
     assert v2["moe_topk"] == ["moe_topk__e160_k6__g8_tg3__softmax_group_limited_greedy__rsf16p0"]
 
@@ -168,7 +172,8 @@ def test_shipped_specs_lower_their_moe_nodes(spec):
             if data["op"].startswith("moe_"):
                 ops.add(data["op"])
                 assert lower(G, nid, "bf16")
-        assert {"moe_route", "moe_gate_up_silu", "moe_down", "moe_combine_residual"} <= ops
+        # every MoE layer's output meets the next norm (the final one after the last layer)
+        assert {"moe_route", "moe_gate_up_silu", "moe_down", "moe_combine_residual_rms_norm"} <= ops
 
 
 def _nvrtc_or_skip():

@@ -38,6 +38,7 @@ from codegen import families  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
 from ir.graph import node_view  # noqa: E402
 from ir.ops import OPS, TType  # noqa: E402
+from ir.ops.core import rms_norm_ref  # noqa: E402
 from ir.ops.moe import align_ref, route_ref  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -888,17 +889,30 @@ def _combine(runner, op, case):
         gone = torch.rand(T, K, generator=g) < 0.4
         ins[1][gone] = 0.0
         ins[0][gone.reshape(-1)] = float("nan")
-    if op == "moe_combine_residual":
+    norm = op == "moe_combine_residual_rms_norm"
+    if op != "moe_combine":
         types.update(shared=TType(("T", D), "act"), residual=TType(("T", D), "act"))
         ins += [torch.randn(T, D, generator=g).to(tdt), torch.randn(T, D, generator=g).to(tdt)]
-    G, nid = single_op_graph(tiny_model(), op, {}, types, {})
-    (out,) = G.nodes[nid]["outputs"]
+    G, nid = single_op_graph(tiny_model(), op, {}, types, {"weight": "norm_w"} if norm else {})
+    outs = G.nodes[nid]["outputs"]
     mis = case.get("misalign", "none")
     values = {name: shifted(t.to(DEV), _moved(mis, "inputs")) for name, t in zip(types, ins)}
-    values[out] = poison(shifted(torch.empty(T, D, dtype=tdt, device=DEV), _moved(mis, "outputs")))
-    runner.run_all(_lower(G, nid, dtype), values=values, sizes={"T": T, "NP": T * K})
-    (ref,) = OPS[op].run(node_view(G, nid), [t.float() for t in ins], {}, None)
-    _record(op, dtype, values[out], ref)
+    for o in outs:
+        values[o] = poison(shifted(torch.empty(T, D, dtype=tdt, device=DEV), _moved(mis, "outputs")))
+    nw = (torch.rand(D, generator=g) + 0.5).to(tdt)
+    weights = {"norm_w": shifted(nw.to(DEV), _moved(mis, "weights"))} if norm else {}
+    runner.run_all(_lower(G, nid, dtype), values=values, weights=weights, sizes={"T": T, "NP": T * K})
+    if not norm:
+        (ref,) = OPS[op].run(node_view(G, nid), [t.float() for t in ins], {}, None)
+        _record(op, dtype, values[outs[0]], ref)
+        return
+    # s against the unrounded sum; h against rms_norm of the kernel's own (rounded) s, as the
+    # unfused chain normalises the rounded sum: a 1% error in either fails
+    (s_ref,) = OPS["moe_combine_residual"].run(node_view(G, nid), [t.float() for t in ins], {}, None)
+    h, s = values[outs[0]], values[outs[1]]
+    _record(op, dtype, s, s_ref)
+    h_ref = rms_norm_ref(s.detach().cpu().float(), nw.float(), G.nodes[nid]["attrs"]["eps"])
+    _record(op, dtype, h, h_ref)
 
 
 @given(case=combine_cases())
@@ -918,3 +932,14 @@ def test_moe_combine(runner, case):
 @_settings(20)
 def test_moe_combine_residual(runner, case):
     _combine(runner, "moe_combine_residual", case)
+
+
+@given(case=combine_cases())
+@example(case=_combine_case("bf16", 1, 6, 2048))
+@example(case=_combine_case("bf16", 300, 3, 41))
+@example(case=_combine_case("fp16", 2, 8, 45, "all"))
+@example(case=_combine_case("fp32", 5, 6, 1000, "weights"))
+@example(case=_combine_case("bf16", 33, 6, 2048, "outputs", other_ranks=True))
+@_settings(20)
+def test_moe_combine_residual_rms_norm(runner, case):
+    _combine(runner, "moe_combine_residual_rms_norm", case)

@@ -37,7 +37,7 @@ ANCHOR = {
     "fuse_router": "moe_topk",
     "fuse_moe_silu": "moe_gate_up",
     "fuse_combine_shared_residual": "moe_combine",
-    "fuse_add_rms_norm": "add",
+    "fuse_add_rms_norm": "rms_norm",
     "fuse_sibling_linears": "linear",
     "fuse_gate_up_silu": "silu_and_mul",
 }
@@ -275,8 +275,11 @@ def test_pipeline_on_v2_lite_decode():
         assert ops[gone] == 0, gone
     assert ops["mla_kv_cache_write"] == ops["mla_decode_query"] == ops["mla_decode_attention"] == layers
     assert ops["mla_v_up"] == layers
-    assert ops["moe_route"] == ops["moe_gate_up_silu"] == ops["moe_combine_residual"] == moe
+    assert ops["moe_route"] == ops["moe_gate_up_silu"] == ops["moe_combine_residual_rms_norm"] == moe
     assert ops["fused_add_rms_norm"] == 28   # attention residual of 27 layers + the dense layer's FFN residual
+    # every MoE layer's output meets a norm (the next layer's input norm, the last the final norm): the
+    # only plain rms_norm left is layer 0's, after the embedding
+    assert ops["moe_combine_residual"] == 0 and ops["rms_norm"] == 1
     # Decode reads the compressed 576-wide rows: its query is C+R wide per head.
     q = next(d for _, d in G.nodes(data=True) if d["op"] == "mla_decode_query")["outputs"][0]
     assert G.graph["values"][q].shape[1:] == (16, 512 + 64)

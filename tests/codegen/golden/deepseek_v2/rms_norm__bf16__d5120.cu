@@ -4,10 +4,9 @@
 // role:     rms_norm
 // params:   {"N":5120,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":640}
 // includes: common.cuh, norm.cuh, pdl.cuh, vec.cuh
-// nodes:    head.h, L0,2-59.h_attn
+// nodes:    L0.h_attn
 // implements (spec op, layers, passes that fused it):
-//   deepseek_v2.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layers 0, 2-59 (as written)
-//   deepseek_v2.yaml:116 blocks.head.ops[0] rms_norm (as written)
+//   deepseek_v2.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layer 0 (as written)
 
 // x [T, N] (rows x_stride apart: may be a view) -> out [T, N] contiguous; one CTA per row.
 #include "norm.cuh"

@@ -4,10 +4,9 @@
 // role:     rms_norm
 // params:   {"N":2048,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":256}
 // includes: common.cuh, norm.cuh, pdl.cuh, vec.cuh
-// nodes:    head.h, L0,2-26.h_attn
+// nodes:    L0.h_attn
 // implements (spec op, layers, passes that fused it):
-//   deepseek_v2_lite.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layers 0, 2-26 (as written)
-//   deepseek_v2_lite.yaml:114 blocks.head.ops[0] rms_norm (as written)
+//   deepseek_v2_lite.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layer 0 (as written)
 
 // x [T, N] (rows x_stride apart: may be a view) -> out [T, N] contiguous; one CTA per row.
 #include "norm.cuh"

@@ -4,10 +4,9 @@
 // role:     rms_norm
 // params:   {"N":7168,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":896}
 // includes: common.cuh, norm.cuh, pdl.cuh, vec.cuh
-// nodes:    head.h, L0,4-60.h_attn
+// nodes:    L0.h_attn
 // implements (spec op, layers, passes that fused it):
-//   deepseek_v3.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layers 0, 4-60 (as written)
-//   deepseek_v3.yaml:116 blocks.head.ops[0] rms_norm (as written)
+//   deepseek_v3.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layer 0 (as written)
 
 // x [T, N] (rows x_stride apart: may be a view) -> out [T, N] contiguous; one CTA per row.
 #include "norm.cuh"

@@ -1,0 +1,29 @@
+"""moe_combine_residual_rms_norm: [eo [NP, D], w [T, K], shared [T, D], residual [T, D]] ->
+[h = rms_norm(s), s = residual + round(round(sum_k w * eo) + shared)]: a MoE layer's combine and the
+next layer's input norm (or the final norm) in one sweep over the row, one CTA per token.  The
+rounding points are the unfused chain's (moe_combine_residual, then rms_norm of the rounded s)."""
+from __future__ import annotations
+
+from codegen.kernel import KernelLaunch, inp, out, size, weight
+from codegen.render import kernel_name
+
+from . import _moe
+from ._dense_util import ELEM_BYTES, block_threads_for_row, c_float
+
+FAMILY = "moe_combine_residual_rms_norm"
+TEMPLATE = "moe_combine_residual_rms_norm.cu.j2"
+OPS = ("moe_combine_residual_rms_norm",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
+
+
+def lower(nid: str, G, opts) -> list[KernelLaunch]:
+    attrs, (eo, w, shared, residual), (h, s), wts = _moe.node_io(G, nid)
+    D, K = _moe.inner(G, nid, eo), _moe.inner(G, nid, w)
+    _moe.require_dense(G, nid, eo, w, shared, residual)
+    dt, ct = _moe.act(nid, opts)
+    p = {"act": ct, "D": D, "K": K, "threads": block_threads_for_row(D, ELEM_BYTES[dt]), "eps": c_float(attrs["eps"])}
+    return [KernelLaunch(
+        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"k{K}_d{D}"]),
+        params=p, nodes=(nid,), grid=("T", 1, 1), block=(p["threads"], 1, 1),
+        args=(inp("eo", ct, eo), inp("w", "float", w), inp("shared", ct, shared), inp("residual", ct, residual),
+              weight("nw", ct, wts["weight"]), out("h", ct, h), out("s", ct, s), size("T", "T")))]
