@@ -2,6 +2,8 @@
 
 mla_decode_query: [q_nope [T,H,N], q_pe [T,H,R]] -> q [T, H, C+R] = [q_nope @ W_UK | rope(q_pe)]
 mla_q_absorb:     q_nope [T,H,N] -> q_lat [T, H, C] = q_nope @ W_UK
+mla_decode_prologue: mla_decode_query + mla_kv_cache_write's [c, k_pe] -> [c_n, k_rot, cache rows]
+                  (PROLOGUE_TOKENS: the cache write as an extra head row of the tensor-core grid)
 W_UK[h] = kv_b rows h*(N+V) .. h*(N+V)+N-1 ([N, C]). A batched skinny GEMM, two kernels:
 
 - tensor cores (bf16 / fp16, N % 16 == 0, N <= 128, C % 32 == 0: every shipped spec):
@@ -26,12 +28,16 @@ from __future__ import annotations
 from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride, weight
 from codegen.render import kernel_name
 
+from codegen.sizes import only_above, only_below
+
 from ._absorb import min_blocks, token_chunks, variant_tag
-from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, dims, inner_dims, node_io, rope_params, rope_tag, vec16
+from ._dense_util import (ELEM_BYTES, LoweringError, act_ctype, c_float, dims, inner_dims, node_io, rope_params,
+                          rope_tag, vec16)
+from .mla_kv_cache_write import kv_write_args, kv_write_launch
 
 FAMILY = "mla_decode_query"
 TEMPLATE = "mla_decode_query.cu.j2"
-OPS = ("mla_decode_query", "mla_q_absorb")
+OPS = ("mla_decode_query", "mla_q_absorb", "mla_decode_prologue")
 
 TT = 4
 MAX_CGB = 16            # 16-byte column groups per CTA (128 columns at bf16)
@@ -42,6 +48,11 @@ STATIC_SMEM = 48 * 1024  # q_s + red are static __shared__ arrays: the 48 KB eve
 PDL = True
 
 TENSOR_CORES = True      # the mma.sync kernel where it applies (perf_decode.py times both)
+# mla_decode_prologue (the query and its cache write in one op): up to this many tokens the cache
+# rows are written by an extra head row of the tensor-core query's grid (one launch); above it,
+# and wherever the CUDA-core query serves, by mla_kv_cache_write's own kernel (one CTA a token:
+# the extra row's few CTAs would walk many tokens one after another).
+PROLOGUE_TOKENS = 16
 TC_TOKENS = 32           # tokens per tile: 4 n8 tiles, 32 accumulators per thread
 TC_WARPS = 4             # warps per CTA (32 columns each) at most: 4 -> 64 CTAs a token chunk at V2-Lite
 TC_CHUNKS = 8            # token chunks (grid x) at most
@@ -79,14 +90,22 @@ def lower(nid, G, opts):
     H, N = inner_dims(G, ins[0])
     d = dims(G)
     C, V, R = d["kv_lora_rank"], d["v_head_dim"], d["qk_rope_head_dim"]
-    has_rope = op == "mla_decode_query"
+    has_rope = op != "mla_q_absorb"
+    prologue = op == "mla_decode_prologue"
     tc = tensor_core_params(N, C, opts.dtype)
     if tc is not None:
         params = {"act": act_ctype(opts), "H": H, "N": N, "V": V, "C": C, "R": R,
-                  "out_w": C + R if has_rope else C, "has_rope": has_rope, "mma": True, **tc}
+                  "out_w": C + R if has_rope else C, "has_rope": has_rope, "mma": True, "kv_write": prologue, **tc}
         grid = (token_chunks(TC_TOKENS, TC_CHUNKS, TC_BALANCED), H, C // (32 * tc["wpc"]))
         tag = variant_tag(f"mma_t{tc['TN']}_w{tc['wpc']}", TC_BALANCED, tc["min_blocks"])
-        return [_launch(nid, G, opts, params, grid, tc["threads"], tag)]
+        if not prologue:
+            return [_launch(nid, G, opts, params, grid, tc["threads"], tag)]
+        params.update(kv_tokens=PROLOGUE_TOKENS, eps=c_float(data["attrs"]["eps"]))
+        grid = (grid[0], f"{H} + {only_below(PROLOGUE_TOKENS)}", grid[2])
+        kv_args = kv_write_args(opts, ins[2:], outs[1:], w["norm"], params["act"], "norm_w", positions=False)
+        return [_launch(nid, G, opts, params, grid, tc["threads"], tag + "_kv", kv_args),
+                kv_write_launch(nid, G, opts, ins[2:], outs[1:], w["norm"], data["attrs"],
+                                grid=(f"T * {only_above(PROLOGUE_TOKENS)}", 1, 1))]
     eb = ELEM_BYTES[opts.dtype]
     vec = vec16(C, eb)
     cg = -(-C // vec)
@@ -103,11 +122,15 @@ def lower(nid, G, opts):
               "out_w": C + R if has_rope else C, "TT": TT, "vec": vec, "cgb": cgb, "ks": ks,
               "has_rope": has_rope, "mma": False}
     grid = (f"min(cdiv(T, {TT}), {TCH})", H, -(-cg // cgb))
-    return [_launch(nid, G, opts, params, grid, cgb * ks, None)]
+    launches = [_launch(nid, G, opts, params, grid, cgb * ks, None)]
+    if prologue:   # the CUDA-core query has no cache-write row: the cache write's own kernel
+        launches.append(kv_write_launch(nid, G, opts, ins[2:], outs[1:], w["norm"], data["attrs"]))
+    return launches
 
 
-def _launch(nid, G, opts, params: dict, grid, threads: int, variant: str | None) -> KernelLaunch:
-    """The launch of either kernel: the same arguments; the name tells the tensor-core variant apart."""
+def _launch(nid, G, opts, params: dict, grid, threads: int, variant: str | None, extra: tuple = ()) -> KernelLaunch:
+    """The launch of either kernel: the same arguments (and extra: the prologue's cache write);
+    the name tells the tensor-core variant apart."""
     data, ins, outs, w = node_io(G, nid)
     has_rope = params["has_rope"]
     H, N, C, R = params["H"], params["N"], params["C"], params["R"]
@@ -124,7 +147,7 @@ def _launch(nid, G, opts, params: dict, grid, threads: int, variant: str | None)
         parts += ["absorb"]
     if variant:
         parts += [variant]
-    args += [weight("kv_b", act, w["kv_b"]), out("out", act, outs[0]), size("T", "T")]
+    args += [weight("kv_b", act, w["kv_b"]), out("out", act, outs[0]), *extra, size("T", "T")]
     return KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
         grid=grid, block=(threads, 1, 1), args=tuple(args))

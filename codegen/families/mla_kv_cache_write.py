@@ -1,4 +1,5 @@
-"""mla_kv_cache_write: kv_a_layernorm + rope on k + the paged-cache write, one CTA per token.
+"""mla_kv_cache_write: kv_a_layernorm + rope on k + the paged-cache write, one CTA per token
+(templates/include/mla_kv_write.cuh).
 
 Alignment: c, c_n, the norm weight and the cache row go through dsg::RowLayout, whose 16-byte
 path needs C to be a whole number of vectors (compile time) and checks each row pointer at run
@@ -20,18 +21,34 @@ PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (prog
 
 def lower(nid, G, opts):
     data, ins, outs, w = node_io(G, nid)
+    return [kv_write_launch(nid, G, opts, ins, outs, w["norm"], data["attrs"])]
+
+
+def kv_write_launch(nid, G, opts, ins, outs, norm_weight: str, attrs: dict, grid=("T", 1, 1)) -> KernelLaunch:
+    """The launch for node nid's cache write: ins = (c, k_pe), outs = (c_n, k_rot, state).  Also
+    mla_decode_prologue's (codegen/families/mla_decode_query.py), there above its fused token range."""
     (C,) = inner_dims(G, ins[0])
     (R,) = inner_dims(G, ins[1])
-    rp = rope_params(G, data["attrs"]["pairs"], data["attrs"]["output"])
-    threads = block_threads_for_row(C, ELEM_BYTES[opts.dtype], lo=64)
-    params = {"act": act_ctype(opts), "C": C, "R": R, "threads": threads, "eps": c_float(data["attrs"]["eps"]), **rp}
+    threads, params = kv_write_params(G, opts, C, R, attrs)
     act = params["act"]
-    return [KernelLaunch(
+    return KernelLaunch(
         family=FAMILY, template=TEMPLATE,
-        name=kernel_name(FAMILY, [opts.dtype, f"c{C}_r{R}", rope_tag(rp)]),
-        params=params, nodes=(nid,), grid=("T", 1, 1), block=(threads, 1, 1),
-        args=(inp("c", act, ins[0]), stride("c_stride", ins[0], 0),
-              inp("k_pe", act, ins[1]), stride("k_stride", ins[1], 0),
-              weight("w", act, w["norm"]), ctx("positions", "positions"), ctx("slots", "slot_mapping"),
-              out("c_n", act, outs[0]), out("k_rot", act, outs[1]), ctx("cache", "kv_cache", act, writes=True),
-              size("T", "T")))]
+        name=kernel_name(FAMILY, [opts.dtype, f"c{C}_r{R}", rope_tag(params)]),
+        params=params, nodes=(nid,), grid=grid, block=(threads, 1, 1),
+        args=(*kv_write_args(opts, ins, outs, norm_weight, act, "w"), size("T", "T")))
+
+
+def kv_write_params(G, opts, C: int, R: int, attrs: dict) -> tuple[int, dict]:
+    rp = rope_params(G, attrs["pairs"], attrs["output"])
+    threads = block_threads_for_row(C, ELEM_BYTES[opts.dtype], lo=64)
+    return threads, {"act": act_ctype(opts), "C": C, "R": R, "threads": threads, "eps": c_float(attrs["eps"]), **rp}
+
+
+def kv_write_args(opts, ins, outs, norm_weight: str, act: str, w_name: str, positions: bool = True) -> tuple:
+    """The cache write's arguments (kv_cache_write_token in templates/include/mla_kv_write.cuh);
+    positions=False where the kernel already takes them (the query's rope)."""
+    return (inp("c", act, ins[0]), stride("c_stride", ins[0], 0),
+            inp("k_pe", act, ins[1]), stride("k_stride", ins[1], 0),
+            weight(w_name, act, norm_weight), *((ctx("positions", "positions"),) if positions else ()),
+            ctx("slots", "slot_mapping"),
+            out("c_n", act, outs[0]), out("k_rot", act, outs[1]), ctx("cache", "kv_cache", act, writes=True))

@@ -273,6 +273,27 @@ class MlaDecodeQuery(OpDef):
 
 
 @register
+class MlaDecodePrologue(OpDef):
+    name = "mla_decode_prologue"
+    inputs = 4
+    outputs = 4
+    attrs = {"eps": Attr("float", None), **_rope_attrs()}
+    weights = {"kv_b": True, "norm": True}
+    doc = ("[q_nope [T, H, N], q_pe [T, H, R], c [T, C], k_pe [T, R]] -> [q [T, H, C+R], c_n, k_rot, state]: "
+           "mla_decode_query and mla_kv_cache_write side by side (they read the same projection, not each other)")
+
+    @classmethod
+    def infer(cls, node, ins, model):
+        (q,), w_q = MlaDecodeQuery.infer(node, ins[:2], model)
+        outs, w_kv = MlaKvCacheWrite.infer(node, ins[2:], model)
+        return [q, *outs], {**w_q, **w_kv}
+
+    @classmethod
+    def run(cls, node, ins, w, ctx):
+        return [*MlaDecodeQuery.run(node, ins[:2], w, ctx), *MlaKvCacheWrite.run(node, ins[2:], w, ctx)]
+
+
+@register
 class MlaDecodeAttention(OpDef):
     name = "mla_decode_attention"
     inputs = 3

@@ -18,6 +18,7 @@ from ..verifier import verify
 from .eliminate_dead import eliminate_dead
 from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_combine_shared_residual import fuse_combine_shared_residual
+from .fuse_decode_prologue import fuse_decode_prologue
 from .fuse_gate_up_silu import fuse_gate_up_silu
 from .fuse_kv_norm_rope_cache import fuse_kv_norm_rope_cache
 from .fuse_moe_silu import fuse_moe_silu
@@ -55,6 +56,7 @@ PIPELINE: list[Pass] = [
     Pass(lower_mla_prefill,            PREFILL),  # mla_attention -> linear(kv_b) + mla_prefill_attention
     Pass(lower_mla_decode,             DECODE),   # mla_attention -> q_absorb, decode_attention (576-wide rows), v_up
     Pass(fuse_q_rope_into_query,       BOTH),     # q_absorb + rope_q -> mla_decode_query (refused in prefill)
+    Pass(fuse_decode_prologue,         DECODE),   # mla_decode_query + mla_kv_cache_write -> mla_decode_prologue
     # DeepSeekMoE
     Pass(fuse_router,                  BOTH),     # linear(gate) + moe_topk + moe_align -> moe_route
     Pass(fuse_moe_silu,                BOTH),     # moe_gate_up + silu_and_mul -> moe_gate_up_silu
@@ -96,6 +98,7 @@ def run_pipeline(G: nx.DiGraph, passes: list[Pass] = PIPELINE) -> nx.DiGraph:
 
 
 __all__ = ["PIPELINE", "Pass", "run_pipeline", "eliminate_dead", "fuse_add_rms_norm", "fuse_combine_shared_residual",
+           "fuse_decode_prologue",
            "fuse_gate_up_silu", "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_q_rope_into_query", "fuse_router",
            "fuse_sibling_linears", "insert_all_reduce", "lower_mla_decode", "lower_mla_prefill", "shard_for_rank",
            "split_rope"]

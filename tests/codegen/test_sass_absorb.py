@@ -1,4 +1,5 @@
-"""The absorbed MLA projections of decode (mla_decode_query, mla_q_absorb, mla_v_up) compile to the
+"""The absorbed MLA projections of decode (mla_decode_query, mla_q_absorb, mla_v_up, and the query inside
+mla_decode_prologue, which shares its grid with the cache write) compile to the
 instructions they were written for, for every shipped spec (sm_90, NVRTC on the CPU): bf16 / fp16
 take the tensor-core kernels (templates/include/mla_absorb.cuh: HMMA fed by 16-byte cp.async of
 the token rows, the weights in registers from 8- / 16-byte loads), without register spills; fp32
@@ -31,14 +32,17 @@ pytestmark = pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPECS = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "model_specs")) if f.endswith(".yaml"))
-OPS = ("mla_decode_query", "mla_q_absorb", "mla_v_up")
+OPS = ("mla_decode_prologue", "mla_decode_query", "mla_q_absorb", "mla_v_up")
+# griddepcontrol.wait per kernel: the prologue's two branches (query rows, cache-write row) wait each
+WAITS = {"mla_decode_prologue": 2}
 HMMA = {"bf16": "HMMA.16816.F32.BF16", "fp16": "HMMA.16816.F32"}
 
 
 @functools.lru_cache(maxsize=None)
 def _graphs(spec: str):
     """(graph, node) per absorbed-projection op of the spec: the decode graph's own nodes
-    (mla_decode_query, mla_v_up, as the passes made them) and a one-node mla_q_absorb."""
+    (mla_decode_prologue, mla_v_up, as the passes made them) and one-node mla_decode_query (the
+    rope layout of the spec's prologue) and mla_q_absorb."""
     s = ir.load_spec(os.path.join(ROOT, "model_specs", f"{spec}.yaml"))
     G = run_pipeline(ir.build_graph(s, "decode"))
     found = {}
@@ -46,8 +50,13 @@ def _graphs(spec: str):
         if data["op"] in OPS and data["op"] not in found:
             found[data["op"]] = (G, nid)
     d = s.model.dims
-    found["mla_q_absorb"] = single_op_graph(s.model, "mla_q_absorb", {},
-                                            {"q_nope": TType(("T", d["heads"], d["qk_nope_head_dim"]), "act")},
+    heads = lambda n: TType(("T", d["heads"], n), "act")   # noqa: E731
+    rope = {k: G.nodes[found["mla_decode_prologue"][1]]["attrs"][k] for k in ("pairs", "output")}
+    found["mla_decode_query"] = single_op_graph(s.model, "mla_decode_query", rope,
+                                                {"q_nope": heads(d["qk_nope_head_dim"]),
+                                                 "q_pe": heads(d["qk_rope_head_dim"])},
+                                                {"kv_b": "kvb"}, phase="decode")
+    found["mla_q_absorb"] = single_op_graph(s.model, "mla_q_absorb", {}, {"q_nope": heads(d["qk_nope_head_dim"])},
                                             {"kv_b": "kvb"}, phase="decode")
     assert set(found) == set(OPS), sorted(found)
     return found
@@ -65,7 +74,7 @@ def _sass_lines(cubin: bytes) -> list[str]:
 
 def _compile(spec: str, op: str, dtype: str):
     G, nid = _graphs(spec)[op]
-    (launch,) = family_for_op(op).lower(nid, G, Options(dtype=dtype))
+    launch = family_for_op(op).lower(nid, G, Options(dtype=dtype))[0]   # the prologue's second: the cache write's
     res = compile_cubin(render_launch(launch), launch.name, options=("--ptxas-options=-v",))
     return launch, res, opcodes(res.cubin)
 
@@ -80,7 +89,7 @@ def test_absorbed_projections_run_on_tensor_cores(spec, op, dtype):
     assert ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0, "token rows are staged with 16-byte cp.async"
     wide = "LDG.E.128.CONSTANT" if op == "mla_v_up" else "LDG.E.64.CONSTANT"
     assert ops[wide] > 0, f"the weight slice is loaded with {wide}"
-    assert ops["ACQBULK"] == 1, "one griddepcontrol.wait (pdl.cuh)"
+    assert ops["ACQBULK"] == WAITS.get(op, 1), "one griddepcontrol.wait a branch (pdl.cuh)"
     assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
     regs = int(re.search(r"Used (\d+) registers", res.log).group(1))
     assert regs * launch.block[0] <= 64 * 1024, f"{regs} registers x {launch.block[0]} threads"
@@ -89,7 +98,7 @@ def test_absorbed_projections_run_on_tensor_cores(spec, op, dtype):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("spec", SPECS)
 def test_fp32_takes_the_cuda_core_kernels(spec, op):
-    launch, res, ops = _compile(spec, op, "fp32")
+    launch, res, ops = _compile(spec, op, "fp32")   # the prologue: its query's own kernel (no cache-write row)
     assert not launch.params["mma"] and "__mma_" not in launch.name
     assert not any(k.startswith("HMMA") for k in ops), sorted(ops)
     assert ops["ACQBULK"] == 1, "one griddepcontrol.wait (pdl.cuh)"
@@ -97,8 +106,10 @@ def test_fp32_takes_the_cuda_core_kernels(spec, op):
 
 def test_the_weight_loads_are_issued_before_the_pdl_wait():
     """Every weight load of the tensor-core kernels comes before griddepcontrol.wait (ACQBULK),
-    so the weight prefetch overlaps the previous kernel's tail; every activation copy after it."""
-    for op in OPS:
+    so the weight prefetch overlaps the previous kernel's tail; every activation copy after it.
+    (mla_decode_prologue runs mla_decode_query's code behind a branch; test_sass_pdl.py follows
+    both of its branches to their waits.)"""
+    for op in ("mla_decode_query", "mla_q_absorb", "mla_v_up"):
         launch, res, _ = _compile("deepseek_v2_lite", op, "bf16")
         lines = _sass_lines(res.cubin)
         wait = next(i for i, l in enumerate(lines) if "ACQBULK" in l)

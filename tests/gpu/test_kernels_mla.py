@@ -41,8 +41,8 @@ LEAD = st.integers(0, 3)   # elements before each view's first element in its pa
 @functools.lru_cache(maxsize=None)
 def model(name: str):
     return tiny_model(**LOCAL_MODELS[name]) if name in LOCAL_MODELS else shared_model(name)
-FAMILIES = ("rope_q", "mla_kv_cache_write", "mla_decode_query", "mla_q_absorb", "mla_decode_attention",
-            "mla_v_up", "mla_prefill_attention")
+FAMILIES = ("rope_q", "mla_kv_cache_write", "mla_decode_query", "mla_q_absorb", "mla_decode_prologue",
+            "mla_decode_attention", "mla_v_up", "mla_prefill_attention")
 RECS = {f: Recorder(f) for f in FAMILIES}
 rope_layout = st.sampled_from([("adjacent", "interleaved"), ("halves", "halves"), ("adjacent", "halves")])
 BLOCK_SIZES = (16, 64)
@@ -235,6 +235,55 @@ def check_query(name, dtype, absorb, lens, layout, lead, seed):
 @example(name="tc32", dtype="fp16", absorb=True, lens=[300], layout=("halves", "halves"), lead=2, seed=13)
 def test_mla_decode_query(name, dtype, absorb, lens, layout, lead, seed):
     check_query(name, dtype, absorb, lens, layout, lead, seed)
+
+
+def check_prologue(name, dtype, lens, bs, layout, lead, seed):
+    """mla_decode_prologue: the query and the cache write of one decode step in one launch while
+    T <= PROLOGUE_TOKENS (tensor-core dims), their two kernels otherwise; every output checked,
+    the cache rows of the step poisoned first."""
+    m = absorb_model(name)
+    H, C, R, N, V = dims(m)
+    gen = torch.Generator().manual_seed(seed)
+    step, ctx = make_ctx(lens, [l + 40 for l in lens], block_size=bs, model=m, dtype=TORCH_DTYPES[dtype],
+                         ref_dtype=torch.float64, ref_device="cuda", seed=seed)
+    step.kv_cache[0] = ctx["kv_cache"].double()
+    T = step.num_tokens
+    q_nope, q_pe = head_views(T, H, [N, R], dtype, gen, lead)
+    c, k_pe = row_views(T, [C, R], dtype, gen, lead, scale=2)
+    kv_b = shifted((H * (N + V), C), dtype, gen, lead, scale=0.1)
+    norm = shifted((C,), dtype, gen, lead).add_(1)
+    G, nid = single_op_graph(m, "mla_decode_prologue", {"pairs": layout[0], "output": layout[1]},
+                             {"q_nope": act(H, N), "q_pe": act(H, R), "c": act(C), "k_pe": act(R)},
+                             {"kv_b": "kvb", "norm": "n"}, phase="decode")
+    q = absorb_out((T, H, C + R), dtype, lead)
+    c_n, k_rot = empty_out((T, C), dtype), empty_out((T, R), dtype)
+    cache = ctx["kv_cache"]
+    cache.view(-1, C + R)[ctx["slot_mapping"]] = float("nan")   # the rows this step must write
+    launches = run_kernel(G, nid, dtype, values={"q_nope": q_nope, "q_pe": q_pe, "c": c, "k_pe": k_pe, "out0": q,
+                                                 "out1": c_n, "out2": k_rot},
+                          weights={"kvb": kv_b, "n": norm}, ctx=ctx, sizes=step_sizes(step), block_size=bs)
+    ref_q, ref_cn, ref_kr, ref_cache = reference(G, nid, [q_nope, q_pe, c, k_pe], {"kvb": kv_b, "n": norm}, step)
+    rec = RECS["mla_decode_prologue"]
+    where = f"{launches[0].name} T={T}"
+    rec.check(q, ref_q, dtype, f"q {where}")
+    rec.check(c_n, ref_cn, dtype, f"c_n {where}")
+    rec.check(k_rot, ref_kr, dtype, f"k_rot {where}")
+    rec.check(cache, ref_cache, dtype, f"cache {where}")
+    rec.example()
+    return launches
+
+
+@SETTINGS
+@given(name=st.sampled_from(ABSORB_NAMES), dtype=st.sampled_from(DTYPES), lens=query_lens(),
+       bs=st.sampled_from(BLOCK_SIZES), layout=rope_layout, lead=LEAD, seed=st.integers(0, 2**31))
+@example(name="lite", dtype="bf16", lens=[1], bs=64, layout=("adjacent", "interleaved"), lead=0, seed=13)
+@example(name="lite", dtype="bf16", lens=[1] * 16, bs=64, layout=("adjacent", "interleaved"), lead=0, seed=13)
+@example(name="lite", dtype="fp16", lens=[1] * 17, bs=16, layout=("halves", "halves"), lead=1, seed=13)
+@example(name="tc16", dtype="bf16", lens=[5, 4], bs=16, layout=("adjacent", "halves"), lead=1, seed=13)
+@example(name="tc32", dtype="fp16", lens=[3, 1, 2], bs=64, layout=("halves", "halves"), lead=2, seed=13)
+@example(name="odd2", dtype="fp32", lens=[4, 1], bs=16, layout=("halves", "halves"), lead=1, seed=13)
+def test_mla_decode_prologue(name, dtype, lens, bs, layout, lead, seed):
+    check_prologue(name, dtype, lens, bs, layout, lead, seed)
 
 
 def check_v_up(name, dtype, T, lead, seed):

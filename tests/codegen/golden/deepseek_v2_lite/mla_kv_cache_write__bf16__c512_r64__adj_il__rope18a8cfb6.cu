@@ -3,27 +3,29 @@
 // kernel:   mla_kv_cache_write__bf16__c512_r64__adj_il__rope18a8cfb6
 // role:     mla_kv_cache_write
 // params:   {"C":512,"R":64,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","out_interleaved":true,"pairs_adjacent":true,"rope_attention_factor":"1.0f","rope_inv_freq":["1.0f","0.7498942017555237f","0.5623413324356079f","0.4216965138912201f","0.3162277638912201f","0.23713736236095428f","0.17782793939113617f","0.1333521455526352f","0.10000000149011612f","0.07498941570520401f","0.05623412877321243f","0.039006926119327545f","0.026879360899329185f","0.01837814413011074f","0.012447956018149853f","0.0083345090970397f","0.005500000435858965f","0.0035619973205029964f","0.002249365206807852f","0.0013705134624615312f","0.0007905694073997438f","0.0004149904125370085f","0.00017782794020604342f","3.333803397254087e-05f","2.499999936844688e-05f","1.8747354260995053e-05f","1.4058532542549074e-05f","1.0542412383074407e-05f","7.905694474175107e-06f","5.928434347879374e-06f","4.445698323252145e-06f","3.3338035336782923e-06f"],"threads":64}
-// includes: common.cuh, norm.cuh, pdl.cuh, rope.cuh, vec.cuh
-// nodes:    L0-26.mla.kv_cache
+// includes: common.cuh, mla_kv_write.cuh, norm.cuh, pdl.cuh, rope.cuh, vec.cuh
+// nodes:    L0-26.mla.kv_cache, L0-26.mla.q_decode
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:76 blocks.mla.ops[4] rms_norm, layers 0-26 (fuse_kv_norm_rope_cache)
+//   deepseek_v2_lite.yaml:76 blocks.mla.ops[4] rms_norm, layers 0-26 (fuse_kv_norm_rope_cache, fuse_decode_prologue)
 //   deepseek_v2_lite.yaml:77 blocks.mla.ops[5] rope, layers 0-26 (split_rope, fuse_kv_norm_rope_cache)
+//   deepseek_v2_lite.yaml:77 blocks.mla.ops[5] rope, layers 0-26 (split_rope, fuse_kv_norm_rope_cache, fuse_decode_prologue)
 //   deepseek_v2_lite.yaml:78 blocks.mla.ops[6] cache_write, layers 0-26 (fuse_kv_norm_rope_cache)
+//   deepseek_v2_lite.yaml:78 blocks.mla.ops[6] cache_write, layers 0-26 (fuse_kv_norm_rope_cache, fuse_decode_prologue)
+//   deepseek_v2_lite.yaml:79 blocks.mla.ops[7] mla_attention, layers 0-26 (lower_mla_decode, fuse_q_rope_into_query, fuse_decode_prologue)
 
 // [c [T, C], k_pe [T, R]] (strided views) -> c_n = rms_norm(c) [T, C], k_rot = rope(k_pe) [T, R],
-// and the cache row [c_n | k_rot] at slot_mapping[t] (a negative slot writes no row).
-#include "norm.cuh"
+// and the cache row [c_n | k_rot] at slot_mapping[t] (a negative slot writes no row); one CTA per
+// token (templates/include/mla_kv_write.cuh).
+#include "mla_kv_write.cuh"
 #include "pdl.cuh"
-#include "rope.cuh"
 
 typedef __nv_bfloat16 act_t;
 constexpr int C = 512;
 constexpr int R = 64;
-constexpr int HALF = R / 2;
-constexpr int W = C + R;   // cache row width
 constexpr int THREADS = 64;
 constexpr float EPS = 9.999999974752427e-07f;
-__constant__ float kInvFreq[HALF] = { 1.0f, 0.7498942017555237f, 0.5623413324356079f, 0.4216965138912201f, 0.3162277638912201f, 0.23713736236095428f, 0.17782793939113617f, 0.1333521455526352f, 0.10000000149011612f, 0.07498941570520401f, 0.05623412877321243f, 0.039006926119327545f, 0.026879360899329185f, 0.01837814413011074f, 0.012447956018149853f, 0.0083345090970397f, 0.005500000435858965f, 0.0035619973205029964f, 0.002249365206807852f, 0.0013705134624615312f, 0.0007905694073997438f, 0.0004149904125370085f, 0.00017782794020604342f, 3.333803397254087e-05f, 2.499999936844688e-05f, 1.8747354260995053e-05f, 1.4058532542549074e-05f, 1.0542412383074407e-05f, 7.905694474175107e-06f, 5.928434347879374e-06f, 4.445698323252145e-06f, 3.3338035336782923e-06f };
+__constant__ float kInvFreq[R / 2] = { 1.0f, 0.7498942017555237f, 0.5623413324356079f, 0.4216965138912201f, 0.3162277638912201f, 0.23713736236095428f, 0.17782793939113617f, 0.1333521455526352f, 0.10000000149011612f, 0.07498941570520401f, 0.05623412877321243f, 0.039006926119327545f, 0.026879360899329185f, 0.01837814413011074f, 0.012447956018149853f, 0.0083345090970397f, 0.005500000435858965f, 0.0035619973205029964f, 0.002249365206807852f, 0.0013705134624615312f, 0.0007905694073997438f, 0.0004149904125370085f, 0.00017782794020604342f, 3.333803397254087e-05f, 2.499999936844688e-05f, 1.8747354260995053e-05f, 1.4058532542549074e-05f, 1.0542412383074407e-05f, 7.905694474175107e-06f, 5.928434347879374e-06f, 4.445698323252145e-06f, 3.3338035336782923e-06f };
 constexpr float kAttentionFactor = 1.0f;
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -45,22 +47,7 @@ mla_kv_cache_write__bf16__c512_r64__adj_il__rope18a8cfb6(
   __shared__ float cs[R];
   const int t = blockIdx.x;
   if (t >= T) return;
-  const i64 slot = slots[t];
-  act_t* row = cache + slot * (i64)W;
-  dsg::rope_angles<HALF>(kInvFreq, kAttentionFactor, positions[t], cs, threadIdx.x, THREADS);
-
-  typedef dsg::RowLayout<act_t, C, THREADS> L;
-  float v[L::ITEMS];
-  L::load(c + (i64)t * c_stride, v);
-  dsg::rms_norm_row<act_t, C, L>(v, w, EPS, scratch);   // syncs: cs is ready after this
-  L::store(c_n + (i64)t * C, v);
-  if (slot >= 0) L::store(row, v);
-
-  const act_t* kp = k_pe + (i64)t * k_stride;
-  act_t* kr = k_rot + (i64)t * R;
-  for (int i = threadIdx.x; i < HALF; i += THREADS)
-    dsg::rope_pair<act_t, R, true, true>(kp, kr, cs, i);
-  __syncthreads();   // k_rot written by other threads: copy it into the cache row
-  if (slot >= 0)
-    for (int i = threadIdx.x; i < R; i += THREADS) row[C + i] = kr[i];
+  dsg::kv_cache_write_token<act_t, C, R, THREADS, true, true>(
+      t, c, c_stride, k_pe, k_stride, w, EPS, positions, slots, c_n, k_rot, cache, kInvFreq, kAttentionFactor,
+      scratch, cs);
 }
