@@ -23,9 +23,10 @@ MAX_TOP_K = 32            # one lane per chosen expert
 TOPK_WARPS = 4            # tokens per top-k CTA (one warp each)
 ALIGN_THREADS = 1024      # the single align CTA (and the scan of the parallel one)
 # Above this many pairs the alignment runs as count / scan / scatter over ALIGN_CHUNK-pair chunks
-# (moe.cuh 3b) instead of one CTA.  None: one CTA at every NP, until the parallel form is
-# measured on the H200 (issue 11, item 2; tests/gpu/test_kernels_moe.py runs it at 512).
-ALIGN_PARALLEL_PAIRS = None
+# (moe.cuh 3b) instead of one CTA (None: one CTA at every NP).  Measured on the H200 (PERF_NOTES
+# v10, tests/gpu/perf_prefill.py --route-variants default,align0), the route's launches together
+# at V2-Lite (K 6): 1024 tokens 26.8 us one CTA / 26.2 parallel, 4096 69.4 / 53.0, 16384 240 / 155.
+ALIGN_PARALLEL_PAIRS = 6144
 ALIGN_CHUNK, ALIGN_CHUNK_THREADS = 2048, 256
 _PAIRS_RE = re.compile(r"^(.+)\*(\d+)$")
 
@@ -239,9 +240,11 @@ SKINNY_BK, SKINNY_STAGES = 64, 4
 SKINNY_BULK = False
 # Above this many tokens the grouped GEMM runs on Hopper's wgmma + TMA (moe_wgmma.cuh,
 # _moe_wgmma.py: a persistent warp-specialised grid, 128 x 256 x 64 tiles) in place of the mma
-# launch, on compute-capability-9.0 targets (that kernel is built for sm_90a; codegen/arch.py).
-# None: off until measured on the H200 (issue 11; tests/gpu/perf_prefill.py --gemm-variants wgmma).
-GEMM_WGMMA_TOKENS = None
+# launch, on compute-capability-9.0 targets (that kernel is built for sm_90a; codegen/arch.py);
+# None: never.  Measured on the H200 (PERF_NOTES v10, tests/gpu/perf_prefill.py --gemm-variants
+# wgmma): gate_up_silu / down at 2048 tokens 315 / 171 us against mma.sync's 731 / 404, at 16384
+# 2168 / 1151 against 4485 / 2356 (523 / 493 TFLOP/s).
+GEMM_WGMMA_TOKENS = 1024
 
 
 def slots(E: int) -> str:

@@ -13,7 +13,7 @@ where the variant applies, hands every T above the threshold from the mma launch
 It applies where the target offers sm_90a (codegen/arch.py: a bundle for sm_90 or sm_90a; the
 launch `requires` it, so that kernel alone is built for sm_90a), the activations are 16-bit and
 KD % 8 == 0 (16-byte rows: TMA strides, cp.async); elsewhere the launches stay as they are.  Off
-while GEMM_WGMMA_TOKENS is None (until measured on the H200).
+while GEMM_WGMMA_TOKENS is None.
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from harness import single_op_graph, tiny_model  # noqa: E402
 import ir  # noqa: E402
 import ir.passes  # noqa: E402
 from codegen import families  # noqa: E402
+from codegen.arch import kernel_target  # noqa: E402
 from codegen.kernel import KernelLaunch, Options  # noqa: E402
 from codegen.kernel import SizeRef, WorkspaceRef  # noqa: E402
 from codegen.render import render_launch  # noqa: E402
@@ -95,10 +96,13 @@ def test_kernel_names():
     assert by_op["moe_route"] == ["moe_route__bf16__d7168__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__fused_t256",
                                   "moe_route__bf16__e256_d7168__gemm",
                                   "moe_route__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__topk",
-                                  "moe_route__e256__align"]
+                                  "moe_route__e256__align", "moe_route__e256__align_count",
+                                  "moe_route__e256__align_scan", "moe_route__e256__align_scatter"]
     assert by_op["moe_gate_up_silu"] == ["moe_gate_up_silu__bf16__e256_k8__m2048_d7168",
-                                         "moe_gate_up_silu__bf16__e256_k8__m2048_d7168__mma"]
-    assert by_op["moe_down"] == ["moe_down__bf16__e256__d7168_m2048", "moe_down__bf16__e256__d7168_m2048__mma"]
+                                         "moe_gate_up_silu__bf16__e256_k8__m2048_d7168__mma",
+                                         "moe_gate_up_silu__bf16__e256_k8__m2048_d7168__wgmma"]
+    assert by_op["moe_down"] == ["moe_down__bf16__e256__d7168_m2048", "moe_down__bf16__e256__d7168_m2048__mma",
+                                 "moe_down__bf16__e256__d7168_m2048__wgmma"]
     fp32 = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "fp32")] for G, nid in moe_graphs(*DIMS["v3"])}
     assert fp32["moe_down"] == ["moe_down__fp32__e256__d7168_m2048"]     # no tensor-core path for fp32
     assert by_op["moe_combine_residual"] == ["moe_combine_residual__bf16__k8_d7168"]
@@ -117,31 +121,36 @@ def _worst_tiles(NP: int, thr: int) -> int:
 
 
 def test_grouped_launch_covers_every_expert_and_row():
-    """Exactly one of the two launches runs at each T, and it covers every expert with pairs: the
+    """Exactly one of the launches runs at each T, and it covers every expert with pairs: the
     GEMV while T <= GEMV_ONLY_TOKENS (a slot per expert that can have pairs), the one-grid mma
-    launch above (the same light slots, then a bound on the row tiles)."""
+    launch above (the same light slots, then a bound on the row tiles), up to GEMM_WGMMA_TOKENS,
+    and the wgmma launch above that (its grid: test_wgmma_lowering.py)."""
     from codegen import sizes
-    from codegen.families._moe import GEMV_ONLY_TOKENS
+    from codegen.families._moe import GEMM_WGMMA_TOKENS, GEMV_ONLY_TOKENS
     for G, nid in moe_graphs(*DIMS["v2_lite"]):
         op = G.nodes[nid]["op"]
         if op not in ("moe_gate_up_silu", "moe_gate_up", "moe_down"):
             continue
-        launch, gemm = lower(G, nid, "bf16")
+        launch, gemm, wgmma = lower(G, nid, "bf16")
         p, q = launch.params, gemm.params
         assert launch.grid[1] * p["warps"] * p["rpw"] >= p["N"]
         assert p["vec"] * 2 == 16                         # 16-byte weight loads
         bn = 128 if op == "moe_down" else 64
         assert gemm.grid[0] * bn >= q["N"]                # the column tiles cover N
         assert any(a.name == "num_pairs" for a in gemm.args)   # where the tiles start (moe.cuh 4b)
-        for T in (1, 2, 3, GEMV_ONLY_TOKENS, GEMV_ONLY_TOKENS + 1, 64, 128, 16384):
+        for T in (1, 2, 3, GEMV_ONLY_TOKENS, GEMV_ONLY_TOKENS + 1, 64, 128, GEMM_WGMMA_TOKENS, GEMM_WGMMA_TOKENS + 1,
+                  16384):
             NP = 6 * T
-            env = {"NP": NP, "T": T}
+            env = {"NP": NP, "T": T, "SMS": 132}
             gemv_x, mma_y = sizes.evaluate(launch.grid[0], env), sizes.evaluate(gemm.grid[1], env)
+            wg = sizes.evaluate(wgmma.grid[0], env)
             if T <= GEMV_ONLY_TOKENS:
-                assert (gemv_x, mma_y) == (min(64, NP), 0), (T, gemv_x, mma_y)
-            else:
-                assert gemv_x == 0, T
+                assert (gemv_x, mma_y, wg) == (min(64, NP), 0, 0), (T, gemv_x, mma_y, wg)
+            elif T <= GEMM_WGMMA_TOKENS:
+                assert gemv_x == 0 and wg == 0, T
                 assert mma_y >= min(64, NP) + _worst_tiles(NP, q["thr"]), (T, mma_y)
+            else:
+                assert gemv_x == 0 and mma_y == 0 and wg > 0, (T, wg)
         # fp32 has no tensor-core launch: its GEMV takes every expert at every T
         (f32,) = lower(G, nid, "fp32")
         for T in (1, GEMV_ONLY_TOKENS + 1, 16384):
@@ -196,7 +205,9 @@ def test_compiles_to_sm90_cubin(dims, tmp_path):
                     continue
                 seen.add(launch.name)
                 src = render_launch(launch)
-                out = compile_cubin(src, launch.name, arch="sm_90", template=launch.template,
+                # the wgmma launch requires sm_90a (codegen/arch.py): the bundle builds it for that
+                out = compile_cubin(src, launch.name, arch=kernel_target("sm_90", launch.requires),
+                                    template=launch.template,
                                     nodes=launch.nodes, log_dir=str(tmp_path))
                 assert out.cubin[:4] == b"\x7fELF", launch.name
 
@@ -234,12 +245,16 @@ def test_parallel_align_takes_over_above_its_pair_count(op, monkeypatch):
     raise AssertionError(f"no {op} node")
 
 
-def test_align_is_one_cta_by_default():
-    """Until the parallel form is measured on the H200 the default lowering has only the one CTA."""
+def test_align_default_is_parallel_above_the_measured_pair_count(monkeypatch):
+    """Measured on the H200 (PERF_NOTES v10): one CTA up to 6144 pairs (1024 tokens at K 6), the
+    count / scan / scatter launches above; off (None) only the one CTA."""
     from codegen.families import _moe
-    assert _moe.ALIGN_PARALLEL_PAIRS is None
+    assert _moe.ALIGN_PARALLEL_PAIRS == 6144
     for G, nid in moe_graphs(*DIMS["v2_lite"]):
         if G.nodes[nid]["op"] == "moe_route":
+            assert [la.stage for la in lower(G, nid, "bf16")] == ["fused", "router_gemm", "topk", "align",
+                                                                 "align_count", "align_scan", "align_scatter"]
+            monkeypatch.setattr(_moe, "ALIGN_PARALLEL_PAIRS", None)
             assert [la.stage for la in lower(G, nid, "bf16")] == ["fused", "router_gemm", "topk", "align"]
 
 
@@ -279,9 +294,12 @@ def test_route_runs_one_form_at_each_t(dims, ft, gt, monkeypatch):
     (its grid covers every expert and token, and stays within its tickets' tiles), the three
     launches above it (their grids 0 below it), their logits from the GEMV while T <= GEMM_TOKENS
     and from the GEMM above (its grid: _check_gemm_grid); a launch whose range of T is empty is not
-    emitted.  ft None: the three launches alone, at every T; gt None: no GEMM."""
+    emitted.  ft None: the three launches alone, at every T; gt None: no GEMM.  The alignment is
+    the one-CTA launch up to _moe.ALIGN_PARALLEL_PAIRS pairs, count / scan / scatter above."""
     from codegen import sizes
-    from codegen.families import moe_route
+    from codegen.families import _moe, moe_route
+    ap = _moe.ALIGN_PARALLEL_PAIRS
+    parallel = ["align_count", "align_scan", "align_scatter"] if ap is not None else []
     if ft != "default":
         monkeypatch.setattr(moe_route, "ROUTE_FUSED_TOKENS", ft)
     if gt != "default":
@@ -292,7 +310,8 @@ def test_route_runs_one_form_at_each_t(dims, ft, gt, monkeypatch):
     launches = lower(G, nid, "bf16")
     gemv = gt is None or ft is None or gt > ft
     assert [la.stage for la in launches] == ((["fused"] if ft is not None else []) + (["router_gemv"] if gemv else [])
-                                             + (["router_gemm"] if gt is not None else []) + ["topk", "align"])
+                                             + (["router_gemm"] if gt is not None else []) + ["topk", "align"]
+                                             + parallel)
     for T in _route_tokens(ft, gt):
         for sms in (132, 16, 4096):
             env = {"T": T, "NP": T * K, "SMS": sms}
@@ -309,11 +328,14 @@ def test_route_runs_one_form_at_each_t(dims, ft, gt, monkeypatch):
                 assert p["warps"] == p["tt"] == p["threads"] // 32       # one warp per token of a tile
                 continue
             logits = "router_gemv" if gt is None or T <= gt else "router_gemm"
-            assert running == {logits, "topk", "align"}, (T, extents)
+            one_cta = ap is None or T * K <= ap
+            assert running == {logits, "topk", *(["align"] if one_cta else parallel)}, (T, extents)
             if logits == "router_gemm":
                 _check_gemm_grid(next(la for la in launches if la.stage == "router_gemm"), E, D, T, env)
-            assert extents["topk"][0] * launches[-2].params["warps"] >= T
-            assert extents["align"][0] == 1
+            topk = next(la for la in launches if la.stage == "topk")
+            assert extents["topk"][0] * topk.params["warps"] >= T
+            if one_cta:
+                assert extents["align"][0] == 1
 
 
 def test_route_gemm_splits_d_only_while_the_tiles_are_few():
@@ -332,7 +354,7 @@ def test_fused_route_keeps_the_three_launch_interface():
     bias bound alike, so the buffer plan does not depend on which form runs.  The GEMM's split
     workspace is its own (the partial sums of its CTAs)."""
     G, nid = moe_graphs(*DIMS["v3"])[0]
-    fused, gemm, topk, align = lower(G, nid, "bf16")
+    fused, gemm, topk, align = lower(G, nid, "bf16")[:4]   # (the parallel alignment's launches follow)
     refs = lambda las: {a.ref for la in las for a in la.args}                  # noqa: E731
     partials = WorkspaceRef("router_partials")
     assert partials in refs([gemm])

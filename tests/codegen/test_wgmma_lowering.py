@@ -56,9 +56,19 @@ def test_arch_features_and_targets(monkeypatch):
     assert arch.target_arch("sm_90") == "sm_90a" and arch.target_arch("sm_89") == "sm_89"
 
 
-def test_off_by_default():
-    """Until the H200 has measured it, no lowering holds a wgmma launch, whatever the target."""
-    assert _moe.GEMM_WGMMA_TOKENS is None
+def test_on_by_default_for_compute_capability_90_only():
+    """Measured on the H200 (PERF_NOTES v10): the default lowering hands prefill's token counts to
+    the wgmma launch on sm_90 / sm_90a targets, and nowhere else; off (None) it holds none."""
+    assert _moe.GEMM_WGMMA_TOKENS == 1024
+    for G, nid in _grouped():
+        for target in ("sm_90", "sm_90a"):
+            assert [la.stage for la in _lower(G, nid, target=target)] == ["gemv", "mma", "wgmma"]
+        for target in ("sm_80", "sm_100"):
+            assert [la.stage for la in _lower(G, nid, target=target)] == ["gemv", "mma"]
+
+
+def test_off_holds_no_wgmma_launch(monkeypatch):
+    monkeypatch.setattr(_moe, "GEMM_WGMMA_TOKENS", None)
     for G, nid in _grouped():
         for target in ("sm_90", "sm_90a"):
             assert [la.stage for la in _lower(G, nid, target=target)] == ["gemv", "mma"]

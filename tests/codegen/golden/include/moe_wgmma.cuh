@@ -1,0 +1,286 @@
+// 4d. The grouped expert GEMM on Hopper's wgmma + TMA (sm_90a): experts with many pairs (prefill).
+// Same contract as grouped_gemm (moe.cuh 4b): pairs grouped by expert through the routing
+// `order` / `offsets`, the same outputs rounded at the same points, no host sync.  It differs in
+// how a tile is fed and multiplied:
+//   * a persistent grid (one CTA per SM) walks tiles t = blockIdx.x, + gridDim.x, ...; tile t is
+//     (row tile t / NCT, column tile t % NCT), the row tiles numbered over the experts in order
+//     (a table built from `offsets` in shared memory at the start), so the CTAs that run at one
+//     time share one expert's weights (in L2) and its gathered rows;
+//   * warp-specialised: warpgroup 0 produces (registers given back with setmaxnreg), warpgroups 1
+//     and 2 consume, each 64 of the tile's 128 pairs against all of its 256 weight rows, through
+//     a ring of ST stages handshaken on mbarriers (full: the stage has landed; empty: both
+//     consumers are done with it);
+//   * a stage is one 64-wide K slice: the 256 weight rows as two TMA boxes of 128 rows (128B
+//     swizzle) from one tensor map per weight tensor [E, N, KD]; the 128 pair rows GATHERED
+//     through `order` by the producer's 128 threads with 16-byte cp.async into the same swizzled
+//     layout (TMA on Hopper cannot gather rows), each thread's copies reported to the stage's
+//     mbarrier when they land (cp.async.mbarrier.arrive.noinc);
+//   * one wgmma m64n256k16 per 16 of K per consumer; fp32 accumulators, 128 a thread.
+// Weight rows of a tile: GATE_UP*: gate rows n0 .. n0 + 128, then up rows n0 .. n0 + 128, so a
+// thread's accumulators for column j < 16 (gate) and j + 16 (up) are the same output column and
+// SiLU * up fuses in registers.  DOWN: weight rows n0 .. n0 + 256.
+//
+// Needs 16-bit T and KD % 8 == 0 (16-byte rows: TMA strides and cp.async); the lowering emits it
+// only then (codegen/families/_moe_wgmma.py).  An x base that is not 16-byte aligned takes
+// element loads (same layout, same barriers); an output base that is not 4-byte aligned takes
+// element stores.  Weight bases must be 16-byte aligned (the runtime refuses to encode others).
+#pragma once
+#include "moe.cuh"
+#include "mbarrier.cuh"
+#include "pdl.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace dsg {
+namespace moe {
+
+constexpr int WG_BM = 128;            // pairs per tile: two consumer warpgroups x 64
+constexpr int WG_BN = 256;            // weight rows per tile
+constexpr int WG_BK = 64;             // K slice: one 128-byte swizzled row of 16-bit elements
+constexpr int WG_BOX = 128;           // weight rows per TMA box (box dims are at most 256)
+constexpr int WG_THREADS = 384;       // producer warpgroup + two consumer warpgroups
+constexpr int WG_PRODUCER_REGS = 56, WG_CONSUMER_REGS = 224;   // 128 x 56 + 256 x 224 <= 64K
+constexpr int WG_ROW_BYTES = WG_BK * 2;                         // 128: the swizzle span
+constexpr int WG_STAGE_BYTES = (WG_BM + WG_BN) * WG_ROW_BYTES;  // 48 KB
+static_assert(WG_PRODUCER_REGS * 128 + WG_CONSUMER_REGS * 256 <= 65536, "wgmma gemm: register file");
+
+// Output columns a tile covers.
+__host__ __device__ constexpr int wgmma_tile_cols(int mode) { return mode == DOWN ? WG_BN : WG_BN / 2; }
+// Dynamic shared memory: the ring, plus slack to start it on a 1024-byte boundary (128B swizzle).
+__host__ __device__ constexpr int wgmma_smem(int stages) { return stages * WG_STAGE_BYTES + 1024; }
+
+struct WgTile {
+  int e, pbeg, rows, n0;
+};
+
+// tiles[e] = row tiles of experts before e (cdiv(pairs, WG_BM) each), tiles[E] = all of them.
+// Warp 0 scans 32 experts a round.
+template <int E>
+__device__ __forceinline__ void wgmma_row_tiles(const i32* __restrict__ offsets, int* tiles) {
+  const int lane = threadIdx.x & 31;
+  int base = 0;
+  for (int e0 = 0; e0 < E; e0 += 32) {
+    const int e = e0 + lane;
+    const int nt = (e < E) ? (offsets[e + 1] - offsets[e] + WG_BM - 1) / WG_BM : 0;
+    int incl = nt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    if (e < E) tiles[e] = base + incl - nt;
+    base += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  if (lane == 0) tiles[E] = base;
+}
+
+// Tile t of the walk (t < tiles[E] * NCT): its expert is the last e with tiles[e] <= row tile,
+// which has pairs (an expert without pairs has tiles[e] == tiles[e + 1]).
+template <int E, int NCT, int BNO>
+__device__ __forceinline__ WgTile wgmma_tile(const int* tiles, const i32* __restrict__ offsets, int t) {
+  const int rt = t / NCT;
+  int lo = 0, hi = E;                   // tiles[lo] <= rt < tiles[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (tiles[mid] <= rt) lo = mid;
+    else hi = mid;
+  }
+  WgTile tl;
+  tl.e = lo;
+  tl.pbeg = offsets[lo] + (rt - tiles[lo]) * WG_BM;
+  tl.rows = min(WG_BM, offsets[lo + 1] - tl.pbeg);
+  tl.n0 = (t % NCT) * BNO;
+  return tl;
+}
+
+// One stage's gathered rows of a producer thread: 16-byte chunk kc .. kc + 8 of x rows src[i]
+// (-1: zeros) into tile rows r0 + 16 i, whose chunk positions share one swizzle (dst is row r0's).
+// VEC: 16-byte cp.async (x 16-byte aligned); else element loads and a 16-byte shared store.
+template <typename T, int KD, bool VEC>
+__device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int (&src)[8], int kc, char* dst) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const bool ok = src[i] >= 0 && kc < KD;              // else zeros: rows past the tile, K past KD
+    const T* from = x + (ok ? (i64)src[i] * KD + kc : 0);
+    char* to = dst + i * 16 * WG_ROW_BYTES;
+    if constexpr (VEC) {
+      dsg::mma::cp_async16(to, from, ok ? 16 : 0);
+    } else {
+      uint4 raw;
+      T* v = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = ok ? from[j] : from_float<T>(0.f);
+      *reinterpret_cast<uint4*>(to) = raw;
+    }
+  }
+}
+
+// Producer: the 128 threads of warpgroup 0.  Thread p copies 16-byte chunk p % 8 of tile rows
+// p / 8 + 16 i (i < 8): a warp covers four whole 128-byte row slices per instruction; all its rows
+// share r % 8, so one swizzled chunk position.  Thread 0 also issues the weight boxes.
+template <typename T, int MODE, int E, int N, int KD, int K, int ST>
+__device__ __forceinline__ void wgmma_produce(const T* __restrict__ x, const TensorMap* w0, const TensorMap* w1,
+                                              const i32* __restrict__ order, const i32* __restrict__ offsets,
+                                              const int* tiles, char* ring, unsigned long long* full,
+                                              unsigned long long* empty) {
+  constexpr int BNO = wgmma_tile_cols(MODE), NCT = (N + BNO - 1) / BNO, KT = (KD + WG_BK - 1) / WG_BK;
+  const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
+  const int chunk = (c ^ (r0 & 7)) * 16;                 // 128B swizzle: c ^ (row % 8)
+  const bool vec = aligned_to<16>(x);                    // uniform: cp.async, else element loads
+  if (p == 0) {
+    tma::prefetch(w0);
+    if (MODE != DOWN) tma::prefetch(w1);
+  }
+  const int total = tiles[E] * NCT;
+  int it = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const WgTile tl = wgmma_tile<E, NCT, BNO>(tiles, offsets, t);
+    int src[8];                                          // x row of each of this thread's tile rows, -1: none
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = r0 + 16 * i;
+      const int pr = r < tl.rows ? order[tl.pbeg + r] : -1;
+      src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);
+    }
+    // DOWN's second box starts past N when N - n0 <= 128: left out (its accumulator columns are
+    // >= N and never stored), so no box lies wholly outside the tensor.
+    const bool box1 = MODE != DOWN || tl.n0 + WG_BOX < N;
+    for (int kt = 0; kt < KT; ++kt, ++it) {
+      const int s = it % ST;
+      mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
+      char* a = ring + s * WG_STAGE_BYTES;
+      char* b = a + WG_BM * WG_ROW_BYTES;
+      const int k0 = kt * WG_BK;
+      if (p == 0) {
+        mbar::arrive_expect_tx(&full[s], (box1 ? 2 : 1) * WG_BOX * WG_ROW_BYTES);
+        tma::load_3d(b, w0, k0, tl.n0, tl.e, &full[s]);
+        if (box1) tma::load_3d(b + WG_BOX * WG_ROW_BYTES, MODE == DOWN ? w0 : w1, k0,
+                               MODE == DOWN ? tl.n0 + WG_BOX : tl.n0, tl.e, &full[s]);
+      }
+      if (vec) {
+        wgmma_gather<T, KD, true>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk);
+        mbar::arrive_on_cp_async(&full[s]);
+      } else {
+        wgmma_gather<T, KD, false>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk);
+        mbar::fence_proxy_async();                       // plain stores, read next by wgmma (async proxy)
+        mbar::arrive(&full[s]);
+      }
+    }
+  }
+  dsg::mma::cp_async_wait<0>();                          // nothing of this thread's left in flight at exit
+}
+
+// Consumer warpgroup cw (0, 1): tile rows 64 cw .. + 64 against all 256 weight rows.
+template <typename T, int MODE, int E, int N, int KD, int ST>
+__device__ __forceinline__ void wgmma_consume(const i32* __restrict__ order, const i32* __restrict__ offsets,
+                                              const int* tiles, unsigned ring, unsigned long long* full,
+                                              unsigned long long* empty, T* __restrict__ out0,
+                                              T* __restrict__ out1, int cw) {
+  constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
+  constexpr int BNO = wgmma_tile_cols(MODE), NCT = (N + BNO - 1) / BNO, KT = (KD + WG_BK - 1) / WG_BK;
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  // Paired 4-byte stores where N is even and the bases allow them (uniform), else element stores.
+  const bool paired = gemm_paired_store<T, N>() && aligned_to<4>(out0) && aligned_to<4>(out1);
+  const int total = tiles[E] * NCT;
+  float acc[128];
+  int it = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const WgTile tl = wgmma_tile<E, NCT, BNO>(tiles, offsets, t);
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    wgmma::fence_operands(acc);
+    for (int kt = 0; kt < KT; ++kt, ++it) {
+      const int s = it % ST;
+      mbar::wait(&full[s], (it / ST) & 1);
+      mbar::fence_proxy_async();                         // the gathered rows were cp.async (generic) writes
+      const unsigned a = ring + s * WG_STAGE_BYTES + cw * 64 * WG_ROW_BYTES;
+      const unsigned b = ring + s * WG_STAGE_BYTES + WG_BM * WG_ROW_BYTES;
+      const unsigned long long da = wgmma::desc_sw128(a), db = wgmma::desc_sw128(b);
+      wgmma::fence();
+#pragma unroll
+      for (int k16 = 0; k16 < WG_BK / 16; ++k16)
+        wgmma::mma_m64n256k16<BF16>(acc, wgmma::desc_advance(da, k16), wgmma::desc_advance(db, k16));
+      wgmma::commit();
+      wgmma::wait<1>();                                  // the slice before this one is read: free it
+      if (kt > 0 && lane == 0) mbar::arrive(&empty[(it - 1) % ST]);
+    }
+    wgmma::wait<0>();
+    wgmma::fence_operands(acc);
+    if (lane == 0) mbar::arrive(&empty[(it - 1) % ST]);
+
+    // epilogue: acc[4j + 2h + c] is tile row 64 cw + 16 warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + c
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = cw * 64 + warp * 16 + (lane >> 2) + 8 * h;
+      if (r >= tl.rows) continue;
+      const i64 orow = (i64)order[tl.pbeg + r] * N;
+      constexpr int J = (MODE == DOWN) ? 32 : 16;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int col = tl.n0 + 8 * j + 2 * (lane & 3);
+        float v[2], u[2] = {0.f, 0.f};                    // u: GATE_UP's up output
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float g = acc[4 * j + 2 * h + c];
+          if constexpr (MODE == GATE_UP_SILU) {
+            const float gr = round_to<T>(g), ur = round_to<T>(acc[64 + 4 * j + 2 * h + c]);
+            v[c] = round_to<T>(gr / (1.f + expf(-gr))) * ur;
+          } else if constexpr (MODE == GATE_UP) {
+            v[c] = g;
+            u[c] = acc[64 + 4 * j + 2 * h + c];
+          } else {
+            v[c] = g;
+          }
+        }
+        if (paired) {
+          store2<T, N>(out0 + orow, col, v[0], v[1]);
+          if constexpr (MODE == GATE_UP) store2<T, N>(out1 + orow, col, u[0], u[1]);
+        } else {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            if (col + c >= N) continue;
+            out0[orow + col + c] = from_float<T>(v[c]);
+            if constexpr (MODE == GATE_UP) out1[orow + col + c] = from_float<T>(u[c]);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int MODE, int E, int N, int KD, int K, int ST>
+__device__ __forceinline__ void grouped_gemm_wgmma(const T* __restrict__ x, const TensorMap* w0, const TensorMap* w1,
+                                                   const i32* __restrict__ order, const i32* __restrict__ offsets,
+                                                   T* __restrict__ out0, T* __restrict__ out1, char* smem) {
+  static_assert(sizeof(T) == 2, "wgmma gemm: 16-bit operands");
+  static_assert(KD % 8 == 0, "wgmma gemm: rows of whole 16-byte chunks (TMA strides, cp.async)");
+  static_assert(ST >= 2, "wgmma gemm: a ring of at least two stages");
+  __shared__ __align__(8) unsigned long long full[ST], empty[ST];
+  __shared__ int tiles[E + 1];
+  // Every read below (offsets, order, x) is of another kernel's output.
+  dsg::pdl_wait();
+  const unsigned raw = smem_u32(smem);
+  const unsigned ring = (raw + 1023u) & ~1023u;         // 128B-swizzle tiles start on 1024-byte boundaries
+  if (threadIdx.x < 32) wgmma_row_tiles<E>(offsets, tiles);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      mbar::init(&full[s], 128 + 1);                     // the producer's 128 copy arrivals + its expect_tx
+      mbar::init(&empty[s], 8);                          // one per consumer warp
+    }
+    mbar::init_fence();
+  }
+  __syncthreads();
+  const int wg = threadIdx.x >> 7;
+  if (wg == 0) {
+    wgmma::setmaxnreg_dec<WG_PRODUCER_REGS>();
+    wgmma_produce<T, MODE, E, N, KD, K, ST>(x, w0, w1, order, offsets, tiles, smem + (ring - raw), full, empty);
+  } else {
+    wgmma::setmaxnreg_inc<WG_CONSUMER_REGS>();
+    wgmma_consume<T, MODE, E, N, KD, ST>(order, offsets, tiles, ring, full, empty, out0, out1, wg - 1);
+  }
+  dsg::pdl_launch_dependents();
+}
+
+}  // namespace moe
+}  // namespace dsg

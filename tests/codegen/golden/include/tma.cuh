@@ -1,0 +1,40 @@
+// Hopper's tensor memory accelerator (TMA, sm_90): cp.async.bulk.tensor moves a whole box of a
+// tensor described by a tensor map (made on the host by cuTensorMapEncodeTiled: base, dims,
+// strides, box, swizzle) into shared memory in one request, filling what lies outside the tensor
+// with zeros, and reports the box's bytes to an mbarrier (mbarrier.cuh).
+//
+// The map reaches the kernel as a by-value `const __grid_constant__ dsg::TensorMap` parameter
+// (codegen/kernel.py TensorMapRef; the runtime encodes one per weight and caches it): its
+// address is then a generic address in parameter space, which the copy instructions accept.
+#pragma once
+#include "common.cuh"
+#include "mbarrier.cuh"
+
+namespace dsg {
+
+// The driver's CUtensorMap: 128 opaque bytes, 64-byte aligned (TMA's requirement).
+struct alignas(64) TensorMap {
+  unsigned long long opaque[16];
+};
+static_assert(sizeof(TensorMap) == 128, "a tensor map is 128 bytes");
+
+namespace tma {
+
+// Fetch the descriptor into the TMA unit's cache ahead of the first copy.
+__device__ __forceinline__ void prefetch(const TensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+
+// The box of a 3-D map at element coordinates (c0 innermost, c1, c2) into shared dst (aligned as
+// the map's swizzle needs: 1024 bytes for 128B), its bytes counted on bar.
+__device__ __forceinline__ void load_3d(void* dst, const TensorMap* map, int c0, int c1, int c2,
+                                        unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(smem_u32(bar)),
+        "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+}  // namespace tma
+}  // namespace dsg
