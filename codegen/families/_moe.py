@@ -242,9 +242,9 @@ SKINNY_BULK = False
 # _moe_wgmma.py: a persistent warp-specialised grid, 128 x 256 x 64 tiles) in place of the mma
 # launch, on compute-capability-9.0 targets (that kernel is built for sm_90a; codegen/arch.py);
 # None: never.  Measured on the H200 (PERF_NOTES v10, tests/gpu/perf_prefill.py --gemm-variants
-# wgmma): gate_up_silu / down at 2048 tokens 315 / 171 us against mma.sync's 731 / 404, at 16384
-# 2168 / 1151 against 4485 / 2356 (523 / 493 TFLOP/s).
-GEMM_WGMMA_TOKENS = 1024
+# wgmma): gate_up_silu / down at 512 tokens 208 / 102 us against mma.sync's 267 / 146, at 2048
+# 315 / 171 against 731 / 404, at 16384 2168 / 1151 against 4485 / 2356 (523 / 493 TFLOP/s).
+GEMM_WGMMA_TOKENS = 256
 
 
 def slots(E: int) -> str:

@@ -19,8 +19,8 @@ from harness import single_op_graph, tiny_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPS_UNDER_TEST = ("embedding", "rms_norm", "fused_add_rms_norm", "add", "silu_and_mul", "rope_q",
-                  "mla_kv_cache_write", "mla_decode_query", "mla_q_absorb", "mla_decode_attention",
-                  "mla_v_up", "mla_prefill_attention")
+                  "mla_kv_cache_write", "mla_decode_query", "mla_q_absorb", "mla_decode_prologue",
+                  "mla_decode_attention", "mla_v_up", "mla_prefill_attention")
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,6 +46,7 @@ def graph_for(op, m):
         "mla_kv_cache_write": ({"c": a(C), "k": a(R)}, {"norm": "n"}),
         "mla_decode_query": ({"qn": a(H, N), "qp": a(H, R)}, {"kv_b": "kvb"}),
         "mla_q_absorb": ({"qn": a(H, N)}, {"kv_b": "kvb"}),
+        "mla_decode_prologue": ({"qn": a(H, N), "qp": a(H, R), "c": a(C), "k": a(R)}, {"kv_b": "kvb", "norm": "n"}),
         "mla_decode_attention": ({"ql": a(H, C), "qr": a(H, R), "st": TType(("cache",), "state")}, {}),
         "mla_v_up": ({"ol": a(H, C)}, {"kv_b": "kvb"}),
         "mla_prefill_attention": ({"qn": a(H, N), "qr": a(H, R), "kv": a(H * (N + V)), "kr": a(R)}, {}),

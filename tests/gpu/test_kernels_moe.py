@@ -35,6 +35,7 @@ from harness import (GPU_MARKS, TORCH_DTYPES, assert_strict, kernel_test, poison
                      shifted, single_op_graph, tiny_model, tolerance)
 
 from codegen import families  # noqa: E402
+from codegen.families import _moe  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
 from ir.graph import node_view  # noqa: E402
 from ir.ops import OPS, TType  # noqa: E402
@@ -329,12 +330,19 @@ def _route_stages_running(launches, sizes_: dict) -> list[str]:
     return [la.stage for la in launches if 0 not in [sizes.evaluate(g, full) for g in la.grid]]
 
 
-def _three_launches(T: int) -> list[str]:
+def _align_stages(NP: int) -> list[str]:
+    """The alignment's running stages at NP pairs: one CTA up to _moe.ALIGN_PARALLEL_PAIRS, count /
+    scan / scatter above."""
+    ap = _moe.ALIGN_PARALLEL_PAIRS
+    return ["align"] if ap is None or NP <= ap else ["align_count", "align_scan", "align_scatter"]
+
+
+def _three_launches(T: int, K: int) -> list[str]:
     """The stages of the three-launch route at T (above the fused bound): its logits from the GEMV
-    while T <= moe_route.GEMM_TOKENS, from the GEMM above."""
+    while T <= moe_route.GEMM_TOKENS, from the GEMM above; then top-k and the alignment."""
     from codegen.families import moe_route
     gt = moe_route.GEMM_TOKENS
-    return ["router_gemv" if gt is None or T <= gt else "router_gemm", "topk", "align"]
+    return ["router_gemv" if gt is None or T <= gt else "router_gemm", "topk", *_align_stages(T * K)]
 
 
 @given(case=route_cases())
@@ -402,7 +410,7 @@ def test_moe_route_fused(runner, case):
     launches = _lower(p.G, p.nid, case["dtype"])
     ft = moe_route.ROUTE_FUSED_TOKENS
     fused = ft is not None and case["T"] <= ft
-    assert _route_stages_running(launches, p.sizes) == (["fused"] if fused else _three_launches(case["T"]))
+    assert _route_stages_running(launches, p.sizes) == (["fused"] if fused else _three_launches(case["T"], case["K"]))
     ws = runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes)
     _check_route(p, ws["router_logits"])
 
@@ -486,7 +494,7 @@ def test_moe_route_gemm(runner, case):
     index first; outputs and workspaces (logits, partial sums) poisoned first."""
     p = _route_problem(case)
     launches = _lower(p.G, p.nid, case["dtype"])
-    assert _route_stages_running(launches, p.sizes) == ["router_gemm", "topk", "align"]
+    assert _route_stages_running(launches, p.sizes) == ["router_gemm", "topk", *_align_stages(case["T"] * case["K"])]
     S = _gemm_splits(runner, launches, p.sizes)
     assert S == 1 or case["sms"] != 1, S
     ws = runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes,
@@ -605,7 +613,7 @@ def test_moe_align_leaves_out_other_ranks_pairs(runner, T, E, K, seed):
 @example(T=85, E=7, K=6, other_ranks=False, seed=3)         # 510 pairs: still the one CTA
 @_settings(10)
 def test_moe_align_parallel(runner, T, E, K, other_ranks, seed):
-    """The count / scan / scatter alignment (moe.cuh 3b; off by default, _moe.ALIGN_PARALLEL_PAIRS)
+    """The count / scan / scatter alignment (moe.cuh 3b; above _moe.ALIGN_PARALLEL_PAIRS)
     switched on above 512 pairs: the same contract as the one-CTA align, with and without pairs
     of other ranks (id -1)."""
     from codegen.families import _moe
