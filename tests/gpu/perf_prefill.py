@@ -324,8 +324,9 @@ def grouped_case(m, T, which):
 
 
 def bench_wgmma(m, shapes):
-    """The wgmma + TMA grouped GEMM (built for sm_90a; _moe.GEMM_WGMMA_TOKENS, off by default) against the
-    mma.sync launch, per shape B x L: us, TFLOP/s, speed-up, and both against torch."""
+    """The wgmma + TMA grouped GEMM (built for sm_90a; above _moe.GEMM_WGMMA_TOKENS in the lowering)
+    against the mma.sync launch, per shape B x L: us, TFLOP/s, speed-up, and both against torch.  Each
+    is lowered with the switch set for it (the mma launch's grid is 0 where wgmma takes over)."""
     from codegen.families import _moe
     runner = KernelRunner()           # builds the wgmma kernel for sm_90a (it requires it), the rest for sm_90
     for B, L in shapes:
@@ -333,9 +334,11 @@ def bench_wgmma(m, shapes):
         print(f"# wgmma vs mma.sync at {B} x {L} = {T} tokens", flush=True)
         for which in ("moe_gate_up_silu", "moe_down"):
             G, nid, kw, flops, outs, check = grouped_case(m, T, which)
-            (mma,) = [la for la in lower(G, nid) if la.stage == "mma"]
-            saved, _moe.GEMM_WGMMA_TOKENS = _moe.GEMM_WGMMA_TOKENS, 8
+            saved = _moe.GEMM_WGMMA_TOKENS
             try:
+                _moe.GEMM_WGMMA_TOKENS = None
+                (mma,) = [la for la in lower(G, nid) if la.stage == "mma"]
+                _moe.GEMM_WGMMA_TOKENS = 8
                 (wg,) = [la for la in lower(G, nid) if la.stage == "wgmma"]
             finally:
                 _moe.GEMM_WGMMA_TOKENS = saved
