@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride, weight
 from codegen.render import kernel_name
-
 from codegen.sizes import only_above, only_below
 
 from ._absorb import min_blocks, token_chunks, variant_tag

@@ -29,19 +29,18 @@ def kv_write_launch(nid, G, opts, ins, outs, norm_weight: str, attrs: dict, grid
     mla_decode_prologue's (codegen/families/mla_decode_query.py), there above its fused token range."""
     (C,) = inner_dims(G, ins[0])
     (R,) = inner_dims(G, ins[1])
-    threads, params = kv_write_params(G, opts, C, R, attrs)
+    params = kv_write_params(G, opts, C, R, attrs)
     act = params["act"]
     return KernelLaunch(
         family=FAMILY, template=TEMPLATE,
         name=kernel_name(FAMILY, [opts.dtype, f"c{C}_r{R}", rope_tag(params)]),
-        params=params, nodes=(nid,), grid=grid, block=(threads, 1, 1),
+        params=params, nodes=(nid,), grid=grid, block=(params["threads"], 1, 1),
         args=(*kv_write_args(opts, ins, outs, norm_weight, act, "w"), size("T", "T")))
 
 
-def kv_write_params(G, opts, C: int, R: int, attrs: dict) -> tuple[int, dict]:
-    rp = rope_params(G, attrs["pairs"], attrs["output"])
-    threads = block_threads_for_row(C, ELEM_BYTES[opts.dtype], lo=64)
-    return threads, {"act": act_ctype(opts), "C": C, "R": R, "threads": threads, "eps": c_float(attrs["eps"]), **rp}
+def kv_write_params(G, opts, C: int, R: int, attrs: dict) -> dict:
+    return {"act": act_ctype(opts), "C": C, "R": R, "threads": block_threads_for_row(C, ELEM_BYTES[opts.dtype], lo=64),
+            "eps": c_float(attrs["eps"]), **rope_params(G, attrs["pairs"], attrs["output"])}
 
 
 def kv_write_args(opts, ins, outs, norm_weight: str, act: str, w_name: str, positions: bool = True) -> tuple:

@@ -105,28 +105,28 @@ def _pdl_sources(plans_list) -> dict:
     return out
 
 
-def _unfused_plans(spec: str) -> dict:
-    """The phases lowered straight from the graph builder, no passes: the families the pipeline
-    fuses away (add, moe_topk, moe_align, moe_gate_up, moe_combine) lower here."""
+def _plans_after(spec: str, passes: list) -> dict:
+    """The phases lowered after `passes` (none: straight from the graph builder)."""
     import ir
     from codegen.lower import lower_graph
+    from ir.passes import run_pipeline
     text = (ROOT / "model_specs" / f"{spec}.yaml").read_text()
     parsed = ir.parse_spec(text, f"{spec}.yaml")
-    return disambiguate({ph: lower_graph(ir.build_graph(parsed, ph), DEFAULTS, strict=False)
+    return disambiguate({ph: lower_graph(run_pipeline(ir.build_graph(parsed, ph), passes), DEFAULTS, strict=False)
                          for ph in ("prefill", "decode")})
+
+
+def _unfused_plans(spec: str) -> dict:
+    """No passes: the families the pipeline fuses away (add, moe_topk, moe_align, moe_gate_up,
+    moe_combine) lower here."""
+    return _plans_after(spec, [])
 
 
 def _partly_fused_plans(spec: str) -> dict:
     """The pipeline without fuse_add_rms_norm and fuse_decode_prologue: the kernels those two fuse
     away in the shipped specs (moe_combine_residual, mla_decode_query, decode's mla_kv_cache_write)."""
-    import ir
-    from codegen.lower import lower_graph
-    from ir.passes import PIPELINE, run_pipeline
-    passes = [p for p in PIPELINE if p.name not in ("fuse_add_rms_norm", "fuse_decode_prologue")]
-    text = (ROOT / "model_specs" / f"{spec}.yaml").read_text()
-    parsed = ir.parse_spec(text, f"{spec}.yaml")
-    return disambiguate({ph: lower_graph(run_pipeline(ir.build_graph(parsed, ph), passes), DEFAULTS, strict=False)
-                         for ph in ("prefill", "decode")})
+    from ir.passes import PIPELINE
+    return _plans_after(spec, [p for p in PIPELINE if p.name not in ("fuse_add_rms_norm", "fuse_decode_prologue")])
 
 
 def _key(k) -> str:

@@ -21,6 +21,7 @@ largest absolute error.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import os
@@ -616,14 +617,10 @@ def test_moe_align_parallel(runner, T, E, K, other_ranks, seed):
     """The count / scan / scatter alignment (moe.cuh 3b; above _moe.ALIGN_PARALLEL_PAIRS)
     switched on above 512 pairs: the same contract as the one-CTA align, with and without pairs
     of other ranks (id -1)."""
-    from codegen.families import _moe
     K = min(K, E)
     G, nid = single_op_graph(tiny_model(), "moe_align", {"num_experts": E}, {"ids": TType(("T", K), "i64")}, {})
-    saved, _moe.ALIGN_PARALLEL_PAIRS = _moe.ALIGN_PARALLEL_PAIRS, 512   # (a fixture would not suit @given)
-    try:
+    with _moe_switch("ALIGN_PARALLEL_PAIRS", 512):
         launches = _lower(G, nid, "bf16")
-    finally:
-        _moe.ALIGN_PARALLEL_PAIRS = saved
     (r_name,) = G.nodes[nid]["outputs"]
     g = _gen(seed)
     ids = _random_ids(T, E, K, g)
@@ -847,16 +844,24 @@ def test_moe_down_pair_counts(runner, case):
     _grouped(runner, "moe_down", case)
 
 
+@contextlib.contextmanager
+def _moe_switch(name: str, value):
+    """_moe.<name> = value inside the block (a fixture would not suit @given)."""
+    saved = getattr(_moe, name)
+    setattr(_moe, name, value)
+    try:
+        yield
+    finally:
+        setattr(_moe, name, saved)
+
+
 def _lower_mma(G, nid, dtype):
     """The lowering with the mma.sync launch at every T above the GEMV (_moe.GEMM_WGMMA_TOKENS off):
     the default hands prefill's token counts to the wgmma launch, which test_kernels_moe_wgmma.py
     covers, and whose TMA maps need 16-byte aligned weights (the runtime's allocations are; these
     tests' shifted views are not, and the mma.sync path is what serves them)."""
-    saved, _moe.GEMM_WGMMA_TOKENS = _moe.GEMM_WGMMA_TOKENS, None   # (a fixture would not suit @given)
-    try:
+    with _moe_switch("GEMM_WGMMA_TOKENS", None):
         return _lower(G, nid, dtype)
-    finally:
-        _moe.GEMM_WGMMA_TOKENS = saved
 
 
 def _lower_bulk(G, nid, dtype):

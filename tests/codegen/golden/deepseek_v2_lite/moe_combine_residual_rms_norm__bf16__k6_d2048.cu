@@ -3,7 +3,7 @@
 // kernel:   moe_combine_residual_rms_norm__bf16__k6_d2048
 // role:     moe_combine_residual_rms_norm
 // params:   {"D":2048,"K":6,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":256}
-// includes: common.cuh, norm.cuh, pdl.cuh, vec.cuh
+// includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, norm.cuh, pdl.cuh, vec.cuh
 // nodes:    head.h, L2-26.h_attn
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layers 2-26 (fuse_add_rms_norm)
@@ -14,11 +14,11 @@
 
 // moe_combine_residual_rms_norm: [eo [NP, D], w [T, K], shared [T, D], residual [T, D]] ->
 // [h = rms_norm(s), s = residual + round(round(sum_k w * eo) + shared)], one CTA per token: the MoE
-// layer's output and the next norm in one sweep over the row (s is written too: the next residual
-// add reads it).  s is rounded to the activation type before it is normalised, as the unfused
-// moe_combine_residual + rms_norm do.
+// layer's output (moe.cuh combine_row) and the next norm in one sweep over the row (s is written
+// too: the next residual add reads it).  s is rounded to the activation type before it is
+// normalised, as the unfused moe_combine_residual + rms_norm do.
+#include "moe.cuh"
 #include "norm.cuh"
-#include "pdl.cuh"
 
 typedef __nv_bfloat16 act_t;
 constexpr int D = 2048;
@@ -42,24 +42,10 @@ moe_combine_residual_rms_norm__bf16__k6_d2048(
   const int t = blockIdx.x;
   if (t >= T) return;
   typedef dsg::RowLayout<act_t, D, THREADS> L;
-  float v[L::ITEMS], e[L::ITEMS];
+  float v[L::ITEMS];
+  dsg::moe::combine_row<act_t, D, K, L>(eo, w, shared, residual, t, v);
 #pragma unroll
-  for (int i = 0; i < L::ITEMS; ++i) v[i] = 0.f;
-  for (int k = 0; k < K; ++k) {
-    const float wk = w[(i64)t * K + k];
-    // a pair of weight 0 adds nothing; its row may never have been written (another rank's expert,
-    // which alignment left out: ir/ops/moe.py combine_ref).  The same for the whole CTA.
-    if (wk == 0.f) continue;
-    L::load(eo + ((i64)t * K + k) * D, e);
-#pragma unroll
-    for (int i = 0; i < L::ITEMS; ++i) v[i] += e[i] * wk;
-  }
-  L::load(shared + (i64)t * D, e);
-#pragma unroll
-  for (int i = 0; i < L::ITEMS; ++i) v[i] = dsg::round_to<act_t>(v[i]) + e[i];
-  L::load(residual + (i64)t * D, e);
-#pragma unroll
-  for (int i = 0; i < L::ITEMS; ++i) v[i] = dsg::round_to<act_t>(e[i] + dsg::round_to<act_t>(v[i]));
+  for (int i = 0; i < L::ITEMS; ++i) v[i] = dsg::round_to<act_t>(v[i]);
   L::store(s + (i64)t * D, v);
   dsg::rms_norm_row<act_t, D, L>(v, nw, EPS, scratch);
   L::store(h + (i64)t * D, v);

@@ -1054,8 +1054,17 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* _
 // ---- 5. combine: out[t] = round(sum_k w[t, k] * eo[t*K + k])  (+ shared, + residual) --------
 // Pairs of weight 0 are skipped, not multiplied (their rows may be unwritten).
 // Grid (T, cdiv(D, NT * VEC)): each thread owns one VEC-wide slice of one token's row.
-// RESID mirrors the reference's rounding: residual + round(round(routed) + shared).
+// RESID mirrors the reference's rounding (plus_shared, plus_residual).
 // VECTOR: one load / store per slice (bases aligned), else element accesses of the same slice.
+
+// The MoE layer's output where the unfused chain rounds, in its two steps: y = round(routed) +
+// shared (moe_combine's output, then the shared experts' add), then residual + round(y); the caller
+// rounds that to T as it stores it.
+template <typename T>
+__device__ __forceinline__ float plus_shared(float routed, float shared) { return round_to<T>(routed) + shared; }
+template <typename T>
+__device__ __forceinline__ float plus_residual(float y, float residual) { return residual + round_to<T>(y); }
+
 template <typename T, int D, int K, int VEC, bool RESID, bool VECTOR>
 __device__ __forceinline__ void combine_slice(const T* __restrict__ eo, const float* __restrict__ w,
                                               const T* __restrict__ shared, const T* __restrict__ residual,
@@ -1085,7 +1094,7 @@ __device__ __forceinline__ void combine_slice(const T* __restrict__ eo, const fl
       load_f_scalar<T, VEC>(residual + (i64)t * D + d, re);
     }
 #pragma unroll
-    for (int v = 0; v < VEC; ++v) s[v] = re[v] + round_to<T>(round_to<T>(s[v]) + sh[v]);
+    for (int v = 0; v < VEC; ++v) s[v] = plus_residual<T>(plus_shared<T>(s[v], sh[v]), re[v]);
   }
   if constexpr (VECTOR) store_f<T, VEC>(out + (i64)t * D + d, s);
   else store_f_scalar<T, VEC>(out + (i64)t * D + d, s);
@@ -1108,6 +1117,31 @@ __device__ __forceinline__ void combine(const T* __restrict__ eo, const float* _
     }
   }
   combine_slice<T, D, K, VEC, RESID, false>(eo, w, shared, residual, out, t, d);
+}
+
+// The RESID combine of token t's whole row in RowLayout L (vec.cuh, which the caller includes; one
+// CTA a token, so the row can feed a block reduction: moe_combine_residual_rms_norm.cu.j2): v[i]
+// before its rounding to T.
+template <typename T, int D, int K, typename L>
+__device__ __forceinline__ void combine_row(const T* __restrict__ eo, const float* __restrict__ w,
+                                            const T* __restrict__ shared, const T* __restrict__ residual, int t,
+                                            float (&v)[L::ITEMS]) {
+  float e[L::ITEMS];
+#pragma unroll
+  for (int i = 0; i < L::ITEMS; ++i) v[i] = 0.f;
+  for (int k = 0; k < K; ++k) {
+    const float wk = w[(i64)t * K + k];
+    if (wk == 0.f) continue;     // as combine_slice; the same for the whole CTA
+    L::load(eo + ((i64)t * K + k) * D, e);
+#pragma unroll
+    for (int i = 0; i < L::ITEMS; ++i) v[i] += e[i] * wk;
+  }
+  L::load(shared + (i64)t * D, e);
+#pragma unroll
+  for (int i = 0; i < L::ITEMS; ++i) v[i] = plus_shared<T>(v[i], e[i]);
+  L::load(residual + (i64)t * D, e);
+#pragma unroll
+  for (int i = 0; i < L::ITEMS; ++i) v[i] = plus_residual<T>(v[i], e[i]);
 }
 
 }  // namespace moe
