@@ -32,6 +32,7 @@ from .errors import InputError
 from .h2d import upload
 from .launcher import KernelRunner
 
+_LAYOUTS_KEPT = 64   # (phase, sizes) layouts kept before the cache starts over
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _VALUE_DTYPES = {"f32": torch.float32, "i64": torch.int64, "i32": torch.int32}
 
@@ -104,6 +105,9 @@ class CudaBackend:
         self.dtype = dtype
         self.top_k = top_k
         self.use_graphs = True        # decode steps replay CUDA graphs (turn off to launch eagerly)
+        self._schedules: dict[str, list] = {}   # phase -> its steps by node (_schedule)
+        self._layouts: dict[tuple, dict] = {}     # (phase, sizes its buffers read) -> name -> _layout
+        self._buffer_sizes: dict[str, tuple] = {}  # phase -> the size names its buffer plan reads
         from .cuda_graphs import DecodeGraphs
         self.graphs_decode = DecodeGraphs(self)
 
@@ -128,25 +132,65 @@ class CudaBackend:
     def _shape(self, shape, sizes) -> tuple:
         return tuple(size_exprs.evaluate(d, sizes) if isinstance(d, str) else d for d in shape)
 
-    def _materialize(self, name: str, plan, env: dict, sizes: dict, ctx: StepContext, device) -> None:
+    def _layout(self, name: str, plan, sizes: dict, shapes: dict):
+        """What the buffer plan says of `name` at these sizes, worked out once per sizes (`shapes`
+        is that sizes' cache): ("state", layer) | ("routing", parts) | ("view", base, shape, strides,
+        offset) | ("new", shape, dtype)."""
+        got = shapes.get(name)
+        if got is None:
+            buf = plan.buffers[name]
+            if buf.dtype == "state":
+                got = ("state", buf.layer)
+            elif buf.dtype == "routing":
+                got = ("routing", tuple(buf.parts))
+            elif buf.view is not None:
+                got = ("view", buf.view.base, self._shape(buf.shape, sizes), self._shape(buf.view.strides, sizes),
+                       buf.view.offset)
+            else:
+                got = ("new", self._shape(buf.shape, sizes),
+                       self.dtype if buf.dtype == "act" else _VALUE_DTYPES[buf.dtype])
+            shapes[name] = got
+        return got
+
+    def _shapes_at(self, phase: str, sizes: dict) -> dict:
+        """The layout cache of `phase` at these sizes, keyed by the sizes its buffer plan reads (a
+        decode step's growing context reads none of them, so eager decode hits it every step);
+        emptied when it holds _LAYOUTS_KEPT of them (a server's prompts have many lengths)."""
+        names = self._buffer_sizes.get(phase)
+        if names is None:
+            names = set()
+            for buf in self.plans[phase].buffers.values():
+                for d in (*buf.shape, *(buf.view.strides if buf.view is not None else ())):
+                    names |= size_exprs.names(d)
+            names = self._buffer_sizes[phase] = tuple(sorted(names))
+        key = (phase, *(sizes.get(n) for n in names))
+        shapes = self._layouts.get(key)
+        if shapes is None:
+            if len(self._layouts) >= _LAYOUTS_KEPT:
+                self._layouts.clear()
+            shapes = self._layouts[key] = {}
+        return shapes
+
+    def _materialize(self, name: str, plan, env: dict, sizes: dict, ctx: StepContext, device,
+                     shapes: dict | None = None) -> None:
         if name in env:
             return
-        buf = plan.buffers[name]
-        if buf.dtype == "state":
-            env[name] = ctx.kv_cache[buf.layer]
-        elif buf.dtype == "routing":
-            for part in buf.parts:
-                self._materialize(part, plan, env, sizes, ctx, device)
-            env[name] = {"order": env[buf.parts[0]], "offsets": env[buf.parts[1]]}
-        elif buf.view is not None:
-            self._materialize(buf.view.base, plan, env, sizes, ctx, device)
-            base = env[buf.view.base]
-            shape = self._shape(buf.shape, sizes)
-            strides = self._shape(buf.view.strides, sizes)
-            env[name] = base.as_strided(shape, strides, base.storage_offset() + buf.view.offset)
+        if shapes is None:
+            shapes = {}
+        got = self._layout(name, plan, sizes, shapes)
+        if got[0] == "new":
+            env[name] = torch.empty(got[1], dtype=got[2], device=device)
+        elif got[0] == "view":
+            _, base_name, shape, strides, offset = got
+            self._materialize(base_name, plan, env, sizes, ctx, device, shapes)
+            base = env[base_name]
+            env[name] = base.as_strided(shape, strides, base.storage_offset() + offset)
+        elif got[0] == "state":
+            env[name] = ctx.kv_cache[got[1]]
         else:
-            dtype = self.dtype if buf.dtype == "act" else _VALUE_DTYPES[buf.dtype]
-            env[name] = torch.empty(self._shape(buf.shape, sizes), dtype=dtype, device=device)
+            for part in got[1]:
+                self._materialize(part, plan, env, sizes, ctx, device, shapes)
+            env[name] = {"order": env[got[1][0]], "offsets": env[got[1][1]]}
 
     def _meta(self, ctx: StepContext, device) -> dict:
         starts = list(itertools.accumulate(ctx.query_lens, initial=0))
@@ -164,17 +208,29 @@ class CudaBackend:
             return self.graphs_decode.run(ids, ctx)
         return self._forward(phase, ids, ctx, self._meta(ctx, ids.device), self._sizes(ctx))
 
+    def _schedule(self, phase: str) -> list:
+        """The phase's steps by node, in order: (node, its launches, its library call or None), made
+        once per phase.  A node's steps are consecutive: its launches (sharing workspaces), one
+        library call, or both (a linear: the launches below call.from_tokens tokens, the library
+        call from there on; T is known on the host, so a captured decode graph holds exactly one
+        of them)."""
+        sched = self._schedules.get(phase)
+        if sched is None:
+            sched = []
+            for node, group in itertools.groupby(self.plans[phase].steps, key=_node_of):
+                steps = list(group)
+                call = steps[-1] if isinstance(steps[-1], LibraryCall) else None
+                sched.append((node, [s for s in steps if isinstance(s, KernelLaunch)], call))
+            self._schedules[phase] = sched
+        return sched
+
     def _forward(self, phase: str, ids: torch.Tensor, ctx: StepContext, meta: dict, sizes: dict) -> torch.Tensor:
         plan = self.plans[phase]
         device = ids.device
         env = {"ids": ids}
-        # A node's steps are consecutive: its launches (sharing workspaces), one library call, or
-        # both (a linear: the launches below call.from_tokens tokens, the library call from there on;
-        # T is known on the host, so a captured decode graph holds exactly one of them).
-        for node, group in itertools.groupby(plan.steps, key=_node_of):
-            steps = list(group)
-            call = steps[-1] if isinstance(steps[-1], LibraryCall) else None
-            launches = [s for s in steps if isinstance(s, KernelLaunch)]
+        sizes = KernelRunner.step_sizes(sizes, meta, env)   # once a step (the device's SM count too)
+        shapes = self._shapes_at(phase, sizes)
+        for node, launches, call in self._schedule(phase):
             if call is not None and launches and not call.runs_at(sizes["T"]):
                 call = None   # the kernels' turn
             if call is not None and call.op in _ALLOCATING:
@@ -185,7 +241,7 @@ class CudaBackend:
                 continue
             info = plan.nodes[node]
             for out in info.outputs:
-                self._materialize(out, plan, env, sizes, ctx, device)
+                self._materialize(out, plan, env, sizes, ctx, device, shapes)
             if call is not None:
                 continue   # a view: the buffer plan made it
             meta["kv_cache"] = ctx.kv_cache[info.layer] if info.layer is not None else None

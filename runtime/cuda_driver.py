@@ -294,7 +294,13 @@ def launch(func, grid: tuple[int, int, int], block: tuple[int, int, int], shared
     block = _dims("block", block, allow_zero=False)
     if 0 in grid:
         return  # e.g. no tokens this step; CUDA would reject a zero-sized grid
-    params = pack_args(args)
+    launch_packed(func, grid, block, shared_mem, pack_args(args), stream, pdl=pdl)
+
+
+def launch_packed(func, grid: tuple, block: tuple, shared_mem: int, params: tuple,
+                  stream: int | torch.cuda.Stream | None = None, *, pdl: bool = False) -> None:
+    """launch() for arguments already packed (pack_args' form) and dims already checked (a
+    non-empty grid): the runner's path, which works both out once per launch and step sizes."""
     if stream is None:
         stream = torch.cuda.current_stream().cuda_stream
     elif isinstance(stream, torch.cuda.Stream):
@@ -321,7 +327,7 @@ def launch(func, grid: tuple[int, int, int], block: tuple[int, int, int], shared
                         f"LoadedModule.function(name, shared_mem={shared_mem})")
             else:
                 hint = (f"check the kernel's parameter count and types "
-                        f"({len(args)} arguments given)")
+                        f"({len(params[0])} arguments given)")
         call = "cuLaunchKernelEx(programmatic dependent launch, " if pdl else "cuLaunchKernel("
         _raise(err, f"{call}grid={grid}, block={block}, shared_mem={shared_mem})", hint)
 

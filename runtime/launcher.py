@@ -77,6 +77,92 @@ def _lookup_value(values: dict, name: str, launch: KernelLaunch, ref) -> torch.T
                       f"values given: {', '.join(sorted(values)) or '(none)'}")
 
 
+# What a launch argument is fetched from at launch time (_Bound.fetch): the first four index the
+# tables _run looks tensors up in; the rest are resolved otherwise.
+_VALUE, _WEIGHT, _CTX, _WORKSPACE, _CONST, _STRIDE, _TMAP = range(7)
+_POINTER_TABLES = {ValueRef: (_VALUE, "name"), WeightRef: (_WEIGHT, "name"), CtxRef: (_CTX, "field"),
+                   WorkspaceRef: (_WORKSPACE, "name")}
+
+
+_BOUNDS_KEPT = 1 << 15   # _Bound records kept (~600 a step's sizes) before the cache starts over
+
+
+def _size_names(launch: KernelLaunch) -> tuple:
+    """The step / device sizes a launch's grid, shared memory, workspaces and size arguments read."""
+    names = set()
+    for expr in (*launch.grid, launch.smem, *(d for ws in launch.workspace for d in ws.shape),
+                 *(a.ref.expr for a in launch.args if isinstance(a.ref, SizeRef))):
+        names |= size_exprs.names(expr)
+    return tuple(sorted(names))
+
+
+def _stream_handle(stream):
+    """The raw handle of `stream` (None: torch's current stream, resolved here once for a run of
+    launches; no CUDA: left as None for the driver layer, which resolves it at launch)."""
+    if stream is None:
+        return torch.cuda.current_stream().cuda_stream if torch.cuda.is_available() else None
+    return stream.cuda_stream if isinstance(stream, torch.cuda.Stream) else stream
+
+
+class _Bound:
+    """One KernelLaunch at one set of step sizes: everything the sizes decide, worked out once.
+
+    grid (None when a dimension is 0: nothing launches), shared memory, the workspaces'
+    (name, shape, dtype) and, per argument, its ctypes type and how _run fetches it: a packed
+    constant (a size), a table and name (a tensor), a value's stride, or a tensor map.  The
+    CUfunction is looked up at the first launch (it loads the module)."""
+    __slots__ = ("launch", "grid", "smem", "workspaces", "fetch", "types", "func")
+
+    @classmethod
+    def make(cls, launch: KernelLaunch, sizes: dict, *, geometry_only: bool = False):
+        from .cuda_driver import _dims
+        b = cls()
+        b.launch, b.func = launch, None
+        grid = _dims("grid", tuple(size_exprs.evaluate(g, sizes) for g in launch.grid), allow_zero=True)
+        _dims("block", tuple(launch.block), allow_zero=False)
+        b.grid = None if 0 in grid else grid
+        b.smem = size_exprs.evaluate(launch.smem, sizes)
+        workspaces = []
+        for ws in launch.workspace:
+            if ws.dtype != "act" and ws.dtype not in _WORKSPACE_DTYPES:
+                raise LaunchError(f"kernel {launch.name}: workspace {ws.name} has unknown dtype "
+                                  f"{ws.dtype!r} (f32 | i32 | i64 | act)")
+            workspaces.append((ws.name, tuple(size_exprs.evaluate(d, sizes) for d in ws.shape),
+                               "act" if ws.dtype == "act" else _WORKSPACE_DTYPES[ws.dtype]))
+        b.workspaces = tuple(workspaces)
+        b.fetch, b.types = (), ()
+        if b.grid is None or geometry_only:
+            return b
+        import ctypes
+
+        from .cuda_driver import I32, I64
+        fetch, types = [], []
+        scalar_types = {"i32": ctypes.c_int, "i64": ctypes.c_longlong, "f32": ctypes.c_float}
+        for arg in launch.args:
+            ref = arg.ref
+            if isinstance(ref, TensorMapRef):
+                fetch.append((_TMAP, None))
+                types.append(None)     # by address: cuda-bindings copies the 128 bytes
+            elif arg.is_pointer:
+                if type(ref) not in _POINTER_TABLES:
+                    raise LaunchError(f"kernel {launch.name}: pointer argument {arg.name} binds {describe_ref(ref)}")
+                table, field = _POINTER_TABLES[type(ref)]
+                fetch.append((table, getattr(ref, field)))
+                types.append(ctypes.c_void_p)
+            elif isinstance(ref, StrideRef):
+                fetch.append((_STRIDE, (ref.value, ref.dim)))
+                types.append(scalar_types[arg.kind])
+            elif isinstance(ref, SizeRef):
+                n = size_exprs.evaluate(ref.expr, sizes)
+                value = float(n) if arg.kind == "f32" else {"i32": I32, "i64": I64}[arg.kind](n).value
+                fetch.append((_CONST, value))
+                types.append(scalar_types[arg.kind])
+            else:
+                raise LaunchError(f"kernel {launch.name}: scalar argument {arg.name} binds {describe_ref(ref)}")
+        b.fetch, b.types = tuple(fetch), tuple(types)
+        return b
+
+
 class KernelRunner:
     """Compile-or-load and launch kernels described by KernelLaunch records."""
 
@@ -87,6 +173,8 @@ class KernelRunner:
         self._modules: dict[str, object] = {}        # kernel name -> LoadedModule
         self._cubins: dict[str, bytes] | None = None  # set by from_bundle: no compiling then
         self._tensor_maps: dict[tuple, object] = {}  # (weight address, geometry, box) -> TensorMap
+        self._bounds: dict[tuple, _Bound] = {}       # (id(launch), the sizes it reads) -> what they decide
+        self._reads: dict[int, tuple] = {}           # id(launch) -> (launch, the size names it reads)
         self.sources: dict[str, str] = {}            # kernel name -> rendered CUDA (compiled ones)
 
     @property
@@ -203,19 +291,8 @@ class KernelRunner:
 
     def workspaces(self, launch: KernelLaunch, *, values: dict, weights: dict, ctx: dict,
                    sizes: dict) -> dict[str, torch.Tensor]:
-        device = _device(values, weights, ctx)
-        out: dict[str, torch.Tensor] = {}
-        for ws in launch.workspace:
-            shape = tuple(size_exprs.evaluate(d, sizes) for d in ws.shape)
-            if ws.dtype == "act":
-                dtype = _act_dtype(values, weights)
-            elif ws.dtype in _WORKSPACE_DTYPES:
-                dtype = _WORKSPACE_DTYPES[ws.dtype]
-            else:
-                raise LaunchError(f"kernel {launch.name}: workspace {ws.name} has unknown dtype "
-                                  f"{ws.dtype!r} (f32 | i32 | i64 | act)")
-            out[ws.name] = torch.empty(shape, dtype=dtype, device=device)
-        return out
+        """The launch's workspaces at these sizes, freshly allocated."""
+        return self._allocate(_Bound.make(launch, sizes, geometry_only=True), values, weights, ctx)
 
     @staticmethod
     def step_sizes(sizes: dict, ctx: dict, values: dict | None = None) -> dict:
@@ -239,19 +316,9 @@ class KernelRunner:
         """Launch one kernel; returns its workspaces (allocated here unless given).  A launch whose
         grid is empty at these sizes (the forms a family does not use at this T: grid factors) binds
         nothing and loads no module: it would launch nothing."""
-        from .cuda_driver import launch as cu_launch
         weights, ctx = weights or {}, ctx or {}
         sizes = self.step_sizes(sizes or {}, ctx, values)
-        if workspaces is None:
-            workspaces = self.workspaces(launch, values=values, weights=weights, ctx=ctx, sizes=sizes)
-        grid = tuple(size_exprs.evaluate(g, sizes) for g in launch.grid)
-        if 0 in grid:
-            return workspaces
-        smem = size_exprs.evaluate(launch.smem, sizes)
-        args = [self._arg(a, launch, values, weights, ctx, workspaces, sizes) for a in launch.args]
-        func = self.module(launch).function(launch.name, smem)
-        cu_launch(func, grid, tuple(launch.block), smem, args, stream, pdl=launch.pdl)
-        return workspaces
+        return self._run(self._bound(launch, sizes), values, weights, ctx, sizes, _stream_handle(stream), workspaces)
 
     def run_all(self, launches, *, values: dict, weights: dict | None = None, ctx: dict | None = None,
                 sizes: dict | None = None, stream=None, workspaces: dict | None = None) -> dict[str, torch.Tensor]:
@@ -259,19 +326,92 @@ class KernelRunner:
         sharing workspaces by name (each allocated once); returns them all."""
         weights, ctx = weights or {}, ctx or {}
         sizes = self.step_sizes(sizes or {}, ctx, values)
+        stream = _stream_handle(stream)
         shared: dict[str, torch.Tensor] = dict(workspaces or {})
         for launch in launches:
-            if any(ws.name not in shared for ws in launch.workspace):
-                for name, t in self.workspaces(launch, values=values, weights=weights, ctx=ctx, sizes=sizes).items():
-                    shared.setdefault(name, t)
-            self.run(launch, values=values, weights=weights, ctx=ctx, sizes=sizes, stream=stream, workspaces=shared)
+            self._run(self._bound(launch, sizes), values, weights, ctx, sizes, stream, shared)
         return shared
+
+    # -- the launch path ------------------------------------------------------
+    # An eager prefill step is ~600 launches; evaluating each launch's expressions and checking each
+    # argument's type anew cost ~60 us of Python a launch (more than most of prefill's kernels take
+    # on the GPU).  What the step's sizes decide is worked out once per (launch, sizes) (_Bound);
+    # a launch then fetches its tensors, packs, and calls the driver.
+
+    def _bound(self, launch: KernelLaunch, sizes: dict) -> "_Bound":
+        """The launch's _Bound at these sizes, kept per launch and the sizes its expressions read
+        (a decode attention's split count reads the context, an RMSNorm only T); the cache starts
+        over when it holds _BOUNDS_KEPT of them."""
+        reads = self._reads.get(id(launch))
+        if reads is None or reads[0] is not launch:
+            reads = self._reads[id(launch)] = (launch, _size_names(launch))
+        key = (id(launch), *(sizes.get(n) for n in reads[1]))
+        bound = self._bounds.get(key)
+        if bound is None or bound.launch is not launch:
+            if len(self._bounds) >= _BOUNDS_KEPT:
+                self._bounds.clear()
+            bound = self._bounds[key] = _Bound.make(launch, sizes)
+        return bound
+
+    def _run(self, bound: "_Bound", values: dict, weights: dict, ctx: dict, sizes: dict, stream: int,
+             workspaces: dict | None) -> dict[str, torch.Tensor]:
+        launch = bound.launch
+        if workspaces is None:
+            workspaces = {}
+        if any(name not in workspaces for name, _, _ in bound.workspaces):
+            for name, t in self._allocate(bound, values, weights, ctx).items():
+                workspaces.setdefault(name, t)
+        if bound.grid is None:
+            return workspaces
+        if bound.func is None:
+            bound.func = self.module(launch).function(launch.name, bound.smem)
+        tables = (values, weights, ctx, workspaces)
+        params = []
+        for i, (kind, x) in enumerate(bound.fetch):
+            if kind == _CONST:
+                params.append(x)
+                continue
+            if kind == _STRIDE:
+                t = values.get(x[0])
+                params.append(int(t.stride(x[1])) if t is not None else
+                              self._arg(launch.args[i], launch, values, weights, ctx, workspaces, sizes).value)
+                continue
+            if kind == _TMAP:
+                params.append(self._tensor_map(launch.args[i], launch, weights))
+                continue
+            t = tables[kind].get(x)
+            if t is None or (kind == _CTX and x == "kv_cache") or not hasattr(t, "data_ptr"):
+                t = self._arg(launch.args[i], launch, values, weights, ctx, workspaces, sizes)   # names what is wrong
+                if t is None:
+                    params.append(0)
+                    continue
+                if not hasattr(t, "data_ptr"):
+                    raise LaunchError(f"kernel {launch.name}: argument {launch.args[i].name} "
+                                      f"({describe_ref(launch.args[i].ref)}) is a {type(t).__name__}, not a tensor")
+            if not t.is_cuda:   # a host pointer in a kernel faults and poisons the whole context
+                raise LaunchError(f"kernel {launch.name}: argument {launch.args[i].name} is a {t.device} tensor; "
+                                  f"kernels need CUDA tensors")
+            params.append(t.data_ptr())
+        from .cuda_driver import launch_packed
+        launch_packed(bound.func, bound.grid, launch.block, bound.smem, (tuple(params), bound.types), stream,
+                      pdl=launch.pdl)
+        return workspaces
+
+    def _allocate(self, bound: "_Bound", values: dict, weights: dict, ctx: dict) -> dict[str, torch.Tensor]:
+        device = _device(values, weights, ctx)
+        out = {}
+        for name, shape, dtype in bound.workspaces:
+            out[name] = torch.empty(shape, dtype=_act_dtype(values, weights) if dtype == "act" else dtype,
+                                    device=device)
+        return out
 
     def close(self) -> None:
         for mod in self._modules.values():
             mod.unload()
         self._modules.clear()
         self._tensor_maps.clear()
+        self._bounds.clear()
+        self._reads.clear()
 
 
 def manifest_kernels(bundle_dir: str | Path) -> list[str]:

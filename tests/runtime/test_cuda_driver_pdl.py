@@ -164,15 +164,30 @@ class _Module:
         return f"func:{name}"
 
 
+class DeviceTensor:
+    """What the runner reads of a CUDA tensor (no GPU here)."""
+    is_cuda = True
+    device = "cuda:0"
+
+    def __init__(self, address: int, strides=(1,)):
+        self.address, self.strides = address, strides
+
+    def data_ptr(self):
+        return self.address
+
+    def stride(self, dim):
+        return self.strides[dim]
+
+
 def test_the_runner_launches_each_step_as_its_record_says(monkeypatch):
     seen = []
-    monkeypatch.setattr(cd, "launch", lambda func, grid, block, smem, args, stream=None, *, pdl=False:
+    monkeypatch.setattr(cd, "launch_packed", lambda func, grid, block, smem, params, stream=None, *, pdl=False:
                         seen.append((func, grid, pdl)))
     runner = KernelRunner("sm_90")
     monkeypatch.setattr(runner, "module", lambda launch: _Module())
     base = dict(family="rms_norm", template="rms_norm.cu.j2", params={}, nodes=("n",), grid=("T", 1, 1),
                 block=(32, 1, 1), args=(Arg("x", "const float*", ValueRef("x")), Arg("T", "int", SizeRef("T"))))
-    x = torch.zeros(3)
+    x = DeviceTensor(0x1000)
     for name, pdl in (("k_pdl", True), ("k_plain", False)):
         runner.run(KernelLaunch(name=name, pdl=pdl, **base), values={"x": x}, sizes={"T": 3, "SMS": 132})
     assert seen == [("func:k_pdl", (3, 1, 1), True), ("func:k_plain", (3, 1, 1), False)]
