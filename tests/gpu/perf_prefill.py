@@ -1,6 +1,7 @@
 """Prefill kernel timings at DeepSeek-V2-Lite dims (a script, not a test).
 
     python3 tests/gpu/perf_prefill.py [--batch 32] [--seqlen 512] [--families moe,attn,...]
+                                      [--attn-variants v1,v2,v2_m128n32w32s]
                                       [--route-tokens 257,2048,16384] [--route-variants default,gemv,align0]
                                       [--gemm-variants wgmma,64x3] [--wgmma-shapes 32x512,1x2048]
 
@@ -126,7 +127,12 @@ def report(name, ms, predict_us, note=""):
     print(f"{name:<58} {ms * 1e3:>11.1f} us   roofline ~{predict_us:>7.0f} us  {note}", flush=True)
 
 
-def bench_attention(runner, m, B, L):
+def bench_attention(runner, m, B, L, variants=("v1",)):
+    """The prefill attention at B prompts of L tokens, once per tensor-core variant (each lowered with
+    mla_prefill_attention.TC_VARIANT set to it, restored after; their kernel names differ, so one
+    runner holds them all): time, TFLOP/s, and a spot check of two sequences against torch sdpa
+    (the output is poisoned with NaN before each variant, so rows it leaves unwritten show)."""
+    from codegen.families import mla_prefill_attention as fam
     d = m.dims
     H, N, R, V, C = d["heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"], d["kv_lora_rank"]
     T = B * L
@@ -146,21 +152,31 @@ def bench_attention(runner, m, B, L):
               sizes={"T": T, "B": B, "MAXQ": L, "MAXCTX": L, "NP": T})
     flops = B * H * (L * (L + 1) / 2) * (N + R + V) * 2
     byts = (T * H * (N + R) + T * H * (N + V) + T * H * V) * 2
-    for launch in lower(G, nid):
-        ms = time_launch(runner, launch, kw)
-        report(launch.name, ms, max(flops / 700e12, byts / 4e12) * 1e6, f"{flops / ms / 1e9:.0f} TFLOP/s")
-    # spot check two sequences against torch (fp32)
+    # the reference: two sequences against torch (fp32)
     scale = G.graph["model"].softmax_scale
-    errs = []
+    refs = {}
     for b in (0, B - 1):
         sl = slice(b * L, (b + 1) * L)
         q = torch.cat([q_nope[sl], q_rot[sl]], -1).float().transpose(0, 1)               # [H, L, DK]
         kvb = kv[sl].view(L, H, N + V).float()
         k = torch.cat([kvb[..., :N], k_rot[sl].float()[:, None, :].expand(L, H, R)], -1).transpose(0, 1)
         v = kvb[..., N:].transpose(0, 1)
-        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        errs.append(relerr(out[sl].view(L, H, V).transpose(0, 1), ref))
-    print(f"    spot check vs torch sdpa: max rel err {max(errs):.2e}", flush=True)
+        refs[b] = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    for variant in variants:
+        saved = fam.TC_VARIANT
+        try:
+            fam.TC_VARIANT = variant
+            launches = lower(G, nid)
+        finally:
+            fam.TC_VARIANT = saved
+        out.fill_(float("nan"))
+        for launch in launches:
+            ms = time_launch(runner, launch, kw)
+            report(launch.name, ms, max(flops / 700e12, byts / 4e12) * 1e6, f"{flops / ms / 1e9:.0f} TFLOP/s")
+        errs = [relerr(out[b * L:(b + 1) * L].view(L, H, V).transpose(0, 1), ref) for b, ref in refs.items()]
+        nan = torch.isnan(out).any().item()
+        print(f"    {variant}: spot check vs torch sdpa: max rel err {max(errs):.2e}; unwritten/NaN: {nan}",
+              flush=True)
 
 
 def route_variant(name: str):
@@ -395,6 +411,10 @@ def main():
     ap.add_argument("--align-parallel", type=int, default=None, metavar="PAIRS",
                     help="also time the route with the count / scan / scatter alignment above PAIRS pairs "
                          "(_moe.ALIGN_PARALLEL_PAIRS; off in the lowering by default): --route-variants alignPAIRS")
+    ap.add_argument("--attn-variants", default="v1",
+                    help="comma-separated tensor-core prefill attention variants to time, each lowered with "
+                         "mla_prefill_attention.TC_VARIANT set to it: v1 (MlaPrefillTC), v2 (MlaPrefillTC2 at "
+                         "its default tile), v2_m<BM>n<BN>w<16|32><q|s>[b<CTAs>] (see that module)")
     ap.add_argument("--route-tokens", default="", help="T values for the route (default: batch * seqlen)")
     ap.add_argument("--route-variants", default="default",
                     help="comma-separated: default, gemv, alignP, tileBMxBNxTMxTN (see the module docstring)")
@@ -407,7 +427,7 @@ def main():
     print(f"# {torch.cuda.get_device_name()}  T = {a.batch} x {a.seqlen} = {T}", flush=True)
     print(f"{'kernel':<58} {'time':>14}   {'prediction':>18}", flush=True)
     if "attn" in fams:
-        bench_attention(runner, m, a.batch, a.seqlen)
+        bench_attention(runner, m, a.batch, a.seqlen, a.attn_variants.split(","))
     if "route" in fams:
         variants = a.route_variants.split(",")
         if a.align_parallel is not None:

@@ -1,0 +1,102 @@
+"""The tensor-core prefill attention's variants (mla_prefill_attention.TC_VARIANT): v1 stays the
+default with the kernel name it always had; each MlaPrefillTC2 tile lowers to its own kernel name,
+its shared-memory size agrees with the template's static_assert (NVRTC, sm_90, on the CPU), and at
+V2-Lite's dims it runs on HMMA without register spills."""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu"))
+from harness import single_op_graph, tiny_model  # noqa: E402
+from sass import cuobjdump, opcodes  # noqa: E402
+
+import ir  # noqa: E402
+from codegen.errors import LoweringError  # noqa: E402
+from codegen.families import mla_prefill_attention as fam  # noqa: E402
+from codegen.kernel import Options  # noqa: E402
+from codegen.nvrtc import compile_cubin  # noqa: E402
+from codegen.render import render_launch  # noqa: E402
+from ir.ops import TType  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HMMA = {"bf16": "HMMA.16816.F32.BF16", "fp16": "HMMA.16816.F32"}
+
+
+@functools.lru_cache(maxsize=None)
+def _graph(name: str):
+    if name == "lite":
+        m = ir.load_spec(os.path.join(ROOT, "model_specs", "deepseek_v2_lite.yaml")).model
+    else:   # every width odd that may be (R is even: rotary pairs): the gather path, padded tiles
+        m = tiny_model(hidden=41, heads=3, kv_lora_rank=21, qk_rope_head_dim=6, qk_nope_head_dim=33,
+                       v_head_dim=19, intermediate=37, moe_intermediate=15)
+    d = m.dims
+    H, N, R, V = d["heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"]
+    a = lambda *s: TType(("T", *s), "act")  # noqa: E731
+    return single_op_graph(m, "mla_prefill_attention", {}, {"qn": a(H, N), "qr": a(H, R), "kv": a(H * (N + V)),
+                                                            "kr": a(R)}, {})
+
+
+def _lower(name: str, dtype: str, variant: str, monkeypatch):
+    G, nid = _graph(name)
+    monkeypatch.setattr(fam, "TC_VARIANT", variant)
+    (launch,) = fam.lower(nid, G, Options(dtype=dtype))
+    return launch
+
+
+def test_v2_is_the_default_and_v1_keeps_its_name(monkeypatch):
+    # v2 at its default tile measured fastest at 1x2048 on the H200 (runtime/PERF_NOTES.md v11)
+    assert fam.TC_VARIANT == "v2"
+    G, nid = _graph("lite")
+    (default,) = fam.lower(nid, G, Options(dtype="bf16"))
+    assert default.name == "mla_prefill_attention__bf16__h16_n128_r64_v128__mma__v2_m64n64w16q"
+    launch = _lower("lite", "bf16", "v1", monkeypatch)
+    assert launch.name == "mla_prefill_attention__bf16__h16_n128_r64_v128__mma"
+    assert "tc2" not in launch.params and launch.block == (128, 1, 1)
+    assert launch.smem == fam.tc_smem_bytes(128, 64, 128)
+
+
+def test_variant_spellings():
+    assert fam.tc_variant("v1") is None
+    assert fam.tc_variant("v2") == fam.tc_variant(fam.TC2_DEFAULT)
+    t = fam.tc_variant("v2_m128n32w32sb2")
+    assert (t.bm, t.bn, t.wm, t.qreg, t.minb, t.threads) == (128, 32, 32, False, 2, 128)
+    assert t.name == "v2_m128n32w32sb2"
+    for bad in ("v3", "v2_m64n64w8q", "v2_m48n64w32q", "v2_m64n40w16q", "v2_m64n0w16q", "v2_m64n64w16"):
+        with pytest.raises(LoweringError):
+            fam.tc_variant(bad)
+
+
+def test_fp32_ignores_the_variant(monkeypatch):
+    launch = _lower("lite", "fp32", "v2", monkeypatch)
+    assert "mma" not in launch.name and "tc2" not in launch.params
+
+
+@pytest.mark.parametrize("name,dtype,variant", [
+    ("lite", "bf16", "v2"),
+    ("lite", "fp16", "v2_m128n32w32s"),
+    ("lite", "bf16", "v2_m64n32w16qb3"),
+    ("odd", "fp16", "v2"),
+    ("odd", "bf16", "v2_m64n32w32s"),
+])
+def test_tc2_compiles(name, dtype, variant, monkeypatch):
+    launch = _lower(name, dtype, variant, monkeypatch)
+    tile = fam.tc_variant(variant)
+    assert launch.name.endswith(f"__mma__{tile.name}")
+    assert launch.block == (tile.threads, 1, 1) and launch.grid[0] == f"cdiv(MAXQ, {tile.bm})"
+    src = render_launch(launch)
+    assert src == render_launch(launch) and "MlaPrefillTC2<" in src
+    # the template static_asserts Attn::SMEM == the lowering's size
+    res = compile_cubin(src, launch.name, arch="sm_90", options=("--ptxas-options=-v",),
+                        template=launch.template, nodes=launch.nodes)
+    if name == "lite":
+        assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
+        regs = int(re.search(r"Used (\d+) registers", res.log).group(1))
+        assert regs * tile.threads * max(tile.minb, 1) <= 64 * 1024, f"{regs} registers x {tile.threads} threads"
+    if cuobjdump() is not None:
+        assert opcodes(res.cubin)[HMMA[dtype]] > 0
