@@ -350,6 +350,7 @@ class KernelRunner:
         if bound is None or bound.launch is not launch:
             if len(self._bounds) >= _BOUNDS_KEPT:
                 self._bounds.clear()
+                self._reads = {id(launch): reads}   # it holds each launch it saw: keep only this one
             bound = self._bounds[key] = _Bound.make(launch, sizes)
         return bound
 

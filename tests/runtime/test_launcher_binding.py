@@ -138,3 +138,16 @@ def test_a_launch_is_worked_out_again_only_when_a_size_it_reads_changes(recorded
     assert len(made) == 1 and len(seen) == 3
     runner.run(launch, **tables, sizes={"T": 10, "B": 4, "MAXCTX": 514, "SMS": 132}, workspaces=ws)
     assert len(made) == 2 and seen[-1]["grid"] == (3, 4, 1)
+
+
+def test_the_caches_start_over_when_full(recorded, monkeypatch):
+    import runtime.launcher as ln
+    runner, seen, _ = recorded
+    monkeypatch.setattr(ln, "_BOUNDS_KEPT", 2)
+    tables, ws = _tables()
+    launches = [_launch(name=f"k{i}") for i in range(3)]
+    for launch in launches:
+        runner.run(launch, **tables, sizes={"T": 10, "B": 3, "SMS": 132}, workspaces=ws)
+    # the third record found the cache full: it starts over holding that launch alone
+    assert len(runner._bounds) == 1 and list(runner._reads) == [id(launches[2])]
+    assert [c["grid"] for c in seen] == [(3, 3, 1)] * 3
