@@ -171,12 +171,9 @@ class CudaBackend:
             shapes = self._layouts[key] = {}
         return shapes
 
-    def _materialize(self, name: str, plan, env: dict, sizes: dict, ctx: StepContext, device,
-                     shapes: dict | None = None) -> None:
+    def _materialize(self, name: str, plan, env: dict, sizes: dict, ctx: StepContext, device, shapes: dict) -> None:
         if name in env:
             return
-        if shapes is None:
-            shapes = {}
         got = self._layout(name, plan, sizes, shapes)
         if got[0] == "new":
             env[name] = torch.empty(got[1], dtype=got[2], device=device)

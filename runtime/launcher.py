@@ -14,6 +14,7 @@ mutant) or from a compiled bundle (`KernelRunner.from_bundle(dir)`, never compil
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 from pathlib import Path
@@ -133,8 +134,6 @@ class _Bound:
         b.fetch, b.types = (), ()
         if b.grid is None or geometry_only:
             return b
-        import ctypes
-
         from .cuda_driver import I32, I64
         fetch, types = [], []
         scalar_types = {"i32": ctypes.c_int, "i64": ctypes.c_longlong, "f32": ctypes.c_float}
@@ -266,9 +265,8 @@ class KernelRunner:
         if arg.is_pointer:
             if isinstance(ref, ValueRef):
                 return _lookup_value(values, ref.name, launch, ref)
-            table, key = {WeightRef: (weights, "name"), CtxRef: (ctx, "field"),
-                          WorkspaceRef: (workspaces, "name")}[type(ref)]
-            name = getattr(ref, key)
+            index, key = _POINTER_TABLES[type(ref)]
+            table, name = (values, weights, ctx, workspaces)[index], getattr(ref, key)
             if name not in table or table[name] is None:
                 raise LaunchError(f"kernel {launch.name}: argument {arg.name} ({describe_ref(ref)}) is not given; "
                                   f"given: {', '.join(sorted(k for k, v in table.items() if v is not None)) or '(none)'}")
