@@ -238,6 +238,23 @@ def routed_expert_rate(row: dict) -> dict | None:
     return {"ms": ms, "bytes_per_s": row["bytes"]["routed_experts"] / (ms / 1e3)}
 
 
+def expert_gemm_flops(dims: dict, first_dense: int, tokens: int) -> dict:
+    """FLOPs of one prefill step's routed-expert GEMMs per family: every token's top_k pairs
+    through gate + up (2 x moe_intermediate rows of hidden) and down, in every MoE layer."""
+    D, M, K = dims["hidden"], dims["moe_intermediate"], dims["top_k"]
+    pairs = tokens * K * (dims["layers"] - first_dense)
+    return {"moe_gate_up_silu": pairs * 2 * (2 * M) * D, "moe_down": pairs * 2 * D * M}
+
+
+def expert_gemm_rate(row: dict) -> dict | None:
+    """The routed-expert GEMMs of one prefill step: per family its device ms and FLOP/s over
+    row["expert_flops"] (issue 11's figure: >= 550 TFLOP/s at 32x512); None without a breakdown."""
+    fams = (row.get("breakdown") or {}).get("families", {})
+    per = {f: {"ms": fams[f]["ms"], "flops_per_s": flops / (fams[f]["ms"] / 1e3)}
+           for f, flops in (row.get("expert_flops") or {}).items() if fams.get(f, {}).get("ms")}
+    return per or None
+
+
 def _release(engine, seq_ids):
     for s in seq_ids:
         engine.tables.release(s)
@@ -286,7 +303,9 @@ def run_bench(args) -> int:
             seq_ids, step, ids = _prefill_ctx(engine, batch, length)
             ms = _timeit(lambda: backend.forward("prefill", ids, step), max(3, args.iters // 3), warmup=1)
             row = {"batch": batch, "length": length, "ms": ms, "tokens_per_s": batch * length / (ms / 1e3),
-                   "breakdown": _breakdown(lambda: backend.forward("prefill", ids, step))}
+                   "breakdown": _breakdown(lambda: backend.forward("prefill", ids, step)),
+                   "expert_flops": expert_gemm_flops(dims, first_dense, batch * length)}
+            row["expert_gemms"] = expert_gemm_rate(row)
             _release(engine, seq_ids)
             result["prefill"].append(row)
             print(f"prefill {batch}x{length}: {ms:.1f} ms, {row['tokens_per_s']:.0f} tok/s", flush=True)
@@ -436,3 +455,10 @@ def _print_table(r: dict) -> None:
             lambda x: f"{x['ms']:>8.2f} ms  {x['bytes_per_s'] / 1e12:5.2f} TB/s")
     section("linears", "linears (the skinny kernel + cuBLAS and its split-K reduce) per decode step, their weights "
                        "read; per family (GB/s over the weights it read):", linear_line)
+    rows = [p for p in r["prefill"] if p.get("expert_gemms")]
+    if rows:
+        print("\nrouted-expert GEMMs per prefill step (device time, TFLOP/s):")
+        for p in rows:
+            fams = "; ".join(f"{f} {v['ms']:.2f} ms {v['flops_per_s'] / 1e12:.0f} TFLOP/s"
+                             for f, v in p["expert_gemms"].items())
+            print(f"  prefill {p['batch']}x{p['length']:<14}{fams}")

@@ -31,16 +31,27 @@ BOX = 128                      # weight rows per TMA box (two boxes a stage)
 THREADS = 384                  # a producer warpgroup and two consumer warpgroups
 # Slices in flight: 4 x 48 KB = 192 KB of the 227 KB a CTA may have (one CTA per SM).
 STAGES = 4
+OUT_STAGING = 2 * 64 * 128 * 2  # each consumer warpgroup's 64 rows x 128 output columns (WG_OUT_BYTES)
 
 
 def smem(stages: int) -> int:
-    """The ring plus 1 KB of slack to start it on a 1024-byte boundary (moe_wgmma.cuh wgmma_smem)."""
-    return stages * (BM + BN) * BK * 2 + 1024
+    """The ring, the epilogue's staging, and 1 KB of slack to start the ring on a 1024-byte
+    boundary (moe_wgmma.cuh wgmma_smem): 225 KB at 4 stages."""
+    return stages * (BM + BN) * BK * 2 + OUT_STAGING + 1024
+
+
+SMEM_PER_CTA = 227 * 1024      # what one CTA may have on sm_90 (dynamic + static)
+
+
+def static_smem(E: int) -> int:
+    """moe_wgmma.cuh's __shared__ arrays: the full / empty barriers and the row-tile table."""
+    return 2 * STAGES * 8 + 4 * (E + 1)
 
 
 def applies(opts, p: dict) -> bool:
     return (_moe.GEMM_WGMMA_TOKENS is not None and has_feature(opts.arch, FEATURE)
-            and opts.dtype in ("bf16", "fp16") and p["KD"] % 8 == 0)
+            and opts.dtype in ("bf16", "fp16") and p["KD"] % 8 == 0
+            and smem(STAGES) + static_smem(p["E"]) <= SMEM_PER_CTA)   # up to ~490 experts
 
 
 def threshold() -> int:

@@ -49,6 +49,11 @@ __device__ __forceinline__ void fence_operands(float (&d)[R]) {
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// The 128 threads of one warpgroup meet at hardware barrier `id` (1 .. 15: 0 is __syncthreads').
+__device__ __forceinline__ void warpgroup_sync(int id) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+}
+
 // ---- register budget of a warpgroup (warp-specialised kernels) ------------------------------
 // The producer gives registers back, the consumers take them, so the accumulators fit.
 template <int REGS>

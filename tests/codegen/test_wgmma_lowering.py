@@ -95,13 +95,24 @@ def _worst_row_tiles(NP: int, E: int) -> int:
         [129] * (NP // 129) + ([NP % 129] if NP % 129 else []) if NP // 129 < E else [NP]))
 
 
+def test_more_experts_than_a_ctas_shared_memory_holds_keep_the_mma_launch(wgmma_on):
+    """The ring + epilogue staging take 225 KB; the row-tile table 4 bytes an expert more: V3's 256
+    experts fit, ~500 would not, and such a spec keeps mma.sync (no kernel that cannot launch)."""
+    assert _moe_wgmma.smem(_moe_wgmma.STAGES) + _moe_wgmma.static_smem(256) <= _moe_wgmma.SMEM_PER_CTA
+    assert [la.stage for G, nid in _grouped("v3") for la in _lower(G, nid)][-1] == "wgmma"
+    many = (600, *DIMS["v2_lite"][1:])
+    for G, nid in moe_graphs(*many):
+        if G.nodes[nid]["op"] in GROUPED:
+            assert [la.stage for la in _lower(G, nid)] == ["gemv", "mma"], G.nodes[nid]["op"]
+
+
 def test_one_launch_runs_at_each_T_and_the_wgmma_grid_covers_every_tile(wgmma_on):
     thr = _moe_wgmma.threshold()
     for G, nid in _grouped():
         gemv, mma, wg = _lower(G, nid)
         p = wg.params
         assert wg.requires == ("sm_90a",) and mma.requires == gemv.requires == ()
-        assert wg.block == (p["threads"], 1, 1) == (384, 1, 1) and wg.smem == p["smem"] == 4 * 48 * 1024 + 1024
+        assert wg.block == (p["threads"], 1, 1) == (384, 1, 1) and wg.smem == p["smem"] == 4 * 48 * 1024 + 2 * 16 * 1024 + 1024   # ring, epilogue staging, alignment
         assert p["cols"] == (256 if G.nodes[nid]["op"] == "moe_down" else 128)
         ncols = -(-p["N"] // p["cols"])
         for T in (1, 8, 9, 100, thr, thr + 1, 2048, 16384):

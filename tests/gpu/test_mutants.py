@@ -100,7 +100,8 @@ MUTANTS = [
                "dtype": "fp16", "T": 15, "E": 6, "K": 1, "counts": [1, 2, 2, 1, 9, 0], "D": 256, "M": 200,
                "misalign": "none", "seed": 12}), uses_runner=True),
     Mutant("wgmma expert tile output x1.01 (gate_up_silu, sm_90a, many pairs per expert)", "include/moe_wgmma.cuh",
-           "v[c] = round_to<T>(gr / (1.f + expf(-gr))) * ur;", "v[c] = round_to<T>(gr / (1.f + expf(-gr))) * ur * 1.01f;",
+           "v[c] = round_to<T>(__fdividef(gr, 1.f + __expf(-gr))) * ur;",
+           "v[c] = round_to<T>(__fdividef(gr, 1.f + __expf(-gr))) * ur * 1.01f;",
            moe_wgmma.test_moe_gate_up_silu_wgmma, dict(case={
                "dtype": "bf16", "T": 452, "E": 6, "K": 1, "counts": [130, 64, 1, 0, 129, 128], "KD": 136, "N": 200,
                "misalign": "none", "seed": 13}), uses_runner=True),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.bench import _print_table, decode_bytes, routed_expert_rate
+from runtime.bench import _print_table, decode_bytes, expert_gemm_flops, expert_gemm_rate, routed_expert_rate
 
 DIMS = {"hidden": 2048, "heads": 16, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
         "v_head_dim": 128, "experts": 64, "top_k": 6, "moe_intermediate": 1408, "intermediate": 10944,
@@ -20,6 +20,24 @@ def test_routed_expert_rate_is_touched_expert_bytes_over_the_two_expert_families
     assert r["bytes_per_s"] == pytest.approx(need["routed_experts"] / 8e-3)
     # b=128 touches nearly all 64 experts: ~28.8 GB of expert weights a step at V2-Lite's shape
     assert 27e9 < need["routed_experts"] < 29e9
+
+
+def test_expert_gemm_rate_is_the_expert_flops_over_each_familys_time(capsys):
+    """Prefill 32x512 at V2-Lite: 16384 tokens x 6 pairs x 26 MoE layers; gate + up is twice down."""
+    flops = expert_gemm_flops(DIMS, 1, 32 * 512)
+    assert flops["moe_gate_up_silu"] == 16384 * 6 * 26 * 2 * 2816 * 2048 == 2 * flops["moe_down"]
+    row = {"batch": 32, "length": 512, "tokens_per_s": 114.7e3, "expert_flops": flops,
+           "breakdown": {"launches": 565, "kernel_ms": 147.7, "families": {
+               "moe_gate_up_silu": {"ms": 51.13, "launches": 26}, "moe_down": {"ms": 25.51, "launches": 26}}}}
+    r = expert_gemm_rate(row)
+    assert r["moe_gate_up_silu"]["flops_per_s"] == pytest.approx(flops["moe_gate_up_silu"] / 51.13e-3)
+    assert 570e12 < r["moe_down"]["flops_per_s"] < 590e12
+    row["expert_gemms"] = r
+    _print_table({"gpu": "H200", "date": "2026-12-02", "copy_bandwidth_GBps": 4250.0, "layers": 27,
+                  "decode": [], "prefill": [row]})
+    out = capsys.readouterr().out
+    assert "moe_gate_up_silu 51.13 ms 577 TFLOP/s; moe_down 25.51 ms 578 TFLOP/s" in out
+    assert expert_gemm_rate({"expert_flops": flops}) is None
 
 
 def test_no_breakdown_no_rate():
