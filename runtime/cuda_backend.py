@@ -104,12 +104,13 @@ class CudaBackend:
         self.runner = runner          # KernelRunner (or a stand-in with run_all)
         self.dtype = dtype
         self.top_k = top_k
-        self.use_graphs = True        # decode steps replay CUDA graphs (turn off to launch eagerly)
+        self.use_graphs = True        # steps replay CUDA graphs (turn off to launch every step eagerly)
         self._schedules: dict[str, list] = {}   # phase -> its steps by node (_schedule)
         self._layouts: dict[tuple, dict] = {}     # (phase, sizes its buffers read) -> name -> _layout
         self._buffer_sizes: dict[str, tuple] = {}  # phase -> the size names its buffer plan reads
-        from .cuda_graphs import DecodeGraphs
+        from .cuda_graphs import DecodeGraphs, PrefillGraphs
         self.graphs_decode = DecodeGraphs(self)
+        self.graphs_prefill = PrefillGraphs(self)
 
     @classmethod
     def from_bundle(cls, loaded, weights: dict, *, dtype, top_k: int) -> "CudaBackend":
@@ -200,9 +201,15 @@ class CudaBackend:
 
     def forward(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """ids [T] -> logits [T, vocab] float32 (or [L, vocab]: the rows ctx.logit_rows names).
-        Decode steps replay a CUDA graph per shape bucket."""
-        if phase == "decode" and self.use_graphs and ctx.logit_rows is None and all(q == 1 for q in ctx.query_lens):
-            return self.graphs_decode.run(ids, ctx)
+        Decode steps replay a CUDA graph per shape bucket; other steps one per shape seen before
+        (cuda_graphs.PrefillGraphs)."""
+        if self.use_graphs and ids.is_cuda:
+            if phase == "decode" and ctx.logit_rows is None and all(q == 1 for q in ctx.query_lens):
+                return self.graphs_decode.run(ids, ctx)
+            if phase != "decode":
+                out = self.graphs_prefill.run(phase, ids, ctx)
+                if out is not None:
+                    return out
         return self._forward(phase, ids, ctx, self._meta(ctx, ids.device), self._sizes(ctx))
 
     def _schedule(self, phase: str) -> list:

@@ -1,4 +1,4 @@
-"""Decode steps captured as CUDA graphs, one per shape bucket, and replayed.
+"""Steps captured as CUDA graphs and replayed: decode per shape bucket, prefill per shape seen twice.
 
 A decode step is ~20 launches per layer; launched from Python that costs far more
 than the kernels.  Captured once per (batch, block-table width, context bucket),
@@ -6,8 +6,22 @@ a step is one graph replay.  What changes between steps lives in static device
 buffers that are refilled before each replay (token ids, positions, slots, block
 tables, context lengths); the kernels read lengths from those buffers, so a
 graph captured for a context bucket serves every context up to it.
+
+A prefill step of a few thousand tokens launches ~565 kernels whose GPU time is about the
+host's time to launch them (PERF_NOTES v12: 1x2048 24 ms of kernels, 18-24 ms of host time
+depending on the machine), so a slow host leaves the GPU waiting.  Its launches are decided by
+its sizes (T, B, NP, MAXQ, MAXCTX, W) and how many logit rows it keeps; the rest is device data.
+PrefillGraphs captures a step the second time its key comes (a shape seen once runs eagerly and
+costs no capture) and replays it after, up to PREFILL_GRAPH_MAX_TOKENS tokens (above, the kernels
+outlast the host several times over), PREFILL_GRAPHS_KEPT graphs (each holds its step's
+activations).  A full set gives up its least recently used graph only when that one has not run
+for PREFILL_GRAPH_IDLE_STEPS prefill steps: a server cycling through more shapes than it keeps
+runs the others eagerly instead of capturing every step.
 """
 from __future__ import annotations
+
+import collections
+import itertools
 
 import torch
 
@@ -16,6 +30,10 @@ from ir.context import StepContext
 from .h2d import upload
 
 MIN_CONTEXT_BUCKET = 256
+PREFILL_GRAPH_MAX_TOKENS = 4096
+PREFILL_GRAPHS_KEPT = 4
+PREFILL_GRAPH_IDLE_STEPS = 64
+_SEEN_KEPT = 1 << 12            # prefill keys remembered (seen once) before the set starts over
 
 
 def context_bucket(n: int) -> int:
@@ -86,3 +104,93 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             out = be._forward("decode", inputs["ids"], static_ctx, meta, sizes)
         return _Captured(graph, inputs, out)
+
+
+class PrefillGraphs:
+    """Prefill steps replayed from CUDA graphs once their key has come before (module docstring)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.graphs: collections.OrderedDict[tuple, _Captured] = collections.OrderedDict()
+        self.seen: set[tuple] = set()
+        self.last_run: dict[tuple, int] = {}   # key -> the prefill step it last ran at
+        self.steps = 0
+        self.pool = None
+
+    def key(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> tuple:
+        """What decides a step's launches: its sizes and logit rows; the cache and device it writes."""
+        rows = None if ctx.logit_rows is None else int(ctx.logit_rows.shape[0])
+        return (phase, tuple(sorted(self.backend._sizes(ctx).items())), rows, id(ctx.kv_cache[0]), ids.device)
+
+    def run(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """The step's logits from its graph, or None: the caller launches it eagerly (too many
+        tokens, or the first time its key comes)."""
+        self.steps += 1
+        if ids.shape[0] > PREFILL_GRAPH_MAX_TOKENS:
+            return None
+        key = self.key(phase, ids, ctx)
+        cap = self.graphs.get(key)
+        if cap is None:
+            if key not in self.seen:
+                if len(self.seen) >= _SEEN_KEPT:
+                    self.seen.clear()
+                self.seen.add(key)
+                return None
+            if len(self.graphs) >= PREFILL_GRAPHS_KEPT:
+                oldest = next(iter(self.graphs))
+                if self.steps - self.last_run[oldest] < PREFILL_GRAPH_IDLE_STEPS:
+                    return None                  # every kept graph is in use: this shape runs eagerly
+                del self.graphs[oldest], self.last_run[oldest]
+            cap = self.graphs[key] = self._capture(phase, ids, ctx)
+        else:
+            self.graphs.move_to_end(key)
+        self.last_run[key] = self.steps
+        x, dev = cap.inputs, ids.device
+        x["ids"].copy_(ids, non_blocking=True)
+        x["positions"].copy_(ctx.positions, non_blocking=True)
+        x["slot_mapping"].copy_(ctx.slot_mapping, non_blocking=True)
+        x["block_tables"].copy_(ctx.block_tables, non_blocking=True)
+        x["context_lens"].copy_(upload(ctx.context_lens, torch.int32, dev), non_blocking=True)
+        x["query_start"].copy_(upload(_starts(ctx), torch.int32, dev), non_blocking=True)
+        if ctx.logit_rows is not None:
+            x["logit_rows"].copy_(ctx.logit_rows, non_blocking=True)
+        cap.graph.replay()
+        return cap.output.clone()
+
+    def _capture(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> _Captured:
+        be = self.backend
+        device = ids.device
+        inputs = {
+            "ids": ids.clone(),
+            "positions": ctx.positions.clone(),
+            "slot_mapping": ctx.slot_mapping.clone(),
+            "block_tables": ctx.block_tables.to(device=device, dtype=torch.int32).clone(),
+            "context_lens": torch.tensor(ctx.context_lens, dtype=torch.int32, device=device),
+            "query_start": torch.tensor(_starts(ctx), dtype=torch.int32, device=device),
+        }
+        if ctx.logit_rows is not None:
+            inputs["logit_rows"] = ctx.logit_rows.clone()
+        static_ctx = StepContext(positions=inputs["positions"], query_lens=list(ctx.query_lens),
+                                 context_lens=list(ctx.context_lens), block_tables=inputs["block_tables"],
+                                 slot_mapping=inputs["slot_mapping"], kv_cache=ctx.kv_cache,
+                                 block_size=ctx.block_size, logit_rows=inputs.get("logit_rows"))
+        meta = {k: inputs[k] for k in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start")}
+        sizes = be._sizes(static_ctx)
+        # Warm up on a side stream (the step's own cache writes, written again by the replay).
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            be._forward(phase, inputs["ids"], static_ctx, dict(meta), sizes)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self.pool is None or not self.graphs:
+            # torch frees a private pool with its last graph: a handle whose graphs are all gone
+            # cannot be captured into again
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = be._forward(phase, inputs["ids"], static_ctx, dict(meta), sizes)
+        return _Captured(graph, inputs, out)
+
+
+def _starts(ctx: StepContext) -> list[int]:
+    return list(itertools.accumulate(ctx.query_lens, initial=0))

@@ -178,6 +178,28 @@ def test_graph_replay_equals_eager_decode(tiny):
     assert engine.backend.graphs_decode.graphs, "no decode graph was captured"
 
 
+def test_prefill_graph_replay_equals_eager(tiny):
+    """A prefill whose sizes came before replays its captured graph (cuda_graphs.PrefillGraphs)
+    with the step's own tokens, lengths and cache pages: exactly the eager launches' logits, and
+    the same tokens after.  The first sighting runs eagerly; the second, the same sizes with other
+    tokens and the prompts' lengths in another order, is captured; the first prompts again replay."""
+    _, _, engine = tiny
+    be = engine.backend
+    other = [[(t * 7 + 3) % engine.vocab for t in p] for p in reversed(PROMPTS)]   # same sizes, other data
+    be.use_graphs = False
+    want = [engine.logits(PROMPTS), engine.logits(other), engine.logits(PROMPTS)]
+    be.use_graphs = True
+    be.graphs_prefill.graphs.clear()
+    be.graphs_prefill.seen.clear()
+    got = [engine.logits(PROMPTS)]
+    assert not be.graphs_prefill.graphs, "a shape's first step runs eagerly"
+    got += [engine.logits(other), engine.logits(PROMPTS)]
+    assert len(be.graphs_prefill.graphs) >= 1, "no prefill graph was captured"
+    for i, (g, w) in enumerate(zip(got, want)):
+        for a, b in zip(g, w):
+            assert torch.equal(a, b), f"call {i}: graph replay and eager launches differ"
+
+
 def test_pdl_off_gives_exactly_the_same_logits(tiny):
     """Programmatic dependent launch (on by default: every engine here runs it, prefill eagerly and
     decode in captured graphs) changes when kernels start, never what they compute: the same model
