@@ -65,45 +65,20 @@ class DecodeGraphs:
         if cap is None:
             cap = self._capture(ids, ctx, bucket)
             self.graphs[key] = cap
-        x = cap.inputs
-        x["ids"].copy_(ids, non_blocking=True)
-        x["positions"].copy_(ctx.positions, non_blocking=True)
-        x["slot_mapping"].copy_(ctx.slot_mapping, non_blocking=True)
-        x["block_tables"].copy_(ctx.block_tables, non_blocking=True)
-        x["context_lens"].copy_(upload(ctx.context_lens, torch.int32, x["context_lens"].device), non_blocking=True)
+        _refill(cap.inputs, ids, ctx)
         cap.graph.replay()
         return cap.output.clone()
 
     def _capture(self, ids: torch.Tensor, ctx: StepContext, bucket: int) -> _Captured:
-        be = self.backend
-        device = ids.device
         B = len(ctx.query_lens)
-        inputs = {
-            "ids": ids.clone(),
-            "positions": ctx.positions.clone(),
-            "slot_mapping": ctx.slot_mapping.clone(),
-            "block_tables": ctx.block_tables.to(device=device, dtype=torch.int32).clone(),
-            "context_lens": torch.tensor(ctx.context_lens, dtype=torch.int32, device=device),
-            "query_start": torch.arange(B + 1, dtype=torch.int32, device=device),
-        }
+        inputs = _static_inputs(ids, ctx, list(range(B + 1)))
         static_ctx = StepContext(positions=inputs["positions"], query_lens=[1] * B,
                                  context_lens=[bucket] * B, block_tables=inputs["block_tables"],
                                  slot_mapping=inputs["slot_mapping"], kv_cache=ctx.kv_cache,
                                  block_size=ctx.block_size)
-        meta = {k: inputs[k] for k in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start")}
-        sizes = be._sizes(static_ctx)
-        # Warm up on a side stream (loads modules, initialises cuBLAS) before capturing.
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            be._forward("decode", inputs["ids"], static_ctx, meta, sizes)
-        torch.cuda.current_stream(device).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = be._forward("decode", inputs["ids"], static_ctx, meta, sizes)
-        return _Captured(graph, inputs, out)
+        return _record(self.backend, "decode", inputs, static_ctx, self.pool)
 
 
 class PrefillGraphs:
@@ -145,52 +120,67 @@ class PrefillGraphs:
         else:
             self.graphs.move_to_end(key)
         self.last_run[key] = self.steps
-        x, dev = cap.inputs, ids.device
-        x["ids"].copy_(ids, non_blocking=True)
-        x["positions"].copy_(ctx.positions, non_blocking=True)
-        x["slot_mapping"].copy_(ctx.slot_mapping, non_blocking=True)
-        x["block_tables"].copy_(ctx.block_tables, non_blocking=True)
-        x["context_lens"].copy_(upload(ctx.context_lens, torch.int32, dev), non_blocking=True)
-        x["query_start"].copy_(upload(_starts(ctx), torch.int32, dev), non_blocking=True)
+        x = cap.inputs
+        _refill(x, ids, ctx)
+        x["query_start"].copy_(upload(_starts(ctx), torch.int32, ids.device), non_blocking=True)
         if ctx.logit_rows is not None:
             x["logit_rows"].copy_(ctx.logit_rows, non_blocking=True)
         cap.graph.replay()
         return cap.output.clone()
 
     def _capture(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> _Captured:
-        be = self.backend
-        device = ids.device
-        inputs = {
-            "ids": ids.clone(),
-            "positions": ctx.positions.clone(),
-            "slot_mapping": ctx.slot_mapping.clone(),
-            "block_tables": ctx.block_tables.to(device=device, dtype=torch.int32).clone(),
-            "context_lens": torch.tensor(ctx.context_lens, dtype=torch.int32, device=device),
-            "query_start": torch.tensor(_starts(ctx), dtype=torch.int32, device=device),
-        }
+        inputs = _static_inputs(ids, ctx, _starts(ctx))
         if ctx.logit_rows is not None:
             inputs["logit_rows"] = ctx.logit_rows.clone()
         static_ctx = StepContext(positions=inputs["positions"], query_lens=list(ctx.query_lens),
                                  context_lens=list(ctx.context_lens), block_tables=inputs["block_tables"],
                                  slot_mapping=inputs["slot_mapping"], kv_cache=ctx.kv_cache,
                                  block_size=ctx.block_size, logit_rows=inputs.get("logit_rows"))
-        meta = {k: inputs[k] for k in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start")}
-        sizes = be._sizes(static_ctx)
-        # Warm up on a side stream (the step's own cache writes, written again by the replay).
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            be._forward(phase, inputs["ids"], static_ctx, dict(meta), sizes)
-        torch.cuda.current_stream(device).wait_stream(side)
         if self.pool is None or not self.graphs:
             # torch frees a private pool with its last graph: a handle whose graphs are all gone
             # cannot be captured into again
             self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = be._forward(phase, inputs["ids"], static_ctx, dict(meta), sizes)
-        return _Captured(graph, inputs, out)
+        return _record(self.backend, phase, inputs, static_ctx, self.pool)
 
 
 def _starts(ctx: StepContext) -> list[int]:
     return list(itertools.accumulate(ctx.query_lens, initial=0))
+
+
+def _static_inputs(ids: torch.Tensor, ctx: StepContext, query_start: list[int]) -> dict:
+    """The step's device inputs, copied into buffers of the graph's own (refilled before each replay)."""
+    device = ids.device
+    return {
+        "ids": ids.clone(),
+        "positions": ctx.positions.clone(),
+        "slot_mapping": ctx.slot_mapping.clone(),
+        "block_tables": ctx.block_tables.to(device=device, dtype=torch.int32).clone(),
+        "context_lens": torch.tensor(ctx.context_lens, dtype=torch.int32, device=device),
+        "query_start": torch.tensor(query_start, dtype=torch.int32, device=device),
+    }
+
+
+def _refill(x: dict, ids: torch.Tensor, ctx: StepContext) -> None:
+    x["ids"].copy_(ids, non_blocking=True)
+    x["positions"].copy_(ctx.positions, non_blocking=True)
+    x["slot_mapping"].copy_(ctx.slot_mapping, non_blocking=True)
+    x["block_tables"].copy_(ctx.block_tables, non_blocking=True)
+    x["context_lens"].copy_(upload(ctx.context_lens, torch.int32, ids.device), non_blocking=True)
+
+
+def _record(be, phase: str, inputs: dict, static_ctx: StepContext, pool) -> _Captured:
+    """One step of `phase` on the static inputs, captured into a graph drawing on `pool`."""
+    meta = {k: inputs[k] for k in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start")}
+    sizes = be._sizes(static_ctx)
+    device = inputs["ids"].device
+    # Warm up on a side stream (loads modules, initialises cuBLAS; a prefill writes its own cache
+    # rows, which the replay writes again) before capturing.
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        be._forward(phase, inputs["ids"], static_ctx, dict(meta), sizes)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = be._forward(phase, inputs["ids"], static_ctx, dict(meta), sizes)
+    return _Captured(graph, inputs, out)
