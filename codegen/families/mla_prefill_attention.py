@@ -4,8 +4,8 @@ Grid: (query tiles of the longest prompt, heads, sequences).
 
 bf16 / fp16: tensor cores, mma.sync m16n8k16: MlaPrefillTC2 (mla_prefill_tc2.cuh; Q in registers,
 a two-stage K / V ring, the mask only on tiles that need it) at the tile TC_VARIANT names, by default
-64-row query tiles of 4 warps; or the first version MlaPrefillTC (mla_prefill.cuh, 64-row tiles,
-single-buffered), kept for A/B timing.  fp32: CUDA cores (MlaPrefill: 32-row query tiles, 256 threads).
+64-row query tiles of 4 warps.  fp32: CUDA cores (MlaPrefill, mla_prefill.cuh: 32-row query tiles,
+256 threads).
 
 Alignment: the fp32 kernel reads and writes global memory element by element. The tensor-core
 kernel copies 16-byte chunks by cp.async only when N, R and V are multiples of 8 (compile time)
@@ -31,12 +31,9 @@ PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (prog
 
 BM = BN = 32
 THREADS = 256
-TC_BM = TC_BN = 64
-TC_THREADS = 128
-
-# Which tensor-core kernel bf16 / fp16 lower to (A/B timing: tests/gpu/perf_prefill.py --attn-variants;
-# v2 at TC2_DEFAULT measured fastest at 1x2048 and 1.4x v1 at 32x512 on the H200: runtime/PERF_NOTES.md v11):
-#   "v1"                         MlaPrefillTC (its kernel names and sources as before v2)
+# The tile bf16 / fp16 lower to (A/B timing: tests/gpu/perf_prefill.py --attn-variants; TC2_DEFAULT
+# measured fastest at 1x2048 on the H200, runtime/PERF_NOTES.md v11; the first tensor-core kernel, v1,
+# was 1.4-1.6x slower at every shape measured and is gone):
 #   "v2"                         MlaPrefillTC2 at TC2_DEFAULT
 #   "v2_m{BM}n{BN}w{WM}{q|s}[b{B}]"
 #                                MlaPrefillTC2 with BM query rows a CTA, BN keys a tile, WM (16 or 32)
@@ -64,13 +61,11 @@ class Tc2Tile(NamedTuple):
         return self.bm // self.wm * 32
 
 
-def tc_variant(name: str) -> Tc2Tile | None:
-    """TC_VARIANT's tile (None: the v1 kernel); a spelling it cannot be raises."""
-    if name == "v1":
-        return None
+def tc_variant(name: str) -> Tc2Tile:
+    """TC_VARIANT's tile; a spelling it cannot be raises."""
     m = _TC2.fullmatch(TC2_DEFAULT if name == "v2" else name)
     if not m:
-        raise LoweringError(f"mla_prefill_attention.TC_VARIANT {name!r}: expected 'v1', 'v2' or "
+        raise LoweringError(f"mla_prefill_attention.TC_VARIANT {name!r}: expected 'v2' or "
                             f"'v2_m<BM>n<BN>w<16|32><q|s>'")
     tile = Tc2Tile(int(m[1]), int(m[2]), int(m[3]), m[4] == "q", int(m[5] or 0))
     if tile.bm % tile.wm or tile.bn % 16 or tile.bn == 0 or not 32 <= tile.threads <= 1024:
@@ -82,11 +77,6 @@ def tc_variant(name: str) -> Tc2Tile | None:
 def smem_bytes(N: int, R: int, V: int) -> int:
     dk = (N + R) | 1
     return (BM * dk + BN * dk + BN * (V | 1) + BM * (BN + 1)) * 4
-
-
-def tc_smem_bytes(N: int, R: int, V: int) -> int:
-    dkp, vp = -(-(N + R) // 16) * 16, -(-V // 16) * 16
-    return (TC_BM * (dkp + 8) + TC_BN * (dkp + 8) + TC_BN * (vp + 8)) * 2
 
 
 def tc2_smem_bytes(N: int, R: int, V: int, tile: Tc2Tile) -> int:
@@ -104,11 +94,11 @@ def lower(nid, G, opts):
     V = dims(G)["v_head_dim"]
     tc = opts.dtype in ("bf16", "fp16")
     tile = tc_variant(TC_VARIANT) if tc else None
-    smem = tc2_smem_bytes(N, R, V, tile) if tile else tc_smem_bytes(N, R, V) if tc else smem_bytes(N, R, V)
+    smem = tc2_smem_bytes(N, R, V, tile) if tile else smem_bytes(N, R, V)
     check_smem(f"mla_prefill_attention (N {N}, R {R}, V {V}, {opts.dtype})", smem, opts,
                "qk_nope_head_dim + qk_rope_head_dim and v_head_dim are too wide for one query / key / value tile")
-    bm, threads = (tile.bm, tile.threads) if tile else (TC_BM, TC_THREADS) if tc else (BM, THREADS)
-    params = {"act": act_ctype(opts), "H": H, "N": N, "R": R, "V": V, "smem": smem, "tc": tc,
+    bm, threads = (tile.bm, tile.threads) if tile else (BM, THREADS)
+    params = {"act": act_ctype(opts), "H": H, "N": N, "R": R, "V": V, "smem": smem,
               "scale": c_float(G.graph["model"].softmax_scale)}
     if tile:
         params["tc2"] = {**tile._asdict(), "name": tile.name}

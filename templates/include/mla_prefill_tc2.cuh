@@ -1,23 +1,26 @@
-// MLA prefill attention on tensor cores, version 2 (bf16 / fp16): MlaPrefillTC2, a sibling of
-// mla_prefill.cuh's MlaPrefillTC with the same contract, restructured for throughput.  A header of
-// its own so the v1 kernels' include closure (and the committed goldens) stay as they were while
-// the two are timed against each other; included only by the kernels TC_VARIANT sends here.
+// MLA prefill attention on tensor cores (bf16 / fp16): MlaPrefillTC2, the tensor-core sibling of
+// mla_prefill.cuh's MlaPrefill (fp32, CUDA cores), at the tile mla_prefill_attention.TC_VARIANT
+// names.  It replaced a first tensor-core version (MlaPrefillTC: Q re-read from shared memory every
+// key tile, single-buffered K / V, the mask on every tile), 1.4-1.6x slower at every shape
+// measured on the H200 (runtime/PERF_NOTES.md v11) and removed after.
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
 
 namespace dsg {
 
-// The same contract as MlaPrefillTC::run (arguments, causal rule, fp32 online softmax in log2
-// units, P rounded to T for P V, one rounding of o / l, rows with l == 0 left unwritten, the
-// 16-byte cp.async / element-gather choice, longest tiles first, any N, R, V).  What differs:
+// The contract of MlaPrefill::run (arguments, causal rule, fp32 online softmax in log2 units),
+// with P rounded to T for the P V product (as flash attention does; the row sums and rescaling stay
+// fp32), one rounding of o / l, rows with l == 0 left unwritten, 16-byte cp.async copies where N, R,
+// V, the bases and the strides allow (checked once per CTA) and element gathers elsewhere, the
+// longest query tiles first, any N, R, V.  How it runs:
 //
 //  * WM query rows per warp (16 or 32: one or two m16 tiles), BM / WM warps share each K / V tile,
 //    so a CTA's copies per query row halve at BM = 128; and at WM = 32 each K / V fragment read by
 //    ldmatrix feeds two mma instead of one (half the shared-memory reads per mma, for twice the
 //    accumulator registers).
 //  * QREG: the warp's Q fragments (WM rows x DKP) are read by ldmatrix once, after Q lands, and
-//    stay in registers for the CTA's life (v1 re-reads them every key tile).  Q's shared memory
+//    stay in registers for the CTA's life.  Q's shared memory
 //    is then dead and holds the second K / V stage.  Without QREG, Q stays in shared memory.
 //  * K and V of tile j + 1 are copied (one cp.async group) while tile j is computed: a two-stage
 //    ring, one barrier per tile (it both publishes tile j and frees tile j - 1's stage).

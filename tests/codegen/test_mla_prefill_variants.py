@@ -1,5 +1,5 @@
-"""The tensor-core prefill attention's variants (mla_prefill_attention.TC_VARIANT): v1 stays the
-default with the kernel name it always had; each MlaPrefillTC2 tile lowers to its own kernel name,
+"""The tensor-core prefill attention's variants (mla_prefill_attention.TC_VARIANT): v2 at its default
+tile is what bf16 / fp16 lower to; each MlaPrefillTC2 tile lowers to its own kernel name,
 its shared-memory size agrees with the template's static_assert (NVRTC, sm_90, on the CPU), and at
 V2-Lite's dims it runs on HMMA without register spills."""
 from __future__ import annotations
@@ -49,25 +49,24 @@ def _lower(name: str, dtype: str, variant: str, monkeypatch):
     return launch
 
 
-def test_v2_is_the_default_and_v1_keeps_its_name(monkeypatch):
-    # v2 at its default tile measured fastest at 1x2048 on the H200 (runtime/PERF_NOTES.md v11)
+def test_v2_is_the_default_and_the_first_version_is_gone(monkeypatch):
+    # v2 at its default tile measured fastest at 1x2048 on the H200 (runtime/PERF_NOTES.md v11); the
+    # first tensor-core kernel (v1, MlaPrefillTC) was slower at every shape and was removed
     assert fam.TC_VARIANT == "v2"
     G, nid = _graph("lite")
     (default,) = fam.lower(nid, G, Options(dtype="bf16"))
     assert default.name == "mla_prefill_attention__bf16__h16_n128_r64_v128__mma__v2_m64n64w16q"
-    launch = _lower("lite", "bf16", "v1", monkeypatch)
-    assert launch.name == "mla_prefill_attention__bf16__h16_n128_r64_v128__mma"
-    assert "tc2" not in launch.params and launch.block == (128, 1, 1)
-    assert launch.smem == fam.tc_smem_bytes(128, 64, 128)
+    assert default.block == (128, 1, 1) and default.params["tc2"]["name"] == fam.TC2_DEFAULT
+    with pytest.raises(LoweringError, match="expected 'v2'"):
+        _lower("lite", "bf16", "v1", monkeypatch)
 
 
 def test_variant_spellings():
-    assert fam.tc_variant("v1") is None
     assert fam.tc_variant("v2") == fam.tc_variant(fam.TC2_DEFAULT)
     t = fam.tc_variant("v2_m128n32w32sb2")
     assert (t.bm, t.bn, t.wm, t.qreg, t.minb, t.threads) == (128, 32, 32, False, 2, 128)
     assert t.name == "v2_m128n32w32sb2"
-    for bad in ("v3", "v2_m64n64w8q", "v2_m48n64w32q", "v2_m64n40w16q", "v2_m64n0w16q", "v2_m64n64w16"):
+    for bad in ("v1", "v3", "v2_m64n64w8q", "v2_m48n64w32q", "v2_m64n40w16q", "v2_m64n0w16q", "v2_m64n64w16"):
         with pytest.raises(LoweringError):
             fam.tc_variant(bad)
 

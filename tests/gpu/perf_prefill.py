@@ -1,7 +1,7 @@
 """Prefill kernel timings at DeepSeek-V2-Lite dims (a script, not a test).
 
     python3 tests/gpu/perf_prefill.py [--batch 32] [--seqlen 512] [--families moe,attn,...]
-                                      [--attn-variants v1,v2,v2_m128n32w32s]
+                                      [--attn-variants v2,v2_m128n32w32s]
                                       [--route-tokens 257,2048,16384] [--route-variants default,gemv,align0]
                                       [--gemm-variants wgmma,64x3] [--wgmma-shapes 32x512,1x2048]
 
@@ -127,7 +127,7 @@ def report(name, ms, predict_us, note=""):
     print(f"{name:<58} {ms * 1e3:>11.1f} us   roofline ~{predict_us:>7.0f} us  {note}", flush=True)
 
 
-def bench_attention(runner, m, B, L, variants=("v1",)):
+def bench_attention(runner, m, B, L, variants=("v2",)):
     """The prefill attention at B prompts of L tokens, once per tensor-core variant (each lowered with
     mla_prefill_attention.TC_VARIANT set to it, restored after; their kernel names differ, so one
     runner holds them all): time, TFLOP/s, and a spot check of two sequences against torch sdpa
@@ -411,9 +411,9 @@ def main():
     ap.add_argument("--align-parallel", type=int, default=None, metavar="PAIRS",
                     help="also time the route with the count / scan / scatter alignment above PAIRS pairs "
                          "(_moe.ALIGN_PARALLEL_PAIRS; off in the lowering by default): --route-variants alignPAIRS")
-    ap.add_argument("--attn-variants", default="v1",
+    ap.add_argument("--attn-variants", default="v2",
                     help="comma-separated tensor-core prefill attention variants to time, each lowered with "
-                         "mla_prefill_attention.TC_VARIANT set to it: v1 (MlaPrefillTC), v2 (MlaPrefillTC2 at "
+                         "mla_prefill_attention.TC_VARIANT set to it: v2 (MlaPrefillTC2 at "
                          "its default tile), v2_m<BM>n<BN>w<16|32><q|s>[b<CTAs>] (see that module)")
     ap.add_argument("--route-tokens", default="", help="T values for the route (default: batch * seqlen)")
     ap.add_argument("--route-variants", default="default",
