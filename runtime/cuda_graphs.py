@@ -13,10 +13,17 @@ depending on the machine), so a slow host leaves the GPU waiting.  Its launches 
 its sizes (T, B, NP, MAXQ, MAXCTX, W) and how many logit rows it keeps; the rest is device data.
 PrefillGraphs captures a step the second time its key comes (a shape seen once runs eagerly and
 costs no capture) and replays it after, up to PREFILL_GRAPH_MAX_TOKENS tokens (above, the kernels
-outlast the host several times over), PREFILL_GRAPHS_KEPT graphs (each holds its step's
-activations).  A full set gives up its least recently used graph only when that one has not run
-for PREFILL_GRAPH_IDLE_STEPS prefill steps: a server cycling through more shapes than it keeps
-runs the others eagerly instead of capturing every step.
+outlast the host), PREFILL_GRAPHS_KEPT graphs.  A full set gives up its least recently used graph
+only when that one has not run for PREFILL_GRAPH_IDLE_STEPS prefill steps: a server cycling
+through more shapes than it keeps runs the others eagerly instead of capturing every step.
+
+Memory: a step keeps every value it makes until it ends (the buffer plan reuses nothing), so a
+graph holds its step's activations for as long as it lives: V2-Lite at 2048 tokens ~5.6 GB, at
+4096 ~11 GB.  The prefill graphs share one pool, and a step's values are all freed when its
+capture ends, so the next capture reuses them: the pool holds about the largest step's
+activations, not their sum (replays never overlap, and each graph writes every value before it
+reads it).  The bound of 2048 tokens keeps that to ~6 GB; a capture that runs out of memory
+leaves its key to eager steps from then on.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from ir.context import StepContext
 from .h2d import upload
 
 MIN_CONTEXT_BUCKET = 256
-PREFILL_GRAPH_MAX_TOKENS = 4096
+PREFILL_GRAPH_MAX_TOKENS = 2048
 PREFILL_GRAPHS_KEPT = 4
 PREFILL_GRAPH_IDLE_STEPS = 64
 _SEEN_KEPT = 1 << 12            # prefill keys remembered (seen once) before the set starts over
@@ -88,6 +95,7 @@ class PrefillGraphs:
         self.backend = backend
         self.graphs: collections.OrderedDict[tuple, _Captured] = collections.OrderedDict()
         self.seen: set[tuple] = set()
+        self.refused: set[tuple] = set()       # keys whose capture ran out of memory: eager from then on
         self.last_run: dict[tuple, int] = {}   # key -> the prefill step it last ran at
         self.steps = 0
         self.pool = None
@@ -106,6 +114,8 @@ class PrefillGraphs:
         key = self.key(phase, ids, ctx)
         cap = self.graphs.get(key)
         if cap is None:
+            if key in self.refused:
+                return None
             if key not in self.seen:
                 if len(self.seen) >= _SEEN_KEPT:
                     self.seen.clear()
@@ -116,7 +126,13 @@ class PrefillGraphs:
                 if self.steps - self.last_run[oldest] < PREFILL_GRAPH_IDLE_STEPS:
                     return None                  # every kept graph is in use: this shape runs eagerly
                 del self.graphs[oldest], self.last_run[oldest]
-            cap = self.graphs[key] = self._capture(phase, ids, ctx)
+            try:
+                cap = self._capture(phase, ids, ctx)
+            except torch.OutOfMemoryError:
+                self.refused.add(key)
+                torch.cuda.empty_cache()
+                return None
+            self.graphs[key] = cap
         else:
             self.graphs.move_to_end(key)
         self.last_run[key] = self.steps

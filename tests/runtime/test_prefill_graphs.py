@@ -95,3 +95,18 @@ def test_too_many_tokens_never_capture_and_few_graphs_are_kept(monkeypatch):
     assert len(captured) == cg.PREFILL_GRAPHS_KEPT + 1 and len(pg.graphs) == cg.PREFILL_GRAPHS_KEPT
     assert pg.key("prefill", torch.arange(1), _ctx([1], cache)) not in pg.graphs, "the idle oldest went"
     assert pg.key("prefill", torch.arange(2), _ctx([2], cache)) in pg.graphs
+
+
+def test_a_capture_that_runs_out_of_memory_leaves_its_key_to_eager_steps(monkeypatch):
+    pg = cg.PrefillGraphs(_Backend())
+    calls = []
+
+    def capture(phase, ids, ctx):
+        calls.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(pg, "_capture", capture)
+    cache = [torch.zeros(1)]
+    ids = torch.arange(4)
+    for _ in range(4):
+        assert pg.run("prefill", ids, _ctx([4], cache)) is None
+    assert len(calls) == 1 and not pg.graphs, "one attempt, then eager steps"
