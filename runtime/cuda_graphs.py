@@ -55,6 +55,7 @@ class _Captured:
         self.graph = graph
         self.inputs = inputs
         self.output = output
+        self.last_run = 0     # PrefillGraphs: the prefill step it last ran at
 
 
 class DecodeGraphs:
@@ -96,7 +97,6 @@ class PrefillGraphs:
         self.graphs: collections.OrderedDict[tuple, _Captured] = collections.OrderedDict()
         self.seen: set[tuple] = set()
         self.refused: set[tuple] = set()       # keys whose capture ran out of memory: eager from then on
-        self.last_run: dict[tuple, int] = {}   # key -> the prefill step it last ran at
         self.steps = 0
         self.pool = None
 
@@ -123,9 +123,9 @@ class PrefillGraphs:
                 return None
             if len(self.graphs) >= PREFILL_GRAPHS_KEPT:
                 oldest = next(iter(self.graphs))
-                if self.steps - self.last_run[oldest] < PREFILL_GRAPH_IDLE_STEPS:
+                if self.steps - self.graphs[oldest].last_run < PREFILL_GRAPH_IDLE_STEPS:
                     return None                  # every kept graph is in use: this shape runs eagerly
-                del self.graphs[oldest], self.last_run[oldest]
+                del self.graphs[oldest]
             try:
                 cap = self._capture(phase, ids, ctx)
             except torch.OutOfMemoryError:
@@ -135,7 +135,7 @@ class PrefillGraphs:
             self.graphs[key] = cap
         else:
             self.graphs.move_to_end(key)
-        self.last_run[key] = self.steps
+        cap.last_run = self.steps
         x = cap.inputs
         _refill(x, ids, ctx)
         x["query_start"].copy_(upload(_starts(ctx), torch.int32, ids.device), non_blocking=True)

@@ -24,6 +24,7 @@ from codegen.kernel import KernelLaunch, WeightRef, tensor_map
 from codegen.sizes import only_above, only_below
 
 from . import _moe
+from .mla_decode_attention import smem_limit
 
 FEATURE = "sm_90a"
 BM, BN, BK = 128, 256, 64      # pairs, weight rows, K per tile and stage  (moe_wgmma.cuh WG_*)
@@ -40,9 +41,6 @@ def smem(stages: int) -> int:
     return stages * (BM + BN) * BK * 2 + OUT_STAGING + 1024
 
 
-SMEM_PER_CTA = 227 * 1024      # what one CTA may have on sm_90 (dynamic + static)
-
-
 def static_smem(E: int) -> int:
     """moe_wgmma.cuh's __shared__ arrays: the full / empty barriers and the row-tile table."""
     return 2 * STAGES * 8 + 4 * (E + 1)
@@ -51,7 +49,7 @@ def static_smem(E: int) -> int:
 def applies(opts, p: dict) -> bool:
     return (_moe.GEMM_WGMMA_TOKENS is not None and has_feature(opts.arch, FEATURE)
             and opts.dtype in ("bf16", "fp16") and p["KD"] % 8 == 0
-            and smem(STAGES) + static_smem(p["E"]) <= SMEM_PER_CTA)   # up to ~490 experts
+            and smem(STAGES) + static_smem(p["E"]) <= smem_limit(opts.arch))   # sm_90: up to ~490 experts
 
 
 def threshold() -> int:

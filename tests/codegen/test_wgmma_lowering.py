@@ -22,6 +22,7 @@ import codegen.nvrtc as nvrtc  # noqa: E402
 from codegen import arch, families, sizes  # noqa: E402
 from codegen.bundle import BundleError, check_compatible, compile_bundle, load_manifest  # noqa: E402
 from codegen.families import _moe, _moe_wgmma  # noqa: E402
+from codegen.families.mla_decode_attention import smem_limit  # noqa: E402
 from codegen.kernel import (DEFAULTS, TENSOR_MAP_CTYPE, Arg, KernelLaunch, Options, TensorMapRef,  # noqa: E402
                             WeightRef, ref_from_json, ref_to_json)
 from codegen.manifest import step_from_json, step_to_json  # noqa: E402
@@ -98,7 +99,7 @@ def _worst_row_tiles(NP: int, E: int) -> int:
 def test_more_experts_than_a_ctas_shared_memory_holds_keep_the_mma_launch(wgmma_on):
     """The ring + epilogue staging take 225 KB; the row-tile table 4 bytes an expert more: V3's 256
     experts fit, ~500 would not, and such a spec keeps mma.sync (no kernel that cannot launch)."""
-    assert _moe_wgmma.smem(_moe_wgmma.STAGES) + _moe_wgmma.static_smem(256) <= _moe_wgmma.SMEM_PER_CTA
+    assert _moe_wgmma.smem(_moe_wgmma.STAGES) + _moe_wgmma.static_smem(256) <= smem_limit("sm_90a")
     assert [la.stage for G, nid in _grouped("v3") for la in _lower(G, nid)][-1] == "wgmma"
     many = (600, *DIMS["v2_lite"][1:])
     for G, nid in moe_graphs(*many):
