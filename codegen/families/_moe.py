@@ -245,6 +245,12 @@ SKINNY_BULK = False
 # wgmma): gate_up_silu / down at 512 tokens 208 / 102 us against mma.sync's 267 / 146, at 2048
 # 315 / 171 against 731 / 404, at 16384 2168 / 1151 against 4485 / 2356 (523 / 493 TFLOP/s).
 GEMM_WGMMA_TOKENS = 256
+# Up to GEMM_WGMMA_TOKENS (decode: 1 to ~40 pairs an expert) the grouped GEMM runs as the swapped
+# tile on wgmma + TMA (moe_wgmma_skinny.cuh, _moe_wgmma_skinny.py: 64-row TMA boxes of weights,
+# the pairs as wgmma's N) in place of the GEMV and the mma launch, on compute-capability-9.0
+# targets; False: never.  Measured on the H200 (PERF_NOTES v13): the touched weights at 4.1 TB/s
+# from b=16 to b=128, where the GEMV and the mma launch read them at 3.4-3.7.
+GEMM_WGMMA_SKINNY = True
 
 
 def slots(E: int) -> str:
@@ -313,8 +319,10 @@ def grouped_launches(family: str, template: str, name_parts: list, p: dict, nid:
             params=gp, nodes=(nid,),
             grid=(-(-p["N"] // bn), mma_grid_y(p["E"], thr, GEMV_ONLY_TOKENS), 1),
             block=(GEMM_THREADS, 1, 1), args=(*args, size("num_pairs", "NP")), smem=smem, stage="mma"))
-        from . import _moe_wgmma
+        from . import _moe_wgmma, _moe_wgmma_skinny
         launches = _moe_wgmma.take_over(launches, family, template, name_parts, p, nid, args, opts, down=down)
+        launches = _moe_wgmma_skinny.take_over(launches, family, template, name_parts, p, nid, args, opts,
+                                               down=down)
     return launches
 
 

@@ -91,7 +91,9 @@ def test_lowering_is_deterministic_and_names_are_readable(dims):
                 assert "/work" not in src and "/home" not in src
 
 
-def test_kernel_names():
+def test_kernel_names(monkeypatch):
+    from codegen.families import _moe
+    monkeypatch.setattr(_moe, "GEMM_WGMMA_SKINNY", False)    # the GEMV and the mma launch (then: below)
     by_op = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "bf16")] for G, nid in moe_graphs(*DIMS["v3"])}
     assert by_op["moe_route"] == ["moe_route__bf16__d7168__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__fused_t256",
                                   "moe_route__bf16__e256_d7168__gemm",
@@ -103,6 +105,10 @@ def test_kernel_names():
                                          "moe_gate_up_silu__bf16__e256_k8__m2048_d7168__wgmma"]
     assert by_op["moe_down"] == ["moe_down__bf16__e256__d7168_m2048", "moe_down__bf16__e256__d7168_m2048__mma",
                                  "moe_down__bf16__e256__d7168_m2048__wgmma"]
+    monkeypatch.setattr(_moe, "GEMM_WGMMA_SKINNY", True)     # the default: decode's wgmma in their place
+    on = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "bf16")] for G, nid in moe_graphs(*DIMS["v3"])}
+    assert on["moe_down"] == ["moe_down__bf16__e256__d7168_m2048__wgmma_skinny",
+                              "moe_down__bf16__e256__d7168_m2048__wgmma"]
     fp32 = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "fp32")] for G, nid in moe_graphs(*DIMS["v3"])}
     assert fp32["moe_down"] == ["moe_down__fp32__e256__d7168_m2048"]     # no tensor-core path for fp32
     assert by_op["moe_combine_residual"] == ["moe_combine_residual__bf16__k8_d7168"]
@@ -120,17 +126,21 @@ def _worst_tiles(NP: int, thr: int) -> int:
     return sum(-(-c // 128) for c in worst if c > thr)
 
 
-def test_grouped_launch_covers_every_expert_and_row():
-    """Exactly one of the launches runs at each T, and it covers every expert with pairs: the
-    GEMV while T <= GEMV_ONLY_TOKENS (a slot per expert that can have pairs), the one-grid mma
-    launch above (the same light slots, then a bound on the row tiles), up to GEMM_WGMMA_TOKENS,
-    and the wgmma launch above that (its grid: test_wgmma_lowering.py)."""
+def test_grouped_launch_covers_every_expert_and_row(monkeypatch):
+    """Exactly one of the launches runs at each T, and it covers every expert with pairs.  With
+    decode's wgmma off: the GEMV while T <= GEMV_ONLY_TOKENS (a slot per expert that can have
+    pairs), the one-grid mma launch above (the same light slots, then a bound on the row tiles), up
+    to GEMM_WGMMA_TOKENS, and the wgmma launch above that (its grid: test_wgmma_lowering.py).  With
+    it on (the default): the decode wgmma up to GEMM_WGMMA_TOKENS, then the prefill wgmma."""
     from codegen import sizes
+    from codegen.families import _moe
     from codegen.families._moe import GEMM_WGMMA_TOKENS, GEMV_ONLY_TOKENS
+    Ts = (1, 2, 3, GEMV_ONLY_TOKENS, GEMV_ONLY_TOKENS + 1, 64, 128, GEMM_WGMMA_TOKENS, GEMM_WGMMA_TOKENS + 1, 16384)
     for G, nid in moe_graphs(*DIMS["v2_lite"]):
         op = G.nodes[nid]["op"]
         if op not in ("moe_gate_up_silu", "moe_gate_up", "moe_down"):
             continue
+        monkeypatch.setattr(_moe, "GEMM_WGMMA_SKINNY", False)
         launch, gemm, wgmma = lower(G, nid, "bf16")
         p, q = launch.params, gemm.params
         assert launch.grid[1] * p["warps"] * p["rpw"] >= p["N"]
@@ -138,8 +148,7 @@ def test_grouped_launch_covers_every_expert_and_row():
         bn = 128 if op == "moe_down" else 64
         assert gemm.grid[0] * bn >= q["N"]                # the column tiles cover N
         assert any(a.name == "num_pairs" for a in gemm.args)   # where the tiles start (moe.cuh 4b)
-        for T in (1, 2, 3, GEMV_ONLY_TOKENS, GEMV_ONLY_TOKENS + 1, 64, 128, GEMM_WGMMA_TOKENS, GEMM_WGMMA_TOKENS + 1,
-                  16384):
+        for T in Ts:
             NP = 6 * T
             env = {"NP": NP, "T": T, "SMS": 132}
             gemv_x, mma_y = sizes.evaluate(launch.grid[0], env), sizes.evaluate(gemm.grid[1], env)
@@ -151,6 +160,16 @@ def test_grouped_launch_covers_every_expert_and_row():
                 assert mma_y >= min(64, NP) + _worst_tiles(NP, q["thr"]), (T, mma_y)
             else:
                 assert gemv_x == 0 and mma_y == 0 and wg > 0, (T, wg)
+        monkeypatch.setattr(_moe, "GEMM_WGMMA_SKINNY", True)
+        skinny, wgmma = lower(G, nid, "bf16")
+        assert (skinny.stage, wgmma.stage) == ("wgmma_skinny", "wgmma")
+        assert skinny.params["cols"] == bn
+        for T in Ts:
+            env = {"NP": 6 * T, "T": T, "SMS": 132}
+            sk, wg = sizes.evaluate(skinny.grid[0], env), sizes.evaluate(wgmma.grid[0], env)
+            # a persistent grid walks every tile: any CTAs at all cover them; at most two per SM
+            assert (sk > 0, wg > 0) == (T <= GEMM_WGMMA_TOKENS, T > GEMM_WGMMA_TOKENS), (T, sk, wg)
+            assert sk <= 2 * 132
         # fp32 has no tensor-core launch: its GEMV takes every expert at every T
         (f32,) = lower(G, nid, "fp32")
         for T in (1, GEMV_ONLY_TOKENS + 1, 16384):

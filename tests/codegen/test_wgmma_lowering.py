@@ -39,6 +39,13 @@ def _grouped(dims="v2_lite"):
     return [(G, nid) for G, nid in moe_graphs(*DIMS[dims]) if G.nodes[nid]["op"] in GROUPED]
 
 
+@pytest.fixture(autouse=True)
+def decode_wgmma_off(monkeypatch):
+    """These tests are the prefill wgmma's place beside the GEMV and the mma launch; decode's wgmma
+    (on by default, which takes both their token ranges) has its own: test_wgmma_skinny_lowering.py."""
+    monkeypatch.setattr(_moe, "GEMM_WGMMA_SKINNY", False)
+
+
 @pytest.fixture
 def wgmma_on(monkeypatch):
     monkeypatch.setattr(_moe, "GEMM_WGMMA_TOKENS", 256)

@@ -1,7 +1,7 @@
 """Routed-expert (grouped MoE) kernel timings at DeepSeek-V2-Lite dims (a script, not a test).
 
     python3 tests/gpu/perf_moe.py [--pairs 1,2,4,8,9,12,16,32,64,65,128,256] [--batches 1,8,32,128,256]
-                                  [--variants ts8_thr2_skinny64,ts0_thr2_skinny64,thr0_skinny0]
+                                  [--variants ts8_thr2_skinny64,ts0_wgs,thr0_skinny0]
                                   [--json PATH]
     python3 tests/gpu/perf_moe.py --compile-only      # no GPU: lower, render and NVRTC-compile every
                                                       # variant's kernels for --arch (default sm_90)
@@ -24,7 +24,9 @@ the lowering's GEMV_ONLY_TOKENS), the mma launch above it with param thr=t and s
 largest row tile run in the swapped orientation; 0 turns it off), optionally the swapped tiles'
 K slice and ring depth, and _bulk: their rows as bulk copies on mbarriers (SKINNY_BULK); both
 grids are recomputed.  thr0 means the GEMV alone at every T (the mma
-launch is dropped).  Every variant launch is renamed <lowered name>__ts<n> (gemv) or
+launch is dropped).  [ts<n>_]wgs: the GEMV while T <= n (default GEMV_ONLY_TOKENS), the decode
+wgmma + TMA launch (moe_wgmma_skinny.cuh; the lowering's default on sm_90a is ts0_wgs) above it.
+The prefill wgmma launch is left out of every variant.  Every variant launch is renamed <lowered name>__ts<n> (gemv) or
 <lowered name>__ts<n>_thr<t>_skinny<s>... (mma): KernelRunner keeps one compiled module per
 launch name, so distinct launches must never share a name (checked below).
 
@@ -54,7 +56,9 @@ from perf_decode import lite, time_us  # noqa: E402
 
 from codegen import sizes as size_exprs  # noqa: E402
 from codegen.families import family_for_op  # noqa: E402
+from codegen.families import _moe  # noqa: E402
 from codegen.families._moe import GEMV_ONLY_TOKENS, gemm_launch_smem, gemv_grid, mma_grid_y  # noqa: E402
+from codegen.sizes import only_above  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
 from ir.ops import TType  # noqa: E402
 from ir.ops.moe import align_ref  # noqa: E402
@@ -67,6 +71,7 @@ BAD_ERR = 1e-2
 FAMILIES = ("moe_gate_up_silu", "moe_down")
 SHORT = {"moe_gate_up_silu": "gate_up_silu", "moe_down": "down"}
 _VARIANT_RE = re.compile(r"^(?:ts(\d+)_)?thr(\d+)_skinny(\d+)(?:_sbk(\d+)_sst(\d+))?(_bulk)?$")
+_WGS_RE = re.compile(r"^(?:ts(\d+)_)?wgs$")   # the GEMV while T <= ts, the decode wgmma + TMA launch above
 GEMV_ALONE = 1 << 30     # ts of thr0: the GEMV at every T
 
 
@@ -92,7 +97,11 @@ def graph(m, family: str, K: int):
 
 def parse_variant(v: str) -> tuple:
     """[ts<n>_]thr<t>_skinny<s>[_sbk<k>_sst<n>] -> (ts, t, s, k or None, n or None); None keeps the
-    lowering's swapped-tile K slice / ring depth."""
+    lowering's swapped-tile K slice / ring depth.  [ts<n>_]wgs -> (ts, "wgs", ...): the decode
+    wgmma + TMA launch (moe_wgmma_skinny.cuh) above ts."""
+    mw = _WGS_RE.match(v)
+    if mw is not None:
+        return (int(mw.group(1)) if mw.group(1) else GEMV_ONLY_TOKENS), "wgs", 0, None, None, False
     mt = _VARIANT_RE.match(v)
     if mt is None:
         raise SystemExit(f"variant {v!r}: expected [ts<int>_]thr<int>_skinny<int>[_sbk<int>_sst<int>][_bulk], "
@@ -104,15 +113,23 @@ def parse_variant(v: str) -> tuple:
 
 
 def apply_variant(launches, ts: int, thr: int, skinny: int, sbk=None, sst=None, bulk=False) -> list:
-    """The family's launches with ts (both grids), thr and skinny (mma) overridden, renamed."""
+    """The family's launches with ts (both grids), thr and skinny (mma) overridden, renamed; the
+    prefill wgmma launch left out (the variant's launch takes every T above ts).  thr "wgs": the
+    decode wgmma launch in place of the mma launch."""
     stages = [la.stage for la in launches]
-    if stages != ["gemv", "mma"]:
-        raise SystemExit(f"expected the launches gemv, mma from the lowering; got {stages} "
+    want = ["gemv", "wgmma_skinny"] if thr == "wgs" else ["gemv", "mma"]
+    if [st for st in stages if st != "wgmma"] != want:
+        raise SystemExit(f"expected the launches {want} (and wgmma) from the lowering; got {stages} "
                          f"({[la.name for la in launches]})")
     out = []
     for la in launches:
         if la.stage == "gemv":
             out.append(dataclasses.replace(la, name=f"{la.name}__ts{ts}", grid=gemv_grid(la.params, ts)))
+        elif la.stage == "wgmma":
+            continue
+        elif la.stage == "wgmma_skinny":
+            g = la.grid[0].split(" * (1 - min(1, T // ")[0].split(" * min(1, T // ")[0]   # the tile bound alone
+            out.append(dataclasses.replace(la, name=f"{la.name}__ts{ts}", grid=(f"{g} * {only_above(ts)}", 1, 1)))
         elif thr > 0:
             E = la.params["E"]
             p = {**la.params, "thr": thr, "skinny": skinny, "bulk": bulk}
@@ -139,11 +156,15 @@ class Kernels:
         self._launches: dict = {}
         self._by_name: dict = {}
 
-    def base(self, family: str, K: int):
-        key = (family, K)
+    def base(self, family: str, K: int, wgs: bool = False):
+        key = (family, K, wgs)
         if key not in self._graphs:
             G, nid = graph(self.m, family, K)
-            launches = family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype="bf16"))
+            saved, _moe.GEMM_WGMMA_SKINNY = _moe.GEMM_WGMMA_SKINNY, wgs
+            try:
+                launches = family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype="bf16"))
+            finally:
+                _moe.GEMM_WGMMA_SKINNY = saved
             self._graphs[key] = (G, nid, launches)
         return self._graphs[key]
 
@@ -151,7 +172,11 @@ class Kernels:
         key = (family, K, variant)
         if key not in self._launches:
             ts, thr, skinny, sbk, sst, bulk = parse_variant(variant)
-            launches = apply_variant(self.base(family, K)[2], ts, thr, skinny, sbk, sst, bulk)
+            base = self.base(family, K)[2]                 # the GEMV and the mma launch
+            if thr == "wgs":                                 # the GEMV, then the decode wgmma launch
+                base = [la for la in base if la.stage == "gemv"] + [
+                    la for la in self.base(family, K, True)[2] if la.stage == "wgmma_skinny"]
+            launches = apply_variant(base, ts, thr, skinny, sbk, sst, bulk)
             for la in launches:
                 ident = (la.template, json.dumps(la.params, sort_keys=True), tuple(la.args), la.grid, la.block,
                          la.smem)
@@ -170,7 +195,7 @@ class Kernels:
             src = self.runner.source(la)
             if not re.search(rf"\b{re.escape(la.name)}\s*\(", src):
                 raise SystemExit(f"rendered source of {la.name} does not declare a kernel of that name")
-            probes = [("thr", thr + 1), ("skinny", 0 if skinny else 64)] if la.stage == "mma" else []
+            probes = [("thr", thr + 1), ("skinny", 0 if skinny else 64)] if la.stage == "mma" and thr != "wgs" else []
             for key, other in probes:
                 alt = dataclasses.replace(la, params={**la.params, key: other})
                 if _body(self.runner.source(alt), la.name) == _body(src, la.name):
@@ -287,7 +312,7 @@ def main():
     ap.add_argument("--pairs", default="1,2,4,8,9,12,16,32,64,65,128,256",
                     help="pairs per expert c (every expert gets exactly c pairs)")
     ap.add_argument("--batches", default="1,8,32,128,256", help="decode batches B (K distinct experts per token)")
-    ap.add_argument("--variants", default="ts8_thr2_skinny64,ts0_thr2_skinny64,thr0_skinny0",
+    ap.add_argument("--variants", default="ts8_thr2_skinny64,ts0_wgs,thr0_skinny0",
                     help="comma-separated [ts<n>_]thr<t>_skinny<s>[_sbk<k>_sst<n>] (thr0: the GEMV alone)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write every row as JSON to PATH")
     ap.add_argument("--compile-only", action="store_true",

@@ -60,11 +60,12 @@ def runner():
 def _lower_wgmma(G, nid, dtype, ran: list | None = None):
     """The family's launches with the wgmma variant above 8 tokens (the GEMV's)."""
     from codegen.families import _moe
-    saved, _moe.GEMM_WGMMA_TOKENS = _moe.GEMM_WGMMA_TOKENS, 8      # (a fixture would not suit @given)
+    saved = _moe.GEMM_WGMMA_TOKENS, _moe.GEMM_WGMMA_SKINNY       # (a fixture would not suit @given)
+    _moe.GEMM_WGMMA_TOKENS, _moe.GEMM_WGMMA_SKINNY = 8, False      # (decode's wgmma: its own test file)
     try:
         launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype))
     finally:
-        _moe.GEMM_WGMMA_TOKENS = saved
+        _moe.GEMM_WGMMA_TOKENS, _moe.GEMM_WGMMA_SKINNY = saved
     assert [la.stage for la in launches] == ["gemv", "mma", "wgmma"], [la.stage for la in launches]
     if ran is not None:
         ran.extend(launches)

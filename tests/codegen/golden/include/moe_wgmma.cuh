@@ -62,15 +62,15 @@ struct WgTile {
   int e, pbeg, rows, n0;
 };
 
-// tiles[e] = row tiles of experts before e (cdiv(pairs, WG_BM) each), tiles[E] = all of them.
-// Warp 0 scans 32 experts a round.
-template <int E>
+// tiles[e] = row tiles of experts before e (cdiv(pairs, BM) each), tiles[E] = all of them.
+// Warp 0 scans 32 experts a round.  (BM: the decode tiles of moe_wgmma_skinny.cuh hold 64 pairs.)
+template <int E, int BM = WG_BM>
 __device__ __forceinline__ void wgmma_row_tiles(const i32* __restrict__ offsets, int* tiles) {
   const int lane = threadIdx.x & 31;
   int base = 0;
   for (int e0 = 0; e0 < E; e0 += 32) {
     const int e = e0 + lane;
-    const int nt = (e < E) ? (offsets[e + 1] - offsets[e] + WG_BM - 1) / WG_BM : 0;
+    const int nt = (e < E) ? (offsets[e + 1] - offsets[e] + BM - 1) / BM : 0;
     int incl = nt;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -85,7 +85,7 @@ __device__ __forceinline__ void wgmma_row_tiles(const i32* __restrict__ offsets,
 
 // Tile t of the walk (t < tiles[E] * NCT): its expert is the last e with tiles[e] <= row tile,
 // which has pairs (an expert without pairs has tiles[e] == tiles[e + 1]).
-template <int E, int NCT, int BNO>
+template <int E, int NCT, int BNO, int BM = WG_BM>
 __device__ __forceinline__ WgTile wgmma_tile(const int* tiles, const i32* __restrict__ offsets, int t) {
   const int rt = t / NCT;
   int lo = 0, hi = E;                   // tiles[lo] <= rt < tiles[hi]
@@ -96,8 +96,8 @@ __device__ __forceinline__ WgTile wgmma_tile(const int* tiles, const i32* __rest
   }
   WgTile tl;
   tl.e = lo;
-  tl.pbeg = offsets[lo] + (rt - tiles[lo]) * WG_BM;
-  tl.rows = min(WG_BM, offsets[lo + 1] - tl.pbeg);
+  tl.pbeg = offsets[lo] + (rt - tiles[lo]) * BM;
+  tl.rows = min(BM, offsets[lo + 1] - tl.pbeg);
   tl.n0 = (t % NCT) * BNO;
   return tl;
 }
@@ -105,10 +105,10 @@ __device__ __forceinline__ WgTile wgmma_tile(const int* tiles, const i32* __rest
 // One stage's gathered rows of a producer thread: 16-byte chunk kc .. kc + 8 of x rows src[i]
 // (-1: zeros) into tile rows r0 + 16 i, whose chunk positions share one swizzle (dst is row r0's).
 // VEC: 16-byte cp.async (x 16-byte aligned); else element loads and a 16-byte shared store.
-template <typename T, int KD, bool VEC>
-__device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int (&src)[8], int kc, char* dst) {
+template <typename T, int KD, bool VEC, int R>
+__device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int (&src)[R], int kc, char* dst) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < R; ++i) {
     const bool ok = src[i] >= 0 && kc < KD;              // else zeros: rows past the tile, K past KD
     const T* from = x + (ok ? (i64)src[i] * KD + kc : 0);
     char* to = dst + i * 16 * WG_ROW_BYTES;

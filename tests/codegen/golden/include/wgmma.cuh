@@ -94,6 +94,52 @@ __device__ __forceinline__ void mma_m64n256k16(float (&d)[128], unsigned long lo
     asm volatile(DSG_WGMMA_M64N256K16("f16.f16") : DSG_WGMMA_D128 : "l"(a_desc), "l"(b_desc), "r"(1));
 }
 
+// ---- d (64 x N fp32) += a (64 x 16) * b (16 x N), N = 16 / 32 / 64: the swapped decode tiles ----
+// (moe_wgmma_skinny.cuh: weight rows as M, an expert's few pairs as N.)  Same register layout:
+// d[4j + 2h + c] = element (row 16w + l / 4 + 8h, column 8j + 2 (l % 4) + c), j < N / 8.
+#define DSG_WGMMA_ACC8 "{%0, %1, %2, %3, %4, %5, %6, %7}"
+#define DSG_WGMMA_ACC16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define DSG_WGMMA_ACC32                                                                                   \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"                                \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+// the descriptors and the scale-d predicate's source follow the R accumulators: %R, %R+1, %R+2
+#define DSG_WGMMA_M64NK16(shape, types, acc, da, db, sd)                                                  \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, " sd ", 0;\n"                                                      \
+  "wgmma.mma_async.sync.aligned." shape ".f32." types "\n" acc ", " da ", " db ", p, 1, 1, 0, 0;\n}\n"
+
+template <bool BF16, int N>
+__device__ __forceinline__ void mma_m64nk16(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc) {
+  static_assert(N == 16 || N == 32 || N == 64, "wgmma m64nNk16: N is 16, 32 or 64 here");
+  if constexpr (N == 16) {
+    if constexpr (BF16)
+      asm volatile(DSG_WGMMA_M64NK16("m64n16k16", "bf16.bf16", DSG_WGMMA_ACC8, "%8", "%9", "%10")
+                   : DSG_WGMMA_D8(0) : "l"(a_desc), "l"(b_desc), "r"(1));
+    else
+      asm volatile(DSG_WGMMA_M64NK16("m64n16k16", "f16.f16", DSG_WGMMA_ACC8, "%8", "%9", "%10")
+                   : DSG_WGMMA_D8(0) : "l"(a_desc), "l"(b_desc), "r"(1));
+  } else if constexpr (N == 32) {
+    if constexpr (BF16)
+      asm volatile(DSG_WGMMA_M64NK16("m64n32k16", "bf16.bf16", DSG_WGMMA_ACC16, "%16", "%17", "%18")
+                   : DSG_WGMMA_D8(0), DSG_WGMMA_D8(8) : "l"(a_desc), "l"(b_desc), "r"(1));
+    else
+      asm volatile(DSG_WGMMA_M64NK16("m64n32k16", "f16.f16", DSG_WGMMA_ACC16, "%16", "%17", "%18")
+                   : DSG_WGMMA_D8(0), DSG_WGMMA_D8(8) : "l"(a_desc), "l"(b_desc), "r"(1));
+  } else {
+    if constexpr (BF16)
+      asm volatile(DSG_WGMMA_M64NK16("m64n64k16", "bf16.bf16", DSG_WGMMA_ACC32, "%32", "%33", "%34")
+                   : DSG_WGMMA_D8(0), DSG_WGMMA_D8(8), DSG_WGMMA_D8(16), DSG_WGMMA_D8(24)
+                   : "l"(a_desc), "l"(b_desc), "r"(1));
+    else
+      asm volatile(DSG_WGMMA_M64NK16("m64n64k16", "f16.f16", DSG_WGMMA_ACC32, "%32", "%33", "%34")
+                   : DSG_WGMMA_D8(0), DSG_WGMMA_D8(8), DSG_WGMMA_D8(16), DSG_WGMMA_D8(24)
+                   : "l"(a_desc), "l"(b_desc), "r"(1));
+  }
+}
+
+#undef DSG_WGMMA_M64NK16
+#undef DSG_WGMMA_ACC32
+#undef DSG_WGMMA_ACC16
+#undef DSG_WGMMA_ACC8
 #undef DSG_WGMMA_M64N256K16
 #undef DSG_WGMMA_ACC128
 #undef DSG_WGMMA_D128

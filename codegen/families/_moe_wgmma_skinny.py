@@ -1,0 +1,96 @@
+"""Decode's grouped expert GEMM on Hopper's wgmma + TMA (templates/include/moe_wgmma_skinny.cuh) as
+the launch of the grouped expert families (moe_gate_up_silu, moe_gate_up, moe_down) up to the
+prefill wgmma's tokens: decode, where an expert has 1 to ~40 pairs.
+
+Not a family (the leading underscore).  `take_over` gets the family's launches (GEMV, mma[,
+wgmma]) and, where the variant applies and `_moe.GEMM_WGMMA_SKINNY` is on, hands every T in
+(FROM_TOKENS, upper()] to a persistent launch over the same operands, the weights as TMA tensor
+maps of 64-row boxes:
+
+    T <= FROM_TOKENS                   the GEMV                 (left out while FROM_TOKENS is 0)
+    FROM_TOKENS < T <= upper()         wgmma_skinny: grid min(2 SMS, tile bound), 256 threads
+    T > upper()                        the prefill wgmma where it applies, else the mma launch
+
+A launch that then never runs is left out (the GEMV at FROM_TOKENS 0; the mma launch where the
+prefill wgmma takes every T above upper()).  It applies where the prefill wgmma's conditions hold
+(an sm_90a target, 16-bit activations, KD % 8 == 0) and two CTAs' shared memory fit an SM;
+elsewhere (fp32, odd KD) the GEMV and the mma launch serve decode as before.
+
+FROM_TOKENS 0, measured on the H200 (PERF_NOTES v13, tests/gpu/perf_moe.py, V2-Lite, gate_up_silu
++ down a layer): decode b=1 30.0 us against the GEMV's 34.2, b=8 165.2 against 172.6; b=32 262.6
+against the mma launch's 308.9, b=128 271.0 against 302.9.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from codegen.arch import has_feature
+from codegen.kernel import KernelLaunch, WeightRef, tensor_map
+from codegen.sizes import only_above, only_below
+
+from . import _moe, _moe_wgmma
+from ._moe import gemv_grid
+
+FEATURE = _moe_wgmma.FEATURE
+BP, ROWS, BOX, BK = 64, 128, 64, 64   # pairs, weight rows per tile; rows per TMA box; K a stage (moe_wgmma_skinny.cuh WS_*)
+THREADS = 256                          # a producer warpgroup and a consumer warpgroup
+STAGES = 4                             # 4 x 24 KB in flight per CTA, two CTAs per SM
+SM_SHARED = 228 * 1024                 # an H100 / H200 SM's shared memory (each CTA also reserves 1 KB)
+UPPER_WITHOUT_PREFILL_WGMMA = 256      # its range's top where the prefill wgmma is off
+FROM_TOKENS = 0                        # the GEMV keeps T <= this (0: none; see above)
+
+
+def smem(stages: int) -> int:
+    """The ring and 1 KB of slack to start it on a 1024-byte boundary (wgmma_skinny_smem)."""
+    return stages * (ROWS + BP) * BK * 2 + 1024
+
+
+def static_smem(E: int) -> int:
+    """The full / empty barriers and the row-tile table (moe_wgmma_skinny.cuh's __shared__)."""
+    return 2 * STAGES * 8 + 4 * (E + 1)
+
+
+def applies(opts, p: dict) -> bool:
+    return (_moe.GEMM_WGMMA_SKINNY and has_feature(opts.arch, FEATURE) and opts.dtype in ("bf16", "fp16")
+            and p["KD"] % 8 == 0 and 2 * (smem(STAGES) + static_smem(p["E"]) + 1024) <= SM_SHARED)
+
+
+def upper() -> int:
+    """Tokens up to which this launch runs: the prefill wgmma's threshold where that is on."""
+    return _moe_wgmma.threshold() if _moe.GEMM_WGMMA_TOKENS is not None else UPPER_WITHOUT_PREFILL_WGMMA
+
+
+def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
+           down: bool) -> KernelLaunch:
+    from codegen.render import kernel_name
+    cols = ROWS if down else ROWS // 2                    # output columns per tile
+    tiles = f"{-(-p['N'] // cols)} * (NP // {BP} + min({p['E']}, NP))"   # one partial row tile per expert
+    targs = tuple(tensor_map(a.name, a.ref.name, (BOX, BK)) if isinstance(a.ref, WeightRef) else a for a in args)
+    params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "variant": "wgmma_skinny",
+              "threads": THREADS, "stages": STAGES, "smem": smem(STAGES), "cols": cols, "box_rows": BOX,
+              "box_k": BK, "pairs": BP}
+    run = only_below(upper()) if FROM_TOKENS == 0 else f"{only_above(FROM_TOKENS)} * {only_below(upper())}"
+    return KernelLaunch(
+        family=family, template=template, name=kernel_name(family, [*name_parts, "wgmma_skinny"]), params=params,
+        nodes=(nid,), grid=(f"min(2 * SMS, {tiles}) * {run}", 1, 1), block=(THREADS, 1, 1),
+        args=targs, smem=smem(STAGES), stage="wgmma_skinny", requires=(FEATURE,))
+
+
+def take_over(launches: list, family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,
+              opts, *, down: bool) -> list:
+    """`launches` (GEMV, mma[, wgmma]), with this launch taking (FROM_TOKENS, upper()]."""
+    if not applies(opts, p) or upper() <= FROM_TOKENS:
+        return launches
+    out = []
+    for la in launches:
+        if la.stage == "gemv":
+            if FROM_TOKENS > 0:
+                out.append(dataclasses.replace(la, grid=gemv_grid(p, FROM_TOKENS)))
+            out.append(launch(family, template, name_parts, p, nid, args, down=down))
+        elif la.stage == "mma":
+            if not any(w.stage == "wgmma" for w in launches):   # else 0 below the prefill wgmma and 0 here
+                out.append(dataclasses.replace(
+                    la, grid=(la.grid[0], f"({la.grid[1]}) * {only_above(upper())}", la.grid[2])))
+        else:
+            out.append(la)
+    return out

@@ -1,0 +1,214 @@
+// 4e. Decode's grouped expert GEMM on wgmma + TMA (sm_90a): experts with a few pairs each.
+// Same contract as grouped_gemm (moe.cuh 4b / 4c): pairs grouped by expert through `order` /
+// `offsets`, the same outputs rounded at the same points, no host sync.  It is the swapped tile of
+// 4c (the weight rows as the MMA's M side, the pairs as N) fed the way the prefill GEMM
+// (moe_wgmma.cuh) is fed, because at decode the kernel's whole job is streaming weight bytes:
+//   * tile = (expert, a row tile of up to 64 of its pairs, a column tile of 128 weight rows:
+//     64 gate + the same 64 up rows, or 128 down rows); a persistent grid (two CTAs per SM) walks
+//     the tiles t = blockIdx.x, + gridDim.x, ... in (row tile, column tile) order, the row tiles
+//     numbered over the experts from `offsets` (wgmma_row_tiles), so an expert without pairs costs
+//     nothing and one with 1 pair costs one read of its rows;
+//   * a stage is one 64-wide K slice: the weight rows as two TMA boxes of 64 rows (128B swizzle,
+//     16 KB: one request each, where 4c's cp.async ring made 1024 16-byte requests) and the
+//     tile's pair rows gathered through `order` with 16-byte cp.async (moe_wgmma.cuh's gather);
+//   * warpgroup 0 produces, warpgroup 1 consumes: two wgmma m64nBPk16 a 16-wide K step (rows
+//     0-63 and 64-127 of the stage) with BP = 16 / 32 / 64 picked per tile from its pair count;
+//   * the epilogue stores straight from the accumulators (a decode step writes ~MBs, reads ~GBs):
+//     GATE_UP_SILU: a thread holds the gate and the up accumulator of one output column and pair.
+// Needs 16-bit T and KD % 8 == 0, like the prefill GEMM; the lowering emits it only then
+// (codegen/families/_moe_wgmma_skinny.py).  An x base that is not 16-byte aligned takes element
+// loads into the same layout; outputs are stored element by element at any alignment.
+#pragma once
+#include "moe_wgmma.cuh"
+
+namespace dsg {
+namespace moe {
+
+constexpr int WS_BP = 64;             // pairs per row tile: the widest N of the decode wgmma
+constexpr int WS_ROWS = 128;          // weight rows per tile: two 64-row TMA boxes
+constexpr int WS_BOX = 64;            // weight rows per TMA box
+constexpr int WS_BK = WG_BK;          // K slice: one 128-byte swizzled row
+constexpr int WS_THREADS = 256;       // producer warpgroup + consumer warpgroup
+constexpr int WS_ROW_BYTES = WG_ROW_BYTES;
+constexpr int WS_W_BYTES = WS_ROWS * WS_ROW_BYTES;               // 16 KB of weights a stage
+constexpr int WS_STAGE_BYTES = WS_W_BYTES + WS_BP * WS_ROW_BYTES;  // + 8 KB of pair rows: 24 KB
+
+// Output columns a tile covers.
+__host__ __device__ constexpr int wgmma_skinny_cols(int mode) { return mode == DOWN ? WS_ROWS : WS_ROWS / 2; }
+// Dynamic shared memory: the ring plus slack to start it on a 1024-byte boundary (128B swizzle;
+// every stage, and its pair rows 16 KB in, stay on one).  4 stages: 97 KB, two CTAs per SM.
+__host__ __device__ constexpr int wgmma_skinny_smem(int stages) { return stages * WS_STAGE_BYTES + 1024; }
+
+// Producer: the 128 threads of warpgroup 0.  Thread p copies 16-byte chunk p % 8 of pair rows
+// p / 8 + 16 i (i < 4); rows past the tile's pairs are zeros (never read from x).  Thread 0 also
+// issues the weight boxes.
+template <typename T, int MODE, int E, int N, int KD, int K, int ST>
+__device__ __forceinline__ void wgmma_skinny_produce(const T* __restrict__ x, const TensorMap* w0, const TensorMap* w1,
+                                                     const i32* __restrict__ order, const i32* __restrict__ offsets,
+                                                     const int* tiles, char* ring, unsigned long long* full,
+                                                     unsigned long long* empty) {
+  constexpr int BNO = wgmma_skinny_cols(MODE), NCT = (N + BNO - 1) / BNO, KT = (KD + WS_BK - 1) / WS_BK;
+  const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
+  const int chunk = (c ^ (r0 & 7)) * 16;                 // 128B swizzle: c ^ (row % 8)
+  const bool vec = aligned_to<16>(x);                    // uniform: cp.async, else element loads
+  if (p == 0) {
+    tma::prefetch(w0);
+    if (MODE != DOWN) tma::prefetch(w1);
+  }
+  const int total = tiles[E] * NCT;
+  int it = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const WgTile tl = wgmma_tile<E, NCT, BNO, WS_BP>(tiles, offsets, t);
+    int src[WS_BP / 16];                                 // x row of each of this thread's pair rows, -1: none
+#pragma unroll
+    for (int i = 0; i < WS_BP / 16; ++i) {
+      const int r = r0 + 16 * i;
+      const int pr = r < tl.rows ? order[tl.pbeg + r] : -1;
+      src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);
+    }
+    // DOWN's second box starts at or past N when N - n0 <= 64: left out (its accumulator rows are
+    // columns >= N, never stored), so no box lies wholly outside the tensor.
+    const bool box1 = MODE != DOWN || tl.n0 + WS_BOX < N;
+    for (int kt = 0; kt < KT; ++kt, ++it) {
+      const int s = it % ST;
+      mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
+      char* w = ring + s * WS_STAGE_BYTES;
+      char* a = w + WS_W_BYTES;
+      const int k0 = kt * WS_BK;
+      if (p == 0) {
+        mbar::arrive_expect_tx(&full[s], (box1 ? 2 : 1) * WS_BOX * WS_ROW_BYTES);
+        tma::load_3d(w, w0, k0, tl.n0, tl.e, &full[s]);
+        if (box1) tma::load_3d(w + WS_BOX * WS_ROW_BYTES, MODE == DOWN ? w0 : w1, k0,
+                               MODE == DOWN ? tl.n0 + WS_BOX : tl.n0, tl.e, &full[s]);
+      }
+      if (vec) {
+        wgmma_gather<T, KD, true>(x, src, k0 + 8 * c, a + r0 * WS_ROW_BYTES + chunk);
+        mbar::arrive_on_cp_async(&full[s]);
+      } else {
+        wgmma_gather<T, KD, false>(x, src, k0 + 8 * c, a + r0 * WS_ROW_BYTES + chunk);
+        mbar::fence_proxy_async();                       // plain stores, read next by wgmma (async proxy)
+        mbar::arrive(&full[s]);
+      }
+    }
+  }
+  dsg::mma::cp_async_wait<0>();                          // nothing of this thread's left in flight at exit
+}
+
+// One tile's K loop and epilogue on the consumer warpgroup, BP pairs wide (the tile has <= BP).
+// `it` is the ring position of the tile's first slice (advanced past its last).
+template <typename T, int MODE, int N, int KD, int ST, int BP>
+__device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* __restrict__ order, unsigned ring,
+                                                  unsigned long long* full, unsigned long long* empty,
+                                                  T* __restrict__ out0, T* __restrict__ out1, int& it) {
+  constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
+  constexpr int KT = (KD + WS_BK - 1) / WS_BK;
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  float acc0[BP / 2], acc1[BP / 2];                      // stage rows 0-63, 64-127
+#pragma unroll
+  for (int i = 0; i < BP / 2; ++i) acc0[i] = acc1[i] = 0.f;
+  wgmma::fence_operands(acc0);
+  wgmma::fence_operands(acc1);
+  for (int kt = 0; kt < KT; ++kt, ++it) {
+    const int s = it % ST;
+    mbar::wait(&full[s], (it / ST) & 1);
+    mbar::fence_proxy_async();                           // the gathered rows were cp.async (generic) writes
+    const unsigned w = ring + s * WS_STAGE_BYTES;
+    const unsigned long long d0 = wgmma::desc_sw128(w), d1 = wgmma::desc_sw128(w + WS_BOX * WS_ROW_BYTES),
+                             db = wgmma::desc_sw128(w + WS_W_BYTES);
+    wgmma::fence();
+#pragma unroll
+    for (int k16 = 0; k16 < WS_BK / 16; ++k16) {
+      wgmma::mma_m64nk16<BF16, BP>(acc0, wgmma::desc_advance(d0, k16), wgmma::desc_advance(db, k16));
+      wgmma::mma_m64nk16<BF16, BP>(acc1, wgmma::desc_advance(d1, k16), wgmma::desc_advance(db, k16));
+    }
+    wgmma::commit();
+    wgmma::wait<1>();                                    // the slice before this one is read: free it
+    if (kt > 0 && lane == 0) mbar::arrive(&empty[(it - 1) % ST]);
+  }
+  wgmma::wait<0>();
+  wgmma::fence_operands(acc0);
+  wgmma::fence_operands(acc1);
+  if (lane == 0) mbar::arrive(&empty[(it - 1) % ST]);
+
+  // acc[4j + 2h + c]: stage row 16 warp + lane / 4 + 8h (an output column), pair 8j + 2 (lane % 4) + c.
+#pragma unroll
+  for (int j = 0; j < BP / 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int r = 8 * j + 2 * (lane & 3) + c;          // pair within the tile
+      if (r >= tl.rows) continue;
+      const i64 orow = (i64)order[tl.pbeg + r] * N;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 4 * j + 2 * h + c;
+        const int col = tl.n0 + 16 * warp + (lane >> 2) + 8 * h;
+        if constexpr (MODE == DOWN) {
+          if (col < N) out0[orow + col] = from_float<T>(acc0[i]);
+          if (col + WS_BOX < N) out0[orow + col + WS_BOX] = from_float<T>(acc1[i]);
+        } else if (col < N) {
+          if constexpr (MODE == GATE_UP_SILU) {
+            // silu(g) * u rounded where the unfused ops round (moe.cuh 4c's epilogue)
+            const float gr = round_to<T>(acc0[i]), ur = round_to<T>(acc1[i]);
+            out0[orow + col] = from_float<T>(round_to<T>(gr / (1.f + expf(-gr))) * ur);
+          } else {
+            out0[orow + col] = from_float<T>(acc0[i]);
+            out1[orow + col] = from_float<T>(acc1[i]);
+          }
+        }
+      }
+    }
+}
+
+// Consumer: warpgroup 1.  Each tile at the narrowest of BP = 16 / 32 / 64 that holds its pairs.
+template <typename T, int MODE, int E, int N, int KD, int ST>
+__device__ __forceinline__ void wgmma_skinny_consume(const i32* __restrict__ order, const i32* __restrict__ offsets,
+                                                     const int* tiles, unsigned ring, unsigned long long* full,
+                                                     unsigned long long* empty, T* __restrict__ out0,
+                                                     T* __restrict__ out1) {
+  constexpr int BNO = wgmma_skinny_cols(MODE), NCT = (N + BNO - 1) / BNO;
+  const int total = tiles[E] * NCT;
+  int it = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const WgTile tl = wgmma_tile<E, NCT, BNO, WS_BP>(tiles, offsets, t);
+    if (tl.rows <= 16) wgmma_skinny_tile<T, MODE, N, KD, ST, 16>(tl, order, ring, full, empty, out0, out1, it);
+    else if (tl.rows <= 32) wgmma_skinny_tile<T, MODE, N, KD, ST, 32>(tl, order, ring, full, empty, out0, out1, it);
+    else wgmma_skinny_tile<T, MODE, N, KD, ST, 64>(tl, order, ring, full, empty, out0, out1, it);
+  }
+}
+
+template <typename T, int MODE, int E, int N, int KD, int K, int ST>
+__device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ x, const TensorMap* w0,
+                                                          const TensorMap* w1, const i32* __restrict__ order,
+                                                          const i32* __restrict__ offsets, T* __restrict__ out0,
+                                                          T* __restrict__ out1, char* smem) {
+  static_assert(sizeof(T) == 2, "wgmma skinny gemm: 16-bit operands");
+  static_assert(KD % 8 == 0, "wgmma skinny gemm: rows of whole 16-byte chunks (TMA strides, cp.async)");
+  static_assert(ST >= 2, "wgmma skinny gemm: a ring of at least two stages");
+  static_assert(2 * (wgmma_skinny_smem(ST) + 2 * ST * 8 + 4 * (E + 1) + 1024) <= 228 * 1024,
+                "wgmma skinny gemm: two CTAs per SM (_moe_wgmma_skinny.applies)");
+  __shared__ __align__(8) unsigned long long full[ST], empty[ST];
+  __shared__ int tiles[E + 1];
+  // Every read below (offsets, order, x) is of another kernel's output; the next kernel may start
+  // its own prologue once every CTA of this one is running (it waits for this one's completion).
+  dsg::pdl_wait();
+  dsg::pdl_launch_dependents();
+  const unsigned raw = smem_u32(smem);
+  const unsigned ring = (raw + 1023u) & ~1023u;         // 128B-swizzle tiles start on 1024-byte boundaries
+  if (threadIdx.x < 32) wgmma_row_tiles<E, WS_BP>(offsets, tiles);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      mbar::init(&full[s], 128 + 1);                     // the producer's 128 copy arrivals + its expect_tx
+      mbar::init(&empty[s], 4);                          // one per consumer warp
+    }
+    mbar::init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128)
+    wgmma_skinny_produce<T, MODE, E, N, KD, K, ST>(x, w0, w1, order, offsets, tiles, smem + (ring - raw), full, empty);
+  else
+    wgmma_skinny_consume<T, MODE, E, N, KD, ST>(order, offsets, tiles, ring, full, empty, out0, out1);
+}
+
+}  // namespace moe
+}  // namespace dsg
