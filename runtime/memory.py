@@ -58,12 +58,15 @@ def weight_bytes(specs: dict, dtype: torch.dtype) -> int:
 
 
 def available_bytes(device) -> int | None:
-    """Memory a new allocation can use now: free GPU memory on CUDA, the kernel's
-    MemAvailable (free plus reclaimable page cache) on the CPU; None where unknown."""
+    """Memory a new allocation can use now: on CUDA the driver's free memory plus what torch's
+    caching allocator holds unused (freed tensors' blocks, which the engine's allocations reuse:
+    a process that built and dropped an engine before would otherwise look that much fuller);
+    the kernel's MemAvailable (free plus reclaimable page cache) on the CPU; None where unknown."""
     device = torch.device(device)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free) + max(0, int(cached))
     if device.type != "cpu":
         return None
     try:

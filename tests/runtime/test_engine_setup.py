@@ -107,7 +107,13 @@ def test_available_memory_sources(monkeypatch, tmp_path):
     monkeypatch.setattr(memory, "_MEMINFO", str(meminfo))
     assert memory.available_bytes("cpu") == 20000000 * 1024
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (123 << 20, 456 << 20))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     assert memory.available_bytes("cuda") == 123 << 20
+    # blocks torch's allocator caches unused are available to the engine's allocations too
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 100 << 20)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 30 << 20)
+    assert memory.available_bytes("cuda") == (123 + 70) << 20
     assert memory.available_bytes("meta") is None
 
 
