@@ -180,6 +180,24 @@ def _breakdown(step_fn) -> dict:
             "families": dict(sorted(families.items(), key=lambda kv: -kv[1]["ms"]))}
 
 
+def _device_breakdown(backend, step_fn, pdl: bool) -> dict:
+    """_breakdown of a decode step with every kernel launched plain: with programmatic dependent
+    launch a kernel starts during its predecessor's tail and the profiler counts its wait in its
+    duration, so per-family rates (bytes over a family's time) need each kernel's own device time.
+    The step's graphs are captured anew for it and dropped after (the next case captures its own).
+    Where PDL is off already, the breakdown is that."""
+    if not pdl:
+        return _breakdown(step_fn)
+    runner, graphs = backend.runner, backend.graphs_decode.graphs
+    graphs.clear()
+    runner.pdl = False
+    try:
+        return _breakdown(step_fn)
+    finally:
+        runner.pdl = True
+        graphs.clear()
+
+
 def pdl_edges(plan, sizes: dict) -> dict:
     """How a step's launches follow one another (from the plan, no GPU): kernels launched (a grid
     with a 0 dim is not), how many are programmatic dependent launches, and how many of those
@@ -213,11 +231,12 @@ def linear_rate(row: dict) -> dict | None:
     """The linears of one decode step: the skinny kernel's family (steps of at most
     SKINNY_MAX_TOKENS tokens) plus the library kernels (cuBLAS and its split-K reduce above that;
     torch's few other kernels count here too), their device ms and the weight bytes the linears
-    read (row["linear_bytes"]) per second; per family as well, each family's rate over the bytes it
+    read (row["linear_bytes"]) per second, from the PDL-free profile where the row has one
+    (_device_breakdown); per family as well, each family's rate over the bytes it
     read: all of them for the family that serves the step's T, none for the other.  None without a
     breakdown."""
     from codegen.families.linear_skinny import SKINNY_MAX_TOKENS
-    fams = (row.get("breakdown") or {}).get("families", {})
+    fams = (row.get("device_breakdown") or row.get("breakdown") or {}).get("families", {})
     parts = {f: fams[f]["ms"] for f in LINEAR_FAMILIES if fams.get(f, {}).get("ms")}
     if not parts or not row.get("linear_bytes"):
         return None
@@ -229,9 +248,10 @@ def linear_rate(row: dict) -> dict | None:
 
 
 def routed_expert_rate(row: dict) -> dict | None:
-    """The routed-expert kernels of one decode step: their device ms and the touched expert
-    weights they read (decode_bytes' routed_experts) per second; None without a breakdown."""
-    fams = (row.get("breakdown") or {}).get("families", {})
+    """The routed-expert kernels of one decode step: their own device ms (the PDL-free profile,
+    _device_breakdown, where the row has one) and the touched expert weights they read
+    (decode_bytes' routed_experts) per second; None without a breakdown."""
+    fams = (row.get("device_breakdown") or row.get("breakdown") or {}).get("families", {})
     ms = sum(fams[f]["ms"] for f in ROUTED_EXPERT_FAMILIES if f in fams)
     if not ms:
         return None
@@ -327,7 +347,9 @@ def run_bench(args) -> int:
             row = {"batch": batch, "context": ctx, "ms": ms, "tokens_per_s": batch / (ms / 1e3),
                    "bytes": need, "floor_ms": need["total"] / bw * 1e3,
                    "fraction_of_bandwidth": need["total"] / (ms / 1e3) / bw,
-                   "breakdown": _breakdown(lambda: backend.forward("decode", ids, step))}
+                   "breakdown": _breakdown(lambda: backend.forward("decode", ids, step)),
+                   "device_breakdown": _device_breakdown(backend, lambda: backend.forward("decode", ids, step),
+                                                         not args.no_pdl)}
             row["routed_experts"] = routed_expert_rate(row)
             row["linear_bytes"] = linear_bytes(dims, first_dense)
             row["linears"] = linear_rate(row)
@@ -461,10 +483,11 @@ def _print_table(r: dict) -> None:
     section("pdl_edges", "programmatic dependent launch per decode step (kernels launched; PDL ones; PDL ones right "
                          "after a PDL kernel):",
             lambda x: f"{x['kernels']:>5} kernels  {x['pdl']:>4} PDL  {x['overlapped']:>4} after a PDL kernel")
-    section("routed_experts", "routed experts (gate_up_silu + down) per decode step, touched expert weights read:",
+    section("routed_experts", "routed experts (gate_up_silu + down) per decode step, touched expert weights read "
+                              "(each kernel's own device time: a profile with PDL off):",
             lambda x: f"{x['ms']:>8.2f} ms  {x['bytes_per_s'] / 1e12:5.2f} TB/s")
     section("linears", "linears (the skinny kernel + cuBLAS and its split-K reduce) per decode step, their weights "
-                       "read; per family (GB/s over the weights it read):", linear_line)
+                       "read (own device time, PDL off); per family (GB/s over the weights it read):", linear_line)
     rows = [p for p in r["prefill"] if p.get("expert_gemms")]
     if rows:
         print("\nrouted-expert GEMMs per prefill step (device time, TFLOP/s):")

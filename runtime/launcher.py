@@ -172,6 +172,10 @@ class KernelRunner:
         self._modules: dict[str, object] = {}        # kernel name -> LoadedModule
         self._cubins: dict[str, bytes] | None = None  # set by from_bundle: no compiling then
         self._tensor_maps: dict[tuple, object] = {}  # (weight address, geometry, box) -> TensorMap
+        # Programmatic dependent launch where the record says so; False launches every kernel plain
+        # (a profile of each kernel's own device time: with PDL a kernel's wait for its predecessor
+        # counts in its duration).  The kernels are the same either way (pdl.cuh).
+        self.pdl = True
         self._bounds: dict[tuple, _Bound] = {}       # (id(launch), the sizes it reads) -> what they decide
         self._reads: dict[int, tuple] = {}           # id(launch) -> (launch, the size names it reads)
         self.sources: dict[str, str] = {}            # kernel name -> rendered CUDA (compiled ones)
@@ -393,7 +397,7 @@ class KernelRunner:
             params.append(t.data_ptr())
         from .cuda_driver import launch_packed
         launch_packed(bound.func, bound.grid, launch.block, bound.smem, (tuple(params), bound.types), stream,
-                      pdl=launch.pdl)
+                      pdl=launch.pdl and self.pdl)
         return workspaces
 
     def _allocate(self, bound: "_Bound", values: dict, weights: dict, ctx: dict) -> dict[str, torch.Tensor]:

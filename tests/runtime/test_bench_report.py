@@ -40,6 +40,24 @@ def test_expert_gemm_rate_is_the_expert_flops_over_each_familys_time(capsys):
     assert expert_gemm_rate({"expert_flops": flops}) is None
 
 
+def test_rates_come_from_the_pdl_free_profile_where_the_row_has_one():
+    """With PDL a kernel's wait for its predecessor counts in its profiled time; the bench's
+    routed-expert and linear rates use each kernel's own device time (device_breakdown) where
+    the row has it, the step's profile otherwise."""
+    from runtime.bench import linear_bytes, linear_rate
+    need = decode_bytes(DIMS, 1, 32, 512)
+    pdl = {"families": {"moe_gate_up_silu": {"ms": 6.0, "launches": 26}, "moe_down": {"ms": 3.0, "launches": 26},
+                        "cublas/torch": {"ms": 1.5, "launches": 245}}}
+    own = {"families": {"moe_gate_up_silu": {"ms": 4.5, "launches": 26}, "moe_down": {"ms": 2.5, "launches": 26},
+                        "cublas/torch": {"ms": 1.2, "launches": 245}}}
+    row = {"batch": 32, "bytes": need, "breakdown": pdl, "device_breakdown": own, "linear_bytes": linear_bytes(DIMS, 1)}
+    assert routed_expert_rate(row)["ms"] == pytest.approx(7.0)
+    assert linear_rate(row)["ms"] == pytest.approx(1.2)
+    del row["device_breakdown"]
+    assert routed_expert_rate(row)["ms"] == pytest.approx(9.0)
+    assert linear_rate(row)["ms"] == pytest.approx(1.5)
+
+
 def test_no_breakdown_no_rate():
     assert routed_expert_rate({"bytes": {"routed_experts": 1.0}}) is None
     assert routed_expert_rate({"bytes": {"routed_experts": 1.0}, "breakdown": {"families": {}}}) is None

@@ -151,3 +151,15 @@ def test_the_caches_start_over_when_full(recorded, monkeypatch):
     # the third record found the cache full: it starts over holding that launch alone
     assert len(runner._bounds) == 1 and list(runner._reads) == [id(launches[2])]
     assert [c["grid"] for c in seen] == [(3, 3, 1)] * 3
+
+
+def test_a_runner_launches_plain_when_its_pdl_is_off(recorded):
+    """KernelRunner.pdl False (the bench's own-device-time profile): a launch the record marks as
+    programmatic goes out plain; back on, programmatic again."""
+    runner, seen, _ = recorded
+    tables, ws = _tables()
+    launch = _launch(pdl=True)
+    for on in (True, False, True):
+        runner.pdl = on
+        runner.run(launch, **tables, sizes={"T": 10, "B": 3, "SMS": 132}, workspaces=ws, stream=7)
+    assert [c["pdl"] for c in seen] == [True, False, True]
