@@ -20,6 +20,7 @@ import test_kernels_linear as linear
 import test_kernels_mla as mla
 import test_kernels_moe as moe
 import test_kernels_moe_wgmma as moe_wgmma
+import test_kernels_moe_wgmma_skinny as moe_wgmma_skinny
 from harness import GPU_MARKS
 from kernel_cases import templates_from
 
@@ -86,7 +87,8 @@ MUTANTS = [
            moe.test_moe_route_gemm_runs_again_and_replays_in_a_graph,
            dict(case=moe._gemm_case("v2_lite", "bf16", 1000, sms=4096)), uses_runner=True),
     Mutant("combine routing weight x1.01", "include/moe.cuh",
-           "const float wk = w[(i64)t * K + k];", "const float wk = w[(i64)t * K + k] * 1.01f;",
+           "const float wk = w[(i64)t * K + k];\n    // a pair of weight 0",
+           "const float wk = w[(i64)t * K + k] * 1.01f;\n    // a pair of weight 0",
            moe.test_moe_combine, dict(case={"dtype": "bf16", "T": 33, "K": 6, "D": 2048, "misalign": "none", "seed": 9}),
            uses_runner=True),
     Mutant("swapped expert tile output x1.01 (down, few pairs per expert)", "include/moe.cuh",
@@ -105,6 +107,19 @@ MUTANTS = [
            moe_wgmma.test_moe_gate_up_silu_wgmma, dict(case={
                "dtype": "bf16", "T": 452, "E": 6, "K": 1, "counts": [130, 64, 1, 0, 129, 128], "KD": 136, "N": 200,
                "misalign": "none", "seed": 13}), uses_runner=True),
+    Mutant("decode wgmma expert tile output x1.01 (gate_up_silu, sm_90a, few pairs per expert)",
+           "include/moe_wgmma_skinny.cuh",
+           "out0[orow + col] = from_float<T>(round_to<T>(gr / (1.f + expf(-gr))) * ur);",
+           "out0[orow + col] = from_float<T>(round_to<T>(gr / (1.f + expf(-gr))) * ur * 1.01f);",
+           moe_wgmma_skinny.test_moe_gate_up_silu_wgmma_skinny, dict(case={
+               "dtype": "bf16", "T": 72, "E": 6, "K": 2, "counts": [15, 16, 17, 31, 32, 33], "KD": 136, "N": 200,
+               "misalign": "none", "seed": 16}), uses_runner=True),
+    Mutant("decode wgmma expert tile output x1.01 (down, the second 64-row box)", "include/moe_wgmma_skinny.cuh",
+           "if (col + WS_BOX < N) out0[orow + col + WS_BOX] = from_float<T>(acc1[i]);",
+           "if (col + WS_BOX < N) out0[orow + col + WS_BOX] = from_float<T>(acc1[i] * 1.01f);",
+           moe_wgmma_skinny.test_moe_down_wgmma_skinny, dict(case={
+               "dtype": "fp16", "T": 25, "E": 4, "K": 1, "counts": [9, 8, 7, 1], "KD": 64, "N": 200,
+               "misalign": "none", "seed": 17}), uses_runner=True),
     Mutant("skinny linear output x1.01 (tensor cores, two stacked weights)", "include/skinny.cuh",
            "if (tok < ntok) store_out<T, ROWS...>(m, row, tok, s);",
            "if (tok < ntok) store_out<T, ROWS...>(m, row, tok, s * 1.01f);",
