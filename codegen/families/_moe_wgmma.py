@@ -57,21 +57,32 @@ def threshold() -> int:
     return max(_moe.GEMM_WGMMA_TOKENS, _moe.GEMV_ONLY_TOKENS)
 
 
+def tma_launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *, variant: str,
+               box: tuple[int, int], threads: int, stages: int, smem_bytes: int, cols: int, grid: str,
+               **extra) -> KernelLaunch:
+    """A grouped-expert launch of a wgmma variant over the family's operands, each weight as a
+    tensor map of `box` ([rows, K]) boxes (128-byte rows: the 128B swizzle wgmma reads); its name
+    part and stage are `variant`, and it requires sm_90a.  Shared with _moe_wgmma_skinny."""
+    from codegen.render import kernel_name
+    targs = tuple(tensor_map(a.name, a.ref.name, box) if isinstance(a.ref, WeightRef) else a for a in args)
+    params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "variant": variant,
+              "threads": threads, "stages": stages, "smem": smem_bytes, "cols": cols, "box_rows": box[0],
+              "box_k": box[1], **extra}
+    return KernelLaunch(
+        family=family, template=template, name=kernel_name(family, [*name_parts, variant]), params=params,
+        nodes=(nid,), grid=(grid, 1, 1), block=(threads, 1, 1), args=targs, smem=smem_bytes, stage=variant,
+        requires=(FEATURE,))
+
+
 def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
            down: bool) -> KernelLaunch:
     """The persistent wgmma launch over the family's operands, each weight as a tensor map of
-    [BOX rows x BK] boxes (128-byte rows: the 128B swizzle wgmma reads)."""
-    from codegen.render import kernel_name
+    [BOX rows x BK] boxes."""
     cols = BN if down else BN // 2                       # output columns per tile
     tiles = f"{-(-p['N'] // cols)} * (NP // {BM} + min({p['E']}, NP))"   # bound: one partial row tile per expert
-    targs = tuple(tensor_map(a.name, a.ref.name, (BOX, BK)) if isinstance(a.ref, WeightRef) else a for a in args)
-    params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "variant": "wgmma",
-              "threads": THREADS, "stages": STAGES, "smem": smem(STAGES), "cols": cols, "box_rows": BOX,
-              "box_k": BK}
-    return KernelLaunch(
-        family=family, template=template, name=kernel_name(family, [*name_parts, "wgmma"]), params=params,
-        nodes=(nid,), grid=(f"min(SMS, {tiles}) * {only_above(threshold())}", 1, 1), block=(THREADS, 1, 1),
-        args=targs, smem=smem(STAGES), stage="wgmma", requires=(FEATURE,))
+    return tma_launch(family, template, name_parts, p, nid, args, variant="wgmma", box=(BOX, BK), threads=THREADS,
+                      stages=STAGES, smem_bytes=smem(STAGES), cols=cols,
+                      grid=f"min(SMS, {tiles}) * {only_above(threshold())}")
 
 
 def take_over(launches: list, family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,

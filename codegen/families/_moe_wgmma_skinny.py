@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from codegen.arch import has_feature
-from codegen.kernel import KernelLaunch, WeightRef, tensor_map
+from codegen.kernel import KernelLaunch
 from codegen.sizes import only_above, only_below
 
 from . import _moe, _moe_wgmma
@@ -62,18 +62,12 @@ def upper() -> int:
 
 def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
            down: bool) -> KernelLaunch:
-    from codegen.render import kernel_name
     cols = ROWS if down else ROWS // 2                    # output columns per tile
     tiles = f"{-(-p['N'] // cols)} * (NP // {BP} + min({p['E']}, NP))"   # one partial row tile per expert
-    targs = tuple(tensor_map(a.name, a.ref.name, (BOX, BK)) if isinstance(a.ref, WeightRef) else a for a in args)
-    params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "variant": "wgmma_skinny",
-              "threads": THREADS, "stages": STAGES, "smem": smem(STAGES), "cols": cols, "box_rows": BOX,
-              "box_k": BK, "pairs": BP}
     run = only_below(upper()) if FROM_TOKENS == 0 else f"{only_above(FROM_TOKENS)} * {only_below(upper())}"
-    return KernelLaunch(
-        family=family, template=template, name=kernel_name(family, [*name_parts, "wgmma_skinny"]), params=params,
-        nodes=(nid,), grid=(f"min(2 * SMS, {tiles}) * {run}", 1, 1), block=(THREADS, 1, 1),
-        args=targs, smem=smem(STAGES), stage="wgmma_skinny", requires=(FEATURE,))
+    return _moe_wgmma.tma_launch(family, template, name_parts, p, nid, args, variant="wgmma_skinny", box=(BOX, BK),
+                                 threads=THREADS, stages=STAGES, smem_bytes=smem(STAGES), cols=cols,
+                                 grid=f"min(2 * SMS, {tiles}) * {run}", pairs=BP)
 
 
 def take_over(launches: list, family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,

@@ -124,15 +124,25 @@ __device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int 
   }
 }
 
+// Where a tile's pieces sit, for the producer below: pairs per row tile (BM), weight rows per TMA
+// box (BOX, two boxes a stage), output columns per tile by mode, and a stage's layout (its
+// gathered pair rows at ROWS_AT, its weight boxes at WEIGHTS_AT, both 1024-byte aligned).  The
+// prefill GEMM's; moe_wgmma_skinny.cuh has decode's.
+struct WgPrefillTiles {
+  static constexpr int BM = WG_BM, BOX = WG_BOX, STAGE_BYTES = WG_STAGE_BYTES;
+  static constexpr int ROWS_AT = 0, WEIGHTS_AT = WG_BM * WG_ROW_BYTES;
+  __host__ __device__ static constexpr int cols(int mode) { return wgmma_tile_cols(mode); }
+};
+
 // Producer: the 128 threads of warpgroup 0.  Thread p copies 16-byte chunk p % 8 of tile rows
-// p / 8 + 16 i (i < 8): a warp covers four whole 128-byte row slices per instruction; all its rows
-// share r % 8, so one swizzled chunk position.  Thread 0 also issues the weight boxes.
-template <typename T, int MODE, int E, int N, int KD, int K, int ST>
+// p / 8 + 16 i (i < BM / 16): a warp covers four whole 128-byte row slices per instruction; all
+// its rows share r % 8, so one swizzled chunk position.  Thread 0 also issues the weight boxes.
+template <typename T, int MODE, int E, int N, int KD, int K, int ST, typename L = WgPrefillTiles>
 __device__ __forceinline__ void wgmma_produce(const T* __restrict__ x, const TensorMap* w0, const TensorMap* w1,
                                               const i32* __restrict__ order, const i32* __restrict__ offsets,
                                               const int* tiles, char* ring, unsigned long long* full,
                                               unsigned long long* empty) {
-  constexpr int BNO = wgmma_tile_cols(MODE), NCT = (N + BNO - 1) / BNO, KT = (KD + WG_BK - 1) / WG_BK;
+  constexpr int BNO = L::cols(MODE), NCT = (N + BNO - 1) / BNO, KT = (KD + WG_BK - 1) / WG_BK;
   const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
   const int chunk = (c ^ (r0 & 7)) * 16;                 // 128B swizzle: c ^ (row % 8)
   const bool vec = aligned_to<16>(x);                    // uniform: cp.async, else element loads
@@ -143,28 +153,28 @@ __device__ __forceinline__ void wgmma_produce(const T* __restrict__ x, const Ten
   const int total = tiles[E] * NCT;
   int it = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const WgTile tl = wgmma_tile<E, NCT, BNO>(tiles, offsets, t);
-    int src[8];                                          // x row of each of this thread's tile rows, -1: none
+    const WgTile tl = wgmma_tile<E, NCT, BNO, L::BM>(tiles, offsets, t);
+    int src[L::BM / 16];                                 // x row of each of this thread's tile rows, -1: none
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < L::BM / 16; ++i) {
       const int r = r0 + 16 * i;
       const int pr = r < tl.rows ? order[tl.pbeg + r] : -1;
       src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);
     }
-    // DOWN's second box starts past N when N - n0 <= 128: left out (its accumulator columns are
+    // DOWN's second box starts past N when N - n0 <= BOX: left out (its accumulator columns are
     // >= N and never stored), so no box lies wholly outside the tensor.
-    const bool box1 = MODE != DOWN || tl.n0 + WG_BOX < N;
+    const bool box1 = MODE != DOWN || tl.n0 + L::BOX < N;
     for (int kt = 0; kt < KT; ++kt, ++it) {
       const int s = it % ST;
       mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
-      char* a = ring + s * WG_STAGE_BYTES;
-      char* b = a + WG_BM * WG_ROW_BYTES;
+      char* a = ring + s * L::STAGE_BYTES + L::ROWS_AT;
+      char* b = ring + s * L::STAGE_BYTES + L::WEIGHTS_AT;
       const int k0 = kt * WG_BK;
       if (p == 0) {
-        mbar::arrive_expect_tx(&full[s], (box1 ? 2 : 1) * WG_BOX * WG_ROW_BYTES);
+        mbar::arrive_expect_tx(&full[s], (box1 ? 2 : 1) * L::BOX * WG_ROW_BYTES);
         tma::load_3d(b, w0, k0, tl.n0, tl.e, &full[s]);
-        if (box1) tma::load_3d(b + WG_BOX * WG_ROW_BYTES, MODE == DOWN ? w0 : w1, k0,
-                               MODE == DOWN ? tl.n0 + WG_BOX : tl.n0, tl.e, &full[s]);
+        if (box1) tma::load_3d(b + L::BOX * WG_ROW_BYTES, MODE == DOWN ? w0 : w1, k0,
+                               MODE == DOWN ? tl.n0 + L::BOX : tl.n0, tl.e, &full[s]);
       }
       if (vec) {
         wgmma_gather<T, KD, true>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk);

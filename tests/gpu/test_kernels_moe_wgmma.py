@@ -42,19 +42,25 @@ pytestmark = [*GPU_MARKS, _HOPPER]
 WG_COUNTS = (0, 1, 2, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 1500)
 
 
-@pytest.fixture(scope="module")
-def runner():
-    from runtime.launcher import KernelRunner
-    r = KernelRunner()
-    yield r
-    r.close()
-    # "EXAMPLES <family> ..." as test_kernels_moe prints them (run_isolated: one test a process)
-    for fam in sorted(base.STATS):
-        per = base.STATS[fam]
-        detail = " ".join(f"{dt}:n={v[0]},max_abs={v[2]:.3g},norm={v[1]:.3g},rel={base.REL[fam][dt]:.3g}"
-                          for dt, v in sorted(per.items()))
-        print(f"\nEXAMPLES {fam} (wgmma) {sum(v[0] for v in per.values())} "
-              f"worst_err {max(v[1] for v in per.values()):.3g}  ({detail})")
+def runner_fixture(label: str):
+    """A module's KernelRunner fixture that prints "EXAMPLES <family> (<label>) ..." at its end, as
+    test_kernels_moe prints them (run_isolated: one test a process)."""
+    @pytest.fixture(scope="module")
+    def runner():
+        from runtime.launcher import KernelRunner
+        r = KernelRunner()
+        yield r
+        r.close()
+        for fam in sorted(base.STATS):
+            per = base.STATS[fam]
+            detail = " ".join(f"{dt}:n={v[0]},max_abs={v[2]:.3g},norm={v[1]:.3g},rel={base.REL[fam][dt]:.3g}"
+                              for dt, v in sorted(per.items()))
+            print(f"\nEXAMPLES {fam} ({label}) {sum(v[0] for v in per.values())} "
+                  f"worst_err {max(v[1] for v in per.values()):.3g}  ({detail})")
+    return runner
+
+
+runner = runner_fixture("wgmma")
 
 
 def _lower_wgmma(G, nid, dtype, ran: list | None = None):

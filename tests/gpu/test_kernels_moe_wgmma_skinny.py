@@ -25,6 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_kernels_moe as base  # noqa: E402
+import test_kernels_moe_wgmma as wgmma_tests  # noqa: E402
+from test_kernels_moe_wgmma import _down, _gate_up  # noqa: E402
 from harness import GPU_MARKS, kernel_test  # noqa: E402
 
 from codegen import families, sizes  # noqa: E402
@@ -41,18 +43,7 @@ pytestmark = [*GPU_MARKS, _HOPPER]
 WS_COUNTS = (0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 129, 256)
 
 
-@pytest.fixture(scope="module")
-def runner():
-    from runtime.launcher import KernelRunner
-    r = KernelRunner()
-    yield r
-    r.close()
-    for fam in sorted(base.STATS):
-        per = base.STATS[fam]
-        detail = " ".join(f"{dt}:n={v[0]},max_abs={v[2]:.3g},norm={v[1]:.3g},rel={base.REL[fam][dt]:.3g}"
-                          for dt, v in sorted(per.items()))
-        print(f"\nEXAMPLES {fam} (wgmma_skinny) {sum(v[0] for v in per.values())} "
-              f"worst_err {max(v[1] for v in per.values()):.3g}  ({detail})")
+runner = wgmma_tests.runner_fixture("wgmma_skinny")
 
 
 def _lower_skinny(G, nid, dtype, ran: list | None = None):
@@ -101,16 +92,6 @@ def skinny_cases(draw, KDS, NS):
     return {"dtype": draw(st.sampled_from(("bf16", "fp16"))), "T": T, "E": E, "K": K, "counts": counts,
             "KD": KD, "N": N, "misalign": draw(st.sampled_from(("none", "none", "inputs", "outputs"))),
             "seed": draw(st.integers(0, 2**31 - 1))}
-
-
-def _gate_up(case):
-    """case in (KD, N) terms -> _grouped's (D, M) for the gate/up families: D = KD, M = N."""
-    return {**case, "D": case["KD"], "M": case["N"]}
-
-
-def _down(case):
-    """... for down: M = KD (the rows a), D = N."""
-    return {**case, "D": case["N"], "M": case["KD"]}
 
 
 def _case(dtype, counts, K, KD, N, misalign="none", seed=21):

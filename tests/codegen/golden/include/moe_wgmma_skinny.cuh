@@ -39,60 +39,13 @@ __host__ __device__ constexpr int wgmma_skinny_cols(int mode) { return mode == D
 // every stage, and its pair rows 16 KB in, stay on one).  4 stages: 97 KB, two CTAs per SM.
 __host__ __device__ constexpr int wgmma_skinny_smem(int stages) { return stages * WS_STAGE_BYTES + 1024; }
 
-// Producer: the 128 threads of warpgroup 0.  Thread p copies 16-byte chunk p % 8 of pair rows
-// p / 8 + 16 i (i < 4); rows past the tile's pairs are zeros (never read from x).  Thread 0 also
-// issues the weight boxes.
-template <typename T, int MODE, int E, int N, int KD, int K, int ST>
-__device__ __forceinline__ void wgmma_skinny_produce(const T* __restrict__ x, const TensorMap* w0, const TensorMap* w1,
-                                                     const i32* __restrict__ order, const i32* __restrict__ offsets,
-                                                     const int* tiles, char* ring, unsigned long long* full,
-                                                     unsigned long long* empty) {
-  constexpr int BNO = wgmma_skinny_cols(MODE), NCT = (N + BNO - 1) / BNO, KT = (KD + WS_BK - 1) / WS_BK;
-  const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
-  const int chunk = (c ^ (r0 & 7)) * 16;                 // 128B swizzle: c ^ (row % 8)
-  const bool vec = aligned_to<16>(x);                    // uniform: cp.async, else element loads
-  if (p == 0) {
-    tma::prefetch(w0);
-    if (MODE != DOWN) tma::prefetch(w1);
-  }
-  const int total = tiles[E] * NCT;
-  int it = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const WgTile tl = wgmma_tile<E, NCT, BNO, WS_BP>(tiles, offsets, t);
-    int src[WS_BP / 16];                                 // x row of each of this thread's pair rows, -1: none
-#pragma unroll
-    for (int i = 0; i < WS_BP / 16; ++i) {
-      const int r = r0 + 16 * i;
-      const int pr = r < tl.rows ? order[tl.pbeg + r] : -1;
-      src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);
-    }
-    // DOWN's second box starts at or past N when N - n0 <= 64: left out (its accumulator rows are
-    // columns >= N, never stored), so no box lies wholly outside the tensor.
-    const bool box1 = MODE != DOWN || tl.n0 + WS_BOX < N;
-    for (int kt = 0; kt < KT; ++kt, ++it) {
-      const int s = it % ST;
-      mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
-      char* w = ring + s * WS_STAGE_BYTES;
-      char* a = w + WS_W_BYTES;
-      const int k0 = kt * WS_BK;
-      if (p == 0) {
-        mbar::arrive_expect_tx(&full[s], (box1 ? 2 : 1) * WS_BOX * WS_ROW_BYTES);
-        tma::load_3d(w, w0, k0, tl.n0, tl.e, &full[s]);
-        if (box1) tma::load_3d(w + WS_BOX * WS_ROW_BYTES, MODE == DOWN ? w0 : w1, k0,
-                               MODE == DOWN ? tl.n0 + WS_BOX : tl.n0, tl.e, &full[s]);
-      }
-      if (vec) {
-        wgmma_gather<T, KD, true>(x, src, k0 + 8 * c, a + r0 * WS_ROW_BYTES + chunk);
-        mbar::arrive_on_cp_async(&full[s]);
-      } else {
-        wgmma_gather<T, KD, false>(x, src, k0 + 8 * c, a + r0 * WS_ROW_BYTES + chunk);
-        mbar::fence_proxy_async();                       // plain stores, read next by wgmma (async proxy)
-        mbar::arrive(&full[s]);
-      }
-    }
-  }
-  dsg::mma::cp_async_wait<0>();                          // nothing of this thread's left in flight at exit
-}
+// The decode tile for moe_wgmma.cuh's producer (which gathers the pair rows and issues the boxes):
+// 64 pairs, 64-row boxes, the weights first in a stage and the pair rows after them.
+struct WgSkinnyTiles {
+  static constexpr int BM = WS_BP, BOX = WS_BOX, STAGE_BYTES = WS_STAGE_BYTES;
+  static constexpr int ROWS_AT = WS_W_BYTES, WEIGHTS_AT = 0;
+  __host__ __device__ static constexpr int cols(int mode) { return wgmma_skinny_cols(mode); }
+};
 
 // One tile's K loop and epilogue on the consumer warpgroup, BP pairs wide (the tile has <= BP).
 // `it` is the ring position of the tile's first slice (advanced past its last).
@@ -205,7 +158,8 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   }
   __syncthreads();
   if (threadIdx.x < 128)
-    wgmma_skinny_produce<T, MODE, E, N, KD, K, ST>(x, w0, w1, order, offsets, tiles, smem + (ring - raw), full, empty);
+    wgmma_produce<T, MODE, E, N, KD, K, ST, WgSkinnyTiles>(x, w0, w1, order, offsets, tiles, smem + (ring - raw),
+                                                           full, empty);
   else
     wgmma_skinny_consume<T, MODE, E, N, KD, ST>(order, offsets, tiles, ring, full, empty, out0, out1);
 }
