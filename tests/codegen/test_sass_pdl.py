@@ -137,22 +137,23 @@ def _key(k) -> str:
 def _problems(case: str) -> dict:
     """(kernel name, template, params) -> (family, problem or None) of every PDL kernel of one case;
     "unfused" and "variants" compile only what the V2-Lite cases before them did not."""
-    saved = _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK
+    saved = _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK, _moe.GEMM_WGMMA_SKINNY
     lite = ROOT / "model_specs" / "deepseek_v2_lite.yaml"
     seen: dict = {}
     try:
         if case == "unfused":
             seen = _problems("deepseek_v2_lite")
             plans = [_unfused_plans("deepseek_v2_lite"), _partly_fused_plans("deepseek_v2_lite")]
-        elif case == "variants":   # the parallel align below its default bound, the bulk-copy tiles (off)
+        elif case == "variants":   # the parallel align below its default bound; the GEMV and the mma
+            # launch (decode's wgmma off: they serve fp32, odd KD, other targets), with the bulk-copy tiles
             seen = {**_problems("deepseek_v2_lite"), **_problems("unfused")}
-            _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK = 512, True
+            _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK, _moe.GEMM_WGMMA_SKINNY = 512, True, False
             plans = [_unfused_plans("deepseek_v2_lite"), plan_spec(str(lite), DEFAULTS).plans]
         else:
             plans = [plan_spec(str(ROOT / "model_specs" / f"{case}.yaml"), DEFAULTS).plans]
         sources = [k for k in _pdl_sources(plans).values() if _key(k) not in seen]
     finally:
-        _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK = saved
+        _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK, _moe.GEMM_WGMMA_SKINNY = saved
     cubins = compile_kernels(sources, "sm_90", jobs=2)
     out = {}
     for k in sources:
