@@ -11,6 +11,15 @@ A phase in the manifest (JSON with sorted keys, so it diffs cleanly):
     buffers: {value: {shape, dtype, [view: {base, offset, strides}], [layer], [parts]}},
     nodes: {node: {layer, outputs}}
 
+The bound weights (`weights_to_json`, the manifest's ``weights``):
+
+    {name: {shape, keep_fp32, parts: null | [part...], [part, stored] | [experts]}}
+
+A stacked weight's part is a checkpoint tensor's name (the whole tensor is slot i of the stack)
+or {name, part: [dim, start, stop], stored}: that slice of the checkpoint tensor `name`, whose
+whole shape is `stored` (ir.ops.WeightSlice; the same part / stored pair a rank's split weight
+carries, so the runtime reads both with one slicing read).
+
 A kernel step's ``pdl`` (true / false) says whether the runtime launches it with programmatic
 dependent launch (runtime/cuda_driver.py: cuLaunchKernelEx with programmatic stream serialization).
 
@@ -19,6 +28,8 @@ arguments; provenance is left in the kernel sources), so the runtime runs exactl
 manifest says, with no graph, no passes and no lowering.
 """
 from __future__ import annotations
+
+from ir.ops import WeightSlice
 
 from .kernel import Arg, KernelLaunch, LibraryCall, Workspace
 from .plan import Buffer, NodeInfo, PhasePlan, View
@@ -92,20 +103,29 @@ def phase_from_json(phase: str, d: dict) -> PhasePlan:
         unlowered=[tuple(u) for u in d.get("unlowered", ())])
 
 
+def part_to_json(part: str | WeightSlice) -> str | dict:
+    """A stacked weight's part as the manifest holds it: a name stays a string (the manifests
+    of plain expert stacks are unchanged); a slice says which rows / columns of which tensor."""
+    if isinstance(part, WeightSlice):
+        return {"name": part.name, "part": [part.dim, part.start, part.stop], "stored": list(part.stored)}
+    return part
+
+
 def weights_to_json(graphs) -> dict:
     """Every weight the phases bind: {name: {shape, keep_fp32, parts}} (what loading reads).
 
     In a rank's graphs (world > 1, ir/passes/shard_for_rank.py) a weight the rank holds a
     slice of also says which: ``part`` [dim, start, stop] of the tensor as stored, whose
     shape is ``stored``; a per-expert weight says ``experts`` [start, stop, of]: the rank
-    holds experts start..stop-1 of `of` (``parts`` names them; the others are on other ranks)."""
+    holds experts start..stop-1 of `of` (``parts`` names them; the others are on other ranks).
+    A part is a name or a slice of a checkpoint tensor (part_to_json)."""
     out: dict = {}
     for G in graphs:
         world = int((G.graph.get("parallel") or {}).get("world", 1))
         shards = G.graph.get("shards") or {}
         for name, info in G.graph["weights"].items():
             entry = {"shape": list(info.shape), "keep_fp32": bool(info.keep_fp32),
-                     "parts": list(info.parts) if info.parts is not None else None}
+                     "parts": [part_to_json(p) for p in info.parts] if info.parts is not None else None}
             shard = shards.get(name)
             if shard is not None and shard.dim is not None:
                 stored = list(info.shape)

@@ -20,7 +20,7 @@ import torch
 from ir.spec import Spec, load_spec
 
 from .errors import WeightError
-from .weights import Checkpoint, WeightSpec, load_config, load_weights, read_json_object
+from .weights import Checkpoint, SlicedPart, WeightSpec, load_config, load_weights, read_json_object
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -74,19 +74,33 @@ def weight_specs(graphs: dict) -> dict[str, WeightSpec]:
 def manifest_weight_specs(table: dict) -> dict[str, WeightSpec]:
     """What a bundle binds, from its manifest's weights table (codegen.manifest.weights_to_json).
     In a rank's table: ``part`` / ``stored`` of a split weight and, for a per-expert weight, the
-    other ranks' expert tensors (``others``: known to the checkpoint check, never read)."""
+    other ranks' expert tensors (``others``: known to the checkpoint check, never read).
+    A stacked part is a name or a slice of a checkpoint tensor (a SlicedPart, see parse_part)."""
     specs: dict[str, WeightSpec] = {}
     for name, w in table.items():
+        parts = tuple(parse_part(name, p) for p in w["parts"]) if w["parts"] is not None else None
         extra = {}
         if w.get("part") is not None:
             extra = {"part": tuple(w["part"]), "stored": tuple(w["stored"])}
         elif w.get("experts") is not None:
-            held = set(w["parts"])
+            held = {p for p in parts if isinstance(p, str)}
             every = (name.replace("*", str(e)) for e in range(w["experts"][2]))
             extra = {"others": tuple(n for n in every if n not in held)}
-        specs[name] = WeightSpec(shape=tuple(w["shape"]), keep_fp32=bool(w["keep_fp32"]),
-                                 parts=tuple(w["parts"]) if w["parts"] is not None else None, **extra)
+        specs[name] = WeightSpec(shape=tuple(w["shape"]), keep_fp32=bool(w["keep_fp32"]), parts=parts, **extra)
     return specs
+
+
+def parse_part(weight: str, part) -> str | SlicedPart:
+    """A manifest's stacked part (codegen.manifest.part_to_json): a checkpoint tensor's name, or
+    {name, part: [dim, start, stop], stored} for a slice of one; a WeightError naming `weight` if
+    it is neither."""
+    if isinstance(part, str):
+        return part
+    try:
+        return SlicedPart(str(part["name"]), tuple(part["part"]), tuple(part["stored"]))
+    except (KeyError, TypeError, ValueError):
+        raise WeightError(f"weight {weight}: a stacked part must be a tensor name or "
+                          f"{{name, part: [dim, start, stop], stored}}, got {part!r}") from None
 
 
 def unused_checkpoint_tensors(num_layers: int):
@@ -144,13 +158,17 @@ def random_weights(specs: dict[str, WeightSpec], *, dtype, device, seed: int = 0
     target device (a full-size model has billions of parameters).  So the same seed gives the
     same model however it is spread: a rank of a tensor-parallel run draws the whole tensor and
     keeps its slice (`part`), and draws only its own experts; every rank holds the same
-    replicated weights, as it would reading one checkpoint.
+    replicated weights, as it would reading one checkpoint.  Likewise a stacked slice (the
+    shared experts stacked ahead of the routed ones) is cut from its whole tensor's draw, so a
+    compiled model with its shared experts stacked and one without are the same model.
     """
     out = {}
     for name, spec in sorted(specs.items()):
         wdtype = torch.float32 if spec.keep_fp32 else dtype
         if spec.parts is not None:      # per-expert tensors, stacked: each drawn by its own name
-            out[name] = torch.stack([_draw(part, spec.shape[1:], wdtype, device, seed, std) for part in spec.parts])
+            whole: dict = {}            # the tensors this stack's slices are cut from, dropped after it
+            out[name] = torch.stack([_draw_part(p, spec.shape[1:], wdtype, device, seed, std, whole)
+                                     for p in spec.parts])
             continue
         t = _draw(name, spec.stored or spec.shape, wdtype, device, seed, std)
         if spec.part is not None:
@@ -158,6 +176,19 @@ def random_weights(specs: dict[str, WeightSpec], *, dtype, device, seed: int = 0
             t = t.narrow(dim, start, stop - start).contiguous()
         out[name] = t
     return out
+
+
+def _draw_part(part, shape, dtype, device, seed: int, std: float, whole: dict) -> torch.Tensor:
+    """One stacked part: drawn under its name, or, for a slice, the whole checkpoint tensor drawn
+    under its own name (what a model that reads it unsliced draws) and narrowed.  `whole` keeps
+    the whole tensors for one stack, so the S slices of a shared tensor cost one draw, not S,
+    and no whole tensor outlives its stack (a full-size model's would be gigabytes on the GPU)."""
+    if isinstance(part, str):
+        return _draw(part, shape, dtype, device, seed, std)
+    if part.name not in whole:
+        whole[part.name] = _draw(part.name, part.stored, dtype, device, seed, std)
+    dim, start, stop = part.part
+    return whole[part.name].narrow(dim, start, stop - start)
 
 
 def _draw(name: str, shape, dtype, device, seed: int, std: float) -> torch.Tensor:
@@ -171,6 +202,45 @@ def _draw(name: str, shape, dtype, device, seed: int, std: float) -> torch.Tenso
     return torch.randn(shape, generator=gen, device=device, dtype=dtype) * std
 
 
-__all__ = ["CompiledModel", "compile_graphs", "eos_token_ids", "load_config", "load_model_weights",
-           "manifest_weight_specs", "progress_bar",
+def checkpoint_tensors(specs: dict[str, WeightSpec], weights: dict) -> dict:
+    """The checkpoint tensors (name -> tensor) that `weights`, bound as `specs` say, hold: a
+    stack's parts one by one, the slices of one tensor (a shared MLP's: SlicedPart) joined back.
+    A split weight (`part`) is only a slice of its tensor: refused.  For tests and tools that
+    move one model between layouts (one process, a rank's graphs, a checkpoint file)."""
+    out, pieces = {}, {}
+    for name, spec in specs.items():
+        if spec.part is not None:
+            raise WeightError(f"{name} holds a slice {spec.part} of its checkpoint tensor, not all of it")
+        if spec.parts is None:
+            out[name] = weights[name]
+            continue
+        for i, part in enumerate(spec.parts):
+            if isinstance(part, SlicedPart):
+                pieces.setdefault(part.name, []).append((part.part, weights[name][i]))
+            else:
+                out[part] = weights[name][i]
+    for name, got in pieces.items():
+        dim = got[0][0][0]
+        out[name] = torch.cat([t for _, t in sorted(got, key=lambda p: p[0][1])], dim=dim)
+    return out
+
+
+def bind_checkpoint(specs: dict[str, WeightSpec], tensors: dict) -> dict:
+    """What load_weights gives for `specs` from checkpoint tensors held in memory (name ->
+    tensor, e.g. checkpoint_tensors'), without casting or moving them."""
+    def read(name, part=None):
+        t = tensors[name]
+        return t if part is None else t.narrow(part[0], part[1], part[2] - part[1])
+    out = {}
+    for name, spec in specs.items():
+        if spec.parts is None:
+            out[name] = read(name, spec.part).contiguous()
+        else:
+            out[name] = torch.stack([read(p.name, p.part) if isinstance(p, SlicedPart) else read(p)
+                                     for p in spec.parts])
+    return out
+
+
+__all__ = ["CompiledModel", "bind_checkpoint", "checkpoint_tensors", "compile_graphs", "eos_token_ids", "load_config",
+           "load_model_weights", "manifest_weight_specs", "parse_part", "progress_bar",
            "random_weights", "resolve_spec", "weight_specs"]

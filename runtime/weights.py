@@ -7,6 +7,9 @@ checkpoint against them from metadata alone before reading any tensor data,
 so a wrong checkpoint fails in milliseconds with every problem named rather
 than after minutes of loading.
 
+A stacked weight's part is a whole checkpoint tensor or a slice of one (SlicedPart: the
+shared experts stacked ahead of the routed ones); either way the checkpoint is read as stored.
+
 Dimension legend: E experts, I expert intermediate size, D hidden size.
 """
 from __future__ import annotations
@@ -157,18 +160,63 @@ def load_config(model_dir: str | Path) -> dict:
 
 
 @dataclass(frozen=True)
+class SlicedPart:
+    """One slot of a stacked weight cut from a larger checkpoint tensor: `part` = (dim, start,
+    stop) of the tensor `name`, whose whole shape is `stored`.  A MoE layer's shared experts
+    (one [S*M, D] gate_proj, one [D, S*M] down_proj) are stacked behind its routed experts as
+    S such slices, so the checkpoint is read as it is, with no tensor of our own written to it.
+    The manifest's part object {name, part, stored} (codegen.manifest.part_to_json)."""
+
+    name: str
+    part: tuple[int, int, int]
+    stored: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "part", tuple(int(d) for d in self.part))
+        object.__setattr__(self, "stored", tuple(int(d) for d in self.stored))
+        if len(self.part) != 3:
+            raise ValueError(f"a SlicedPart's part is (dim, start, stop), got {self.part}")
+
+    def shape(self) -> tuple[int, ...]:
+        """The slice's shape: `stored` with dim `part[0]` cut to stop - start (a method, as
+        ir.ops.WeightSlice's is)."""
+        dim, start, stop = self.part
+        out = list(self.stored)
+        out[dim] = stop - start
+        return tuple(out)
+
+    def problem(self) -> str | None:
+        """Why this slice cannot be read from a tensor of shape `stored`, or None."""
+        dim, start, stop = self.part
+        if dim not in (0, 1) or dim >= len(self.stored):
+            return f"slices dim {dim} of a {len(self.stored)}-D tensor (dim 0 or 1 only)"
+        if not 0 <= start < stop <= self.stored[dim]:
+            return f"slice {start}:{stop} of dim {dim} is outside its stored shape {self.stored}"
+        return None
+
+
+Part = str | SlicedPart
+
+
+def part_name(part: Part) -> str:
+    """The checkpoint tensor a stacked weight's part reads."""
+    return part if isinstance(part, str) else part.name
+
+
+@dataclass(frozen=True)
 class WeightSpec:
     """What the model needs under one bound name.
 
-    `parts`: checkpoint tensors stacked along a new dim 0 (per-expert weights
-    become one [E, ...] tensor); `shape` is then the stacked shape.
+    `parts`: checkpoint tensors (a name) or slices of them (a SlicedPart) stacked along a
+    new dim 0 (per-expert weights become one [E, ...] tensor); `shape` is then the stacked
+    shape, and each part's shape must be shape[1:].
     `keep_fp32`: load as float32 whatever the model dtype (routing is
     sensitive to rounding: router weights, e_score_correction_bias).
     """
 
     shape: tuple[int, ...]
     keep_fp32: bool = False
-    parts: tuple[str, ...] | None = None
+    parts: tuple[Part, ...] | None = None
     # Tensor / expert parallel (ir/parallel.py): `part` = (dim, start, stop) of the stored
     # tensor this rank holds (its shape is then `stored`); `others` = the per-expert tensors
     # other ranks hold, known to the checkpoint check but never read here.
@@ -188,12 +236,33 @@ class WeightSpec:
                     f"a stacked WeightSpec of {len(self.parts)} parts needs shape[0] == {len(self.parts)}, "
                     f"got shape {self.shape}"
                 )
+            for p in self.parts:
+                if isinstance(p, SlicedPart):
+                    _check_slice(p, self.shape[1:])
 
     def sources(self, key: str) -> list[tuple[str, tuple[int, ...]]]:
-        """(checkpoint name, expected shape of that tensor) for each tensor read."""
+        """(checkpoint name, expected shape of that tensor) for each tensor read, each once:
+        a tensor that several slices of the stack come from is one source (checked once,
+        reported missing once), of its whole stored shape."""
         if self.parts is None:
             return [(key, self.stored or self.shape)]
-        return [(name, self.shape[1:]) for name in self.parts]
+        out: dict[str, tuple[int, ...]] = {}
+        for p in self.parts:
+            out.setdefault(part_name(p), self.shape[1:] if isinstance(p, str) else p.stored)
+        return list(out.items())
+
+    def read_count(self) -> int:
+        """How many reads loading this weight takes (one a part: what progress counts)."""
+        return 1 if self.parts is None else len(self.parts)
+
+
+def _check_slice(p: SlicedPart, want: tuple[int, ...]) -> None:
+    """A sliced part that cannot fill its stack slot is a manifest that does not fit: say so in a line."""
+    problem = p.problem()
+    if problem is None and p.shape() != want:
+        problem = f"slice {p.part} of {p.stored} has shape {p.shape()}, the stack's slots are {want}"
+    if problem is not None:
+        raise WeightError(f"stacked part {p.name}: {problem}")
 
 
 def _ignore_nothing(name: str) -> bool:
@@ -214,11 +283,12 @@ def load_weights(
 
     Tensors are read one at a time and written straight into their result, so
     peak host memory stays near one tensor rather than a second copy of the
-    model. `progress(done, total)` counts checkpoint tensors read (FP8 scales
-    not included); it is first called with done=0.
+    model. `progress(done, total)` counts reads, one a checkpoint tensor or
+    stacked part (a slice of a tensor is a read of its own; FP8 scales not
+    included); it is first called with done=0.
     """
     check_checkpoint(ckpt, specs, ignore)
-    total = sum(len(spec.sources(key)) for key, spec in specs.items())
+    total = sum(spec.read_count() for spec in specs.values())
     done = 0
     if progress is not None:
         progress(done, total)
@@ -234,8 +304,8 @@ def load_weights(
         # Allocate the stack once at its final dtype and place; each expert is
         # copied in and dropped, never held alongside the others.
         stacked = torch.empty(spec.shape, dtype=target, device=device)
-        for e, name in enumerate(spec.parts):
-            stacked[e].copy_(_read(ckpt, name, device))
+        for e, p in enumerate(spec.parts):
+            stacked[e].copy_(_read_part(ckpt, p, device))
             done += 1
             if progress is not None:
                 progress(done, total)
@@ -250,9 +320,13 @@ def check_checkpoint(ckpt: Checkpoint, specs: dict[str, WeightSpec], ignore: Cal
     used: set[str] = set()
     missing: list[str] = []
     wrong: list[str] = []
+    seen: set[tuple[str, tuple[int, ...]]] = set()   # each tensor checked once, however many slices read it
     for key, spec in specs.items():
         used.update(n for n in spec.others if n in available)   # other ranks' experts
         for name, shape in spec.sources(key):
+            if (name, shape) in seen:
+                continue
+            seen.add((name, shape))
             if name not in available:
                 missing.append(f"{name} (expected shape {shape})")
                 continue
@@ -329,6 +403,13 @@ def _read(ckpt: Checkpoint, name: str, device: torch.device | str,
     full = dequantize_fp8_blockwise(weight.to(device), scale.to(device))
     trim = slice(start - lo * FP8_BLOCK, stop - lo * FP8_BLOCK)
     return full[trim] if dim == 0 else full[:, trim]
+
+
+def _read_part(ckpt: Checkpoint, p: Part, device: torch.device | str) -> torch.Tensor:
+    """One stacked part: the whole tensor it names, or just its slice (safetensors reads no more)."""
+    if isinstance(p, str):
+        return _read(ckpt, p, device)
+    return _read(ckpt, p.name, device, p.part)
 
 
 def fp8_scale_shape(shape: tuple[int, ...], block: int = FP8_BLOCK) -> tuple[int, int]:

@@ -40,12 +40,33 @@ class TType:
 
 
 @dataclass(frozen=True)
+class WeightSlice:
+    """One part of a stacked weight cut from a larger checkpoint tensor: [start, stop) along `dim`
+    of `name`, whose whole shape is `stored`.  ir/passes/fuse_shared_experts.py stacks the shared
+    experts' MLP ahead of the routed experts this way: shared expert s of S is rows s*M..(s+1)*M of
+    gate_proj / up_proj and those columns of down_proj."""
+
+    name: str
+    dim: int
+    start: int
+    stop: int
+    stored: tuple
+
+    def shape(self) -> tuple:
+        """The shape of the slice."""
+        out = list(self.stored)
+        out[self.dim] = self.stop - self.start
+        return tuple(out)
+
+
+@dataclass(frozen=True)
 class WeightInfo:
     """A bound checkpoint tensor: expected shape, fp32 pinning, per-expert parts."""
 
     shape: tuple
     keep_fp32: bool = False
-    parts: tuple[str, ...] | None = None  # stacked along a new dim 0 (one per expert)
+    # stacked along a new dim 0 (one per expert): a checkpoint tensor's name, or a WeightSlice of one
+    parts: tuple[str | WeightSlice, ...] | None = None
 
 
 class AttrError(ValueError):

@@ -115,13 +115,14 @@ def _v2_lite_config():
 
 
 def hf_to_dsgraph_weights(model, graphs) -> dict:
-    """Our weight dict from a transformers model in memory (it fuses experts; we stack them per role)."""
-    from runtime.hf_layout import transformers_state, transformers_tensor
+    """Our weight dict from a transformers model in memory (it fuses routed experts; we stack them
+    per role, shared experts' slices included where the graphs stack them)."""
+    from runtime.hf_layout import read_transformers, transformers_state
     from runtime.model_loader import weight_specs
     state = transformers_state(model)
     out = {}
     for name, spec in weight_specs(graphs).items():
-        t = transformers_tensor(state, name)
+        t = read_transformers(state, name, spec.parts)
         out[name] = t.float() if spec.keep_fp32 else t.contiguous()
     return out
 

@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 from runtime.errors import DsgraphError, WeightError
 from runtime.weights import (
     Checkpoint,
+    SlicedPart,
     WeightSpec,
     dequantize_fp8_blockwise,
     load_config,
@@ -238,3 +239,176 @@ def test_transformers_deepseek_v2_checkpoint(tmp_path):
     assert torch.equal(out["model.layers.1.mlp.experts.gate_proj"], experts.gate_up_proj[:, :12].detach())
     assert torch.equal(out["model.layers.0.self_attn.kv_b_proj.weight"],
                        model.model.layers[0].self_attn.kv_b_proj.weight.detach())
+
+
+# ---- stacks with slices of a checkpoint tensor (shared experts ahead of the routed ones) ---------
+
+E, S, M, D = 3, 2, 6, 4     # routed experts, shared experts, moe_intermediate, hidden
+SHARED = "mlp.shared_experts.{}.weight"
+ROUTED = "mlp.experts.{}.{}.weight"
+
+
+def _shared_stack_specs(role_shapes=None) -> dict[str, WeightSpec]:
+    """gate_proj [E+S, M, D] (shared rows sliced along dim 0) and down_proj [E+S, D, M] (columns,
+    dim 1), as ir/passes/fuse_shared_experts.py binds them; `role_shapes` overrides `stored`."""
+    stored = {"gate_proj": (S * M, D), "down_proj": (D, S * M), **(role_shapes or {})}
+    specs = {}
+    for role, dim, shape in (("gate_proj", 0, (M, D)), ("down_proj", 1, (D, M))):
+        parts = tuple(ROUTED.format(e, role) for e in range(E)) + tuple(
+            SlicedPart(SHARED.format(role), (dim, s * M, (s + 1) * M), stored[role]) for s in range(S))
+        specs[f"mlp.experts.*+shared_experts.{role}.weight"] = WeightSpec((E + S, *shape), parts=parts)
+    return specs
+
+
+def _shared_checkpoint(tmp_path, dtype=torch.float32, drop=()):
+    tensors = {ROUTED.format(e, "gate_proj"): _rand(M, D, dtype=dtype) for e in range(E)}
+    tensors.update({ROUTED.format(e, "down_proj"): _rand(D, M, dtype=dtype) for e in range(E)})
+    tensors[SHARED.format("gate_proj")] = _rand(S * M, D, dtype=dtype)
+    tensors[SHARED.format("down_proj")] = _rand(D, S * M, dtype=dtype)
+    tensors = {k: v for k, v in tensors.items() if k not in drop}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    return tensors
+
+
+def _expected_stacks(t) -> dict[str, torch.Tensor]:
+    """The stacks built by hand: routed experts, then the shared MLP cut into S experts."""
+    gate = torch.cat([torch.stack([t[ROUTED.format(e, "gate_proj")] for e in range(E)]),
+                      t[SHARED.format("gate_proj")].reshape(S, M, D)])
+    down = torch.cat([torch.stack([t[ROUTED.format(e, "down_proj")] for e in range(E)]),
+                      torch.stack([t[SHARED.format("down_proj")].narrow(1, s * M, M) for s in range(S)])])
+    return {"mlp.experts.*+shared_experts.gate_proj.weight": gate,
+            "mlp.experts.*+shared_experts.down_proj.weight": down}
+
+
+def test_a_stack_of_whole_tensors_and_slices_loads_as_their_concatenation(tmp_path):
+    tensors = _shared_checkpoint(tmp_path)
+    ckpt, calls = Checkpoint.open(tmp_path), []
+    out = load_weights(ckpt, _shared_stack_specs(), dtype=torch.float32, device="cpu",
+                       progress=lambda done, total: calls.append((done, total)))
+    for name, want in _expected_stacks(tensors).items():
+        assert torch.equal(out[name], want), name
+    # every slot is one read, counted: the shared tensors are read slice by slice, never whole
+    assert calls == [(i, 2 * (E + S)) for i in range(2 * (E + S) + 1)]
+    assert (SHARED.format("gate_proj"), (0, M, 2 * M)) in ckpt.reads
+    assert (SHARED.format("down_proj"), (1, 0, M)) in ckpt.reads
+    assert all(part is not None for name, part in ckpt.reads if "shared" in name)
+
+
+def test_sources_name_each_sliced_tensor_once_with_its_stored_shape():
+    spec = _shared_stack_specs()["mlp.experts.*+shared_experts.down_proj.weight"]
+    assert spec.sources("x")[-1] == (SHARED.format("down_proj"), (D, S * M))
+    assert [n for n, _ in spec.sources("x")].count(SHARED.format("down_proj")) == 1
+    assert spec.read_count() == E + S
+
+
+def test_a_missing_shared_tensor_is_named_once(tmp_path):
+    _shared_checkpoint(tmp_path, drop=(SHARED.format("gate_proj"),))
+    with pytest.raises(WeightError) as info:
+        _load(tmp_path, _shared_stack_specs())
+    msg = str(info.value)
+    assert "1 tensor(s) missing" in msg and msg.count(SHARED.format("gate_proj")) == 1
+    assert f"{SHARED.format('gate_proj')} (expected shape {(S * M, D)})" in msg
+
+
+def test_a_tensor_two_stacks_slice_is_checked_once(tmp_path):
+    save_file({"a": _rand(M, D)}, str(tmp_path / "model.safetensors"))
+    part = SlicedPart("shared", (0, 0, M), (S * M, D))
+    specs = {"x": WeightSpec((2, M, D), parts=("a", part)), "y": WeightSpec((1, M, D), parts=(part,))}
+    with pytest.raises(WeightError, match="1 tensor\\(s\\) missing") as info:
+        _load(tmp_path, specs)
+    assert str(info.value).count("shared") == 1
+
+
+def test_a_shared_tensor_of_another_stored_shape_is_reported(tmp_path):
+    _shared_checkpoint(tmp_path)
+    # a manifest whose slices (the right size) come from a tensor it says is wider than the checkpoint's
+    specs = _shared_stack_specs({"down_proj": (D, S * M + 1)})
+    with pytest.raises(WeightError, match=rf"down_proj\.weight: checkpoint has shape \({D}, {S * M}\), "
+                                          rf"the spec expects \({D}, {S * M + 1}\)"):
+        _load(tmp_path, specs)
+
+
+@pytest.mark.parametrize("part,stored,problem", [
+    ((0, 0, M + 1), (S * M, D), "has shape"),          # a slice bigger than the stack's slots
+    ((0, S * M - 2, S * M + 4), (S * M, D), "outside"),  # past the end of its tensor
+    ((2, 0, M), (S * M, D), "dim 0 or 1"),
+])
+def test_a_slice_that_does_not_fit_its_slot_is_a_one_line_weight_error(part, stored, problem):
+    with pytest.raises(WeightError, match=problem) as info:
+        WeightSpec((2, M, D), parts=("a", SlicedPart("shared", part, stored)))
+    assert "\n" not in str(info.value) and "shared" in str(info.value)
+
+
+def test_fp8_slices_dequantise_their_blocks(tmp_path):
+    """Slices of an FP8 tensor that start and end inside 128-blocks, along rows and columns."""
+    Mf, Df = 100, 20
+    gate, gate_scale = _fp8_weight(S * Mf, Df)
+    down, down_scale = _fp8_weight(Df, S * Mf)
+    routed = {"r.gate": _rand(Mf, Df), "r.down": _rand(Df, Mf)}
+    save_file({"sh.gate": gate, "sh.gate_scale_inv": gate_scale, "sh.down": down, "sh.down_scale_inv": down_scale,
+               **routed}, str(tmp_path / "model.safetensors"))
+    specs = {"gate": WeightSpec((1 + S, Mf, Df), parts=("r.gate",) + tuple(
+                 SlicedPart("sh.gate", (0, s * Mf, (s + 1) * Mf), (S * Mf, Df)) for s in range(S))),
+             "down": WeightSpec((1 + S, Df, Mf), parts=("r.down",) + tuple(
+                 SlicedPart("sh.down", (1, s * Mf, (s + 1) * Mf), (Df, S * Mf)) for s in range(S)))}
+    out = _load(tmp_path, specs)      # both scales count as used: no unexpected tensors
+    gate_ref, down_ref = _fp8_reference(gate, gate_scale).float(), _fp8_reference(down, down_scale).float()
+    torch.testing.assert_close(out["gate"][1:], gate_ref.reshape(S, Mf, Df))
+    torch.testing.assert_close(out["down"][1:], torch.stack([down_ref.narrow(1, s * Mf, Mf) for s in range(S)]))
+    assert torch.equal(out["gate"][0], routed["r.gate"]) and torch.equal(out["down"][0], routed["r.down"])
+
+
+def test_a_sliced_part_round_trips_through_the_manifest():
+    """weights_to_json writes a WeightSlice as {name, part, stored}; manifest_weight_specs reads a SlicedPart."""
+    import types
+
+    from codegen.manifest import weights_to_json
+    from ir.ops import WeightInfo, WeightSlice
+    from runtime.model_loader import manifest_weight_specs
+    routed = tuple(ROUTED.format(e, "down_proj") for e in range(E))
+    slices = tuple(WeightSlice(SHARED.format("down_proj"), 1, s * M, (s + 1) * M, (D, S * M)) for s in range(S))
+    name = "mlp.experts.*+shared_experts.down_proj.weight"
+    G = types.SimpleNamespace(graph={"weights": {name: WeightInfo((E + S, D, M), parts=routed + slices),
+                                                 "mlp.experts.*.gate_proj.weight": WeightInfo((E, M, D), parts=routed)}})
+    table = json.loads(json.dumps(weights_to_json([G])))
+    assert table[name]["parts"][:E] == list(routed)
+    assert table[name]["parts"][E + 1] == {"name": SHARED.format("down_proj"), "part": [1, M, 2 * M],
+                                          "stored": [D, S * M]}
+    specs = manifest_weight_specs(table)
+    assert specs[name].parts == routed + tuple(
+        SlicedPart(SHARED.format("down_proj"), (1, s * M, (s + 1) * M), (D, S * M)) for s in range(S))
+    assert specs[name].shape == (E + S, D, M)
+    assert specs["mlp.experts.*.gate_proj.weight"].parts == routed      # a plain stack is as it was
+
+
+def test_a_malformed_manifest_part_is_a_one_line_weight_error():
+    from runtime.model_loader import manifest_weight_specs
+    for bad in ({"name": "b", "part": [0, 0], "stored": [4, 3]}, {"name": "b", "part": [0, 0, 3]}, 7):
+        table = {"w": {"shape": [2, 3], "keep_fp32": False, "parts": ["a", bad]}}
+        with pytest.raises(WeightError, match="weight w: a stacked part must be") as info:
+            manifest_weight_specs(table)
+        assert "\n" not in str(info.value)
+
+
+def test_random_weights_cut_a_slice_from_the_whole_tensor_drawn_once(monkeypatch):
+    """A stacked slice is the narrowed draw of its whole tensor under the same seed: the model with
+    the shared experts stacked and the one with them apart are the same model."""
+    from runtime import model_loader
+    from runtime.model_loader import random_weights
+    specs = _shared_stack_specs()
+    whole = random_weights({SHARED.format("gate_proj"): WeightSpec((S * M, D)),
+                            SHARED.format("down_proj"): WeightSpec((D, S * M))},
+                           dtype=torch.float32, device="cpu", seed=5)
+    routed = random_weights({ROUTED.format(e, "gate_proj"): WeightSpec((M, D)) for e in range(E)},
+                            dtype=torch.float32, device="cpu", seed=5)
+    draws = []
+    real = model_loader._draw
+    monkeypatch.setattr(model_loader, "_draw", lambda name, *a: draws.append(name) or real(name, *a))
+    out = random_weights(specs, dtype=torch.float32, device="cpu", seed=5)
+    gate, down = out["mlp.experts.*+shared_experts.gate_proj.weight"], out["mlp.experts.*+shared_experts.down_proj.weight"]
+    assert torch.equal(gate[E:], whole[SHARED.format("gate_proj")].reshape(S, M, D))
+    for s in range(S):
+        assert torch.equal(down[E + s], whole[SHARED.format("down_proj")].narrow(1, s * M, M))
+    for e in range(E):
+        assert torch.equal(gate[e], routed[ROUTED.format(e, "gate_proj")])
+    assert draws.count(SHARED.format("gate_proj")) == 1 and draws.count(SHARED.format("down_proj")) == 1
