@@ -95,6 +95,22 @@ def open_bundle(spec, *, bundle_dir=None, device, dtype: torch.dtype | None, blo
     return loaded
 
 
+def pairs_per_token(plans: dict, top_k: int) -> int:
+    """P of the plans' routing values (shape ("T*P", experts)); `top_k` where no phase routes.
+    Every phase must agree: NP is one size of the step."""
+    found = set()
+    for plan in plans.values():
+        for buf in plan.buffers.values():
+            if buf.dtype == "routing":
+                rows = str(buf.shape[0])
+                if not rows.startswith("T*") or not rows[2:].isdigit():
+                    raise InputError(f"a routing buffer {buf.name} has {rows!r} rows; this runtime reads 'T*P'")
+                found.add(int(rows[2:]))
+    if len(found) > 1:
+        raise InputError(f"the bundle's phases route {sorted(found)} pairs a token; NP must be one size")
+    return found.pop() if found else top_k
+
+
 class CudaBackend:
     name = "cuda"
 
@@ -103,7 +119,9 @@ class CudaBackend:
         self.weights = weights
         self.runner = runner          # KernelRunner (or a stand-in with run_all)
         self.dtype = dtype
-        self.top_k = top_k
+        # token-expert pairs a token (the size NP = T * this): the plans' routing says, since
+        # ir/passes/fuse_shared_experts.py adds the shared experts' pairs to the top_k routed ones
+        self.pairs_per_token = pairs_per_token(plans, top_k)
         self.use_graphs = True        # steps replay CUDA graphs (turn off to launch every step eagerly)
         self._schedules: dict[str, list] = {}   # phase -> its steps by node (_schedule)
         self._layouts: dict[tuple, dict] = {}     # (phase, sizes its buffers read) -> name -> _layout
@@ -127,7 +145,7 @@ class CudaBackend:
     # ---- one step ----------------------------------------------------------------------------
     def _sizes(self, ctx: StepContext) -> dict:
         T = ctx.num_tokens
-        return {"T": T, "B": ctx.num_seqs, "NP": T * self.top_k, "MAXQ": max(ctx.query_lens),
+        return {"T": T, "B": ctx.num_seqs, "NP": T * self.pairs_per_token, "MAXQ": max(ctx.query_lens),
                 "MAXCTX": max(ctx.context_lens), "W": int(ctx.block_tables.shape[1])}
 
     def _shape(self, shape, sizes) -> tuple:

@@ -107,12 +107,18 @@ def check_experts(nid: str, E: int, K: int) -> None:
 # -- scoring + top-k (moe_topk, and stage 2 of moe_route) -----------------------------------
 
 def topk_params(nid: str, attrs: dict, E: int, has_bias: bool) -> dict:
+    """S: the shared experts each token also selects (moe_route's shared_experts; moe.cuh
+    topk_scored writes them after the K routed ones), one lane each as well."""
     K, G, TG = attrs["top_k"], attrs["groups"], attrs["topk_groups"]
+    S = int(attrs.get("shared_experts", 0))
     check_experts(nid, E, K)
+    if S and (K + S > MAX_TOP_K or E + S > MAX_EXPERTS):
+        raise LoweringError(f"top_k={K} and {S} shared experts; the route handles K + S <= {MAX_TOP_K} pairs a "
+                            f"token and E + S <= {MAX_EXPERTS} experts")
     if G > 32 or E % G:
         raise LoweringError(f"{G} groups of {E} experts; the kernel needs E % G == 0, G <= 32")
     return {
-        "E": E, "K": K, "groups": G, "topk_groups": TG,
+        "E": E, "K": K, "S": S, "groups": G, "topk_groups": TG,
         "scoring": attrs["scoring"], "method": attrs["method"],
         "norm_topk_prob": bool(attrs["norm_topk_prob"]),
         "scaling": c_float(attrs["routed_scaling_factor"]),
@@ -131,6 +137,8 @@ def topk_name_parts(p: dict) -> list[str]:
         parts.append("rsf" + _tag(float(p["scaling"][:-1])))
     if p["has_bias"]:
         parts.append("bias")
+    if p["S"]:
+        parts.append(f"shared{p['S']}")
     return parts
 
 
@@ -334,6 +342,25 @@ COMBINE_THREADS = 128
 def combine_params(nid: str, opts, *, D: int, K: int) -> dict:
     dt, ct = act(nid, opts)
     return {"act": ct, "D": D, "K": K, "threads": COMBINE_THREADS, "vec": vec_width(D, ELEM_BYTES[dt])}
+
+
+def combine_inputs(attrs: dict, ins: list) -> tuple:
+    """(eo, w, shared, residual) of a residual combine; shared is None when the op's shared_experts
+    S > 0 (the shared experts are each token's last S pairs: ir/passes/fuse_shared_experts.py)."""
+    if combine_shared(attrs):
+        eo, w, residual = ins
+        return eo, w, None, residual
+    eo, w, shared, residual = ins
+    return eo, w, shared, residual
+
+
+def combine_shared(attrs: dict) -> int:
+    return int(attrs.get("shared_experts", 0))
+
+
+def shared_tag(p: dict) -> list[str]:
+    """A kernel-name part for a combine that takes the shared experts from its pairs."""
+    return [f"shared{p['S']}"] if p["S"] else []
 
 
 def combine_grid(p: dict) -> tuple:

@@ -1,7 +1,8 @@
 """moe_combine_residual_rms_norm: [eo [NP, D], w [T, K], shared [T, D], residual [T, D]] ->
 [h = rms_norm(s), s = residual + round(round(sum_k w * eo) + shared)]: a MoE layer's combine and the
 next layer's input norm (or the final norm) in one sweep over the row, one CTA per token.  The
-rounding points are the unfused chain's (moe_combine_residual, then rms_norm of the rounded s)."""
+rounding points are the unfused chain's (moe_combine_residual, then rms_norm of the rounded s).
+With shared_experts S > 0 the inputs are [eo, w, residual], as moe_combine_residual's."""
 from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, inp, out, size, weight
@@ -17,13 +18,16 @@ PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (prog
 
 
 def lower(nid: str, G, opts) -> list[KernelLaunch]:
-    attrs, (eo, w, shared, residual), (h, s), wts = _moe.node_io(G, nid)
+    attrs, ins, (h, s), wts = _moe.node_io(G, nid)
+    eo, w, shared, residual = _moe.combine_inputs(attrs, ins)
     D, K = _moe.inner(G, nid, eo), _moe.inner(G, nid, w)
-    _moe.require_dense(G, nid, eo, w, shared, residual)
+    _moe.require_dense(G, nid, *ins)
     dt, ct = _moe.act(nid, opts)
-    p = {"act": ct, "D": D, "K": K, "threads": block_threads_for_row(D, ELEM_BYTES[dt]), "eps": c_float(attrs["eps"])}
+    p = {"act": ct, "D": D, "K": K, "S": _moe.combine_shared(attrs),
+         "threads": block_threads_for_row(D, ELEM_BYTES[dt]), "eps": c_float(attrs["eps"])}
+    shared_arg = () if shared is None else (inp("shared", ct, shared),)
     return [KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"k{K}_d{D}"]),
+        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"k{K}_d{D}", *_moe.shared_tag(p)]),
         params=p, nodes=(nid,), grid=("T", 1, 1), block=(p["threads"], 1, 1),
-        args=(inp("eo", ct, eo), inp("w", "float", w), inp("shared", ct, shared), inp("residual", ct, residual),
+        args=(inp("eo", ct, eo), inp("w", "float", w), *shared_arg, inp("residual", ct, residual),
               weight("nw", ct, wts["weight"]), out("h", ct, h), out("s", ct, s), size("T", "T")))]

@@ -1,4 +1,8 @@
-"""moe_route: x [T, D] -> ids [T, K], weights [T, K] fp32, routing; one launch at decode sizes.
+"""moe_route: x [T, D] -> ids [T, P], weights [T, P] fp32, routing; one launch at decode sizes.
+
+P = K + S: with shared_experts S > 0 (ir/passes/fuse_shared_experts.py) every token's K routed
+pairs are followed by S pairs of the shared experts (weight 1), aligned with the routed ones over
+E + S experts: the shared experts are 0..S-1, routed expert e is S + e (moe.cuh topk_scored).
 
 While T <= ROUTE_FUSED_TOKENS, one launch ("fused", templates/include/moe_route.cuh):
   the router GEMV's CTAs (EPB experts x TT tokens each, so decode's T = 1 spreads the fp32 gate
@@ -65,10 +69,10 @@ def fused_tiles(ft: int) -> int:
     return -(-ft // TOKENS_PER_CTA)
 
 
-def fused_smem(E: int, K: int, tiles: int) -> int:
+def fused_smem(E: int, P: int, tiles: int) -> int:
     """Dynamic shared memory of the fused launch: the top-k scratch (two rows of E floats per warp),
-    then, in the last CTA, the pairs' ids (int each)."""
-    return max(2 * (GEMV_THREADS // 32) * E * 4, tiles * TOKENS_PER_CTA * K * 4)
+    then, in the last CTA, the pairs' ids (int each; P pairs a token, shared experts included)."""
+    return max(2 * (GEMV_THREADS // 32) * E * 4, tiles * TOKENS_PER_CTA * P * 4)
 
 
 def gemm_smem(bm: int, bn: int, bk: int) -> int:
@@ -108,7 +112,7 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     _moe.require_dense(G, nid, x)
     bias = bound.get("bias")
     topk = {"stage": "topk", **_moe.topk_params(nid, attrs, E, bias is not None)}
-    K = topk["K"]
+    K, S = topk["K"], topk["S"]          # S shared experts: aligned as experts 0..S-1, the routed after
     gemv = {"act": ct, "E": E, "D": D, "epb": EXPERTS_PER_CTA, "tt": TOKENS_PER_CTA, "threads": GEMV_THREADS,
             "vec": _moe.vec_width(D, 4)}
     logits = Workspace("router_logits", ("T", E), "f32")
@@ -118,7 +122,7 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
 
     if ft is not None:
         tiles = fused_tiles(ft)
-        smem = fused_smem(E, K, tiles)
+        smem = fused_smem(E, K + S, tiles)
         fused = {**gemv, **topk, "stage": "fused", "warps": GEMV_THREADS // 32, "tiles": tiles, "smem": smem}
         args = [inp("x", ct, x), weight("gate", "float", bound["gate"])]
         if bias is not None:
@@ -150,8 +154,8 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     launches.append(_moe.topk_launch(
         FAMILY, TEMPLATE, kernel_name(FAMILY, [*_moe.topk_name_parts(topk), "topk"]), topk, nid,
         WorkspaceRef("router_logits"), bias, ids, weights, workspace=(logits,), stage="topk", only=above))
-    align = {"stage": "align", **_moe.align_params(E)}
-    launches += _moe.align_launches(FAMILY, TEMPLATE, kernel_name(FAMILY, [f"e{E}", "align"]), align,
+    align = {"stage": "align", **_moe.align_params(E + S)}
+    launches += _moe.align_launches(FAMILY, TEMPLATE, kernel_name(FAMILY, [f"e{E + S}", "align"]), align,
                                     nid, ids, routing, stage="align", only=above)
     return launches
 

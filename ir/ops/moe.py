@@ -4,6 +4,12 @@ Token-expert pairs are numbered p = t*K + k.  Per-pair tensors ([T*K, ...]) are 
 in pair order; ``routing`` says which pairs each expert serves (pairs sorted by
 expert, and each expert's [start, end) in that order), so a grouped kernel can run
 every active expert in one launch.
+
+With ``shared_experts`` S > 0 (ir/passes/fuse_shared_experts.py), moe_route also gives every
+token S always-selected pairs after its K routed ones, and numbers the experts of the grouped
+ops' weight stack: experts 0..S-1 are the shared MLP's slices, the routed expert e is S + e.
+The shared pairs have weight 1, each token has P = K + S pairs, and the combine adds the last S
+of them as the shared experts' output.
 """
 from __future__ import annotations
 
@@ -238,7 +244,7 @@ class MoeCombine(OpDef):
 class MoeRoute(OpDef):
     name = "moe_route"
     outputs = 3
-    attrs = {**_topk_attrs(), "num_experts": Attr("dim")}
+    attrs = {**_topk_attrs(), "num_experts": Attr("dim"), "shared_experts": Attr("int", 0)}
     weights = {"gate": True, "bias": False}
     fp32_weights = ("gate", "bias")
     doc = "x [T, D] -> [ids, weights, routing]: router GEMV (fp32) + scoring + top-k + alignment in one op"
@@ -246,38 +252,76 @@ class MoeRoute(OpDef):
     @classmethod
     def infer(cls, node, ins, model):
         (x,) = ins
-        E, K = node.attrs["num_experts"], node.attrs["top_k"]
+        E, K, S = node.attrs["num_experts"], node.attrs["top_k"], node.attrs.get("shared_experts", 0)
         expect(len(x.shape) == 2 and x.dtype == "act", f"moe_route expects an activation [T, D], got {x}")
         check_topk_attrs(node.attrs, E)
+        expect(S >= 0, f"moe_route: shared_experts={S} must be >= 0")
         shapes = {"gate": (E, x.shape[1])}
         if "bias" in node.weights:
             shapes["bias"] = (E,)
-        T = x.shape[0]
-        return [TType((T, K), "i64"), TType((T, K), "f32"), TType((f"{T}*{K}", E), "routing")], shapes
+        T, P = x.shape[0], K + S
+        return [TType((T, P), "i64"), TType((T, P), "f32"), TType((f"{T}*{P}", E + S), "routing")], shapes
 
     @classmethod
     def run(cls, node, ins, w, ctx):
         logits = F.linear(ins[0].float(), w["gate"].float())
-        ids, weights = route_ref(logits, w.get("bias"), node.attrs)
-        return [ids, weights, align_ref(ids, node.attrs["num_experts"])]
+        ids, weights = with_shared_pairs(*route_ref(logits, w.get("bias"), node.attrs), node.attrs["num_experts"],
+                                         node.attrs.get("shared_experts", 0))
+        return [ids, weights, align_ref(ids, node.attrs["num_experts"] + node.attrs.get("shared_experts", 0))]
+
+
+def with_shared_pairs(ids: torch.Tensor, weights: torch.Tensor, E: int, S: int):
+    """(ids, weights) [T, K] -> [T, K + S]: each token's routed pairs (expert e as S + e), then its
+    S shared experts (ids 0..S-1, weight 1).  The shared experts come first in the stack: the
+    grouped kernels walk experts in order, so their full tiles (every token's) start first and
+    the light routed tiles fill the tail."""
+    if not S:
+        return ids, weights
+    T = ids.shape[0]
+    shared = torch.arange(S, dtype=ids.dtype, device=ids.device).expand(T, S)
+    return torch.cat([ids + S, shared], 1), torch.cat([weights, weights.new_ones(T, S)], 1)
+
+
+def shared_from_pairs(eo: torch.Tensor, T: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """eo [T*P, D] with each token's S shared pairs last -> (its routed rows [T*(P-S), D], the
+    shared experts' output [T, D]: the sum of the S rows, rounded once, as the shared MLP's down
+    projection rounds its output)."""
+    rows = eo.view(T, -1, eo.shape[1])
+    acc = torch.promote_types(eo.dtype, torch.float32)        # fp32 sums for 16-bit rows, fp64 stays fp64
+    return rows[:, :-S].reshape(-1, eo.shape[1]), rows[:, -S:].sum(dim=1, dtype=acc).to(eo.dtype)
 
 
 @register
 class MoeCombineResidual(OpDef):
     name = "moe_combine_residual"
-    inputs = 4
-    doc = "[expert out [T*K, D], weights [T, K], shared [T, D], residual [T, D]] -> residual + shared + sum_k w * out"
+    inputs = (3, 4)
+    attrs = {"shared_experts": Attr("int", 0)}
+    doc = ("[expert out [T*K, D], weights [T, K], shared [T, D], residual [T, D]] -> residual + shared + "
+           "sum_k w * out; with shared_experts S > 0 the inputs are [expert out [T*P, D], weights [T, P], "
+           "residual] and the shared experts' output is the sum of each token's last S pairs")
 
     @classmethod
     def infer(cls, node, ins, model):
-        eo, wt, sh, res = ins
+        S = node.attrs.get("shared_experts", 0)
+        expect(len(ins) == (3 if S else 4), f"moe_combine_residual takes {3 if S else 4} inputs with "
+                                            f"shared_experts={S}, got {len(ins)}")
+        eo, wt, res = ins[0], ins[1], ins[-1]
         (out,), _ = MoeCombine.infer(node, [eo, wt], model)
+        sh = out if S else ins[2]
+        expect(0 <= S < wt.shape[1], f"moe_combine_residual: shared_experts={S} needs more than {S} pairs "
+                                     f"a token, got weights {wt}")
         expect(sh == out and res == out, f"moe_combine_residual: shared {sh} and residual {res} must be {out}")
         return [out], {}
 
     @classmethod
     def run(cls, node, ins, w, ctx):
-        eo, wt, sh, res = ins
+        eo, wt, res = ins[0], ins[1], ins[-1]
+        S = node.attrs.get("shared_experts", 0)
+        if S:
+            eo, sh = shared_from_pairs(eo, wt.shape[0], S)
+            wt = wt[:, :-S]
+        else:
+            sh = ins[2]
         # Same rounding points as the unfused chain: routed sum -> act, + shared -> act, + residual.
         routed = combine_ref(eo, wt).to(eo.dtype)
         return [res + (routed + sh)]
@@ -286,12 +330,13 @@ class MoeCombineResidual(OpDef):
 @register
 class MoeCombineResidualRmsNorm(OpDef):
     name = "moe_combine_residual_rms_norm"
-    inputs = 4
+    inputs = (3, 4)
     outputs = 2
-    attrs = {"eps": Attr("float", None)}
+    attrs = {"eps": Attr("float", None), "shared_experts": Attr("int", 0)}
     weights = {"weight": True}
     doc = ("[expert out [T*K, D], weights [T, K], shared [T, D], residual [T, D]] -> [rms_norm(s), s], "
-           "s = residual + shared + sum_k w * out: the MoE layer's combine and the next norm")
+           "s = residual + shared + sum_k w * out: the MoE layer's combine and the next norm (shared_experts: "
+           "as moe_combine_residual)")
 
     @classmethod
     def infer(cls, node, ins, model):

@@ -24,6 +24,7 @@ from .fuse_kv_norm_rope_cache import fuse_kv_norm_rope_cache
 from .fuse_moe_silu import fuse_moe_silu
 from .fuse_q_rope_into_query import fuse_q_rope_into_query
 from .fuse_router import fuse_router
+from .fuse_shared_experts import fuse_shared_experts
 from .fuse_sibling_linears import fuse_sibling_linears
 from .insert_all_reduce import insert_all_reduce
 from .lower_mla_decode import lower_mla_decode
@@ -61,6 +62,7 @@ PIPELINE: list[Pass] = [
     Pass(fuse_router,                  BOTH),     # linear(gate) + moe_topk + moe_align -> moe_route
     Pass(fuse_moe_silu,                BOTH),     # moe_gate_up + silu_and_mul -> moe_gate_up_silu
     Pass(fuse_combine_shared_residual, BOTH),     # moe_combine + shared add + residual add -> moe_combine_residual
+    Pass(fuse_shared_experts,          BOTH),     # the shared MLP -> S always-selected experts in the grouped ops
     # Dense linears
     Pass(fuse_sibling_linears,         BOTH),     # linears reading one input (q + kv_a, gate + up) -> multi_linear
     Pass(fuse_gate_up_silu,            BOTH),     # multi_linear (gate, up) + silu_and_mul -> gate_up_silu
@@ -100,5 +102,5 @@ def run_pipeline(G: nx.DiGraph, passes: list[Pass] = PIPELINE) -> nx.DiGraph:
 __all__ = ["PIPELINE", "Pass", "run_pipeline", "eliminate_dead", "fuse_add_rms_norm", "fuse_combine_shared_residual",
            "fuse_decode_prologue",
            "fuse_gate_up_silu", "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_q_rope_into_query", "fuse_router",
-           "fuse_sibling_linears", "insert_all_reduce", "lower_mla_decode", "lower_mla_prefill", "shard_for_rank",
+           "fuse_shared_experts", "fuse_sibling_linears", "insert_all_reduce", "lower_mla_decode", "lower_mla_prefill", "shard_for_rank",
            "split_rope"]

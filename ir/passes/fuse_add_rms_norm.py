@@ -30,9 +30,10 @@ def fuse_add_rms_norm(G: nx.DiGraph) -> nx.DiGraph:
              |
           h [T,D]
 
-    The same with moe_combine_residual (inputs eo, weights, shared, residual) in place of the
-    add: a MoE layer's output and the next layer's input norm (or the final norm) in one kernel.
-    Runs after fuse_combine_shared_residual, which makes those combines.
+    The same with moe_combine_residual (inputs eo, weights, shared, residual; or eo, weights,
+    residual with its shared_experts attr, which the fused op keeps) in place of the add: a MoE
+    layer's output and the next layer's input norm (or the final norm) in one kernel.  Runs after
+    fuse_combine_shared_residual and fuse_shared_experts, which make those combines.
     """
     G = copy_graph(G)
     for norm in nodes_of(G, "rms_norm"):
@@ -42,7 +43,7 @@ def fuse_add_rms_norm(G: nx.DiGraph) -> nx.DiGraph:
         if fused_op is None:
             continue
         fused = NewOp(fused_op, list(G.nodes[src]["inputs"]), [G.nodes[norm]["outputs"][0], s],
-                      {"eps": G.nodes[norm]["attrs"]["eps"]}, dict(G.nodes[norm]["weights"]))
+                      {**G.nodes[src]["attrs"], "eps": G.nodes[norm]["attrs"]["eps"]}, dict(G.nodes[norm]["weights"]))
         try:
             replace(G, [src, norm], [fused])
         except RewriteError as exc:

@@ -212,9 +212,12 @@ __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
 // Routes one token from its logits in registers: lane owns experts e = lane + 32 * s, l[s] is
 // logit e (-inf where e >= E).  `sc` and `ch` are this warp's shared scratch of E floats each
 // (scores and selection values).  Writes ids[0..K) (descending by selection value, like
-// torch.topk sorted) and weights[0..K).  topk_token below loads the logits; the fused route
-// (moe_route.cuh) loads them past L1, since other CTAs of its launch wrote them.
-template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS>
+// torch.topk sorted) and weights[0..K), then S always-selected shared experts: ids[K + s] = s with
+// weight 1, and the routed experts numbered from S (ir/passes/fuse_shared_experts.py stacks the
+// shared experts first; a token's row of ids / weights is K + S wide).
+// topk_token below loads the logits; the fused route (moe_route.cuh) loads them past L1, since
+// other CTAs of its launch wrote them.
+template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS, int S = 0>
 __device__ __forceinline__ void topk_scored(float (&l)[(E + 31) / 32], const float* __restrict__ bias,
                                             float scaling, i64* __restrict__ ids, float* __restrict__ weights,
                                             float* sc, float* ch) {
@@ -222,7 +225,7 @@ __device__ __forceinline__ void topk_scored(float (&l)[(E + 31) / 32], const flo
   constexpr int GS = E / G;              // experts per group (contiguous)
   static_assert(SLOTS <= 32, "moe top-k: at most 1024 experts");
   static_assert(E % G == 0, "moe top-k: experts must divide into groups");
-  static_assert(K <= 32 && G <= 32, "moe top-k: K and groups must fit a warp");
+  static_assert(K + S <= 32 && G <= 32 && S >= 0, "moe top-k: K + S and groups must fit a warp");
   const int lane = threadIdx.x & 31;
 
   // scores: softmax over E, or sigmoid
@@ -319,12 +322,15 @@ __device__ __forceinline__ void topk_scored(float (&l)[(E + 31) / 32], const flo
     my_w = my_w / (sum + 1e-20f);
   }
   if (lane < K) {
-    ids[lane] = (i64)my_id;
+    ids[lane] = (i64)(my_id + S);
     weights[lane] = my_w * scaling;
+  } else if (lane < K + S) {
+    ids[lane] = (i64)(lane - K);
+    weights[lane] = 1.f;
   }
 }
 
-template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS>
+template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS, int S = 0>
 __device__ __forceinline__ void topk_token(const float* __restrict__ logits, const float* __restrict__ bias,
                                            float scaling, i64* __restrict__ ids, float* __restrict__ weights,
                                            float* sc, float* ch) {
@@ -335,7 +341,7 @@ __device__ __forceinline__ void topk_token(const float* __restrict__ logits, con
     const int e = lane + 32 * s;
     l[s] = (e < E) ? logits[e] : -CUDART_INF_F;
   }
-  topk_scored<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS>(l, bias, scaling, ids, weights, sc, ch);
+  topk_scored<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS, S>(l, bias, scaling, ids, weights, sc, ch);
 }
 
 // ---- 3. alignment: pairs grouped by expert (one CTA) ---------------------------------------
@@ -1056,6 +1062,9 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* _
 // Grid (T, cdiv(D, NT * VEC)): each thread owns one VEC-wide slice of one token's row.
 // RESID mirrors the reference's rounding (plus_shared, plus_residual).
 // VECTOR: one load / store per slice (bases aligned), else element accesses of the same slice.
+// S > 0: a token's last S of its K pairs are the shared experts (ir/passes/fuse_shared_experts.py;
+// `shared` is unused): their rows, summed and rounded once (shared_rows), are the shared output;
+// the weighted sum runs over the first K - S pairs.
 
 // The MoE layer's output where the unfused chain rounds, in its two steps: y = round(routed) +
 // shared (moe_combine's output, then the shared experts' add), then residual + round(y); the caller
@@ -1065,15 +1074,34 @@ __device__ __forceinline__ float plus_shared(float routed, float shared) { retur
 template <typename T>
 __device__ __forceinline__ float plus_residual(float y, float residual) { return residual + round_to<T>(y); }
 
-template <typename T, int D, int K, int VEC, bool RESID, bool VECTOR>
+// The shared experts' output from a token's last S pair rows (N elements at `row`, rows D apart):
+// their sum, rounded to T as the shared MLP's down projection rounds its output.
+template <typename T, int D, int K, int S, int N, bool VECTOR>
+__device__ __forceinline__ void shared_rows(const T* __restrict__ eo, int t, int d, float (&sh)[N]) {
+#pragma unroll
+  for (int v = 0; v < N; ++v) sh[v] = 0.f;
+#pragma unroll
+  for (int k = K - S; k < K; ++k) {
+    float ev[N];
+    if constexpr (VECTOR) load_f<T, N>(eo + ((i64)t * K + k) * D + d, ev);
+    else load_f_scalar<T, N>(eo + ((i64)t * K + k) * D + d, ev);
+#pragma unroll
+    for (int v = 0; v < N; ++v) sh[v] += ev[v];
+  }
+#pragma unroll
+  for (int v = 0; v < N; ++v) sh[v] = round_to<T>(sh[v]);
+}
+
+template <typename T, int D, int K, int VEC, bool RESID, bool VECTOR, int S = 0>
 __device__ __forceinline__ void combine_slice(const T* __restrict__ eo, const float* __restrict__ w,
                                               const T* __restrict__ shared, const T* __restrict__ residual,
                                               T* __restrict__ out, int t, int d) {
+  static_assert(S >= 0 && S < K && (RESID || S == 0), "combine: shared pairs only in the residual combine");
   float s[VEC];
 #pragma unroll
   for (int v = 0; v < VEC; ++v) s[v] = 0.f;
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
+  for (int k = 0; k < K - S; ++k) {
     const float wk = w[(i64)t * K + k];
     // a pair of weight 0 adds nothing; its row may never have been written (another rank's
     // expert, which alignment left out: ir/ops/moe.py combine_ref)
@@ -1086,13 +1114,11 @@ __device__ __forceinline__ void combine_slice(const T* __restrict__ eo, const fl
   }
   if constexpr (RESID) {
     float sh[VEC], re[VEC];
-    if constexpr (VECTOR) {
-      load_f<T, VEC>(shared + (i64)t * D + d, sh);
-      load_f<T, VEC>(residual + (i64)t * D + d, re);
-    } else {
-      load_f_scalar<T, VEC>(shared + (i64)t * D + d, sh);
-      load_f_scalar<T, VEC>(residual + (i64)t * D + d, re);
-    }
+    if constexpr (S > 0) shared_rows<T, D, K, S, VEC, VECTOR>(eo, t, d, sh);
+    else if constexpr (VECTOR) load_f<T, VEC>(shared + (i64)t * D + d, sh);
+    else load_f_scalar<T, VEC>(shared + (i64)t * D + d, sh);
+    if constexpr (VECTOR) load_f<T, VEC>(residual + (i64)t * D + d, re);
+    else load_f_scalar<T, VEC>(residual + (i64)t * D + d, re);
 #pragma unroll
     for (int v = 0; v < VEC; ++v) s[v] = plus_residual<T>(plus_shared<T>(s[v], sh[v]), re[v]);
   }
@@ -1100,7 +1126,7 @@ __device__ __forceinline__ void combine_slice(const T* __restrict__ eo, const fl
   else store_f_scalar<T, VEC>(out + (i64)t * D + d, s);
 }
 
-template <typename T, int D, int K, int NT, int VEC, bool RESID>
+template <typename T, int D, int K, int NT, int VEC, bool RESID, int S = 0>
 __device__ __forceinline__ void combine(const T* __restrict__ eo, const float* __restrict__ w,
                                         const T* __restrict__ shared, const T* __restrict__ residual,
                                         T* __restrict__ out) {
@@ -1111,32 +1137,49 @@ __device__ __forceinline__ void combine(const T* __restrict__ eo, const float* _
   if constexpr (VEC > 1) {
     // Rows are D (a multiple of VEC) elements apart: aligned bases keep every slice aligned.
     constexpr int A = vec_align<T, VEC>();
-    if (aligned_to<A>(eo) && aligned_to<A>(out) && (!RESID || (aligned_to<A>(shared) && aligned_to<A>(residual)))) {
-      combine_slice<T, D, K, VEC, RESID, true>(eo, w, shared, residual, out, t, d);
+    if (aligned_to<A>(eo) && aligned_to<A>(out) &&
+        (!RESID || ((S > 0 || aligned_to<A>(shared)) && aligned_to<A>(residual)))) {
+      combine_slice<T, D, K, VEC, RESID, true, S>(eo, w, shared, residual, out, t, d);
       return;
     }
   }
-  combine_slice<T, D, K, VEC, RESID, false>(eo, w, shared, residual, out, t, d);
+  combine_slice<T, D, K, VEC, RESID, false, S>(eo, w, shared, residual, out, t, d);
 }
 
 // The RESID combine of token t's whole row in RowLayout L (vec.cuh, which the caller includes; one
 // CTA a token, so the row can feed a block reduction: moe_combine_residual_rms_norm.cu.j2): v[i]
 // before its rounding to T.
-template <typename T, int D, int K, typename L>
+// S: as combine_slice.
+template <typename T, int D, int K, typename L, int S = 0>
 __device__ __forceinline__ void combine_row(const T* __restrict__ eo, const float* __restrict__ w,
                                             const T* __restrict__ shared, const T* __restrict__ residual, int t,
                                             float (&v)[L::ITEMS]) {
+  static_assert(S >= 0 && S < K, "combine_row: fewer shared pairs than pairs");
   float e[L::ITEMS];
 #pragma unroll
   for (int i = 0; i < L::ITEMS; ++i) v[i] = 0.f;
-  for (int k = 0; k < K; ++k) {
+  for (int k = 0; k < K - S; ++k) {
     const float wk = w[(i64)t * K + k];
     if (wk == 0.f) continue;     // as combine_slice; the same for the whole CTA
     L::load(eo + ((i64)t * K + k) * D, e);
 #pragma unroll
     for (int i = 0; i < L::ITEMS; ++i) v[i] += e[i] * wk;
   }
-  L::load(shared + (i64)t * D, e);
+  if constexpr (S > 0) {         // shared_rows' sum and rounding, over the row layout
+    float sh[L::ITEMS];
+#pragma unroll
+    for (int i = 0; i < L::ITEMS; ++i) sh[i] = 0.f;
+#pragma unroll
+    for (int k = K - S; k < K; ++k) {
+      L::load(eo + ((i64)t * K + k) * D, e);
+#pragma unroll
+      for (int i = 0; i < L::ITEMS; ++i) sh[i] += e[i];
+    }
+#pragma unroll
+    for (int i = 0; i < L::ITEMS; ++i) e[i] = round_to<T>(sh[i]);
+  } else {
+    L::load(shared + (i64)t * D, e);
+  }
 #pragma unroll
   for (int i = 0; i < L::ITEMS; ++i) v[i] = plus_shared<T>(v[i], e[i]);
   L::load(residual + (i64)t * D, e);

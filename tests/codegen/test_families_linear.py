@@ -62,16 +62,16 @@ def test_single_linears_the_head_and_every_dtype():
 
 
 def test_gate_up_silu_tiles_a_gate_and_an_up_row_per_output_column():
-    launch, call = _steps("L3.moe_ffn.sg")
-    assert launch.name == "linear_skinny__bf16__k2048__silu2816" and launch.params["silu"]
-    assert launch.params["rows"] == [2816, 2816]            # 8 gate + 8 up rows a tile: 8 columns
-    assert sizes.evaluate(launch.grid[0], {"T": 3}) == 2816 // 8
+    """The dense FFN's gate + up (layer 0; the MoE layers' shared MLP runs in the expert kernels)."""
+    launch, call = _steps("L0.dense_ffn.g")
+    assert launch.name == "linear_skinny__bf16__k2048__silu10944" and launch.params["silu"]
+    assert launch.params["rows"] == [10944, 10944]          # 8 gate + 8 up rows a tile: 8 columns
+    assert sizes.evaluate(launch.grid[0], {"T": 3}) == 10944 // 8
     assert [(a.name, a.ref) for a in launch.args][2:5] == [
-        ("w0", WeightRef("model.layers.3.mlp.shared_experts.gate_proj.weight")),
-        ("w1", WeightRef("model.layers.3.mlp.shared_experts.up_proj.weight")), ("y0", ValueRef("L3.moe_ffn.sa"))]
+        ("w0", WeightRef("model.layers.0.mlp.gate_proj.weight")),
+        ("w1", WeightRef("model.layers.0.mlp.up_proj.weight")), ("y0", ValueRef("L0.dense_ffn.a"))]
     assert call.op == "gate_up_silu" and call.call == "ir.ops.core.gate_up_silu_ref" and call.from_tokens == MAX + 1
-    assert call.weights == ("model.layers.3.mlp.shared_experts.gate_proj.weight",
-                            "model.layers.3.mlp.shared_experts.up_proj.weight")
+    assert call.weights == ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")
 
 
 def test_variants_are_named_apart():

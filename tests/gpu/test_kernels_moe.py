@@ -200,15 +200,18 @@ def route_cases(draw):
                   "norm_topk_prob": draw(st.booleans()), "routed_scaling_factor": draw(st.sampled_from((1.0, 2.5)))},
         "bias": method == "noaux_tc" and draw(st.sampled_from((True, True, False))),
         "misalign": draw(st.sampled_from(MISALIGN)), "seed": draw(st.integers(0, 2**31 - 1)),
+        # shared experts (fuse_shared_experts); the route serves E + S <= _moe.MAX_EXPERTS
+        "S": draw(st.sampled_from((0, 0, 1, 2))) if E + 2 <= _moe.MAX_EXPERTS else 0,
     }
 
 
-def _route_case(dtype, T, D, E, K, scoring="softmax", method="greedy", G=1, TG=1, bias=False, misalign="none"):
-    """A fixed routing case (for @example)."""
+def _route_case(dtype, T, D, E, K, scoring="softmax", method="greedy", G=1, TG=1, bias=False, misalign="none",
+                S=0):
+    """A fixed routing case (for @example); S shared experts after the K routed ones."""
     return {"dtype": dtype, "T": T, "D": D, "E": E, "K": K,
             "attrs": {"scoring": scoring, "method": method, "groups": G, "topk_groups": TG,
                       "norm_topk_prob": True, "routed_scaling_factor": 2.5},
-            "bias": bias, "misalign": misalign, "seed": 13}
+            "bias": bias, "misalign": misalign, "seed": 13, "S": S}
 
 
 @dataclasses.dataclass
@@ -229,9 +232,14 @@ class RouteProblem:
         return self.G.nodes[self.nid]["outputs"]
 
     @property
+    def pairs(self) -> int:
+        """Pairs a token: K routed, then the S shared experts'."""
+        return self.case["K"] + self.case.get("S", 0)
+
+    @property
     def sizes(self):
         """T and NP; SMS too where the case sets it (else the runner reads the device's)."""
-        sizes = {"T": self.case["T"], "NP": self.case["T"] * self.case["K"]}
+        sizes = {"T": self.case["T"], "NP": self.case["T"] * self.pairs}
         if self.case.get("sms"):
             sizes["SMS"] = self.case["sms"]
         return sizes
@@ -252,8 +260,8 @@ class RouteProblem:
 def _route_problem(case) -> RouteProblem:
     """`case["ties"]`: every odd expert a copy of the even one before it (gate row and bias), so
     their selection values tie exactly."""
-    dtype, T, D, E, K = case["dtype"], case["T"], case["D"], case["E"], case["K"]
-    attrs = {**case["attrs"], "top_k": K, "num_experts": E}
+    dtype, T, D, E, K, S = case["dtype"], case["T"], case["D"], case["E"], case["K"], case.get("S", 0)
+    attrs = {**case["attrs"], "top_k": K, "num_experts": E, "shared_experts": S}
     wt = {"gate": "router.weight"}
     if case["bias"]:
         wt["bias"] = "router.bias"
@@ -273,10 +281,10 @@ def _route_problem(case) -> RouteProblem:
         weights["router.bias"] = bias.to(DEV)
     values = {
         "x": shifted(x.to(DEV), _moved(mis, "inputs")),
-        ids_name: poison(torch.empty(T, K, dtype=torch.int64, device=DEV)),
-        w_name: poison(torch.empty(T, K, dtype=torch.float32, device=DEV)),
-        f"{r_name}.order": poison(torch.empty(T * K, dtype=torch.int32, device=DEV)),
-        f"{r_name}.offsets": poison(torch.empty(E + 1, dtype=torch.int32, device=DEV)),
+        ids_name: poison(torch.empty(T, K + S, dtype=torch.int64, device=DEV)),
+        w_name: poison(torch.empty(T, K + S, dtype=torch.float32, device=DEV)),
+        f"{r_name}.order": poison(torch.empty(T * (K + S), dtype=torch.int32, device=DEV)),
+        f"{r_name}.offsets": poison(torch.empty(E + S + 1, dtype=torch.int32, device=DEV)),
     }
     return RouteProblem(case, attrs, G, nid, x, gate, bias, values, weights)
 
@@ -286,13 +294,19 @@ def _check_route(p: RouteProblem, logits: torch.Tensor) -> None:
     kernel's own logits and on the op reference's (up to near-ties), weights on the rows whose ids
     match; the routing plan a permutation of the pairs grouped by expert.  With exact ties
     (case["ties"]) the kernel takes the lower index first, and the weights are compared on every
-    row whose ids match up to the tied copies."""
-    dtype, E = p.case["dtype"], p.case["E"]
+    row whose ids match up to the tied copies.  With S shared experts every token's last S pairs
+    are experts 0..S-1 of weight 1 exactly, the routed experts numbered from S, and the plan groups
+    them with the routed pairs."""
+    dtype, E, K, S = p.case["dtype"], p.case["E"], p.case["K"], p.case.get("S", 0)
     ids_name, w_name, r_name = p.names
     logits = logits.cpu()
     _record("moe_route.logits", dtype, logits, p.x.float() @ p.gate.T, tol_dtype="fp32")
-    ids_k, w_k = p.values[ids_name].cpu(), p.values[w_name].cpu()
-    assert not torch.isnan(w_k).any(), "routing weights unwritten (poisoned)"
+    ids_all, w_all = p.values[ids_name].cpu(), p.values[w_name].cpu()
+    assert not torch.isnan(w_all).any(), "routing weights unwritten (poisoned)"
+    T = ids_all.shape[0]
+    assert (ids_all[:, K:] == torch.arange(S).expand(T, S)).all(), "shared experts' ids"
+    assert (w_all[:, K:] == 1.0).all(), "shared experts' weights"
+    ids_k, w_k = ids_all[:, :K] - S, w_all[:, :K]
     # against route_ref on the kernel's own logits, then against the op reference itself
     ids_same, w_same = route_ref(logits, p.bias, p.attrs)
     sel = _selection(logits, p.bias, p.attrs)
@@ -306,8 +320,9 @@ def _check_route(p: RouteProblem, logits: torch.Tensor) -> None:
         _record("moe_route", dtype, w_k[same], w_same[same], tol_dtype="fp32")
     ids_ref, w_ref, _ = OPS["moe_route"].run(node_view(p.G, p.nid), [p.x.float()],
                                              {"gate": p.gate, **({"bias": p.bias} if p.bias is not None else {})}, None)
-    _check_ids(ids_k, ids_ref, _selection(p.x.float() @ p.gate.T, p.bias, p.attrs), "the op reference")
-    _check_routing(p.values[f"{r_name}.order"], p.values[f"{r_name}.offsets"], ids_k, E)
+    assert (ids_ref[:, K:] == ids_all[:, K:]).all() and (w_ref[:, K:] == 1.0).all(), "the op reference's shared pairs"
+    _check_ids(ids_k, ids_ref[:, :K] - S, _selection(p.x.float() @ p.gate.T, p.bias, p.attrs), "the op reference")
+    _check_routing(p.values[f"{r_name}.order"], p.values[f"{r_name}.offsets"], ids_all, E + S)
 
 def _check_graph_replays(runner, launches, p, ws, seed: int) -> None:
     """The route captured in a CUDA graph and replayed twice on new activations, poisoned outputs
@@ -355,6 +370,8 @@ def _three_launches(T: int, K: int) -> list[str]:
 @example(case=_route_case("fp16", 1, 45, 1, 1, misalign="all"))
 @example(case=_route_case("fp32", 300, 41, 1024, 8, "sigmoid", "noaux_tc", 32, 4, bias=True))
 @example(case=_route_case("bf16", 2, 64, 64, 6, misalign="inputs"))
+@example(case=_route_case("bf16", 300, 64, 64, 6, S=2))
+@example(case=_route_case("fp32", 7000, 41, 12, 3, "sigmoid", "noaux_tc", 4, 2, bias=True, S=1))
 @_settings(30)
 def test_moe_route(runner, case):
     p = _route_problem(case)
@@ -384,19 +401,24 @@ def _fused_tokens() -> tuple:
 ROUTE_SHAPES = {**FUSED_SHAPES, "odd_e": ("softmax", "greedy", 7, 1, 1, 3, 1001, True, 1.0, False)}
 
 
-def _shape_case(shape, dtype, T, *, ties=False, seed=17, misalign="none"):
+# the shipped specs' shared experts (the route gives every token those pairs too)
+SHAPE_SHARED = {"v2_lite": 2, "v2": 2, "v3": 1, "odd": 3}
+
+
+def _shape_case(shape, dtype, T, *, ties=False, seed=17, misalign="none", shared=True):
     scoring, method, E, G, TG, K, D, norm, rsf, bias = ROUTE_SHAPES[shape]
     return {"dtype": dtype, "T": T, "D": D, "E": E, "K": K, "bias": bias, "ties": ties and (E // G) % 2 == 0,
             "attrs": {"scoring": scoring, "method": method, "groups": G, "topk_groups": TG,
                       "norm_topk_prob": norm, "routed_scaling_factor": rsf},
-            "misalign": misalign, "seed": seed}
+            "misalign": misalign, "seed": seed, "S": SHAPE_SHARED.get(shape, 0) if shared else 0}
 
 
 @st.composite
 def fused_cases(draw, tokens=None):
     return _shape_case(draw(st.sampled_from(sorted(FUSED_SHAPES))), draw(st.sampled_from(("bf16", "fp32"))),
                        draw(st.sampled_from(tokens or _fused_tokens())), ties=draw(st.booleans()),
-                       seed=draw(st.integers(0, 2**31 - 1)), misalign=draw(st.sampled_from(MISALIGN)))
+                       seed=draw(st.integers(0, 2**31 - 1)), misalign=draw(st.sampled_from(MISALIGN)),
+                       shared=draw(st.booleans()))
 
 
 @given(case=fused_cases())
@@ -415,7 +437,7 @@ def test_moe_route_fused(runner, case):
     launches = _lower(p.G, p.nid, case["dtype"])
     ft = moe_route.ROUTE_FUSED_TOKENS
     fused = ft is not None and case["T"] <= ft
-    assert _route_stages_running(launches, p.sizes) == (["fused"] if fused else _three_launches(case["T"], case["K"]))
+    assert _route_stages_running(launches, p.sizes) == (["fused"] if fused else _three_launches(case["T"], p.pairs))
     ws = runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes)
     _check_route(p, ws["router_logits"])
 
@@ -499,7 +521,7 @@ def test_moe_route_gemm(runner, case):
     index first; outputs and workspaces (logits, partial sums) poisoned first."""
     p = _route_problem(case)
     launches = _lower(p.G, p.nid, case["dtype"])
-    assert _route_stages_running(launches, p.sizes) == ["router_gemm", "topk", *_align_stages(case["T"] * case["K"])]
+    assert _route_stages_running(launches, p.sizes) == ["router_gemm", "topk", *_align_stages(case["T"] * p.pairs)]
     S = _gemm_splits(runner, launches, p.sizes)
     assert S == 1 or case["sms"] != 1, S
     ws = runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes,
@@ -893,36 +915,48 @@ def test_moe_pair_counts_bulk_copies(runner, case):
 # -- combine ---------------------------------------------------------------------------------
 
 @st.composite
-def combine_cases(draw):
+def combine_cases(draw, shared=False):
+    """`shared`: draw S, the shared experts' pairs at the end of each token's K (0 .. min(3, K - 1))."""
+    K = draw(st.integers(1, 8))
     return {"dtype": draw(st.sampled_from(DTYPES)), "T": draw(st.sampled_from(TOKENS)),
-            "K": draw(st.integers(1, 8)), "D": draw(st.sampled_from((40, 41, 45, 64, 1000, 2048))),
+            "K": K, "D": draw(st.sampled_from((40, 41, 45, 64, 1000, 2048))),
             "misalign": draw(st.sampled_from(MISALIGN)), "seed": draw(st.integers(0, 2**31 - 1)),
-            "other_ranks": draw(st.booleans())}
+            "other_ranks": draw(st.booleans()), "S": draw(st.integers(0, min(3, K - 1))) if shared else 0}
 
 
-def _combine_case(dtype, T, K, D, misalign="none", other_ranks=False):
-    return {"dtype": dtype, "T": T, "K": K, "D": D, "misalign": misalign, "seed": 11, "other_ranks": other_ranks}
+def _combine_case(dtype, T, K, D, misalign="none", other_ranks=False, S=0):
+    return {"dtype": dtype, "T": T, "K": K, "D": D, "misalign": misalign, "seed": 11, "other_ranks": other_ranks,
+            "S": S}
 
 
 def _combine(runner, op, case):
-    dtype, T, K, D = case["dtype"], case["T"], case["K"], case["D"]
+    """K pairs a token; with S > 0 (the residual combines) the last S are the shared experts'
+    (weight 1, as moe_route writes them) and there is no shared input."""
+    dtype, T, K, D, S = case["dtype"], case["T"], case["K"], case["D"], case.get("S", 0)
     tdt = TORCH_DTYPES[dtype]
     g = _gen(case["seed"])
     types = {"eo": TType((f"T*{K}", D), "act"), "w": TType(("T", K), "f32")}
     # routing weights summing to about 1, as normalised routing makes them: the routed sum, the
     # shared output and the residual stay O(1), where rounding to bf16 costs ~2^-9 of each
     ins = [torch.randn(T * K, D, generator=g).to(tdt), torch.rand(T, K, generator=g) * (2.0 / K)]
+    if S:
+        ins[1][:, K - S:] = 1.0
     if case.get("other_ranks"):
         # expert parallel: another rank's pairs have weight 0 and rows nobody wrote (NaN here);
         # the combine must skip them, not multiply them
         gone = torch.rand(T, K, generator=g) < 0.4
+        gone[:, K - S:] = False
         ins[1][gone] = 0.0
         ins[0][gone.reshape(-1)] = float("nan")
     norm = op == "moe_combine_residual_rms_norm"
     if op != "moe_combine":
-        types.update(shared=TType(("T", D), "act"), residual=TType(("T", D), "act"))
-        ins += [torch.randn(T, D, generator=g).to(tdt), torch.randn(T, D, generator=g).to(tdt)]
-    G, nid = single_op_graph(tiny_model(), op, {}, types, {"weight": "norm_w"} if norm else {})
+        if not S:
+            types.update(shared=TType(("T", D), "act"))
+            ins.append(torch.randn(T, D, generator=g).to(tdt))
+        types.update(residual=TType(("T", D), "act"))
+        ins.append(torch.randn(T, D, generator=g).to(tdt))
+    attrs = {"shared_experts": S} if S else {}
+    G, nid = single_op_graph(tiny_model(), op, attrs, types, {"weight": "norm_w"} if norm else {})
     outs = G.nodes[nid]["outputs"]
     mis = case.get("misalign", "none")
     values = {name: shifted(t.to(DEV), _moved(mis, "inputs")) for name, t in zip(types, ins)}
@@ -954,17 +988,21 @@ def test_moe_combine(runner, case):
     _combine(runner, "moe_combine", case)
 
 
-@given(case=combine_cases())
+@given(case=combine_cases(shared=True))
 @example(case=_combine_case("bf16", 300, 3, 41))
 @example(case=_combine_case("fp16", 2, 8, 45, "inputs"))
 @example(case=_combine_case("bf16", 128, 6, 2048, "all"))
+@example(case=_combine_case("bf16", 33, 8, 2048, S=2))
+@example(case=_combine_case("fp16", 5, 3, 45, "all", other_ranks=True, S=1))
 @_settings(20)
 def test_moe_combine_residual(runner, case):
     _combine(runner, "moe_combine_residual", case)
 
 
-@given(case=combine_cases())
+@given(case=combine_cases(shared=True))
 @example(case=_combine_case("bf16", 1, 6, 2048))
+@example(case=_combine_case("bf16", 1, 8, 2048, S=2))
+@example(case=_combine_case("fp32", 7, 9, 41, "inputs", S=3))
 @example(case=_combine_case("bf16", 300, 3, 41))
 @example(case=_combine_case("fp16", 2, 8, 45, "all"))
 @example(case=_combine_case("fp32", 5, 6, 1000, "weights"))

@@ -91,6 +91,13 @@ MUTANTS = [
            "const float wk = w[(i64)t * K + k] * 1.01f;\n    // a pair of weight 0",
            moe.test_moe_combine, dict(case={"dtype": "bf16", "T": 33, "K": 6, "D": 2048, "misalign": "none", "seed": 9}),
            uses_runner=True),
+    Mutant("shared experts' pair weight x1.01 (the fused route, fuse_shared_experts)", "include/moe.cuh",
+           "weights[lane] = 1.f;", "weights[lane] = 1.01f;",
+           moe.test_moe_route_fused, dict(case=moe._shape_case("v2_lite", "bf16", 9)), uses_runner=True),
+    Mutant("shared experts' output x1.01 (residual combine summing the shared pairs)", "include/moe.cuh",
+           "for (int v = 0; v < N; ++v) sh[v] = round_to<T>(sh[v]);",
+           "for (int v = 0; v < N; ++v) sh[v] = round_to<T>(sh[v] * 1.01f);",
+           moe.test_moe_combine_residual, dict(case=moe._combine_case("fp32", 33, 8, 2048, S=2)), uses_runner=True),
     Mutant("swapped expert tile output x1.01 (down, few pairs per expert)", "include/moe.cuh",
            "if (col < N) o0[col] = from_float<T>(acc[j][c]);", "if (col < N) o0[col] = from_float<T>(acc[j][c] * 1.01f);",
            moe.test_moe_down_pair_counts, dict(case={

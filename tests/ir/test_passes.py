@@ -37,10 +37,14 @@ ANCHOR = {
     "fuse_router": "moe_topk",
     "fuse_moe_silu": "moe_gate_up",
     "fuse_combine_shared_residual": "moe_combine",
+    "fuse_shared_experts": "silu_and_mul",
     "fuse_add_rms_norm": "rms_norm",
     "fuse_sibling_linears": "linear",
     "fuse_gate_up_silu": "silu_and_mul",
 }
+# Where the anchor op also lives elsewhere, the op whose presence means the pass has work to do
+# (fuse_shared_experts takes a MoE layer's shared SwiGLU; a dense layer's stays).
+WORK = {"fuse_shared_experts": "moe_combine_residual"}
 
 
 # ---- tiny random models ------------------------------------------------------------------------
@@ -122,7 +126,10 @@ def graphs_of(spec) -> dict:
 
 
 def make_weights(graphs, seed: int) -> dict:
-    w = random_weights(weight_specs(graphs), dtype=torch.float64, device="cpu", seed=seed, std=0.2)
+    """Random weights under every name the graphs or their optimised forms bind: a stack that
+    fuse_shared_experts binds is drawn from the same checkpoint tensors as the unfused weights."""
+    specs = {**weight_specs(graphs), **weight_specs({ph: run_pipeline(G) for ph, G in graphs.items()})}
+    w = random_weights(specs, dtype=torch.float64, device="cpu", seed=seed, std=0.2)
     gen = torch.Generator().manual_seed(seed + 1)
     for name, t in w.items():  # norms away from 1, so a mis-bound norm weight shows
         if t.dim() == 1 and "norm" in name:
@@ -229,7 +236,8 @@ def test_pass_preserves_semantics(name, phase, case):
     after = PASSES[name].run(before)
     ir.verify(after)
     anchor = ANCHOR.get(name)
-    if anchor and op_counts(before)[anchor] and not (name == "fuse_q_rope_into_query" and phase == "prefill"):
+    skip = name == "fuse_q_rope_into_query" and phase == "prefill"
+    if anchor and op_counts(before)[WORK.get(name, anchor)] and not skip:
         assert op_counts(after)[anchor] < op_counts(before)[anchor], f"{name} did not fire"
     assert_same_step(before, after, weights, Step(spec, lens, block_size, seed), graphs["prefill"])
 
@@ -278,6 +286,13 @@ def test_pipeline_on_v2_lite_decode():
     assert ops["mla_kv_cache_write"] == ops["mla_decode_query"] == 0
     assert ops["mla_v_up"] == layers
     assert ops["moe_route"] == ops["moe_gate_up_silu"] == ops["moe_combine_residual_rms_norm"] == moe
+    # the shared experts are two more experts of every token (fuse_shared_experts): no separate MLP
+    for op in ("moe_route", "moe_combine_residual_rms_norm"):
+        assert {d["attrs"]["shared_experts"] for _, d in G.nodes(data=True) if d["op"] == op} == {2}
+    assert {d["attrs"]["num_experts"] for _, d in G.nodes(data=True) if d["op"] in ("moe_gate_up_silu", "moe_down")} \
+        == {66}
+    assert not any("shared" in name for _, d in G.nodes(data=True) if d["op"] in ("linear", "gate_up_silu")
+                   for name in d["weights"].values())
     assert ops["fused_add_rms_norm"] == 28   # attention residual of 27 layers + the dense layer's FFN residual
     # every MoE layer's output meets a norm (the next layer's input norm, the last the final norm): the
     # only plain rms_norm left is layer 0's, after the embedding
@@ -299,11 +314,24 @@ def test_pipeline_on_v2_lite_prefill():
             assert not any(d["outputs"][2] in G.edges[nid, s]["values"] for s in G.successors(nid))
 
 
+def checkpoint_reads(G) -> dict:
+    """checkpoint tensor -> (its shape, fp32) as the graph's bound weights read it (a stack's parts,
+    a WeightSlice's whole tensor)."""
+    out = {}
+    for name, info in G.graph["weights"].items():
+        for part in info.parts if info.parts is not None else (name,):
+            if isinstance(part, ir.ops.WeightSlice):
+                out[part.name] = (tuple(part.stored), info.keep_fp32)
+            else:
+                out[part] = (tuple(info.shape[1:]) if info.parts is not None else tuple(info.shape), info.keep_fp32)
+    return out
+
+
 def test_pipeline_keeps_every_weight_and_its_precision():
     for phase in ir.PHASES:
         G0 = v2_lite_graph(phase)
         G = run_pipeline(G0)
-        assert G.graph["weights"] == G0.graph["weights"]
+        assert checkpoint_reads(G) == checkpoint_reads(G0)
         route = next(d for _, d in G.nodes(data=True) if d["op"] == "moe_route")
         assert G.graph["weights"][route["weights"]["gate"]].keep_fp32
 
@@ -383,41 +411,39 @@ def test_fusions_refused_when_intermediates_have_other_readers(caplog):
 
 def test_sibling_linears_fuse_into_one_multi_linear_on_v2_lite():
     """q + kv_a off the attention norm (27 layers) become a multi_linear, in execution order; the
-    shared experts' gate + up (26 MoE layers) and the dense FFN's (layer 0) off the FFN norm become one
-    too, and then, with their silu_and_mul, a gate_up_silu; the other linears stay."""
+    dense FFN's gate + up (layer 0) off the FFN norm become one too, and then, with their
+    silu_and_mul, a gate_up_silu; the other linears stay.  (The shared experts' gate + up joined
+    the routed experts first: fuse_shared_experts.)"""
     for phase in ir.PHASES:
         G = run_pipeline(v2_lite_graph(phase))
         multi = {n: d for n, d in G.nodes(data=True) if d["op"] == "multi_linear"}
         swiglu = {n: d for n, d in G.nodes(data=True) if d["op"] == "gate_up_silu"}
-        assert len(multi) == 27 and len(swiglu) == 26 + 1
+        assert len(multi) == 27 and len(swiglu) == 1
         assert not any(d["op"] == "silu_and_mul" for _, d in G.nodes(data=True))
         q = multi["L3.mla.q"]
         assert q["inputs"] == ["L3.h_attn"] and q["outputs"] == ["L3.mla.q", "L3.mla.ckv"]
         assert q["attrs"]["out_dims"] == [3072, 576]
         assert q["weights"] == {"weight0": "model.layers.3.self_attn.q_proj.weight",
                                 "weight1": "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"}
-        sg = swiglu["L3.moe_ffn.sg"]
-        assert sg["inputs"] == ["L3.h_ffn"] and sg["outputs"] == ["L3.moe_ffn.sa"] and sg["attrs"]["out_dim"] == 2816
-        assert sg["weights"] == {"gate": "model.layers.3.mlp.shared_experts.gate_proj.weight",
-                                 "up": "model.layers.3.mlp.shared_experts.up_proj.weight"}
-        assert sg["passes"]["L3.moe_ffn.su"] == ["fuse_sibling_linears", "fuse_gate_up_silu"]
         assert swiglu["L0.dense_ffn.g"]["outputs"] == ["L0.dense_ffn.a"]
-        # o_proj, the shared and dense down projections, the head (and prefill's kv_b) read values of their own
+        assert swiglu["L0.dense_ffn.g"]["passes"]["L0.dense_ffn.u"] == ["fuse_sibling_linears", "fuse_gate_up_silu"]
+        # o_proj, the dense down projection, the head (and prefill's kv_b) read values of their own
         left = sorted({n.split(".", 1)[-1] for n, d in G.nodes(data=True) if d["op"] == "linear"})
-        assert left == (["dense_ffn.y", "logits", "mla.kv", "mla.y", "moe_ffn.shared"] if phase == "prefill"
-                        else ["dense_ffn.y", "logits", "mla.y", "moe_ffn.shared"])
+        assert left == (["dense_ffn.y", "logits", "mla.kv", "mla.y"] if phase == "prefill"
+                        else ["dense_ffn.y", "logits", "mla.y"])
         assert any("fuse_sibling_linears" in p for p in q["passes"]["L3.mla.q"])
 
 
 def _more_siblings(text: str) -> str:
-    """Give the MoE's FFN input an fp32 linear and three more act linears (5 act siblings in all),
-    each read by an add (until eliminate_dead drops them all)."""
+    """Give the MoE's FFN input an fp32 linear and five more act linears (the shared experts' gate
+    and up join the routed experts first: fuse_shared_experts), each read by an add (until
+    eliminate_dead drops them all)."""
     anchor = "      - {op: add, in: [routed, shared], out: y}\n"
     assert anchor in text
     extra = '      - {op: linear, in: x, weight: "model.layers.{layer}.extra_f32.weight", out_dim: 3, precision: fp32, out: e32}\n'
     extra += "".join(f'      - {{op: linear, in: x, weight: "model.layers.{{layer}}.extra{i}.weight", out_dim: {i + 2}, '
-                     f'out: e{i}}}\n' for i in range(3))
-    extra += "".join(f"      - {{op: add, in: [{e}, {e}], out: {e}_twice}}\n" for e in ("e32", "e0", "e1", "e2"))
+                     f'out: e{i}}}\n' for i in range(5))
+    extra += "".join(f"      - {{op: add, in: [{e}, {e}], out: {e}_twice}}\n" for e in ("e32", "e0", "e1", "e2", "e3", "e4"))
     return text.replace(anchor, anchor + extra)
 
 
@@ -431,13 +457,13 @@ def test_sibling_linear_refusals_are_logged_with_their_reason(caplog):
     ir.verify(G)
     refusals = "\n".join(G.graph["refusals"])
     assert "L1.moe_ffn.e32 is an fp32 linear" in refusals
-    assert ("cannot fuse L1.moe_ffn.sg (linear) with L1.moe_ffn.e2 (linear): a multi_linear takes at most 4 "
-            "weights; L1.moe_ffn.e2 start another") in refusals
-    assert "cannot fuse L1.moe_ffn.e32 (linear) with L1.moe_ffn.sg (linear)" in caplog.text
-    m = G.nodes["L1.moe_ffn.sg"]
+    assert ("cannot fuse L1.moe_ffn.e0 (linear) with L1.moe_ffn.e4 (linear): a multi_linear takes at most 4 "
+            "weights; L1.moe_ffn.e4 start another") in refusals
+    assert "cannot fuse L1.moe_ffn.e32 (linear) with L1.moe_ffn.e0 (linear)" in caplog.text
+    m = G.nodes["L1.moe_ffn.e0"]
     assert m["op"] == "multi_linear"
-    assert m["outputs"] == ["L1.moe_ffn.sg", "L1.moe_ffn.su", "L1.moe_ffn.e0", "L1.moe_ffn.e1"]
-    assert G.nodes["L1.moe_ffn.e2"]["op"] == G.nodes["L1.moe_ffn.e32"]["op"] == "linear"
+    assert m["outputs"] == ["L1.moe_ffn.e0", "L1.moe_ffn.e1", "L1.moe_ffn.e2", "L1.moe_ffn.e3"]
+    assert G.nodes["L1.moe_ffn.e4"]["op"] == G.nodes["L1.moe_ffn.e32"]["op"] == "linear"
     weights = make_weights(graphs, 3)
     assert_same_step(graphs["decode"], run_pipeline(graphs["decode"]), weights, Step(spec, [2, 4], 2, 3),
                      graphs["prefill"])

@@ -24,7 +24,7 @@ from ir import load_spec
 from ir.config_to_spec import spec_from_config
 from ir.parallel import rule_for
 from runtime import Engine, SamplingParams
-from runtime.model_loader import compile_graphs, random_weights, weight_specs
+from runtime.model_loader import bind_checkpoint, checkpoint_tensors, compile_graphs, random_weights, weight_specs
 
 WORLD = 2
 LENGTHS = [1, 3, 4, 5]
@@ -35,19 +35,14 @@ def _spec():
 
 
 def _full_weights(spec):
-    return random_weights(weight_specs(compile_graphs(spec).graphs), dtype=torch.float32, device="cpu", seed=7,
-                          std=0.3)
+    """The one-process model's random weights as checkpoint tensors (name -> whole tensor)."""
+    specs = weight_specs(compile_graphs(spec).graphs)
+    return checkpoint_tensors(specs, random_weights(specs, dtype=torch.float32, device="cpu", seed=7, std=0.3))
 
 
 def _rank_weights(graphs, full):
-    out = {}
-    for G in graphs.values():
-        for name in G.graph["weights"]:
-            t, shard = full[name], G.graph.get("shards", {}).get(name)
-            if shard is not None:
-                t = t[:, shard.start:shard.stop] if shard.kind == "cols" else t[shard.start:shard.stop]
-            out[name] = t.contiguous()
-    return out
+    """A rank's weights cut from the checkpoint tensors, as its loader reads them."""
+    return bind_checkpoint(weight_specs(graphs), full)
 
 
 def _rank_main(rank, port, out_dir):
@@ -74,8 +69,8 @@ def _rank_main(rank, port, out_dir):
 def test_cuda_backend_steps_on_two_ranks_match_one_process(tmp_path):
     spec = _spec()
     full = compile_graphs(spec)
-    ref = Engine(spec, full.graphs, _full_weights(spec), backend="reference", device="cpu", dtype=torch.float32,
-                 block_size=4)
+    ref = Engine(spec, full.graphs, bind_checkpoint(weight_specs(full.graphs), _full_weights(spec)),
+                 backend="reference", device="cpu", dtype=torch.float32, block_size=4)
     ps = prompts(LENGTHS)
     want = {"prefill": ref.logits(ps), "decode": ref.logits(ps, decode_after=2)}
     with socket.socket() as s:
@@ -105,13 +100,7 @@ def _free_port() -> int:
 def _write_checkpoint(spec, model_dir):
     """The full model as a Hugging Face checkpoint: one tensor per expert, config.json beside it."""
     from safetensors.torch import save_file
-    full = _full_weights(spec)
-    tensors = {}
-    for name, ws in weight_specs(compile_graphs(spec).graphs).items():
-        if ws.parts is None:
-            tensors[name] = full[name].contiguous()
-        else:
-            tensors.update({part: full[name][i].contiguous() for i, part in enumerate(ws.parts)})
+    tensors = {name: t.contiguous() for name, t in _full_weights(spec).items()}
     model_dir.mkdir()
     save_file(tensors, str(model_dir / "model.safetensors"))
     (model_dir / "config.json").write_text(json.dumps(dict(CONFIG, num_attention_heads=4)))
@@ -211,8 +200,8 @@ def test_a_bundle_for_two_ranks_runs_each_rank_from_its_manifest(tmp_path):
     next(damaged.glob("kernels/*.cubin")).write_bytes(b"garbage")
     shapes = _write_checkpoint(spec, tmp_path / "model")
     full = compile_graphs(spec)
-    ref = Engine(spec, full.graphs, _full_weights(spec), backend="reference", device="cpu", dtype=torch.float32,
-                 block_size=4)
+    ref = Engine(spec, full.graphs, bind_checkpoint(weight_specs(full.graphs), _full_weights(spec)),
+                 backend="reference", device="cpu", dtype=torch.float32, block_size=4)
     ps = prompts(LENGTHS)
     want = {"prefill": ref.logits(ps), "decode": ref.logits(ps, decode_after=2),
             "tokens": [o.token_ids for o in ref.generate(ps[:2], SamplingParams(max_new_tokens=NEW_TOKENS,

@@ -40,11 +40,27 @@ def bound(spec) -> dict:
     return weight_specs({"decode": build_graph(spec, "decode")})
 
 
+def checkpoint_reads(specs: dict) -> dict:
+    """checkpoint tensor -> (the elements read of it, fp32) over WeightSpecs (stack parts and
+    slices of one tensor add up)."""
+    out = {}
+    for name, s in specs.items():
+        for part in s.parts if s.parts is not None else (name,):
+            key = getattr(part, "name", part)
+            n = math.prod(part.shape()) if hasattr(part, "shape") else math.prod(s.shape[1:] if s.parts else s.shape)
+            size, fp32 = out.get(key, (0, s.keep_fp32))
+            out[key] = (size + n, fp32)
+    return out
+
+
 @pytest.mark.parametrize("name", ["deepseek_tiny", "deepseek_v2_lite"])
 def test_one_gpu_weights_are_the_engines_estimate(specs, name):
     spec = specs[name]
     engine_specs = weight_specs(compile_graphs(spec).graphs)     # after the passes, as the engine binds them
-    assert bound(spec) == engine_specs                            # what the planner's shortcut relies on
+    # what the planner's shortcut relies on: the graph before the passes reads the same checkpoint
+    # tensors, as many bytes (fuse_shared_experts binds the shared MLP in the expert stacks, but
+    # the planner needs the checkpoint's names for ir/parallel.py's split rules)
+    assert checkpoint_reads(bound(spec)) == checkpoint_reads(engine_specs)
     (one,) = planner.plan_deployment(spec, (1,), dtype="bf16", batch=1, context=64).plans
     est = estimate_memory(spec, engine_specs, dtype=torch.bfloat16, device=torch.device("cpu"))
     assert one.weights == est.weights

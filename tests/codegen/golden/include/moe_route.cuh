@@ -3,7 +3,8 @@
 // topk_scored, align); this header adds how one launch hands the work from stage to stage.
 //
 // Dimension legend: T tokens, D hidden, E routed experts, K experts per token, G expert groups,
-// NP = T*K token-expert pairs (pair p = t*K + k), TT tokens per token tile.
+// S shared experts (0 unless ir/passes/fuse_shared_experts.py made them pairs), NP = T*(K+S)
+// token-expert pairs (pair p = t*(K+S) + k), TT tokens per token tile.
 //
 // The fused launch (route_fused): grid (cdiv(E, EPB), cdiv(T, TT)), the router GEMV's geometry.
 //   1. every CTA computes its EPB experts' logits for its tile's TT tokens (fp32 workspace);
@@ -22,8 +23,9 @@
 namespace dsg {
 namespace moe {
 
-// Top-k of the three-launch form: one warp per token, WARPS tokens per CTA.
-template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS, int WARPS>
+// Top-k of the three-launch form: one warp per token, WARPS tokens per CTA.  S: the shared experts
+// each token also selects (moe.cuh topk_scored); a token's ids / weights row is K + S wide.
+template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS, int WARPS, int S = 0>
 __device__ __forceinline__ void topk_rows(const float* __restrict__ logits, const float* __restrict__ bias,
                                           float scaling, i64* __restrict__ ids, float* __restrict__ weights,
                                           int num_tokens) {
@@ -33,16 +35,18 @@ __device__ __forceinline__ void topk_rows(const float* __restrict__ logits, cons
   const int warp = threadIdx.x >> 5;
   const int t = blockIdx.x * WARPS + warp;
   if (t >= num_tokens) return;
-  topk_token<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS>(logits + (i64)t * E, bias, scaling, ids + (i64)t * K,
-                                                          weights + (i64)t * K, scores[warp], choice[warp]);
+  topk_token<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS, S>(logits + (i64)t * E, bias, scaling,
+                                                             ids + (i64)t * (K + S), weights + (i64)t * (K + S),
+                                                             scores[warp], choice[warp]);
 }
 
 // The whole route in one launch (see the top of this file).  `tickets`: TILES + 1 counters, one per
 // token tile and one for the tiles; `smem`: dynamic shared memory of max(2 * WARPS * E floats,
-// TILES * TT * K ints) (the top-k scratch, then the pairs' ids: one CTA uses them one after the
-// other).  The lowering runs it only while T <= TILES * TT.
+// TILES * TT * (K + S) ints) (the top-k scratch, then the pairs' ids: one CTA uses them one after the
+// other).  The lowering runs it only while T <= TILES * TT.  S: shared experts, aligned as experts
+// 0..S-1 with the routed ones after them (topk_scored).
 template <typename T, int E, int D, int EPB, int TT, int NT, int VEC, int K, int G, int TG, int SCORING,
-          int METHOD, bool NORM, bool HAS_BIAS, int TILES>
+          int METHOD, bool NORM, bool HAS_BIAS, int TILES, int S = 0>
 __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float* __restrict__ gate,
                                             const float* __restrict__ bias, float scaling, float* __restrict__ logits,
                                             i64* __restrict__ ids, float* __restrict__ weights,
@@ -72,17 +76,17 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
       l[s] = (e < E) ? __ldcg(logits + (i64)t * E + e) : -CUDART_INF_F;
     }
     float* sc = smem + warp * 2 * E;
-    topk_scored<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS>(l, bias, scaling, ids + (i64)t * K,
-                                                              weights + (i64)t * K, sc, sc + E);
+    topk_scored<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS, S>(l, bias, scaling, ids + (i64)t * (K + S),
+                                                                 weights + (i64)t * (K + S), sc, sc + E);
   }
 
   // 3. the last tile's CTA: align every pair (ids copied to shared memory past L1)
   if (!last_arrival(&tickets[TILES], gridDim.y)) return;
-  const int num_pairs = num_tokens * K;
+  const int num_pairs = num_tokens * (K + S);
   int* sid = reinterpret_cast<int*>(smem);
   for (int p = threadIdx.x; p < num_pairs; p += NT) sid[p] = (int)__ldcg(ids + p);
   __syncthreads();
-  align<E, NT, int>(sid, num_pairs, order, offsets);
+  align<E + S, NT, int>(sid, num_pairs, order, offsets);
 }
 
 }  // namespace moe
