@@ -24,7 +24,8 @@ import time
 
 from codegen.kernel import DEFAULTS
 
-DECODE_CASES = [(1, 512), (8, 512), (32, 512), (128, 512), (1, 4096), (8, 4096), (32, 4096), (128, 4096)]
+DECODE_CASES = [(1, 512), (8, 512), (32, 512), (128, 512), (256, 512), (1, 4096), (8, 4096), (32, 4096),
+                (128, 4096)]
 PREFILL_CASES = [(1, 2048), (32, 512)]
 HF_DECODE_CASES = [(1, 512), (32, 512)]
 
@@ -90,17 +91,17 @@ def decode_bytes(dims: dict, first_dense: int, batch: int, ctx: int, elt: int = 
     return parts
 
 
-def linear_bytes(dims: dict, first_dense: int, elt: int = 2) -> int:
+def linear_bytes(dims: dict, first_dense: int, elt: int = 2, shared: bool = True) -> int:
     """Weight bytes the step's `linear` / `multi_linear` / `gate_up_silu` ops read (the skinny kernel
     or cuBLAS), whatever the batch: per layer the q (or q_a + q_b), kv_a and o projections, the
-    dense FFN or the shared experts, and the head.
+    dense FFN or (`shared`: unless they run in the expert kernels) the shared experts, and the head.
     kv_b is not among them in decode (the absorbed query and v_up kernels read it)."""
     D, H, C, R, N, V = (dims[k] for k in ("hidden", "heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                                           "v_head_dim"))
     L, Q, M, I = dims["layers"], dims["q_lora_rank"], dims["moe_intermediate"], dims["intermediate"]
     q = D * H * (N + R) if not Q else D * Q + Q * H * (N + R)
     attn = (q + D * (C + R) + H * V * D) * L
-    ffn = 3 * D * I * first_dense + 3 * D * M * dims["shared_experts"] * (L - first_dense)
+    ffn = 3 * D * I * first_dense + (3 * D * M * dims["shared_experts"] * (L - first_dense) if shared else 0)
     return (attn + ffn + dims["vocab"] * D) * elt
 
 
@@ -248,20 +249,24 @@ def linear_rate(row: dict) -> dict | None:
 
 
 def routed_expert_rate(row: dict) -> dict | None:
-    """The routed-expert kernels of one decode step: their own device ms (the PDL-free profile,
-    _device_breakdown, where the row has one) and the touched expert weights they read
-    (decode_bytes' routed_experts) per second; None without a breakdown."""
+    """The grouped expert kernels of one decode step: their own device ms (the PDL-free profile,
+    _device_breakdown, where the row has one) and the expert weights they read per second: the
+    touched routed experts (decode_bytes' routed_experts), and the shared experts' too where they
+    run in the same launches (row["shared_in_experts"]: ir/passes/fuse_shared_experts.py); None
+    without a breakdown."""
     fams = (row.get("device_breakdown") or row.get("breakdown") or {}).get("families", {})
     ms = sum(fams[f]["ms"] for f in ROUTED_EXPERT_FAMILIES if f in fams)
     if not ms:
         return None
-    return {"ms": ms, "bytes_per_s": row["bytes"]["routed_experts"] / (ms / 1e3)}
+    read = row["bytes"]["routed_experts"] + (row["bytes"]["shared_experts"] if row.get("shared_in_experts") else 0)
+    return {"ms": ms, "bytes_per_s": read / (ms / 1e3), "bytes": read}
 
 
-def expert_gemm_flops(dims: dict, first_dense: int, tokens: int) -> dict:
-    """FLOPs of one prefill step's routed-expert GEMMs per family: every token's top_k pairs
-    through gate + up (2 x moe_intermediate rows of hidden) and down, in every MoE layer."""
-    D, M, K = dims["hidden"], dims["moe_intermediate"], dims["top_k"]
+def expert_gemm_flops(dims: dict, first_dense: int, tokens: int, pairs_per_token: int | None = None) -> dict:
+    """FLOPs of one prefill step's grouped expert GEMMs per family: every token's pairs (top_k,
+    or `pairs_per_token` where the shared experts are pairs too) through gate + up (2 x
+    moe_intermediate rows of hidden) and down, in every MoE layer."""
+    D, M, K = dims["hidden"], dims["moe_intermediate"], pairs_per_token or dims["top_k"]
     pairs = tokens * K * (dims["layers"] - first_dense)
     return {"moe_gate_up_silu": pairs * 2 * (2 * M) * D, "moe_down": pairs * 2 * D * M}
 
@@ -332,7 +337,7 @@ def run_bench(args) -> int:
             row = {"batch": batch, "length": length, "ms": ms, "tokens_per_s": batch * length / (ms / 1e3),
                    "eager_ms": eager_ms, "eager_tokens_per_s": batch * length / (eager_ms / 1e3),
                    "breakdown": _breakdown(lambda: backend.forward("prefill", ids, step)),
-                   "expert_flops": expert_gemm_flops(dims, first_dense, batch * length)}
+                   "expert_flops": expert_gemm_flops(dims, first_dense, batch * length, backend.pairs_per_token)}
             row["expert_gemms"] = expert_gemm_rate(row)
             _release(engine, seq_ids)
             result["prefill"].append(row)
@@ -350,8 +355,9 @@ def run_bench(args) -> int:
                    "breakdown": _breakdown(lambda: backend.forward("decode", ids, step)),
                    "device_breakdown": _device_breakdown(backend, lambda: backend.forward("decode", ids, step),
                                                          not args.no_pdl)}
+            row["shared_in_experts"] = backend.pairs_per_token > dims["top_k"]
             row["routed_experts"] = routed_expert_rate(row)
-            row["linear_bytes"] = linear_bytes(dims, first_dense)
+            row["linear_bytes"] = linear_bytes(dims, first_dense, shared=not row["shared_in_experts"])
             row["linears"] = linear_rate(row)
             sizes = {**backend._sizes(step), "SMS": torch.cuda.get_device_properties(0).multi_processor_count}
             row["pdl_edges"] = pdl_edges(backend.plans["decode"], sizes)
@@ -423,14 +429,20 @@ def _bench_transformers(engine, args, prefill_cases) -> dict:
 
 
 def _load_into_transformers(model, engine) -> None:
-    """Copy dsgraph's weights into a transformers model (it fuses experts in memory)."""
+    """Copy dsgraph's weights into a transformers model (it fuses routed experts in memory; our
+    expert stacks may hold slices of the shared experts' tensors), one stacked part at a time.
+
+    The engine keeps no bundle manifest, so what each weight stacks comes from its spec through
+    the same passes its bundle was compiled with (one rank, as the bench runs; about a second)."""
     import torch
 
-    from .hf_layout import transformers_state, transformers_tensor
+    from .hf_layout import transformers_state, write_transformers
+    from .model_loader import compile_graphs, weight_specs
+    specs = weight_specs(compile_graphs(engine.spec).graphs)
     state = transformers_state(model)
     with torch.no_grad():
         for name, t in engine.backend.weights.items():
-            transformers_tensor(state, name).copy_(t)
+            write_transformers(state, name, specs[name].parts, t)
         # Buffers built on the meta device hold garbage after to_empty: rebuild the rotary tables.
         model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to("cuda")
 
@@ -483,14 +495,16 @@ def _print_table(r: dict) -> None:
     section("pdl_edges", "programmatic dependent launch per decode step (kernels launched; PDL ones; PDL ones right "
                          "after a PDL kernel):",
             lambda x: f"{x['kernels']:>5} kernels  {x['pdl']:>4} PDL  {x['overlapped']:>4} after a PDL kernel")
-    section("routed_experts", "routed experts (gate_up_silu + down) per decode step, touched expert weights read "
-                              "(each kernel's own device time: a profile with PDL off):",
+    section("routed_experts", "grouped experts (gate_up_silu + down) per decode step, touched expert weights read, "
+                              "the shared experts' included where they run there (each kernel's own device time: "
+                              "a profile with PDL off):",
             lambda x: f"{x['ms']:>8.2f} ms  {x['bytes_per_s'] / 1e12:5.2f} TB/s")
     section("linears", "linears (the skinny kernel + cuBLAS and its split-K reduce) per decode step, their weights "
                        "read (own device time, PDL off); per family (GB/s over the weights it read):", linear_line)
     rows = [p for p in r["prefill"] if p.get("expert_gemms")]
     if rows:
-        print("\nrouted-expert GEMMs per prefill step (device time, TFLOP/s):")
+        print("\ngrouped expert GEMMs per prefill step, the shared experts' pairs included where they run there "
+              "(device time, TFLOP/s):")
         for p in rows:
             fams = "; ".join(f"{f} {v['ms']:.2f} ms {v['flops_per_s'] / 1e12:.0f} TFLOP/s"
                              for f, v in p["expert_gemms"].items())

@@ -88,7 +88,8 @@ def test_kernels_are_attributed_to_their_family_or_the_libraries():
 @pytest.mark.parametrize("spec_file", ["deepseek_v2_lite.yaml", "deepseek_v2.yaml", "deepseek_v3.yaml"])
 def test_linear_bytes_are_the_decode_graphs_linear_weights(spec_file):
     """linear_bytes is what the decode graph's linear ops (and the multi_linears and gate_up_silus
-    that fused sibling ones) bind, weight by weight."""
+    that fused sibling ones) bind, weight by weight: without the shared experts, which run in the
+    grouped expert ops (fuse_shared_experts)."""
     from codegen.paths import MODEL_SPECS_DIR
     from ir.graph import build_graph
     from ir.passes import run_pipeline
@@ -104,7 +105,20 @@ def test_linear_bytes_are_the_decode_graphs_linear_weights(spec_file):
                 rows, cols = info[name].shape
                 want += rows * cols * 2
     dims = {k: (v or 0) for k, v in spec.dims.items()}
-    assert linear_bytes(dims, spec.plan.first_k_dense_replace) == want
+    assert linear_bytes(dims, spec.plan.first_k_dense_replace, shared=False) == want
+    assert all(d["attrs"]["shared_experts"] == dims["shared_experts"] for _, d in G.nodes(data=True)
+               if d["op"] == "moe_route")
+
+
+def test_the_expert_rate_counts_the_shared_experts_where_they_run_in_the_expert_kernels():
+    need = decode_bytes(DIMS, 1, 1, 512)
+    row = {"batch": 1, "bytes": need, "device_breakdown": {"families": {"moe_gate_up_silu": {"ms": 0.5, "launches": 26},
+                                                                        "moe_down": {"ms": 0.25, "launches": 26}}}}
+    alone = routed_expert_rate(row)
+    together = routed_expert_rate({**row, "shared_in_experts": True})
+    assert alone["bytes"] == need["routed_experts"]
+    assert together["bytes"] == need["routed_experts"] + need["shared_experts"]
+    assert together["bytes_per_s"] == pytest.approx(together["bytes"] / 0.75e-3)
 
 
 def test_table_prints_the_linears_rate(capsys):
