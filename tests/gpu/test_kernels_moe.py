@@ -821,7 +821,8 @@ def _ids_with_counts(counts, K, g) -> torch.Tensor:
 def pair_count_cases(draw):
     """Every expert's pair count drawn from PAIR_COUNTS; the last expert takes the 0..K-1 pairs
     that make the total a whole number of tokens, and K is as large as distinct experts per
-    token allow."""
+    token allow.  The tests lower with _lower_mma: a draw of more than 256 tokens would otherwise
+    go to the prefill wgmma, which refuses these tests' misaligned weights (its own file tests it)."""
     E = draw(st.sampled_from((2, 3, 5, 8)))
     counts = [draw(st.sampled_from(PAIR_COUNTS)) for _ in range(E)]
     if sum(counts) == 0:
@@ -850,14 +851,14 @@ def _counts_case(dtype, counts, K, D, M, misalign="none"):
 @example(case=_counts_case("fp16", (1, 2, 9, 0, 12, 3, 2, 7), 2, 64, 37))         # T = 18: light slots beside tiles
 @_settings(20)
 def test_moe_gate_up_silu_pair_counts(runner, case):
-    _grouped(runner, "moe_gate_up_silu", case)
+    _grouped(runner, "moe_gate_up_silu", case, lower=_lower_mma)
 
 
 @given(case=pair_count_cases())
 @example(case=_counts_case("fp16", (9, 32, 33, 0), 2, 64, 37))
 @_settings(8)
 def test_moe_gate_up_pair_counts(runner, case):
-    _grouped(runner, "moe_gate_up", case)
+    _grouped(runner, "moe_gate_up", case, lower=_lower_mma)
 
 
 @given(case=pair_count_cases())
@@ -867,7 +868,7 @@ def test_moe_gate_up_pair_counts(runner, case):
 @example(case=_counts_case("bf16", (1, 2, 9, 0, 12, 3, 2, 7), 2, 136, 41))        # T = 18: light slots beside tiles
 @_settings(20)
 def test_moe_down_pair_counts(runner, case):
-    _grouped(runner, "moe_down", case)
+    _grouped(runner, "moe_down", case, lower=_lower_mma)
 
 
 @contextlib.contextmanager
@@ -895,7 +896,7 @@ def _lower_bulk(G, nid, dtype):
     _moe.SKINNY_BULK, off by default until measured), renamed: the runner caches compiled
     modules by launch name."""
     out = []
-    for la in _lower(G, nid, dtype):
+    for la in _lower_mma(G, nid, dtype):
         if la.stage == "mma":
             la = dataclasses.replace(la, name=f"{la.name}__bulk", params={**la.params, "bulk": True})
         out.append(la)
