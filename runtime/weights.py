@@ -163,7 +163,7 @@ def load_config(model_dir: str | Path) -> dict:
 class SlicedPart:
     """One slot of a stacked weight cut from a larger checkpoint tensor: `part` = (dim, start,
     stop) of the tensor `name`, whose whole shape is `stored`.  A MoE layer's shared experts
-    (one [S*M, D] gate_proj, one [D, S*M] down_proj) are stacked behind its routed experts as
+    (one [S*M, D] gate_proj, one [D, S*M] down_proj) are stacked ahead of its routed experts as
     S such slices, so the checkpoint is read as it is, with no tensor of our own written to it.
     The manifest's part object {name, part, stored} (codegen.manifest.part_to_json)."""
 
