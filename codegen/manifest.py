@@ -107,7 +107,7 @@ def part_to_json(part: str | WeightSlice) -> str | dict:
     """A stacked weight's part as the manifest holds it: a name stays a string (the manifests
     of plain expert stacks are unchanged); a slice says which rows / columns of which tensor."""
     if isinstance(part, WeightSlice):
-        return {"name": part.name, "part": [part.dim, part.start, part.stop], "stored": list(part.stored)}
+        return {"name": part.name, "part": list(part.part), "stored": list(part.stored)}
     return part
 
 

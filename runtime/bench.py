@@ -430,15 +430,12 @@ def _bench_transformers(engine, args, prefill_cases) -> dict:
 
 def _load_into_transformers(model, engine) -> None:
     """Copy dsgraph's weights into a transformers model (it fuses routed experts in memory; our
-    expert stacks may hold slices of the shared experts' tensors), one stacked part at a time.
-
-    The engine keeps no bundle manifest, so what each weight stacks comes from its spec through
-    the same passes its bundle was compiled with (one rank, as the bench runs; about a second)."""
+    expert stacks may hold slices of the shared experts' tensors), one stacked part at a time, as
+    the engine's bundle manifest says each weight stacks."""
     import torch
 
     from .hf_layout import transformers_state, write_transformers
-    from .model_loader import compile_graphs, weight_specs
-    specs = weight_specs(compile_graphs(engine.spec).graphs)
+    specs = engine.weight_specs
     state = transformers_state(model)
     with torch.no_grad():
         for name, t in engine.backend.weights.items():

@@ -26,7 +26,7 @@ from codegen.kernel import DEFAULTS, KernelLaunch, LibraryCall
 from ir.context import StepContext
 from ir.ops.collective import all_reduce_sum
 from ir.ops.core import gate_up_silu_ref
-from ir.ops.moe import local_experts_ref
+from ir.ops.moe import local_experts_ref, pairs_per_token
 
 from .errors import InputError
 from .h2d import upload
@@ -95,17 +95,18 @@ def open_bundle(spec, *, bundle_dir=None, device, dtype: torch.dtype | None, blo
     return loaded
 
 
-def pairs_per_token(plans: dict, top_k: int) -> int:
+def plans_pairs_per_token(plans: dict, top_k: int) -> int:
     """P of the plans' routing values (shape ("T*P", experts)); `top_k` where no phase routes.
     Every phase must agree: NP is one size of the step."""
     found = set()
     for plan in plans.values():
         for buf in plan.buffers.values():
             if buf.dtype == "routing":
-                rows = str(buf.shape[0])
-                if not rows.startswith("T*") or not rows[2:].isdigit():
-                    raise InputError(f"a routing buffer {buf.name} has {rows!r} rows; this runtime reads 'T*P'")
-                found.add(int(rows[2:]))
+                P = pairs_per_token(buf.shape[0])
+                if P is None or str(buf.shape[0]) != f"T*{P}":
+                    raise InputError(f"a routing buffer {buf.name} has {buf.shape[0]!r} rows; this runtime "
+                                     f"reads 'T*P'")
+                found.add(P)
     if len(found) > 1:
         raise InputError(f"the bundle's phases route {sorted(found)} pairs a token; NP must be one size")
     return found.pop() if found else top_k
@@ -121,7 +122,7 @@ class CudaBackend:
         self.dtype = dtype
         # token-expert pairs a token (the size NP = T * this): the plans' routing says, since
         # ir/passes/fuse_shared_experts.py adds the shared experts' pairs to the top_k routed ones
-        self.pairs_per_token = pairs_per_token(plans, top_k)
+        self.pairs_per_token = plans_pairs_per_token(plans, top_k)
         self.use_graphs = True        # steps replay CUDA graphs (turn off to launch every step eagerly)
         self._schedules: dict[str, list] = {}   # phase -> its steps by node (_schedule)
         self._layouts: dict[tuple, dict] = {}     # (phase, sizes its buffers read) -> name -> _layout

@@ -130,9 +130,12 @@ class Engine:
     def __init__(self, spec: Spec, graphs: dict, weights: dict, *, backend: str = "reference", device="cpu",
                  dtype=torch.float32, block_size: int = DEFAULTS.block_size, num_blocks: int | None = None,
                  max_seq_len: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 eos_token_ids=(), backend_impl=None):
+                 eos_token_ids=(), backend_impl=None, weight_specs: dict | None = None):
         self.spec = spec
         self.graphs = graphs
+        # what each bound weight reads of the checkpoint (the bundle manifest's weights table, or
+        # the graphs'; None for an engine assembled by hand): runtime/hf_layout.py maps it
+        self.weight_specs = weight_specs
         self.device = check_device(backend, device)
         self.dtype = _as_dtype(dtype)
         self.block_size = block_size
@@ -220,7 +223,8 @@ class Engine:
             check_fits(estimate_memory(spec, specs, dtype=dtype, device=device, **kwargs), device,
                        f"{spec.name} {what}" + (f" (rank {rank} of {world})" if world > 1 else ""))
             weights = read_weights(specs, spec, dtype, device)
-            return cls(spec, compiled.graphs, weights, backend=backend, device=device, dtype=dtype, **kwargs)
+            return cls(spec, compiled.graphs, weights, backend=backend, device=device, dtype=dtype,
+                       weight_specs=specs, **kwargs)
         from .cuda_backend import CudaBackend, open_bundle  # the driver only when asked for
         if bundle is not None and spec is not None:
             raise InputError("give a spec or a bundle, not both: a bundle carries the spec it was compiled from")
@@ -241,7 +245,7 @@ class Engine:
         weights = read_weights(specs, spec, dtype, device)
         impl = CudaBackend.from_bundle(loaded, weights, dtype=dtype, top_k=spec.dims["top_k"])
         return cls(spec, None, weights, backend="cuda", device=device, dtype=dtype, block_size=block_size,
-                   backend_impl=impl, **kwargs)
+                   backend_impl=impl, weight_specs=specs, **kwargs)
 
     # ---- input checks -------------------------------------------------------------------------
     def _check_prompts(self, prompts) -> list[list[int]]:

@@ -18,6 +18,8 @@ import re
 
 import torch
 
+from ir.ops.base import WeightSlice
+
 EXPERTS = ".experts.*."
 # A routed expert's tensor as the checkpoint names it: prefix, expert, role.
 _ROUTED = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -45,7 +47,7 @@ def transformers_tensor(state: dict[str, torch.Tensor], name: str) -> torch.Tens
 
 def transformers_views(state: dict[str, torch.Tensor], name: str, parts=None) -> list[torch.Tensor]:
     """The transformers-side views of dsgraph weight `name`: one a stacked part, in stack order
-    (`parts`: WeightSpec.parts or WeightInfo.parts, names and slices), or the one whole tensor of
+    (`parts`: WeightSpec.parts or WeightInfo.parts, names and WeightSlices), or the one whole tensor of
     an unstacked weight (`parts` None).  Views, not copies: ``torch.stack`` of them reads the
     weight, ``view.copy_(ours[i])`` writes slot i into the model."""
     if parts is None:
@@ -69,13 +71,11 @@ def write_transformers(state: dict[str, torch.Tensor], name: str, parts, tensor:
         view.copy_(tensor[i])
 
 
-def _part_view(state: dict[str, torch.Tensor], part) -> torch.Tensor:
-    """One stacked part's view: a checkpoint tensor's, or its slice (anything with `name` and
-    either `dim`, `start`, `stop` (ir.ops.WeightSlice) or `part` (runtime.weights.SlicedPart))."""
+def _part_view(state: dict[str, torch.Tensor], part: str | WeightSlice) -> torch.Tensor:
+    """One stacked part's view: a checkpoint tensor's, or its slice."""
     if isinstance(part, str):
         return _checkpoint_tensor(state, part)
-    dim, start, stop = (part.dim, part.start, part.stop) if hasattr(part, "dim") else part.part
-    return _checkpoint_tensor(state, part.name).narrow(dim, start, stop - start)
+    return _checkpoint_tensor(state, part.name).narrow(part.dim, part.start, part.stop - part.start)
 
 
 def _checkpoint_tensor(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:

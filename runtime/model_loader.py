@@ -20,7 +20,9 @@ import torch
 from ir.spec import Spec, load_spec
 
 from .errors import WeightError
-from .weights import Checkpoint, SlicedPart, WeightSpec, load_config, load_weights, read_json_object
+from ir.ops.base import WeightSlice
+
+from .weights import Checkpoint, WeightSpec, load_config, load_weights, read_json_object
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -75,7 +77,7 @@ def manifest_weight_specs(table: dict) -> dict[str, WeightSpec]:
     """What a bundle binds, from its manifest's weights table (codegen.manifest.weights_to_json).
     In a rank's table: ``part`` / ``stored`` of a split weight and, for a per-expert weight, the
     other ranks' expert tensors (``others``: known to the checkpoint check, never read).
-    A stacked part is a name or a slice of a checkpoint tensor (a SlicedPart, see parse_part)."""
+    A stacked part is a name or a slice of a checkpoint tensor (a WeightSlice, see parse_part)."""
     specs: dict[str, WeightSpec] = {}
     for name, w in table.items():
         parts = tuple(parse_part(name, p) for p in w["parts"]) if w["parts"] is not None else None
@@ -90,14 +92,15 @@ def manifest_weight_specs(table: dict) -> dict[str, WeightSpec]:
     return specs
 
 
-def parse_part(weight: str, part) -> str | SlicedPart:
+def parse_part(weight: str, part) -> str | WeightSlice:
     """A manifest's stacked part (codegen.manifest.part_to_json): a checkpoint tensor's name, or
     {name, part: [dim, start, stop], stored} for a slice of one; a WeightError naming `weight` if
     it is neither."""
     if isinstance(part, str):
         return part
     try:
-        return SlicedPart(str(part["name"]), tuple(part["part"]), tuple(part["stored"]))
+        dim, start, stop = part["part"]
+        return WeightSlice(str(part["name"]), dim, start, stop, tuple(part["stored"]))
     except (KeyError, TypeError, ValueError):
         raise WeightError(f"weight {weight}: a stacked part must be a tensor name or "
                           f"{{name, part: [dim, start, stop], stored}}, got {part!r}") from None
@@ -204,7 +207,7 @@ def _draw(name: str, shape, dtype, device, seed: int, std: float) -> torch.Tenso
 
 def checkpoint_tensors(specs: dict[str, WeightSpec], weights: dict) -> dict:
     """The checkpoint tensors (name -> tensor) that `weights`, bound as `specs` say, hold: a
-    stack's parts one by one, the slices of one tensor (a shared MLP's: SlicedPart) joined back.
+    stack's parts one by one, the slices of one tensor (a shared MLP's: WeightSlice) joined back.
     A split weight (`part`) is only a slice of its tensor: refused.  For tests and tools that
     move one model between layouts (one process, a rank's graphs, a checkpoint file)."""
     out, pieces = {}, {}
@@ -215,7 +218,7 @@ def checkpoint_tensors(specs: dict[str, WeightSpec], weights: dict) -> dict:
             out[name] = weights[name]
             continue
         for i, part in enumerate(spec.parts):
-            if isinstance(part, SlicedPart):
+            if isinstance(part, WeightSlice):
                 pieces.setdefault(part.name, []).append((part.part, weights[name][i]))
             else:
                 out[part] = weights[name][i]
@@ -236,7 +239,7 @@ def bind_checkpoint(specs: dict[str, WeightSpec], tensors: dict) -> dict:
         if spec.parts is None:
             out[name] = read(name, spec.part).contiguous()
         else:
-            out[name] = torch.stack([read(p.name, p.part) if isinstance(p, SlicedPart) else read(p)
+            out[name] = torch.stack([read(p.name, p.part) if isinstance(p, WeightSlice) else read(p)
                                      for p in spec.parts])
     return out
 

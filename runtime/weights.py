@@ -7,7 +7,7 @@ checkpoint against them from metadata alone before reading any tensor data,
 so a wrong checkpoint fails in milliseconds with every problem named rather
 than after minutes of loading.
 
-A stacked weight's part is a whole checkpoint tensor or a slice of one (SlicedPart: the
+A stacked weight's part is a whole checkpoint tensor or a slice of one (ir.ops.WeightSlice: the
 shared experts stacked ahead of the routed ones); either way the checkpoint is read as stored.
 
 Dimension legend: E experts, I expert intermediate size, D hidden size.
@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
+from ir.ops.base import WeightSlice
 from runtime.errors import WeightError
 
 SINGLE_FILE = "model.safetensors"
@@ -159,43 +160,7 @@ def load_config(model_dir: str | Path) -> dict:
     return read_json_object(Path(model_dir) / CONFIG_FILE, "model config")
 
 
-@dataclass(frozen=True)
-class SlicedPart:
-    """One slot of a stacked weight cut from a larger checkpoint tensor: `part` = (dim, start,
-    stop) of the tensor `name`, whose whole shape is `stored`.  A MoE layer's shared experts
-    (one [S*M, D] gate_proj, one [D, S*M] down_proj) are stacked ahead of its routed experts as
-    S such slices, so the checkpoint is read as it is, with no tensor of our own written to it.
-    The manifest's part object {name, part, stored} (codegen.manifest.part_to_json)."""
-
-    name: str
-    part: tuple[int, int, int]
-    stored: tuple[int, ...]
-
-    def __post_init__(self):
-        object.__setattr__(self, "part", tuple(int(d) for d in self.part))
-        object.__setattr__(self, "stored", tuple(int(d) for d in self.stored))
-        if len(self.part) != 3:
-            raise ValueError(f"a SlicedPart's part is (dim, start, stop), got {self.part}")
-
-    def shape(self) -> tuple[int, ...]:
-        """The slice's shape: `stored` with dim `part[0]` cut to stop - start (a method, as
-        ir.ops.WeightSlice's is)."""
-        dim, start, stop = self.part
-        out = list(self.stored)
-        out[dim] = stop - start
-        return tuple(out)
-
-    def problem(self) -> str | None:
-        """Why this slice cannot be read from a tensor of shape `stored`, or None."""
-        dim, start, stop = self.part
-        if dim not in (0, 1) or dim >= len(self.stored):
-            return f"slices dim {dim} of a {len(self.stored)}-D tensor (dim 0 or 1 only)"
-        if not 0 <= start < stop <= self.stored[dim]:
-            return f"slice {start}:{stop} of dim {dim} is outside its stored shape {self.stored}"
-        return None
-
-
-Part = str | SlicedPart
+Part = str | WeightSlice
 
 
 def part_name(part: Part) -> str:
@@ -207,7 +172,7 @@ def part_name(part: Part) -> str:
 class WeightSpec:
     """What the model needs under one bound name.
 
-    `parts`: checkpoint tensors (a name) or slices of them (a SlicedPart) stacked along a
+    `parts`: checkpoint tensors (a name) or slices of them (a WeightSlice) stacked along a
     new dim 0 (per-expert weights become one [E, ...] tensor); `shape` is then the stacked
     shape, and each part's shape must be shape[1:].
     `keep_fp32`: load as float32 whatever the model dtype (routing is
@@ -237,7 +202,7 @@ class WeightSpec:
                     f"got shape {self.shape}"
                 )
             for p in self.parts:
-                if isinstance(p, SlicedPart):
+                if isinstance(p, WeightSlice):
                     _check_slice(p, self.shape[1:])
 
     def sources(self, key: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -256,7 +221,7 @@ class WeightSpec:
         return 1 if self.parts is None else len(self.parts)
 
 
-def _check_slice(p: SlicedPart, want: tuple[int, ...]) -> None:
+def _check_slice(p: WeightSlice, want: tuple[int, ...]) -> None:
     """A sliced part that cannot fill its stack slot is a manifest that does not fit: say so in a line."""
     problem = p.problem()
     if problem is None and p.shape() != want:

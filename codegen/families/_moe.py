@@ -8,12 +8,11 @@ groups, M expert intermediate size, NP = T*K token-expert pairs (pair p = t*K + 
 """
 from __future__ import annotations
 
-import re
-
 from codegen.errors import LoweringError
 from codegen.kernel import DTYPES, Arg, KernelLaunch, Workspace, inp, out, size, weight, work
 from codegen.sizes import only_above, only_below
 from ir.graph import value_producers
+from ir.ops.moe import pairs_per_token
 
 from ._dense_util import c_float
 
@@ -28,7 +27,6 @@ ALIGN_THREADS = 1024      # the single align CTA (and the scan of the parallel o
 # at V2-Lite (K 6): 1024 tokens 26.8 us one CTA / 26.2 parallel, 4096 69.4 / 53.0, 16384 240 / 155.
 ALIGN_PARALLEL_PAIRS = 6144
 ALIGN_CHUNK, ALIGN_CHUNK_THREADS = 2048, 256
-_PAIRS_RE = re.compile(r"^(.+)\*(\d+)$")
 
 
 def node_io(G, nid: str) -> tuple[dict, list[str], list[str], dict]:
@@ -59,10 +57,10 @@ def act(nid: str, opts) -> tuple[str, str]:
 def pairs_top_k(G, nid: str, routing: str) -> int:
     """K from a routing value's pair dim ("T*K")."""
     rows = vtype(G, routing).shape[0]
-    m = _PAIRS_RE.match(str(rows))
-    if m is None:
+    K = pairs_per_token(rows)
+    if K is None:
         raise LoweringError(f"routing {routing} has pair dim {rows!r}, expected 'T*K'")
-    return int(m.group(2))
+    return K
 
 
 def require_dense(G, nid: str, *names: str) -> None:

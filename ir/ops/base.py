@@ -44,7 +44,9 @@ class WeightSlice:
     """One part of a stacked weight cut from a larger checkpoint tensor: [start, stop) along `dim`
     of `name`, whose whole shape is `stored`.  ir/passes/fuse_shared_experts.py stacks the shared
     experts' MLP ahead of the routed experts this way: shared expert s of S is rows s*M..(s+1)*M of
-    gate_proj / up_proj and those columns of down_proj."""
+    gate_proj / up_proj and those columns of down_proj.  The runtime reads the same type back from
+    a manifest (codegen.manifest.part_to_json, runtime.model_loader.parse_part) and loads it with
+    the tensor-parallel slice reader (`part`)."""
 
     name: str
     dim: int
@@ -52,11 +54,29 @@ class WeightSlice:
     stop: int
     stored: tuple
 
+    def __post_init__(self):
+        for f in ("dim", "start", "stop"):
+            object.__setattr__(self, f, int(getattr(self, f)))
+        object.__setattr__(self, "stored", tuple(int(d) for d in self.stored))
+
+    @property
+    def part(self) -> tuple[int, int, int]:
+        """(dim, start, stop): the form a rank's split weight carries (WeightSpec.part)."""
+        return self.dim, self.start, self.stop
+
     def shape(self) -> tuple:
         """The shape of the slice."""
         out = list(self.stored)
         out[self.dim] = self.stop - self.start
         return tuple(out)
+
+    def problem(self) -> str | None:
+        """Why this slice cannot be read from a tensor of shape `stored`, or None."""
+        if self.dim not in (0, 1) or self.dim >= len(self.stored):
+            return f"slices dim {self.dim} of a {len(self.stored)}-D tensor (dim 0 or 1 only)"
+        if not 0 <= self.start < self.stop <= self.stored[self.dim]:
+            return f"slice {self.start}:{self.stop} of dim {self.dim} is outside its stored shape {self.stored}"
+        return None
 
 
 @dataclass(frozen=True)

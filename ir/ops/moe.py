@@ -100,6 +100,12 @@ def _pairs_dim(x: TType, K: int) -> str:
     return f"{x.shape[0]}*{K}"
 
 
+def pairs_per_token(rows) -> int | None:
+    """P of a per-pair dim "T*P" (_pairs_dim's), or None for any other dim."""
+    t, star, p = str(rows).partition("*")
+    return int(p) if star and t and p.isdigit() else None
+
+
 @register
 class MoeTopk(OpDef):
     name = "moe_topk"
@@ -260,7 +266,7 @@ class MoeRoute(OpDef):
         if "bias" in node.weights:
             shapes["bias"] = (E,)
         T, P = x.shape[0], K + S
-        return [TType((T, P), "i64"), TType((T, P), "f32"), TType((f"{T}*{P}", E + S), "routing")], shapes
+        return [TType((T, P), "i64"), TType((T, P), "f32"), TType((_pairs_dim(x, P), E + S), "routing")], shapes
 
     @classmethod
     def run(cls, node, ins, w, ctx):

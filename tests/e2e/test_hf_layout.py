@@ -11,7 +11,7 @@ from ir.ops import WeightSlice
 from runtime.hf_layout import (read_transformers, transformers_state, transformers_tensor, transformers_views,
                                write_transformers)
 from runtime.model_loader import compile_graphs, load_model_weights, resolve_spec, weight_specs
-from runtime.weights import SlicedPart, load_config
+from runtime.weights import load_config
 
 LAYER = "model.layers.1.mlp"   # v2_lite: layer 0 dense, 8 routed experts, 2 shared, moe_intermediate 14
 
@@ -46,21 +46,17 @@ def test_a_plain_expert_stack_is_one_view_of_the_fused_tensor(v2_lite):
         fused.copy_(before)
 
 
-def _shared_stack(state, role: str, S: int, slice_type):
-    """(name, parts) of `role`'s routed experts with the S shared experts stacked behind them as slices,
-    as ir/passes/fuse_shared_experts.py binds them."""
+def _shared_stack(state, role: str, S: int):
+    """(name, parts) of `role`'s routed experts with the S shared experts stacked behind them as slices
+    (ir/passes/fuse_shared_experts.py stacks them ahead; the views follow whatever order the parts say)."""
     shared = state[f"{LAYER}.shared_experts.{role}.weight"]
     E = state[f"{LAYER}.experts.down_proj"].shape[0]
     dim = 1 if role == "down_proj" else 0
     M = shared.shape[dim] // S
     routed = tuple(f"{LAYER}.experts.{e}.{role}.weight" for e in range(E))
     stored = tuple(shared.shape)
-    if slice_type is WeightSlice:
-        slices = tuple(WeightSlice(f"{LAYER}.shared_experts.{role}.weight", dim, s * M, (s + 1) * M, stored)
-                       for s in range(S))
-    else:
-        slices = tuple(SlicedPart(f"{LAYER}.shared_experts.{role}.weight", (dim, s * M, (s + 1) * M), stored)
-                       for s in range(S))
+    slices = tuple(WeightSlice(f"{LAYER}.shared_experts.{role}.weight", dim, s * M, (s + 1) * M, stored)
+                   for s in range(S))
     return f"{LAYER}.experts.*+shared_experts.{role}.weight", routed + slices
 
 
@@ -77,12 +73,11 @@ def _concatenated(state, role: str, S: int) -> torch.Tensor:
     return torch.cat([routed, shared.reshape(S, M, -1)])
 
 
-@pytest.mark.parametrize("slice_type", [WeightSlice, SlicedPart])
 @pytest.mark.parametrize("role", ["gate_proj", "up_proj", "down_proj"])
-def test_a_stack_with_shared_expert_slices_reads_as_their_concatenation(v2_lite, role, slice_type):
+def test_a_stack_with_shared_expert_slices_reads_as_their_concatenation(v2_lite, role):
     model, state = v2_lite
     S = model.config.n_shared_experts
-    name, parts = _shared_stack(state, role, S, slice_type)
+    name, parts = _shared_stack(state, role, S)
     assert len(transformers_views(state, name, parts)) == len(parts)
     torch.testing.assert_close(read_transformers(state, name, parts), _concatenated(state, role, S), rtol=0, atol=0)
 
@@ -91,7 +86,7 @@ def test_a_stack_with_shared_expert_slices_reads_as_their_concatenation(v2_lite,
 def test_writing_a_sliced_stack_reaches_the_shared_experts(v2_lite, role):
     model, state = v2_lite
     S = model.config.n_shared_experts
-    name, parts = _shared_stack(state, role, S, SlicedPart)
+    name, parts = _shared_stack(state, role, S)
     saved = {k: state[k].detach().clone() for k in (f"{LAYER}.experts.gate_up_proj", f"{LAYER}.experts.down_proj",
                                                     f"{LAYER}.shared_experts.{role}.weight")}
     shape = _concatenated(state, role, S).shape

@@ -5,10 +5,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from ir.ops import WeightSlice
 from runtime.errors import DsgraphError, WeightError
 from runtime.weights import (
     Checkpoint,
-    SlicedPart,
     WeightSpec,
     dequantize_fp8_blockwise,
     load_config,
@@ -255,7 +255,7 @@ def _shared_stack_specs(role_shapes=None) -> dict[str, WeightSpec]:
     specs = {}
     for role, dim, shape in (("gate_proj", 0, (M, D)), ("down_proj", 1, (D, M))):
         parts = tuple(ROUTED.format(e, role) for e in range(E)) + tuple(
-            SlicedPart(SHARED.format(role), (dim, s * M, (s + 1) * M), stored[role]) for s in range(S))
+            WeightSlice(SHARED.format(role), dim, s * M, (s + 1) * M, stored[role]) for s in range(S))
         specs[f"mlp.experts.*+shared_experts.{role}.weight"] = WeightSpec((E + S, *shape), parts=parts)
     return specs
 
@@ -312,7 +312,7 @@ def test_a_missing_shared_tensor_is_named_once(tmp_path):
 
 def test_a_tensor_two_stacks_slice_is_checked_once(tmp_path):
     save_file({"a": _rand(M, D)}, str(tmp_path / "model.safetensors"))
-    part = SlicedPart("shared", (0, 0, M), (S * M, D))
+    part = WeightSlice("shared", 0, 0, M, (S * M, D))
     specs = {"x": WeightSpec((2, M, D), parts=("a", part)), "y": WeightSpec((1, M, D), parts=(part,))}
     with pytest.raises(WeightError, match="1 tensor\\(s\\) missing") as info:
         _load(tmp_path, specs)
@@ -335,7 +335,7 @@ def test_a_shared_tensor_of_another_stored_shape_is_reported(tmp_path):
 ])
 def test_a_slice_that_does_not_fit_its_slot_is_a_one_line_weight_error(part, stored, problem):
     with pytest.raises(WeightError, match=problem) as info:
-        WeightSpec((2, M, D), parts=("a", SlicedPart("shared", part, stored)))
+        WeightSpec((2, M, D), parts=("a", WeightSlice("shared", *part, stored)))
     assert "\n" not in str(info.value) and "shared" in str(info.value)
 
 
@@ -348,9 +348,9 @@ def test_fp8_slices_dequantise_their_blocks(tmp_path):
     save_file({"sh.gate": gate, "sh.gate_scale_inv": gate_scale, "sh.down": down, "sh.down_scale_inv": down_scale,
                **routed}, str(tmp_path / "model.safetensors"))
     specs = {"gate": WeightSpec((1 + S, Mf, Df), parts=("r.gate",) + tuple(
-                 SlicedPart("sh.gate", (0, s * Mf, (s + 1) * Mf), (S * Mf, Df)) for s in range(S))),
+                 WeightSlice("sh.gate", 0, s * Mf, (s + 1) * Mf, (S * Mf, Df)) for s in range(S))),
              "down": WeightSpec((1 + S, Df, Mf), parts=("r.down",) + tuple(
-                 SlicedPart("sh.down", (1, s * Mf, (s + 1) * Mf), (Df, S * Mf)) for s in range(S)))}
+                 WeightSlice("sh.down", 1, s * Mf, (s + 1) * Mf, (Df, S * Mf)) for s in range(S)))}
     out = _load(tmp_path, specs)      # both scales count as used: no unexpected tensors
     gate_ref, down_ref = _fp8_reference(gate, gate_scale).float(), _fp8_reference(down, down_scale).float()
     torch.testing.assert_close(out["gate"][1:], gate_ref.reshape(S, Mf, Df))
@@ -359,11 +359,11 @@ def test_fp8_slices_dequantise_their_blocks(tmp_path):
 
 
 def test_a_sliced_part_round_trips_through_the_manifest():
-    """weights_to_json writes a WeightSlice as {name, part, stored}; manifest_weight_specs reads a SlicedPart."""
+    """weights_to_json writes a WeightSlice as {name, part, stored}; manifest_weight_specs reads it back."""
     import types
 
     from codegen.manifest import weights_to_json
-    from ir.ops import WeightInfo, WeightSlice
+    from ir.ops import WeightInfo
     from runtime.model_loader import manifest_weight_specs
     routed = tuple(ROUTED.format(e, "down_proj") for e in range(E))
     slices = tuple(WeightSlice(SHARED.format("down_proj"), 1, s * M, (s + 1) * M, (D, S * M)) for s in range(S))
@@ -376,7 +376,7 @@ def test_a_sliced_part_round_trips_through_the_manifest():
                                           "stored": [D, S * M]}
     specs = manifest_weight_specs(table)
     assert specs[name].parts == routed + tuple(
-        SlicedPart(SHARED.format("down_proj"), (1, s * M, (s + 1) * M), (D, S * M)) for s in range(S))
+        WeightSlice(SHARED.format("down_proj"), 1, s * M, (s + 1) * M, (D, S * M)) for s in range(S))
     assert specs[name].shape == (E + S, D, M)
     assert specs["mlp.experts.*.gate_proj.weight"].parts == routed      # a plain stack is as it was
 
