@@ -1,19 +1,24 @@
 """mla_decode_attention: paged attention over the compressed [c_n | k_rot] cache rows, in one launch.
 
-Work item = (token, group of up to 16 heads); its visible rows are cut into S contiguous KV
+Work item = (token, group of up to 16 heads); its visible rows are cut into S * G contiguous KV
 splits, one CTA each, and the splits are merged inside the same launch (templates/include/
-mla_decode.cuh): with S >= 2 an item's S CTAs form one thread-block cluster and merge their
-partials through distributed shared memory; S == 1 needs no merge. S is a compile-time constant
-of each kernel (the cluster size, so clusters pack onto the GPCs as tightly as S allows), and the
-lowering emits one launch per S in 8, 4, 2 (up to Variant.cluster) and 1, of which exactly one
-has a non-empty grid at run time: a grid factor of the S expression, no host sync, so a captured
-decode graph holds one attention kernel per layer. No workspace, no device counter: nothing to
-reset between CUDA-graph replays. Clusters need sm_90; for older archs only S == 1 exists.
+mla_decode.cuh): each S consecutive splits form one thread-block cluster and merge their partials
+through distributed shared memory; with G > 1 clusters an item's clusters then merge through a
+workspace in L2, the last CTA to arrive (self-resetting tickets) writing the output. S is a
+compile-time constant of each kernel (the cluster size, so clusters pack onto the GPCs as tightly as
+S allows) and G a runtime one (the grid's size over items * S); the lowering emits one launch per
+S, of which exactly one has a non-empty grid at run time: a grid factor of size expressions, no host
+sync, so a captured decode graph holds one attention kernel per layer.
 
-S follows a size expression over the step and the device's SM count ``SMS`` (a runtime size the
-runner reads from the device: codegen/sizes.py DEVICE_SIZES): as many CTAs as the SMs hold at
-once (tensor cores; about WAVES * SMS on CUDA cores), never more than one split per 64 rows of the
-longest context, clamped to Variant.cluster (MAX_S) and rounded down to a power of two.
+Tensor cores (split_choice): aim for one CTA per SM (CTAS_PER_SM) and never more than one split per
+64-row tile of the longest context; of the cluster sizes Variant.cluster, 2 and 1, take the one that
+reaches the most splits with at most GMAX clusters an item (the level-2 merge reads G records) and
+no more clusters than the GPU holds at once (cluster_capacity: clusters of 4 or 8 one-SM CTAs are
+counted on half the SMs, as the H200 holds 15 clusters of 8 / 30 of 4 on its 132 SMs; clusters of 2
+on all of them, 66); ties go to the larger cluster (the cheaper merge). One token at ctx 4096: 8 x 8
+splits of one tile on 64 SMs; 32 tokens: clusters of 2, 2 of them an item (32 clusters of 4 took
+two waves). CUDA cores keep one cluster an item (G = 1) with S about WAVES * SMS CTAs.
+Clusters need sm_90; for older archs S == 1 and G alone splits.
 
 bf16 / fp16 with (C + R) % 32 == 0 and C % (16 * warps) == 0 (V2-Lite / V2 / V3: 512 + 64) take
 the tensor-core split (MlaDecodeMma: 16 heads as the mma M dimension, 8 * warps-row tiles through
@@ -33,12 +38,14 @@ Alignment (every vector access, checked here or in the kernel):
   tensor-core rows are whole 16-byte chunks.
 - output: 4-element stores only where C % 32 == 0 and the output pointer allows it (tested at run
   time), else element stores.
+- level-2 records (f32 workspace rows of rec_floats): float4 columns when C % 32 == 0 (SPAN % 4 == 0,
+  REC % 4 == 0; the runtime's workspaces are 16-byte aligned allocations).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride
+from codegen.kernel import KernelLaunch, Workspace, ctx, inp, out, size, stride, work
 from codegen.render import kernel_name
 
 from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, c_float, inner_dims, node_io
@@ -53,6 +60,8 @@ KT = 32                 # CUDA-core tile rows (one per lane in the score phase)
 MAX_HG = 16             # heads per CTA: all of them share each tile read
 WAVES = 2               # CUDA-core split: aim for WAVES * SMS CTAs
 MMA_HG = 16             # heads per CTA on the tensor-core path (the mma M dimension)
+GMAX = 8                # most clusters an item (mla_decode.cuh SplitMerge::GMAX: the level-2 merge reads G records)
+TICKETS = 1024          # level-2 ticket counters, one per (item, split of a cluster) (SplitMerge::TICKETS)
 
 # Shared memory per SM on sm_90 (228 KB) and what the hardware keeps per resident CTA (1 KB).
 _SM_SMEM = 228 * 1024
@@ -183,6 +192,51 @@ def only_splits(X: str, c: int, cs: int) -> str:
     return f"(min(1, ({X}) // {c}) - min(1, ({X}) // {2 * c}))"
 
 
+def rec_floats(C: int, HG: int, S: int) -> int:
+    """SplitMerge::REC: a level-2 record, the cluster's (max, sum) per head (padded to 16 bytes) and
+    its columns."""
+    return -(-2 * HG // 4) * 4 + HG * -(-C // S)
+
+
+def cluster_capacity(c: int, ctas_per_sm: int) -> str:
+    """Clusters of c CTAs assumed resident at once: clusters of 2 fill every SM (a TPC is two SMs);
+    clusters of 4 or 8 are counted on half the SMs, since a cluster's CTAs share one GPC and the GPCs'
+    sizes leave SMs over (H200, measured with tests/gpu/probe_clusters.py: 66 clusters of 2, 30 of 4,
+    15 of 8 on 132 SMs; 32 clusters of 4 ran as two waves, twice the time)."""
+    sms = f"{ctas_per_sm} * SMS"
+    if c <= 2:
+        return f"({sms}) // {c}"
+    return f"({sms}) // {2 * c}"
+
+
+def split_choice(NG: int, cs: int, ctas_per_sm: int = 1, kt: int = 64) -> dict[int, str]:
+    """The tensor-core split policy: {S: G_S} for the cluster sizes it serves (cs, 2, 1), G_S the
+    clusters an item gets with clusters of S CTAs, 0 for every S but the chosen one.
+
+    X, the splits the step could use: one CTA per SM (ctas_per_sm), at most one per kt-row tile of
+    the longest context. G_S = min(GMAX, clusters of S that fit per item (cluster_capacity), X // S),
+    and 1 where the tickets (TICKETS, one per item and rank) would not cover the items. Clusters of
+    cs (> 2) run where they reach as many splits as clusters of 2 (cs * G_cs >= 2 * G_2 > 0: the
+    cheaper merge), clusters of 2 any other X >= 2, else one CTA an item. Without clusters (cs == 1)
+    G alone splits."""
+    items = f"max(1, T * {NG})"
+    sms = f"{ctas_per_sm} * SMS"
+    X = f"min(cdiv(MAXCTX, {kt}), max(1, ({sms}) // {items}))"
+
+    def clusters(c: int) -> str:
+        g = f"min({GMAX}, min(({cluster_capacity(c, ctas_per_sm)}) // {items}, ({X}) // {c}))"
+        return f"min({g}, max(1, {TICKETS} // ({items} * {c})))"
+
+    if cs == 1:
+        return {1: f"max(1, {clusters(1)})"}
+    two = f"min(1, ({X}) // 2)"
+    if cs == 2:
+        return {2: f"{clusters(2)} * {two}", 1: f"(1 - {two})"}
+    g_cs, g_2 = clusters(cs), clusters(2)
+    big = f"min(1, {g_cs}) * min(1, max(0, {cs} * {g_cs} - 2 * {g_2} + 1))"
+    return {cs: f"{g_cs} * {big}", 2: f"{g_2} * (1 - {big}) * {two}", 1: f"(1 - {big}) * (1 - {two})"}
+
+
 def cluster_sizes(cs: int) -> list[int]:
     """The split counts a lowering serves, largest first: cs, cs / 2, ..., 1."""
     out = [cs]
@@ -209,12 +263,14 @@ def lower(nid, G, opts, variant: Variant | None = None):
         HG, threads = MMA_HG, 32 * v.warps
         smem_of = lambda n: mma_smem_bytes(C, R, n, v)   # noqa: E731
         per_sm = mma_ctas_per_sm(smem_of(cs), v)
-        X = split_target(True, -(-H // HG), cs, per_sm, 8 * v.warps)
+        NG = -(-H // HG)
+        clusters = split_choice(NG, cs, per_sm, 8 * v.warps)          # {S: G_S}, one non-zero
     else:
         HG, threads, per_sm = min(H, MAX_HG), THREADS, 1
         smem_of = lambda n: smem_bytes(C, R, HG, ELEM_BYTES[opts.dtype], n)   # noqa: E731
-        X = split_target(False, -(-H // HG), cs)
-    NG = -(-H // HG)
+        NG = -(-H // HG)
+        X = split_target(False, NG, cs)
+        clusters = {c: only_splits(X, c, cs) for c in cluster_sizes(cs)}   # G = 1 for the chosen S
     check_smem(f"mla_decode_attention (C {C}, R {R}, {HG} heads per CTA, {opts.dtype})", smem_of(cs), opts,
                "kv_lora_rank + qk_rope_head_dim is too wide for one cache tile in shared memory")
     parts = [opts.dtype, f"c{C}_r{R}", f"h{H}", f"page{opts.block_size}"]
@@ -224,18 +280,22 @@ def lower(nid, G, opts, variant: Variant | None = None):
     act = act_ctype(opts)
     base = {"act": act, "C": C, "R": R, "H": H, "HG": HG, "KT": KT, "block_size": opts.block_size,
             "threads": threads, "mma": mma, "nstage": v.stages, "min_blocks": per_sm,
-            "scale": c_float(G.graph["model"].softmax_scale)}
+            "scale": c_float(G.graph["model"].softmax_scale), "gmax": GMAX, "tickets": TICKETS}
     args = (inp("q_lat", act, ins[0]), stride("ql_s0", ins[0], 0), stride("ql_s1", ins[0], 1),
             inp("q_rot", act, ins[1]), stride("qr_s0", ins[1], 0), stride("qr_s1", ins[1], 1),
             ctx("cache", "kv_cache", act), ctx("block_tables", "block_tables"), size("bt_width", "W"),
             ctx("context_lens", "context_lens"), ctx("query_start", "query_start"), ctx("positions", "positions"),
             out("out", act, outs[0]), size("T", "T"), size("B", "B"))
     launches = []
-    for c in cluster_sizes(cs):
-        # S = c: c CTAs per item (one cluster), grid T * NG * c, empty unless S is c
+    for c, g in clusters.items():
+        # S = c: G clusters of c CTAs per item, grid T * NG * c * G, empty unless S is c; with G > 1
+        # a level-2 record per CTA (none at G == 1)
+        ws = f"attention_partials_s{c}"
+        rows = f"T * {NG * c} * ({g}) * min(1, ({g}) - 1)"
         launches.append(KernelLaunch(
             family=FAMILY, template=TEMPLATE, name=name if c == 1 else f"{name}__s{c}",
-            params={**base, "cs": c, "smem": smem_of(c)}, nodes=(nid,),
-            grid=(f"T * {NG * c} * {only_splits(X, c, cs)}", 1, 1), block=(threads, 1, 1), smem=smem_of(c),
-            stage="single" if c == 1 else f"splits{c}", args=args))
+            params={**base, "cs": c, "smem": smem_of(c), "rec": rec_floats(C, HG, c)}, nodes=(nid,),
+            grid=(f"T * {NG * c} * ({g})", 1, 1), block=(threads, 1, 1), smem=smem_of(c),
+            stage="single" if c == 1 else f"splits{c}", args=(*args, work("part", "float", ws)),
+            workspace=(Workspace(ws, (rows, rec_floats(C, HG, c)), "f32"),)))
     return launches

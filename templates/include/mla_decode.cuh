@@ -1,23 +1,31 @@
 // Paged MLA decode over compressed cache rows [c_n (C) | k_rot (R)], in one launch.
 //
 // Work item (token t, head group g): HG heads of token t attend the token's visible rows
-// (j <= positions[t], j < context_len). The item's rows are cut into S contiguous splits, one CTA
-// each. Every CTA streams its rows from the paged cache through shared memory (each row read
+// (j <= positions[t], j < context_len). The item's rows are cut into S * G contiguous splits, one
+// CTA each. Every CTA streams its rows from the paged cache through shared memory (each row read
 // once for all HG heads), keeps an online softmax and leaves its partial (per head: max, sum,
-// unnormalised accumulators) in its own shared memory. SplitMerge then merges the S partials:
-// with S > 1 the item's CTAs form one thread-block cluster (S CTAs), and split s reads every
-// split's partial through distributed shared memory and writes output columns
-// [s * cdiv(C, S), ...). No workspace, no second launch, no counter to reset between CUDA-graph
-// replays. S is a compile-time constant of each kernel (the cluster size): the lowering emits one
-// kernel per S in 1, 2, 4, 8 and gives exactly one of them a non-empty grid.
+// unnormalised accumulators) in its own shared memory. SplitMerge then merges them in two levels:
+//  1. on chip: with S > 1 each S consecutive splits form one thread-block cluster, and split s
+//     reads the cluster's partials through distributed shared memory and merges output columns
+//     [s * cdiv(C, S), ...). S is a compile-time constant of each kernel (the cluster size): the
+//     lowering emits one kernel per S and gives exactly one of them a non-empty grid.
+//  2. through L2, only when G > 1 clusters serve an item (G = gridDim.x / (items * S), read at run
+//     time): each CTA writes its columns of its cluster's merged result, normalised, with the
+//     cluster's (max, sum) per head, to a workspace record and takes a ticket; the rank-s CTA that
+//     arrives last of the item's G merges the G records' columns and writes the output. The
+//     tickets reset themselves (tickets.cuh): nothing to clear between CUDA-graph replays.
+// Level 2 lets an item use more CTAs than one cluster holds (one token at a long context: 64
+// splits) and many items use clusters of 2, which pack onto the GPCs where clusters of 4 or 8 do
+// not (codegen/families/mla_decode_attention.py says which S and G a step gets).
 //
-// MlaDecode is the CUDA-core split (fp32, odd shapes); MlaDecodeMma the tensor-core one
+// MlaDecode is the CUDA-core split (fp32, odd shapes; G == 1); MlaDecodeMma the tensor-core one
 // (bf16 / fp16). Scores are kept in log2 units (exp2f) with the scale folded in.
 #pragma once
 #include "vec.cuh"
 #include "cluster.cuh"
 #include "mma.cuh"
 #include "pdl.cuh"
+#include "tickets.cuh"
 
 namespace dsg {
 
@@ -46,22 +54,28 @@ __device__ __forceinline__ int sequence_of(const i32* __restrict__ query_start, 
 __host__ __device__ constexpr int round_up16(int bytes) { return (bytes + 15) / 16 * 16; }
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
-// The split of a CTA: blockIdx.x = item * S + s, item = t * NG + g. locate() is arithmetic only;
-// rows() reads the step metadata: rows [r_begin, r_end) of the item's n visible rows, every split
-// but the last whole KT tiles (later splits may be empty).
+// The split of a CTA: blockIdx.x = (item * G + gi) * S + s, item = t * NG + g, G clusters of S
+// splits per item (G = gridDim.x / (items * S): the lowering's grid is exactly items * S * G).
+// locate() is arithmetic only; rows() reads the step metadata: rows [r_begin, r_end) of the item's
+// n visible rows for split gi * S + s, every split but the last whole KT tiles (later splits may be
+// empty; split 0, in cluster 0, always holds the first row).
 template <int S>
 struct DecodeSplit {
   bool valid;
-  int t, g, s, b, r_begin, r_end;
+  int t, g, s, gi, G, item, b, r_begin, r_end;
 
   template <int NG>
   __device__ __forceinline__ static DecodeSplit locate(int T_) {
     DecodeSplit d;
-    const int item = (int)blockIdx.x / S;
-    d.s = (int)blockIdx.x - item * S;
-    d.valid = item < T_ * NG;   // the grid is exactly T * NG * S: a guard, not a case
-    d.t = item / NG;
-    d.g = item - d.t * NG;
+    const int items = T_ * NG;
+    d.G = max(1, (int)gridDim.x / max(1, items * S));
+    const int cl = (int)blockIdx.x / S;
+    d.item = cl / d.G;
+    d.gi = cl - d.item * d.G;
+    d.s = (int)blockIdx.x - cl * S;
+    d.valid = d.item < items;   // the grid is exactly items * S * G: a guard, not a case
+    d.t = d.item / NG;
+    d.g = d.item - d.t * NG;
     d.b = 0;
     d.r_begin = d.r_end = 0;
     return d;
@@ -72,34 +86,77 @@ struct DecodeSplit {
     if (!valid) return;
     b = sequence_of(query_start, B, t);
     const int n = (int)min((i64)context_lens[b], positions[t] + 1);   // visible rows
-    const int per = ((n + S - 1) / S + KT - 1) / KT * KT;
-    r_begin = s * per;
+    const int splits = S * G;
+    const int per = ((n + splits - 1) / splits + KT - 1) / KT * KT;
+    r_begin = (gi * S + s) * per;
     r_end = min(n, r_begin + per);
   }
   __device__ __forceinline__ int tiles(int KT) const { return r_end > r_begin ? (r_end - r_begin + KT - 1) / KT : 0; }
 };
 
-// The merge of one item's S split partials (S == 1 included: that kernel normalises its own).
+// The merge of one item's splits (S == 1 and G == 1 included: that kernel normalises its own).
 // Every CTA left its partial at the start of its shared memory: ML (per head: max in log2 units,
 // sum; (-inf, 0) for an empty split) then ACC [HG][CP] unnormalised accumulators (zero for an empty
-// split). Split s weighs each partial by 2^(m_s - M) / sum_s l_s 2^(m_s - M) and writes columns
-// [s * cdiv(C, S), ...) of the group's valid heads. run() is called by every thread of every CTA
-// (with S > 1 the cluster barriers need them all).
+// split). Split s weighs each of its cluster's partials by 2^(m_i - M) / sum_i l_i 2^(m_i - M) and
+// takes columns [s * SPAN, ...) of the group's valid heads: with G == 1 those are the output; with
+// G > 1 they go to the CTA's workspace record (REC floats at part + blockIdx.x * REC: the cluster's
+// (M, L) per head, then [HG][SPAN] normalised columns), and the last of the item's G rank-s CTAs
+// weighs the G records by L_j 2^(M_j - M*) / sum_j L_j 2^(M_j - M*) and writes the output. Records
+// are summed in cluster order, so the bits do not depend on which CTA arrives last. run() is called
+// by every thread of every CTA (the cluster barriers and the ticket need them all).
 template <typename T, int C, int H, int HG, int THREADS, int S>
 struct SplitMerge {
   static constexpr bool VEC = C % 32 == 0;               // float4 column quads in every slice (S <= 8)
   static constexpr int CP = VEC ? C + 8 : C;             // ACC pitch: the mma path's float2 stores of 8 heads
                                                          // fall on distinct banks per half-warp
+  static constexpr int SPAN = (C + S - 1) / S;           // output columns per split
   static constexpr int ML_BYTES = round_up16(HG * 8);
   static constexpr int ACC_BYTES = round_up16(HG * CP * 4);
   static constexpr int WT_BYTES = S * HG * 4;            // this CTA's merge weights (never read by peers)
   static constexpr int BYTES = ML_BYTES + ACC_BYTES + WT_BYTES;
+  static constexpr int GMAX = 8;                         // most clusters an item has (the lowering's cap)
+  static constexpr int REC_ML = (2 * HG + 3) / 4 * 4;    // a record's (max, sum) per head, 16-byte padded
+  static constexpr int REC = REC_ML + HG * SPAN;         // floats of a workspace record (level 2)
+  static constexpr int TICKETS = 1024;                   // items * S the level-2 tickets serve (the lowering's)
   static_assert(S == 1 || S == 2 || S == 4 || S == 8, "a cluster of 1, 2, 4 or 8 CTAs (portable sizes)");
+  static_assert(GMAX * HG * 4 <= ACC_BYTES, "the level-2 weights ([G][HG]) reuse the accumulators' shared memory");
+  static_assert(!VEC || (SPAN % 4 == 0 && REC % 4 == 0), "float4 columns and 16-byte records");
 
   __device__ __forceinline__ static float2* ml(char* smem) { return reinterpret_cast<float2*>(smem); }
   __device__ __forceinline__ static float* acc(char* smem) { return reinterpret_cast<float*>(smem + ML_BYTES); }
 
-  __device__ static void run(char* smem, bool valid, int t, int h0, int s, T* __restrict__ out) {
+  // Columns [c0, c1) of the nh valid heads: out[hh][c] = value(hh, c) (a float4 of c .. c + 3 when
+  // VEC, else a float), 4-element stores where the output's base allows them.
+  template <typename V4, typename V1>
+  __device__ __forceinline__ static void store(T* __restrict__ o, int nh, int c0, int c1, V4&& value4, V1&& value1) {
+    const int tid = threadIdx.x;
+    if constexpr (VEC) {
+      // (t, h, c) rows of a contiguous [T, H, C] output: 4-element stores where the base allows
+      const bool ov = (reinterpret_cast<unsigned long long>(o) & (4 * sizeof(T) - 1)) == 0;
+      const int nq = (c1 - c0) / 4;   // C % 32 == 0 and S <= 8: whole quads
+      for (int e = tid; e < nh * nq; e += THREADS) {
+        const int hh = e / nq, c = c0 + 4 * (e - hh * nq);
+        const float4 a = value4(hh, c);
+        T* dst = o + (i64)hh * C + c;
+        if (ov) {
+          if constexpr (sizeof(T) == 2) *reinterpret_cast<uint2*>(dst) = make_uint2(mma::pack2<T>(a.x, a.y), mma::pack2<T>(a.z, a.w));
+          else *reinterpret_cast<float4*>(dst) = a;
+        } else {
+          dst[0] = from_float<T>(a.x); dst[1] = from_float<T>(a.y); dst[2] = from_float<T>(a.z); dst[3] = from_float<T>(a.w);
+        }
+      }
+    } else {
+      const int nc = c1 - c0;
+      for (int e = tid; e < nh * nc; e += THREADS) {
+        const int hh = e / nc, c = c0 + (e - hh * nc);
+        o[(i64)hh * C + c] = from_float<T>(value1(hh, c));
+      }
+    }
+  }
+
+  // part / tickets: the level-2 workspace and ticket counters (unused when G == 1; part may be null).
+  __device__ static void run(char* smem, bool valid, int t, int h0, int s, T* __restrict__ out,
+                             float* __restrict__ part, unsigned int* tickets, int item, int G) {
     constexpr bool CL = S > 1;
     const int tid = threadIdx.x;
     float* wts = reinterpret_cast<float*>(smem + ML_BYTES + ACC_BYTES);
@@ -109,6 +166,8 @@ struct SplitMerge {
 #pragma unroll
     for (int i = 0; i < S; ++i) peer[i] = CL ? cluster::map_rank(own, i) : own;
     const int nh = min(HG, H - h0);
+    const bool two = G > 1;                         // uniform over the grid
+    float* rec = two ? part + (i64)blockIdx.x * REC : nullptr;
     if (valid && tid < nh) {
       float m[S], M = -CUDART_INF_F, L = 0.f;
 #pragma unroll
@@ -119,49 +178,88 @@ struct SplitMerge {
 #pragma unroll
       for (int i = 0; i < S; ++i)
         if (m[i] != -CUDART_INF_F) L += cluster::ld<CL>(peer[i] + tid * 8 + 4) * exp2f(m[i] - M);
-      const float inv = L > 0.f ? 1.f / L : 0.f;   // L > 0: split 0 always holds the item's first rows
+      // L > 0 but for a cluster of empty splits (only when G > 1: cluster 0 holds the first row)
+      const float inv = L > 0.f ? 1.f / L : 0.f;
 #pragma unroll
       for (int i = 0; i < S; ++i) wts[i * HG + tid] = m[i] != -CUDART_INF_F ? exp2f(m[i] - M) * inv : 0.f;
+      if (two) reinterpret_cast<float2*>(rec)[tid] = make_float2(M, L);
     }
     __syncthreads();
+    const int c0 = s * SPAN, c1 = min(C, c0 + SPAN);
     if (valid) {
-      const int span = (C + S - 1) / S, c0 = s * span, c1 = min(C, c0 + span);
-      T* o = out + ((i64)t * H + h0) * C;
-      if constexpr (VEC) {
-        // (t, h, c) rows of a contiguous [T, H, C] output: 4-element stores where the base allows
-        const bool ov = (reinterpret_cast<unsigned long long>(out) & (4 * sizeof(T) - 1)) == 0;
-        const int nq = (c1 - c0) / 4;   // C % 32 == 0 and S <= 8: whole quads
-        for (int e = tid; e < nh * nq; e += THREADS) {
-          const int hh = e / nq, c = c0 + 4 * (e - hh * nq);
-          const unsigned off = ML_BYTES + (hh * CP + c) * 4;
-          float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+      auto merged4 = [&](int hh, int c) {
+        const unsigned off = ML_BYTES + (hh * CP + c) * 4;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-          for (int i = 0; i < S; ++i) {
-            const float w = wts[i * HG + hh];
-            const float4 x = cluster::ld4<CL>(peer[i] + off);
-            a.x = fmaf(w, x.x, a.x); a.y = fmaf(w, x.y, a.y); a.z = fmaf(w, x.z, a.z); a.w = fmaf(w, x.w, a.w);
-          }
-          T* dst = o + (i64)hh * C + c;
-          if (ov) {
-            if constexpr (sizeof(T) == 2) *reinterpret_cast<uint2*>(dst) = make_uint2(mma::pack2<T>(a.x, a.y), mma::pack2<T>(a.z, a.w));
-            else *reinterpret_cast<float4*>(dst) = a;
-          } else {
-            dst[0] = from_float<T>(a.x); dst[1] = from_float<T>(a.y); dst[2] = from_float<T>(a.z); dst[3] = from_float<T>(a.w);
-          }
+        for (int i = 0; i < S; ++i) {
+          const float w = wts[i * HG + hh];
+          const float4 x = cluster::ld4<CL>(peer[i] + off);
+          a.x = fmaf(w, x.x, a.x); a.y = fmaf(w, x.y, a.y); a.z = fmaf(w, x.z, a.z); a.w = fmaf(w, x.w, a.w);
         }
-      } else {
-        const int nc = c1 - c0;
-        for (int e = tid; e < nh * nc; e += THREADS) {
-          const int hh = e / nc, c = c0 + (e - hh * nc);
-          const unsigned off = ML_BYTES + (hh * CP + c) * 4;
-          float a = 0.f;
+        return a;
+      };
+      auto merged1 = [&](int hh, int c) {
+        const unsigned off = ML_BYTES + (hh * CP + c) * 4;
+        float a = 0.f;
 #pragma unroll
-          for (int i = 0; i < S; ++i) a = fmaf(wts[i * HG + hh], cluster::ld<CL>(peer[i] + off), a);
-          o[(i64)hh * C + c] = from_float<T>(a);
+        for (int i = 0; i < S; ++i) a = fmaf(wts[i * HG + hh], cluster::ld<CL>(peer[i] + off), a);
+        return a;
+      };
+      if (!two) {
+        store(out + ((i64)t * H + h0) * C, nh, c0, c1, merged4, merged1);
+      } else {   // this CTA's columns of the cluster's result, normalised, to its record
+        float* racc = rec + REC_ML;
+        if constexpr (VEC) {
+          const int nq = (c1 - c0) / 4;
+          for (int e = tid; e < nh * nq; e += THREADS) {
+            const int hh = e / nq, c = c0 + 4 * (e - hh * nq);
+            *reinterpret_cast<float4*>(racc + hh * SPAN + (c - c0)) = merged4(hh, c);
+          }
+        } else {
+          const int nc = c1 - c0;
+          for (int e = tid; e < nh * nc; e += THREADS) {
+            const int hh = e / nc, c = c0 + (e - hh * nc);
+            racc[hh * SPAN + (c - c0)] = merged1(hh, c);
+          }
         }
       }
     }
-    if constexpr (CL) cluster::sync_relaxed();
+    if constexpr (CL) cluster::sync_relaxed();   // no peer reads this CTA's shared memory after this
+    if (!two || !valid) return;                   // both uniform over the CTA
+
+    // Level 2: the last of the item's G rank-s CTAs merges their records' columns.
+    if (!last_arrival(tickets + item * S + s, (unsigned)G)) return;
+    float* w2 = acc(smem);                        // [GMAX][HG] record weights (the accumulators are free)
+    const float* base = part + (i64)item * G * S * REC + s * REC;   // record (item, j, s) at base + j * S * REC
+    if (tid < nh) {
+      float Ms = -CUDART_INF_F, W = 0.f;
+      for (int j = 0; j < G; ++j) Ms = fmaxf(Ms, __ldcg(base + (i64)j * S * REC + 2 * tid));
+      for (int j = 0; j < G; ++j) {
+        const float mj = __ldcg(base + (i64)j * S * REC + 2 * tid);
+        const float wj = mj != -CUDART_INF_F ? __ldcg(base + (i64)j * S * REC + 2 * tid + 1) * exp2f(mj - Ms) : 0.f;
+        w2[j * HG + tid] = wj;
+        W += wj;
+      }
+      const float inv = W > 0.f ? 1.f / W : 0.f;   // W > 0: cluster 0 holds the first row
+      for (int j = 0; j < G; ++j) w2[j * HG + tid] *= inv;
+    }
+    __syncthreads();
+    auto final4 = [&](int hh, int c) {
+      float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int j = 0; j < G; ++j) {
+        const float w = w2[j * HG + hh];
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(base + (i64)j * S * REC + REC_ML + hh * SPAN + (c - c0)));
+        a.x = fmaf(w, x.x, a.x); a.y = fmaf(w, x.y, a.y); a.z = fmaf(w, x.z, a.z); a.w = fmaf(w, x.w, a.w);
+      }
+      return a;
+    };
+    auto final1 = [&](int hh, int c) {
+      float a = 0.f;
+      for (int j = 0; j < G; ++j)
+        a = fmaf(w2[j * HG + hh], __ldcg(base + (i64)j * S * REC + REC_ML + hh * SPAN + (c - c0)), a);
+      return a;
+    };
+    store(out + ((i64)t * H + h0) * C, nh, c0, c1, final4, final1);
   }
 };
 
@@ -209,7 +307,7 @@ struct MlaDecode {
                              const T* __restrict__ cache, const i32* __restrict__ block_tables, int bt_width,
                              const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
                              const i64* __restrict__ positions, T* __restrict__ out, float scale, int T_, int B,
-                             char* smem) {
+                             float* __restrict__ part, unsigned int* tickets, char* smem) {
     float* qs = reinterpret_cast<float*>(smem);
     T* ks = reinterpret_cast<T*>(smem + Q_BYTES);
     float* ps = reinterpret_cast<float*>(smem + Q_BYTES + K_BYTES);
@@ -340,7 +438,7 @@ struct MlaDecode {
         if (c < C) accs[h * Merge::CP + c] = acc[k][h];
       }
     }
-    Merge::run(smem, sp.valid, t, h0, sp.s, out);
+    Merge::run(smem, sp.valid, t, h0, sp.s, out, part, tickets, sp.item, sp.G);
   }
 };
 
@@ -421,7 +519,7 @@ struct MlaDecodeMma {
                              const T* __restrict__ cache, const i32* __restrict__ block_tables, int bt_width,
                              const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
                              const i64* __restrict__ positions, T* __restrict__ out, float scale, int T_, int B,
-                             char* smem) {
+                             float* __restrict__ part, unsigned int* tickets, char* smem) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g8 = lane >> 2, c4 = lane & 3;   // mma fragment coordinates: heads g8, g8 + 8
     pdl_wait();   // everything below reads what earlier kernels wrote (queries, cache, step metadata)
@@ -576,7 +674,7 @@ struct MlaDecodeMma {
       for (int w = 0; w < NW; ++w) L += red[w * HG + tid];
       ml[tid].y = L;
     }
-    Merge::run(smem, sp.valid, sp.t, h0, sp.s, out);
+    Merge::run(smem, sp.valid, sp.t, h0, sp.s, out, part, tickets, sp.item, sp.G);
   }
 };
 

@@ -1,5 +1,6 @@
 """The one-launch decode attention's lowering (codegen/families/mla_decode_attention.py), on the CPU:
-the split count S, the launch pair of which exactly one runs at any size, shared memory, the
+the split policy (clusters of S CTAs, G of them an item), the launches of which exactly one runs at
+any size, the level-2 workspace, shared memory, the
 pre-Hopper fallback, and the machine code NVRTC makes of every shipped spec's attention kernels:
 tensor cores fed by 16-byte cp.async and ldmatrix, the cluster barrier in the splits launch, the
 PDL wait, no register spills."""
@@ -57,41 +58,90 @@ def live(launches, sizes):
     return [la for la in launches if 0 not in tuple(evaluate(g, sizes) for g in la.grid)]
 
 
-def policy(T, NG, SMS, MAXCTX, *, mma: bool, per_sm: int = 1, cs: int = 8) -> int:
-    """The split policy written out: targets, clamps, then the power of two at or below."""
-    if mma:
-        x = min(cs, -(-MAXCTX // 64), max(1, per_sm * SMS // (T * NG)))
-    else:
-        x = min(cs, -(-MAXCTX // 64), max(1, -(-2 * SMS // (T * NG))))
+def policy(T, NG, SMS, MAXCTX, *, per_sm: int = 1, cs: int = 8) -> int:
+    """The CUDA-core split policy written out: targets, clamps, then the power of two at or below
+    (one cluster an item)."""
+    x = min(cs, -(-MAXCTX // 64), max(1, -(-2 * SMS // (T * NG))))
     return 1 << (x.bit_length() - 1)
 
 
-SIZES = [(T, SMS, L) for T in (1, 2, 3, 7, 16, 17, 33, 64, 66, 67, 128, 133, 1000)
-         for SMS in (1, 7, 132, 4096) for L in (1, 63, 64, 65, 512, 4096, 17000)]
+def mma_policy(T, NG, SMS, MAXCTX, *, per_sm: int = 1, cs: int = 8) -> tuple[int, int]:
+    """The tensor-core split policy written out: (S, G), clusters of S CTAs, G of them an item."""
+    items = T * NG
+    X = min(-(-MAXCTX // 64), max(1, per_sm * SMS // items))
+
+    def fit(c):
+        cap = per_sm * SMS // c if c <= 2 else per_sm * SMS // (2 * c)
+        return min(fam.GMAX, cap // items, X // c, max(1, fam.TICKETS // (items * c)))
+
+    if cs == 1:
+        return 1, max(1, fit(1))
+    if cs > 2 and fit(cs) >= 1 and cs * fit(cs) >= 2 * fit(2):
+        return cs, fit(cs)
+    if X >= 2:
+        return 2, fit(2)
+    return 1, 1
+
+
+SIZES = [(T, SMS, L) for T in (1, 2, 3, 7, 8, 16, 17, 32, 33, 64, 66, 67, 128, 133, 600, 1000)
+         for SMS in (1, 7, 40, 132, 4096) for L in (1, 63, 64, 65, 256, 512, 4096, 17000)]
 
 
 @pytest.mark.parametrize("name,dtype", [("deepseek_v2_lite", "bf16"), ("deepseek_v3", "bf16"),
                                         ("deepseek_v2_lite", "fp32"), ("odd", "bf16")])
 def test_split_count_and_the_launch_that_runs(name, dtype):
-    """One launch per S in 8, 4, 2, 1 (S is each kernel's cluster size); at any step sizes exactly
-    one has a non-empty grid, T * NG * S CTAs, with S the policy's power of two: at most MAX_S, never
-    more than one split per 64 rows of the longest context, and on tensor cores never more CTAs
-    than SMs when it splits at all."""
+    """Tensor cores: one launch per cluster size S in 8, 2, 1; CUDA cores: 8, 4, 2, 1. At any step
+    sizes exactly one has a non-empty grid, T * NG * S * G CTAs, (S, G) the policy's: never more
+    than one split per 64 rows of the longest context, at most GMAX clusters an item, no more
+    clusters than the GPU holds at once (clusters of 8 on half the SMs, of 2 on all), tickets for
+    every (item, rank) when G > 1; a level-2 workspace row per CTA then, none at G == 1."""
     H, launches = lowered(name, dtype)
-    assert [la.stage for la in launches] == ["splits8", "splits4", "splits2", "single"]
-    assert [la.params["cs"] for la in launches] == [8, 4, 2, 1]
-    assert len({la.name for la in launches}) == 4
     mma = launches[0].params["mma"]
     assert mma == (dtype == "bf16" and name != "odd")
+    stages = ["splits8", "splits2", "single"] if mma else ["splits8", "splits4", "splits2", "single"]
+    assert [la.stage for la in launches] == stages
+    assert [la.params["cs"] for la in launches] == [int(st[6:]) if st != "single" else 1 for st in stages]
+    assert len({la.name for la in launches}) == len(stages)
     NG = -(-H // 16)
+    seen = set()
     for T, SMS, L in SIZES:
         sizes = {"T": T, "B": T, "NP": T, "MAXQ": 1, "MAXCTX": L, "W": -(-L // 64), "SMS": SMS}
         (la,) = live(launches, sizes)
         S = la.params["cs"]
-        assert S == policy(T, NG, SMS, L, mma=mma), (T, SMS, L, S)
-        assert tuple(evaluate(g, sizes) for g in la.grid) == (T * NG * S, 1, 1)
-        if mma and S >= 2:
-            assert T * NG * S <= SMS, "one wave: the splits never make more CTAs than SMs"
+        items = T * NG
+        if mma:
+            S_want, G = mma_policy(T, NG, SMS, L)
+            assert S == S_want, (T, SMS, L, S, S_want)
+            seen.add((S, G > 1))
+            assert 1 <= G <= fam.GMAX
+            if S * G >= 2:
+                assert S * G <= -(-L // 64), "at most one split per 64-row tile"
+                assert items * S * G <= (SMS if S <= 2 else SMS // 2), "one wave of clusters"
+        else:
+            S, G = policy(T, NG, SMS, L), 1
+            assert la.params["cs"] == S, (T, SMS, L)
+        assert tuple(evaluate(g, sizes) for g in la.grid) == (items * S * G, 1, 1)
+        (ws,) = la.workspace
+        rows = evaluate(ws.shape[0], sizes)
+        assert rows == (items * S * G if G > 1 else 0), (T, SMS, L, S, G, rows)
+        assert ws.shape[1] == fam.rec_floats(512 if name != "odd" else 20, 16 if mma else min(H, 16), S)
+        if G > 1:
+            assert items * S <= fam.TICKETS
+    if mma:   # every form ran somewhere: each cluster size with one cluster an item and with more
+        assert seen >= {(8, False), (8, True), (2, False), (2, True), (1, False)}, seen
+
+
+def test_level2_splits_where_the_step_is_small():
+    """The cases the policy was measured for (H200, 132 SMs, V2-Lite's 16 heads): one token at ctx
+    4096 takes 8 clusters of 8 (64 one-tile splits), 8 tokens clusters of 2, 8 an item (128 CTAs),
+    32 tokens clusters of 2, 2 an item (32 clusters of 4 were two waves), 128 tokens one CTA each."""
+    _, launches = lowered("deepseek_v2_lite")
+    for T, L, want in ((1, 512, (8, 1)), (1, 4096, (8, 8)), (8, 512, (8, 1)), (8, 4096, (2, 8)),
+                       (32, 512, (2, 2)), (32, 4096, (2, 2)), (64, 4096, (2, 1)), (128, 512, (1, 1))):
+        sizes = {"T": T, "B": T, "NP": T, "MAXQ": 1, "MAXCTX": L, "W": -(-L // 64), "SMS": 132}
+        (la,) = live(launches, sizes)
+        S = la.params["cs"]
+        assert (S, evaluate(la.grid[0], sizes) // (T * S)) == want, (T, L)
 
 
 def test_shared_memory_mirrors_the_kernel_and_fits():
@@ -112,11 +162,15 @@ def test_shared_memory_mirrors_the_kernel_and_fits():
 
 
 def test_pre_hopper_arch_has_one_plain_launch():
-    """Clusters need sm_90: for sm_80 the family lowers the single launch alone (S = 1), with a ring
-    of two tiles (163 KB of shared memory per CTA there)."""
+    """Clusters need sm_90: for sm_80 the family lowers the single launch alone (S = 1; G CTAs an
+    item merged through the level-2 workspace), with a ring of two tiles (163 KB of shared memory
+    per CTA there)."""
     _, launches = lowered("deepseek_v2_lite", arch="sm_80")
     (la,) = launches
-    assert la.stage == "single" and la.params["cs"] == 1 and la.grid == ("T * 1 * 1", 1, 1)
+    assert la.stage == "single" and la.params["cs"] == 1
+    for T, L, G in ((1, 4096, 8), (1, 512, 8), (1, 64, 1), (200, 4096, 1)):
+        sizes = {"T": T, "MAXCTX": L, "SMS": 108}
+        assert evaluate(la.grid[0], sizes) == T * G, (T, L)
     assert la.params["nstage"] == 2 and la.smem <= fam.smem_limit("sm_80")
     src = render_launch(la)
     assert "__cluster_dims__" not in src
@@ -127,11 +181,12 @@ def test_variant_names_and_validation():
     _, default = lowered("deepseek_v2_lite")
     _, other = lowered("deepseek_v2_lite", variant=fam.Variant(8, 2, 8))
     base = "mla_decode_attention__bf16__c512_r64__h16__page64"
-    assert [la.name for la in default] == [base + "__s8", base + "__s4", base + "__s2", base]
-    assert [la.name for la in other] == [base + "__w8s2c8__s8", base + "__w8s2c8__s4", base + "__w8s2c8__s2",
-                                         base + "__w8s2c8"]
+    assert [la.name for la in default] == [base + "__s8", base + "__s2", base]
+    assert [la.name for la in other] == [base + "__w8s2c8__s8", base + "__w8s2c8__s2", base + "__w8s2c8"]
     _, two = lowered("deepseek_v2_lite", variant=fam.Variant(8, 3, 2))
     assert [la.stage for la in two] == ["splits2", "single"]
+    _, four = lowered("deepseek_v2_lite", variant=fam.Variant(8, 3, 4))
+    assert [la.stage for la in four] == ["splits4", "splits2", "single"]
     with pytest.raises(ValueError):
         fam.Variant(warps=6)
     with pytest.raises(ValueError):

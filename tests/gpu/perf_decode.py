@@ -5,8 +5,8 @@
                                      [--baseline DIR]
     python3 tests/gpu/perf_decode.py --absorb 1,8,32,64,128,256 [--absorb-variants cc,mma,...]
 
-Builds one-node graphs of mla_decode_attention (one launch a layer: S = 1 or a cluster of S = 2, 4,
-8 KV splits merged on chip), mla_decode_query and mla_v_up (the same lowering the bundle
+Builds one-node graphs of mla_decode_attention (one launch a layer: G clusters of S = 1, 2, 4 or 8 KV
+splits an item, merged on chip and, with G > 1, through L2), mla_decode_query and mla_v_up (the same lowering the bundle
 uses), runs them through KernelRunner on random bf16 tensors (decode: one token per sequence,
 context `ctx`, paged cache with permuted 64-row pages) and times every launch with CUDA events
 over 50 launches captured in one CUDA graph; prints us / launch and achieved GB/s of the bytes
@@ -151,6 +151,7 @@ def bench_attention(runner, m, B, L, variants=(ATTN_VARIANTS.split(",")[0],)):
         live = [la for la in launches if 0 not in tuple(size_exprs.evaluate(x, full) for x in la.grid)]
         (la,) = live
         S = la.params["cs"]
+        Gs = size_exprs.evaluate(la.grid[0], full) // (T * -(-H // la.params["HG"]) * S)   # clusters an item
         kw = dict(values={"q_lat": q_lat, "q_rot": q_rot, "out": out}, ctx=ctx, sizes=sizes)
         out.fill_(float("nan"))
         runner.run(la, **kw)
@@ -173,7 +174,7 @@ def bench_attention(runner, m, B, L, variants=(ATTN_VARIANTS.split(",")[0],)):
                 runner.run(la, **calls[n[0] % copies])
                 n[0] += 1
             cold = time_us(rotate, iters=copies)
-        what = f"attention {tag} (S={S})"
+        what = f"attention {tag} (S={S} G={Gs})"
         row(what + " hot", B, L, hot, nbytes)
         if cold is not None:
             row(what + f" cold x{copies}", B, L, cold, nbytes)

@@ -407,12 +407,13 @@ def test_mla_decode_attention(name, dtype, batch, lead, seed):
 
 @pytest.mark.parametrize("name,dtype,ctx_len", [("odd2", "fp32", 33000), ("lite", "bf16", 17000), ("h20", "fp16", 300),
                                                 ("h20w", "bf16", 5000)])
-@pytest.mark.parametrize("sms", [1, 7, 4096])
+@pytest.mark.parametrize("sms", [1, 7, 40, 4096])
 def test_mla_decode_attention_split_count(name, dtype, ctx_len, sms):
-    """The split count S follows the SM count the runner is given (SMS): a power of two, clamped
-    to the largest cluster (MAX_S). With 4096 "SMs" the long contexts reach the clamp (S == MAX_S);
-    with one SM it is 1; exactly one launch runs (the one whose cluster is S), and the result is the
-    same whatever S."""
+    """The splits follow the SM count the runner is given (SMS): clusters of S CTAs (a power of two,
+    at most MAX_S), G of them an item (G > 1 only on tensor cores: the level-2 merge). With 4096
+    "SMs" the long contexts reach the largest cluster and, on tensor cores, several of them an item
+    (more CTAs than the GPU holds: later waves take the last tickets); with one SM it is one CTA;
+    exactly one launch runs, and the result is the same whatever S and G."""
     from codegen.families import mla_decode_attention as fam
     m = model(name)
     H, C, R, N, V = dims(m)
@@ -425,14 +426,24 @@ def test_mla_decode_attention_split_count(name, dtype, ctx_len, sms):
     out = empty_out((T, H, C), dtype)
     sizes = step_sizes(step, W=int(ctx["block_tables"].shape[1]), SMS=sms)
     _, live = run_decode(G, nid, dtype, values={"q_lat": q_lat, "q_rot": q_rot, "out": out}, ctx=ctx, sizes=sizes)
-    S = live.params["cs"]
+    S, Gs = live.params["cs"], clusters_per_item(live, sizes, T, H)
     assert 1 <= S <= fam.MAX_S and S & (S - 1) == 0, S
+    assert 1 <= Gs <= fam.GMAX and (Gs == 1 or live.params["mma"]), Gs
     if sms == 4096 and ctx_len > 10000:
         assert S == fam.MAX_S, S
+        assert Gs > 1 or not live.params["mma"], Gs
     if sms == 1:
-        assert S == 1, S
+        assert S * Gs == 1, (S, Gs)
     (ref,) = reference(G, nid, [q_lat, q_rot, None], step=step)
-    RECS["mla_decode_attention"].check(out, ref, dtype, f"S={S}")
+    RECS["mla_decode_attention"].check(out, ref, dtype, f"S={S} G={Gs}")
+
+
+def clusters_per_item(live, sizes, T, H) -> int:
+    """G, the clusters of the live launch per (token, head group): its grid over T * NG * S."""
+    from codegen import sizes as size_exprs
+    full = runner().step_sizes(sizes, {})
+    NG = -(-H // live.params["HG"])
+    return size_exprs.evaluate(live.grid[0], full) // (T * NG * live.params["cs"])
 
 
 PERF_VARIANTS = ("w8s2c8", "w4s3c8", "w8s3c4")   # tests/gpu/perf_decode.py's candidates beside the default
@@ -472,12 +483,15 @@ def test_mla_decode_attention_variants(variant, name, dtype):
         sizes = step_sizes(step, W=int(ctx["block_tables"].shape[1]), SMS=sms)
         _, live = run_decode(G, nid, dtype, values={"q_lat": q_lat, "q_rot": q_rot, "out": out}, ctx=ctx,
                              sizes=sizes, launches=launches)
-        RECS["mla_decode_attention"].check(out, ref, dtype, f"{variant} SMS={sms} S={live.params['cs']}")
+        RECS["mla_decode_attention"].check(
+            out, ref, dtype, f"{variant} SMS={sms} S={live.params['cs']} G={clusters_per_item(live, sizes, T, H)}")
 
 
 def test_mla_decode_attention_graph_replay():
-    """The launch keeps no state between runs (no workspace, no counter): two eager runs and two
-    replays of a captured CUDA graph give the same bits, for both launch forms."""
+    """The launch keeps no state between runs (the level-2 tickets reset themselves; the records are
+    summed in cluster order whichever CTA arrives last): two eager runs and two replays of a captured
+    CUDA graph give the same bits, for every launch form: clusters of 8, two an item (SMS 132);
+    clusters of 2, six an item (SMS 40); one CTA an item (SMS 1)."""
     m = model("lite")
     H, C, R, N, V = dims(m)
     step, ctx = make_ctx([1, 1, 1], [700, 65, 1300], block_size=64, model=m, dtype=torch.bfloat16, seed=5)
@@ -485,11 +499,12 @@ def test_mla_decode_attention_graph_replay():
     G, nid = decode_graph(m)
     q_lat, q_rot = head_views(T, H, [C, R], "bf16", torch.Generator().manual_seed(5))
     launches = lower(G, nid, "bf16")
-    for sms in (132, 1):   # the S = 8 launch (a cluster of 8 per token), the single one
+    for sms, want in ((132, (8, 2)), (40, (2, 6)), (1, (1, 1))):
         sizes = step_sizes(step, W=int(ctx["block_tables"].shape[1]), SMS=sms)
         outs = [empty_out((T, H, C), "bf16") for _ in range(3)]
 
         live = live_launch(launches, sizes)
+        assert (live.params["cs"], clusters_per_item(live, sizes, T, H)) == want, sms
 
         def step_once(o):
             runner().run(live, values={"q_lat": q_lat, "q_rot": q_rot, "out": o}, ctx=ctx, sizes=sizes)
@@ -516,8 +531,9 @@ def test_mla_decode_attention_graph_replay():
 # FlashMLA's published decode test matrix (tests/test_flash_mla.py there: batch 128, contexts 4096 /
 # 8192 / 16384, fixed and variable lengths, 16 to 128 query heads, 576-wide rows of which 512 are
 # values), through our paged cache with permuted block tables, bf16, against float64 computed on
-# the GPU sequence by sequence. sms = 4096 forces S = 8 / 4 (the cluster merge at full scale);
-# 0 keeps the device's SM count (S = 1 at batch 128).
+# the GPU sequence by sequence. sms = 4096 forces clusters of 8, two an item at 16 heads (both merge
+# levels at full scale, in several waves), or of 2 (64 / 128 heads); 0 keeps the device's SM count
+# (S = 1 at batch 128).
 FLASH_BATCH, FLASH_PAGE = 128, 64
 
 
@@ -564,6 +580,7 @@ def test_mla_decode_attention_flashmla_matrix(H, ctx_len, varlen, sms, seed):
     _, live = run_decode(G, nid, "bf16", values={"q_lat": q[..., :C], "q_rot": q[..., C:], "out": out}, ctx=ctx,
                          sizes=sizes, block_size=FLASH_PAGE)
     S = live.params["cs"]
+    Gs = clusters_per_item(live, runner().step_sizes(sizes, {}), FLASH_BATCH, H)
     scale = m.softmax_scale
     worst = 0.0
     for b in range(FLASH_BATCH):
@@ -573,8 +590,8 @@ def test_mla_decode_attention_flashmla_matrix(H, ctx_len, varlen, sms, seed):
         ref = p @ rows[:, :C]
         err = rel_error(out[b], ref)
         worst = max(worst, err)
-        assert err <= 1e-2, f"sequence {b} (length {n}, H {H}, S {S}): norm-wise relative error {err:.3g} > 1e-2"
-    print(f"flashmla matrix H={H} ctx={ctx_len} varlen={varlen} S={S}: worst per-sequence error {worst:.3g}")
+        assert err <= 1e-2, f"sequence {b} (length {n}, H {H}, S {S}, G {Gs}): norm-wise relative error {err:.3g} > 1e-2"
+    print(f"flashmla matrix H={H} ctx={ctx_len} varlen={varlen} S={S} G={Gs}: worst per-sequence error {worst:.3g}")
 
 
 @st.composite

@@ -2,14 +2,15 @@
 // template: mla_decode_attention.cu.j2
 // kernel:   mla_decode_attention__bf16__c512_r64__h16__page64__s8
 // role:     mla_decode_attention.splits8
-// params:   {"C":512,"H":16,"HG":16,"KT":32,"R":64,"act":"__nv_bfloat16","block_size":64,"cs":8,"min_blocks":1,"mma":true,"nstage":3,"scale":"0.1147213876247406f","smem":224000,"threads":256}
-// includes: cluster.cuh, common.cuh, mla_decode.cuh, mma.cuh, pdl.cuh, vec.cuh
+// params:   {"C":512,"H":16,"HG":16,"KT":32,"R":64,"act":"__nv_bfloat16","block_size":64,"cs":8,"gmax":8,"min_blocks":1,"mma":true,"nstage":3,"rec":1056,"scale":"0.1147213876247406f","smem":224000,"threads":256,"tickets":1024}
+// includes: cluster.cuh, common.cuh, mla_decode.cuh, mma.cuh, pdl.cuh, tickets.cuh, vec.cuh
 // nodes:    L0-26.mla.o_lat
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:79 blocks.mla.ops[7] mla_attention, layers 0-26 (lower_mla_decode)
 
-// MLA decode attention over the paged latent cache in one launch: 8 KV splits per
-// (token, head group), one cluster of 8 CTAs, merged through distributed shared memory. See mla_decode.cuh.
+// MLA decode attention over the paged latent cache in one launch: clusters of 8 CTAs
+// (KV splits) per (token, head group), merged through distributed shared memory; with more than one of them per item, merged again through
+// a workspace by the last to finish. See mla_decode.cuh.
 #include "mla_decode.cuh"
 
 typedef __nv_bfloat16 act_t;
@@ -18,6 +19,12 @@ typedef dsg::MlaDecodeMma<act_t, /*C=*/512, /*R=*/64, /*H=*/16, /*BS=*/64,
 constexpr float SCALE = 0.1147213876247406f;   // softmax scale: qk_head_dim**-0.5 * mscale**2
 static_assert(Mla::SMEM == 224000, "shared memory size disagrees with the lowering");
 static_assert(Mla::BLOCK == 256, "block size disagrees with the lowering");
+static_assert(Mla::Merge::REC == 1056 && Mla::Merge::GMAX == 8 && Mla::Merge::TICKETS == 1024,
+              "level-2 records, clusters an item or tickets disagree with the lowering");
+
+// Level-2 tickets (mla_decode.cuh SplitMerge): zero when the module loads, reset by the CTA that
+// takes the last of its item's, so every layer and every graph replay starts from zero.
+__device__ unsigned int attention_tickets[Mla::Merge::TICKETS];
 
 extern "C" __cluster_dims__(8, 1, 1) __global__ void __launch_bounds__(256, 1)
 mla_decode_attention__bf16__c512_r64__h16__page64__s8(
@@ -35,8 +42,9 @@ mla_decode_attention__bf16__c512_r64__h16__page64__s8(
     const i64* __restrict__ positions,
     __nv_bfloat16* __restrict__ out,
     int T,
-    int B) {
+    int B,
+    float* __restrict__ part) {
   extern __shared__ __align__(16) char smem[];
   Mla::run(q_lat, ql_s0, ql_s1, q_rot, qr_s0, qr_s1, cache, block_tables, bt_width, context_lens,
-           query_start, positions, out, SCALE, T, B, smem);
+           query_start, positions, out, SCALE, T, B, part, attention_tickets, smem);
 }
