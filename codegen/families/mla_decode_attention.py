@@ -193,9 +193,9 @@ def only_splits(X: str, c: int, cs: int) -> str:
 
 
 def rec_floats(C: int, HG: int, S: int) -> int:
-    """SplitMerge::REC: a level-2 record, the cluster's (max, sum) per head (padded to 16 bytes) and
-    its columns."""
-    return -(-2 * HG // 4) * 4 + HG * -(-C // S)
+    """SplitMerge::REC: a level-2 record, the cluster's (max, sum) per head and its columns, each
+    padded to 16 bytes."""
+    return -(-2 * HG // 4) * 4 + -(-HG * -(-C // S) // 4) * 4
 
 
 def cluster_capacity(c: int, ctas_per_sm: int) -> str:

@@ -116,11 +116,11 @@ struct SplitMerge {
   static constexpr int BYTES = ML_BYTES + ACC_BYTES + WT_BYTES;
   static constexpr int GMAX = 8;                         // most clusters an item has (the lowering's cap)
   static constexpr int REC_ML = (2 * HG + 3) / 4 * 4;    // a record's (max, sum) per head, 16-byte padded
-  static constexpr int REC = REC_ML + HG * SPAN;         // floats of a workspace record (level 2)
+  static constexpr int REC = REC_ML + (HG * SPAN + 3) / 4 * 4;   // floats of a workspace record (level 2): 16-byte multiples
   static constexpr int TICKETS = 1024;                   // items * S the level-2 tickets serve (the lowering's)
   static_assert(S == 1 || S == 2 || S == 4 || S == 8, "a cluster of 1, 2, 4 or 8 CTAs (portable sizes)");
   static_assert(GMAX * HG * 4 <= ACC_BYTES, "the level-2 weights ([G][HG]) reuse the accumulators' shared memory");
-  static_assert(!VEC || (SPAN % 4 == 0 && REC % 4 == 0), "float4 columns and 16-byte records");
+  static_assert((!VEC || SPAN % 4 == 0) && REC % 4 == 0, "float4 columns and 16-byte records");
 
   __device__ __forceinline__ static float2* ml(char* smem) { return reinterpret_cast<float2*>(smem); }
   __device__ __forceinline__ static float* acc(char* smem) { return reinterpret_cast<float*>(smem + ML_BYTES); }
@@ -232,31 +232,56 @@ struct SplitMerge {
     float* w2 = acc(smem);                        // [GMAX][HG] record weights (the accumulators are free)
     const float* base = part + (i64)item * G * S * REC + s * REC;   // record (item, j, s) at base + j * S * REC
     if (tid < nh) {
+      float2 ml[GMAX];
       float Ms = -CUDART_INF_F, W = 0.f;
-      for (int j = 0; j < G; ++j) Ms = fmaxf(Ms, __ldcg(base + (i64)j * S * REC + 2 * tid));
-      for (int j = 0; j < G; ++j) {
-        const float mj = __ldcg(base + (i64)j * S * REC + 2 * tid);
-        const float wj = mj != -CUDART_INF_F ? __ldcg(base + (i64)j * S * REC + 2 * tid + 1) * exp2f(mj - Ms) : 0.f;
-        w2[j * HG + tid] = wj;
-        W += wj;
+#pragma unroll
+      for (int j = 0; j < GMAX; ++j)
+        if (j < G) ml[j] = __ldcg(reinterpret_cast<const float2*>(base + (i64)j * S * REC) + tid);
+#pragma unroll
+      for (int j = 0; j < GMAX; ++j)
+        if (j < G) Ms = fmaxf(Ms, ml[j].x);
+#pragma unroll
+      for (int j = 0; j < GMAX; ++j) {
+        if (j < G) {
+          const float wj = ml[j].x != -CUDART_INF_F ? ml[j].y * exp2f(ml[j].x - Ms) : 0.f;
+          w2[j * HG + tid] = wj;
+          W += wj;
+        }
       }
       const float inv = W > 0.f ? 1.f / W : 0.f;   // W > 0: cluster 0 holds the first row
-      for (int j = 0; j < G; ++j) w2[j * HG + tid] *= inv;
+#pragma unroll
+      for (int j = 0; j < GMAX; ++j)
+        if (j < G) w2[j * HG + tid] *= inv;
     }
     __syncthreads();
+    // The G records' loads are independent: unrolled to GMAX and issued together (one L2 latency a
+    // column quad, not G of them in a row).
     auto final4 = [&](int hh, int c) {
+      const float* src = base + REC_ML + hh * SPAN + (c - c0);
+      float4 x[GMAX];
+#pragma unroll
+      for (int j = 0; j < GMAX; ++j)
+        if (j < G) x[j] = __ldcg(reinterpret_cast<const float4*>(src + (i64)j * S * REC));
       float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int j = 0; j < G; ++j) {
-        const float w = w2[j * HG + hh];
-        const float4 x = __ldcg(reinterpret_cast<const float4*>(base + (i64)j * S * REC + REC_ML + hh * SPAN + (c - c0)));
-        a.x = fmaf(w, x.x, a.x); a.y = fmaf(w, x.y, a.y); a.z = fmaf(w, x.z, a.z); a.w = fmaf(w, x.w, a.w);
+#pragma unroll
+      for (int j = 0; j < GMAX; ++j) {
+        if (j < G) {
+          const float w = w2[j * HG + hh];
+          a.x = fmaf(w, x[j].x, a.x); a.y = fmaf(w, x[j].y, a.y); a.z = fmaf(w, x[j].z, a.z); a.w = fmaf(w, x[j].w, a.w);
+        }
       }
       return a;
     };
     auto final1 = [&](int hh, int c) {
+      const float* src = base + REC_ML + hh * SPAN + (c - c0);
+      float x[GMAX];
+#pragma unroll
+      for (int j = 0; j < GMAX; ++j)
+        if (j < G) x[j] = __ldcg(src + (i64)j * S * REC);
       float a = 0.f;
-      for (int j = 0; j < G; ++j)
-        a = fmaf(w2[j * HG + hh], __ldcg(base + (i64)j * S * REC + REC_ML + hh * SPAN + (c - c0)), a);
+#pragma unroll
+      for (int j = 0; j < GMAX; ++j)
+        if (j < G) a = fmaf(w2[j * HG + hh], x[j], a);
       return a;
     };
     store(out + ((i64)t * H + h0) * C, nh, c0, c1, final4, final1);
