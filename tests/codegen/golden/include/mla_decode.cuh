@@ -57,25 +57,29 @@ __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 // The split of a CTA: blockIdx.x = (item * G + gi) * S + s, item = t * NG + g, G clusters of S
 // splits per item (G = gridDim.x / (items * S): the lowering's grid is exactly items * S * G).
 // locate() is arithmetic only; rows() reads the step metadata: rows [r_begin, r_end) of the item's
-// n visible rows for split gi * S + s, every split but the last whole KT tiles (later splits may be
-// empty; split 0, in cluster 0, always holds the first row).
+// n visible rows for split gi * S + s of S * G, every split but the last whole KT tiles (later
+// splits may be empty; split 0, in cluster 0, always holds the first row).
 template <int S>
 struct DecodeSplit {
   bool valid;
-  int t, g, s, gi, G, item, b, r_begin, r_end;
+  int t, g, s, split, splits, b, r_begin, r_end;
+
+  // G, the clusters of an item, and the item of this CTA: arithmetic on the grid, recomputed where
+  // the merge needs them rather than kept live across the tile loop.
+  __device__ __forceinline__ static int clusters(int items) { return max(1, (int)gridDim.x / max(1, items * S)); }
+  __device__ __forceinline__ static int item_of(int G) { return (int)blockIdx.x / S / G; }
 
   template <int NG>
   __device__ __forceinline__ static DecodeSplit locate(int T_) {
     DecodeSplit d;
-    const int items = T_ * NG;
-    d.G = max(1, (int)gridDim.x / max(1, items * S));
-    const int cl = (int)blockIdx.x / S;
-    d.item = cl / d.G;
-    d.gi = cl - d.item * d.G;
+    const int items = T_ * NG, G = clusters(items);
+    const int cl = (int)blockIdx.x / S, item = cl / G;
     d.s = (int)blockIdx.x - cl * S;
-    d.valid = d.item < items;   // the grid is exactly items * S * G: a guard, not a case
-    d.t = d.item / NG;
-    d.g = d.item - d.t * NG;
+    d.split = (cl - item * G) * S + d.s;
+    d.splits = S * G;
+    d.valid = item < items;   // the grid is exactly items * S * G: a guard, not a case
+    d.t = item / NG;
+    d.g = item - d.t * NG;
     d.b = 0;
     d.r_begin = d.r_end = 0;
     return d;
@@ -86,9 +90,8 @@ struct DecodeSplit {
     if (!valid) return;
     b = sequence_of(query_start, B, t);
     const int n = (int)min((i64)context_lens[b], positions[t] + 1);   // visible rows
-    const int splits = S * G;
     const int per = ((n + splits - 1) / splits + KT - 1) / KT * KT;
-    r_begin = (gi * S + s) * per;
+    r_begin = split * per;
     r_end = min(n, r_begin + per);
   }
   __device__ __forceinline__ int tiles(int KT) const { return r_end > r_begin ? (r_end - r_begin + KT - 1) / KT : 0; }
@@ -227,8 +230,17 @@ struct SplitMerge {
     if constexpr (CL) cluster::sync_relaxed();   // no peer reads this CTA's shared memory after this
     if (!two || !valid) return;                   // both uniform over the CTA
 
-    // Level 2: the last of the item's G rank-s CTAs merges their records' columns.
-    if (!last_arrival(tickets + item * S + s, (unsigned)G)) return;
+    // Level 2, out of line: its code stays out of the tile loop's register allocation and schedule.
+    level2(smem, t, h0, s, nh, out, part, tickets, item, G);
+  }
+
+  __device__ __noinline__ static void level2(char* smem, int t, int h0, int s, int nh, T* __restrict__ out,
+                                             const float* __restrict__ part, unsigned int* tickets, int item, int G) {
+    const int tid = threadIdx.x;
+    const int c0 = s * SPAN, c1 = min(C, c0 + SPAN);
+    // The last of the item's G rank-s CTAs merges their records' columns.
+    // (the flag in the CTA's own ML words, which nobody reads any more: no static shared memory)
+    if (!last_arrival(tickets + item * S + s, (unsigned)G, reinterpret_cast<int*>(smem))) return;
     float* w2 = acc(smem);                        // [GMAX][HG] record weights (the accumulators are free)
     const float* base = part + (i64)item * G * S * REC + s * REC;   // record (item, j, s) at base + j * S * REC
     if (tid < nh) {
@@ -463,7 +475,8 @@ struct MlaDecode {
         if (c < C) accs[h * Merge::CP + c] = acc[k][h];
       }
     }
-    Merge::run(smem, sp.valid, t, h0, sp.s, out, part, tickets, sp.item, sp.G);
+    const int Gc = DecodeSplit<S>::clusters(T_ * NG);
+    Merge::run(smem, sp.valid, t, h0, sp.s, out, part, tickets, DecodeSplit<S>::item_of(Gc), Gc);
   }
 };
 
@@ -699,7 +712,8 @@ struct MlaDecodeMma {
       for (int w = 0; w < NW; ++w) L += red[w * HG + tid];
       ml[tid].y = L;
     }
-    Merge::run(smem, sp.valid, sp.t, h0, sp.s, out, part, tickets, sp.item, sp.G);
+    const int Gc = DecodeSplit<S>::clusters(T_ * NG);
+    Merge::run(smem, sp.valid, sp.t, h0, sp.s, out, part, tickets, DecodeSplit<S>::item_of(Gc), Gc);
   }
 };
 

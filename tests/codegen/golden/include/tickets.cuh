@@ -11,13 +11,13 @@
 namespace dsg {
 
 // A CTA's arrival at a ticket counter, after its global writes; true in the CTA that arrives
-// last of `expected`, which also resets the counter.  Every thread calls it.  The grid barrier
+// last of `expected`, which also resets the counter.  Every thread calls it; `flag` is an int of
+// the CTA's shared memory that carries thread 0's answer to the others.  The grid barrier
 // of cooperative groups orders memory the same way: the CTA barrier gathers every thread's
 // writes to thread 0, whose fence (cumulative) publishes them before its atomic; in the last
 // CTA, thread 0's atomic has seen every other CTA's, its fence and the barrier then order them
 // before every thread's loads, which must go past L1 (__ldcg: other SMs wrote the data).
-__device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int expected) {
-  __shared__ int last;
+__device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int expected, int* flag) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -26,10 +26,15 @@ __device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int
       atomicExch(counter, 0u);      // no other CTA of this launch touches it again
       __threadfence();
     }
-    last = is_last;
+    *flag = is_last;
   }
   __syncthreads();
-  return last != 0;
+  return *flag != 0;
+}
+// The same with the flag in static shared memory (a kernel with no dynamic shared memory to spare).
+__device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int expected) {
+  __shared__ int last;
+  return last_arrival(counter, expected, &last);
 }
 
 }  // namespace dsg
