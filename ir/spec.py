@@ -148,6 +148,11 @@ def _parse_dims(loc: Located, data: dict) -> dict:
         raise loc.error("dims.experts", f"{out['layers']} layers x {out['experts']} experts = "
                                         f"{out['layers'] * out['experts']} per-expert weight sets; dsgraph builds at "
                                         f"most {MAX_EXPERT_LAYERS} (DeepSeek-V3 has 61 x 256)")
+    shared = out.get("shared_experts", 0)
+    if out["layers"] * (out["experts"] + shared) > MAX_EXPERT_LAYERS:   # fuse_shared_experts: a slice each
+        raise loc.error("dims.shared_experts", f"{out['layers']} layers x ({out['experts']} routed + {shared} shared "
+                                               f"experts) = {out['layers'] * (out['experts'] + shared)} per-expert "
+                                               f"weight sets; dsgraph builds at most {MAX_EXPERT_LAYERS}")
     if out["qk_rope_head_dim"] > MAX_ROPE_DIM:
         raise loc.error("dims.qk_rope_head_dim", f"rotary dim {out['qk_rope_head_dim']} is larger than the "
                                                  f"{MAX_ROPE_DIM} dsgraph tabulates")

@@ -16,7 +16,8 @@ is one expert row's); its output was one down GEMM rounded once and is now S pai
 rounded, summed in fp32 and rounded (the same value for S = 1).
 
 Not done on a rank of a tensor / expert parallel run (its shared MLP is column-split across the
-ranks and its routed experts are a slice): that graph keeps the separate shared MLP.
+ranks and its routed experts are a slice): that graph keeps the separate shared MLP; nor with more
+than MAX_SHARED shared experts.
 """
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ from .rewrite import NewOp, RewriteError, copy_graph, nodes_of, op_of, producer_
 from .shard_for_rank import parallel_of
 
 COMBINES = ("moe_combine_residual", "moe_combine_residual_rms_norm")
+# More shared experts than this stay linears: each is one more pair of every token in the route,
+# whose kernels keep a lane per pair (32 in all, routed ones included), and a slice in each stack.
+MAX_SHARED = 8
 
 
 def fuse_shared_experts(G: nx.DiGraph) -> nx.DiGraph:
@@ -117,6 +121,9 @@ def _fuse_layer(G: nx.DiGraph, combine: str) -> None:
     E, M = G.nodes[route]["attrs"]["num_experts"], G.nodes[gate_up]["attrs"]["out_dim"]
     S = int(G.graph["model"].dims["shared_experts"])
     width = G.nodes[shared_gate]["attrs"]["out_dim"]
+    if S > MAX_SHARED:
+        raise _Refused(shared_gate, gate_up, f"{S} shared experts; more than {MAX_SHARED} stay linears (each is a "
+                                             f"pair of every token in the route)")
     if S < 1 or width != S * M or G.nodes[shared_up]["attrs"]["out_dim"] != width:
         raise _Refused(shared_gate, gate_up, f"the shared MLP is {width} wide, not shared_experts ({S}) x "
                                              f"moe_intermediate ({M})")

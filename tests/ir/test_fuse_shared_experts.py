@@ -106,3 +106,25 @@ def test_idempotent():
     G = run_pipeline(v2_lite_graph("decode"))
     again = FUSE.run(G)
     assert op_counts(again) == op_counts(G) and again.graph["weights"] == G.graph["weights"]
+
+
+def test_more_shared_experts_than_the_route_serves_stay_linears():
+    """Nine shared experts (MAX_SHARED is 8): refused with its reason, the graph unchanged, and the
+    unfused layer still computes the same step."""
+    from ir.passes.fuse_shared_experts import MAX_SHARED
+    cfg = {**FIXED_CFG, "n_shared_experts": MAX_SHARED + 1}
+    spec = spec_of(cfg)
+    G = before_fuse(ir.build_graph(spec, "decode"))
+    after = FUSE.run(G)
+    assert op_counts(after) == op_counts(G)
+    assert any(f"{MAX_SHARED + 1} shared experts" in r for r in after.graph["refusals"])
+
+
+def test_an_absurd_shared_expert_count_is_a_one_line_spec_error():
+    """Each shared expert becomes a slice of every layer's stacks: the spec bounds layers x (routed +
+    shared) as it bounds layers x routed, so 2**31 shared experts (a fuzzed config) is an error at
+    load time, not minutes of slices (the CPU suite's config fuzz once ran out of memory there)."""
+    import pytest
+    from ir.errors import SpecError
+    with pytest.raises(SpecError, match=r"shared experts\) = .* per-expert weight sets"):
+        spec_of({**FIXED_CFG, "n_shared_experts": 2 ** 31})
