@@ -262,6 +262,8 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, print_blob=True, database=
 @example(base="deepseek_tiny", mutations=[("set", "rms_norm_eps", 1e300)])                  # "inf.0f" norm eps
 @example(base="deepseek_tiny", mutations=[("set", "num_hidden_layers", 10**12)])            # graph build hangs
 @example(base="deepseek_tiny", mutations=[("set", "n_routed_experts", 10**12)])             # 10^12 weight names
+@example(base="deepseek_tiny", mutations=[("set", "n_shared_experts", 2**31)])             # 2^31 shared slices: OOM
+@example(base="deepseek_tiny", mutations=[("set", "n_shared_experts", 9)])                  # more than the route serves
 @example(base="deepseek_tiny", mutations=[("set", "qk_rope_head_dim", 10**12)])             # "...# R" dim string
 @example(base="deepseek_tiny", mutations=[("set", "rope_scaling",
                                            {"type": "yarn", "original_max_position_embeddings": 1024, "factor": 1e30,
