@@ -168,15 +168,13 @@ def mma_ctas_per_sm(smem: int, v: Variant = DEFAULT) -> int:
     return 2 if v.warps == 4 and 2 * (smem + _CTA_RESERVED) <= _SM_SMEM else 1
 
 
-def split_target(mma: bool, NG: int, cs: int, ctas_per_sm: int = 1, kt: int = 64) -> str:
-    """X, the splits per (token, head group) the step could use, clamped to [1, cs]; the split count
-    S is the power of two at or below X. Tensor cores: no more CTAs than the SMs hold at once (never
-    a second, tiny wave); CUDA cores: about WAVES * SMS CTAs; both at most one split per 64 rows of
-    the longest context."""
+def split_target(NG: int, cs: int) -> str:
+    """The CUDA-core split policy: X, the splits per (token, head group) the step could use, about
+    WAVES * SMS CTAs and at most one split per 64 rows of the longest context, clamped to [1, cs];
+    the split count S is the power of two at or below X (one cluster an item). Tensor cores:
+    split_choice."""
     if cs == 1:
         return "1"
-    if mma:
-        return f"min({cs}, min(cdiv(MAXCTX, {kt}), max(1, ({ctas_per_sm} * SMS) // (T * {NG}))))"
     return f"min({cs}, min(cdiv(MAXCTX, {2 * KT}), max(1, cdiv({WAVES} * SMS, T * {NG}))))"
 
 
@@ -269,7 +267,7 @@ def lower(nid, G, opts, variant: Variant | None = None):
         HG, threads, per_sm = min(H, MAX_HG), THREADS, 1
         smem_of = lambda n: smem_bytes(C, R, HG, ELEM_BYTES[opts.dtype], n)   # noqa: E731
         NG = -(-H // HG)
-        X = split_target(False, NG, cs)
+        X = split_target(NG, cs)
         clusters = {c: only_splits(X, c, cs) for c in cluster_sizes(cs)}   # G = 1 for the chosen S
     check_smem(f"mla_decode_attention (C {C}, R {R}, {HG} heads per CTA, {opts.dtype})", smem_of(cs), opts,
                "kv_lora_rank + qk_rope_head_dim is too wide for one cache tile in shared memory")
