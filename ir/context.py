@@ -20,6 +20,7 @@ class StepContext:
     positions: torch.Tensor        # [T] int64: position of each token in its sequence
     query_lens: list[int]          # [B] new tokens per sequence this step
     context_lens: list[int]        # [B] tokens in the cache per sequence once this step has written
+                                   # (decode: positions[b] + 1, which a decode graph computes itself)
     block_tables: torch.Tensor     # [B, W] int32: cache blocks of each sequence, in order
     slot_mapping: torch.Tensor     # [T] int64: cache row (block * block_size + offset) of each token
     kv_cache: list                 # per layer: [num_blocks, block_size, C + R]

@@ -7,6 +7,13 @@ buffers that are refilled before each replay (token ids, positions, slots, block
 tables, context lengths); the kernels read lengths from those buffers, so a
 graph captured for a context bucket serves every context up to it.
 
+The host's part of a decode step is on its critical path: the GPU idles from the previous step's
+end until the replay is queued (the caller reads each step's logits before the next).  PERF_NOTES
+v16 measured the refill at 0.1-0.23 ms a step, most of it the per-step upload of the context
+lengths; a decode step's context lengths are its positions + 1 (each sequence's one new token is
+its last cached one), so the graph computes them on the device from the refilled positions and
+the host only queues four device-to-device copies and the replay.
+
 A prefill step of a few thousand tokens launches ~565 kernels whose GPU time is about the
 host's time to launch them (PERF_NOTES v12: 1x2048 24 ms of kernels, 18-24 ms of host time
 depending on the machine), so a slow host leaves the GPU waiting.  Its launches are decided by
@@ -73,7 +80,7 @@ class DecodeGraphs:
         if cap is None:
             cap = self._capture(ids, ctx, bucket)
             self.graphs[key] = cap
-        _refill(cap.inputs, ids, ctx)
+        _refill(cap.inputs, ids, ctx)   # context_lens: the graph's first node (_decode_lengths)
         cap.graph.replay()
         return cap.output.clone()
 
@@ -86,7 +93,8 @@ class DecodeGraphs:
                                  block_size=ctx.block_size)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        return _record(self.backend, "decode", inputs, static_ctx, self.pool)
+        return _record(self.backend, "decode", inputs, static_ctx, self.pool,
+                       prologue=lambda: _decode_lengths(inputs))
 
 
 class PrefillGraphs:
@@ -138,6 +146,7 @@ class PrefillGraphs:
         cap.last_run = self.steps
         x = cap.inputs
         _refill(x, ids, ctx)
+        x["context_lens"].copy_(upload(ctx.context_lens, torch.int32, ids.device), non_blocking=True)
         x["query_start"].copy_(upload(_starts(ctx), torch.int32, ids.device), non_blocking=True)
         if ctx.logit_rows is not None:
             x["logit_rows"].copy_(ctx.logit_rows, non_blocking=True)
@@ -177,15 +186,23 @@ def _static_inputs(ids: torch.Tensor, ctx: StepContext, query_start: list[int]) 
 
 
 def _refill(x: dict, ids: torch.Tensor, ctx: StepContext) -> None:
+    """The step's device tensors into the graph's buffers (the context lengths are the caller's:
+    a decode graph makes its own, a prefill step uploads them)."""
     x["ids"].copy_(ids, non_blocking=True)
     x["positions"].copy_(ctx.positions, non_blocking=True)
     x["slot_mapping"].copy_(ctx.slot_mapping, non_blocking=True)
     x["block_tables"].copy_(ctx.block_tables, non_blocking=True)
-    x["context_lens"].copy_(upload(ctx.context_lens, torch.int32, ids.device), non_blocking=True)
 
 
-def _record(be, phase: str, inputs: dict, static_ctx: StepContext, pool) -> _Captured:
-    """One step of `phase` on the static inputs, captured into a graph drawing on `pool`."""
+def _decode_lengths(x: dict) -> None:
+    """A decode step's context lengths from its positions, on the device: each sequence's one new
+    token is the last of its cache (StepContext: context_lens[b] = positions[b] + 1)."""
+    torch.add(x["positions"], 1, out=x["context_lens"])
+
+
+def _record(be, phase: str, inputs: dict, static_ctx: StepContext, pool, prologue=None) -> _Captured:
+    """One step of `phase` on the static inputs, captured into a graph drawing on `pool`;
+    `prologue` (if any) runs first, inside the graph."""
     meta = {k: inputs[k] for k in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start")}
     sizes = be._sizes(static_ctx)
     device = inputs["ids"].device
@@ -194,9 +211,13 @@ def _record(be, phase: str, inputs: dict, static_ctx: StepContext, pool) -> _Cap
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
+        if prologue is not None:
+            prologue()
         be._forward(phase, inputs["ids"], static_ctx, dict(meta), sizes)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
+        if prologue is not None:
+            prologue()
         out = be._forward(phase, inputs["ids"], static_ctx, dict(meta), sizes)
     return _Captured(graph, inputs, out)
