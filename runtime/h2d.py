@@ -10,7 +10,8 @@ import torch
 
 
 def upload(values, dtype: torch.dtype, device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
+    """values (a list, nested lists or a numpy array) as a `dtype` tensor on `device`."""
+    host = torch.as_tensor(values, dtype=dtype)
     device = torch.device(device)
     if device.type != "cuda":
         return host.to(device)

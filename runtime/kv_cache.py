@@ -11,6 +11,7 @@ tensor, once per step.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from runtime.errors import CacheFullError, InputError
@@ -181,5 +182,7 @@ class BlockTables:
             width = max(1, longest)
         elif width < longest:
             raise ValueError(f"table width {width} is narrower than the longest block table ({longest} blocks)")
-        rows = [t + [0] * (width - len(t)) for t in tables]
-        return upload(rows, torch.int32, device).reshape(len(seq_ids), width)
+        rows = np.zeros((len(seq_ids), width), dtype=np.int32)   # a nested list costs ~1 ms at 128 x 128
+        for row, t in zip(rows, tables):
+            row[:len(t)] = t
+        return upload(rows, torch.int32, device)
