@@ -247,7 +247,10 @@ class CudaBackend:
             self._schedules[phase] = sched
         return sched
 
-    def _forward(self, phase: str, ids: torch.Tensor, ctx: StepContext, meta: dict, sizes: dict) -> torch.Tensor:
+    def _forward(self, phase: str, ids: torch.Tensor, ctx: StepContext, meta: dict, sizes: dict,
+                 as_float: bool = True) -> torch.Tensor:
+        """The step's logits, float32 (as_float) or in the head's own dtype (a captured graph's
+        output: cuda_graphs converts it once per replay, into a tensor of the caller's)."""
         plan = self.plans[phase]
         device = ids.device
         env = {"ids": ids}
@@ -271,7 +274,7 @@ class CudaBackend:
             self.runner.run_all(launches, values=env, weights=self.weights, ctx=meta, sizes=sizes)
             if ctx.logit_rows is not None and "logits" in info.outputs:   # a kernel made them: all rows
                 env["logits"] = env["logits"].index_select(0, ctx.logit_rows)
-        return env["logits"].float()
+        return env["logits"].float() if as_float else env["logits"]
 
     def _linear(self, call: LibraryCall, env: dict, rows: torch.Tensor | None = None) -> None:
         """x @ w.T through cuBLAS, one GEMM per weight (a multi_linear has several); `rows`
