@@ -1,0 +1,148 @@
+"""Where a decode step's wall clock goes beyond its kernels' own device time (a script, not a test).
+
+    python3 tests/gpu/perf_replay.py [--cases 1x512,32x512,128x512] [--top 8]
+
+DeepSeek-V2-Lite (random bf16 weights, as `dsgraph bench`), decode steps replayed from their CUDA
+graph (PDL on, as the bench runs them).  Per case, milliseconds:
+  step     the step as the bench times it (CUDA events around forward: refill, replay, clone);
+  host     forward()'s own host time, the GPU held busy by a spin kernel queued first;
+  queued   the same step's GPU time once all of it is queued (no wait for the host);
+  replay   one graph replay alone, ten back to back between two events;
+  own      the sum of the kernels' own device times (each launched without PDL: bench
+           device_breakdown);
+  span     first kernel start to last kernel end of one replay, PDL on (profiler trace).
+step - queued is host time the GPU waits for; replay - own is what the kernel boundaries cost
+inside the graph.  That cost per boundary is then split by (kernel before -> kernel after): for
+kernel i, excess_i = (end_i - end_{i-1}) - own_i, i.e. how much later kernel i ends than it would
+if it started its own work the moment kernel i-1 ended; summed over boundaries of the same kind
+(families), largest first.  Negative excess is overlap that PDL bought.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from codegen.kernel import DEFAULTS  # noqa: E402
+from runtime.bench import _decode_ctx, _release, _timeit, family_of  # noqa: E402
+from runtime.engine import Engine  # noqa: E402
+
+SPIN_CYCLES = int(5e8)   # ~0.25 s of GPU spin ahead of the timed launches
+
+
+def kernel_timeline(fn) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every kernel fn() runs, in start order (profiler trace)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
+        path = fh.name
+    prof.export_chrome_trace(path)
+    with open(path) as fh:
+        events = json.load(fh)["traceEvents"]
+    os.unlink(path)
+    ks = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+          if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    return sorted(ks, key=lambda k: k[1])
+
+
+def gpu_ms(fn, spin: bool = True) -> float:
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if spin:
+        torch.cuda._sleep(SPIN_CYCLES)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="1x512,32x512,128x512")
+    ap.add_argument("--top", type=int, default=8)
+    a = ap.parse_args()
+    cases = [tuple(int(v) for v in c.split("x")) for c in a.cases.split(",")]
+    eng = Engine.from_spec("model_specs/deepseek_v2_lite.yaml", backend="cuda", device="cuda", dtype="bf16",
+                           block_size=DEFAULTS.block_size,
+                           num_blocks=sum(math.ceil(c / DEFAULTS.block_size) * b for b, c in cases) + 64,
+                           max_seq_len=8192, max_num_seqs=256, pdl=True)
+    be = eng.backend
+    print(f"# {torch.cuda.get_device_name()}, decode graph replays, PDL on (ms)")
+    rows = []
+    with torch.inference_mode():
+        for batch, ctx in cases:
+            sids, step, ids = _decode_ctx(eng, batch, ctx)
+
+            def f():
+                return be.forward("decode", ids, step)
+            step_ms = _timeit(f, 21, warmup=3)
+            hosts = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                torch.cuda._sleep(SPIN_CYCLES)
+                t0 = time.perf_counter()
+                f()
+                hosts.append((time.perf_counter() - t0) * 1e3)
+            queued = statistics.median(gpu_ms(f) for _ in range(5))
+            (cap,) = be.graphs_decode.graphs.values()
+
+            def replays():
+                for _ in range(10):
+                    cap.graph.replay()
+            replay = statistics.median(gpu_ms(replays) for _ in range(3)) / 10
+            on = kernel_timeline(f)
+            graphs = be.graphs_decode.graphs
+            graphs.clear()
+            be.runner.pdl = False
+            try:
+                off = kernel_timeline(f)
+            finally:
+                be.runner.pdl = True
+                graphs.clear()
+            own = [e - s for _, s, e in off]
+            if [n for n, _, _ in on] != [n for n, _, _ in off]:
+                print(f"{batch}x{ctx}: the PDL-on and PDL-off steps launch different kernels "
+                      f"({len(on)} / {len(off)}); no boundary split")
+                boundary = {}
+            else:
+                boundary = collections.defaultdict(lambda: [0, 0.0])
+                for i in range(1, len(on)):
+                    excess = (on[i][2] - on[i - 1][2]) - own[i]
+                    k = f"{family_of(on[i - 1][0])} -> {family_of(on[i][0])}"
+                    boundary[k][0] += 1
+                    boundary[k][1] += excess
+            span = (on[-1][2] - on[0][1]) / 1e3
+            rows.append((f"{batch}x{ctx}", step_ms, statistics.median(hosts), queued, replay, sum(own) / 1e3, span,
+                         len(on)))
+            print(f"\n{batch}x{ctx}: step {step_ms:.3f}  host {statistics.median(hosts):.3f}  queued {queued:.3f}  "
+                  f"replay {replay:.3f}  own {sum(own) / 1e3:.3f}  span {span:.3f}  kernels {len(on)}", flush=True)
+            if boundary:
+                total = sum(v[1] for v in boundary.values())
+                print(f"  boundary excess {total / 1e3:.3f} ms over {len(on) - 1} boundaries "
+                      f"({total / max(1, len(on) - 1):.2f} us each)")
+                for k, (n, us) in sorted(boundary.items(), key=lambda kv: -kv[1][1])[:a.top]:
+                    print(f"  {k:<62}{n:>5} x {us / n:6.2f} us = {us / 1e3:.3f} ms")
+            _release(eng, sids)
+    print(f"\n{'case':<10}{'step':>8}{'host':>8}{'queued':>8}{'replay':>8}{'own':>8}{'span':>8}{'kernels':>9}")
+    for r in rows:
+        print(f"{r[0]:<10}" + "".join(f"{v:>8.3f}" for v in r[1:7]) + f"{r[7]:>9}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
