@@ -141,13 +141,20 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
                 "wgmma skinny gemm: two CTAs per SM (_moe_wgmma_skinny.applies)");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   __shared__ int tiles[E + 1];
-  // Every read below (offsets, order, x) is of another kernel's output; the next kernel may start
-  // its own prologue once every CTA of this one is running (it waits for this one's completion).
-  dsg::pdl_wait();
-  dsg::pdl_launch_dependents();
+  // DOWN follows gate_up_silu, which waits for the route before it lets DOWN launch: the route's
+  // `offsets` are complete before DOWN's first CTA runs (pdl.cuh, two launches back), so DOWN
+  // builds its tile table and starts its first tile's first ST weight slices (no kernel writes
+  // weights) before its wait, into the tail of gate_up_silu (PERF_NOTES v16: that boundary cost
+  // ~1.9 us a layer).  The pairs' rows (x, gate_up_silu's output) are gathered after it.
+  // GATE_UP* follows the route itself: every read of another kernel's output after the wait.
+  constexpr bool EARLY = MODE == DOWN;
+  if constexpr (!EARLY) {
+    dsg::pdl_wait();
+    dsg::pdl_launch_dependents();
+  }
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;         // 128B-swizzle tiles start on 1024-byte boundaries
-  if (threadIdx.x < 32) wgmma_row_tiles<E, WS_BP>(offsets, tiles);
+  if (threadIdx.x < 32) wgmma_row_tiles<E, WS_BP, EARLY>(offsets, tiles);
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
@@ -157,9 +164,28 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
     mbar::init_fence();
   }
   __syncthreads();
+  constexpr int KT = (KD + WS_BK - 1) / WS_BK, NCT = (N + wgmma_skinny_cols(MODE) - 1) / wgmma_skinny_cols(MODE);
+  constexpr int PRE = EARLY ? (ST < KT ? ST : KT) : 0;   // slices of the walk's first tile issued early
+  int preissued = 0;
+  if constexpr (EARLY) {
+    if (blockIdx.x < tiles[E] * NCT) {
+      preissued = PRE;
+      if (threadIdx.x == 0) {
+        const int t = blockIdx.x;
+        const int e = wgmma_tile_expert<E>(tiles, t / NCT), n0 = (t % NCT) * wgmma_skinny_cols(MODE);
+        char* ring_p = smem + (ring - raw);
+#pragma unroll
+        for (int s = 0; s < PRE; ++s)
+          wgmma_issue_weights<MODE, N, WgSkinnyTiles>(ring_p + s * WS_STAGE_BYTES + WgSkinnyTiles::WEIGHTS_AT, w0, w1,
+                                                      s * WS_BK, n0, e, &full[s]);
+      }
+    }
+    dsg::pdl_wait();
+    dsg::pdl_launch_dependents();
+  }
   if (threadIdx.x < 128)
     wgmma_produce<T, MODE, E, N, KD, K, ST, WgSkinnyTiles>(x, w0, w1, order, offsets, tiles, smem + (ring - raw),
-                                                           full, empty);
+                                                           full, empty, preissued);
   else
     wgmma_skinny_consume<T, MODE, E, N, KD, ST>(order, offsets, tiles, ring, full, empty, out0, out1);
 }

@@ -10,6 +10,10 @@
 //    and the kernel after it would then see the predecessor's writes unfinished.
 //  - pdl_launch_dependents() may come anywhere after that: it only lets the next kernel's CTAs be
 //    scheduled (they still wait for this grid to complete before touching its outputs).
+//  - So, as every PDL kernel here waits before it launches its dependents, a kernel may also read
+//    before its pdl_wait() what the kernel two launches back wrote: its predecessor let it launch
+//    only once that kernel had completed.  Such reads go through L2 (ld.global.cg), never an L1
+//    line.  (moe_wgmma_skinny.cuh: DOWN reads the route's offsets behind gate_up_silu.)
 // Both are no-ops when the kernel was launched without the attribute. Raw PTX, not
 // cudaGridDependencySynchronize, because NVRTC builds without the device runtime.
 #pragma once

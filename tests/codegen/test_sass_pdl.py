@@ -11,7 +11,8 @@ in address order up to its first ACQBULK:
   - no global store or atomic before it (the contract's "before its first global write");
   - no global load before it, unless the family is in WEIGHT_LOADS_BEFORE_WAIT (the contract allows
     weights, which no SASS check can tell from activations: a family that reads weights first says
-    so there, where a reviewer sees it);
+    so there, where a reviewer sees it), or the load is a TMA box or an L2-coherent load of a family
+    in TWO_BACK_LOADS_BEFORE_WAIT (what the kernel two launches back wrote);
   - a PREEXIT after it (launch_dependents: else the next kernel waits for this one to exit).
 The planted kernels at the end prove the check catches each way of breaking it.
 """
@@ -45,6 +46,11 @@ SPECS = ("deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
 # their first batch of weight chunks (skinny.cuh mma_tiles: load_weights(0), then the wait); the
 # router's gate goes towards L2 with prefetches, which are not loads.
 WEIGHT_LOADS_BEFORE_WAIT: frozenset = frozenset({"mla_decode_query", "mla_v_up", "linear_skinny"})
+# Families whose kernels read before pdl_wait() what the kernel two launches back wrote (pdl.cuh: the
+# kernel between waits before it lets them launch), through L2 only (LDG ... .STRONG.GPU), and start
+# weight boxes by TMA (UTMALDG: tensor maps bind weights only); any other load before the wait is
+# still refused.  moe_down: the route's offsets behind gate_up_silu (moe_wgmma_skinny.cuh).
+TWO_BACK_LOADS_BEFORE_WAIT: frozenset = frozenset({"moe_down"})
 
 _EXITS = ("EXIT", "RET", "KILL", "BRX", "JMX", "CALL", "JMP")
 _WRITES = ("STG", "ST", "ATOM", "ATOMG", "RED", "SUST", "SURED", "SUATOM", "UTMASTG", "UTMAREDG")
@@ -52,7 +58,11 @@ _LOADS = ("LDG", "LD", "LDGSTS", "UBLKCP", "UTMALDG", "SULD")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
 
 
-def wait_problem(instrs, *, weight_loads: bool = False) -> str | None:
+def _two_back_load(opcode: str) -> bool:
+    return opcode.startswith("UTMALDG") or (opcode.startswith("LDG") and ".STRONG.GPU" in opcode)
+
+
+def wait_problem(instrs, *, weight_loads: bool = False, two_back: bool = False) -> str | None:
     """Why a kernel's instructions break the PDL contract, or None.  Every path from the entry is
     followed (conditional branches both ways, unconditional ones to their target) until it reaches a
     wait: none may exit, write, or load (but weights, where allowed) before it.  A kernel may wait on
@@ -79,7 +89,7 @@ def wait_problem(instrs, *, weight_loads: bool = False) -> str | None:
                 return f"leaves the prologue: {where}"
             if head in _WRITES or ins.opcode.startswith("UBLKCP.G"):
                 return f"writes global memory: {where}"
-            if head in _LOADS and not weight_loads:
+            if head in _LOADS and not weight_loads and not (two_back and _two_back_load(ins.opcode)):
                 return (f"reads global memory: {where} (weights only, and then its family belongs in "
                         f"WEIGHT_LOADS_BEFORE_WAIT)")
             if head == "BRA":
@@ -158,7 +168,8 @@ def _problems(case: str) -> dict:
     out = {}
     for k in sources:
         funcs = instructions(cubins[k.name])
-        out[_key(k)] = (k.family, wait_problem(funcs[k.name], weight_loads=k.family in WEIGHT_LOADS_BEFORE_WAIT))
+        out[_key(k)] = (k.family, wait_problem(funcs[k.name], weight_loads=k.family in WEIGHT_LOADS_BEFORE_WAIT,
+                                               two_back=k.family in TWO_BACK_LOADS_BEFORE_WAIT))
     return out
 
 
@@ -198,3 +209,16 @@ def test_lowering_marks_only_pdl_families_and_no_pdl_turns_them_all_off(monkeypa
     import dataclasses
     off = plan_spec(spec, dataclasses.replace(DEFAULTS, pdl=False)).plans
     assert not any(la.pdl for p in off.values() for la in p.launches)
+
+
+def test_two_back_allowance_takes_only_l2_loads_and_tma():
+    """The allowance for moe_down lets an L2-coherent load and a TMA box through before the wait,
+    not a plain (L1-cached or read-only) load nor a cp.async gather."""
+    from sass import Instr
+    mk = lambda n, op: Instr(addr=16 * n, opcode=op, operands="", guarded=False)   # noqa: E731
+    tail = [mk(8, "ACQBULK"), mk(9, "PREEXIT"), mk(10, "EXIT")]
+    for op in ("LDG.E.STRONG.GPU", "UTMALDG.3D"):
+        assert wait_problem([mk(0, op), *tail], two_back=True) is None
+        assert "reads global memory" in wait_problem([mk(0, op), *tail])
+    for op in ("LDG.E.CONSTANT", "LDG.E", "LDGSTS.E.BYPASS.128"):
+        assert "reads global memory" in wait_problem([mk(0, op), *tail], two_back=True)

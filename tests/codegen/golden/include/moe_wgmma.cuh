@@ -64,13 +64,16 @@ struct WgTile {
 
 // tiles[e] = row tiles of experts before e (cdiv(pairs, BM) each), tiles[E] = all of them.
 // Warp 0 scans 32 experts a round.  (BM: the decode tiles of moe_wgmma_skinny.cuh hold 64 pairs.)
-template <int E, int BM = WG_BM>
+// L2_ONLY: `offsets` read through L2 (ld.global.cg), for a caller that reads them before its
+// pdl_wait (pdl.cuh: what the kernel two launches back wrote), where no L1 line may answer.
+template <int E, int BM = WG_BM, bool L2_ONLY = false>
 __device__ __forceinline__ void wgmma_row_tiles(const i32* __restrict__ offsets, int* tiles) {
   const int lane = threadIdx.x & 31;
+  auto ld = [&](int i) { return L2_ONLY ? __ldcg(offsets + i) : offsets[i]; };
   int base = 0;
   for (int e0 = 0; e0 < E; e0 += 32) {
     const int e = e0 + lane;
-    const int nt = (e < E) ? (offsets[e + 1] - offsets[e] + BM - 1) / BM : 0;
+    const int nt = (e < E) ? (ld(e + 1) - ld(e) + BM - 1) / BM : 0;
     int incl = nt;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -83,17 +86,24 @@ __device__ __forceinline__ void wgmma_row_tiles(const i32* __restrict__ offsets,
   if (lane == 0) tiles[E] = base;
 }
 
-// Tile t of the walk (t < tiles[E] * NCT): its expert is the last e with tiles[e] <= row tile,
-// which has pairs (an expert without pairs has tiles[e] == tiles[e + 1]).
-template <int E, int NCT, int BNO, int BM = WG_BM>
-__device__ __forceinline__ WgTile wgmma_tile(const int* tiles, const i32* __restrict__ offsets, int t) {
-  const int rt = t / NCT;
+// The expert of row tile rt: the last e with tiles[e] <= rt, which has pairs (an expert without
+// pairs has tiles[e] == tiles[e + 1]).  Shared memory only.
+template <int E>
+__device__ __forceinline__ int wgmma_tile_expert(const int* tiles, int rt) {
   int lo = 0, hi = E;                   // tiles[lo] <= rt < tiles[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
     if (tiles[mid] <= rt) lo = mid;
     else hi = mid;
   }
+  return lo;
+}
+
+// Tile t of the walk (t < tiles[E] * NCT): row tile t / NCT of wgmma_tile_expert, column tile t % NCT.
+template <int E, int NCT, int BNO, int BM = WG_BM>
+__device__ __forceinline__ WgTile wgmma_tile(const int* tiles, const i32* __restrict__ offsets, int t) {
+  const int rt = t / NCT;
+  const int lo = wgmma_tile_expert<E>(tiles, rt);
   WgTile tl;
   tl.e = lo;
   tl.pbeg = offsets[lo] + (rt - tiles[lo]) * BM;
@@ -134,14 +144,29 @@ struct WgPrefillTiles {
   __host__ __device__ static constexpr int cols(int mode) { return wgmma_tile_cols(mode); }
 };
 
+// One stage's weight boxes (thread 0 of the producer): the K slice at k0 of the tile's weight
+// rows from n0, as one or two TMA boxes, announced to the stage's full barrier.  DOWN's second box
+// starts past N when N - n0 <= BOX: left out (its accumulator columns are >= N and never stored),
+// so no box lies wholly outside the tensor.
+template <int MODE, int N, typename L>
+__device__ __forceinline__ void wgmma_issue_weights(char* b, const TensorMap* w0, const TensorMap* w1, int k0, int n0,
+                                                    int e, unsigned long long* full_s) {
+  const bool box1 = MODE != DOWN || n0 + L::BOX < N;
+  mbar::arrive_expect_tx(full_s, (box1 ? 2 : 1) * L::BOX * WG_ROW_BYTES);
+  tma::load_3d(b, w0, k0, n0, e, full_s);
+  if (box1) tma::load_3d(b + L::BOX * WG_ROW_BYTES, MODE == DOWN ? w0 : w1, k0, MODE == DOWN ? n0 + L::BOX : n0, e,
+                         full_s);
+}
+
 // Producer: the 128 threads of warpgroup 0.  Thread p copies 16-byte chunk p % 8 of tile rows
 // p / 8 + 16 i (i < BM / 16): a warp covers four whole 128-byte row slices per instruction; all
-// its rows share r % 8, so one swizzled chunk position.  Thread 0 also issues the weight boxes.
+// its rows share r % 8, so one swizzled chunk position.  Thread 0 also issues the weight boxes,
+// except those of the first `preissued` stages of the walk (issued before pdl_wait by the caller).
 template <typename T, int MODE, int E, int N, int KD, int K, int ST, typename L = WgPrefillTiles>
 __device__ __forceinline__ void wgmma_produce(const T* __restrict__ x, const TensorMap* w0, const TensorMap* w1,
                                               const i32* __restrict__ order, const i32* __restrict__ offsets,
                                               const int* tiles, char* ring, unsigned long long* full,
-                                              unsigned long long* empty) {
+                                              unsigned long long* empty, int preissued = 0) {
   constexpr int BNO = L::cols(MODE), NCT = (N + BNO - 1) / BNO, KT = (KD + WG_BK - 1) / WG_BK;
   const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
   const int chunk = (c ^ (r0 & 7)) * 16;                 // 128B swizzle: c ^ (row % 8)
@@ -161,21 +186,13 @@ __device__ __forceinline__ void wgmma_produce(const T* __restrict__ x, const Ten
       const int pr = r < tl.rows ? order[tl.pbeg + r] : -1;
       src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);
     }
-    // DOWN's second box starts past N when N - n0 <= BOX: left out (its accumulator columns are
-    // >= N and never stored), so no box lies wholly outside the tensor.
-    const bool box1 = MODE != DOWN || tl.n0 + L::BOX < N;
     for (int kt = 0; kt < KT; ++kt, ++it) {
       const int s = it % ST;
       mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
       char* a = ring + s * L::STAGE_BYTES + L::ROWS_AT;
       char* b = ring + s * L::STAGE_BYTES + L::WEIGHTS_AT;
       const int k0 = kt * WG_BK;
-      if (p == 0) {
-        mbar::arrive_expect_tx(&full[s], (box1 ? 2 : 1) * L::BOX * WG_ROW_BYTES);
-        tma::load_3d(b, w0, k0, tl.n0, tl.e, &full[s]);
-        if (box1) tma::load_3d(b + L::BOX * WG_ROW_BYTES, MODE == DOWN ? w0 : w1, k0,
-                               MODE == DOWN ? tl.n0 + L::BOX : tl.n0, tl.e, &full[s]);
-      }
+      if (p == 0 && it >= preissued) wgmma_issue_weights<MODE, N, L>(b, w0, w1, k0, tl.n0, tl.e, &full[s]);
       if (vec) {
         wgmma_gather<T, KD, true>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk);
         mbar::arrive_on_cp_async(&full[s]);
