@@ -130,6 +130,13 @@ MUTANTS = [
            moe_wgmma_skinny.test_moe_down_wgmma_skinny, dict(case={
                "dtype": "fp16", "T": 25, "E": 4, "K": 1, "counts": [9, 8, 7, 1], "KD": 64, "N": 200,
                "misalign": "none", "seed": 17}), uses_runner=True),
+    Mutant("decode wgmma down's early weight slices one K slice off (issued before the PDL wait)",
+           "include/moe_wgmma_skinny.cuh",
+           "s * WS_BK, n0, e, &full[s]);",
+           "(s + 1) * WS_BK, n0, e, &full[s]);",
+           moe_wgmma_skinny.test_moe_down_wgmma_skinny, dict(case={
+               "dtype": "bf16", "T": 25, "E": 4, "K": 1, "counts": [9, 8, 7, 1], "KD": 136, "N": 200,
+               "misalign": "none", "seed": 18}), uses_runner=True),
     Mutant("skinny linear output x1.01 (tensor cores, two stacked weights)", "include/skinny.cuh",
            "if (tok < ntok) store_out<T, ROWS...>(m, row, tok, s);",
            "if (tok < ntok) store_out<T, ROWS...>(m, row, tok, s * 1.01f);",
