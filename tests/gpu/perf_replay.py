@@ -12,7 +12,8 @@ graph (PDL on, as the bench runs them).  Per case, milliseconds:
            device_breakdown);
   span     first kernel start to last kernel end of one replay, PDL on (profiler trace).
 step - queued is host time the GPU waits for; replay - own is what the kernel boundaries cost
-inside the graph.  That cost per boundary is then split by (kernel before -> kernel after): for
+inside the graph.  The host's part is then split (refill copies, replay call, logits conversion),
+each timed with the GPU idle and behind a spin kernel.  That cost per boundary is then split by (kernel before -> kernel after): for
 kernel i, excess_i = (end_i - end_{i-1}) - own_i, i.e. how much later kernel i ends than it would
 if it started its own work the moment kernel i-1 ended; summed over boundaries of the same kind
 (families), largest first.  Negative excess is overlap that PDL bought.
@@ -59,6 +60,31 @@ def kernel_timeline(fn) -> list[tuple[str, float, float]]:
     return sorted(ks, key=lambda k: k[1])
 
 
+def host_split(cap, ids, step) -> dict:
+    """Host microseconds of each part of a graph step (cuda_graphs.DecodeGraphs.run), each timed
+    alone with the GPU idle at its start, then queued behind a spin kernel: the refill's copies,
+    the replay call, the logits' conversion."""
+    from runtime import cuda_graphs as cg
+    parts = {"refill": lambda: cg._refill(cap.inputs, ids, step), "replay": cap.graph.replay,
+             "logits": lambda: cg._logits_of(cap)}
+    out = {}
+    for name, fn in parts.items():
+        both = []
+        for spin in (False, True):
+            ts = []
+            for _ in range(9):
+                torch.cuda.synchronize()
+                if spin:
+                    torch.cuda._sleep(SPIN_CYCLES // 10)
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e6)
+            both.append(statistics.median(ts))
+        torch.cuda.synchronize()
+        out[name] = tuple(both)
+    return out
+
+
 def gpu_ms(fn, spin: bool = True) -> float:
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -100,6 +126,7 @@ def main() -> int:
                 hosts.append((time.perf_counter() - t0) * 1e3)
             queued = statistics.median(gpu_ms(f) for _ in range(5))
             (cap,) = be.graphs_decode.graphs.values()
+            split = host_split(cap, ids, step)
 
             def replays():
                 for _ in range(10):
@@ -131,6 +158,8 @@ def main() -> int:
                          len(on)))
             print(f"\n{batch}x{ctx}: step {step_ms:.3f}  host {statistics.median(hosts):.3f}  queued {queued:.3f}  "
                   f"replay {replay:.3f}  own {sum(own) / 1e3:.3f}  span {span:.3f}  kernels {len(on)}", flush=True)
+            print("  host of forward's parts, us (median; GPU idle / GPU busy): "
+                  + ", ".join(f"{k} {a:.0f} / {b:.0f}" for k, (a, b) in split.items()))
             if boundary:
                 total = sum(v[1] for v in boundary.values())
                 print(f"  boundary excess {total / 1e3:.3f} ms over {len(on) - 1} boundaries "
