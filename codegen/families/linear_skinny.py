@@ -8,7 +8,10 @@ a decode graph captured at one batch size holds exactly one of them):
                              once with 16-byte loads, tensor-core mma with the tokens as N, the
                              stacked weights of a multi_linear in one launch.  Its grid has the
                              factor codegen.sizes.only_below(SKINNY_MAX_TOKENS): 0 above.
-    T >  SKINNY_MAX_TOKENS   the library call (cuBLAS, one GEMM per weight), whose from_tokens says
+    up to WIDE_MAX_TOKENS    with WIDE on, the wide kernel (templates/include/linear_wide.cuh): the
+                             same loads, the warps splitting the rows, K split over a cluster;
+                             its grid is 0 outside SKINNY_MAX_TOKENS < T <= WIDE_MAX_TOKENS.
+    above                    the library call (cuBLAS, one GEMM per weight), whose from_tokens says
                              so; the runtime skips it below.
 
 A linear at fp32 precision (the router, when fuse_router did not take it) is the library call at
@@ -19,7 +22,7 @@ from __future__ import annotations
 from codegen.errors import LoweringError
 from codegen.kernel import DTYPES, KernelLaunch, inp, out, size, stride, weight
 from codegen.render import kernel_name
-from codegen.sizes import only_below
+from codegen.sizes import only_above, only_below
 
 from ._dense_util import inner_dims, node_io
 
@@ -42,6 +45,28 @@ SKINNY_MAX_TOKENS = 16
 # o_proj's 128; reduced through distributed shared memory, skinny.cuh), off until measured.
 WARPS, ROW_TILES, UNROLL, KSPLIT = 8, 1, 4, 1
 
+# The wide kernel for SKINNY_MAX_TOKENS < T <= WIDE_MAX_TOKENS (16-bit activations): off until
+# measured on the H200 against cuBLAS (tests/gpu/perf_linear.py --tokens 17,32,64,128 --wide; its
+# property test is tests/gpu/test_kernels_linear.py test_linear_wide).  cuBLAS read these weights at
+# 1.4-1.8 TB/s in decode steps of 32-256 tokens (PERF_NOTES v16).  WIDE_UNROLL: 32-k steps a batch
+# of weight loads in flight (two batches: the next loads while one multiplies).  WIDE_SMS: the SM
+# count the K split fills (one CTA an SM; the H200's 132).
+WIDE = False
+WIDE_MAX_TOKENS = 128
+WIDE_UNROLL = 2
+WIDE_SMS = 132
+WIDE_ROWS = 128   # stacked rows a CTA (templates/include/linear_wide.cuh ROWS_PER_CTA)
+
+
+def wide_ksplit(rows: int, k: int, sms: int = WIDE_SMS) -> int:
+    """CTAs a cluster splits K over: the most of 1, 2, 4, 8 that keeps the CTAs (128 stacked rows
+    a cluster) within one wave of `sms`, and at least one 32-k step a CTA."""
+    ctas = -(-rows // WIDE_ROWS)
+    ks = 1
+    while ks < 8 and ctas * ks * 2 <= sms and -(-k // 32) >= ks * 2:
+        ks *= 2
+    return ks
+
 
 def min_blocks(warps: int, row_tiles: int, unroll: int) -> int:
     """CTAs per SM the register budget is set for (__launch_bounds__): two (<= 128 registers at 256
@@ -58,7 +83,9 @@ def variant_tag(warps: int, row_tiles: int, unroll: int, ksplit: int = 1) -> str
 
 
 def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unroll: int = UNROLL,
-          ksplit: int = KSPLIT):
+          ksplit: int = KSPLIT, wide: bool | None = None, wide_ks: int | None = None):
+    """The node's steps (module docstring).  wide / wide_ks: the wide kernel on or off and its K
+    split, against WIDE and wide_ksplit (for the property tests and perf_linear.py)."""
     from codegen.lower import library_call
     data, (x,), outs, bound = node_io(G, nid)
     if data["op"] == "linear" and data["attrs"]["precision"] == "fp32":
@@ -94,4 +121,26 @@ def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unrol
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
         grid=(f"{ctas} * {only_below(SKINNY_MAX_TOKENS)}", 1, 1), block=(warps * 32, 1, 1), args=args,
         stage=data["op"])
-    return [launch, library_call(nid, data, from_tokens=SKINNY_MAX_TOKENS + 1)]
+    if not ((WIDE if wide is None else wide) and opts.dtype != "fp32"):
+        return [launch, library_call(nid, data, from_tokens=SKINNY_MAX_TOKENS + 1)]
+    return [launch, wide_launch(nid, data, params, parts[:3], args, wide_ks),
+            library_call(nid, data, from_tokens=WIDE_MAX_TOKENS + 1)]
+
+
+def wide_launch(nid, data, skinny_params: dict, parts: list, args: tuple, ks: int | None = None) -> KernelLaunch:
+    """The wide kernel's launch for the node the skinny launch serves (same arguments)."""
+    rows, K = skinny_params["rows"], skinny_params["K"]
+    ks = wide_ksplit(sum(rows), K) if ks is None else ks
+    if ks not in (1, 2, 4, 8) or -(-K // 32) < ks:
+        raise LoweringError(f"the wide linear splits K = {K} over 1, 2, 4 or 8 CTAs, at least one 32-wide step "
+                            f"each; got {ks}")
+    smem = 8 * 16 * 128 * 4    # linear_wide.cuh red_floats(): the CTA's sums, 64 KB
+    params = {k: skinny_params[k] for k in ("act", "K", "rows", "w_args", "y_args", "silu")}
+    params.update(ks=ks, unroll=WIDE_UNROLL, min_tokens=SKINNY_MAX_TOKENS + 1, max_tokens=WIDE_MAX_TOKENS,
+                  smem_bytes=smem)
+    ctas = -(-sum(rows) // WIDE_ROWS) * ks
+    window = f"{only_above(SKINNY_MAX_TOKENS)} * {only_below(WIDE_MAX_TOKENS)}"
+    return KernelLaunch(
+        family=FAMILY, template="linear_wide.cu.j2", name=kernel_name(FAMILY, [*parts, f"wide_k{ks}u{WIDE_UNROLL}"]),
+        params=params, nodes=(nid,), grid=(f"{ctas} * {window}", 1, 1), block=(256, 1, 1), args=args, smem=smem,
+        stage=f"{data['op']}_wide")

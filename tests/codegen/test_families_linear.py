@@ -104,3 +104,45 @@ def test_a_family_handing_a_node_back_keeps_the_contract(monkeypatch, make, matc
     monkeypatch.setattr(families, "family_for_op", lambda op: fam if op == "linear" else None)
     with pytest.raises(TypeError, match=match):
         lower_graph(_graph(), Options(), strict=False)
+
+
+# ---- the wide kernel (17..WIDE_MAX_TOKENS tokens), off in the lowering until measured -----------
+
+def test_wide_is_off_until_measured():
+    assert linear_skinny.WIDE is False
+    assert len(_steps("L3.mla.q")) == 2
+
+
+@pytest.mark.parametrize("nid, rows, ks", [("L3.mla.q", 3072 + 576, 4), ("L3.mla.y", 2048, 8),
+                                           ("head.logits", 102400, 1)])
+def test_wide_serves_the_tokens_between_the_skinny_kernel_and_cublas(nid, rows, ks):
+    skinny, wide, call = linear_skinny.lower(nid, _graph(), Options(dtype="bf16"), wide=True)
+    assert wide.stage.endswith("_wide") and wide.template == "linear_wide.cu.j2"
+    assert call.from_tokens == linear_skinny.WIDE_MAX_TOKENS + 1
+    assert wide.params["ks"] == ks and wide.name.endswith(f"__wide_k{ks}u{linear_skinny.WIDE_UNROLL}")
+    assert wide.block == (256, 1, 1) and wide.smem == 64 * 1024 and wide.args == skinny.args
+    for T in (1, 16, 17, 32, 33, 64, 65, 127, 128, 129, 256, 16384):
+        g_skinny = sizes.evaluate(skinny.grid[0], {"T": T})
+        g_wide = sizes.evaluate(wide.grid[0], {"T": T})
+        served = [g_skinny > 0, g_wide > 0, call.runs_at(T)]
+        assert served.count(True) == 1, (T, served)
+        assert served[1] == (linear_skinny.SKINNY_MAX_TOKENS < T <= linear_skinny.WIDE_MAX_TOKENS)
+        assert g_wide in (0, -(-rows // 128) * ks)
+
+
+def test_wide_keeps_fp32_on_cublas_and_refuses_a_split_finer_than_k():
+    assert len(linear_skinny.lower("L3.mla.y", _graph(), Options(dtype="fp32"), wide=True)) == 2
+    with pytest.raises(Exception, match="splits K"):
+        linear_skinny.lower("L3.mla.y", _graph(), Options(dtype="bf16"), wide=True, wide_ks=3)
+
+
+def test_wide_ksplit_fills_one_wave_of_sms():
+    assert linear_skinny.wide_ksplit(3648, 2048) == 4       # 29 CTAs of 128 rows: 116 on 132 SMs
+    assert linear_skinny.wide_ksplit(2048, 2048) == 8       # 16 -> 128
+    assert linear_skinny.wide_ksplit(102400, 2048) == 1     # 800 CTAs: no split
+    assert linear_skinny.wide_ksplit(2048, 40) == 2         # two 32-wide steps: at most two CTAs
+    assert linear_skinny.wide_ksplit(2048, 32) == 1
+    assert linear_skinny.wide_ksplit(128, 64) == 2
+    for rows in range(1, 20000, 97):
+        ks = linear_skinny.wide_ksplit(rows, 2048)
+        assert ks in (1, 2, 4, 8) and (ks == 1 or -(-rows // 128) * ks <= 132)

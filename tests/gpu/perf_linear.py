@@ -2,6 +2,7 @@
 (a script, not a test).
 
     python3 tests/gpu/perf_linear.py [--tokens 1,2,4,8,16] [--shapes q+kv_a,o,...] [--json PATH]
+    python3 tests/gpu/perf_linear.py --tokens 17,32,64,128 --variants wide,wide_u4,wide_k1  # the wide kernel
                                      [--variants w8r1u4,w8r1u2,w8r1u8,w4r1u4,w8r2u2,w16r1u2,w8r1u4k2,w8r1u2k4]
     python3 tests/gpu/perf_linear.py --compile-only   # no GPU: lower, render and NVRTC-compile every
                                                       # variant at every shape, print registers / spills
@@ -55,6 +56,9 @@ DEFAULT_VARIANT = (f"w{linear_skinny.WARPS}r{linear_skinny.ROW_TILES}u{linear_sk
                    + (f"k{linear_skinny.KSPLIT}" if linear_skinny.KSPLIT > 1 else ""))
 VARIANTS = f"{DEFAULT_VARIANT},w8r1u2,w8r1u8,w4r1u4,w8r2u2,w16r1u2,w8r1u4k2,w8r1u2k4"
 _VARIANT_RE = re.compile(r"^w(\d+)r(\d+)u(\d+)(?:k(\d+))?$")
+# The wide kernel (linear_wide.cuh, 17..128 tokens): "wide" (the lowering's K split and unroll),
+# "wide_k4", "wide_u4", "wide_k8u4" (forced); it serves T > SKINNY_MAX_TOKENS only.
+_WIDE_RE = re.compile(r"^wide(?:_(?:k(\d))?(?:u(\d+))?)?$")
 
 
 def lite():
@@ -73,17 +77,21 @@ def shapes(m) -> dict:
             "lm_head": (D, [d["vocab"]], 1, False), "q": (D, [H * (N + R)], 0, False), "kv_a": (D, [C + R], 0, False)}
 
 
-def parse_variant(v: str) -> tuple[int, int, int, int]:
+def parse_variant(v: str) -> tuple:
+    mw = _WIDE_RE.match(v)
+    if mw:
+        k, u = mw.groups()
+        return ("wide", int(k) if k else None, int(u) if u else linear_skinny.WIDE_UNROLL)
     mt = _VARIANT_RE.match(v)
     if not mt:
-        raise SystemExit(f"variant {v!r} is not w<warps>r<row tiles>u<unroll>[k<cluster>]")
+        raise SystemExit(f"variant {v!r} is not w<warps>r<row tiles>u<unroll>[k<cluster>] or wide[_k<split>u<unroll>]")
     w, r, u, k = mt.groups()
     return int(w), int(r), int(u), int(k or 1)
 
 
 def launch_for(m, K: int, rows: list[int], variant: str, dtype: str = "bf16",
                silu: bool = False) -> tuple[KernelLaunch, list[str]]:
-    warps, rt, unroll, ks = parse_variant(variant)
+    parsed = parse_variant(variant)
     if silu:
         G, nid = single_op_graph(m, "gate_up_silu", {"out_dim": rows[0]}, {"x": TType(("T", K), "act")},
                                  {"gate": "w0", "up": "w1"}, phase="decode")
@@ -93,6 +101,16 @@ def launch_for(m, K: int, rows: list[int], variant: str, dtype: str = "bf16",
     else:
         G, nid = single_op_graph(m, "multi_linear", {"out_dims": rows}, {"x": TType(("T", K), "act")},
                                  {f"weight{i}": f"w{i}" for i in range(len(rows))}, phase="decode")
+    if parsed[0] == "wide":
+        _, ks, unroll = parsed
+        saved, linear_skinny.WIDE_UNROLL = linear_skinny.WIDE_UNROLL, unroll
+        try:
+            steps = linear_skinny.lower(nid, G, Options(dtype=dtype), wide=True, wide_ks=ks)
+        finally:
+            linear_skinny.WIDE_UNROLL = saved
+        (la,) = [s for s in steps if isinstance(s, KernelLaunch) and s.stage.endswith("_wide")]
+        return la, G.nodes[nid]["outputs"]
+    warps, rt, unroll, ks = parsed
     steps = linear_skinny.lower(nid, G, Options(dtype=dtype), warps=warps, row_tiles=rt, unroll=unroll, ksplit=ks)
     (la,) = [s for s in steps if isinstance(s, KernelLaunch)]
     return la, G.nodes[nid]["outputs"]
@@ -194,6 +212,9 @@ def main() -> int:
             print(f"{name:<16} T={T:<3} cuBLAS    {us_torch:8.2f} us {nbytes / us_torch / 1e6:6.2f} TB/s "
                   f"({nbytes / us_torch * 1e6 / bw * 100:3.0f}%)", flush=True)
             for v in variants:
+                if (v.startswith("wide") != (T > linear_skinny.SKINNY_MAX_TOKENS)
+                        or T > linear_skinny.WIDE_MAX_TOKENS):
+                    continue   # each kernel at the token counts it serves
                 la, outs = launch_for(m, K, rows, v, silu=silu)
                 ys = {o: torch.full((T, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                       for o, n in zip(outs, rows)}
@@ -221,12 +242,14 @@ def main() -> int:
             continue
         nbytes = sum(r["bytes"] * r["per_step"] for r in rows_t)
         cols = [sum(r["kernel_us"].get(variants[0], math.nan) * r["per_step"] for r in rows_t),
-                sum(min(r["kernel_us"].values()) * r["per_step"] for r in rows_t),
+                sum(min(r["kernel_us"].values(), default=math.nan) * r["per_step"] for r in rows_t),
                 sum(r["torch_us"] * r["per_step"] for r in rows_t)]
         print(f"{T:<4}" + "".join(f"{us:>12.1f} us {nbytes / us / 1e6:5.2f} TB/s ({nbytes / us * 1e6 / bw * 100:3.0f}%)"
                                   for us in cols))
     best = {}
     for r in results:
+        if not r["kernel_us"]:
+            continue
         v = min(r["kernel_us"], key=r["kernel_us"].get)
         best.setdefault(r["shape"], []).append(f"T={r['T']}:{v}")
     print("\nbest variant per shape: " + "; ".join(f"{k} {' '.join(v)}" for k, v in best.items()))

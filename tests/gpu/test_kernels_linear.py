@@ -177,3 +177,75 @@ def test_gate_up_silu(dtype, T, K, n, extra, offset, shift, variant, seed):
     torch.testing.assert_close(out.double().cpu(), reference(G, nid, [x], {"wg": wg, "wu": wu})[0].cpu(),
                                rtol=tolerance(dtype)[0], atol=tolerance(dtype)[1])
     REC_SILU.example()
+
+
+# ---- the wide kernel (linear_wide.cuh): 17..128 tokens, off in the lowering until measured -------
+
+REC_WIDE = Recorder("linear_skinny wide")
+WIDE_T = st.integers(linear_skinny.SKINNY_MAX_TOKENS + 1, linear_skinny.WIDE_MAX_TOKENS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_wide():
+    yield
+    REC_WIDE.report()
+
+
+def run_wide(dtype, T, K, rows, extra, offset, shift, ks, seed, silu=False):
+    """One launch of the wide kernel (a linear, multi_linear or gate_up_silu) on poisoned outputs,
+    against the op's reference (gate_up_silu: also the kernel's own rounding points)."""
+    m = model("lite")
+    gen = torch.Generator().manual_seed(seed)
+    if silu:
+        G, nid = single_op_graph(m, "gate_up_silu", {"out_dim": rows[0]}, {"x": act(K)}, {"gate": "w0", "up": "w1"})
+        shapes = [rows[0], rows[0]]
+    elif len(rows) == 1:
+        G, nid = single_op_graph(m, "linear", {"out_dim": rows[0]}, {"x": act(K)}, {"weight": "w0"})
+        shapes = rows
+    else:
+        G, nid = single_op_graph(m, "multi_linear", {"out_dims": list(rows)}, {"x": act(K)},
+                                 {f"weight{i}": f"w{i}" for i in range(len(rows))})
+        shapes = rows
+    outs = G.nodes[nid]["outputs"]
+    x = x_view(T, K, dtype, extra, offset, gen)
+    ws = {f"w{i}": rand((n, K), dtype, gen=gen, scale=(2 if silu and i == 0 else 1) * K ** -0.5)
+          for i, n in enumerate(shapes)}
+    if shift == "x":
+        x = shifted(x.contiguous())
+    elif shift == "w":
+        ws["w0"] = shifted(ws["w0"])
+    ys = {o: empty_out((T, n), dtype) for o, n in zip(outs, rows)}
+    steps = linear_skinny.lower(nid, G, Options(dtype=dtype), wide=True, wide_ks=ks)
+    launches = [s for s in steps if isinstance(s, KernelLaunch)]
+    assert [la.stage.endswith("_wide") for la in launches] == [False, True]
+    assert steps[-1].from_tokens == linear_skinny.WIDE_MAX_TOKENS + 1
+    runner().run_all(launches, values={"x": x, **ys}, weights=ws, sizes={"T": T})   # the skinny grid is 0 here
+    torch.cuda.synchronize()
+    label = f"T={T} K={K} rows={list(rows)} ks={ks} shift={shift}{' silu' if silu else ''}"
+    if silu:
+        REC_WIDE.check(ys[outs[0]], silu_reference(x, ws["w0"], ws["w1"], dtype), dtype, label)
+    else:
+        for o, ref in zip(outs, reference(G, nid, [x], ws)):
+            REC_WIDE.check(ys[o], ref, dtype, f"{o} {label}")
+    REC_WIDE.example()
+
+
+@SETTINGS
+@given(dtype=st.sampled_from(["bf16", "fp16"]), T=WIDE_T, K=WIDTHS, rows=st.lists(HEIGHTS, min_size=1, max_size=3),
+       extra=st.sampled_from([0, 0, 1, 8]), offset=st.integers(0, 8), shift=st.sampled_from(["none", "none", "x", "w"]),
+       ks=st.sampled_from([None, 1, 2, 4, 8]), silu=st.booleans(), seed=st.integers(0, 2**31))
+# V2-Lite's decode linears at 32, 64, 128 tokens (the lowering's K split), the dense FFN's gate + up
+@example(dtype="bf16", T=32, K=2048, rows=[3072, 576], extra=0, offset=0, shift="none", ks=None, silu=False, seed=1)
+@example(dtype="bf16", T=128, K=2048, rows=[2048], extra=0, offset=0, shift="none", ks=None, silu=False, seed=2)
+@example(dtype="fp16", T=64, K=2048, rows=[10944], extra=0, offset=0, shift="none", ks=None, silu=True, seed=3)
+@example(dtype="bf16", T=17, K=10944, rows=[2048], extra=0, offset=0, shift="none", ks=None, silu=False, seed=4)
+# each token-tile count's edges, odd K and heights, unaligned x / weight, a strided view
+@example(dtype="bf16", T=33, K=41, rows=[17, 5, 30], extra=3, offset=1, shift="none", ks=1, silu=False, seed=5)
+@example(dtype="fp16", T=65, K=264, rows=[33, 15], extra=0, offset=0, shift="x", ks=8, silu=False, seed=6)
+@example(dtype="bf16", T=127, K=512, rows=[100], extra=0, offset=0, shift="w", ks=4, silu=False, seed=7)
+@example(dtype="bf16", T=96, K=2048, rows=[13], extra=64, offset=8, shift="none", ks=2, silu=True, seed=8)
+def test_linear_wide(dtype, T, K, rows, extra, offset, shift, ks, silu, seed):
+    """The wide kernel (17..128 tokens: warps over rows, K over a cluster) against the reference."""
+    if ks is not None and -(-K // 32) < ks:
+        ks = 1   # fewer 32-wide steps than CTAs: the lowering refuses that split
+    run_wide(dtype, T, K, rows[:1] if silu else rows, extra, offset, shift, ks, seed, silu=silu)
