@@ -49,21 +49,23 @@ WARPS, ROW_TILES, UNROLL, KSPLIT = 8, 1, 4, 1
 # measured on the H200 against cuBLAS (tests/gpu/perf_linear.py --tokens 17,32,64,128 --wide; its
 # property test is tests/gpu/test_kernels_linear.py test_linear_wide).  cuBLAS read these weights at
 # 1.4-1.8 TB/s in decode steps of 32-256 tokens (PERF_NOTES v16).  WIDE_UNROLL: 32-k steps a batch
-# of weight loads in flight (two batches: the next loads while one multiplies).  WIDE_SMS: the SM
-# count the K split fills (one CTA an SM; the H200's 132).
+# of weight loads in flight (two batches: the next loads while one multiplies).  WIDE_CLUSTERS:
+# clusters of each size the H200 holds at once at one CTA an SM (tests/gpu/probe_clusters.py: 132
+# SMs, 66 clusters of 2, but only 30 of 4 and 15 of 8: the GPCs' SM counts), so a K split never
+# makes a second wave of clusters.
 WIDE = False
 WIDE_MAX_TOKENS = 128
 WIDE_UNROLL = 2
-WIDE_SMS = 132
+WIDE_CLUSTERS = {1: 132, 2: 66, 4: 30, 8: 15}
 WIDE_ROWS = 128   # stacked rows a CTA (templates/include/linear_wide.cuh ROWS_PER_CTA)
 
 
-def wide_ksplit(rows: int, k: int, sms: int = WIDE_SMS) -> int:
-    """CTAs a cluster splits K over: the most of 1, 2, 4, 8 that keeps the CTAs (128 stacked rows
-    a cluster) within one wave of `sms`, and at least one 32-k step a CTA."""
+def wide_ksplit(rows: int, k: int, clusters: dict = WIDE_CLUSTERS) -> int:
+    """CTAs a cluster splits K over: the most of 1, 2, 4, 8 whose clusters (one per 128 stacked
+    rows) all run at once, with at least one 32-k step a CTA."""
     ctas = -(-rows // WIDE_ROWS)
     ks = 1
-    while ks < 8 and ctas * ks * 2 <= sms and -(-k // 32) >= ks * 2:
+    while ks < 8 and ctas <= clusters[ks * 2] and -(-k // 32) >= ks * 2:
         ks *= 2
     return ks
 

@@ -113,7 +113,7 @@ def test_wide_is_off_until_measured():
     assert len(_steps("L3.mla.q")) == 2
 
 
-@pytest.mark.parametrize("nid, rows, ks", [("L3.mla.q", 3072 + 576, 4), ("L3.mla.y", 2048, 8),
+@pytest.mark.parametrize("nid, rows, ks", [("L3.mla.q", 3072 + 576, 4), ("L3.mla.y", 2048, 4),
                                            ("head.logits", 102400, 1)])
 def test_wide_serves_the_tokens_between_the_skinny_kernel_and_cublas(nid, rows, ks):
     skinny, wide, call = linear_skinny.lower(nid, _graph(), Options(dtype="bf16"), wide=True)
@@ -136,13 +136,15 @@ def test_wide_keeps_fp32_on_cublas_and_refuses_a_split_finer_than_k():
         linear_skinny.lower("L3.mla.y", _graph(), Options(dtype="bf16"), wide=True, wide_ks=3)
 
 
-def test_wide_ksplit_fills_one_wave_of_sms():
-    assert linear_skinny.wide_ksplit(3648, 2048) == 4       # 29 CTAs of 128 rows: 116 on 132 SMs
-    assert linear_skinny.wide_ksplit(2048, 2048) == 8       # 16 -> 128
+def test_wide_ksplit_runs_its_clusters_in_one_wave():
+    assert linear_skinny.wide_ksplit(3648, 2048) == 4       # 29 clusters of 4 (30 fit): 116 CTAs
+    assert linear_skinny.wide_ksplit(2048, 2048) == 4       # 16 clusters: of 8 only 15 fit
+    assert linear_skinny.wide_ksplit(15 * 128, 2048) == 8   # 15 clusters of 8: 120 CTAs
+    assert linear_skinny.wide_ksplit(4096, 512) == 2        # 32 clusters: of 4 only 30 fit
     assert linear_skinny.wide_ksplit(102400, 2048) == 1     # 800 CTAs: no split
-    assert linear_skinny.wide_ksplit(2048, 40) == 2         # two 32-wide steps: at most two CTAs
-    assert linear_skinny.wide_ksplit(2048, 32) == 1
-    assert linear_skinny.wide_ksplit(128, 64) == 2
-    for rows in range(1, 20000, 97):
+    assert linear_skinny.wide_ksplit(512, 40) == 2          # two 32-wide steps: at most two CTAs
+    assert linear_skinny.wide_ksplit(512, 32) == 1
+    caps = linear_skinny.WIDE_CLUSTERS
+    for rows in range(1, 40000, 97):
         ks = linear_skinny.wide_ksplit(rows, 2048)
-        assert ks in (1, 2, 4, 8) and (ks == 1 or -(-rows // 128) * ks <= 132)
+        assert ks in (1, 2, 4, 8) and (ks == 1 or -(-rows // 128) <= caps[ks])

@@ -108,6 +108,9 @@ def test_the_wide_kernels_run_on_tensor_cores_from_registers_without_spills(dtyp
         for la in linear_skinny.lower(nid, G, Options(dtype=dtype), wide=True):
             if getattr(la, "stage", "").endswith("_wide"):
                 seen.setdefault(la.name, la)
+    # and one forced split of 8 (the lowering's picks here are 1, 2 and 4)
+    la8 = linear_skinny.lower("L3.mla.y", G, Options(dtype=dtype), wide=True, wide_ks=8)[1]
+    seen[la8.name] = la8
     assert {la.params["ks"] for la in seen.values()} >= {1, 4, 8}
     for la in seen.values():
         assert size_exprs.evaluate(la.grid[0], {"T": 64}) > 0

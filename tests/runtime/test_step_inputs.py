@@ -60,3 +60,12 @@ def test_every_step_context_is_consistent_and_decode_lengths_are_positions_plus_
             assert query_lens == [1] * len(query_lens)
             assert positions.tolist() == [n - 1 for n in context_lens]
     assert decodes > 0
+
+
+def test_a_decode_graph_makes_its_context_lengths_from_the_positions():
+    """cuda_graphs._decode_lengths: the graph's first node (here on CPU tensors)."""
+    from runtime.cuda_graphs import _decode_lengths
+    x = {"positions": torch.tensor([0, 511, 4095, 7], dtype=torch.int64),
+         "context_lens": torch.zeros(4, dtype=torch.int32)}
+    _decode_lengths(x)
+    assert x["context_lens"].dtype == torch.int32 and x["context_lens"].tolist() == [1, 512, 4096, 8]
