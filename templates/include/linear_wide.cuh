@@ -1,4 +1,4 @@
-// Linears of WIDE_MIN..WIDE_MAX tokens (decode batches above the skinny kernel's 16): y_i[T, O_i] =
+// Linears of MIN_TOKENS..MAX_TOKENS tokens (17..128: decode batches above the skinny kernel's 16): y_i[T, O_i] =
 // x[T, K] @ W_i[O_i, K]^T, one launch for one weight or a few stacked ones, gate_up_silu as in
 // skinny.cuh.  Where cuBLAS ran these at 1.4-1.8 TB/s (PERF_NOTES v16: 0.65-0.85 ms of a decode step
 // from 32 to 256 tokens), this reads each weight byte once, like the skinny kernel, with more tokens:
@@ -11,7 +11,7 @@
 //     U steps of 32 k in flight while the batch before it is multiplied (two register sets).
 //   * x read through L1: the 8 warps of a CTA read the same x chunks one after another, so each
 //     chunk leaves L2 about once a CTA (x bytes a CTA = T / 128 of its weight bytes).
-//   * K split over a cluster of KS CTAs (the lowering picks KS so that about one CTA an SM runs);
+//   * K split over a cluster of KS CTAs (the lowering picks the largest KS whose clusters all run at once);
 //     each CTA keeps its sums in shared memory and, after a cluster barrier, sums 1/KS of the
 //     outputs over the cluster's CTAs through distributed shared memory in rank order
 //     (deterministic), rounds once and stores.
