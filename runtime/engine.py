@@ -18,7 +18,6 @@ import itertools
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from codegen.kernel import DEFAULTS
@@ -27,7 +26,7 @@ from ir.parallel import check_parallel
 from ir.spec import Spec, parse_spec
 
 from .errors import InputError
-from .h2d import upload
+from .h2d import upload_together
 from .kv_cache import BlockAllocator, BlockTables, PagedLatentCache
 from .memory import MemoryEstimate, check_fits, weight_bytes
 from .model_loader import (compile_graphs, eos_token_ids, load_config, load_model_weights, manifest_weight_specs,
@@ -48,23 +47,6 @@ class GenerationOutput:
     token_ids: list[int]                  # the new tokens (stop token included when one ended it)
     finish_reason: str                    # "stop" | "length"
     logits: torch.Tensor | None = None    # [new, vocab] float32 when SamplingParams.return_logits
-
-
-def _upload_together(parts: list, device) -> list:
-    """int64 lists (None: skipped) as device tensors from one host-to-device copy: a step's ids,
-    positions, slots and logit rows cost one upload instead of four (each ~20-50 us of host time on
-    a decode step's critical path, PERF_NOTES v16).  Each part starts on a 128-byte boundary, as a
-    tensor of its own would."""
-    starts, n = [], 0
-    for p in parts:
-        starts.append(n)
-        n += -(-len(p) // 16) * 16 if p is not None else 0
-    flat = np.zeros(max(n, 1), dtype=np.int64)
-    for p, at in zip(parts, starts):
-        if p:
-            flat[at:at + len(p)] = p
-    whole = upload(flat, torch.int64, device)
-    return [None if p is None else whole[at:at + len(p)] for p, at in zip(parts, starts)]
 
 
 def _as_dtype(dtype) -> torch.dtype:
@@ -307,7 +289,7 @@ class Engine:
             context_lens.append(len(toks))
         dev = self.device
         rows = list(itertools.accumulate(query_lens, initial=-1))[1:] if last_only else None
-        ids_t, positions_t, slots_t, rows_t = _upload_together([ids, positions, slots, rows], dev)
+        ids_t, positions_t, slots_t, rows_t = upload_together([ids, positions, slots, rows], dev)
         ctx = StepContext(
             positions=positions_t,
             query_lens=query_lens, context_lens=context_lens,

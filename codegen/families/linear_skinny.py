@@ -139,7 +139,7 @@ def wide_launch(nid, data, skinny_params: dict, parts: list, args: tuple, ks: in
     smem = 8 * 16 * 128 * 4    # linear_wide.cuh red_floats(): the CTA's sums, 64 KB
     params = {k: skinny_params[k] for k in ("act", "K", "rows", "w_args", "y_args", "silu")}
     params.update(ks=ks, unroll=WIDE_UNROLL, min_tokens=SKINNY_MAX_TOKENS + 1, max_tokens=WIDE_MAX_TOKENS,
-                  smem_bytes=smem)
+                  smem_bytes=smem, rows_per_cta=WIDE_ROWS)
     ctas = -(-sum(rows) // WIDE_ROWS) * ks
     window = f"{only_above(SKINNY_MAX_TOKENS)} * {only_below(WIDE_MAX_TOKENS)}"
     return KernelLaunch(

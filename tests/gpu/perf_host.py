@@ -66,6 +66,34 @@ def _split(acc: collections.Counter, cnt: collections.Counter):
     return restore
 
 
+def host_ms(fn, n: int = 5, spin_cycles: int = SPIN_CYCLES) -> float:
+    """Median host milliseconds of fn() over n calls, each after a sync; with spin_cycles > 0 a spin
+    kernel is queued first, so no call waits for the GPU (0: the GPU idle at the call)."""
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        if spin_cycles:
+            torch.cuda._sleep(spin_cycles)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def queued_ms(fn) -> float:
+    """GPU milliseconds of fn()'s work once it is all queued (behind a spin kernel: no gap waits for
+    the host), between two CUDA events."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SPIN_CYCLES)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="prefill1x2048,prefill32x512,decode1,decode32")
@@ -98,20 +126,8 @@ def main() -> int:
             def f():
                 return be.forward(phase, ids, step)
             ms = _timeit(f, 7, warmup=2)
-            hosts = []
-            for _ in range(5):
-                torch.cuda.synchronize()
-                torch.cuda._sleep(SPIN_CYCLES)
-                t0 = time.perf_counter()
-                f()
-                hosts.append((time.perf_counter() - t0) * 1e3)
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(SPIN_CYCLES)
-            start.record()
-            f()
-            end.record()
-            end.synchronize()
+            host = host_ms(f)
+            queued = queued_ms(f)
             acc.clear()
             cnt.clear()
             restore = _split(acc, cnt)
@@ -122,7 +138,7 @@ def main() -> int:
             finally:
                 restore()
             split = ", ".join(f"{k} {v * 1e3:.1f}/{cnt[k]}" for k, v in acc.items())
-            print(f"{c:<16}{ms:>8.2f}{statistics.median(hosts):>8.2f}{start.elapsed_time(end):>8.2f}   {split}",
+            print(f"{c:<16}{ms:>8.2f}{host:>8.2f}{queued:>8.2f}   {split}",
                   flush=True)
             _release(eng, sids)
     return 0

@@ -28,8 +28,8 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
@@ -39,7 +39,8 @@ from codegen.kernel import DEFAULTS  # noqa: E402
 from runtime.bench import _decode_ctx, _release, _timeit, family_of  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 
-SPIN_CYCLES = int(5e8)   # ~0.25 s of GPU spin ahead of the timed launches
+from perf_host import SPIN_CYCLES, host_ms, queued_ms  # noqa: E402
+
 
 
 def kernel_timeline(fn) -> list[tuple[str, float, float]]:
@@ -67,34 +68,7 @@ def host_split(cap, ids, step) -> dict:
     from runtime import cuda_graphs as cg
     parts = {"refill": lambda: cg._refill(cap.inputs, ids, step), "replay": cap.graph.replay,
              "logits": lambda: cg._logits_of(cap)}
-    out = {}
-    for name, fn in parts.items():
-        both = []
-        for spin in (False, True):
-            ts = []
-            for _ in range(9):
-                torch.cuda.synchronize()
-                if spin:
-                    torch.cuda._sleep(SPIN_CYCLES // 10)
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e6)
-            both.append(statistics.median(ts))
-        torch.cuda.synchronize()
-        out[name] = tuple(both)
-    return out
-
-
-def gpu_ms(fn, spin: bool = True) -> float:
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    if spin:
-        torch.cuda._sleep(SPIN_CYCLES)
-    a.record()
-    fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b)
+    return {name: (host_ms(fn, 9, 0) * 1e3, host_ms(fn, 9, SPIN_CYCLES // 10) * 1e3) for name, fn in parts.items()}
 
 
 def main() -> int:
@@ -117,21 +91,15 @@ def main() -> int:
             def f():
                 return be.forward("decode", ids, step)
             step_ms = _timeit(f, 21, warmup=3)
-            hosts = []
-            for _ in range(5):
-                torch.cuda.synchronize()
-                torch.cuda._sleep(SPIN_CYCLES)
-                t0 = time.perf_counter()
-                f()
-                hosts.append((time.perf_counter() - t0) * 1e3)
-            queued = statistics.median(gpu_ms(f) for _ in range(5))
+            host = host_ms(f)
+            queued = statistics.median(queued_ms(f) for _ in range(5))
             (cap,) = be.graphs_decode.graphs.values()
             split = host_split(cap, ids, step)
 
             def replays():
                 for _ in range(10):
                     cap.graph.replay()
-            replay = statistics.median(gpu_ms(replays) for _ in range(3)) / 10
+            replay = statistics.median(queued_ms(replays) for _ in range(3)) / 10
             on = kernel_timeline(f)
             graphs = be.graphs_decode.graphs
             graphs.clear()
@@ -154,9 +122,9 @@ def main() -> int:
                     boundary[k][0] += 1
                     boundary[k][1] += excess
             span = (on[-1][2] - on[0][1]) / 1e3
-            rows.append((f"{batch}x{ctx}", step_ms, statistics.median(hosts), queued, replay, sum(own) / 1e3, span,
+            rows.append((f"{batch}x{ctx}", step_ms, host, queued, replay, sum(own) / 1e3, span,
                          len(on)))
-            print(f"\n{batch}x{ctx}: step {step_ms:.3f}  host {statistics.median(hosts):.3f}  queued {queued:.3f}  "
+            print(f"\n{batch}x{ctx}: step {step_ms:.3f}  host {host:.3f}  queued {queued:.3f}  "
                   f"replay {replay:.3f}  own {sum(own) / 1e3:.3f}  span {span:.3f}  kernels {len(on)}", flush=True)
             print("  host of forward's parts, us (median; GPU idle / GPU busy): "
                   + ", ".join(f"{k} {a:.0f} / {b:.0f}" for k, (a, b) in split.items()))

@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 
 from runtime import SamplingParams
-from runtime.engine import _upload_together
+from runtime.h2d import upload_together
 from runtime.kv_cache import BlockAllocator, BlockTables
 from tiny_engine import make_engine, prompts
 
 
 def test_upload_together_keeps_each_part_and_aligns_it():
     parts = [[5, 7, 9], list(range(17)), [], None, [-3]]
-    got = _upload_together(parts, "cpu")
+    got = upload_together(parts, "cpu")
     base = got[0].data_ptr()   # the device copy starts on an allocator block (>= 512-byte aligned)
     for p, t in zip(parts, got):
         if p is None:
