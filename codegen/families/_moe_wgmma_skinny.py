@@ -8,7 +8,7 @@ wgmma]) and, where the variant applies and `_moe.GEMM_WGMMA_SKINNY` is on, hands
 maps of 64-row boxes:
 
     T <= FROM_TOKENS                   the GEMV                 (left out while FROM_TOKENS is 0)
-    FROM_TOKENS < T <= upper()         wgmma_skinny: grid min(2 SMS, slices bound / SPLIT), 256 threads
+    FROM_TOKENS < T <= upper()         wgmma_skinny: grid min(2 SMS, tile bound), 256 threads
     T > upper()                        the prefill wgmma where it applies, else the mma launch
 
 A launch that then never runs is left out (the GEMV at FROM_TOKENS 0; the mma launch where the
@@ -38,11 +38,6 @@ STAGES = 4                             # 4 x 24 KB in flight per CTA, two CTAs p
 SM_SHARED = 228 * 1024                 # an H100 / H200 SM's shared memory (each CTA also reserves 1 KB)
 UPPER_WITHOUT_PREFILL_WGMMA = 256      # its range's top where the prefill wgmma is off
 FROM_TOKENS = 0                        # the GEMV keeps T <= this (0: none; see above)
-# Stream-K (moe_wgmma_skinny.cuh): the CTAs split the tiles' K slices evenly, each taking at least
-# SPLIT of them; 0 deals whole tiles round the grid.  A tile split between CTAs is summed through
-# fp32 partials in a fixed order.  PERF_NOTES v17 measures it against whole tiles.
-SPLIT = 4
-SLOTS = 264                            # partial slots (WS_SLOTS): at most this many CTAs split
 
 
 def smem(stages: int) -> int:
@@ -70,14 +65,9 @@ def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args
     cols = ROWS if down else ROWS // 2                    # output columns per tile
     tiles = f"{-(-p['N'] // cols)} * (NP // {BP} + min({p['E']}, NP))"   # one partial row tile per expert
     run = only_below(upper()) if FROM_TOKENS == 0 else f"{only_above(FROM_TOKENS)} * {only_below(upper())}"
-    if SPLIT:   # enough CTAs for SPLIT slices each of the tiles' bound, no more than the slots
-        kt = -(-p["KD"] // BK)
-        ctas = f"min(min(2 * SMS, {SLOTS}), max(1, ({tiles}) * {kt} // {SPLIT}))"
-    else:
-        ctas = f"min(2 * SMS, {tiles})"
     return _moe_wgmma.tma_launch(family, template, name_parts, p, nid, args, variant="wgmma_skinny", box=(BOX, BK),
                                  threads=THREADS, stages=STAGES, smem_bytes=smem(STAGES), cols=cols,
-                                 grid=f"{ctas} * {run}", pairs=BP, split=SPLIT)
+                                 grid=f"min(2 * SMS, {tiles}) * {run}", pairs=BP)
 
 
 def take_over(launches: list, family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,

@@ -112,24 +112,6 @@ __device__ __forceinline__ WgTile wgmma_tile(const int* tiles, const i32* __rest
   return tl;
 }
 
-// A CTA's piece of the walk: K slices [k_lo, k_hi) of tile t (every slice of it in the prefill
-// GEMM; decode's stream-K walk, moe_wgmma_skinny.cuh, may split a tile between CTAs).
-struct WgItem {
-  int t, k_lo, k_hi;
-};
-
-// The prefill GEMM's walk: whole tiles t = blockIdx.x, + gridDim.x, ... of `total`.
-struct WgCyclicWalk {
-  int t, total, kt;
-  __device__ __forceinline__ WgCyclicWalk(int total_, int kt_) : t((int)blockIdx.x), total(total_), kt(kt_) {}
-  __device__ __forceinline__ bool next(WgItem& w) {
-    if (t >= total) return false;
-    w = {t, 0, kt};
-    t += gridDim.x;
-    return true;
-  }
-};
-
 // One stage's gathered rows of a producer thread: 16-byte chunk kc .. kc + 8 of x rows src[i]
 // (-1: zeros) into tile rows r0 + 16 i, whose chunk positions share one swizzle (dst is row r0's).
 // VEC: 16-byte cp.async (x 16-byte aligned); else element loads and a 16-byte shared store.
@@ -180,14 +162,12 @@ __device__ __forceinline__ void wgmma_issue_weights(char* b, const TensorMap* w0
 // p / 8 + 16 i (i < BM / 16): a warp covers four whole 128-byte row slices per instruction; all
 // its rows share r % 8, so one swizzled chunk position.  Thread 0 also issues the weight boxes,
 // except those of the first `preissued` stages of the walk (issued before pdl_wait by the caller).
-// `walk` hands out the CTA's items (WgCyclicWalk, or decode's stream-K walk); the consumer walks
-// the same items, so both sides agree on every stage of the ring.
-template <typename T, int MODE, int E, int N, int KD, int K, int ST, typename L = WgPrefillTiles, typename Walk>
+template <typename T, int MODE, int E, int N, int KD, int K, int ST, typename L = WgPrefillTiles>
 __device__ __forceinline__ void wgmma_produce(const T* __restrict__ x, const TensorMap* w0, const TensorMap* w1,
                                               const i32* __restrict__ order, const i32* __restrict__ offsets,
                                               const int* tiles, char* ring, unsigned long long* full,
-                                              unsigned long long* empty, Walk walk, int preissued = 0) {
-  constexpr int BNO = L::cols(MODE), NCT = (N + BNO - 1) / BNO;
+                                              unsigned long long* empty, int preissued = 0) {
+  constexpr int BNO = L::cols(MODE), NCT = (N + BNO - 1) / BNO, KT = (KD + WG_BK - 1) / WG_BK;
   const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
   const int chunk = (c ^ (r0 & 7)) * 16;                 // 128B swizzle: c ^ (row % 8)
   const bool vec = aligned_to<16>(x);                    // uniform: cp.async, else element loads
@@ -195,10 +175,10 @@ __device__ __forceinline__ void wgmma_produce(const T* __restrict__ x, const Ten
     tma::prefetch(w0);
     if (MODE != DOWN) tma::prefetch(w1);
   }
+  const int total = tiles[E] * NCT;
   int it = 0;
-  WgItem item;
-  while (walk.next(item)) {
-    const WgTile tl = wgmma_tile<E, NCT, BNO, L::BM>(tiles, offsets, item.t);
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const WgTile tl = wgmma_tile<E, NCT, BNO, L::BM>(tiles, offsets, t);
     int src[L::BM / 16];                                 // x row of each of this thread's tile rows, -1: none
 #pragma unroll
     for (int i = 0; i < L::BM / 16; ++i) {
@@ -206,7 +186,7 @@ __device__ __forceinline__ void wgmma_produce(const T* __restrict__ x, const Ten
       const int pr = r < tl.rows ? order[tl.pbeg + r] : -1;
       src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);
     }
-    for (int kt = item.k_lo; kt < item.k_hi; ++kt, ++it) {
+    for (int kt = 0; kt < KT; ++kt, ++it) {
       const int s = it % ST;
       mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
       char* a = ring + s * L::STAGE_BYTES + L::ROWS_AT;
@@ -352,9 +332,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const T* __restrict__ x, cons
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     wgmma::setmaxnreg_dec<WG_PRODUCER_REGS>();
-    constexpr int NCT = (N + wgmma_tile_cols(MODE) - 1) / wgmma_tile_cols(MODE), KT = (KD + WG_BK - 1) / WG_BK;
-    wgmma_produce<T, MODE, E, N, KD, K, ST>(x, w0, w1, order, offsets, tiles, smem + (ring - raw), full, empty,
-                                            WgCyclicWalk(tiles[E] * NCT, KT));
+    wgmma_produce<T, MODE, E, N, KD, K, ST>(x, w0, w1, order, offsets, tiles, smem + (ring - raw), full, empty);
   } else {
     wgmma::setmaxnreg_inc<WG_CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * WG_STAGE_BYTES + (wg - 1) * WG_OUT_BYTES;

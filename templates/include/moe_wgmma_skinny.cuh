@@ -20,7 +20,6 @@
 // loads into the same layout; outputs are stored element by element at any alignment.
 #pragma once
 #include "moe_wgmma.cuh"
-#include "tickets.cuh"
 
 namespace dsg {
 namespace moe {
@@ -48,98 +47,10 @@ struct WgSkinnyTiles {
   __host__ __device__ static constexpr int cols(int mode) { return wgmma_skinny_cols(mode); }
 };
 
-// Stream-K (SPLIT > 0, PERF_NOTES v17).  Whole tiles dealt round the grid leave a last partial
-// round: at b=128, down's 1088 tiles over 264 CTAs are 4.1 rounds, and 32 CTAs stream the fifth
-// alone.  Instead the first `ctas` CTAs split the walk's units (tile, K slice), total x KT of
-// them, evenly: CTA c takes a run of U / ctas or one more in walk order, so a tile may
-// span CTAs c0 < c1 < ... .  Each ci > c0 starts its range inside the tile: it publishes its fp32
-// partial sums (its first item) to its slot and raises its flag; c0 (the tile's K slice 0, its
-// last item) waits for c0 + 1, c0 + 2, ... in that order, adds their partials to its own and runs
-// the epilogue.  The sum's order is fixed by the split, so a launch's output does not depend on
-// timing.  No deadlock: a CTA waits only for CTAs after it, which wait for nothing before it,
-// and PDL lets the next kernel's CTAs in only after every CTA of this grid has started.
-// ctas = min(grid, WS_SLOTS, U / SPLIT): every CTA gets at least SPLIT slices.
-constexpr int WS_SLOTS = 264;         // partial slots: 2 CTAs an SM x 132 SMs, the largest sm_90 part
-constexpr int WS_PARTIAL = WS_BP * 128;   // floats of one CTA's partial: BP accumulators x 128 threads
-__device__ float wgs_partials[WS_SLOTS * WS_PARTIAL];
-__device__ int wgs_ready[WS_SLOTS];   // zero when the module loads; each launch leaves them at zero
-
-// The decode walk.  SPLIT 0: whole tiles, cyclic (WgCyclicWalk's order); else stream-K as above,
-// the first units % ctas CTAs one slice more than the others.  32-bit: units is at most a few
-// hundred thousand (tiles x K slices), and no 64-bit division (a CALL) runs before DOWN's wait.
-template <int SPLIT, int KT>
-struct WgSkinnyWalk {
-  int units, ctas, each, extra, u, end;
-  __device__ __forceinline__ WgSkinnyWalk(int total) {
-    units = total * KT;
-    if constexpr (SPLIT == 0) {
-      ctas = gridDim.x;
-      each = extra = 0;
-      u = blockIdx.x;                                    // a tile number here
-      end = total;
-    } else {
-      ctas = min(min((int)gridDim.x, WS_SLOTS), max(1, units / SPLIT));
-      each = units / ctas;
-      extra = units - each * ctas;
-      u = begin(blockIdx.x);
-      end = begin(blockIdx.x + 1);
-    }
-  }
-  // First unit of CTA c's range (the end of every range past the last CTA's).
-  __device__ __forceinline__ int begin(int c) const { return c >= ctas ? units : c * each + min(c, extra); }
-  __device__ __forceinline__ bool next(WgItem& w) {
-    if (u >= end) return false;
-    if constexpr (SPLIT == 0) {
-      w = {u, 0, KT};
-      u += gridDim.x;
-    } else {
-      const int t = u / KT, lo = u - t * KT, hi = min(KT, lo + (end - u));
-      w = {t, lo, hi};
-      u += hi - lo;
-    }
-    return true;
-  }
-};
-
-// A continuation's partial sums to this CTA's slot, then its flag (the consumer warpgroup).
-template <int BP>
-__device__ __forceinline__ void wgmma_skinny_publish(const float (&acc0)[BP / 2], const float (&acc1)[BP / 2]) {
-  const int tid = threadIdx.x & 127;
-  float* slot = wgs_partials + (i64)blockIdx.x * WS_PARTIAL;
-#pragma unroll
-  for (int i = 0; i < BP / 2; ++i) {
-    slot[i * 128 + tid] = acc0[i];                       // 128 threads: one 512-byte run per i
-    slot[(BP / 2 + i) * 128 + tid] = acc1[i];
-  }
-  wgmma::warpgroup_sync(1);                              // every thread's partial, gathered to thread 0
-  if (tid == 0) flag_raise(&wgs_ready[blockIdx.x]);
-}
-
-// The owner of tile `item.t` (its slice 0, this CTA's last item): adds the partials of the CTAs
-// after it that hold the tile's other slices, in CTA order.
-template <int BP, typename Walk>
-__device__ __forceinline__ void wgmma_skinny_add_partials(float (&acc0)[BP / 2], float (&acc1)[BP / 2],
-                                                          const Walk& walk, const WgItem& item, int kt) {
-  const int tid = threadIdx.x & 127;
-  const int tile_end = (item.t + 1) * kt;
-  for (int c = blockIdx.x + 1; walk.begin(c) < tile_end; ++c) {
-    if (tid == 0) flag_await_and_lower(&wgs_ready[c]);
-    wgmma::warpgroup_sync(1);                            // the flag seen before any thread reads the slot
-    const float* slot = wgs_partials + (i64)c * WS_PARTIAL;
-#pragma unroll
-    for (int i = 0; i < BP / 2; ++i) {
-      acc0[i] += __ldcg(slot + i * 128 + tid);
-      acc1[i] += __ldcg(slot + (BP / 2 + i) * 128 + tid);
-    }
-  }
-}
-
-// One item's K loop (slices item.k_lo .. k_hi of tile tl) and, where it holds slice 0, the tile's
-// epilogue, on the consumer warpgroup, BP pairs wide (the tile has <= BP).  `it` is the ring
-// position of the item's first slice (advanced past its last).
-template <typename T, int MODE, int N, int KD, int ST, int BP, typename Walk>
-__device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const WgItem& item, const Walk& walk,
-                                                  const i32* __restrict__ order, unsigned ring,
+// One tile's K loop and epilogue on the consumer warpgroup, BP pairs wide (the tile has <= BP).
+// `it` is the ring position of the tile's first slice (advanced past its last).
+template <typename T, int MODE, int N, int KD, int ST, int BP>
+__device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* __restrict__ order, unsigned ring,
                                                   unsigned long long* full, unsigned long long* empty,
                                                   T* __restrict__ out0, T* __restrict__ out1, int& it) {
   constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
@@ -150,7 +61,7 @@ __device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const WgItem
   for (int i = 0; i < BP / 2; ++i) acc0[i] = acc1[i] = 0.f;
   wgmma::fence_operands(acc0);
   wgmma::fence_operands(acc1);
-  for (int kt = item.k_lo; kt < item.k_hi; ++kt, ++it) {
+  for (int kt = 0; kt < KT; ++kt, ++it) {
     const int s = it % ST;
     mbar::wait(&full[s], (it / ST) & 1);
     mbar::fence_proxy_async();                           // the gathered rows were cp.async (generic) writes
@@ -165,17 +76,12 @@ __device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const WgItem
     }
     wgmma::commit();
     wgmma::wait<1>();                                    // the slice before this one is read: free it
-    if (kt > item.k_lo && lane == 0) mbar::arrive(&empty[(it - 1) % ST]);
+    if (kt > 0 && lane == 0) mbar::arrive(&empty[(it - 1) % ST]);
   }
   wgmma::wait<0>();
   wgmma::fence_operands(acc0);
   wgmma::fence_operands(acc1);
   if (lane == 0) mbar::arrive(&empty[(it - 1) % ST]);
-  if (item.k_lo > 0) {                                   // a continuation: the owner stores the tile
-    wgmma_skinny_publish<BP>(acc0, acc1);
-    return;
-  }
-  if (item.k_hi < KT) wgmma_skinny_add_partials<BP>(acc0, acc1, walk, item, KT);
 
   // acc[4j + 2h + c]: stage row 16 warp + lane / 4 + 8h (an output column), pair 8j + 2 (lane % 4) + c.
 #pragma unroll
@@ -207,24 +113,23 @@ __device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const WgItem
 }
 
 // Consumer: warpgroup 1.  Each tile at the narrowest of BP = 16 / 32 / 64 that holds its pairs.
-template <typename T, int MODE, int E, int N, int KD, int ST, typename Walk>
+template <typename T, int MODE, int E, int N, int KD, int ST>
 __device__ __forceinline__ void wgmma_skinny_consume(const i32* __restrict__ order, const i32* __restrict__ offsets,
                                                      const int* tiles, unsigned ring, unsigned long long* full,
                                                      unsigned long long* empty, T* __restrict__ out0,
-                                                     T* __restrict__ out1, const Walk& walk) {
+                                                     T* __restrict__ out1) {
   constexpr int BNO = wgmma_skinny_cols(MODE), NCT = (N + BNO - 1) / BNO;
+  const int total = tiles[E] * NCT;
   int it = 0;
-  Walk mine = walk;
-  WgItem item;
-  while (mine.next(item)) {
-    const WgTile tl = wgmma_tile<E, NCT, BNO, WS_BP>(tiles, offsets, item.t);
-    if (tl.rows <= 16) wgmma_skinny_tile<T, MODE, N, KD, ST, 16>(tl, item, walk, order, ring, full, empty, out0, out1, it);
-    else if (tl.rows <= 32) wgmma_skinny_tile<T, MODE, N, KD, ST, 32>(tl, item, walk, order, ring, full, empty, out0, out1, it);
-    else wgmma_skinny_tile<T, MODE, N, KD, ST, 64>(tl, item, walk, order, ring, full, empty, out0, out1, it);
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const WgTile tl = wgmma_tile<E, NCT, BNO, WS_BP>(tiles, offsets, t);
+    if (tl.rows <= 16) wgmma_skinny_tile<T, MODE, N, KD, ST, 16>(tl, order, ring, full, empty, out0, out1, it);
+    else if (tl.rows <= 32) wgmma_skinny_tile<T, MODE, N, KD, ST, 32>(tl, order, ring, full, empty, out0, out1, it);
+    else wgmma_skinny_tile<T, MODE, N, KD, ST, 64>(tl, order, ring, full, empty, out0, out1, it);
   }
 }
 
-template <typename T, int MODE, int E, int N, int KD, int K, int ST, int SPLIT>
+template <typename T, int MODE, int E, int N, int KD, int K, int ST>
 __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ x, const TensorMap* w0,
                                                           const TensorMap* w1, const i32* __restrict__ order,
                                                           const i32* __restrict__ offsets, T* __restrict__ out0,
@@ -232,19 +137,16 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   static_assert(sizeof(T) == 2, "wgmma skinny gemm: 16-bit operands");
   static_assert(KD % 8 == 0, "wgmma skinny gemm: rows of whole 16-byte chunks (TMA strides, cp.async)");
   static_assert(ST >= 2, "wgmma skinny gemm: a ring of at least two stages");
-  static_assert(SPLIT >= 0, "wgmma skinny gemm: SPLIT is the fewest K slices a CTA takes (0: whole tiles)");
   static_assert(2 * (wgmma_skinny_smem(ST) + 2 * ST * 8 + 4 * (E + 1) + 1024) <= 228 * 1024,
                 "wgmma skinny gemm: two CTAs per SM (_moe_wgmma_skinny.applies)");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   __shared__ int tiles[E + 1];
   // DOWN follows gate_up_silu, which waits for the route before it lets DOWN launch: the route's
   // `offsets` are complete before DOWN's first CTA runs (pdl.cuh, two launches back), so DOWN
-  // builds its tile table and starts its first item's first ST weight slices (no kernel writes
+  // builds its tile table and starts its first tile's first ST weight slices (no kernel writes
   // weights) before its wait, into the tail of gate_up_silu (PERF_NOTES v16: that boundary cost
-  // ~1.9 us a layer).  The pairs' rows (x, gate_up_silu's output) are gathered after it, and
-  // the partials and flags of stream-K are written after it (the previous launch of this kernel
-  // has then finished).  GATE_UP* follows the route itself: every read of another kernel's
-  // output after the wait.
+  // ~1.9 us a layer).  The pairs' rows (x, gate_up_silu's output) are gathered after it.
+  // GATE_UP* follows the route itself: every read of another kernel's output after the wait.
   constexpr bool EARLY = MODE == DOWN;
   if constexpr (!EARLY) {
     dsg::pdl_wait();
@@ -263,21 +165,19 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   }
   __syncthreads();
   constexpr int KT = (KD + WS_BK - 1) / WS_BK, NCT = (N + wgmma_skinny_cols(MODE) - 1) / wgmma_skinny_cols(MODE);
-  const WgSkinnyWalk<SPLIT, KT> walk(tiles[E] * NCT);
-  int preissued = 0;                                     // slices of the walk's first item issued early
+  constexpr int PRE = EARLY ? (ST < KT ? ST : KT) : 0;   // slices of the walk's first tile issued early
+  int preissued = 0;
   if constexpr (EARLY) {
-    WgSkinnyWalk<SPLIT, KT> first = walk;
-    WgItem item;
-    if (first.next(item)) {
-      preissued = min(ST, item.k_hi - item.k_lo);
+    if (blockIdx.x < tiles[E] * NCT) {
+      preissued = PRE;
       if (threadIdx.x == 0) {
-        const int e = wgmma_tile_expert<E>(tiles, item.t / NCT), n0 = (item.t % NCT) * wgmma_skinny_cols(MODE);
+        const int t = blockIdx.x;
+        const int e = wgmma_tile_expert<E>(tiles, t / NCT), n0 = (t % NCT) * wgmma_skinny_cols(MODE);
         char* ring_p = smem + (ring - raw);
 #pragma unroll
-        for (int s = 0; s < ST; ++s)
-          if (s < preissued)
-            wgmma_issue_weights<MODE, N, WgSkinnyTiles>(ring_p + s * WS_STAGE_BYTES + WgSkinnyTiles::WEIGHTS_AT, w0,
-                                                        w1, (item.k_lo + s) * WS_BK, n0, e, &full[s]);
+        for (int s = 0; s < PRE; ++s)
+          wgmma_issue_weights<MODE, N, WgSkinnyTiles>(ring_p + s * WS_STAGE_BYTES + WgSkinnyTiles::WEIGHTS_AT, w0, w1,
+                                                      s * WS_BK, n0, e, &full[s]);
       }
     }
     dsg::pdl_wait();
@@ -285,9 +185,9 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   }
   if (threadIdx.x < 128)
     wgmma_produce<T, MODE, E, N, KD, K, ST, WgSkinnyTiles>(x, w0, w1, order, offsets, tiles, smem + (ring - raw),
-                                                           full, empty, walk, preissued);
+                                                           full, empty, preissued);
   else
-    wgmma_skinny_consume<T, MODE, E, N, KD, ST>(order, offsets, tiles, ring, full, empty, out0, out1, walk);
+    wgmma_skinny_consume<T, MODE, E, N, KD, ST>(order, offsets, tiles, ring, full, empty, out0, out1);
 }
 
 }  // namespace moe

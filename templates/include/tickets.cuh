@@ -37,22 +37,4 @@ __device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int
   return last_arrival(counter, expected, &last);
 }
 
-// A ready flag between two CTAs of one launch: one raises it after its global writes, one other
-// waits for it and lowers it again for the next launch (which starts only after this grid has
-// finished: stream order, or PDL's wait), so a flag array also needs no memset launch.
-// raise: one thread, after a barrier that gathered the writes it publishes (its fence is
-// cumulative, as in last_arrival).  await_and_lower: one thread, then a barrier before the
-// others read what was published, through L2 (__ldcg).
-__device__ __forceinline__ void flag_raise(int* flag) {
-  __threadfence();
-  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(1) : "memory");
-}
-__device__ __forceinline__ void flag_await_and_lower(int* flag) {
-  int v;
-  do {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
-  } while (v == 0);
-  *flag = 0;
-}
-
 }  // namespace dsg

@@ -26,7 +26,6 @@ K slice and ring depth, and _bulk: their rows as bulk copies on mbarriers (SKINN
 grids are recomputed.  thr0 means the GEMV alone at every T (the mma
 launch is dropped).  [ts<n>_]wgs: the GEMV while T <= n (default GEMV_ONLY_TOKENS), the decode
 wgmma + TMA launch (moe_wgmma_skinny.cuh; the lowering's default on sm_90a is ts0_wgs) above it.
-[ts<n>_]wgs_sk<n>: the same with its stream-K SPLIT set to n (0: whole tiles dealt round the grid).
 The prefill wgmma launch is left out of every variant.  Every variant launch is renamed <lowered name>__ts<n> (gemv) or
 <lowered name>__ts<n>_thr<t>_skinny<s>... (mma): KernelRunner keeps one compiled module per
 launch name, so distinct launches must never share a name (checked below).
@@ -57,7 +56,7 @@ from perf_decode import lite, time_us  # noqa: E402
 
 from codegen import sizes as size_exprs  # noqa: E402
 from codegen.families import family_for_op  # noqa: E402
-from codegen.families import _moe, _moe_wgmma_skinny  # noqa: E402
+from codegen.families import _moe  # noqa: E402
 from codegen.families._moe import GEMV_ONLY_TOKENS, gemm_launch_smem, gemv_grid, mma_grid_y  # noqa: E402
 from codegen.sizes import only_above  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
@@ -72,7 +71,7 @@ BAD_ERR = 1e-2
 FAMILIES = ("moe_gate_up_silu", "moe_down")
 SHORT = {"moe_gate_up_silu": "gate_up_silu", "moe_down": "down"}
 _VARIANT_RE = re.compile(r"^(?:ts(\d+)_)?thr(\d+)_skinny(\d+)(?:_sbk(\d+)_sst(\d+))?(_bulk)?$")
-_WGS_RE = re.compile(r"^(?:ts(\d+)_)?wgs(?:_sk(\d+))?$")   # the GEMV while T <= ts, the decode wgmma + TMA launch above
+_WGS_RE = re.compile(r"^(?:ts(\d+)_)?wgs$")   # the GEMV while T <= ts, the decode wgmma + TMA launch above
 GEMV_ALONE = 1 << 30     # ts of thr0: the GEMV at every T
 
 
@@ -99,11 +98,10 @@ def graph(m, family: str, K: int):
 def parse_variant(v: str) -> tuple:
     """[ts<n>_]thr<t>_skinny<s>[_sbk<k>_sst<n>] -> (ts, t, s, k or None, n or None); None keeps the
     lowering's swapped-tile K slice / ring depth.  [ts<n>_]wgs -> (ts, "wgs", ...): the decode
-    wgmma + TMA launch (moe_wgmma_skinny.cuh) above ts; _sk<n>: its stream-K SPLIT (0: whole tiles)."""
+    wgmma + TMA launch (moe_wgmma_skinny.cuh) above ts."""
     mw = _WGS_RE.match(v)
     if mw is not None:
-        split = int(mw.group(2)) if mw.group(2) is not None else None
-        return (int(mw.group(1)) if mw.group(1) else GEMV_ONLY_TOKENS), "wgs", split, None, None, False
+        return (int(mw.group(1)) if mw.group(1) else GEMV_ONLY_TOKENS), "wgs", 0, None, None, False
     mt = _VARIANT_RE.match(v)
     if mt is None:
         raise SystemExit(f"variant {v!r}: expected [ts<int>_]thr<int>_skinny<int>[_sbk<int>_sst<int>][_bulk], "
@@ -130,9 +128,8 @@ def apply_variant(launches, ts: int, thr: int, skinny: int, sbk=None, sst=None, 
         elif la.stage == "wgmma":
             continue
         elif la.stage == "wgmma_skinny":
-            g = la.grid[0].split(" * (1 - min(1, T // ")[0].split(" * min(1, T // ")[0]   # the CTA bound alone
-            sk = "" if skinny is None else f"_sk{skinny}"   # wgs: `skinny` carries the stream-K split
-            out.append(dataclasses.replace(la, name=f"{la.name}__ts{ts}{sk}", grid=(f"{g} * {only_above(ts)}", 1, 1)))
+            g = la.grid[0].split(" * (1 - min(1, T // ")[0].split(" * min(1, T // ")[0]   # the tile bound alone
+            out.append(dataclasses.replace(la, name=f"{la.name}__ts{ts}", grid=(f"{g} * {only_above(ts)}", 1, 1)))
         elif thr > 0:
             E = la.params["E"]
             p = {**la.params, "thr": thr, "skinny": skinny, "bulk": bulk}
@@ -159,19 +156,15 @@ class Kernels:
         self._launches: dict = {}
         self._by_name: dict = {}
 
-    def base(self, family: str, K: int, wgs: bool = False, split=None):
-        key = (family, K, wgs, split)
+    def base(self, family: str, K: int, wgs: bool = False):
+        key = (family, K, wgs)
         if key not in self._graphs:
             G, nid = graph(self.m, family, K)
             saved, _moe.GEMM_WGMMA_SKINNY = _moe.GEMM_WGMMA_SKINNY, wgs
-            saved_split = _moe_wgmma_skinny.SPLIT
-            if split is not None:
-                _moe_wgmma_skinny.SPLIT = split
             try:
                 launches = family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype="bf16"))
             finally:
                 _moe.GEMM_WGMMA_SKINNY = saved
-                _moe_wgmma_skinny.SPLIT = saved_split
             self._graphs[key] = (G, nid, launches)
         return self._graphs[key]
 
@@ -182,7 +175,7 @@ class Kernels:
             base = self.base(family, K)[2]                 # the GEMV and the mma launch
             if thr == "wgs":                                 # the GEMV, then the decode wgmma launch
                 base = [la for la in base if la.stage == "gemv"] + [
-                    la for la in self.base(family, K, True, skinny)[2] if la.stage == "wgmma_skinny"]
+                    la for la in self.base(family, K, True)[2] if la.stage == "wgmma_skinny"]
             launches = apply_variant(base, ts, thr, skinny, sbk, sst, bulk)
             for la in launches:
                 ident = (la.template, json.dumps(la.params, sort_keys=True), tuple(la.args), la.grid, la.block,

@@ -14,12 +14,9 @@ launch gave the CUDA cores), 7 / 8 / 9, 15 / 16 / 17 (wgmma N = 16), 31 / 32 / 3
 Widths: KD a multiple of 8 (the variant's condition) but not of the 64-wide K slice, N not a
 multiple of the column tile (and odd), the V2-Lite shapes in fixed examples.  Operands one element
 past an aligned base: x (element loads into the same swizzled layout) and the outputs.
-Stream-K splits (_moe_wgmma_skinny.SPLIT, the fewest K slices a CTA takes): the default, 0 (whole
-tiles), 1 and 2 (tiles split between many CTAs: long chains of partials summed by the tile's owner).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -49,23 +46,15 @@ WS_COUNTS = (0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 129, 256
 runner = wgmma_tests.runner_fixture("wgmma_skinny")
 
 
-def _lower_skinny(G, nid, dtype, ran: list | None = None, split: int | None = None):
-    """The family's launches with the decode wgmma variant on (and its stream-K SPLIT, where given:
-    the launch renamed, since the runner keeps one compiled module per name)."""
-    from codegen.families import _moe, _moe_wgmma_skinny
+def _lower_skinny(G, nid, dtype, ran: list | None = None):
+    """The family's launches with the decode wgmma variant on."""
+    from codegen.families import _moe
     saved, _moe.GEMM_WGMMA_SKINNY = _moe.GEMM_WGMMA_SKINNY, True     # (a fixture would not suit @given)
-    saved_split = _moe_wgmma_skinny.SPLIT
-    if split is not None:
-        _moe_wgmma_skinny.SPLIT = split
     try:
         launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype))
     finally:
         _moe.GEMM_WGMMA_SKINNY = saved
-        _moe_wgmma_skinny.SPLIT = saved_split
     assert [la.stage for la in launches] == ["wgmma_skinny", "wgmma"], [la.stage for la in launches]
-    if split is not None:
-        assert launches[0].params["split"] == split
-        launches = [dataclasses.replace(launches[0], name=f"{launches[0].name}__sk{split}"), launches[1]]
     if ran is not None:
         ran.extend(launches)
     return launches
@@ -79,7 +68,7 @@ def _check_skinny_ran(launches, T, K):
 
 def _run(runner, op, case):
     ran: list = []
-    base._grouped(runner, op, case, lower=lambda G, nid, dtype: _lower_skinny(G, nid, dtype, ran, case.get("split")))
+    base._grouped(runner, op, case, lower=lambda G, nid, dtype: _lower_skinny(G, nid, dtype, ran))
     _check_skinny_ran(ran, case["T"], case["K"])
 
 
@@ -102,14 +91,14 @@ def skinny_cases(draw, KDS, NS):
     KD, N = draw(st.sampled_from(KDS)), draw(st.sampled_from(NS))
     return {"dtype": draw(st.sampled_from(("bf16", "fp16"))), "T": T, "E": E, "K": K, "counts": counts,
             "KD": KD, "N": N, "misalign": draw(st.sampled_from(("none", "none", "inputs", "outputs"))),
-            "split": draw(st.sampled_from((None, None, 0, 1, 2))), "seed": draw(st.integers(0, 2**31 - 1))}
+            "seed": draw(st.integers(0, 2**31 - 1))}
 
 
-def _case(dtype, counts, K, KD, N, misalign="none", seed=21, split=None):
+def _case(dtype, counts, K, KD, N, misalign="none", seed=21):
     T = sum(counts) // K
     assert sum(counts) % K == 0 and max(counts) <= T and 8 < T <= 256, (counts, K)
     return {"dtype": dtype, "T": sum(counts) // K, "E": len(counts), "K": K, "counts": list(counts), "KD": KD, "N": N,
-            "misalign": misalign, "seed": seed, "split": split}
+            "misalign": misalign, "seed": seed}
 
 
 def _lite(counts_head, K=6):
@@ -129,8 +118,6 @@ DOWN_KD, DOWN_N = (40, 64, 136, 200), (41, 64, 128, 136, 200, 264)
 @example(case=_case("fp16", (256, 129, 100, 27, 0, 0), 2, 264, 200))                # several row tiles an expert
 @example(case=_case("bf16", (63, 64, 65), 1, 40, 128, "inputs"))                   # x misaligned: element loads
 @example(case=_case("fp16", (9, 8, 7, 1), 1, 64, 200, "outputs"))                  # outputs misaligned
-@example(case=_case("bf16", _lite((17, 33, 65, 9, 16, 32, 64, 40, 50, 60)), 6, 2048, 1408, split=1))           # chains of partials
-@example(case=_case("fp16", (3, 5, 40, 1), 1, 264, 200, split=0))                  # whole tiles
 @kernel_test(10)
 def test_moe_gate_up_silu_wgmma_skinny(runner, case):
     _run(runner, "moe_gate_up_silu", _gate_up(case))
@@ -149,8 +136,6 @@ def test_moe_gate_up_wgmma_skinny(runner, case):
 @example(case=_case("bf16", (256, 129, 100, 27, 0, 0), 2, 136, 200))                # second column tile: one box
 @example(case=_case("bf16", (63, 64, 65), 1, 40, 264, "inputs"))
 @example(case=_case("fp16", (9, 8, 7, 1), 1, 64, 136, "outputs"))
-@example(case=_case("bf16", _lite((17, 33, 65, 9, 16, 32, 64, 40, 50, 60)), 6, 1408, 2048, split=1))           # chains of partials
-@example(case=_case("fp16", (12, 5, 40, 1), 1, 200, 264, split=2))
 @kernel_test(10)
 def test_moe_down_wgmma_skinny(runner, case):
     _run(runner, "moe_down", _down(case))
