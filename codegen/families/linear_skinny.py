@@ -8,10 +8,7 @@ a decode graph captured at one batch size holds exactly one of them):
                              once with 16-byte loads, tensor-core mma with the tokens as N, the
                              stacked weights of a multi_linear in one launch.  Its grid has the
                              factor codegen.sizes.only_below(SKINNY_MAX_TOKENS): 0 above.
-    up to WIDE_MAX_TOKENS    with WIDE on, the wide kernel (templates/include/linear_wide.cuh): the
-                             same loads, the warps splitting the rows, K split over a cluster;
-                             its grid is 0 outside SKINNY_MAX_TOKENS < T <= WIDE_MAX_TOKENS.
-    above                    the library call (cuBLAS, one GEMM per weight), whose from_tokens says
+    T >  SKINNY_MAX_TOKENS   the library call (cuBLAS, one GEMM per weight), whose from_tokens says
                              so; the runtime skips it below.
 
 A linear at fp32 precision (the router, when fuse_router did not take it) is the library call at
@@ -22,7 +19,7 @@ from __future__ import annotations
 from codegen.errors import LoweringError
 from codegen.kernel import DTYPES, KernelLaunch, inp, out, size, stride, weight
 from codegen.render import kernel_name
-from codegen.sizes import only_above, only_below
+from codegen.sizes import only_below
 
 from ._dense_util import inner_dims, node_io
 
@@ -45,30 +42,6 @@ SKINNY_MAX_TOKENS = 16
 # o_proj's 128; reduced through distributed shared memory, skinny.cuh), off until measured.
 WARPS, ROW_TILES, UNROLL, KSPLIT = 8, 1, 4, 1
 
-# The wide kernel for SKINNY_MAX_TOKENS < T <= WIDE_MAX_TOKENS (16-bit activations): off until
-# measured on the H200 against cuBLAS (tests/gpu/perf_linear.py --tokens 17,32,64,128 --wide; its
-# property test is tests/gpu/test_kernels_linear.py test_linear_wide).  cuBLAS read these weights at
-# 1.4-1.8 TB/s in decode steps of 32-256 tokens (PERF_NOTES v16).  WIDE_UNROLL: 32-k steps a batch
-# of weight loads in flight (two batches: the next loads while one multiplies).  WIDE_CLUSTERS:
-# clusters of each size the H200 holds at once at one CTA an SM (tests/gpu/probe_clusters.py: 132
-# SMs, 66 clusters of 2, but only 30 of 4 and 15 of 8: the GPCs' SM counts), so a K split never
-# makes a second wave of clusters.
-WIDE = False
-WIDE_MAX_TOKENS = 128
-WIDE_UNROLL = 2
-WIDE_CLUSTERS = {1: 132, 2: 66, 4: 30, 8: 15}
-WIDE_ROWS = 128   # stacked rows a CTA (templates/include/linear_wide.cuh ROWS_PER_CTA)
-
-
-def wide_ksplit(rows: int, k: int, clusters: dict = WIDE_CLUSTERS) -> int:
-    """CTAs a cluster splits K over: the most of 1, 2, 4, 8 whose clusters (one per 128 stacked
-    rows) all run at once, with at least one 32-k step a CTA."""
-    ctas = -(-rows // WIDE_ROWS)
-    ks = 1
-    while ks < 8 and ctas <= clusters[ks * 2] and -(-k // 32) >= ks * 2:
-        ks *= 2
-    return ks
-
 
 def min_blocks(warps: int, row_tiles: int, unroll: int) -> int:
     """CTAs per SM the register budget is set for (__launch_bounds__): two (<= 128 registers at 256
@@ -85,9 +58,7 @@ def variant_tag(warps: int, row_tiles: int, unroll: int, ksplit: int = 1) -> str
 
 
 def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unroll: int = UNROLL,
-          ksplit: int = KSPLIT, wide: bool | None = None, wide_ks: int | None = None):
-    """The node's steps (module docstring).  wide / wide_ks: the wide kernel on or off and its K
-    split, against WIDE and wide_ksplit (for the property tests and perf_linear.py)."""
+          ksplit: int = KSPLIT):
     from codegen.lower import library_call
     data, (x,), outs, bound = node_io(G, nid)
     if data["op"] == "linear" and data["attrs"]["precision"] == "fp32":
@@ -123,26 +94,4 @@ def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unrol
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
         grid=(f"{ctas} * {only_below(SKINNY_MAX_TOKENS)}", 1, 1), block=(warps * 32, 1, 1), args=args,
         stage=data["op"])
-    if not ((WIDE if wide is None else wide) and opts.dtype != "fp32"):
-        return [launch, library_call(nid, data, from_tokens=SKINNY_MAX_TOKENS + 1)]
-    return [launch, wide_launch(nid, data, params, parts[:3], args, wide_ks),
-            library_call(nid, data, from_tokens=WIDE_MAX_TOKENS + 1)]
-
-
-def wide_launch(nid, data, skinny_params: dict, parts: list, args: tuple, ks: int | None = None) -> KernelLaunch:
-    """The wide kernel's launch for the node the skinny launch serves (same arguments)."""
-    rows, K = skinny_params["rows"], skinny_params["K"]
-    ks = wide_ksplit(sum(rows), K) if ks is None else ks
-    if ks not in (1, 2, 4, 8) or -(-K // 32) < ks:
-        raise LoweringError(f"the wide linear splits K = {K} over 1, 2, 4 or 8 CTAs, at least one 32-wide step "
-                            f"each; got {ks}")
-    smem = 8 * 16 * 128 * 4    # linear_wide.cuh red_floats(): the CTA's sums, 64 KB
-    params = {k: skinny_params[k] for k in ("act", "K", "rows", "w_args", "y_args", "silu")}
-    params.update(ks=ks, unroll=WIDE_UNROLL, min_tokens=SKINNY_MAX_TOKENS + 1, max_tokens=WIDE_MAX_TOKENS,
-                  smem_bytes=smem, rows_per_cta=WIDE_ROWS)
-    ctas = -(-sum(rows) // WIDE_ROWS) * ks
-    window = f"{only_above(SKINNY_MAX_TOKENS)} * {only_below(WIDE_MAX_TOKENS)}"
-    return KernelLaunch(
-        family=FAMILY, template="linear_wide.cu.j2", name=kernel_name(FAMILY, [*parts, f"wide_k{ks}u{WIDE_UNROLL}"]),
-        params=params, nodes=(nid,), grid=(f"{ctas} * {window}", 1, 1), block=(256, 1, 1), args=args, smem=smem,
-        stage=f"{data['op']}_wide")
+    return [launch, library_call(nid, data, from_tokens=SKINNY_MAX_TOKENS + 1)]

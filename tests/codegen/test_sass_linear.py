@@ -89,34 +89,3 @@ def test_every_variant_compiles_without_spills_and_clusters_reduce_through_distr
         assert ops[HMMA["bf16"]] > 0 and ops[WEIGHT_LOAD] > 0, (v, sorted(ops))
         clustered = launch.params["ks"] > 1
         assert (ops["UCGABAR_ARV"] > 0 and ops["UCGABAR_WAIT"] > 0 and ops["LD.E"] > 0) == clustered, (v, sorted(ops))
-
-
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_the_wide_kernels_run_on_tensor_cores_from_registers_without_spills(dtype):
-    """linear_wide.cuh (17..128 tokens, off in the lowering until measured) for every V2-Lite linear:
-    HMMA, the skinny kernel's 16-byte weight loads, no spills at 1 CTA an SM (up to 255 registers),
-    the K split's partial sums read across the cluster (distributed shared memory)."""
-    from codegen import sizes as size_exprs
-    from codegen.families import linear_skinny
-    sp = plan_spec(str(ROOT / "model_specs" / "deepseek_v2_lite.yaml"), Options(dtype=dtype), strict=False)
-    import ir
-    from ir.passes import run_pipeline
-    G = run_pipeline(ir.build_graph(ir.load_spec(str(ROOT / "model_specs" / "deepseek_v2_lite.yaml")), "decode"))
-    nodes = {la.nodes[0] for la in sp.plans["decode"].launches if la.family == "linear_skinny"}
-    seen = {}
-    for nid in sorted(nodes):
-        for la in linear_skinny.lower(nid, G, Options(dtype=dtype), wide=True):
-            if getattr(la, "stage", "").endswith("_wide"):
-                seen.setdefault(la.name, la)
-    # and one forced split of 8 (the lowering's picks here are 1, 2 and 4)
-    la8 = linear_skinny.lower("L3.mla.y", G, Options(dtype=dtype), wide=True, wide_ks=8)[1]
-    seen[la8.name] = la8
-    assert {la.params["ks"] for la in seen.values()} >= {1, 4, 8}
-    for la in seen.values():
-        assert size_exprs.evaluate(la.grid[0], {"T": 64}) > 0
-        res, ops = _compile(la)
-        _no_spills(res)
-        assert ops[HMMA[dtype]] > 0, (la.name, sorted(ops))
-        assert ops[WEIGHT_LOAD] > 0, (la.name, sorted(ops))
-        if la.params["ks"] > 1:
-            assert any(o.startswith("LD.") or o.startswith("LDS") or o.startswith("LD ") for o in ops), sorted(ops)

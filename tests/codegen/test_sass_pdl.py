@@ -32,7 +32,7 @@ from tiny import ROOT  # noqa: E402
 
 from codegen import families  # noqa: E402
 from codegen.bundle import compile_kernels, disambiguate, plan_spec, unique_kernels  # noqa: E402
-from codegen.families import _moe, linear_skinny  # noqa: E402
+from codegen.families import _moe  # noqa: E402
 from codegen.kernel import DEFAULTS  # noqa: E402
 from codegen.nvrtc import compile_cubin  # noqa: E402
 from codegen.render import include_closure  # noqa: E402
@@ -147,7 +147,7 @@ def _key(k) -> str:
 def _problems(case: str) -> dict:
     """(kernel name, template, params) -> (family, problem or None) of every PDL kernel of one case;
     "unfused" and "variants" compile only what the V2-Lite cases before them did not."""
-    saved = _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK, _moe.GEMM_WGMMA_SKINNY, linear_skinny.WIDE
+    saved = _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK, _moe.GEMM_WGMMA_SKINNY
     lite = ROOT / "model_specs" / "deepseek_v2_lite.yaml"
     seen: dict = {}
     try:
@@ -155,17 +155,15 @@ def _problems(case: str) -> dict:
             seen = _problems("deepseek_v2_lite")
             plans = [_unfused_plans("deepseek_v2_lite"), _partly_fused_plans("deepseek_v2_lite")]
         elif case == "variants":   # the parallel align below its default bound; the GEMV and the mma
-            # launch (decode's wgmma off: they serve fp32, odd KD, other targets), with the bulk-copy tiles;
-            # the wide linears (off in the lowering until measured)
+            # launch (decode's wgmma off: they serve fp32, odd KD, other targets), with the bulk-copy tiles
             seen = {**_problems("deepseek_v2_lite"), **_problems("unfused")}
             _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK, _moe.GEMM_WGMMA_SKINNY = 512, True, False
-            linear_skinny.WIDE = True
             plans = [_unfused_plans("deepseek_v2_lite"), plan_spec(str(lite), DEFAULTS).plans]
         else:
             plans = [plan_spec(str(ROOT / "model_specs" / f"{case}.yaml"), DEFAULTS).plans]
         sources = [k for k in _pdl_sources(plans).values() if _key(k) not in seen]
     finally:
-        _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK, _moe.GEMM_WGMMA_SKINNY, linear_skinny.WIDE = saved
+        _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK, _moe.GEMM_WGMMA_SKINNY = saved
     cubins = compile_kernels(sources, "sm_90", jobs=2)
     out = {}
     for k in sources:
@@ -224,7 +222,3 @@ def test_two_back_allowance_takes_only_l2_loads_and_tma():
         assert "reads global memory" in wait_problem([mk(0, op), *tail])
     for op in ("LDG.E.CONSTANT", "LDG.E", "LDGSTS.E.BYPASS.128"):
         assert "reads global memory" in wait_problem([mk(0, op), *tail], two_back=True)
-
-
-def test_the_wide_linears_are_among_the_checked_kernels():
-    assert any("__wide_k" in json.loads(key)[0] for key in _problems("variants")), "no wide linear was checked"

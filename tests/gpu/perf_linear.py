@@ -2,7 +2,6 @@
 (a script, not a test).
 
     python3 tests/gpu/perf_linear.py [--tokens 1,2,4,8,16] [--shapes q+kv_a,o,...] [--json PATH]
-    python3 tests/gpu/perf_linear.py --tokens 17,32,64,128 --variants wide,wide_u4,wide_k1  # the wide kernel
                                      [--variants w8r1u4,w8r1u2,w8r1u8,w4r1u4,w8r2u2,w16r1u2,w8r1u4k2,w8r1u2k4]
     python3 tests/gpu/perf_linear.py --compile-only   # no GPU: lower, render and NVRTC-compile every
                                                       # variant at every shape, print registers / spills
@@ -56,9 +55,6 @@ DEFAULT_VARIANT = (f"w{linear_skinny.WARPS}r{linear_skinny.ROW_TILES}u{linear_sk
                    + (f"k{linear_skinny.KSPLIT}" if linear_skinny.KSPLIT > 1 else ""))
 VARIANTS = f"{DEFAULT_VARIANT},w8r1u2,w8r1u8,w4r1u4,w8r2u2,w16r1u2,w8r1u4k2,w8r1u2k4"
 _VARIANT_RE = re.compile(r"^w(\d+)r(\d+)u(\d+)(?:k(\d+))?$")
-# The wide kernel (linear_wide.cuh, 17..128 tokens): "wide" (the lowering's K split and unroll),
-# "wide_k4", "wide_u4", "wide_k8u4" (forced); it serves T > SKINNY_MAX_TOKENS only.
-_WIDE_RE = re.compile(r"^wide(?:_(?:k(\d))?(?:u(\d+))?)?$")
 
 
 def lite():
@@ -77,21 +73,17 @@ def shapes(m) -> dict:
             "lm_head": (D, [d["vocab"]], 1, False), "q": (D, [H * (N + R)], 0, False), "kv_a": (D, [C + R], 0, False)}
 
 
-def parse_variant(v: str) -> tuple:
-    mw = _WIDE_RE.match(v)
-    if mw:
-        k, u = mw.groups()
-        return ("wide", int(k) if k else None, int(u) if u else linear_skinny.WIDE_UNROLL)
+def parse_variant(v: str) -> tuple[int, int, int, int]:
     mt = _VARIANT_RE.match(v)
     if not mt:
-        raise SystemExit(f"variant {v!r} is not w<warps>r<row tiles>u<unroll>[k<cluster>] or wide[_k<split>u<unroll>]")
+        raise SystemExit(f"variant {v!r} is not w<warps>r<row tiles>u<unroll>[k<cluster>]")
     w, r, u, k = mt.groups()
     return int(w), int(r), int(u), int(k or 1)
 
 
 def launch_for(m, K: int, rows: list[int], variant: str, dtype: str = "bf16",
                silu: bool = False) -> tuple[KernelLaunch, list[str]]:
-    parsed = parse_variant(variant)
+    warps, rt, unroll, ks = parse_variant(variant)
     if silu:
         G, nid = single_op_graph(m, "gate_up_silu", {"out_dim": rows[0]}, {"x": TType(("T", K), "act")},
                                  {"gate": "w0", "up": "w1"}, phase="decode")
@@ -101,16 +93,6 @@ def launch_for(m, K: int, rows: list[int], variant: str, dtype: str = "bf16",
     else:
         G, nid = single_op_graph(m, "multi_linear", {"out_dims": rows}, {"x": TType(("T", K), "act")},
                                  {f"weight{i}": f"w{i}" for i in range(len(rows))}, phase="decode")
-    if parsed[0] == "wide":
-        _, ks, unroll = parsed
-        saved, linear_skinny.WIDE_UNROLL = linear_skinny.WIDE_UNROLL, unroll
-        try:
-            steps = linear_skinny.lower(nid, G, Options(dtype=dtype), wide=True, wide_ks=ks)
-        finally:
-            linear_skinny.WIDE_UNROLL = saved
-        (la,) = [s for s in steps if isinstance(s, KernelLaunch) and s.stage.endswith("_wide")]
-        return la, G.nodes[nid]["outputs"]
-    warps, rt, unroll, ks = parsed
     steps = linear_skinny.lower(nid, G, Options(dtype=dtype), warps=warps, row_tiles=rt, unroll=unroll, ksplit=ks)
     (la,) = [s for s in steps if isinstance(s, KernelLaunch)]
     return la, G.nodes[nid]["outputs"]
@@ -212,9 +194,8 @@ def main() -> int:
             print(f"{name:<16} T={T:<3} cuBLAS    {us_torch:8.2f} us {nbytes / us_torch / 1e6:6.2f} TB/s "
                   f"({nbytes / us_torch * 1e6 / bw * 100:3.0f}%)", flush=True)
             for v in variants:
-                if (v.startswith("wide") != (T > linear_skinny.SKINNY_MAX_TOKENS)
-                        or T > linear_skinny.WIDE_MAX_TOKENS):
-                    continue   # each kernel at the token counts it serves
+                if T > linear_skinny.SKINNY_MAX_TOKENS:
+                    continue   # the kernel's grid is 0 above: cuBLAS alone serves these token counts
                 la, outs = launch_for(m, K, rows, v, silu=silu)
                 ys = {o: torch.full((T, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                       for o, n in zip(outs, rows)}
