@@ -8,9 +8,7 @@ wgmma]) and, where the variant applies and `_moe.GEMM_WGMMA_SKINNY` is on, hands
 maps of 64-row boxes:
 
     T <= FROM_TOKENS                   the GEMV                 (left out while FROM_TOKENS is 0)
-    FROM_TOKENS < T <= NARROW_TOKENS   wgmma_skinny_narrow: row tiles of 16 pairs, 6 stages
-    NARROW_TOKENS < T <= upper()       wgmma_skinny: row tiles of 64 pairs, 4 stages
-                                       (both: grid min(2 SMS, tile bound), 256 threads)
+    FROM_TOKENS < T <= upper()         wgmma_skinny: grid min(2 SMS, tile bound), 256 threads
     T > upper()                        the prefill wgmma where it applies, else the mma launch
 
 A launch that then never runs is left out (the GEMV at FROM_TOKENS 0; the mma launch where the
@@ -40,31 +38,21 @@ STAGES = 4                             # 4 x 24 KB in flight per CTA, two CTAs p
 SM_SHARED = 228 * 1024                 # an H100 / H200 SM's shared memory (each CTA also reserves 1 KB)
 UPPER_WITHOUT_PREFILL_WGMMA = 256      # its range's top where the prefill wgmma is off
 FROM_TOKENS = 0                        # the GEMV keeps T <= this (0: none; see above)
-# Up to 16 tokens no expert has more than 16 pairs (a token picks an expert once), so a row tile of
-# 16 pairs holds them: its stage is 18 KB, not 24, and two CTAs an SM keep 6 stages (96 KB of
-# weights in flight a CTA, not 64): the narrow launch (PERF_NOTES v17).  0 turns it off.
-NARROW_TOKENS = 16
-BP_NARROW, STAGES_NARROW = 16, 6
 
 
-def smem(stages: int, bp: int = BP) -> int:
+def smem(stages: int) -> int:
     """The ring and 1 KB of slack to start it on a 1024-byte boundary (wgmma_skinny_smem)."""
-    return stages * (ROWS + bp) * BK * 2 + 1024
+    return stages * (ROWS + BP) * BK * 2 + 1024
 
 
-def static_smem(E: int, stages: int = STAGES) -> int:
+def static_smem(E: int) -> int:
     """The full / empty barriers and the row-tile table (moe_wgmma_skinny.cuh's __shared__)."""
-    return 2 * stages * 8 + 4 * (E + 1)
-
-
-def _two_fit(E: int, stages: int, bp: int) -> bool:
-    return 2 * (smem(stages, bp) + static_smem(E, stages) + 1024) <= SM_SHARED
+    return 2 * STAGES * 8 + 4 * (E + 1)
 
 
 def applies(opts, p: dict) -> bool:
     return (_moe.GEMM_WGMMA_SKINNY and has_feature(opts.arch, FEATURE) and opts.dtype in ("bf16", "fp16")
-            and p["KD"] % 8 == 0 and _two_fit(p["E"], STAGES, BP)
-            and (not NARROW_TOKENS or _two_fit(p["E"], STAGES_NARROW, BP_NARROW)))
+            and p["KD"] % 8 == 0 and 2 * (smem(STAGES) + static_smem(p["E"]) + 1024) <= SM_SHARED)
 
 
 def upper() -> int:
@@ -72,22 +60,14 @@ def upper() -> int:
     return _moe_wgmma.threshold() if _moe.GEMM_WGMMA_TOKENS is not None else UPPER_WITHOUT_PREFILL_WGMMA
 
 
-def _run(lo: int, hi: int) -> str:
-    """The grid factor of lo < T <= hi."""
-    return only_below(hi) if lo == 0 else f"{only_above(lo)} * {only_below(hi)}"
-
-
 def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
-           down: bool, narrow: bool = False) -> KernelLaunch:
+           down: bool) -> KernelLaunch:
     cols = ROWS if down else ROWS // 2                    # output columns per tile
-    bp, stages = (BP_NARROW, STAGES_NARROW) if narrow else (BP, STAGES)
-    tiles = f"{-(-p['N'] // cols)} * (NP // {bp} + min({p['E']}, NP))"   # one partial row tile per expert
-    lo = FROM_TOKENS if narrow or not NARROW_TOKENS else max(FROM_TOKENS, NARROW_TOKENS)
-    run = _run(lo, NARROW_TOKENS if narrow else upper())
-    return _moe_wgmma.tma_launch(family, template, name_parts, p, nid, args,
-                                 variant="wgmma_skinny_narrow" if narrow else "wgmma_skinny", box=(BOX, BK),
-                                 threads=THREADS, stages=stages, smem_bytes=smem(stages, bp), cols=cols,
-                                 grid=f"min(2 * SMS, {tiles}) * {run}", pairs=bp)
+    tiles = f"{-(-p['N'] // cols)} * (NP // {BP} + min({p['E']}, NP))"   # one partial row tile per expert
+    run = only_below(upper()) if FROM_TOKENS == 0 else f"{only_above(FROM_TOKENS)} * {only_below(upper())}"
+    return _moe_wgmma.tma_launch(family, template, name_parts, p, nid, args, variant="wgmma_skinny", box=(BOX, BK),
+                                 threads=THREADS, stages=STAGES, smem_bytes=smem(STAGES), cols=cols,
+                                 grid=f"min(2 * SMS, {tiles}) * {run}", pairs=BP)
 
 
 def take_over(launches: list, family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,
@@ -100,8 +80,6 @@ def take_over(launches: list, family: str, template: str, name_parts: list, p: d
         if la.stage == "gemv":
             if FROM_TOKENS > 0:
                 out.append(dataclasses.replace(la, grid=gemv_grid(p, FROM_TOKENS)))
-            if NARROW_TOKENS > FROM_TOKENS:
-                out.append(launch(family, template, name_parts, p, nid, args, down=down, narrow=True))
             out.append(launch(family, template, name_parts, p, nid, args, down=down))
         elif la.stage == "mma":
             if not any(w.stage == "wgmma" for w in launches):   # else 0 below the prefill wgmma and 0 here

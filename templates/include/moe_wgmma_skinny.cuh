@@ -25,39 +25,31 @@ namespace dsg {
 namespace moe {
 
 constexpr int WS_BP = 64;             // pairs per row tile: the widest N of the decode wgmma
-constexpr int WS_BP_NARROW = 16;      // ... of the narrow launch (up to 16 tokens: no expert has more pairs)
 constexpr int WS_ROWS = 128;          // weight rows per tile: two 64-row TMA boxes
 constexpr int WS_BOX = 64;            // weight rows per TMA box
 constexpr int WS_BK = WG_BK;          // K slice: one 128-byte swizzled row
 constexpr int WS_THREADS = 256;       // producer warpgroup + consumer warpgroup
 constexpr int WS_ROW_BYTES = WG_ROW_BYTES;
 constexpr int WS_W_BYTES = WS_ROWS * WS_ROW_BYTES;               // 16 KB of weights a stage
-// A stage: 16 KB of weights, then the pair rows of a row tile of BP pairs (64: 8 KB, 24 KB a stage;
-// 16: 2 KB, 18 KB a stage).  Both multiples of 1024 bytes, as the 128B swizzle needs.
-__host__ __device__ constexpr int wgmma_skinny_stage(int bp) { return WS_W_BYTES + bp * WS_ROW_BYTES; }
+constexpr int WS_STAGE_BYTES = WS_W_BYTES + WS_BP * WS_ROW_BYTES;  // + 8 KB of pair rows: 24 KB
 
 // Output columns a tile covers.
 __host__ __device__ constexpr int wgmma_skinny_cols(int mode) { return mode == DOWN ? WS_ROWS : WS_ROWS / 2; }
 // Dynamic shared memory: the ring plus slack to start it on a 1024-byte boundary (128B swizzle;
-// every stage, and its pair rows 16 KB in, stay on one).  4 stages of 64 pairs: 97 KB, two CTAs per
-// SM; the narrow launch's 6 stages of 16 pairs: 109 KB, 96 KB of weights in flight a CTA, not 64.
-__host__ __device__ constexpr int wgmma_skinny_smem(int stages, int bp = WS_BP) {
-  return stages * wgmma_skinny_stage(bp) + 1024;
-}
+// every stage, and its pair rows 16 KB in, stay on one).  4 stages: 97 KB, two CTAs per SM.
+__host__ __device__ constexpr int wgmma_skinny_smem(int stages) { return stages * WS_STAGE_BYTES + 1024; }
 
 // The decode tile for moe_wgmma.cuh's producer (which gathers the pair rows and issues the boxes):
-// BP pairs, 64-row boxes, the weights first in a stage and the pair rows after them.
-template <int BP>
+// 64 pairs, 64-row boxes, the weights first in a stage and the pair rows after them.
 struct WgSkinnyTiles {
-  static constexpr int BM = BP, BOX = WS_BOX, STAGE_BYTES = wgmma_skinny_stage(BP);
+  static constexpr int BM = WS_BP, BOX = WS_BOX, STAGE_BYTES = WS_STAGE_BYTES;
   static constexpr int ROWS_AT = WS_W_BYTES, WEIGHTS_AT = 0;
-  static_assert(STAGE_BYTES % 1024 == 0 && BP % 16 == 0 && BP <= WS_BP, "decode wgmma: stages of whole 1 KB");
   __host__ __device__ static constexpr int cols(int mode) { return wgmma_skinny_cols(mode); }
 };
 
 // One tile's K loop and epilogue on the consumer warpgroup, BP pairs wide (the tile has <= BP).
 // `it` is the ring position of the tile's first slice (advanced past its last).
-template <typename T, int MODE, int N, int KD, int ST, int SB, int BP>
+template <typename T, int MODE, int N, int KD, int ST, int BP>
 __device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* __restrict__ order, unsigned ring,
                                                   unsigned long long* full, unsigned long long* empty,
                                                   T* __restrict__ out0, T* __restrict__ out1, int& it) {
@@ -73,7 +65,7 @@ __device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* _
     const int s = it % ST;
     mbar::wait(&full[s], (it / ST) & 1);
     mbar::fence_proxy_async();                           // the gathered rows were cp.async (generic) writes
-    const unsigned w = ring + s * SB;
+    const unsigned w = ring + s * WS_STAGE_BYTES;
     const unsigned long long d0 = wgmma::desc_sw128(w), d1 = wgmma::desc_sw128(w + WS_BOX * WS_ROW_BYTES),
                              db = wgmma::desc_sw128(w + WS_W_BYTES);
     wgmma::fence();
@@ -120,29 +112,24 @@ __device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* _
     }
 }
 
-// Consumer: warpgroup 1.  Each tile at the narrowest of BP = 16 / 32 / 64 that holds its pairs
-// (up to the launch's BPMAX, its row tiles' size).
-template <typename T, int MODE, int E, int N, int KD, int ST, int BPMAX>
+// Consumer: warpgroup 1.  Each tile at the narrowest of BP = 16 / 32 / 64 that holds its pairs.
+template <typename T, int MODE, int E, int N, int KD, int ST>
 __device__ __forceinline__ void wgmma_skinny_consume(const i32* __restrict__ order, const i32* __restrict__ offsets,
                                                      const int* tiles, unsigned ring, unsigned long long* full,
                                                      unsigned long long* empty, T* __restrict__ out0,
                                                      T* __restrict__ out1) {
-  constexpr int BNO = wgmma_skinny_cols(MODE), NCT = (N + BNO - 1) / BNO, SB = wgmma_skinny_stage(BPMAX);
+  constexpr int BNO = wgmma_skinny_cols(MODE), NCT = (N + BNO - 1) / BNO;
   const int total = tiles[E] * NCT;
   int it = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const WgTile tl = wgmma_tile<E, NCT, BNO, BPMAX>(tiles, offsets, t);
-    if constexpr (BPMAX == 16) {
-      wgmma_skinny_tile<T, MODE, N, KD, ST, SB, 16>(tl, order, ring, full, empty, out0, out1, it);
-    } else {
-      if (tl.rows <= 16) wgmma_skinny_tile<T, MODE, N, KD, ST, SB, 16>(tl, order, ring, full, empty, out0, out1, it);
-      else if (tl.rows <= 32) wgmma_skinny_tile<T, MODE, N, KD, ST, SB, 32>(tl, order, ring, full, empty, out0, out1, it);
-      else wgmma_skinny_tile<T, MODE, N, KD, ST, SB, 64>(tl, order, ring, full, empty, out0, out1, it);
-    }
+    const WgTile tl = wgmma_tile<E, NCT, BNO, WS_BP>(tiles, offsets, t);
+    if (tl.rows <= 16) wgmma_skinny_tile<T, MODE, N, KD, ST, 16>(tl, order, ring, full, empty, out0, out1, it);
+    else if (tl.rows <= 32) wgmma_skinny_tile<T, MODE, N, KD, ST, 32>(tl, order, ring, full, empty, out0, out1, it);
+    else wgmma_skinny_tile<T, MODE, N, KD, ST, 64>(tl, order, ring, full, empty, out0, out1, it);
   }
 }
 
-template <typename T, int MODE, int E, int N, int KD, int K, int ST, int BP = WS_BP>
+template <typename T, int MODE, int E, int N, int KD, int K, int ST>
 __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ x, const TensorMap* w0,
                                                           const TensorMap* w1, const i32* __restrict__ order,
                                                           const i32* __restrict__ offsets, T* __restrict__ out0,
@@ -150,12 +137,10 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   static_assert(sizeof(T) == 2, "wgmma skinny gemm: 16-bit operands");
   static_assert(KD % 8 == 0, "wgmma skinny gemm: rows of whole 16-byte chunks (TMA strides, cp.async)");
   static_assert(ST >= 2, "wgmma skinny gemm: a ring of at least two stages");
-  static_assert(BP == WS_BP || BP == WS_BP_NARROW, "wgmma skinny gemm: row tiles of 64 pairs, or 16 (narrow)");
-  static_assert(2 * (wgmma_skinny_smem(ST, BP) + 2 * ST * 8 + 4 * (E + 1) + 1024) <= 228 * 1024,
+  static_assert(2 * (wgmma_skinny_smem(ST) + 2 * ST * 8 + 4 * (E + 1) + 1024) <= 228 * 1024,
                 "wgmma skinny gemm: two CTAs per SM (_moe_wgmma_skinny.applies)");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   __shared__ int tiles[E + 1];
-  typedef WgSkinnyTiles<BP> L;
   // DOWN follows gate_up_silu, which waits for the route before it lets DOWN launch: the route's
   // `offsets` are complete before DOWN's first CTA runs (pdl.cuh, two launches back), so DOWN
   // builds its tile table and starts its first tile's first ST weight slices (no kernel writes
@@ -169,7 +154,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   }
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;         // 128B-swizzle tiles start on 1024-byte boundaries
-  if (threadIdx.x < 32) wgmma_row_tiles<E, BP, EARLY>(offsets, tiles);
+  if (threadIdx.x < 32) wgmma_row_tiles<E, WS_BP, EARLY>(offsets, tiles);
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < ST; ++s) {
@@ -191,7 +176,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
         char* ring_p = smem + (ring - raw);
 #pragma unroll
         for (int s = 0; s < PRE; ++s)
-          wgmma_issue_weights<MODE, N, L>(ring_p + s * L::STAGE_BYTES + L::WEIGHTS_AT, w0, w1,
+          wgmma_issue_weights<MODE, N, WgSkinnyTiles>(ring_p + s * WS_STAGE_BYTES + WgSkinnyTiles::WEIGHTS_AT, w0, w1,
                                                       s * WS_BK, n0, e, &full[s]);
       }
     }
@@ -199,10 +184,10 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
     dsg::pdl_launch_dependents();
   }
   if (threadIdx.x < 128)
-    wgmma_produce<T, MODE, E, N, KD, K, ST, L>(x, w0, w1, order, offsets, tiles, smem + (ring - raw),
+    wgmma_produce<T, MODE, E, N, KD, K, ST, WgSkinnyTiles>(x, w0, w1, order, offsets, tiles, smem + (ring - raw),
                                                            full, empty, preissued);
   else
-    wgmma_skinny_consume<T, MODE, E, N, KD, ST, BP>(order, offsets, tiles, ring, full, empty, out0, out1);
+    wgmma_skinny_consume<T, MODE, E, N, KD, ST>(order, offsets, tiles, ring, full, empty, out0, out1);
 }
 
 }  // namespace moe

@@ -43,14 +43,14 @@ def test_on_by_default_for_compute_capability_90_16bit_and_whole_16_byte_rows():
     assert _moe.GEMM_WGMMA_SKINNY and _moe_wgmma_skinny.FROM_TOKENS == 0
     for G, nid in _grouped():
         for target in ("sm_90", "sm_90a"):
-            assert _stages(G, nid, target=target) == ["wgmma_skinny_narrow", "wgmma_skinny", "wgmma"]
-            assert _stages(G, nid, dtype="fp16", target=target) == ["wgmma_skinny_narrow", "wgmma_skinny", "wgmma"]
+            assert _stages(G, nid, target=target) == ["wgmma_skinny", "wgmma"]
+            assert _stages(G, nid, dtype="fp16", target=target) == ["wgmma_skinny", "wgmma"]
         for target in ("sm_80", "sm_100"):
             assert _stages(G, nid, target=target) == ["gemv", "mma"]
         assert _stages(G, nid, dtype="fp32") == ["gemv"]
     # KD % 8 != 0 ("odd": D = 40 is fine for gate/up, M = 36 is not for down)
     stages = {G.nodes[nid]["op"]: _stages(G, nid) for G, nid in _grouped("odd")}
-    assert stages == {"moe_gate_up_silu": ["wgmma_skinny_narrow", "wgmma_skinny", "wgmma"], "moe_gate_up": ["wgmma_skinny_narrow", "wgmma_skinny", "wgmma"],
+    assert stages == {"moe_gate_up_silu": ["wgmma_skinny", "wgmma"], "moe_gate_up": ["wgmma_skinny", "wgmma"],
                       "moe_down": ["gemv", "mma"]}
 
 
@@ -69,53 +69,40 @@ def _worst_tiles(NP: int, E: int, bp: int = 64) -> int:
     return max(sum(-(-min(c, T) // bp) for c in counts) for counts in splits)
 
 
-@pytest.mark.parametrize("from_tokens,narrow", [(0, 16), (8, 16), (0, 0), (16, 16)])
-def test_one_launch_runs_at_each_T_and_the_grid_covers_every_tile(monkeypatch, from_tokens, narrow):
-    """FROM_TOKENS 0 (the default): no GEMV; 8: the GEMV keeps T <= 8 (perf_moe's ts8_wgs).  The
-    narrow launch (16-pair row tiles, 6 stages) takes FROM_TOKENS < T <= NARROW_TOKENS (16, the
-    default; 0 or <= FROM_TOKENS: none), the 64-pair one the tokens above up to the prefill wgmma."""
+@pytest.mark.parametrize("from_tokens", [0, 8])
+def test_one_launch_runs_at_each_T_and_the_grid_covers_every_tile(monkeypatch, from_tokens):
+    """FROM_TOKENS 0 (the default): no GEMV; 8: the GEMV keeps T <= 8 (perf_moe's ts8_wgs)."""
     monkeypatch.setattr(_moe_wgmma_skinny, "FROM_TOKENS", from_tokens)
-    monkeypatch.setattr(_moe_wgmma_skinny, "NARROW_TOKENS", narrow)
     upper = _moe_wgmma.threshold()
-    has_narrow = narrow > from_tokens
     for G, nid in _grouped():
         launches = _lower(G, nid)
         by = {la.stage: la for la in launches}
-        assert list(by) == (["gemv"] if from_tokens else []) + (["wgmma_skinny_narrow"] if has_narrow else []) \
-            + ["wgmma_skinny", "wgmma"]
-        for st, bp, stages in (("wgmma_skinny", 64, 4), ("wgmma_skinny_narrow", 16, 6)):
-            if st not in by:
-                continue
-            sk = by[st]
-            p = sk.params
-            assert sk.requires == ("sm_90a",) and sk.block == (256, 1, 1) and p["pairs"] == bp
-            assert sk.smem == p["smem"] == stages * (128 + bp) * 64 * 2 + 1024      # ring, alignment slack
-            assert 2 * (sk.smem + _moe_wgmma_skinny.static_smem(p["E"], stages) + 1024) <= 228 * 1024   # two CTAs an SM
-            assert p["cols"] == (128 if G.nodes[nid]["op"] == "moe_down" else 64)
-        ncols = -(-by["wgmma_skinny"].params["N"] // by["wgmma_skinny"].params["cols"])
-        lo = max(from_tokens, narrow) if narrow else from_tokens
-        for T in (1, 2, 8, 9, 16, 17, 32, 128, upper, upper + 1, 2048):
+        assert list(by) == (["gemv"] if from_tokens else []) + ["wgmma_skinny", "wgmma"]
+        sk = by["wgmma_skinny"]
+        p = sk.params
+        assert sk.requires == ("sm_90a",) and sk.block == (256, 1, 1)
+        assert sk.smem == p["smem"] == 4 * (128 + 64) * 64 * 2 + 1024          # ring, alignment slack
+        assert 2 * (sk.smem + _moe_wgmma_skinny.static_smem(p["E"]) + 1024) <= 228 * 1024   # two CTAs an SM
+        assert p["cols"] == (128 if G.nodes[nid]["op"] == "moe_down" else 64)
+        ncols = -(-p["N"] // p["cols"])
+        for T in (1, 2, 8, 9, 32, 128, upper, upper + 1, 2048):
             env = {"T": T, "NP": 6 * T, "SMS": 132}
             runs = {st: sizes.evaluate(la.grid[0], env) > 0 for st, la in by.items()}
             assert sum(runs.values()) == 1, (T, runs)
-            assert runs["wgmma_skinny"] == (lo < T <= upper), (T, runs)
-            if has_narrow:
-                assert runs["wgmma_skinny_narrow"] == (from_tokens < T <= narrow), (T, runs)
-            for st, bp in (("wgmma_skinny", 64), ("wgmma_skinny_narrow", 16)):
-                if st in by and runs[st]:
-                    bound = ncols * (6 * T // bp + min(64, 6 * T))
-                    assert sizes.evaluate(by[st].grid[0], env) == min(2 * 132, bound)
-                    assert bound >= ncols * _worst_tiles(6 * T, 64, bp)
+            assert runs["wgmma_skinny"] == (from_tokens < T <= upper), (T, runs)
+            if runs["wgmma_skinny"]:
+                bound = ncols * (6 * T // 64 + min(64, 6 * T))
+                assert sizes.evaluate(sk.grid[0], env) == min(2 * 132, bound)
+                assert bound >= ncols * _worst_tiles(6 * T, 64)
 
 
 def test_weights_are_tensor_maps_of_64_row_boxes():
     for G, nid in _grouped():
-        *sks, wg = _lower(G, nid)
-        for sk in sks:   # the narrow and the 64-pair launch
-            maps = [a for a in sk.args if isinstance(a.ref, TensorMapRef)]
-            assert maps and not any(isinstance(a.ref, WeightRef) for a in sk.args)
-            assert [a.ref.weight for a in maps] == [a.ref.weight for a in wg.args if isinstance(a.ref, TensorMapRef)]
-            assert all(a.ref.box == (64, 64) and a.ref.swizzle == 128 for a in maps)
+        sk, wg = _lower(G, nid)
+        maps = [a for a in sk.args if isinstance(a.ref, TensorMapRef)]
+        assert maps and not any(isinstance(a.ref, WeightRef) for a in sk.args)
+        assert [a.ref.weight for a in maps] == [a.ref.weight for a in wg.args if isinstance(a.ref, TensorMapRef)]
+        assert all(a.ref.box == (64, 64) and a.ref.swizzle == 128 for a in maps)
 
 
 def test_without_the_prefill_wgmma_the_mma_launch_keeps_the_tokens_above():
@@ -125,37 +112,33 @@ def test_without_the_prefill_wgmma_the_mma_launch_keeps_the_tokens_above():
     for G, nid in moe_graphs(*many):
         if G.nodes[nid]["op"] not in GROUPED:
             continue
-        narrow, sk, mma = _lower(G, nid)
-        assert (narrow.stage, sk.stage, mma.stage) == ("wgmma_skinny_narrow", "wgmma_skinny", "mma")
-        for T in (1, 16, 17, 256, 257, 4096):
+        sk, mma = _lower(G, nid)
+        assert (sk.stage, mma.stage) == ("wgmma_skinny", "mma")
+        for T in (1, 256, 257, 4096):
             env = {"T": T, "NP": 6 * T, "SMS": 132}
-            assert (sizes.evaluate(narrow.grid[0], env) > 0, sizes.evaluate(sk.grid[0], env) > 0,
-                    sizes.evaluate(mma.grid[1], env) > 0) == (T <= 16, 16 < T <= 256, T > 256)
+            assert (sizes.evaluate(sk.grid[0], env) > 0, sizes.evaluate(mma.grid[1], env) > 0) == (T <= 256, T > 256)
 
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
 @pytest.mark.parametrize("op,dtype", list(itertools.product(GROUPED, ("bf16", "fp16"))))
 def test_compiles_to_hgmma_fed_by_tma_and_gathering_copies(op, dtype):
     """Two HGMMA 64xNx16 a 16-wide K step for each of N = 16, 32, 64 (the tile's pair count picks
-    one; the narrow launch: N = 16 alone), weights as 3-D TMA boxes, pair rows as 16-byte cp.async
-    that arrive on the stage's mbarrier; no mma.sync fall-back, no spills, at most 128 registers (two
-    256-thread CTAs an SM)."""
+    one), weights as 3-D TMA boxes, pair rows as 16-byte cp.async that arrive on the stage's
+    mbarrier; no mma.sync fall-back, no spills, at most 128 registers (two 256-thread CTAs an SM)."""
     for G, nid in _grouped():
         if G.nodes[nid]["op"] != op:
             continue
-        for sk in _lower(G, nid, dtype=dtype)[:2]:
-            assert sk.stage in ("wgmma_skinny_narrow", "wgmma_skinny")
-            res = compile_cubin(render_launch(sk), sk.name, arch="sm_90a", options=("--ptxas-options=-v",))
-            ops = opcodes(res.cubin)
-            suffix = ".BF16" if dtype == "bf16" else ""
-            for n in (16, 32, 64):
-                assert ops[f"HGMMA.64x{n}x16.F32{suffix}"] == (8 if n == 16 or sk.stage == "wgmma_skinny" else 0), \
-                    sorted(ops)
-            assert not any(k.startswith("HMMA") for k in ops), "no mma.sync path inside"
-            assert ops["UTMALDG.3D"] > 0 and ops["UTMACCTL.PF"] > 0
-            assert ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0 and ops["ARRIVES.LDGSTSBAR.64.ARVCNT"] > 0
-            assert ops["SYNCS.PHASECHK.TRANS64.TRYWAIT"] > 0
-            assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
-            assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 128, res.log
-            with pytest.raises(KernelCompileError, match="sm_90a"):
-                compile_cubin(render_launch(sk), sk.name, arch="sm_90")
+        (sk,) = [la for la in _lower(G, nid, dtype=dtype) if la.stage == "wgmma_skinny"]
+        res = compile_cubin(render_launch(sk), sk.name, arch="sm_90a", options=("--ptxas-options=-v",))
+        ops = opcodes(res.cubin)
+        suffix = ".BF16" if dtype == "bf16" else ""
+        for n in (16, 32, 64):
+            assert ops[f"HGMMA.64x{n}x16.F32{suffix}"] == 8, sorted(ops)
+        assert not any(k.startswith("HMMA") for k in ops), "no mma.sync path inside"
+        assert ops["UTMALDG.3D"] > 0 and ops["UTMACCTL.PF"] > 0
+        assert ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0 and ops["ARRIVES.LDGSTSBAR.64.ARVCNT"] > 0
+        assert ops["SYNCS.PHASECHK.TRANS64.TRYWAIT"] > 0
+        assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
+        assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 128, res.log
+        with pytest.raises(KernelCompileError, match="sm_90a"):
+            compile_cubin(render_launch(sk), sk.name, arch="sm_90")

@@ -20,11 +20,11 @@
 
 #include "moe_wgmma_skinny.cuh"
 
-static_assert(dsg::moe::wgmma_skinny_smem(4, 64) == 99328, "shared memory size disagrees with the lowering");
+static_assert(dsg::moe::wgmma_skinny_smem(4) == 99328, "shared memory size disagrees with the lowering");
 static_assert(dsg::moe::WS_THREADS == 256, "block size disagrees with the lowering");
 static_assert(dsg::moe::wgmma_skinny_cols(dsg::moe::DOWN) == 128, "column tile disagrees with the lowering");
-static_assert(dsg::moe::WS_BOX == 64 && dsg::moe::WS_BK == 64,
-              "tensor-map box disagrees with the lowering");
+static_assert(dsg::moe::WS_BOX == 64 && dsg::moe::WS_BK == 64 && dsg::moe::WS_BP == 64,
+              "tensor-map box or pair tile disagrees with the lowering");
 
 extern "C" __global__ void __launch_bounds__(256, 2)
 moe_down__bf16__e257__d7168_m2048__wgmma_skinny(
@@ -34,6 +34,6 @@ moe_down__bf16__e257__d7168_m2048__wgmma_skinny(
     const i32* __restrict__ offsets,
     __nv_bfloat16* __restrict__ out) {
   extern __shared__ __align__(16) char smem[];
-  dsg::moe::grouped_gemm_wgmma_skinny<__nv_bfloat16, dsg::moe::DOWN, 257, 7168, 2048, 1, 4, 64>(
+  dsg::moe::grouped_gemm_wgmma_skinny<__nv_bfloat16, dsg::moe::DOWN, 257, 7168, 2048, 1, 4>(
       a, &w, &w, order, offsets, out, nullptr, smem);
 }
