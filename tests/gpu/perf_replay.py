@@ -1,6 +1,6 @@
 """Where a decode step's wall clock goes beyond its kernels' own device time (a script, not a test).
 
-    python3 tests/gpu/perf_replay.py [--cases 1x512,32x512,128x512] [--top 8]
+    python3 tests/gpu/perf_replay.py [--cases 1x512,32x512,128x512] [--top 8] [--profile]
 
 DeepSeek-V2-Lite (random bf16 weights, as `dsgraph bench`), decode steps replayed from their CUDA
 graph (PDL on, as the bench runs them).  Per case, milliseconds:
@@ -71,10 +71,27 @@ def host_split(cap, ids, step) -> dict:
     return {name: (host_ms(fn, 9, 0) * 1e3, host_ms(fn, 9, SPIN_CYCLES // 10) * 1e3) for name, fn in parts.items()}
 
 
+def profile_host(fn, calls: int = 20, top: int = 14) -> None:
+    """cProfile of fn()'s host time, each call queued behind a spin kernel (no wait for the GPU)."""
+    import cProfile
+    import pstats
+    pr = cProfile.Profile()
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SPIN_CYCLES)
+        pr.enable()
+        fn()
+        pr.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(top)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1x512,32x512,128x512")
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print cProfile's largest host costs of forward() (20 calls, GPU kept busy)")
     a = ap.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in a.cases.split(",")]
     eng = Engine.from_spec("model_specs/deepseek_v2_lite.yaml", backend="cuda", device="cuda", dtype="bf16",
@@ -95,6 +112,8 @@ def main() -> int:
             queued = statistics.median(queued_ms(f) for _ in range(5))
             (cap,) = be.graphs_decode.graphs.values()
             split = host_split(cap, ids, step)
+            if a.profile:
+                profile_host(f)
 
             def replays():
                 for _ in range(10):
