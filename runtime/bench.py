@@ -106,24 +106,25 @@ def linear_bytes(dims: dict, first_dense: int, elt: int = 2, shared: bool = True
 
 
 def _decode_ctx(engine, batch: int, ctx: int):
-    """A decode StepContext for `batch` sequences that each already hold `ctx - 1` cached tokens."""
+    """A decode StepContext for `batch` sequences that each already hold `ctx - 1` cached tokens,
+    and random token ids.  Made as the engine makes a decode step's (Engine._step_tensors): where
+    the backend replays decode graphs, on the graph's own input buffers, written once here, so a
+    timed forward queues no copies before its replay, as the engine's step queues none."""
     import torch
 
     from ir.context import StepContext
-    bs = engine.block_size
     seq_ids = [10_000_000 + b for b in range(batch)]   # ids no real request uses
     slots = []
     for sid in seq_ids:
         engine.tables.reserve(sid, ctx)
         slots.extend(engine.tables.slot_mapping(sid, ctx - 1, ctx))
-    dev = engine.device
-    step = StepContext(positions=torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev),
-                       query_lens=[1] * batch, context_lens=[ctx] * batch,
-                       block_tables=engine.tables.table_tensor(seq_ids, dev, width=engine.blocks_per_seq),
-                       slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-                       kv_cache=engine.cache.layers, block_size=bs)
-    tokens = torch.randint(0, engine.vocab, (batch,), device=dev)
-    return seq_ids, step, tokens
+    tokens = torch.randint(0, engine.vocab, (batch,)).tolist()
+    ids, positions, slots, _, tables = engine._step_tensors("decode", seq_ids, tokens, [ctx - 1] * batch, slots,
+                                                             None)
+    step = StepContext(positions=positions, query_lens=[1] * batch, context_lens=[ctx] * batch,
+                       block_tables=tables, slot_mapping=slots, kv_cache=engine.cache.layers,
+                       block_size=engine.block_size)
+    return seq_ids, step, ids
 
 
 def _prefill_ctx(engine, batch: int, length: int):

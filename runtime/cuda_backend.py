@@ -218,6 +218,14 @@ class CudaBackend:
             "query_start": upload(starts, torch.int32, device),
         }
 
+    def decode_inputs(self, B: int, W: int, device):
+        """The buffers (cuda_graphs.DecodeInputs) a decode step of B sequences and block-table width W
+        replays its graph on, for the engine to write the step's inputs into; None where decode
+        steps launch eagerly (graphs off, or not a GPU)."""
+        if not self.use_graphs or torch.device(device).type != "cuda":
+            return None
+        return self.graphs_decode.inputs(B, W, device)
+
     def forward(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """ids [T] -> logits [T, vocab] float32 (or [L, vocab]: the rows ctx.logit_rows names).
         Decode steps replay a CUDA graph per shape bucket; other steps one per shape seen before

@@ -3,16 +3,21 @@
 A decode step is ~20 launches per layer; launched from Python that costs far more
 than the kernels.  Captured once per (batch, block-table width, context bucket),
 a step is one graph replay.  What changes between steps lives in static device
-buffers that are refilled before each replay (token ids, positions, slots, block
-tables, context lengths); the kernels read lengths from those buffers, so a
-graph captured for a context bucket serves every context up to it.
+buffers (token ids, positions, slots, block tables, context lengths; DecodeInputs, one
+set per (batch, width) shared by that shape's graphs of every bucket); the kernels read
+lengths from those buffers, so a graph captured for a context bucket serves every
+context up to it.
 
 The host's part of a decode step is on its critical path: the GPU idles from the previous step's
 end until the replay is queued (the caller reads each step's logits before the next).  PERF_NOTES
 v16 measured the refill at 0.1-0.23 ms a step, most of it the per-step upload of the context
 lengths; a decode step's context lengths are its positions + 1 (each sequence's one new token is
-its last cached one), so the graph computes them on the device from the refilled positions and
-the host only queues four device-to-device copies and the replay.
+its last cached one), so the graph computes them on the device from the positions.  The engine
+uploads a step's other inputs straight into the graph's buffers (DecodeGraphs.inputs: one packed
+int64 copy and one of the block tables, as its other steps upload theirs), and `run` copies only
+what is not already there: the host queues those two uploads and the replay, where four
+device-to-device copies more cost ~30-35 us of GPU idle a step (PERF_NOTES v17).  A caller
+passing tensors of its own gets them copied in, as before.
 
 A prefill step of a few thousand tokens launches ~565 kernels whose GPU time is about the
 host's time to launch them (PERF_NOTES v12: 1x2048 24 ms of kernels, 18-24 ms of host time
@@ -41,7 +46,7 @@ import torch
 
 from ir.context import StepContext
 
-from .h2d import upload
+from .h2d import pack, packed_offsets, upload, upload_into
 
 MIN_CONTEXT_BUCKET = 256
 PREFILL_GRAPH_MAX_TOKENS = 2048
@@ -65,36 +70,74 @@ class _Captured:
         self.last_run = 0     # PrefillGraphs: the prefill step it last ran at
 
 
+class DecodeInputs:
+    """The device buffers a decode step of B sequences and block-table width W reads (B tokens):
+    ids, positions and slots are views of one int64 tensor laid out as upload_together lays out
+    its parts (h2d.packed_offsets), so a step's host values reach them in one copy.  Shared by the
+    graphs of every context bucket of that shape: replays never overlap on the stream, and a graph
+    reads its inputs only inside its replay."""
+
+    def __init__(self, B: int, W: int, device):
+        starts, n = packed_offsets([B, B, B])   # ids, positions, slots: the order write() packs them in
+        self.packed = torch.zeros(n, dtype=torch.int64, device=device)
+        self.ids, self.positions, self.slot_mapping = (self.packed[at:at + B] for at in starts)
+        self.block_tables = torch.zeros(B, W, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(B, dtype=torch.int32, device=device)   # the graph's first node fills it
+        self.query_start = torch.arange(B + 1, dtype=torch.int32, device=device)
+        self.named = {"ids": self.ids, "positions": self.positions, "slot_mapping": self.slot_mapping,
+                      "block_tables": self.block_tables, "context_lens": self.context_lens,
+                      "query_start": self.query_start}
+
+    def write(self, ids: list[int], positions: list[int], slots: list[int], tables) -> None:
+        """A step's host values into the buffers: two host-to-device copies (`tables`: int32
+        [B, W] rows, BlockTables.table_rows), queued behind the previous replay, no sync."""
+        upload_into(self.packed, pack([ids, positions, slots])[0])
+        upload_into(self.block_tables, tables)
+
+
 class DecodeGraphs:
     def __init__(self, backend):
         self.backend = backend
         self.graphs: dict[tuple, _Captured] = {}
+        self.buffers: dict[tuple, DecodeInputs] = {}   # (B, W, device) -> its graphs' inputs
         self.pool = None
+
+    def inputs(self, B: int, W: int, device) -> DecodeInputs:
+        """The buffers decode graphs of B sequences and width W read on `device` (made on first use)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:   # "cuda" and ids.device's "cuda:0": one key
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (B, W, device)
+        x = self.buffers.get(key)
+        if x is None:
+            x = self.buffers[key] = DecodeInputs(B, W, device)
+        return x
 
     def run(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         B = len(ctx.query_lens)
         W = int(ctx.block_tables.shape[1])
+        x = self.inputs(B, W, ids.device)
+        # Before a capture too: its warm-up runs the step on these buffers (it writes the step's
+        # cache rows).  context_lens: the graph's first node (_decode_lengths).
+        _refill(x.named, ids, ctx)
         bucket = context_bucket(max(ctx.context_lens))
         key = (B, W, bucket, id(ctx.kv_cache[0]))
         cap = self.graphs.get(key)
         if cap is None:
-            cap = self._capture(ids, ctx, bucket)
-            self.graphs[key] = cap
-        _refill(cap.inputs, ids, ctx)   # context_lens: the graph's first node (_decode_lengths)
+            cap = self.graphs[key] = self._capture(x, ctx, bucket)
         cap.graph.replay()
         return _logits_of(cap)
 
-    def _capture(self, ids: torch.Tensor, ctx: StepContext, bucket: int) -> _Captured:
+    def _capture(self, x: DecodeInputs, ctx: StepContext, bucket: int) -> _Captured:
         B = len(ctx.query_lens)
-        inputs = _static_inputs(ids, ctx, list(range(B + 1)))
-        static_ctx = StepContext(positions=inputs["positions"], query_lens=[1] * B,
-                                 context_lens=[bucket] * B, block_tables=inputs["block_tables"],
-                                 slot_mapping=inputs["slot_mapping"], kv_cache=ctx.kv_cache,
+        static_ctx = StepContext(positions=x.positions, query_lens=[1] * B,
+                                 context_lens=[bucket] * B, block_tables=x.block_tables,
+                                 slot_mapping=x.slot_mapping, kv_cache=ctx.kv_cache,
                                  block_size=ctx.block_size)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        return _record(self.backend, "decode", inputs, static_ctx, self.pool,
-                       prologue=lambda: _decode_lengths(inputs))
+        return _record(self.backend, "decode", x.named, static_ctx, self.pool,
+                       prologue=lambda: _decode_lengths(x.named))
 
 
 class PrefillGraphs:
@@ -154,7 +197,7 @@ class PrefillGraphs:
         return _logits_of(cap)
 
     def _capture(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> _Captured:
-        inputs = _static_inputs(ids, ctx, _starts(ctx))
+        inputs = _static_inputs(ids, ctx)
         if ctx.logit_rows is not None:
             inputs["logit_rows"] = ctx.logit_rows.clone()
         static_ctx = StepContext(positions=inputs["positions"], query_lens=list(ctx.query_lens),
@@ -172,8 +215,8 @@ def _starts(ctx: StepContext) -> list[int]:
     return list(itertools.accumulate(ctx.query_lens, initial=0))
 
 
-def _static_inputs(ids: torch.Tensor, ctx: StepContext, query_start: list[int]) -> dict:
-    """The step's device inputs, copied into buffers of the graph's own (refilled before each replay)."""
+def _static_inputs(ids: torch.Tensor, ctx: StepContext) -> dict:
+    """A prefill step's device inputs, copied into buffers of the graph's own (refilled before each replay)."""
     device = ids.device
     return {
         "ids": ids.clone(),
@@ -181,17 +224,27 @@ def _static_inputs(ids: torch.Tensor, ctx: StepContext, query_start: list[int]) 
         "slot_mapping": ctx.slot_mapping.clone(),
         "block_tables": ctx.block_tables.to(device=device, dtype=torch.int32).clone(),
         "context_lens": torch.tensor(ctx.context_lens, dtype=torch.int32, device=device),
-        "query_start": torch.tensor(query_start, dtype=torch.int32, device=device),
+        "query_start": torch.tensor(_starts(ctx), dtype=torch.int32, device=device),
     }
 
 
 def _refill(x: dict, ids: torch.Tensor, ctx: StepContext) -> None:
     """The step's device tensors into the graph's buffers (the context lengths are the caller's:
-    a decode graph makes its own, a prefill step uploads them)."""
-    x["ids"].copy_(ids, non_blocking=True)
-    x["positions"].copy_(ctx.positions, non_blocking=True)
-    x["slot_mapping"].copy_(ctx.slot_mapping, non_blocking=True)
-    x["block_tables"].copy_(ctx.block_tables, non_blocking=True)
+    a decode graph makes its own, a prefill step uploads them), but for those the caller wrote
+    there itself (the engine's decode steps: DecodeInputs.write): a copy onto itself would cost
+    its host enqueue (~8 us) and change nothing."""
+    for name, src in (("ids", ids), ("positions", ctx.positions), ("slot_mapping", ctx.slot_mapping),
+                      ("block_tables", ctx.block_tables)):
+        dst = x[name]
+        if not _is(src, dst):
+            dst.copy_(src, non_blocking=True)
+
+
+def _is(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b are the same memory seen the same way (a view's data_ptr counts its offset);
+    the engine hands over the buffers' own tensor objects, which the first test finds."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                      and a.dtype == b.dtype)
 
 
 def _decode_lengths(x: dict) -> None:

@@ -287,15 +287,13 @@ class Engine:
             slots.extend(self.tables.slot_mapping(s.seq_id, start, len(toks)))
             query_lens.append(len(toks) - start)
             context_lens.append(len(toks))
-        dev = self.device
         rows = list(itertools.accumulate(query_lens, initial=-1))[1:] if last_only else None
-        ids_t, positions_t, slots_t, rows_t = upload_together([ids, positions, slots, rows], dev)
+        ids_t, positions_t, slots_t, rows_t, tables_t = self._step_tensors(
+            phase, [s.seq_id for s in seqs], ids, positions, slots, rows)
         ctx = StepContext(
             positions=positions_t,
             query_lens=query_lens, context_lens=context_lens,
-            # Decode tables are always max-width so a captured step graph fits every step of a batch size.
-            block_tables=self.tables.table_tensor([s.seq_id for s in seqs], dev,
-                                                  width=self.blocks_per_seq if phase == "decode" else None),
+            block_tables=tables_t,
             slot_mapping=slots_t,
             kv_cache=self.cache.layers, block_size=self.block_size,
             logit_rows=rows_t)
@@ -303,6 +301,22 @@ class Engine:
         for s in seqs:
             s.cached = len(s.tokens)
         return logits
+
+    def _step_tensors(self, phase: str, seq_ids: list[int], ids: list[int], positions: list[int],
+                      slots: list[int], rows: list[int] | None) -> tuple:
+        """A step's host values on the device: (ids, positions, slots, logit rows or None, block tables),
+        in two host-to-device copies.  A decode step of every row whose backend replays a graph
+        (CudaBackend.decode_inputs) is written straight into the buffers that graph reads, so no
+        device copies come before its replay."""
+        # Decode tables are always max-width so a captured step graph fits every step of a batch size.
+        width = self.blocks_per_seq if phase == "decode" else None
+        offer = getattr(self.backend, "decode_inputs", None)   # the reference backend has none
+        bufs = offer(len(seq_ids), width, self.device) if phase == "decode" and rows is None and offer else None
+        if bufs is not None:
+            bufs.write(ids, positions, slots, self.tables.table_rows(seq_ids, width))
+            return bufs.ids, bufs.positions, bufs.slot_mapping, None, bufs.block_tables
+        ids_t, positions_t, slots_t, rows_t = upload_together([ids, positions, slots, rows], self.device)
+        return ids_t, positions_t, slots_t, rows_t, self.tables.table_tensor(seq_ids, self.device, width=width)
 
     # ---- public API ---------------------------------------------------------------------------
     @torch.inference_mode()

@@ -7,7 +7,7 @@ token at position p lives in slot block_table[p // block_size] * block_size
 + p % block_size of every layer's [num_blocks * block_size, C + R] view.
 
 All bookkeeping is host-side Python; only `table_tensor` produces a device
-tensor, once per step.
+tensor, once per step (or the engine writes `table_rows` into a decode graph's own buffer).
 """
 from __future__ import annotations
 
@@ -172,8 +172,8 @@ class BlockTables:
         table, bs = self._tables.get(seq_id, []), self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def table_tensor(self, seq_ids: list[int], device: torch.device | str, width: int | None = None) -> torch.Tensor:
-        """int32 [B, width] block tables, zero-padded. Padding is never read:
+    def table_rows(self, seq_ids: list[int], width: int | None = None) -> np.ndarray:
+        """int32 [B, width] block tables on the host, zero-padded. Padding is never read:
         kernels stop at each sequence's context length. A fixed `width` (e.g.
         max_blocks_per_seq) keeps the shape stable across steps."""
         tables = [self._tables.get(s, []) for s in seq_ids]
@@ -185,4 +185,8 @@ class BlockTables:
         rows = np.zeros((len(seq_ids), width), dtype=np.int32)   # a nested list costs ~1 ms at 128 x 128
         for row, t in zip(rows, tables):
             row[:len(t)] = t
-        return upload(rows, torch.int32, device)
+        return rows
+
+    def table_tensor(self, seq_ids: list[int], device: torch.device | str, width: int | None = None) -> torch.Tensor:
+        """table_rows as an int32 [B, width] tensor on `device`."""
+        return upload(self.table_rows(seq_ids, width), torch.int32, device)

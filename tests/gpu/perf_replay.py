@@ -4,7 +4,9 @@
 
 DeepSeek-V2-Lite (random bf16 weights, as `dsgraph bench`), decode steps replayed from their CUDA
 graph (PDL on, as the bench runs them).  Per case, milliseconds:
-  step     the step as the bench times it (CUDA events around forward: refill, replay, clone);
+  step     the step as the bench times it (CUDA events around forward: refill, replay, clone; the
+           bench's steps sit on the graph's own buffers, as the engine's do, so the refill copies
+           nothing: cuda_graphs.DecodeInputs);
   host     forward()'s own host time, the GPU held busy by a spin kernel queued first;
   queued   the same step's GPU time once all of it is queued (no wait for the host);
   replay   one graph replay alone, ten back to back between two events;

@@ -176,7 +176,13 @@ def test_graph_replay_equals_eager_decode(tiny):
     graphed = engine.logits(PROMPTS, decode_after=2)
     for a, b in zip(eager, graphed):
         assert torch.equal(a, b)
-    assert engine.backend.graphs_decode.graphs, "no decode graph was captured"
+    graphs = engine.backend.graphs_decode
+    assert graphs.graphs, "no decode graph was captured"
+    # The engine wrote its steps straight into the graphs' own buffers (no refill copies): the last
+    # decode step is the longest prompt's last position, alone.
+    x = graphs.inputs(1, engine.blocks_per_seq, DEV)
+    assert x.positions.tolist() == [len(PROMPTS[2]) - 1]
+    assert any(cap.inputs["positions"] is x.positions for cap in graphs.graphs.values())
 
 
 def test_prefill_graph_replay_equals_eager(tiny):

@@ -3,10 +3,12 @@ upload, and decode contexts whose lengths are their positions + 1 (a decode grap
 context lengths from the positions on the device: runtime/cuda_graphs.py)."""
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from runtime import SamplingParams
-from runtime.h2d import upload_together
+from runtime.h2d import upload_into, upload_together
 from runtime.kv_cache import BlockAllocator, BlockTables
 from tiny_engine import make_engine, prompts
 
@@ -26,6 +28,17 @@ def test_upload_together_keeps_each_part_and_aligns_it():
     assert len(storages) == 1
 
 
+def test_upload_into_writes_an_existing_tensor_and_refuses_another_shape():
+    dst = torch.full((2, 3), -1, dtype=torch.int32)
+    ptr = dst.data_ptr()
+    upload_into(dst, np.arange(6, dtype=np.int64).reshape(2, 3))
+    assert dst.data_ptr() == ptr and dst.dtype == torch.int32 and dst.tolist() == [[0, 1, 2], [3, 4, 5]]
+    upload_into(dst[1], [7, 8, 9])   # a view: the rest is untouched
+    assert dst.tolist() == [[0, 1, 2], [7, 8, 9]]
+    with pytest.raises(ValueError, match=r"shape \(3,\) into a tensor of \(2, 3\)"):
+        upload_into(dst, [1, 2, 3])   # would broadcast
+
+
 def test_table_tensor_pads_with_zeros_and_keeps_order():
     tables = BlockTables(BlockAllocator(64), block_size=4, max_blocks_per_seq=8)
     tables.reserve(1, 9)     # 3 blocks
@@ -36,6 +49,7 @@ def test_table_tensor_pads_with_zeros_and_keeps_order():
     assert t[1].tolist() == tables.block_table(1) + [0] * 2
     assert t[2].tolist() == [0] * 5
     assert tables.table_tensor([1], "cpu").shape == (1, 3)
+    assert np.array_equal(tables.table_rows([2, 1, 99], width=5), t.numpy())
 
 
 def test_every_step_context_is_consistent_and_decode_lengths_are_positions_plus_one():
