@@ -134,7 +134,9 @@ class DecodeGraphs:
                                  context_lens=[bucket] * B, block_tables=x.block_tables,
                                  slot_mapping=x.slot_mapping, kv_cache=ctx.kv_cache,
                                  block_size=ctx.block_size)
-        if self.pool is None:
+        if self.pool is None or not self.graphs:
+            # torch frees a private pool with its last graph: a handle whose graphs are all gone
+            # (the bench drops them to capture a step anew with PDL off) cannot be captured into again
             self.pool = torch.cuda.graph_pool_handle()
         return _record(self.backend, "decode", x.named, static_ctx, self.pool,
                        prologue=lambda: _decode_lengths(x.named))

@@ -183,6 +183,13 @@ def test_graph_replay_equals_eager_decode(tiny):
     x = graphs.inputs(1, engine.blocks_per_seq, DEV)
     assert x.positions.tolist() == [len(PROMPTS[2]) - 1]
     assert any(cap.inputs["positions"] is x.positions for cap in graphs.graphs.values())
+    # Every graph dropped (as the bench drops them to capture a step with PDL off): the next
+    # captures take a new memory pool and replay the same logits.
+    graphs.graphs.clear()
+    again = engine.logits(PROMPTS, decode_after=2)
+    for a, b in zip(eager, again):
+        assert torch.equal(a, b)
+    assert graphs.graphs, "no decode graph was captured again"
 
 
 def test_prefill_graph_replay_equals_eager(tiny):
