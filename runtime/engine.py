@@ -280,13 +280,17 @@ class Engine:
         or with ``last_only`` [B, vocab]: each sequence's last token (the head runs on those rows alone)."""
         ids, positions, slots, query_lens, context_lens = [], [], [], [], []
         for s in seqs:
-            toks = s.tokens
-            start = s.cached if phase == "prefill" else len(toks) - 1
-            ids.extend(toks[start:])
-            positions.extend(range(start, len(toks)))
-            slots.extend(self.tables.slot_mapping(s.seq_id, start, len(toks)))
-            query_lens.append(len(toks) - start)
-            context_lens.append(len(toks))
+            n = s.num_tokens
+            if phase == "prefill":
+                start = s.cached
+                ids.extend(s.tokens[start:])
+            else:   # one token: O(1) per sequence whatever its length (PERF_NOTES v18, the host's part)
+                start = n - 1
+                ids.append(s.last_token)
+            positions.extend(range(start, n))
+            slots.extend(self.tables.slot_mapping(s.seq_id, start, n))
+            query_lens.append(n - start)
+            context_lens.append(n)
         rows = list(itertools.accumulate(query_lens, initial=-1))[1:] if last_only else None
         ids_t, positions_t, slots_t, rows_t, tables_t = self._step_tensors(
             phase, [s.seq_id for s in seqs], ids, positions, slots, rows)
@@ -299,7 +303,7 @@ class Engine:
             logit_rows=rows_t)
         logits = self.backend.forward(phase, ids_t, ctx)
         for s in seqs:
-            s.cached = len(s.tokens)
+            s.cached = s.num_tokens
         return logits
 
     def _step_tensors(self, phase: str, seq_ids: list[int], ids: list[int], positions: list[int],
@@ -419,7 +423,7 @@ class Engine:
                 s.logits.append(row.float().cpu())
             if tok in s.params.stop_token_ids or (not s.params.ignore_eos and tok in self.eos_token_ids):
                 s.finish_reason = "stop"
-            elif len(s.output) >= s.params.max_new_tokens or len(s.tokens) >= self.max_seq_len:
+            elif len(s.output) >= s.params.max_new_tokens or s.num_tokens >= self.max_seq_len:
                 s.finish_reason = "length"
             if s.done:
                 sched.finish(s)

@@ -17,7 +17,7 @@ from .kv_cache import BlockTables
 from .sampling import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)      # a sequence is an entity: membership tests compare identity, not token lists
 class Sequence:
     seq_id: int
     prompt: list[int]
@@ -30,7 +30,17 @@ class Sequence:
 
     @property
     def tokens(self) -> list[int]:
+        """A new list of every token (prompt + output): O(length), for prefill.  A decode step's
+        per-sequence work uses num_tokens and last_token, which cost O(1) at any context length."""
         return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
 
     @property
     def done(self) -> bool:
@@ -57,7 +67,7 @@ class Scheduler:
         batch, tokens = [], 0
         while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = len(seq.tokens)
+            n = seq.num_tokens
             if batch and tokens + n > self.max_prefill_tokens:
                 break
             try:
@@ -80,7 +90,7 @@ class Scheduler:
         while i < len(ready):
             seq = ready[i]
             try:
-                self.tables.reserve(seq.seq_id, len(seq.tokens))
+                self.tables.reserve(seq.seq_id, seq.num_tokens)
                 i += 1
             except CacheFullError:
                 victim = ready[-1]

@@ -1,4 +1,5 @@
 """Paged cache bookkeeping: no block is ever owned twice, failures change nothing."""
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -66,6 +67,20 @@ class CacheMachine(RuleBasedStateMachine):
         assert len(owned) + self.tables.free_blocks == NUM_BLOCKS
         for s in range(4):
             assert self.tables.length_capacity(s) >= self.lengths.get(s, 0)
+
+    @invariant()
+    def table_rows_are_the_tables(self):
+        # table_rows stacks rows kept as blocks come (kv_cache.BlockTables._rows): after any run of
+        # reserves, refused reserves and releases they are the block tables, zero-padded
+        seqs = [3, 0, 2, 1, 0]
+        for width in (None, MAX_BLOCKS_PER_SEQ, MAX_BLOCKS_PER_SEQ + 2):
+            rows = self.tables.table_rows(seqs, width)
+            w = rows.shape[1]
+            assert rows.dtype == np.int32 and rows.shape[0] == len(seqs)
+            assert w == (width or max(1, max(len(self.tables.block_table(s)) for s in seqs)))
+            for row, s in zip(rows.tolist(), seqs):
+                t = self.tables.block_table(s)
+                assert row == t + [0] * (w - len(t))
 
     def teardown(self):
         for s in range(4):
