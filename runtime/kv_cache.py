@@ -147,12 +147,12 @@ class BlockTables:
                 f"{self.max_seq_len} tokens per sequence ({self.max_blocks_per_seq} blocks x {self.block_size})"
             )
         need = self.blocks_needed(seq_id, total_len)
-        if need == 0 and seq_id in self._tables:
-            return      # a decode step's usual case: the last block has room
-        try:
-            new = self.allocator.allocate(need)
-        except CacheFullError as e:
-            raise CacheFullError(f"sequence {seq_id}: {e}", needed=e.needed, free=e.free) from None
+        new = []          # a decode step's usual case: the last block has room, nothing to allocate
+        if need:
+            try:
+                new = self.allocator.allocate(need)
+            except CacheFullError as e:
+                raise CacheFullError(f"sequence {seq_id}: {e}", needed=e.needed, free=e.free) from None
         table = self._tables.setdefault(seq_id, [])
         if new:
             row = self._rows.setdefault(seq_id, np.zeros(self.max_blocks_per_seq, dtype=np.int32))
