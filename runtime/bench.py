@@ -223,7 +223,7 @@ def pdl_edges(plan, sizes: dict) -> dict:
     return {"kernels": kernels, "pdl": pdl, "overlapped": overlapped}
 
 
-ROUTED_EXPERT_FAMILIES = ("moe_gate_up_silu", "moe_down")
+ROUTED_EXPERT_FAMILIES = ("moe_gate_up_silu", "moe_down", "moe_expert_ffn")   # the last: decode, both in one
 LIBRARY_FAMILY = "cublas/torch"
 SKINNY_FAMILY = "linear_skinny"
 LINEAR_FAMILIES = (SKINNY_FAMILY, LIBRARY_FAMILY)

@@ -61,10 +61,12 @@ def upper() -> int:
 
 
 def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
-           down: bool) -> KernelLaunch:
+           down: bool, run: str | None = None) -> KernelLaunch:
+    """`run`: the factor of the grid that is 1 at the T it runs at (default: (FROM_TOKENS, upper()])."""
     cols = ROWS if down else ROWS // 2                    # output columns per tile
     tiles = f"{-(-p['N'] // cols)} * (NP // {BP} + min({p['E']}, NP))"   # one partial row tile per expert
-    run = only_below(upper()) if FROM_TOKENS == 0 else f"{only_above(FROM_TOKENS)} * {only_below(upper())}"
+    if run is None:
+        run = only_below(upper()) if FROM_TOKENS == 0 else f"{only_above(FROM_TOKENS)} * {only_below(upper())}"
     return _moe_wgmma.tma_launch(family, template, name_parts, p, nid, args, variant="wgmma_skinny", box=(BOX, BK),
                                  threads=THREADS, stages=STAGES, smem_bytes=smem(STAGES), cols=cols,
                                  grid=f"min(2 * SMS, {tiles}) * {run}", pairs=BP)

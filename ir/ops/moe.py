@@ -219,6 +219,35 @@ class MoeDown(OpDef):
         return [grouped_linear(a, True, r, w["weight"], a.shape[0])]
 
 
+@register
+class MoeExpertFfn(OpDef):
+    name = "moe_expert_ffn"
+    inputs = 2
+    attrs = {"num_experts": Attr("dim"), "inner_dim": Attr("dim"), "out_dim": Attr("dim")}
+    weights = {"gate": True, "up": True, "down": True}
+    expert_weights = ("gate", "up", "down")
+    doc = ("[x [T, D], routing] -> per pair (silu(x W_gate^T) * (x W_up^T)) W_down^T [T*K, D]: the expert FFN "
+           "in one op (decode)")
+
+    @classmethod
+    def infer(cls, node, ins, model):
+        x, r = ins
+        E, M, D = node.attrs["num_experts"], node.attrs["inner_dim"], node.attrs["out_dim"]
+        expect(r.dtype == "routing", f"moe_expert_ffn's second input must be routing, got {r}")
+        expect(len(x.shape) == 2 and x.dtype == "act", f"moe_expert_ffn expects an activation [T, D], got {x}")
+        expect(r.shape[1] == E, "moe_expert_ffn and the routing disagree on the number of experts")
+        return [TType((r.shape[0], D), "act")], {"gate": (E, M, x.shape[1]), "up": (E, M, x.shape[1]),
+                                                  "down": (E, D, M)}
+
+    @classmethod
+    def run(cls, node, ins, w, ctx):
+        # The unfused refs, step by step (MoeGateUpSilu then MoeDown): the same roundings, the same result.
+        x, r = ins
+        n = x.shape[0] * r["top_k"]
+        a = F.silu(grouped_linear(x, False, r, w["gate"], n)) * grouped_linear(x, False, r, w["up"], n)
+        return [grouped_linear(a, True, r, w["down"], a.shape[0])]
+
+
 def combine_ref(eo: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum_k w[t, k] * eo[t*K + k]; a pair of weight 0 adds nothing, whatever its row holds (the
     row of a pair no expert computed, e.g. another rank's, is never written)."""

@@ -19,6 +19,7 @@ from .eliminate_dead import eliminate_dead
 from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_combine_shared_residual import fuse_combine_shared_residual
 from .fuse_decode_prologue import fuse_decode_prologue
+from .fuse_expert_ffn import fuse_expert_ffn
 from .fuse_gate_up_silu import fuse_gate_up_silu
 from .fuse_kv_norm_rope_cache import fuse_kv_norm_rope_cache
 from .fuse_moe_silu import fuse_moe_silu
@@ -63,6 +64,7 @@ PIPELINE: list[Pass] = [
     Pass(fuse_moe_silu,                BOTH),     # moe_gate_up + silu_and_mul -> moe_gate_up_silu
     Pass(fuse_combine_shared_residual, BOTH),     # moe_combine + shared add + residual add -> moe_combine_residual
     Pass(fuse_shared_experts,          BOTH),     # the shared MLP -> S always-selected experts in the grouped ops
+    Pass(fuse_expert_ffn,              DECODE),   # moe_gate_up_silu + moe_down -> moe_expert_ffn (decode: one persistent launch)
     # Dense linears
     Pass(fuse_sibling_linears,         BOTH),     # linears reading one input (q + kv_a, gate + up) -> multi_linear
     Pass(fuse_gate_up_silu,            BOTH),     # multi_linear (gate, up) + silu_and_mul -> gate_up_silu
@@ -100,7 +102,7 @@ def run_pipeline(G: nx.DiGraph, passes: list[Pass] = PIPELINE) -> nx.DiGraph:
 
 
 __all__ = ["PIPELINE", "Pass", "run_pipeline", "eliminate_dead", "fuse_add_rms_norm", "fuse_combine_shared_residual",
-           "fuse_decode_prologue",
+           "fuse_decode_prologue", "fuse_expert_ffn",
            "fuse_gate_up_silu", "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_q_rope_into_query", "fuse_router",
            "fuse_shared_experts", "fuse_sibling_linears", "insert_all_reduce", "lower_mla_decode", "lower_mla_prefill", "shard_for_rank",
            "split_rope"]

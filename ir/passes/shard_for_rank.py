@@ -37,7 +37,7 @@ from ..ops import OPS, ShapeError, WeightInfo
 from ..parallel import ParallelError, rule_for, sharded_shape, weight_shard
 from .rewrite import copy_graph, fresh_name, readers_of, scope_of
 
-EXPERT_OPS = ("moe_align", "moe_gate_up", "moe_gate_up_silu", "moe_down")
+EXPERT_OPS = ("moe_align", "moe_gate_up", "moe_gate_up_silu", "moe_down", "moe_expert_ffn")
 
 
 def parallel_of(G: nx.DiGraph) -> tuple[int, int]:

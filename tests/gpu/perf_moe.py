@@ -25,7 +25,8 @@ largest row tile run in the swapped orientation; 0 turns it off), optionally the
 K slice and ring depth, and _bulk: their rows as bulk copies on mbarriers (SKINNY_BULK); both
 grids are recomputed.  thr0 means the GEMV alone at every T (the mma
 launch is dropped).  [ts<n>_]wgs: the GEMV while T <= n (default GEMV_ONLY_TOKENS), the decode
-wgmma + TMA launch (moe_wgmma_skinny.cuh; the lowering's default on sm_90a is ts0_wgs) above it.
+wgmma + TMA launch (moe_wgmma_skinny.cuh) above it.  ffn: moe_expert_ffn's one launch for both
+families (moe_expert_ffn.cuh; decode's default on sm_90a since PERF_NOTES v19), timed as one row.
 The prefill wgmma launch is left out of every variant.  Every variant launch is renamed <lowered name>__ts<n> (gemv) or
 <lowered name>__ts<n>_thr<t>_skinny<s>... (mma): KernelRunner keeps one compiled module per
 launch name, so distinct launches must never share a name (checked below).
@@ -69,10 +70,11 @@ DT = torch.bfloat16
 ITERS = 20
 BAD_ERR = 1e-2
 FAMILIES = ("moe_gate_up_silu", "moe_down")
-SHORT = {"moe_gate_up_silu": "gate_up_silu", "moe_down": "down"}
+SHORT = {"moe_gate_up_silu": "gate_up_silu", "moe_down": "down", "moe_expert_ffn": "ffn (both)"}
 _VARIANT_RE = re.compile(r"^(?:ts(\d+)_)?thr(\d+)_skinny(\d+)(?:_sbk(\d+)_sst(\d+))?(_bulk)?$")
 _WGS_RE = re.compile(r"^(?:ts(\d+)_)?wgs$")   # the GEMV while T <= ts, the decode wgmma + TMA launch above
 GEMV_ALONE = 1 << 30     # ts of thr0: the GEMV at every T
+FFN = "ffn"              # the variant of moe_expert_ffn's one launch for both families
 
 
 def dims(m) -> dict:
@@ -87,6 +89,10 @@ def graph(m, family: str, K: int):
     dm = dims(m)
     E, D, M = dm["E"], dm["D"], dm["M"]
     r = TType((f"T*{K}", E), "routing")
+    if family == "moe_expert_ffn":
+        return single_op_graph(m, "moe_expert_ffn", {"num_experts": E, "inner_dim": M, "out_dim": D},
+                               {"x": TType(("T", D), "act"), "R": r},
+                               {"gate": "e.{expert}.gate", "up": "e.{expert}.up", "down": "e.{expert}.down"})
     if family == "moe_down":
         return single_op_graph(m, "moe_down", {"num_experts": E, "out_dim": D},
                                {"a": TType((f"T*{K}", M), "act"), "R": r}, {"weight": "e.{expert}.down"})
@@ -98,7 +104,10 @@ def graph(m, family: str, K: int):
 def parse_variant(v: str) -> tuple:
     """[ts<n>_]thr<t>_skinny<s>[_sbk<k>_sst<n>] -> (ts, t, s, k or None, n or None); None keeps the
     lowering's swapped-tile K slice / ring depth.  [ts<n>_]wgs -> (ts, "wgs", ...): the decode
-    wgmma + TMA launch (moe_wgmma_skinny.cuh) above ts."""
+    wgmma + TMA launch (moe_wgmma_skinny.cuh) above ts.  "ffn": moe_expert_ffn's fused launch
+    (both families in one, moe_expert_ffn.cuh) -> (0, "ffn", ...)."""
+    if v == FFN:
+        return 0, FFN, 0, None, None, False
     mw = _WGS_RE.match(v)
     if mw is not None:
         return (int(mw.group(1)) if mw.group(1) else GEMV_ONLY_TOKENS), "wgs", 0, None, None, False
@@ -172,6 +181,10 @@ class Kernels:
         key = (family, K, variant)
         if key not in self._launches:
             ts, thr, skinny, sbk, sst, bulk = parse_variant(variant)
+            if thr == FFN:                                   # the fused launch alone (T <= its range's top)
+                launches = [la for la in self.base(family, K, True)[2] if la.stage == "fused"]
+                self._launches[key] = launches
+                return launches
             base = self.base(family, K)[2]                 # the GEMV and the mma launch
             if thr == "wgs":                                 # the GEMV, then the decode wgmma launch
                 base = [la for la in base if la.stage == "gemv"] + [
@@ -206,6 +219,11 @@ class Kernels:
 def _body(src: str, name: str) -> str:
     """The rendered source below its header (which lists the params), kernel name normalised."""
     return src.split("\n\n", 1)[-1].replace(name, "KERNEL")
+
+
+def families_of(variant: str) -> tuple[str, ...]:
+    """The families a variant's rows time: both, or the fused node's one launch."""
+    return ("moe_expert_ffn",) if variant == FFN else FAMILIES
 
 
 # -- cases ---------------------------------------------------------------------------------
@@ -293,7 +311,7 @@ def compile_only(args, m, variants):
     Ks = sorted({pair_case(dm, c)["K"] for c in ints(args.pairs)} | ({dm["K"]} if ints(args.batches) else set()))
     done = set()
     for v in variants:
-        for fam in FAMILIES:
+        for fam in families_of(v):
             for K in Ks:
                 for la in kernels.get(fam, K, v):
                     if la.name in done:
@@ -342,7 +360,9 @@ def main():
     wu = (torch.randn(E, M, D, device=DEV) / D ** 0.5).to(DT)
     wd = (torch.randn(E, D, M, device=DEV) / M ** 0.5).to(DT)
     weights = {"moe_gate_up_silu": {"e.*.gate": wg, "e.*.up": wu}, "moe_down": {"e.*.down": wd}}
+    weights["moe_expert_ffn"] = {**weights["moe_gate_up_silu"], **weights["moe_down"]}
     per_expert = {"moe_gate_up_silu": 2 * M * D * 2, "moe_down": D * M * 2}
+    per_expert["moe_expert_ffn"] = per_expert["moe_gate_up_silu"] + per_expert["moe_down"]
 
     cases = [finish_case(pair_case(dm, c), E) for c in ints(args.pairs)]
     cases += [finish_case(batch_case(dm, B), E) for B in ints(args.batches)]
@@ -350,7 +370,7 @@ def main():
     # compile every kernel up front (once per name), so compile time is visible on its own
     compiled = set()
     for v in variants:
-        for fam in FAMILIES:
+        for fam in families_of(v):
             for K in sorted({c["K"] for c in cases}):
                 for la in kernels.get(fam, K, v):
                     if la.name not in compiled:
@@ -371,15 +391,18 @@ def main():
         a = torch.randn(NP, M, device=DEV).to(DT)
         refs = {"moe_gate_up_silu": ref_gate_up_silu(x, wg, wu, order, offsets, K, NP, M),
                 "moe_down": ref_down(a, wd, order, offsets, NP, D)}
-        inputs = {"moe_gate_up_silu": {"x": x}, "moe_down": {"a": a}}
+        if FFN in variants:                              # a as the fused kernel stores it: rounded
+            refs["moe_expert_ffn"] = ref_down(refs["moe_gate_up_silu"].to(DT), wd, order, offsets, NP, D)
+        inputs = {"moe_gate_up_silu": {"x": x}, "moe_down": {"a": a}, "moe_expert_ffn": {"x": x}}
         act_bytes = {"moe_gate_up_silu": (T * D + NP * M) * 2, "moe_down": (NP * M + NP * D) * 2}
-        n_out = {"moe_gate_up_silu": M, "moe_down": D}
+        act_bytes["moe_expert_ffn"] = act_bytes["moe_gate_up_silu"] + act_bytes["moe_down"]
+        n_out = {"moe_gate_up_silu": M, "moe_down": D, "moe_expert_ffn": D}
         sizes = {"T": T, "NP": NP}
         head = (f"{case['case']:<7} T={T:<5} K={K} NP={NP:<6} experts={case['touched']:<2} "
                 f"max_pairs={case['max_pairs']}")
         print(head, flush=True)
         for v in variants:
-            for fam in FAMILIES:
+            for fam in families_of(v):
                 launches = kernels.get(fam, K, v)
                 out = torch.full((NP, n_out[fam]), float("nan"), device=DEV, dtype=DT)
                 kw = dict(values={**inputs[fam], "R": routing, "out": out}, weights=weights[fam], sizes=sizes)
@@ -420,7 +443,7 @@ def main():
     for case in cases:
         cells = []
         for v in variants:
-            pair = [by[(case["case"], v, fam)] for fam in FAMILIES]
+            pair = [by[(case["case"], v, fam)] for fam in families_of(v)]
             us = sum(p["us"] for p in pair)
             tb = sum(p["weight_bytes"] for p in pair) / us / 1e6
             flag = "!" if any(p["bad"] for p in pair) else " "

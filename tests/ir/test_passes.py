@@ -38,6 +38,7 @@ ANCHOR = {
     "fuse_moe_silu": "moe_gate_up",
     "fuse_combine_shared_residual": "moe_combine",
     "fuse_shared_experts": "silu_and_mul",
+    "fuse_expert_ffn": "moe_down",
     "fuse_add_rms_norm": "rms_norm",
     "fuse_sibling_linears": "linear",
     "fuse_gate_up_silu": "silu_and_mul",
@@ -285,12 +286,13 @@ def test_pipeline_on_v2_lite_decode():
     assert ops["mla_decode_prologue"] == ops["mla_decode_attention"] == layers
     assert ops["mla_kv_cache_write"] == ops["mla_decode_query"] == 0
     assert ops["mla_v_up"] == layers
-    assert ops["moe_route"] == ops["moe_gate_up_silu"] == ops["moe_combine_residual_rms_norm"] == moe
+    assert ops["moe_route"] == ops["moe_expert_ffn"] == ops["moe_combine_residual_rms_norm"] == moe
+    # decode runs each layer's expert FFN (gate/up, SwiGLU, down) as one op (fuse_expert_ffn)
+    assert ops["moe_gate_up_silu"] == ops["moe_down"] == 0
     # the shared experts are two more experts of every token (fuse_shared_experts): no separate MLP
     for op in ("moe_route", "moe_combine_residual_rms_norm"):
         assert {d["attrs"]["shared_experts"] for _, d in G.nodes(data=True) if d["op"] == op} == {2}
-    assert {d["attrs"]["num_experts"] for _, d in G.nodes(data=True) if d["op"] in ("moe_gate_up_silu", "moe_down")} \
-        == {66}
+    assert {d["attrs"]["num_experts"] for _, d in G.nodes(data=True) if d["op"] == "moe_expert_ffn"} == {66}
     assert not any("shared" in name for _, d in G.nodes(data=True) if d["op"] in ("linear", "gate_up_silu")
                    for name in d["weights"].values())
     assert ops["fused_add_rms_norm"] == 28   # attention residual of 27 layers + the dense layer's FFN residual

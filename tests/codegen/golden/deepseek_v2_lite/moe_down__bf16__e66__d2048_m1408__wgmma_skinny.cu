@@ -6,8 +6,15 @@
 // includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, tma.cuh, wgmma.cuh
 // nodes:    L1-26.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
+//   deepseek_v2_lite.yaml:99 blocks.moe_ffn.ops[3] moe_gate_up, layers 1-26 (fuse_moe_silu, fuse_shared_experts, fuse_expert_ffn)
+//   deepseek_v2_lite.yaml:101 blocks.moe_ffn.ops[4] silu_and_mul, layers 1-26 (fuse_moe_silu, fuse_shared_experts, fuse_expert_ffn)
 //   deepseek_v2_lite.yaml:102 blocks.moe_ffn.ops[5] moe_down, layers 1-26 (fuse_shared_experts)
+//   deepseek_v2_lite.yaml:102 blocks.moe_ffn.ops[5] moe_down, layers 1-26 (fuse_shared_experts, fuse_expert_ffn)
+//   deepseek_v2_lite.yaml:104 blocks.moe_ffn.ops[7] linear, layers 1-26 (fuse_shared_experts, fuse_expert_ffn)
+//   deepseek_v2_lite.yaml:105 blocks.moe_ffn.ops[8] linear, layers 1-26 (fuse_shared_experts, fuse_expert_ffn)
+//   deepseek_v2_lite.yaml:106 blocks.moe_ffn.ops[9] silu_and_mul, layers 1-26 (fuse_shared_experts, fuse_expert_ffn)
 //   deepseek_v2_lite.yaml:107 blocks.moe_ffn.ops[10] linear, layers 1-26 (fuse_shared_experts)
+//   deepseek_v2_lite.yaml:107 blocks.moe_ffn.ops[10] linear, layers 1-26 (fuse_shared_experts, fuse_expert_ffn)
 
 // moe_down: [a [NP, M], routing] -> eo [NP, D] = a[p] W[e]^T per pair: the GEMV at decode's
 // smallest batches, else variant mma (experts with more than thr pairs on tensor cores, the

@@ -6,8 +6,15 @@
 // includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, tma.cuh, wgmma.cuh
 // nodes:    L3-60.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
+//   deepseek_v3.yaml:101 blocks.moe_ffn.ops[3] moe_gate_up, layers 3-60 (fuse_moe_silu, fuse_shared_experts, fuse_expert_ffn)
+//   deepseek_v3.yaml:103 blocks.moe_ffn.ops[4] silu_and_mul, layers 3-60 (fuse_moe_silu, fuse_shared_experts, fuse_expert_ffn)
 //   deepseek_v3.yaml:104 blocks.moe_ffn.ops[5] moe_down, layers 3-60 (fuse_shared_experts)
+//   deepseek_v3.yaml:104 blocks.moe_ffn.ops[5] moe_down, layers 3-60 (fuse_shared_experts, fuse_expert_ffn)
+//   deepseek_v3.yaml:106 blocks.moe_ffn.ops[7] linear, layers 3-60 (fuse_shared_experts, fuse_expert_ffn)
+//   deepseek_v3.yaml:107 blocks.moe_ffn.ops[8] linear, layers 3-60 (fuse_shared_experts, fuse_expert_ffn)
+//   deepseek_v3.yaml:108 blocks.moe_ffn.ops[9] silu_and_mul, layers 3-60 (fuse_shared_experts, fuse_expert_ffn)
 //   deepseek_v3.yaml:109 blocks.moe_ffn.ops[10] linear, layers 3-60 (fuse_shared_experts)
+//   deepseek_v3.yaml:109 blocks.moe_ffn.ops[10] linear, layers 3-60 (fuse_shared_experts, fuse_expert_ffn)
 
 // moe_down: [a [NP, M], routing] -> eo [NP, D] = a[p] W[e]^T per pair: the GEMV at decode's
 // smallest batches, else variant mma (experts with more than thr pairs on tensor cores, the

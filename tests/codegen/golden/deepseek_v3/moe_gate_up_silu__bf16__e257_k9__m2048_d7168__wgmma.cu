@@ -4,13 +4,20 @@
 // role:     moe_gate_up_silu.wgmma
 // params:   {"E":257,"K":9,"KD":7168,"N":2048,"act":"__nv_bfloat16","box_k":64,"box_rows":128,"cols":128,"smem":230400,"stages":4,"threads":384,"variant":"wgmma"}
 // includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, moe_wgmma.cuh, pdl.cuh, tma.cuh, wgmma.cuh
-// nodes:    L3-60.moe_ffn.ea
+// nodes:    L3-60.moe_ffn.ea, L3-60.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:101 blocks.moe_ffn.ops[3] moe_gate_up, layers 3-60 (fuse_moe_silu, fuse_shared_experts)
+//   deepseek_v3.yaml:101 blocks.moe_ffn.ops[3] moe_gate_up, layers 3-60 (fuse_moe_silu, fuse_shared_experts, fuse_expert_ffn)
 //   deepseek_v3.yaml:103 blocks.moe_ffn.ops[4] silu_and_mul, layers 3-60 (fuse_moe_silu, fuse_shared_experts)
+//   deepseek_v3.yaml:103 blocks.moe_ffn.ops[4] silu_and_mul, layers 3-60 (fuse_moe_silu, fuse_shared_experts, fuse_expert_ffn)
+//   deepseek_v3.yaml:104 blocks.moe_ffn.ops[5] moe_down, layers 3-60 (fuse_shared_experts, fuse_expert_ffn)
 //   deepseek_v3.yaml:106 blocks.moe_ffn.ops[7] linear, layers 3-60 (fuse_shared_experts)
+//   deepseek_v3.yaml:106 blocks.moe_ffn.ops[7] linear, layers 3-60 (fuse_shared_experts, fuse_expert_ffn)
 //   deepseek_v3.yaml:107 blocks.moe_ffn.ops[8] linear, layers 3-60 (fuse_shared_experts)
+//   deepseek_v3.yaml:107 blocks.moe_ffn.ops[8] linear, layers 3-60 (fuse_shared_experts, fuse_expert_ffn)
 //   deepseek_v3.yaml:108 blocks.moe_ffn.ops[9] silu_and_mul, layers 3-60 (fuse_shared_experts)
+//   deepseek_v3.yaml:108 blocks.moe_ffn.ops[9] silu_and_mul, layers 3-60 (fuse_shared_experts, fuse_expert_ffn)
+//   deepseek_v3.yaml:109 blocks.moe_ffn.ops[10] linear, layers 3-60 (fuse_shared_experts, fuse_expert_ffn)
 
 // moe_gate_up_silu: [x [T, D], routing] -> a [NP, M] = silu(x Wg[e]^T) * (x Wu[e]^T) per pair,
 // all active experts in one grouped launch: the GEMV at decode's smallest batches, else variant

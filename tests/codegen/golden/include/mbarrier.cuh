@@ -41,6 +41,13 @@ __device__ __forceinline__ void wait(unsigned long long* bar, unsigned phase) {
                  : "=r"(done) : "r"(smem_u32(bar)), "r"(phase) : "memory");
   } while (!done);
 }
+// Whether the phase of parity `phase` has completed, without blocking.
+__device__ __forceinline__ bool test(unsigned long long* bar, unsigned phase) {
+  unsigned done;
+  asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done) : "r"(smem_u32(bar)), "r"(phase) : "memory");
+  return done != 0;
+}
 // Order this thread's generic-proxy accesses of shared memory (plain loads / stores, cp.async
 // writes made visible to it by a barrier) with the async proxy's (bulk / tensor copies, wgmma
 // operand reads) that follow.

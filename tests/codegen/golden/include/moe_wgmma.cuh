@@ -112,9 +112,19 @@ __device__ __forceinline__ WgTile wgmma_tile(const int* tiles, const i32* __rest
   return tl;
 }
 
+// A 16-bit element through L2 (ld.global.cg): the gathered rows may have been written by another
+// CTA of the same launch (moe_expert_ffn.cuh's down tiles), which no L1 line of this SM may answer.
+template <typename T>
+__device__ __forceinline__ T ld_cg(const T* p) {
+  static_assert(sizeof(T) == 2, "16-bit elements");
+  const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
+  return *reinterpret_cast<const T*>(&bits);
+}
+
 // One stage's gathered rows of a producer thread: 16-byte chunk kc .. kc + 8 of x rows src[i]
 // (-1: zeros) into tile rows r0 + 16 i, whose chunk positions share one swizzle (dst is row r0's).
-// VEC: 16-byte cp.async (x 16-byte aligned); else element loads and a 16-byte shared store.
+// VEC: 16-byte cp.async (x 16-byte aligned; .cg: through L2); else element loads through L2 and
+// a 16-byte shared store.
 template <typename T, int KD, bool VEC, int R>
 __device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int (&src)[R], int kc, char* dst) {
 #pragma unroll
@@ -128,7 +138,7 @@ __device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int 
       uint4 raw;
       T* v = reinterpret_cast<T*>(&raw);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = ok ? from[j] : from_float<T>(0.f);
+      for (int j = 0; j < 8; ++j) v[j] = ok ? ld_cg(from + j) : from_float<T>(0.f);
       *reinterpret_cast<uint4*>(to) = raw;
     }
   }
@@ -158,20 +168,74 @@ __device__ __forceinline__ void wgmma_issue_weights(char* b, const TensorMap* w0
                          full_s);
 }
 
-// Producer: the 128 threads of warpgroup 0.  Thread p copies 16-byte chunk p % 8 of tile rows
-// p / 8 + 16 i (i < BM / 16): a warp covers four whole 128-byte row slices per instruction; all
-// its rows share r % 8, so one swizzled chunk position.  Thread 0 also issues the weight boxes,
-// except those of the first `preissued` stages of the walk (issued before pdl_wait by the caller).
+// Producer: the 128 threads of warpgroup 0, one tile from ring position `it` (advanced past the
+// tile's last slice).  Thread p copies 16-byte chunk p % 8 of tile rows p / 8 + 16 i (i < BM / 16):
+// a warp covers four whole 128-byte row slices per instruction; all its rows share r % 8, so one
+// swizzled chunk position.  Thread 0 also issues the weight boxes, except those of the tile's
+// first `pre` slices (issued already, after their empty waits: wgmma_issue_free, or before
+// pdl_wait by the caller).  VEC: x 16-byte aligned (cp.async), else element loads through L2.
+template <typename T, int MODE, int N, int KD, int K, int ST, typename L>
+__device__ __forceinline__ void wgmma_produce_tile(const T* __restrict__ x, const TensorMap* w0, const TensorMap* w1,
+                                                   const i32* __restrict__ order, const WgTile& tl, char* ring,
+                                                   unsigned long long* full, unsigned long long* empty, bool vec,
+                                                   int& it, int pre = 0) {
+  constexpr int KT = (KD + WG_BK - 1) / WG_BK;
+  const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
+  const int chunk = (c ^ (r0 & 7)) * 16;                 // 128B swizzle: c ^ (row % 8)
+  int src[L::BM / 16];                                   // x row of each of this thread's tile rows, -1: none
+#pragma unroll
+  for (int i = 0; i < L::BM / 16; ++i) {
+    const int r = r0 + 16 * i;
+    const int pr = r < tl.rows ? order[tl.pbeg + r] : -1;
+    src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);
+  }
+  for (int kt = 0; kt < KT; ++kt, ++it) {
+    const int s = it % ST;
+    mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
+    char* a = ring + s * L::STAGE_BYTES + L::ROWS_AT;
+    char* b = ring + s * L::STAGE_BYTES + L::WEIGHTS_AT;
+    const int k0 = kt * WG_BK;
+    if (p == 0 && kt >= pre) wgmma_issue_weights<MODE, N, L>(b, w0, w1, k0, tl.n0, tl.e, &full[s]);
+    if (vec) {
+      wgmma_gather<T, KD, true>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk);
+      mbar::arrive_on_cp_async(&full[s]);
+    } else {
+      wgmma_gather<T, KD, false>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk);
+      mbar::fence_proxy_async();                         // plain stores, read next by wgmma (async proxy)
+      mbar::arrive(&full[s]);
+    }
+  }
+}
+
+// Thread 0 of the producer: the weight boxes of a tile's first slices from ring position `it`
+// (not advanced) whose stages are free now, in order, at most `most`, ahead of the tile's pair
+// rows; returns how many (wgmma_produce_tile's `pre`, which then gathers their rows).  It never
+// blocks: a stage still in use ends it.  The other producer threads wait on those empty barriers
+// later at the same parity: a stage cannot be freed again before they fill it.
+template <int MODE, int N, int ST, typename L>
+__device__ __forceinline__ int wgmma_issue_free(const TensorMap* w0, const TensorMap* w1, const WgTile& tl,
+                                                char* ring, unsigned long long* full, unsigned long long* empty,
+                                                int it, int most) {
+  int kt = 0;
+  for (; kt < most; ++kt) {
+    const int s = (it + kt) % ST;
+    if (!mbar::test(&empty[s], (((it + kt) / ST) & 1) ^ 1)) break;
+    wgmma_issue_weights<MODE, N, L>(ring + s * L::STAGE_BYTES + L::WEIGHTS_AT, w0, w1, kt * WG_BK, tl.n0, tl.e,
+                                    &full[s]);
+  }
+  return kt;
+}
+
+// Producer: the persistent walk of tiles t = blockIdx.x, + gridDim.x, ...; the walk's first tile
+// has its first `preissued` slices' weights issued already (before pdl_wait by the caller).
 template <typename T, int MODE, int E, int N, int KD, int K, int ST, typename L = WgPrefillTiles>
 __device__ __forceinline__ void wgmma_produce(const T* __restrict__ x, const TensorMap* w0, const TensorMap* w1,
                                               const i32* __restrict__ order, const i32* __restrict__ offsets,
                                               const int* tiles, char* ring, unsigned long long* full,
                                               unsigned long long* empty, int preissued = 0) {
-  constexpr int BNO = L::cols(MODE), NCT = (N + BNO - 1) / BNO, KT = (KD + WG_BK - 1) / WG_BK;
-  const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
-  const int chunk = (c ^ (r0 & 7)) * 16;                 // 128B swizzle: c ^ (row % 8)
+  constexpr int BNO = L::cols(MODE), NCT = (N + BNO - 1) / BNO;
   const bool vec = aligned_to<16>(x);                    // uniform: cp.async, else element loads
-  if (p == 0) {
+  if (threadIdx.x == 0) {
     tma::prefetch(w0);
     if (MODE != DOWN) tma::prefetch(w1);
   }
@@ -179,29 +243,8 @@ __device__ __forceinline__ void wgmma_produce(const T* __restrict__ x, const Ten
   int it = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const WgTile tl = wgmma_tile<E, NCT, BNO, L::BM>(tiles, offsets, t);
-    int src[L::BM / 16];                                 // x row of each of this thread's tile rows, -1: none
-#pragma unroll
-    for (int i = 0; i < L::BM / 16; ++i) {
-      const int r = r0 + 16 * i;
-      const int pr = r < tl.rows ? order[tl.pbeg + r] : -1;
-      src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);
-    }
-    for (int kt = 0; kt < KT; ++kt, ++it) {
-      const int s = it % ST;
-      mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
-      char* a = ring + s * L::STAGE_BYTES + L::ROWS_AT;
-      char* b = ring + s * L::STAGE_BYTES + L::WEIGHTS_AT;
-      const int k0 = kt * WG_BK;
-      if (p == 0 && it >= preissued) wgmma_issue_weights<MODE, N, L>(b, w0, w1, k0, tl.n0, tl.e, &full[s]);
-      if (vec) {
-        wgmma_gather<T, KD, true>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk);
-        mbar::arrive_on_cp_async(&full[s]);
-      } else {
-        wgmma_gather<T, KD, false>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk);
-        mbar::fence_proxy_async();                       // plain stores, read next by wgmma (async proxy)
-        mbar::arrive(&full[s]);
-      }
-    }
+    wgmma_produce_tile<T, MODE, N, KD, K, ST, L>(x, w0, w1, order, tl, ring, full, empty, vec, it,
+                                                 t == (int)blockIdx.x ? preissued : 0);
   }
   dsg::mma::cp_async_wait<0>();                          // nothing of this thread's left in flight at exit
 }

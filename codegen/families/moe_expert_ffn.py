@@ -1,0 +1,123 @@
+"""moe_expert_ffn: [x [T, D], routing] -> eo [NP, D] = (silu(x Wg[e]^T) * (x Wu[e]^T)) Wd[e]^T per
+pair: decode's expert FFN (ir/passes/fuse_expert_ffn.py), one persistent launch where decode's
+wgmma + TMA expert GEMM runs (templates/include/moe_expert_ffn.cuh), else the two grouped launches.
+
+    FUSED_FROM <= T <= FUSED_UPTO, sm_90a, 16-bit,    "fused": gate_up_silu's tiles then down's, one grid
+    D and M % 8 == 0
+    otherwise                                          moe_gate_up_silu's launches, then moe_down's
+
+Why a window, measured in `dsgraph bench` on the H200 (PERF_NOTES v19, decode ctx 512, ms a step,
+fused / two launches): b=1 2.32-2.36 / 2.31, b=8 5.44-5.48 / 5.54, b=32 8.76-8.81 / 8.81, b=128
+9.77-9.79 / 9.89, b=256 11.34-11.37 / 11.21.  With PDL the two launches already overlap (down
+starts its weights during gate_up_silu's tail), so what one launch gains is packing: the tiles of
+both in one walk fill the rounds that two walks leave part-empty (b=8, b=128).  Where neither
+walk has a part-empty round to fill (b=1, b=32, b=256) its row-tile counters cost more than the
+launch they save.  The window keeps the measured wins; T between the measured points follows
+its neighbours.
+
+The intermediate a [NP, M] is a workspace ("expert_act") of the node: the fused launch writes and
+reads it within the launch, the two-launch path passes it from one launch to the next.  The
+two-launch path is the moe_gate_up_silu and moe_down families' own lowering (their kernel names,
+so a prefill graph's unfused nodes and this node share those kernels), minus the decode wgmma
+launch that the fused one replaces.
+
+The fused launch's grid is min(2 SMS, its tiles): every CTA must be resident at once, because a
+down tile waits for gate_up_silu tiles of other CTAs (moe_expert_ffn.cuh says why that cannot
+deadlock).  Its per-row-tile counters are a __device__ array of RT entries: the most row tiles a
+launch at upper() tokens can have.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from codegen.errors import LoweringError
+from codegen.kernel import KernelLaunch, Options, Workspace, inp, out, tensor_map, weight, work
+from codegen.sizes import only_above, only_below
+
+from . import _moe, _moe_wgmma_skinny, moe_down, moe_gate_up_silu
+
+FAMILY = "moe_expert_ffn"
+TEMPLATE = "moe_expert_ffn.cu.j2"
+OPS = ("moe_expert_ffn",)
+PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
+WORKSPACE = "expert_act"
+FUSED = True  # False: the two-launch path at every T (scratch A/Bs; tests/gpu/perf_moe.py compares them)
+FUSED_FROM, FUSED_UPTO = 2, 192   # the tokens the fused launch serves (see above)
+
+S = _moe_wgmma_skinny
+
+
+def row_tile_bound(E: int, pairs: int) -> int:
+    """The most row tiles of WS_BP pairs `pairs` pairs over E experts make: one partial tile per
+    expert with pairs, the rest whole (moe_wgmma.cuh wgmma_row_tiles)."""
+    return pairs // S.BP + min(E, pairs)
+
+
+def fused_launch(name_parts: list, gu: dict, dn: dict, nid: str, args: tuple, ws: Workspace) -> KernelLaunch:
+    from codegen.render import kernel_name
+    E, K, M, D = gu["E"], gu["K"], gu["N"], dn["N"]
+    nct = -(-M // (S.ROWS // 2)) + -(-D // S.ROWS)        # column tiles of a row tile: gate_up_silu's + down's
+    tiles = f"{nct} * (NP // {S.BP} + min({E}, NP))"
+    params = {"act": gu["act"], "E": E, "M": M, "D": D, "K": K, "variant": "fused", "threads": S.THREADS,
+              "stages": S.STAGES, "smem": S.smem(S.STAGES), "box_rows": S.BOX, "box_k": S.BK, "pairs": S.BP,
+              "row_tiles": row_tile_bound(E, upto() * K)}
+    return KernelLaunch(
+        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [*name_parts, "fused"]), params=params,
+        nodes=(nid,), grid=(f"min(2 * SMS, {tiles}) * {fused_range()}", 1, 1), block=(S.THREADS, 1, 1),
+        args=args, smem=S.smem(S.STAGES), workspace=(ws,), stage="fused", requires=(S.FEATURE,))
+
+
+def upto() -> int:
+    return min(FUSED_UPTO, S.upper())
+
+
+def fused_range() -> str:
+    """1 while FUSED_FROM <= T <= upto(), else 0."""
+    return f"{only_above(FUSED_FROM - 1)} * {only_below(upto())}"
+
+
+def two_launch_range() -> str:
+    """Where decode's wgmma launches of the two families run instead: the rest of (0, S.upper()]."""
+    return f"({only_below(FUSED_FROM - 1)} + {only_above(upto())} * {only_below(S.upper())})"
+
+
+def fused_applies(opts, gu: dict, dn: dict) -> bool:
+    """Where decode's wgmma expert GEMM serves both halves (same conditions), one CTA more of
+    static shared memory aside (the fused kernel's is the skinny kernel's)."""
+    return FUSED and S.applies(opts, gu) and S.applies(opts, dn)
+
+
+def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
+    attrs, (x, routing), (y,), bound = _moe.node_io(G, nid)
+    E, M, D = attrs["num_experts"], attrs["inner_dim"], attrs["out_dim"]
+    if _moe.inner(G, nid, x) != D:
+        raise LoweringError(f"moe_expert_ffn {nid}: x has width {_moe.inner(G, nid, x)}, its out_dim is {D}")
+    K = _moe.pairs_top_k(G, nid, routing)
+    _moe.require_dense(G, nid, x)
+    gu = _moe.grouped_params(nid, opts, E=E, N=M, KD=D, K=K, rows_per_warp=moe_gate_up_silu.ROWS_PER_WARP)
+    dn = _moe.grouped_params(nid, opts, E=E, N=D, KD=M, K=1, rows_per_warp=moe_down.ROWS_PER_WARP)
+    act = gu["act"]
+    ws = Workspace(WORKSPACE, ("NP", M), "act")
+    order, offsets = inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets")
+    gu_args = (inp("x", act, x), weight("w_gate", act, bound["gate"]), weight("w_up", act, bound["up"]),
+               order, offsets, work("out", act, WORKSPACE))
+    dn_args = (work("a", act, WORKSPACE, writes=False), weight("w", act, bound["down"]), order, offsets,
+               out("out", act, y))
+    gu_launches = _moe.grouped_launches(moe_gate_up_silu.FAMILY, moe_gate_up_silu.TEMPLATE,
+                                        [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"], gu, nid, gu_args, opts, down=False)
+    dn_launches = _moe.grouped_launches(moe_down.FAMILY, moe_down.TEMPLATE, [opts.dtype, f"e{E}", f"d{D}_m{M}"], dn,
+                                        nid, dn_args, opts, down=True)
+    launches = [*gu_launches, *dn_launches]
+    if fused_applies(opts, gu, dn):
+        args = (inp("x", act, x), tensor_map("w_gate", bound["gate"], (S.BOX, S.BK)),
+                tensor_map("w_up", bound["up"], (S.BOX, S.BK)), tensor_map("w_down", bound["down"], (S.BOX, S.BK)),
+                order, offsets, work("a", act, WORKSPACE), out("out", act, y))
+        fused = fused_launch([opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"], gu, dn, nid, args, ws)
+        narrowed = {id(la): S.launch(la.family, la.template, name_parts, p, nid, la_args, down=down,
+                                     run=two_launch_range())
+                    for la, name_parts, p, la_args, down in (
+                        *((la, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"], gu, gu_args, False) for la in gu_launches),
+                        *((la, [opts.dtype, f"e{E}", f"d{D}_m{M}"], dn, dn_args, True) for la in dn_launches))
+                    if la.stage == "wgmma_skinny"}
+        launches = [fused, *(narrowed.get(id(la), la) for la in launches)]
+    return [la if la.workspace else dataclasses.replace(la, workspace=(ws,)) for la in launches]

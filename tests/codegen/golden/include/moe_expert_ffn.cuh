@@ -1,0 +1,169 @@
+// 4f. Decode's expert FFN in one persistent launch (sm_90a): gate_up_silu's tiles, then down's.
+// a [NP, M] = silu(x Wg[e]^T) * (x Wu[e]^T) and out [NP, D] = a[p] Wd[e]^T per pair, as the two
+// grouped launches of moe_wgmma_skinny.cuh compute them (the same tiles, the same rounding), but
+// one grid walks both: tiles t < G = tiles[E] * NCT_GU are gate_up_silu's (row tile, column tile),
+// the rest down's, t = blockIdx.x, + gridDim.x, ... in each CTA.  Why (PERF_NOTES v18/v19): each
+// of the two launches paid ~5 us a layer that did not stream (launch, the tile table, the first
+// boxes, the tail), and at decode's smallest batches down's tiles could not start on the CTAs
+// gate_up_silu's few tiles left idle.
+//
+// A down tile reads the rows of `a` of its row tile, which all NCT_GU gate_up_silu tiles of that
+// row tile write, on any CTA.  So each row tile has a counter in `ready` (a __device__ array of
+// the kernel's module, zero when it loads):
+//   * a gate_up_silu tile's consumer warpgroup stores its columns of `a`, meets at a named
+//     barrier, and one thread publishes them with a release reduction (red.release.gpu add 1:
+//     the barrier gathers the warpgroup's stores, the release orders them before the add);
+//   * a down tile's producer thread 0 reads the counter (ld.acquire.gpu); below NCT_GU it first
+//     issues the weight boxes of the tile's first slices whose stages are free (no kernel writes
+//     weights), then spins until it holds NCT_GU; the producer warpgroup meets at a named barrier
+//     and only then gathers rows of `a` (cp.async.cg or ld.global.cg: through L2, never an L1
+//     line).  A ready row tile (the usual case from b=32 up) costs one load: the ring stays full;
+//   * once the tile is produced thread 0 adds 1 more; the row tile's last down tile (the add that
+//     returns NCT_GU + NCT_D - 1) sets it back to 0 for the next launch (next layer, next graph
+//     replay).  Launches of one kernel never overlap (stream order; under PDL every CTA waits
+//     before it touches the counters).
+// No deadlock: every CTA's walk puts all its gate_up_silu tiles before its down tiles, and a
+// gate_up_silu tile waits for nothing but its own CTA's ring, so one resident CTA finishes all of
+// its gate_up_silu tiles.  Every CTA is resident: the grid is at most two CTAs an SM, each SM holds
+// two (launch bounds, shared memory), and the kernel after this one (PDL) may take SM room only
+// once every CTA of this grid has run its pdl_launch_dependents.  Within a CTA the consumer
+// finishes a gate_up_silu tile from stages already full while the producer waits for a row tile.
+#pragma once
+#include "moe_wgmma_skinny.cuh"
+
+namespace dsg {
+namespace moe {
+
+// When a CTA lets the next kernel's CTAs in (pdl.cuh): 0 at its start, 1 at its first down tile,
+// 2 never (its exit counts).
+#ifndef DSG_FFN_TRIGGER
+#define DSG_FFN_TRIGGER 1
+#endif
+constexpr int FFN_TRIGGER = DSG_FFN_TRIGGER;
+
+// The producer's and the consumer's named barriers (bar.sync id, 128 threads; 0 is __syncthreads).
+constexpr int FFN_CONSUMER_BAR = 1, FFN_PRODUCER_BAR = 2;
+
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// One arrival at a counter that publishes the caller's (and, through the barrier before it, its
+// warpgroup's) stores to the GPU: a release (fence.acq_rel, not __threadfence's fence.sc, which
+// stalled the consumer warpgroup's next wgmma longer) and a reduction whose result no one awaits.
+__device__ __forceinline__ void release_add(unsigned* p) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(p) : "memory");
+}
+
+// Producer (warpgroup 0): gate_up_silu's tiles gather x, down's gather `a` once their row tile is ready.
+template <typename T, int E, int M, int D, int K, int ST>
+__device__ __forceinline__ void expert_ffn_produce(const T* __restrict__ x, const TensorMap* wg, const TensorMap* wu,
+                                                   const TensorMap* wd, const i32* __restrict__ order,
+                                                   const i32* __restrict__ offsets, const int* tiles, const T* a,
+                                                   unsigned* ready, char* ring, unsigned long long* full,
+                                                   unsigned long long* empty) {
+  constexpr int NCT_GU = (M + wgmma_skinny_cols(GATE_UP_SILU) - 1) / wgmma_skinny_cols(GATE_UP_SILU);
+  constexpr int NCT_D = (D + wgmma_skinny_cols(DOWN) - 1) / wgmma_skinny_cols(DOWN);
+  constexpr int KT_D = (M + WS_BK - 1) / WS_BK, PRE = ST < KT_D ? ST : KT_D;   // down's slices issued ahead, at most
+  using L = WgSkinnyTiles;
+  if (threadIdx.x == 0) {
+    tma::prefetch(wg);
+    tma::prefetch(wu);
+    tma::prefetch(wd);
+  }
+  const bool vec_x = aligned_to<16>(x), vec_a = aligned_to<16>(a);
+  const int gu_total = tiles[E] * NCT_GU, total = gu_total + tiles[E] * NCT_D;
+  int it = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    if (t < gu_total) {
+      const WgTile tl = wgmma_tile<E, NCT_GU, wgmma_skinny_cols(GATE_UP_SILU), WS_BP>(tiles, offsets, t);
+      wgmma_produce_tile<T, GATE_UP_SILU, M, D, K, ST, L>(x, wg, wu, order, tl, ring, full, empty, vec_x, it);
+    } else {
+      const int u = t - gu_total, rt = u / NCT_D;
+      if (FFN_TRIGGER == 1 && threadIdx.x == 0 && t - (int)gridDim.x < gu_total) dsg::pdl_launch_dependents();
+      const WgTile tl = wgmma_tile<E, NCT_D, wgmma_skinny_cols(DOWN), WS_BP>(tiles, offsets, u);
+      int pre = 0;                                       // (thread 0's alone: only it issues weights)
+      if (threadIdx.x == 0 && ld_acquire_gpu(ready + rt) < (unsigned)NCT_GU) {
+        // Not ready: the weight boxes of the stages free now first (no kernel writes weights),
+        // then wait.  Ready (the usual case from b=32 up): straight on, the ring never drains.
+        pre = wgmma_issue_free<DOWN, D, ST, L>(wd, wd, tl, ring, full, empty, it, PRE);
+        while (ld_acquire_gpu(ready + rt) < (unsigned)NCT_GU) __nanosleep(32);
+      }
+      wgmma::warpgroup_sync(FFN_PRODUCER_BAR);          // thread 0 has seen the row tile's `a` whole
+      wgmma_produce_tile<T, DOWN, D, M, 1, ST, L>(a, wd, wd, order, tl, ring, full, empty, vec_a, it, pre);
+      // Past its wait: the row tile's last down tile sets the counter back to 0 for the next launch.
+      if (threadIdx.x == 0 && atomicAdd(ready + rt, 1u) == (unsigned)(NCT_GU + NCT_D - 1)) atomicExch(ready + rt, 0u);
+    }
+  }
+  dsg::mma::cp_async_wait<0>();                          // nothing of this thread's left in flight at exit
+}
+
+// Consumer (warpgroup 1): each tile at the narrowest of BP = 16 / 32 / 64 that holds its pairs;
+// a gate_up_silu tile then publishes its columns of `a` to its row tile's counter.
+template <typename T, int E, int M, int D, int ST>
+__device__ __forceinline__ void expert_ffn_consume(const i32* __restrict__ order, const i32* __restrict__ offsets,
+                                                   const int* tiles, unsigned ring, unsigned long long* full,
+                                                   unsigned long long* empty, T* a, T* __restrict__ out,
+                                                   unsigned* ready) {
+  constexpr int NCT_GU = (M + wgmma_skinny_cols(GATE_UP_SILU) - 1) / wgmma_skinny_cols(GATE_UP_SILU);
+  constexpr int NCT_D = (D + wgmma_skinny_cols(DOWN) - 1) / wgmma_skinny_cols(DOWN);
+  const int gu_total = tiles[E] * NCT_GU, total = gu_total + tiles[E] * NCT_D;
+  int it = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    if (t < gu_total) {
+      const WgTile tl = wgmma_tile<E, NCT_GU, wgmma_skinny_cols(GATE_UP_SILU), WS_BP>(tiles, offsets, t);
+      if (tl.rows <= 16) wgmma_skinny_tile<T, GATE_UP_SILU, M, D, ST, 16>(tl, order, ring, full, empty, a, a, it);
+      else if (tl.rows <= 32) wgmma_skinny_tile<T, GATE_UP_SILU, M, D, ST, 32>(tl, order, ring, full, empty, a, a, it);
+      else wgmma_skinny_tile<T, GATE_UP_SILU, M, D, ST, 64>(tl, order, ring, full, empty, a, a, it);
+      wgmma::warpgroup_sync(FFN_CONSUMER_BAR);          // every column of this tile is stored
+      if (threadIdx.x == 128) release_add(ready + t / NCT_GU);
+    } else {
+      const WgTile tl = wgmma_tile<E, NCT_D, wgmma_skinny_cols(DOWN), WS_BP>(tiles, offsets, t - gu_total);
+      if (tl.rows <= 16) wgmma_skinny_tile<T, DOWN, D, M, ST, 16>(tl, order, ring, full, empty, out, out, it);
+      else if (tl.rows <= 32) wgmma_skinny_tile<T, DOWN, D, M, ST, 32>(tl, order, ring, full, empty, out, out, it);
+      else wgmma_skinny_tile<T, DOWN, D, M, ST, 64>(tl, order, ring, full, empty, out, out, it);
+    }
+  }
+}
+
+// RT: the `ready` array's length, the most row tiles a launch may have (the lowering's bound for
+// the tokens it runs at); a launch with more traps rather than count past the array.
+template <typename T, int E, int M, int D, int K, int ST, int RT>
+__device__ __forceinline__ void expert_ffn_wgmma_skinny(const T* __restrict__ x, const TensorMap* wg,
+                                                        const TensorMap* wu, const TensorMap* wd,
+                                                        const i32* __restrict__ order, const i32* __restrict__ offsets,
+                                                        T* a, T* __restrict__ out, unsigned* ready, char* smem) {
+  static_assert(sizeof(T) == 2, "expert ffn: 16-bit operands");
+  static_assert(D % 8 == 0 && M % 8 == 0, "expert ffn: rows of whole 16-byte chunks (TMA strides, cp.async)");
+  static_assert(ST >= 2, "expert ffn: a ring of at least two stages");
+  static_assert(2 * (wgmma_skinny_smem(ST) + 2 * ST * 8 + 4 * (E + 1) + 1024) <= 228 * 1024,
+                "expert ffn: two CTAs per SM, or the grid is not all resident and the walk can deadlock");
+  __shared__ __align__(8) unsigned long long full[ST], empty[ST];
+  __shared__ int tiles[E + 1];
+  // Every read below (offsets, order, x, a, ready) is of another kernel's output or this launch's.
+  dsg::pdl_wait();
+  if (FFN_TRIGGER == 0) dsg::pdl_launch_dependents();
+  const unsigned raw = smem_u32(smem);
+  const unsigned ring = (raw + 1023u) & ~1023u;         // 128B-swizzle tiles start on 1024-byte boundaries
+  if (threadIdx.x < 32) wgmma_row_tiles<E, WS_BP>(offsets, tiles);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      mbar::init(&full[s], 128 + 1);                     // the producer's 128 copy arrivals + its expect_tx
+      mbar::init(&empty[s], 4);                          // one per consumer warp
+    }
+    mbar::init_fence();
+  }
+  __syncthreads();
+  if (tiles[E] > RT) __trap();                           // the lowering's bound broken: a compiler bug
+  if (threadIdx.x < 128)
+    expert_ffn_produce<T, E, M, D, K, ST>(x, wg, wu, wd, order, offsets, tiles, a, ready, smem + (ring - raw), full,
+                                          empty);
+  else
+    expert_ffn_consume<T, E, M, D, ST>(order, offsets, tiles, ring, full, empty, a, out, ready);
+}
+
+}  // namespace moe
+}  // namespace dsg
