@@ -19,6 +19,7 @@ import test_kernels_dense as dense
 import test_kernels_linear as linear
 import test_kernels_mla as mla
 import test_kernels_moe as moe
+import test_kernels_moe_expert_ffn as moe_ffn
 import test_kernels_moe_wgmma as moe_wgmma
 import test_kernels_moe_wgmma_skinny as moe_wgmma_skinny
 from harness import GPU_MARKS
@@ -137,6 +138,16 @@ MUTANTS = [
            moe_wgmma_skinny.test_moe_down_wgmma_skinny, dict(case={
                "dtype": "bf16", "T": 25, "E": 4, "K": 1, "counts": [9, 8, 7, 1], "KD": 136, "N": 200,
                "misalign": "none", "seed": 18}), uses_runner=True),
+    Mutant("expert FFN's down tiles never wait for their row tile (read a before gate_up_silu writes it)",
+           "include/moe_expert_ffn.cuh",
+           "if (threadIdx.x == 0 && ld_acquire_gpu(ready + rt) < (unsigned)NCT_GU) {",
+           "if (false) {",
+           moe_ffn.test_moe_expert_ffn_fused, dict(case=moe_ffn._case("bf16", [1] * 8, 8, 136, 200, seed=19)),
+           uses_runner=True),
+    Mutant("expert FFN's row-tile counters never reset (the next launch's down tiles do not wait)",
+           "include/moe_expert_ffn.cuh", "atomicExch(ready + rt, 0u);", "(void)rt;",
+           moe_ffn.test_moe_expert_ffn_fused, dict(case=moe_ffn._case("bf16", [1] * 8, 8, 136, 200, seed=20)),
+           uses_runner=True),
     Mutant("skinny linear output x1.01 (tensor cores, two stacked weights)", "include/skinny.cuh",
            "if (tok < ntok) store_out<T, ROWS...>(m, row, tok, s);",
            "if (tok < ntok) store_out<T, ROWS...>(m, row, tok, s * 1.01f);",
