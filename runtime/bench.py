@@ -105,6 +105,18 @@ def linear_bytes(dims: dict, first_dense: int, elt: int = 2, shared: bool = True
     return (attn + ffn + dims["vocab"] * D) * elt
 
 
+def _token_ids(vocab: int, shape: tuple, *case) -> "torch.Tensor":
+    """Random token ids (on the CPU) drawn from a generator seeded by the case, so that every run of
+    a tree, and both arms of an A/B, route the same tokens to the same experts: the touched experts
+    (the step's bytes and floor) moved by up to 2.4% between runs of one tree with unseeded ids
+    (PERF_NOTES v19)."""
+    import torch
+    seed = 0
+    for v in (*case, *shape):
+        seed = seed * 1_000_003 + int(v)
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed % (1 << 63)))
+
+
 def _decode_ctx(engine, batch: int, ctx: int):
     """A decode StepContext for `batch` sequences that each already hold `ctx - 1` cached tokens,
     and random token ids.  Made as the engine makes a decode step's (Engine._step_tensors): where
@@ -118,7 +130,7 @@ def _decode_ctx(engine, batch: int, ctx: int):
     for sid in seq_ids:
         engine.tables.reserve(sid, ctx)
         slots.extend(engine.tables.slot_mapping(sid, ctx - 1, ctx))
-    tokens = torch.randint(0, engine.vocab, (batch,)).tolist()
+    tokens = _token_ids(engine.vocab, (batch,), ctx).tolist()
     ids, positions, slots, _, tables = engine._step_tensors("decode", seq_ids, tokens, [ctx - 1] * batch, slots,
                                                              None)
     step = StepContext(positions=positions, query_lens=[1] * batch, context_lens=[ctx] * batch,
@@ -145,7 +157,7 @@ def _prefill_ctx(engine, batch: int, length: int):
                        kv_cache=engine.cache.layers, block_size=engine.block_size,
                        # as generate runs a prefill: the head on each sequence's last token only
                        logit_rows=torch.arange(1, batch + 1, device=dev) * length - 1)
-    return seq_ids, step, torch.randint(0, engine.vocab, (batch * length,), device=dev)
+    return seq_ids, step, _token_ids(engine.vocab, (batch * length,), length).to(dev)
 
 
 _GENERATED = re.compile(r"^([a-z][a-z0-9_]*?)__")
@@ -418,7 +430,7 @@ def _bench_transformers(engine, args, prefill_cases) -> dict:
     out = {"prefill": [], "decode": []}
     with torch.inference_mode():
         for batch, length in prefill_cases:
-            ids = torch.randint(0, cfg.vocab_size, (batch, length), device="cuda")
+            ids = _token_ids(cfg.vocab_size, (batch, length)).to("cuda")
             # the last position's logits only, as generation needs (and as dsgraph's prefill runs)
             keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
             ms = _timeit(lambda: model(ids, **keep), 2, warmup=1)
@@ -426,12 +438,12 @@ def _bench_transformers(engine, args, prefill_cases) -> dict:
                                    "tokens_per_s": batch * length / (ms / 1e3)})
             print(f"transformers prefill {batch}x{length}: {ms:.0f} ms", flush=True)
         for batch, ctx in HF_DECODE_CASES:
-            ids = torch.randint(0, cfg.vocab_size, (batch, ctx - 1), device="cuda")
+            ids = _token_ids(cfg.vocab_size, (batch, ctx - 1)).to("cuda")
             cache = DynamicCache(config=cfg)
             # transformers 5.24 renamed past_key_values to cache.
             kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
             model(ids, **{kw: cache}, use_cache=True)
-            nxt = torch.randint(0, cfg.vocab_size, (batch, 1), device="cuda")
+            nxt = _token_ids(cfg.vocab_size, (batch, 1), ctx).to("cuda")
             base = cache.get_seq_length()
 
             def step():

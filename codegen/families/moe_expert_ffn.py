@@ -6,25 +6,24 @@ wgmma + TMA expert GEMM runs (templates/include/moe_expert_ffn.cuh), else the tw
     D and M % 8 == 0
     otherwise                                          moe_gate_up_silu's launches, then moe_down's
 
-Why a window, measured in `dsgraph bench` on the H200 (PERF_NOTES v19, decode ctx 512, ms a step,
-fused / two launches): b=1 2.32-2.36 / 2.31, b=8 5.44-5.48 / 5.54, b=32 8.76-8.81 / 8.81, b=128
-9.77-9.79 / 9.89, b=256 11.34-11.37 / 11.21.  With PDL the two launches already overlap (down
-starts its weights during gate_up_silu's tail), so what one launch gains is packing: the tiles of
-both in one walk fill the rounds that two walks leave part-empty (b=8, b=128).  Where neither
-walk has a part-empty round to fill (b=1, b=32, b=256) its row-tile counters cost more than the
-launch they save.  The window keeps the measured wins; T between the measured points follows
-its neighbours.
+Why a window, measured on the H200 (PERF_NOTES v19: `dsgraph bench`, every run of one session,
+against each run's own bytes): the one launch reads the touched experts 1-4% faster than the two
+and its steps are 1-4% shorter from 2 to 192 tokens; at 1 token the steps tie (its rate is
+better), and at 224-256 it is even or slightly slower (there its walk packs no better than the
+two, and its row-tile counters cost a little).  With PDL the two launches already overlap (down
+starts its weights in gate_up_silu's tail), so the gain is mostly packing: one walk of both
+kernels' tiles leaves fewer part-empty rounds than two.
 
 The intermediate a [NP, M] is a workspace ("expert_act") of the node: the fused launch writes and
 reads it within the launch, the two-launch path passes it from one launch to the next.  The
 two-launch path is the moe_gate_up_silu and moe_down families' own lowering (their kernel names,
-so a prefill graph's unfused nodes and this node share those kernels), minus the decode wgmma
-launch that the fused one replaces.
+so a prefill graph's unfused nodes and this node share those kernels), their decode wgmma
+launches narrowed to the T outside the window.
 
 The fused launch's grid is min(2 SMS, its tiles): every CTA must be resident at once, because a
 down tile waits for gate_up_silu tiles of other CTAs (moe_expert_ffn.cuh says why that cannot
 deadlock).  Its per-row-tile counters are a __device__ array of RT entries: the most row tiles a
-launch at upper() tokens can have.
+launch at FUSED_UPTO tokens can have.
 """
 from __future__ import annotations
 

@@ -2,10 +2,11 @@
 // a [NP, M] = silu(x Wg[e]^T) * (x Wu[e]^T) and out [NP, D] = a[p] Wd[e]^T per pair, as the two
 // grouped launches of moe_wgmma_skinny.cuh compute them (the same tiles, the same rounding), but
 // one grid walks both: tiles t < G = tiles[E] * NCT_GU are gate_up_silu's (row tile, column tile),
-// the rest down's, t = blockIdx.x, + gridDim.x, ... in each CTA.  Why (PERF_NOTES v18/v19): each
-// of the two launches paid ~5 us a layer that did not stream (launch, the tile table, the first
-// boxes, the tail), and at decode's smallest batches down's tiles could not start on the CTAs
-// gate_up_silu's few tiles left idle.
+// the rest down's, t = blockIdx.x, + gridDim.x, ... in each CTA.  Why (PERF_NOTES v19): one walk
+// of both kernels' tiles leaves fewer part-empty rounds than two, a CTA goes from its last
+// gate_up_silu tile to its first down tile without a launch between, and at decode's smallest
+// batches down's tiles start their weights on the CTAs gate_up_silu's few tiles leave idle:
+// 1-4% on the expert kernels from 2 to 192 tokens on the H200.
 //
 // A down tile reads the rows of `a` of its row tile, which all NCT_GU gate_up_silu tiles of that
 // row tile write, on any CTA.  So each row tile has a counter in `ready` (a __device__ array of
@@ -33,13 +34,6 @@
 
 namespace dsg {
 namespace moe {
-
-// When a CTA lets the next kernel's CTAs in (pdl.cuh): 0 at its start, 1 at its first down tile,
-// 2 never (its exit counts).
-#ifndef DSG_FFN_TRIGGER
-#define DSG_FFN_TRIGGER 1
-#endif
-constexpr int FFN_TRIGGER = DSG_FFN_TRIGGER;
 
 // The producer's and the consumer's named barriers (bar.sync id, 128 threads; 0 is __syncthreads).
 constexpr int FFN_CONSUMER_BAR = 1, FFN_PRODUCER_BAR = 2;
@@ -82,7 +76,9 @@ __device__ __forceinline__ void expert_ffn_produce(const T* __restrict__ x, cons
       wgmma_produce_tile<T, GATE_UP_SILU, M, D, K, ST, L>(x, wg, wu, order, tl, ring, full, empty, vec_x, it);
     } else {
       const int u = t - gu_total, rt = u / NCT_D;
-      if (FFN_TRIGGER == 1 && threadIdx.x == 0 && t - (int)gridDim.x < gu_total) dsg::pdl_launch_dependents();
+      // The CTA's first down tile lets the next kernel's CTAs in (pdl.cuh); at its start or at its
+      // exit measured the same (PERF_NOTES v19).
+      if (threadIdx.x == 0 && t - (int)gridDim.x < gu_total) dsg::pdl_launch_dependents();
       const WgTile tl = wgmma_tile<E, NCT_D, wgmma_skinny_cols(DOWN), WS_BP>(tiles, offsets, u);
       int pre = 0;                                       // (thread 0's alone: only it issues weights)
       if (threadIdx.x == 0 && ld_acquire_gpu(ready + rt) < (unsigned)NCT_GU) {
@@ -142,9 +138,9 @@ __device__ __forceinline__ void expert_ffn_wgmma_skinny(const T* __restrict__ x,
                 "expert ffn: two CTAs per SM, or the grid is not all resident and the walk can deadlock");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   __shared__ int tiles[E + 1];
-  // Every read below (offsets, order, x, a, ready) is of another kernel's output or this launch's.
+  // Every read below (offsets, order, x, a, ready) is of another kernel's output or this launch's;
+  // a CTA without a down tile lets the next kernel in at its exit.
   dsg::pdl_wait();
-  if (FFN_TRIGGER == 0) dsg::pdl_launch_dependents();
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;         // 128B-swizzle tiles start on 1024-byte boundaries
   if (threadIdx.x < 32) wgmma_row_tiles<E, WS_BP>(offsets, tiles);

@@ -212,3 +212,12 @@ def test_the_linears_are_the_skinny_family_plus_cublas_each_with_its_rate(capsys
     out = capsys.readouterr().out
     assert f"linear_skinny 0.60 ms {lb / 0.6e-3 / 1e9:.0f} GB/s; cublas/torch 0.02 ms" in out
     assert f"cublas/torch 1.10 ms {lb / 1.1e-3 / 1e9:.0f} GB/s" in out
+
+
+def test_bench_token_ids_are_the_same_every_run_and_differ_by_case():
+    torch = pytest.importorskip("torch")
+    from runtime.bench import _token_ids
+    a = _token_ids(102400, (128,), 512)
+    assert torch.equal(a, _token_ids(102400, (128,), 512))          # both arms of an A/B route alike
+    assert not torch.equal(a, _token_ids(102400, (128,), 4096))
+    assert a.shape == (128,) and 0 <= int(a.min()) and int(a.max()) < 102400
