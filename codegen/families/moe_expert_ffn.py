@@ -23,7 +23,8 @@ launches narrowed to the T outside the window.
 The fused launch's grid is min(2 SMS, its tiles): every CTA must be resident at once, because a
 down tile waits for gate_up_silu tiles of other CTAs (moe_expert_ffn.cuh says why that cannot
 deadlock).  Its per-row-tile counters are a __device__ array of RT entries: the most row tiles a
-launch at FUSED_UPTO tokens can have.
+launch at the top of decode's wgmma range (S.upper()) can have, whatever the window, so a kernel
+of one name is one module.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def fused_launch(name_parts: list, gu: dict, dn: dict, nid: str, args: tuple, ws
     tiles = f"{nct} * (NP // {S.BP} + min({E}, NP))"
     params = {"act": gu["act"], "E": E, "M": M, "D": D, "K": K, "variant": "fused", "threads": S.THREADS,
               "stages": S.STAGES, "smem": S.smem(S.STAGES), "box_rows": S.BOX, "box_k": S.BK, "pairs": S.BP,
-              "row_tiles": row_tile_bound(E, upto() * K)}
+              "row_tiles": row_tile_bound(E, S.upper() * K)}   # the window's widest: one module for any window
     return KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [*name_parts, "fused"]), params=params,
         nodes=(nid,), grid=(f"min(2 * SMS, {tiles}) * {fused_range()}", 1, 1), block=(S.THREADS, 1, 1),

@@ -2,7 +2,7 @@
 // template: moe_expert_ffn.cu.j2
 // kernel:   moe_expert_ffn__bf16__e257_k9__m2048_d7168__fused
 // role:     moe_expert_ffn.fused
-// params:   {"D":7168,"E":257,"K":9,"M":2048,"act":"__nv_bfloat16","box_k":64,"box_rows":64,"pairs":64,"row_tiles":284,"smem":99328,"stages":4,"threads":256,"variant":"fused"}
+// params:   {"D":7168,"E":257,"K":9,"M":2048,"act":"__nv_bfloat16","box_k":64,"box_rows":64,"pairs":64,"row_tiles":293,"smem":99328,"stages":4,"threads":256,"variant":"fused"}
 // includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, moe_expert_ffn.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, tma.cuh, wgmma.cuh
 // nodes:    L3-60.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
@@ -29,7 +29,7 @@ static_assert(dsg::moe::WS_BOX == 64 && dsg::moe::WS_BK == 64 && dsg::moe::WS_BP
               "tensor-map box or pair tile disagrees with the lowering");
 
 // Per row tile: gate_up_silu tiles done, then down tiles past their wait (moe_expert_ffn.cuh).
-__device__ unsigned expert_ffn_ready[284];
+__device__ unsigned expert_ffn_ready[293];
 
 extern "C" __global__ void __launch_bounds__(256, 2)
 moe_expert_ffn__bf16__e257_k9__m2048_d7168__fused(
@@ -42,6 +42,6 @@ moe_expert_ffn__bf16__e257_k9__m2048_d7168__fused(
     __nv_bfloat16* __restrict__ a,
     __nv_bfloat16* __restrict__ out) {
   extern __shared__ __align__(16) char smem[];
-  dsg::moe::expert_ffn_wgmma_skinny<__nv_bfloat16, 257, 2048, 7168, 9, 4, 284>(
+  dsg::moe::expert_ffn_wgmma_skinny<__nv_bfloat16, 257, 2048, 7168, 9, 4, 293>(
       x, &w_gate, &w_up, &w_down, order, offsets, a, out, expert_ffn_ready, smem);
 }
