@@ -28,6 +28,39 @@ DECODE_CASES = [(1, 512), (8, 512), (32, 512), (128, 512), (256, 512), (1, 4096)
                 (128, 4096)]
 PREFILL_CASES = [(1, 2048), (32, 512)]
 HF_DECODE_CASES = [(1, 512), (32, 512)]
+MAX_BATCH, MAX_LENGTH = 256, 8192   # the engine the bench builds: max_num_seqs, max_seq_len
+
+
+def cases_arg(text: str) -> list[tuple[int, int]]:
+    """--decode / --prefill: "1x512,192x512" -> [(1, 512), (192, 512)] (batch x context, or x prompt
+    length); "none" -> no case of that kind."""
+    if text.strip().lower() == "none":
+        return []
+    cases = []
+    for item in text.split(","):
+        b, x, n = item.strip().lower().partition("x")
+        if not (x and b.isdigit() and n.isdigit()):
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not BATCHxLENGTH (e.g. 32x512)")
+        b, n = int(b), int(n)
+        if not (1 <= b <= MAX_BATCH and 1 <= n <= MAX_LENGTH):
+            raise argparse.ArgumentTypeError(f"{item.strip()}: batch must be 1..{MAX_BATCH} and length "
+                                             f"1..{MAX_LENGTH}")
+        cases.append((b, n))
+    return cases
+
+
+def bench_cases(args) -> tuple[list, list]:
+    """(decode cases, prefill cases): --decode / --prefill where given, else --quick's or the full set."""
+    from .errors import InputError
+    decode_cases = getattr(args, "decode", None)
+    if decode_cases is None:
+        decode_cases = [(1, 512), (32, 512)] if args.quick else DECODE_CASES
+    prefill_cases = getattr(args, "prefill", None)
+    if prefill_cases is None:
+        prefill_cases = [(32, 512)] if args.quick else PREFILL_CASES
+    if not decode_cases and not prefill_cases:
+        raise InputError("nothing to bench: --decode none and --prefill none")
+    return list(decode_cases), list(prefill_cases)
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +69,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=10, help="timed repetitions per case (the median counts)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
     p.add_argument("--quick", action="store_true", help="fewer cases (batch 1 and 32, context 512)")
+    p.add_argument("--decode", type=cases_arg, default=None, metavar="BxC,...",
+                   help="decode cases, batch x context (e.g. 1x512,192x512; none: no decode case)")
+    p.add_argument("--prefill", type=cases_arg, default=None, metavar="BxL,...",
+                   help="prefill cases, batch x prompt length (e.g. 1x2048; none: no prefill case)")
     p.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="KV-cache page size in tokens")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch every kernel without programmatic dependent launch (an A/B against the default)")
@@ -306,6 +343,7 @@ def run_bench(args) -> int:
 
     from .engine import Engine
     from .errors import InputError
+    decode_cases, prefill_cases = bench_cases(args)
     if not torch.cuda.is_available():
         raise InputError("dsgraph bench needs a CUDA GPU")
     from codegen.paths import DEFAULT_SPEC
@@ -321,10 +359,8 @@ def run_bench(args) -> int:
     result["copy_bandwidth_GBps"] = bw / 1e9
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s", flush=True)
 
-    decode_cases = [(1, 512), (32, 512)] if args.quick else DECODE_CASES
-    prefill_cases = [(32, 512)] if args.quick else PREFILL_CASES
     max_tokens = max(b * c for b, c in decode_cases + prefill_cases)
-    num_blocks = math.ceil(max_tokens / args.block_size) + 8 * max(b for b, _ in decode_cases)
+    num_blocks = math.ceil(max_tokens / args.block_size) + 8 * max((b for b, _ in decode_cases), default=0)
     t0 = time.perf_counter()
     engine = Engine.from_spec(spec_path, backend="cuda", device="cuda", dtype="bf16", block_size=args.block_size,
                               num_blocks=num_blocks, max_seq_len=8192, max_num_seqs=256, pdl=not args.no_pdl)
@@ -364,7 +400,8 @@ def run_bench(args) -> int:
                   f"{need['total'] / (ms / 1e3) / bw * 100:.0f}% of copy bandwidth", flush=True)
 
         if not args.no_transformers:   # transformers' eager steps launch thousands of kernels: before the profiles too
-            result["transformers"] = _bench_transformers(engine, args, prefill_cases)
+            result["transformers"] = _bench_transformers(
+                engine, args, prefill_cases, [c for c in HF_DECODE_CASES if c in decode_cases])
 
         result["prefill"] = []
         for batch, length in prefill_cases:
@@ -408,7 +445,7 @@ def run_bench(args) -> int:
     return 0
 
 
-def _bench_transformers(engine, args, prefill_cases) -> dict:
+def _bench_transformers(engine, args, prefill_cases, decode_cases) -> dict:
     """The same workloads through transformers eager on the same weights."""
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DynamicCache
@@ -437,7 +474,7 @@ def _bench_transformers(engine, args, prefill_cases) -> dict:
             out["prefill"].append({"batch": batch, "length": length, "ms": ms,
                                    "tokens_per_s": batch * length / (ms / 1e3)})
             print(f"transformers prefill {batch}x{length}: {ms:.0f} ms", flush=True)
-        for batch, ctx in HF_DECODE_CASES:
+        for batch, ctx in decode_cases:
             ids = _token_ids(cfg.vocab_size, (batch, ctx - 1)).to("cuda")
             cache = DynamicCache(config=cfg)
             # transformers 5.24 renamed past_key_values to cache.
@@ -521,7 +558,8 @@ def _print_table(r: dict) -> None:
     section("pdl_edges", "programmatic dependent launch per decode step (kernels launched; PDL ones; PDL ones right "
                          "after a PDL kernel):",
             lambda x: f"{x['kernels']:>5} kernels  {x['pdl']:>4} PDL  {x['overlapped']:>4} after a PDL kernel")
-    section("routed_experts", "grouped experts (gate_up_silu + down) per decode step, touched expert weights read, "
+    section("routed_experts", "grouped experts (gate_up_silu + down, or both as moe_expert_ffn's one launch) per "
+                              "decode step, touched expert weights read, "
                               "the shared experts' included where they run there (each kernel's own device time: "
                               "a profile with PDL off):",
             lambda x: f"{x['ms']:>8.2f} ms  {x['bytes_per_s'] / 1e12:5.2f} TB/s")

@@ -7,7 +7,7 @@
     dsgraph diff A B          A, B: a spec file, a bundle folder, "golden" or "worktree"
     dsgraph goldens [--check]
     dsgraph generate --model DIR (--prompt TEXT | --ids 1,2,3) [--max-new-tokens N] ...
-    dsgraph bench [--quick] [--no-pdl] [--json bench.json]
+    dsgraph bench [--quick] [--decode BxC,...] [--prefill BxL,...] [--no-pdl] [--json bench.json]
     dsgraph plan [SPEC] [--gpus N[,N...]] [--dtype bf16] [--batch 32] [--context 4096] [--json] ...
 
 Subcommands live in COMMANDS (name -> (add_arguments, run)); adding one is one

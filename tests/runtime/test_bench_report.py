@@ -221,3 +221,29 @@ def test_bench_token_ids_are_the_same_every_run_and_differ_by_case():
     assert torch.equal(a, _token_ids(102400, (128,), 512))          # both arms of an A/B route alike
     assert not torch.equal(a, _token_ids(102400, (128,), 4096))
     assert a.shape == (128,) and 0 <= int(a.min()) and int(a.max()) < 102400
+
+
+def test_bench_cases_from_the_command_line():
+    import argparse
+
+    from runtime.bench import DECODE_CASES, PREFILL_CASES, bench_cases, cases_arg
+    from runtime.errors import InputError
+    assert cases_arg("1x512, 192X512") == [(1, 512), (192, 512)]
+    assert cases_arg("none") == []
+    for bad in ("1x", "x512", "1*512", "0x512", "257x512", "1x9000", "1x512,"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cases_arg(bad)
+    ns = argparse.Namespace
+    assert bench_cases(ns(quick=False, decode=None, prefill=None)) == (DECODE_CASES, PREFILL_CASES)
+    assert bench_cases(ns(quick=True, decode=[(192, 512)], prefill=[])) == ([(192, 512)], [])
+    with pytest.raises(InputError):
+        bench_cases(ns(quick=False, decode=[], prefill=[]))
+
+
+def test_a_bad_bench_case_is_one_line_from_the_cli(capsys):
+    from runtime.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--decode", "999x512"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "batch must be 1..256" in err[-1]
