@@ -29,6 +29,10 @@
 // two (launch bounds, shared memory), and the kernel after this one (PDL) may take SM room only
 // once every CTA of this grid has run its pdl_launch_dependents.  Within a CTA the consumer
 // finishes a gate_up_silu tile from stages already full while the producer waits for a row tile.
+// What this rests on: SMS (the grid's bound) is the SMs this context may fill.  Where fewer are
+// its own (an MPS active-thread percentage, a green context) a CTA past them could wait for a
+// slot that a spinning CTA holds; the way out is tiles taken in order from an atomic counter,
+// so that whoever waits, waits for tiles that running CTAs have already taken (PERF_NOTES v19).
 #pragma once
 #include "moe_wgmma_skinny.cuh"
 
