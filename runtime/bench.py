@@ -52,12 +52,11 @@ def cases_arg(text: str) -> list[tuple[int, int]]:
 def bench_cases(args) -> tuple[list, list]:
     """(decode cases, prefill cases): --decode / --prefill where given, else --quick's or the full set."""
     from .errors import InputError
-    decode_cases = getattr(args, "decode", None)
-    if decode_cases is None:
-        decode_cases = [(1, 512), (32, 512)] if args.quick else DECODE_CASES
-    prefill_cases = getattr(args, "prefill", None)
-    if prefill_cases is None:
-        prefill_cases = [(32, 512)] if args.quick else PREFILL_CASES
+    decode_cases, prefill_cases = ([(1, 512), (32, 512)], [(32, 512)]) if args.quick else (DECODE_CASES, PREFILL_CASES)
+    if args.decode is not None:
+        decode_cases = args.decode
+    if args.prefill is not None:
+        prefill_cases = args.prefill
     if not decode_cases and not prefill_cases:
         raise InputError("nothing to bench: --decode none and --prefill none")
     return list(decode_cases), list(prefill_cases)
@@ -363,7 +362,8 @@ def run_bench(args) -> int:
     num_blocks = math.ceil(max_tokens / args.block_size) + 8 * max((b for b, _ in decode_cases), default=0)
     t0 = time.perf_counter()
     engine = Engine.from_spec(spec_path, backend="cuda", device="cuda", dtype="bf16", block_size=args.block_size,
-                              num_blocks=num_blocks, max_seq_len=8192, max_num_seqs=256, pdl=not args.no_pdl)
+                              num_blocks=num_blocks, max_seq_len=MAX_LENGTH, max_num_seqs=MAX_BATCH,
+                              pdl=not args.no_pdl)
     result["pdl"] = not args.no_pdl
     result["load_seconds"] = time.perf_counter() - t0
     backend = engine.backend

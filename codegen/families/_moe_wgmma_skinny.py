@@ -60,16 +60,22 @@ def upper() -> int:
     return _moe_wgmma.threshold() if _moe.GEMM_WGMMA_TOKENS is not None else UPPER_WITHOUT_PREFILL_WGMMA
 
 
-def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
-           down: bool, run: str | None = None) -> KernelLaunch:
-    """`run`: the factor of the grid that is 1 at the T it runs at (default: (FROM_TOKENS, upper()])."""
+def grid(p: dict, *, down: bool, run: str | None = None) -> str:
+    """The launch's x extent: min(2 SMS, its tile bound) times `run`, the factor that is 1 at the T
+    it runs at (default: (FROM_TOKENS, upper()]; moe_expert_ffn narrows it around its own window)."""
     cols = ROWS if down else ROWS // 2                    # output columns per tile
     tiles = f"{-(-p['N'] // cols)} * (NP // {BP} + min({p['E']}, NP))"   # one partial row tile per expert
     if run is None:
         run = only_below(upper()) if FROM_TOKENS == 0 else f"{only_above(FROM_TOKENS)} * {only_below(upper())}"
+    return f"min(2 * SMS, {tiles}) * {run}"
+
+
+def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
+           down: bool) -> KernelLaunch:
+    cols = ROWS if down else ROWS // 2                    # output columns per tile
     return _moe_wgmma.tma_launch(family, template, name_parts, p, nid, args, variant="wgmma_skinny", box=(BOX, BK),
                                  threads=THREADS, stages=STAGES, smem_bytes=smem(STAGES), cols=cols,
-                                 grid=f"min(2 * SMS, {tiles}) * {run}", pairs=BP)
+                                 grid=grid(p, down=down), pairs=BP)
 
 
 def take_over(launches: list, family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,

@@ -24,4 +24,11 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     args = (inp("a", act, a), weight("w", act, bound["weight"]),
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out", act, y))
-    return _moe.grouped_launches(FAMILY, TEMPLATE, [opts.dtype, f"e{E}", f"d{D}_m{M}"], p, nid, args, opts, down=True)
+    return launches(nid, p, args, opts)
+
+
+def launches(nid: str, p: dict, args: tuple, opts: Options) -> list[KernelLaunch]:
+    """The grouped launches over `args` (a, w, order, offsets, out); moe_expert_ffn's two-launch
+    path passes its workspace as a."""
+    return _moe.grouped_launches(FAMILY, TEMPLATE, [opts.dtype, f"e{p['E']}", f"d{p['N']}_m{p['KD']}"], p, nid, args,
+                                 opts, down=True)

@@ -53,7 +53,7 @@ def row_tile_bound(E: int, pairs: int) -> int:
     return pairs // S.BP + min(E, pairs)
 
 
-def fused_launch(name_parts: list, gu: dict, dn: dict, nid: str, args: tuple, ws: Workspace) -> KernelLaunch:
+def fused_launch(nid: str, opts: Options, gu: dict, dn: dict, args: tuple) -> KernelLaunch:
     from codegen.render import kernel_name
     E, K, M, D = gu["E"], gu["K"], gu["N"], dn["N"]
     nct = -(-M // (S.ROWS // 2)) + -(-D // S.ROWS)        # column tiles of a row tile: gate_up_silu's + down's
@@ -62,9 +62,9 @@ def fused_launch(name_parts: list, gu: dict, dn: dict, nid: str, args: tuple, ws
               "stages": S.STAGES, "smem": S.smem(S.STAGES), "box_rows": S.BOX, "box_k": S.BK, "pairs": S.BP,
               "row_tiles": row_tile_bound(E, S.upper() * K)}   # the window's widest: one module for any window
     return KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [*name_parts, "fused"]), params=params,
-        nodes=(nid,), grid=(f"min(2 * SMS, {tiles}) * {fused_range()}", 1, 1), block=(S.THREADS, 1, 1),
-        args=args, smem=S.smem(S.STAGES), workspace=(ws,), stage="fused", requires=(S.FEATURE,))
+        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}", "fused"]),
+        params=params, nodes=(nid,), grid=(f"min(2 * SMS, {tiles}) * {fused_range()}", 1, 1),
+        block=(S.THREADS, 1, 1), args=args, smem=S.smem(S.STAGES), stage="fused", requires=(S.FEATURE,))
 
 
 def upto() -> int:
@@ -79,6 +79,12 @@ def fused_range() -> str:
 def two_launch_range() -> str:
     """Where decode's wgmma launches of the two families run instead: the rest of (0, S.upper()]."""
     return f"({only_below(FUSED_FROM - 1)} + {only_above(upto())} * {only_below(S.upper())})"
+
+
+def around_window(launches: list, p: dict, *, down: bool) -> list:
+    """A family's launches with its decode wgmma launch narrowed to the T outside the window."""
+    return [dataclasses.replace(la, grid=(S.grid(p, down=down, run=two_launch_range()), 1, 1))
+            if la.stage == "wgmma_skinny" else la for la in launches]
 
 
 def fused_applies(opts, gu: dict, dn: dict) -> bool:
@@ -103,21 +109,12 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
                order, offsets, work("out", act, WORKSPACE))
     dn_args = (work("a", act, WORKSPACE, writes=False), weight("w", act, bound["down"]), order, offsets,
                out("out", act, y))
-    gu_launches = _moe.grouped_launches(moe_gate_up_silu.FAMILY, moe_gate_up_silu.TEMPLATE,
-                                        [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"], gu, nid, gu_args, opts, down=False)
-    dn_launches = _moe.grouped_launches(moe_down.FAMILY, moe_down.TEMPLATE, [opts.dtype, f"e{E}", f"d{D}_m{M}"], dn,
-                                        nid, dn_args, opts, down=True)
-    launches = [*gu_launches, *dn_launches]
+    gu_launches = moe_gate_up_silu.launches(nid, gu, gu_args, opts)
+    dn_launches = moe_down.launches(nid, dn, dn_args, opts)
     if fused_applies(opts, gu, dn):
         args = (inp("x", act, x), tensor_map("w_gate", bound["gate"], (S.BOX, S.BK)),
                 tensor_map("w_up", bound["up"], (S.BOX, S.BK)), tensor_map("w_down", bound["down"], (S.BOX, S.BK)),
                 order, offsets, work("a", act, WORKSPACE), out("out", act, y))
-        fused = fused_launch([opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"], gu, dn, nid, args, ws)
-        narrowed = {id(la): S.launch(la.family, la.template, name_parts, p, nid, la_args, down=down,
-                                     run=two_launch_range())
-                    for la, name_parts, p, la_args, down in (
-                        *((la, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"], gu, gu_args, False) for la in gu_launches),
-                        *((la, [opts.dtype, f"e{E}", f"d{D}_m{M}"], dn, dn_args, True) for la in dn_launches))
-                    if la.stage == "wgmma_skinny"}
-        launches = [fused, *(narrowed.get(id(la), la) for la in launches)]
-    return [la if la.workspace else dataclasses.replace(la, workspace=(ws,)) for la in launches]
+        gu_launches = [fused_launch(nid, opts, gu, dn, args), *around_window(gu_launches, gu, down=False)]
+        dn_launches = around_window(dn_launches, dn, down=True)
+    return [dataclasses.replace(la, workspace=(ws,)) for la in (*gu_launches, *dn_launches)]

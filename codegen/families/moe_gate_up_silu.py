@@ -28,4 +28,11 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     args = (inp("x", act, x), weight("w_gate", act, bound["gate"]), weight("w_up", act, bound["up"]),
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out", act, h))
-    return _moe.grouped_launches(FAMILY, TEMPLATE, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"], p, nid, args, opts, down=False)
+    return launches(nid, p, args, opts)
+
+
+def launches(nid: str, p: dict, args: tuple, opts: Options) -> list[KernelLaunch]:
+    """The grouped launches over `args` (x, w_gate, w_up, order, offsets, out); moe_expert_ffn's
+    two-launch path passes its workspace as out."""
+    name = [opts.dtype, f"e{p['E']}_k{p['K']}", f"m{p['N']}_d{p['KD']}"]
+    return _moe.grouped_launches(FAMILY, TEMPLATE, name, p, nid, args, opts, down=False)

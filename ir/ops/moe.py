@@ -241,11 +241,9 @@ class MoeExpertFfn(OpDef):
 
     @classmethod
     def run(cls, node, ins, w, ctx):
-        # The unfused refs, step by step (MoeGateUpSilu then MoeDown): the same roundings, the same result.
-        x, r = ins
-        n = x.shape[0] * r["top_k"]
-        a = F.silu(grouped_linear(x, False, r, w["gate"], n)) * grouped_linear(x, False, r, w["up"], n)
-        return [grouped_linear(a, True, r, w["down"], a.shape[0])]
+        # The unfused refs themselves: the same roundings, the same result.
+        (a,) = MoeGateUpSilu.run(node, ins, w, ctx)
+        return MoeDown.run(node, [a, ins[1]], {"weight": w["down"]}, ctx)
 
 
 def combine_ref(eo: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -33,8 +33,11 @@ constexpr int WS_ROW_BYTES = WG_ROW_BYTES;
 constexpr int WS_W_BYTES = WS_ROWS * WS_ROW_BYTES;               // 16 KB of weights a stage
 constexpr int WS_STAGE_BYTES = WS_W_BYTES + WS_BP * WS_ROW_BYTES;  // + 8 KB of pair rows: 24 KB
 
-// Output columns a tile covers.
+// Output columns a tile covers, and the column tiles of N output columns.
 __host__ __device__ constexpr int wgmma_skinny_cols(int mode) { return mode == DOWN ? WS_ROWS : WS_ROWS / 2; }
+__host__ __device__ constexpr int wgmma_skinny_col_tiles(int mode, int n) {
+  return (n + wgmma_skinny_cols(mode) - 1) / wgmma_skinny_cols(mode);
+}
 // Dynamic shared memory: the ring plus slack to start it on a 1024-byte boundary (128B swizzle;
 // every stage, and its pair rows 16 KB in, stay on one).  4 stages: 97 KB, two CTAs per SM.
 __host__ __device__ constexpr int wgmma_skinny_smem(int stages) { return stages * WS_STAGE_BYTES + 1024; }
@@ -112,21 +115,28 @@ __device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* _
     }
 }
 
-// Consumer: warpgroup 1.  Each tile at the narrowest of BP = 16 / 32 / 64 that holds its pairs.
+// One tile on the consumer at the narrowest of BP = 16 / 32 / 64 that holds its pairs.
+template <typename T, int MODE, int N, int KD, int ST>
+__device__ __forceinline__ void wgmma_skinny_tile_fit(const WgTile& tl, const i32* __restrict__ order, unsigned ring,
+                                                      unsigned long long* full, unsigned long long* empty,
+                                                      T* __restrict__ out0, T* __restrict__ out1, int& it) {
+  if (tl.rows <= 16) wgmma_skinny_tile<T, MODE, N, KD, ST, 16>(tl, order, ring, full, empty, out0, out1, it);
+  else if (tl.rows <= 32) wgmma_skinny_tile<T, MODE, N, KD, ST, 32>(tl, order, ring, full, empty, out0, out1, it);
+  else wgmma_skinny_tile<T, MODE, N, KD, ST, 64>(tl, order, ring, full, empty, out0, out1, it);
+}
+
+// Consumer: warpgroup 1, the walk's tiles.
 template <typename T, int MODE, int E, int N, int KD, int ST>
 __device__ __forceinline__ void wgmma_skinny_consume(const i32* __restrict__ order, const i32* __restrict__ offsets,
                                                      const int* tiles, unsigned ring, unsigned long long* full,
                                                      unsigned long long* empty, T* __restrict__ out0,
                                                      T* __restrict__ out1) {
-  constexpr int BNO = wgmma_skinny_cols(MODE), NCT = (N + BNO - 1) / BNO;
+  constexpr int NCT = wgmma_skinny_col_tiles(MODE, N);
   const int total = tiles[E] * NCT;
   int it = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const WgTile tl = wgmma_tile<E, NCT, BNO, WS_BP>(tiles, offsets, t);
-    if (tl.rows <= 16) wgmma_skinny_tile<T, MODE, N, KD, ST, 16>(tl, order, ring, full, empty, out0, out1, it);
-    else if (tl.rows <= 32) wgmma_skinny_tile<T, MODE, N, KD, ST, 32>(tl, order, ring, full, empty, out0, out1, it);
-    else wgmma_skinny_tile<T, MODE, N, KD, ST, 64>(tl, order, ring, full, empty, out0, out1, it);
-  }
+  for (int t = blockIdx.x; t < total; t += gridDim.x)
+    wgmma_skinny_tile_fit<T, MODE, N, KD, ST>(wgmma_tile<E, NCT, wgmma_skinny_cols(MODE), WS_BP>(tiles, offsets, t),
+                                              order, ring, full, empty, out0, out1, it);
 }
 
 template <typename T, int MODE, int E, int N, int KD, int K, int ST>
@@ -155,16 +165,9 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;         // 128B-swizzle tiles start on 1024-byte boundaries
   if (threadIdx.x < 32) wgmma_row_tiles<E, WS_BP, EARLY>(offsets, tiles);
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < ST; ++s) {
-      mbar::init(&full[s], 128 + 1);                     // the producer's 128 copy arrivals + its expect_tx
-      mbar::init(&empty[s], 4);                          // one per consumer warp
-    }
-    mbar::init_fence();
-  }
+  if (threadIdx.x == 0) wgmma_ring_init<ST>(full, empty, 4);   // one consumer warpgroup
   __syncthreads();
-  constexpr int KT = (KD + WS_BK - 1) / WS_BK, NCT = (N + wgmma_skinny_cols(MODE) - 1) / wgmma_skinny_cols(MODE);
+  constexpr int KT = (KD + WS_BK - 1) / WS_BK, NCT = wgmma_skinny_col_tiles(MODE, N);
   constexpr int PRE = EARLY ? (ST < KT ? ST : KT) : 0;   // slices of the walk's first tile issued early
   int preissued = 0;
   if constexpr (EARLY) {

@@ -62,8 +62,7 @@ __device__ __forceinline__ void expert_ffn_produce(const T* __restrict__ x, cons
                                                    const i32* __restrict__ offsets, const int* tiles, const T* a,
                                                    unsigned* ready, char* ring, unsigned long long* full,
                                                    unsigned long long* empty) {
-  constexpr int NCT_GU = (M + wgmma_skinny_cols(GATE_UP_SILU) - 1) / wgmma_skinny_cols(GATE_UP_SILU);
-  constexpr int NCT_D = (D + wgmma_skinny_cols(DOWN) - 1) / wgmma_skinny_cols(DOWN);
+  constexpr int NCT_GU = wgmma_skinny_col_tiles(GATE_UP_SILU, M), NCT_D = wgmma_skinny_col_tiles(DOWN, D);
   constexpr int KT_D = (M + WS_BK - 1) / WS_BK, PRE = ST < KT_D ? ST : KT_D;   // down's slices issued ahead, at most
   using L = WgSkinnyTiles;
   if (threadIdx.x == 0) {
@@ -100,30 +99,24 @@ __device__ __forceinline__ void expert_ffn_produce(const T* __restrict__ x, cons
   dsg::mma::cp_async_wait<0>();                          // nothing of this thread's left in flight at exit
 }
 
-// Consumer (warpgroup 1): each tile at the narrowest of BP = 16 / 32 / 64 that holds its pairs;
-// a gate_up_silu tile then publishes its columns of `a` to its row tile's counter.
+// Consumer (warpgroup 1): a gate_up_silu tile then publishes its columns of `a` to its row tile's counter.
 template <typename T, int E, int M, int D, int ST>
 __device__ __forceinline__ void expert_ffn_consume(const i32* __restrict__ order, const i32* __restrict__ offsets,
                                                    const int* tiles, unsigned ring, unsigned long long* full,
                                                    unsigned long long* empty, T* a, T* __restrict__ out,
                                                    unsigned* ready) {
-  constexpr int NCT_GU = (M + wgmma_skinny_cols(GATE_UP_SILU) - 1) / wgmma_skinny_cols(GATE_UP_SILU);
-  constexpr int NCT_D = (D + wgmma_skinny_cols(DOWN) - 1) / wgmma_skinny_cols(DOWN);
+  constexpr int NCT_GU = wgmma_skinny_col_tiles(GATE_UP_SILU, M), NCT_D = wgmma_skinny_col_tiles(DOWN, D);
   const int gu_total = tiles[E] * NCT_GU, total = gu_total + tiles[E] * NCT_D;
   int it = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     if (t < gu_total) {
       const WgTile tl = wgmma_tile<E, NCT_GU, wgmma_skinny_cols(GATE_UP_SILU), WS_BP>(tiles, offsets, t);
-      if (tl.rows <= 16) wgmma_skinny_tile<T, GATE_UP_SILU, M, D, ST, 16>(tl, order, ring, full, empty, a, a, it);
-      else if (tl.rows <= 32) wgmma_skinny_tile<T, GATE_UP_SILU, M, D, ST, 32>(tl, order, ring, full, empty, a, a, it);
-      else wgmma_skinny_tile<T, GATE_UP_SILU, M, D, ST, 64>(tl, order, ring, full, empty, a, a, it);
+      wgmma_skinny_tile_fit<T, GATE_UP_SILU, M, D, ST>(tl, order, ring, full, empty, a, a, it);
       wgmma::warpgroup_sync(FFN_CONSUMER_BAR);          // every column of this tile is stored
       if (threadIdx.x == 128) release_add(ready + t / NCT_GU);
     } else {
       const WgTile tl = wgmma_tile<E, NCT_D, wgmma_skinny_cols(DOWN), WS_BP>(tiles, offsets, t - gu_total);
-      if (tl.rows <= 16) wgmma_skinny_tile<T, DOWN, D, M, ST, 16>(tl, order, ring, full, empty, out, out, it);
-      else if (tl.rows <= 32) wgmma_skinny_tile<T, DOWN, D, M, ST, 32>(tl, order, ring, full, empty, out, out, it);
-      else wgmma_skinny_tile<T, DOWN, D, M, ST, 64>(tl, order, ring, full, empty, out, out, it);
+      wgmma_skinny_tile_fit<T, DOWN, D, M, ST>(tl, order, ring, full, empty, out, out, it);
     }
   }
 }
@@ -148,14 +141,7 @@ __device__ __forceinline__ void expert_ffn_wgmma_skinny(const T* __restrict__ x,
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;         // 128B-swizzle tiles start on 1024-byte boundaries
   if (threadIdx.x < 32) wgmma_row_tiles<E, WS_BP>(offsets, tiles);
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < ST; ++s) {
-      mbar::init(&full[s], 128 + 1);                     // the producer's 128 copy arrivals + its expect_tx
-      mbar::init(&empty[s], 4);                          // one per consumer warp
-    }
-    mbar::init_fence();
-  }
+  if (threadIdx.x == 0) wgmma_ring_init<ST>(full, empty, 4);   // one consumer warpgroup
   __syncthreads();
   if (tiles[E] > RT) __trap();                           // the lowering's bound broken: a compiler bug
   if (threadIdx.x < 128)

@@ -144,6 +144,19 @@ __device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int 
   }
 }
 
+// The ring's barriers (thread 0; the caller's __syncthreads publishes them): full[s] awaits the
+// producer's 128 copy arrivals + its expect_tx, empty[s] one arrival per consumer warp.
+template <int ST>
+__device__ __forceinline__ void wgmma_ring_init(unsigned long long* full, unsigned long long* empty,
+                                                int consumer_warps) {
+#pragma unroll
+  for (int s = 0; s < ST; ++s) {
+    mbar::init(&full[s], 128 + 1);
+    mbar::init(&empty[s], consumer_warps);
+  }
+  mbar::init_fence();
+}
+
 // Where a tile's pieces sit, for the producer below: pairs per row tile (BM), weight rows per TMA
 // box (BOX, two boxes a stage), output columns per tile by mode, and a stage's layout (its
 // gathered pair rows at ROWS_AT, its weight boxes at WEIGHTS_AT, both 1024-byte aligned).  The
@@ -363,14 +376,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const T* __restrict__ x, cons
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;         // 128B-swizzle tiles start on 1024-byte boundaries
   if (threadIdx.x < 32) wgmma_row_tiles<E>(offsets, tiles);
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < ST; ++s) {
-      mbar::init(&full[s], 128 + 1);                     // the producer's 128 copy arrivals + its expect_tx
-      mbar::init(&empty[s], 8);                          // one per consumer warp
-    }
-    mbar::init_fence();
-  }
+  if (threadIdx.x == 0) wgmma_ring_init<ST>(full, empty, 8);   // two consumer warpgroups
   __syncthreads();
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
