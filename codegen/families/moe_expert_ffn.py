@@ -6,13 +6,15 @@ wgmma + TMA expert GEMM runs (templates/include/moe_expert_ffn.cuh), else the tw
     D and M % 8 == 0
     otherwise                                          moe_gate_up_silu's launches, then moe_down's
 
-Why a window, measured on the H200 (PERF_NOTES v19: `dsgraph bench`, every run of one session,
-against each run's own bytes): the one launch reads the touched experts 1-4% faster than the two
-and its steps are 1-4% shorter from 2 to 192 tokens; at 1 token the steps tie (its rate is
-better), and at 224-256 it is even or slightly slower (there its walk packs no better than the
-two, and its row-tile counters cost a little).  With PDL the two launches already overlap (down
-starts its weights in gate_up_silu's tail), so the gain is mostly packing: one walk of both
-kernels' tiles leaves fewer part-empty rounds than two.
+Why a window, measured on the H200 (`dsgraph bench`, the two paths and v19's fixed walk side by
+side in each of three runs, the same tokens routed; PERF_NOTES v20): with its tiles taken in
+order from a counter the one launch makes decode steps 0.5-2% shorter than the two from 8 to 192
+tokens and even to 0.5% shorter at 256; at 4 the two tie, and at 1 and 2 the one launch is 3-9%
+slower (there the tiles are about one round, and where CTAs take them from the counter decides
+which share an SM: v19's fixed walk, tile b on CTA b, was the fastest at 1-4 tokens, and is gone
+because it deadlocks where not all of its CTAs run at once).  With PDL the two launches already
+overlap (down starts its weights in gate_up_silu's tail), so the gain is packing: one walk of both
+kernels' tiles, taken by whichever CTA is free, leaves fewer part-empty rounds than two.
 
 The intermediate a [NP, M] is a workspace ("expert_act") of the node: the fused launch writes and
 reads it within the launch, the two-launch path passes it from one launch to the next.  The
@@ -20,11 +22,12 @@ two-launch path is the moe_gate_up_silu and moe_down families' own lowering (the
 so a prefill graph's unfused nodes and this node share those kernels), their decode wgmma
 launches narrowed to the T outside the window.
 
-The fused launch's grid is min(2 SMS, its tiles): every CTA must be resident at once, because a
-down tile waits for gate_up_silu tiles of other CTAs (moe_expert_ffn.cuh says why that cannot
-deadlock).  Its per-row-tile counters are a __device__ array of RT entries: the most row tiles a
-launch at the top of decode's wgmma range (S.upper()) can have, whatever the window, so a kernel
-of one name is one module.
+The fused launch's grid is min(2 SMS, its tiles), two CTAs an SM; its CTAs take tiles in order
+from a counter, so a down tile only ever waits for gate_up_silu tiles that running CTAs hold, and
+the walk finishes whatever number of its CTAs the GPU runs at once (moe_expert_ffn.cuh).  Its
+per-row-tile counters are a __device__ array of RT entries: the most row tiles a launch at the top
+of decode's wgmma range (S.upper()) can have, whatever the window, so a kernel of one name is one
+module.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ OPS = ("moe_expert_ffn",)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 WORKSPACE = "expert_act"
 FUSED = True  # False: the two-launch path at every T (scratch A/Bs; tests/gpu/perf_moe.py compares them)
-FUSED_FROM, FUSED_UPTO = 2, 192   # the tokens the fused launch serves (see above)
+FUSED_FROM, FUSED_UPTO = 4, 256   # the tokens the fused launch serves (see above)
 
 S = _moe_wgmma_skinny
 

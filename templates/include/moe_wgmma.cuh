@@ -187,11 +187,16 @@ __device__ __forceinline__ void wgmma_issue_weights(char* b, const TensorMap* w0
 // swizzled chunk position.  Thread 0 also issues the weight boxes, except those of the tile's
 // first `pre` slices (issued already, after their empty waits: wgmma_issue_free, or before
 // pdl_wait by the caller).  VEC: x 16-byte aligned (cp.async), else element loads through L2.
-template <typename T, int MODE, int N, int KD, int K, int ST, typename L>
+// `at_slice(kt, KT)`: called by every producer thread as it starts slice kt of the tile's KT
+// (moe_expert_ffn.cuh takes its next tile there); by default nothing.
+struct NoSliceHook {
+  __device__ void operator()(int, int) const {}
+};
+template <typename T, int MODE, int N, int KD, int K, int ST, typename L, typename H = NoSliceHook>
 __device__ __forceinline__ void wgmma_produce_tile(const T* __restrict__ x, const TensorMap* w0, const TensorMap* w1,
                                                    const i32* __restrict__ order, const WgTile& tl, char* ring,
                                                    unsigned long long* full, unsigned long long* empty, bool vec,
-                                                   int& it, int pre = 0) {
+                                                   int& it, int pre = 0, H at_slice = H{}) {
   constexpr int KT = (KD + WG_BK - 1) / WG_BK;
   const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
   const int chunk = (c ^ (r0 & 7)) * 16;                 // 128B swizzle: c ^ (row % 8)
@@ -203,6 +208,7 @@ __device__ __forceinline__ void wgmma_produce_tile(const T* __restrict__ x, cons
     src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);
   }
   for (int kt = 0; kt < KT; ++kt, ++it) {
+    at_slice(kt, KT);
     const int s = it % ST;
     mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
     char* a = ring + s * L::STAGE_BYTES + L::ROWS_AT;

@@ -8,7 +8,9 @@ its rows of the intermediate `a` once its row tile's counter says every gate_up_
 stored, and the row tile's last down tile sets the counter back to 0.  So each example runs the
 node three times in a row, on new inputs and freshly poisoned outputs each time: a counter left
 above 0 lets the next launch's down tiles read `a` before it is written (stale rows: wrong
-results), one left short hangs it.  Checked each time: out [NP, D] against the reference
+results), one left short hangs it, and a walk counter (the next tile to take) left past 0 leaves
+the next launch's tiles undone.  CTAs take tiles in order from that counter, so the walk must also
+finish on one CTA and on more CTAs than the GPU holds at once (test_moe_expert_ffn_fused_any_grid).  Checked each time: out [NP, D] against the reference
 (silu(g) * u rounded as moe_gate_up_silu rounds, a rounded to the activation type, then a Wd^T in
 float64), element-wise (harness tolerance) and norm-wise (assert_strict: catches a 1% error), and
 the workspace `a` itself.
@@ -19,10 +21,11 @@ widths D (gate_up_silu's K, down's rows) and M (gate_up_silu's rows, down's K) m
 not of the 64-wide K slice or the 64 / 128-row column tiles; x and the output one element past an
 aligned base.  The node's other path (the moe_gate_up_silu and moe_down launches passing `a`
 through the same workspace) serves the T outside the fused launch's window (the lowering's choice,
-PERF_NOTES v19), fp32, odd widths and T > 256: each is run through the lowering as it stands.
+PERF_NOTES v20), fp32, odd widths and T > 256: each is run through the lowering as it stands.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -84,13 +87,17 @@ def _lower(G, nid, dtype, window):
         moe_expert_ffn.FUSED_FROM, moe_expert_ffn.FUSED_UPTO = saved
 
 
-def _run(runner, case, *, expect: list, window=None):
-    """`expect`: the stages of the launches that run at the case's T (grid > 0)."""
+def _run(runner, case, *, expect: list, window=None, fused_grid=None):
+    """`expect`: the stages of the launches that run at the case's T (grid > 0).  `fused_grid`: the
+    fused launch's CTAs in place of the lowering's (an expression of T, NP and SMS)."""
     dtype, E, K, D, M, counts = (case[k] for k in ("dtype", "E", "K", "D", "M", "counts"))
     tdt = TORCH_DTYPES[dtype]
     T, NP = sum(counts) // K, sum(counts)
     G, nid = _graph(E, K, D, M)
     launches = _lower(G, nid, dtype, window)
+    if fused_grid is not None:
+        launches = [dataclasses.replace(la, grid=(fused_grid, 1, 1)) if la.stage == "fused" else la
+                    for la in launches]
     env = {"T": T, "NP": NP, "SMS": torch.cuda.get_device_properties(0).multi_processor_count}
     running = [la.stage for la in launches if sizes.evaluate(la.grid[0], env) > 0]
     assert running == expect, (T, running)
@@ -165,10 +172,20 @@ def test_moe_expert_ffn_fused(runner, case):
     _run(runner, case, expect=["fused"], window=(1, 256))
 
 
+@pytest.mark.parametrize("ctas", ["1", "6 * SMS"])
+def test_moe_expert_ffn_fused_any_grid(runner, ctas):
+    """CTAs take the walk's tiles in order from a counter, so it finishes on any number of them: on
+    one CTA, and on three times what the GPU holds at once (V2-Lite's b=64, 2508 tiles on 6 SMS
+    CTAs: most wait for a slot while the first ones' down tiles wait for their rows of `a`)."""
+    _run(runner, _case("bf16", _lite(64), 8, 2048, 1408), expect=["fused"], window=(1, 256), fused_grid=ctas)
+
+
 @pytest.mark.parametrize("case,expect", [
     (_case("bf16", [1] * 8 + [0] * 58, 8, 2048, 1408), ["wgmma_skinny"] * 2),     # V2-Lite b=1: below the window
+    (_case("bf16", _lite(3), 8, 2048, 1408), ["wgmma_skinny"] * 2),                # b=3: below it
+    (_case("bf16", _lite(4), 8, 2048, 1408), ["fused"]),                           # b=4: its bottom
     (_case("bf16", _lite(64), 8, 2048, 1408), ["fused"]),                          # b=64: in it
-    (_case("fp16", _lite(256), 8, 2048, 1408), ["wgmma_skinny"] * 2),              # b=256: above it
+    (_case("fp16", _lite(256), 8, 2048, 1408), ["fused"]),                         # b=256: its top
     (_case("fp32", (3, 0, 2, 1), 2, 40, 40), ["gemv"] * 2),                         # fp32: the GEMVs
     (_case("bf16", (9, 17, 29, 5), 2, 41, 40), ["mma", "wgmma_skinny"]),            # odd D: gate_up_silu's mma
     (_case("bf16", (300, 0, 17, 283), 2, 64, 136), ["wgmma"] * 2),                  # T = 300: the prefill wgmma

@@ -28,8 +28,10 @@ static_assert(dsg::moe::WS_THREADS == 256, "block size disagrees with the loweri
 static_assert(dsg::moe::WS_BOX == 64 && dsg::moe::WS_BK == 64 && dsg::moe::WS_BP == 64,
               "tensor-map box or pair tile disagrees with the lowering");
 
-// Per row tile: gate_up_silu tiles done, then down tiles past their wait (moe_expert_ffn.cuh).
+// Per row tile: gate_up_silu tiles done, then down tiles past their wait; the walk's counter and
+// its CTAs out (moe_expert_ffn.cuh).
 __device__ unsigned expert_ffn_ready[293];
+__device__ unsigned expert_ffn_walk[2];
 
 extern "C" __global__ void __launch_bounds__(256, 2)
 moe_expert_ffn__bf16__e257_k9__m2048_d7168__fused(
@@ -43,5 +45,5 @@ moe_expert_ffn__bf16__e257_k9__m2048_d7168__fused(
     __nv_bfloat16* __restrict__ out) {
   extern __shared__ __align__(16) char smem[];
   dsg::moe::expert_ffn_wgmma_skinny<__nv_bfloat16, 257, 2048, 7168, 9, 4, 293>(
-      x, &w_gate, &w_up, &w_down, order, offsets, a, out, expert_ffn_ready, smem);
+      x, &w_gate, &w_up, &w_down, order, offsets, a, out, expert_ffn_ready, expert_ffn_walk, smem);
 }
