@@ -10,11 +10,15 @@ Why a window, measured on the H200 (`dsgraph bench`, the two paths and v19's fix
 side in each of three runs, the same tokens routed; PERF_NOTES v20): with its tiles taken in
 order from a counter the one launch makes decode steps 0.5-2% shorter than the two from 8 to 192
 tokens and even to 0.5% shorter at 256; at 4 the two tie, and at 1 and 2 the one launch is 3-9%
-slower (there the tiles are about one round, and where CTAs take them from the counter decides
-which share an SM: v19's fixed walk, tile b on CTA b, was the fastest at 1-4 tokens, and is gone
-because it deadlocks where not all of its CTAs run at once).  With PDL the two launches already
+slower (there the tiles are about one round; v19's fixed walk, tile b on CTA b, was the fastest at
+1-4 tokens, why is open, and it is gone because it deadlocks where not all of its CTAs run at
+once).  With PDL the two launches already
 overlap (down starts its weights in gate_up_silu's tail), so the gain is packing: one walk of both
 kernels' tiles, taken by whichever CTA is free, leaves fewer part-empty rounds than two.
+To measure it again: `dsgraph bench --no-transformers --prefill none --decode 1x512,2x512,...,256x512`
+from a script that sets FUSED = False in one process and FUSED_FROM, FUSED_UPTO = 1, 256 in
+another, each with its own DSGRAPH_CACHE_DIR (the bundle cache's key sees the compiler's source,
+not a constant changed at run time); the bench routes the same tokens in every run.
 
 The intermediate a [NP, M] is a workspace ("expert_act") of the node: the fused launch writes and
 reads it within the launch, the two-launch path passes it from one launch to the next.  The
