@@ -60,11 +60,26 @@ def upper() -> int:
     return _moe_wgmma.threshold() if _moe.GEMM_WGMMA_TOKENS is not None else UPPER_WITHOUT_PREFILL_WGMMA
 
 
+def cols(*, down: bool) -> int:
+    """Output columns a tile covers (wgmma_skinny_cols): down's 128 rows, or 64 gate + 64 up rows."""
+    return ROWS if down else ROWS // 2
+
+
+def col_tiles(n: int, *, down: bool) -> int:
+    """Column tiles of n output columns (wgmma_skinny_col_tiles)."""
+    return -(-n // cols(down=down))
+
+
+def row_tiles(E: int) -> str:
+    """The most row tiles NP pairs over E experts make: one partial tile per expert with pairs, the
+    rest whole (moe_wgmma.cuh wgmma_row_tiles); an expression of NP."""
+    return f"(NP // {BP} + min({E}, NP))"
+
+
 def grid(p: dict, *, down: bool, run: str | None = None) -> str:
     """The launch's x extent: min(2 SMS, its tile bound) times `run`, the factor that is 1 at the T
     it runs at (default: (FROM_TOKENS, upper()]; moe_expert_ffn narrows it around its own window)."""
-    cols = ROWS if down else ROWS // 2                    # output columns per tile
-    tiles = f"{-(-p['N'] // cols)} * (NP // {BP} + min({p['E']}, NP))"   # one partial row tile per expert
+    tiles = f"{col_tiles(p['N'], down=down)} * {row_tiles(p['E'])}"
     if run is None:
         run = only_below(upper()) if FROM_TOKENS == 0 else f"{only_above(FROM_TOKENS)} * {only_below(upper())}"
     return f"min(2 * SMS, {tiles}) * {run}"
@@ -72,9 +87,8 @@ def grid(p: dict, *, down: bool, run: str | None = None) -> str:
 
 def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
            down: bool) -> KernelLaunch:
-    cols = ROWS if down else ROWS // 2                    # output columns per tile
     return _moe_wgmma.tma_launch(family, template, name_parts, p, nid, args, variant="wgmma_skinny", box=(BOX, BK),
-                                 threads=THREADS, stages=STAGES, smem_bytes=smem(STAGES), cols=cols,
+                                 threads=THREADS, stages=STAGES, smem_bytes=smem(STAGES), cols=cols(down=down),
                                  grid=grid(p, down=down), pairs=BP)
 
 

@@ -39,6 +39,7 @@ import dataclasses
 
 from codegen.errors import LoweringError
 from codegen.kernel import KernelLaunch, Options, Workspace, inp, out, tensor_map, weight, work
+from codegen import sizes
 from codegen.sizes import only_above, only_below
 
 from . import _moe, _moe_wgmma_skinny, moe_down, moe_gate_up_silu
@@ -55,16 +56,15 @@ S = _moe_wgmma_skinny
 
 
 def row_tile_bound(E: int, pairs: int) -> int:
-    """The most row tiles of WS_BP pairs `pairs` pairs over E experts make: one partial tile per
-    expert with pairs, the rest whole (moe_wgmma.cuh wgmma_row_tiles)."""
-    return pairs // S.BP + min(E, pairs)
+    """S.row_tiles(E) at NP = pairs."""
+    return sizes.evaluate(S.row_tiles(E), {"NP": pairs})
 
 
 def fused_launch(nid: str, opts: Options, gu: dict, dn: dict, args: tuple) -> KernelLaunch:
     from codegen.render import kernel_name
     E, K, M, D = gu["E"], gu["K"], gu["N"], dn["N"]
-    nct = -(-M // (S.ROWS // 2)) + -(-D // S.ROWS)        # column tiles of a row tile: gate_up_silu's + down's
-    tiles = f"{nct} * (NP // {S.BP} + min({E}, NP))"
+    nct = S.col_tiles(M, down=False) + S.col_tiles(D, down=True)   # a row tile's: gate_up_silu's + down's
+    tiles = f"{nct} * {S.row_tiles(E)}"
     params = {"act": gu["act"], "E": E, "M": M, "D": D, "K": K, "variant": "fused", "threads": S.THREADS,
               "stages": S.STAGES, "smem": S.smem(S.STAGES), "box_rows": S.BOX, "box_k": S.BK, "pairs": S.BP,
               "row_tiles": row_tile_bound(E, S.upper() * K)}   # the window's widest: one module for any window

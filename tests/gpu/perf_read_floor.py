@@ -12,8 +12,8 @@ more work on the linear kernels this measures the ceiling: a kernel that does no
 the same bytes (16-byte loads, `loads` in flight a thread, a grid-stride walk, one word a CTA
 written so nothing is optimised away), at several grid sizes, timed the way the bench times the
 linears (torch.profiler's kernel duration, the mean over launches) and, beside it, as the
-per-launch time of back-to-back launches in a CUDA graph (launch gaps included).  Each launch
-reads the next of enough copies of the buffer to exceed ~4x the 50-60 MB L2, as in a decode step,
+per-launch time of back-to-back launches in a CUDA graph (perf_decode.time_us; launch gaps
+included).  Each launch reads the next of enough copies of the buffer to exceed ~4x the 50-60 MB L2, as in a decode step,
 where each layer's weights are read once.
 
 Prints per size the best variant's us, TB/s and fraction of the measured device-to-device copy
@@ -23,6 +23,7 @@ PERF_NOTES v20 (Next) says what the numbers decide.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -104,33 +105,6 @@ def profiled_us(launch, n: int) -> float:
     return float("nan")
 
 
-def graph_us(launch, n: int) -> float:
-    """us per launch of n back-to-back launches captured in one CUDA graph (median of 3 replays)."""
-    import torch
-    launch(0)
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(g, stream=stream):
-            for i in range(n):
-                launch(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(3):
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / n)
-    return sorted(times)[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", default="8.4,15,134,419", help="sizes in MB (1e6 bytes) a kernel reads")
@@ -145,6 +119,7 @@ def main() -> None:
         return
 
     import torch
+    from perf_decode import time_us
     from runtime.bench import copy_bandwidth
     from runtime.cuda_driver import I64, LoadedModule, device_arch, launch as cu_launch
 
@@ -168,7 +143,8 @@ def main() -> None:
                     cu_launch(func, (grid, 1, 1), (THREADS, 1, 1), 0, [bufs[i % copies], I64(nbytes // 16), out])
 
                 prof = profiled_us(launch, args.launches)
-                per_launch = graph_us(launch, args.launches)
+                taken = itertools.count()   # each captured launch reads the next copy
+                per_launch = time_us(lambda: launch(next(taken)), args.launches)
                 row = (mb, loads, per_sm, prof, per_launch)
                 rows.append(row)
                 if best is None or prof < best[3]:
