@@ -142,3 +142,24 @@ def test_compiles_to_hgmma_fed_by_tma_and_gathering_copies(op, dtype):
         assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 128, res.log
         with pytest.raises(KernelCompileError, match="sm_90a"):
             compile_cubin(render_launch(sk), sk.name, arch="sm_90")
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
+@pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_down"])
+def test_the_staged_epilogue_compiles_to_whole_chunk_stores_without_spills(op):
+    """The epilogue through shared memory (moe_wgmma_skinny.cuh, off by default until measured on a
+    GPU: DSG_WS_STAGED_FROM_BP) compiles, with it on from 32 pairs, to 2-byte shared stores, 16-byte
+    shared loads and 16-byte global stores, no spills, at most 128 registers; off, the kernel has
+    no 16-byte global store at all (its SASS is the one before the option existed)."""
+    for G, nid in _grouped():
+        if G.nodes[nid]["op"] != op:
+            continue
+        (sk,) = [la for la in _lower(G, nid) if la.stage == "wgmma_skinny"]
+        src = render_launch(sk)
+        off = opcodes(compile_cubin(src, sk.name, arch="sm_90a").cubin)
+        res = compile_cubin(src, sk.name, arch="sm_90a",
+                            options=("--ptxas-options=-v", "-DDSG_WS_STAGED_FROM_BP=32"))
+        on = opcodes(res.cubin)
+        assert off["STG.E.128"] == 0 and on["STG.E.128"] > 0 and on["LDS.128"] > 0 and on["STS.U16"] > 0, sorted(on)
+        assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
+        assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 128, res.log

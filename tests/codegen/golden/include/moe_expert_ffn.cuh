@@ -50,7 +50,7 @@ namespace dsg {
 namespace moe {
 
 // The producer's and the consumer's named barriers (bar.sync id, 128 threads; 0 is __syncthreads).
-constexpr int FFN_CONSUMER_BAR = 1, FFN_PRODUCER_BAR = 2;
+constexpr int FFN_CONSUMER_BAR = WS_CONSUMER_BAR, FFN_PRODUCER_BAR = 2;
 constexpr int TAKE_LEAD = 2;          // slices before a tile's last at which its CTA takes the next
 
 __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {

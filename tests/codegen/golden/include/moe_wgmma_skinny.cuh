@@ -50,42 +50,13 @@ struct WgSkinnyTiles {
   __host__ __device__ static constexpr int cols(int mode) { return wgmma_skinny_cols(mode); }
 };
 
-// One tile's K loop and epilogue on the consumer warpgroup, BP pairs wide (the tile has <= BP).
-// `it` is the ring position of the tile's first slice (advanced past its last).
-template <typename T, int MODE, int N, int KD, int ST, int BP>
-__device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* __restrict__ order, unsigned ring,
-                                                  unsigned long long* full, unsigned long long* empty,
-                                                  T* __restrict__ out0, T* __restrict__ out1, int& it) {
-  constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
-  constexpr int KT = (KD + WS_BK - 1) / WS_BK;
+// A tile's epilogue, stored straight from the accumulators (acc0 / acc1: stage rows 0-63 / 64-127
+// against the tile's pairs; a decode step writes ~MBs, reads ~GBs).
+template <typename T, int MODE, int N, int BP>
+__device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* __restrict__ order,
+                                                   const float (&acc0)[BP / 2], const float (&acc1)[BP / 2],
+                                                   T* __restrict__ out0, T* __restrict__ out1) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  float acc0[BP / 2], acc1[BP / 2];                      // stage rows 0-63, 64-127
-#pragma unroll
-  for (int i = 0; i < BP / 2; ++i) acc0[i] = acc1[i] = 0.f;
-  wgmma::fence_operands(acc0);
-  wgmma::fence_operands(acc1);
-  for (int kt = 0; kt < KT; ++kt, ++it) {
-    const int s = it % ST;
-    mbar::wait(&full[s], (it / ST) & 1);
-    mbar::fence_proxy_async();                           // the gathered rows were cp.async (generic) writes
-    const unsigned w = ring + s * WS_STAGE_BYTES;
-    const unsigned long long d0 = wgmma::desc_sw128(w), d1 = wgmma::desc_sw128(w + WS_BOX * WS_ROW_BYTES),
-                             db = wgmma::desc_sw128(w + WS_W_BYTES);
-    wgmma::fence();
-#pragma unroll
-    for (int k16 = 0; k16 < WS_BK / 16; ++k16) {
-      wgmma::mma_m64nk16<BF16, BP>(acc0, wgmma::desc_advance(d0, k16), wgmma::desc_advance(db, k16));
-      wgmma::mma_m64nk16<BF16, BP>(acc1, wgmma::desc_advance(d1, k16), wgmma::desc_advance(db, k16));
-    }
-    wgmma::commit();
-    wgmma::wait<1>();                                    // the slice before this one is read: free it
-    if (kt > 0 && lane == 0) mbar::arrive(&empty[(it - 1) % ST]);
-  }
-  wgmma::wait<0>();
-  wgmma::fence_operands(acc0);
-  wgmma::fence_operands(acc1);
-  if (lane == 0) mbar::arrive(&empty[(it - 1) % ST]);
-
   // acc[4j + 2h + c]: stage row 16 warp + lane / 4 + 8h (an output column), pair 8j + 2 (lane % 4) + c.
 #pragma unroll
   for (int j = 0; j < BP / 8; ++j)
@@ -113,6 +84,129 @@ __device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* _
         }
       }
     }
+}
+
+// ---- The epilogue through shared memory (off until measured on a GPU: DSG_WS_STAGED_FROM_BP) ----
+// The element stores above scatter 2-byte values (a thread holds one output column of BP / 4
+// pairs).  At b=256 the tiles' stores cost the expert kernels 0.36 ms a decode step, at b=128 0.08
+// (PERF_NOTES v21: the same kernels with the stores of the tiles of 17+ pairs left out went from
+// 3.91 to 4.10 TB/s at b=256).  Tiles of at least WS_STAGED_FROM_BP pairs (0: none) instead keep
+// the ring stage of their last K slice (24 KB; a DOWN tile's 64 pairs x 128 columns are 16 KB),
+// write the rounded outputs into it as [pair][column] rows (16-byte chunk k of row r at
+// k ^ (r % 8): conflict-free), meet at the consumer warpgroup's named barrier, store whole 16-byte
+// chunks of each pair's row (a warp writes 512 contiguous bytes of two rows), and only then free
+// the stage.  DOWN and GATE_UP_SILU (one output each); GATE_UP keeps the element stores.
+#ifndef DSG_WS_STAGED_FROM_BP
+#define DSG_WS_STAGED_FROM_BP 0
+#endif
+constexpr int WS_STAGED_FROM_BP = DSG_WS_STAGED_FROM_BP;
+constexpr int WS_CONSUMER_BAR = 1;    // the consumer warpgroup's named barrier (moe_expert_ffn.cuh's too)
+
+__device__ __forceinline__ void sts_u16(unsigned addr, unsigned short v) {
+  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(v) : "memory");
+}
+__device__ __forceinline__ uint4 lds_v4(unsigned addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+
+// `st`: the shared address of the stage the outputs go through (1024-byte aligned).
+template <typename T, int MODE, int N, int BP>
+__device__ __forceinline__ void wgmma_skinny_store_staged(const WgTile& tl, const i32* __restrict__ order,
+                                                          const float (&acc0)[BP / 2], const float (&acc1)[BP / 2],
+                                                          T* __restrict__ out0, unsigned st) {
+  static_assert(MODE == DOWN || MODE == GATE_UP_SILU, "staged epilogue: one output");
+  constexpr int COLS = wgmma_skinny_cols(MODE), RB = COLS * 2, CH = COLS / 8;
+  static_assert(BP * RB <= WS_STAGE_BYTES, "staged epilogue: the tile's outputs fit one ring stage");
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, tid = threadIdx.x & 127;
+  auto put = [&](int r, int col, float v) {
+    const T e = from_float<T>(v);
+    sts_u16(st + r * RB + (((col >> 3) ^ (r & 7)) << 4) + ((col & 7) << 1),
+            *reinterpret_cast<const unsigned short*>(&e));
+  };
+  // acc[4j + 2h + c]: stage row 16 warp + lane / 4 + 8h (an output column), pair 8j + 2 (lane % 4) + c.
+#pragma unroll
+  for (int j = 0; j < BP / 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int r = 8 * j + 2 * (lane & 3) + c;          // rows past the tile's pairs: written, never stored
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 4 * j + 2 * h + c, col = 16 * warp + (lane >> 2) + 8 * h;
+        if constexpr (MODE == DOWN) {
+          put(r, col, acc0[i]);
+          put(r, col + WS_BOX, acc1[i]);
+        } else {
+          // silu(g) * u rounded where the unfused ops round (moe.cuh 4c's epilogue)
+          const float gr = round_to<T>(acc0[i]), ur = round_to<T>(acc1[i]);
+          put(r, col, round_to<T>(gr / (1.f + expf(-gr))) * ur);
+        }
+      }
+    }
+  wgmma::warpgroup_sync(WS_CONSUMER_BAR);                // every row of the stage is written
+  const bool vec = N % 8 == 0 && aligned_to<16>(out0);   // (uniform) whole 16-byte chunks, else elements
+#pragma unroll 4
+  for (int q = tid; q < BP * CH; q += 128) {
+    const int r = q / CH, k = q % CH, col = tl.n0 + 8 * k;
+    if (r >= tl.rows || col >= N) continue;
+    const uint4 v = lds_v4(st + r * RB + ((k ^ (r & 7)) << 4));
+    T* dst = out0 + (i64)order[tl.pbeg + r] * N + col;
+    if (vec) {
+      *reinterpret_cast<uint4*>(dst) = v;
+    } else {
+      const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        if (col + kk < N) dst[kk] = e[kk];
+    }
+  }
+}
+
+// One tile's K loop and epilogue on the consumer warpgroup, BP pairs wide (the tile has <= BP).
+// `it` is the ring position of the tile's first slice (advanced past its last).
+template <typename T, int MODE, int N, int KD, int ST, int BP>
+__device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* __restrict__ order, unsigned ring,
+                                                  unsigned long long* full, unsigned long long* empty,
+                                                  T* __restrict__ out0, T* __restrict__ out1, int& it) {
+  constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
+  constexpr int KT = (KD + WS_BK - 1) / WS_BK;
+  const int lane = threadIdx.x & 31;
+  float acc0[BP / 2], acc1[BP / 2];                      // stage rows 0-63, 64-127
+#pragma unroll
+  for (int i = 0; i < BP / 2; ++i) acc0[i] = acc1[i] = 0.f;
+  wgmma::fence_operands(acc0);
+  wgmma::fence_operands(acc1);
+  for (int kt = 0; kt < KT; ++kt, ++it) {
+    const int s = it % ST;
+    mbar::wait(&full[s], (it / ST) & 1);
+    mbar::fence_proxy_async();                           // the gathered rows were cp.async (generic) writes
+    const unsigned w = ring + s * WS_STAGE_BYTES;
+    const unsigned long long d0 = wgmma::desc_sw128(w), d1 = wgmma::desc_sw128(w + WS_BOX * WS_ROW_BYTES),
+                             db = wgmma::desc_sw128(w + WS_W_BYTES);
+    wgmma::fence();
+#pragma unroll
+    for (int k16 = 0; k16 < WS_BK / 16; ++k16) {
+      wgmma::mma_m64nk16<BF16, BP>(acc0, wgmma::desc_advance(d0, k16), wgmma::desc_advance(db, k16));
+      wgmma::mma_m64nk16<BF16, BP>(acc1, wgmma::desc_advance(d1, k16), wgmma::desc_advance(db, k16));
+    }
+    wgmma::commit();
+    wgmma::wait<1>();                                    // the slice before this one is read: free it
+    if (kt > 0 && lane == 0) mbar::arrive(&empty[(it - 1) % ST]);
+  }
+  wgmma::wait<0>();
+  wgmma::fence_operands(acc0);
+  wgmma::fence_operands(acc1);
+  constexpr bool STAGED = WS_STAGED_FROM_BP > 0 && BP >= WS_STAGED_FROM_BP && MODE != GATE_UP;
+  const int last = (it - 1) % ST;                        // the stage of the tile's last K slice
+  if constexpr (STAGED) {
+    wgmma_skinny_store_staged<T, MODE, N, BP>(tl, order, acc0, acc1, out0, ring + last * WS_STAGE_BYTES);
+    mbar::fence_proxy_async();                           // this stage's generic accesses before the next TMA
+    __syncwarp();
+  }
+  if (lane == 0) mbar::arrive(&empty[last]);
+  if constexpr (!STAGED) wgmma_skinny_store<T, MODE, N, BP>(tl, order, acc0, acc1, out0, out1);
 }
 
 // One tile on the consumer at the narrowest of BP = 16 / 32 / 64 that holds its pairs.
