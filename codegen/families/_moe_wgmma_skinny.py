@@ -38,6 +38,16 @@ STAGES = 4                             # 4 x 24 KB in flight per CTA, two CTAs p
 SM_SHARED = 228 * 1024                 # an H100 / H200 SM's shared memory (each CTA also reserves 1 KB)
 UPPER_WITHOUT_PREFILL_WGMMA = 256      # its range's top where the prefill wgmma is off
 FROM_TOKENS = 0                        # the GEMV keeps T <= this (0: none; see above)
+# Tiles of at least this many pairs store their outputs through shared memory in 16-byte chunks
+# (moe_wgmma_skinny.cuh, DSG_WS_STAGED_FROM_BP, rendered into each kernel that includes it); 0:
+# every tile stores element by element.  0 until its GPU tests and a bench A/B have run
+# (PERF_NOTES v21: the element stores cost b=256's expert kernels 0.36 ms a step).
+STAGED_FROM_BP = 0
+
+
+def staged_name() -> list:
+    """The kernel-name part of the staged epilogue where it is on (its code differs: its own name)."""
+    return [f"st{STAGED_FROM_BP}"] if STAGED_FROM_BP else []
 
 
 def smem(stages: int) -> int:
@@ -87,9 +97,10 @@ def grid(p: dict, *, down: bool, run: str | None = None) -> str:
 
 def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
            down: bool) -> KernelLaunch:
-    return _moe_wgmma.tma_launch(family, template, name_parts, p, nid, args, variant="wgmma_skinny", box=(BOX, BK),
-                                 threads=THREADS, stages=STAGES, smem_bytes=smem(STAGES), cols=cols(down=down),
-                                 grid=grid(p, down=down), pairs=BP)
+    return _moe_wgmma.tma_launch(family, template, [*name_parts, *staged_name()], p, nid, args,
+                                 variant="wgmma_skinny", box=(BOX, BK), threads=THREADS, stages=STAGES,
+                                 smem_bytes=smem(STAGES), cols=cols(down=down), grid=grid(p, down=down), pairs=BP,
+                                 staged_from=STAGED_FROM_BP)
 
 
 def take_over(launches: list, family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,

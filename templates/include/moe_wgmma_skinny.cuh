@@ -86,7 +86,7 @@ __device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* 
     }
 }
 
-// ---- The epilogue through shared memory (off until measured on a GPU: DSG_WS_STAGED_FROM_BP) ----
+// ---- The epilogue through shared memory (DSG_WS_STAGED_FROM_BP, from the lowering) ----------------
 // The element stores above scatter 2-byte values (a thread holds one output column of BP / 4
 // pairs).  At b=256 the tiles' stores cost the expert kernels 0.36 ms a decode step, at b=128 0.08
 // (PERF_NOTES v21: the same kernels with the stores of the tiles of 17+ pairs left out went from
@@ -95,7 +95,9 @@ __device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* 
 // write the rounded outputs into it as [pair][column] rows (16-byte chunk k of row r at
 // k ^ (r % 8): conflict-free), meet at the consumer warpgroup's named barrier, store whole 16-byte
 // chunks of each pair's row (a warp writes 512 contiguous bytes of two rows), and only then free
-// the stage.  DOWN and GATE_UP_SILU (one output each); GATE_UP keeps the element stores.
+// the stage.  DOWN and GATE_UP_SILU (one output each); GATE_UP keeps the element stores.  The
+// kernel's source defines DSG_WS_STAGED_FROM_BP before it includes this header (the lowering's
+// _moe_wgmma_skinny.STAGED_FROM_BP, 0 until the path has run on a GPU); without it, 0.
 #ifndef DSG_WS_STAGED_FROM_BP
 #define DSG_WS_STAGED_FROM_BP 0
 #endif

@@ -146,20 +146,23 @@ def test_compiles_to_hgmma_fed_by_tma_and_gathering_copies(op, dtype):
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
 @pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_down"])
-def test_the_staged_epilogue_compiles_to_whole_chunk_stores_without_spills(op):
-    """The epilogue through shared memory (moe_wgmma_skinny.cuh, off by default until measured on a
-    GPU: DSG_WS_STAGED_FROM_BP) compiles, with it on from 32 pairs, to 2-byte shared stores, 16-byte
-    shared loads and 16-byte global stores, no spills, at most 128 registers; off, the kernel has
-    no 16-byte global store at all (its SASS is the one before the option existed)."""
+def test_the_staged_epilogue_compiles_to_whole_chunk_stores_without_spills(op, monkeypatch):
+    """The epilogue through shared memory (moe_wgmma_skinny.cuh; `_moe_wgmma_skinny.STAGED_FROM_BP`,
+    off by default until measured on a GPU) is rendered into the kernel's source and, on from 32
+    pairs, compiles to 2-byte shared stores, 16-byte shared loads and 16-byte global stores, no
+    spills, at most 128 registers; off, the kernel has no 16-byte global store at all."""
     for G, nid in _grouped():
         if G.nodes[nid]["op"] != op:
             continue
-        (sk,) = [la for la in _lower(G, nid) if la.stage == "wgmma_skinny"]
-        src = render_launch(sk)
-        off = opcodes(compile_cubin(src, sk.name, arch="sm_90a").cubin)
-        res = compile_cubin(src, sk.name, arch="sm_90a",
-                            options=("--ptxas-options=-v", "-DDSG_WS_STAGED_FROM_BP=32"))
-        on = opcodes(res.cubin)
+        kernels = {}
+        for staged in (0, 32):
+            monkeypatch.setattr(_moe_wgmma_skinny, "STAGED_FROM_BP", staged)
+            (sk,) = [la for la in _lower(G, nid) if la.stage == "wgmma_skinny"]
+            src = render_launch(sk)
+            assert f"#define DSG_WS_STAGED_FROM_BP {staged}" in src
+            assert ("__st32__" in sk.name) == bool(staged), sk.name   # other code, another name
+            kernels[staged] = compile_cubin(src, sk.name, arch="sm_90a", options=("--ptxas-options=-v",))
+        off, on, res = opcodes(kernels[0].cubin), opcodes(kernels[32].cubin), kernels[32]
         assert off["STG.E.128"] == 0 and on["STG.E.128"] > 0 and on["LDS.128"] > 0 and on["STS.U16"] > 0, sorted(on)
         assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
         assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 128, res.log

@@ -139,3 +139,19 @@ def test_moe_gate_up_wgmma_skinny(runner, case):
 @kernel_test(10)
 def test_moe_down_wgmma_skinny(runner, case):
     _run(runner, "moe_down", _down(case))
+
+
+@pytest.mark.parametrize("staged", [16, 32])
+@pytest.mark.parametrize("op,case", [
+    ("moe_gate_up_silu", _case("bf16", _lite((17, 33, 65, 9, 16, 32, 64, 40, 50, 60)), 6, 2048, 1408)),
+    ("moe_gate_up_silu", _case("fp16", (15, 16, 17, 31, 32, 33), 2, 136, 37)),        # odd N: element stores
+    ("moe_down", _case("bf16", (256, 129, 100, 27, 0, 0), 2, 136, 200)),               # partial column tile
+    ("moe_down", _case("fp16", (63, 64, 65, 9), 1, 40, 264, "outputs")),               # outputs misaligned
+])
+def test_wgmma_skinny_staged_epilogue(runner, op, case, staged, monkeypatch):
+    """The epilogue through shared memory (`_moe_wgmma_skinny.STAGED_FROM_BP`, off by default until
+    this has run on a GPU and the bench has measured it): tiles of at least `staged` pairs store
+    through their last ring stage in 16-byte chunks, the narrower ones element by element."""
+    from codegen.families import _moe_wgmma_skinny
+    monkeypatch.setattr(_moe_wgmma_skinny, "STAGED_FROM_BP", staged)
+    _run(runner, op, _gate_up(case) if op != "moe_down" else _down(case))

@@ -2,7 +2,7 @@
 // template: moe_expert_ffn.cu.j2
 // kernel:   moe_expert_ffn__bf16__e162_k8__m1536_d5120__fused
 // role:     moe_expert_ffn.fused
-// params:   {"D":5120,"E":162,"K":8,"M":1536,"act":"__nv_bfloat16","box_k":64,"box_rows":64,"pairs":64,"row_tiles":194,"smem":99328,"stages":4,"threads":256,"variant":"fused"}
+// params:   {"D":5120,"E":162,"K":8,"M":1536,"act":"__nv_bfloat16","box_k":64,"box_rows":64,"pairs":64,"row_tiles":194,"smem":99328,"staged_from":0,"stages":4,"threads":256,"variant":"fused"}
 // includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, moe_expert_ffn.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, tma.cuh, wgmma.cuh
 // nodes:    L1-59.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
@@ -21,6 +21,7 @@
 // moe_gate_up_silu and moe_down launches over the same workspace (codegen/families/moe_expert_ffn.py).
 // It waits at entry (pdl.cuh): which expert's weights a CTA reads comes from the routing, the
 // previous kernel's output.
+#define DSG_WS_STAGED_FROM_BP 0  // tiles of this many pairs or more store through shared memory (0: none)
 #include "moe_expert_ffn.cuh"
 
 static_assert(dsg::moe::wgmma_skinny_smem(4) == 99328, "shared memory size disagrees with the lowering");
