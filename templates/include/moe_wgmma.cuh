@@ -144,6 +144,21 @@ __device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int 
   }
 }
 
+// One staged 16-byte chunk (8 elements) of an output row, at column `col` of N, to dst: whole
+// (vec: N % 8 == 0 and a 16-byte aligned base, so the chunk lies inside the row) or element by
+// element up to N.  The epilogues that go through shared memory end here (moe_wgmma_skinny.cuh's too).
+template <typename T, int N>
+__device__ __forceinline__ void store_chunk(T* dst, const uint4& chunk, int col, bool vec) {
+  if (vec) {
+    *reinterpret_cast<uint4*>(dst) = chunk;
+  } else {
+    const T* e = reinterpret_cast<const T*>(&chunk);
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if (col + k < N) dst[k] = e[k];
+  }
+}
+
 // The ring's barriers (thread 0; the caller's __syncthreads publishes them): full[s] awaits the
 // producer's 128 copy arrivals + its expect_tx, empty[s] one arrival per consumer warp.
 template <int ST>
@@ -352,15 +367,7 @@ __device__ __forceinline__ void wgmma_consume(const i32* __restrict__ order, con
         const int r = (tid >> 4) + 8 * i;
         if (orow[i] < 0 || col >= N) continue;
         const uint4 chunk = *reinterpret_cast<const uint4*>(staging + r * WG_OUT_ROW_BYTES + (((tid & 15) ^ (r & 7)) << 4));
-        T* dst = out + (i64)orow[i] * N + col;
-        if (vec) {
-          *reinterpret_cast<uint4*>(dst) = chunk;        // N % 8 == 0: the chunk lies inside the row
-        } else {
-          const T* e = reinterpret_cast<const T*>(&chunk);
-#pragma unroll
-          for (int k = 0; k < 8; ++k)
-            if (col + k < N) dst[k] = e[k];
-        }
+        store_chunk<T, N>(out + (i64)orow[i] * N + col, chunk, col, vec);
       }
     }
   }

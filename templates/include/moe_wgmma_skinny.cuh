@@ -19,6 +19,7 @@
 // (codegen/families/_moe_wgmma_skinny.py).  An x base that is not 16-byte aligned takes element
 // loads into the same layout; outputs are stored element by element at any alignment.
 #pragma once
+#include "cluster.cuh"
 #include "moe_wgmma.cuh"
 
 namespace dsg {
@@ -107,12 +108,6 @@ constexpr int WS_CONSUMER_BAR = 1;    // the consumer warpgroup's named barrier 
 __device__ __forceinline__ void sts_u16(unsigned addr, unsigned short v) {
   asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(v) : "memory");
 }
-__device__ __forceinline__ uint4 lds_v4(unsigned addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
-  return v;
-}
 
 // `st`: the shared address of the stage the outputs go through (1024-byte aligned).
 template <typename T, int MODE, int N, int BP>
@@ -153,16 +148,8 @@ __device__ __forceinline__ void wgmma_skinny_store_staged(const WgTile& tl, cons
   for (int q = tid; q < BP * CH; q += 128) {
     const int r = q / CH, k = q % CH, col = tl.n0 + 8 * k;
     if (r >= tl.rows || col >= N) continue;
-    const uint4 v = lds_v4(st + r * RB + ((k ^ (r & 7)) << 4));
-    T* dst = out0 + (i64)order[tl.pbeg + r] * N + col;
-    if (vec) {
-      *reinterpret_cast<uint4*>(dst) = v;
-    } else {
-      const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk)
-        if (col + kk < N) dst[kk] = e[kk];
-    }
+    const float4 bits = dsg::cluster::ld4<false>(st + r * RB + ((k ^ (r & 7)) << 4));   // 8 elements, as bits
+    store_chunk<T, N>(out0 + (i64)order[tl.pbeg + r] * N + col, *reinterpret_cast<const uint4*>(&bits), col, vec);
   }
 }
 
