@@ -40,14 +40,15 @@ UPPER_WITHOUT_PREFILL_WGMMA = 256      # its range's top where the prefill wgmma
 FROM_TOKENS = 0                        # the GEMV keeps T <= this (0: none; see above)
 # Tiles of at least this many pairs store their outputs through shared memory in 16-byte chunks
 # (moe_wgmma_skinny.cuh, DSG_WS_STAGED_FROM_BP, rendered into each kernel that includes it); 0:
-# every tile stores element by element.  0 until its GPU tests and a bench A/B have run
-# (PERF_NOTES v21: the element stores cost b=256's expert kernels 0.36 ms a step).
+# every tile stores element by element.  0 for these two launches (decode's 1-3 tokens, where the
+# tiles are of 1-3 pairs): on from 32 they read 3% slower at b=1 (PERF_NOTES v22).  The fused
+# launch has its own (moe_expert_ffn.STAGED_FROM_BP).
 STAGED_FROM_BP = 0
 
 
-def staged_name() -> list:
+def staged_name(staged: int) -> list:
     """The kernel-name part of the staged epilogue where it is on (its code differs: its own name)."""
-    return [f"st{STAGED_FROM_BP}"] if STAGED_FROM_BP else []
+    return [f"st{staged}"] if staged else []
 
 
 def smem(stages: int) -> int:
@@ -97,7 +98,7 @@ def grid(p: dict, *, down: bool, run: str | None = None) -> str:
 
 def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
            down: bool) -> KernelLaunch:
-    return _moe_wgmma.tma_launch(family, template, [*name_parts, *staged_name()], p, nid, args,
+    return _moe_wgmma.tma_launch(family, template, [*name_parts, *staged_name(STAGED_FROM_BP)], p, nid, args,
                                  variant="wgmma_skinny", box=(BOX, BK), threads=THREADS, stages=STAGES,
                                  smem_bytes=smem(STAGES), cols=cols(down=down), grid=grid(p, down=down), pairs=BP,
                                  staged_from=STAGED_FROM_BP)

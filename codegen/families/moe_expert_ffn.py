@@ -53,6 +53,11 @@ FUSED = True  # False: the two-launch path at every T (scratch A/Bs; tests/gpu/p
 FUSED_FROM, FUSED_UPTO = 4, 256   # the tokens the fused launch serves (see above)
 
 S = _moe_wgmma_skinny
+THREADS = S.THREADS + 32   # + the publisher warp (moe_expert_ffn.cuh FFN_THREADS)
+# The fused launch's tiles of at least this many pairs store through shared memory (the staged
+# epilogue of moe_wgmma_skinny.cuh; 0: element stores).  Measured on the H200 (PERF_NOTES v22):
+# the expert kernels at b=256 3.995 -> 4.02 TB/s, b=8-128 within noise; from 16 every batch lost.
+STAGED_FROM_BP = 32
 
 
 def row_tile_bound(E: int, pairs: int) -> int:
@@ -65,15 +70,15 @@ def fused_launch(nid: str, opts: Options, gu: dict, dn: dict, args: tuple) -> Ke
     E, K, M, D = gu["E"], gu["K"], gu["N"], dn["N"]
     nct = S.col_tiles(M, down=False) + S.col_tiles(D, down=True)   # a row tile's: gate_up_silu's + down's
     tiles = f"{nct} * {S.row_tiles(E)}"
-    params = {"act": gu["act"], "E": E, "M": M, "D": D, "K": K, "variant": "fused", "threads": S.THREADS,
+    params = {"act": gu["act"], "E": E, "M": M, "D": D, "K": K, "variant": "fused", "threads": THREADS,
               "stages": S.STAGES, "smem": S.smem(S.STAGES), "box_rows": S.BOX, "box_k": S.BK, "pairs": S.BP,
-              "staged_from": S.STAGED_FROM_BP,
+              "staged_from": STAGED_FROM_BP,
               "row_tiles": row_tile_bound(E, S.upper() * K)}   # the window's widest: one module for any window
     return KernelLaunch(
         family=FAMILY, template=TEMPLATE,
-        name=kernel_name(FAMILY, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}", *S.staged_name(), "fused"]),
+        name=kernel_name(FAMILY, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}", *S.staged_name(STAGED_FROM_BP), "fused"]),
         params=params, nodes=(nid,), grid=(f"min(2 * SMS, {tiles}) * {fused_range()}", 1, 1),
-        block=(S.THREADS, 1, 1), args=args, smem=S.smem(S.STAGES), stage="fused", requires=(S.FEATURE,))
+        block=(THREADS, 1, 1), args=args, smem=S.smem(S.STAGES), stage="fused", requires=(S.FEATURE,))
 
 
 def upto() -> int:

@@ -48,6 +48,9 @@ __host__ __device__ constexpr int wgmma_skinny_smem(int stages) { return stages 
 struct WgSkinnyTiles {
   static constexpr int BM = WS_BP, BOX = WS_BOX, STAGE_BYTES = WS_STAGE_BYTES;
   static constexpr int ROWS_AT = WS_W_BYTES, WEIGHTS_AT = 0;
+  // Weight boxes with L2's evict_first policy: read once a step, they go first, and the lines of
+  // `a` and of the outputs stay (PERF_NOTES v22: +0.03-0.05 TB/s at b=128 and 256, even below).
+  static constexpr bool W_EVICT_FIRST = true;
   __host__ __device__ static constexpr int cols(int mode) { return wgmma_skinny_cols(mode); }
 };
 
@@ -97,8 +100,8 @@ __device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* 
 // k ^ (r % 8): conflict-free), meet at the consumer warpgroup's named barrier, store whole 16-byte
 // chunks of each pair's row (a warp writes 512 contiguous bytes of two rows), and only then free
 // the stage.  DOWN and GATE_UP_SILU (one output each); GATE_UP keeps the element stores.  The
-// kernel's source defines DSG_WS_STAGED_FROM_BP before it includes this header (the lowering's
-// _moe_wgmma_skinny.STAGED_FROM_BP, 0 until the path has run on a GPU); without it, 0.
+// kernel's source defines DSG_WS_STAGED_FROM_BP before it includes this header (the lowering's:
+// 32 in the fused expert FFN, 0 in the two grouped launches; PERF_NOTES v22); without it, 0.
 #ifndef DSG_WS_STAGED_FROM_BP
 #define DSG_WS_STAGED_FROM_BP 0
 #endif

@@ -36,5 +36,24 @@ __device__ __forceinline__ void load_3d(void* dst, const TensorMap* map, int c0,
       : "memory");
 }
 
+// An L2 policy for loads read once and not again soon: their lines go first when L2 needs room,
+// so they do not push out lines that will be read (or written back) again.
+__device__ __forceinline__ unsigned long long policy_evict_first() {
+  unsigned long long p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+
+// load_3d with an L2 policy (policy_evict_first) on the box's lines.
+__device__ __forceinline__ void load_3d(void* dst, const TensorMap* map, int c0, int c1, int c2,
+                                        unsigned long long* bar, unsigned long long policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%3, %4, %5}], [%2], %6;\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(smem_u32(bar)),
+        "r"(c0), "r"(c1), "r"(c2), "l"(policy)
+      : "memory");
+}
+
 }  // namespace tma
 }  // namespace dsg

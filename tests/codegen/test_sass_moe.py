@@ -2,7 +2,9 @@
 CPU): tensor-core HMMA fed by 16-byte cp.async (LDGSTS, L2 128-byte hint) and ldmatrix (LDSM), no register spills,
 and the swapped few-pairs tiles (moe.cuh 4c) add tensor-core code of their own.  The wgmma variant
 (sm_90a, moe_wgmma.cuh; off by default) is HGMMA fed by TMA boxes and gathering cp.async copies on
-mbarriers, with its registers moved between warpgroups, without spills."""
+mbarriers, with its registers moved between warpgroups, without spills.  Decode's fused expert FFN
+(moe_expert_ffn.cuh) reads its weight boxes under an L2 evict_first policy and stores its wide
+tiles' outputs in 16-byte chunks, with a publisher warp beside its two warpgroups."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +14,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass import cuobjdump, opcodes  # noqa: E402
+from sass import cuobjdump, instructions, opcodes  # noqa: E402
 from test_families_moe import DIMS, lower, moe_graphs  # noqa: E402
 
 from codegen import families  # noqa: E402
@@ -109,3 +111,25 @@ def test_wgmma_variant_needs_the_sm90a_target(monkeypatch):
     launch = _wgmma_launch("moe_down", "bf16", monkeypatch)
     with pytest.raises(KernelCompileError, match="sm_90a"):
         compile_cubin(render_launch(launch), launch.name, arch="sm_90")
+
+
+FUSED_GOLDEN = "tests/codegen/golden/deepseek_v2_lite/moe_expert_ffn__bf16__e66_k8__m1408_d2048__st32__fused.cu"
+
+
+def test_fused_expert_ffn_has_its_publisher_warp_evict_first_weights_and_chunk_stores():
+    """V2-Lite's fused expert FFN as the lowering emits it (its golden): 288 threads (two
+    warpgroups and the publisher warp, which alone waits on the release of `a`), tiles of 32+ pairs
+    staged through shared memory (STG.E.128), every TMA weight box with an L2 cache policy
+    (UTMALDG ... desc[...]), no spills, registers for two CTAs of 288 threads an SM."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    src = open(os.path.join(root, FUSED_GOLDEN)).read()
+    name = os.path.basename(FUSED_GOLDEN)[:-3]
+    assert "__launch_bounds__(288, 2)" in src and "#define DSG_WS_STAGED_FROM_BP 32" in src
+    res = compile_cubin(src, name, arch="sm_90a", options=("--ptxas-options=-v",))
+    (body,) = instructions(res.cubin).values()
+    tma = [i for i in body if i.opcode.startswith("UTMALDG")]
+    assert tma and all("desc[" in i.operands for i in tma), [i.operands for i in tma]
+    ops = opcodes(res.cubin)
+    assert ops["STG.E.128"] > 0 and ops["HGMMA.64x64x16.F32.BF16"] > 0 and ops["REDG.E.ADD.STRONG.GPU"] > 0, sorted(ops)
+    assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
+    assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 65536 // (2 * 288), res.log

@@ -148,7 +148,7 @@ def test_compiles_to_hgmma_fed_by_tma_and_gathering_copies(op, dtype):
 @pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_down"])
 def test_the_staged_epilogue_compiles_to_whole_chunk_stores_without_spills(op, monkeypatch):
     """The epilogue through shared memory (moe_wgmma_skinny.cuh; `_moe_wgmma_skinny.STAGED_FROM_BP`,
-    off by default until measured on a GPU) is rendered into the kernel's source and, on from 32
+    0 in these two launches, which serve 1-3 tokens; the fused launch's is on) is rendered into the kernel's source and, on from 32
     pairs, compiles to 2-byte shared stores, 16-byte shared loads and 16-byte global stores, no
     spills, at most 128 registers; off, the kernel has no 16-byte global store at all."""
     for G, nid in _grouped():

@@ -38,7 +38,7 @@ import test_kernels_moe_wgmma as wgmma_tests  # noqa: E402
 from harness import GPU_MARKS, TORCH_DTYPES, kernel_test, poison, shifted, single_op_graph, tiny_model  # noqa: E402
 
 from codegen import families, sizes  # noqa: E402
-from codegen.families import _moe_wgmma_skinny, moe_expert_ffn  # noqa: E402
+from codegen.families import moe_expert_ffn  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
 from ir.ops import TType  # noqa: E402
 from ir.ops.moe import align_ref, grouped_linear  # noqa: E402
@@ -195,7 +195,7 @@ def test_moe_expert_ffn_lowering_window(runner, case, expect):
     _run(runner, case, expect=expect)
 
 
-@pytest.mark.parametrize("staged", [16, 32])
+@pytest.mark.parametrize("staged", [0, 16])
 @pytest.mark.parametrize("case", [
     _case("bf16", _lite(8), 8, 2048, 1408),                      # V2-Lite b=8: tiles of 8 and 1 pairs
     _case("bf16", _lite(128), 8, 2048, 1408),                    # b=128: 128-pair shared experts, 12-pair routed
@@ -204,8 +204,8 @@ def test_moe_expert_ffn_lowering_window(runner, case, expect):
     _case("fp16", (15, 16, 17, 31, 32, 33, 63, 64, 65), 3, 40, 40, "inputs"),   # odd widths, every BP
 ])
 def test_moe_expert_ffn_fused_staged_epilogue(runner, case, staged, monkeypatch):
-    """The epilogue through shared memory (`_moe_wgmma_skinny.STAGED_FROM_BP`, off by default until
-    this has run on a GPU and the bench has measured it): tiles of at least `staged` pairs store
-    their outputs, `a` and out alike, through their last ring stage in 16-byte chunks."""
-    monkeypatch.setattr(_moe_wgmma_skinny, "STAGED_FROM_BP", staged)
+    """The fused launch's epilogue switch (`moe_expert_ffn.STAGED_FROM_BP`, 32 by default, which
+    every other test here runs) at its other settings: tiles of at least `staged` pairs store their
+    outputs, `a` and out alike, through their last ring stage in 16-byte chunks; 0, none does."""
+    monkeypatch.setattr(moe_expert_ffn, "STAGED_FROM_BP", staged)
     _run(runner, case, expect=["fused"], window=(1, 256))

@@ -25,8 +25,13 @@
 // row tile write, on any CTA.  So each row tile has a counter in `ready` (a __device__ array of
 // the kernel's module, zero when it loads):
 //   * a gate_up_silu tile's consumer warpgroup stores its columns of `a`, meets at a named
-//     barrier, and one thread publishes them with a release reduction (red.release.gpu add 1:
-//     the barrier gathers the warpgroup's stores, the release orders them before the add);
+//     barrier, and one thread hands the row tile to the CTA's publisher warp (warp 8) through a
+//     small mbarrier queue in shared memory; the publisher adds 1 with a release reduction
+//     (red.release.gpu: the barrier gathers the warpgroup's stores, the queue's arrive / wait
+//     carry them to the publisher at CTA scope, its release orders them before the add).  The
+//     release waits for the stores to reach L2; made by the consumer it held the next tile's
+//     wgmma for that round trip (PERF_NOTES v22: a relaxed add, timing only, gave the expert
+//     kernels +0.04-0.05 TB/s from b=8 to 256), made by a warp of its own it holds nobody;
 //   * a down tile's producer thread 0 reads the counter (ld.acquire.gpu); below NCT_GU it first
 //     issues the weight boxes of the tile's first slices whose stages are free (no kernel writes
 //     weights), then spins until it holds NCT_GU; the producer warpgroup meets at a named barrier
@@ -52,6 +57,14 @@ namespace moe {
 // The producer's and the consumer's named barriers (bar.sync id, 128 threads; 0 is __syncthreads).
 constexpr int FFN_CONSUMER_BAR = WS_CONSUMER_BAR, FFN_PRODUCER_BAR = 2;
 constexpr int TAKE_LEAD = 2;          // slices before a tile's last at which its CTA takes the next
+constexpr int FFN_THREADS = WS_THREADS + 32;   // producer warpgroup, consumer warpgroup, publisher warp
+constexpr int FFN_PUB = 4;            // row tiles handed to the publisher and not yet published, at most
+
+// The consumer's hand-offs to the publisher warp: entry q holds a row tile (-1: the walk's end).
+struct PublishQueue {
+  unsigned long long full[FFN_PUB], empty[FFN_PUB];
+  int row_tile[FFN_PUB];
+};
 
 __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
   unsigned v;
@@ -59,8 +72,8 @@ __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
   return v;
 }
 
-// One arrival at a counter that publishes the caller's (and, through the barrier before it, its
-// warpgroup's) stores to the GPU: a release (fence.acq_rel, not __threadfence's fence.sc, which
+// One arrival at a counter that publishes the caller's (and, through the queue before it, the
+// consumer warpgroup's) stores to the GPU: a release (fence.acq_rel, not __threadfence's fence.sc, which
 // stalled the consumer warpgroup's next wgmma longer) and a reduction whose result no one awaits.
 __device__ __forceinline__ void release_add(unsigned* p) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(p) : "memory");
@@ -146,15 +159,22 @@ __device__ __forceinline__ void expert_ffn_produce(const T* __restrict__ x, cons
 }
 
 // Consumer (warpgroup 1): the tiles the producer took, read beside each tile's first stage; a
-// gate_up_silu tile then publishes its columns of `a` to its row tile's counter.
+// gate_up_silu tile then hands its row tile to the publisher (thread 128, one queue entry).
 template <typename T, int E, int M, int D, int ST>
 __device__ __forceinline__ void expert_ffn_consume(const i32* __restrict__ order, const i32* __restrict__ offsets,
                                                    const int* tiles, unsigned ring, unsigned long long* full,
                                                    unsigned long long* empty, T* a, T* __restrict__ out,
-                                                   unsigned* ready, const int* stage_tile) {
+                                                   PublishQueue* pub, const int* stage_tile) {
   constexpr int NCT_GU = wgmma_skinny_col_tiles(GATE_UP_SILU, M), NCT_D = wgmma_skinny_col_tiles(DOWN, D);
   const int gu_total = tiles[E] * NCT_GU, total = gu_total + tiles[E] * NCT_D;
-  int it = 0;
+  int it = 0, np = 0;                                    // np: thread 128's hand-offs so far
+  auto hand_off = [&](int row_tile) {
+    const int q = np % FFN_PUB;
+    mbar::wait(&pub->empty[q], ((np / FFN_PUB) & 1) ^ 1);   // the publisher has taken the entry's last
+    pub->row_tile[q] = row_tile;
+    mbar::arrive(&pub->full[q]);                         // (release, CTA scope: the warpgroup's stores with it)
+    ++np;
+  };
   for (;;) {
     mbar::wait(&full[it % ST], (it / ST) & 1);           // (the tile's K loop waits on it again: at once)
     const int t = stage_tile[it % ST];
@@ -163,11 +183,26 @@ __device__ __forceinline__ void expert_ffn_consume(const i32* __restrict__ order
       const WgTile tl = wgmma_tile<E, NCT_GU, wgmma_skinny_cols(GATE_UP_SILU), WS_BP>(tiles, offsets, t);
       wgmma_skinny_tile_fit<T, GATE_UP_SILU, M, D, ST>(tl, order, ring, full, empty, a, a, it);
       wgmma::warpgroup_sync(FFN_CONSUMER_BAR);          // every column of this tile is stored
-      if (threadIdx.x == 128) release_add(ready + t / NCT_GU);
+      if (threadIdx.x == 128) hand_off(t / NCT_GU);
     } else {
       const WgTile tl = wgmma_tile<E, NCT_D, wgmma_skinny_cols(DOWN), WS_BP>(tiles, offsets, t - gu_total);
       wgmma_skinny_tile_fit<T, DOWN, D, M, ST>(tl, order, ring, full, empty, out, out, it);
     }
+  }
+  if (threadIdx.x == 128) hand_off(-1);
+}
+
+// Publisher (warp 8, lane 0): each row tile the consumer hands over, published to its counter.
+// Its release waits for the consumer warpgroup's stores to reach L2; nobody waits for it here.
+__device__ __forceinline__ void expert_ffn_publish(PublishQueue* pub, unsigned* ready) {
+  if ((threadIdx.x & 31) != 0) return;
+  for (int n = 0;; ++n) {
+    const int q = n % FFN_PUB;
+    mbar::wait(&pub->full[q], (n / FFN_PUB) & 1);        // (acquire, CTA scope)
+    const int rt = pub->row_tile[q];
+    if (rt < 0) return;
+    release_add(ready + rt);
+    mbar::arrive(&pub->empty[q]);
   }
 }
 
@@ -183,24 +218,35 @@ __device__ __forceinline__ void expert_ffn_wgmma_skinny(const T* __restrict__ x,
   static_assert(sizeof(T) == 2, "expert ffn: 16-bit operands");
   static_assert(D % 8 == 0 && M % 8 == 0, "expert ffn: rows of whole 16-byte chunks (TMA strides, cp.async)");
   static_assert(ST >= 2, "expert ffn: a ring of at least two stages");
-  static_assert(2 * (wgmma_skinny_smem(ST) + 2 * ST * 8 + 4 * (E + 1 + ST + 2) + 1024) <= 228 * 1024,
+  static_assert(2 * (wgmma_skinny_smem(ST) + 2 * ST * 8 + 4 * (E + 1 + ST + 2) + (int)sizeof(PublishQueue) + 1024) <=
+                    228 * 1024,
                 "expert ffn: two CTAs per SM (its grid is sized for two)");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   __shared__ int tiles[E + 1], stage_tile[ST], taken[2];
+  __shared__ PublishQueue pub;
   // Every read below (offsets, order, x, a, ready, walk) is of another kernel's output or this
   // launch's; a CTA without a down tile lets the next kernel in at its exit.
   dsg::pdl_wait();
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;         // 128B-swizzle tiles start on 1024-byte boundaries
   if (threadIdx.x < 32) wgmma_row_tiles<E, WS_BP>(offsets, tiles);
-  if (threadIdx.x == 0) wgmma_ring_init<ST>(full, empty, 4);   // one consumer warpgroup
+  if (threadIdx.x == 0) {
+    wgmma_ring_init<ST>(full, empty, 4);                 // one consumer warpgroup
+#pragma unroll
+    for (int q = 0; q < FFN_PUB; ++q) {
+      mbar::init(&pub.full[q], 1);
+      mbar::init(&pub.empty[q], 1);
+    }
+  }
   __syncthreads();
   if (tiles[E] > RT) __trap();                           // the lowering's bound broken: a compiler bug
   if (threadIdx.x < 128)
     expert_ffn_produce<T, E, M, D, K, ST>(x, wg, wu, wd, order, offsets, tiles, a, ready, walk, smem + (ring - raw),
                                           full, empty, stage_tile, taken);
+  else if (threadIdx.x < WS_THREADS)
+    expert_ffn_consume<T, E, M, D, ST>(order, offsets, tiles, ring, full, empty, a, out, &pub, stage_tile);
   else
-    expert_ffn_consume<T, E, M, D, ST>(order, offsets, tiles, ring, full, empty, a, out, ready, stage_tile);
+    expert_ffn_publish(&pub, ready);
 }
 
 }  // namespace moe

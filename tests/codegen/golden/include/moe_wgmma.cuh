@@ -179,6 +179,7 @@ __device__ __forceinline__ void wgmma_ring_init(unsigned long long* full, unsign
 struct WgPrefillTiles {
   static constexpr int BM = WG_BM, BOX = WG_BOX, STAGE_BYTES = WG_STAGE_BYTES;
   static constexpr int ROWS_AT = 0, WEIGHTS_AT = WG_BM * WG_ROW_BYTES;
+  static constexpr bool W_EVICT_FIRST = false;   // (L2's default: a prefill's row tiles share weight boxes)
   __host__ __device__ static constexpr int cols(int mode) { return wgmma_tile_cols(mode); }
 };
 
@@ -191,9 +192,16 @@ __device__ __forceinline__ void wgmma_issue_weights(char* b, const TensorMap* w0
                                                     int e, unsigned long long* full_s) {
   const bool box1 = MODE != DOWN || n0 + L::BOX < N;
   mbar::arrive_expect_tx(full_s, (box1 ? 2 : 1) * L::BOX * WG_ROW_BYTES);
-  tma::load_3d(b, w0, k0, n0, e, full_s);
-  if (box1) tma::load_3d(b + L::BOX * WG_ROW_BYTES, MODE == DOWN ? w0 : w1, k0, MODE == DOWN ? n0 + L::BOX : n0, e,
-                         full_s);
+  if constexpr (L::W_EVICT_FIRST) {
+    const unsigned long long pol = tma::policy_evict_first();
+    tma::load_3d(b, w0, k0, n0, e, full_s, pol);
+    if (box1) tma::load_3d(b + L::BOX * WG_ROW_BYTES, MODE == DOWN ? w0 : w1, k0, MODE == DOWN ? n0 + L::BOX : n0, e,
+                           full_s, pol);
+  } else {
+    tma::load_3d(b, w0, k0, n0, e, full_s);
+    if (box1) tma::load_3d(b + L::BOX * WG_ROW_BYTES, MODE == DOWN ? w0 : w1, k0, MODE == DOWN ? n0 + L::BOX : n0, e,
+                           full_s);
+  }
 }
 
 // Producer: the 128 threads of warpgroup 0, one tile from ring position `it` (advanced past the
