@@ -44,11 +44,17 @@ FROM_TOKENS = 0                        # the GEMV keeps T <= this (0: none; see 
 # tiles are of 1-3 pairs): on from 32 they read 3% slower at b=1 (PERF_NOTES v22).  The fused
 # launch has its own (moe_expert_ffn.STAGED_FROM_BP).
 STAGED_FROM_BP = 0
+# The pair rows the decode tiles gather and the outputs they store under L2's evict_last policy
+# (moe_wgmma_skinny.cuh WgSkinnyTiles::ACT_EVICT_LAST, DSG_WS_ACT_EVICT_LAST rendered into each
+# kernel that includes it, the fused launch's too).  Off: an A/B for the next GPU session
+# (PERF_NOTES v22).
+ACT_EVICT_LAST = False
 
 
-def staged_name(staged: int) -> list:
-    """The kernel-name part of the staged epilogue where it is on (its code differs: its own name)."""
-    return [f"st{staged}"] if staged else []
+def switch_names(staged: int) -> list:
+    """The kernel-name parts of the switches that are on (staged epilogue, activations kept in L2):
+    their code differs, so their own name."""
+    return [f"st{staged}"] * bool(staged) + ["al"] * ACT_EVICT_LAST
 
 
 def smem(stages: int) -> int:
@@ -98,10 +104,10 @@ def grid(p: dict, *, down: bool, run: str | None = None) -> str:
 
 def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
            down: bool) -> KernelLaunch:
-    return _moe_wgmma.tma_launch(family, template, [*name_parts, *staged_name(STAGED_FROM_BP)], p, nid, args,
+    return _moe_wgmma.tma_launch(family, template, [*name_parts, *switch_names(STAGED_FROM_BP)], p, nid, args,
                                  variant="wgmma_skinny", box=(BOX, BK), threads=THREADS, stages=STAGES,
                                  smem_bytes=smem(STAGES), cols=cols(down=down), grid=grid(p, down=down), pairs=BP,
-                                 staged_from=STAGED_FROM_BP)
+                                 staged_from=STAGED_FROM_BP, act_evict_last=int(ACT_EVICT_LAST))
 
 
 def take_over(launches: list, family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,

@@ -72,11 +72,11 @@ def fused_launch(nid: str, opts: Options, gu: dict, dn: dict, args: tuple) -> Ke
     tiles = f"{nct} * {S.row_tiles(E)}"
     params = {"act": gu["act"], "E": E, "M": M, "D": D, "K": K, "variant": "fused", "threads": THREADS,
               "stages": S.STAGES, "smem": S.smem(S.STAGES), "box_rows": S.BOX, "box_k": S.BK, "pairs": S.BP,
-              "staged_from": STAGED_FROM_BP,
+              "staged_from": STAGED_FROM_BP, "act_evict_last": int(S.ACT_EVICT_LAST),
               "row_tiles": row_tile_bound(E, S.upper() * K)}   # the window's widest: one module for any window
     return KernelLaunch(
         family=FAMILY, template=TEMPLATE,
-        name=kernel_name(FAMILY, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}", *S.staged_name(STAGED_FROM_BP), "fused"]),
+        name=kernel_name(FAMILY, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}", *S.switch_names(STAGED_FROM_BP), "fused"]),
         params=params, nodes=(nid,), grid=(f"min(2 * SMS, {tiles}) * {fused_range()}", 1, 1),
         block=(THREADS, 1, 1), args=args, smem=S.smem(S.STAGES), stage="fused", requires=(S.FEATURE,))
 

@@ -124,15 +124,18 @@ __device__ __forceinline__ T ld_cg(const T* p) {
 // One stage's gathered rows of a producer thread: 16-byte chunk kc .. kc + 8 of x rows src[i]
 // (-1: zeros) into tile rows r0 + 16 i, whose chunk positions share one swizzle (dst is row r0's).
 // VEC: 16-byte cp.async (x 16-byte aligned; .cg: through L2); else element loads through L2 and
-// a 16-byte shared store.
-template <typename T, int KD, bool VEC, int R>
-__device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int (&src)[R], int kc, char* dst) {
+// a 16-byte shared store.  HINT: the cp.async copies carry L2 policy `pol` (l2_policy.cuh).
+template <typename T, int KD, bool VEC, int R, bool HINT = false>
+__device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int (&src)[R], int kc, char* dst,
+                                             unsigned long long pol = 0) {
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     const bool ok = src[i] >= 0 && kc < KD;              // else zeros: rows past the tile, K past KD
     const T* from = x + (ok ? (i64)src[i] * KD + kc : 0);
     char* to = dst + i * 16 * WG_ROW_BYTES;
-    if constexpr (VEC) {
+    if constexpr (VEC && HINT) {
+      dsg::mma::cp_async16(to, from, ok ? 16 : 0, pol);
+    } else if constexpr (VEC) {
       dsg::mma::cp_async16(to, from, ok ? 16 : 0);
     } else {
       uint4 raw;
@@ -147,15 +150,20 @@ __device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int 
 // One staged 16-byte chunk (8 elements) of an output row, at column `col` of N, to dst: whole
 // (vec: N % 8 == 0 and a 16-byte aligned base, so the chunk lies inside the row) or element by
 // element up to N.  The epilogues that go through shared memory end here (moe_wgmma_skinny.cuh's too).
-template <typename T, int N>
-__device__ __forceinline__ void store_chunk(T* dst, const uint4& chunk, int col, bool vec) {
+// HINT: the stores carry L2 policy `pol` (l2_policy.cuh).
+template <typename T, int N, bool HINT = false>
+__device__ __forceinline__ void store_chunk(T* dst, const uint4& chunk, int col, bool vec, unsigned long long pol = 0) {
   if (vec) {
-    *reinterpret_cast<uint4*>(dst) = chunk;
+    if constexpr (HINT) l2::store(reinterpret_cast<uint4*>(dst), chunk, pol);
+    else *reinterpret_cast<uint4*>(dst) = chunk;
   } else {
     const T* e = reinterpret_cast<const T*>(&chunk);
 #pragma unroll
     for (int k = 0; k < 8; ++k)
-      if (col + k < N) dst[k] = e[k];
+      if (col + k < N) {
+        if constexpr (HINT) l2::store(dst + k, e[k], pol);
+        else dst[k] = e[k];
+      }
   }
 }
 
@@ -180,6 +188,7 @@ struct WgPrefillTiles {
   static constexpr int BM = WG_BM, BOX = WG_BOX, STAGE_BYTES = WG_STAGE_BYTES;
   static constexpr int ROWS_AT = 0, WEIGHTS_AT = WG_BM * WG_ROW_BYTES;
   static constexpr bool W_EVICT_FIRST = false;   // (L2's default: a prefill's row tiles share weight boxes)
+  static constexpr bool ACT_EVICT_LAST = false;  // (its gathered rows and outputs: L2's default)
   __host__ __device__ static constexpr int cols(int mode) { return wgmma_tile_cols(mode); }
 };
 
@@ -193,7 +202,7 @@ __device__ __forceinline__ void wgmma_issue_weights(char* b, const TensorMap* w0
   const bool box1 = MODE != DOWN || n0 + L::BOX < N;
   mbar::arrive_expect_tx(full_s, (box1 ? 2 : 1) * L::BOX * WG_ROW_BYTES);
   if constexpr (L::W_EVICT_FIRST) {
-    const unsigned long long pol = tma::policy_evict_first();
+    const unsigned long long pol = l2::evict_first();
     tma::load_3d(b, w0, k0, n0, e, full_s, pol);
     if (box1) tma::load_3d(b + L::BOX * WG_ROW_BYTES, MODE == DOWN ? w0 : w1, k0, MODE == DOWN ? n0 + L::BOX : n0, e,
                            full_s, pol);
@@ -239,7 +248,11 @@ __device__ __forceinline__ void wgmma_produce_tile(const T* __restrict__ x, cons
     const int k0 = kt * WG_BK;
     if (p == 0 && kt >= pre) wgmma_issue_weights<MODE, N, L>(b, w0, w1, k0, tl.n0, tl.e, &full[s]);
     if (vec) {
-      wgmma_gather<T, KD, true>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk);
+      if constexpr (L::ACT_EVICT_LAST)
+        wgmma_gather<T, KD, true, L::BM / 16, true>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk,
+                                                    l2::evict_last());
+      else
+        wgmma_gather<T, KD, true>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk);
       mbar::arrive_on_cp_async(&full[s]);
     } else {
       wgmma_gather<T, KD, false>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk);

@@ -43,6 +43,10 @@ __host__ __device__ constexpr int wgmma_skinny_col_tiles(int mode, int n) {
 // every stage, and its pair rows 16 KB in, stay on one).  4 stages: 97 KB, two CTAs per SM.
 __host__ __device__ constexpr int wgmma_skinny_smem(int stages) { return stages * WS_STAGE_BYTES + 1024; }
 
+#ifndef DSG_WS_ACT_EVICT_LAST
+#define DSG_WS_ACT_EVICT_LAST 0
+#endif
+
 // The decode tile for moe_wgmma.cuh's producer (which gathers the pair rows and issues the boxes):
 // 64 pairs, 64-row boxes, the weights first in a stage and the pair rows after them.
 struct WgSkinnyTiles {
@@ -51,6 +55,10 @@ struct WgSkinnyTiles {
   // Weight boxes with L2's evict_first policy: read once a step, they go first, and the lines of
   // `a` and of the outputs stay (PERF_NOTES v22: +0.03-0.05 TB/s at b=128 and 256, even below).
   static constexpr bool W_EVICT_FIRST = true;
+  // The pair rows the tiles gather (x; `a`, which 16 down tiles of a row tile gather) and the
+  // outputs they store (`a`; down's, which the combine reads next) with L2's evict_last policy, so
+  // the weights stream past them: the lowering's _moe_wgmma_skinny.ACT_EVICT_LAST.
+  static constexpr bool ACT_EVICT_LAST = DSG_WS_ACT_EVICT_LAST != 0;
   __host__ __device__ static constexpr int cols(int mode) { return wgmma_skinny_cols(mode); }
 };
 
@@ -61,6 +69,11 @@ __device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* 
                                                    const float (&acc0)[BP / 2], const float (&acc1)[BP / 2],
                                                    T* __restrict__ out0, T* __restrict__ out1) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const unsigned long long pol = WgSkinnyTiles::ACT_EVICT_LAST ? l2::evict_last() : 0ull;
+  auto st = [&](T* p, float v) {
+    if constexpr (WgSkinnyTiles::ACT_EVICT_LAST) l2::store(p, from_float<T>(v), pol);
+    else *p = from_float<T>(v);
+  };
   // acc[4j + 2h + c]: stage row 16 warp + lane / 4 + 8h (an output column), pair 8j + 2 (lane % 4) + c.
 #pragma unroll
   for (int j = 0; j < BP / 8; ++j)
@@ -74,16 +87,16 @@ __device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* 
         const int i = 4 * j + 2 * h + c;
         const int col = tl.n0 + 16 * warp + (lane >> 2) + 8 * h;
         if constexpr (MODE == DOWN) {
-          if (col < N) out0[orow + col] = from_float<T>(acc0[i]);
-          if (col + WS_BOX < N) out0[orow + col + WS_BOX] = from_float<T>(acc1[i]);
+          if (col < N) st(out0 + orow + col, acc0[i]);
+          if (col + WS_BOX < N) st(out0 + orow + col + WS_BOX, acc1[i]);
         } else if (col < N) {
           if constexpr (MODE == GATE_UP_SILU) {
             // silu(g) * u rounded where the unfused ops round (moe.cuh 4c's epilogue)
             const float gr = round_to<T>(acc0[i]), ur = round_to<T>(acc1[i]);
-            out0[orow + col] = from_float<T>(round_to<T>(gr / (1.f + expf(-gr))) * ur);
+            st(out0 + orow + col, round_to<T>(gr / (1.f + expf(-gr))) * ur);
           } else {
-            out0[orow + col] = from_float<T>(acc0[i]);
-            out1[orow + col] = from_float<T>(acc1[i]);
+            st(out0 + orow + col, acc0[i]);
+            st(out1 + orow + col, acc1[i]);
           }
         }
       }
@@ -147,12 +160,14 @@ __device__ __forceinline__ void wgmma_skinny_store_staged(const WgTile& tl, cons
     }
   wgmma::warpgroup_sync(WS_CONSUMER_BAR);                // every row of the stage is written
   const bool vec = N % 8 == 0 && aligned_to<16>(out0);   // (uniform) whole 16-byte chunks, else elements
+  const unsigned long long pol = WgSkinnyTiles::ACT_EVICT_LAST ? l2::evict_last() : 0ull;
 #pragma unroll 4
   for (int q = tid; q < BP * CH; q += 128) {
     const int r = q / CH, k = q % CH, col = tl.n0 + 8 * k;
     if (r >= tl.rows || col >= N) continue;
     const float4 bits = dsg::cluster::ld4<false>(st + r * RB + ((k ^ (r & 7)) << 4));   // 8 elements, as bits
-    store_chunk<T, N>(out0 + (i64)order[tl.pbeg + r] * N + col, *reinterpret_cast<const uint4*>(&bits), col, vec);
+    store_chunk<T, N, WgSkinnyTiles::ACT_EVICT_LAST>(out0 + (i64)order[tl.pbeg + r] * N + col,
+                                                     *reinterpret_cast<const uint4*>(&bits), col, vec, pol);
   }
 }
 

@@ -8,6 +8,7 @@
 // address is then a generic address in parameter space, which the copy instructions accept.
 #pragma once
 #include "common.cuh"
+#include "l2_policy.cuh"
 #include "mbarrier.cuh"
 
 namespace dsg {
@@ -36,15 +37,7 @@ __device__ __forceinline__ void load_3d(void* dst, const TensorMap* map, int c0,
       : "memory");
 }
 
-// An L2 policy for loads read once and not again soon: their lines go first when L2 needs room,
-// so they do not push out lines that will be read (or written back) again.
-__device__ __forceinline__ unsigned long long policy_evict_first() {
-  unsigned long long p;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
-  return p;
-}
-
-// load_3d with an L2 policy (policy_evict_first) on the box's lines.
+// load_3d with an L2 policy (l2_policy.cuh) on the box's lines.
 __device__ __forceinline__ void load_3d(void* dst, const TensorMap* map, int c0, int c1, int c2,
                                         unsigned long long* bar, unsigned long long policy) {
   asm volatile(
