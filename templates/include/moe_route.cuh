@@ -23,6 +23,15 @@
 namespace dsg {
 namespace moe {
 
+// One token tile (T <= TT, every decode step up to TT tokens): its CTA that ran top-k is the last
+// tile by construction, so it aligns without taking the tiles' ticket (an atomic and its fences
+// on b=1's critical path).  A switch for the next GPU A/B (PERF_NOTES v22, issue 14); off until then
+// (-DDSG_ROUTE_ONE_TILE_NO_TICKET=1 turns it on).
+#ifndef DSG_ROUTE_ONE_TILE_NO_TICKET
+#define DSG_ROUTE_ONE_TILE_NO_TICKET 0
+#endif
+constexpr bool ROUTE_ONE_TILE_NO_TICKET = DSG_ROUTE_ONE_TILE_NO_TICKET != 0;
+
 // Top-k of the three-launch form: one warp per token, WARPS tokens per CTA.  S: the shared experts
 // each token also selects (moe.cuh topk_scored); a token's ids / weights row is K + S wide.
 template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS, int WARPS, int S = 0>
@@ -81,7 +90,8 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
   }
 
   // 3. the last tile's CTA: align every pair (ids copied to shared memory past L1)
-  if (!last_arrival(&tickets[TILES], gridDim.y)) return;
+  if (ROUTE_ONE_TILE_NO_TICKET && gridDim.y == 1) __syncthreads();   // (this CTA's top-k wrote the ids)
+  else if (!last_arrival(&tickets[TILES], gridDim.y)) return;
   const int num_pairs = num_tokens * (K + S);
   int* sid = reinterpret_cast<int*>(smem);
   for (int p = threadIdx.x; p < num_pairs; p += NT) sid[p] = (int)__ldcg(ids + p);

@@ -10,6 +10,16 @@
 
 namespace dsg {
 
+// The arrival's ordering as one acquire-release atomic (atom.acq_rel.gpu) and a relaxed reset, in
+// place of __threadfence's fence.sc before and after plain atomics (the expert FFN's release
+// measured fence.sc holding its warp longer, PERF_NOTES v16).  A switch for the next GPU A/B
+// (PERF_NOTES v22, issue 14: the route's two tickets are on b=1's critical path); off until then
+// (-DDSG_TICKETS_ACQ_REL=1 turns it on, for an A/B and tests/codegen/test_sass_tickets.py).
+#ifndef DSG_TICKETS_ACQ_REL
+#define DSG_TICKETS_ACQ_REL 0
+#endif
+constexpr bool TICKETS_ACQ_REL = DSG_TICKETS_ACQ_REL != 0;
+
 // A CTA's arrival at a ticket counter, after its global writes; true in the CTA that arrives
 // last of `expected`, which also resets the counter.  Every thread calls it; `flag` is an int of
 // the CTA's shared memory that carries thread 0's answer to the others.  The grid barrier
@@ -20,11 +30,22 @@ namespace dsg {
 __device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int expected, int* flag) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
-    const bool is_last = atomicAdd(counter, 1u) == expected - 1u;
-    if (is_last) {
-      atomicExch(counter, 0u);      // no other CTA of this launch touches it again
+    bool is_last;
+    if constexpr (TICKETS_ACQ_REL) {
+      // release: the CTA's writes (gathered by the barrier) before the add; acquire: every
+      // earlier arrival's (the adds form one release sequence) before what the last CTA reads.
+      unsigned old;
+      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+      is_last = old == expected - 1u;
+      // The next launch to take a ticket runs after this grid has completed (stream order).
+      if (is_last) asm volatile("st.relaxed.gpu.global.u32 [%0], 0;\n" ::"l"(counter) : "memory");
+    } else {
       __threadfence();
+      is_last = atomicAdd(counter, 1u) == expected - 1u;
+      if (is_last) {
+        atomicExch(counter, 0u);    // no other CTA of this launch touches it again
+        __threadfence();
+      }
     }
     *flag = is_last;
   }
