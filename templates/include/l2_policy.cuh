@@ -1,7 +1,8 @@
 // L2 cache policies (sm_80+).  A load or store that carries one tells L2 which of its lines to
 // give up first when it needs room: evict_first for bytes read once (a decode step's weights),
 // evict_last for bytes read again soon (an activation that many tiles gather).  The policy is a
-// 64-bit value made by createpolicy (a constant: it folds into the instruction's operand).
+// 64-bit value made by createpolicy (a constant: it folds into the instruction's operand).  Make
+// it once, before a loop of accesses: each call is an instruction of its own.
 #pragma once
 #include "common.cuh"
 
@@ -34,6 +35,13 @@ __device__ __forceinline__ void store(uint4* p, const uint4& v, unsigned long lo
   asm volatile("st.global.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w), "l"(policy)
                : "memory");
+}
+
+// A store under `policy` where HINT, a plain store elsewhere (the callers' switch).
+template <bool HINT, typename V>
+__device__ __forceinline__ void store_if(V* p, const V& v, unsigned long long policy) {
+  if constexpr (HINT) store(p, v, policy);
+  else *p = v;
 }
 
 }  // namespace l2

@@ -154,16 +154,12 @@ __device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int 
 template <typename T, int N, bool HINT = false>
 __device__ __forceinline__ void store_chunk(T* dst, const uint4& chunk, int col, bool vec, unsigned long long pol = 0) {
   if (vec) {
-    if constexpr (HINT) l2::store(reinterpret_cast<uint4*>(dst), chunk, pol);
-    else *reinterpret_cast<uint4*>(dst) = chunk;
+    l2::store_if<HINT>(reinterpret_cast<uint4*>(dst), chunk, pol);
   } else {
     const T* e = reinterpret_cast<const T*>(&chunk);
 #pragma unroll
     for (int k = 0; k < 8; ++k)
-      if (col + k < N) {
-        if constexpr (HINT) l2::store(dst + k, e[k], pol);
-        else dst[k] = e[k];
-      }
+      if (col + k < N) l2::store_if<HINT>(dst + k, e[k], pol);
   }
 }
 
@@ -201,16 +197,13 @@ __device__ __forceinline__ void wgmma_issue_weights(char* b, const TensorMap* w0
                                                     int e, unsigned long long* full_s) {
   const bool box1 = MODE != DOWN || n0 + L::BOX < N;
   mbar::arrive_expect_tx(full_s, (box1 ? 2 : 1) * L::BOX * WG_ROW_BYTES);
-  if constexpr (L::W_EVICT_FIRST) {
-    const unsigned long long pol = l2::evict_first();
-    tma::load_3d(b, w0, k0, n0, e, full_s, pol);
-    if (box1) tma::load_3d(b + L::BOX * WG_ROW_BYTES, MODE == DOWN ? w0 : w1, k0, MODE == DOWN ? n0 + L::BOX : n0, e,
-                           full_s, pol);
-  } else {
-    tma::load_3d(b, w0, k0, n0, e, full_s);
-    if (box1) tma::load_3d(b + L::BOX * WG_ROW_BYTES, MODE == DOWN ? w0 : w1, k0, MODE == DOWN ? n0 + L::BOX : n0, e,
-                           full_s);
-  }
+  const unsigned long long pol = L::W_EVICT_FIRST ? l2::evict_first() : 0ull;
+  auto box = [&](char* dst, const TensorMap* w, int n) {
+    if constexpr (L::W_EVICT_FIRST) tma::load_3d(dst, w, k0, n, e, full_s, pol);
+    else tma::load_3d(dst, w, k0, n, e, full_s);
+  };
+  box(b, w0, n0);
+  if (box1) box(b + L::BOX * WG_ROW_BYTES, MODE == DOWN ? w0 : w1, MODE == DOWN ? n0 + L::BOX : n0);
 }
 
 // Producer: the 128 threads of warpgroup 0, one tile from ring position `it` (advanced past the
@@ -233,6 +226,7 @@ __device__ __forceinline__ void wgmma_produce_tile(const T* __restrict__ x, cons
   const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
   const int chunk = (c ^ (r0 & 7)) * 16;                 // 128B swizzle: c ^ (row % 8)
   int src[L::BM / 16];                                   // x row of each of this thread's tile rows, -1: none
+  const unsigned long long act = L::ACT_EVICT_LAST ? l2::evict_last() : 0ull;   // the gathers' L2 policy
 #pragma unroll
   for (int i = 0; i < L::BM / 16; ++i) {
     const int r = r0 + 16 * i;
@@ -248,11 +242,7 @@ __device__ __forceinline__ void wgmma_produce_tile(const T* __restrict__ x, cons
     const int k0 = kt * WG_BK;
     if (p == 0 && kt >= pre) wgmma_issue_weights<MODE, N, L>(b, w0, w1, k0, tl.n0, tl.e, &full[s]);
     if (vec) {
-      if constexpr (L::ACT_EVICT_LAST)
-        wgmma_gather<T, KD, true, L::BM / 16, true>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk,
-                                                    l2::evict_last());
-      else
-        wgmma_gather<T, KD, true>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk);
+      wgmma_gather<T, KD, true, L::BM / 16, L::ACT_EVICT_LAST>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk, act);
       mbar::arrive_on_cp_async(&full[s]);
     } else {
       wgmma_gather<T, KD, false>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk);

@@ -70,10 +70,7 @@ __device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* 
                                                    T* __restrict__ out0, T* __restrict__ out1) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const unsigned long long pol = WgSkinnyTiles::ACT_EVICT_LAST ? l2::evict_last() : 0ull;
-  auto st = [&](T* p, float v) {
-    if constexpr (WgSkinnyTiles::ACT_EVICT_LAST) l2::store(p, from_float<T>(v), pol);
-    else *p = from_float<T>(v);
-  };
+  auto st = [&](T* p, float v) { l2::store_if<WgSkinnyTiles::ACT_EVICT_LAST>(p, from_float<T>(v), pol); };
   // acc[4j + 2h + c]: stage row 16 warp + lane / 4 + 8h (an output column), pair 8j + 2 (lane % 4) + c.
 #pragma unroll
   for (int j = 0; j < BP / 8; ++j)
