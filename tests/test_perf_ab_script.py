@@ -10,15 +10,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu
 import perf_ab  # noqa: E402
 
 TICKETS = "templates/include/tickets.cuh"
-ON = f"sub {TICKETS} #define DSG_TICKETS_ACQ_REL 0=>#define DSG_TICKETS_ACQ_REL 1"
+OFF = f"sub {TICKETS} #define DSG_TICKETS_ACQ_REL 1=>#define DSG_TICKETS_ACQ_REL 0"
 
 
 def test_arms_merge_their_edits_by_name_in_order():
-    arms = perf_ab.parse_arms(["base", f"acq:{ON}", "al:py codegen.families._moe_wgmma_skinny.ACT_EVICT_LAST=True",
+    arms = perf_ab.parse_arms(["base", f"acq:{OFF}", "al:py codegen.families._moe_wgmma_skinny.ACT_EVICT_LAST=True",
                                "acq:py codegen.families.moe_expert_ffn.STAGED_FROM_BP=16"])
     assert [a.name for a in arms] == ["base", "acq", "al"]
     assert not arms[0].edits
-    assert arms[1].subs == [(TICKETS, "#define DSG_TICKETS_ACQ_REL 0", "#define DSG_TICKETS_ACQ_REL 1")]
+    assert arms[1].subs == [(TICKETS, "#define DSG_TICKETS_ACQ_REL 1", "#define DSG_TICKETS_ACQ_REL 0")]
     assert arms[1].py == [("codegen.families.moe_expert_ffn", "STAGED_FROM_BP", 16)]
     assert arms[2].py == [("codegen.families._moe_wgmma_skinny", "ACT_EVICT_LAST", True)]
 
@@ -31,10 +31,10 @@ def test_a_malformed_arm_is_refused(bad):
 
 
 def test_an_arm_tree_is_the_checkout_with_its_edits(tmp_path):
-    (arm,) = perf_ab.parse_arms([f"acq:{ON}"])
+    (arm,) = perf_ab.parse_arms([f"acq:{OFF}"])
     perf_ab.make_tree(perf_ab.ROOT, str(tmp_path), arm)
-    assert "#define DSG_TICKETS_ACQ_REL 1" in (tmp_path / TICKETS).read_text()
-    assert "#define DSG_TICKETS_ACQ_REL 1" not in open(os.path.join(perf_ab.ROOT, TICKETS)).read()
+    assert "#define DSG_TICKETS_ACQ_REL 0" in (tmp_path / TICKETS).read_text()
+    assert "#define DSG_TICKETS_ACQ_REL 0" not in open(os.path.join(perf_ab.ROOT, TICKETS)).read()
     assert (tmp_path / "runtime" / "cli.py").is_file() and not (tmp_path / ".venv").exists()
     (twice,) = perf_ab.parse_arms([f"x:sub {TICKETS} #=>//"])
     with pytest.raises(SystemExit, match="occurs"):

@@ -12,11 +12,11 @@ namespace dsg {
 
 // The arrival's ordering as one acquire-release atomic (atom.acq_rel.gpu) and a relaxed reset, in
 // place of __threadfence's fence.sc before and after plain atomics (the expert FFN's release
-// measured fence.sc holding its warp longer, PERF_NOTES v16).  A switch for the next GPU A/B
-// (PERF_NOTES v22, issue 14: the route's two tickets are on b=1's critical path); off until then
-// (-DDSG_TICKETS_ACQ_REL=1 turns it on, for an A/B and tests/codegen/test_sass_tickets.py).
+// measured fence.sc holding its warp longer, PERF_NOTES v16).  On since PERF_NOTES v23: with the
+// route's one-tile path below, b=1's step 0.02-0.04 ms faster (the route's tickets are on its
+// critical path).  -DDSG_TICKETS_ACQ_REL=0 brings back the fences, for an A/B.
 #ifndef DSG_TICKETS_ACQ_REL
-#define DSG_TICKETS_ACQ_REL 0
+#define DSG_TICKETS_ACQ_REL 1
 #endif
 constexpr bool TICKETS_ACQ_REL = DSG_TICKETS_ACQ_REL != 0;
 

@@ -401,7 +401,8 @@ def _route_launches_of_shipped_specs():
 def test_route_of_shipped_specs_compiles_without_spills():
     """Every route kernel of the shipped specs builds for sm_90 with no spills; where cuobjdump is
     installed, each waits for the previous kernel and lets the next one launch (PDL: griddepcontrol
-    is ACQBULK / PREEXIT in SASS), and the fused one takes its tickets with global atomics and reads
+    is ACQBULK / PREEXIT in SASS), and the fused one takes its tickets with acquire-release global
+    atomics (MEMBAR.ALL.GPU, no fence.sc's MEMBAR.SC.GPU: tickets.cuh, PERF_NOTES v23) and reads
     the logits and ids that other CTAs wrote past L1 (LDG.E.STRONG.GPU, not the read-only path); the
     router GEMM is fp32 FFMA fed by 16-byte shared loads, with the same tickets for its split of D."""
     _nvrtc_or_skip()
@@ -418,7 +419,8 @@ def test_route_of_shipped_specs_compiles_without_spills():
         ops = opcodes(res.cubin)
         assert ops["ACQBULK"] >= 1 and ops["PREEXIT"] >= 1, (launch.name, "PDL wait / launch_dependents")
         if launch.stage == "fused":
-            assert ops["ATOMG.E.ADD.STRONG.GPU"] == 2 and ops["MEMBAR.SC.GPU"] >= 2, launch.name
+            assert ops["ATOMG.E.ADD.STRONG.GPU"] == 2 and ops["MEMBAR.ALL.GPU"] >= 2, launch.name
+            assert ops["MEMBAR.SC.GPU"] == 0 and ops["ATOMG.E.EXCH.STRONG.GPU"] == 0, launch.name
             assert ops["LDG.E.STRONG.GPU"] >= 2, launch.name
         if launch.stage == "router_gemm":
             # fp32 FMAs on CUDA cores, never tensor cores (TF32 would move the logits' near-ties);

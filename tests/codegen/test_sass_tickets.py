@@ -1,7 +1,7 @@
 """The self-resetting tickets (tickets.cuh) and the fused route's one-tile path (moe_route.cuh)
-have switches that are off until a GPU A/B (PERF_NOTES v22): off, the kernels keep
-__threadfence's fence.sc (MEMBAR.SC.GPU) around plain atomics; on, one acquire-release atomic and
-a relaxed reset, and no fence.sc left.  Compiled with NVRTC on the CPU from the committed goldens."""
+have switches, on since PERF_NOTES v23: on (the default), one acquire-release atomic and a relaxed
+reset, and no fence.sc left; off (-D...=0, for an A/B), __threadfence's fence.sc (MEMBAR.SC.GPU)
+around plain atomics.  Compiled with NVRTC on the CPU from the committed goldens."""
 from __future__ import annotations
 
 import os
@@ -24,9 +24,9 @@ KERNELS = ["moe_route__bf16__d2048__e64_k6__softmax_greedy__shared2__fused_t256"
 @pytest.mark.parametrize("name", KERNELS)
 def test_acquire_release_tickets_leave_no_sequentially_consistent_fence(name):
     src = open(os.path.join(GOLDEN, name + ".cu")).read()
-    off = opcodes(compile_cubin(src, name, arch="sm_90a").cubin)
-    on = opcodes(compile_cubin(src, name, arch="sm_90a", options=("-DDSG_TICKETS_ACQ_REL=1",
-                                                                 "-DDSG_ROUTE_ONE_TILE_NO_TICKET=1")).cubin)
+    on = opcodes(compile_cubin(src, name, arch="sm_90a").cubin)
+    off = opcodes(compile_cubin(src, name, arch="sm_90a", options=("-DDSG_TICKETS_ACQ_REL=0",
+                                                                  "-DDSG_ROUTE_ONE_TILE_NO_TICKET=0")).cubin)
     assert off["MEMBAR.SC.GPU"] > 0 and off["ATOMG.E.EXCH.STRONG.GPU"] > 0, sorted(off)
     assert on["MEMBAR.SC.GPU"] == 0 and on["ATOMG.E.EXCH.STRONG.GPU"] == 0, sorted(on)
     assert on["ATOMG.E.ADD.STRONG.GPU"] > 0, sorted(on)

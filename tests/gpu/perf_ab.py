@@ -3,8 +3,8 @@
 
     python3 tests/gpu/perf_ab.py --arm base \
         --arm 'al:py codegen.families._moe_wgmma_skinny.ACT_EVICT_LAST=True' \
-        --arm 'acq:sub templates/include/tickets.cuh #define DSG_TICKETS_ACQ_REL 0=>#define DSG_TICKETS_ACQ_REL 1' \
-        [--decode 1x512,8x512,256x512] [--rounds 2] [--check 'tests/gpu/test_kernels_moe.py -k route'] [--out DIR]
+        --arm 'fences:sub templates/include/tickets.cuh #define DSG_TICKETS_ACQ_REL 1=>#define DSG_TICKETS_ACQ_REL 0' \
+        [--decode 1x512,8x512,256x512] [--rounds 2] [--check 'tests/gpu/test_kernels_moe.py -k route'] [--out DIR] [--work DIR]
 
 An arm is `NAME` (the tree as it is) or `NAME:EDIT` (an --arm of a name given before adds its
 EDIT to that arm), each EDIT one of
@@ -13,7 +13,7 @@ EDIT to that arm), each EDIT one of
   sub PATH OLD=>NEW         replace OLD by NEW in PATH (relative to the tree; OLD must occur once):
                             constants that live in a CUDA header
 Each arm runs in a copy of the tree (tracked files and untracked ones git does not ignore) under
---out, with its own DSGRAPH_CACHE_DIR: the bundle cache keys on the compiler's sources, not on a
+--work, with its own DSGRAPH_CACHE_DIR: the bundle cache keys on the compiler's sources, not on a
 constant set at run time, and a script run from another folder would import the wrong tree.
 --check runs tests/gpu/run_isolated.py with those arguments in every arm that edits something,
 before any bench: a wrong kernel is not timed.  The benches run round by round (every arm once,
@@ -82,11 +82,11 @@ def tree_files(root: str) -> list[str]:
     return [p for p in out.decode().split("\0") if p and os.path.isfile(os.path.join(root, p))]
 
 
-def make_tree(root: str, dest: str, arm: Arm, skip: str | None = None) -> None:
-    """A copy of root's files at dest with the arm's header edits applied (`skip`: a folder of
-    root not to copy, the --out folder when it lies inside the tree)."""
+def make_tree(root: str, dest: str, arm: Arm, skip: tuple[str, ...] = ()) -> None:
+    """A copy of root's files at dest with the arm's header edits applied (`skip`: folders of
+    root not to copy, --out and --work when they lie inside the tree)."""
     for rel in tree_files(root):
-        if skip and os.path.abspath(os.path.join(root, rel)).startswith(skip + os.sep):
+        if any(os.path.abspath(os.path.join(root, rel)).startswith(d + os.sep) for d in skip):
             continue
         os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
         shutil.copy2(os.path.join(root, rel), os.path.join(dest, rel))
@@ -137,18 +137,22 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--check", default=None,
                     help="run_isolated.py arguments (shell quoting), run in every arm that edits")
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/perf_ab"), help="trees, caches and JSON")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/perf_ab"), help="the benches' JSON and logs")
+    ap.add_argument("--work", default="/tmp/perf_ab_work",
+                    help="the arms' trees and kernel caches (kept out of --out: the device machine sends back "
+                         "only a few files from $OUT)")
     args = ap.parse_args(argv)
     try:
         arms = parse_arms(args.arm)
     except (ValueError, SyntaxError) as e:
         raise SystemExit(f"perf_ab: {e}")
-    out = os.path.abspath(args.out)
-    trees = os.path.join(out, "trees")
+    out, work = os.path.abspath(args.out), os.path.abspath(args.work)
+    os.makedirs(out, exist_ok=True)
+    trees = os.path.join(work, "trees")
     for arm in arms:
         dest = os.path.join(trees, arm.name)
         shutil.rmtree(dest, ignore_errors=True)
-        make_tree(ROOT, dest, arm, skip=out)
+        make_tree(ROOT, dest, arm, skip=(out, work))
     env = dict(os.environ)
     if args.check:
         for arm in (a for a in arms if a.edits):
@@ -171,7 +175,7 @@ def main(argv=None) -> int:
             tree = os.path.join(trees, arm.name)
             js = os.path.join(out, f"{arm.name}_{r + 1}.json")
             bench_args = ["--no-transformers", "--prefill", "none", "--decode", args.decode, "--json", js]
-            run_env = {**env, "PYTHONPATH": tree, "DSGRAPH_CACHE_DIR": os.path.join(out, "cache", arm.name)}
+            run_env = {**env, "PYTHONPATH": tree, "DSGRAPH_CACHE_DIR": os.path.join(work, "cache", arm.name)}
             log = os.path.join(out, f"{arm.name}_{r + 1}.log")
             with open(log, "w") as fh:
                 rc = subprocess.run(bench_command(arm, bench_args), cwd=tree, env=run_env, stdout=fh,

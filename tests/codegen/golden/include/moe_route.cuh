@@ -25,10 +25,9 @@ namespace moe {
 
 // One token tile (T <= TT, every decode step up to TT tokens): its CTA that ran top-k is the last
 // tile by construction, so it aligns without taking the tiles' ticket (an atomic and its fences
-// on b=1's critical path).  A switch for the next GPU A/B (PERF_NOTES v22, issue 14); off until then
-// (-DDSG_ROUTE_ONE_TILE_NO_TICKET=1 turns it on).
+// on b=1's critical path).  On since PERF_NOTES v23 (-DDSG_ROUTE_ONE_TILE_NO_TICKET=0 turns it off).
 #ifndef DSG_ROUTE_ONE_TILE_NO_TICKET
-#define DSG_ROUTE_ONE_TILE_NO_TICKET 0
+#define DSG_ROUTE_ONE_TILE_NO_TICKET 1
 #endif
 constexpr bool ROUTE_ONE_TILE_NO_TICKET = DSG_ROUTE_ONE_TILE_NO_TICKET != 0;
 
