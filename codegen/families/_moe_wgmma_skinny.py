@@ -46,8 +46,8 @@ FROM_TOKENS = 0                        # the GEMV keeps T <= this (0: none; see 
 STAGED_FROM_BP = 0
 # The pair rows the decode tiles gather and the outputs they store under L2's evict_last policy
 # (moe_wgmma_skinny.cuh WgSkinnyTiles::ACT_EVICT_LAST, DSG_WS_ACT_EVICT_LAST rendered into each
-# kernel that includes it, the fused launch's too).  Off: an A/B for the next GPU session
-# (PERF_NOTES v22).
+# kernel that includes it, the fused launch's too).  Off: measured on the H200 2-3% slower at
+# b=128-256, the same below (PERF_NOTES v23); its GPU tests (`-k activations_kept`) pass.
 ACT_EVICT_LAST = False
 
 
