@@ -75,6 +75,7 @@ constexpr int FFN_PUB = 4;            // row tiles handed to the publisher and n
 constexpr bool FFN_WIDE_GU = DSG_FFN_WIDE_GU != 0;
 constexpr int FFN_GU_COLS = FFN_WIDE_GU ? 2 * WS_BOX : wgmma_skinny_cols(GATE_UP_SILU);   // a tile's columns
 constexpr int FFN_WIDE_BP = 32;
+static_assert(FFN_WIDE_BP == 32, "wide tiles: 4 x 16 accumulators at 32 pairs fill the 96 registers of two 288-thread CTAs");
 __host__ __device__ constexpr int ffn_gu_col_tiles(int m) { return (m + FFN_GU_COLS - 1) / FFN_GU_COLS; }
 
 // The consumer's hand-offs to the publisher warp: entry q holds a row tile (-1: the walk's end).
@@ -120,15 +121,15 @@ __device__ __forceinline__ void expert_ffn_produce_wide(const T* __restrict__ x,
   for (int kt = 0; kt < KT; ++kt, it += 2) {
     take_next(kt, KT);
     const int s0 = it % ST, s1 = (it + 1) % ST;
-    mbar::wait(&empty[s0], ((it / ST) & 1) ^ 1);
-    mbar::wait(&empty[s1], (((it + 1) / ST) & 1) ^ 1);
     const int k0 = kt * WG_BK;
-    if (p == 0) {
+    mbar::wait(&empty[s0], ((it / ST) & 1) ^ 1);
+    if (p == 0)                                          // each stage's boxes as soon as it is free
       wgmma_issue_weights<GATE_UP_SILU, M, L>(ring + s0 * L::STAGE_BYTES + L::WEIGHTS_AT, wg, wu, k0, tl.n0, tl.e,
                                               &full[s0]);
+    mbar::wait(&empty[s1], (((it + 1) / ST) & 1) ^ 1);
+    if (p == 0)
       wgmma_issue_weights<GATE_UP_SILU, M, L>(ring + s1 * L::STAGE_BYTES + L::WEIGHTS_AT, wg, wu, k0, tl.n0 + WS_BOX,
                                               tl.e, &full[s1]);
-    }
     char* rows = ring + s0 * L::STAGE_BYTES + L::ROWS_AT + r0 * WG_ROW_BYTES + chunk;
     if (vec) {
       wgmma_gather<T, KD, true, FFN_WIDE_BP / 16, L::ACT_EVICT_LAST>(x, src, k0 + 8 * c, rows, act);
@@ -246,9 +247,12 @@ __device__ __forceinline__ void expert_ffn_produce(const T* __restrict__ x, cons
 }
 
 // Consumer of a wide gate_up_silu tile of at most BP pairs (paired stages, above): gate and up
-// accumulators for both 64-column halves, B from the first stage of each slice; a slice's two
-// stages freed together once the next slice's wgmma are issued.  The epilogue stores each half as
-// a narrow tile's (through its own stage of the last slice where the staged epilogue is on).
+// accumulators for both 64-column halves, B from the first stage of each slice.  A slice's two
+// stages are freed as soon as its wgmma have read them (wait<0>, not the narrow tile's wait<1>,
+// which frees a slice once the next is issued: with two stages a slice that would leave one wide
+// slice, 32 KB, in flight behind the one being read; this way two, 64 KB, as the narrow tile's
+// three stages plus the one it reads).  The last slice's stages are kept for the epilogue, which
+// stores each half as a narrow tile's (through its own stage where the staged epilogue is on).
 template <typename T, int M, int KD, int ST, int BP>
 __device__ __forceinline__ void expert_ffn_consume_wide(const WgTile& tl, const i32* __restrict__ order, unsigned ring,
                                                         unsigned long long* full, unsigned long long* empty, T* a,
@@ -282,13 +286,12 @@ __device__ __forceinline__ void expert_ffn_consume_wide(const WgTile& tl, const 
       wgmma::mma_m64nk16<BF16, BP>(u1, wgmma::desc_sw128(w1 + WS_BOX * WS_ROW_BYTES + k), b);
     }
     wgmma::commit();
-    wgmma::wait<1>();                                    // the slice before this one is read: free its stages
-    if (kt > 0 && lane == 0) {
-      mbar::arrive(&empty[(it - 2) % ST]);
-      mbar::arrive(&empty[(it - 1) % ST]);
+    wgmma::wait<0>();                                    // this slice is read: free its stages (above)
+    if (kt + 1 < KT && lane == 0) {
+      mbar::arrive(&empty[s0]);
+      mbar::arrive(&empty[s1]);
     }
   }
-  wgmma::wait<0>();
   wgmma::fence_operands(g0);
   wgmma::fence_operands(u0);
   wgmma::fence_operands(g1);
