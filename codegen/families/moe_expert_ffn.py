@@ -87,7 +87,8 @@ def fused_launch(nid: str, opts: Options, gu: dict, dn: dict, args: tuple) -> Ke
               "row_tiles": row_tile_bound(E, S.upper() * K)}   # the window's widest: one module for any window
     return KernelLaunch(
         family=FAMILY, template=TEMPLATE,
-        name=kernel_name(FAMILY, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}", *S.switch_names(STAGED_FROM_BP), *["wgu"] * WIDE_GU, "fused"]),
+        name=kernel_name(FAMILY, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}", *S.switch_names(STAGED_FROM_BP),
+                                  *["wgu"] * WIDE_GU, "fused"]),
         params=params, nodes=(nid,), grid=(f"min(2 * SMS, {tiles}) * {fused_range()}", 1, 1),
         block=(THREADS, 1, 1), args=args, smem=S.smem(S.STAGES), stage="fused", requires=(S.FEATURE,))
 

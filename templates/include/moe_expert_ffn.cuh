@@ -78,6 +78,22 @@ constexpr int FFN_WIDE_BP = 32;
 static_assert(FFN_WIDE_BP == 32, "wide tiles: 4 x 16 accumulators at 32 pairs fill the 96 registers of two 288-thread CTAs");
 __host__ __device__ constexpr int ffn_gu_col_tiles(int m) { return (m + FFN_GU_COLS - 1) / FFN_GU_COLS; }
 
+// How a gate_up_silu tile of the walk runs, decided in one place for its producer and consumer:
+// NARROW one 64-column tile (every tile when FFN_WIDE_GU is off, and a last tile with no second
+// half), WIDE paired stages, HALVES its two 64-column halves one after the other.
+enum class GuShape { NARROW, WIDE, HALVES };
+template <int M>
+__device__ __forceinline__ GuShape ffn_gu_shape(const WgTile& tl) {
+  if (!FFN_WIDE_GU || tl.n0 + WS_BOX >= M) return GuShape::NARROW;
+  return tl.rows <= FFN_WIDE_BP ? GuShape::WIDE : GuShape::HALVES;
+}
+// A wide tile's columns n0 + 64 .. n0 + 127.
+__device__ __forceinline__ WgTile upper_half(const WgTile& tl) {
+  WgTile hi = tl;
+  hi.n0 += WS_BOX;
+  return hi;
+}
+
 // The consumer's hand-offs to the publisher warp: entry q holds a row tile (-1: the walk's end).
 struct PublishQueue {
   unsigned long long full[FFN_PUB], empty[FFN_PUB];
@@ -111,13 +127,8 @@ __device__ __forceinline__ void expert_ffn_produce_wide(const T* __restrict__ x,
   const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
   const int chunk = (c ^ (r0 & 7)) * 16;                 // 128B swizzle: c ^ (row % 8)
   int src[FFN_WIDE_BP / 16];                             // x row of each of this thread's tile rows, -1: none
+  wgmma_pair_rows<GATE_UP_SILU, K>(order, tl, r0, src);
   const unsigned long long act = L::ACT_EVICT_LAST ? l2::evict_last() : 0ull;
-#pragma unroll
-  for (int i = 0; i < FFN_WIDE_BP / 16; ++i) {
-    const int r = r0 + 16 * i;
-    const int pr = r < tl.rows ? order[tl.pbeg + r] : -1;
-    src[i] = pr < 0 ? -1 : pr / K;
-  }
   for (int kt = 0; kt < KT; ++kt, it += 2) {
     take_next(kt, KT);
     const int s0 = it % ST, s1 = (it + 1) % ST;
@@ -130,15 +141,8 @@ __device__ __forceinline__ void expert_ffn_produce_wide(const T* __restrict__ x,
     if (p == 0)
       wgmma_issue_weights<GATE_UP_SILU, M, L>(ring + s1 * L::STAGE_BYTES + L::WEIGHTS_AT, wg, wu, k0, tl.n0 + WS_BOX,
                                               tl.e, &full[s1]);
-    char* rows = ring + s0 * L::STAGE_BYTES + L::ROWS_AT + r0 * WG_ROW_BYTES + chunk;
-    if (vec) {
-      wgmma_gather<T, KD, true, FFN_WIDE_BP / 16, L::ACT_EVICT_LAST>(x, src, k0 + 8 * c, rows, act);
-      mbar::arrive_on_cp_async(&full[s0]);
-    } else {
-      wgmma_gather<T, KD, false>(x, src, k0 + 8 * c, rows);
-      mbar::fence_proxy_async();                         // plain stores, read next by wgmma (async proxy)
-      mbar::arrive(&full[s0]);
-    }
+    wgmma_gather_slice<T, KD, FFN_WIDE_BP / 16, L::ACT_EVICT_LAST>(
+        x, src, k0 + 8 * c, ring + s0 * L::STAGE_BYTES + L::ROWS_AT + r0 * WG_ROW_BYTES + chunk, vec, &full[s0], act);
     mbar::arrive(&full[s1]);                             // weights only: the producer's part is done
   }
 }
@@ -150,22 +154,20 @@ __device__ __forceinline__ void expert_ffn_produce_gu(const T* __restrict__ x, c
                                                       unsigned long long* full, unsigned long long* empty, bool vec,
                                                       int& it, H take_next) {
   using L = WgSkinnyTiles;
-  if constexpr (FFN_WIDE_GU) {
-    WgTile hi = tl;
-    hi.n0 += WS_BOX;
-    if (hi.n0 < M && tl.rows <= FFN_WIDE_BP) {
+  switch (ffn_gu_shape<M>(tl)) {
+    case GuShape::WIDE:
       expert_ffn_produce_wide<T, M, D, K, ST>(x, wg, wu, order, tl, ring, full, empty, vec, it, take_next);
-      return;
-    }
-    if (hi.n0 < M) {                                     // too many pairs: the two halves in turn
+      break;
+    case GuShape::HALVES:                                // the next tile is taken in the second half alone
       wgmma_produce_tile<T, GATE_UP_SILU, M, D, K, ST, L>(x, wg, wu, order, tl, ring, full, empty, vec, it, 0,
                                                           NoSliceHook{});
-      wgmma_produce_tile<T, GATE_UP_SILU, M, D, K, ST, L>(x, wg, wu, order, hi, ring, full, empty, vec, it, 0,
+      wgmma_produce_tile<T, GATE_UP_SILU, M, D, K, ST, L>(x, wg, wu, order, upper_half(tl), ring, full, empty, vec, it,
+                                                          0, take_next);
+      break;
+    case GuShape::NARROW:
+      wgmma_produce_tile<T, GATE_UP_SILU, M, D, K, ST, L>(x, wg, wu, order, tl, ring, full, empty, vec, it, 0,
                                                           take_next);
-      return;
-    }
   }
-  wgmma_produce_tile<T, GATE_UP_SILU, M, D, K, ST, L>(x, wg, wu, order, tl, ring, full, empty, vec, it, 0, take_next);
 }
 
 // Producer (warpgroup 0): tiles taken from the walk's counter; gate_up_silu's gather x, down's
@@ -296,8 +298,7 @@ __device__ __forceinline__ void expert_ffn_consume_wide(const WgTile& tl, const 
   wgmma::fence_operands(u0);
   wgmma::fence_operands(g1);
   wgmma::fence_operands(u1);
-  WgTile hi = tl;
-  hi.n0 += WS_BOX;
+  const WgTile hi = upper_half(tl);
   constexpr bool STAGED = WS_STAGED_FROM_BP > 0 && BP >= WS_STAGED_FROM_BP;
   const int l0 = (it - 2) % ST, l1 = (it - 1) % ST;      // the stages of the tile's last slice
   if constexpr (STAGED) {
@@ -325,21 +326,18 @@ template <typename T, int M, int D, int ST>
 __device__ __forceinline__ void expert_ffn_consume_gu(const WgTile& tl, const i32* __restrict__ order, unsigned ring,
                                                       unsigned long long* full, unsigned long long* empty, T* a,
                                                       int& it) {
-  if constexpr (FFN_WIDE_GU) {
-    WgTile hi = tl;
-    hi.n0 += WS_BOX;
-    if (hi.n0 < M && tl.rows <= FFN_WIDE_BP) {
+  switch (ffn_gu_shape<M>(tl)) {
+    case GuShape::WIDE:
       if (tl.rows <= 16) expert_ffn_consume_wide<T, M, D, ST, 16>(tl, order, ring, full, empty, a, it);
       else expert_ffn_consume_wide<T, M, D, ST, FFN_WIDE_BP>(tl, order, ring, full, empty, a, it);
-      return;
-    }
-    if (hi.n0 < M) {                                     // too many pairs: the two halves in turn
+      break;
+    case GuShape::HALVES:
       wgmma_skinny_tile_fit<T, GATE_UP_SILU, M, D, ST>(tl, order, ring, full, empty, a, a, it);
-      wgmma_skinny_tile_fit<T, GATE_UP_SILU, M, D, ST>(hi, order, ring, full, empty, a, a, it);
-      return;
-    }
+      wgmma_skinny_tile_fit<T, GATE_UP_SILU, M, D, ST>(upper_half(tl), order, ring, full, empty, a, a, it);
+      break;
+    case GuShape::NARROW:
+      wgmma_skinny_tile_fit<T, GATE_UP_SILU, M, D, ST>(tl, order, ring, full, empty, a, a, it);
   }
-  wgmma_skinny_tile_fit<T, GATE_UP_SILU, M, D, ST>(tl, order, ring, full, empty, a, a, it);
 }
 
 // Consumer (warpgroup 1): the tiles the producer took, read beside each tile's first stage; a

@@ -149,7 +149,7 @@ def test_wide_gate_up_tiles_are_a_rendered_switch_that_compiles_without_spills(m
     tiles in the grid's bound (V2-Lite's M = 1408: 11, not 22); on, V2-Lite's kernel compiles
     in registers for two CTAs of 288 threads an SM (96: ptxas allocates 10 warps a CTA), with wgmma
     of 16 and 32 pairs (the paired stages) beside the 64-pair ones (a wide tile's halves in turn).
-    At that cap it spills a few words (16 bytes here, 20 at other widths): values reloaded once a
+    At that cap it spills a few words (12 bytes): values reloaded once a
     tile, before a K loop or in an epilogue, none inside a K slice loop (nvdisasm --print-line-info
     when it landed); with the staged epilogue off, none.  Off,
     the kernel is the one every other test here checks (its SASS byte-identical to the commit before

@@ -206,6 +206,35 @@ __device__ __forceinline__ void wgmma_issue_weights(char* b, const TensorMap* w0
   if (box1) box(b + L::BOX * WG_ROW_BYTES, MODE == DOWN ? w0 : w1, MODE == DOWN ? n0 + L::BOX : n0);
 }
 
+// The source row of each of a producer thread's tile rows r0 + 16 i (-1: none): the pair's x row
+// (pair / K) for the gate_up modes, the pair's own row of `a` for DOWN.
+template <int MODE, int K, int R>
+__device__ __forceinline__ void wgmma_pair_rows(const i32* __restrict__ order, const WgTile& tl, int r0,
+                                                int (&src)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int r = r0 + 16 * i;
+    const int pr = r < tl.rows ? order[tl.pbeg + r] : -1;
+    src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);
+  }
+}
+
+// A producer thread's part of one stage's gathered rows (wgmma_gather into dst), announced to the
+// stage's full barrier: as its cp.async copies land (vec), or after plain stores made visible to
+// the async proxy that wgmma reads through.
+template <typename T, int KD, int R, bool HINT>
+__device__ __forceinline__ void wgmma_gather_slice(const T* __restrict__ x, const int (&src)[R], int kc, char* dst,
+                                                   bool vec, unsigned long long* full_s, unsigned long long pol) {
+  if (vec) {
+    wgmma_gather<T, KD, true, R, HINT>(x, src, kc, dst, pol);
+    mbar::arrive_on_cp_async(full_s);
+  } else {
+    wgmma_gather<T, KD, false>(x, src, kc, dst);
+    mbar::fence_proxy_async();                           // plain stores, read next by wgmma (async proxy)
+    mbar::arrive(full_s);
+  }
+}
+
 // Producer: the 128 threads of warpgroup 0, one tile from ring position `it` (advanced past the
 // tile's last slice).  Thread p copies 16-byte chunk p % 8 of tile rows p / 8 + 16 i (i < BM / 16):
 // a warp covers four whole 128-byte row slices per instruction; all its rows share r % 8, so one
@@ -226,13 +255,8 @@ __device__ __forceinline__ void wgmma_produce_tile(const T* __restrict__ x, cons
   const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
   const int chunk = (c ^ (r0 & 7)) * 16;                 // 128B swizzle: c ^ (row % 8)
   int src[L::BM / 16];                                   // x row of each of this thread's tile rows, -1: none
+  wgmma_pair_rows<MODE, K>(order, tl, r0, src);
   const unsigned long long act = L::ACT_EVICT_LAST ? l2::evict_last() : 0ull;   // the gathers' L2 policy
-#pragma unroll
-  for (int i = 0; i < L::BM / 16; ++i) {
-    const int r = r0 + 16 * i;
-    const int pr = r < tl.rows ? order[tl.pbeg + r] : -1;
-    src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);
-  }
   for (int kt = 0; kt < KT; ++kt, ++it) {
     at_slice(kt, KT);
     const int s = it % ST;
@@ -241,14 +265,8 @@ __device__ __forceinline__ void wgmma_produce_tile(const T* __restrict__ x, cons
     char* b = ring + s * L::STAGE_BYTES + L::WEIGHTS_AT;
     const int k0 = kt * WG_BK;
     if (p == 0 && kt >= pre) wgmma_issue_weights<MODE, N, L>(b, w0, w1, k0, tl.n0, tl.e, &full[s]);
-    if (vec) {
-      wgmma_gather<T, KD, true, L::BM / 16, L::ACT_EVICT_LAST>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk, act);
-      mbar::arrive_on_cp_async(&full[s]);
-    } else {
-      wgmma_gather<T, KD, false>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk);
-      mbar::fence_proxy_async();                         // plain stores, read next by wgmma (async proxy)
-      mbar::arrive(&full[s]);
-    }
+    wgmma_gather_slice<T, KD, L::BM / 16, L::ACT_EVICT_LAST>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk, vec,
+                                                            &full[s], act);
   }
 }
 
