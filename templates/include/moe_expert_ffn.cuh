@@ -250,10 +250,8 @@ __device__ __forceinline__ void expert_ffn_produce(const T* __restrict__ x, cons
 
 // Consumer of a wide gate_up_silu tile of at most BP pairs (paired stages, above): gate and up
 // accumulators for both 64-column halves, B from the first stage of each slice.  A slice's two
-// stages are freed as soon as its wgmma have read them (wait<0>, not the narrow tile's wait<1>,
-// which frees a slice once the next is issued: with two stages a slice that would leave one wide
-// slice, 32 KB, in flight behind the one being read; this way two, 64 KB, as the narrow tile's
-// three stages plus the one it reads).  The last slice's stages are kept for the epilogue, which
+// stages are freed as soon as its wgmma have read them (wait<0>, as the narrow tile's: two wide
+// slices, 64 KB, in flight behind the one being read).  The last slice's stages are kept for the epilogue, which
 // stores each half as a narrow tile's (through its own stage where the staged epilogue is on).
 template <typename T, int M, int KD, int ST, int BP>
 __device__ __forceinline__ void expert_ffn_consume_wide(const WgTile& tl, const i32* __restrict__ order, unsigned ring,

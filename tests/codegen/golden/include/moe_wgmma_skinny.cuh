@@ -215,8 +215,12 @@ __device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* _
       wgmma::mma_m64nk16<BF16, BP>(acc1, wgmma::desc_advance(d1, k16), wgmma::desc_advance(db, k16));
     }
     wgmma::commit();
-    wgmma::wait<1>();                                    // the slice before this one is read: free it
-    if (kt > 0 && lane == 0) mbar::arrive(&empty[(it - 1) % ST]);
+    // Free this slice's stage as soon as its wgmma have read it, not once the next slice is issued
+    // (wait<1>): the producer keeps all ST stages ahead of the slice being read, not ST - 1.
+    // Measured on the H200 (PERF_NOTES v24): the expert kernels +0.7-0.9% at every batch.  The
+    // tile's last stage is freed after the epilogue (the staged one stores through it).
+    wgmma::wait<0>();
+    if (kt + 1 < KT && lane == 0) mbar::arrive(&empty[s]);
   }
   wgmma::wait<0>();
   wgmma::fence_operands(acc0);
