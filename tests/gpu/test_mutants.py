@@ -120,14 +120,14 @@ MUTANTS = [
                "misalign": "none", "seed": 13}), uses_runner=True),
     Mutant("decode wgmma expert tile output x1.01 (gate_up_silu, sm_90a, few pairs per expert)",
            "include/moe_wgmma_skinny.cuh",
-           "out0[orow + col] = from_float<T>(round_to<T>(gr / (1.f + expf(-gr))) * ur);",
-           "out0[orow + col] = from_float<T>(round_to<T>(gr / (1.f + expf(-gr))) * ur * 1.01f);",
+           "st(out0 + orow + col, round_to<T>(gr / (1.f + expf(-gr))) * ur);",
+           "st(out0 + orow + col, round_to<T>(gr / (1.f + expf(-gr))) * ur * 1.01f);",
            moe_wgmma_skinny.test_moe_gate_up_silu_wgmma_skinny, dict(case={
                "dtype": "bf16", "T": 72, "E": 6, "K": 2, "counts": [15, 16, 17, 31, 32, 33], "KD": 136, "N": 200,
                "misalign": "none", "seed": 16}), uses_runner=True),
     Mutant("decode wgmma expert tile output x1.01 (down, the second 64-row box)", "include/moe_wgmma_skinny.cuh",
-           "if (col + WS_BOX < N) out0[orow + col + WS_BOX] = from_float<T>(acc1[i]);",
-           "if (col + WS_BOX < N) out0[orow + col + WS_BOX] = from_float<T>(acc1[i] * 1.01f);",
+           "if (col + WS_BOX < N) st(out0 + orow + col + WS_BOX, acc1[i]);",
+           "if (col + WS_BOX < N) st(out0 + orow + col + WS_BOX, acc1[i] * 1.01f);",
            moe_wgmma_skinny.test_moe_down_wgmma_skinny, dict(case={
                "dtype": "fp16", "T": 25, "E": 4, "K": 1, "counts": [9, 8, 7, 1], "KD": 64, "N": 200,
                "misalign": "none", "seed": 17}), uses_runner=True),
