@@ -58,16 +58,7 @@ THREADS = S.THREADS + 32   # + the publisher warp (moe_expert_ffn.cuh FFN_THREAD
 # epilogue of moe_wgmma_skinny.cuh; 0: element stores).  Measured on the H200 (PERF_NOTES v22):
 # the expert kernels at b=256 3.995 -> 4.02 TB/s, b=8-128 within noise; from 16 every batch lost.
 STAGED_FROM_BP = 32
-# gate_up_silu's tiles of 128 output columns (moe_expert_ffn.cuh DSG_FFN_WIDE_GU): a K slice over
-# two ring stages, x gathered once for both 64-column halves (tiles of <= 32 pairs; wider ones run
-# their halves in turn).  Off: built for an A/B (PERF_NOTES v23: b=256's extra time tracks its L2
-# hits, mostly x gathered again by each column tile); not yet run on a GPU.
-WIDE_GU = False
-
-
-def gu_col_tiles(M: int) -> int:
-    """gate_up_silu's column tiles of the fused launch (moe_expert_ffn.cuh ffn_gu_col_tiles)."""
-    return -(-M // (2 * S.BOX if WIDE_GU else S.cols(down=False)))
+# gate_up_silu tiles of 128 columns (x gathered once for both halves) measured 2-3.5% slower (PERF_NOTES v24).
 
 
 def row_tile_bound(E: int, pairs: int) -> int:
@@ -78,17 +69,15 @@ def row_tile_bound(E: int, pairs: int) -> int:
 def fused_launch(nid: str, opts: Options, gu: dict, dn: dict, args: tuple) -> KernelLaunch:
     from codegen.render import kernel_name
     E, K, M, D = gu["E"], gu["K"], gu["N"], dn["N"]
-    nct = gu_col_tiles(M) + S.col_tiles(D, down=True)   # a row tile's: gate_up_silu's + down's
+    nct = S.col_tiles(M, down=False) + S.col_tiles(D, down=True)   # a row tile's: gate_up_silu's + down's
     tiles = f"{nct} * {S.row_tiles(E)}"
     params = {"act": gu["act"], "E": E, "M": M, "D": D, "K": K, "variant": "fused", "threads": THREADS,
               "stages": S.STAGES, "smem": S.smem(S.STAGES), "box_rows": S.BOX, "box_k": S.BK, "pairs": S.BP,
               "staged_from": STAGED_FROM_BP, "act_evict_last": int(S.ACT_EVICT_LAST),
-              "wide_gu": int(WIDE_GU), "gu_col_tiles": gu_col_tiles(M),
               "row_tiles": row_tile_bound(E, S.upper() * K)}   # the window's widest: one module for any window
     return KernelLaunch(
         family=FAMILY, template=TEMPLATE,
-        name=kernel_name(FAMILY, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}", *S.switch_names(STAGED_FROM_BP),
-                                  *["wgu"] * WIDE_GU, "fused"]),
+        name=kernel_name(FAMILY, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}", *S.switch_names(STAGED_FROM_BP), "fused"]),
         params=params, nodes=(nid,), grid=(f"min(2 * SMS, {tiles}) * {fused_range()}", 1, 1),
         block=(THREADS, 1, 1), args=args, smem=S.smem(S.STAGES), stage="fused", requires=(S.FEATURE,))
 
@@ -115,9 +104,8 @@ def around_window(launches: list, p: dict, *, down: bool) -> list:
 
 def fused_applies(opts, gu: dict, dn: dict) -> bool:
     """Where decode's wgmma expert GEMM serves both halves (same conditions), one CTA more of
-    static shared memory aside (the fused kernel's is the skinny kernel's); wide gate_up_silu tiles
-    keep two K slices in flight, so they need a ring of four stages."""
-    return FUSED and S.applies(opts, gu) and S.applies(opts, dn) and (not WIDE_GU or S.STAGES >= 4)
+    static shared memory aside (the fused kernel's is the skinny kernel's)."""
+    return FUSED and S.applies(opts, gu) and S.applies(opts, dn)
 
 
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:

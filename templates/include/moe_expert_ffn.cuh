@@ -60,45 +60,10 @@ constexpr int TAKE_LEAD = 2;          // slices before a tile's last at which it
 constexpr int FFN_THREADS = WS_THREADS + 32;   // producer warpgroup, consumer warpgroup, publisher warp
 constexpr int FFN_PUB = 4;            // row tiles handed to the publisher and not yet published, at most
 
-// gate_up_silu's wide tiles (DSG_FFN_WIDE_GU, rendered from the lowering's moe_expert_ffn.WIDE_GU;
-// PERF_NOTES v23).  At b=256 the launch reads the same DRAM bytes as at b=128 and loses ~10 us a
-// layer while its L2 hits grow by ~150 MB, most of them x gathered again by each of a row tile's
-// gate_up_silu column tiles.  A wide tile covers 128 output columns: a K slice takes two ring
-// stages, the first holding gate and up rows n0..n0+63 and the gathered x rows, the second gate
-// and up rows n0+64..n0+127 and no rows (the consumer reads B from the first), so x is gathered
-// once per 128 columns.  Four accumulators of BP / 2: tiles of at most FFN_WIDE_BP pairs; a wider
-// tile runs as its two 64-column halves one after the other (x gathered for each, as before), and
-// a last tile with no second half (M % 128 in 1..64) as one narrow tile.
-#ifndef DSG_FFN_WIDE_GU
-#define DSG_FFN_WIDE_GU 0
-#endif
-constexpr bool FFN_WIDE_GU = DSG_FFN_WIDE_GU != 0;
-constexpr int FFN_GU_COLS = FFN_WIDE_GU ? 2 * WS_BOX : wgmma_skinny_cols(GATE_UP_SILU);   // a tile's columns
-constexpr int FFN_WIDE_BP = 32;
-static_assert(FFN_WIDE_BP == 32, "wide tiles: 4 x 16 accumulators at 32 pairs fill the 96 registers of two 288-thread CTAs");
-__host__ __device__ constexpr int ffn_gu_col_tiles(int m) { return (m + FFN_GU_COLS - 1) / FFN_GU_COLS; }
-
-// How a gate_up_silu tile of the walk runs, decided in one place for its producer and consumer:
-// NARROW one 64-column tile (every tile when FFN_WIDE_GU is off, and a last tile with no second
-// half), WIDE paired stages, HALVES its two 64-column halves one after the other.
-enum class GuShape { NARROW, WIDE, HALVES };
-template <int M>
-__device__ __forceinline__ GuShape ffn_gu_shape(const WgTile& tl) {
-  if (!FFN_WIDE_GU || tl.n0 + WS_BOX >= M) return GuShape::NARROW;
-  return tl.rows <= FFN_WIDE_BP ? GuShape::WIDE : GuShape::HALVES;
-}
-// A wide tile's columns n0 + 64 .. n0 + 127.
-__device__ __forceinline__ WgTile upper_half(const WgTile& tl) {
-  WgTile hi = tl;
-  hi.n0 += WS_BOX;
-  return hi;
-}
-
 // The consumer's hand-offs to the publisher warp: entry q holds a row tile (-1: the walk's end).
 struct PublishQueue {
   unsigned long long full[FFN_PUB], empty[FFN_PUB];
   int row_tile[FFN_PUB];
-  int handed;                         // thread 128's hand-offs so far (wide tiles only; see expert_ffn_consume)
 };
 
 __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
@@ -114,62 +79,6 @@ __device__ __forceinline__ void release_add(unsigned* p) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(p) : "memory");
 }
 
-// Producer of a wide gate_up_silu tile as paired stages (above): per K slice, thread 0 issues the
-// four boxes (two a stage), every thread gathers its x chunks into the first stage and arrives
-// at once on the second.  `take_next` as wgmma_produce_tile's `at_slice`.
-template <typename T, int M, int KD, int K, int ST, typename H>
-__device__ __forceinline__ void expert_ffn_produce_wide(const T* __restrict__ x, const TensorMap* wg,
-                                                        const TensorMap* wu, const i32* __restrict__ order,
-                                                        const WgTile& tl, char* ring, unsigned long long* full,
-                                                        unsigned long long* empty, bool vec, int& it, H take_next) {
-  using L = WgSkinnyTiles;
-  constexpr int KT = (KD + WG_BK - 1) / WG_BK;
-  const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
-  const int chunk = (c ^ (r0 & 7)) * 16;                 // 128B swizzle: c ^ (row % 8)
-  int src[FFN_WIDE_BP / 16];                             // x row of each of this thread's tile rows, -1: none
-  wgmma_pair_rows<GATE_UP_SILU, K>(order, tl, r0, src);
-  const unsigned long long act = L::ACT_EVICT_LAST ? l2::evict_last() : 0ull;
-  for (int kt = 0; kt < KT; ++kt, it += 2) {
-    take_next(kt, KT);
-    const int s0 = it % ST, s1 = (it + 1) % ST;
-    const int k0 = kt * WG_BK;
-    mbar::wait(&empty[s0], ((it / ST) & 1) ^ 1);
-    if (p == 0)                                          // each stage's boxes as soon as it is free
-      wgmma_issue_weights<GATE_UP_SILU, M, L>(ring + s0 * L::STAGE_BYTES + L::WEIGHTS_AT, wg, wu, k0, tl.n0, tl.e,
-                                              &full[s0]);
-    mbar::wait(&empty[s1], (((it + 1) / ST) & 1) ^ 1);
-    if (p == 0)
-      wgmma_issue_weights<GATE_UP_SILU, M, L>(ring + s1 * L::STAGE_BYTES + L::WEIGHTS_AT, wg, wu, k0, tl.n0 + WS_BOX,
-                                              tl.e, &full[s1]);
-    wgmma_gather_slice<T, KD, FFN_WIDE_BP / 16, L::ACT_EVICT_LAST>(
-        x, src, k0 + 8 * c, ring + s0 * L::STAGE_BYTES + L::ROWS_AT + r0 * WG_ROW_BYTES + chunk, vec, &full[s0], act);
-    mbar::arrive(&full[s1]);                             // weights only: the producer's part is done
-  }
-}
-
-// Producer of one gate_up_silu tile of the walk, narrow or wide (FFN_WIDE_GU, above).
-template <typename T, int M, int D, int K, int ST, typename H>
-__device__ __forceinline__ void expert_ffn_produce_gu(const T* __restrict__ x, const TensorMap* wg, const TensorMap* wu,
-                                                      const i32* __restrict__ order, const WgTile& tl, char* ring,
-                                                      unsigned long long* full, unsigned long long* empty, bool vec,
-                                                      int& it, H take_next) {
-  using L = WgSkinnyTiles;
-  switch (ffn_gu_shape<M>(tl)) {
-    case GuShape::WIDE:
-      expert_ffn_produce_wide<T, M, D, K, ST>(x, wg, wu, order, tl, ring, full, empty, vec, it, take_next);
-      break;
-    case GuShape::HALVES:                                // the next tile is taken in the second half alone
-      wgmma_produce_tile<T, GATE_UP_SILU, M, D, K, ST, L>(x, wg, wu, order, tl, ring, full, empty, vec, it, 0,
-                                                          NoSliceHook{});
-      wgmma_produce_tile<T, GATE_UP_SILU, M, D, K, ST, L>(x, wg, wu, order, upper_half(tl), ring, full, empty, vec, it,
-                                                          0, take_next);
-      break;
-    case GuShape::NARROW:
-      wgmma_produce_tile<T, GATE_UP_SILU, M, D, K, ST, L>(x, wg, wu, order, tl, ring, full, empty, vec, it, 0,
-                                                          take_next);
-  }
-}
-
 // Producer (warpgroup 0): tiles taken from the walk's counter; gate_up_silu's gather x, down's
 // gather `a` once their row tile is ready.  `stage_tile[s]`: the tile whose first slice stage s
 // holds (or `total`: the walk's end), for the consumer; `taken[2]`: thread 0's tile for its warpgroup.
@@ -180,7 +89,7 @@ __device__ __forceinline__ void expert_ffn_produce(const T* __restrict__ x, cons
                                                    unsigned* ready, unsigned* walk, char* ring,
                                                    unsigned long long* full, unsigned long long* empty,
                                                    int* stage_tile, int* taken) {
-  constexpr int NCT_GU = ffn_gu_col_tiles(M), NCT_D = wgmma_skinny_col_tiles(DOWN, D);
+  constexpr int NCT_GU = wgmma_skinny_col_tiles(GATE_UP_SILU, M), NCT_D = wgmma_skinny_col_tiles(DOWN, D);
   constexpr int KT_D = (M + WS_BK - 1) / WS_BK, PRE = ST < KT_D ? ST : KT_D;   // down's slices issued ahead, at most
   using L = WgSkinnyTiles;
   if (threadIdx.x == 0) {
@@ -226,8 +135,9 @@ __device__ __forceinline__ void expert_ffn_produce(const T* __restrict__ x, cons
       break;
     }
     if (t < gu_total) {
-      const WgTile tl = wgmma_tile<E, NCT_GU, FFN_GU_COLS, WS_BP>(tiles, offsets, t);
-      expert_ffn_produce_gu<T, M, D, K, ST>(x, wg, wu, order, tl, ring, full, empty, vec_x, it, take_next);
+      const WgTile tl = wgmma_tile<E, NCT_GU, wgmma_skinny_cols(GATE_UP_SILU), WS_BP>(tiles, offsets, t);
+      wgmma_produce_tile<T, GATE_UP_SILU, M, D, K, ST, L>(x, wg, wu, order, tl, ring, full, empty, vec_x, it, 0,
+                                                          take_next);
     } else {
       const int u = t - gu_total, rt = u / NCT_D;
       const WgTile tl = wgmma_tile<E, NCT_D, wgmma_skinny_cols(DOWN), WS_BP>(tiles, offsets, u);
@@ -248,96 +158,6 @@ __device__ __forceinline__ void expert_ffn_produce(const T* __restrict__ x, cons
   dsg::mma::cp_async_wait<0>();                          // nothing of this thread's left in flight at exit
 }
 
-// Consumer of a wide gate_up_silu tile of at most BP pairs (paired stages, above): gate and up
-// accumulators for both 64-column halves, B from the first stage of each slice.  A slice's two
-// stages are freed as soon as its wgmma have read them (wait<0>, as the narrow tile's: two wide
-// slices, 64 KB, in flight behind the one being read).  The last slice's stages are kept for the epilogue, which
-// stores each half as a narrow tile's (through its own stage where the staged epilogue is on).
-template <typename T, int M, int KD, int ST, int BP>
-__device__ __forceinline__ void expert_ffn_consume_wide(const WgTile& tl, const i32* __restrict__ order, unsigned ring,
-                                                        unsigned long long* full, unsigned long long* empty, T* a,
-                                                        int& it) {
-  constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
-  constexpr int KT = (KD + WS_BK - 1) / WS_BK;
-  const int lane = threadIdx.x & 31;
-  float g0[BP / 2], u0[BP / 2], g1[BP / 2], u1[BP / 2];   // columns n0.. and n0 + 64..: gate, up
-#pragma unroll
-  for (int i = 0; i < BP / 2; ++i) g0[i] = u0[i] = g1[i] = u1[i] = 0.f;
-  wgmma::fence_operands(g0);
-  wgmma::fence_operands(u0);
-  wgmma::fence_operands(g1);
-  wgmma::fence_operands(u1);
-  for (int kt = 0; kt < KT; ++kt, it += 2) {
-    const int s0 = it % ST, s1 = (it + 1) % ST;
-    mbar::wait(&full[s0], (it / ST) & 1);
-    mbar::wait(&full[s1], ((it + 1) / ST) & 1);
-    mbar::fence_proxy_async();                           // the gathered rows were cp.async (generic) writes
-    // (descriptors formed per k16 step from the two stages' 32-bit addresses: at the 96 registers
-    // two CTAs of 288 threads allow, five 64-bit descriptors held across the slice spilled)
-    const unsigned w0 = ring + s0 * WS_STAGE_BYTES, w1 = ring + s1 * WS_STAGE_BYTES;
-    wgmma::fence();
-#pragma unroll
-    for (int k16 = 0; k16 < WS_BK / 16; ++k16) {
-      const unsigned k = 32 * k16;                       // 32 bytes a K step inside the swizzled rows
-      const unsigned long long b = wgmma::desc_sw128(w0 + WS_W_BYTES + k);
-      wgmma::mma_m64nk16<BF16, BP>(g0, wgmma::desc_sw128(w0 + k), b);
-      wgmma::mma_m64nk16<BF16, BP>(u0, wgmma::desc_sw128(w0 + WS_BOX * WS_ROW_BYTES + k), b);
-      wgmma::mma_m64nk16<BF16, BP>(g1, wgmma::desc_sw128(w1 + k), b);
-      wgmma::mma_m64nk16<BF16, BP>(u1, wgmma::desc_sw128(w1 + WS_BOX * WS_ROW_BYTES + k), b);
-    }
-    wgmma::commit();
-    wgmma::wait<0>();                                    // this slice is read: free its stages (above)
-    if (kt + 1 < KT && lane == 0) {
-      mbar::arrive(&empty[s0]);
-      mbar::arrive(&empty[s1]);
-    }
-  }
-  wgmma::fence_operands(g0);
-  wgmma::fence_operands(u0);
-  wgmma::fence_operands(g1);
-  wgmma::fence_operands(u1);
-  const WgTile hi = upper_half(tl);
-  constexpr bool STAGED = WS_STAGED_FROM_BP > 0 && BP >= WS_STAGED_FROM_BP;
-  const int l0 = (it - 2) % ST, l1 = (it - 1) % ST;      // the stages of the tile's last slice
-  if constexpr (STAGED) {
-    // both halves into their stages, one barrier, then both flushed (the accumulators die early)
-    wgmma_skinny_stage_put<T, GATE_UP_SILU, BP>(g0, u0, ring + l0 * WS_STAGE_BYTES);
-    wgmma_skinny_stage_put<T, GATE_UP_SILU, BP>(g1, u1, ring + l1 * WS_STAGE_BYTES);
-    wgmma::warpgroup_sync(WS_CONSUMER_BAR);
-    wgmma_skinny_stage_flush<T, GATE_UP_SILU, M, BP>(tl, order, a, ring + l0 * WS_STAGE_BYTES);
-    wgmma_skinny_stage_flush<T, GATE_UP_SILU, M, BP>(hi, order, a, ring + l1 * WS_STAGE_BYTES);
-    mbar::fence_proxy_async();                           // these stages' generic accesses before the next TMA
-    __syncwarp();
-  }
-  if (lane == 0) {
-    mbar::arrive(&empty[l0]);
-    mbar::arrive(&empty[l1]);
-  }
-  if constexpr (!STAGED) {
-    wgmma_skinny_store<T, GATE_UP_SILU, M, BP>(tl, order, g0, u0, a, a);
-    wgmma_skinny_store<T, GATE_UP_SILU, M, BP>(hi, order, g1, u1, a, a);
-  }
-}
-
-// Consumer of one gate_up_silu tile of the walk, as its producer (expert_ffn_produce_gu) made it.
-template <typename T, int M, int D, int ST>
-__device__ __forceinline__ void expert_ffn_consume_gu(const WgTile& tl, const i32* __restrict__ order, unsigned ring,
-                                                      unsigned long long* full, unsigned long long* empty, T* a,
-                                                      int& it) {
-  switch (ffn_gu_shape<M>(tl)) {
-    case GuShape::WIDE:
-      if (tl.rows <= 16) expert_ffn_consume_wide<T, M, D, ST, 16>(tl, order, ring, full, empty, a, it);
-      else expert_ffn_consume_wide<T, M, D, ST, FFN_WIDE_BP>(tl, order, ring, full, empty, a, it);
-      break;
-    case GuShape::HALVES:
-      wgmma_skinny_tile_fit<T, GATE_UP_SILU, M, D, ST>(tl, order, ring, full, empty, a, a, it);
-      wgmma_skinny_tile_fit<T, GATE_UP_SILU, M, D, ST>(upper_half(tl), order, ring, full, empty, a, a, it);
-      break;
-    case GuShape::NARROW:
-      wgmma_skinny_tile_fit<T, GATE_UP_SILU, M, D, ST>(tl, order, ring, full, empty, a, a, it);
-  }
-}
-
 // Consumer (warpgroup 1): the tiles the producer took, read beside each tile's first stage; a
 // gate_up_silu tile then hands its row tile to the publisher (thread 128, one queue entry).
 template <typename T, int E, int M, int D, int ST>
@@ -345,12 +165,9 @@ __device__ __forceinline__ void expert_ffn_consume(const i32* __restrict__ order
                                                    const int* tiles, unsigned ring, unsigned long long* full,
                                                    unsigned long long* empty, T* a, T* __restrict__ out,
                                                    PublishQueue* pub, const int* stage_tile) {
-  constexpr int NCT_GU = ffn_gu_col_tiles(M), NCT_D = wgmma_skinny_col_tiles(DOWN, D);
+  constexpr int NCT_GU = wgmma_skinny_col_tiles(GATE_UP_SILU, M), NCT_D = wgmma_skinny_col_tiles(DOWN, D);
   const int gu_total = tiles[E] * NCT_GU, total = gu_total + tiles[E] * NCT_D;
-  // np: thread 128's hand-offs so far; with wide tiles kept in shared memory (pub->handed), one
-  // register fewer across the walk (the wide consumer is at the 96 registers two CTAs allow).
-  int it = 0, np_reg = 0;
-  int& np = FFN_WIDE_GU ? pub->handed : np_reg;
+  int it = 0, np = 0;                                    // np: thread 128's hand-offs so far
   auto hand_off = [&](int row_tile) {
     const int q = np % FFN_PUB;
     mbar::wait(&pub->empty[q], ((np / FFN_PUB) & 1) ^ 1);   // the publisher has taken the entry's last
@@ -363,8 +180,8 @@ __device__ __forceinline__ void expert_ffn_consume(const i32* __restrict__ order
     const int t = stage_tile[it % ST];
     if (t >= total) break;
     if (t < gu_total) {
-      const WgTile tl = wgmma_tile<E, NCT_GU, FFN_GU_COLS, WS_BP>(tiles, offsets, t);
-      expert_ffn_consume_gu<T, M, D, ST>(tl, order, ring, full, empty, a, it);
+      const WgTile tl = wgmma_tile<E, NCT_GU, wgmma_skinny_cols(GATE_UP_SILU), WS_BP>(tiles, offsets, t);
+      wgmma_skinny_tile_fit<T, GATE_UP_SILU, M, D, ST>(tl, order, ring, full, empty, a, a, it);
       wgmma::warpgroup_sync(FFN_CONSUMER_BAR);          // every column of this tile is stored
       if (threadIdx.x == 128) hand_off(t / NCT_GU);
     } else {
@@ -401,8 +218,6 @@ __device__ __forceinline__ void expert_ffn_wgmma_skinny(const T* __restrict__ x,
   static_assert(sizeof(T) == 2, "expert ffn: 16-bit operands");
   static_assert(D % 8 == 0 && M % 8 == 0, "expert ffn: rows of whole 16-byte chunks (TMA strides, cp.async)");
   static_assert(ST >= 2, "expert ffn: a ring of at least two stages");
-  // A wide slice's two stages are freed once the next slice's are full: two slices in flight.
-  static_assert(!FFN_WIDE_GU || ST >= 4, "expert ffn: wide gate_up_silu tiles need a ring of at least four stages");
   static_assert(2 * (wgmma_skinny_smem(ST) + 2 * ST * 8 + 4 * (E + 1 + ST + 2) + (int)sizeof(PublishQueue) + 1024) <=
                     228 * 1024,
                 "expert ffn: two CTAs per SM (its grid is sized for two)");
@@ -422,7 +237,6 @@ __device__ __forceinline__ void expert_ffn_wgmma_skinny(const T* __restrict__ x,
       mbar::init(&pub.full[q], 1);
       mbar::init(&pub.empty[q], 1);
     }
-    if constexpr (FFN_WIDE_GU) pub.handed = 0;
   }
   __syncthreads();
   if (tiles[E] > RT) __trap();                           // the lowering's bound broken: a compiler bug

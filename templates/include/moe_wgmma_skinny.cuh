@@ -122,17 +122,15 @@ __device__ __forceinline__ void sts_u16(unsigned addr, unsigned short v) {
   asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(v) : "memory");
 }
 
-// In two halves, so a caller with two tiles' accumulators (moe_expert_ffn.cuh's wide tiles) writes
-// both into their stages before one barrier: wgmma_skinny_stage_put, then, after the consumer
-// warpgroup's barrier, wgmma_skinny_stage_flush.  `st`: the shared address of the stage the
-// outputs go through (1024-byte aligned).
-template <typename T, int MODE, int BP>
-__device__ __forceinline__ void wgmma_skinny_stage_put(const float (&acc0)[BP / 2], const float (&acc1)[BP / 2],
-                                                       unsigned st) {
+// `st`: the shared address of the stage the outputs go through (1024-byte aligned).
+template <typename T, int MODE, int N, int BP>
+__device__ __forceinline__ void wgmma_skinny_store_staged(const WgTile& tl, const i32* __restrict__ order,
+                                                          const float (&acc0)[BP / 2], const float (&acc1)[BP / 2],
+                                                          T* __restrict__ out0, unsigned st) {
   static_assert(MODE == DOWN || MODE == GATE_UP_SILU, "staged epilogue: one output");
-  constexpr int COLS = wgmma_skinny_cols(MODE), RB = COLS * 2;
+  constexpr int COLS = wgmma_skinny_cols(MODE), RB = COLS * 2, CH = COLS / 8;
   static_assert(BP * RB <= WS_STAGE_BYTES, "staged epilogue: the tile's outputs fit one ring stage");
-  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, tid = threadIdx.x & 127;
   auto put = [&](int r, int col, float v) {
     const T e = from_float<T>(v);
     sts_u16(st + r * RB + (((col >> 3) ^ (r & 7)) << 4) + ((col & 7) << 1),
@@ -157,15 +155,7 @@ __device__ __forceinline__ void wgmma_skinny_stage_put(const float (&acc0)[BP / 
         }
       }
     }
-}
-
-// The stage's rows (written by wgmma_skinny_stage_put, behind the consumer warpgroup's barrier)
-// to the tile's outputs in 16-byte chunks.
-template <typename T, int MODE, int N, int BP>
-__device__ __forceinline__ void wgmma_skinny_stage_flush(const WgTile& tl, const i32* __restrict__ order,
-                                                         T* __restrict__ out0, unsigned st) {
-  constexpr int COLS = wgmma_skinny_cols(MODE), RB = COLS * 2, CH = COLS / 8;
-  const int tid = threadIdx.x & 127;
+  wgmma::warpgroup_sync(WS_CONSUMER_BAR);                // every row of the stage is written
   const bool vec = N % 8 == 0 && aligned_to<16>(out0);   // (uniform) whole 16-byte chunks, else elements
   const unsigned long long pol = WgSkinnyTiles::ACT_EVICT_LAST ? l2::evict_last() : 0ull;
 #pragma unroll 4
@@ -176,15 +166,6 @@ __device__ __forceinline__ void wgmma_skinny_stage_flush(const WgTile& tl, const
     store_chunk<T, N, WgSkinnyTiles::ACT_EVICT_LAST>(out0 + (i64)order[tl.pbeg + r] * N + col,
                                                      *reinterpret_cast<const uint4*>(&bits), col, vec, pol);
   }
-}
-
-template <typename T, int MODE, int N, int BP>
-__device__ __forceinline__ void wgmma_skinny_store_staged(const WgTile& tl, const i32* __restrict__ order,
-                                                          const float (&acc0)[BP / 2], const float (&acc1)[BP / 2],
-                                                          T* __restrict__ out0, unsigned st) {
-  wgmma_skinny_stage_put<T, MODE, BP>(acc0, acc1, st);
-  wgmma::warpgroup_sync(WS_CONSUMER_BAR);                // every row of the stage is written
-  wgmma_skinny_stage_flush<T, MODE, N, BP>(tl, order, out0, st);
 }
 
 // One tile's K loop and epilogue on the consumer warpgroup, BP pairs wide (the tile has <= BP).

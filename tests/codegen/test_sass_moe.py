@@ -3,8 +3,8 @@ CPU): tensor-core HMMA fed by 16-byte cp.async (LDGSTS, L2 128-byte hint) and ld
 and the swapped few-pairs tiles (moe.cuh 4c) add tensor-core code of their own.  The wgmma variant
 (sm_90a, moe_wgmma.cuh; off by default) is HGMMA fed by TMA boxes and gathering cp.async copies on
 mbarriers, with its registers moved between warpgroups, without spills.  Decode's fused expert FFN
-(moe_expert_ffn.cuh) reads its weight boxes under an L2 evict_first policy and stores its wide
-tiles' outputs in 16-byte chunks, with a publisher warp beside its two warpgroups."""
+(moe_expert_ffn.cuh) reads its weight boxes under an L2 evict_first policy and stores the outputs
+of its tiles of 32+ pairs in 16-byte chunks, with a publisher warp beside its two warpgroups."""
 from __future__ import annotations
 
 import dataclasses
@@ -133,52 +133,3 @@ def test_fused_expert_ffn_has_its_publisher_warp_evict_first_weights_and_chunk_s
     assert ops["STG.E.128"] > 0 and ops["HGMMA.64x64x16.F32.BF16"] > 0 and ops["REDG.E.ADD.STRONG.GPU"] > 0, sorted(ops)
     assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
     assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 65536 // (2 * 288), res.log
-
-
-def _fused_launch_of(spec: str):
-    import ir
-    G = ir.passes.run_pipeline(ir.build_graph(ir.load_spec(f"model_specs/{spec}.yaml"), "decode"))
-    nid = next(n for n, d in G.nodes(data=True) if d["op"] == "moe_expert_ffn")
-    (fused,) = [la for la in lower(G, nid, "bf16") if la.stage == "fused"]
-    return fused
-
-
-def test_wide_gate_up_tiles_are_a_rendered_switch_that_compiles_without_spills(monkeypatch):
-    """`moe_expert_ffn.WIDE_GU` (off until a GPU A/B, PERF_NOTES v23): rendered into the fused
-    kernel (`#define DSG_FFN_WIDE_GU`), its own name (`__wgu__`), half the gate_up_silu column
-    tiles in the grid's bound (V2-Lite's M = 1408: 11, not 22); on, V2-Lite's kernel compiles
-    in registers for two CTAs of 288 threads an SM (96: ptxas allocates 10 warps a CTA), with wgmma
-    of 16 and 32 pairs (the paired stages) beside the 64-pair ones (a wide tile's halves in turn).
-    At that cap it spills a few words (12 bytes): values reloaded once a
-    tile, before a K loop or in an epilogue, none inside a K slice loop (nvdisasm --print-line-info
-    when it landed); with the staged epilogue off, none.  Off,
-    the kernel is the one every other test here checks (its SASS byte-identical to the commit before
-    the switch, checked when it landed)."""
-    from codegen.families import moe_expert_ffn
-    off = _fused_launch_of("deepseek_v2_lite")
-    monkeypatch.setattr(moe_expert_ffn, "WIDE_GU", True)
-    on = _fused_launch_of("deepseek_v2_lite")
-    assert "__wgu__" in on.name and "wgu" not in off.name
-    assert on.params["gu_col_tiles"] == 11 and off.params["gu_col_tiles"] == 22
-    assert on.grid[0].startswith("min(2 * SMS, 27 * ") and off.grid[0].startswith("min(2 * SMS, 38 * "), (on.grid, off.grid)
-    src = render_launch(on)
-    assert "#define DSG_FFN_WIDE_GU 1" in src and "#define DSG_FFN_WIDE_GU 0" in render_launch(off)
-    res = compile_cubin(src, on.name, arch="sm_90a", options=("--ptxas-options=-v",))
-    assert int(res.log.split(" bytes spill stores")[0].split()[-1]) <= 24, res.log
-    assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 65536 // (2 * 288), res.log
-    if cuobjdump() is not None:
-        ops = opcodes(res.cubin)
-        for n in (16, 32, 64):
-            assert ops[f"HGMMA.64x{n}x16.F32.BF16"] > 0, sorted(ops)
-
-
-def test_wide_gate_up_tiles_need_four_stages(monkeypatch):
-    """Two K slices of a wide tile in flight need a ring of four stages; with fewer the lowering
-    keeps the two grouped launches (a ring of three would deadlock: moe_expert_ffn.cuh)."""
-    from codegen.families import _moe_wgmma_skinny, moe_expert_ffn
-    import ir
-    monkeypatch.setattr(moe_expert_ffn, "WIDE_GU", True)
-    monkeypatch.setattr(_moe_wgmma_skinny, "STAGES", 3)
-    G = ir.passes.run_pipeline(ir.build_graph(ir.load_spec("model_specs/deepseek_v2_lite.yaml"), "decode"))
-    nid = next(n for n, d in G.nodes(data=True) if d["op"] == "moe_expert_ffn")
-    assert not [la for la in lower(G, nid, "bf16") if la.stage == "fused"]

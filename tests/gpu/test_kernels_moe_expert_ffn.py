@@ -221,22 +221,3 @@ def test_moe_expert_ffn_fused_activations_kept_in_l2(runner, case, monkeypatch):
     x and `a` gathered, `a` and out stored under L2's evict_last policy; the outputs are the same."""
     monkeypatch.setattr(moe_expert_ffn.S, "ACT_EVICT_LAST", True)
     _run(runner, case, expect=["fused"], window=(1, 256))
-
-
-@pytest.mark.parametrize("staged", [0, 32])
-@pytest.mark.parametrize("case", [
-    _case("bf16", _lite(8), 8, 2048, 1408),                      # V2-Lite b=8: wide tiles of 8 and 1 pairs
-    _case("bf16", _lite(128), 8, 2048, 1408),                    # b=128: 64-pair shared row tiles run their halves in turn
-    _case("fp16", _lite(256), 8, 2048, 1408, "outputs"),          # b=256: 17-32-pair wide tiles, element stores
-    _case("bf16", (256, 129, 100, 27, 0, 0), 2, 136, 200),        # M = 200: a last wide tile's second half 8 columns
-    _case("bf16", (15, 16, 17, 31, 32, 33, 63, 64, 65), 3, 40, 136),   # M = 136: a last tile with no second half
-    _case("fp16", (1, 2, 7, 9, 17, 34), 2, 40, 40, "inputs"),     # M = 40: one narrow tile; x misaligned
-])
-def test_moe_expert_ffn_fused_wide_gate_up_tiles(runner, case, staged, monkeypatch):
-    """`moe_expert_ffn.WIDE_GU` (off until a GPU A/B, PERF_NOTES v23): gate_up_silu tiles of 128
-    output columns whose K slices take two ring stages, x gathered once for both halves; tiles of
-    more than 32 pairs run their halves in turn, a last tile without a second half as one narrow
-    tile; the row tiles' counters count the wide tiles.  The outputs are the same."""
-    monkeypatch.setattr(moe_expert_ffn, "WIDE_GU", True)
-    monkeypatch.setattr(moe_expert_ffn, "STAGED_FROM_BP", staged)
-    _run(runner, case, expect=["fused"], window=(1, 256))

@@ -2,7 +2,7 @@
 // template: moe_expert_ffn.cu.j2
 // kernel:   moe_expert_ffn__bf16__e162_k8__m1536_d5120__st32__fused
 // role:     moe_expert_ffn.fused
-// params:   {"D":5120,"E":162,"K":8,"M":1536,"act":"__nv_bfloat16","act_evict_last":0,"box_k":64,"box_rows":64,"gu_col_tiles":24,"pairs":64,"row_tiles":194,"smem":99328,"staged_from":32,"stages":4,"threads":288,"variant":"fused","wide_gu":0}
+// params:   {"D":5120,"E":162,"K":8,"M":1536,"act":"__nv_bfloat16","act_evict_last":0,"box_k":64,"box_rows":64,"pairs":64,"row_tiles":194,"smem":99328,"staged_from":32,"stages":4,"threads":288,"variant":"fused"}
 // includes: bulk.cuh, cluster.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe.cuh, moe_expert_ffn.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, tma.cuh, wgmma.cuh
 // nodes:    L1-59.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
@@ -23,12 +23,10 @@
 // previous kernel's output.
 #define DSG_WS_STAGED_FROM_BP 32  // tiles of this many pairs or more store through shared memory (0: none)
 #define DSG_WS_ACT_EVICT_LAST 0  // 1: pair rows and outputs under L2's evict_last policy
-#define DSG_FFN_WIDE_GU 0  // 1: gate_up_silu tiles of 128 output columns (x gathered once for both halves)
 #include "moe_expert_ffn.cuh"
 
 static_assert(dsg::moe::wgmma_skinny_smem(4) == 99328, "shared memory size disagrees with the lowering");
 static_assert(dsg::moe::FFN_THREADS == 288, "block size disagrees with the lowering");
-static_assert(dsg::moe::ffn_gu_col_tiles(1536) == 24, "gate_up_silu's column tiles disagree with the lowering");
 static_assert(dsg::moe::WS_BOX == 64 && dsg::moe::WS_BK == 64 && dsg::moe::WS_BP == 64,
               "tensor-map box or pair tile disagrees with the lowering");
 
