@@ -19,11 +19,6 @@ Above it, three launches:
   2. top-k         one warp per token (the moe_topk kernel's math);
   3. align         counts, scan and scatter of the pairs by expert in one CTA (the moe_align
                    kernel's), or count / scan / scatter launches above _moe.ALIGN_PARALLEL_PAIRS.
-With the residual add + RMSNorm inside (attr norm_eps, inputs [x, residual], outputs h and s after
-the routing; ir/passes/fuse_norm_into_route.py), the fused launch's CTAs first add and normalise
-their token tile's rows into shared memory (one warp a token, as fused_add_rms_norm computes them)
-and route on those; each tile's first CTA also writes h and s.  Above the bound fused_add_rms_norm's
-own kernel runs first and the three launches route on its h.
 Which runs is chosen on the host from T alone (grid factors: codegen.sizes.only_below /
 only_above), so a decode step captured at a batch size carries only the launches that do work; a
 launch whose T range is empty under the bounds is not emitted.  No device-to-host copy: the grouped expert
@@ -35,8 +30,7 @@ from codegen.kernel import KernelLaunch, Options, Workspace, WorkspaceRef, inp, 
 from codegen.render import kernel_name
 from codegen.sizes import only_above, only_below
 
-from . import _moe, fused_add_rms_norm
-from ._dense_util import c_float
+from . import _moe
 
 FAMILY = "moe_route"
 TEMPLATE = "moe_route.cu.j2"
@@ -81,12 +75,6 @@ def fused_smem(E: int, P: int, tiles: int) -> int:
     return max(2 * (GEMV_THREADS // 32) * E * 4, tiles * TOKENS_PER_CTA * P * 4)
 
 
-def norm_rows_at(smem: int) -> int:
-    """Where the fused launch's normalised rows start in its dynamic shared memory (with the norm):
-    past the top-k scratch and the ids, 16-byte aligned."""
-    return -(-smem // 16) * 16
-
-
 def gemm_smem(bm: int, bn: int, bk: int) -> int:
     """Dynamic shared memory of the GEMM: two stages of (BM + BN) rows of BK + 4 floats."""
     return 2 * (bm + bn) * (bk + 4) * 4
@@ -118,14 +106,10 @@ def _factors(*fs) -> str | None:
 
 
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
-    attrs, ins, outs, bound = _moe.node_io(G, nid)
-    ids, weights, routing = outs[:3]
-    norm = attrs.get("norm_eps") is not None      # [x, residual] -> ..., h, s (fuse_norm_into_route)
-    x = outs[3] if norm else ins[0]               # what the three-launch form routes on
+    attrs, (x,), (ids, weights, routing), bound = _moe.node_io(G, nid)
     dt, ct = _moe.act(nid, opts)
     E, D = attrs["num_experts"], _moe.inner(G, nid, x)
-    for v in ins:
-        _moe.require_dense(G, nid, v)
+    _moe.require_dense(G, nid, x)
     bias = bound.get("bias")
     topk = {"stage": "topk", **_moe.topk_params(nid, attrs, E, bias is not None)}
     K, S = topk["K"], topk["S"]          # S shared experts: aligned as experts 0..S-1, the routed after
@@ -139,32 +123,19 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     if ft is not None:
         tiles = fused_tiles(ft)
         smem = fused_smem(E, K + S, tiles)
-        if norm:   # the tile's normalised rows stay in shared memory, after the top-k scratch
-            smem = norm_rows_at(smem) + TOKENS_PER_CTA * D * _moe.ELEM_BYTES[dt]
-        fused = {**gemv, **topk, "stage": "fused", "warps": GEMV_THREADS // 32, "tiles": tiles, "smem": smem,
-                 "norm": norm, "eps": c_float(attrs["norm_eps"]) if norm else None,
-                 "rows_at": norm_rows_at(fused_smem(E, K + S, tiles)), "nvec": _moe.vec_width(D, _moe.ELEM_BYTES[dt])}
-        args = [inp("x", ct, ins[0])]
-        if norm:
-            args += [inp("res", ct, ins[1]), weight("norm", ct, bound["norm"])]
-        args.append(weight("gate", "float", bound["gate"]))
+        fused = {**gemv, **topk, "stage": "fused", "warps": GEMV_THREADS // 32, "tiles": tiles, "smem": smem}
+        args = [inp("x", ct, x), weight("gate", "float", bound["gate"])]
         if bias is not None:
             args.append(weight("bias", "float", bias))
         args += [work("logits", "float", "router_logits"), out("ids", "i64", ids), out("weights", "float", weights),
-                 out("order", "i32", f"{routing}.order"), out("offsets", "i32", f"{routing}.offsets")]
-        if norm:
-            args += [out("h", ct, outs[3]), out("s", ct, outs[4])]
-        args.append(size("num_tokens", "T"))
+                 out("order", "i32", f"{routing}.order"), out("offsets", "i32", f"{routing}.offsets"),
+                 size("num_tokens", "T")]
         launches.append(KernelLaunch(
             family=FAMILY, template=TEMPLATE,
-            name=kernel_name(FAMILY, [dt, f"d{D}", *_moe.topk_name_parts(topk), *["addnorm"] * norm,
-                                      f"fused_t{tiles * TOKENS_PER_CTA}"]),
+            name=kernel_name(FAMILY, [dt, f"d{D}", *_moe.topk_name_parts(topk), f"fused_t{tiles * TOKENS_PER_CTA}"]),
             params=fused, nodes=(nid,), grid=(f"{cta_cols} * {only_below(ft)}", f"cdiv(T, {TOKENS_PER_CTA})", 1),
             block=(GEMV_THREADS, 1, 1), args=tuple(args), smem=smem, workspace=(logits,), stage="fused"))
     above = None if ft is None else only_above(ft)
-    if norm:       # above the fused bound: the norm's own kernel first, then the three launches on h
-        launches.append(fused_add_rms_norm.launch(nid, G, opts, ins[0], ins[1], bound["norm"], outs[3], outs[4],
-                                                  attrs["norm_eps"], rows=_moe.when("T", above), stage="add_norm"))
 
     # the logits: the GEMV on (ft, GEMM_TOKENS], the GEMM above max(ft, GEMM_TOKENS)
     gt = GEMM_TOKENS

@@ -276,48 +276,28 @@ class MoeCombine(OpDef):
 @register
 class MoeRoute(OpDef):
     name = "moe_route"
-    inputs = (1, 2)
-    outputs = -1    # 3, or 5 with the norm (infer says which)
-    attrs = {**_topk_attrs(), "num_experts": Attr("dim"), "shared_experts": Attr("int", 0),
-             "norm_eps": Attr("float", None)}
-    weights = {"gate": True, "bias": False, "norm": False}
+    outputs = 3
+    attrs = {**_topk_attrs(), "num_experts": Attr("dim"), "shared_experts": Attr("int", 0)}
+    weights = {"gate": True, "bias": False}
     fp32_weights = ("gate", "bias")
-    doc = ("x [T, D] -> [ids, weights, routing]: router GEMV (fp32) + scoring + top-k + alignment in one op; "
-           "with norm_eps (ir/passes/fuse_norm_into_route.py) [x, residual] -> [ids, weights, routing, "
-           "h = rms_norm(x + residual), s = x + residual], routed on h")
+    doc = "x [T, D] -> [ids, weights, routing]: router GEMV (fp32) + scoring + top-k + alignment in one op"
 
     @classmethod
     def infer(cls, node, ins, model):
-        x = ins[0]
+        (x,) = ins
         E, K, S = node.attrs["num_experts"], node.attrs["top_k"], node.attrs.get("shared_experts", 0)
         expect(len(x.shape) == 2 and x.dtype == "act", f"moe_route expects an activation [T, D], got {x}")
         check_topk_attrs(node.attrs, E)
         expect(S >= 0, f"moe_route: shared_experts={S} must be >= 0")
-        norm = len(ins) == 2
-        expect(norm == (node.attrs.get("norm_eps") is not None) == ("norm" in node.weights),
-               "moe_route: a residual input, norm_eps and a norm weight go together")
         shapes = {"gate": (E, x.shape[1])}
         if "bias" in node.weights:
             shapes["bias"] = (E,)
         T, P = x.shape[0], K + S
-        outs = [TType((T, P), "i64"), TType((T, P), "f32"), TType((_pairs_dim(x, P), E + S), "routing")]
-        if norm:
-            expect(ins[1] == x, f"moe_route: the residual must match x, got {ins[1]} and {x}")
-            shapes["norm"] = (x.shape[1],)
-            outs += [x, x]
-        return outs, shapes
+        return [TType((T, P), "i64"), TType((T, P), "f32"), TType((_pairs_dim(x, P), E + S), "routing")], shapes
 
     @classmethod
     def run(cls, node, ins, w, ctx):
-        if len(ins) == 2:
-            s = ins[0] + ins[1]
-            h = rms_norm_ref(s, w["norm"], node.attrs["norm_eps"])
-            return [*cls._route(node, h, w), h, s]
-        return cls._route(node, ins[0], w)
-
-    @staticmethod
-    def _route(node, x, w):
-        logits = F.linear(x.float(), w["gate"].float())
+        logits = F.linear(ins[0].float(), w["gate"].float())
         ids, weights = with_shared_pairs(*route_ref(logits, w.get("bias"), node.attrs), node.attrs["num_experts"],
                                          node.attrs.get("shared_experts", 0))
         return [ids, weights, align_ref(ids, node.attrs["num_experts"] + node.attrs.get("shared_experts", 0))]

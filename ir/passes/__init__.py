@@ -23,7 +23,6 @@ from .fuse_expert_ffn import fuse_expert_ffn
 from .fuse_gate_up_silu import fuse_gate_up_silu
 from .fuse_kv_norm_rope_cache import fuse_kv_norm_rope_cache
 from .fuse_moe_silu import fuse_moe_silu
-from .fuse_norm_into_route import fuse_norm_into_route
 from .fuse_q_rope_into_query import fuse_q_rope_into_query
 from .fuse_router import fuse_router
 from .fuse_shared_experts import fuse_shared_experts
@@ -71,7 +70,6 @@ PIPELINE: list[Pass] = [
     Pass(fuse_gate_up_silu,            BOTH),     # multi_linear (gate, up) + silu_and_mul -> gate_up_silu
     # Residual stream
     Pass(fuse_add_rms_norm,            BOTH),     # add (or moe_combine_residual) + rms_norm -> one op
-    Pass(fuse_norm_into_route,         BOTH),     # fused_add_rms_norm + moe_route -> moe_route (norm_eps)
     # Clean-up
     Pass(eliminate_dead,               BOTH),     # drop ops nobody reads (cache writes always stay)
 ]
@@ -105,6 +103,6 @@ def run_pipeline(G: nx.DiGraph, passes: list[Pass] = PIPELINE) -> nx.DiGraph:
 
 __all__ = ["PIPELINE", "Pass", "run_pipeline", "eliminate_dead", "fuse_add_rms_norm", "fuse_combine_shared_residual",
            "fuse_decode_prologue", "fuse_expert_ffn",
-           "fuse_gate_up_silu", "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_norm_into_route", "fuse_q_rope_into_query", "fuse_router",
+           "fuse_gate_up_silu", "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_q_rope_into_query", "fuse_router",
            "fuse_shared_experts", "fuse_sibling_linears", "insert_all_reduce", "lower_mla_decode", "lower_mla_prefill", "shard_for_rank",
            "split_rope"]

@@ -7,9 +7,6 @@
 // token-expert pairs (pair p = t*(K+S) + k), TT tokens per token tile.
 //
 // The fused launch (route_fused): grid (cdiv(E, EPB), cdiv(T, TT)), the router GEMV's geometry.
-//   0. with ADD_NORM (ir/passes/fuse_norm_into_route.py) every CTA adds and normalises its tile's
-//      rows into shared memory (RouteNorm: x + residual, RMSNorm), the tile's first CTA also
-//      writes them out (h, s) for the ops after the route;
 //   1. every CTA computes its EPB experts' logits for its tile's TT tokens (fp32 workspace);
 //   2. the CTA of a token tile that finishes last (a ticket per tile) runs top-k for the tile's
 //      tokens, one warp per token, on the logits the tile's other CTAs wrote;
@@ -51,83 +48,18 @@ __device__ __forceinline__ void topk_rows(const float* __restrict__ logits, cons
                                                              scores[warp], choice[warp]);
 }
 
-// The residual add + RMSNorm a route carries (ir/passes/fuse_norm_into_route.py): it routes on
-// h = rms_norm(x + res) and writes h and s = x + res for the ops after it.  `rows`: shared memory
-// for the CTA's token tile, TT rows of D.
-template <typename T>
-struct RouteNorm {
-  const T* __restrict__ res;
-  const T* __restrict__ w;
-  T* __restrict__ h;
-  T* __restrict__ s;
-  float eps;
-  T* rows;
-};
-
-// One warp a token of the CTA's tile: rows[j] = h of token t0 + j, computed as fused_add_rms_norm
-// computes it (the sum rounded to T, fp32 statistics over the rounded sum, the normalised value
-// rounded, times the weight, rounded again: norm.cuh); the tile's first CTA (blockIdx.x == 0) also
-// stores s and h.  A lane reads back only the elements it wrote, so the two sweeps need no barrier.
-template <typename T, int D, int TT, int VEC>
-__device__ __forceinline__ void route_add_norm_body(const T* __restrict__ x, const RouteNorm<T>& n, int num_tokens) {
-  const int lane = threadIdx.x & 31, j = threadIdx.x >> 5, t = blockIdx.y * TT + j;
-  if (j >= TT || t >= num_tokens) return;
-  const bool writes = blockIdx.x == 0;
-  const i64 base = (i64)t * D;
-  T* row = n.rows + (i64)j * D;
-  float ss = 0.f;
-  for (int d = lane * VEC; d < D; d += 32 * VEC) {
-    float a[VEC], b[VEC];
-    load_f<T, VEC>(x + base + d, a);
-    load_f<T, VEC>(n.res + base + d, b);
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) {
-      a[v] = round_to<T>(a[v] + b[v]);
-      ss += a[v] * a[v];
-    }
-    store_f<T, VEC>(row + d, a);
-    if (writes) store_f<T, VEC>(n.s + base + d, a);
-  }
-  const float r = rsqrtf(warp_sum(ss) / (float)D + n.eps);
-  for (int d = lane * VEC; d < D; d += 32 * VEC) {
-    float a[VEC], w[VEC];
-    load_f<T, VEC>(row + d, a);
-    load_f<T, VEC>(n.w + d, w);
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) a[v] = round_to<T>(w[v] * round_to<T>(a[v] * r));
-    store_f<T, VEC>(row + d, a);
-    if (writes) store_f<T, VEC>(n.h + base + d, a);
-  }
-}
-
-// VEC-wide where every global base allows it (the rows in shared memory always do), else scalar.
-template <typename T, int D, int TT, int VEC>
-__device__ __forceinline__ void route_add_norm(const T* __restrict__ x, const RouteNorm<T>& n, int num_tokens) {
-  constexpr int A = vec_align<T, VEC>();
-  if constexpr (VEC > 1) {
-    if (aligned_to<A>(x) && aligned_to<A>(n.res) && aligned_to<A>(n.w) && aligned_to<A>(n.h) && aligned_to<A>(n.s)) {
-      route_add_norm_body<T, D, TT, VEC>(x, n, num_tokens);
-      return;
-    }
-  }
-  route_add_norm_body<T, D, TT, 1>(x, n, num_tokens);
-}
-
 // The whole route in one launch (see the top of this file).  `tickets`: TILES + 1 counters, one per
 // token tile and one for the tiles; `smem`: dynamic shared memory of max(2 * WARPS * E floats,
 // TILES * TT * (K + S) ints) (the top-k scratch, then the pairs' ids: one CTA uses them one after the
 // other).  The lowering runs it only while T <= TILES * TT.  S: shared experts, aligned as experts
 // 0..S-1 with the routed ones after them (topk_scored).
-// ADD_NORM (with `nrm`): x + nrm.res, normalised, is what it routes on (RouteNorm above); NVEC
-// the vector width of its rows.
 template <typename T, int E, int D, int EPB, int TT, int NT, int VEC, int K, int G, int TG, int SCORING,
-          int METHOD, bool NORM, bool HAS_BIAS, int TILES, int S = 0, bool ADD_NORM = false, int NVEC = 1>
+          int METHOD, bool NORM, bool HAS_BIAS, int TILES, int S = 0>
 __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float* __restrict__ gate,
                                             const float* __restrict__ bias, float scaling, float* __restrict__ logits,
                                             i64* __restrict__ ids, float* __restrict__ weights,
                                             i32* __restrict__ order, i32* __restrict__ offsets, int num_tokens,
-                                            unsigned int* __restrict__ tickets, float* smem,
-                                            const RouteNorm<T>& nrm = RouteNorm<T>{}) {
+                                            unsigned int* __restrict__ tickets, float* smem) {
   constexpr int WARPS = NT / 32;
   constexpr int SLOTS = (E + 31) / 32;
   static_assert(TT == WARPS, "fused route: one warp per token of a tile");
@@ -137,14 +69,8 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
   // The lowering bounds T by TILES * TT; past it the tickets would be out of bounds (uniform).
   if (gridDim.y > TILES) return;
 
-  // 1. logits [T, E] of this CTA's experts and tokens (on its tile's normalised rows with ADD_NORM)
-  if constexpr (ADD_NORM) {
-    route_add_norm<T, D, TT, NVEC>(x, nrm, num_tokens);
-    __syncthreads();
-    router_logits<T, E, D, EPB, TT, NT, VEC, true>(nrm.rows, gate, logits, num_tokens);
-  } else {
-    router_logits<T, E, D, EPB, TT, NT, VEC>(x, gate, logits, num_tokens);
-  }
+  // 1. logits [T, E] of this CTA's experts and tokens
+  router_logits<T, E, D, EPB, TT, NT, VEC>(x, gate, logits, num_tokens);
 
   // 2. the tile's last CTA: top-k of its TT tokens, a warp each
   if (!last_arrival(&tickets[blockIdx.y], gridDim.x)) return;

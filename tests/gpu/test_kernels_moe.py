@@ -226,13 +226,10 @@ class RouteProblem:
     bias: object                 # [E] fp32 or None
     values: dict                 # kernel values: x on the device and the poisoned outputs
     weights: dict
-    res: object = None           # [T, D] act with case["add_norm"]: the residual the route adds to x
-    norm_w: object = None        # [D] act: its norm weight
 
     @property
     def names(self):
-        """ids, weights, routing (h and s follow with case["add_norm"])."""
-        return self.G.nodes[self.nid]["outputs"][:3]
+        return self.G.nodes[self.nid]["outputs"]
 
     @property
     def pairs(self) -> int:
@@ -268,14 +265,8 @@ def _route_problem(case) -> RouteProblem:
     wt = {"gate": "router.weight"}
     if case["bias"]:
         wt["bias"] = "router.bias"
-    types = {"x": TType(("T", D), "act")}
-    add_norm = case.get("add_norm", False)     # the residual add + RMSNorm inside (fuse_norm_into_route)
-    if add_norm:
-        types["residual"] = TType(("T", D), "act")
-        attrs["norm_eps"] = 1e-6
-        wt["norm"] = "norm.weight"
-    G, nid = single_op_graph(tiny_model(), "moe_route", attrs, types, wt)
-    ids_name, w_name, r_name = G.nodes[nid]["outputs"][:3]
+    G, nid = single_op_graph(tiny_model(), "moe_route", attrs, {"x": TType(("T", D), "act")}, wt)
+    ids_name, w_name, r_name = G.nodes[nid]["outputs"]
     g = _gen(case["seed"])
     x = torch.randn(T, D, generator=g).to(TORCH_DTYPES[dtype])
     gate = torch.randn(E, D, generator=g) / D ** 0.5 * 2.0      # logits ~ N(0, 4): picks well apart
@@ -295,16 +286,7 @@ def _route_problem(case) -> RouteProblem:
         f"{r_name}.order": poison(torch.empty(T * (K + S), dtype=torch.int32, device=DEV)),
         f"{r_name}.offsets": poison(torch.empty(E + S + 1, dtype=torch.int32, device=DEV)),
     }
-    res = norm_w = None
-    if add_norm:
-        res = torch.randn(T, D, generator=g).to(TORCH_DTYPES[dtype])
-        norm_w = (torch.rand(D, generator=g) + 0.5).to(TORCH_DTYPES[dtype])
-        values["residual"] = shifted(res.to(DEV), _moved(mis, "inputs"))
-        weights["norm.weight"] = shifted(norm_w.to(DEV), _moved(mis, "weights"))
-        for name in G.nodes[nid]["outputs"][3:]:
-            values[name] = poison(shifted(torch.empty(T, D, dtype=TORCH_DTYPES[dtype], device=DEV),
-                                          _moved(mis, "outputs")))
-    return RouteProblem(case, attrs, G, nid, x, gate, bias, values, weights, res, norm_w)
+    return RouteProblem(case, attrs, G, nid, x, gate, bias, values, weights)
 
 
 def _check_route(p: RouteProblem, logits: torch.Tensor) -> None:
@@ -482,39 +464,6 @@ def test_moe_route_fused_runs_again_and_replays_in_a_graph(runner, case):
                          sizes=other.sizes)
     _check_route(other, ws2["router_logits"])
     _check_graph_replays(runner, launches, p, ws, case["seed"] + 100)
-
-
-# The route with the residual add + RMSNorm of ir/passes/fuse_norm_into_route.py inside: the fused
-# launch normalises each token tile's rows itself; above its bound fused_add_rms_norm's kernel runs
-# first and the three launches route on its h.
-@given(case=fused_cases())
-@example(case=_shape_case("v2_lite", "bf16", 1))
-@example(case=_shape_case("v3", "bf16", 9))
-@example(case=_shape_case("v2", "fp32", 256, misalign="all"))
-@example(case=_shape_case("v2_lite", "bf16", 257))
-@example(case=_shape_case("odd", "bf16", 8, misalign="outputs"))
-@_settings(16)
-def test_moe_route_with_add_norm(runner, case):
-    """h and s as fused_add_rms_norm makes them (s against the unrounded sum, h against rms_norm of
-    the kernel's own s: a 1% error in either fails), the route on h as test_moe_route_fused checks
-    it, the fused launch alone up to its bound and the norm's kernel + the three launches above;
-    poisoned outputs, misaligned operands (scalar paths), odd D."""
-    from codegen.families import moe_route
-    case = {**case, "add_norm": True}
-    p = _route_problem(case)
-    launches = _lower(p.G, p.nid, case["dtype"])
-    ft = moe_route.ROUTE_FUSED_TOKENS
-    fused = ft is not None and case["T"] <= ft
-    assert _route_stages_running(launches, p.sizes) == (
-        ["fused"] if fused else ["add_norm", *_three_launches(case["T"], p.pairs)])
-    ws = runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes)
-    dtype = case["dtype"]
-    h_name, s_name = p.G.nodes[p.nid]["outputs"][3:]
-    h, s = p.values[h_name].cpu(), p.values[s_name].cpu()
-    _record("moe_route.add_norm", dtype, s, p.x.float() + p.res.float())
-    _record("moe_route.add_norm", dtype, h, rms_norm_ref(s.float(), p.norm_w.float(), p.attrs["norm_eps"]))
-    p.x = h.clone()                                # what it routes on
-    _check_route(p, ws["router_logits"])
 
 
 # The router GEMM: the three-launch route's logits above moe_route.GEMM_TOKENS (prefill sizes).

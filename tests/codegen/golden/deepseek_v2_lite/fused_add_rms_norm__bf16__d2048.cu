@@ -4,17 +4,12 @@
 // role:     fused_add_rms_norm
 // params:   {"N":2048,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":256}
 // includes: common.cuh, norm.cuh, pdl.cuh, vec.cuh
-// nodes:    L1.h_attn, L0.h_ffn, L1-26.moe_ffn.topk_ids
+// nodes:    L1.h_attn, L0-26.h_ffn
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layer 1 (fuse_add_rms_norm)
-//   deepseek_v2_lite.yaml:63 blocks.decoder_layer.ops[2] add, layer 0 (fuse_add_rms_norm)
-//   deepseek_v2_lite.yaml:63 blocks.decoder_layer.ops[2] add, layers 1-26 (fuse_add_rms_norm, fuse_norm_into_route)
-//   deepseek_v2_lite.yaml:64 blocks.decoder_layer.ops[3] rms_norm, layer 0 (fuse_add_rms_norm)
-//   deepseek_v2_lite.yaml:64 blocks.decoder_layer.ops[3] rms_norm, layers 1-26 (fuse_add_rms_norm, fuse_norm_into_route)
+//   deepseek_v2_lite.yaml:63 blocks.decoder_layer.ops[2] add, layers 0-26 (fuse_add_rms_norm)
+//   deepseek_v2_lite.yaml:64 blocks.decoder_layer.ops[3] rms_norm, layers 0-26 (fuse_add_rms_norm)
 //   deepseek_v2_lite.yaml:66 blocks.decoder_layer.ops[5] add, layer 0 (fuse_add_rms_norm)
-//   deepseek_v2_lite.yaml:95 blocks.moe_ffn.ops[0] linear, layers 1-26 (fuse_router, fuse_shared_experts, fuse_norm_into_route)
-//   deepseek_v2_lite.yaml:96 blocks.moe_ffn.ops[1] moe_topk, layers 1-26 (fuse_router, fuse_shared_experts, fuse_norm_into_route)
-//   deepseek_v2_lite.yaml:98 blocks.moe_ffn.ops[2] moe_align, layers 1-26 (fuse_router, fuse_shared_experts, fuse_norm_into_route)
 
 // [x, residual] [T, N] -> [h = rms_norm(s), s = x + residual]: s is rounded to the
 // activation type before it is normalised (as the reference adds in that type).

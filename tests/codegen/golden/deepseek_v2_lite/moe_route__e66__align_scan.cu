@@ -6,11 +6,9 @@
 // includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, moe_route.cuh, pdl.cuh, tickets.cuh
 // nodes:    L1-26.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
-//   deepseek_v2_lite.yaml:63 blocks.decoder_layer.ops[2] add, layers 1-26 (fuse_add_rms_norm, fuse_norm_into_route)
-//   deepseek_v2_lite.yaml:64 blocks.decoder_layer.ops[3] rms_norm, layers 1-26 (fuse_add_rms_norm, fuse_norm_into_route)
-//   deepseek_v2_lite.yaml:95 blocks.moe_ffn.ops[0] linear, layers 1-26 (fuse_router, fuse_shared_experts, fuse_norm_into_route)
-//   deepseek_v2_lite.yaml:96 blocks.moe_ffn.ops[1] moe_topk, layers 1-26 (fuse_router, fuse_shared_experts, fuse_norm_into_route)
-//   deepseek_v2_lite.yaml:98 blocks.moe_ffn.ops[2] moe_align, layers 1-26 (fuse_router, fuse_shared_experts, fuse_norm_into_route)
+//   deepseek_v2_lite.yaml:95 blocks.moe_ffn.ops[0] linear, layers 1-26 (fuse_router, fuse_shared_experts)
+//   deepseek_v2_lite.yaml:96 blocks.moe_ffn.ops[1] moe_topk, layers 1-26 (fuse_router, fuse_shared_experts)
+//   deepseek_v2_lite.yaml:98 blocks.moe_ffn.ops[2] moe_align, layers 1-26 (fuse_router, fuse_shared_experts)
 
 // moe_route, launch 3 of 3: alignment (pairs grouped by expert): one CTA, or for many pairs
 // count / scan / scatter (moe.cuh 3b).

@@ -6,11 +6,9 @@
 // includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, moe_route.cuh, pdl.cuh, tickets.cuh
 // nodes:    L3-60.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
-//   deepseek_v3.yaml:63 blocks.decoder_layer.ops[2] add, layers 3-60 (fuse_add_rms_norm, fuse_norm_into_route)
-//   deepseek_v3.yaml:64 blocks.decoder_layer.ops[3] rms_norm, layers 3-60 (fuse_add_rms_norm, fuse_norm_into_route)
-//   deepseek_v3.yaml:97 blocks.moe_ffn.ops[0] linear, layers 3-60 (fuse_router, fuse_shared_experts, fuse_norm_into_route)
-//   deepseek_v3.yaml:98 blocks.moe_ffn.ops[1] moe_topk, layers 3-60 (fuse_router, fuse_shared_experts, fuse_norm_into_route)
-//   deepseek_v3.yaml:100 blocks.moe_ffn.ops[2] moe_align, layers 3-60 (fuse_router, fuse_shared_experts, fuse_norm_into_route)
+//   deepseek_v3.yaml:97 blocks.moe_ffn.ops[0] linear, layers 3-60 (fuse_router, fuse_shared_experts)
+//   deepseek_v3.yaml:98 blocks.moe_ffn.ops[1] moe_topk, layers 3-60 (fuse_router, fuse_shared_experts)
+//   deepseek_v3.yaml:100 blocks.moe_ffn.ops[2] moe_align, layers 3-60 (fuse_router, fuse_shared_experts)
 
 // moe_route, launch 2 of 3: scoring + top-k, one warp per token.
 #include "moe_route.cuh"

@@ -116,15 +116,12 @@ __device__ __forceinline__ void store_f_scalar(T* __restrict__ p, const float (&
 // ---- 1. router GEMV: logits[t, e] = sum_d float(x[t, d]) * gate[e, d]  (fp32, like x.float() @ gate.T)
 // One CTA computes EPB experts x TT tokens; threads split D in VEC-wide slices, then a block
 // reduction.  Decode (T = 1) spreads the E x D fp32 gate over cdiv(E, EPB) CTAs.
-// TILE_ROWS: x holds only this CTA's token tile (row j at x + j * D: the fused route's rows in
-// shared memory), not all T rows.
-template <typename T, int E, int D, int EPB, int TT, int NT, int VEC, bool TILE_ROWS = false>
+template <typename T, int E, int D, int EPB, int TT, int NT, int VEC>
 __device__ __forceinline__ void router_logits_body(const T* __restrict__ x, const float* __restrict__ gate,
                                                    float* __restrict__ logits, int num_tokens,
                                                    float (*red)[EPB * TT]) {
   static_assert(D % VEC == 0, "router: D must be a multiple of the vector width");
   const int e0 = blockIdx.x * EPB, t0 = blockIdx.y * TT;
-  const T* xt = TILE_ROWS ? x : x + (i64)t0 * D;     // the tile's first row
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float acc[EPB][TT];
 #pragma unroll
@@ -145,7 +142,7 @@ __device__ __forceinline__ void router_logits_body(const T* __restrict__ x, cons
     for (int j = 0; j < TT; ++j) {
       if (t0 + j < num_tokens) {
         float xv[VEC];
-        load_f<T, VEC>(xt + (i64)j * D + d, xv);
+        load_f<T, VEC>(x + (i64)(t0 + j) * D + d, xv);
 #pragma unroll
         for (int i = 0; i < EPB; ++i)
 #pragma unroll
@@ -179,18 +176,18 @@ __device__ __forceinline__ void router_prefetch(const float* __restrict__ gate) 
 }
 
 // VEC-wide loads of x (act) and of the fp32 gate where both bases allow them, else VEC = 1.
-template <typename T, int E, int D, int EPB, int TT, int NT, int VEC, bool TILE_ROWS = false>
+template <typename T, int E, int D, int EPB, int TT, int NT, int VEC>
 __device__ __forceinline__ void router_logits(const T* __restrict__ x, const float* __restrict__ gate,
                                               float* __restrict__ logits, int num_tokens) {
   static_assert(NT % 32 == 0 && NT <= 1024, "router: whole warps, at most 1024 threads");
   __shared__ float red[NT / 32][EPB * TT];
   if constexpr (VEC > 1) {
     if (aligned_to<vec_align<T, VEC>()>(x) && aligned_to<vec_align<float, VEC>()>(gate)) {
-      router_logits_body<T, E, D, EPB, TT, NT, VEC, TILE_ROWS>(x, gate, logits, num_tokens, red);
+      router_logits_body<T, E, D, EPB, TT, NT, VEC>(x, gate, logits, num_tokens, red);
       return;
     }
   }
-  router_logits_body<T, E, D, EPB, TT, NT, 1, TILE_ROWS>(x, gate, logits, num_tokens, red);
+  router_logits_body<T, E, D, EPB, TT, NT, 1>(x, gate, logits, num_tokens, red);
 }
 
 // ---- 2. scoring + top-k: one warp per token ----------------------------------------------
