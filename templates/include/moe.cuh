@@ -1146,6 +1146,10 @@ __device__ __forceinline__ void combine(const T* __restrict__ eo, const float* _
   combine_slice<T, D, K, VEC, RESID, false, S>(eo, w, shared, residual, out, t, d);
 }
 
+// combine_row holds every routed row of its token in registers at once while the routed rows'
+// elements a thread (pairs x RowLayout items) are at most this many; past it, a row at a time.
+constexpr int COMBINE_ROWS_IN_FLIGHT_ITEMS = 64;
+
 // The RESID combine of token t's whole row in RowLayout L (vec.cuh, which the caller includes; one
 // CTA a token, so the row can feed a block reduction: moe_combine_residual_rms_norm.cu.j2): v[i]
 // before its rounding to T.
@@ -1155,15 +1159,34 @@ __device__ __forceinline__ void combine_row(const T* __restrict__ eo, const floa
                                             const T* __restrict__ shared, const T* __restrict__ residual, int t,
                                             float (&v)[L::ITEMS]) {
   static_assert(S >= 0 && S < K, "combine_row: fewer shared pairs than pairs");
+  constexpr int R = K - S;       // the routed pairs
   float e[L::ITEMS];
 #pragma unroll
   for (int i = 0; i < L::ITEMS; ++i) v[i] = 0.f;
-  for (int k = 0; k < K - S; ++k) {
-    const float wk = w[(i64)t * K + k];
-    if (wk == 0.f) continue;     // as combine_slice; the same for the whole CTA
-    L::load(eo + ((i64)t * K + k) * D, e);
+  if constexpr (R * L::ITEMS <= COMBINE_ROWS_IN_FLIGHT_ITEMS &&
+                (R * L::ITEMS + 32) * L::NTHREADS <= 65536) {   // and they fit the registers a thread has
+    // Every routed row's loads issued before the first is summed: one memory round trip, not R
+    // (one CTA a token, so at decode's few tokens this kernel is that latency; the loop below
+    // waited for each row in turn).  A pair of weight 0 adds nothing, as below: its row is read
+    // (the buffer holds it) and dropped, whatever it holds.  The same sums in the same order.
+    float wk[R], er[R][L::ITEMS];
 #pragma unroll
-    for (int i = 0; i < L::ITEMS; ++i) v[i] += e[i] * wk;
+    for (int k = 0; k < R; ++k) wk[k] = w[(i64)t * K + k];
+#pragma unroll
+    for (int k = 0; k < R; ++k) L::load(eo + ((i64)t * K + k) * D, er[k]);
+#pragma unroll
+    for (int k = 0; k < R; ++k)
+      if (wk[k] != 0.f)
+#pragma unroll
+        for (int i = 0; i < L::ITEMS; ++i) v[i] += er[k][i] * wk[k];
+  } else {
+    for (int k = 0; k < R; ++k) {
+      const float wk = w[(i64)t * K + k];
+      if (wk == 0.f) continue;     // as combine_slice; the same for the whole CTA
+      L::load(eo + ((i64)t * K + k) * D, e);
+#pragma unroll
+      for (int i = 0; i < L::ITEMS; ++i) v[i] += e[i] * wk;
+    }
   }
   if constexpr (S > 0) {         // shared_rows' sum and rounding, over the row layout
     float sh[L::ITEMS];

@@ -31,18 +31,20 @@ fused_add_rms_norm__bf16__d5120(
     __nv_bfloat16* __restrict__ h,
     __nv_bfloat16* __restrict__ s,
     int T) {
+  typedef dsg::RowLayout<act_t, N, THREADS> L;
+  float wv[L::ITEMS];             // the norm's weight, before the wait: no kernel writes it
+  L::load(w, wv);
   dsg::pdl_wait();                // pdl.cuh: every CTA, before it reads another kernel's output or writes
   dsg::pdl_launch_dependents();
   __shared__ float scratch[32];
   const int t = blockIdx.x;
   if (t >= T) return;
-  typedef dsg::RowLayout<act_t, N, THREADS> L;
   float v[L::ITEMS], r[L::ITEMS];
   L::load(x + (i64)t * x_stride, v);
   L::load(res + (i64)t * res_stride, r);
 #pragma unroll
   for (int i = 0; i < L::ITEMS; ++i) v[i] = dsg::round_to<act_t>(v[i] + r[i]);
   L::store(s + (i64)t * N, v);
-  dsg::rms_norm_row<act_t, N, L>(v, w, EPS, scratch);
+  dsg::rms_norm_row_loaded<act_t, N, L>(v, wv, EPS, scratch);
   L::store(h + (i64)t * N, v);
 }

@@ -37,17 +37,19 @@ moe_combine_residual_rms_norm__bf16__k8_d5120__shared2(
     __nv_bfloat16* __restrict__ h,
     __nv_bfloat16* __restrict__ s,
     int T) {
+  typedef dsg::RowLayout<act_t, D, THREADS> L;
+  float wv[L::ITEMS];             // the norm's weight, before the wait: no kernel writes it
+  L::load(nw, wv);
   dsg::pdl_wait();                // pdl.cuh: every CTA, before it reads another kernel's output or writes
   dsg::pdl_launch_dependents();
   __shared__ float scratch[32];
   const int t = blockIdx.x;
   if (t >= T) return;
-  typedef dsg::RowLayout<act_t, D, THREADS> L;
   float v[L::ITEMS];
   dsg::moe::combine_row<act_t, D, K, L, 2>(eo, w, nullptr, residual, t, v);
 #pragma unroll
   for (int i = 0; i < L::ITEMS; ++i) v[i] = dsg::round_to<act_t>(v[i]);
   L::store(s + (i64)t * D, v);
-  dsg::rms_norm_row<act_t, D, L>(v, nw, EPS, scratch);
+  dsg::rms_norm_row_loaded<act_t, D, L>(v, wv, EPS, scratch);
   L::store(h + (i64)t * D, v);
 }

@@ -24,14 +24,16 @@ rms_norm__bf16__d1536(
     const __nv_bfloat16* __restrict__ w,
     __nv_bfloat16* __restrict__ out,
     int T) {
+  typedef dsg::RowLayout<act_t, N, THREADS> L;
+  float wv[L::ITEMS];             // the norm's weight, before the wait: no kernel writes it
+  L::load(w, wv);
   dsg::pdl_wait();                // pdl.cuh: every CTA, before it reads another kernel's output or writes
   dsg::pdl_launch_dependents();
   __shared__ float scratch[32];
   const int t = blockIdx.x;
   if (t >= T) return;
-  typedef dsg::RowLayout<act_t, N, THREADS> L;
   float v[L::ITEMS];
   L::load(x + (i64)t * x_stride, v);
-  dsg::rms_norm_row<act_t, N, L>(v, w, EPS, scratch);
+  dsg::rms_norm_row_loaded<act_t, N, L>(v, wv, EPS, scratch);
   L::store(out + (i64)t * N, v);
 }
