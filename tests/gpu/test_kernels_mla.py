@@ -528,6 +528,72 @@ def test_mla_decode_attention_graph_replay():
         assert not torch.isnan(outs[0].float()).any()
 
 
+@kernel_test(6)
+@given(ctx_lens=st.lists(st.one_of(st.sampled_from([1, 63, 64, 65, 512, 4096]), st.integers(1, 2200)),
+                         min_size=1, max_size=4),
+       seed=st.integers(0, 2**31))
+@example(ctx_lens=[512], seed=11)        # the bench's b=1 shape: one cluster of 8 one-tile splits
+@example(ctx_lens=[4096], seed=12)       # eight clusters of 8 (level-2 merge)
+@example(ctx_lens=[1, 65, 700, 1300], seed=13)
+def test_mla_decode_attention_reads_this_steps_rows_after_its_wait(ctx_lens, seed):
+    """Programmatic dependent launch: the kernel right before the attention writes this step's
+    cache rows (mla_kv_cache_write; both launches PDL, replayed from a captured graph so that the
+    attention's CTAs start while the writer runs) into rows poisoned with NaN before every replay:
+    an attention that read one of them before its pdl_wait() returns NaN.  With mla_decode.cuh's
+    DSG_DECODE_ROWS_BEFORE_WAIT the tensor-core split reads the rows of earlier steps before its
+    wait and only this step's after it (DecodeSplit::fresh_from): this is the test of that line."""
+    import dataclasses
+    m = model("lite")
+    H, C, R, N, V = dims(m)
+    dtype = "bf16"
+    step, ctx = make_ctx([1] * len(ctx_lens), ctx_lens, block_size=64, model=m, dtype=torch.bfloat16,
+                         ref_dtype=torch.float64, ref_device="cuda", seed=seed)
+    T = step.num_tokens
+    gen = torch.Generator().manual_seed(seed)
+    Gw, nw = single_op_graph(m, "mla_kv_cache_write", {"pairs": "halves", "output": "halves"},
+                             {"c": act(C), "k_pe": act(R)}, {"norm": "n"})
+    c, k_pe = row_views(T, [C, R], dtype, gen, 0, scale=2)
+    norm = shifted((C,), dtype, gen, 0).add_(1)
+    Ga, na = decode_graph(m)
+    q_lat, q_rot = head_views(T, H, [C, R], dtype, gen, 0)
+    out = empty_out((T, H, C), dtype)
+    values = {"c": c, "k_pe": k_pe, "out0": empty_out((T, C), dtype), "out1": empty_out((T, R), dtype),
+              "q_lat": q_lat, "q_rot": q_rot, "out": out}
+    sizes = step_sizes(step, W=int(ctx["block_tables"].shape[1]))
+    write = [dataclasses.replace(la, pdl=True) for la in lower(Gw, nw, dtype)]
+    attend = dataclasses.replace(live_launch(lower(Ga, na, dtype), sizes), pdl=True)
+    fresh = ctx["kv_cache"].view(-1, C + R)[ctx["slot_mapping"]].clone()
+
+    def chain():
+        runner().run_all(write, values=values, weights={"n": norm}, ctx=ctx, sizes=sizes)
+        runner().run(attend, values=values, ctx=ctx, sizes=sizes)
+
+    chain()                                  # loads the modules outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            chain()
+    torch.cuda.current_stream().wait_stream(stream)
+    first = None
+    for _ in range(4):
+        ctx["kv_cache"].view(-1, C + R)[ctx["slot_mapping"]] = float("nan")   # the rows this step writes
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not torch.isnan(out.float()).any(), "the attention read a row of this step before it was written"
+        first = out.clone() if first is None else first
+        assert torch.equal(out, first), "a replay differs from the first"
+    written = ctx["kv_cache"].view(-1, C + R)[ctx["slot_mapping"]]
+    assert not torch.equal(written, fresh)   # the writer did write them (the reference below reads them)
+    step.kv_cache[0] = ctx["kv_cache"].double()
+    (ref,) = reference(Ga, na, [q_lat, q_rot, None], step=step)
+    RECS["mla_decode_attention"].check(out, ref, dtype, "after a PDL writer")
+    RECS["mla_decode_attention"].example()
+
+
 # FlashMLA's published decode test matrix (tests/test_flash_mla.py there: batch 128, contexts 4096 /
 # 8192 / 16384, fixed and variable lengths, 16 to 128 query heads, 576-wide rows of which 512 are
 # values), through our paged cache with permuted block tables, bf16, against float64 computed on

@@ -95,6 +95,14 @@ struct DecodeSplit {
     r_end = min(n, r_begin + per);
   }
   __device__ __forceinline__ int tiles(int KT) const { return r_end > r_begin ? (r_end - r_begin + KT - 1) / KT : 0; }
+  // The first cache row this step writes for the CTA's sequence: its tokens are the last query_len
+  // rows of its context (positions context_len - query_len ..; both descriptions, the smaller).
+  // Rows before it were written by earlier steps.  query_start has B + 1 entries.
+  __device__ __forceinline__ int fresh_from(const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
+                                            const i64* __restrict__ positions) const {
+    const int q0 = query_start[b], ql = query_start[b + 1] - q0;
+    return (int)min((i64)context_lens[b] - ql, positions[q0]);
+  }
 };
 
 // The merge of one item's splits (S == 1 and G == 1 included: that kernel normalises its own).
@@ -494,8 +502,17 @@ struct MlaDecode {
 //    memory and keeps its own share of the row sums;
 //  - values: warp w owns C / NW output columns; P (16 x KT) and V (the same tile) by ldmatrix.
 // Three barriers per tile; no partial scores cross warps.
+// The tensor-core split reads the cache rows of earlier steps before its pdl_wait() (1), or every
+// row after it (0).  Built and checked on the CPU (SASS: the loads before the wait; with 0 the
+// kernel's SASS is the same as before the switch existed); its GPU tests have not run yet
+// (PERF_NOTES v25): tests/gpu/test_kernels_mla.py -k reads_this_steps_rows, then the bench.
+#ifndef DSG_DECODE_ROWS_BEFORE_WAIT
+#define DSG_DECODE_ROWS_BEFORE_WAIT 0
+#endif
+
 template <typename T, int C, int R, int H, int BS, int NW, int NSTAGE, int S>
 struct MlaDecodeMma {
+  static constexpr bool ROWS_BEFORE_WAIT = DSG_DECODE_ROWS_BEFORE_WAIT;
   static constexpr int HG = 16;
   static constexpr int NG = (H + HG - 1) / HG;
   static constexpr int W = C + R;
@@ -552,6 +569,34 @@ struct MlaDecodeMma {
     }
   }
 
+  // issue() but only the split's rows r with lo <= r < hi, and with `fill` the rows past the split
+  // zero-filled: two calls, [0, f) with fill and [f, ..) without, fill the slot as issue() does.
+  __device__ __forceinline__ static void issue_rows(char* ring, int it, const DecodeSplit<S>& sp,
+                                                    const T* __restrict__ cache, const i32* __restrict__ table,
+                                                    int warp, int lane, int lo, int hi, bool fill) {
+    const int r0 = sp.r_begin + it * KT + warp * 8;
+    char* dst = ring + (it % NSTAGE) * STAGE_BYTES;
+    const T* src[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = r0 + i;
+      src[i] = cache;   // zero fill past the split: nothing is read
+      if (r < sp.r_end && r >= lo && r < hi) src[i] = cache + ((i64)__ldg(table + r / BS) * BS + r % BS) * W;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = r0 + i;
+      const bool copy = r < sp.r_end && r >= lo && r < hi;
+      if (!copy && !(fill && r >= sp.r_end)) continue;
+      const int bytes = copy ? 16 : 0;
+#pragma unroll
+      for (int k = 0; k < COPIES; ++k) {
+        const int c = lane + 32 * k;
+        if (c < VPR) mma::cp_async16(chunk(dst, warp * 8 + i, c), src[i] + c * 8, bytes);
+      }
+    }
+  }
+
   __device__ static void run(const T* __restrict__ q_lat, i64 ql_s0, i64 ql_s1,
                              const T* __restrict__ q_rot, i64 qr_s0, i64 qr_s1,
                              const T* __restrict__ cache, const i32* __restrict__ block_tables, int bt_width,
@@ -560,14 +605,37 @@ struct MlaDecodeMma {
                              float* __restrict__ part, unsigned int* tickets, char* smem) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g8 = lane >> 2, c4 = lane & 3;   // mma fragment coordinates: heads g8, g8 + 8
-    pdl_wait();   // everything below reads what earlier kernels wrote (queries, cache, step metadata)
+    // ROWS_BEFORE_WAIT: before the wait, what no kernel of this step writes (pdl.cuh): the step's
+    // metadata (uploaded before the step's first kernel) and the cache rows earlier steps wrote,
+    // i.e. the first NSTAGE - 1 tiles but for this step's own rows (fresh_from), which the kernel
+    // before this one writes (mla_decode_query's cache CTA or mla_kv_cache_write): those, and the
+    // queries, follow the wait.  At one token and a short context that is every cache row but one
+    // off the critical path (PERF_NOTES v25: the attention is ~6 us of a layer's step there).
+    DecodeSplit<S> sp;
+    int ntiles = 0, fresh = 0;
+    const i32* table = block_tables;
+    char* ring = smem;
+    if constexpr (ROWS_BEFORE_WAIT) {
+      sp = DecodeSplit<S>::template locate<NG>(T_);
+      sp.template rows<KT>(context_lens, query_start, positions, B);
+      ntiles = sp.tiles(KT);
+      fresh = sp.valid ? sp.fresh_from(context_lens, query_start, positions) : 0;
+      table = block_tables + (i64)sp.b * bt_width;
+#pragma unroll
+      for (int st = 0; st < NSTAGE - 1; ++st) {
+        if (st < ntiles) issue_rows(ring, st, sp, cache, table, warp, lane, 0, fresh, true);
+        mma::cp_async_commit();
+      }
+    }
+    pdl_wait();   // everything below reads what the kernels before it wrote (queries; this step's cache rows)
+    if constexpr (!ROWS_BEFORE_WAIT) sp = DecodeSplit<S>::template locate<NG>(T_);
 
     // The group's queries go to the last ring slot (free until iteration 0 refills it, after its
     // barrier) and from there into A fragments: qf[ks] = heads 0-15 x columns 16 ks .. 16 ks + 15.
     // As 16-byte cp.async chunks where the views allow it (the engine's q_lat / q_rot are the two
     // parts of one [T, H, C + R] buffer), committed ahead of the first tiles so that their latency
-    // overlaps the metadata chain; element by element otherwise. Heads past H are zero.
-    DecodeSplit<S> sp = DecodeSplit<S>::template locate<NG>(T_);
+    // overlaps the metadata chain (with ROWS_BEFORE_WAIT: in one group with this step's rows of the
+    // first tiles); element by element otherwise. Heads past H are zero.
     const int h0 = sp.g * HG;
     const T* ql = q_lat + (i64)sp.t * ql_s0;
     const T* qr = q_rot + (i64)sp.t * qr_s0;
@@ -581,16 +649,21 @@ struct MlaDecodeMma {
         mma::cp_async16(chunk(qs, hh, c), live ? src : q_lat, live ? 16 : 0);
       }
     }
-    mma::cp_async_commit();
-
-    sp.template rows<KT>(context_lens, query_start, positions, B);
-    const int ntiles = sp.tiles(KT);
-    const i32* table = block_tables + (i64)sp.b * bt_width;
-    char* ring = smem;
+    if constexpr (ROWS_BEFORE_WAIT) {
 #pragma unroll
-    for (int st = 0; st < NSTAGE - 1; ++st) {
-      if (st < ntiles) issue(ring, st, sp, cache, table, warp, lane);
+      for (int st = 0; st < NSTAGE - 1; ++st)
+        if (st < ntiles) issue_rows(ring, st, sp, cache, table, warp, lane, fresh, 0x7fffffff, false);
       mma::cp_async_commit();
+    } else {
+      mma::cp_async_commit();
+      sp.template rows<KT>(context_lens, query_start, positions, B);
+      ntiles = sp.tiles(KT);
+      table = block_tables + (i64)sp.b * bt_width;
+#pragma unroll
+      for (int st = 0; st < NSTAGE - 1; ++st) {
+        if (st < ntiles) issue(ring, st, sp, cache, table, warp, lane);
+        mma::cp_async_commit();
+      }
     }
     if (!qvec) {
       for (int e = tid; e < HG * W; e += THREADS) {
@@ -600,7 +673,8 @@ struct MlaDecodeMma {
         *reinterpret_cast<T*>(chunk(qs, hh, d >> 3) + (d & 7) * 2) = v;
       }
     }
-    mma::cp_async_wait<NSTAGE - 1>();   // the query group (the oldest) has landed
+    if constexpr (ROWS_BEFORE_WAIT) mma::cp_async_wait<0>();   // the queries and the first NSTAGE - 1 tiles
+    else mma::cp_async_wait<NSTAGE - 1>();                      // the query group (the oldest) has landed
     __syncthreads();
     unsigned qf[KSTEPS][4];
 #pragma unroll
@@ -620,7 +694,7 @@ struct MlaDecodeMma {
     const int u = SWZ ? ((lane >> 3) ^ (lane & 7)) : (lane >> 3);
     const int k_even = ((u & 3) + (u & 4)) * 16, k_odd = ((u & 3) - (u & 4)) * 16;
     for (int it = 0; it < ntiles; ++it) {
-      mma::cp_async_wait<NSTAGE - 2>();   // groups: queries, tiles 0 .. it + NSTAGE - 2
+      mma::cp_async_wait<NSTAGE - 2>();   // tile `it` (and the queries) landed: newer groups are tiles past it
       __syncthreads();   // tile `it` landed for every thread; every warp is done with tile it - 1
       if (it + NSTAGE - 1 < ntiles) issue(ring, it + NSTAGE - 1, sp, cache, table, warp, lane);
       mma::cp_async_commit();

@@ -1,0 +1,46 @@
+"""The decode attention's tensor-core split has a switch (mla_decode.cuh DSG_DECODE_ROWS_BEFORE_WAIT,
+off until its GPU tests have run: PERF_NOTES v25): on, it reads the step's metadata and the cache
+rows of earlier steps before its pdl_wait() (cp.async, LDGSTS) and still writes nothing and leaves
+no path before it; off, nothing global is read before the wait (test_sass_pdl's strict check).
+Compiled with NVRTC on the CPU from the committed goldens."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass import cuobjdump, instructions  # noqa: E402
+from test_sass_pdl import wait_problem  # noqa: E402
+
+from codegen.nvrtc import compile_cubin  # noqa: E402
+
+pytestmark = pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+KERNELS = ["deepseek_v2_lite/mla_decode_attention__bf16__c512_r64__h16__page64__s8",
+           "deepseek_v2_lite/mla_decode_attention__bf16__c512_r64__h16__page64",
+           "deepseek_v3/mla_decode_attention__bf16__c512_r64__h128__page64__s2"]
+
+
+def _sass(path: str, on: int):
+    name = os.path.basename(path)
+    src = open(os.path.join(GOLDEN, path + ".cu")).read()
+    cubin = compile_cubin(src, name, arch="sm_90a", options=(f"-DDSG_DECODE_ROWS_BEFORE_WAIT={on}",)).cubin
+    return instructions(cubin)[name]
+
+
+def _before_wait(instrs) -> list:
+    first = min(i.addr for i in instrs if i.opcode == "ACQBULK")
+    return [i.opcode for i in instrs if i.addr < first]
+
+
+@pytest.mark.parametrize("path", KERNELS)
+def test_rows_before_wait_switch(path):
+    off, on = _sass(path, 0), _sass(path, 1)
+    assert wait_problem(off) is None
+    assert not any(op.startswith(("LDG", "LDGSTS")) for op in _before_wait(off))
+    assert wait_problem(on, weight_loads=True) is None      # loads only: no write, no exit before it
+    early = _before_wait(on)
+    assert any(op.startswith("LDGSTS") for op in early), "no cache row is copied before the wait"
