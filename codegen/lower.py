@@ -226,15 +226,14 @@ def _lower_node(G: nx.DiGraph, nid: str, family, opts: Options) -> list[KernelLa
     origins = node_origins(G, nid)
     _check_library_steps(launches, nid, family.FAMILY)
     # Programmatic dependent launch only where the launched kernel's family keeps pdl.cuh's contract
-    # (a lowering may launch another family's kernel: moe_route's fused_add_rms_norm above its fused bound).
-    by_name = {f.FAMILY: f for f in families.families()}
+    # (a lowering may launch another family's kernels: moe_expert_ffn's two-launch path).
     out = []
     for launch in launches:
         if isinstance(launch, LibraryCall):
             out.append(launch)
             continue
         _check_launch(launch, nid, family.FAMILY, opts)
-        pdl = opts.pdl and families.uses_pdl(by_name.get(launch.family, family))
+        pdl = opts.pdl and families.uses_pdl(families.family_named(launch.family) or family)
         out.append(dataclasses.replace(launch, origins=origins, pdl=pdl))
     return out
 

@@ -56,12 +56,12 @@ def index(modules) -> dict[str, ModuleType]:
 
 
 @functools.lru_cache(maxsize=1)
-def _registry() -> tuple[tuple[ModuleType, ...], dict[str, ModuleType]]:
+def _registry() -> tuple[tuple[ModuleType, ...], dict[str, ModuleType], dict[str, ModuleType]]:
     # Modules named _* are helpers shared by families, not families.
     modules = tuple(importlib.import_module(f"{__name__}.{info.name}")
                     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name)
                     if not info.name.startswith("_"))
-    return modules, index(modules)
+    return modules, index(modules), {m.FAMILY: m for m in modules}
 
 
 def families() -> tuple[ModuleType, ...]:
@@ -72,6 +72,11 @@ def families() -> tuple[ModuleType, ...]:
 def family_for_op(op: str) -> ModuleType | None:
     """The family module that implements graph op `op`, or None if no family claims it."""
     return _registry()[1].get(op)
+
+
+def family_named(name: str) -> ModuleType | None:
+    """The family module whose FAMILY is `name` (a KernelLaunch's family), or None."""
+    return _registry()[2].get(name)
 
 
 def claimed_ops() -> dict[str, str]:

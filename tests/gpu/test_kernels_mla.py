@@ -115,6 +115,17 @@ def test_rope_q(name, dtype, bs, lens, layout, lead, seed):
     RECS["rope_q"].example()
 
 
+def kv_write_case(m, T: int, dtype: str, gen, lead: int, layout):
+    """mla_kv_cache_write's one-op graph and its inputs: c and k_pe ([T, C] and [T, R] views of one
+    buffer, `lead` elements in) and the norm weight (weights "n")."""
+    H, C, R, N, V = dims(m)
+    G, nid = single_op_graph(m, "mla_kv_cache_write", {"pairs": layout[0], "output": layout[1]},
+                             {"c": act(C), "k_pe": act(R)}, {"norm": "n"})
+    c, k_pe = row_views(T, [C, R], dtype, gen, lead, scale=2)
+    norm = shifted((C,), dtype, gen, lead).add_(1)   # in place: keeps the shifted start
+    return G, nid, c, k_pe, norm
+
+
 @SETTINGS
 @given(name=st.sampled_from(NAMES), dtype=st.sampled_from(DTYPES), bs=st.sampled_from(BLOCK_SIZES),
        qlens=st.lists(st.integers(1, 200), min_size=1, max_size=4), past=st.integers(0, 130), layout=rope_layout,
@@ -129,10 +140,7 @@ def test_mla_kv_cache_write(name, dtype, bs, qlens, past, layout, lead, seed):
                          ref_dtype=torch.float64, ref_device="cuda", seed=seed)
     step.kv_cache[0] = ctx["kv_cache"].double()
     T = step.num_tokens
-    G, nid = single_op_graph(m, "mla_kv_cache_write", {"pairs": layout[0], "output": layout[1]},
-                             {"c": act(C), "k_pe": act(R)}, {"norm": "n"})
-    c, k_pe = row_views(T, [C, R], dtype, gen, lead, scale=2)
-    norm = shifted((C,), dtype, gen, lead).add_(1)   # in place: keeps the shifted start
+    G, nid, c, k_pe, norm = kv_write_case(m, T, dtype, gen, lead, layout)
     c_n, k_rot = empty_out((T, C), dtype), empty_out((T, R), dtype)
     cache = ctx["kv_cache"]
     cache.view(-1, C + R)[ctx["slot_mapping"]] = float("nan")   # the rows this step must write
@@ -550,10 +558,7 @@ def test_mla_decode_attention_reads_this_steps_rows_after_its_wait(ctx_lens, see
                          ref_dtype=torch.float64, ref_device="cuda", seed=seed)
     T = step.num_tokens
     gen = torch.Generator().manual_seed(seed)
-    Gw, nw = single_op_graph(m, "mla_kv_cache_write", {"pairs": "halves", "output": "halves"},
-                             {"c": act(C), "k_pe": act(R)}, {"norm": "n"})
-    c, k_pe = row_views(T, [C, R], dtype, gen, 0, scale=2)
-    norm = shifted((C,), dtype, gen, 0).add_(1)
+    Gw, nw, c, k_pe, norm = kv_write_case(m, T, dtype, gen, 0, ("halves", "halves"))
     Ga, na = decode_graph(m)
     q_lat, q_rot = head_views(T, H, [C, R], dtype, gen, 0)
     out = empty_out((T, H, C), dtype)

@@ -547,8 +547,13 @@ struct MlaDecodeMma {
 
   // Tile `it` of the split into ring slot it % NSTAGE: warp w copies tile rows 8w .. 8w + 7 (their
   // pages looked up first, eight independent loads), lane l the chunks l, l + 32, ... of each.
+  // WINDOW: only the split's rows r with lo <= r < hi, and with `fill` the rows past the split
+  // zero-filled; two calls, [0, f) with fill and [f, ..) without, fill the slot as one call without
+  // WINDOW does (ROWS_BEFORE_WAIT).
+  template <bool WINDOW = false>
   __device__ __forceinline__ static void issue(char* ring, int it, const DecodeSplit<S>& sp, const T* __restrict__ cache,
-                                               const i32* __restrict__ table, int warp, int lane) {
+                                               const i32* __restrict__ table, int warp, int lane,
+                                               int lo = 0, int hi = 0, bool fill = true) {
     const int r0 = sp.r_begin + it * KT + warp * 8;
     char* dst = ring + (it % NSTAGE) * STAGE_BYTES;
     const T* src[8];
@@ -556,38 +561,14 @@ struct MlaDecodeMma {
     for (int i = 0; i < 8; ++i) {
       const int r = r0 + i;
       src[i] = cache;   // zero fill past the split: nothing is read
-      if (r < sp.r_end) src[i] = cache + ((i64)__ldg(table + r / BS) * BS + r % BS) * W;
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int bytes = r0 + i < sp.r_end ? 16 : 0;
-#pragma unroll
-      for (int k = 0; k < COPIES; ++k) {
-        const int c = lane + 32 * k;
-        if (c < VPR) mma::cp_async16(chunk(dst, warp * 8 + i, c), src[i] + c * 8, bytes);
-      }
-    }
-  }
-
-  // issue() but only the split's rows r with lo <= r < hi, and with `fill` the rows past the split
-  // zero-filled: two calls, [0, f) with fill and [f, ..) without, fill the slot as issue() does.
-  __device__ __forceinline__ static void issue_rows(char* ring, int it, const DecodeSplit<S>& sp,
-                                                    const T* __restrict__ cache, const i32* __restrict__ table,
-                                                    int warp, int lane, int lo, int hi, bool fill) {
-    const int r0 = sp.r_begin + it * KT + warp * 8;
-    char* dst = ring + (it % NSTAGE) * STAGE_BYTES;
-    const T* src[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int r = r0 + i;
-      src[i] = cache;   // zero fill past the split: nothing is read
-      if (r < sp.r_end && r >= lo && r < hi) src[i] = cache + ((i64)__ldg(table + r / BS) * BS + r % BS) * W;
+      if (r < sp.r_end && (!WINDOW || (r >= lo && r < hi)))
+        src[i] = cache + ((i64)__ldg(table + r / BS) * BS + r % BS) * W;
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int r = r0 + i;
-      const bool copy = r < sp.r_end && r >= lo && r < hi;
-      if (!copy && !(fill && r >= sp.r_end)) continue;
+      const bool copy = r < sp.r_end && (!WINDOW || (r >= lo && r < hi));
+      if (WINDOW && !copy && !(fill && r >= sp.r_end)) continue;
       const int bytes = copy ? 16 : 0;
 #pragma unroll
       for (int k = 0; k < COPIES; ++k) {
@@ -623,7 +604,7 @@ struct MlaDecodeMma {
       table = block_tables + (i64)sp.b * bt_width;
 #pragma unroll
       for (int st = 0; st < NSTAGE - 1; ++st) {
-        if (st < ntiles) issue_rows(ring, st, sp, cache, table, warp, lane, 0, fresh, true);
+        if (st < ntiles) issue<true>(ring, st, sp, cache, table, warp, lane, 0, fresh, true);
         mma::cp_async_commit();
       }
     }
@@ -652,7 +633,7 @@ struct MlaDecodeMma {
     if constexpr (ROWS_BEFORE_WAIT) {
 #pragma unroll
       for (int st = 0; st < NSTAGE - 1; ++st)
-        if (st < ntiles) issue_rows(ring, st, sp, cache, table, warp, lane, fresh, 0x7fffffff, false);
+        if (st < ntiles) issue<true>(ring, st, sp, cache, table, warp, lane, fresh, 0x7fffffff, false);
       mma::cp_async_commit();
     } else {
       mma::cp_async_commit();
