@@ -1,5 +1,5 @@
 """The decode attention's tensor-core split has a switch (mla_decode.cuh DSG_DECODE_ROWS_BEFORE_WAIT,
-off until its GPU tests have run: PERF_NOTES v25): on, it reads the step's metadata and the cache
+on by default since PERF_NOTES v26): on, it reads the step's metadata and the cache
 rows of earlier steps before its pdl_wait() (cp.async, LDGSTS) and still writes nothing and leaves
 no path before it; off, nothing global is read before the wait (test_sass_pdl's strict check).
 Compiled with NVRTC on the CPU from the committed goldens."""

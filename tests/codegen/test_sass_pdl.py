@@ -11,7 +11,8 @@ in address order up to its first ACQBULK:
   - no global store or atomic before it (the contract's "before its first global write");
   - no global load before it, unless the family is in WEIGHT_LOADS_BEFORE_WAIT (the contract allows
     weights, which no SASS check can tell from activations: a family that reads weights first says
-    so there, where a reviewer sees it), or the load is a TMA box or an L2-coherent load of a family
+    so there, where a reviewer sees it) or STEP_INPUTS_BEFORE_WAIT (the step's inputs and earlier
+    steps' cache rows, likewise), or the load is a TMA box or an L2-coherent load of a family
     in TWO_BACK_LOADS_BEFORE_WAIT (what the kernel two launches back wrote);
   - a PREEXIT after it (launch_dependents: else the next kernel waits for this one to exit).
 The planted kernels at the end prove the check catches each way of breaking it.
@@ -53,6 +54,11 @@ WEIGHT_LOADS_BEFORE_WAIT: frozenset = frozenset({"mla_decode_query", "mla_v_up",
 # weight boxes by TMA (UTMALDG: tensor maps bind weights only); any other load before the wait is
 # still refused.  moe_down: the route's offsets behind gate_up_silu (moe_wgmma_skinny.cuh).
 TWO_BACK_LOADS_BEFORE_WAIT: frozenset = frozenset({"moe_down"})
+# Families whose kernels read before pdl_wait() the step's inputs and the KV-cache rows of earlier
+# steps (pdl.cuh's third allowance; loads only, as for weights): the decode attention's first tiles
+# (mla_decode.cuh DSG_DECODE_ROWS_BEFORE_WAIT; test_sass_decode_rows_before_wait.py, and on the GPU
+# tests/gpu/test_kernels_mla.py's race test, check that this step's rows wait).
+STEP_INPUTS_BEFORE_WAIT: frozenset = frozenset({"mla_decode_attention"})
 
 _EXITS = ("EXIT", "RET", "KILL", "BRX", "JMX", "CALL", "JMP")
 _WRITES = ("STG", "ST", "ATOM", "ATOMG", "RED", "SUST", "SURED", "SUATOM", "UTMASTG", "UTMAREDG")
@@ -170,7 +176,8 @@ def _problems(case: str) -> dict:
     out = {}
     for k in sources:
         funcs = instructions(cubins[k.name])
-        out[_key(k)] = (k.family, wait_problem(funcs[k.name], weight_loads=k.family in WEIGHT_LOADS_BEFORE_WAIT,
+        early_loads = k.family in WEIGHT_LOADS_BEFORE_WAIT | STEP_INPUTS_BEFORE_WAIT
+        out[_key(k)] = (k.family, wait_problem(funcs[k.name], weight_loads=early_loads,
                                                two_back=k.family in TWO_BACK_LOADS_BEFORE_WAIT))
     return out
 

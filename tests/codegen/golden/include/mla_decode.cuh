@@ -503,11 +503,10 @@ struct MlaDecode {
 //  - values: warp w owns C / NW output columns; P (16 x KT) and V (the same tile) by ldmatrix.
 // Three barriers per tile; no partial scores cross warps.
 // The tensor-core split reads the cache rows of earlier steps before its pdl_wait() (1), or every
-// row after it (0).  Built and checked on the CPU (SASS: the loads before the wait; with 0 the
-// kernel's SASS is the same as before the switch existed); its GPU tests have not run yet
-// (PERF_NOTES v25): tests/gpu/test_kernels_mla.py -k reads_this_steps_rows, then the bench.
+// row after it (0: the kernel as it was before the switch).  1 since PERF_NOTES v26 (b=1 -0.04 ms a
+// step, b=128 ctx 4096 -0.14); tests/gpu/test_kernels_mla.py -k reads_this_steps_rows races it.
 #ifndef DSG_DECODE_ROWS_BEFORE_WAIT
-#define DSG_DECODE_ROWS_BEFORE_WAIT 0
+#define DSG_DECODE_ROWS_BEFORE_WAIT 1
 #endif
 
 template <typename T, int C, int R, int H, int BS, int NW, int NSTAGE, int S>

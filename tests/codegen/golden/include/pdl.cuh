@@ -14,6 +14,10 @@
 //    before its pdl_wait() what the kernel two launches back wrote: its predecessor let it launch
 //    only once that kernel had completed.  Such reads go through L2 (ld.global.cg), never an L1
 //    line.  (moe_wgmma_skinny.cuh: DOWN reads the route's offsets behind gate_up_silu.)
+//  - By the same chain, what the step's inputs hold (uploaded before its first kernel, or made by
+//    that kernel: a decode graph's context lengths) and the KV-cache rows earlier steps wrote may
+//    be read before pdl_wait(); the rows this step writes may not.  (mla_decode.cuh: the decode
+//    attention's first tiles, DSG_DECODE_ROWS_BEFORE_WAIT.)
 // Both are no-ops when the kernel was launched without the attribute. Raw PTX, not
 // cudaGridDependencySynchronize, because NVRTC builds without the device runtime.
 #pragma once
