@@ -63,6 +63,15 @@ def pairs_top_k(G, nid: str, routing: str) -> int:
     return K
 
 
+def routing_shared(G, routing: str) -> int:
+    """S, the shared experts a routing value's pairs hold (moe_route's shared_experts: experts
+    0..S-1, each token's last S pairs; ir/passes/fuse_shared_experts.py); 0 for any other maker."""
+    src = value_producers(G).get(routing)
+    if src is None or G.nodes[src]["op"] != "moe_route":
+        return 0
+    return int(G.nodes[src]["attrs"].get("shared_experts", 0))
+
+
 def require_dense(G, nid: str, *names: str) -> None:
     """The MoE kernels take no strides: row r of an operand of width n is at base + r * n, and
     their vector widths (vec_width) are chosen from n alone.  A strided view (a split output,
@@ -304,8 +313,10 @@ def gemv_grid(p: dict, ts: int | None) -> tuple:
 
 
 def grouped_launches(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,
-                     opts, *, down: bool) -> list[KernelLaunch]:
-    """The GEMV launch, then (bf16 / fp16) the one-grid tensor-core launch over the same args."""
+                     opts, *, down: bool, shared: int = 0) -> list[KernelLaunch]:
+    """The GEMV launch, then (bf16 / fp16) the one-grid tensor-core launch over the same args;
+    `shared`: the routing's shared experts (routing_shared), which decode's wgmma launch of
+    gate / up starts before its wait (_moe_wgmma_skinny)."""
     from codegen.render import kernel_name
     gemm = has_gemm(opts)
     launches = [KernelLaunch(
@@ -328,7 +339,7 @@ def grouped_launches(family: str, template: str, name_parts: list, p: dict, nid:
         from . import _moe_wgmma, _moe_wgmma_skinny
         launches = _moe_wgmma.take_over(launches, family, template, name_parts, p, nid, args, opts, down=down)
         launches = _moe_wgmma_skinny.take_over(launches, family, template, name_parts, p, nid, args, opts,
-                                               down=down)
+                                               down=down, shared=shared)
     return launches
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from codegen.arch import has_feature
-from codegen.kernel import KernelLaunch
+from codegen.kernel import KernelLaunch, size
 from codegen.sizes import only_above, only_below
 
 from . import _moe, _moe_wgmma
@@ -49,6 +49,12 @@ STAGED_FROM_BP = 0
 # kernel that includes it, the fused launch's too).  Off: measured on the H200 2-3% slower at
 # b=128-256, the same below (PERF_NOTES v23); its GPU tests (`-k activations_kept`) pass.
 ACT_EVICT_LAST = False
+# Gate / up with the shared experts among the pairs (moe_route's shared_experts S): those experts
+# are 0..S-1 and every token's, so the walk's first S * cdiv(T, BP) * col_tiles row tiles are known
+# from T alone, and a CTA whose first tile is one of them starts its first STAGES weight slices
+# before its wait, while the route still runs (moe_wgmma_skinny.cuh SH; the kernel takes the pair
+# count NP for T).  False: every gate / up CTA waits before its first read, as before.
+SHARED_BEFORE_WAIT = True
 
 
 def switch_names(staged: int) -> list:
@@ -102,16 +108,25 @@ def grid(p: dict, *, down: bool, run: str | None = None) -> str:
     return f"min(2 * SMS, {tiles}) * {run}"
 
 
+def early_shared(shared: int, *, down: bool) -> int:
+    """The shared experts whose first slices a gate / up launch starts before its wait (0: none)."""
+    return shared if SHARED_BEFORE_WAIT and not down else 0
+
+
 def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
-           down: bool) -> KernelLaunch:
-    return _moe_wgmma.tma_launch(family, template, [*name_parts, *switch_names(STAGED_FROM_BP)], p, nid, args,
-                                 variant="wgmma_skinny", box=(BOX, BK), threads=THREADS, stages=STAGES,
+           down: bool, shared: int = 0) -> KernelLaunch:
+    sh = early_shared(shared, down=down)
+    if sh:
+        args = (*args, size("num_pairs", "NP"))
+    return _moe_wgmma.tma_launch(family, template, [*name_parts, *switch_names(STAGED_FROM_BP), *[f"sh{sh}"] * bool(sh)],
+                                 p, nid, args, variant="wgmma_skinny", box=(BOX, BK), threads=THREADS, stages=STAGES,
                                  smem_bytes=smem(STAGES), cols=cols(down=down), grid=grid(p, down=down), pairs=BP,
-                                 staged_from=STAGED_FROM_BP, act_evict_last=int(ACT_EVICT_LAST))
+                                 staged_from=STAGED_FROM_BP, act_evict_last=int(ACT_EVICT_LAST),
+                                 **({} if down else {"shared": sh}))
 
 
 def take_over(launches: list, family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,
-              opts, *, down: bool) -> list:
+              opts, *, down: bool, shared: int = 0) -> list:
     """`launches` (GEMV, mma[, wgmma]), with this launch taking (FROM_TOKENS, upper()]."""
     if not applies(opts, p) or upper() <= FROM_TOKENS:
         return launches
@@ -120,7 +135,7 @@ def take_over(launches: list, family: str, template: str, name_parts: list, p: d
         if la.stage == "gemv":
             if FROM_TOKENS > 0:
                 out.append(dataclasses.replace(la, grid=gemv_grid(p, FROM_TOKENS)))
-            out.append(launch(family, template, name_parts, p, nid, args, down=down))
+            out.append(launch(family, template, name_parts, p, nid, args, down=down, shared=shared))
         elif la.stage == "mma":
             if not any(w.stage == "wgmma" for w in launches):   # else 0 below the prefill wgmma and 0 here
                 out.append(dataclasses.replace(

@@ -124,7 +124,7 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
                order, offsets, work("out", act, WORKSPACE))
     dn_args = (work("a", act, WORKSPACE, writes=False), weight("w", act, bound["down"]), order, offsets,
                out("out", act, y))
-    gu_launches = moe_gate_up_silu.launches(nid, gu, gu_args, opts)
+    gu_launches = moe_gate_up_silu.launches(nid, gu, gu_args, opts, shared=_moe.routing_shared(G, routing))
     dn_launches = moe_down.launches(nid, dn, dn_args, opts)
     if fused_applies(opts, gu, dn):
         args = (inp("x", act, x), tensor_map("w_gate", bound["gate"], (S.BOX, S.BK)),

@@ -23,4 +23,5 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     args = (inp("x", act, x), weight("w_gate", act, bound["gate"]), weight("w_up", act, bound["up"]),
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out_gate", act, out_g), out("out_up", act, out_u))
-    return _moe.grouped_launches(FAMILY, TEMPLATE, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"], p, nid, args, opts, down=False)
+    return _moe.grouped_launches(FAMILY, TEMPLATE, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"], p, nid, args, opts, down=False,
+                                 shared=_moe.routing_shared(G, routing))

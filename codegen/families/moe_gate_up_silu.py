@@ -28,11 +28,11 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     args = (inp("x", act, x), weight("w_gate", act, bound["gate"]), weight("w_up", act, bound["up"]),
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out", act, h))
-    return launches(nid, p, args, opts)
+    return launches(nid, p, args, opts, shared=_moe.routing_shared(G, routing))
 
 
-def launches(nid: str, p: dict, args: tuple, opts: Options) -> list[KernelLaunch]:
+def launches(nid: str, p: dict, args: tuple, opts: Options, *, shared: int = 0) -> list[KernelLaunch]:
     """The grouped launches over `args` (x, w_gate, w_up, order, offsets, out); moe_expert_ffn's
-    two-launch path passes its workspace as out."""
+    two-launch path passes its workspace as out.  `shared`: _moe.routing_shared."""
     name = [opts.dtype, f"e{p['E']}_k{p['K']}", f"m{p['N']}_d{p['KD']}"]
-    return _moe.grouped_launches(FAMILY, TEMPLATE, name, p, nid, args, opts, down=False)
+    return _moe.grouped_launches(FAMILY, TEMPLATE, name, p, nid, args, opts, down=False, shared=shared)

@@ -12,7 +12,8 @@ in address order up to its first ACQBULK:
   - no global load before it, unless the family is in WEIGHT_LOADS_BEFORE_WAIT (the contract allows
     weights, which no SASS check can tell from activations: a family that reads weights first says
     so there, where a reviewer sees it) or STEP_INPUTS_BEFORE_WAIT (the step's inputs and earlier
-    steps' cache rows, likewise), or the load is a TMA box or an L2-coherent load of a family
+    steps' cache rows, likewise), or the load is a TMA box of a family in WEIGHT_BOXES_BEFORE_WAIT,
+    or the load is a TMA box or an L2-coherent load of a family
     in TWO_BACK_LOADS_BEFORE_WAIT (what the kernel two launches back wrote);
   - a PREEXIT after it (launch_dependents: else the next kernel waits for this one to exit).
 The planted kernels at the end prove the check catches each way of breaking it.
@@ -59,6 +60,10 @@ TWO_BACK_LOADS_BEFORE_WAIT: frozenset = frozenset({"moe_down"})
 # (mla_decode.cuh DSG_DECODE_ROWS_BEFORE_WAIT; test_sass_decode_rows_before_wait.py, and on the GPU
 # tests/gpu/test_kernels_mla.py's race test, check that this step's rows wait).
 STEP_INPUTS_BEFORE_WAIT: frozenset = frozenset({"mla_decode_attention"})
+# Families whose kernels start weight boxes by TMA before pdl_wait() and load nothing else: decode's
+# gate / up (moe_wgmma_skinny.cuh SH) starts the shared experts' first slices.  TMA boxes come only
+# from tensor maps, which bind weights only.
+WEIGHT_BOXES_BEFORE_WAIT: frozenset = frozenset({"moe_gate_up_silu", "moe_gate_up"})
 
 _EXITS = ("EXIT", "RET", "KILL", "BRX", "JMX", "CALL", "JMP")
 _WRITES = ("STG", "ST", "ATOM", "ATOMG", "RED", "SUST", "SURED", "SUATOM", "UTMASTG", "UTMAREDG")
@@ -70,7 +75,7 @@ def _two_back_load(opcode: str) -> bool:
     return opcode.startswith("UTMALDG") or (opcode.startswith("LDG") and ".STRONG.GPU" in opcode)
 
 
-def wait_problem(instrs, *, weight_loads: bool = False, two_back: bool = False) -> str | None:
+def wait_problem(instrs, *, weight_loads: bool = False, two_back: bool = False, boxes: bool = False) -> str | None:
     """Why a kernel's instructions break the PDL contract, or None.  Every path from the entry is
     followed (conditional branches both ways, unconditional ones to their target) until it reaches a
     wait: none may exit, write, or load (but weights, where allowed) before it.  A kernel may wait on
@@ -97,7 +102,8 @@ def wait_problem(instrs, *, weight_loads: bool = False, two_back: bool = False) 
                 return f"leaves the prologue: {where}"
             if head in _WRITES or ins.opcode.startswith("UBLKCP.G"):
                 return f"writes global memory: {where}"
-            if head in _LOADS and not weight_loads and not (two_back and _two_back_load(ins.opcode)):
+            if (head in _LOADS and not weight_loads and not (two_back and _two_back_load(ins.opcode))
+                    and not (boxes and ins.opcode.startswith("UTMALDG"))):
                 return (f"reads global memory: {where} (weights only, and then its family belongs in "
                         f"WEIGHT_LOADS_BEFORE_WAIT)")
             if head == "BRA":
@@ -178,7 +184,8 @@ def _problems(case: str) -> dict:
         funcs = instructions(cubins[k.name])
         early_loads = k.family in WEIGHT_LOADS_BEFORE_WAIT | STEP_INPUTS_BEFORE_WAIT
         out[_key(k)] = (k.family, wait_problem(funcs[k.name], weight_loads=early_loads,
-                                               two_back=k.family in TWO_BACK_LOADS_BEFORE_WAIT))
+                                               two_back=k.family in TWO_BACK_LOADS_BEFORE_WAIT,
+                                               boxes=k.family in WEIGHT_BOXES_BEFORE_WAIT))
     return out
 
 
@@ -231,3 +238,15 @@ def test_two_back_allowance_takes_only_l2_loads_and_tma():
         assert "reads global memory" in wait_problem([mk(0, op), *tail])
     for op in ("LDG.E.CONSTANT", "LDG.E", "LDGSTS.E.BYPASS.128"):
         assert "reads global memory" in wait_problem([mk(0, op), *tail], two_back=True)
+
+
+def test_weight_box_allowance_takes_only_tma():
+    """The allowance for decode's gate / up (the shared experts' first weight slices) lets a TMA box
+    through before the wait, and no other load."""
+    from sass import Instr
+    mk = lambda n, op: Instr(addr=16 * n, opcode=op, operands="", guarded=False)   # noqa: E731
+    tail = [mk(8, "ACQBULK"), mk(9, "PREEXIT"), mk(10, "EXIT")]
+    assert wait_problem([mk(0, "UTMALDG.2D"), *tail], boxes=True) is None
+    assert "reads global memory" in wait_problem([mk(0, "UTMALDG.2D"), *tail])
+    for op in ("LDG.E.STRONG.GPU", "LDG.E.CONSTANT", "LDG.E", "LDGSTS.E.BYPASS.128"):
+        assert "reads global memory" in wait_problem([mk(0, op), *tail], boxes=True)

@@ -38,7 +38,7 @@ import test_kernels_moe_wgmma as wgmma_tests  # noqa: E402
 from harness import GPU_MARKS, TORCH_DTYPES, kernel_test, poison, shifted, single_op_graph, tiny_model  # noqa: E402
 
 from codegen import families, sizes  # noqa: E402
-from codegen.families import moe_expert_ffn  # noqa: E402
+from codegen.families import _moe, moe_expert_ffn  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
 from ir.ops import TType  # noqa: E402
 from ir.ops.moe import align_ref, grouped_linear  # noqa: E402
@@ -76,25 +76,29 @@ def _reference(x, routing, w, tdt, NP):
     return a, grouped_linear(a, True, routing, w["down"].double(), NP)
 
 
-def _lower(G, nid, dtype, window):
-    """The family's launches with the fused launch serving T in `window` (None: the lowering's)."""
-    saved = moe_expert_ffn.FUSED_FROM, moe_expert_ffn.FUSED_UPTO
+def _lower(G, nid, dtype, window, shared=0):
+    """The family's launches with the fused launch serving T in `window` (None: the lowering's),
+    lowered as if the routing came from a route with `shared` shared experts (the test's graph
+    takes the routing as an input: _moe.routing_shared would say 0)."""
+    saved = moe_expert_ffn.FUSED_FROM, moe_expert_ffn.FUSED_UPTO, _moe.routing_shared
     if window is not None:
         moe_expert_ffn.FUSED_FROM, moe_expert_ffn.FUSED_UPTO = window
+    _moe.routing_shared = lambda G, routing: shared
     try:
         return families.family_for_op("moe_expert_ffn").lower(nid, G, Options(dtype=dtype))
     finally:
-        moe_expert_ffn.FUSED_FROM, moe_expert_ffn.FUSED_UPTO = saved
+        moe_expert_ffn.FUSED_FROM, moe_expert_ffn.FUSED_UPTO, _moe.routing_shared = saved
 
 
 def _run(runner, case, *, expect: list, window=None, fused_grid=None):
     """`expect`: the stages of the launches that run at the case's T (grid > 0).  `fused_grid`: the
-    fused launch's CTAs in place of the lowering's (an expression of T, NP and SMS)."""
+    fused launch's CTAs in place of the lowering's (an expression of T, NP and SMS).  A case's
+    "shared" (default 0): its first experts are shared ones (T pairs each), lowered as such."""
     dtype, E, K, D, M, counts = (case[k] for k in ("dtype", "E", "K", "D", "M", "counts"))
     tdt = TORCH_DTYPES[dtype]
     T, NP = sum(counts) // K, sum(counts)
     G, nid = _graph(E, K, D, M)
-    launches = _lower(G, nid, dtype, window)
+    launches = _lower(G, nid, dtype, window, case.get("shared", 0))
     if fused_grid is not None:
         launches = [dataclasses.replace(la, grid=(fused_grid, 1, 1)) if la.stage == "fused" else la
                     for la in launches]
@@ -221,3 +225,30 @@ def test_moe_expert_ffn_fused_activations_kept_in_l2(runner, case, monkeypatch):
     x and `a` gathered, `a` and out stored under L2's evict_last policy; the outputs are the same."""
     monkeypatch.setattr(moe_expert_ffn.S, "ACT_EVICT_LAST", True)
     _run(runner, case, expect=["fused"], window=(1, 256))
+
+
+@st.composite
+def shared_cases(draw):
+    """Decode with S shared experts (numbered first, T pairs each, as fuse_shared_experts makes
+    them) and T * routed pairs over the routed experts, 1 <= T <= 256."""
+    T, S = draw(st.integers(1, 256)), draw(st.integers(1, 3))
+    E = draw(st.sampled_from((2, 5, 64)))
+    routed = draw(st.integers(1, min(E, 6)))
+    case = _case(draw(st.sampled_from(("bf16", "fp16"))), _lite(T, shared=S, routed=routed, E=E), S + routed,
+                 draw(st.sampled_from((40, 136, 2048))), draw(st.sampled_from((40, 200, 1408))),
+                 draw(st.sampled_from(("none", "none", "inputs", "outputs"))), draw(st.integers(0, 2**31 - 1)))
+    return {**case, "shared": S}
+
+
+@given(case=shared_cases())
+@example(case={**_case("bf16", [1] * 8 + [0] * 58, 8, 2048, 1408), "shared": 2})   # V2-Lite b=1
+@example(case={**_case("bf16", _lite(3), 8, 2048, 1408), "shared": 2})             # b=3
+@example(case={**_case("fp16", _lite(130), 8, 2048, 1408, "outputs"), "shared": 2})  # 3 row tiles a shared expert
+@example(case={**_case("bf16", (5, 4, 3, 3, 0), 3, 136, 200, "inputs"), "shared": 1})   # 3 K slices (< 4 stages), partial column tiles
+@kernel_test(8)
+def test_moe_expert_ffn_shared_experts_start_before_the_wait(runner, case):
+    """Decode's two launches with the shared experts among the pairs (_moe_wgmma_skinny
+    SHARED_BEFORE_WAIT): gate_up_silu's CTAs whose first tile is a shared expert's start its first
+    weight slices before their PDL wait, from T alone; the tile the walk then takes from the
+    offsets must be that one (else the product is of the wrong weights)."""
+    _run(runner, case, expect=["wgmma_skinny"] * 2, window=(257, 256))

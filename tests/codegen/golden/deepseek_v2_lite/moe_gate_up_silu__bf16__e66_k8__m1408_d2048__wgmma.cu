@@ -23,8 +23,9 @@
 // all active experts in one grouped launch: the GEMV at decode's smallest batches, else variant
 // mma (experts with more than thr pairs on tensor cores, the others on CUDA cores, one grid), or
 // above a token count on sm_90a variant wgmma (every expert on wgmma + TMA tiles, moe_wgmma.cuh).
-// Both wait at entry (pdl.cuh): which expert's weights a CTA reads comes from the routing,
-// another kernel's output, so there is nothing to prefetch before the wait.
+// They wait at entry (pdl.cuh): which expert's weights a CTA reads comes from the routing,
+// another kernel's output; but for the shared experts' tiles (experts 0..shared-1, every token's),
+// whose first weight slices the wgmma_skinny launch starts before its wait (moe_wgmma_skinny.cuh).
 #include "moe.cuh"
 #include "pdl.cuh"
 

@@ -241,11 +241,25 @@ __device__ __forceinline__ void wgmma_skinny_consume(const i32* __restrict__ ord
                                               order, ring, full, empty, out0, out1, it);
 }
 
-template <typename T, int MODE, int E, int N, int KD, int K, int ST>
+// Thread 0, before the wait: the first PRE weight slices of the walk's first tile (expert e, output
+// columns from n0) into ring stages 0..PRE-1 (wgmma_produce then skips issuing them: `preissued`).
+template <int MODE, int N, int PRE>
+__device__ __forceinline__ void wgmma_skinny_issue_first(char* ring, const TensorMap* w0, const TensorMap* w1, int e,
+                                                         int n0, unsigned long long* full) {
+#pragma unroll
+  for (int s = 0; s < PRE; ++s)
+    wgmma_issue_weights<MODE, N, WgSkinnyTiles>(ring + s * WS_STAGE_BYTES + WgSkinnyTiles::WEIGHTS_AT, w0, w1,
+                                                s * WS_BK, n0, e, &full[s]);
+}
+
+// SH: the shared experts among the pairs (moe_route's shared_experts: experts 0..SH-1, every token
+// one pair of each, so offsets[s] = s * T for s <= SH), whose first slices GATE_UP* starts before
+// its wait; num_pairs (NP = T * K) then gives T.  0: none (DOWN's early start is its own).
+template <typename T, int MODE, int E, int N, int KD, int K, int ST, int SH = 0>
 __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ x, const TensorMap* w0,
                                                           const TensorMap* w1, const i32* __restrict__ order,
                                                           const i32* __restrict__ offsets, T* __restrict__ out0,
-                                                          T* __restrict__ out1, char* smem) {
+                                                          T* __restrict__ out1, char* smem, int num_pairs = 0) {
   static_assert(sizeof(T) == 2, "wgmma skinny gemm: 16-bit operands");
   static_assert(KD % 8 == 0, "wgmma skinny gemm: rows of whole 16-byte chunks (TMA strides, cp.async)");
   static_assert(ST >= 2, "wgmma skinny gemm: a ring of at least two stages");
@@ -258,32 +272,48 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   // builds its tile table and starts its first tile's first ST weight slices (no kernel writes
   // weights) before its wait, into the tail of gate_up_silu (PERF_NOTES v16: that boundary cost
   // ~1.9 us a layer).  The pairs' rows (x, gate_up_silu's output) are gathered after it.
-  // GATE_UP* follows the route itself: every read of another kernel's output after the wait.
+  // GATE_UP* follows the route itself: every read of another kernel's output after the wait.  But
+  // with SH shared experts the walk's first SH * cdiv(T, WS_BP) row tiles are theirs whatever the
+  // route says (experts 0..SH-1 hold T pairs each: wgmma_row_tiles makes the same table from the
+  // offsets after the wait), so a CTA whose first tile is one of them starts its first ST weight
+  // slices before its wait, while the route runs (the pair rows, x, are gathered after it).
   constexpr bool EARLY = MODE == DOWN;
-  if constexpr (!EARLY) {
+  constexpr bool SHARED_EARLY = !EARLY && SH > 0;
+  if constexpr (!EARLY && !SHARED_EARLY) {
     dsg::pdl_wait();
     dsg::pdl_launch_dependents();
   }
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;         // 128B-swizzle tiles start on 1024-byte boundaries
-  if (threadIdx.x < 32) wgmma_row_tiles<E, WS_BP, EARLY>(offsets, tiles);
+  if constexpr (!SHARED_EARLY) {
+    if (threadIdx.x < 32) wgmma_row_tiles<E, WS_BP, EARLY>(offsets, tiles);
+  }
   if (threadIdx.x == 0) wgmma_ring_init<ST>(full, empty, 4);   // one consumer warpgroup
   __syncthreads();
   constexpr int KT = (KD + WS_BK - 1) / WS_BK, NCT = wgmma_skinny_col_tiles(MODE, N);
-  constexpr int PRE = EARLY ? (ST < KT ? ST : KT) : 0;   // slices of the walk's first tile issued early
+  constexpr int PRE = EARLY || SHARED_EARLY ? (ST < KT ? ST : KT) : 0;   // slices of the walk's first tile issued early
   int preissued = 0;
+  if constexpr (SHARED_EARLY) {
+    const int per = (num_pairs / K + WS_BP - 1) / WS_BP;   // row tiles of one shared expert (T pairs)
+    if ((int)blockIdx.x < SH * per * NCT) {
+      preissued = PRE;
+      const int t = blockIdx.x;
+      if (threadIdx.x == 0)
+        wgmma_skinny_issue_first<MODE, N, PRE>(smem + (ring - raw), w0, w1, t / NCT / per,
+                                               (t % NCT) * wgmma_skinny_cols(MODE), full);
+    }
+    dsg::pdl_wait();
+    dsg::pdl_launch_dependents();
+    if (threadIdx.x < 32) wgmma_row_tiles<E, WS_BP, false>(offsets, tiles);
+    __syncthreads();
+  }
   if constexpr (EARLY) {
     if (blockIdx.x < tiles[E] * NCT) {
       preissued = PRE;
-      if (threadIdx.x == 0) {
-        const int t = blockIdx.x;
-        const int e = wgmma_tile_expert<E>(tiles, t / NCT), n0 = (t % NCT) * wgmma_skinny_cols(MODE);
-        char* ring_p = smem + (ring - raw);
-#pragma unroll
-        for (int s = 0; s < PRE; ++s)
-          wgmma_issue_weights<MODE, N, WgSkinnyTiles>(ring_p + s * WS_STAGE_BYTES + WgSkinnyTiles::WEIGHTS_AT, w0, w1,
-                                                      s * WS_BK, n0, e, &full[s]);
-      }
+      const int t = blockIdx.x;
+      if (threadIdx.x == 0)
+        wgmma_skinny_issue_first<MODE, N, PRE>(smem + (ring - raw), w0, w1, wgmma_tile_expert<E>(tiles, t / NCT),
+                                               (t % NCT) * wgmma_skinny_cols(MODE), full);
     }
     dsg::pdl_wait();
     dsg::pdl_launch_dependents();
