@@ -77,22 +77,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="launch every kernel without programmatic dependent launch (an A/B against the default)")
 
 
-WARMUP_SECONDS = 0.25   # each case runs at least this long before it is timed (see _timeit)
-
-
 def _timeit(fn, iters: int, warmup: int = 2) -> float:
-    """Median milliseconds of fn() over iters, timed with CUDA events, after `warmup` runs and at
-    least WARMUP_SECONDS of them: the first decode case right after the prefill cases ran ~4%
-    slower for its first few steps (b=1 ctx512 2.17-2.18 ms over 10 steps, 2.08 over 60 or once
-    warm: PERF_NOTES v26), a transient the median of 10 did not outlast."""
-    import time
-
+    """Median milliseconds of fn() over iters, timed with CUDA events."""
     import torch
-    start, n = time.perf_counter(), 0
-    while n < warmup or time.perf_counter() - start < WARMUP_SECONDS:
+    for _ in range(warmup):
         fn()
-        torch.cuda.synchronize()
-        n += 1
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
