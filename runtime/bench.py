@@ -65,7 +65,8 @@ def bench_cases(args) -> tuple[list, list]:
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default=None, help="default: model_specs/deepseek_v2_lite.yaml")
     p.add_argument("--json", default="bench.json", metavar="FILE", help="where to write every number")
-    p.add_argument("--iters", type=int, default=10, help="timed repetitions per case (the median counts)")
+    p.add_argument("--iters", type=int, default=50,
+                   help="timed repetitions per case (the median counts: b=1 steps drift between levels ~4%% apart, PERF_NOTES v26)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
     p.add_argument("--quick", action="store_true", help="fewer cases (batch 1 and 32, context 512)")
     p.add_argument("--decode", type=cases_arg, default=None, metavar="BxC,...",
