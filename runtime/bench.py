@@ -254,7 +254,8 @@ def pdl_edges(plan, sizes: dict) -> dict:
     with a 0 dim is not), how many are programmatic dependent launches, and how many of those
     follow a PDL kernel directly, the boundaries where a kernel can start during the previous
     one's tail (that kernel calls launch_dependents; a library kernel or a kernel launched without
-    the attribute in front serialises as before).  A split is a view: nothing is launched."""
+    the attribute in front serialises as before).  A split is a view: nothing is launched; nor is a
+    library call below its from_tokens (a linear's kernels serve those T: cuda_backend._forward)."""
     from codegen import sizes as size_exprs
     from codegen.kernel import KernelLaunch
     kernels = pdl = overlapped = 0
@@ -267,7 +268,7 @@ def pdl_edges(plan, sizes: dict) -> dict:
             pdl += step.pdl
             overlapped += step.pdl and prev == "pdl"
             prev = "pdl" if step.pdl else "kernel"
-        elif step.op != "split":
+        elif step.op != "split" and step.runs_at(sizes["T"]):
             prev = "library"
     return {"kernels": kernels, "pdl": pdl, "overlapped": overlapped}
 

@@ -141,9 +141,9 @@ def _k(pdl: bool, grid=(1, 1, 1)):
                         block=(32, 1, 1), args=(), pdl=pdl)
 
 
-def _lib(op: str):
+def _lib(op: str, from_tokens: int = 1):
     from codegen.kernel import LibraryCall
-    return LibraryCall(node="n", op=op, call=op, inputs=(), outputs=())
+    return LibraryCall(node="n", op=op, call=op, inputs=(), outputs=(), from_tokens=from_tokens)
 
 
 def test_pdl_edges_count_the_pdl_launches_right_after_a_pdl_kernel():
@@ -152,16 +152,17 @@ def test_pdl_edges_count_the_pdl_launches_right_after_a_pdl_kernel():
     steps = [_k(True), _k(True),                  # the second overlaps the first
              _lib("split"), _k(True),             # a view launches nothing: overlaps too
              _lib("linear"), _k(True),            # after cuBLAS: PDL, not overlapped
+             _lib("linear", from_tokens=17), _k(True),   # cuBLAS from 17 tokens on: not at T = 1
              _k(False), _k(True),                 # after a plain kernel: not overlapped
              _k(True, grid=("T - 1", 1, 1)),      # not launched at T = 1 ...
              _k(True)]                            # ... so this one follows the one before it
     edges = pdl_edges(PhasePlan("decode", steps=steps), {"T": 1})
-    assert edges == {"kernels": 7, "pdl": 6, "overlapped": 3}
+    assert edges == {"kernels": 8, "pdl": 7, "overlapped": 4}
 
 
 def test_pdl_edges_of_a_v2_lite_decode_step():
-    """Batch 1, V2-Lite: each MoE layer's route (3 launches) and experts (2) follow a PDL kernel; with
-    pdl off, nothing is PDL and the same kernels launch."""
+    """Batch 1, V2-Lite: every kernel launch is PDL and follows a PDL kernel; with pdl off, nothing
+    is PDL and the same kernels launch."""
     import dataclasses
 
     from codegen.bundle import plan_spec
@@ -174,6 +175,9 @@ def test_pdl_edges_of_a_v2_lite_decode_step():
     off = pdl_edges(plan_spec(spec, dataclasses.replace(DEFAULTS, pdl=False)).plans["decode"], sizes)
     assert off == {"kernels": on["kernels"], "pdl": 0, "overlapped": 0}
     assert on["kernels"] >= on["pdl"] >= on["overlapped"] >= 5 * 26
+    # at T = 1 the linears are the skinny kernel (their cuBLAS calls run from 17 tokens on): every
+    # kernel but the step's first follows a PDL kernel
+    assert on["overlapped"] == on["kernels"] - 1
 
 
 def test_table_prints_the_pdl_edges(capsys):
