@@ -108,21 +108,19 @@ def grid(p: dict, *, down: bool, run: str | None = None) -> str:
     return f"min(2 * SMS, {tiles}) * {run}"
 
 
-def early_shared(shared: int, *, down: bool) -> int:
-    """The shared experts whose first slices a gate / up launch starts before its wait (0: none)."""
-    return shared if SHARED_BEFORE_WAIT and not down else 0
-
-
 def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
            down: bool, shared: int = 0) -> KernelLaunch:
-    sh = early_shared(shared, down=down)
+    """The launch; `shared`: the routing's shared experts, whose first slices gate / up starts before
+    its wait (SHARED_BEFORE_WAIT; the kernel then takes NP for T)."""
+    sh = 0 if down or not SHARED_BEFORE_WAIT else shared
     if sh:
         args = (*args, size("num_pairs", "NP"))
-    return _moe_wgmma.tma_launch(family, template, [*name_parts, *switch_names(STAGED_FROM_BP), *[f"sh{sh}"] * bool(sh)],
-                                 p, nid, args, variant="wgmma_skinny", box=(BOX, BK), threads=THREADS, stages=STAGES,
-                                 smem_bytes=smem(STAGES), cols=cols(down=down), grid=grid(p, down=down), pairs=BP,
-                                 staged_from=STAGED_FROM_BP, act_evict_last=int(ACT_EVICT_LAST),
-                                 **({} if down else {"shared": sh}))
+    names = [*name_parts, *switch_names(STAGED_FROM_BP), *([f"sh{sh}"] if sh else [])]
+    extra = {} if down else {"shared": sh}
+    return _moe_wgmma.tma_launch(family, template, names, p, nid, args, variant="wgmma_skinny", box=(BOX, BK),
+                                 threads=THREADS, stages=STAGES, smem_bytes=smem(STAGES), cols=cols(down=down),
+                                 grid=grid(p, down=down), pairs=BP, staged_from=STAGED_FROM_BP,
+                                 act_evict_last=int(ACT_EVICT_LAST), **extra)
 
 
 def take_over(launches: list, family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,
