@@ -55,6 +55,14 @@ ACT_EVICT_LAST = False
 # before its wait, while the route still runs (moe_wgmma_skinny.cuh SH; the kernel takes the pair
 # count NP for T).  False: every gate / up CTA waits before its first read, as before.
 SHARED_BEFORE_WAIT = True
+# Down at one token (decode's b = 1) as a launch of its own with this many ring stages, one CTA an
+# SM (min(SMS, tiles) CTAs; V2-Lite's 8 pairs make 128 tiles): twice the weight slices in flight a
+# CTA, and twice the slices of its first tile issued before its wait (down's early start, into
+# gate_up_silu's tail).  Measured on the H200 (PERF_NOTES v27): b=1 ctx=512 2.07-2.11 -> 2.01-2.04
+# ms a step.  At 2+ tokens the tiles outnumber the SMs and the two-CTA launch stays.  0 (or
+# STAGES): no such launch.
+ONE_TOKEN_DOWN_STAGES = 8
+ONE_TOKEN_STAGE = "wgmma_skinny_t1"     # the launch's stage and kernel-name part
 
 
 def switch_names(staged: int) -> list:
@@ -68,9 +76,9 @@ def smem(stages: int) -> int:
     return stages * (ROWS + BP) * BK * 2 + 1024
 
 
-def static_smem(E: int) -> int:
+def static_smem(E: int, stages: int = STAGES) -> int:
     """The full / empty barriers and the row-tile table (moe_wgmma_skinny.cuh's __shared__)."""
-    return 2 * STAGES * 8 + 4 * (E + 1)
+    return 2 * stages * 8 + 4 * (E + 1)
 
 
 def applies(opts, p: dict) -> bool:
@@ -99,33 +107,50 @@ def row_tiles(E: int) -> str:
     return f"(NP // {BP} + min({E}, NP))"
 
 
-def grid(p: dict, *, down: bool, run: str | None = None) -> str:
+def one_token(p: dict, *, down: bool) -> bool:
+    """Whether down gets its one-token launch (ONE_TOKEN_DOWN_STAGES): deeper than the ring of two
+    CTAs an SM, one CTA's shared memory fits, and the range starts at one token (no GEMV below)."""
+    st = ONE_TOKEN_DOWN_STAGES
+    return (down and st > STAGES and FROM_TOKENS == 0
+            and smem(st) + static_smem(p["E"], st) + 1024 <= SM_SHARED)
+
+
+def grid(p: dict, *, down: bool, run: str | None = None, first: bool = False) -> str:
     """The launch's x extent: min(2 SMS, its tile bound) times `run`, the factor that is 1 at the T
-    it runs at (default: (FROM_TOKENS, upper()]; moe_expert_ffn narrows it around its own window)."""
+    it runs at (default: (FROM_TOKENS, upper()]; moe_expert_ffn narrows it around its own window).
+    Where down has its one-token launch, that launch (`first`: min(SMS, tiles), one CTA an SM)
+    takes T = 1 of the range and this one the rest."""
     tiles = f"{col_tiles(p['N'], down=down)} * {row_tiles(p['E'])}"
     if run is None:
         run = only_below(upper()) if FROM_TOKENS == 0 else f"{only_above(FROM_TOKENS)} * {only_below(upper())}"
-    return f"min(2 * SMS, {tiles}) * {run}"
+    if first:
+        return f"min(SMS, {tiles}) * {run} * {only_below(1)}"
+    split = f" * {only_above(1)}" if one_token(p, down=down) else ""
+    return f"min(2 * SMS, {tiles}) * {run}{split}"
 
 
 def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
-           down: bool, shared: int = 0) -> KernelLaunch:
+           down: bool, shared: int = 0, first: bool = False) -> KernelLaunch:
     """The launch; `shared`: the routing's shared experts, whose first slices gate / up starts before
-    its wait (SHARED_BEFORE_WAIT; the kernel then takes NP for T)."""
+    its wait (SHARED_BEFORE_WAIT; the kernel then takes NP for T); `first`: down's one-token launch
+    (ONE_TOKEN_DOWN_STAGES)."""
     sh = 0 if down or not SHARED_BEFORE_WAIT else shared
     if sh:
         args = (*args, size("num_pairs", "NP"))
     names = [*name_parts, *switch_names(STAGED_FROM_BP), *([f"sh{sh}"] if sh else [])]
     extra = {} if down else {"shared": sh}
-    return _moe_wgmma.tma_launch(family, template, names, p, nid, args, variant="wgmma_skinny", box=(BOX, BK),
-                                 threads=THREADS, stages=STAGES, smem_bytes=smem(STAGES), cols=cols(down=down),
-                                 grid=grid(p, down=down), pairs=BP, staged_from=STAGED_FROM_BP,
+    stages = ONE_TOKEN_DOWN_STAGES if first else STAGES
+    return _moe_wgmma.tma_launch(family, template, names, p, nid, args,
+                                 variant=ONE_TOKEN_STAGE if first else "wgmma_skinny", box=(BOX, BK),
+                                 threads=THREADS, stages=stages, smem_bytes=smem(stages), cols=cols(down=down),
+                                 grid=grid(p, down=down, first=first), pairs=BP, staged_from=STAGED_FROM_BP,
                                  act_evict_last=int(ACT_EVICT_LAST), **extra)
 
 
 def take_over(launches: list, family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,
               opts, *, down: bool, shared: int = 0) -> list:
-    """`launches` (GEMV, mma[, wgmma]), with this launch taking (FROM_TOKENS, upper()]."""
+    """`launches` (GEMV, mma[, wgmma]), with this launch taking (FROM_TOKENS, upper()] (down's
+    one-token launch, where it has one, T = 1 of it)."""
     if not applies(opts, p) or upper() <= FROM_TOKENS:
         return launches
     out = []
@@ -134,6 +159,8 @@ def take_over(launches: list, family: str, template: str, name_parts: list, p: d
             if FROM_TOKENS > 0:
                 out.append(dataclasses.replace(la, grid=gemv_grid(p, FROM_TOKENS)))
             out.append(launch(family, template, name_parts, p, nid, args, down=down, shared=shared))
+            if one_token(p, down=down):
+                out.append(launch(family, template, name_parts, p, nid, args, down=down, first=True))
         elif la.stage == "mma":
             if not any(w.stage == "wgmma" for w in launches):   # else 0 below the prefill wgmma and 0 here
                 out.append(dataclasses.replace(

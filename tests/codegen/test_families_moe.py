@@ -108,6 +108,7 @@ def test_kernel_names(monkeypatch):
     monkeypatch.setattr(_moe, "GEMM_WGMMA_SKINNY", True)     # the default: decode's wgmma in their place
     on = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "bf16")] for G, nid in moe_graphs(*DIMS["v3"])}
     assert on["moe_down"] == ["moe_down__bf16__e256__d7168_m2048__wgmma_skinny",
+                              "moe_down__bf16__e256__d7168_m2048__wgmma_skinny_t1",     # one token
                               "moe_down__bf16__e256__d7168_m2048__wgmma"]
     fp32 = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "fp32")] for G, nid in moe_graphs(*DIMS["v3"])}
     assert fp32["moe_down"] == ["moe_down__fp32__e256__d7168_m2048"]     # no tensor-core path for fp32
@@ -161,15 +162,18 @@ def test_grouped_launch_covers_every_expert_and_row(monkeypatch):
             else:
                 assert gemv_x == 0 and mma_y == 0 and wg > 0, (T, wg)
         monkeypatch.setattr(_moe, "GEMM_WGMMA_SKINNY", True)
-        skinny, wgmma = lower(G, nid, "bf16")
+        skinny, *one, wgmma = lower(G, nid, "bf16")
         assert (skinny.stage, wgmma.stage) == ("wgmma_skinny", "wgmma")
+        assert [o.stage for o in one] == ["wgmma_skinny_t1"] * (op == "moe_down")   # down at one token
         assert skinny.params["cols"] == bn
         for T in Ts:
             env = {"NP": 6 * T, "T": T, "SMS": 132}
             sk, wg = sizes.evaluate(skinny.grid[0], env), sizes.evaluate(wgmma.grid[0], env)
-            # a persistent grid walks every tile: any CTAs at all cover them; at most two per SM
-            assert (sk > 0, wg > 0) == (T <= GEMM_WGMMA_TOKENS, T > GEMM_WGMMA_TOKENS), (T, sk, wg)
-            assert sk <= 2 * 132
+            t1 = sum(sizes.evaluate(o.grid[0], env) for o in one)
+            # a persistent grid walks every tile: any CTAs at all cover them; at most two per SM (the
+            # one-token launch's deeper ring: one)
+            assert (sk + t1 > 0, wg > 0) == (T <= GEMM_WGMMA_TOKENS, T > GEMM_WGMMA_TOKENS), (T, sk, wg)
+            assert sk <= 2 * 132 and t1 <= 132 and (t1 > 0) == (bool(one) and T == 1), (T, sk, t1)
         # fp32 has no tensor-core launch: its GEMV takes every expert at every T
         (f32,) = lower(G, nid, "fp32")
         for T in (1, GEMV_ONLY_TOKENS + 1, 16384):

@@ -39,12 +39,20 @@ def _stages(G, nid, **kw):
     return [la.stage for la in _lower(G, nid, **kw)]
 
 
+def _decode_stages(G, nid):
+    """wgmma_skinny, and down's one-token launch (ONE_TOKEN_DOWN_STAGES) after it."""
+    return ["wgmma_skinny", *[ONE] * (G.nodes[nid]["op"] == "moe_down")]
+
+
+ONE = _moe_wgmma_skinny.ONE_TOKEN_STAGE
+
+
 def test_on_by_default_for_compute_capability_90_16bit_and_whole_16_byte_rows():
     assert _moe.GEMM_WGMMA_SKINNY and _moe_wgmma_skinny.FROM_TOKENS == 0
     for G, nid in _grouped():
         for target in ("sm_90", "sm_90a"):
-            assert _stages(G, nid, target=target) == ["wgmma_skinny", "wgmma"]
-            assert _stages(G, nid, dtype="fp16", target=target) == ["wgmma_skinny", "wgmma"]
+            assert _stages(G, nid, target=target) == [*_decode_stages(G, nid), "wgmma"]
+            assert _stages(G, nid, dtype="fp16", target=target) == [*_decode_stages(G, nid), "wgmma"]
         for target in ("sm_80", "sm_100"):
             assert _stages(G, nid, target=target) == ["gemv", "mma"]
         assert _stages(G, nid, dtype="fp32") == ["gemv"]
@@ -52,6 +60,14 @@ def test_on_by_default_for_compute_capability_90_16bit_and_whole_16_byte_rows():
     stages = {G.nodes[nid]["op"]: _stages(G, nid) for G, nid in _grouped("odd")}
     assert stages == {"moe_gate_up_silu": ["wgmma_skinny", "wgmma"], "moe_gate_up": ["wgmma_skinny", "wgmma"],
                       "moe_down": ["gemv", "mma"]}
+
+
+def test_without_the_one_token_launch_down_keeps_one_launch(monkeypatch):
+    """ONE_TOKEN_DOWN_STAGES at STAGES (or 0): down's one launch takes every T of its range."""
+    for st in (0, _moe_wgmma_skinny.STAGES):
+        monkeypatch.setattr(_moe_wgmma_skinny, "ONE_TOKEN_DOWN_STAGES", st)
+        for G, nid in _grouped():
+            assert _stages(G, nid) == ["wgmma_skinny", "wgmma"]
 
 
 def test_off_keeps_the_gemv_and_the_mma_launch(monkeypatch):
@@ -77,28 +93,39 @@ def test_one_launch_runs_at_each_T_and_the_grid_covers_every_tile(monkeypatch, f
     for G, nid in _grouped():
         launches = _lower(G, nid)
         by = {la.stage: la for la in launches}
-        assert list(by) == (["gemv"] if from_tokens else []) + ["wgmma_skinny", "wgmma"]
+        one = ONE in by
+        assert one == (G.nodes[nid]["op"] == "moe_down" and not from_tokens)
+        assert list(by) == (["gemv"] if from_tokens else []) + ["wgmma_skinny", *[ONE] * one, "wgmma"]
         sk = by["wgmma_skinny"]
         p = sk.params
         assert sk.requires == ("sm_90a",) and sk.block == (256, 1, 1)
         assert sk.smem == p["smem"] == 4 * (128 + 64) * 64 * 2 + 1024          # ring, alignment slack
         assert 2 * (sk.smem + _moe_wgmma_skinny.static_smem(p["E"]) + 1024) <= 228 * 1024   # two CTAs an SM
+        if one:   # the deeper ring, one CTA an SM, the same operands, kernel and tile
+            t1 = by[ONE]
+            st = _moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES
+            assert t1.smem == t1.params["smem"] == st * (128 + 64) * 64 * 2 + 1024 and st > 4
+            assert t1.smem + _moe_wgmma_skinny.static_smem(p["E"], st) + 1024 <= 228 * 1024 < 2 * t1.smem
+            assert t1.args == sk.args and t1.template == sk.template and t1.requires == sk.requires
+            assert t1.name == sk.name + "_t1" and t1.params["cols"] == p["cols"]
         assert p["cols"] == (128 if G.nodes[nid]["op"] == "moe_down" else 64)
         ncols = -(-p["N"] // p["cols"])
         for T in (1, 2, 8, 9, 32, 128, upper, upper + 1, 2048):
             env = {"T": T, "NP": 6 * T, "SMS": 132}
             runs = {st: sizes.evaluate(la.grid[0], env) > 0 for st, la in by.items()}
             assert sum(runs.values()) == 1, (T, runs)
-            assert runs["wgmma_skinny"] == (from_tokens < T <= upper), (T, runs)
-            if runs["wgmma_skinny"]:
+            assert (runs["wgmma_skinny"] or runs.get(ONE, False)) == (from_tokens < T <= upper), (T, runs)
+            assert runs.get(ONE, False) == (one and T == 1), (T, runs)
+            if runs["wgmma_skinny"] or runs.get(ONE, False):
                 bound = ncols * (6 * T // 64 + min(64, 6 * T))
-                assert sizes.evaluate(sk.grid[0], env) == min(2 * 132, bound)
+                ctas = sizes.evaluate((by[ONE] if T == 1 and one else sk).grid[0], env)
+                assert ctas == min((1 if T == 1 and one else 2) * 132, bound)
                 assert bound >= ncols * _worst_tiles(6 * T, 64)
 
 
 def test_weights_are_tensor_maps_of_64_row_boxes():
     for G, nid in _grouped():
-        sk, wg = _lower(G, nid)
+        sk, *_, wg = _lower(G, nid)
         maps = [a for a in sk.args if isinstance(a.ref, TensorMapRef)]
         assert maps and not any(isinstance(a.ref, WeightRef) for a in sk.args)
         assert [a.ref.weight for a in maps] == [a.ref.weight for a in wg.args if isinstance(a.ref, TensorMapRef)]
@@ -112,11 +139,12 @@ def test_without_the_prefill_wgmma_the_mma_launch_keeps_the_tokens_above():
     for G, nid in moe_graphs(*many):
         if G.nodes[nid]["op"] not in GROUPED:
             continue
-        sk, mma = _lower(G, nid)
-        assert (sk.stage, mma.stage) == ("wgmma_skinny", "mma")
+        sk, *one, mma = _lower(G, nid)
+        assert (sk.stage, *[o.stage for o in one], mma.stage) == ("wgmma_skinny", *_decode_stages(G, nid)[1:], "mma")
         for T in (1, 256, 257, 4096):
             env = {"T": T, "NP": 6 * T, "SMS": 132}
-            assert (sizes.evaluate(sk.grid[0], env) > 0, sizes.evaluate(mma.grid[1], env) > 0) == (T <= 256, T > 256)
+            skinny = any(sizes.evaluate(la.grid[0], env) > 0 for la in (sk, *one))
+            assert (skinny, sizes.evaluate(mma.grid[1], env) > 0) == (T <= 256, T > 256)
 
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
@@ -128,20 +156,20 @@ def test_compiles_to_hgmma_fed_by_tma_and_gathering_copies(op, dtype):
     for G, nid in _grouped():
         if G.nodes[nid]["op"] != op:
             continue
-        (sk,) = [la for la in _lower(G, nid, dtype=dtype) if la.stage == "wgmma_skinny"]
-        res = compile_cubin(render_launch(sk), sk.name, arch="sm_90a", options=("--ptxas-options=-v",))
-        ops = opcodes(res.cubin)
-        suffix = ".BF16" if dtype == "bf16" else ""
-        for n in (16, 32, 64):
-            assert ops[f"HGMMA.64x{n}x16.F32{suffix}"] == 8, sorted(ops)
-        assert not any(k.startswith("HMMA") for k in ops), "no mma.sync path inside"
-        assert ops["UTMALDG.3D"] > 0 and ops["UTMACCTL.PF"] > 0
-        assert ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0 and ops["ARRIVES.LDGSTSBAR.64.ARVCNT"] > 0
-        assert ops["SYNCS.PHASECHK.TRANS64.TRYWAIT"] > 0
-        assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
-        assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 128, res.log
-        with pytest.raises(KernelCompileError, match="sm_90a"):
-            compile_cubin(render_launch(sk), sk.name, arch="sm_90")
+        for sk in [la for la in _lower(G, nid, dtype=dtype) if la.stage in ("wgmma_skinny", ONE)]:
+            res = compile_cubin(render_launch(sk), sk.name, arch="sm_90a", options=("--ptxas-options=-v",))
+            ops = opcodes(res.cubin)
+            suffix = ".BF16" if dtype == "bf16" else ""
+            for n in (16, 32, 64):
+                assert ops[f"HGMMA.64x{n}x16.F32{suffix}"] == 8, sorted(ops)
+            assert not any(k.startswith("HMMA") for k in ops), "no mma.sync path inside"
+            assert ops["UTMALDG.3D"] > 0 and ops["UTMACCTL.PF"] > 0
+            assert ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0 and ops["ARRIVES.LDGSTSBAR.64.ARVCNT"] > 0
+            assert ops["SYNCS.PHASECHK.TRANS64.TRYWAIT"] > 0
+            assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
+            assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 128, res.log
+            with pytest.raises(KernelCompileError, match="sm_90a"):
+                compile_cubin(render_launch(sk), sk.name, arch="sm_90")
 
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")

@@ -11,6 +11,8 @@ for sm_90a, as a bundle does), and compares with the op's reference rounded wher
 Pair counts per expert sit around the tile's edges: 0 (no tile), 1, 2 (the light experts the mma
 launch gave the CUDA cores), 7 / 8 / 9, 15 / 16 / 17 (wgmma N = 16), 31 / 32 / 33 (N = 32),
 63 / 64 / 65 (N = 64; 65 is two row tiles), 100, 129 and 256 (several row tiles of one expert).
+Down's one-token launch (the deeper ring, one CTA an SM) has its own test at T = 1, K of E experts
+one pair each.
 Widths: KD a multiple of 8 (the variant's condition) but not of the 64-wide K slice, N not a
 multiple of the column tile (and odd), the V2-Lite shapes in fixed examples.  Operands one element
 past an aligned base: x (element loads into the same swizzled layout) and the outputs.
@@ -30,6 +32,7 @@ from test_kernels_moe_wgmma import _down, _gate_up  # noqa: E402
 from harness import GPU_MARKS, kernel_test  # noqa: E402
 
 from codegen import families, sizes  # noqa: E402
+from codegen.families import _moe_wgmma_skinny  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -46,30 +49,35 @@ WS_COUNTS = (0, 1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 129, 256
 runner = wgmma_tests.runner_fixture("wgmma_skinny")
 
 
+ONE = _moe_wgmma_skinny.ONE_TOKEN_STAGE
+
+
 def _lower_skinny(G, nid, dtype, ran: list | None = None):
-    """The family's launches with the decode wgmma variant on."""
+    """The family's launches with the decode wgmma variant on (down: its one-token launch too)."""
     from codegen.families import _moe
     saved, _moe.GEMM_WGMMA_SKINNY = _moe.GEMM_WGMMA_SKINNY, True     # (a fixture would not suit @given)
     try:
         launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype))
     finally:
         _moe.GEMM_WGMMA_SKINNY = saved
-    assert [la.stage for la in launches] == ["wgmma_skinny", "wgmma"], [la.stage for la in launches]
+    one = [ONE] * (G.nodes[nid]["op"] == "moe_down" and _moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES > 4)
+    assert [la.stage for la in launches] == ["wgmma_skinny", *one, "wgmma"], [la.stage for la in launches]
     if ran is not None:
         ran.extend(launches)
     return launches
 
 
-def _check_skinny_ran(launches, T, K):
+def _check_skinny_ran(launches, T, K, stage="wgmma_skinny"):
+    """`stage` is the one launch whose grid is not 0 at T."""
     env = {"T": T, "NP": T * K, "SMS": torch.cuda.get_device_properties(0).multi_processor_count}
-    skinny, wg = launches
-    assert sizes.evaluate(skinny.grid[0], env) > 0 and sizes.evaluate(wg.grid[0], env) == 0
+    running = [la.stage for la in launches if sizes.evaluate(la.grid[0], env) > 0]
+    assert running == [stage], (T, running)
 
 
-def _run(runner, op, case):
+def _run(runner, op, case, stage="wgmma_skinny"):
     ran: list = []
     base._grouped(runner, op, case, lower=lambda G, nid, dtype: _lower_skinny(G, nid, dtype, ran))
-    _check_skinny_ran(ran, case["T"], case["K"])
+    _check_skinny_ran(ran, case["T"], case["K"], stage)
 
 
 @st.composite
@@ -139,6 +147,41 @@ def test_moe_gate_up_wgmma_skinny(runner, case):
 @kernel_test(10)
 def test_moe_down_wgmma_skinny(runner, case):
     _run(runner, "moe_down", _down(case))
+
+
+@st.composite
+def one_token_cases(draw):
+    """One token: K of E experts one pair each (a partial row tile an expert, every tile one pair),
+    the widths of the two-CTA launch's cases and V2-Lite's / V3's down in the examples."""
+    E = draw(st.sampled_from((1, 2, 3, 5, 8, 64, 66)))
+    K = draw(st.integers(1, min(E, 9)))
+    chosen = draw(st.permutations(range(E)))[:K]
+    counts = [int(e in chosen) for e in range(E)]
+    return {"dtype": draw(st.sampled_from(("bf16", "fp16"))), "T": 1, "E": E, "K": K, "counts": counts,
+            "KD": draw(st.sampled_from(DOWN_KD)), "N": draw(st.sampled_from(DOWN_N)),
+            "misalign": draw(st.sampled_from(("none", "none", "inputs", "outputs"))),
+            "seed": draw(st.integers(0, 2**31 - 1))}
+
+
+def _one(dtype, E, experts, KD, N, misalign="none", seed=23):
+    counts = [int(e in experts) for e in range(E)]
+    return {"dtype": dtype, "T": 1, "E": E, "K": len(experts), "counts": counts, "KD": KD, "N": N,
+            "misalign": misalign, "seed": seed}
+
+
+@given(case=one_token_cases())
+@example(case=_one("bf16", 66, (0, 1, 5, 17, 30, 41, 50, 65), 1408, 2048))    # V2-Lite b=1: 128 tiles, one a CTA
+@example(case=_one("bf16", 66, (0, 1, 5, 17, 30, 41, 50, 65, 3), 1408, 2048))   # 9 pairs, 144 tiles: some CTAs
+                                                                                # of a 132-SM grid walk two
+@example(case=_one("fp16", 3, (2, 0), 200, 41))                                 # odd N, one box
+@example(case=_one("bf16", 5, (4,), 40, 264, "inputs"))                         # KD under one K slice; a misaligned
+@example(case=_one("fp16", 8, (1, 6, 7), 136, 136, "outputs"))                  # partial column tile; outputs misaligned
+@kernel_test(10)
+def test_moe_down_one_token_launch(runner, case):
+    """Down's one-token launch (_moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES: the deeper ring, one CTA an
+    SM, more of its first tile's slices before the wait) is the one that runs at T = 1 and matches
+    the reference; 22 K slices at V2-Lite's widths wrap its 8-stage ring almost three times."""
+    _run(runner, "moe_down", _down(case), stage=ONE)
 
 
 @pytest.mark.parametrize("staged", [16, 32])

@@ -142,6 +142,13 @@ MUTANTS = [
            moe_wgmma_skinny.test_moe_down_wgmma_skinny, dict(case={
                "dtype": "bf16", "T": 25, "E": 4, "K": 1, "counts": [9, 8, 7, 1], "KD": 136, "N": 200,
                "misalign": "none", "seed": 18}), uses_runner=True),
+    Mutant("decode wgmma down's one-token launch: its 8 early slices one K slice off (before the PDL wait)",
+           "include/moe_wgmma_skinny.cuh",
+           "s * WS_BK, n0, e, &full[s]);",
+           "(s + 1) * WS_BK, n0, e, &full[s]);",
+           moe_wgmma_skinny.test_moe_down_one_token_launch,
+           dict(case=moe_wgmma_skinny._one("bf16", 66, (0, 1, 5, 17, 30, 41, 50, 65), 1408, 2048, seed=25)),
+           uses_runner=True),
     Mutant("decode wgmma gate_up_silu's shared-expert slices one K slice off (issued before the PDL wait)",
            "include/moe_wgmma_skinny.cuh",
            "s * WS_BK, n0, e, &full[s]);",

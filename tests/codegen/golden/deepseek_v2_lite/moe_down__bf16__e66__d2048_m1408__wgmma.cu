@@ -19,9 +19,12 @@
 // moe_down: [a [NP, M], routing] -> eo [NP, D] = a[p] W[e]^T per pair: the GEMV at decode's
 // smallest batches, else variant mma (experts with more than thr pairs on tensor cores, the
 // others on CUDA cores, one grid), or above a token count on sm_90a variant wgmma (every expert
-// on wgmma + TMA tiles, moe_wgmma.cuh).
-// Both wait at entry (pdl.cuh): which expert's weights a CTA reads comes from the routing,
-// another kernel's output, so there is nothing to prefetch before the wait.
+// on wgmma + TMA tiles, moe_wgmma.cuh); decode's tokens on variant wgmma_skinny
+// (moe_wgmma_skinny.cuh), at one token on variant wgmma_skinny_t1: the same code with a deeper
+// ring, one CTA an SM (_moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES).
+// The GEMV and mma wait at entry (pdl.cuh): which expert's weights a CTA reads comes from the
+// routing, another kernel's output.  The skinny variants start their first tile's weights before
+// the wait (the routing is two launches back: moe_wgmma_skinny.cuh).
 #include "moe.cuh"
 #include "pdl.cuh"
 
