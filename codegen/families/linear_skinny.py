@@ -41,14 +41,6 @@ SKINNY_MAX_TOKENS = 16
 # CTAs as well (KSPLIT times the CTAs: for shapes whose row tiles are about the SM count, such as
 # o_proj's 128; reduced through distributed shared memory, skinny.cuh), off until measured.
 WARPS, ROW_TILES, UNROLL, KSPLIT = 8, 1, 4, 1
-# Weight batches (of UNROLL steps each) that every thread stages in shared memory by cp.async before
-# its wait, after the first batch, which it loads into registers (skinny.cuh mma_tiles): at decode's
-# K = 2048 (eight steps a warp) one such batch puts all of a CTA's 64 KB of weights in flight while
-# the kernel before it runs, 32 KB of it in shared memory.  At most what is left after the first
-# batch; 16-bit activations only.  0: the first batch only, as before (PERF_NOTES v27).
-STAGED_BATCHES = 1
-STAGED_DEFAULT = STAGED_BATCHES   # kernels at another setting get their own name (variant_tag)
-STATIC_SMEM = 48 * 1024           # the staged batches and the partial sums (skinny.cuh red_floats): static
 
 
 def min_blocks(warps: int, row_tiles: int, unroll: int) -> int:
@@ -58,37 +50,15 @@ def min_blocks(warps: int, row_tiles: int, unroll: int) -> int:
     return 2 if warps <= 8 and unroll * row_tiles <= 4 else 1
 
 
-def staged_batches(K: int, dtype: str, warps: int, row_tiles: int, unroll: int, ksplit: int, want: int) -> int:
-    """The weight batches a thread stages in shared memory (STAGED_BATCHES): no more than its steps
-    after the first batch need or the static shared memory beside the partial sums holds, none for
-    fp32 (skinny.cuh mma_tiles)."""
-    if dtype == "fp32" or want <= 0:
-        return 0
-    steps = -(-(-(-K // 32)) // (warps * ksplit))        # 32-wide K steps of the busiest warp
-    red = 4 * (warps + (ksplit > 1)) * row_tiles * 16 * 16      # skinny.cuh red_floats
-    room = (STATIC_SMEM - red) // staged_bytes(warps, row_tiles, unroll, 1)
-    return max(0, min(want, -(-(steps - unroll) // unroll), room))
-
-
-def staged_bytes(warps: int, row_tiles: int, unroll: int, sb: int) -> int:
-    """Shared memory of the staged batches (skinny.cuh staged_words, 16 bytes each)."""
-    return 16 * sb * unroll * row_tiles * 2 * warps * 32
-
-
-def variant_tag(warps: int, row_tiles: int, unroll: int, ksplit: int = 1, staged: int = None) -> str | None:
-    """The kernel-name part of a non-default shape (None for the default): w8r1u4, w8r1u4k2, and
-    s0 (s2, ...) where the staged batches are not STAGED_BATCHES."""
-    staged = STAGED_BATCHES if staged is None else staged
-    tag = ""
-    if (warps, row_tiles, unroll, ksplit) != (WARPS, ROW_TILES, UNROLL, KSPLIT):
-        tag = f"w{warps}r{row_tiles}u{unroll}" + (f"k{ksplit}" if ksplit > 1 else "")
-    if staged != STAGED_DEFAULT:
-        tag += f"s{staged}"
-    return tag or None
+def variant_tag(warps: int, row_tiles: int, unroll: int, ksplit: int = 1) -> str | None:
+    """The kernel-name part of a non-default shape (None for the default): w8r1u4, w8r1u4k2."""
+    if (warps, row_tiles, unroll, ksplit) == (WARPS, ROW_TILES, UNROLL, KSPLIT):
+        return None
+    return f"w{warps}r{row_tiles}u{unroll}" + (f"k{ksplit}" if ksplit > 1 else "")
 
 
 def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unroll: int = UNROLL,
-          ksplit: int = KSPLIT, staged: int | None = None):
+          ksplit: int = KSPLIT):
     from codegen.lower import library_call
     data, (x,), outs, bound = node_io(G, nid)
     if data["op"] == "linear" and data["attrs"]["precision"] == "fp32":
@@ -107,13 +77,11 @@ def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unrol
     y_args = [f"y{i}" for i in range(len(outs))]
     if ksplit not in (1, 2, 4, 8):
         raise LoweringError(f"a cluster of {ksplit} CTAs; the skinny linear splits K over 1, 2, 4 or 8")
-    staged = STAGED_BATCHES if staged is None else staged
-    sb = staged_batches(K, opts.dtype, warps, row_tiles, unroll, ksplit, staged)
-    params = {"act": act, "K": K, "rows": rows, "warps": warps, "rt": row_tiles, "unroll": unroll, "ks": ksplit, "sb": sb,
+    params = {"act": act, "K": K, "rows": rows, "warps": warps, "rt": row_tiles, "unroll": unroll, "ks": ksplit,
               "min_blocks": min_blocks(warps, row_tiles, unroll), "max_tokens": SKINNY_MAX_TOKENS, "w_args": w_args,
               "y_args": y_args, "silu": silu}
     parts = [opts.dtype, f"k{K}", f"silu{rows[0]}" if silu else "o" + "_".join(map(str, rows))]
-    tag = variant_tag(warps, row_tiles, unroll, ksplit, staged)
+    tag = variant_tag(warps, row_tiles, unroll, ksplit)
     if tag:
         parts.append(tag)
     args = (inp("x", act, x), stride("x_stride", x, 0),

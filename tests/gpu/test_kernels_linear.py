@@ -8,8 +8,7 @@ round), one to four stacked weights of odd heights (tiles straddle two weights),
 strided view (row stride K + extra, starting `offset` elements in) and `shift`: a weight or x one
 element past an aligned allocation, so the CTA's alignment test sends it to the element loads.
 Outputs are poisoned (NaN): an element the kernel does not write fails.  The kernel's shape
-(warps, row tiles, unroll, cluster split of K, weight batches staged in shared memory before the
-wait) is drawn too, among the variants
+(warps, row tiles, unroll, cluster split of K) is drawn too, among the variants
 tests/gpu/perf_linear.py times, so whichever the H200 picks is tested.  Fixed regression cases sit beside the test as @example."""
 from __future__ import annotations
 
@@ -26,18 +25,9 @@ from codegen.kernel import KernelLaunch, Options
 SETTINGS = kernel_test(40)
 REC = Recorder("linear_skinny")
 REC_SILU = Recorder("linear_skinny gate_up_silu")
-# (warps, row tiles, unroll, cluster[, staged batches]): the default and the variants perf_linear.py
-# times; the last two stage no weights before the wait (the kernel before STAGED_BATCHES) and two
-# batches of two steps (shared memory, then registers past them at K > 1536)
+# (warps, row tiles, unroll, cluster): the default and the variants perf_linear.py times
 VARIANTS = ((linear_skinny.WARPS, linear_skinny.ROW_TILES, linear_skinny.UNROLL, linear_skinny.KSPLIT),
-            (8, 1, 2, 1), (8, 1, 8, 1), (4, 1, 4, 1), (8, 2, 2, 1), (16, 1, 2, 1), (8, 1, 4, 2), (8, 1, 2, 4),
-            (8, 1, 4, 1, 0), (8, 1, 2, 1, 2))
-
-
-def lower_variant(nid, G, dtype, variant):
-    warps, rt, unroll, ks, *staged = variant
-    return linear_skinny.lower(nid, G, Options(dtype=dtype), warps=warps, row_tiles=rt, unroll=unroll, ksplit=ks,
-                               staged=staged[0] if staged else None)
+            (8, 1, 2, 1), (8, 1, 8, 1), (4, 1, 4, 1), (8, 2, 2, 1), (16, 1, 2, 1), (8, 1, 4, 2), (8, 1, 2, 4))
 WIDTHS = st.one_of(st.sampled_from([1, 7, 8, 9, 31, 32, 33, 40, 255, 256, 257, 264, 511, 512, 2048, 2049, 2816]),
                    st.integers(1, 3000))
 HEIGHTS = st.one_of(st.sampled_from([1, 15, 16, 17, 31, 33, 576]), st.integers(1, 300))
@@ -75,7 +65,8 @@ def run_case(dtype, T, K, rows, extra, offset, shift, variant, seed):
     elif shift == "w":
         ws["w0"] = shifted(ws["w0"])
     ys = {o: empty_out((T, n), dtype) for o, n in zip(outs, rows)}
-    steps = lower_variant(nid, G, dtype, variant)
+    warps, rt, unroll, ks = variant
+    steps = linear_skinny.lower(nid, G, Options(dtype=dtype), warps=warps, row_tiles=rt, unroll=unroll, ksplit=ks)
     launches = [s for s in steps if isinstance(s, KernelLaunch)]
     assert len(launches) == 1 and len(steps) == 2 and steps[1].from_tokens == linear_skinny.SKINNY_MAX_TOKENS + 1
     runner().run_all(launches, values={"x": x, **ys}, weights=ws, sizes={"T": T})
@@ -110,10 +101,6 @@ def run_case(dtype, T, K, rows, extra, offset, shift, variant, seed):
 @example(dtype="bf16", T=11, K=2048, rows=[2048], extra=0, offset=0, shift="none", variant=VARIANTS[6], seed=12)
 @example(dtype="fp16", T=4, K=2816, rows=[40, 9], extra=8, offset=8, shift="none", variant=VARIANTS[7], seed=13)
 @example(dtype="fp32", T=16, K=99, rows=[33], extra=0, offset=0, shift="w", variant=VARIANTS[7], seed=14)
-# weights staged before the wait: none (the kernel before STAGED_BATCHES), and two batches of
-# two steps followed by register batches (K = 2816: eleven steps a warp)
-@example(dtype="bf16", T=1, K=2048, rows=[2048], extra=0, offset=0, shift="none", variant=VARIANTS[8], seed=15)
-@example(dtype="fp16", T=13, K=2816, rows=[33, 576], extra=8, offset=3, shift="none", variant=VARIANTS[9], seed=16)
 # K below one step: most warps have nothing to do
 @example(dtype="bf16", T=12, K=7, rows=[20], extra=0, offset=0, shift="none", variant=VARIANTS[0], seed=11)
 def test_linear_skinny(dtype, T, K, rows, extra, offset, shift, variant, seed):
@@ -178,7 +165,8 @@ def test_gate_up_silu(dtype, T, K, n, extra, offset, shift, variant, seed):
     elif shift == "w":
         wu = shifted(wu)
     out = empty_out((T, n), dtype)
-    steps = lower_variant(nid, G, dtype, variant)
+    warps, rt, unroll, ks = variant
+    steps = linear_skinny.lower(nid, G, Options(dtype=dtype), warps=warps, row_tiles=rt, unroll=unroll, ksplit=ks)
     launches = [s for s in steps if isinstance(s, KernelLaunch)]
     assert len(launches) == 1 and steps[-1].op == "gate_up_silu"
     runner().run_all(launches, values={"x": x, "out": out}, weights={"wg": wg, "wu": wu}, sizes={"T": T})

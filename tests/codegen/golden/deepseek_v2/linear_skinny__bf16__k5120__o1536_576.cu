@@ -2,7 +2,7 @@
 // template: linear_skinny.cu.j2
 // kernel:   linear_skinny__bf16__k5120__o1536_576
 // role:     linear_skinny.multi_linear
-// params:   {"K":5120,"act":"__nv_bfloat16","ks":1,"max_tokens":16,"min_blocks":2,"rows":[1536,576],"rt":1,"sb":1,"silu":false,"unroll":4,"w_args":["w0","w1"],"warps":8,"y_args":["y0","y1"]}
+// params:   {"K":5120,"act":"__nv_bfloat16","ks":1,"max_tokens":16,"min_blocks":2,"rows":[1536,576],"rt":1,"silu":false,"unroll":4,"w_args":["w0","w1"],"warps":8,"y_args":["y0","y1"]}
 // includes: cluster.cuh, common.cuh, mma.cuh, pdl.cuh, skinny.cuh, vec.cuh
 // nodes:    L0-59.mla.q_a
 // implements (spec op, layers, passes that fused it):
@@ -20,7 +20,6 @@ constexpr int WARPS = 8;
 constexpr int RT = 1;
 constexpr int UNROLL = 4;
 constexpr int KS = 1;
-constexpr int SB = 1;   // weight batches staged in shared memory before the wait (skinny.cuh mma_tiles)
 static_assert(dsg::skinny::MAX_TOKENS == 16, "token bound disagrees with the lowering");
 static_assert(dsg::skinny::TILE * RT == 16, "rows per CTA disagree with the lowering");
 
@@ -34,7 +33,6 @@ linear_skinny__bf16__k5120__o1536_576(
     __nv_bfloat16* __restrict__ y1,
     int T) {
   __shared__ __align__(16) float red[dsg::skinny::red_floats(WARPS, RT, KS)];
-  __shared__ __align__(16) uint4 staged[dsg::skinny::staged_words(WARPS, RT, UNROLL, SB)];
   const dsg::skinny::Mats<act_t, 2> m = {{w0, w1}, {y0, y1}};
-  dsg::skinny::linear<act_t, K, WARPS, RT, UNROLL, KS, false, SB, 1536, 576>(x, x_stride, m, T, red, staged);
+  dsg::skinny::linear<act_t, K, WARPS, RT, UNROLL, KS, false, 1536, 576>(x, x_stride, m, T, red);
 }

@@ -2,7 +2,7 @@
 // template: linear_skinny.cu.j2
 // kernel:   linear_skinny__bf16__k2048__o2048
 // role:     linear_skinny.linear
-// params:   {"K":2048,"act":"__nv_bfloat16","ks":1,"max_tokens":16,"min_blocks":2,"rows":[2048],"rt":1,"sb":1,"silu":false,"unroll":4,"w_args":["w0"],"warps":8,"y_args":["y0"]}
+// params:   {"K":2048,"act":"__nv_bfloat16","ks":1,"max_tokens":16,"min_blocks":2,"rows":[2048],"rt":1,"silu":false,"unroll":4,"w_args":["w0"],"warps":8,"y_args":["y0"]}
 // includes: cluster.cuh, common.cuh, mma.cuh, pdl.cuh, skinny.cuh, vec.cuh
 // nodes:    L0-26.mla.y
 // implements (spec op, layers, passes that fused it):
@@ -19,7 +19,6 @@ constexpr int WARPS = 8;
 constexpr int RT = 1;
 constexpr int UNROLL = 4;
 constexpr int KS = 1;
-constexpr int SB = 1;   // weight batches staged in shared memory before the wait (skinny.cuh mma_tiles)
 static_assert(dsg::skinny::MAX_TOKENS == 16, "token bound disagrees with the lowering");
 static_assert(dsg::skinny::TILE * RT == 16, "rows per CTA disagree with the lowering");
 
@@ -31,7 +30,6 @@ linear_skinny__bf16__k2048__o2048(
     __nv_bfloat16* __restrict__ y0,
     int T) {
   __shared__ __align__(16) float red[dsg::skinny::red_floats(WARPS, RT, KS)];
-  __shared__ __align__(16) uint4 staged[dsg::skinny::staged_words(WARPS, RT, UNROLL, SB)];
   const dsg::skinny::Mats<act_t, 1> m = {{w0}, {y0}};
-  dsg::skinny::linear<act_t, K, WARPS, RT, UNROLL, KS, false, SB, 2048>(x, x_stride, m, T, red, staged);
+  dsg::skinny::linear<act_t, K, WARPS, RT, UNROLL, KS, false, 2048>(x, x_stride, m, T, red);
 }

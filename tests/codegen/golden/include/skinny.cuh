@@ -59,11 +59,6 @@ struct Mats {
   T* y[N];
 };
 
-// 16-byte words of shared memory for the weight chunks a thread stages before the wait (SB batches
-// of U steps after the first batch, which stays in registers; mma_tiles), laid out
-// [(batch, u, rt, h)][thread] so that a warp's copies and reads are 512 contiguous bytes.  0: none.
-__host__ __device__ constexpr int staged_words(int warps, int rt, int u, int sb) { return sb * u * rt * 2 * warps * 32; }
-
 // Floats of shared memory for the warps' partial sums (both paths use the same amount), and with
 // KS > 1 the CTA's own sum that the cluster reads.
 __host__ __device__ constexpr int red_floats(int warps, int rt, int ks) {
@@ -219,14 +214,9 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& wg, const 
 
 // One CTA's RT row tiles with NT n8 token tiles; partial sums to red (this warp's slice), laid out as
 // [warp][rt][nt][lane][4] (an mma accumulator per lane).
-// Before the wait: the first batch of U steps' weight chunks into registers, and (VEC, SB > 0) the
-// next SB batches' into shared memory `staged` by cp.async, so that at decode's widths (K = 2048:
-// eight steps a warp) every weight byte of the CTA is in flight before the kernel before it ends;
-// later batches are loaded as the loop reaches them.  Each thread reads back only its own copies
-// (no barrier: its cp.async.wait_group orders them).
-template <typename T, int K, int WARPS, int RT, int U, int NT, bool VEC, int KS, bool SILU, int SB, int... ROWS>
+template <typename T, int K, int WARPS, int RT, int U, int NT, bool VEC, int KS, bool SILU, int... ROWS>
 __device__ __forceinline__ void mma_tiles(const T* __restrict__ x, i64 x_stride, const Mats<T, sizeof...(ROWS)>& m,
-                                          int ntok, int row0, float* red, uint4* staged) {
+                                          int ntok, int row0, float* red) {
   constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
   constexpr int NSTEPS = (K + STEP - 1) / STEP;
   constexpr int NW = KS * WARPS;                       // warps splitting K: the cluster's
@@ -265,28 +255,9 @@ __device__ __forceinline__ void mma_tiles(const T* __restrict__ x, i64 x_stride,
 #pragma unroll
         for (int h = 0; h < 2; ++h) wv[u][rt][h] = chunk16<T, K, VEC, true>(wr[rt][h], k_of(b, u));
   };
-  constexpr bool STAGE = VEC && SB > 0;
-  auto slot = [&](int b, int u, int rt, int h) {   // batch b >= 1 of the staged ones
-    return staged + ((((b - 1) * U + u) * RT + rt) * 2 + h) * (WARPS * 32) + threadIdx.x;
-  };
-  // The first batch of weights (and the staged ones) is in flight while the kernel before this one
-  // drains (PDL); x is that kernel's output, so it is read only after the wait.
+  // The first batch of weights is in flight while the kernel before this one drains (PDL); x is
+  // that kernel's output, so it is read only after the wait.
   load_weights(0);
-  if constexpr (STAGE) {
-#pragma unroll
-    for (int b = 1; b <= SB; ++b)
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int k = k_of(b, u);
-            const bool live = wr[rt][h] != nullptr && k < K;   // else zero fill, nothing read
-            dsg::mma::cp_async16(slot(b, u, rt, h), live ? wr[rt][h] + k : m.w[0], live ? 16 : 0);
-          }
-    dsg::mma::cp_async_commit();
-  }
   dsg::pdl_wait();
   for (int b = 0; b < batches;) {
     uint4 xv[U][NT];
@@ -300,21 +271,8 @@ __device__ __forceinline__ void mma_tiles(const T* __restrict__ x, i64 x_stride,
       for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) mma_chunk<BF16>(acc[rt][nt], wv[u][rt][0], wv[u][rt][1], xv[u][nt]);
-    if (++b < batches) {
-      if (STAGE && b <= SB) {
-        if (b == 1) dsg::mma::cp_async_wait<0>();
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) wv[u][rt][h] = *slot(b, u, rt, h);
-      } else {
-        load_weights(b);
-      }
-    }
+    if (++b < batches) load_weights(b);
   }
-  if constexpr (STAGE) dsg::mma::cp_async_wait<0>();   // none outstanding at exit (batches <= SB)
   dsg::pdl_launch_dependents();
   float* mine = red + (threadIdx.x >> 5) * (RT * NT * 128);
 #pragma unroll
@@ -456,13 +414,10 @@ __device__ __forceinline__ void fp32_store(const Mats<float, sizeof...(ROWS)>& m
 // would leave the outputs unwritten, which the property tests' poisoned outputs would catch).
 // KS: CTAs per cluster along x (the kernel is declared __cluster_dims__(KS, 1, 1) when KS > 1); the
 // grid is KS CTAs per RT row tiles.  SILU: gate_up_silu (ROWS = n, n; one output).
-// SB, staged: the weight batches staged in shared memory before the wait (mma_tiles; staged holds
-// staged_words(WARPS, RT, U, SB) 16-byte words; 0 and null for none, and for fp32).
-template <typename T, int K, int WARPS, int RT, int U, int KS, bool SILU, int SB, int... ROWS>
+template <typename T, int K, int WARPS, int RT, int U, int KS, bool SILU, int... ROWS>
 __device__ __forceinline__ void linear(const T* __restrict__ x, i64 x_stride, const Mats<T, sizeof...(ROWS)>& m,
-                                       int ntok, float* red, uint4* staged) {
+                                       int ntok, float* red) {
   static_assert(WARPS >= 1 && RT >= 1 && U >= 1, "skinny linear: at least one warp, row tile and step a batch");
-  static_assert(SB >= 0 && (SB == 0 || !IsF32<T>::value), "skinny linear: staged weights on the 16-bit path only");
   static_assert(KS == 1 || KS == 2 || KS == 4 || KS == 8, "skinny linear: a cluster of 1, 2, 4 or 8 CTAs");
   const int row0 = (blockIdx.x / KS) * RT * TILE;
   const bool vec = vec_ok<T, K, (int)sizeof...(ROWS)>(x, x_stride, m);
@@ -472,12 +427,12 @@ __device__ __forceinline__ void linear(const T* __restrict__ x, i64 x_stride, co
     fp32_store<WARPS, RT, KS, SILU, ROWS...>(m, ntok, row0, red);
   } else {
     if (ntok <= 8) {
-      if (vec) mma_tiles<T, K, WARPS, RT, U, 1, true, KS, SILU, SB, ROWS...>(x, x_stride, m, ntok, row0, red, staged);
-      else mma_tiles<T, K, WARPS, RT, U, 1, false, KS, SILU, SB, ROWS...>(x, x_stride, m, ntok, row0, red, staged);
+      if (vec) mma_tiles<T, K, WARPS, RT, U, 1, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+      else mma_tiles<T, K, WARPS, RT, U, 1, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
       mma_store<T, WARPS, RT, 1, KS, SILU, ROWS...>(m, ntok, row0, red);
     } else {
-      if (vec) mma_tiles<T, K, WARPS, RT, U, 2, true, KS, SILU, SB, ROWS...>(x, x_stride, m, ntok, row0, red, staged);
-      else mma_tiles<T, K, WARPS, RT, U, 2, false, KS, SILU, SB, ROWS...>(x, x_stride, m, ntok, row0, red, staged);
+      if (vec) mma_tiles<T, K, WARPS, RT, U, 2, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+      else mma_tiles<T, K, WARPS, RT, U, 2, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
       mma_store<T, WARPS, RT, 2, KS, SILU, ROWS...>(m, ntok, row0, red);
     }
   }
