@@ -59,8 +59,9 @@ SHARED_BEFORE_WAIT = True
 # SM (min(SMS, tiles) CTAs; V2-Lite's 8 pairs make 128 tiles): twice the weight slices in flight a
 # CTA, and twice the slices of its first tile issued before its wait (down's early start, into
 # gate_up_silu's tail).  Measured on the H200 (PERF_NOTES v27): b=1 ctx=512 2.07-2.11 -> 2.01-2.04
-# ms a step.  At 2+ tokens the tiles outnumber the SMs and the two-CTA launch stays.  0 (or
-# STAGES): no such launch.
+# ms a step.  From 2 tokens the two-CTA launch stays (V2-Lite: 256+ tiles).  V2 / V3 get it too,
+# unmeasured (320 / 504 tiles at one token: each CTA walks 2-4, the same bytes in flight an SM).
+# 0 (or STAGES): no such launch.
 ONE_TOKEN_DOWN_STAGES = 8
 ONE_TOKEN_STAGE = "wgmma_skinny_t1"     # the launch's stage and kernel-name part
 
