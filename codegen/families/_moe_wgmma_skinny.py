@@ -108,7 +108,7 @@ def row_tiles(E: int) -> str:
     return f"(NP // {BP} + min({E}, NP))"
 
 
-def one_token(p: dict, *, down: bool) -> bool:
+def has_one_token_launch(p: dict, *, down: bool) -> bool:
     """Whether down gets its one-token launch (ONE_TOKEN_DOWN_STAGES): deeper than the ring of two
     CTAs an SM, one CTA's shared memory fits, and the range starts at one token (no GEMV below)."""
     st = ONE_TOKEN_DOWN_STAGES
@@ -116,35 +116,35 @@ def one_token(p: dict, *, down: bool) -> bool:
             and smem(st) + static_smem(p["E"], st) + 1024 <= SM_SHARED)
 
 
-def grid(p: dict, *, down: bool, run: str | None = None, first: bool = False) -> str:
+def grid(p: dict, *, down: bool, run: str | None = None, one_token: bool = False) -> str:
     """The launch's x extent: min(2 SMS, its tile bound) times `run`, the factor that is 1 at the T
     it runs at (default: (FROM_TOKENS, upper()]; moe_expert_ffn narrows it around its own window).
-    Where down has its one-token launch, that launch (`first`: min(SMS, tiles), one CTA an SM)
+    Where down has its one-token launch, that launch (`one_token`: min(SMS, tiles), one CTA an SM)
     takes T = 1 of the range and this one the rest."""
     tiles = f"{col_tiles(p['N'], down=down)} * {row_tiles(p['E'])}"
     if run is None:
         run = only_below(upper()) if FROM_TOKENS == 0 else f"{only_above(FROM_TOKENS)} * {only_below(upper())}"
-    if first:
+    if one_token:
         return f"min(SMS, {tiles}) * {run} * {only_below(1)}"
-    split = f" * {only_above(1)}" if one_token(p, down=down) else ""
+    split = f" * {only_above(1)}" if has_one_token_launch(p, down=down) else ""
     return f"min(2 * SMS, {tiles}) * {run}{split}"
 
 
 def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
-           down: bool, shared: int = 0, first: bool = False) -> KernelLaunch:
+           down: bool, shared: int = 0, one_token: bool = False) -> KernelLaunch:
     """The launch; `shared`: the routing's shared experts, whose first slices gate / up starts before
-    its wait (SHARED_BEFORE_WAIT; the kernel then takes NP for T); `first`: down's one-token launch
+    its wait (SHARED_BEFORE_WAIT; the kernel then takes NP for T); `one_token`: down's one-token launch
     (ONE_TOKEN_DOWN_STAGES)."""
     sh = 0 if down or not SHARED_BEFORE_WAIT else shared
     if sh:
         args = (*args, size("num_pairs", "NP"))
     names = [*name_parts, *switch_names(STAGED_FROM_BP), *([f"sh{sh}"] if sh else [])]
     extra = {} if down else {"shared": sh}
-    stages = ONE_TOKEN_DOWN_STAGES if first else STAGES
+    stages = ONE_TOKEN_DOWN_STAGES if one_token else STAGES
     return _moe_wgmma.tma_launch(family, template, names, p, nid, args,
-                                 variant=ONE_TOKEN_STAGE if first else "wgmma_skinny", box=(BOX, BK),
+                                 variant=ONE_TOKEN_STAGE if one_token else "wgmma_skinny", box=(BOX, BK),
                                  threads=THREADS, stages=stages, smem_bytes=smem(stages), cols=cols(down=down),
-                                 grid=grid(p, down=down, first=first), pairs=BP, staged_from=STAGED_FROM_BP,
+                                 grid=grid(p, down=down, one_token=one_token), pairs=BP, staged_from=STAGED_FROM_BP,
                                  act_evict_last=int(ACT_EVICT_LAST), **extra)
 
 
@@ -160,8 +160,8 @@ def take_over(launches: list, family: str, template: str, name_parts: list, p: d
             if FROM_TOKENS > 0:
                 out.append(dataclasses.replace(la, grid=gemv_grid(p, FROM_TOKENS)))
             out.append(launch(family, template, name_parts, p, nid, args, down=down, shared=shared))
-            if one_token(p, down=down):
-                out.append(launch(family, template, name_parts, p, nid, args, down=down, first=True))
+            if has_one_token_launch(p, down=down):
+                out.append(launch(family, template, name_parts, p, nid, args, down=down, one_token=True))
         elif la.stage == "mma":
             if not any(w.stage == "wgmma" for w in launches):   # else 0 below the prefill wgmma and 0 here
                 out.append(dataclasses.replace(

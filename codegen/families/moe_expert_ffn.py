@@ -99,7 +99,7 @@ def two_launch_range() -> str:
 def around_window(launches: list, p: dict, *, down: bool) -> list:
     """A family's launches with its decode wgmma launch narrowed to the T outside the window."""
     return [dataclasses.replace(la, grid=(S.grid(p, down=down, run=two_launch_range(),
-                                                 first=la.stage == S.ONE_TOKEN_STAGE), 1, 1))
+                                                 one_token=la.stage == S.ONE_TOKEN_STAGE), 1, 1))
             if la.stage in ("wgmma_skinny", S.ONE_TOKEN_STAGE) else la for la in launches]
 
 

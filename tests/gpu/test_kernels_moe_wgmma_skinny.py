@@ -60,7 +60,7 @@ def _lower_skinny(G, nid, dtype, ran: list | None = None):
         launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype))
     finally:
         _moe.GEMM_WGMMA_SKINNY = saved
-    one = [ONE] * (G.nodes[nid]["op"] == "moe_down" and _moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES > 4)
+    one = [ONE] * (G.nodes[nid]["op"] == "moe_down" and _moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES > _moe_wgmma_skinny.STAGES)
     assert [la.stage for la in launches] == ["wgmma_skinny", *one, "wgmma"], [la.stage for la in launches]
     if ran is not None:
         ran.extend(launches)
