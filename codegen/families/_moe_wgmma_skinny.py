@@ -55,6 +55,10 @@ ACT_EVICT_LAST = False
 # before its wait, while the route still runs (moe_wgmma_skinny.cuh SH; the kernel takes the pair
 # count NP for T).  False: every gate / up CTA waits before its first read, as before.
 SHARED_BEFORE_WAIT = True
+# ... and runs that first shared tile whole before its wait (its pairs' rows gathered, its outputs
+# stored: moe_wgmma_skinny.cuh SH_WHOLE), so the shared experts' weights stream while the route
+# runs, not only their first STAGES slices.  False: only those slices.
+SHARED_WHOLE_BEFORE_WAIT = True
 # Down at one token (decode's b = 1) as a launch of its own with this many ring stages, one CTA an
 # SM (min(SMS, tiles) CTAs; V2-Lite's 8 pairs make 128 tiles): twice the weight slices in flight a
 # CTA, and twice the slices of its first tile issued before its wait (down's early start, into
@@ -78,8 +82,9 @@ def smem(stages: int) -> int:
 
 
 def static_smem(E: int, stages: int = STAGES) -> int:
-    """The full / empty barriers and the row-tile table (moe_wgmma_skinny.cuh's __shared__)."""
-    return 2 * stages * 8 + 4 * (E + 1)
+    """The full / empty barriers, the row-tile table and a shared tile's pairs (moe_wgmma_skinny.cuh's
+    __shared__; the last at most)."""
+    return 2 * stages * 8 + 4 * (E + 1) + 4 * BP
 
 
 def applies(opts, p: dict) -> bool:
@@ -138,8 +143,9 @@ def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args
     sh = 0 if down or not SHARED_BEFORE_WAIT else shared
     if sh:
         args = (*args, size("num_pairs", "NP"))
-    names = [*name_parts, *switch_names(STAGED_FROM_BP), *([f"sh{sh}"] if sh else [])]
-    extra = {} if down else {"shared": sh}
+    whole = bool(sh) and SHARED_WHOLE_BEFORE_WAIT
+    names = [*name_parts, *switch_names(STAGED_FROM_BP), *([f"sh{sh}" + "w" * whole] if sh else [])]
+    extra = {} if down else {"shared": sh, "shared_whole": whole}
     stages = ONE_TOKEN_DOWN_STAGES if one_token else STAGES
     return _moe_wgmma.tma_launch(family, template, names, p, nid, args,
                                  variant=ONE_TOKEN_STAGE if one_token else "wgmma_skinny", box=(BOX, BK),

@@ -12,9 +12,9 @@ in address order up to its first ACQBULK:
   - no global load before it, unless the family is in WEIGHT_LOADS_BEFORE_WAIT (the contract allows
     weights, which no SASS check can tell from activations: a family that reads weights first says
     so there, where a reviewer sees it) or STEP_INPUTS_BEFORE_WAIT (the step's inputs and earlier
-    steps' cache rows, likewise), or the load is a TMA box of a family in WEIGHT_BOXES_BEFORE_WAIT,
-    or the load is a TMA box or an L2-coherent load of a family
-    in TWO_BACK_LOADS_BEFORE_WAIT (what the kernel two launches back wrote);
+    steps' cache rows, likewise), or the load is a TMA box or an L2-coherent load of a family
+    in TWO_BACK_LOADS_BEFORE_WAIT (what the kernel two launches back wrote), or that or an
+    L2-only cp.async gather of a family in TWO_BACK_GATHERS_BEFORE_WAIT;
   - a PREEXIT after it (launch_dependents: else the next kernel waits for this one to exit).
 The planted kernels at the end prove the check catches each way of breaking it.
 """
@@ -60,10 +60,11 @@ TWO_BACK_LOADS_BEFORE_WAIT: frozenset = frozenset({"moe_down"})
 # (mla_decode.cuh DSG_DECODE_ROWS_BEFORE_WAIT; test_sass_decode_rows_before_wait.py, and on the GPU
 # tests/gpu/test_kernels_mla.py's race test, check that this step's rows wait).
 STEP_INPUTS_BEFORE_WAIT: frozenset = frozenset({"mla_decode_attention"})
-# Families whose kernels start weight boxes by TMA before pdl_wait() and load nothing else: decode's
-# gate / up (moe_wgmma_skinny.cuh SH) starts the shared experts' first slices.  TMA boxes come only
-# from tensor maps, which bind weights only.
-WEIGHT_BOXES_BEFORE_WAIT: frozenset = frozenset({"moe_gate_up_silu", "moe_gate_up"})
+# Families whose kernels, besides TWO_BACK_LOADS_BEFORE_WAIT's loads, gather rows that the kernel two
+# launches back wrote with L2-only cp.async (LDGSTS.E.BYPASS: cp.async.cg) before pdl_wait():
+# decode's gate / up runs a shared expert's tile's K loop before its wait, its weight boxes by TMA
+# and its pair rows (x, the route's input) gathered (moe_wgmma_skinny.cuh SH_WHOLE); it stores after.
+TWO_BACK_GATHERS_BEFORE_WAIT: frozenset = frozenset({"moe_gate_up_silu", "moe_gate_up"})
 
 _EXITS = ("EXIT", "RET", "KILL", "BRX", "JMX", "CALL", "JMP")
 _WRITES = ("STG", "ST", "ATOM", "ATOMG", "RED", "SUST", "SURED", "SUATOM", "UTMASTG", "UTMAREDG")
@@ -71,11 +72,12 @@ _LOADS = ("LDG", "LD", "LDGSTS", "UBLKCP", "UTMALDG", "SULD")
 _TARGET = re.compile(r"0x([0-9a-f]+)")
 
 
-def _two_back_load(opcode: str) -> bool:
-    return opcode.startswith("UTMALDG") or (opcode.startswith("LDG") and ".STRONG.GPU" in opcode)
+def _two_back_load(opcode: str, gathers: bool = False) -> bool:
+    return (opcode.startswith("UTMALDG") or (opcode.startswith("LDG.") and ".STRONG.GPU" in opcode)
+            or (gathers and opcode.startswith("LDGSTS.") and ".BYPASS" in opcode))
 
 
-def wait_problem(instrs, *, weight_loads: bool = False, two_back: bool = False, boxes: bool = False) -> str | None:
+def wait_problem(instrs, *, weight_loads: bool = False, two_back: bool = False, gathers: bool = False) -> str | None:
     """Why a kernel's instructions break the PDL contract, or None.  Every path from the entry is
     followed (conditional branches both ways, unconditional ones to their target) until it reaches a
     wait: none may exit, write, or load (but weights, where allowed) before it.  A kernel may wait on
@@ -102,8 +104,8 @@ def wait_problem(instrs, *, weight_loads: bool = False, two_back: bool = False, 
                 return f"leaves the prologue: {where}"
             if head in _WRITES or ins.opcode.startswith("UBLKCP.G"):
                 return f"writes global memory: {where}"
-            if (head in _LOADS and not weight_loads and not (two_back and _two_back_load(ins.opcode))
-                    and not (boxes and ins.opcode.startswith("UTMALDG"))):
+            if (head in _LOADS and not weight_loads
+                    and not ((two_back or gathers) and _two_back_load(ins.opcode, gathers))):
                 return (f"reads global memory: {where} (weights only, and then its family belongs in "
                         f"WEIGHT_LOADS_BEFORE_WAIT)")
             if head == "BRA":
@@ -185,7 +187,7 @@ def _problems(case: str) -> dict:
         early_loads = k.family in WEIGHT_LOADS_BEFORE_WAIT | STEP_INPUTS_BEFORE_WAIT
         out[_key(k)] = (k.family, wait_problem(funcs[k.name], weight_loads=early_loads,
                                                two_back=k.family in TWO_BACK_LOADS_BEFORE_WAIT,
-                                               boxes=k.family in WEIGHT_BOXES_BEFORE_WAIT))
+                                               gathers=k.family in TWO_BACK_GATHERS_BEFORE_WAIT))
     return out
 
 
@@ -240,13 +242,17 @@ def test_two_back_allowance_takes_only_l2_loads_and_tma():
         assert "reads global memory" in wait_problem([mk(0, op), *tail], two_back=True)
 
 
-def test_weight_box_allowance_takes_only_tma():
-    """The allowance for decode's gate / up (the shared experts' first weight slices) lets a TMA box
-    through before the wait, and no other load."""
+def test_gather_allowance_takes_only_l2_loads_tma_and_l2_gathers():
+    """The allowance for decode's gate / up (a shared expert's tile before the wait) lets an L2-only
+    cp.async gather through as well, not one that may fill L1 (.ACCESS: cp.async.ca) nor a plain
+    load, and no store: the tile's outputs wait."""
     from sass import Instr
     mk = lambda n, op: Instr(addr=16 * n, opcode=op, operands="", guarded=False)   # noqa: E731
     tail = [mk(8, "ACQBULK"), mk(9, "PREEXIT"), mk(10, "EXIT")]
-    assert wait_problem([mk(0, "UTMALDG.2D"), *tail], boxes=True) is None
-    assert "reads global memory" in wait_problem([mk(0, "UTMALDG.2D"), *tail])
-    for op in ("LDG.E.STRONG.GPU", "LDG.E.CONSTANT", "LDG.E", "LDGSTS.E.BYPASS.128"):
-        assert "reads global memory" in wait_problem([mk(0, op), *tail], boxes=True)
+    for op in ("LDGSTS.E.BYPASS.LTC128B.128", "UTMALDG.3D", "LDG.E.STRONG.GPU"):
+        assert wait_problem([mk(0, op), *tail], gathers=True) is None
+    assert "reads global memory" in wait_problem([mk(0, "LDGSTS.E.BYPASS.LTC128B.128"), *tail])
+    for op in ("LDG.E.CONSTANT", "LDG.E", "LDGSTS.E.LTC128B.128"):
+        assert "reads global memory" in wait_problem([mk(0, op), *tail], gathers=True)
+    for op in ("STG.E.U16", "STG.E.128"):
+        assert "writes global memory" in wait_problem([mk(0, op), *tail], gathers=True)

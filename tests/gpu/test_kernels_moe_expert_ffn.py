@@ -92,6 +92,18 @@ def _lower(G, nid, dtype, window, shared=0):
         moe_expert_ffn.FUSED_FROM, moe_expert_ffn.FUSED_UPTO, _moe.routing_shared = saved
 
 
+def _route_layout(ids: torch.Tensor, shared: int) -> torch.Tensor:
+    """ids [T, K] with each token's row as moe_route writes it when its first `shared` experts are
+    shared ones (every token one pair of each): the routed pairs first, then shared expert s at slot
+    K - shared + s (moe.cuh topk_scored), which decode's gate / up relies on to find a shared tile's
+    pairs before its wait (moe_wgmma_skinny.cuh SH_WHOLE)."""
+    if not shared:
+        return ids
+    T = ids.shape[0]
+    routed = ids[ids >= shared].view(T, -1)               # (row-major: each row keeps its routed pairs)
+    return torch.cat([routed, torch.arange(shared).expand(T, shared)], dim=1).contiguous()
+
+
 def _run(runner, case, *, expect: list, window=None, fused_grid=None):
     """`expect`: the stages of the launches that run at the case's T (grid > 0).  `fused_grid`: the
     fused launch's CTAs in place of the lowering's (an expression of T, NP and SMS).  A case's
@@ -110,7 +122,8 @@ def _run(runner, case, *, expect: list, window=None, fused_grid=None):
     g = torch.Generator(device=DEV).manual_seed(case["seed"])
     mis = case.get("misalign", "none")
     for run in range(RUNS):
-        ids = base._ids_with_counts(counts, K, torch.Generator().manual_seed(case["seed"] + run))
+        ids = _route_layout(base._ids_with_counts(counts, K, torch.Generator().manual_seed(case["seed"] + run)),
+                            case.get("shared", 0))
         ref_r = align_ref(ids, E)
         routing = {"order": ref_r["order"].to(DEV, torch.int32), "offsets": ref_r["offsets"].to(DEV, torch.int32)}
         ref_dev = {**ref_r, "order": ref_r["order"].to(DEV), "offsets": ref_r["offsets"].to(DEV)}
@@ -250,9 +263,10 @@ def shared_cases(draw):
 @example(case={**_case("bf16", (5, 4, 3, 3, 0), 3, 136, 200, "inputs"), "shared": 1})   # 3 K slices (< 4 stages), partial column tiles
 @kernel_test(8)
 def test_moe_expert_ffn_shared_experts_start_before_the_wait(runner, case):
-    """Decode's two launches with the shared experts among the pairs (_moe_wgmma_skinny
-    SHARED_BEFORE_WAIT): gate_up_silu's CTAs whose first tile is a shared expert's start its first
-    weight slices before their PDL wait, from T alone; the tile the walk then takes from the
-    offsets must be that one (else the product is of the wrong weights)."""
+    """Decode's two launches with the shared experts among the pairs, laid out as moe_route lays
+    them (_moe_wgmma_skinny SHARED_BEFORE_WAIT, SHARED_WHOLE_BEFORE_WAIT): gate_up_silu's CTAs whose
+    first tile is a shared expert's run that whole tile before their PDL wait, from T alone (its
+    pairs from the route's layout, not from `order`), then the rest of their walk from the offsets,
+    past it (a wrong pair, a tile done twice or not at all: wrong or poisoned rows)."""
     T = sum(case["counts"]) // case["K"]
     _run(runner, case, expect=["wgmma_skinny", ONE if T == 1 else "wgmma_skinny"], window=(257, 256))

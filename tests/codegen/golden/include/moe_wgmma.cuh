@@ -290,12 +290,13 @@ __device__ __forceinline__ int wgmma_issue_free(const TensorMap* w0, const Tenso
 }
 
 // Producer: the persistent walk of tiles t = blockIdx.x, + gridDim.x, ...; the walk's first tile
-// has its first `preissued` slices' weights issued already (before pdl_wait by the caller).
+// has its first `preissued` slices' weights issued already (before pdl_wait by the caller); its
+// first `skip` tiles were produced already (moe_wgmma_skinny.cuh's shared tile before the wait).
 template <typename T, int MODE, int E, int N, int KD, int K, int ST, typename L = WgPrefillTiles>
 __device__ __forceinline__ void wgmma_produce(const T* __restrict__ x, const TensorMap* w0, const TensorMap* w1,
                                               const i32* __restrict__ order, const i32* __restrict__ offsets,
                                               const int* tiles, char* ring, unsigned long long* full,
-                                              unsigned long long* empty, int preissued = 0) {
+                                              unsigned long long* empty, int preissued = 0, int skip = 0) {
   constexpr int BNO = L::cols(MODE), NCT = (N + BNO - 1) / BNO;
   const bool vec = aligned_to<16>(x);                    // uniform: cp.async, else element loads
   if (threadIdx.x == 0) {
@@ -303,8 +304,8 @@ __device__ __forceinline__ void wgmma_produce(const T* __restrict__ x, const Ten
     if (MODE != DOWN) tma::prefetch(w1);
   }
   const int total = tiles[E] * NCT;
-  int it = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+  int it = skip * ((KD + WG_BK - 1) / WG_BK);
+  for (int t = blockIdx.x + skip * gridDim.x; t < total; t += gridDim.x) {
     const WgTile tl = wgmma_tile<E, NCT, BNO, L::BM>(tiles, offsets, t);
     wgmma_produce_tile<T, MODE, N, KD, K, ST, L>(x, w0, w1, order, tl, ring, full, empty, vec, it,
                                                  t == (int)blockIdx.x ? preissued : 0);

@@ -169,8 +169,10 @@ __device__ __forceinline__ void wgmma_skinny_store_staged(const WgTile& tl, cons
 }
 
 // One tile's K loop and epilogue on the consumer warpgroup, BP pairs wide (the tile has <= BP).
-// `it` is the ring position of the tile's first slice (advanced past its last).
-template <typename T, int MODE, int N, int KD, int ST, int BP>
+// `it` is the ring position of the tile's first slice (advanced past its last).  WAIT: the tile
+// ran before the kernel's PDL wait, which comes between its K loop and its stores (pdl.cuh: no
+// global write before it).
+template <typename T, int MODE, int N, int KD, int ST, int BP, bool WAIT = false>
 __device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* __restrict__ order, unsigned ring,
                                                   unsigned long long* full, unsigned long long* empty,
                                                   T* __restrict__ out0, T* __restrict__ out1, int& it) {
@@ -206,6 +208,7 @@ __device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* _
   wgmma::wait<0>();
   wgmma::fence_operands(acc0);
   wgmma::fence_operands(acc1);
+  if constexpr (WAIT) dsg::pdl_wait();
   constexpr bool STAGED = WS_STAGED_FROM_BP > 0 && BP >= WS_STAGED_FROM_BP && MODE != GATE_UP;
   const int last = (it - 1) % ST;                        // the stage of the tile's last K slice
   if constexpr (STAGED) {
@@ -218,13 +221,13 @@ __device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* _
 }
 
 // One tile on the consumer at the narrowest of BP = 16 / 32 / 64 that holds its pairs.
-template <typename T, int MODE, int N, int KD, int ST>
+template <typename T, int MODE, int N, int KD, int ST, bool WAIT = false>
 __device__ __forceinline__ void wgmma_skinny_tile_fit(const WgTile& tl, const i32* __restrict__ order, unsigned ring,
                                                       unsigned long long* full, unsigned long long* empty,
                                                       T* __restrict__ out0, T* __restrict__ out1, int& it) {
-  if (tl.rows <= 16) wgmma_skinny_tile<T, MODE, N, KD, ST, 16>(tl, order, ring, full, empty, out0, out1, it);
-  else if (tl.rows <= 32) wgmma_skinny_tile<T, MODE, N, KD, ST, 32>(tl, order, ring, full, empty, out0, out1, it);
-  else wgmma_skinny_tile<T, MODE, N, KD, ST, 64>(tl, order, ring, full, empty, out0, out1, it);
+  if (tl.rows <= 16) wgmma_skinny_tile<T, MODE, N, KD, ST, 16, WAIT>(tl, order, ring, full, empty, out0, out1, it);
+  else if (tl.rows <= 32) wgmma_skinny_tile<T, MODE, N, KD, ST, 32, WAIT>(tl, order, ring, full, empty, out0, out1, it);
+  else wgmma_skinny_tile<T, MODE, N, KD, ST, 64, WAIT>(tl, order, ring, full, empty, out0, out1, it);
 }
 
 // Consumer: warpgroup 1, the walk's tiles.
@@ -232,11 +235,11 @@ template <typename T, int MODE, int E, int N, int KD, int ST>
 __device__ __forceinline__ void wgmma_skinny_consume(const i32* __restrict__ order, const i32* __restrict__ offsets,
                                                      const int* tiles, unsigned ring, unsigned long long* full,
                                                      unsigned long long* empty, T* __restrict__ out0,
-                                                     T* __restrict__ out1) {
-  constexpr int NCT = wgmma_skinny_col_tiles(MODE, N);
+                                                     T* __restrict__ out1, int skip = 0) {
+  constexpr int NCT = wgmma_skinny_col_tiles(MODE, N), KT = (KD + WS_BK - 1) / WS_BK;
   const int total = tiles[E] * NCT;
-  int it = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x)
+  int it = skip * KT;                                    // `skip`: the walk's first tiles done already
+  for (int t = blockIdx.x + skip * gridDim.x; t < total; t += gridDim.x)
     wgmma_skinny_tile_fit<T, MODE, N, KD, ST>(wgmma_tile<E, NCT, wgmma_skinny_cols(MODE), WS_BP>(tiles, offsets, t),
                                               order, ring, full, empty, out0, out1, it);
 }
@@ -255,7 +258,9 @@ __device__ __forceinline__ void wgmma_skinny_issue_first(char* ring, const Tenso
 // SH: the shared experts among the pairs (moe_route's shared_experts: experts 0..SH-1, every token
 // one pair of each, so offsets[s] = s * T for s <= SH), whose first slices GATE_UP* starts before
 // its wait; num_pairs (NP = T * K) then gives T.  0: none (DOWN's early start is its own).
-template <typename T, int MODE, int E, int N, int KD, int K, int ST, int SH = 0>
+// SH_WHOLE: a CTA whose first tile is a shared expert's runs that whole tile before its wait (see
+// below); false: only its first slices.
+template <typename T, int MODE, int E, int N, int KD, int K, int ST, int SH = 0, bool SH_WHOLE = false>
 __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ x, const TensorMap* w0,
                                                           const TensorMap* w1, const i32* __restrict__ order,
                                                           const i32* __restrict__ offsets, T* __restrict__ out0,
@@ -265,10 +270,12 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   static_assert(ST >= 2, "wgmma skinny gemm: a ring of at least two stages");
   // Two CTAs an SM at the 4-stage ring (_moe_wgmma_skinny.applies); down's one-token launch, one
   // CTA an SM, runs a deeper one (_moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES).
-  static_assert((ST <= 4 ? 2 : 1) * (wgmma_skinny_smem(ST) + 2 * ST * 8 + 4 * (E + 1) + 1024) <= 228 * 1024,
+  static_assert((ST <= 4 ? 2 : 1) * (wgmma_skinny_smem(ST) + 2 * ST * 8 + 4 * (E + 1) + 4 * WS_BP + 1024) <=
+                    228 * 1024,
                 "wgmma skinny gemm: two CTAs per SM at four stages, one at more");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   __shared__ int tiles[E + 1];
+  __shared__ i32 shared_order[SH_WHOLE ? WS_BP : 1];     // SH_WHOLE: the early tile's pairs
   // DOWN follows gate_up_silu, which waits for the route before it lets DOWN launch: the route's
   // `offsets` are complete before DOWN's first CTA runs (pdl.cuh, two launches back), so DOWN
   // builds its tile table and starts its first tile's first ST weight slices (no kernel writes
@@ -279,6 +286,14 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   // route says (experts 0..SH-1 hold T pairs each: wgmma_row_tiles makes the same table from the
   // offsets after the wait), so a CTA whose first tile is one of them starts its first ST weight
   // slices before its wait, while the route runs (the pair rows, x, are gathered after it).
+  // SH_WHOLE: that first tile's whole K loop before the wait, its pair rows gathered too; the
+  // consumer waits only before it stores the tile's outputs (no write before the wait: a workspace
+  // freed by the route, which still runs, may hold them).  Its pairs are known from T alone (token
+  // t's shared pair s is t * K + K - SH + s: moe_route's layout, moe.cuh topk_scored), so the tile
+  // takes them in token order from shared_order instead of `order` (the route's, whose order inside
+  // a segment follows its atomics: each pair is computed on its own, so the outputs are the same
+  // bits).  x, the pair rows, is read through L2 (cp.async.cg) as DOWN reads `offsets`: the kernel
+  // before the route wrote it, and the route waited for that kernel before it let this launch start.
   constexpr bool EARLY = MODE == DOWN;
   constexpr bool SHARED_EARLY = !EARLY && SH > 0;
   if constexpr (!EARLY && !SHARED_EARLY) {
@@ -294,15 +309,34 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   __syncthreads();
   constexpr int KT = (KD + WS_BK - 1) / WS_BK, NCT = wgmma_skinny_col_tiles(MODE, N);
   constexpr int PRE = EARLY || SHARED_EARLY ? (ST < KT ? ST : KT) : 0;   // slices of the walk's first tile issued early
-  int preissued = 0;
+  int preissued = 0, skip = 0;
   if constexpr (SHARED_EARLY) {
-    const int per = (num_pairs / K + WS_BP - 1) / WS_BP;   // row tiles of one shared expert (T pairs)
-    if ((int)blockIdx.x < SH * per * NCT) {
+    const int tokens = num_pairs / K;
+    const int per = (tokens + WS_BP - 1) / WS_BP;         // row tiles of one shared expert (T pairs)
+    if ((int)blockIdx.x < SH * per * NCT) {               // (uniform)
       preissued = PRE;
       const int t = blockIdx.x;
       if (threadIdx.x == 0)
         wgmma_skinny_issue_first<MODE, N, PRE>(smem + (ring - raw), w0, w1, t / NCT / per,
                                                (t % NCT) * wgmma_skinny_cols(MODE), full);
+      if constexpr (SH_WHOLE) {
+        const int e = t / NCT / per, rt = (t / NCT) % per;
+        WgTile tl;
+        tl.e = e;
+        tl.pbeg = 0;                                      // (rows of shared_order)
+        tl.rows = min(WS_BP, tokens - rt * WS_BP);
+        tl.n0 = (t % NCT) * wgmma_skinny_cols(MODE);
+        if ((int)threadIdx.x < tl.rows) shared_order[threadIdx.x] = (rt * WS_BP + threadIdx.x) * K + K - SH + e;
+        __syncthreads();
+        int it = 0;
+        if (threadIdx.x < 128)
+          wgmma_produce_tile<T, MODE, N, KD, K, ST, WgSkinnyTiles>(x, w0, w1, shared_order, tl, smem + (ring - raw),
+                                                                   full, empty, aligned_to<16>(x), it, PRE);
+        else
+          wgmma_skinny_tile_fit<T, MODE, N, KD, ST, true>(tl, shared_order, ring, full, empty, out0, out1, it);
+        preissued = 0;
+        skip = 1;
+      }
     }
     dsg::pdl_wait();
     dsg::pdl_launch_dependents();
@@ -322,9 +356,9 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   }
   if (threadIdx.x < 128)
     wgmma_produce<T, MODE, E, N, KD, K, ST, WgSkinnyTiles>(x, w0, w1, order, offsets, tiles, smem + (ring - raw),
-                                                           full, empty, preissued);
+                                                           full, empty, preissued, skip);
   else
-    wgmma_skinny_consume<T, MODE, E, N, KD, ST>(order, offsets, tiles, ring, full, empty, out0, out1);
+    wgmma_skinny_consume<T, MODE, E, N, KD, ST>(order, offsets, tiles, ring, full, empty, out0, out1, skip);
 }
 
 }  // namespace moe
