@@ -7,13 +7,17 @@
 //    (activations, step metadata, workspaces, the KV cache) and before its first global write,
 //    early-exiting CTAs included; reading weights before it is allowed (no kernel writes them).
 //    A CTA that returned without waiting could let this grid complete before its predecessor,
-//    and the kernel after it would then see the predecessor's writes unfinished.
+//    and the kernel after it would then see the predecessor's writes unfinished.  And a write
+//    before the wait could land in memory the predecessor still uses: the runtime's workspaces
+//    come from torch's caching allocator, which hands a block on in stream order, and PDL runs
+//    this kernel before its predecessor has finished.
 //  - pdl_launch_dependents() may come anywhere after that: it only lets the next kernel's CTAs be
 //    scheduled (they still wait for this grid to complete before touching its outputs).
 //  - So, as every PDL kernel here waits before it launches its dependents, a kernel may also read
 //    before its pdl_wait() what the kernel two launches back wrote: its predecessor let it launch
 //    only once that kernel had completed.  Such reads go through L2 (ld.global.cg), never an L1
-//    line.  (moe_wgmma_skinny.cuh: DOWN reads the route's offsets behind gate_up_silu.)
+//    line.  (moe_wgmma_skinny.cuh: DOWN reads the route's offsets behind gate_up_silu, and
+//    gate_up_silu gathers x, the route's input, for a shared expert's tile: SH_WHOLE.)
 //  - By the same chain, what the step's inputs hold (uploaded before its first kernel, or made by
 //    that kernel: a decode graph's context lengths) and the KV-cache rows earlier steps wrote may
 //    be read before pdl_wait(); the rows this step writes may not.  (mla_decode.cuh: the decode
