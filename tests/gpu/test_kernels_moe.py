@@ -465,6 +465,29 @@ def test_moe_route_fused(runner, case):
     _check_route(p, ws["router_logits"])
 
 
+@pytest.mark.parametrize("shape,dtype", [("v2_lite", "bf16"), ("odd", "bf16"), ("odd", "fp32"), ("odd_e", "bf16")])
+@pytest.mark.parametrize("T", [1, 2, 8, 9, 64, 256])
+def test_moe_route_fused_tiles_as_clusters(runner, shape, dtype, T, monkeypatch):
+    """moe_route.ROUTE_CLUSTER (off by default until timed): a token tile's CTAs as one cluster (8
+    at V2-Lite, 6 for the odd shape's 12 experts, 7 for odd_e's 7) whose rank 0 takes the tile's
+    logits through distributed shared memory after the cluster barrier: the routing must be the
+    reference's, run twice in a row (the tiles' ticket still resets itself) and at a tile's edges."""
+    from codegen.families import moe_route
+    monkeypatch.setattr(moe_route, "ROUTE_CLUSTER", 8)
+    case = _shape_case(shape, dtype, T, seed=31 + T)
+    p = _route_problem(case)
+    launches = _lower(p.G, p.nid, dtype)
+    fused = [la for la in launches if la.stage == "fused"]
+    cl = {"v2_lite": 8, "odd": 6, "odd_e": 7}[shape]
+    assert len(fused) == 1 and fused[0].params["cl"] == cl and fused[0].name.endswith(f"__cl{cl}"), fused
+    ws = None
+    for rep in range(2):
+        p.new_x(case["seed"] + rep)
+        p.poison(ws)
+        ws = runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes, workspaces=ws)
+        _check_route(p, ws["router_logits"])
+
+
 @given(case=fused_cases(tokens=(1, 2, 9, 64, 256)))
 @example(case=_shape_case("v3", "bf16", 1))
 @example(case=_shape_case("v2_lite", "bf16", 9))
