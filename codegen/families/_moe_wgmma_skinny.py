@@ -55,9 +55,10 @@ ACT_EVICT_LAST = False
 # before its wait, while the route still runs (moe_wgmma_skinny.cuh SH; the kernel takes the pair
 # count NP for T).  False: every gate / up CTA waits before its first read, as before.
 SHARED_BEFORE_WAIT = True
-# ... and runs that first shared tile whole before its wait (its pairs' rows gathered, its outputs
-# stored: moe_wgmma_skinny.cuh SH_WHOLE), so the shared experts' weights stream while the route
-# runs, not only their first STAGES slices.  False: only those slices.
+# ... and runs that first shared tile's whole K loop before its wait (its pairs' rows gathered too;
+# its outputs stored after the wait: moe_wgmma_skinny.cuh SH_WHOLE), so the shared experts' weights
+# stream while the route runs, not only their first STAGES slices (PERF_NOTES v28: b=1 -0.025 to
+# -0.03 ms a step).  False: only those slices.
 SHARED_WHOLE_BEFORE_WAIT = True
 # Down at one token (decode's b = 1) as a launch of its own with this many ring stages, one CTA an
 # SM (min(SMS, tiles) CTAs; V2-Lite's 8 pairs make 128 tiles): twice the weight slices in flight a

@@ -315,18 +315,15 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
     const int per = (tokens + WS_BP - 1) / WS_BP;         // row tiles of one shared expert (T pairs)
     if ((int)blockIdx.x < SH * per * NCT) {               // (uniform)
       preissued = PRE;
-      const int t = blockIdx.x;
-      if (threadIdx.x == 0)
-        wgmma_skinny_issue_first<MODE, N, PRE>(smem + (ring - raw), w0, w1, t / NCT / per,
-                                               (t % NCT) * wgmma_skinny_cols(MODE), full);
+      const int t = blockIdx.x, rt = (t / NCT) % per;     // tile t: shared expert t / NCT / per, row tile rt
+      WgTile tl;
+      tl.e = t / NCT / per;
+      tl.pbeg = 0;                                        // (SH_WHOLE: rows of shared_order)
+      tl.rows = min(WS_BP, tokens - rt * WS_BP);
+      tl.n0 = (t % NCT) * wgmma_skinny_cols(MODE);
+      if (threadIdx.x == 0) wgmma_skinny_issue_first<MODE, N, PRE>(smem + (ring - raw), w0, w1, tl.e, tl.n0, full);
       if constexpr (SH_WHOLE) {
-        const int e = t / NCT / per, rt = (t / NCT) % per;
-        WgTile tl;
-        tl.e = e;
-        tl.pbeg = 0;                                      // (rows of shared_order)
-        tl.rows = min(WS_BP, tokens - rt * WS_BP);
-        tl.n0 = (t % NCT) * wgmma_skinny_cols(MODE);
-        if ((int)threadIdx.x < tl.rows) shared_order[threadIdx.x] = (rt * WS_BP + threadIdx.x) * K + K - SH + e;
+        if ((int)threadIdx.x < tl.rows) shared_order[threadIdx.x] = (rt * WS_BP + threadIdx.x) * K + K - SH + tl.e;
         __syncthreads();
         int it = 0;
         if (threadIdx.x < 128)

@@ -469,18 +469,6 @@ def test_moe_route_fused(runner, case):
 CLUSTER_OF = {"v2_lite": 8, "odd": 6, "odd_e": 7}
 
 
-@contextlib.contextmanager
-def _route_cluster(cl: int):
-    """moe_route.ROUTE_CLUSTER = cl inside the block (a fixture would not suit @given)."""
-    from codegen.families import moe_route
-    saved = moe_route.ROUTE_CLUSTER
-    moe_route.ROUTE_CLUSTER = cl
-    try:
-        yield
-    finally:
-        moe_route.ROUTE_CLUSTER = saved
-
-
 @st.composite
 def cluster_cases(draw):
     return _shape_case(draw(st.sampled_from(sorted(CLUSTER_OF))), draw(st.sampled_from(("bf16", "fp32"))),
@@ -500,7 +488,8 @@ def test_moe_route_fused_tiles_as_clusters(runner, case):
     logits through distributed shared memory after the cluster barrier: the routing must be the
     reference's, run twice in a row (the tiles' ticket still resets itself) and at a tile's edges."""
     p = _route_problem(case)
-    with _route_cluster(8):
+    from codegen.families import moe_route
+    with _switch(moe_route, "ROUTE_CLUSTER", 8):
         launches = _lower(p.G, p.nid, case["dtype"])
     fused = [la for la in launches if la.stage == "fused"]
     cl = {ROUTE_SHAPES[shape][2]: n for shape, n in CLUSTER_OF.items()}[case["E"]]   # (by E: distinct here)
@@ -943,14 +932,19 @@ def test_moe_down_pair_counts(runner, case):
 
 
 @contextlib.contextmanager
-def _moe_switch(name: str, value):
-    """_moe.<name> = value inside the block (a fixture would not suit @given)."""
-    saved = getattr(_moe, name)
-    setattr(_moe, name, value)
+def _switch(module, name: str, value):
+    """module.<name> = value inside the block (a fixture would not suit @given)."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        setattr(_moe, name, saved)
+        setattr(module, name, saved)
+
+
+def _moe_switch(name: str, value):
+    """_moe.<name> = value inside the block."""
+    return _switch(_moe, name, value)
 
 
 def _lower_mma(G, nid, dtype):

@@ -158,7 +158,7 @@ MUTANTS = [
            uses_runner=True),
     Mutant("decode wgmma gate_up_silu's shared tile before the PDL wait: every shared expert takes the first one's pairs",
            "include/moe_wgmma_skinny.cuh",
-           "shared_order[threadIdx.x] = (rt * WS_BP + threadIdx.x) * K + K - SH + e;",
+           "shared_order[threadIdx.x] = (rt * WS_BP + threadIdx.x) * K + K - SH + tl.e;",
            "shared_order[threadIdx.x] = (rt * WS_BP + threadIdx.x) * K + K - SH;",
            moe_ffn.test_moe_expert_ffn_shared_experts_start_before_the_wait,
            dict(case={**moe_ffn._case("bf16", moe_ffn._lite(3), 8, 2048, 1408, seed=26), "shared": 2}),
