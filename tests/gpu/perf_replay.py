@@ -65,6 +65,30 @@ def kernel_timeline(fn) -> list[tuple[str, float, float]]:
     return sorted(ks, key=lambda k: k[1])
 
 
+def print_chain(on, own, layer: int) -> None:
+    """Each family's share of the step's chain: kernel i adds end_i - end_{i-1} to the span (the
+    increments sum to the span less the first kernel's start), against its own device time (PDL
+    off).  Then one layer's kernels, from the `layer`-th decode attention's q linear on: start and
+    end after the previous kernel's end, and own time (us)."""
+    inc = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for i in range(1, len(on)):
+        f = inc[family_of(on[i][0])]
+        f[0] += 1
+        f[1] += on[i][2] - on[i - 1][2]
+        f[2] += own[i]
+    print("  chain: family, kernels, us a kernel added to the span / its own us")
+    for k, (n, add, o) in sorted(inc.items(), key=lambda kv: -kv[1][1]):
+        print(f"    {k:<34}{n:>5} x {add / n:6.2f} / {o / n:6.2f}  = {add / 1e3:.3f} ms")
+    att = [i for i, (n, _, _) in enumerate(on) if family_of(n) == "mla_decode_attention"]
+    if layer < len(att):
+        i0 = max(1, att[layer] - 2)
+        i1 = att[layer + 1] - 2 if layer + 1 < len(att) else len(on)
+        print(f"  layer {layer}: kernel, start / end after the previous end, own (us)")
+        for i in range(i0, i1):
+            prev = on[i - 1][2]
+            print(f"    {family_of(on[i][0]):<34}{on[i][1] - prev:>8.2f}{on[i][2] - prev:>8.2f}{own[i]:>8.2f}")
+
+
 def host_split(cap, ids, step) -> dict:
     """Host microseconds of each part of a graph step (cuda_graphs.DecodeGraphs.run), each timed
     alone with the GPU idle at its start, then queued behind a spin kernel: the refill's copies,
@@ -94,6 +118,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1x512,32x512,128x512")
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--layer", type=int, default=12, help="the decode layer whose kernels print_chain lists")
     ap.add_argument("--profile", action="store_true",
                     help="also print cProfile's largest host costs of forward() (20 calls, GPU kept busy)")
     a = ap.parse_args()
@@ -166,6 +191,7 @@ def main() -> int:
             print("  host of forward's parts, us (median; GPU idle / GPU busy): "
                   + ", ".join(f"{k} {a:.0f} / {b:.0f}" for k, (a, b) in split.items()))
             if boundary:
+                print_chain(on, own, a.layer)
                 total = sum(v[1] for v in boundary.values())
                 print(f"  boundary excess {total / 1e3:.3f} ms over {len(on) - 1} boundaries "
                       f"({total / max(1, len(on) - 1):.2f} us each)")
