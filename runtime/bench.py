@@ -78,11 +78,23 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="launch every kernel without programmatic dependent launch (an A/B against the default)")
 
 
-def _timeit(fn, iters: int, warmup: int = 2) -> float:
-    """Median milliseconds of fn() over iters, timed with CUDA events."""
+# Seconds of untimed steps before a case is timed, on top of its warm-up calls: the GPU's clocks
+# follow its load, and a case timed right after a heavy one or after idle time otherwise reads
+# them still moving (H200: the SM clock at 1560 MHz right after the prefill cases, 1980 steady;
+# b=1 decode then 2.05 ms against 2.00: PERF_NOTES v29, tests/gpu/perf_bench_order.py).
+WARM_SECONDS = 0.5
+
+
+def _timeit(fn, iters: int, warmup: int = 2, warm_s: float = 0.0) -> float:
+    """Median milliseconds of fn() over iters, timed with CUDA events, after `warmup` calls and
+    then more until `warm_s` seconds have passed."""
     import torch
     for _ in range(warmup):
         fn()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warm_s:
+        fn()
+        torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -383,7 +395,8 @@ def run_bench(args) -> int:
             seq_ids, step, ids = _prefill_ctx(engine, batch, length)
             # The warm-up's second step captures the shape's graph where it has one (cuda_graphs.PrefillGraphs);
             # the same shape launched eagerly, as a shape's first step runs, is timed beside it.
-            ms = _timeit(lambda: backend.forward("prefill", ids, step), max(3, args.iters // 3), warmup=2)
+            ms = _timeit(lambda: backend.forward("prefill", ids, step), max(3, args.iters // 3), warmup=2,
+                        warm_s=WARM_SECONDS)
             graphs, backend.use_graphs = backend.use_graphs, False
             try:
                 eager_ms = _timeit(lambda: backend.forward("prefill", ids, step), max(3, args.iters // 3), warmup=1)
@@ -395,7 +408,8 @@ def run_bench(args) -> int:
                   f"(eager {eager_ms:.1f} ms, {batch * length / (eager_ms / 1e3):.0f} tok/s)", flush=True)
         for batch, ctx in decode_cases:
             seq_ids, step, ids = _decode_ctx(engine, batch, ctx)
-            timed["decode", batch, ctx] = ms = _timeit(lambda: backend.forward("decode", ids, step), args.iters)
+            timed["decode", batch, ctx] = ms = _timeit(lambda: backend.forward("decode", ids, step), args.iters,
+                                                        warm_s=WARM_SECONDS)
             _release(engine, seq_ids)
             need = decode_bytes(dims, first_dense, batch, ctx)
             print(f"decode b={batch} ctx={ctx}: {ms:.2f} ms/step (floor {need['total'] / bw * 1e3:.2f}), "
