@@ -4,14 +4,16 @@ PDL wait (a script, not a test).
     python3 tests/gpu/perf_handoff.py [--ctas 1,8,64,132] [--work-cycles 0,4000] [--links 200]
 
 A chain of `links` launches of one kernel, every one a programmatic dependent launch, captured in
-one CUDA graph.  Link i reads what link i - 1 wrote (one int a CTA), spins `work` SM cycles, and writes
-its own.  Two ways to hand the data over:
+one CUDA graph.  Link i reads what link i - 1 wrote (one int a CTA), spins `work` SM cycles, and
+writes its own.  Three ways to hand the data over:
   wait  griddepcontrol.wait first (the whole previous grid complete and flushed), then read,
         work, write: every generated kernel's way today (pdl.cuh);
   flag  launch_dependents first, then spin (acquire, at GPU scope) until link i - 1's CTAs have
         all arrived on a counter, read, work; griddepcontrol.wait only before the write (pdl.cuh:
         no write before the wait), then write and arrive (release).  The counter is zeroed once
-        per replay; link i waits for it to reach i * CTAs.
+        per replay; link i waits for it to reach i * CTAs;
+  flag-only  the same without the PDL wait at all (the hand-off's floor: the benchmark's writes
+        are safe without it, a step's are not, see pdl.cuh).
 Per link: the replay's time over `links`; `flag` - `wait` is what the hand-off saves a boundary
 (issue 14: PERF_NOTES v29 measured each decode boundary's share of b=1's step).
 """
@@ -54,7 +56,7 @@ extern "C" __global__ void link(const int* __restrict__ prev, int* __restrict__ 
   int v = 0;
   if (threadIdx.x == 0) v = __ldcg(prev + (blockIdx.x + 1) % gridDim.x);
   if (work) spin_cycles(work);
-  if (flag) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (flag == 1) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (threadIdx.x == 0) {
     if (i > 0 && v != i) atomicAdd(bad, 1);
     next[blockIdx.x] = i + 1;
@@ -82,11 +84,11 @@ def main() -> int:
     bad = torch.zeros(1, dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()
     print(f"# {torch.cuda.get_device_name()}: {n} links a graph, us a link (median of 5 replays of 10)")
-    print(f"{'CTAs':>5} {'cycles':>8} {'wait':>8} {'flag':>8} {'saved':>8}")
+    print(f"{'CTAs':>5} {'cycles':>8} {'wait':>8} {'flag':>8} {'saved':>8} {'flag-only':>10}")
     for ctas in (int(c) for c in a.ctas.split(",")):
         for work in (int(w) for w in a.work_cycles.split(",")):
             row = {}
-            for flag in (0, 1):
+            for flag in (0, 1, 2):
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.stream(stream):
                     for b in bufs:
@@ -109,7 +111,8 @@ def main() -> int:
                     torch.cuda.synchronize()
                     times.append(s.elapsed_time(e) * 1e3 / 10 / n)
                 row[flag] = sorted(times[1:])[2]
-            print(f"{ctas:>5} {work:>8} {row[0]:>8.2f} {row[1]:>8.2f} {row[0] - row[1]:>8.2f}", flush=True)
+            print(f"{ctas:>5} {work:>8} {row[0]:>8.2f} {row[1]:>8.2f} {row[0] - row[1]:>8.2f} {row[2]:>10.2f}",
+                  flush=True)
     print(f"wrong reads: {int(bad.item())} (the chain's data must pass link to link)")
     return 0
 
