@@ -311,6 +311,23 @@ def linear_rate(row: dict) -> dict | None:
     return {"ms": ms, "bytes_per_s": row["linear_bytes"] / (ms / 1e3), "families": per}
 
 
+def mla_decode_times(row: dict) -> dict | None:
+    """The MLA decode kernels of one decode step, a launch each a layer: the attention's own device
+    microseconds a layer and the cache it reads per second (decode_bytes' cache), and the absorbed
+    query's and v_up's microseconds a layer (issue 14's targets are per layer), from the PDL-free
+    profile where the row has one; None without the attention in it."""
+    fams = (row.get("device_breakdown") or row.get("breakdown") or {}).get("families", {})
+    att = fams.get("mla_decode_attention")
+    if not att or not att.get("launches"):
+        return None
+
+    def us(f):
+        x = fams.get(f)
+        return x["ms"] * 1e3 / x["launches"] if x and x.get("launches") else None
+    return {"attention_us": us("mla_decode_attention"), "query_us": us("mla_decode_query"), "v_up_us": us("mla_v_up"),
+            "cache_bytes_per_s": row["bytes"]["cache"] / (att["ms"] / 1e3)}
+
+
 def routed_expert_rate(row: dict) -> dict | None:
     """The grouped expert kernels of one decode step: their own device ms (the PDL-free profile,
     _device_breakdown, where the row has one) and the expert weights they read per second: the
@@ -446,6 +463,7 @@ def run_bench(args) -> int:
             row["routed_experts"] = routed_expert_rate(row)
             row["linear_bytes"] = linear_bytes(dims, first_dense, shared=not row["shared_in_experts"])
             row["linears"] = linear_rate(row)
+            row["mla_decode"] = mla_decode_times(row)
             sizes = {**backend._sizes(step), "SMS": torch.cuda.get_device_properties(0).multi_processor_count}
             row["pdl_edges"] = pdl_edges(backend.plans["decode"], sizes)
             _release(engine, seq_ids)
@@ -581,6 +599,14 @@ def _print_table(r: dict) -> None:
             lambda x: f"{x['ms']:>8.2f} ms  {x['bytes_per_s'] / 1e12:5.2f} TB/s")
     section("linears", "linears (the skinny kernel + cuBLAS and its split-K reduce) per decode step, their weights "
                        "read (own device time, PDL off); per family (GB/s over the weights it read):", linear_line)
+    def mla_line(x: dict) -> str:
+        def us(k):
+            return f"{x[k]:6.1f} us" if x.get(k) is not None else "     -   "
+        return (f"  attention {us('attention_us')} ({x['cache_bytes_per_s'] / 1e12:.2f} TB/s of cache)   "
+                f"query {us('query_us')}   v_up {us('v_up_us')}")
+
+    section("mla_decode", "MLA decode a layer (each kernel's own device time, PDL off; the attention's cache read "
+                          "per second):", mla_line)
     rows = [p for p in r["prefill"] if p.get("expert_gemms")]
     if rows:
         print("\ngrouped expert GEMMs per prefill step, the shared experts' pairs included where they run there "

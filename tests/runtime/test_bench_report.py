@@ -292,3 +292,27 @@ def test_timeit_keeps_stepping_until_the_warm_up_time_has_passed(monkeypatch):
     now[0], calls[:] = 0.0, []
     assert bench._timeit(step, 3, warmup=1) == pytest.approx(20.0)   # no warm time: the slow steps
     assert len(calls) == 4
+
+
+def test_mla_decode_times_are_per_layer_own_times_and_the_cache_rate(capsys):
+    """Issue 14's MLA targets are a layer's: the attention's microseconds and its cache reads per
+    second, the absorbed query's and v_up's microseconds, from the PDL-free profile."""
+    from runtime.bench import mla_decode_times
+    need = decode_bytes(DIMS, 1, 128, 4096)
+    fams = {"mla_decode_attention": {"ms": 3.87, "launches": 27}, "mla_decode_query": {"ms": 0.169, "launches": 27},
+            "mla_v_up": {"ms": 0.137, "launches": 27}}
+    row = {"batch": 128, "context": 4096, "bytes": need, "breakdown": {"launches": 306, "kernel_ms": 13.3, "families": {
+               "mla_decode_attention": {"ms": 9.0, "launches": 27}}},
+           "device_breakdown": {"families": fams}}
+    x = mla_decode_times(row)
+    assert x["attention_us"] == pytest.approx(3870 / 27)
+    assert x["query_us"] == pytest.approx(169 / 27) and x["v_up_us"] == pytest.approx(137 / 27)
+    # 128 x 4096 rows of 576 bf16 over 27 layers: 16.3 GB of cache a step
+    assert x["cache_bytes_per_s"] == pytest.approx(128 * 4096 * 576 * 2 * 27 / 3.87e-3)
+    row["mla_decode"] = x
+    _print_table({"gpu": "H200", "date": "2026-12-04", "copy_bandwidth_GBps": 4230.0, "layers": 27,
+                  "decode": [{**row, "ms": 12.6, "floor_ms": 11.5, "fraction_of_bandwidth": 0.9}], "prefill": []})
+    out = capsys.readouterr().out
+    assert "MLA decode a layer" in out
+    assert "attention  143.3 us (4.21 TB/s of cache)   query    6.3 us   v_up    5.1 us" in out
+    assert mla_decode_times({"bytes": need, "breakdown": {"families": {}}}) is None
