@@ -62,16 +62,6 @@ GEMM_THREADS = 256
 # Each split writes a partial tile and the last one sums them (tickets: at most GEMM_TICKETS tiles).
 GEMM_SPLIT_MAX, GEMM_SPLIT_MIN_D = 8, 128
 GEMM_TICKETS = 512
-# The fused launch's token tiles as thread-block clusters (moe_route.cuh CL): a tile's CTAs, one
-# cluster of ROUTE_CLUSTER (or fewer where E is small), hand their logits to the cluster's rank 0
-# through distributed shared memory, which runs the tile's top-k after the cluster barrier, in
-# place of the tile's ticket and its read of the logits back through L2 (b=1's critical path,
-# predicted ~-1 us a layer).  Each CTA then reads cdiv(E, CL) gate rows, so only where those are at
-# most CLUSTER_GATE_BYTES (V2-Lite: 8 rows of 2048 fp32, 64 KB; V2 / V3 keep the tickets).
-# 0: every tile by its ticket.  Off until timed on the H200 (PERF_NOTES v28).
-ROUTE_CLUSTER = 0
-CLUSTER_GATE_BYTES = 64 * 1024
-CLUSTER_STATIC_BYTES = 32 * 1024   # rank 0's tile of logits + the block sums (static shared memory)
 
 
 def fused_tiles(ft: int) -> int:
@@ -110,19 +100,6 @@ def gemm_splits(E: int, D: int) -> int | str:
     return f"max(1, min({cap}, min(SMS, {GEMM_TICKETS}) // ({gemm_tiles(E)})))"
 
 
-def cluster_shape(E: int, D: int) -> tuple[int, int]:
-    """(CL, EPB) of the fused launch: a tile's CTAs as one cluster of CL, EPB experts each, where
-    ROUTE_CLUSTER is on, each CTA's gate rows fit CLUSTER_GATE_BYTES and rank 0's tile of logits with
-    the block sums CLUSTER_STATIC_BYTES; else (0, EXPERTS_PER_CTA)."""
-    if ROUTE_CLUSTER <= 0:
-        return 0, EXPERTS_PER_CTA
-    epb = -(-E // min(ROUTE_CLUSTER, 8))                    # (8: the portable cluster size)
-    static = 4 * TOKENS_PER_CTA * (E + GEMV_THREADS // 32 * epb)
-    if epb * D * 4 > CLUSTER_GATE_BYTES or static > CLUSTER_STATIC_BYTES:
-        return 0, EXPERTS_PER_CTA
-    return -(-E // epb), epb
-
-
 def _factors(*fs) -> str | None:
     fs = [f for f in fs if f is not None]
     return " * ".join(fs) if fs else None
@@ -146,9 +123,7 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     if ft is not None:
         tiles = fused_tiles(ft)
         smem = fused_smem(E, K + S, tiles)
-        cl, epb = cluster_shape(E, D)
-        fused = {**gemv, **topk, "stage": "fused", "warps": GEMV_THREADS // 32, "tiles": tiles, "smem": smem,
-                 "cl": cl, "epb": epb}
+        fused = {**gemv, **topk, "stage": "fused", "warps": GEMV_THREADS // 32, "tiles": tiles, "smem": smem}
         args = [inp("x", ct, x), weight("gate", "float", bound["gate"])]
         if bias is not None:
             args.append(weight("bias", "float", bias))
@@ -157,10 +132,8 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
                  size("num_tokens", "T")]
         launches.append(KernelLaunch(
             family=FAMILY, template=TEMPLATE,
-            name=kernel_name(FAMILY, [dt, f"d{D}", *_moe.topk_name_parts(topk), f"fused_t{tiles * TOKENS_PER_CTA}",
-                                      *([f"cl{cl}"] if cl else [])]),
-            params=fused, nodes=(nid,),
-            grid=(f"{cl or cta_cols} * {only_below(ft)}", f"cdiv(T, {TOKENS_PER_CTA})", 1),
+            name=kernel_name(FAMILY, [dt, f"d{D}", *_moe.topk_name_parts(topk), f"fused_t{tiles * TOKENS_PER_CTA}"]),
+            params=fused, nodes=(nid,), grid=(f"{cta_cols} * {only_below(ft)}", f"cdiv(T, {TOKENS_PER_CTA})", 1),
             block=(GEMV_THREADS, 1, 1), args=tuple(args), smem=smem, workspace=(logits,), stage="fused"))
     above = None if ft is None else only_above(ft)
 

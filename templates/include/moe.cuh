@@ -115,15 +115,11 @@ __device__ __forceinline__ void store_f_scalar(T* __restrict__ p, const float (&
 
 // ---- 1. router GEMV: logits[t, e] = sum_d float(x[t, d]) * gate[e, d]  (fp32, like x.float() @ gate.T)
 // One CTA computes EPB experts x TT tokens; threads split D in VEC-wide slices, then a block
-// reduction.  Decode (T = 1) spreads the E x D fp32 gate over cdiv(E, EPB) CTAs.  `sink(t, e, v)`:
-// called with each logit this CTA writes, as well (the cluster route hands them to its leader).
-struct NoLogitSink {
-  __device__ void operator()(int, int, float) const {}
-};
-template <typename T, int E, int D, int EPB, int TT, int NT, int VEC, typename Sink = NoLogitSink>
+// reduction.  Decode (T = 1) spreads the E x D fp32 gate over cdiv(E, EPB) CTAs.
+template <typename T, int E, int D, int EPB, int TT, int NT, int VEC>
 __device__ __forceinline__ void router_logits_body(const T* __restrict__ x, const float* __restrict__ gate,
                                                    float* __restrict__ logits, int num_tokens,
-                                                   float (*red)[EPB * TT], Sink sink = Sink{}) {
+                                                   float (*red)[EPB * TT]) {
   static_assert(D % VEC == 0, "router: D must be a multiple of the vector width");
   const int e0 = blockIdx.x * EPB, t0 = blockIdx.y * TT;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -167,10 +163,7 @@ __device__ __forceinline__ void router_logits_body(const T* __restrict__ x, cons
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < NT / 32; ++w) s += red[w][idx];
-    if (e0 + i < E && t0 + j < num_tokens) {
-      logits[(i64)(t0 + j) * E + e0 + i] = s;
-      sink(t0 + j, e0 + i, s);
-    }
+    if (e0 + i < E && t0 + j < num_tokens) logits[(i64)(t0 + j) * E + e0 + i] = s;
   }
 }
 
@@ -183,18 +176,18 @@ __device__ __forceinline__ void router_prefetch(const float* __restrict__ gate) 
 }
 
 // VEC-wide loads of x (act) and of the fp32 gate where both bases allow them, else VEC = 1.
-template <typename T, int E, int D, int EPB, int TT, int NT, int VEC, typename Sink = NoLogitSink>
+template <typename T, int E, int D, int EPB, int TT, int NT, int VEC>
 __device__ __forceinline__ void router_logits(const T* __restrict__ x, const float* __restrict__ gate,
-                                              float* __restrict__ logits, int num_tokens, Sink sink = Sink{}) {
+                                              float* __restrict__ logits, int num_tokens) {
   static_assert(NT % 32 == 0 && NT <= 1024, "router: whole warps, at most 1024 threads");
   __shared__ float red[NT / 32][EPB * TT];
   if constexpr (VEC > 1) {
     if (aligned_to<vec_align<T, VEC>()>(x) && aligned_to<vec_align<float, VEC>()>(gate)) {
-      router_logits_body<T, E, D, EPB, TT, NT, VEC>(x, gate, logits, num_tokens, red, sink);
+      router_logits_body<T, E, D, EPB, TT, NT, VEC>(x, gate, logits, num_tokens, red);
       return;
     }
   }
-  router_logits_body<T, E, D, EPB, TT, NT, 1>(x, gate, logits, num_tokens, red, sink);
+  router_logits_body<T, E, D, EPB, TT, NT, 1>(x, gate, logits, num_tokens, red);
 }
 
 // ---- 2. scoring + top-k: one warp per token ----------------------------------------------

@@ -19,7 +19,6 @@
 #include "moe.cuh"
 #include "pdl.cuh"
 #include "tickets.cuh"
-#include "cluster.cuh"
 
 namespace dsg {
 namespace moe {
@@ -54,13 +53,8 @@ __device__ __forceinline__ void topk_rows(const float* __restrict__ logits, cons
 // TILES * TT * (K + S) ints) (the top-k scratch, then the pairs' ids: one CTA uses them one after the
 // other).  The lowering runs it only while T <= TILES * TT.  S: shared experts, aligned as experts
 // 0..S-1 with the routed ones after them (topk_scored).
-// CL > 0: the kernel is declared __cluster_dims__(CL, 1, 1) and a token tile's CTAs (gridDim.x ==
-// CL: all of E) are one cluster.  Each CTA also hands its logits to the cluster's rank 0 through
-// distributed shared memory and arrives at the cluster barrier; rank 0 waits there and runs the
-// tile's top-k on them: no ticket and no read of the logits back through L2 for the tile (the
-// logits output is still written).  The tiles' ticket stays.  CL = 0: every tile by its ticket.
 template <typename T, int E, int D, int EPB, int TT, int NT, int VEC, int K, int G, int TG, int SCORING,
-          int METHOD, bool NORM, bool HAS_BIAS, int TILES, int S = 0, int CL = 0>
+          int METHOD, bool NORM, bool HAS_BIAS, int TILES, int S = 0>
 __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float* __restrict__ gate,
                                             const float* __restrict__ bias, float scaling, float* __restrict__ logits,
                                             i64* __restrict__ ids, float* __restrict__ weights,
@@ -75,25 +69,11 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
   // The lowering bounds T by TILES * TT; past it the tickets would be out of bounds (uniform).
   if (gridDim.y > TILES) return;
 
-  static_assert(CL == 0 || CL * EPB >= E, "cluster route: one cluster covers every expert of a tile");
-  __shared__ float tile_logits[CL > 0 ? TT * E : 1];   // CL: rank 0's copy of the tile's logits
-
   // 1. logits [T, E] of this CTA's experts and tokens
-  if constexpr (CL > 0) {
-    const unsigned lead = cluster::map_rank(smem_u32(tile_logits), 0);
-    const int t0 = blockIdx.y * TT;
-    router_logits<T, E, D, EPB, TT, NT, VEC>(x, gate, logits, num_tokens, [&](int t, int e, float v) {
-      cluster::st(lead + ((t - t0) * E + e) * (unsigned)sizeof(float), v);
-    });
-    cluster::arrive_release();                        // each thread's stores before its own arrive
-    if (cluster::rank() != 0) return;                 // no peer reads this CTA's shared memory
-    cluster::wait_acquire();
-  } else {
-    router_logits<T, E, D, EPB, TT, NT, VEC>(x, gate, logits, num_tokens);
-  }
+  router_logits<T, E, D, EPB, TT, NT, VEC>(x, gate, logits, num_tokens);
 
-  // 2. the tile's last CTA (CL: its rank 0): top-k of its TT tokens, a warp each
-  if (CL == 0 && !last_arrival(&tickets[blockIdx.y], gridDim.x)) return;
+  // 2. the tile's last CTA: top-k of its TT tokens, a warp each
+  if (!last_arrival(&tickets[blockIdx.y], gridDim.x)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.y * TT + warp;
   if (t < num_tokens) {
@@ -101,8 +81,7 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
 #pragma unroll
     for (int s = 0; s < SLOTS; ++s) {
       const int e = lane + 32 * s;
-      if constexpr (CL > 0) l[s] = (e < E) ? tile_logits[warp * E + e] : -CUDART_INF_F;
-      else l[s] = (e < E) ? __ldcg(logits + (i64)t * E + e) : -CUDART_INF_F;
+      l[s] = (e < E) ? __ldcg(logits + (i64)t * E + e) : -CUDART_INF_F;
     }
     float* sc = smem + warp * 2 * E;
     topk_scored<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS, S>(l, bias, scaling, ids + (i64)t * (K + S),

@@ -389,37 +389,6 @@ def test_fused_route_keeps_the_three_launch_interface():
     assert [ws.name for ws in gemm.workspace] == ["router_logits", "router_partials"]
 
 
-def test_route_cluster_shape_where_each_cta_reads_little(monkeypatch):
-    """moe_route.ROUTE_CLUSTER (off by default): the fused launch's token tile as one cluster of at
-    most 8 CTAs covering every expert (its grid's x extent: the cluster), only where a CTA's gate rows
-    and rank 0's static shared memory stay small (V2-Lite: 8 experts a CTA; V2 / V3 and 1024
-    experts keep the tickets); named for it, and the same interface otherwise."""
-    from codegen import sizes
-    from codegen.families import moe_route
-    assert moe_route.cluster_shape(64, 2048) == (0, moe_route.EXPERTS_PER_CTA)     # off by default
-    monkeypatch.setattr(moe_route, "ROUTE_CLUSTER", 8)
-    assert moe_route.cluster_shape(64, 2048) == (8, 8)
-    assert moe_route.cluster_shape(12, 41) == (6, 2)
-    assert moe_route.cluster_shape(7, 1001) == (7, 1)
-    for E, D in ((160, 5120), (256, 7168), (1024, 64)):
-        assert moe_route.cluster_shape(E, D) == (0, moe_route.EXPERTS_PER_CTA), (E, D)
-    G, nid = moe_graphs(*DIMS["v2_lite"])[0]
-    fused = lower(G, nid, "bf16")[0]
-    assert fused.stage == "fused" and fused.params["cl"] == 8 and fused.params["epb"] == 8
-    assert fused.name.endswith("__cl8")
-    for T in (1, 8, 9, 256, 257):
-        env = {"T": T, "NP": T * 8, "SMS": 132}
-        assert sizes.evaluate(fused.grid[0], env) == (8 if T <= 256 else 0), T
-    src = render_launch(fused)
-    assert "__cluster_dims__(8, 1, 1)" in src
-    _nvrtc_or_skip()
-    from codegen.nvrtc import compile_cubin
-    res = compile_cubin(src, fused.name, arch="sm_90", options=("--ptxas-options=-v",))
-    assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
-    monkeypatch.setattr(moe_route, "ROUTE_CLUSTER", 0)
-    assert "__cluster_dims__" not in render_launch(lower(G, nid, "bf16")[0])
-
-
 def _route_launches_of_shipped_specs():
     """Every moe_route launch of the shipped specs' decode and prefill graphs (bf16), once by name."""
     seen = {}

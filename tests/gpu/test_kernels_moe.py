@@ -465,43 +465,6 @@ def test_moe_route_fused(runner, case):
     _check_route(p, ws["router_logits"])
 
 
-# The cluster each shape's fused route gets with moe_route.ROUTE_CLUSTER = 8 (cluster_shape).
-CLUSTER_OF = {"v2_lite": 8, "odd": 6, "odd_e": 7}
-
-
-@st.composite
-def cluster_cases(draw):
-    return _shape_case(draw(st.sampled_from(sorted(CLUSTER_OF))), draw(st.sampled_from(("bf16", "fp32"))),
-                       draw(st.sampled_from((1, 2, 7, 8, 9, 64, 255, 256))), ties=draw(st.booleans()),
-                       seed=draw(st.integers(0, 2**31 - 1)))
-
-
-@given(case=cluster_cases())
-@example(case=_shape_case("v2_lite", "bf16", 1))
-@example(case=_shape_case("v2_lite", "bf16", 256, ties=True))
-@example(case=_shape_case("odd", "fp32", 9, ties=True))
-@example(case=_shape_case("odd_e", "bf16", 8))
-@_settings(12)
-def test_moe_route_fused_tiles_as_clusters(runner, case):
-    """moe_route.ROUTE_CLUSTER (off by default until timed): a token tile's CTAs as one cluster (8
-    at V2-Lite, 6 for the odd shape's 12 experts, 7 for odd_e's 7) whose rank 0 takes the tile's
-    logits through distributed shared memory after the cluster barrier: the routing must be the
-    reference's, run twice in a row (the tiles' ticket still resets itself) and at a tile's edges."""
-    p = _route_problem(case)
-    from codegen.families import moe_route
-    with _switch(moe_route, "ROUTE_CLUSTER", 8):
-        launches = _lower(p.G, p.nid, case["dtype"])
-    fused = [la for la in launches if la.stage == "fused"]
-    cl = {ROUTE_SHAPES[shape][2]: n for shape, n in CLUSTER_OF.items()}[case["E"]]   # (by E: distinct here)
-    assert len(fused) == 1 and fused[0].params["cl"] == cl and fused[0].name.endswith(f"__cl{cl}"), fused
-    ws = None
-    for rep in range(2):
-        p.new_x(case["seed"] + rep)
-        p.poison(ws)
-        ws = runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes, workspaces=ws)
-        _check_route(p, ws["router_logits"])
-
-
 @given(case=fused_cases(tokens=(1, 2, 9, 64, 256)))
 @example(case=_shape_case("v3", "bf16", 1))
 @example(case=_shape_case("v2_lite", "bf16", 9))
@@ -932,19 +895,14 @@ def test_moe_down_pair_counts(runner, case):
 
 
 @contextlib.contextmanager
-def _switch(module, name: str, value):
-    """module.<name> = value inside the block (a fixture would not suit @given)."""
-    saved = getattr(module, name)
-    setattr(module, name, value)
+def _moe_switch(name: str, value):
+    """_moe.<name> = value inside the block (a fixture would not suit @given)."""
+    saved = getattr(_moe, name)
+    setattr(_moe, name, value)
     try:
         yield
     finally:
-        setattr(module, name, saved)
-
-
-def _moe_switch(name: str, value):
-    """_moe.<name> = value inside the block."""
-    return _switch(_moe, name, value)
+        setattr(_moe, name, saved)
 
 
 def _lower_mma(G, nid, dtype):

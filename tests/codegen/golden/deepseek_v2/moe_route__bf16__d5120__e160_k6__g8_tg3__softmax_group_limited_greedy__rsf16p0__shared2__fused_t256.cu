@@ -2,8 +2,8 @@
 // template: moe_route.cu.j2
 // kernel:   moe_route__bf16__d5120__e160_k6__g8_tg3__softmax_group_limited_greedy__rsf16p0__shared2__fused_t256
 // role:     moe_route.fused
-// params:   {"D":5120,"E":160,"K":6,"S":2,"act":"__nv_bfloat16","cl":0,"epb":2,"groups":8,"has_bias":false,"method":"group_limited_greedy","norm_topk_prob":false,"scaling":"16.0f","scoring":"softmax","smem":10240,"stage":"fused","threads":256,"tiles":32,"topk_groups":3,"tt":8,"vec":4,"warps":8}
-// includes: bulk.cuh, cluster.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, moe_route.cuh, pdl.cuh, tickets.cuh
+// params:   {"D":5120,"E":160,"K":6,"S":2,"act":"__nv_bfloat16","epb":2,"groups":8,"has_bias":false,"method":"group_limited_greedy","norm_topk_prob":false,"scaling":"16.0f","scoring":"softmax","smem":10240,"stage":"fused","threads":256,"tiles":32,"topk_groups":3,"tt":8,"vec":4,"warps":8}
+// includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, moe_route.cuh, pdl.cuh, tickets.cuh
 // nodes:    L1-59.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:97 blocks.moe_ffn.ops[0] linear, layers 1-59 (fuse_router, fuse_shared_experts)
@@ -11,8 +11,7 @@
 //   deepseek_v2.yaml:100 blocks.moe_ffn.ops[2] moe_align, layers 1-59 (fuse_router, fuse_shared_experts)
 
 // moe_route in one launch (T <= 256): router GEMV, then top-k in the last CTA of each token
-// tile, then the alignment in the last tile's CTA
-// (templates/include/moe_route.cuh).
+// tile, then the alignment in the last tile's CTA (templates/include/moe_route.cuh).
 #include "moe_route.cuh"
 
 static_assert(10240 >= 2 * 8 * 160 * sizeof(float) &&
@@ -37,7 +36,7 @@ moe_route__bf16__d5120__e160_k6__g8_tg3__softmax_group_limited_greedy__rsf16p0__
   dsg::moe::route_fused<__nv_bfloat16, 160, 5120, 2, 8, 256, 4, 6,
                         8, 3, dsg::moe::SOFTMAX,
                         dsg::moe::GROUP_LIMITED_GREEDY, false,
-                        false, 32, 2, 0>(
+                        false, 32, 2>(
       x, gate, nullptr, kScaling, logits, ids, weights, order, offsets,
       num_tokens, route_tickets, route_smem);
 }

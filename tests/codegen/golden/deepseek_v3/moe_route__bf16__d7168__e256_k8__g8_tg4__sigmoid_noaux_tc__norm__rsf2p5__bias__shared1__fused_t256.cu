@@ -2,8 +2,8 @@
 // template: moe_route.cu.j2
 // kernel:   moe_route__bf16__d7168__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__shared1__fused_t256
 // role:     moe_route.fused
-// params:   {"D":7168,"E":256,"K":8,"S":1,"act":"__nv_bfloat16","cl":0,"epb":2,"groups":8,"has_bias":true,"method":"noaux_tc","norm_topk_prob":true,"scaling":"2.5f","scoring":"sigmoid","smem":16384,"stage":"fused","threads":256,"tiles":32,"topk_groups":4,"tt":8,"vec":4,"warps":8}
-// includes: bulk.cuh, cluster.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, moe_route.cuh, pdl.cuh, tickets.cuh
+// params:   {"D":7168,"E":256,"K":8,"S":1,"act":"__nv_bfloat16","epb":2,"groups":8,"has_bias":true,"method":"noaux_tc","norm_topk_prob":true,"scaling":"2.5f","scoring":"sigmoid","smem":16384,"stage":"fused","threads":256,"tiles":32,"topk_groups":4,"tt":8,"vec":4,"warps":8}
+// includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, moe_route.cuh, pdl.cuh, tickets.cuh
 // nodes:    L3-60.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:97 blocks.moe_ffn.ops[0] linear, layers 3-60 (fuse_router, fuse_shared_experts)
@@ -11,8 +11,7 @@
 //   deepseek_v3.yaml:100 blocks.moe_ffn.ops[2] moe_align, layers 3-60 (fuse_router, fuse_shared_experts)
 
 // moe_route in one launch (T <= 256): router GEMV, then top-k in the last CTA of each token
-// tile, then the alignment in the last tile's CTA
-// (templates/include/moe_route.cuh).
+// tile, then the alignment in the last tile's CTA (templates/include/moe_route.cuh).
 #include "moe_route.cuh"
 
 static_assert(16384 >= 2 * 8 * 256 * sizeof(float) &&
@@ -38,7 +37,7 @@ moe_route__bf16__d7168__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__s
   dsg::moe::route_fused<__nv_bfloat16, 256, 7168, 2, 8, 256, 4, 8,
                         8, 4, dsg::moe::SIGMOID,
                         dsg::moe::NOAUX_TC, true,
-                        true, 32, 1, 0>(
+                        true, 32, 1>(
       x, gate, bias, kScaling, logits, ids, weights, order, offsets,
       num_tokens, route_tickets, route_smem);
 }

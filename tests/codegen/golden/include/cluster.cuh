@@ -39,24 +39,6 @@ __device__ __forceinline__ unsigned map_rank(unsigned cta_addr, unsigned r) {
 #endif
   return out;
 }
-// The two halves of sync(), for a CTA that only hands its peer data (arrive, then exit: no peer
-// reads its shared memory) and the peer that reads it (wait).
-__device__ __forceinline__ void arrive_release() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wait_acquire() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-// A float into a peer's shared memory: `a` a shared::cluster address (map_rank).
-__device__ __forceinline__ void st(unsigned a, float v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(a), "f"(v) : "memory");
-#endif
-}
 // A float (ld) / float4 (ld4) at shared address `a`: a shared::cluster address (map_rank) when
 // CLUSTER, this CTA's own shared::cta address otherwise.
 template <bool CLUSTER> __device__ __forceinline__ float ld(unsigned a) {
