@@ -195,6 +195,7 @@ struct AbsorbQuery {
       tile(wt, q_s, out, t0, ntok, h, col, out_vec);
       __syncthreads();   // q_s is restaged by the next tile
     }
+    DSG_PHASE_EXIT();   // phases.cuh
   }
 };
 
@@ -308,6 +309,7 @@ struct AbsorbVUp {
       }
       __syncthreads();   // red / o_s are reused by the next tile
     }
+    DSG_PHASE_EXIT();   // phases.cuh
   }
 };
 

@@ -351,11 +351,13 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
     dsg::pdl_wait();
     dsg::pdl_launch_dependents();
   }
+  DSG_PHASE(4);   // phases.cuh: the walk starts (its tile table built)
   if (threadIdx.x < 128)
     wgmma_produce<T, MODE, E, N, KD, K, ST, WgSkinnyTiles>(x, w0, w1, order, offsets, tiles, smem + (ring - raw),
                                                            full, empty, preissued, skip);
   else
     wgmma_skinny_consume<T, MODE, E, N, KD, ST>(order, offsets, tiles, ring, full, empty, out0, out1, skip);
+  DSG_PHASE_EXIT();
 }
 
 }  // namespace moe

@@ -24,17 +24,22 @@
 //    attention's first tiles, DSG_DECODE_ROWS_BEFORE_WAIT.)
 // Both are no-ops when the kernel was launched without the attribute. Raw PTX, not
 // cudaGridDependencySynchronize, because NVRTC builds without the device runtime.
+// Both carry phases.cuh's marks (nothing unless DSG_PHASES: tests/gpu/perf_phases.py).
 #pragma once
+#include "phases.cuh"
 
 namespace dsg {
 
 __device__ __forceinline__ void pdl_wait() {
+  DSG_PHASE(phases::WAIT_CALL);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+  DSG_PHASE(phases::WAITED);
 }
 
 __device__ __forceinline__ void pdl_launch_dependents() {
+  DSG_PHASE(phases::TRIGGER);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif

@@ -436,6 +436,7 @@ __device__ __forceinline__ void linear(const T* __restrict__ x, i64 x_stride, co
       mma_store<T, WARPS, RT, 2, KS, SILU, ROWS...>(m, ntok, row0, red);
     }
   }
+  DSG_PHASE_EXIT();   // phases.cuh
 }
 
 }  // namespace skinny

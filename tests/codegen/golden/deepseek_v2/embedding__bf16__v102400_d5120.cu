@@ -3,7 +3,7 @@
 // kernel:   embedding__bf16__v102400_d5120
 // role:     embedding
 // params:   {"D":5120,"act":"__nv_bfloat16","threads":256,"vocab":102400}
-// includes: common.cuh, pdl.cuh, vec.cuh
+// includes: common.cuh, pdl.cuh, phases.cuh, vec.cuh
 // nodes:    embed.x
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:55 blocks.embed.ops[0] embedding (as written)

@@ -3,7 +3,7 @@
 // kernel:   fused_add_rms_norm__bf16__d5120
 // role:     fused_add_rms_norm
 // params:   {"N":5120,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":640}
-// includes: common.cuh, norm.cuh, pdl.cuh, vec.cuh
+// includes: common.cuh, norm.cuh, pdl.cuh, phases.cuh, vec.cuh
 // nodes:    L1.h_attn, L0-59.h_ffn
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layer 1 (fuse_add_rms_norm)
@@ -47,4 +47,5 @@ fused_add_rms_norm__bf16__d5120(
   L::store(s + (i64)t * N, v);
   dsg::rms_norm_row_loaded<act_t, N, L>(v, wv, EPS, scratch);
   L::store(h + (i64)t * N, v);
+  DSG_PHASE_EXIT();               // phases.cuh (nothing unless DSG_PHASES)
 }

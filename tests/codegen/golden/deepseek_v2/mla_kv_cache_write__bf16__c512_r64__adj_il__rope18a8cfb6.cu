@@ -3,7 +3,7 @@
 // kernel:   mla_kv_cache_write__bf16__c512_r64__adj_il__rope18a8cfb6
 // role:     mla_kv_cache_write
 // params:   {"C":512,"R":64,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","out_interleaved":true,"pairs_adjacent":true,"rope_attention_factor":"1.0f","rope_inv_freq":["1.0f","0.7498942017555237f","0.5623413324356079f","0.4216965138912201f","0.3162277638912201f","0.23713736236095428f","0.17782793939113617f","0.1333521455526352f","0.10000000149011612f","0.07498941570520401f","0.05623412877321243f","0.039006926119327545f","0.026879360899329185f","0.01837814413011074f","0.012447956018149853f","0.0083345090970397f","0.005500000435858965f","0.0035619973205029964f","0.002249365206807852f","0.0013705134624615312f","0.0007905694073997438f","0.0004149904125370085f","0.00017782794020604342f","3.333803397254087e-05f","2.499999936844688e-05f","1.8747354260995053e-05f","1.4058532542549074e-05f","1.0542412383074407e-05f","7.905694474175107e-06f","5.928434347879374e-06f","4.445698323252145e-06f","3.3338035336782923e-06f"],"threads":64}
-// includes: common.cuh, mla_kv_write.cuh, norm.cuh, pdl.cuh, rope.cuh, vec.cuh
+// includes: common.cuh, mla_kv_write.cuh, norm.cuh, pdl.cuh, phases.cuh, rope.cuh, vec.cuh
 // nodes:    L0-59.mla.kv_cache, L0-59.mla.q_decode
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:78 blocks.mla.ops[6] rms_norm, layers 0-59 (fuse_kv_norm_rope_cache)

@@ -3,7 +3,7 @@
 // kernel:   moe_combine_residual_rms_norm__bf16__k8_d5120__shared2
 // role:     moe_combine_residual_rms_norm
 // params:   {"D":5120,"K":8,"S":2,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":640}
-// includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, norm.cuh, pdl.cuh, vec.cuh
+// includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, norm.cuh, pdl.cuh, phases.cuh, vec.cuh
 // nodes:    head.h, L2-59.h_attn
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layers 2-59 (fuse_add_rms_norm)
@@ -52,4 +52,5 @@ moe_combine_residual_rms_norm__bf16__k8_d5120__shared2(
   L::store(s + (i64)t * D, v);
   dsg::rms_norm_row_loaded<act_t, D, L>(v, wv, EPS, scratch);
   L::store(h + (i64)t * D, v);
+  DSG_PHASE_EXIT();               // phases.cuh (nothing unless DSG_PHASES)
 }

@@ -3,7 +3,7 @@
 // kernel:   rms_norm__bf16__d5120
 // role:     rms_norm
 // params:   {"N":5120,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":640}
-// includes: common.cuh, norm.cuh, pdl.cuh, vec.cuh
+// includes: common.cuh, norm.cuh, pdl.cuh, phases.cuh, vec.cuh
 // nodes:    L0.h_attn
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layer 0 (as written)

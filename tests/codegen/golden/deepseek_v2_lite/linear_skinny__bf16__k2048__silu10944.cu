@@ -3,7 +3,7 @@
 // kernel:   linear_skinny__bf16__k2048__silu10944
 // role:     linear_skinny.gate_up_silu
 // params:   {"K":2048,"act":"__nv_bfloat16","ks":1,"max_tokens":16,"min_blocks":2,"rows":[10944,10944],"rt":1,"silu":true,"unroll":4,"w_args":["w0","w1"],"warps":8,"y_args":["y0"]}
-// includes: cluster.cuh, common.cuh, mma.cuh, pdl.cuh, skinny.cuh, vec.cuh
+// includes: cluster.cuh, common.cuh, mma.cuh, pdl.cuh, phases.cuh, skinny.cuh, vec.cuh
 // nodes:    L0.dense_ffn.g
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:86 blocks.dense_ffn.ops[0] linear, layer 0 (fuse_sibling_linears, fuse_gate_up_silu)

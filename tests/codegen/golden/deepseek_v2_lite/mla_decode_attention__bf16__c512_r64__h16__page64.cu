@@ -3,7 +3,7 @@
 // kernel:   mla_decode_attention__bf16__c512_r64__h16__page64
 // role:     mla_decode_attention.single
 // params:   {"C":512,"H":16,"HG":16,"KT":32,"R":64,"act":"__nv_bfloat16","block_size":64,"cs":1,"gmax":8,"min_blocks":1,"mma":true,"nstage":3,"rec":8224,"scale":"0.1147213876247406f","smem":224000,"threads":256,"tickets":1024}
-// includes: cluster.cuh, common.cuh, mla_decode.cuh, mma.cuh, pdl.cuh, tickets.cuh, vec.cuh
+// includes: cluster.cuh, common.cuh, mla_decode.cuh, mma.cuh, pdl.cuh, phases.cuh, tickets.cuh, vec.cuh
 // nodes:    L0-26.mla.o_lat
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:79 blocks.mla.ops[7] mla_attention, layers 0-26 (lower_mla_decode)

@@ -3,7 +3,7 @@
 // kernel:   rms_norm__bf16__d2048
 // role:     rms_norm
 // params:   {"N":2048,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":256}
-// includes: common.cuh, norm.cuh, pdl.cuh, vec.cuh
+// includes: common.cuh, norm.cuh, pdl.cuh, phases.cuh, vec.cuh
 // nodes:    L0.h_attn
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layer 0 (as written)

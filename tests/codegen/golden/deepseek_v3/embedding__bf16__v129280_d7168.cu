@@ -3,7 +3,7 @@
 // kernel:   embedding__bf16__v129280_d7168
 // role:     embedding
 // params:   {"D":7168,"act":"__nv_bfloat16","threads":256,"vocab":129280}
-// includes: common.cuh, pdl.cuh, vec.cuh
+// includes: common.cuh, pdl.cuh, phases.cuh, vec.cuh
 // nodes:    embed.x
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:55 blocks.embed.ops[0] embedding (as written)

@@ -3,7 +3,7 @@
 // kernel:   linear_skinny__bf16__k7168__silu18432
 // role:     linear_skinny.gate_up_silu
 // params:   {"K":7168,"act":"__nv_bfloat16","ks":1,"max_tokens":16,"min_blocks":2,"rows":[18432,18432],"rt":1,"silu":true,"unroll":4,"w_args":["w0","w1"],"warps":8,"y_args":["y0"]}
-// includes: cluster.cuh, common.cuh, mma.cuh, pdl.cuh, skinny.cuh, vec.cuh
+// includes: cluster.cuh, common.cuh, mma.cuh, pdl.cuh, phases.cuh, skinny.cuh, vec.cuh
 // nodes:    L0-2.dense_ffn.g
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:88 blocks.dense_ffn.ops[0] linear, layers 0-2 (fuse_sibling_linears, fuse_gate_up_silu)

@@ -3,7 +3,7 @@
 // kernel:   mla_decode_attention__bf16__c512_r64__h128__page64__s8
 // role:     mla_decode_attention.splits8
 // params:   {"C":512,"H":128,"HG":16,"KT":32,"R":64,"act":"__nv_bfloat16","block_size":64,"cs":8,"gmax":8,"min_blocks":1,"mma":true,"nstage":3,"rec":1056,"scale":"0.1352337747812271f","smem":224000,"threads":256,"tickets":1024}
-// includes: cluster.cuh, common.cuh, mla_decode.cuh, mma.cuh, pdl.cuh, tickets.cuh, vec.cuh
+// includes: cluster.cuh, common.cuh, mla_decode.cuh, mma.cuh, pdl.cuh, phases.cuh, tickets.cuh, vec.cuh
 // nodes:    L0-60.mla.o_lat
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:81 blocks.mla.ops[9] mla_attention, layers 0-60 (lower_mla_decode)

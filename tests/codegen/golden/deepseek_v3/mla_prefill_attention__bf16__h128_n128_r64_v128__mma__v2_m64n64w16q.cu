@@ -3,7 +3,7 @@
 // kernel:   mla_prefill_attention__bf16__h128_n128_r64_v128__mma__v2_m64n64w16q
 // role:     mla_prefill_attention
 // params:   {"H":128,"N":128,"R":64,"V":128,"act":"__nv_bfloat16","scale":"0.1352337747812271f","smem":86016,"tc2":{"bm":64,"bn":64,"minb":0,"name":"v2_m64n64w16q","qreg":true,"wm":16}}
-// includes: common.cuh, mla_prefill_tc2.cuh, mma.cuh, pdl.cuh
+// includes: common.cuh, mla_prefill_tc2.cuh, mma.cuh, pdl.cuh, phases.cuh
 // nodes:    L0-60.mla.o
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:81 blocks.mla.ops[9] mla_attention, layers 0-60 (lower_mla_prefill)

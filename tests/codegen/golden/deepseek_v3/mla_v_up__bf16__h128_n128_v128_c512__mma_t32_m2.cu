@@ -3,7 +3,7 @@
 // kernel:   mla_v_up__bf16__h128_n128_v128_c512__mma_t32_m2
 // role:     mla_v_up
 // params:   {"C":512,"H":128,"N":128,"TN":32,"V":128,"act":"__nv_bfloat16","balanced":false,"cps":4,"ks":4,"min_blocks":0,"mma":true,"mt":2,"smem_bytes":34816,"threads":256}
-// includes: common.cuh, mla_absorb.cuh, mma.cuh, pdl.cuh, vec.cuh
+// includes: common.cuh, mla_absorb.cuh, mma.cuh, pdl.cuh, phases.cuh, vec.cuh
 // nodes:    L0-60.mla.o
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:81 blocks.mla.ops[9] mla_attention, layers 0-60 (lower_mla_decode)

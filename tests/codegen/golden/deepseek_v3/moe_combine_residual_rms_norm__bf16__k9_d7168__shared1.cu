@@ -3,7 +3,7 @@
 // kernel:   moe_combine_residual_rms_norm__bf16__k9_d7168__shared1
 // role:     moe_combine_residual_rms_norm
 // params:   {"D":7168,"K":9,"S":1,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":896}
-// includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, norm.cuh, pdl.cuh, vec.cuh
+// includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, norm.cuh, pdl.cuh, phases.cuh, vec.cuh
 // nodes:    head.h, L4-60.h_attn
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layers 4-60 (fuse_add_rms_norm)
@@ -52,4 +52,5 @@ moe_combine_residual_rms_norm__bf16__k9_d7168__shared1(
   L::store(s + (i64)t * D, v);
   dsg::rms_norm_row_loaded<act_t, D, L>(v, wv, EPS, scratch);
   L::store(h + (i64)t * D, v);
+  DSG_PHASE_EXIT();               // phases.cuh (nothing unless DSG_PHASES)
 }

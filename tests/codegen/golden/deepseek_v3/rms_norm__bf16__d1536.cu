@@ -3,7 +3,7 @@
 // kernel:   rms_norm__bf16__d1536
 // role:     rms_norm
 // params:   {"N":1536,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":192}
-// includes: common.cuh, norm.cuh, pdl.cuh, vec.cuh
+// includes: common.cuh, norm.cuh, pdl.cuh, phases.cuh, vec.cuh
 // nodes:    L0-60.mla.q_a_n
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:73 blocks.mla.ops[1] rms_norm, layers 0-60 (as written)

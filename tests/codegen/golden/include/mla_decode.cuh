@@ -172,6 +172,7 @@ struct SplitMerge {
     const int tid = threadIdx.x;
     float* wts = reinterpret_cast<float*>(smem + ML_BYTES + ACC_BYTES);
     if constexpr (CL) cluster::sync(); else __syncthreads();
+    DSG_PHASE(6);   // phases.cuh: every split's partial is in place
     const unsigned own = smem_u32(smem);
     unsigned peer[S];    // each split's partial, as seen from here (cluster rank == split)
 #pragma unroll
@@ -235,6 +236,7 @@ struct SplitMerge {
         }
       }
     }
+    DSG_PHASE(7);   // this CTA's columns merged (stored, or in its record)
     if constexpr (CL) cluster::sync_relaxed();   // no peer reads this CTA's shared memory after this
     if (!two || !valid) return;                   // both uniform over the CTA
 
@@ -485,6 +487,7 @@ struct MlaDecode {
     }
     const int Gc = DecodeSplit<S>::clusters(T_ * NG);
     Merge::run(smem, sp.valid, t, h0, sp.s, out, part, tickets, DecodeSplit<S>::item_of(Gc), Gc);
+    DSG_PHASE_EXIT();   // phases.cuh
   }
 };
 
@@ -656,6 +659,7 @@ struct MlaDecodeMma {
     if constexpr (ROWS_BEFORE_WAIT) mma::cp_async_wait<0>();   // the queries and the first NSTAGE - 1 tiles
     else mma::cp_async_wait<NSTAGE - 1>();                      // the query group (the oldest) has landed
     __syncthreads();
+    DSG_PHASE(4);   // phases.cuh: the queries (and with ROWS_BEFORE_WAIT the first tiles) landed
     unsigned qf[KSTEPS][4];
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) mma::ldsm_x4(qf[ks], chunk(qs, lane & 15, 2 * ks + (lane >> 4)));
@@ -741,6 +745,7 @@ struct MlaDecodeMma {
     }
     mma::cp_async_wait<0>();   // only empty groups can remain
     pdl_launch_dependents();
+    DSG_PHASE(5);   // every tile scored and summed
 
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -768,6 +773,7 @@ struct MlaDecodeMma {
     }
     const int Gc = DecodeSplit<S>::clusters(T_ * NG);
     Merge::run(smem, sp.valid, sp.t, h0, sp.s, out, part, tickets, DecodeSplit<S>::item_of(Gc), Gc);
+    DSG_PHASE_EXIT();   // phases.cuh
   }
 };
 

@@ -71,9 +71,11 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
 
   // 1. logits [T, E] of this CTA's experts and tokens
   router_logits<T, E, D, EPB, TT, NT, VEC>(x, gate, logits, num_tokens);
+  DSG_PHASE(4);   // phases.cuh: this CTA's logits issued
 
   // 2. the tile's last CTA: top-k of its TT tokens, a warp each
   if (!last_arrival(&tickets[blockIdx.y], gridDim.x)) return;
+  DSG_PHASE(5);   // the tile's last CTA: every logit of the tile written
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.y * TT + warp;
   if (t < num_tokens) {
@@ -92,10 +94,12 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
   if (ROUTE_ONE_TILE_NO_TICKET && gridDim.y == 1) __syncthreads();   // (this CTA's top-k wrote the ids)
   else if (!last_arrival(&tickets[TILES], gridDim.y)) return;
   const int num_pairs = num_tokens * (K + S);
+  DSG_PHASE(6);   // the aligning CTA: every top-k done
   int* sid = reinterpret_cast<int*>(smem);
   for (int p = threadIdx.x; p < num_pairs; p += NT) sid[p] = (int)__ldcg(ids + p);
   __syncthreads();
   align<E + S, NT, int>(sid, num_pairs, order, offsets);
+  DSG_PHASE_EXIT();
 }
 
 }  // namespace moe

@@ -1,0 +1,63 @@
+"""tests/gpu/perf_phases.py, the in-kernel phase marks of a decode step, on the CPU: how it turns
+mark tables into a chain of the last layer's kernels and its per-boundary figures."""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+import perf_phases as pp  # noqa: E402
+
+US = 1000   # ns
+
+
+def _row(called, waited, exit_, trigger=None, own=None, clk0=10_000):
+    """One CTA's (ns, clk) marks; the cycle counter runs at 2 cycles an ns from clk0."""
+    ns = [0] * pp.MARKS
+    ns[pp.WAIT_CALL], ns[pp.WAITED], ns[pp.EXIT] = called, waited, exit_
+    ns[pp.TRIGGER] = trigger or waited
+    for k, v in (own or {}).items():
+        ns[k] = v
+    clk = [clk0 + 2 * (v - called) if v else 0 for v in ns]
+    return ns, clk
+
+
+def _sample():
+    return {
+        # an earlier layer's kernel: outside the window
+        "linear_skinny__bf16__k10944__o2048": [_row(1 * US, 2 * US, 5 * US)],
+        "fused_add_rms_norm__bf16__d2048": [_row(995 * US, 1000 * US, 1002 * US)],
+        "moe_route__bf16__d2048__e64_k6__fused_t256": [
+            _row(999 * US, 1003 * US, 1004 * US, own={4: 1003_500}),
+            _row(1000 * US, 1004 * US, 1009 * US, own={4: 1004_500, 5: 1006 * US, 6: 1007 * US})],
+        "moe_gate_up_silu__bf16__e66__wgmma_skinny": [_row(1001 * US, 1010 * US, 1030 * US, own={4: 1011 * US})],
+    }
+
+
+def test_the_chain_is_the_last_layer_in_the_order_of_its_waits():
+    names = [n for n, _ in pp.chain(_sample(), 90.0)]
+    assert names == ["fused_add_rms_norm__bf16__d2048", "moe_route__bf16__d2048__e64_k6__fused_t256",
+                     "moe_gate_up_silu__bf16__e66__wgmma_skinny"]
+
+
+def test_a_kernel_is_its_first_wait_return_and_its_last_exit():
+    s = pp.summarise(_sample()["moe_route__bf16__d2048__e64_k6__fused_t256"])
+    assert (s["ctas"], s["called"], s["first"], s["last"], s["exit"]) == (2, 999 * US, 1003 * US, 1004 * US, 1009 * US)
+    assert s["own"][4] == (1003_500, 1004_500) and s["own"][6] == (1007 * US, 1007 * US)
+    # the cycle view is the CTA that exits last: 2 cycles an ns from its wait return
+    assert s["cycles"][pp.EXIT] == 2 * (1009 - 1004) * US
+
+
+def test_the_report_gives_each_boundary_against_the_previous_exit(capsys):
+    pp.report([_sample(), _sample()], 90.0, ghz=2.0)
+    out = capsys.readouterr().out.splitlines()
+    route = next(line for line in out if line.strip().startswith("moe_route") and "CTAs" not in line
+                 and "after" not in line)
+    # called 999 - 1002 = -3, waited 1003 - 1002 = 1, spread 1, work 6, adds 7 (us)
+    assert route.split()[1:] == ["2", "-3.00", "1.00", "1.00", "6.00", "7.00"]
+    gate = next(line for line in out if line.strip().startswith("moe_gate_up_silu") and "after" not in line)
+    assert gate.split()[1:] == ["1", "-8.00", "1.00", "0.00", "20.00", "21.00"]
+    marks = next(line for line in out if line.strip().startswith("moe_route: after"))
+    assert "logits issued 1.50 (first 0.50)" in marks and "top-k done 4.00" in marks
+    clock = [line for line in out if "by its own clock" in line]
+    assert clock and "exit 5.00" in clock[1]
