@@ -61,3 +61,15 @@ def test_the_report_gives_each_boundary_against_the_previous_exit(capsys):
     assert "logits issued 1.50 (first 0.50)" in marks and "top-k done 4.00" in marks
     clock = [line for line in out if "by its own clock" in line]
     assert clock and "exit 5.00" in clock[1]
+
+
+def test_the_script_compiles_every_kernel_with_the_marks_into_a_cache_of_its_own(monkeypatch):
+    import codegen.nvrtc as nvrtc
+    monkeypatch.setattr(nvrtc, "compile_cubin", nvrtc.compile_cubin)   # restored after the test
+    monkeypatch.setenv("DSGRAPH_CACHE_DIR", "/elsewhere")
+    pp.with_phase_marks()
+    assert os.environ["DSGRAPH_CACHE_DIR"] != "/elsewhere" and os.path.isdir(os.environ["DSGRAPH_CACHE_DIR"])
+    golden = os.path.join(os.path.dirname(os.path.abspath(__file__)), "codegen", "golden", "deepseek_v2_lite")
+    name = "fused_add_rms_norm__bf16__d2048"
+    cubin = nvrtc.compile_cubin(open(os.path.join(golden, name + ".cu")).read(), name, arch="sm_90").cubin
+    assert b"dsg_phase_ns" in cubin and b"dsg_phase_clk" in cubin

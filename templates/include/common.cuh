@@ -57,19 +57,6 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return scratch[0];
 }
 
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = (threadIdx.x < nwarps) ? scratch[threadIdx.x] : -CUDART_INF_F;
-  if (warp == 0) v = warp_max(v);
-  if (threadIdx.x == 0) scratch[0] = v;
-  __syncthreads();
-  return scratch[0];
-}
-
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
 
 }  // namespace dsg

@@ -68,7 +68,9 @@ class MarkTables:
 
     def __init__(self, runner):
         from cuda.bindings import driver
-        self.driver, self.tables = driver, {}
+
+        from runtime.cuda_driver import check
+        self.driver, self.check, self.tables = driver, check, {}
         for name, mod in runner._modules.items():
             if mod._module is None:
                 continue
@@ -86,7 +88,7 @@ class MarkTables:
         torch.cuda.synchronize()
         for ptrs in self.tables.values():
             for ptr, size in ptrs:
-                self.driver.cuMemsetD8(ptr, 0, size)
+                self.check(self.driver.cuMemsetD8(ptr, 0, size), "cuMemsetD8")
         torch.cuda.synchronize()
 
     def read(self) -> dict:
@@ -98,7 +100,7 @@ class MarkTables:
             views = []
             for ptr, size in ptrs:
                 buf = bytearray(size)
-                self.driver.cuMemcpyDtoH(buf, ptr, size)
+                self.check(self.driver.cuMemcpyDtoH(buf, ptr, size), "cuMemcpyDtoH")
                 views.append(memoryview(buf).cast("Q"))
             ns, clk = views
             rows = [(list(ns[c * MARKS:(c + 1) * MARKS]), list(clk[c * MARKS:(c + 1) * MARKS]))
@@ -222,6 +224,9 @@ def main() -> int:
             for _ in range(5):
                 be.forward("decode", ids, step)
             tables = MarkTables(be.runner)
+            if not tables.tables:
+                print("no module has phase marks: were the kernels compiled with -DDSG_PHASES=1?")
+                return 1
             samples = []
             for _ in range(a.steps):
                 tables.clear()

@@ -31,11 +31,6 @@ __device__ __forceinline__ void store16(T* p, const float* in) {
   *reinterpret_cast<uint4*>(p) = raw;
 }
 
-// Raw 16-byte copy (no conversion).
-__device__ __forceinline__ void copy16(void* dst, const void* src) {
-  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-}
-
 // A row of N elements spread over THREADS threads in chunks of VEC consecutive elements:
 // thread tid owns elements (k * THREADS + tid) * VEC + j, k < CHUNKS, j < VEC.
 // VEC is 16 bytes' worth when N allows it, else 1 (odd test dims).
