@@ -1,11 +1,12 @@
 """Where a decode step's time goes inside its kernels, from marks the kernels write themselves (a
 script, not a test).
 
-    python3 tests/gpu/perf_phases.py [--cases 1x512,1x4096] [--steps 30] [--window 90]
+    python3 tests/gpu/perf_phases.py [--cases 1x512,1x4096] [--steps 30] [--window 90] [--pdl both]
 
 DeepSeek-V2-Lite (random bf16 weights, as `dsgraph bench`), its kernels compiled with -DDSG_PHASES=1
 (templates/include/phases.cuh) into a bundle cache of this run's own, decode steps replayed from
-their CUDA graph with PDL on, as the bench runs them.  After each step every module's mark tables
+their CUDA graph with PDL on, as the bench runs them, and then off (each kernel launched after the
+one before has ended: what bench's per-family rates time, each kernel's own work).  After each step every module's mark tables
 are read: per CTA, the global timer (ns, one clock for all SMs) and the SM's cycle counter when
 thread 0 called pdl_wait(), when it returned, when the CTA triggered its dependents, when its last
 warp reached the kernel's end, and the kernel's own marks (4-7).  Each launch overwrites its
@@ -201,6 +202,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30, help="decode steps read per case")
     ap.add_argument("--window", type=float, default=90.0,
                     help="us before the step's last exit that count as the last layer's kernels")
+    ap.add_argument("--pdl", choices=("on", "off", "both"), default="both",
+                    help="launch mode of the steps read (off: every kernel waits for the one before it, "
+                         "so pdl_wait() returns at once and the marks time each kernel's own work)")
     a = ap.parse_args()
     with_phase_marks()
 
@@ -216,29 +220,34 @@ def main() -> int:
                            num_blocks=sum(math.ceil(c / DEFAULTS.block_size) * b for b, c in cases) + 64,
                            max_seq_len=8192, max_num_seqs=256, pdl=True)
     be = eng.backend
-    print(f"# {torch.cuda.get_device_name()}, decode graph replays, PDL on, kernels with phase marks")
+    modes = {"on": [True], "off": [False], "both": [True, False]}[a.pdl]
+    print(f"# {torch.cuda.get_device_name()}, decode graph replays, kernels with phase marks")
     with torch.inference_mode():
         for batch, ctx in cases:
             sids, step, ids = _decode_ctx(eng, batch, ctx)
+            for pdl in modes:
+                be.runner.pdl = pdl
+                be.graphs_decode.graphs.clear()   # captured anew with this launch mode
+                for _ in range(5):
+                    be.forward("decode", ids, step)
+                tables = MarkTables(be.runner)
+                if not tables.tables:
+                    print("no module has phase marks: were the kernels compiled with -DDSG_PHASES=1?")
+                    return 1
+                samples = []
+                for _ in range(a.steps):
+                    tables.clear()
+                    be.forward("decode", ids, step)
+                    samples.append(tables.read())
+                try:
+                    ghz = torch.cuda.clock_rate() / 1e3   # the SM clock now (NVML), MHz
+                except Exception:   # noqa: BLE001 - the cycle view is a nicety
+                    ghz = None
+                print(f"\n{batch}x{ctx}, PDL {'on' if pdl else 'off'}: {len(tables.tables)} modules with marks; "
+                      f"global timer: {timer_resolution(samples)}; SM clock {ghz or float('nan'):.2f} GHz after")
+                report(samples, a.window, ghz)
+            be.runner.pdl = True
             be.graphs_decode.graphs.clear()
-            for _ in range(5):
-                be.forward("decode", ids, step)
-            tables = MarkTables(be.runner)
-            if not tables.tables:
-                print("no module has phase marks: were the kernels compiled with -DDSG_PHASES=1?")
-                return 1
-            samples = []
-            for _ in range(a.steps):
-                tables.clear()
-                be.forward("decode", ids, step)
-                samples.append(tables.read())
-            try:
-                ghz = torch.cuda.clock_rate() / 1e3   # the SM clock now (NVML), MHz
-            except Exception:   # noqa: BLE001 - the cycle view is a nicety
-                ghz = None
-            print(f"\n{batch}x{ctx}: {len(tables.tables)} modules with marks; global timer: "
-                  f"{timer_resolution(samples)}; SM clock {ghz or float('nan'):.2f} GHz after")
-            report(samples, a.window, ghz)
             _release(eng, sids)
     return 0
 
