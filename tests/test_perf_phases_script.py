@@ -41,7 +41,9 @@ def test_the_chain_is_the_last_layer_in_the_order_of_its_waits():
 
 
 def test_a_kernel_is_its_first_wait_return_and_its_last_exit():
-    s = pp.summarise(_sample()["moe_route__bf16__d2048__e64_k6__fused_t256"])
+    # a row an earlier, larger launch of the step left is not the last launch's
+    stale = _row(930 * US, 931 * US, 933 * US)
+    s = pp.summarise(_sample()["moe_route__bf16__d2048__e64_k6__fused_t256"] + [stale])
     assert (s["ctas"], s["called"], s["first"], s["last"], s["exit"]) == (2, 999 * US, 1003 * US, 1004 * US, 1009 * US)
     assert s["own"][4] == (1003_500, 1004_500) and s["own"][6] == (1007 * US, 1007 * US)
     # the cycle view is the CTA that exits last: 2 cycles an ns from its wait return

@@ -111,14 +111,21 @@ class MarkTables:
         return out
 
 
+LAUNCH_SPAN_NS = 30_000   # a launch's CTAs all return from their waits within this (a layer is ~70 us)
+
+
 def summarise(rows) -> dict | None:
     """One kernel's launch from its CTAs' rows: first / last of each mark (ns), and the cycle view
-    of the CTA that exits last."""
+    of the CTA that exits last.  Rows an earlier launch of the step left (CTAs the last launch did
+    not run: its grid was smaller) are dropped: their wait returned long before the last one's."""
+    latest = max((ns[WAITED] for ns, _ in rows), default=0)
+    if not latest:
+        return None
+    rows = [r for r in rows if r[0][WAITED] >= latest - LAUNCH_SPAN_NS]
+
     def col(k):
         return [ns[k] for ns, _ in rows if ns[k]]
     waited = col(WAITED)
-    if not waited:
-        return None
     exits = col(EXIT)
     s = {"ctas": len(rows), "called": min(col(WAIT_CALL) or waited), "first": min(waited), "last": max(waited),
          "exit": max(exits) if exits else max(max(ns) for ns, _ in rows), "has_exit": bool(exits),
