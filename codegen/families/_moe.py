@@ -1,7 +1,9 @@
 """Helpers the MoE families share: node data, vector widths, the top-k and align launches.
 
 Not a family (the leading underscore keeps it out of the registry).  Device code lives in
-templates/include/moe.cuh; the families only choose constants and launch geometry.
+templates/include/moe_*.cuh (moe_router.cuh: router, top-k, align; moe_grouped.cuh: the grouped
+expert GEMV / GEMM; moe_combine.cuh: combine); the families only choose constants and launch
+geometry.
 
 Dimension legend: T tokens, D hidden, E routed experts, K experts per token, G expert
 groups, M expert intermediate size, NP = T*K token-expert pairs (pair p = t*K + k).
@@ -22,7 +24,7 @@ MAX_TOP_K = 32            # one lane per chosen expert
 TOPK_WARPS = 4            # tokens per top-k CTA (one warp each)
 ALIGN_THREADS = 1024      # the single align CTA (and the scan of the parallel one)
 # Above this many pairs the alignment runs as count / scan / scatter over ALIGN_CHUNK-pair chunks
-# (moe.cuh 3b) instead of one CTA (None: one CTA at every NP).  Measured on the H200 (PERF_NOTES
+# (moe_router.cuh 3b) instead of one CTA (None: one CTA at every NP).  Measured on the H200 (PERF_NOTES
 # v10, tests/gpu/perf_prefill.py --route-variants default,align0), the route's launches together
 # at V2-Lite (K 6): 1024 tokens 26.8 us one CTA / 26.2 parallel, 4096 69.4 / 53.0, 16384 240 / 155.
 ALIGN_PARALLEL_PAIRS = 6144
@@ -102,9 +104,9 @@ def _tag(x: float) -> str:
 
 
 def check_experts(nid: str, E: int, K: int) -> None:
-    """The bounds moe.cuh relies on: top-k keeps cdiv(E, 32) <= 32 scores per lane (its taken-mask
-    is 32 bits) and 2 * TOPK_WARPS * E floats of static shared memory (32 KiB at E = 1024); align
-    keeps 2 * E ints; one lane per chosen expert."""
+    """The bounds moe_router.cuh relies on: top-k keeps cdiv(E, 32) <= 32 scores per lane (its
+    taken-mask is 32 bits) and 2 * TOPK_WARPS * E floats of static shared memory (32 KiB at
+    E = 1024); align keeps 2 * E ints; one lane per chosen expert."""
     if not 1 <= E <= MAX_EXPERTS:
         raise LoweringError(f"{E} experts; the MoE kernels handle 1..{MAX_EXPERTS}")
     if not 1 <= K <= min(MAX_TOP_K, E):
@@ -114,7 +116,7 @@ def check_experts(nid: str, E: int, K: int) -> None:
 # -- scoring + top-k (moe_topk, and stage 2 of moe_route) -----------------------------------
 
 def topk_params(nid: str, attrs: dict, E: int, has_bias: bool) -> dict:
-    """S: the shared experts each token also selects (moe_route's shared_experts; moe.cuh
+    """S: the shared experts each token also selects (moe_route's shared_experts; moe_router.cuh
     topk_scored writes them after the K routed ones), one lane each as well."""
     K, G, TG = attrs["top_k"], attrs["groups"], attrs["topk_groups"]
     S = int(attrs.get("shared_experts", 0))
@@ -180,7 +182,7 @@ def align_params(E: int) -> dict:
 def align_launches(family: str, template: str, name: str, params: dict, nid: str, ids: str,
                    routing: str, stage: str = "", only: str | None = None) -> list[KernelLaunch]:
     """The one-CTA align; with ALIGN_PARALLEL_PAIRS set, it runs only up to that many pairs and
-    the count / scan / scatter launches (moe.cuh 3b) take larger NP (each grid is 0 otherwise).
+    the count / scan / scatter launches (moe_router.cuh 3b) take larger NP (each grid is 0 otherwise).
     `only`: a grid factor on all of them (see `when`)."""
     io = (inp("ids", "i64", ids), out("order", "i32", f"{routing}.order"),
           out("offsets", "i32", f"{routing}.offsets"), size("num_pairs", "NP"))
@@ -215,17 +217,17 @@ def align_launches(family: str, template: str, name: str, params: dict, nid: str
 # -- grouped experts (moe_gate_up_silu, moe_gate_up, moe_down) --------------------------------
 # Two launches per node for bf16 / fp16, of which a step runs one (the other's grid is 0):
 #   * "gemv" at T <= GEMV_ONLY_TOKENS (decode's smallest batches): CUDA cores for every expert,
-#     one CTA row of slots per expert with pairs (moe.cuh 4);
+#     one CTA row of slots per expert with pairs (moe_grouped.cuh 4);
 #   * "mma" above: one grid for every expert, the ones with more than GEMM_THRESHOLD pairs on
 #     tensor cores (prefill: ~T*K/E pairs each; decode b >= 16: swapped tiles), the light ones on
-#     CUDA cores in slots ahead of the tiles (moe.cuh 4b), so neither kind waits for the other's
+#     CUDA cores in slots ahead of the tiles (moe_grouped.cuh 4b), so neither kind waits for the other's
 #     tail.  Which expert goes where is decided on the device from the routing offsets.
 # fp32 has no tensor-core path here: its GEMV takes every expert at every T.
 # Odd widths keep both paths: the GEMM copies K slices with 16-byte cp.async only when KD % 8 == 0
 # (else element loads with zero fill into the same 16-byte-aligned smem rows) and stores column
 # pairs as one 4-byte word only when N is even (else two element stores); its column tiles mask
 # n >= N.  So it is chosen for every D and M; at run time a launch whose operands' bases are not
-# aligned for those wide accesses runs every expert as a light one (moe.cuh gemm_operands_ok).
+# aligned for those wide accesses runs every expert as a light one (moe_grouped.cuh gemm_operands_ok).
 
 GROUPED_WARPS = 4
 GROUPED_PAIRS = 8         # pairs per pass over the weights: decode reads each weight row once
@@ -238,11 +240,11 @@ GEMM_THRESHOLD = 2
 # at decode b=8 it read the touched weights at 3.75 TB/s where the GEMV + tiles split of
 # threshold 2 read 3.42 (PERF_NOTES v6, B=8).  Above it, the one-grid "mma" launch.
 GEMV_ONLY_TOKENS = 8
-GEMM_BM = 128             # pairs per row tile        (templates/include/moe.cuh GEMM_*)
+GEMM_BM = 128             # pairs per row tile        (templates/include/moe_grouped.cuh GEMM_*)
 GEMM_BNW = 128            # weight rows per CTA: 64 gate + 64 up, or 128 down
 GEMM_BK, GEMM_STAGES, GEMM_THREADS = 32, 4, 256   # K slice, slices in flight (2 CTAs per SM)
 # A row tile of at most GEMM_SKINNY pairs runs swapped: the 128 weight rows as the mma's M side,
-# the pairs as N in 16/32/64-wide tiles (moe.cuh 4c), so decode's few pairs per expert neither
+# the pairs as N in 16/32/64-wide tiles (moe_grouped.cuh 4c), so decode's few pairs per expert neither
 # waste the tile's copies nor its tensor work.  0 keeps every tile in the row-tile layout.
 GEMM_SKINNY = 64
 # The swapped tiles' own K slice and ring depth, measured on the H200 (PERF_NOTES v6, v7): a K
@@ -250,7 +252,7 @@ GEMM_SKINNY = 64
 # at ~3.5 TB/s; 128 with 2, 3 or 4 stages, 256 with 2 and 64 with 6 (one CTA per SM) no better.
 # 4 x (128 + 64) x 72 x 2 B = 110.6 KB: two CTAs per SM.
 SKINNY_BK, SKINNY_STAGES = 64, 4
-# The swapped tiles' copies as one bulk copy per row on an mbarrier (moe.cuh 4c, bulk.cuh) instead
+# The swapped tiles' copies as one bulk copy per row on an mbarrier (moe_grouped.cuh 4c, bulk.cuh) instead
 # of 16-byte cp.async: fewer L2 requests for the same bytes.  Off until measured on the H200.
 SKINNY_BULK = False
 # Above this many tokens the grouped GEMM runs on Hopper's wgmma + TMA (moe_wgmma.cuh,
@@ -291,7 +293,7 @@ def gemm_smem(bk: int, stages: int) -> int:
 
 def gemm_launch_smem(bk: int, stages: int, skinny: int, sbk: int, sst: int) -> int:
     """Dynamic shared memory of the GEMM launch: the larger of the row-tile ring and the swapped
-    tiles' ring (moe.cuh gemm_launch_smem); two CTAs per SM need it at most ~113 KB."""
+    tiles' ring (moe_grouped.cuh gemm_launch_smem); two CTAs per SM need it at most ~113 KB."""
     return max(gemm_smem(bk, stages), sst * (GEMM_BNW + skinny) * (sbk + 8) * 2 if skinny else 0)
 
 

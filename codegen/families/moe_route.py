@@ -2,7 +2,7 @@
 
 P = K + S: with shared_experts S > 0 (ir/passes/fuse_shared_experts.py) every token's K routed
 pairs are followed by S pairs of the shared experts (weight 1), aligned with the routed ones over
-E + S experts: the shared experts are 0..S-1, routed expert e is S + e (moe.cuh topk_scored).
+E + S experts: the shared experts are 0..S-1, routed expert e is S + e (moe_router.cuh topk_scored).
 
 While T <= ROUTE_FUSED_TOKENS, one launch ("fused", templates/include/moe_route.cuh):
   the router GEMV's CTAs (EPB experts x TT tokens each, so decode's T = 1 spreads the fp32 gate

@@ -1,5 +1,5 @@
 // 4d. The grouped expert GEMM on Hopper's wgmma + TMA (sm_90a): experts with many pairs (prefill).
-// Same contract as grouped_gemm (moe.cuh 4b): pairs grouped by expert through the routing
+// Same contract as grouped_gemm (moe_grouped.cuh 4b): pairs grouped by expert through the routing
 // `order` / `offsets`, the same outputs rounded at the same points, no host sync.  It differs in
 // how a tile is fed and multiplied:
 //   * a persistent grid (one CTA per SM) walks tiles t = blockIdx.x, + gridDim.x, ...; tile t is
@@ -28,7 +28,7 @@
 // element loads (same layout, same barriers); an output base that is not 4-byte aligned takes
 // element stores.  Weight bases must be 16-byte aligned (the runtime refuses to encode others).
 #pragma once
-#include "moe.cuh"
+#include "moe_grouped.cuh"
 #include "mbarrier.cuh"
 #include "pdl.cuh"
 #include "tma.cuh"

@@ -1,5 +1,5 @@
 // 4e. Decode's grouped expert GEMM on wgmma + TMA (sm_90a): experts with a few pairs each.
-// Same contract as grouped_gemm (moe.cuh 4b / 4c): pairs grouped by expert through `order` /
+// Same contract as grouped_gemm (moe_grouped.cuh 4b / 4c): pairs grouped by expert through `order` /
 // `offsets`, the same outputs rounded at the same points, no host sync.  It is the swapped tile of
 // 4c (the weight rows as the MMA's M side, the pairs as N) fed the way the prefill GEMM
 // (moe_wgmma.cuh) is fed, because at decode the kernel's whole job is streaming weight bytes:
@@ -88,7 +88,7 @@ __device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* 
           if (col + WS_BOX < N) st(out0 + orow + col + WS_BOX, acc1[i]);
         } else if (col < N) {
           if constexpr (MODE == GATE_UP_SILU) {
-            // silu(g) * u rounded where the unfused ops round (moe.cuh 4c's epilogue)
+            // silu(g) * u rounded where the unfused ops round (moe_grouped.cuh 4c's epilogue)
             const float gr = round_to<T>(acc0[i]), ur = round_to<T>(acc1[i]);
             st(out0 + orow + col, round_to<T>(gr / (1.f + expf(-gr))) * ur);
           } else {
@@ -149,7 +149,7 @@ __device__ __forceinline__ void wgmma_skinny_store_staged(const WgTile& tl, cons
           put(r, col, acc0[i]);
           put(r, col + WS_BOX, acc1[i]);
         } else {
-          // silu(g) * u rounded where the unfused ops round (moe.cuh 4c's epilogue)
+          // silu(g) * u rounded where the unfused ops round (moe_grouped.cuh 4c's epilogue)
           const float gr = round_to<T>(acc0[i]), ur = round_to<T>(acc1[i]);
           put(r, col, round_to<T>(gr / (1.f + expf(-gr))) * ur);
         }
@@ -289,11 +289,12 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   // SH_WHOLE: that first tile's whole K loop before the wait, its pair rows gathered too; the
   // consumer waits only before it stores the tile's outputs (no write before the wait: a workspace
   // freed by the route, which still runs, may hold them).  Its pairs are known from T alone (token
-  // t's shared pair s is t * K + K - SH + s: moe_route's layout, moe.cuh topk_scored), so the tile
-  // takes them in token order from shared_order instead of `order` (the route's, whose order inside
-  // a segment follows its atomics: each pair is computed on its own, so the outputs are the same
-  // bits).  x, the pair rows, is read through L2 (cp.async.cg) as DOWN reads `offsets`: the kernel
-  // before the route wrote it, and the route waited for that kernel before it let this launch start.
+  // t's shared pair s is t * K + K - SH + s: moe_route's layout, moe_router.cuh topk_scored), so
+  // the tile takes them in token order from shared_order instead of `order` (the route's, whose
+  // order inside a segment follows its atomics: each pair is computed on its own, so the outputs
+  // are the same bits).  x, the pair rows, is read through L2 (cp.async.cg) as DOWN reads
+  // `offsets`: the kernel before the route wrote it, and the route waited for that kernel before it
+  // let this launch start.
   constexpr bool EARLY = MODE == DOWN;
   constexpr bool SHARED_EARLY = !EARLY && SH > 0;
   if constexpr (!EARLY && !SHARED_EARLY) {

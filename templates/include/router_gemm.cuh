@@ -1,5 +1,5 @@
 // The router logits at prefill sizes: logits [T, E] = x.float() @ gate.T in fp32, a register-tiled
-// GEMM on CUDA cores (moe_route's first launch above GEMM_TOKENS; the GEMV of moe.cuh 1 below).
+// GEMM on CUDA cores (moe_route's first launch above GEMM_TOKENS; the GEMV of moe_router.cuh 1 below).
 //
 // Dimension legend: T tokens, D hidden, E routed experts.  Tiles: BM tokens x BN experts per CTA,
 // BK of D staged per step, TM tokens x TN experts per thread, S splits of D (gridDim.z).
@@ -28,7 +28,7 @@
 // TY = BM / TM); a warp is 8 tx x 4 ty, so its 16-byte load of x reads 4 rows (each broadcast to 8
 // lanes) and of the gate 8 rows: one wavefront each, for 4 TM TN FMAs per lane.
 #pragma once
-#include "moe.cuh"
+#include "moe_common.cuh"
 #include "pdl.cuh"
 #include "tickets.cuh"
 
@@ -44,7 +44,7 @@ __host__ __device__ constexpr int router_gemm_smem() {
 // VEC consecutive elements of T on their way from global to shared memory: loaded as one 16- or
 // 8-byte word (or VEC elements), kept raw in registers while the current stage is computed, then
 // converted to float and stored.  The staging registers are a uint4 / uint2, never a T array cast
-// to one (moe.cuh's load_f explains why).
+// to one (moe_common.cuh's load_f explains why).
 template <typename T, int VEC, int BYTES = int(sizeof(T)) * VEC>
 struct Staged {
   T v[VEC];

@@ -148,7 +148,7 @@ def test_grouped_launch_covers_every_expert_and_row(monkeypatch):
         assert p["vec"] * 2 == 16                         # 16-byte weight loads
         bn = 128 if op == "moe_down" else 64
         assert gemm.grid[0] * bn >= q["N"]                # the column tiles cover N
-        assert any(a.name == "num_pairs" for a in gemm.args)   # where the tiles start (moe.cuh 4b)
+        assert any(a.name == "num_pairs" for a in gemm.args)   # where the tiles start (moe_grouped.cuh 4b)
         for T in Ts:
             NP = 6 * T
             env = {"NP": NP, "T": T, "SMS": 132}

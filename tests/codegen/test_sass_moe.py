@@ -1,6 +1,6 @@
 """The grouped expert GEMM compiles to the instructions it was written for (sm_90, NVRTC on the
 CPU): tensor-core HMMA fed by 16-byte cp.async (LDGSTS, L2 128-byte hint) and ldmatrix (LDSM), no register spills,
-and the swapped few-pairs tiles (moe.cuh 4c) add tensor-core code of their own.  The wgmma variant
+and the swapped few-pairs tiles (moe_grouped.cuh 4c) add tensor-core code of their own.  The wgmma variant
 (sm_90a, moe_wgmma.cuh; off by default) is HGMMA fed by TMA boxes and gathering cp.async copies on
 mbarriers, with its registers moved between warpgroups, without spills.  Decode's fused expert FFN
 (moe_expert_ffn.cuh) reads its weight boxes under an L2 evict_first policy and stores the outputs

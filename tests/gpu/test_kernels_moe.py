@@ -663,7 +663,7 @@ def test_moe_align_leaves_out_other_ranks_pairs(runner, T, E, K, seed):
 @example(T=85, E=7, K=6, other_ranks=False, seed=3)         # 510 pairs: still the one CTA
 @_settings(10)
 def test_moe_align_parallel(runner, T, E, K, other_ranks, seed):
-    """The count / scan / scatter alignment (moe.cuh 3b; above _moe.ALIGN_PARALLEL_PAIRS)
+    """The count / scan / scatter alignment (moe_router.cuh 3b; above _moe.ALIGN_PARALLEL_PAIRS)
     switched on above 512 pairs: the same contract as the one-CTA align, with and without pairs
     of other ranks (id -1)."""
     K = min(K, E)
@@ -747,7 +747,7 @@ def _grouped(runner, op, case, lower=None):
 
 def _gate_up_silu_rounded(G, nid, inp, routing, w, tdt):
     """The reference rounded where the kernel (and transformers' bf16 expert) rounds: gate and up
-    to the activation type, silu(gate) to it, then their product (moe.cuh GATE_UP_SILU)."""
+    to the activation type, silu(gate) to it, then their product (moe_grouped.cuh GATE_UP_SILU)."""
     def rnd(t):
         return t.to(tdt).double()
     g, u = OPS["moe_gate_up"].run(node_view(G, nid), [inp.double(), routing], {k: v.double() for k, v in w.items()}, None)
@@ -915,7 +915,7 @@ def _lower_mma(G, nid, dtype):
 
 
 def _lower_bulk(G, nid, dtype):
-    """The lowering with the swapped tiles' rows as bulk copies on mbarriers (moe.cuh 4c,
+    """The lowering with the swapped tiles' rows as bulk copies on mbarriers (moe_grouped.cuh 4c,
     _moe.SKINNY_BULK, off by default until measured), renamed: the runner caches compiled
     modules by launch name."""
     out = []

@@ -95,7 +95,7 @@ def _lower(G, nid, dtype, window, shared=0):
 def _route_layout(ids: torch.Tensor, shared: int) -> torch.Tensor:
     """ids [T, K] with each token's row as moe_route writes it when its first `shared` experts are
     shared ones (every token one pair of each): the routed pairs first, then shared expert s at slot
-    K - shared + s (moe.cuh topk_scored), which decode's gate / up relies on to find a shared tile's
+    K - shared + s (moe_router.cuh topk_scored), which decode's gate / up relies on to find a shared tile's
     pairs before its wait (moe_wgmma_skinny.cuh SH_WHOLE)."""
     if not shared:
         return ids

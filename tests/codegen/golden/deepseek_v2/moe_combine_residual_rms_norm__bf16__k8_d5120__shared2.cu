@@ -3,7 +3,7 @@
 // kernel:   moe_combine_residual_rms_norm__bf16__k8_d5120__shared2
 // role:     moe_combine_residual_rms_norm
 // params:   {"D":5120,"K":8,"S":2,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","threads":640}
-// includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, norm.cuh, pdl.cuh, phases.cuh, vec.cuh
+// includes: common.cuh, moe_combine.cuh, moe_common.cuh, norm.cuh, pdl.cuh, phases.cuh, vec.cuh
 // nodes:    head.h, L2-59.h_attn
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layers 2-59 (fuse_add_rms_norm)
@@ -14,13 +14,14 @@
 
 // moe_combine_residual_rms_norm: [eo [NP, D], w [T, K], shared [T, D], residual [T, D]] ->
 // [h = rms_norm(s), s = residual + round(round(sum_k w * eo) + shared)], one CTA per token: the MoE
-// layer's output (moe.cuh combine_row) and the next norm in one sweep over the row (s is written
-// too: the next residual add reads it).  s is rounded to the activation type before it is
+// layer's output (moe_combine.cuh combine_row) and the next norm in one sweep over the row (s is
+// written too: the next residual add reads it).  s is rounded to the activation type before it is
 // normalised, as the unfused moe_combine_residual + rms_norm do.
-// shared_experts 2: a token's last 2 of its 8 pairs are the shared experts (moe.cuh 5);
-// there is no shared input.
-#include "moe.cuh"
+// shared_experts 2: a token's last 2 of its 8 pairs are the shared experts
+// (moe_combine.cuh 5); there is no shared input.
+#include "moe_combine.cuh"
 #include "norm.cuh"
+#include "pdl.cuh"
 
 typedef __nv_bfloat16 act_t;
 constexpr int D = 5120;

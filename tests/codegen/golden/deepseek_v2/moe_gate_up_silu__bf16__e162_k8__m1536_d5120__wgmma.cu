@@ -3,7 +3,7 @@
 // kernel:   moe_gate_up_silu__bf16__e162_k8__m1536_d5120__wgmma
 // role:     moe_gate_up_silu.wgmma
 // params:   {"E":162,"K":8,"KD":5120,"N":1536,"act":"__nv_bfloat16","box_k":64,"box_rows":128,"cols":128,"smem":230400,"stages":4,"threads":384,"variant":"wgmma"}
-// includes: bulk.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe.cuh, moe_wgmma.cuh, pdl.cuh, phases.cuh, tma.cuh, wgmma.cuh
+// includes: bulk.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_grouped.cuh, moe_wgmma.cuh, pdl.cuh, phases.cuh, tma.cuh, wgmma.cuh
 // nodes:    L1-59.moe_ffn.ea, L1-59.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:101 blocks.moe_ffn.ops[3] moe_gate_up, layers 1-59 (fuse_moe_silu, fuse_shared_experts)
@@ -26,7 +26,7 @@
 // They wait at entry (pdl.cuh): which expert's weights a CTA reads comes from the routing,
 // another kernel's output; but for the shared experts' tiles (experts 0..shared-1, every token's),
 // whose first weight slices the wgmma_skinny launch starts before its wait (moe_wgmma_skinny.cuh).
-#include "moe.cuh"
+#include "moe_grouped.cuh"
 #include "pdl.cuh"
 
 #include "moe_wgmma.cuh"

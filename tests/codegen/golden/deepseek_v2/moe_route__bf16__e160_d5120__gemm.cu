@@ -3,7 +3,7 @@
 // kernel:   moe_route__bf16__e160_d5120__gemm
 // role:     moe_route.router_gemm
 // params:   {"D":5120,"E":160,"act":"__nv_bfloat16","bk":32,"bm":64,"bn":64,"gvec":4,"min_blocks":2,"partial_width":16,"smem":36864,"stage":"router_gemm","threads":256,"tickets":512,"tm":4,"tn":4,"xvec":8}
-// includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, pdl.cuh, phases.cuh, router_gemm.cuh, tickets.cuh
+// includes: common.cuh, moe_common.cuh, pdl.cuh, phases.cuh, router_gemm.cuh, tickets.cuh
 // nodes:    L1-59.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:97 blocks.moe_ffn.ops[0] linear, layers 1-59 (fuse_router, fuse_shared_experts)

@@ -3,7 +3,7 @@
 // kernel:   moe_route__e162__align
 // role:     moe_route.align
 // params:   {"E":162,"part":"one_cta","stage":"align","threads":1024}
-// includes: bulk.cuh, common.cuh, mbarrier.cuh, mma.cuh, moe.cuh, moe_route.cuh, pdl.cuh, phases.cuh, tickets.cuh
+// includes: common.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
 // nodes:    L1-59.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:97 blocks.moe_ffn.ops[0] linear, layers 1-59 (fuse_router, fuse_shared_experts)
@@ -11,7 +11,7 @@
 //   deepseek_v2.yaml:100 blocks.moe_ffn.ops[2] moe_align, layers 1-59 (fuse_router, fuse_shared_experts)
 
 // moe_route, launch 3 of 3: alignment (pairs grouped by expert): one CTA, or for many pairs
-// count / scan / scatter (moe.cuh 3b).
+// count / scan / scatter (moe_router.cuh 3b).
 #include "moe_route.cuh"
 
 extern "C" __global__ void __launch_bounds__(1024)

@@ -1,6 +1,7 @@
 // moe_route device code: the router in one launch at decode sizes, and the PDL-keeping kernels of
-// its three-launch form (router GEMV or GEMM, top-k, align).  The math is moe.cuh's (router_logits,
-// topk_scored, align); this header adds how one launch hands the work from stage to stage.
+// its three-launch form (router GEMV or GEMM, top-k, align).  The math is moe_router.cuh's
+// (router_logits, topk_scored, align); this header adds how one launch hands the work from stage
+// to stage.
 //
 // Dimension legend: T tokens, D hidden, E routed experts, K experts per token, G expert groups,
 // S shared experts (0 unless ir/passes/fuse_shared_experts.py made them pairs), NP = T*(K+S)
@@ -16,7 +17,7 @@
 // Above the fused bound the router logits come from the GEMV below (router_logits) or, at
 // prefill sizes, from the tiled GEMM of router_gemm.cuh.
 #pragma once
-#include "moe.cuh"
+#include "moe_router.cuh"
 #include "pdl.cuh"
 #include "tickets.cuh"
 
@@ -32,7 +33,7 @@ namespace moe {
 constexpr bool ROUTE_ONE_TILE_NO_TICKET = DSG_ROUTE_ONE_TILE_NO_TICKET != 0;
 
 // Top-k of the three-launch form: one warp per token, WARPS tokens per CTA.  S: the shared experts
-// each token also selects (moe.cuh topk_scored); a token's ids / weights row is K + S wide.
+// each token also selects (moe_router.cuh topk_scored); a token's ids / weights row is K + S wide.
 template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS, int WARPS, int S = 0>
 __device__ __forceinline__ void topk_rows(const float* __restrict__ logits, const float* __restrict__ bias,
                                           float scaling, i64* __restrict__ ids, float* __restrict__ weights,
@@ -63,7 +64,7 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
   constexpr int WARPS = NT / 32;
   constexpr int SLOTS = (E + 31) / 32;
   static_assert(TT == WARPS, "fused route: one warp per token of a tile");
-  router_prefetch<E, D, EPB>(gate);   // moe.cuh: weights before pdl_wait
+  router_prefetch<E, D, EPB>(gate);   // moe_router.cuh: weights before pdl_wait
   pdl_wait();
   pdl_launch_dependents();
   // The lowering bounds T by TILES * TT; past it the tickets would be out of bounds (uniform).
