@@ -5,6 +5,7 @@
 // Dimensions: moe_common.cuh's legend.
 #pragma once
 #include "common.cuh"
+#include "handoff.cuh"
 #include "moe_common.cuh"
 #include "pdl.cuh"
 
@@ -244,10 +245,11 @@ __device__ __forceinline__ void topk_token(const float* __restrict__ logits, con
 
 // ---- 3. alignment: pairs grouped by expert (one CTA) ---------------------------------------
 // Exclusive scan of count[0..E) by warp 0, 32 experts a round: start[e] and offsets[e] get the
-// first slot of expert e's segment, offsets[E] the total.  Every thread calls it; warp 0 works.
-template <int E>
-__device__ __forceinline__ void scan_counts(const int* count, int* start, i32* __restrict__ offsets) {
-  if (threadIdx.x >= 32) return;
+// first slot of expert e's segment, offsets[E] the total (TOTAL; else the caller publishes it: the
+// route's hand-off, handoff.cuh).  Every thread calls it; warp 0 works and returns the total.
+template <int E, bool TOTAL = true>
+__device__ __forceinline__ int scan_counts(const int* count, int* start, i32* __restrict__ offsets) {
+  if (threadIdx.x >= 32) return 0;
   const int lane = threadIdx.x;
   int base = 0;
   for (int e0 = 0; e0 < E; e0 += 32) {
@@ -265,14 +267,16 @@ __device__ __forceinline__ void scan_counts(const int* count, int* start, i32* _
     }
     base += __shfl_sync(0xffffffffu, incl, 31);
   }
-  if (lane == 0) offsets[E] = base;
+  if (TOTAL && lane == 0) offsets[E] = base;
+  return base;
 }
 
 // counts per expert -> exclusive scan -> offsets [E + 1], then each pair claims a slot in its
 // expert's segment.  Order inside a segment follows the atomics (it does not change any result:
 // every pair is computed on its own).  Id: i64 (the ids output of top-k), or int (the fused
-// route's copy of them in shared memory).
-template <int E, int NT, typename Id = i64>
+// route's copy of them in shared memory).  PUBLISH: the total, offsets[E], is written last, behind
+// everything else, with release semantics (the route's hand-off, handoff.cuh).
+template <int E, int NT, typename Id = i64, bool PUBLISH = false>
 __device__ __forceinline__ void align(const Id* __restrict__ ids, int num_pairs, i32* __restrict__ order,
                                       i32* __restrict__ offsets) {
   // Any NP: every loop strides by NT; the scan is warp 0's, 32 experts a round.
@@ -289,7 +293,7 @@ __device__ __forceinline__ void align(const Id* __restrict__ ids, int num_pairs,
     if (id >= 0 && id < E) atomicAdd(&count[(int)id], 1);
   }
   __syncthreads();
-  scan_counts<E>(count, cursor, offsets);
+  const int total = scan_counts<E, !PUBLISH>(count, cursor, offsets);   // (thread 0's is the total)
   __syncthreads();
   for (int p = threadIdx.x; p < num_pairs; p += NT) {
     const i64 id = ids[p];
@@ -297,6 +301,7 @@ __device__ __forceinline__ void align(const Id* __restrict__ ids, int num_pairs,
     const int slot = atomicAdd(&cursor[(int)id], 1);
     order[slot] = p;
   }
+  if constexpr (PUBLISH) handoff::route_publish(offsets + E, total);
 }
 
 // ---- 3b. alignment of many pairs (prefill): count, scan, scatter over CHUNK-pair chunks ----
