@@ -24,8 +24,10 @@ def _row(called, waited, exit_, trigger=None, own=None, clk0=10_000):
 
 def _sample():
     return {
-        # an earlier layer's kernel: outside the window
+        # an earlier layer's kernel, and the step's lm_head after the layer: outside the window
         "linear_skinny__bf16__k10944__o2048": [_row(1 * US, 2 * US, 5 * US)],
+        "linear_skinny__bf16__k2048__o102400": [_row(1030 * US, 1100 * US, 1200 * US)],
+        "mla_decode_attention__bf16__c512_r64__h16__page64__s8": [_row(985 * US, 990 * US, 994 * US)],
         "fused_add_rms_norm__bf16__d2048": [_row(995 * US, 1000 * US, 1002 * US)],
         "moe_route__bf16__d2048__e64_k6__fused_t256": [
             _row(999 * US, 1003 * US, 1004 * US, own={4: 1003_500}),
@@ -35,9 +37,12 @@ def _sample():
 
 
 def test_the_chain_is_the_last_layer_in_the_order_of_its_waits():
-    names = [n for n, _ in pp.chain(_sample(), 90.0)]
-    assert names == ["fused_add_rms_norm__bf16__d2048", "moe_route__bf16__d2048__e64_k6__fused_t256",
-                     "moe_gate_up_silu__bf16__e66__wgmma_skinny"]
+    names = [n for n, _ in pp.chain(_sample(), (15.0, 80.0))]
+    assert names == ["mla_decode_attention__bf16__c512_r64__h16__page64__s8", "fused_add_rms_norm__bf16__d2048",
+                     "moe_route__bf16__d2048__e64_k6__fused_t256", "moe_gate_up_silu__bf16__e66__wgmma_skinny"]
+    # without an attention among the marks: the window before the step's last exit
+    rest = {n: r for n, r in _sample().items() if not n.startswith(("mla_", "linear_skinny__bf16__k2048"))}
+    assert [n for n, _ in pp.chain(rest, (15.0, 80.0))][0] == "fused_add_rms_norm__bf16__d2048"
 
 
 def test_a_kernel_is_its_first_wait_return_and_its_last_exit():
@@ -51,18 +56,18 @@ def test_a_kernel_is_its_first_wait_return_and_its_last_exit():
 
 
 def test_the_report_gives_each_boundary_against_the_previous_exit(capsys):
-    pp.report([_sample(), _sample()], 90.0, ghz=2.0)
+    pp.report([_sample(), _sample()], (15.0, 80.0), ghz=2.0)
     out = capsys.readouterr().out.splitlines()
-    route = next(line for line in out if line.strip().startswith("moe_route") and "CTAs" not in line
-                 and "after" not in line)
+    table = [line for line in out if ":" not in line]
+    route = next(line for line in table if line.strip().startswith("moe_route"))
     # called 999 - 1002 = -3, waited 1003 - 1002 = 1, spread 1, work 6, adds 7 (us)
-    assert route.split()[1:] == ["2", "-3.00", "1.00", "1.00", "6.00", "7.00"]
-    gate = next(line for line in out if line.strip().startswith("moe_gate_up_silu") and "after" not in line)
-    assert gate.split()[1:] == ["1", "-8.00", "1.00", "0.00", "20.00", "21.00"]
-    marks = next(line for line in out if line.strip().startswith("moe_route: after"))
-    assert "logits issued 1.50 (first 0.50)" in marks and "top-k done 4.00" in marks
-    clock = [line for line in out if "by its own clock" in line]
-    assert clock and "exit 5.00" in clock[1]
+    assert route.split()[-6:] == ["2", "-3.00", "1.00", "1.00", "6.00", "7.00"]
+    gate = next(line for line in table if line.strip().startswith("moe_gate_up_silu"))
+    assert gate.split()[-6:] == ["1", "-8.00", "1.00", "0.00", "20.00", "21.00"]
+    marks = next(line for line in out if line.strip().startswith("moe_route") and ":" in line)
+    assert "logits issued 1.50 (0.50)" in marks and "top-k done 4.00" in marks
+    # the route's last CTA exits 5 us after its wait return: 10000 cycles at 2 GHz
+    assert "exit 5.00" in marks.split("clock:")[1]
 
 
 def test_the_script_compiles_every_kernel_with_the_marks_into_a_cache_of_its_own(monkeypatch):

@@ -1,7 +1,7 @@
 """Where a decode step's time goes inside its kernels, from marks the kernels write themselves (a
 script, not a test).
 
-    python3 tests/gpu/perf_phases.py [--cases 1x512,1x4096] [--steps 30] [--window 90] [--pdl both]
+    python3 tests/gpu/perf_phases.py [--cases 1x512,1x4096] [--steps 30] [--window 15,80] [--pdl both]
 
 DeepSeek-V2-Lite (random bf16 weights, as `dsgraph bench`), its kernels compiled with -DDSG_PHASES=1
 (templates/include/phases.cuh) into a bundle cache of this run's own, decode steps replayed from
@@ -144,17 +144,35 @@ def timer_resolution(samples) -> str:
     return f"smallest step between marks {min(steps)} ns, {100 * whole_us:.0f}% of marks on a whole us"
 
 
-def chain(sample: dict, window_us: float) -> list:
-    """The kernels of the last layer, in the order of their first wait return."""
+def chain(sample: dict, window_us: tuple[float, float]) -> list:
+    """The kernels of the last layer, in the order of their first wait return: those whose first
+    wait returned from window_us[0] before the decode attention's to window_us[1] after it (the
+    layer's q / kv_a linear and query come before it; the step's final norm and lm_head, ~100 us
+    of reading at V2-Lite, after the layer, at the window's end); without an attention among the
+    marks, the window before the step's last exit."""
+    from runtime.bench import family_of
     ks = [(name, s) for name, s in ((n, summarise(r)) for n, r in sample.items()) if s]
     if not ks:
         return []
-    end = max(s["exit"] for _, s in ks)
-    ks = [(n, s) for n, s in ks if s["first"] >= end - window_us * 1e3]
+    att = [s["first"] for n, s in ks if family_of(n) == "mla_decode_attention"]
+    if att:
+        lo, hi = max(att) - window_us[0] * 1e3, max(att) + window_us[1] * 1e3
+    else:
+        hi = max(s["exit"] for _, s in ks)
+        lo = hi - sum(window_us) * 1e3
+    ks = [(n, s) for n, s in ks if lo <= s["first"] <= hi]
     return sorted(ks, key=lambda kv: kv[1]["first"])
 
 
-def report(samples: list, window_us: float, ghz: float | None) -> None:
+def label(kernel: str) -> str:
+    """A kernel's family and shape, short: linear_skinny's q / kv_a, o and lm_head differ by shape."""
+    from runtime.bench import family_of
+    fam = family_of(kernel)
+    parts = [p for p in kernel[len(fam):].split("__") if p and p not in ("bf16", "fp16", "fp32")]
+    return (fam + " " + " ".join(parts[:2]))[:44]
+
+
+def report(samples: list, window_us: tuple[float, float], ghz: float | None) -> None:
     from runtime.bench import family_of
     per = collections.defaultdict(lambda: collections.defaultdict(list))
     order = collections.Counter()
@@ -180,35 +198,37 @@ def report(samples: list, window_us: float, ghz: float | None) -> None:
 
     def med(v):
         return statistics.median(v) if v else float("nan")
-    print(f"  {'kernel':<34}{'CTAs':>6}{'called':>8}{'waited':>8}{'spread':>8}{'work':>8}{'adds':>8}")
+    print(f"  {'kernel':<44}{'CTAs':>6}{'called':>8}{'waited':>8}{'spread':>8}{'work':>8}{'adds':>8}")
     for n in names:
         d = per[n]
         flag = "" if all(d["has_exit"]) else "  (no exit mark: its last mark)"
-        print(f"  {family_of(n):<34}{med(d['ctas']):>6.0f}{med(d['called']):>8.2f}{med(d['waited']):>8.2f}"
+        print(f"  {label(n):<44}{med(d['ctas']):>6.0f}{med(d['called']):>8.2f}{med(d['waited']):>8.2f}"
               f"{med(d['spread']):>8.2f}{med(d['work']):>8.2f}{med(d['adds']):>8.2f}{flag}")
+    print("  each kernel's marks after its first wait return, us: the latest CTA's (the first's); then the "
+          "CTA that exits last, by its SM's clock")
     for n in names:
-        d, fam = per[n], family_of(n)
-        labels = OWN_MARKS.get(fam, {})
+        d = per[n]
+        labels = OWN_MARKS.get(family_of(n), {})
         own = [f"{labels.get(k, f'mark {k}')} {med([v[0] for v in d[f'own{k}']]):.2f}"
-               f" (first {med([v[1] for v in d[f'own{k}']]):.2f})"
+               f" ({med([v[1] for v in d[f'own{k}']]):.2f})"
                for k in range(4, MARKS) if d.get(f"own{k}")]
-        if own:
-            print(f"  {fam}: after its first wait return, us: " + "; ".join(own))
+        cyc = []
         if ghz:
             cyc = [f"{name} {med(d[f'cyc{k}']) / ghz / 1e3:.2f}"
                    for k, name in ((TRIGGER, "trigger"), *((k, labels.get(k, f"mark {k}")) for k in range(4, MARKS)),
                                    (EXIT, "exit"))
                    if d.get(f"cyc{k}")]
-            if cyc:
-                print(f"    its last CTA by its own clock, after its wait return, us: " + "; ".join(cyc))
+        if own or cyc:
+            print(f"  {label(n)}: " + "; ".join(own) + (" | clock: " + "; ".join(cyc) if cyc else ""))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1x512,1x4096")
     ap.add_argument("--steps", type=int, default=30, help="decode steps read per case")
-    ap.add_argument("--window", type=float, default=90.0,
-                    help="us before the step's last exit that count as the last layer's kernels")
+    ap.add_argument("--window", default="15,80",
+                    help="us before,after the last decode attention's wait return whose kernels count "
+                         "as the last layer's")
     ap.add_argument("--pdl", choices=("on", "off", "both"), default="both",
                     help="launch mode of the steps read (off: every kernel waits for the one before it, "
                          "so pdl_wait() returns at once and the marks time each kernel's own work)")
@@ -252,7 +272,7 @@ def main() -> int:
                     ghz = None
                 print(f"\n{batch}x{ctx}, PDL {'on' if pdl else 'off'}: {len(tables.tables)} modules with marks; "
                       f"global timer: {timer_resolution(samples)}; SM clock {ghz or float('nan'):.2f} GHz after")
-                report(samples, a.window, ghz)
+                report(samples, tuple(float(v) for v in a.window.split(",")), ghz)
             be.runner.pdl = True
             be.graphs_decode.graphs.clear()
             _release(eng, sids)
