@@ -305,7 +305,9 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   // warp 0 (the tile table's) follows it, the rest after the barrier behind the table.
   auto take_routing = [&]() {
     if constexpr (handoff::ROUTE) {
+      DSG_PHASE(phases::WAIT_CALL);   // phases.cuh: the flag stands for the wait
       handoff::route_await(offsets + E);
+      DSG_PHASE(phases::WAITED);
       __syncwarp();
     } else {
       dsg::pdl_wait();
@@ -375,7 +377,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
     wgmma_skinny_consume<T, MODE, E, N, KD, ST>(order, offsets, tiles, ring, full, empty, out0, out1, skip);
   // pdl.cuh: every CTA waits before it ends, one that stored no tile too (with the hand-off only
   // the tiles' stores waited; at once for the rest)
-  if constexpr (handoff::ROUTE && MODE != DOWN) dsg::pdl_wait();
+  if constexpr (handoff::ROUTE && MODE != DOWN) dsg::pdl_wait_unmarked();
   DSG_PHASE_EXIT();
 }
 
