@@ -206,6 +206,35 @@ def test_a_chain_of_pdl_kernels_equals_the_serial_run_eagerly_and_in_a_graph(run
         _assert_same(graphed, serial, f"PDL, graph replay {step}")
 
 
+@pytest.mark.parametrize("T", [1, 2, 9])
+def test_every_replay_of_a_captured_chain_reads_its_own_routing(runner, T):
+    """Twenty replays of the captured chain, each on a new x (so a new routing), each bitwise equal
+    to the serial run on the same x.  Between replays the outputs are poisoned every other time and
+    left as the replay before wrote them the rest: a kernel that took the routing before the route
+    had written it (the route's hand-off, templates/include/handoff.cuh, reading a total or an order
+    too early) sees poison or the previous replay's experts."""
+    dtype = "bf16"
+    g = torch.Generator().manual_seed(11 + T)
+    weights = _weights(dtype, g)
+    x = torch.randn(T, D, generator=g).to(DEV, TORCH_DTYPES[dtype])
+    serial, graphed = ({"x": x, **_outputs(T, dtype)} for _ in range(2))
+    plain, pdl = _launches(dtype, False), _launches(dtype, True)
+    _run(runner, pdl, graphed, weights, T)      # every module loaded before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run(runner, pdl, graphed, weights, T)
+    for step in range(20):
+        x.copy_(torch.randn(T, D, generator=g).to(DEV, x.dtype))
+        _poison(serial)
+        _run(runner, plain, serial, weights, T, sync_each=True)
+        if step % 2:
+            _poison(graphed)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_same(graphed, serial, f"graph replay {step}")
+
+
 def test_a_captured_chain_holds_programmatic_edges(runner):
     """Stream capture keeps each PDL launch as a programmatic edge from the kernel before it (CUDA
     >= 12.3); without PDL the same chain has none.  At T = 1 only the launches with a non-empty grid
