@@ -166,6 +166,18 @@ def _token_ids(vocab: int, shape: tuple, *case) -> "torch.Tensor":
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed % (1 << 63)))
 
 
+def decode_engine(cases, pdl: bool = True):
+    """DeepSeek-V2-Lite with random bf16 weights on the GPU, whose cache holds every (batch, ctx) of
+    `cases` at once plus 64 blocks: the engine of the GPU timing scripts (tests/gpu/perf_*.py)."""
+    from codegen.paths import DEFAULT_SPEC
+
+    from .engine import Engine
+    bs = DEFAULTS.block_size
+    return Engine.from_spec(str(DEFAULT_SPEC), backend="cuda", device="cuda", dtype="bf16", block_size=bs,
+                            num_blocks=sum(math.ceil(c / bs) * b for b, c in cases) + 64,
+                            max_seq_len=MAX_LENGTH, max_num_seqs=MAX_BATCH, pdl=pdl)
+
+
 def _decode_ctx(engine, batch: int, ctx: int):
     """A decode StepContext for `batch` sequences that each already hold `ctx - 1` cached tokens,
     and random token ids.  Made as the engine makes a decode step's (Engine._step_tensors): where

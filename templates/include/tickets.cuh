@@ -58,4 +58,12 @@ __device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int
   return last_arrival(counter, expected, &last);
 }
 
+// A counter or flag another CTA publishes with release semantics, read with acquire at GPU scope
+// (what the reader loads after it, past L1, then sees the publisher's writes before it).
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 }  // namespace dsg

@@ -10,7 +10,6 @@ SM clock (torch.cuda.clock_rate, via NVML) beside each.
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -19,9 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from codegen.kernel import DEFAULTS  # noqa: E402
-from runtime.bench import _decode_ctx, _prefill_ctx, _release, _timeit  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
+from runtime.bench import _decode_ctx, _prefill_ctx, _release, _timeit, decode_engine  # noqa: E402
 
 
 def clock() -> str:
@@ -32,10 +29,7 @@ def clock() -> str:
 
 
 def main() -> int:
-    eng = Engine.from_spec("model_specs/deepseek_v2_lite.yaml", backend="cuda", device="cuda", dtype="bf16",
-                           block_size=DEFAULTS.block_size,
-                           num_blocks=math.ceil(32 * 512 / DEFAULTS.block_size) + 64, max_seq_len=8192,
-                           max_num_seqs=256, pdl=True)
+    eng = decode_engine([(32, 512)])   # its cache holds the 32 x 512 prefill
     be = eng.backend
 
     def decode(label, warm_s=0.0):

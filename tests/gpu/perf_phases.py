@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import math
 import os
 import statistics
 import sys
@@ -41,8 +40,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-MARKS = 8                     # phases.cuh: MARKS, CTAS
-CTAS = 1024
+MARKS = 8                     # phases.cuh: a table row (its CTAS rows: the table's size)
 WAIT_CALL, WAITED, TRIGGER, EXIT = range(4)
 OWN_MARKS = {
     "mla_decode_attention": {4: "queries landed", 5: "tiles done", 6: "partials in place", 7: "columns merged"},
@@ -105,7 +103,7 @@ class MarkTables:
                 views.append(memoryview(buf).cast("Q"))
             ns, clk = views
             rows = [(list(ns[c * MARKS:(c + 1) * MARKS]), list(clk[c * MARKS:(c + 1) * MARKS]))
-                    for c in range(CTAS) if any(ns[c * MARKS:(c + 1) * MARKS])]
+                    for c in range(len(ns) // MARKS) if any(ns[c * MARKS:(c + 1) * MARKS])]
             if rows:
                 out[name] = rows
         return out
@@ -237,15 +235,10 @@ def main() -> int:
 
     import torch
 
-    from codegen.kernel import DEFAULTS
-    from runtime.bench import _decode_ctx, _release
-    from runtime.engine import Engine
+    from runtime.bench import _decode_ctx, _release, decode_engine
 
     cases = [tuple(int(v) for v in c.split("x")) for c in a.cases.split(",")]
-    eng = Engine.from_spec("model_specs/deepseek_v2_lite.yaml", backend="cuda", device="cuda", dtype="bf16",
-                           block_size=DEFAULTS.block_size,
-                           num_blocks=sum(math.ceil(c / DEFAULTS.block_size) * b for b, c in cases) + 64,
-                           max_seq_len=8192, max_num_seqs=256, pdl=True)
+    eng = decode_engine(cases)
     be = eng.backend
     modes = {"on": [True], "off": [False], "both": [True, False]}[a.pdl]
     print(f"# {torch.cuda.get_device_name()}, decode graph replays, kernels with phase marks")

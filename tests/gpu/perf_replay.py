@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import os
 import statistics
 import sys
@@ -39,9 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from codegen.kernel import DEFAULTS  # noqa: E402
-from runtime.bench import _decode_ctx, _release, _timeit, family_of  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
+from runtime.bench import _decode_ctx, _release, _timeit, decode_engine, family_of  # noqa: E402
 
 from perf_host import SPIN_CYCLES, host_ms, queued_ms  # noqa: E402
 
@@ -123,10 +120,7 @@ def main() -> int:
                     help="also print cProfile's largest host costs of forward() (20 calls, GPU kept busy)")
     a = ap.parse_args()
     cases = [tuple(int(v) for v in c.split("x")) for c in a.cases.split(",")]
-    eng = Engine.from_spec("model_specs/deepseek_v2_lite.yaml", backend="cuda", device="cuda", dtype="bf16",
-                           block_size=DEFAULTS.block_size,
-                           num_blocks=sum(math.ceil(c / DEFAULTS.block_size) * b for b, c in cases) + 64,
-                           max_seq_len=8192, max_num_seqs=256, pdl=True)
+    eng = decode_engine(cases)
     be = eng.backend
     print(f"# {torch.cuda.get_device_name()}, decode graph replays, PDL on (ms)")
     rows = []

@@ -21,6 +21,7 @@
 #pragma once
 #include "common.cuh"
 #include "pdl.cuh"
+#include "tickets.cuh"
 
 #ifndef DSG_ROUTE_HANDOFF
 #define DSG_ROUTE_HANDOFF 0
@@ -31,11 +32,6 @@ namespace handoff {
 
 constexpr bool ROUTE = DSG_ROUTE_HANDOFF != 0;
 
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 __device__ __forceinline__ void st_release(int* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
@@ -75,7 +71,7 @@ constexpr long long AWAIT_CYCLES = 2000000;
 __device__ __forceinline__ void route_await(const int* total) {
   if (threadIdx.x != 0) return;
   const long long t0 = clock64();
-  while (ld_acquire(total) < 0) {
+  while ((int)ld_acquire_gpu(reinterpret_cast<const unsigned*>(total)) < 0) {
     if (clock64() - t0 > AWAIT_CYCLES) {
       pdl_wait();
       return;

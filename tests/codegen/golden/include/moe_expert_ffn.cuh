@@ -50,6 +50,7 @@
 // a tile from stages already full while the producer waits for a row tile.
 #pragma once
 #include "moe_wgmma_skinny.cuh"
+#include "tickets.cuh"
 
 namespace dsg {
 namespace moe {
@@ -65,12 +66,6 @@ struct PublishQueue {
   unsigned long long full[FFN_PUB], empty[FFN_PUB];
   int row_tile[FFN_PUB];
 };
-
-__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 
 // One arrival at a counter that publishes the caller's (and, through the queue before it, the
 // consumer warpgroup's) stores to the GPU: a release (fence.acq_rel, not __threadfence's fence.sc, which
