@@ -11,11 +11,13 @@ import perf_phases as pp  # noqa: E402
 US = 1000   # ns
 
 
-def _row(called, waited, exit_, trigger=None, own=None, clk0=10_000):
+def _row(called, waited, exit_, trigger=None, own=None, clk0=10_000, entered=None):
     """One CTA's (ns, clk) marks; the cycle counter runs at 2 cycles an ns from clk0."""
     ns = [0] * pp.MARKS
     ns[pp.WAIT_CALL], ns[pp.WAITED], ns[pp.EXIT] = called, waited, exit_
     ns[pp.TRIGGER] = trigger or waited
+    if entered:
+        ns[pp.ENTRY] = entered
     for k, v in (own or {}).items():
         ns[k] = v
     clk = [clk0 + 2 * (v - called) if v else 0 for v in ns]
@@ -27,7 +29,9 @@ def _sample():
         # an earlier layer's kernel, and the step's lm_head after the layer: outside the window
         "linear_skinny__bf16__k10944__o2048": [_row(1 * US, 2 * US, 5 * US)],
         "linear_skinny__bf16__k2048__o102400": [_row(1030 * US, 1100 * US, 1200 * US)],
-        "mla_decode_attention__bf16__c512_r64__h16__page64__s8": [_row(985 * US, 990 * US, 994 * US)],
+        "mla_decode_attention__bf16__c512_r64__h16__page64__s8": [_row(985 * US, 990 * US, 994 * US, entered=983 * US),
+                                                                  _row(986 * US, 990 * US, 993 * US, entered=984 * US)],
+        "mla_decode_query__bf16__h16": [_row(979 * US, 980 * US, 982 * US)],
         "fused_add_rms_norm__bf16__d2048": [_row(995 * US, 1000 * US, 1002 * US)],
         "moe_route__bf16__d2048__e64_k6__fused_t256": [
             _row(999 * US, 1003 * US, 1004 * US, own={4: 1003_500}),
@@ -38,7 +42,8 @@ def _sample():
 
 def test_the_chain_is_the_last_layer_in_the_order_of_its_waits():
     names = [n for n, _ in pp.chain(_sample(), (15.0, 80.0))]
-    assert names == ["mla_decode_attention__bf16__c512_r64__h16__page64__s8", "fused_add_rms_norm__bf16__d2048",
+    assert names == ["mla_decode_query__bf16__h16", "mla_decode_attention__bf16__c512_r64__h16__page64__s8",
+                     "fused_add_rms_norm__bf16__d2048",
                      "moe_route__bf16__d2048__e64_k6__fused_t256", "moe_gate_up_silu__bf16__e66__wgmma_skinny"]
     # without an attention among the marks: the window before the step's last exit
     rest = {n: r for n, r in _sample().items() if not n.startswith(("mla_", "linear_skinny__bf16__k2048"))}
@@ -60,10 +65,13 @@ def test_the_report_gives_each_boundary_against_the_previous_exit(capsys):
     out = capsys.readouterr().out.splitlines()
     table = [line for line in out if ":" not in line]
     route = next(line for line in table if line.strip().startswith("moe_route"))
-    # called 999 - 1002 = -3, waited 1003 - 1002 = 1, spread 1, work 6, adds 7 (us)
-    assert route.split()[-6:] == ["2", "-3.00", "1.00", "1.00", "6.00", "7.00"]
+    # no entry mark; called 999 - 1002 = -3, waited 1003 - 1002 = 1, spread 1, work 6, adds 7 (us)
+    assert route.split()[-7:] == ["2", "-", "-3.00", "1.00", "1.00", "6.00", "7.00"]
     gate = next(line for line in table if line.strip().startswith("moe_gate_up_silu"))
-    assert gate.split()[-6:] == ["1", "-8.00", "1.00", "0.00", "20.00", "21.00"]
+    assert gate.split()[-7:] == ["1", "-", "-8.00", "1.00", "0.00", "20.00", "21.00"]
+    # the attention marks its entry: its first CTA's 983 after the query's exit at 982
+    att = next(line for line in table if line.strip().startswith("mla_decode_attention"))
+    assert att.split()[-7:] == ["2", "1.00", "3.00", "8.00", "0.00", "4.00", "12.00"]
     marks = next(line for line in out if line.strip().startswith("moe_route") and ":" in line)
     assert "logits issued 1.50 (0.50)" in marks and "top-k done 4.00" in marks
     # the route's last CTA exits 5 us after its wait return: 10000 cycles at 2 GHz

@@ -45,3 +45,15 @@ def test_phase_marks_are_nothing_unless_asked_for(name):
     assert waits and timers, "no pdl_wait or no mark"
     assert min(timers) < min(waits) < max(timers), "no mark before the wait and after it"
     assert any(i.opcode.startswith(("RED", "ATOM")) and ".MAX" in i.opcode for i in on), "no exit mark"
+
+
+def test_the_decode_attention_marks_its_entry_before_its_pre_wait_chain():
+    # ENTRY apart from WAIT_CALL: the step metadata, block table and first tiles it reads before its
+    # wait come between them (perf_phases.py's `entered` and `called`)
+    on = _instrs("mla_decode_attention__bf16__c512_r64__h16__page64__s8", True)
+    timers = [i.addr for i in on if "SR_GLOBALTIMER" in i.operands]
+    loads = [i.addr for i in on if i.opcode.startswith(("LDG", "LDGSTS"))]
+    waits = [i.addr for i in on if i.opcode == "ACQBULK"]
+    assert timers and loads and waits
+    assert min(timers) < min(loads) < min(waits), "no mark before the first load, or no load before the wait"
+    assert sum(1 for t in timers if t < min(waits)) >= 2, "entry and the wait's call: two marks before the wait"

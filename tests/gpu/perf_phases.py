@@ -14,6 +14,8 @@ module's rows, so a step leaves the last launch of each kernel: the last decode 
 
 Per kernel of that layer, in the order they start their work (medians over the steps, us), each
 against the kernel before it (its last CTA's exit, `prev`):
+  entered the first CTA's first instruction after prev, where the kernel marks it (the decode
+          attention: with PDL off, its launch; `called` - `entered`, its pre-wait chain);
   called  the first CTA's pdl_wait() call after prev (negative: its pre-wait work was issued
           before prev ended);
   waited  the first CTA's return from pdl_wait() after prev: what a boundary costs once the
@@ -40,8 +42,10 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-MARKS = 8                     # phases.cuh: a table row (its CTAS rows: the table's size)
+MARKS = 9                     # phases.cuh: a table row (its CTAS rows: the table's size)
 WAIT_CALL, WAITED, TRIGGER, EXIT = range(4)
+OWN = range(4, 8)             # the kernel's own marks
+ENTRY = 8                     # thread 0's first instruction, where the kernel marks it
 OWN_MARKS = {
     "mla_decode_attention": {4: "queries landed", 5: "tiles done", 6: "partials in place", 7: "columns merged"},
     "moe_route": {4: "logits issued", 5: "a tile's last CTA", 6: "top-k done"},
@@ -126,8 +130,9 @@ def summarise(rows) -> dict | None:
     waited = col(WAITED)
     exits = col(EXIT)
     s = {"ctas": len(rows), "called": min(col(WAIT_CALL) or waited), "first": min(waited), "last": max(waited),
+         "entered": min(col(ENTRY)) if col(ENTRY) else None,
          "exit": max(exits) if exits else max(max(ns) for ns, _ in rows), "has_exit": bool(exits),
-         "own": {k: (min(col(k)), max(col(k))) for k in range(4, MARKS) if col(k)}}
+         "own": {k: (min(col(k)), max(col(k))) for k in OWN if col(k)}}
     ns, clk = max(rows, key=lambda r: r[0][EXIT])
     s["cycles"] = {k: clk[k] - clk[WAITED] for k in range(MARKS) if clk[k] and clk[WAITED] and k != WAITED}
     return s
@@ -181,6 +186,8 @@ def report(samples: list, window_us: tuple[float, float], ghz: float | None) -> 
             d = per[name]
             if i:
                 prev = ks[i - 1][1]["exit"]
+                if s["entered"] is not None:
+                    d["entered"].append((s["entered"] - prev) / 1e3)
                 d["called"].append((s["called"] - prev) / 1e3)
                 d["waited"].append((s["first"] - prev) / 1e3)
                 d["adds"].append((s["exit"] - prev) / 1e3)
@@ -196,11 +203,12 @@ def report(samples: list, window_us: tuple[float, float], ghz: float | None) -> 
 
     def med(v):
         return statistics.median(v) if v else float("nan")
-    print(f"  {'kernel':<44}{'CTAs':>6}{'called':>8}{'waited':>8}{'spread':>8}{'work':>8}{'adds':>8}")
+    print(f"  {'kernel':<44}{'CTAs':>6}{'entered':>8}{'called':>8}{'waited':>8}{'spread':>8}{'work':>8}{'adds':>8}")
     for n in names:
         d = per[n]
         flag = "" if all(d["has_exit"]) else "  (no exit mark: its last mark)"
-        print(f"  {label(n):<44}{med(d['ctas']):>6.0f}{med(d['called']):>8.2f}{med(d['waited']):>8.2f}"
+        entered = f"{med(d['entered']):>8.2f}" if d.get("entered") else f"{'-':>8}"
+        print(f"  {label(n):<44}{med(d['ctas']):>6.0f}{entered}{med(d['called']):>8.2f}{med(d['waited']):>8.2f}"
               f"{med(d['spread']):>8.2f}{med(d['work']):>8.2f}{med(d['adds']):>8.2f}{flag}")
     print("  each kernel's marks after its first wait return, us: the latest CTA's (the first's); then the "
           "CTA that exits last, by its SM's clock")
@@ -209,12 +217,12 @@ def report(samples: list, window_us: tuple[float, float], ghz: float | None) -> 
         labels = OWN_MARKS.get(family_of(n), {})
         own = [f"{labels.get(k, f'mark {k}')} {med([v[0] for v in d[f'own{k}']]):.2f}"
                f" ({med([v[1] for v in d[f'own{k}']]):.2f})"
-               for k in range(4, MARKS) if d.get(f"own{k}")]
+               for k in OWN if d.get(f"own{k}")]
         cyc = []
         if ghz:
             cyc = [f"{name} {med(d[f'cyc{k}']) / ghz / 1e3:.2f}"
-                   for k, name in ((TRIGGER, "trigger"), *((k, labels.get(k, f"mark {k}")) for k in range(4, MARKS)),
-                                   (EXIT, "exit"))
+                   for k, name in ((ENTRY, "entry"), (WAIT_CALL, "wait called"), (TRIGGER, "trigger"),
+                                   *((k, labels.get(k, f"mark {k}")) for k in OWN), (EXIT, "exit"))
                    if d.get(f"cyc{k}")]
         if own or cyc:
             print(f"  {label(n)}: " + "; ".join(own) + (" | clock: " + "; ".join(cyc) if cyc else ""))

@@ -355,6 +355,7 @@ struct MlaDecode {
                              const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
                              const i64* __restrict__ positions, T* __restrict__ out, float scale, int T_, int B,
                              float* __restrict__ part, unsigned int* tickets, char* smem) {
+    DSG_PHASE(phases::ENTRY);   // phases.cuh
     float* qs = reinterpret_cast<float*>(smem);
     T* ks = reinterpret_cast<T*>(smem + Q_BYTES);
     float* ps = reinterpret_cast<float*>(smem + Q_BYTES + K_BYTES);
@@ -586,6 +587,7 @@ struct MlaDecodeMma {
                              const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
                              const i64* __restrict__ positions, T* __restrict__ out, float scale, int T_, int B,
                              float* __restrict__ part, unsigned int* tickets, char* smem) {
+    DSG_PHASE(phases::ENTRY);   // phases.cuh: its launch apart from its pre-wait chain
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g8 = lane >> 2, c4 = lane & 3;   // mma fragment coordinates: heads g8, g8 + 8
     // ROWS_BEFORE_WAIT: before the wait, what no kernel of this step writes (pdl.cuh): the step's

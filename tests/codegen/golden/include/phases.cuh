@@ -15,6 +15,9 @@
 //   EXIT       the CTA's last warp to reach DSG_PHASE_EXIT() at the end of the kernel (a max over
 //              warps: warp-specialised kernels end on their consumers, not on thread 0)
 //   4 .. 7     the kernel's own marks, DSG_PHASE(k) by thread 0 (perf_phases.py names them per family)
+//   ENTRY      thread 0's first instruction, where a kernel marks it (the decode attention: its
+//              launch and the chain it issues before its wait, apart; with PDL off what the bench's
+//              profile counts as its own time begins here)
 // The marks write global memory before pdl_wait(), which pdl.cuh forbids for the step's buffers
 // (memory the kernel before may still use); these tables belong to the module and nothing else
 // touches them.  The stores cost each marking thread a few cycles; the exit's atomics a few more.
@@ -22,8 +25,8 @@
 
 namespace dsg {
 namespace phases {
-constexpr int CTAS = 1024, MARKS = 8;
-enum Mark { WAIT_CALL = 0, WAITED = 1, TRIGGER = 2, EXIT = 3 };   // 4 .. MARKS - 1: the kernel's own
+constexpr int CTAS = 1024, MARKS = 9;
+enum Mark { WAIT_CALL = 0, WAITED = 1, TRIGGER = 2, EXIT = 3, ENTRY = 8 };   // 4 .. 7: the kernel's own
 }  // namespace phases
 }  // namespace dsg
 
