@@ -6,6 +6,7 @@ Compiled with NVRTC on the CPU from the committed goldens."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -44,3 +45,32 @@ def test_rows_before_wait_switch(path):
     assert wait_problem(on, weight_loads=True) is None      # loads only: no write, no exit before it
     early = _before_wait(on)
     assert any(op.startswith("LDGSTS") for op in early), "no cache row is copied before the wait"
+
+
+def _loads_before_first_use(instrs) -> int:
+    """Global loads issued, in address order from the kernel's start, before the first instruction
+    that reads a register one of them loads into (a load's address included): the loads that share
+    the first round trip.  Branch targets are not followed, which also leaves out a loop's body."""
+    pending, issued = set(), 0
+    for i in instrs:
+        regs = re.findall(r"\bR(\d+)(?:\.64)?\b", i.operands)
+        first_is_dest = re.match(r"\s*R\d+\b", i.operands) is not None and not i.opcode.startswith(("ST", "RED"))
+        sources = regs[1:] if first_is_dest else regs
+        wide = [int(r) for r in re.findall(r"\bR(\d+)\.64\b", i.operands)]
+        reads = {int(r) for r in sources} | {r + 1 for r in wide}
+        if reads & pending:
+            return issued
+        if i.opcode.startswith("LDG") and not i.opcode.startswith("LDGSTS"):
+            n = 2 if ".64" in i.opcode else 4 if ".128" in i.opcode else 1
+            d = int(regs[0])
+            pending |= set(range(d, d + n))
+            issued += 1
+    return issued
+
+
+def test_the_step_metadata_is_one_round_trip_before_the_wait():
+    # DecodeSplit::rows(): the sequence guessed (one token a sequence), so the query range, the
+    # context length and the position are loaded together; searching first took two round trips at
+    # one sequence and log2(B) + 2 at B (PERF_NOTES v31)
+    on = _sass("deepseek_v2_lite/mla_decode_attention__bf16__c512_r64__h16__page64__s8", 1)
+    assert _loads_before_first_use(on) >= 4

@@ -539,22 +539,25 @@ def test_mla_decode_attention_graph_replay():
 @kernel_test(6)
 @given(ctx_lens=st.lists(st.one_of(st.sampled_from([1, 63, 64, 65, 512, 4096]), st.integers(1, 2200)),
                          min_size=1, max_size=4),
-       seed=st.integers(0, 2**31))
-@example(ctx_lens=[512], seed=11)        # the bench's b=1 shape: one cluster of 8 one-tile splits
-@example(ctx_lens=[4096], seed=12)       # eight clusters of 8 (level-2 merge)
-@example(ctx_lens=[1, 65, 700, 1300], seed=13)
-def test_mla_decode_attention_reads_this_steps_rows_after_its_wait(ctx_lens, seed):
+       qlen=st.integers(1, 3), seed=st.integers(0, 2**31))
+@example(ctx_lens=[512], qlen=1, seed=11)        # the bench's b=1 shape: one cluster of 8 one-tile splits
+@example(ctx_lens=[4096], qlen=1, seed=12)       # eight clusters of 8 (level-2 merge)
+@example(ctx_lens=[1, 65, 700, 1300], qlen=1, seed=13)
+@example(ctx_lens=[512, 65], qlen=3, seed=14)    # tokens after their sequence's first (fresh_from's load)
+def test_mla_decode_attention_reads_this_steps_rows_after_its_wait(ctx_lens, qlen, seed):
     """Programmatic dependent launch: the kernel right before the attention writes this step's
     cache rows (mla_kv_cache_write; both launches PDL, replayed from a captured graph so that the
     attention's CTAs start while the writer runs) into rows poisoned with NaN before every replay:
     an attention that read one of them before its pdl_wait() returns NaN.  With mla_decode.cuh's
     DSG_DECODE_ROWS_BEFORE_WAIT the tensor-core split reads the rows of earlier steps before its
-    wait and only this step's after it (DecodeSplit::fresh_from): this is the test of that line."""
+    wait and only this step's after it (DecodeSplit::fresh_from): this is the test of that line.
+    Up to qlen tokens a sequence (each at most its context): a token after its sequence's first
+    finds the step's first row from the first token's position."""
     import dataclasses
     m = model("lite")
     H, C, R, N, V = dims(m)
     dtype = "bf16"
-    step, ctx = make_ctx([1] * len(ctx_lens), ctx_lens, block_size=64, model=m, dtype=torch.bfloat16,
+    step, ctx = make_ctx([min(qlen, c) for c in ctx_lens], ctx_lens, block_size=64, model=m, dtype=torch.bfloat16,
                          ref_dtype=torch.float64, ref_device="cuda", seed=seed)
     T = step.num_tokens
     gen = torch.Generator().manual_seed(seed)

@@ -63,6 +63,8 @@ template <int S>
 struct DecodeSplit {
   bool valid;
   int t, g, s, split, splits, b, r_begin, r_end;
+  int ctx_len, q_begin, q_end;   // the sequence's context length and query tokens [q_begin, q_end)
+  i64 pos;                       // the token's position
 
   // G, the clusters of an item, and the item of this CTA: arithmetic on the grid, recomputed where
   // the merge needs them rather than kept live across the tile loop.
@@ -82,14 +84,33 @@ struct DecodeSplit {
     d.g = item - d.t * NG;
     d.b = 0;
     d.r_begin = d.r_end = 0;
+    d.ctx_len = d.q_begin = d.q_end = 0;
+    d.pos = 0;
     return d;
   }
+  // Every metadata word the split needs (fresh_from's too), loaded together.  A decode step has one
+  // token a sequence, so the token's sequence is its own index: guessed, the four loads go out in one
+  // round trip, and the guess is checked against the query range it loaded (query_start is sorted,
+  // so qs[g] <= t < qs[g + 1] makes g the last sequence starting at or before t, as the search
+  // finds).  Only a wrong guess (several tokens a sequence) searches, a round trip a halving, and
+  // loads again.  The search first and then the loads took two round trips at one sequence and
+  // log2(B) + 2 at B (PERF_NOTES v31): the decode attention's chain before its wait.
   template <int KT>
   __device__ __forceinline__ void rows(const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
                                        const i64* __restrict__ positions, int B) {
     if (!valid) return;
-    b = sequence_of(query_start, B, t);
-    const int n = (int)min((i64)context_lens[b], positions[t] + 1);   // visible rows
+    b = min(t, B - 1);
+    q_begin = query_start[b];
+    q_end = query_start[b + 1];
+    ctx_len = context_lens[b];
+    pos = positions[t];
+    if (!(q_begin <= t && t < q_end)) {   // through L2 (__ldcg): as the same loads as the guess's, the
+      b = sequence_of(query_start, B, t);  // compiler merged the two and issued the guess's after the check
+      q_begin = __ldcg(query_start + b);
+      q_end = __ldcg(query_start + b + 1);
+      ctx_len = __ldcg(context_lens + b);
+    }
+    const int n = (int)min((i64)ctx_len, pos + 1);   // visible rows
     const int per = ((n + splits - 1) / splits + KT - 1) / KT * KT;
     r_begin = split * per;
     r_end = min(n, r_begin + per);
@@ -97,11 +118,10 @@ struct DecodeSplit {
   __device__ __forceinline__ int tiles(int KT) const { return r_end > r_begin ? (r_end - r_begin + KT - 1) / KT : 0; }
   // The first cache row this step writes for the CTA's sequence: its tokens are the last query_len
   // rows of its context (positions context_len - query_len ..; both descriptions, the smaller).
-  // Rows before it were written by earlier steps.  query_start has B + 1 entries.
-  __device__ __forceinline__ int fresh_from(const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
-                                            const i64* __restrict__ positions) const {
-    const int q0 = query_start[b], ql = query_start[b + 1] - q0;
-    return (int)min((i64)context_lens[b] - ql, positions[q0]);
+  // Rows before it were written by earlier steps.  After rows(); the position of the sequence's first
+  // query token is this token's own at decode (one token a sequence), else one more load.
+  __device__ __forceinline__ int fresh_from(const i64* __restrict__ positions) const {
+    return (int)min((i64)ctx_len - (q_end - q_begin), q_begin == t ? pos : positions[q_begin]);
   }
 };
 
@@ -604,7 +624,7 @@ struct MlaDecodeMma {
       sp = DecodeSplit<S>::template locate<NG>(T_);
       sp.template rows<KT>(context_lens, query_start, positions, B);
       ntiles = sp.tiles(KT);
-      fresh = sp.valid ? sp.fresh_from(context_lens, query_start, positions) : 0;
+      fresh = sp.valid ? sp.fresh_from(positions) : 0;
       table = block_tables + (i64)sp.b * bt_width;
 #pragma unroll
       for (int st = 0; st < NSTAGE - 1; ++st) {
