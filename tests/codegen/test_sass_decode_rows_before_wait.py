@@ -74,3 +74,7 @@ def test_the_step_metadata_is_one_round_trip_before_the_wait():
     # one sequence and log2(B) + 2 at B (PERF_NOTES v31)
     on = _sass("deepseek_v2_lite/mla_decode_attention__bf16__c512_r64__h16__page64__s8", 1)
     assert _loads_before_first_use(on) >= 4
+    # and the block table's row towards L1 with them (DecodeSplit::warm_table): the page lookups
+    # after rows() hit L1 instead of a second round trip
+    first_load = min(i.addr for i in on if i.opcode.startswith("LDG"))
+    assert any(i.opcode.startswith("CCTL") and ".PF1" in i.opcode and i.addr < first_load for i in on)

@@ -115,6 +115,17 @@ struct DecodeSplit {
     r_begin = split * per;
     r_end = min(n, r_begin + per);
   }
+  // The guessed sequence's block-table row towards L1 (rows()' guess: one token a sequence), each
+  // warp a 32-entry stretch, so that the page lookups after rows() hit L1 instead of waiting another
+  // round trip to L2.  Called right after locate(), its prefetches leave with rows()' loads.
+  __device__ __forceinline__ void warm_table(const i32* __restrict__ block_tables, int bt_width, int B) const {
+    if (!valid) return;
+    const int e = (int)threadIdx.x;   // one entry a thread: every line of the row's first blockDim.x entries
+    if (e < bt_width) {
+      const i32* p = block_tables + (i64)min(t, B - 1) * bt_width + e;
+      asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
+    }
+  }
   __device__ __forceinline__ int tiles(int KT) const { return r_end > r_begin ? (r_end - r_begin + KT - 1) / KT : 0; }
   // The first cache row this step writes for the CTA's sequence: its tokens are the last query_len
   // rows of its context (positions context_len - query_len ..; both descriptions, the smaller).
@@ -622,6 +633,7 @@ struct MlaDecodeMma {
     char* ring = smem;
     if constexpr (ROWS_BEFORE_WAIT) {
       sp = DecodeSplit<S>::template locate<NG>(T_);
+      sp.warm_table(block_tables, bt_width, B);
       sp.template rows<KT>(context_lens, query_start, positions, B);
       ntiles = sp.tiles(KT);
       fresh = sp.valid ? sp.fresh_from(positions) : 0;
