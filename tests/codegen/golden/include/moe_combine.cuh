@@ -102,6 +102,8 @@ __device__ __forceinline__ void combine(const T* __restrict__ eo, const float* _
 // combine_row holds every routed row of its token in registers at once while the routed rows'
 // elements a thread (pairs x RowLayout items) are at most this many; past it, a row at a time.
 constexpr int COMBINE_ROWS_IN_FLIGHT_ITEMS = 64;
+// ... and every row of the token (routed, shared, residual) at once while they are at most this many.
+constexpr int COMBINE_ALL_IN_FLIGHT_ITEMS = 96;
 
 // The RESID combine of token t's whole row in RowLayout L (vec.cuh, which the caller includes; one
 // CTA a token, so the row can feed a block reduction: moe_combine_residual_rms_norm.cu.j2): v[i]
@@ -113,9 +115,46 @@ __device__ __forceinline__ void combine_row(const T* __restrict__ eo, const floa
                                             float (&v)[L::ITEMS]) {
   static_assert(S >= 0 && S < K, "combine_row: fewer shared pairs than pairs");
   constexpr int R = K - S;       // the routed pairs
-  float e[L::ITEMS];
 #pragma unroll
   for (int i = 0; i < L::ITEMS; ++i) v[i] = 0.f;
+  constexpr int SH = S > 0 ? S : 1;                  // the shared rows, or the shared input
+  constexpr int ALL_ITEMS = (R + SH + 1) * L::ITEMS;  // every row the token's sum reads
+  if constexpr (ALL_ITEMS <= COMBINE_ALL_IN_FLIGHT_ITEMS && (ALL_ITEMS + 32) * L::NTHREADS <= 65536) {
+    // Every row's loads, the shared rows' and the residual's too, issued before the first sum: one
+    // memory round trip.  With only the routed rows ahead (below) the SASS summed them, then loaded
+    // the shared rows, summed those, then loaded the residual: three round trips after the wait at
+    // one token (PERF_NOTES v31).  The same sums in the same order.
+    float wk[R], er[R][L::ITEMS], es[SH][L::ITEMS], res[L::ITEMS];
+#pragma unroll
+    for (int k = 0; k < R; ++k) wk[k] = w[(i64)t * K + k];
+#pragma unroll
+    for (int k = 0; k < R; ++k) L::load(eo + ((i64)t * K + k) * D, er[k]);
+    if constexpr (S > 0) {
+#pragma unroll
+      for (int j = 0; j < S; ++j) L::load(eo + ((i64)t * K + R + j) * D, es[j]);
+    } else {
+      L::load(shared + (i64)t * D, es[0]);
+    }
+    L::load(residual + (i64)t * D, res);
+#pragma unroll
+    for (int k = 0; k < R; ++k)
+      if (wk[k] != 0.f)
+#pragma unroll
+        for (int i = 0; i < L::ITEMS; ++i) v[i] += er[k][i] * wk[k];
+    if constexpr (S > 0) {
+#pragma unroll
+      for (int i = 0; i < L::ITEMS; ++i) {
+        float sh = 0.f;
+#pragma unroll
+        for (int j = 0; j < S; ++j) sh += es[j][i];
+        es[0][i] = round_to<T>(sh);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < L::ITEMS; ++i) v[i] = plus_residual<T>(plus_shared<T>(v[i], es[0][i]), res[i]);
+    return;
+  }
+  float e[L::ITEMS];
   if constexpr (R * L::ITEMS <= COMBINE_ROWS_IN_FLIGHT_ITEMS &&
                 (R * L::ITEMS + 32) * L::NTHREADS <= 65536) {   // and they fit the registers a thread has
     // Every routed row's loads issued before the first is summed: one memory round trip, not R
