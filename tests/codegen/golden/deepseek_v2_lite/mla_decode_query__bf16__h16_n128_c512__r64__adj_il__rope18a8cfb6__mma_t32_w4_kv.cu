@@ -72,16 +72,22 @@ mla_decode_query__bf16__h16_n128_c512__r64__adj_il__rope18a8cfb6__mma_t32_w4_kv(
   }
   Q::run(qn, qn_s0, qn_s1, kv_b, out, T, q_s, [&](int t0, int ntok) {
     // the tile's ntok * HALF rotations over every thread of the head's gridDim.z CTAs (H200: in
-    // the z == 0 CTAs alone, 8 dependent round trips a thread at 32 tokens cost ~4 us)
+    // the z == 0 CTAs alone, 8 dependent round trips a thread at 32 tokens cost ~4 us); a pair's
+    // two inputs are loaded with its position, before the angle's sine waits for it (one round
+    // trip, not two: PERF_NOTES v31)
     const int h = blockIdx.y;
     for (int i = blockIdx.z * Q::THREADS + threadIdx.x; i < ntok * HALF; i += gridDim.z * Q::THREADS) {
       const int tt = i / HALF, p = i % HALF, t = t0 + tt;
+      int ia, ib, oa, ob;
+      dsg::rope_in_pair<R, true>(p, ia, ib);
+      dsg::rope_out_pair<R, true>(p, oa, ob);
+      const act_t* x = qp + (i64)t * qp_s0 + (i64)h * qp_s1;
+      const float x1 = dsg::to_float(x[ia]), x2 = dsg::to_float(x[ib]);
       const float a = (float)positions[t] * kInvFreq[p];
       float s, c;
       sincosf(a, &s, &c);
-      dsg::rope_pair_cs<act_t, R, true, true>(
-          qp + (i64)t * qp_s0 + (i64)h * qp_s1, out + ((i64)t * H + h) * OUT_W + C,
-          c * kAttentionFactor, s * kAttentionFactor, p);
+      act_t* y = out + ((i64)t * H + h) * OUT_W + C;
+      dsg::rope_rotate<act_t>(x1, x2, c * kAttentionFactor, s * kAttentionFactor, y[oa], y[ob]);
     }
   });
 }

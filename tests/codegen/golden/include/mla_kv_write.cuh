@@ -18,23 +18,52 @@ __device__ __forceinline__ void kv_cache_write_token(int t, const T* __restrict_
                                                      const float (&inv_freq)[R / 2], float attention_factor,
                                                      float* scratch, float* cs) {
   constexpr int W = C + R;   // cache row width
+  constexpr int PAIRS = (R / 2 + THREADS - 1) / THREADS;   // rotation pairs a thread
+  // Every input of the token first, in one memory round trip: its slot and position, the latent
+  // row, the norm's weight and this thread's rotation pairs.  (The angles' sines wait for the
+  // position; computed first, as before, they held the row's loads back a round trip, and k_pe's
+  // another after the norm: PERF_NOTES v31.)
   const i64 slot = slots[t];
-  T* row = cache + slot * (i64)W;
-  rope_angles<R / 2>(inv_freq, attention_factor, positions[t], cs, threadIdx.x, THREADS);
-
+  const i64 pos = positions[t];
   typedef RowLayout<T, C, THREADS> L;
-  float v[L::ITEMS];
+  float v[L::ITEMS], wv[L::ITEMS];
   L::load(c + (i64)t * c_stride, v);
-  rms_norm_row<T, C, L>(v, w, eps, scratch);   // syncs: cs is ready after this
+  L::load(w, wv);
+  const T* kp = k_pe + (i64)t * k_stride;
+  float x1[PAIRS], x2[PAIRS];
+#pragma unroll
+  for (int j = 0; j < PAIRS; ++j) {
+    const int i = (int)threadIdx.x + j * THREADS;
+    int ia, ib;
+    rope_in_pair<R, PAIRS_ADJACENT>(i < R / 2 ? i : 0, ia, ib);
+    x1[j] = i < R / 2 ? to_float(kp[ia]) : 0.f;
+    x2[j] = i < R / 2 ? to_float(kp[ib]) : 0.f;
+  }
+  T* row = cache + slot * (i64)W;
+  rope_angles<R / 2>(inv_freq, attention_factor, pos, cs, threadIdx.x, THREADS);
+
+  rms_norm_row_loaded<T, C, L>(v, wv, eps, scratch);   // syncs: cs is ready after this
   L::store(c_n + (i64)t * C, v);
   if (slot >= 0) L::store(row, v);
 
-  const T* kp = k_pe + (i64)t * k_stride;
+  // k_rot and the cache row's rotated part from the same registers (no read back of k_rot)
   T* kr = k_rot + (i64)t * R;
-  for (int i = threadIdx.x; i < R / 2; i += THREADS) rope_pair<T, R, PAIRS_ADJACENT, OUT_INTERLEAVED>(kp, kr, cs, i);
-  __syncthreads();   // k_rot written by other threads: copy it into the cache row
-  if (slot >= 0)
-    for (int i = threadIdx.x; i < R; i += THREADS) row[C + i] = kr[i];
+#pragma unroll
+  for (int j = 0; j < PAIRS; ++j) {
+    const int i = (int)threadIdx.x + j * THREADS;
+    if (i < R / 2) {
+      int oa, ob;
+      rope_out_pair<R, OUT_INTERLEAVED>(i, oa, ob);
+      T ya, yb;
+      rope_rotate<T>(x1[j], x2[j], cs[2 * i], cs[2 * i + 1], ya, yb);
+      kr[oa] = ya;
+      kr[ob] = yb;
+      if (slot >= 0) {
+        row[C + oa] = ya;
+        row[C + ob] = yb;
+      }
+    }
+  }
   __syncthreads();   // scratch and cs are reused by the CTA's next token
 }
 

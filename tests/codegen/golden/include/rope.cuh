@@ -28,17 +28,22 @@ __device__ __forceinline__ void rope_out_pair(int i, int& a, int& b) {
   if (OUT_INTERLEAVED) { a = 2 * i; b = 2 * i + 1; } else { a = i; b = i + R / 2; }
 }
 
+// Pair i's two rotated elements, rounded to T: (x1, x2) by (cos, sin) = (c, s), written as the
+// reference's separate products (no contraction across them matters at fp32 tolerance, but keep
+// the order: x1*c - x2*s, x2*c + x1*s).
+template <typename T>
+__device__ __forceinline__ void rope_rotate(float x1, float x2, float c, float s, T& ya, T& yb) {
+  ya = from_float<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+  yb = from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+}
+
 // Rotate pair i of x (R elements) into y (R elements) by (cos, sin) = (c, s). Rounds to T.
 template <typename T, int R, bool PAIRS_ADJACENT, bool OUT_INTERLEAVED>
 __device__ __forceinline__ void rope_pair_cs(const T* __restrict__ x, T* __restrict__ y, float c, float s, int i) {
   int ia, ib, oa, ob;
   rope_in_pair<R, PAIRS_ADJACENT>(i, ia, ib);
   rope_out_pair<R, OUT_INTERLEAVED>(i, oa, ob);
-  const float x1 = to_float(x[ia]), x2 = to_float(x[ib]);
-  // Written as the reference's separate products (no contraction across them matters
-  // at fp32 tolerance, but keep the order: x1*c - x2*s, x2*c + x1*s).
-  y[oa] = from_float<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
-  y[ob] = from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+  rope_rotate<T>(to_float(x[ia]), to_float(x[ib]), c, s, y[oa], y[ob]);
 }
 
 // The same with the angles from rope_angles' table cs.
