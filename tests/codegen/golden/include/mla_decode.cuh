@@ -115,12 +115,13 @@ struct DecodeSplit {
     r_begin = split * per;
     r_end = min(n, r_begin + per);
   }
-  // The guessed sequence's block-table row towards L1 (rows()' guess: one token a sequence), each
-  // warp a 32-entry stretch, so that the page lookups after rows() hit L1 instead of waiting another
-  // round trip to L2.  Called right after locate(), its prefetches leave with rows()' loads.
+  // The guessed sequence's block-table row towards L1 (rows()' guess: one token a sequence), one
+  // entry a thread (every line of the row's first blockDim.x entries: 256 pages, 16K rows at 64 a
+  // page), so that the page lookups after rows() hit L1 instead of waiting another round trip to L2.
+  // Called right after locate(), its prefetches leave with rows()' loads.
   __device__ __forceinline__ void warm_table(const i32* __restrict__ block_tables, int bt_width, int B) const {
     if (!valid) return;
-    const int e = (int)threadIdx.x;   // one entry a thread: every line of the row's first blockDim.x entries
+    const int e = (int)threadIdx.x;
     if (e < bt_width) {
       const i32* p = block_tables + (i64)min(t, B - 1) * bt_width + e;
       asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
