@@ -1,7 +1,7 @@
 """At one token the small kernels of a decode layer are latency: after their PDL wait, each memory
 round trip they wait for in turn adds to the step.  These kernels issue every load their result
 needs before the first instruction that waits on one (PERF_NOTES v25, v31).  Compiled with NVRTC on
-the CPU from the committed goldens (V2-Lite)."""
+the CPU from the committed goldens (V2-Lite, and V3's combine)."""
 from __future__ import annotations
 
 import os
@@ -16,14 +16,14 @@ from codegen.nvrtc import compile_cubin  # noqa: E402
 
 pytestmark = pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
 
-GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "deepseek_v2_lite")
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 QUERY = "mla_decode_query__bf16__h16_n128_c512__r64__adj_il__rope18a8cfb6__mma_t32_w4_kv"
 
 
-def _after_waits(name: str) -> list[list]:
+def _after_waits(name: str, spec: str = "deepseek_v2_lite") -> list[list]:
     """The kernel's instructions after each of its pdl_wait() calls, up to the next one (a kernel
     whose CTAs take different paths has a wait on each)."""
-    src = open(os.path.join(GOLDEN, name + ".cu")).read()
+    src = open(os.path.join(GOLDEN, spec, name + ".cu")).read()
     instrs = instructions(compile_cubin(src, name, arch="sm_90a").cubin)[name]
     waits = sorted(i.addr for i in instrs if i.opcode == "ACQBULK") + [1 << 62]
     return [[i for i in instrs if a < i.addr < b] for a, b in zip(waits, waits[1:])]
@@ -38,6 +38,14 @@ def test_the_combine_loads_every_row_of_the_token_before_the_first_sum():
     rows = [i for i in ins if i.opcode.startswith("LDG.E.128")]
     assert len(rows) == 6 + 2 + 1
     assert all(i.addr < first_sum for i in rows), "a row's load waits for an earlier row's sum"
+
+
+def test_v3s_combine_loads_its_routed_rows_a_group_at_a_time():
+    # 896 threads leave registers for 4 rows of 8 items at once: two groups of the 8 routed rows, not
+    # a row at a time (eight round trips)
+    (ins,) = _after_waits("moe_combine_residual_rms_norm__bf16__k9_d7168__shared1", "deepseek_v3")
+    first_sum = min(i.addr for i in ins if i.opcode.startswith("FFMA"))
+    assert sum(1 for i in ins if i.opcode.startswith("LDG.E.128") and i.addr < first_sum) >= 4
 
 
 def _before_position(ins) -> tuple[list, list]:

@@ -172,12 +172,24 @@ __device__ __forceinline__ void combine_row(const T* __restrict__ eo, const floa
 #pragma unroll
         for (int i = 0; i < L::ITEMS; ++i) v[i] += er[k][i] * wk[k];
   } else {
-    for (int k = 0; k < R; ++k) {
-      const float wk = w[(i64)t * K + k];
-      if (wk == 0.f) continue;     // as combine_slice; the same for the whole CTA
-      L::load(eo + ((i64)t * K + k) * D, e);
+    // Too many for the registers at once (V3: 8 routed rows at 896 threads): GROUP rows at a time,
+    // each group's loads issued before its first sum (two round trips at V3, where one row at a
+    // time took eight: PERF_NOTES v31).  The same sums in the same order.
+    constexpr int FIT = (65536 / L::NTHREADS - 40) / L::ITEMS;   // rows whose items the registers hold
+    constexpr int GROUP = FIT > 1 ? FIT : 1;
+#pragma unroll 1
+    for (int k0 = 0; k0 < R; k0 += GROUP) {
+      float wk[GROUP], er[GROUP][L::ITEMS];
 #pragma unroll
-      for (int i = 0; i < L::ITEMS; ++i) v[i] += e[i] * wk;
+      for (int g = 0; g < GROUP; ++g) wk[g] = k0 + g < R ? w[(i64)t * K + k0 + g] : 0.f;
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g)
+        if (k0 + g < R) L::load(eo + ((i64)t * K + k0 + g) * D, er[g]);
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g)
+        if (wk[g] != 0.f)          // a pair of weight 0 (or past R) adds nothing, as above
+#pragma unroll
+          for (int i = 0; i < L::ITEMS; ++i) v[i] += er[g][i] * wk[g];
     }
   }
   if constexpr (S > 0) {         // shared_rows' sum and rounding, over the row layout
