@@ -119,7 +119,9 @@ __device__ __forceinline__ void combine_row(const T* __restrict__ eo, const floa
   for (int i = 0; i < L::ITEMS; ++i) v[i] = 0.f;
   constexpr int SH = S > 0 ? S : 1;                  // the shared rows, or the shared input
   constexpr int ALL_ITEMS = (R + SH + 1) * L::ITEMS;  // every row the token's sum reads
-  if constexpr (ALL_ITEMS <= COMBINE_ALL_IN_FLIGHT_ITEMS && (ALL_ITEMS + 32) * L::NTHREADS <= 65536) {
+  // (+ 24: the registers a thread needs besides the rows; ptxas: V2-Lite 95 for 72 items at 256
+  // threads, V2 88 for 72 at 640, whose 102 a thread the former + 32 bound did not allow)
+  if constexpr (ALL_ITEMS <= COMBINE_ALL_IN_FLIGHT_ITEMS && (ALL_ITEMS + 24) * L::NTHREADS <= 65536) {
     // Every row's loads, the shared rows' and the residual's too, issued before the first sum: one
     // memory round trip.  With only the routed rows ahead (below) the SASS summed them, then loaded
     // the shared rows, summed those, then loaded the residual: three round trips after the wait at

@@ -29,11 +29,13 @@ def _after_waits(name: str, spec: str = "deepseek_v2_lite") -> list[list]:
     return [[i for i in instrs if a < i.addr < b] for a, b in zip(waits, waits[1:])]
 
 
-def test_the_combine_loads_every_row_of_the_token_before_the_first_sum():
+@pytest.mark.parametrize("spec,name", [("deepseek_v2_lite", "moe_combine_residual_rms_norm__bf16__k8_d2048__shared2"),
+                                       ("deepseek_v2", "moe_combine_residual_rms_norm__bf16__k8_d5120__shared2")])
+def test_the_combine_loads_every_row_of_the_token_before_the_first_sum(spec, name):
     # moe_combine.cuh combine_row: 6 routed rows, 2 shared experts' rows and the residual, one
     # 16-byte load a thread each (v25 summed the routed rows before it loaded the shared rows, and
     # those before the residual: three round trips)
-    (ins,) = _after_waits("moe_combine_residual_rms_norm__bf16__k8_d2048__shared2")
+    (ins,) = _after_waits(name, spec)
     first_sum = min(i.addr for i in ins if i.opcode.startswith(("FADD", "FFMA")))
     rows = [i for i in ins if i.opcode.startswith("LDG.E.128")]
     assert len(rows) == 6 + 2 + 1

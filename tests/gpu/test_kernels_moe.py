@@ -1026,8 +1026,9 @@ def test_moe_combine_residual(runner, case):
 @given(case=combine_cases(shared=True))
 @example(case=_combine_case("bf16", 1, 6, 2048))
 @example(case=_combine_case("bf16", 1, 8, 2048, S=2))    # V2-Lite: every row of the token in flight
-@example(case=_combine_case("bf16", 1, 8, 5120, S=2))    # V2 (640 threads): the routed rows in flight
-@example(case=_combine_case("bf16", 1, 9, 7168, S=1))    # V3 (896 threads): a routed row at a time
+@example(case=_combine_case("bf16", 1, 8, 5120, S=2))    # V2 (640 threads): the same
+@example(case=_combine_case("bf16", 1, 12, 2048, S=4))   # 13 rows: the routed rows in flight, then the rest
+@example(case=_combine_case("bf16", 1, 9, 7168, S=1))    # V3 (896 threads): the routed rows 4 at a time
 @example(case=_combine_case("fp32", 7, 9, 41, "inputs", S=3))
 @example(case=_combine_case("bf16", 300, 3, 41))
 @example(case=_combine_case("fp16", 2, 8, 45, "all"))
