@@ -165,6 +165,42 @@ struct SplitMerge {
   static_assert(GMAX * HG * 4 <= ACC_BYTES, "the level-2 weights ([G][HG]) reuse the accumulators' shared memory");
   static_assert((!VEC || SPAN % 4 == 0) && REC % 4 == 0, "float4 columns and 16-byte records");
 
+  // The one-trip merge (G == 1, float4 columns, clusters): each thread loads its head's (max, sum)
+  // from every split with the split's columns, all at once, and weighs them itself, where the
+  // merge below has 16 threads load the (max, sum)s (two trips: the sums after the maxima), write
+  // the weights, a barrier, then every thread load the columns (a third).  perf_phases (PERF_NOTES
+  // v31): 2.7 us of the attention's ~7 at b=1 from its partials in place to its columns merged.
+  // The same weights, in the same order of operations, so the same bits.
+#ifndef DSG_DECODE_MERGE_ONE_TRIP
+#define DSG_DECODE_MERGE_ONE_TRIP 1
+#endif
+  static constexpr bool ONE_TRIP = DSG_DECODE_MERGE_ONE_TRIP && VEC && S > 1;
+  __device__ __forceinline__ static float4 merged4_one_trip(const unsigned (&peer)[S], int hh, int c) {
+    float m[S], l[S];
+    float4 x[S];
+#pragma unroll
+    for (int i = 0; i < S; ++i) {
+      const float2 v = cluster::ld2<true>(peer[i] + hh * 8);
+      m[i] = v.x;
+      l[i] = v.y;
+      x[i] = cluster::ld4<true>(peer[i] + ML_BYTES + (hh * CP + c) * 4);
+    }
+    float M = -CUDART_INF_F, L = 0.f;
+#pragma unroll
+    for (int i = 0; i < S; ++i) M = fmaxf(M, m[i]);
+#pragma unroll
+    for (int i = 0; i < S; ++i)
+      if (m[i] != -CUDART_INF_F) L += l[i] * exp2f(m[i] - M);
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < S; ++i) {
+      const float w = m[i] != -CUDART_INF_F ? exp2f(m[i] - M) * inv : 0.f;
+      a.x = fmaf(w, x[i].x, a.x); a.y = fmaf(w, x[i].y, a.y); a.z = fmaf(w, x[i].z, a.z); a.w = fmaf(w, x[i].w, a.w);
+    }
+    return a;
+  }
+
   __device__ __forceinline__ static float2* ml(char* smem) { return reinterpret_cast<float2*>(smem); }
   __device__ __forceinline__ static float* acc(char* smem) { return reinterpret_cast<float*>(smem + ML_BYTES); }
 
@@ -211,6 +247,16 @@ struct SplitMerge {
     for (int i = 0; i < S; ++i) peer[i] = CL ? cluster::map_rank(own, i) : own;
     const int nh = min(HG, H - h0);
     const bool two = G > 1;                         // uniform over the grid
+    if constexpr (ONE_TRIP) {
+      if (!two) {   // the output straight from the peers: one trip through distributed shared memory
+        if (valid) store(out + ((i64)t * H + h0) * C, nh, s * SPAN, min(C, s * SPAN + SPAN),
+                         [&](int hh, int c) { return merged4_one_trip(peer, hh, c); },
+                         [&](int, int) { return 0.f; });
+        DSG_PHASE(7);
+        cluster::sync_relaxed();   // no peer reads this CTA's shared memory after this
+        return;
+      }
+    }
     float* rec = two ? part + (i64)blockIdx.x * REC : nullptr;
     if (valid && tid < nh) {
       float m[S], M = -CUDART_INF_F, L = 0.f;
