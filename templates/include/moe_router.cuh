@@ -5,7 +5,6 @@
 // Dimensions: moe_common.cuh's legend.
 #pragma once
 #include "common.cuh"
-#include "handoff.cuh"
 #include "moe_common.cuh"
 #include "pdl.cuh"
 
@@ -245,11 +244,10 @@ __device__ __forceinline__ void topk_token(const float* __restrict__ logits, con
 
 // ---- 3. alignment: pairs grouped by expert (one CTA) ---------------------------------------
 // Exclusive scan of count[0..E) by warp 0, 32 experts a round: start[e] and offsets[e] get the
-// first slot of expert e's segment, offsets[E] the total (TOTAL; else the caller publishes it: the
-// route's hand-off, handoff.cuh).  Every thread calls it; warp 0 works and returns the total.
-template <int E, bool TOTAL = true>
-__device__ __forceinline__ int scan_counts(const int* count, int* start, i32* __restrict__ offsets) {
-  if (threadIdx.x >= 32) return 0;
+// first slot of expert e's segment, offsets[E] the total.  Every thread calls it; warp 0 works.
+template <int E>
+__device__ __forceinline__ void scan_counts(const int* count, int* start, i32* __restrict__ offsets) {
+  if (threadIdx.x >= 32) return;
   const int lane = threadIdx.x;
   int base = 0;
   for (int e0 = 0; e0 < E; e0 += 32) {
@@ -267,16 +265,14 @@ __device__ __forceinline__ int scan_counts(const int* count, int* start, i32* __
     }
     base += __shfl_sync(0xffffffffu, incl, 31);
   }
-  if (TOTAL && lane == 0) offsets[E] = base;
-  return base;
+  if (lane == 0) offsets[E] = base;
 }
 
 // counts per expert -> exclusive scan -> offsets [E + 1], then each pair claims a slot in its
 // expert's segment.  Order inside a segment follows the atomics (it does not change any result:
 // every pair is computed on its own).  Id: i64 (the ids output of top-k), or int (the fused
-// route's copy of them in shared memory).  PUBLISH: the total, offsets[E], is written last, behind
-// everything else, with release semantics (the route's hand-off, handoff.cuh).
-template <int E, int NT, typename Id = i64, bool PUBLISH = false>
+// route's copy of them in shared memory).
+template <int E, int NT, typename Id = i64>
 __device__ __forceinline__ void align(const Id* __restrict__ ids, int num_pairs, i32* __restrict__ order,
                                       i32* __restrict__ offsets) {
   // Any NP: every loop strides by NT; the scan is warp 0's, 32 experts a round.
@@ -293,7 +289,7 @@ __device__ __forceinline__ void align(const Id* __restrict__ ids, int num_pairs,
     if (id >= 0 && id < E) atomicAdd(&count[(int)id], 1);
   }
   __syncthreads();
-  const int total = scan_counts<E, !PUBLISH>(count, cursor, offsets);   // (thread 0's is the total)
+  scan_counts<E>(count, cursor, offsets);
   __syncthreads();
   for (int p = threadIdx.x; p < num_pairs; p += NT) {
     const i64 id = ids[p];
@@ -301,7 +297,6 @@ __device__ __forceinline__ void align(const Id* __restrict__ ids, int num_pairs,
     const int slot = atomicAdd(&cursor[(int)id], 1);
     order[slot] = p;
   }
-  if constexpr (PUBLISH) handoff::route_publish(offsets + E, total);
 }
 
 // ---- 3b. alignment of many pairs (prefill): count, scan, scatter over CHUNK-pair chunks ----

@@ -28,7 +28,6 @@
 // element loads (same layout, same barriers); an output base that is not 4-byte aligned takes
 // element stores.  Weight bases must be 16-byte aligned (the runtime refuses to encode others).
 #pragma once
-#include "handoff.cuh"
 #include "moe_grouped.cuh"
 #include "mbarrier.cuh"
 #include "pdl.cuh"
@@ -66,12 +65,11 @@ struct WgTile {
 // tiles[e] = row tiles of experts before e (cdiv(pairs, BM) each), tiles[E] = all of them.
 // Warp 0 scans 32 experts a round.  (BM: the decode tiles of moe_wgmma_skinny.cuh hold 64 pairs.)
 // L2_ONLY: `offsets` read through L2 (ld.global.cg), for a caller that reads them before its
-// pdl_wait (pdl.cuh: what the kernel two launches back wrote), where no L1 line may answer; so they
-// are with the route's hand-off (handoff.cuh).
+// pdl_wait (pdl.cuh: what the kernel two launches back wrote), where no L1 line may answer.
 template <int E, int BM = WG_BM, bool L2_ONLY = false>
 __device__ __forceinline__ void wgmma_row_tiles(const i32* __restrict__ offsets, int* tiles) {
   const int lane = threadIdx.x & 31;
-  auto ld = [&](int i) { return L2_ONLY ? __ldcg(offsets + i) : handoff::routing(offsets, i); };
+  auto ld = [&](int i) { return L2_ONLY ? __ldcg(offsets + i) : offsets[i]; };
   int base = 0;
   for (int e0 = 0; e0 < E; e0 += 32) {
     const int e = e0 + lane;
@@ -108,8 +106,8 @@ __device__ __forceinline__ WgTile wgmma_tile(const int* tiles, const i32* __rest
   const int lo = wgmma_tile_expert<E>(tiles, rt);
   WgTile tl;
   tl.e = lo;
-  tl.pbeg = handoff::routing(offsets, lo) + (rt - tiles[lo]) * BM;
-  tl.rows = min(BM, handoff::routing(offsets, lo + 1) - tl.pbeg);
+  tl.pbeg = offsets[lo] + (rt - tiles[lo]) * BM;
+  tl.rows = min(BM, offsets[lo + 1] - tl.pbeg);
   tl.n0 = (t % NCT) * BNO;
   return tl;
 }
@@ -216,7 +214,7 @@ __device__ __forceinline__ void wgmma_pair_rows(const i32* __restrict__ order, c
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     const int r = r0 + 16 * i;
-    const int pr = r < tl.rows ? handoff::routing(order, tl.pbeg + r) : -1;
+    const int pr = r < tl.rows ? order[tl.pbeg + r] : -1;
     src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);
   }
 }

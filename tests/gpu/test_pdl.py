@@ -211,8 +211,8 @@ def test_every_replay_of_a_captured_chain_reads_its_own_routing(runner, T):
     """Twenty replays of the captured chain, each on a new x (so a new routing), each bitwise equal
     to the serial run on the same x.  Between replays the outputs are poisoned every other time and
     left as the replay before wrote them the rest: a kernel that took the routing before the route
-    had written it (the route's hand-off, templates/include/handoff.cuh, reading a total or an order
-    too early) sees poison or the previous replay's experts."""
+    had written it (an early read of a total or an order: down reads the offsets before its wait)
+    sees poison or the previous replay's experts."""
     dtype = "bf16"
     g = torch.Generator().manual_seed(11 + T)
     weights = _weights(dtype, g)

@@ -3,7 +3,7 @@
 // kernel:   moe_expert_ffn__bf16__e162_k8__m1536_d5120__st32__fused
 // role:     moe_expert_ffn.fused
 // params:   {"D":5120,"E":162,"K":8,"M":1536,"act":"__nv_bfloat16","act_evict_last":0,"box_k":64,"box_rows":64,"pairs":64,"row_tiles":194,"smem":99328,"staged_from":32,"stages":4,"threads":288,"variant":"fused"}
-// includes: bulk.cuh, cluster.cuh, common.cuh, handoff.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_expert_ffn.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tickets.cuh, tma.cuh, wgmma.cuh
+// includes: bulk.cuh, cluster.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_expert_ffn.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tickets.cuh, tma.cuh, wgmma.cuh
 // nodes:    L1-59.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:101 blocks.moe_ffn.ops[3] moe_gate_up, layers 1-59 (fuse_moe_silu, fuse_shared_experts, fuse_expert_ffn)

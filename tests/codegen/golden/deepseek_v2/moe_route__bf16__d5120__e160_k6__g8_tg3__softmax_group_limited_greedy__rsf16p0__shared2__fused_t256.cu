@@ -3,7 +3,7 @@
 // kernel:   moe_route__bf16__d5120__e160_k6__g8_tg3__softmax_group_limited_greedy__rsf16p0__shared2__fused_t256
 // role:     moe_route.fused
 // params:   {"D":5120,"E":160,"K":6,"S":2,"act":"__nv_bfloat16","epb":2,"groups":8,"has_bias":false,"method":"group_limited_greedy","norm_topk_prob":false,"scaling":"16.0f","scoring":"softmax","smem":10240,"stage":"fused","threads":256,"tiles":32,"topk_groups":3,"tt":8,"vec":4,"warps":8}
-// includes: common.cuh, handoff.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
+// includes: common.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
 // nodes:    L1-59.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:97 blocks.moe_ffn.ops[0] linear, layers 1-59 (fuse_router, fuse_shared_experts)

@@ -3,7 +3,7 @@
 // kernel:   moe_route__e160_k6__g8_tg3__softmax_group_limited_greedy__rsf16p0__shared2__topk
 // role:     moe_route.topk
 // params:   {"E":160,"K":6,"S":2,"groups":8,"has_bias":false,"method":"group_limited_greedy","norm_topk_prob":false,"scaling":"16.0f","scoring":"softmax","stage":"topk","topk_groups":3,"warps":4}
-// includes: common.cuh, handoff.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
+// includes: common.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
 // nodes:    L1-59.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:97 blocks.moe_ffn.ops[0] linear, layers 1-59 (fuse_router, fuse_shared_experts)

@@ -3,7 +3,7 @@
 // kernel:   moe_route__e162__align_scan
 // role:     moe_route.align_scan
 // params:   {"E":162,"chunk":2048,"part":"scan","stage":"align","threads":1024}
-// includes: common.cuh, handoff.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
+// includes: common.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
 // nodes:    L1-59.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:97 blocks.moe_ffn.ops[0] linear, layers 1-59 (fuse_router, fuse_shared_experts)

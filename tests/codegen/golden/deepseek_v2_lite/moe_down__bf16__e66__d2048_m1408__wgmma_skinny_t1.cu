@@ -3,7 +3,7 @@
 // kernel:   moe_down__bf16__e66__d2048_m1408__wgmma_skinny_t1
 // role:     moe_down.wgmma_skinny_t1
 // params:   {"E":66,"K":1,"KD":1408,"N":2048,"act":"__nv_bfloat16","act_evict_last":0,"box_k":64,"box_rows":64,"cols":128,"pairs":64,"smem":197632,"staged_from":0,"stages":8,"threads":256,"variant":"wgmma_skinny_t1"}
-// includes: bulk.cuh, cluster.cuh, common.cuh, handoff.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tickets.cuh, tma.cuh, wgmma.cuh
+// includes: bulk.cuh, cluster.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tma.cuh, wgmma.cuh
 // nodes:    L1-26.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:99 blocks.moe_ffn.ops[3] moe_gate_up, layers 1-26 (fuse_moe_silu, fuse_shared_experts, fuse_expert_ffn)

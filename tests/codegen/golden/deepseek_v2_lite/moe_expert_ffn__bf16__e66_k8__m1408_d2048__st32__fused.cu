@@ -3,7 +3,7 @@
 // kernel:   moe_expert_ffn__bf16__e66_k8__m1408_d2048__st32__fused
 // role:     moe_expert_ffn.fused
 // params:   {"D":2048,"E":66,"K":8,"M":1408,"act":"__nv_bfloat16","act_evict_last":0,"box_k":64,"box_rows":64,"pairs":64,"row_tiles":98,"smem":99328,"staged_from":32,"stages":4,"threads":288,"variant":"fused"}
-// includes: bulk.cuh, cluster.cuh, common.cuh, handoff.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_expert_ffn.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tickets.cuh, tma.cuh, wgmma.cuh
+// includes: bulk.cuh, cluster.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_expert_ffn.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tickets.cuh, tma.cuh, wgmma.cuh
 // nodes:    L1-26.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:99 blocks.moe_ffn.ops[3] moe_gate_up, layers 1-26 (fuse_moe_silu, fuse_shared_experts, fuse_expert_ffn)

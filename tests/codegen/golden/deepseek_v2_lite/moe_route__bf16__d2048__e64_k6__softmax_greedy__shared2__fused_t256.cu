@@ -3,7 +3,7 @@
 // kernel:   moe_route__bf16__d2048__e64_k6__softmax_greedy__shared2__fused_t256
 // role:     moe_route.fused
 // params:   {"D":2048,"E":64,"K":6,"S":2,"act":"__nv_bfloat16","epb":2,"groups":1,"has_bias":false,"method":"greedy","norm_topk_prob":false,"scaling":"1.0f","scoring":"softmax","smem":8192,"stage":"fused","threads":256,"tiles":32,"topk_groups":1,"tt":8,"vec":4,"warps":8}
-// includes: common.cuh, handoff.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
+// includes: common.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
 // nodes:    L1-26.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:95 blocks.moe_ffn.ops[0] linear, layers 1-26 (fuse_router, fuse_shared_experts)

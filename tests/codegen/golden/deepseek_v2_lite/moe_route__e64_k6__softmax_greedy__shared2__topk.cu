@@ -3,7 +3,7 @@
 // kernel:   moe_route__e64_k6__softmax_greedy__shared2__topk
 // role:     moe_route.topk
 // params:   {"E":64,"K":6,"S":2,"groups":1,"has_bias":false,"method":"greedy","norm_topk_prob":false,"scaling":"1.0f","scoring":"softmax","stage":"topk","topk_groups":1,"warps":4}
-// includes: common.cuh, handoff.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
+// includes: common.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
 // nodes:    L1-26.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:95 blocks.moe_ffn.ops[0] linear, layers 1-26 (fuse_router, fuse_shared_experts)

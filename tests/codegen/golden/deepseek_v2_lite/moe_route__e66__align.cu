@@ -3,7 +3,7 @@
 // kernel:   moe_route__e66__align
 // role:     moe_route.align
 // params:   {"E":66,"part":"one_cta","stage":"align","threads":1024}
-// includes: common.cuh, handoff.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
+// includes: common.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
 // nodes:    L1-26.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:95 blocks.moe_ffn.ops[0] linear, layers 1-26 (fuse_router, fuse_shared_experts)

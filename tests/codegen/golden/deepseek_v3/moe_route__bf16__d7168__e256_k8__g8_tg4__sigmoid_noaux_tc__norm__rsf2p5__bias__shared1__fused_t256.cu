@@ -3,7 +3,7 @@
 // kernel:   moe_route__bf16__d7168__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__shared1__fused_t256
 // role:     moe_route.fused
 // params:   {"D":7168,"E":256,"K":8,"S":1,"act":"__nv_bfloat16","epb":2,"groups":8,"has_bias":true,"method":"noaux_tc","norm_topk_prob":true,"scaling":"2.5f","scoring":"sigmoid","smem":16384,"stage":"fused","threads":256,"tiles":32,"topk_groups":4,"tt":8,"vec":4,"warps":8}
-// includes: common.cuh, handoff.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
+// includes: common.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
 // nodes:    L3-60.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:97 blocks.moe_ffn.ops[0] linear, layers 3-60 (fuse_router, fuse_shared_experts)

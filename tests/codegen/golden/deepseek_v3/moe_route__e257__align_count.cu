@@ -3,7 +3,7 @@
 // kernel:   moe_route__e257__align_count
 // role:     moe_route.align_count
 // params:   {"E":257,"chunk":2048,"part":"count","stage":"align","threads":256}
-// includes: common.cuh, handoff.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
+// includes: common.cuh, moe_common.cuh, moe_route.cuh, moe_router.cuh, pdl.cuh, phases.cuh, tickets.cuh
 // nodes:    L3-60.moe_ffn.topk_ids
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:97 blocks.moe_ffn.ops[0] linear, layers 3-60 (fuse_router, fuse_shared_experts)

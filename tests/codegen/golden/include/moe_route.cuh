@@ -66,10 +66,6 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
   static_assert(TT == WARPS, "fused route: one warp per token of a tile");
   router_prefetch<E, D, EPB>(gate);   // moe_router.cuh: weights before pdl_wait
   pdl_wait();
-  // The route's hand-off (handoff.cuh): the total unwritten before any CTA lets gate_up_silu launch
-  // (not where this launch returns below: no CTA of it would publish one).
-  if constexpr (handoff::ROUTE)
-    if (gridDim.y <= TILES && blockIdx.x == 0 && blockIdx.y == 0) handoff::route_invalidate(offsets + E + S);
   pdl_launch_dependents();
   // The lowering bounds T by TILES * TT; past it the tickets would be out of bounds (uniform).
   if (gridDim.y > TILES) return;
@@ -103,7 +99,7 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
   int* sid = reinterpret_cast<int*>(smem);
   for (int p = threadIdx.x; p < num_pairs; p += NT) sid[p] = (int)__ldcg(ids + p);
   __syncthreads();
-  align<E + S, NT, int, handoff::ROUTE>(sid, num_pairs, order, offsets);
+  align<E + S, NT, int>(sid, num_pairs, order, offsets);
   DSG_PHASE_EXIT();
 }
 

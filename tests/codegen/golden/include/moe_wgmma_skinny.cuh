@@ -78,7 +78,7 @@ __device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* 
     for (int c = 0; c < 2; ++c) {
       const int r = 8 * j + 2 * (lane & 3) + c;          // pair within the tile
       if (r >= tl.rows) continue;
-      const i64 orow = (i64)handoff::routing(order, tl.pbeg + r) * N;
+      const i64 orow = (i64)order[tl.pbeg + r] * N;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int i = 4 * j + 2 * h + c;
@@ -163,7 +163,7 @@ __device__ __forceinline__ void wgmma_skinny_store_staged(const WgTile& tl, cons
     const int r = q / CH, k = q % CH, col = tl.n0 + 8 * k;
     if (r >= tl.rows || col >= N) continue;
     const float4 bits = dsg::cluster::ld4<false>(st + r * RB + ((k ^ (r & 7)) << 4));   // 8 elements, as bits
-    store_chunk<T, N, WgSkinnyTiles::ACT_EVICT_LAST>(out0 + (i64)handoff::routing(order, tl.pbeg + r) * N + col,
+    store_chunk<T, N, WgSkinnyTiles::ACT_EVICT_LAST>(out0 + (i64)order[tl.pbeg + r] * N + col,
                                                      *reinterpret_cast<const uint4*>(&bits), col, vec, pol);
   }
 }
@@ -239,12 +239,9 @@ __device__ __forceinline__ void wgmma_skinny_consume(const i32* __restrict__ ord
   constexpr int NCT = wgmma_skinny_col_tiles(MODE, N), KT = (KD + WS_BK - 1) / WS_BK;
   const int total = tiles[E] * NCT;
   int it = skip * KT;                                    // `skip`: the walk's first tiles done already
-  // With the route's hand-off the gate / up CTAs took the routing on its flag, before the route's
-  // grid had ended: each tile waits for it before its stores (pdl.cuh: no write before the wait).
-  constexpr bool WAIT = handoff::ROUTE && MODE != DOWN;
   for (int t = blockIdx.x + skip * gridDim.x; t < total; t += gridDim.x)
-    wgmma_skinny_tile_fit<T, MODE, N, KD, ST, WAIT>(wgmma_tile<E, NCT, wgmma_skinny_cols(MODE), WS_BP>(tiles, offsets, t),
-                                                    order, ring, full, empty, out0, out1, it);
+    wgmma_skinny_tile_fit<T, MODE, N, KD, ST>(wgmma_tile<E, NCT, wgmma_skinny_cols(MODE), WS_BP>(tiles, offsets, t),
+                                              order, ring, full, empty, out0, out1, it);
 }
 
 // Thread 0, before the wait: the first PRE weight slices of the walk's first tile (expert e, output
@@ -300,28 +297,13 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   // let this launch start.
   constexpr bool EARLY = MODE == DOWN;
   constexpr bool SHARED_EARLY = !EARLY && SH > 0;
-  // The gate / up kernels take the routing after their wait, or with the route's hand-off
-  // (handoff.cuh) once the route's aligning CTA has published it: thread 0 spins on the total,
-  // warp 0 (the tile table's) follows it, the rest after the barrier behind the table.
-  auto take_routing = [&]() {
-    if constexpr (handoff::ROUTE) {
-      DSG_PHASE(phases::WAIT_CALL);   // phases.cuh: the flag stands for the wait
-      handoff::route_await(offsets + E);
-      DSG_PHASE(phases::WAITED);
-      __syncwarp();
-    } else {
-      dsg::pdl_wait();
-    }
+  if constexpr (!EARLY && !SHARED_EARLY) {
+    dsg::pdl_wait();
     dsg::pdl_launch_dependents();
-  };
-  if constexpr (!EARLY && !SHARED_EARLY) take_routing();
+  }
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;         // 128B-swizzle tiles start on 1024-byte boundaries
   if constexpr (!SHARED_EARLY) {
-    if constexpr (EARLY && handoff::ROUTE) {   // gate_up_silu let DOWN launch before the route had ended
-      handoff::route_await(offsets + E);
-      __syncwarp();
-    }
     if (threadIdx.x < 32) wgmma_row_tiles<E, WS_BP, EARLY>(offsets, tiles);
   }
   if (threadIdx.x == 0) wgmma_ring_init<ST>(full, empty, 4);   // one consumer warpgroup
@@ -354,7 +336,8 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
         skip = 1;
       }
     }
-    take_routing();
+    dsg::pdl_wait();
+    dsg::pdl_launch_dependents();
     if (threadIdx.x < 32) wgmma_row_tiles<E, WS_BP, false>(offsets, tiles);
     __syncthreads();
   }
@@ -375,9 +358,6 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
                                                            full, empty, preissued, skip);
   else
     wgmma_skinny_consume<T, MODE, E, N, KD, ST>(order, offsets, tiles, ring, full, empty, out0, out1, skip);
-  // pdl.cuh: every CTA waits before it ends, one that stored no tile too (with the hand-off only
-  // the tiles' stores waited; at once for the rest)
-  if constexpr (handoff::ROUTE && MODE != DOWN) dsg::pdl_wait_unmarked();
   DSG_PHASE_EXIT();
 }
 

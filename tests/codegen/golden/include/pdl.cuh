@@ -30,18 +30,11 @@
 
 namespace dsg {
 
-// The wait itself, unmarked: for a CTA that took its inputs earlier on a flag (handoff.cuh) and
-// waits only so that this grid does not complete before the one before it, whose return says
-// nothing of when its work began.
-__device__ __forceinline__ void pdl_wait_unmarked() {
+__device__ __forceinline__ void pdl_wait() {
+  DSG_PHASE(phases::WAIT_CALL);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
-}
-
-__device__ __forceinline__ void pdl_wait() {
-  DSG_PHASE(phases::WAIT_CALL);
-  pdl_wait_unmarked();
   DSG_PHASE(phases::WAITED);
 }
 
