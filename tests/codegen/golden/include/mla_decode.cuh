@@ -170,9 +170,10 @@ struct SplitMerge {
   // merge below has 16 threads load the (max, sum)s (two trips: the sums after the maxima), write
   // the weights, a barrier, then every thread load the columns (a third).  perf_phases (PERF_NOTES
   // v31): 2.7 us of the attention's ~7 at b=1 from its partials in place to its columns merged.
-  // The same weights, in the same order of operations, so the same bits.
+  // The same weights, in the same order of operations, so the same bits.  Off (0) until it has run
+  // on the H200: its GPU tests and its timing are PERF_NOTES v31's next call.
 #ifndef DSG_DECODE_MERGE_ONE_TRIP
-#define DSG_DECODE_MERGE_ONE_TRIP 1
+#define DSG_DECODE_MERGE_ONE_TRIP 0
 #endif
   static constexpr bool ONE_TRIP = DSG_DECODE_MERGE_ONE_TRIP && VEC && S > 1;
   __device__ __forceinline__ static float4 merged4_one_trip(const unsigned (&peer)[S], int hh, int c) {
