@@ -88,6 +88,8 @@ struct DecodeSplit {
     d.pos = 0;
     return d;
   }
+  // rows()' guess of the token's sequence: its own index (one token a sequence at decode).
+  __device__ __forceinline__ int guessed_sequence(int B) const { return min(t, B - 1); }
   // Every metadata word the split needs (fresh_from's too), loaded together.  A decode step has one
   // token a sequence, so the token's sequence is its own index: guessed, the four loads go out in one
   // round trip, and the guess is checked against the query range it loaded (query_start is sorted,
@@ -99,7 +101,7 @@ struct DecodeSplit {
   __device__ __forceinline__ void rows(const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
                                        const i64* __restrict__ positions, int B) {
     if (!valid) return;
-    b = min(t, B - 1);
+    b = guessed_sequence(B);
     q_begin = query_start[b];
     q_end = query_start[b + 1];
     ctx_len = context_lens[b];
@@ -123,7 +125,7 @@ struct DecodeSplit {
     if (!valid) return;
     const int e = (int)threadIdx.x;
     if (e < bt_width) {
-      const i32* p = block_tables + (i64)min(t, B - 1) * bt_width + e;
+      const i32* p = block_tables + (i64)guessed_sequence(B) * bt_width + e;
       asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
     }
   }
@@ -176,6 +178,25 @@ struct SplitMerge {
 #define DSG_DECODE_MERGE_ONE_TRIP 0
 #endif
   static constexpr bool ONE_TRIP = DSG_DECODE_MERGE_ONE_TRIP && VEC && S > 1;
+
+  // The weights of S partials (m[i]: max in log2 units, -inf for an empty split; sum_of(i) its sum,
+  // read only where the split has rows): w[i] = 2^(m_i - M) / sum_j l_j 2^(m_j - M), zero for an
+  // empty split.  Returns (M, L) (a level-2 record keeps them).
+  template <typename SumOf>
+  __device__ __forceinline__ static float2 weights(const float (&m)[S], SumOf&& sum_of, float (&w)[S]) {
+    float M = -CUDART_INF_F, L = 0.f;
+#pragma unroll
+    for (int i = 0; i < S; ++i) M = fmaxf(M, m[i]);
+#pragma unroll
+    for (int i = 0; i < S; ++i)
+      if (m[i] != -CUDART_INF_F) L += sum_of(i) * exp2f(m[i] - M);
+    // L > 0 but for a cluster of empty splits (only when G > 1: cluster 0 holds the first row)
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+#pragma unroll
+    for (int i = 0; i < S; ++i) w[i] = m[i] != -CUDART_INF_F ? exp2f(m[i] - M) * inv : 0.f;
+    return make_float2(M, L);
+  }
+
   __device__ __forceinline__ static float4 merged4_one_trip(const unsigned (&peer)[S], int hh, int c) {
     float m[S], l[S];
     float4 x[S];
@@ -186,18 +207,12 @@ struct SplitMerge {
       l[i] = v.y;
       x[i] = cluster::ld4<true>(peer[i] + ML_BYTES + (hh * CP + c) * 4);
     }
-    float M = -CUDART_INF_F, L = 0.f;
-#pragma unroll
-    for (int i = 0; i < S; ++i) M = fmaxf(M, m[i]);
-#pragma unroll
-    for (int i = 0; i < S; ++i)
-      if (m[i] != -CUDART_INF_F) L += l[i] * exp2f(m[i] - M);
-    const float inv = L > 0.f ? 1.f / L : 0.f;
+    float w[S];
+    weights(m, [&](int i) { return l[i]; }, w);
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int i = 0; i < S; ++i) {
-      const float w = m[i] != -CUDART_INF_F ? exp2f(m[i] - M) * inv : 0.f;
-      a.x = fmaf(w, x[i].x, a.x); a.y = fmaf(w, x[i].y, a.y); a.z = fmaf(w, x[i].z, a.z); a.w = fmaf(w, x[i].w, a.w);
+      a.x = fmaf(w[i], x[i].x, a.x); a.y = fmaf(w[i], x[i].y, a.y); a.z = fmaf(w[i], x[i].z, a.z); a.w = fmaf(w[i], x[i].w, a.w);
     }
     return a;
   }
@@ -260,20 +275,13 @@ struct SplitMerge {
     }
     float* rec = two ? part + (i64)blockIdx.x * REC : nullptr;
     if (valid && tid < nh) {
-      float m[S], M = -CUDART_INF_F, L = 0.f;
+      float m[S], w[S];
 #pragma unroll
-      for (int i = 0; i < S; ++i) {
-        m[i] = cluster::ld<CL>(peer[i] + tid * 8);
-        M = fmaxf(M, m[i]);
-      }
+      for (int i = 0; i < S; ++i) m[i] = cluster::ld<CL>(peer[i] + tid * 8);
+      const float2 ML = weights(m, [&](int i) { return cluster::ld<CL>(peer[i] + tid * 8 + 4); }, w);
 #pragma unroll
-      for (int i = 0; i < S; ++i)
-        if (m[i] != -CUDART_INF_F) L += cluster::ld<CL>(peer[i] + tid * 8 + 4) * exp2f(m[i] - M);
-      // L > 0 but for a cluster of empty splits (only when G > 1: cluster 0 holds the first row)
-      const float inv = L > 0.f ? 1.f / L : 0.f;
-#pragma unroll
-      for (int i = 0; i < S; ++i) wts[i * HG + tid] = m[i] != -CUDART_INF_F ? exp2f(m[i] - M) * inv : 0.f;
-      if (two) reinterpret_cast<float2*>(rec)[tid] = make_float2(M, L);
+      for (int i = 0; i < S; ++i) wts[i * HG + tid] = w[i];
+      if (two) reinterpret_cast<float2*>(rec)[tid] = ML;
     }
     __syncthreads();
     const int c0 = s * SPAN, c1 = min(C, c0 + SPAN);

@@ -34,10 +34,10 @@ __device__ __forceinline__ void kv_cache_write_token(int t, const T* __restrict_
 #pragma unroll
   for (int j = 0; j < PAIRS; ++j) {
     const int i = (int)threadIdx.x + j * THREADS;
-    int ia, ib;
-    rope_in_pair<R, PAIRS_ADJACENT>(i < R / 2 ? i : 0, ia, ib);
-    x1[j] = i < R / 2 ? to_float(kp[ia]) : 0.f;
-    x2[j] = i < R / 2 ? to_float(kp[ib]) : 0.f;
+    float a, b;   // (a thread past the R / 2 pairs loads pair 0's and keeps zeros)
+    rope_load_pair<T, R, PAIRS_ADJACENT>(kp, i < R / 2 ? i : 0, a, b);
+    x1[j] = i < R / 2 ? a : 0.f;
+    x2[j] = i < R / 2 ? b : 0.f;
   }
   T* row = cache + slot * (i64)W;
   rope_angles<R / 2>(inv_freq, attention_factor, pos, cs, threadIdx.x, THREADS);

@@ -99,8 +99,8 @@ __device__ __forceinline__ void combine(const T* __restrict__ eo, const float* _
   combine_slice<T, D, K, VEC, RESID, false, S>(eo, w, shared, residual, out, t, d);
 }
 
-// combine_row holds every routed row of its token in registers at once while the routed rows'
-// elements a thread (pairs x RowLayout items) are at most this many; past it, a row at a time.
+// combine_row holds routed rows of its token in registers at once while their elements a thread
+// (pairs x RowLayout items) are at most this many (and the registers hold them); past it, in groups.
 constexpr int COMBINE_ROWS_IN_FLIGHT_ITEMS = 64;
 // ... and every row of the token (routed, shared, residual) at once while they are at most this many.
 constexpr int COMBINE_ALL_IN_FLIGHT_ITEMS = 96;
@@ -156,44 +156,29 @@ __device__ __forceinline__ void combine_row(const T* __restrict__ eo, const floa
     for (int i = 0; i < L::ITEMS; ++i) v[i] = plus_residual<T>(plus_shared<T>(v[i], es[0][i]), res[i]);
     return;
   }
-  float e[L::ITEMS];
-  if constexpr (R * L::ITEMS <= COMBINE_ROWS_IN_FLIGHT_ITEMS &&
-                (R * L::ITEMS + 32) * L::NTHREADS <= 65536) {   // and they fit the registers a thread has
-    // Every routed row's loads issued before the first is summed: one memory round trip, not R
-    // (one CTA a token, so at decode's few tokens this kernel is that latency; the loop below
-    // waited for each row in turn).  A pair of weight 0 adds nothing, as below: its row is read
-    // (the buffer holds it) and dropped, whatever it holds.  The same sums in the same order.
-    float wk[R], er[R][L::ITEMS];
-#pragma unroll
-    for (int k = 0; k < R; ++k) wk[k] = w[(i64)t * K + k];
-#pragma unroll
-    for (int k = 0; k < R; ++k) L::load(eo + ((i64)t * K + k) * D, er[k]);
-#pragma unroll
-    for (int k = 0; k < R; ++k)
-      if (wk[k] != 0.f)
-#pragma unroll
-        for (int i = 0; i < L::ITEMS; ++i) v[i] += er[k][i] * wk[k];
-  } else {
-    // Too many for the registers at once (V3: 8 routed rows at 896 threads): GROUP rows at a time,
-    // each group's loads issued before its first sum (two round trips at V3, where one row at a
-    // time took eight: PERF_NOTES v31).  The same sums in the same order.
-    constexpr int FIT = (65536 / L::NTHREADS - 40) / L::ITEMS;   // rows whose items the registers hold
-    constexpr int GROUP = FIT > 1 ? FIT : 1;
+  // Otherwise the routed rows GROUP at a time, each group's loads issued before its first sum:
+  // all of them at once where their items fit (one round trip, not R: at decode's few tokens this
+  // kernel is that latency), 4 at a time at V3's 896 threads (two trips, not eight: PERF_NOTES
+  // v31).  A pair of weight 0 adds nothing: its row is read (the buffer holds it) and dropped,
+  // whatever it holds.  The same sums in the same order.
+  constexpr int BUDGET = 65536 / L::NTHREADS - 40;   // a thread's registers past what else it needs
+  constexpr int FIT = (BUDGET < COMBINE_ROWS_IN_FLIGHT_ITEMS ? BUDGET : COMBINE_ROWS_IN_FLIGHT_ITEMS) / L::ITEMS;
+  constexpr int GROUP = FIT < 1 ? 1 : FIT < R ? FIT : R;
 #pragma unroll 1
-    for (int k0 = 0; k0 < R; k0 += GROUP) {
-      float wk[GROUP], er[GROUP][L::ITEMS];
+  for (int k0 = 0; k0 < R; k0 += GROUP) {
+    float wk[GROUP], er[GROUP][L::ITEMS];
 #pragma unroll
-      for (int g = 0; g < GROUP; ++g) wk[g] = k0 + g < R ? w[(i64)t * K + k0 + g] : 0.f;
+    for (int g = 0; g < GROUP; ++g) wk[g] = k0 + g < R ? w[(i64)t * K + k0 + g] : 0.f;
 #pragma unroll
-      for (int g = 0; g < GROUP; ++g)
-        if (k0 + g < R) L::load(eo + ((i64)t * K + k0 + g) * D, er[g]);
+    for (int g = 0; g < GROUP; ++g)
+      if (k0 + g < R) L::load(eo + ((i64)t * K + k0 + g) * D, er[g]);
 #pragma unroll
-      for (int g = 0; g < GROUP; ++g)
-        if (wk[g] != 0.f)          // a pair of weight 0 (or past R) adds nothing, as above
+    for (int g = 0; g < GROUP; ++g)
+      if (wk[g] != 0.f)          // (past R: weight 0)
 #pragma unroll
-          for (int i = 0; i < L::ITEMS; ++i) v[i] += er[g][i] * wk[g];
-    }
+        for (int i = 0; i < L::ITEMS; ++i) v[i] += er[g][i] * wk[g];
   }
+  float e[L::ITEMS];
   if constexpr (S > 0) {         // shared_rows' sum and rounding, over the row layout
     float sh[L::ITEMS];
 #pragma unroll
