@@ -599,6 +599,13 @@ struct MlaDecode {
 #ifndef DSG_DECODE_ROWS_BEFORE_WAIT
 #define DSG_DECODE_ROWS_BEFORE_WAIT 1
 #endif
+// After its wait, the split copies this step's own rows of its first NSTAGE - 1 tiles (at decode
+// one row a sequence) in a loop over those rows (1), or with issue<true>'s unrolled walk over every
+// row of those tiles (0): ~800 of the kernel's ~5,000 instructions, fetched cold each layer
+// (tests/gpu/probe_merge.py times what a cold KB of code costs; PERF_NOTES v32).  The same copies.
+#ifndef DSG_DECODE_FRESH_COMPACT
+#define DSG_DECODE_FRESH_COMPACT 0
+#endif
 
 template <typename T, int C, int R, int H, int BS, int NW, int NSTAGE, int S>
 struct MlaDecodeMma {
@@ -722,7 +729,22 @@ struct MlaDecodeMma {
         mma::cp_async16(chunk(qs, hh, c), live ? src : q_lat, live ? 16 : 0);
       }
     }
-    if constexpr (ROWS_BEFORE_WAIT) {
+    if constexpr (ROWS_BEFORE_WAIT && DSG_DECODE_FRESH_COMPACT) {
+      // rows [fresh, r_end) of the first NSTAGE - 1 tiles, warp w the w-th, w + NW-th, ... of them
+      const int lo = max(fresh, sp.r_begin), hi = min(sp.r_end, sp.r_begin + min(ntiles, NSTAGE - 1) * KT);
+#pragma unroll 1
+      for (int r = lo + warp; r < hi; r += NW) {
+        const int it = (r - sp.r_begin) / KT, row = (r - sp.r_begin) - it * KT;
+        char* dst = ring + it * STAGE_BYTES;   // it < NSTAGE - 1: slot it
+        const T* src = cache + ((i64)__ldg(table + r / BS) * BS + r % BS) * W;
+#pragma unroll
+        for (int k = 0; k < COPIES; ++k) {
+          const int c = lane + 32 * k;
+          if (c < VPR) mma::cp_async16(chunk(dst, row, c), src + c * 8, 16);
+        }
+      }
+      mma::cp_async_commit();
+    } else if constexpr (ROWS_BEFORE_WAIT) {
 #pragma unroll
       for (int st = 0; st < NSTAGE - 1; ++st)
         if (st < ntiles) issue<true>(ring, st, sp, cache, table, warp, lane, fresh, 0x7fffffff, false);
