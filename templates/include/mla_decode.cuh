@@ -601,10 +601,11 @@ struct MlaDecode {
 #endif
 // After its wait, the split copies this step's own rows of its first NSTAGE - 1 tiles (at decode
 // one row a sequence) in a loop over those rows (1), or with issue<true>'s unrolled walk over every
-// row of those tiles (0): ~800 of the kernel's ~5,000 instructions, fetched cold each layer
-// (tests/gpu/probe_merge.py times what a cold KB of code costs; PERF_NOTES v32).  The same copies.
+// row of those tiles (0): ~1,000 of the kernel's ~5,000 instructions, fetched cold each layer
+// (an H200 fetches cold code at ~104 SM cycles a KB, tests/gpu/probe_merge.py).  The same copies.
+// 1 since PERF_NOTES v32: b=1 -0.02 to -0.03 ms a step (ctx 512 and 4096), b=128 ctx 4096 +0.04.
 #ifndef DSG_DECODE_FRESH_COMPACT
-#define DSG_DECODE_FRESH_COMPACT 0
+#define DSG_DECODE_FRESH_COMPACT 1
 #endif
 
 template <typename T, int C, int R, int H, int BS, int NW, int NSTAGE, int S>
