@@ -167,18 +167,6 @@ struct SplitMerge {
   static_assert(GMAX * HG * 4 <= ACC_BYTES, "the level-2 weights ([G][HG]) reuse the accumulators' shared memory");
   static_assert((!VEC || SPAN % 4 == 0) && REC % 4 == 0, "float4 columns and 16-byte records");
 
-  // The one-trip merge (G == 1, float4 columns, clusters): each thread loads its head's (max, sum)
-  // from every split with the split's columns, all at once, and weighs them itself, where the
-  // merge below has 16 threads load the (max, sum)s (two trips: the sums after the maxima), write
-  // the weights, a barrier, then every thread load the columns (a third).  perf_phases (PERF_NOTES
-  // v31): 2.7 us of the attention's ~7 at b=1 from its partials in place to its columns merged.
-  // The same weights, in the same order of operations, so the same bits.  Off (0) until it has run
-  // on the H200: its GPU tests and its timing are PERF_NOTES v31's next call.
-#ifndef DSG_DECODE_MERGE_ONE_TRIP
-#define DSG_DECODE_MERGE_ONE_TRIP 0
-#endif
-  static constexpr bool ONE_TRIP = DSG_DECODE_MERGE_ONE_TRIP && VEC && S > 1;
-
   // The weights of S partials (m[i]: max in log2 units, -inf for an empty split; sum_of(i) its sum,
   // read only where the split has rows): w[i] = 2^(m_i - M) / sum_j l_j 2^(m_j - M), zero for an
   // empty split.  Returns (M, L) (a level-2 record keeps them).
@@ -195,26 +183,6 @@ struct SplitMerge {
 #pragma unroll
     for (int i = 0; i < S; ++i) w[i] = m[i] != -CUDART_INF_F ? exp2f(m[i] - M) * inv : 0.f;
     return make_float2(M, L);
-  }
-
-  __device__ __forceinline__ static float4 merged4_one_trip(const unsigned (&peer)[S], int hh, int c) {
-    float m[S], l[S];
-    float4 x[S];
-#pragma unroll
-    for (int i = 0; i < S; ++i) {
-      const float2 v = cluster::ld2<true>(peer[i] + hh * 8);
-      m[i] = v.x;
-      l[i] = v.y;
-      x[i] = cluster::ld4<true>(peer[i] + ML_BYTES + (hh * CP + c) * 4);
-    }
-    float w[S];
-    weights(m, [&](int i) { return l[i]; }, w);
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int i = 0; i < S; ++i) {
-      a.x = fmaf(w[i], x[i].x, a.x); a.y = fmaf(w[i], x[i].y, a.y); a.z = fmaf(w[i], x[i].z, a.z); a.w = fmaf(w[i], x[i].w, a.w);
-    }
-    return a;
   }
 
   __device__ __forceinline__ static float2* ml(char* smem) { return reinterpret_cast<float2*>(smem); }
@@ -263,16 +231,6 @@ struct SplitMerge {
     for (int i = 0; i < S; ++i) peer[i] = CL ? cluster::map_rank(own, i) : own;
     const int nh = min(HG, H - h0);
     const bool two = G > 1;                         // uniform over the grid
-    if constexpr (ONE_TRIP) {
-      if (!two) {   // the output straight from the peers: one trip through distributed shared memory
-        if (valid) store(out + ((i64)t * H + h0) * C, nh, s * SPAN, min(C, s * SPAN + SPAN),
-                         [&](int hh, int c) { return merged4_one_trip(peer, hh, c); },
-                         [&](int, int) { return 0.f; });
-        DSG_PHASE(7);
-        cluster::sync_relaxed();   // no peer reads this CTA's shared memory after this
-        return;
-      }
-    }
     float* rec = two ? part + (i64)blockIdx.x * REC : nullptr;
     if (valid && tid < nh) {
       float m[S], w[S];

@@ -10,7 +10,8 @@ from "every CTA's partial in its shared memory" to "every output column stored",
   pull     the attention's merge today: 16 threads load the (max, sum)s from the peers (two trips),
            weights to shared memory, a barrier, every thread loads its columns from the 8 peers;
   one-trip every thread loads its head's (max, sum) and columns from the 8 peers at once
-           (mla_decode.cuh DSG_DECODE_MERGE_ONE_TRIP);
+           (mla_decode.cuh's DSG_DECODE_MERGE_ONE_TRIP, f9b1bd6: refuted in the step and
+           removed, PERF_NOTES v32);
   l2       every CTA stores its partial to a global workspace, a cluster barrier (release /
            acquire: it orders global memory too), every thread loads its columns from L2;
   push     every CTA stores each peer's column span into that peer's shared memory

@@ -39,20 +39,12 @@ __device__ __forceinline__ unsigned map_rank(unsigned cta_addr, unsigned r) {
 #endif
   return out;
 }
-// A float (ld) / float2 (ld2) / float4 (ld4) at shared address `a`: a shared::cluster address (map_rank) when
+// A float (ld) / float4 (ld4) at shared address `a`: a shared::cluster address (map_rank) when
 // CLUSTER, this CTA's own shared::cta address otherwise.
 template <bool CLUSTER> __device__ __forceinline__ float ld(unsigned a) {
   float v;
   if constexpr (CLUSTER) asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
   else asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(a) : "memory");
-  return v;
-}
-template <bool CLUSTER> __device__ __forceinline__ float2 ld2(unsigned a) {
-  float2 v;
-  if constexpr (CLUSTER)
-    asm volatile("ld.shared::cluster.v2.f32 {%0,%1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(a) : "memory");
-  else
-    asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(a) : "memory");
   return v;
 }
 template <bool CLUSTER> __device__ __forceinline__ float4 ld4(unsigned a) {
