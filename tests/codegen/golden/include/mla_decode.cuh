@@ -606,6 +606,20 @@ struct MlaDecodeMma {
   // WINDOW: only the split's rows r with lo <= r < hi, and with `fill` the rows past the split
   // zero-filled; two calls, [0, f) with fill and [f, ..) without, fill the slot as one call without
   // WINDOW does (ROWS_BEFORE_WAIT).
+  // Cache row r of the split's sequence (block table `table`): its first element.
+  __device__ __forceinline__ static const T* cache_row(const T* __restrict__ cache, const i32* __restrict__ table, int r) {
+    return cache + ((i64)__ldg(table + r / BS) * BS + r % BS) * W;
+  }
+  // Lane l's 16-byte chunks l, l + 32, ... of one row, from src (bytes: 16, or 0 to zero-fill) into
+  // row `row` of a ring slot.
+  __device__ __forceinline__ static void copy_row(char* slot, int row, const T* src, int lane, int bytes) {
+#pragma unroll
+    for (int k = 0; k < COPIES; ++k) {
+      const int c = lane + 32 * k;
+      if (c < VPR) mma::cp_async16(chunk(slot, row, c), src + c * 8, bytes);
+    }
+  }
+
   template <bool WINDOW = false>
   __device__ __forceinline__ static void issue(char* ring, int it, const DecodeSplit<S>& sp, const T* __restrict__ cache,
                                                const i32* __restrict__ table, int warp, int lane,
@@ -617,20 +631,14 @@ struct MlaDecodeMma {
     for (int i = 0; i < 8; ++i) {
       const int r = r0 + i;
       src[i] = cache;   // zero fill past the split: nothing is read
-      if (r < sp.r_end && (!WINDOW || (r >= lo && r < hi)))
-        src[i] = cache + ((i64)__ldg(table + r / BS) * BS + r % BS) * W;
+      if (r < sp.r_end && (!WINDOW || (r >= lo && r < hi))) src[i] = cache_row(cache, table, r);
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const int r = r0 + i;
       const bool copy = r < sp.r_end && (!WINDOW || (r >= lo && r < hi));
       if (WINDOW && !copy && !(fill && r >= sp.r_end)) continue;
-      const int bytes = copy ? 16 : 0;
-#pragma unroll
-      for (int k = 0; k < COPIES; ++k) {
-        const int c = lane + 32 * k;
-        if (c < VPR) mma::cp_async16(chunk(dst, warp * 8 + i, c), src[i] + c * 8, bytes);
-      }
+      copy_row(dst, warp * 8 + i, src[i], lane, copy ? 16 : 0);
     }
   }
 
@@ -693,14 +701,8 @@ struct MlaDecodeMma {
       const int lo = max(fresh, sp.r_begin), hi = min(sp.r_end, sp.r_begin + min(ntiles, NSTAGE - 1) * KT);
 #pragma unroll 1
       for (int r = lo + warp; r < hi; r += NW) {
-        const int it = (r - sp.r_begin) / KT, row = (r - sp.r_begin) - it * KT;
-        char* dst = ring + it * STAGE_BYTES;   // it < NSTAGE - 1: slot it
-        const T* src = cache + ((i64)__ldg(table + r / BS) * BS + r % BS) * W;
-#pragma unroll
-        for (int k = 0; k < COPIES; ++k) {
-          const int c = lane + 32 * k;
-          if (c < VPR) mma::cp_async16(chunk(dst, row, c), src + c * 8, 16);
-        }
+        const int it = (r - sp.r_begin) / KT;   // < NSTAGE - 1: ring slot it
+        copy_row(ring + it * STAGE_BYTES, r - sp.r_begin - it * KT, cache_row(cache, table, r), lane, 16);
       }
       mma::cp_async_commit();
     } else if constexpr (ROWS_BEFORE_WAIT) {

@@ -38,7 +38,7 @@ __device__ __forceinline__ void rope_rotate(float x1, float x2, float c, float s
 }
 
 // Pair i's two inputs of x (R elements), as floats: loaded apart from the rotation, a caller can
-// issue them before the angle's sine waits for the position (mla_kv_write.cuh, mla_decode_query).
+// issue them before the angle's sine waits for the position (mla_kv_write.cuh).
 template <typename T, int R, bool PAIRS_ADJACENT>
 __device__ __forceinline__ void rope_load_pair(const T* x, int i, float& x1, float& x2) {
   int ia, ib;
@@ -47,20 +47,14 @@ __device__ __forceinline__ void rope_load_pair(const T* x, int i, float& x1, flo
   x2 = to_float(x[ib]);
 }
 
-// Pair i rotated by (cos, sin) = (c, s) into y (R elements), rounded to T.
-template <typename T, int R, bool OUT_INTERLEAVED>
-__device__ __forceinline__ void rope_store_pair(T* y, int i, float x1, float x2, float c, float s) {
-  int oa, ob;
-  rope_out_pair<R, OUT_INTERLEAVED>(i, oa, ob);
-  rope_rotate<T>(x1, x2, c, s, y[oa], y[ob]);
-}
-
 // Rotate pair i of x (R elements) into y (R elements) by (cos, sin) = (c, s). Rounds to T.
 template <typename T, int R, bool PAIRS_ADJACENT, bool OUT_INTERLEAVED>
 __device__ __forceinline__ void rope_pair_cs(const T* __restrict__ x, T* __restrict__ y, float c, float s, int i) {
   float x1, x2;
+  int oa, ob;
   rope_load_pair<T, R, PAIRS_ADJACENT>(x, i, x1, x2);
-  rope_store_pair<T, R, OUT_INTERLEAVED>(y, i, x1, x2, c, s);
+  rope_out_pair<R, OUT_INTERLEAVED>(i, oa, ob);
+  rope_rotate<T>(x1, x2, c, s, y[oa], y[ob]);
 }
 
 // The same with the angles from rope_angles' table cs.
