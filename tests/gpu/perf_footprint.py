@@ -72,16 +72,27 @@ def child(out: str, case: str) -> int:
 
 def sections(text: str) -> list[list[dict]]:
     """The source page's CSV: one table per profiled launch, each starting at its "Address" header
-    row; rows are {column: value}."""
+    row ("# Address" in some ncu versions); rows are {column: value}, in address order."""
     out, hdr = [], None
     for r in csv.reader(io.StringIO(text)):
-        if r and r[0].strip() == "Address":
+        if r and r[0].strip().lstrip("#").strip() == "Address":
             hdr = [c.strip() for c in r]
             out.append([])
             continue
-        if hdr and len(r) == len(hdr) and r[0].strip().startswith("0x"):
+        if hdr and len(r) == len(hdr) and r[0].strip().lower().startswith("0x"):
             out[-1].append(dict(zip(hdr, r)))
     return out
+
+
+def executed_column(row: dict) -> str:
+    """The warp-level execution count's column: "Instructions Executed" (not the thread-level or
+    predicated-on counts beside it)."""
+    if "Instructions Executed" in row:
+        return "Instructions Executed"
+    for k in row:
+        if "Instructions Executed" in k and not any(w in k for w in ("Thread", "Predicated", "Not")):
+            return k
+    raise KeyError(f"no instruction count among the source page's columns: {sorted(row)}")
 
 
 def launch_names(text: str) -> list[str]:
@@ -102,7 +113,10 @@ def count(v: str) -> int:
 
 def footprint(rows: list[dict]) -> tuple[int, int, int]:
     """(instructions, executed, executed at most once a warp) of one launch's table."""
-    n = [count(r.get("Instructions Executed", "")) for r in rows]
+    if not rows:
+        return 0, 0, 0
+    col = executed_column(rows[0])
+    n = [count(r.get(col, "")) for r in rows]
     entry = n[0] if n else 0                # the kernel's first instruction: once a warp
     executed = sum(1 for x in n if x > 0)
     once = sum(1 for x in n if 0 < x <= entry)
@@ -139,6 +153,7 @@ def main() -> int:
     ap.add_argument("--case", default="1x512", help="batch x context of the decode step")
     ap.add_argument("--kernels", type=int, default=40, help="dsgraph launches profiled, from the step's first")
     ap.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
+    ap.add_argument("--timeout", type=int, default=420, help="seconds ncu may run")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--parse", action="store_true", help="only parse DIR's CSVs again")
     a = ap.parse_args()
@@ -151,7 +166,13 @@ def main() -> int:
         cmd = [a.ncu, "--clock-control", "none", "--section", "SourceCounters", "-k", KERNELS,
                "--launch-count", str(a.kernels), "-f", "-o", rep,
                sys.executable, os.path.abspath(__file__), "--child", "--out", out, "--case", a.case]
-        got = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            got = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+        except subprocess.TimeoutExpired as e:
+            text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x
+                           for x in (e.stdout or "", e.stderr or ""))
+            print(f"ncu ran past {a.timeout} s (try fewer --kernels); its last lines:\n" + text[-3000:])
+            return 1
         with open(os.path.join(out, "ncu.log"), "w") as f:
             f.write(got.stdout + got.stderr)
         if got.returncode != 0 or not os.path.exists(rep + ".ncu-rep"):
