@@ -66,10 +66,14 @@ def test_the_probe_kernels_are_the_code_they_claim():
     import probe_icache as pi
 
     from codegen.nvrtc import compile_cubin
-    src = pi.straight_kernel("s8", 8, 1) + pi.gapped_kernel("g8", 8, 32)
+    src = (pi.straight_kernel("s8", 8, 1) + pi.gapped_kernel("g8", 8, 32) + pi.warm_pass_kernel("w8", 8, True)
+           + pi.PRIMARY_SRC)
     ins = instructions(compile_cubin(src, "probe", arch="sm_90a", headers={}).cubin)
     ffma = {k: sum(1 for i in v if i.opcode.startswith("FFMA")) for k, v in ins.items()}
     assert ffma["s8"] == 8 * 1024 // 16                   # 8 KB of FFMAs, one SASS instruction each
     assert ffma["g8"] == 2 * 8 * 1024 // 16               # as many again behind the branches
     # a branch over every skipped block, laid out between the executed ones
     assert sum(1 for i in ins["g8"] if i.opcode == "BRA") >= 8 * 1024 // 16 // 32
+    # the warm pass runs one copy of its body twice (a rolled loop), the wait inside it
+    assert ffma["w8"] == 8 * 1024 // 16
+    assert any(i.opcode == "ACQBULK" for i in ins["w8"])

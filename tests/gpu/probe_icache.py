@@ -1,13 +1,13 @@
 """How much code an SM keeps warm between kernels (a script, not a test).
 
     python3 tests/gpu/probe_icache.py [--sizes 4,8,...] [--rotate 4,8,...] [--kernels 10] [--spread 1,8,32,all]
-                                      [--gaps 8,32,128]
+                                      [--gaps 8,32,128] [--warm 8,16,32] [--spin-us 20]
 
 PERF_NOTES v32 measured what code fetched cold costs (~104 SM cycles a KB, probe_merge.py) and
 found that at b=1 the instructions a kernel executes once are fetched cold: a decode layer runs ten
 kernels, each once, and a step runs 27 layers.  Whether a kernel's code is still there when the
 next layer runs it again depends on how much code the SM's instruction caches keep and on how much
-the other nine kernels execute in between.  Four tables:
+the other nine kernels execute in between.  Five tables:
 
   sweep    one kernel of N KB of straight-line code (independent FFMAs, each run once), run after
            the evictor (cold) and then again (warm if its N KB stayed): the knee where the second
@@ -22,7 +22,12 @@ the other nine kernels execute in between.  Four tables:
            attention runs 8 CTAs, its linears and experts every SM);
   gaps     32 KB executed in blocks of B instructions, each followed by B instructions behind a
            branch not taken: is code a kernel jumps over fetched anyway (the prefetcher runs ahead
-           in address order), and what does a jump to a cold target cost.
+           in address order), and what does a jump to a cold target cost;
+  warm     a PDL dependent whose N KB after its wait run cold, against the same code run once
+           before the wait too (a first trip of a rolled loop while the primary still runs, on the
+           same SMs): does a warm pass before the wait take the cold fetch off the critical path.
+           b=1's kernels reach their waits 0.2-18 us before their predecessors end (v29's chain
+           map: the combine ~10 us, v_up ~3, the attention ~2.7, o ~1.8).
 
 Every kernel runs one CTA an SM (160 KB of dynamic shared memory), 4 warps, and times its body by
 the SM's clock64; each cell is the median CTA, then the median over 20 repeats.  If the rotation's
@@ -204,6 +209,71 @@ def gaps(r: Runner, kb: int, blocks: list[int], arch: str) -> None:
         print(f"{b:>6} {median(cold):>8.0f} {median(again):>8.0f}", flush=True)
 
 
+def warm_pass_kernel(name: str, kb: int, warm: bool) -> str:
+    """A PDL dependent whose body (kb KB of FFMAs) runs after griddepcontrol.wait, timed from the
+    wait's return to its end; with `warm`, the same code runs once before the wait too (a rolled
+    two-trip loop: one copy of the body, its first trip while the primary still runs)."""
+    n = kb * 1024 // INSTR_BYTES
+    body = "".join(f'    asm volatile("fma.rn.f32 %0, %0, %1, %0;" : "+f"(x{k % 8}) : "f"(a));\n' for k in range(n))
+    return (f'extern "C" __global__ void {name}(float* p, long long* t, float a) {{\n'
+            "  float x0 = p[0], x1 = p[1], x2 = p[2], x3 = p[3], x4 = p[4], x5 = p[5], x6 = p[6], x7 = p[7];\n"
+            "  long long c0 = 0;\n#pragma unroll 1\n"
+            f"  for (int pass = {0 if warm else 1}; pass < 2; ++pass) {{\n"
+            '    if (pass == 1) { asm volatile("griddepcontrol.wait;" ::: "memory"); c0 = clock64(); }\n'
+            + body + "  }\n"
+            "  const long long c1 = clock64();\n"
+            "  if (threadIdx.x == 0) t[blockIdx.x] = c1 - c0;\n"
+            "  p[8 + threadIdx.x] = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7;\n}\n")
+
+
+# The primary of the warm-pass table: lets its dependent launch at once, then keeps every SM busy
+# for `cycles`: spinning on the clock, or (busy) running a 32 KB loop body of its own, as a
+# streaming kernel before a decode kernel does.
+PRIMARY_SRC = (
+    'extern "C" __global__ void primary_spin(float* p, long long cycles) {\n'
+    '  asm volatile("griddepcontrol.launch_dependents;");\n'
+    "  const long long t0 = clock64();\n  while (clock64() - t0 < cycles) {}\n}\n"
+    'extern "C" __global__ void primary_busy(float* p, long long cycles) {\n'
+    '  asm volatile("griddepcontrol.launch_dependents;");\n'
+    "  float x0 = p[0], x1 = p[1], x2 = p[2], x3 = p[3], x4 = p[4], x5 = p[5], x6 = p[6], x7 = p[7];\n"
+    "  const long long t0 = clock64();\n  while (clock64() - t0 < cycles) {\n"
+    + "".join(f'    asm volatile("fma.rn.f32 %0, %0, %0, %0;" : "+f"(x{k % 8}));\n' for k in range(2048))
+    + "  }\n  p[16 + threadIdx.x] = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7;\n}\n")
+
+
+def warm_pass(r: Runner, sizes: list[int], spin_us: float, arch: str) -> None:
+    print(f"# warm pass: a PDL dependent's N KB after its wait, its primary busy {spin_us} us on every SM "
+          f"(evictor first); SM cycles a KB from the wait's return, cold against a first trip of the same code "
+          f"before the wait")
+    kernels = [(f"warm{kb}_{w}", kb, w) for kb in sizes for w in (0, 1)]
+    src = PRIMARY_SRC + "".join(warm_pass_kernel(n, kb, bool(w)) for n, kb, w in kernels)
+    mod = LoadedModule.load(compile_cubin(src, "probe_icache_warm", arch=arch, headers={}).cubin, "probe_icache_warm")
+    try:
+        mhz = torch.cuda.clock_rate()            # the SM clock now (NVML)
+    except Exception:  # noqa: BLE001 - no NVML: the H200's boost clock
+        mhz = 1980
+    cycles = int(spin_us * mhz)
+    print(f"{'N KB':>6} {'primary':>8} {'cold':>8} {'warm pass':>10}")
+    for kb in sizes:
+        for prim in ("spin", "busy"):
+            pf = mod.function(f"primary_{prim}")
+            cells = []
+            for w in (0, 1):
+                name = f"warm{kb}_{w}"
+                func = mod.function(name, SMEM)
+                t = r.times.setdefault(name, torch.zeros(r.sms, dtype=torch.int64, device="cuda"))
+                got = []
+                for _ in range(REPEATS):
+                    r.evictor()
+                    launch(pf, (r.sms, 1, 1), (32, 1, 1), 0, [I64(r.junk.data_ptr()), I64(cycles)], r.stream)
+                    launch(func, (r.sms, 1, 1), (THREADS, 1, 1), SMEM,
+                           [I64(r.junk.data_ptr()), I64(t.data_ptr()), 1.0001], r.stream, pdl=True)
+                    torch.cuda.synchronize()
+                    got.append(r.cycles(name) / kb)
+                cells.append(median(got))
+            print(f"{kb:>6} {prim:>8} {cells[0]:>8.0f} {cells[1]:>10.0f}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="4,8,16,24,32,48,64,96,128,192,256", help="sweep: KB of one kernel's code")
@@ -213,6 +283,8 @@ def main() -> int:
                     help="rotate: CTAs a kernel (8: as b=1's attention, whose CTAs land on whichever SMs are free)")
     ap.add_argument("--spread", default="1,8,32,all", help="spread: CTAs fetching one 32 KB kernel at once")
     ap.add_argument("--gaps", default="8,32,128", help="gaps: instructions a block (32 KB executed)")
+    ap.add_argument("--warm", default="8,16,32", help="warm pass: KB of the dependent's code after its wait")
+    ap.add_argument("--spin-us", type=float, default=20.0, help="warm pass: how long the primary keeps the SMs")
     a = ap.parse_args()
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
@@ -223,6 +295,7 @@ def main() -> int:
         rotate(r, [int(x) for x in a.rotate.split(",")], a.kernels, arch, None if c == "all" else int(c))
     spread(r, 32, [r.sms if x == "all" else int(x) for x in a.spread.split(",")], arch)
     gaps(r, 32, [int(x) for x in a.gaps.split(",")], arch)
+    warm_pass(r, [int(x) for x in a.warm.split(",")], a.spin_us, arch)
     return 0
 
 
