@@ -30,6 +30,15 @@ def test_a_malformed_arm_is_refused(bad):
         perf_ab.parse_arms([bad])
 
 
+def test_an_arm_may_have_its_own_check():
+    arms = perf_ab.parse_arms(["base", f"acq:{OFF}", "al:py m.a=1"])
+    checks = perf_ab.parse_arm_checks(["acq=-j 8 tests/gpu/test_pdl.py -k 'route or x'"], arms)
+    assert checks == {"acq": "-j 8 tests/gpu/test_pdl.py -k 'route or x'"}
+    for bad in ("nope=tests/gpu/test_pdl.py", "acq", "acq=  "):
+        with pytest.raises(ValueError):
+            perf_ab.parse_arm_checks([bad], arms)
+
+
 def test_an_arm_tree_is_the_checkout_with_its_edits(tmp_path):
     (arm,) = perf_ab.parse_arms([f"acq:{OFF}"])
     perf_ab.make_tree(perf_ab.ROOT, str(tmp_path), arm)

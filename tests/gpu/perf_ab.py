@@ -4,7 +4,8 @@
     python3 tests/gpu/perf_ab.py --arm base \
         --arm 'al:py codegen.families._moe_wgmma_skinny.ACT_EVICT_LAST=True' \
         --arm 'fences:sub templates/include/tickets.cuh #define DSG_TICKETS_ACQ_REL 1=>#define DSG_TICKETS_ACQ_REL 0' \
-        [--decode 1x512,8x512,256x512] [--rounds 2] [--check 'tests/gpu/test_kernels_moe.py -k route'] [--out DIR] [--work DIR]
+        [--decode 1x512,8x512,256x512] [--rounds 2] [--check 'tests/gpu/test_kernels_moe.py -k route']
+        [--check-arm 'fences=tests/gpu/test_pdl.py'] [--out DIR] [--work DIR]
 
 An arm is `NAME` (the tree as it is) or `NAME:EDIT` (an --arm of a name given before adds its
 EDIT to that arm), each EDIT one of
@@ -16,9 +17,10 @@ Each arm runs in a copy of the tree (tracked files and untracked ones git does n
 --work, with its own DSGRAPH_CACHE_DIR: the bundle cache keys on the compiler's sources, not on a
 constant set at run time, and a script run from another folder would import the wrong tree.
 --check runs tests/gpu/run_isolated.py with those arguments in every arm that edits something,
-before any bench: a wrong kernel is not timed.  The benches run round by round (every arm once,
-then again), so a drift of the machine falls on every arm alike; the table prints each case's
-step time and the expert kernels' read rate for every arm, all rounds side by side.
+before any bench: a wrong kernel is not timed (--check-arm NAME=ARGS: arm NAME's own instead).
+The benches run round by round (every arm once, then again), so a drift of the machine falls on
+every arm alike; the table prints each case's step time and the expert kernels' read rate for
+every arm, all rounds side by side.
 """
 from __future__ import annotations
 
@@ -73,6 +75,20 @@ def parse_arms(texts: list[str]) -> list[Arm]:
         else:
             raise ValueError(f"arm {name}: an edit is `py ...` or `sub ...`, not {edit!r}")
     return list(arms.values())
+
+
+def parse_arm_checks(texts: list[str], arms: list[Arm]) -> dict[str, str]:
+    """The --check-arm arguments, `NAME=ARGS`: run_isolated.py arguments for that arm instead of
+    --check's (an arm whose edits want other tests than the rest: one call then checks and times
+    them all)."""
+    names = {a.name for a in arms}
+    out: dict[str, str] = {}
+    for text in texts:
+        name, eq, check = text.partition("=")
+        if not eq or name not in names or not check.strip():
+            raise ValueError(f"--check-arm {text!r}: NAME=ARGS with NAME one of the arms ({', '.join(sorted(names))})")
+        out[name] = check
+    return out
 
 
 def tree_files(root: str) -> list[str]:
@@ -137,6 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--check", default=None,
                     help="run_isolated.py arguments (shell quoting), run in every arm that edits")
+    ap.add_argument("--check-arm", action="append", default=[], metavar="NAME=ARGS",
+                    help="run_isolated.py arguments for arm NAME instead of --check's (repeat)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/perf_ab"), help="the benches' JSON and logs")
     ap.add_argument("--work", default="/tmp/perf_ab_work",
                     help="the arms' trees and kernel caches (kept out of --out: the device machine sends back "
@@ -144,6 +162,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         arms = parse_arms(args.arm)
+        arm_checks = parse_arm_checks(args.check_arm, arms)
     except (ValueError, SyntaxError) as e:
         raise SystemExit(f"perf_ab: {e}")
     out, work = os.path.abspath(args.out), os.path.abspath(args.work)
@@ -154,9 +173,10 @@ def main(argv=None) -> int:
         shutil.rmtree(dest, ignore_errors=True)
         make_tree(ROOT, dest, arm, skip=(out, work))
     env = dict(os.environ)
-    if args.check:
-        for arm in (a for a in arms if a.edits):
-            cmd = [sys.executable, "tests/gpu/run_isolated.py", *shlex.split(args.check)]
+    for arm in (a for a in arms if a.edits):
+        check = arm_checks.get(arm.name, args.check)
+        if check:
+            cmd = [sys.executable, "tests/gpu/run_isolated.py", *shlex.split(check)]
             if arm.py:   # the constants reach the tests' own lowering through a sitecustomize of the arm
                 site = os.path.join(trees, arm.name, "_perf_ab_site")
                 os.makedirs(site, exist_ok=True)
