@@ -1,7 +1,7 @@
 """Each b=1 decode kernel's executed code footprint, from Nsight Compute's source counters (a
 script, not a test).
 
-    python3 tests/gpu/perf_footprint.py [--out DIR] [--case 1x512] [--kernels 40]
+    python3 tests/gpu/perf_footprint.py [--out DIR] [--case 1x512] [--kernels 40] [--skip 0]
 
 PERF_NOTES v32: an H200 fetches code that is not in its SMs' instruction caches at ~104 SM cycles
 a KB, and at b=1 a decode layer's kernels each run once between nine others, so the instructions a
@@ -151,7 +151,10 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "footprint") if os.environ.get("OUT") else None,
                     help="where the report, CSVs and cubins go (default: $OUT/footprint, else a temporary directory)")
     ap.add_argument("--case", default="1x512", help="batch x context of the decode step")
-    ap.add_argument("--kernels", type=int, default=40, help="dsgraph launches profiled, from the step's first")
+    ap.add_argument("--kernels", type=int, default=40, help="dsgraph launches profiled")
+    ap.add_argument("--skip", type=int, default=0,
+                    help="dsgraph launches left out first (if ncu is slow: e.g. --skip 10 --kernels 20, the "
+                         "first two MoE layers; their kernels then all count as a layer's)")
     ap.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
     ap.add_argument("--timeout", type=int, default=420, help="seconds ncu may run")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -164,7 +167,7 @@ def main() -> int:
     rep = os.path.join(out, "step")
     if not a.parse:
         cmd = [a.ncu, "--clock-control", "none", "--section", "SourceCounters", "-k", KERNELS,
-               "--launch-count", str(a.kernels), "-f", "-o", rep,
+               "--launch-skip", str(a.skip), "--launch-count", str(a.kernels), "-f", "-o", rep,
                sys.executable, os.path.abspath(__file__), "--child", "--out", out, "--case", a.case]
         try:
             got = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
