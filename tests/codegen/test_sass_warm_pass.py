@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 # (kernel, its switch, the switch's value when on)
-KERNELS = [("deepseek_v2_lite/moe_combine_residual_rms_norm__bf16__k8_d2048__shared2", "DSG_COMBINE_WARM_PASS", 1),
-           ("deepseek_v3/moe_combine_residual_rms_norm__bf16__k9_d7168__shared1", "DSG_COMBINE_WARM_PASS", 1),
+KERNELS = [("deepseek_v2_lite/moe_combine_residual_rms_norm__bf16__k8_d2048__shared2", "DSG_COMBINE_WARM_PASS", 8),
+           ("deepseek_v3/moe_combine_residual_rms_norm__bf16__k9_d7168__shared1", "DSG_COMBINE_WARM_PASS", 8),
            ("deepseek_v2_lite/mla_v_up__bf16__h16_n128_v128_c512__mma_t32_m2", "DSG_VUP_WARM_PASS", 8),
            ("deepseek_v3/mla_v_up__bf16__h128_n128_v128_c512__mma_t32_m2", "DSG_VUP_WARM_PASS", 8)]
 
