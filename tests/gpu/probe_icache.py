@@ -75,6 +75,7 @@ def gapped_kernel(name: str, kb: int, block: int) -> str:
     """kb KB of executed FFMAs in blocks of `block` instructions, each followed by a block of the same
     size behind a branch that is not taken at run time (`skip` is 0): the kernel holds 2 kb KB."""
     n = kb * 1024 // INSTR_BYTES
+
     def fmas(lo: int, operand: str) -> str:
         return "".join(f'  asm volatile("fma.rn.f32 %0, %0, %1, %0;" : "+f"(x{k % 8}) : "f"({operand}));\n'
                        for k in range(lo, lo + block))
