@@ -475,6 +475,24 @@ __device__ __forceinline__ void fp32_store(const Mats<float, sizeof...(ROWS)>& m
 
 // ---- the kernel body -----------------------------------------------------------------------------
 
+// The 16-bit path at NT n8 token tiles: the tiles, then the reduction and stores.  Where a warm trip
+// may run (DSG_SKINNY_WARM_PASS: up to that many tokens, so NT == 2 only above 8), mma_tiles runs
+// the reduction itself at the end of each trip (its finish).
+template <typename T, int K, int WARPS, int RT, int U, int NT, int KS, bool SILU, int... ROWS>
+__device__ __forceinline__ void mma_linear(const T* __restrict__ x, i64 x_stride, const Mats<T, sizeof...(ROWS)>& m,
+                                           int ntok, int row0, float* red, bool vec) {
+  if constexpr (DSG_SKINNY_WARM_PASS > 8 * (NT - 1)) {
+    const bool warm = ntok <= DSG_SKINNY_WARM_PASS;
+    auto finish = [&](bool store) { mma_store<T, WARPS, RT, NT, KS, SILU, ROWS...>(m, ntok, row0, red, store); };
+    if (vec) mma_tiles<T, K, WARPS, RT, U, NT, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red, warm, finish);
+    else mma_tiles<T, K, WARPS, RT, U, NT, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red, warm, finish);
+  } else {
+    if (vec) mma_tiles<T, K, WARPS, RT, U, NT, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+    else mma_tiles<T, K, WARPS, RT, U, NT, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+    mma_store<T, WARPS, RT, NT, KS, SILU, ROWS...>(m, ntok, row0, red);
+  }
+}
+
 // y_i = x @ W_i^T for ntok <= MAX_TOKENS tokens (the lowering's grid is 0 above; a larger ntok
 // would leave the outputs unwritten, which the property tests' poisoned outputs would catch).
 // KS: CTAs per cluster along x (the kernel is declared __cluster_dims__(KS, 1, 1) when KS > 1); the
@@ -491,35 +509,8 @@ __device__ __forceinline__ void linear(const T* __restrict__ x, i64 x_stride, co
     else fp32_tiles<K, WARPS, RT, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
     fp32_store<WARPS, RT, KS, SILU, ROWS...>(m, ntok, row0, red);
   } else {
-#if DSG_SKINNY_WARM_PASS
-    // the reduction at the end of each trip (mma_tiles' WARM)
-    const bool warm = ntok <= DSG_SKINNY_WARM_PASS;
-    auto finish1 = [&](bool store) { mma_store<T, WARPS, RT, 1, KS, SILU, ROWS...>(m, ntok, row0, red, store); };
-    auto finish2 = [&](bool store) { mma_store<T, WARPS, RT, 2, KS, SILU, ROWS...>(m, ntok, row0, red, store); };
-    if (ntok <= 8) {
-      if (vec) mma_tiles<T, K, WARPS, RT, U, 1, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red, warm,
-                                                                         finish1);
-      else mma_tiles<T, K, WARPS, RT, U, 1, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red, warm, finish1);
-    } else if constexpr (DSG_SKINNY_WARM_PASS > 8) {
-      if (vec) mma_tiles<T, K, WARPS, RT, U, 2, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red, warm,
-                                                                         finish2);
-      else mma_tiles<T, K, WARPS, RT, U, 2, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red, warm, finish2);
-    } else {   // no warm pass above 8 tokens: the kernel as it was
-      if (vec) mma_tiles<T, K, WARPS, RT, U, 2, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
-      else mma_tiles<T, K, WARPS, RT, U, 2, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
-      mma_store<T, WARPS, RT, 2, KS, SILU, ROWS...>(m, ntok, row0, red);
-    }
-#else
-    if (ntok <= 8) {
-      if (vec) mma_tiles<T, K, WARPS, RT, U, 1, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
-      else mma_tiles<T, K, WARPS, RT, U, 1, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
-      mma_store<T, WARPS, RT, 1, KS, SILU, ROWS...>(m, ntok, row0, red);
-    } else {
-      if (vec) mma_tiles<T, K, WARPS, RT, U, 2, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
-      else mma_tiles<T, K, WARPS, RT, U, 2, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
-      mma_store<T, WARPS, RT, 2, KS, SILU, ROWS...>(m, ntok, row0, red);
-    }
-#endif
+    if (ntok <= 8) mma_linear<T, K, WARPS, RT, U, 1, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red, vec);
+    else mma_linear<T, K, WARPS, RT, U, 2, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red, vec);
   }
   DSG_PHASE_EXIT();   // phases.cuh
 }

@@ -15,7 +15,7 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 // Loads through L2 only (ld.global.cg: no L1 line keeps what they saw) that the compiler may
 // neither hoist, merge nor drop (asm volatile, ordered against the kernel's other memory
 // operations): a kernel that reads the same address before its PDL wait and again after it
-// (a warm pass, moe_combine_residual_rms_norm.cu.j2) must load it twice.  __ldcg is not enough:
+// (a warm pass: pdl.cuh) must load it twice.  __ldcg is not enough:
 // through a const __restrict__ pointer the compiler may take the value as fixed for the whole
 // kernel and load it once, before the wait.
 __device__ __forceinline__ uint4 ld_cg_fresh16(const void* p) {
