@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from codegen.kernel import DEFAULTS
@@ -32,7 +34,7 @@ from .memory import MemoryEstimate, check_fits, weight_bytes
 from .model_loader import (compile_graphs, eos_token_ids, load_config, load_model_weights, manifest_weight_specs,
                            random_weights, resolve_spec, weight_specs)
 from .parallel import check_ranks_agree, init_parallel
-from .sampling import SamplingParams, make_generator, sample_next, token_id_tuple
+from .sampling import SamplingParams, as_integer, make_generator, sample_next, token_id_tuple
 from .scheduler import Scheduler, Sequence
 
 BACKENDS = ("reference", "cuda")
@@ -49,14 +51,33 @@ class GenerationOutput:
     logits: torch.Tensor | None = None    # [new, vocab] float32 when SamplingParams.return_logits
 
 
-def _as_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in table:
-        raise InputError(f"dtype must be one of {', '.join(table)}, got {dtype!r}")
-    return table[dtype]
+# dtype names the API takes besides torch dtypes (the CLI's --dtype spellings among them).
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64, "fp64": torch.float64}
+# What each backend computes in: the reference backend's torch ops run in any float dtype (float64 is
+# a reference for the others); the generated kernels are written for the 2- and 4-byte ones only.
+BACKEND_DTYPES = {"reference": (torch.float32, torch.bfloat16, torch.float16, torch.float64),
+                  "cuda": (torch.bfloat16, torch.float16, torch.float32)}
+DEVICES = "cpu, cuda or cuda:N"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _as_dtype(dtype, backend: str = "reference") -> torch.dtype:
+    """`dtype` (a torch dtype or a name in DTYPE_NAMES) as a torch dtype that `backend` computes in."""
+    if not isinstance(dtype, torch.dtype):
+        if not isinstance(dtype, str) or dtype not in DTYPE_NAMES:
+            raise InputError(f"dtype must be a torch dtype or one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
+        dtype = DTYPE_NAMES[dtype]
+    accepted = BACKEND_DTYPES[backend]
+    if dtype not in accepted:
+        elsewhere = [b for b, dtypes in BACKEND_DTYPES.items() if dtype in dtypes]
+        hint = f" ({_dtype_name(dtype)} runs on backend='{elsewhere[0]}')" if elsewhere else ""
+        raise InputError(f"backend='{backend}' computes in {', '.join(map(_dtype_name, accepted))}, "
+                         f"got dtype={_dtype_name(dtype)}{hint}")
+    return dtype
 
 
 def check_device(backend: str, device) -> torch.device:
@@ -67,20 +88,72 @@ def check_device(backend: str, device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise InputError(f"device {device!r} is not a torch device: {e}") from None
+        raise InputError(f"device {device!r} is not a torch device ({e}); use {DEVICES}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"device={str(dev)!r} is not one dsgraph runs on; use {DEVICES}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"device={dev} needs a CUDA GPU and torch sees none (torch {torch.__version__}, "
                          f"CUDA build: {torch.version.cuda or 'none'}); use device='cpu' with backend='reference'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InputError(f"device={dev} but torch sees {torch.cuda.device_count()} GPU(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     if backend == "cuda" and dev.type != "cuda":
         raise InputError(f"backend='cuda' runs the generated kernels on a CUDA device, got device={dev}; "
                          f"use device='cuda', or backend='reference' on the CPU")
     return dev
 
 
+def _count(value, what: str, default, meaning: str) -> int | None:
+    """An engine argument that counts something (tokens, blocks, sequences) as an int >= 1;
+    None is `default` (itself None where the engine works the value out)."""
+    if value is None:
+        return default
+    n = as_integer(value)
+    if n is None or n < 1:
+        raise InputError(f"{what} must be >= 1 (a whole number {meaning}), got {value!r}")
+    return n
+
+
+def check_cache_args(*, block_size=None, num_blocks=None, max_seq_len=None, max_num_seqs=None) -> dict:
+    """The cache and batch arguments, as ints, each checked before anything is built (none of them
+    is worth a compile or a weight read when it is 0, negative, fractional or a string).  Any
+    block_size >= 1 is one the cache and the kernels take (a block is just block_size rows)."""
+    return {"block_size": _count(block_size, "block_size", DEFAULTS.block_size, "of tokens per cache block"),
+            "num_blocks": _count(num_blocks, "num_blocks", None, "of cache blocks; None: sized to the device"),
+            "max_seq_len": _count(max_seq_len, "max_seq_len", None, f"of tokens; None: the smaller of "
+                                  f"{DEFAULT_MAX_SEQ_LEN} and the model's max_positions"),
+            "max_num_seqs": _count(max_num_seqs, "max_num_seqs", DEFAULT_MAX_NUM_SEQS,
+                                   "of sequences run together")}
+
+
 def _backend_and_device(backend: str | None, device, bundle) -> tuple[str, torch.device]:
     """The defaults (a bundle runs on cuda; cuda runs on the GPU), checked."""
     backend = backend or ("cuda" if bundle is not None else "reference")
     return backend, check_device(backend, device if device is not None else ("cuda" if backend == "cuda" else "cpu"))
+
+
+# What from_pretrained / from_spec pass on besides their own parameters: the Engine's cache, batch
+# and stop arguments, and the parallel and launch switches that _assemble reads.
+CACHE_ARGS = ("block_size", "num_blocks", "max_seq_len", "max_num_seqs")
+ENGINE_OPTIONS = (*CACHE_ARGS, "eos_token_ids", "tp", "pdl")
+
+
+def _check_call(caller: str, backend, device, dtype, bundle, options: dict) -> tuple[str, torch.device, object, dict]:
+    """A constructor's (backend, device, dtype, options), checked before anything is read, compiled or
+    allocated.  dtype stays None where a bundle gives it; options' cache arguments become ints (None
+    stays None: the default, or a bundle's block size).  An unknown option is the TypeError Python
+    gives any function, here rather than after the weights are read."""
+    for name in options:
+        if name not in ENGINE_OPTIONS:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+    backend, device = _backend_and_device(backend, device, bundle)
+    if dtype is not None:
+        dtype = _as_dtype(dtype, backend)
+    checked = check_cache_args(**{k: options[k] for k in CACHE_ARGS if k in options})
+    options = {**options, **{k: checked[k] for k in CACHE_ARGS if options.get(k) is not None}}
+    if "eos_token_ids" in options:
+        options["eos_token_ids"] = token_id_tuple(options["eos_token_ids"], "eos_token_ids")
+    return backend, device, dtype, options
 
 
 def cache_plan(spec: Spec, *, block_size: int, dtype: torch.dtype, device: torch.device,
@@ -91,11 +164,13 @@ def cache_plan(spec: Spec, *, block_size: int, dtype: torch.dtype, device: torch
     budget: CPU_CACHE_BUDGET on the CPU, GPU_CACHE_FRACTION of the free memory on a GPU.
     """
     dims = spec.dims
-    if block_size < 1:
-        raise InputError(f"block_size must be >= 1, got {block_size}")
+    args = check_cache_args(block_size=block_size, num_blocks=num_blocks, max_seq_len=max_seq_len,
+                            max_num_seqs=max_num_seqs)
+    block_size, num_blocks, max_seq_len, max_num_seqs = (
+        args["block_size"], args["num_blocks"], args["max_seq_len"], args["max_num_seqs"])
     if max_seq_len is not None and max_seq_len > dims["max_positions"]:
         raise InputError(f"max_seq_len={max_seq_len} exceeds the model's max_positions={dims['max_positions']}")
-    max_seq_len = min(max_seq_len or DEFAULT_MAX_SEQ_LEN, dims["max_positions"])
+    max_seq_len = min(DEFAULT_MAX_SEQ_LEN if max_seq_len is None else max_seq_len, dims["max_positions"])
     blocks_per_seq = math.ceil(max_seq_len / block_size)
     if num_blocks is None:
         per_block = PagedLatentCache.bytes_per_block(dims["layers"], block_size, spec.model.cache_width, dtype)
@@ -105,8 +180,6 @@ def cache_plan(spec: Spec, *, block_size: int, dtype: torch.dtype, device: torch
         else:
             budget = CPU_CACHE_BUDGET
         num_blocks = max(1, min(blocks_per_seq * max_num_seqs, budget // per_block))
-    if num_blocks < 1:
-        raise InputError(f"num_blocks must be >= 1, got {num_blocks}")
     return max_seq_len, blocks_per_seq, num_blocks
 
 
@@ -117,6 +190,7 @@ def estimate_memory(spec: Spec, specs: dict, *, dtype: torch.dtype, device: torc
     """Weights plus KV cache, before either exists.  On a GPU the default cache takes a share
     of whatever is free after the weights, so only one full-length sequence's blocks count.
     `specs`: the WeightSpecs the model binds (from the graphs, or from a bundle's manifest)."""
+    block_size = check_cache_args(block_size=block_size)["block_size"]   # None: the default
     _, blocks_per_seq, planned = cache_plan(
         spec, block_size=block_size, dtype=dtype, device=torch.device("cpu") if device.type == "cuda" else device,
         max_seq_len=max_seq_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks)
@@ -137,13 +211,14 @@ class Engine:
         # the graphs'; None for an engine assembled by hand): runtime/hf_layout.py maps it
         self.weight_specs = weight_specs
         self.device = check_device(backend, device)
-        self.dtype = _as_dtype(dtype)
+        self.dtype = _as_dtype(dtype, backend)
+        args = check_cache_args(block_size=block_size, num_blocks=num_blocks, max_seq_len=max_seq_len,
+                                max_num_seqs=max_num_seqs)
+        block_size, max_num_seqs = args["block_size"], args["max_num_seqs"]
         self.block_size = block_size
         dims = spec.dims
         self.vocab = dims["vocab"]
-        self.max_seq_len, blocks_per_seq, num_blocks = cache_plan(
-            spec, block_size=block_size, dtype=self.dtype, device=self.device, max_seq_len=max_seq_len,
-            max_num_seqs=max_num_seqs, num_blocks=num_blocks)
+        self.max_seq_len, blocks_per_seq, num_blocks = cache_plan(spec, dtype=self.dtype, device=self.device, **args)
         # The model's end-of-sequence ids: generation stops there unless SamplingParams.ignore_eos.
         self.eos_token_ids = token_id_tuple(eos_token_ids, "eos_token_ids")
         self.cache = PagedLatentCache(dims["layers"], num_blocks, block_size, spec.model.cache_width, self.dtype, self.device)
@@ -175,7 +250,12 @@ class Engine:
         launch the kernels that keep the contract with programmatic dependent launch (True,
         dsgraph's default) or not (False, for an A/B); None runs a given bundle as compiled.
         """
-        backend, device = _backend_and_device(backend, device, bundle)   # before anything is read
+        if not isinstance(model_dir, (str, os.PathLike)):
+            raise InputError(f"model_dir must be a checkpoint directory (a str or os.PathLike path), got {model_dir!r}")
+        if not (progress is None or isinstance(progress, bool) or callable(progress)):
+            raise InputError(f"progress must be None, True, False or a callable progress(done, total), got {progress!r}")
+        backend, device, dtype, kwargs = _check_call("Engine.from_pretrained", backend, device, dtype, bundle,
+                                                     kwargs)   # before anything is read
         config = load_config(model_dir)
         kwargs.setdefault("eos_token_ids", eos_token_ids(model_dir, config))
 
@@ -190,6 +270,13 @@ class Engine:
         """A spec (or a bundle) with random weights, no checkpoint: for benchmarks and smoke runs.
         `weights` ({bound name: tensor}, e.g. taken from a transformers model in memory) replaces
         the random ones."""
+        backend, device, dtype, kwargs = _check_call("Engine.from_spec", backend, device, dtype, bundle, kwargs)
+        if as_integer(seed) is None or as_integer(seed) < 0:
+            raise InputError(f"seed (of the random weights) must be an integer >= 0, got {seed!r}")
+        seed = as_integer(seed)
+        if weights is not None and not isinstance(weights, dict):
+            raise InputError(f"weights must be a dict {{bound name: tensor}} or None, got {type(weights).__name__}")
+
         def draw(specs, spec, dtype, device):
             if weights is None:
                 return random_weights(specs, dtype=dtype, device=device, seed=seed)
@@ -205,15 +292,14 @@ class Engine:
     def _assemble(cls, spec, config, read_weights, what: str, *, backend, device, dtype, bundle, cache_dir,
                   **kwargs):
         """The one path from (spec | bundle) to an engine.  The device is checked before anything
-        is read and the memory before anything is allocated; `read_weights(specs, spec, dtype,
-        device)` then supplies the weights the backend binds."""
-        backend, device = _backend_and_device(backend, device, bundle)
+        is read (_check_call, by the caller) and the memory before anything is allocated;
+        `read_weights(specs, spec, dtype, device)` then supplies the weights the backend binds."""
         tp = kwargs.pop("tp", None)
         pdl = kwargs.pop("pdl", None)   # the cuda backend's launches; the reference backend launches none
         if backend == "reference":
             if bundle is not None:
                 raise InputError("a bundle runs on backend='cuda'; the reference backend runs the spec itself")
-            dtype = _as_dtype(dtype or torch.float32)
+            dtype = dtype or torch.float32
             spec = resolve_spec(spec, config)
             check_parallel(spec, 1 if tp is None else tp)     # before any process group is joined
             world, rank, device = init_parallel(tp, device)   # tp > 1: this process is one rank (runtime/parallel.py)
@@ -234,11 +320,11 @@ class Engine:
         world, rank, device = init_parallel(tp, device)
         # tp > 1: one bundle for every rank (compiled for `world`); this process runs rank `rank`'s plan.
         loaded = open_bundle(spec, bundle_dir=bundle, device=device,
-                             dtype=_as_dtype(dtype) if dtype is not None else None,
+                             dtype=dtype,
                              block_size=kwargs.pop("block_size", None), cache_dir=cache_dir, world=world, rank=rank,
                              pdl=pdl)
         spec = parse_spec(loaded.spec_text, loaded.manifest["spec"]["file"])
-        dtype, block_size = _as_dtype(loaded.options["dtype"]), loaded.options["block_size"]
+        dtype, block_size = _as_dtype(loaded.options["dtype"], "cuda"), loaded.options["block_size"]
         specs = manifest_weight_specs(loaded.weights)    # the rank's slices
         check_fits(estimate_memory(spec, specs, dtype=dtype, device=device, block_size=block_size, **kwargs),
                    device, f"{spec.name} {what}" + (f" (rank {rank} of {world})" if world > 1 else ""))

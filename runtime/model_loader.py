@@ -146,11 +146,12 @@ def progress_bar(desc: str = "loading weights"):
 
 def load_model_weights(model_dir, specs: dict[str, WeightSpec], spec: Spec, *, dtype, device,
                        progress=None) -> dict[str, torch.Tensor]:
-    """``progress``: None, True (a tqdm bar, see progress_bar) or a ``progress(done, total)`` callable."""
+    """``progress``: None or False (quiet), True (a tqdm bar, see progress_bar) or a
+    ``progress(done, total)`` callable."""
     ckpt = Checkpoint.open(model_dir)
     return load_weights(ckpt, specs, dtype=dtype, device=device,
                         ignore=unused_checkpoint_tensors(spec.dims["layers"]),
-                        progress=progress_bar() if progress is True else progress)
+                        progress=progress_bar() if progress is True else None if progress is False else progress)
 
 
 def random_weights(specs: dict[str, WeightSpec], *, dtype, device, seed: int = 0,

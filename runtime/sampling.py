@@ -10,6 +10,7 @@ Dimension legend: B batch rows, V vocabulary, K kept candidates.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,17 @@ import torch
 from runtime.errors import InputError
 
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range for non-negative seeds
+
+
+def as_integer(x) -> int | None:
+    """`x` as an int when it is a whole number (a Python or numpy integer, a 0-d integer tensor:
+    anything with __index__), else None.  A bool is refused: True as a token id is a mistake."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 def _is_int(x) -> bool:

@@ -1,0 +1,132 @@
+"""The Python API's checks on what a user passes: engine arguments refused before anything is compiled,
+read or allocated."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import Engine, InputError, SamplingParams
+from runtime import engine as engine_mod
+from runtime.model_loader import checkpoint_tensors, weight_specs
+from tiny_engine import CONFIG, compiled, make_engine, prompts
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "model_specs" / "deepseek_tiny.yaml")
+BS = 4
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """Fail the test if the spec would be compiled or any weight drawn or read."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled, drawn or read before the arguments were checked")
+    for name in ("compile_graphs", "random_weights", "load_model_weights", "load_config"):
+        monkeypatch.setattr(engine_mod, name, refuse)
+
+
+# -- engine arguments: one InputError line, before anything is built -------------------------------
+
+BAD_ENGINE_ARGS = [
+    (dict(max_num_seqs=0), r"max_num_seqs must be >= 1 \(a whole number of sequences run together\), got 0"),
+    (dict(max_num_seqs=-1), r"max_num_seqs must be >= 1 .*got -1"),
+    (dict(max_num_seqs=2.0), r"max_num_seqs must be >= 1 .*got 2\.0"),
+    (dict(block_size=2.5), r"block_size must be >= 1 \(a whole number of tokens per cache block\), got 2\.5"),
+    (dict(block_size="16"), r"block_size must be >= 1 .*got '16'"),
+    (dict(block_size=True), r"block_size must be >= 1 .*got True"),
+    (dict(num_blocks=-3), r"num_blocks must be >= 1 .*got -3"),
+    (dict(num_blocks=1.5), r"num_blocks must be >= 1 .*got 1\.5"),
+    (dict(max_seq_len=0), r"max_seq_len must be >= 1 \(a whole number of tokens; None: the smaller of 8192 and "
+                          r"the model's max_positions\), got 0"),
+    (dict(max_seq_len=1.5), r"max_seq_len must be >= 1 .*got 1\.5"),
+    (dict(max_seq_len=-5), r"max_seq_len must be >= 1 .*got -5"),
+    (dict(seed="a"), r"seed \(of the random weights\) must be an integer >= 0, got 'a'"),
+    (dict(seed=-1), r"seed \(of the random weights\) must be an integer >= 0, got -1"),
+    (dict(device="meta"), r"device='meta' is not one dsgraph runs on; use cpu, cuda or cuda:N"),
+    (dict(device=""), r"device '' is not a torch device .*; use cpu, cuda or cuda:N"),
+    (dict(dtype=torch.int32), r"backend='reference' computes in float32, bfloat16, float16, float64, got dtype=int32"),
+    (dict(dtype="int8"), r"dtype must be a torch dtype or one of float32, fp32, .*got 'int8'"),
+    (dict(dtype=["bf16"]), r"dtype must be a torch dtype or one of .*got \['bf16'\]"),
+    (dict(eos_token_ids=[-1]), r"eos_token_ids must hold non-negative integers, got -1"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", BAD_ENGINE_ARGS, ids=[str(k) for k, _ in BAD_ENGINE_ARGS])
+def test_bad_engine_arguments_are_one_line_before_anything_is_built(kwargs, message, nothing_built):
+    with pytest.raises(InputError, match=message) as info:
+        Engine.from_spec(TINY, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [(k, m) for k, m in BAD_ENGINE_ARGS if "seed" not in k])
+def test_the_checkpoint_constructor_checks_the_same(kwargs, message, tmp_path, nothing_built):
+    with pytest.raises(InputError, match=message):
+        Engine.from_pretrained(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_num_seqs=0), dict(max_num_seqs=-1), dict(max_seq_len=0),
+                                    dict(block_size=2.5), dict(dtype=torch.int32), dict(device="meta")])
+def test_the_engine_itself_checks_the_same(kwargs):
+    with pytest.raises(InputError):
+        make_engine(**kwargs)
+
+
+def test_an_unknown_keyword_fails_before_anything_is_built(tmp_path, nothing_built):
+    with pytest.raises(TypeError, match=r"Engine.from_spec\(\) got an unexpected keyword argument 'foo'"):
+        Engine.from_spec(TINY, foo=1)
+    with pytest.raises(TypeError, match=r"Engine.from_pretrained\(\) got an unexpected keyword argument 'backend_impl'"):
+        Engine.from_pretrained(tmp_path, backend_impl=object())
+
+
+def test_bad_checkpoint_arguments(nothing_built, tmp_path):
+    with pytest.raises(InputError, match=r"model_dir must be a checkpoint directory .*got None"):
+        Engine.from_pretrained(None)
+    with pytest.raises(InputError, match=r"progress must be None, True, False or a callable .*got 5"):
+        Engine.from_pretrained(tmp_path, progress=5)
+
+
+def test_none_means_the_default_and_numpy_integers_count():
+    engine = make_engine(block_size=np.int64(8), max_seq_len=None, max_num_seqs=np.int32(2), num_blocks=np.int64(5))
+    assert (engine.block_size, engine.max_num_seqs, engine.tables.allocator.num_blocks) == (8, 2, 5)
+    assert engine.max_seq_len == 128          # the tiny model's max_positions, below the 8192 default
+    assert type(engine.block_size) is int
+
+
+def test_each_backend_names_the_dtypes_it_computes_in():
+    assert engine_mod._as_dtype("fp64") is torch.float64          # the reference backend's ground truth
+    with pytest.raises(InputError, match=r"backend='cuda' computes in bfloat16, float16, float32, got dtype=float64 "
+                                         r"\(float64 runs on backend='reference'\)"):
+        engine_mod._as_dtype(torch.float64, "cuda")
+
+
+def test_a_float64_reference_engine_runs():
+    engine = make_engine(dtype=torch.float64)
+    (out,) = engine.generate(prompts([3], seed=1), SamplingParams(max_new_tokens=2))
+    assert len(out.token_ids) == 2
+
+
+def _write_checkpoint(model_dir: Path, poison: str | None = None) -> Path:
+    """The tiny model as a Hugging Face checkpoint (config.json + safetensors); `poison`: a tensor
+    given one NaN."""
+    from safetensors.torch import save_file
+    model, weights = compiled()
+    tensors = {k: t.clone().contiguous() for k, t in checkpoint_tensors(weight_specs(model.graphs), weights).items()}
+    if poison is not None:
+        tensors[poison].view(-1)[3] = float("nan")
+    model_dir.mkdir()
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    (model_dir / "config.json").write_text(json.dumps(CONFIG))
+    return model_dir
+
+
+def test_progress_false_is_quiet(tmp_path):
+    calls = []
+    model_dir = _write_checkpoint(tmp_path / "ck")
+    for progress in (False, lambda done, total: calls.append(done)):
+        engine = Engine.from_pretrained(model_dir, progress=progress, block_size=BS)
+        assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids
+    assert calls and calls[0] == 0
+
