@@ -27,7 +27,7 @@ from ir.context import StepContext
 from ir.parallel import check_parallel
 from ir.spec import Spec, parse_spec
 
-from .errors import InputError
+from .errors import CacheFullError, InputError
 from .h2d import upload_together
 from .kv_cache import BlockAllocator, BlockTables, PagedLatentCache
 from .memory import MemoryEstimate, check_fits, weight_bytes
@@ -360,6 +360,35 @@ class Engine:
             out.append(list(p))
         return out
 
+    def _check_params(self, prompts: list[list[int]], params) -> list[SamplingParams]:
+        """One SamplingParams per prompt."""
+        if params is None:
+            params = SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InputError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        for i, sp in enumerate(plist):
+            if not isinstance(sp, SamplingParams):
+                raise InputError(f"params must be SamplingParams, got {type(sp).__name__}")
+        return plist
+
+    def _new_tokens(self, prompt_len: int, max_new_tokens: int) -> int:
+        """How many tokens a request generates at most: max_new_tokens, capped where the sequence
+        reaches max_seq_len (as _advance caps it; a prompt of max_seq_len tokens still gets one)."""
+        return min(max_new_tokens, max(1, self.max_seq_len - prompt_len))
+
+    def _check_fits_cache(self, needs: list[tuple[int, str]], fix: str) -> None:
+        """Refuse, before anything runs, a request that needs more cache rows than the whole cache
+        holds.  `needs`: per prompt, (rows, how they add up).  Every request that passes fits the
+        cache alone, which is all the scheduler needs to finish every one (Scheduler._never_fits)."""
+        blocks, bs = self.tables.allocator.num_blocks, self.block_size
+        for i, (rows, why) in enumerate(needs):
+            if rows > blocks * bs:
+                raise CacheFullError(
+                    f"prompt {i} needs {rows} tokens of KV cache ({why}) but the whole cache holds {blocks * bs} "
+                    f"(num_blocks={blocks} x block_size={bs}); {fix}",
+                    needed=-(-rows // bs), free=self.tables.free_blocks)
+
     # ---- one step -----------------------------------------------------------------------------
     def _step(self, phase: str, seqs: list[Sequence], *, last_only: bool = False) -> torch.Tensor:
         """Run the new tokens of ``seqs`` (prefill: all uncached; decode: the last one); logits [T, vocab],
@@ -421,16 +450,17 @@ class Engine:
         if decode_after is not None and (isinstance(decode_after, bool) or not isinstance(decode_after, int)
                                          or decode_after < 1):
             raise InputError(f"decode_after must be None or an integer >= 1, got {decode_after!r}")
+        self._check_fits_cache([(len(p), "its length") for p in prompts], "raise num_blocks")
         results: list[torch.Tensor | None] = [None] * len(prompts)
         pending = list(enumerate(prompts))
         while pending:
             batch = []
             for i, p in pending:
-                seq = Sequence(next(self._seq_ids), p, SamplingParams(), None)
+                seq = Sequence(next(self._seq_ids), p, SamplingParams(), None, i)
                 need = self.tables.blocks_needed(seq.seq_id, len(p))
                 if batch and (need > self.tables.free_blocks or len(batch) >= self.max_num_seqs):
                     break
-                self.tables.reserve(seq.seq_id, len(p))  # raises CacheFullError if even one prompt cannot fit
+                self.tables.reserve(seq.seq_id, len(p))  # alone, a prompt fits (_check_fits_cache)
                 batch.append((i, seq))
             try:
                 self._logits_batch([s for _, s in batch], decode_after, results, [i for i, _ in batch])
@@ -473,18 +503,16 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationOutput]:
         prompts = self._check_prompts(prompts)
-        if params is None:
-            params = SamplingParams()
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise InputError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        plist = self._check_params(prompts, params)
+        news = [self._new_tokens(len(p), sp.max_new_tokens) for p, sp in zip(prompts, plist)]
+        # The last new token is sampled, never fed back: it takes no cache row.
+        self._check_fits_cache([(len(p) + n - 1, f"{len(p)} prompt + {n} new tokens, less the last, never cached")
+                                for p, n in zip(prompts, news)], "raise num_blocks or lower max_new_tokens")
         sched = Scheduler(self.tables, self.max_num_seqs, max_prefill_tokens=max(self.max_seq_len, 8192))
         seqs = []
-        for p, sp in zip(prompts, plist):
-            if not isinstance(sp, SamplingParams):
-                raise InputError(f"params must be SamplingParams, got {type(sp).__name__}")
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
             gen = None if sp.greedy else make_generator(sp.seed, self.device)
-            seq = Sequence(next(self._seq_ids), p, sp, gen)
+            seq = Sequence(next(self._seq_ids), p, sp, gen, i)
             seqs.append(seq)
             sched.add(seq)
         try:

@@ -23,6 +23,7 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     generator: torch.Generator | None
+    index: int                         # the prompt's position in the call: what messages name (seq_id is internal)
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
@@ -72,9 +73,9 @@ class Scheduler:
                 break
             try:
                 self.tables.reserve(seq.seq_id, n)
-            except CacheFullError:
-                if not self.running and not batch:
-                    raise  # alone and still no room: nothing to wait for
+            except CacheFullError as e:
+                if not self.running and not batch:   # alone and still no room: nothing to wait for
+                    raise self._never_fits(seq, e) from None
                 break
             self.waiting.pop(0)
             seq.cached = 0
@@ -92,15 +93,22 @@ class Scheduler:
             try:
                 self.tables.reserve(seq.seq_id, seq.num_tokens)
                 i += 1
-            except CacheFullError:
+            except CacheFullError as e:
                 victim = ready[-1]
                 if victim is seq and len(ready) == 1:
-                    raise CacheFullError(
-                        f"sequence {seq.seq_id} needs more KV-cache blocks than the whole cache has "
-                        f"({self.tables.free_blocks} free); raise num_blocks or lower max_new_tokens") from None
+                    raise self._never_fits(seq, e) from None
                 self._preempt(victim)
                 ready.remove(victim)
         return ready
+
+    def _never_fits(self, seq: Sequence, e: CacheFullError) -> CacheFullError:
+        """The error for a sequence that holds every block it can get and still needs more.  The
+        engine refuses such a request before it runs (Engine._check_fits_cache), so with its
+        checks this never fires: then the oldest running sequence is never preempted, and once it
+        runs alone the whole cache is its own, so every generate call finishes."""
+        holds = self.tables.allocator.num_blocks * self.tables.block_size
+        return CacheFullError(f"prompt {seq.index} needs {seq.num_tokens} tokens of KV cache but the whole cache "
+                              f"holds {holds}; raise num_blocks or lower max_new_tokens", needed=e.needed, free=e.free)
 
     def _preempt(self, seq: Sequence) -> None:
         self.tables.release(seq.seq_id)

@@ -1,5 +1,6 @@
 """The Python API's checks on what a user passes: engine arguments refused before anything is compiled,
-read or allocated."""
+read or allocated; a request that can never fit the cache refused before anything runs, naming its
+prompt index."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import Engine, InputError, SamplingParams
+from runtime import CacheFullError, Engine, InputError, SamplingParams
 from runtime import engine as engine_mod
 from runtime.model_loader import checkpoint_tensors, weight_specs
 from tiny_engine import CONFIG, compiled, make_engine, prompts
@@ -129,4 +130,54 @@ def test_progress_false_is_quiet(tmp_path):
         engine = Engine.from_pretrained(model_dir, progress=progress, block_size=BS)
         assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))[0].token_ids
     assert calls and calls[0] == 0
+
+
+# -- a request that can never fit the cache: refused up front, by prompt index ---------------------------
+
+def test_a_request_that_can_never_fit_is_refused_before_anything_runs(monkeypatch):
+    engine = make_engine(block_size=BS, num_blocks=3)                      # 12 token slots in all
+    engine.logits([[1, 2]])                                                # internal ids move on
+    steps = []
+    original = engine._step
+    monkeypatch.setattr(engine, "_step", lambda *a, **k: steps.append(a[0]) or original(*a, **k))
+    with pytest.raises(CacheFullError, match=r"^prompt 1 needs 24 tokens of KV cache \(5 prompt \+ 20 new tokens, "
+                                             r"less the last, never cached\) but the whole cache holds 12 "
+                                             r"\(num_blocks=3 x block_size=4\); raise num_blocks or lower "
+                                             r"max_new_tokens$") as info:
+        engine.generate([[1, 2], [1] * 5], [SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=20)])
+    assert (info.value.needed, info.value.free) == (6, 3)
+    assert steps == [] and engine.tables.free_blocks == 3
+    with pytest.raises(CacheFullError, match=r"^prompt 0 needs 13 tokens of KV cache \(its length\) but the whole "
+                                             r"cache holds 12"):
+        engine.logits([[1] * 13])
+    assert steps == [] and engine.tables.free_blocks == 3
+
+
+def test_a_request_that_fills_the_whole_cache_exactly_runs():
+    engine = make_engine(block_size=BS, num_blocks=3)
+    (p,) = prompts([5], seed=3)
+    (out,) = engine.generate([p], SamplingParams(max_new_tokens=8, ignore_eos=True))   # 5 + 8 - 1 = 12 rows
+    assert len(out.token_ids) == 8
+    assert out.token_ids == make_engine(block_size=BS).generate([p], SamplingParams(max_new_tokens=8))[0].token_ids
+
+
+def test_max_seq_len_caps_what_a_request_needs():
+    engine = make_engine(block_size=BS, num_blocks=3, max_seq_len=12)
+    (out,) = engine.generate(prompts([10], seed=4), SamplingParams(max_new_tokens=50))   # 10 + 2 - 1 rows
+    assert len(out.token_ids) == 2 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_requests_that_each_fit_alone_all_finish(seed):
+    """The biggest request fills the whole cache: preemption must still finish every one, with no
+    CacheFullError mid-run."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 6))
+    ps = prompts([int(rng.integers(1, 9)) for _ in range(n)], seed=50 + seed)
+    params = [SamplingParams(max_new_tokens=int(rng.integers(1, 10))) for _ in range(n)]
+    blocks = max(-(-(len(p) + sp.max_new_tokens - 1) // BS) for p, sp in zip(ps, params))
+    engine = make_engine(block_size=BS, num_blocks=blocks, max_num_seqs=int(rng.integers(1, 5)))
+    outs = engine.generate(ps, params)
+    assert all(1 <= len(o.token_ids) <= sp.max_new_tokens for o, sp in zip(outs, params))
+    assert engine.tables.free_blocks == blocks
 
