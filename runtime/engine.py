@@ -27,14 +27,14 @@ from ir.context import StepContext
 from ir.parallel import check_parallel
 from ir.spec import Spec, parse_spec
 
-from .errors import CacheFullError, InputError
+from .errors import CacheFullError, InputError, NonFiniteError
 from .h2d import upload_together
 from .kv_cache import BlockAllocator, BlockTables, PagedLatentCache
 from .memory import MemoryEstimate, check_fits, weight_bytes
 from .model_loader import (compile_graphs, eos_token_ids, load_config, load_model_weights, manifest_weight_specs,
                            random_weights, resolve_spec, weight_specs)
 from .parallel import check_ranks_agree, init_parallel
-from .sampling import SamplingParams, as_integer, make_generator, sample_next, token_id_tuple
+from .sampling import NOT_FINITE, SamplingParams, as_integer, make_generator, sample_next, token_id_tuple
 from .scheduler import Scheduler, Sequence
 
 BACKENDS = ("reference", "cuda")
@@ -531,6 +531,12 @@ class Engine:
 
     def _advance(self, sched: Scheduler, seqs: list[Sequence], logits: torch.Tensor) -> None:
         next_ids = sample_next(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        for s, tok in zip(seqs, next_ids):
+            if tok == NOT_FINITE:   # flagged in the same copy to the host: no sync of its own
+                raise NonFiniteError(
+                    f"prompt {s.index}, step {len(s.output) + 1} (step 1 is the prefill): the logits to sample "
+                    f"from hold NaN or inf; the weights or the computation produced them (check the checkpoint "
+                    f"for NaN/inf values, or try dtype=torch.float32)")
         for s, tok, row in zip(seqs, next_ids, logits):
             s.output.append(tok)
             if s.params.return_logits:

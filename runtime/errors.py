@@ -6,7 +6,7 @@ our own code) still surface as themselves.
 """
 from ir.errors import DsgraphError  # the one base class, shared with the compiler
 
-__all__ = ["CacheFullError", "DsgraphError", "InputError", "WeightError"]
+__all__ = ["CacheFullError", "DsgraphError", "InputError", "NonFiniteError", "WeightError"]
 
 
 class WeightError(DsgraphError):
@@ -29,6 +29,12 @@ class CacheFullError(DsgraphError):
 class InputError(DsgraphError, ValueError):
     """A bad prompt or parameter. Also a ValueError, so code that already
     guards against ValueError keeps working."""
+
+
+class NonFiniteError(DsgraphError):
+    """A step's logits hold NaN or inf: the weights (a damaged checkpoint) or the computation
+    (an overflow in a narrow dtype, a kernel bug) produced them, and no token sampled from
+    them means anything."""
 
 
 class MissingDependencyError(DsgraphError):

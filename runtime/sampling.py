@@ -18,6 +18,9 @@ import torch
 from runtime.errors import InputError
 
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range for non-negative seeds
+# What sample_next gives a row whose logits are not finite (NaN, +inf, or all -inf): no token
+# id, so the caller's one copy of the tokens to the host also tells it, with no sync of its own.
+NOT_FINITE = -1
 
 
 def as_integer(x) -> int | None:
@@ -107,7 +110,9 @@ def sample_next(
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:
     """Next token per row: logits [B, V] (any float dtype/device) -> int64 [B]
-    on logits.device. A None generator falls back to torch's default one."""
+    on logits.device; NOT_FINITE for a row whose maximum is not finite (a NaN
+    anywhere propagates to it), which no sampling can turn into a meaningful
+    token. A None generator falls back to torch's default one."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
     if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
@@ -119,7 +124,7 @@ def sample_next(
     for row, (p, gen) in enumerate(zip(params, generators)):
         if not p.greedy:
             tokens[row] = _sample_row(logits[row], p, gen)
-    return tokens
+    return torch.where(torch.isfinite(logits.amax(dim=-1)), tokens, NOT_FINITE)
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:

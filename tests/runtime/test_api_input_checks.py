@@ -1,6 +1,6 @@
 """The Python API's checks on what a user passes: engine arguments refused before anything is compiled,
 read or allocated; a request that can never fit the cache refused before anything runs, naming its
-prompt index."""
+prompt index; NaN logits reported instead of sampled."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,9 @@ import torch
 
 from runtime import CacheFullError, Engine, InputError, SamplingParams
 from runtime import engine as engine_mod
+from runtime.errors import NonFiniteError
 from runtime.model_loader import checkpoint_tensors, weight_specs
+from runtime.sampling import NOT_FINITE, make_generator, sample_next
 from tiny_engine import CONFIG, compiled, make_engine, prompts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,4 +182,47 @@ def test_requests_that_each_fit_alone_all_finish(seed):
     outs = engine.generate(ps, params)
     assert all(1 <= len(o.token_ids) <= sp.max_new_tokens for o, sp in zip(outs, params))
     assert engine.tables.free_blocks == blocks
+
+
+# -- NaN and inf in the logits: one error, not token 0 ----------------------------------------------------
+
+def test_sample_next_flags_rows_that_are_not_finite():
+    logits = torch.randn(4, 10)
+    logits[1, 3] = float("nan")
+    logits[2, 0] = float("inf")
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7, seed=1)
+    for p in (greedy, sampled):
+        gens = [None if p.greedy else make_generator(1, "cpu") for _ in range(4)]
+        out = sample_next(logits, [p] * 4, gens)
+        assert out[1] == out[2] == NOT_FINITE and out[0] >= 0 and out[3] >= 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=4),
+                                    SamplingParams(max_new_tokens=4, temperature=0.8, seed=3)])
+def test_a_nan_weight_is_one_error_not_token_zero(tmp_path, params):
+    engine = Engine.from_pretrained(_write_checkpoint(tmp_path / "ck", poison="model.layers.0.self_attn.o_proj.weight"),
+                                    block_size=BS)
+    with pytest.raises(NonFiniteError, match=r"^prompt 0, step 1 \(step 1 is the prefill\): the logits to sample "
+                                             r"from hold NaN or inf; the weights or the computation produced them"):
+        engine.generate([[1, 2, 3]], params)
+    assert engine.tables.free_blocks == engine.tables.allocator.num_blocks
+
+
+def test_a_nan_mid_run_names_its_prompt_and_step(monkeypatch):
+    engine = make_engine(block_size=BS)
+    forward = engine.backend.forward
+    decodes = []
+
+    def poisoned(phase, ids, ctx):
+        out = forward(phase, ids, ctx)
+        if phase == "decode":
+            decodes.append(1)
+            if len(decodes) == 2:            # the second decode step: each prompt's third new token
+                out = out.clone()
+                out[1, 5] = float("nan")
+        return out
+    monkeypatch.setattr(engine.backend, "forward", poisoned)
+    with pytest.raises(NonFiniteError, match=r"^prompt 1, step 3 "):
+        engine.generate(prompts([3, 4], seed=5), SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert engine.tables.free_blocks == engine.tables.allocator.num_blocks
 
