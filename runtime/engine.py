@@ -335,33 +335,34 @@ class Engine:
 
     # ---- input checks -------------------------------------------------------------------------
     def _check_prompts(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, torch.Tensor):
+        if isinstance(prompts, (torch.Tensor, np.ndarray)):
             prompts = prompts.tolist()
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InputError("prompts must be a non-empty list of token-id lists")
-        if all(isinstance(t, int) for t in prompts):
+        if all(as_integer(t) is not None for t in prompts):
             raise InputError("prompts must be a list of token-id lists (got a flat list; wrap it: [[...]])")
         out = []
         for i, p in enumerate(prompts):
-            if isinstance(p, torch.Tensor):
+            if isinstance(p, (torch.Tensor, np.ndarray)):
                 p = p.tolist()
             if not isinstance(p, (list, tuple)):
                 raise InputError(f"prompt {i} must be a list of token ids, got {type(p).__name__}")
             if not p:
                 raise InputError(f"prompt {i} is empty; a prompt needs at least one token")
-            for j, t in enumerate(p):
-                if isinstance(t, bool) or not isinstance(t, int):
+            ids = [as_integer(t) for t in p]      # numpy and 0-d tensor integers too
+            for j, (t, tid) in enumerate(zip(p, ids)):
+                if tid is None:
                     raise InputError(f"prompt {i}, position {j}: token ids are integers, got {t!r}")
-                if not 0 <= t < self.vocab:
-                    raise InputError(f"prompt {i}, position {j}: token id {t} is out of range [0, {self.vocab})")
+                if not 0 <= tid < self.vocab:
+                    raise InputError(f"prompt {i}, position {j}: token id {tid} is out of range [0, {self.vocab})")
             if len(p) > self.max_seq_len:
                 raise InputError(f"prompt {i} has {len(p)} tokens; the engine holds at most {self.max_seq_len} "
                                  f"per sequence (max_seq_len; the model allows {self.spec.dims['max_positions']})")
-            out.append(list(p))
+            out.append(ids)
         return out
 
     def _check_params(self, prompts: list[list[int]], params) -> list[SamplingParams]:
-        """One SamplingParams per prompt."""
+        """One SamplingParams per prompt, each of whose stop tokens the model can emit."""
         if params is None:
             params = SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
@@ -370,6 +371,10 @@ class Engine:
         for i, sp in enumerate(plist):
             if not isinstance(sp, SamplingParams):
                 raise InputError(f"params must be SamplingParams, got {type(sp).__name__}")
+            beyond = [t for t in sp.stop_token_ids if t >= self.vocab]
+            if beyond:
+                raise InputError(f"prompt {i}: stop_token_ids {beyond} are outside the vocabulary [0, {self.vocab}); "
+                                 f"the model never emits them")
         return plist
 
     def _new_tokens(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -447,9 +452,8 @@ class Engine:
         the paged decode path is what computes positions n and later.
         """
         prompts = self._check_prompts(prompts)
-        if decode_after is not None and (isinstance(decode_after, bool) or not isinstance(decode_after, int)
-                                         or decode_after < 1):
-            raise InputError(f"decode_after must be None or an integer >= 1, got {decode_after!r}")
+        if decode_after is not None:
+            decode_after = self._check_decode_after(prompts, decode_after)
         self._check_fits_cache([(len(p), "its length") for p in prompts], "raise num_blocks")
         results: list[torch.Tensor | None] = [None] * len(prompts)
         pending = list(enumerate(prompts))
@@ -469,6 +473,19 @@ class Engine:
                     self.tables.release(s.seq_id)
             pending = pending[len(batch):]
         return results
+
+    @staticmethod
+    def _check_decode_after(prompts: list[list[int]], decode_after) -> int:
+        """decode_after as an int that leaves some prompt tokens for the decode path: prompts no
+        longer than it are prefilled whole, so one beyond every prompt would test no decode at all."""
+        n = as_integer(decode_after)
+        if n is None or n < 1:
+            raise InputError(f"decode_after must be None or an integer >= 1, got {decode_after!r}")
+        longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+        if n >= len(prompts[longest]):
+            raise InputError(f"decode_after={n} leaves no token to decode: the longest prompt, prompt {longest}, has "
+                             f"{len(prompts[longest])}; give decode_after < {len(prompts[longest])}")
+        return n
 
     def _logits_batch(self, seqs: list[Sequence], decode_after, results, slots) -> None:
         if decode_after is None:

@@ -25,17 +25,14 @@ NOT_FINITE = -1
 
 def as_integer(x) -> int | None:
     """`x` as an int when it is a whole number (a Python or numpy integer, a 0-d integer tensor:
-    anything with __index__), else None.  A bool is refused: True as a token id is a mistake."""
-    if isinstance(x, bool):
+    anything with __index__), else None.  A bool is refused: True as a token id is a mistake; so is
+    a one-element tensor, which torch lets stand for its element."""
+    if isinstance(x, bool) or getattr(x, "ndim", 0) != 0:
         return None
     try:
         return operator.index(x)
     except TypeError:
         return None
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass
@@ -50,19 +47,25 @@ class SamplingParams:
     return_logits: bool = False
 
     def __post_init__(self):
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        max_new = as_integer(self.max_new_tokens)
+        if max_new is None or max_new < 1:
             raise InputError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise InputError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        top_k = as_integer(self.top_k)
+        if top_k is None or top_k < 0:
             raise InputError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise InputError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
+        seed = None if self.seed is None else as_integer(self.seed)
+        if self.seed is not None and (seed is None or not 0 <= seed <= _MAX_SEED):
             raise InputError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
         self.stop_token_ids = token_id_tuple(self.stop_token_ids, "stop_token_ids")
-        if not isinstance(self.ignore_eos, bool):
-            raise InputError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for flag in ("ignore_eos", "return_logits"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InputError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        # plain Python numbers from here on (a numpy integer compares and hashes alike, but prints as np.int64)
+        self.max_new_tokens, self.top_k, self.seed = max_new, top_k, seed
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
 
@@ -81,16 +84,17 @@ def token_id_tuple(ids, what: str) -> tuple[int, ...]:
     """One id or a sequence of ids (None: none) as a tuple of non-negative ints."""
     if ids is None:
         return ()
-    if _is_int(ids):
+    if as_integer(ids) is not None:
         ids = (ids,)
     try:
         out = tuple(ids)
     except TypeError:
         raise InputError(f"{what} must be a sequence of token ids, got {ids!r}") from None
-    for t in out:
-        if not _is_int(t) or t < 0:
+    ints = tuple(as_integer(t) for t in out)
+    for t, i in zip(out, ints):
+        if i is None or i < 0:
             raise InputError(f"{what} must hold non-negative integers, got {t!r} in {out!r}")
-    return tuple(int(t) for t in out)
+    return ints
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:

@@ -1,6 +1,6 @@
 """The Python API's checks on what a user passes: engine arguments refused before anything is compiled,
 read or allocated; a request that can never fit the cache refused before anything runs, naming its
-prompt index; NaN logits reported instead of sampled."""
+prompt index; NaN logits reported instead of sampled; every value the API takes checked."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ from runtime import engine as engine_mod
 from runtime.errors import NonFiniteError
 from runtime.model_loader import checkpoint_tensors, weight_specs
 from runtime.sampling import NOT_FINITE, make_generator, sample_next
-from tiny_engine import CONFIG, compiled, make_engine, prompts
+from tiny_engine import CONFIG, VOCAB, compiled, make_engine, prompts
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "model_specs" / "deepseek_tiny.yaml")
@@ -226,3 +226,47 @@ def test_a_nan_mid_run_names_its_prompt_and_step(monkeypatch):
         engine.generate(prompts([3, 4], seed=5), SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert engine.tables.free_blocks == engine.tables.allocator.num_blocks
 
+
+# -- values the API takes -----------------------------------------------------------------------------
+
+def test_return_logits_is_a_bool():
+    with pytest.raises(InputError, match=r"return_logits must be True or False, got 'yes'"):
+        SamplingParams(return_logits="yes")
+
+
+def test_stop_tokens_outside_the_vocabulary_are_refused_at_generate():
+    engine = make_engine()
+    with pytest.raises(InputError, match=rf"prompt 1: stop_token_ids \[99999\] are outside the vocabulary "
+                                         rf"\[0, {VOCAB}\)"):
+        engine.generate([[1], [2]], [SamplingParams(), SamplingParams(stop_token_ids=(3, 99999))])
+
+
+def test_numpy_integers_are_token_ids_and_params():
+    engine = make_engine()
+    (p,) = prompts([4], seed=6)
+    want = engine.generate([p], SamplingParams(max_new_tokens=3))[0].token_ids
+    as_numpy = [np.int64(t) for t in p]
+    params = SamplingParams(max_new_tokens=np.int64(3), stop_token_ids=(np.int32(VOCAB - 1),))
+    assert params.max_new_tokens == 3 and type(params.max_new_tokens) is int
+    assert engine.generate([as_numpy], SamplingParams(max_new_tokens=np.int64(3)))[0].token_ids == want
+    assert engine.generate([np.array(p)], SamplingParams(max_new_tokens=3))[0].token_ids == want
+    torch.testing.assert_close(engine.logits([as_numpy])[0], engine.logits([p])[0], rtol=0, atol=0)
+    with pytest.raises(InputError, match=r"prompt 0, position 0: token ids are integers, got np\.True_"):
+        engine.logits([[np.True_]])
+    with pytest.raises(InputError, match=r"prompt 0, position 1: token ids are integers, got tensor\(\[2\]\)"):
+        engine.logits([[1, torch.tensor([2])]])
+    assert engine.logits([torch.tensor([1, 2])])[0].shape == (2, VOCAB)     # a list of tensors is not a flat list
+
+
+def test_decode_after_must_leave_a_token_to_decode():
+    engine = make_engine()
+    with pytest.raises(InputError, match=r"decode_after=100 leaves no token to decode: the longest prompt, prompt 0, "
+                                         r"has 3; give decode_after < 3"):
+        engine.logits([[1, 2, 3]], decode_after=100)
+    with pytest.raises(InputError, match=r"prompt 1, has 4; give decode_after < 4"):
+        engine.logits([[1, 2], [1, 2, 3, 4]], decode_after=4)
+    # Shorter prompts beside a longer one are prefilled whole, as before.
+    got = engine.logits([[1, 2], [1, 2, 3, 4]], decode_after=np.int64(3))
+    want = engine.logits([[1, 2], [1, 2, 3, 4]])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
