@@ -187,14 +187,16 @@ def test_requests_that_each_fit_alone_all_finish(seed):
 # -- NaN and inf in the logits: one error, not token 0 ----------------------------------------------------
 
 def test_sample_next_flags_rows_that_are_not_finite():
-    logits = torch.randn(4, 10)
+    logits = torch.randn(5, 10)
     logits[1, 3] = float("nan")
     logits[2, 0] = float("inf")
-    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7, seed=1)
+    logits[3] = float("-inf")
+    logits[4, :4] = float("-inf")                   # a few -inf: a masked vocabulary, still finite
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1)
     for p in (greedy, sampled):
-        gens = [None if p.greedy else make_generator(1, "cpu") for _ in range(4)]
-        out = sample_next(logits, [p] * 4, gens)
-        assert out[1] == out[2] == NOT_FINITE and out[0] >= 0 and out[3] >= 0
+        gens = [None if p.greedy else make_generator(1, "cpu") for _ in range(5)]
+        out = sample_next(logits, [p] * 5, gens)
+        assert out[1] == out[2] == out[3] == NOT_FINITE and out[0] >= 0 and out[4] >= 4
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=4),
