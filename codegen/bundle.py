@@ -51,8 +51,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ir.errors import SpecError
+
 from . import render as render_mod
-from .cache import MANIFEST, BundleCache, cache_key, compiler_source_hash, default_cache_dir
+from .cache import (MANIFEST, BundleCache, cache_key, compiler_source_hash, default_cache_dir,
+                    default_cache_origin)
 from .errors import DsgraphError
 from .kernel import DEFAULTS, DTYPES, KernelLaunch, Options, signature_key
 
@@ -117,23 +120,43 @@ def _spec_text(spec) -> tuple[str, str]:
         raise FileNotFoundError(f"spec file not found: {path}") from None
     except IsADirectoryError:
         raise FileNotFoundError(f"spec path is a folder, not a YAML file: {path}") from None
-    return data.decode("utf-8"), path.name
-
-
-def _check_options(arch: str, dtype: str, block_size: int, world: int = 1, pdl: bool = True) -> None:
-    from .nvrtc import parse_arch
+    except OSError as e:
+        raise SpecError(f"cannot read the spec: {e.strerror or e}", file=str(path)) from None
     try:
-        parse_arch(arch)
-    except ValueError as e:
+        return data.decode("utf-8"), path.name
+    except UnicodeDecodeError as e:
+        raise SpecError(f"not UTF-8 text (byte {e.start}): a spec is a YAML file", file=str(path)) from None
+
+
+# A page's token count is the decode attention's `int BS` template argument (templates/include/
+# mla_decode.cuh): any C++ int >= 1 compiles and runs (odd sizes included; no static_assert limits
+# it), one past it does not fit the int and NVRTC refuses the kernel.
+MAX_BLOCK_SIZE = 2**31 - 1
+
+
+def check_block_size(block_size) -> None:
+    """BundleError unless `block_size` (tokens per KV-cache page) is one the kernels take."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise BundleError(f"block_size (KV-cache page size in tokens) must be a whole number from 1 to "
+                          f"{MAX_BLOCK_SIZE}, got {block_size!r}")
+
+
+def _check_options(arch: str, dtype: str, block_size: int, world: int = 1, pdl: bool = True,
+                   jobs: int | None = None) -> None:
+    from .nvrtc import ArchError, check_target
+    try:
+        check_target(arch)   # also one this NVRTC offers: refused here, not by the first kernel's compile
+    except ArchError as e:
         raise BundleError(str(e)) from None
     if dtype not in DTYPES:
         raise BundleError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise BundleError(f"block_size must be a positive integer, got {block_size!r}")
+    check_block_size(block_size)
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise BundleError(f"world (the number of ranks) must be a positive integer, got {world!r}")
     if not isinstance(pdl, bool):
         raise BundleError(f"pdl (programmatic dependent launch) must be True or False, got {pdl!r}")
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise BundleError(f"jobs (parallel NVRTC compiles) must be a whole number >= 1, got {jobs!r}")
 
 
 def bundle_key(spec_text: str, *, arch: str, dtype: str, block_size: int, strict: bool = True,
@@ -382,16 +405,39 @@ def _parse(text: str, file: str):
     return ir.parse_spec(text, file)
 
 
-def _copy_out(entry: Path, out_dir: Path) -> Path:
-    """Copy a cache entry to out_dir atomically: copy beside it, then rename into place.
-    An existing bundle there is replaced; any other non-empty folder is refused."""
-    out_dir = Path(out_dir).absolute()
-    if out_dir.exists():
-        if not out_dir.is_dir():
-            raise BundleError(f"output path {out_dir} exists and is not a folder")
-        if any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
-            raise BundleError(f"output folder {out_dir} is not empty and holds no bundle "
+def _check_out_dir(out_dir) -> None:
+    """BundleError unless `out_dir` can take a bundle: a bundle there is replaced, an empty folder
+    filled, a missing one made; a file, a folder of other things or a file among its parents is
+    refused.  Checked before the build (and again before the copy), so a bad -o costs no compile."""
+    out = Path(out_dir)
+    if out.exists():
+        if not out.is_dir():
+            raise BundleError(f"output path {out} exists and is not a folder")
+        try:
+            foreign = any(out.iterdir()) and not (out / MANIFEST).is_file()
+        except OSError as e:
+            raise BundleError(f"cannot write the bundle to {out}: {e.strerror or e}") from None
+        if foreign:
+            raise BundleError(f"output folder {out} is not empty and holds no bundle "
                               f"(no {MANIFEST}); refusing to replace it")
+        return
+    parent = next(p for p in out.parents if p.exists())   # "." or "/" at the latest
+    if not parent.is_dir():
+        raise BundleError(f"cannot write the bundle to {out}: {parent} is a file, not a folder")
+
+
+def _copy_out(entry: Path, out_dir) -> Path:
+    """Copy a cache entry to out_dir atomically (see _check_out_dir for what it may replace).
+    An OSError on the way is about the user's -o path: it names that, not our temporary names."""
+    _check_out_dir(out_dir)
+    try:
+        return _replace_with_copy(entry, Path(out_dir).absolute())
+    except OSError as e:
+        raise BundleError(f"cannot write the bundle to {out_dir}: {e.strerror or e}") from None
+
+
+def _replace_with_copy(entry: Path, out_dir: Path) -> Path:
+    """Copy beside out_dir, then rename into place (the old bundle aside first, removed last)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{tag}")
@@ -425,10 +471,14 @@ def compile_bundle(spec, out_dir=None, *, arch: str = DEFAULTS.arch, dtype: str 
     graphs through the shard passes; see the module docstring); the key covers `world`.
     pdl=False: no launch is a programmatic dependent launch (for an A/B against the default)."""
     t0 = time.perf_counter()
-    _check_options(arch, dtype, block_size, world, pdl)
+    _check_options(arch, dtype, block_size, world, pdl, jobs)
     text, file = _spec_text(spec)
+    if out_dir is not None:
+        _check_out_dir(out_dir)
+    cache = (BundleCache(cache_dir) if cache_dir is not None
+             else BundleCache(default_cache_dir(), origin=default_cache_origin()))
+    cache.check_root()
     key = bundle_key(text, arch=arch, dtype=dtype, block_size=block_size, strict=strict, world=world, pdl=pdl)
-    cache = BundleCache(cache_dir if cache_dir is not None else default_cache_dir())
     if progress is None:
         progress = sys.stderr.isatty()
     stats: dict = {}

@@ -25,6 +25,8 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
+from .errors import DsgraphError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = "manifest.json"
 # The compiler is these packages: any change to their source can change output.
@@ -34,6 +36,11 @@ _KEY_RE = re.compile(r"[0-9a-f]{64}")
 
 class CacheError(RuntimeError):
     """A builder broke the cache contract (e.g. wrote no manifest)."""
+
+
+class CacheDirError(DsgraphError):
+    """The cache's folder (the user's --cache-dir / $DSGRAPH_CACHE_DIR) cannot hold the cache:
+    it is a file, or it cannot be created or written."""
 
 
 def _sha256_file(path: Path) -> str:
@@ -95,6 +102,18 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "dsgraph"
 
 
+def default_cache_origin() -> str:
+    """Where default_cache_dir() came from, for an error about that folder."""
+    return "from $DSGRAPH_CACHE_DIR" if os.environ.get("DSGRAPH_CACHE_DIR") else "the default"
+
+
+def _under(path, root: Path) -> bool:
+    try:
+        return os.path.commonpath([os.path.abspath(path), os.path.abspath(root)]) == os.path.abspath(root)
+    except (TypeError, ValueError):   # no path (filename None, bytes), or another drive
+        return False
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -128,8 +147,23 @@ def write_atomic(path: str | Path, data: bytes) -> None:
 
 
 class BundleCache:
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, origin: str = ""):
         self.root = Path(root)
+        self.origin = origin   # how the user named the root ("from $DSGRAPH_CACHE_DIR"): errors say it
+
+    def _unusable(self, why: str) -> CacheDirError:
+        origin = f" ({self.origin})" if self.origin else ""
+        return CacheDirError(f"bundle cache folder {self.root}{origin} {why}")
+
+    def check_root(self) -> None:
+        """CacheDirError unless the root is a folder, made here if missing: checked before a build
+        starts, so a cache folder that is a file costs a second, not a compile."""
+        if self.root.exists() and not self.root.is_dir():
+            raise self._unusable("is a file, not a folder")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise self._unusable(f"cannot be created: {e.strerror or e}") from None
 
     def _check_key(self, key: str) -> None:
         # Keys become paths; only a sha256 hex digest is allowed in.
@@ -232,6 +266,16 @@ class BundleCache:
         Returns (path, built_now). `build` writes the bundle into the folder it is
         given (manifest.json last); it runs at most once across processes per key.
         """
+        try:
+            return self._get_or_build(key, build)
+        except OSError as e:
+            # The cache's own files (shards, locks, the entry being built): the folder is at
+            # fault (read-only, full, ...), and the user's name for it is what they can fix.
+            if _under(e.filename, self.root):
+                raise self._unusable(f"cannot be written: {e.strerror or e} ({e.filename})") from None
+            raise
+
+    def _get_or_build(self, key: str, build: Callable[[Path], None]) -> tuple[Path, bool]:
         hit = self.lookup(key)
         if hit is not None:
             return hit, False

@@ -25,6 +25,11 @@ class NvrtcError(RuntimeError):
     """An NVRTC API call failed for a reason other than the source itself."""
 
 
+class ArchError(DsgraphError, ValueError):
+    """A target architecture the user named that NVRTC cannot build for: not 'sm_<digits>[a]',
+    or one this NVRTC does not support.  Also a ValueError, which is what parse_arch raised before."""
+
+
 class KernelCompileError(DsgraphError, RuntimeError):
     """NVRTC rejected a generated kernel. Names what failed and where to look."""
 
@@ -87,16 +92,27 @@ def nvrtc_version() -> tuple[int, int]:
 
 
 def parse_arch(arch: str) -> int:
-    """'sm_90' / 'sm_90a' -> 90. Anything else (compute_90, 90, sm90) is a ValueError."""
+    """'sm_90' / 'sm_90a' -> 90. Anything else (compute_90, 90, sm90) is an ArchError (a ValueError)."""
     m = _ARCH_RE.fullmatch(arch) if isinstance(arch, str) else None
     if m is None:
-        raise ValueError(f"bad target architecture {arch!r}: expected 'sm_<digits>' "
+        raise ArchError(f"bad target architecture {arch!r}: expected 'sm_<digits>' "
                          f"with an optional 'a' suffix, e.g. 'sm_90' or 'sm_90a'")
     return int(m.group(1))
 
 
 def _supported_archs() -> list[int]:
     return [int(a) for a in _call(_nvrtc().nvrtcGetSupportedArchs)]
+
+
+def check_target(arch: str) -> int:
+    """parse_arch, and ArchError unless this NVRTC can build for `arch`: checked before any
+    compile starts (and by every compile), so `--arch sm_70` is one line, not a failed build."""
+    arch_num = parse_arch(arch)
+    supported = _supported_archs()
+    if arch_num not in supported:
+        raise ArchError(f"NVRTC {'.'.join(map(str, nvrtc_version()))} cannot target {arch}; "
+                        f"it supports sm_{', sm_'.join(map(str, supported))}")
+    return arch_num
 
 
 def _cuda_header_dir() -> str:
@@ -155,11 +171,7 @@ def compile_cubin(source: str, kernel_name: str, *, arch: str = "sm_90",
     the error message: they say which template and which graph nodes a failing kernel came from.
     """
     nvrtc = _nvrtc()
-    arch_num = parse_arch(arch)
-    supported = _supported_archs()
-    if arch_num not in supported:
-        raise ValueError(f"NVRTC {'.'.join(map(str, nvrtc_version()))} cannot target {arch}; "
-                         f"it supports sm_{', sm_'.join(map(str, supported))}")
+    check_target(arch)
     # The name becomes a file name (program name, saved source and log): keep it tame.
     if not _IDENT_RE.fullmatch(kernel_name):
         raise ValueError(f"kernel name {kernel_name!r} is not a C identifier")

@@ -17,6 +17,7 @@ import datetime
 import inspect
 import json
 import math
+import os
 import platform
 import re
 import sys
@@ -49,6 +50,30 @@ def cases_arg(text: str) -> list[tuple[int, int]]:
     return cases
 
 
+# -- option types every command shares (here because this is the one CLI module the others can all
+# import: runtime/cli.py imports them all) --------------------------------------------------------
+
+def whole_number(low: int = 1, high: int | None = None):
+    """An argparse type: a whole number from `low` to `high`; anything else is refused at the
+    option, with the accepted range, before any work starts."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if n < low or (high is not None and n > high):
+            accepted = f">= {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"must be a whole number {accepted}, got {text}")
+        return n
+    return parse
+
+
+def block_size_arg(text: str) -> int:
+    """--block-size: tokens per KV-cache page, in the range the kernels take (codegen/bundle.py)."""
+    from codegen.bundle import MAX_BLOCK_SIZE
+    return whole_number(1, MAX_BLOCK_SIZE)(text)
+
+
 def bench_cases(args) -> tuple[list, list]:
     """(decode cases, prefill cases): --decode / --prefill where given, else --quick's or the full set."""
     from .errors import InputError
@@ -65,7 +90,7 @@ def bench_cases(args) -> tuple[list, list]:
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default=None, help="default: model_specs/deepseek_v2_lite.yaml")
     p.add_argument("--json", default="bench.json", metavar="FILE", help="where to write every number")
-    p.add_argument("--iters", type=int, default=50,
+    p.add_argument("--iters", type=whole_number(1), default=50,
                    help="timed repetitions per case (the median counts: b=1 steps drift between levels ~4%% apart, PERF_NOTES v26)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
     p.add_argument("--quick", action="store_true", help="fewer cases (batch 1 and 32, context 512)")
@@ -73,7 +98,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="decode cases, batch x context (e.g. 1x512,192x512; none: no decode case)")
     p.add_argument("--prefill", type=cases_arg, default=None, metavar="BxL,...",
                    help="prefill cases, batch x prompt length (e.g. 1x2048; none: no prefill case)")
-    p.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="KV-cache page size in tokens")
+    p.add_argument("--block-size", type=block_size_arg, default=DEFAULTS.block_size,
+                   help="KV-cache page size in tokens")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch every kernel without programmatic dependent launch (an A/B against the default)")
 
@@ -377,15 +403,33 @@ def _release(engine, seq_ids):
         engine.tables.release(s)
 
 
+def check_json_path(path: str) -> None:
+    """InputError unless the bench can write its JSON at `path` (--json): checked before anything
+    runs, not found out after the whole benchmark."""
+    from pathlib import Path
+
+    from .errors import InputError
+    out = Path(path)
+    folder = out.parent
+    if out.is_dir():
+        raise InputError(f"--json {path} is a folder; give a file name (e.g. {out / 'bench.json'})")
+    if not folder.is_dir():
+        why = "is a file" if folder.exists() else "does not exist"
+        raise InputError(f"--json {path}: its folder {folder} {why}")
+    if not os.access(out if out.exists() else folder, os.W_OK):
+        raise InputError(f"--json {path}: {'the file' if out.exists() else f'its folder {folder}'} is not writable")
+
+
 def run_bench(args) -> int:
     """benchmark DeepSeek-V2-Lite decode/prefill against the roofline and transformers"""
-    from .errors import require_runtime
+    from .errors import InputError, require_runtime
+    # What the options ask for first: a bad one is an error here, on any machine, before a GPU is looked for.
+    decode_cases, prefill_cases = bench_cases(args)
+    check_json_path(args.json)
     require_runtime("bench")
     import torch
 
     from .engine import Engine
-    from .errors import InputError
-    decode_cases, prefill_cases = bench_cases(args)
     if not torch.cuda.is_available():
         raise InputError("dsgraph bench needs a CUDA GPU")
     from codegen.paths import DEFAULT_SPEC
@@ -485,8 +529,11 @@ def run_bench(args) -> int:
         # decode): no launch overhead, no extra syncs.
 
     _print_table(result)
-    with open(args.json, "w") as fh:
-        json.dump(result, fh, indent=1)
+    try:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    except OSError as e:   # checked at the start; something changed since
+        raise InputError(f"cannot write --json {args.json}: {e.strerror or e}") from None
     print(f"wrote {args.json}", file=sys.stderr)
     return 0
 

@@ -30,7 +30,7 @@ from codegen.kernel import DEFAULTS
 from codegen.paths import DEFAULT_SPEC, REPO_ROOT
 
 from . import __version__
-from .bench import add_bench_args, run_bench
+from .bench import add_bench_args, block_size_arg, run_bench, whole_number
 from .cli_generate import add_generate_args, run_generate
 from .cli_plan import add_plan_args, run_plan
 from .errors import DsgraphError
@@ -78,14 +78,15 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default="bundle", metavar="DIR", help="bundle folder to write")
     p.add_argument("--arch", default=DEFAULTS.arch, help="NVRTC target, e.g. sm_90 or sm_90a")
     p.add_argument("--dtype", default=DEFAULTS.dtype, choices=("bf16", "fp16", "fp32"), help="activation dtype")
-    p.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="KV-cache page size in tokens")
-    p.add_argument("--tp", type=int, default=1, metavar="N",
+    p.add_argument("--block-size", type=block_size_arg, default=DEFAULTS.block_size,
+                   help="KV-cache page size in tokens")
+    p.add_argument("--tp", type=whole_number(1), default=1, metavar="N",
                    help="ranks the model is spread over (tensor / expert parallel): one plan per rank, shared kernels")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch no kernel with programmatic dependent launch (default: the kernels that keep "
                         "its contract, templates/include/pdl.cuh, are)")
     p.add_argument("--cache-dir", help="bundle cache (default: $DSGRAPH_CACHE_DIR or ~/.cache/dsgraph)")
-    p.add_argument("--jobs", type=int, help="parallel NVRTC compiles (default: one per core)")
+    p.add_argument("--jobs", type=whole_number(1), help="parallel NVRTC compiles (default: one per core)")
     p.add_argument("--allow-unlowered", action="store_true",
                    help="let nodes no kernel family lowers through (listed in the manifest)")
 
@@ -162,7 +163,8 @@ def add_diff_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("b", help="spec file, bundle folder, 'golden' or 'worktree'")
     p.add_argument("--dtype", default=DEFAULTS.dtype, choices=("bf16", "fp16", "fp32"),
                    help="dtype for rendering spec files")
-    p.add_argument("--block-size", type=int, default=DEFAULTS.block_size, help="page size for rendering spec files")
+    p.add_argument("--block-size", type=block_size_arg, default=DEFAULTS.block_size,
+                   help="page size for rendering spec files")
     p.add_argument("--stat", action="store_true", help="only the summary, no source diff")
 
 
