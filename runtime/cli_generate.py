@@ -20,14 +20,32 @@ import time
 
 from codegen.paths import DEFAULT_SPEC
 
+from .bench import block_size_arg, whole_number
+
+
+def token_ids(text: str) -> list[int]:
+    """--ids "1,2,3" -> [1, 2, 3]: whole numbers, no empty item (a stray comma is a typo, not a
+    separator to skip).  Whether each id is in the vocabulary, the engine says."""
+    from .errors import InputError
+    items = text.replace(" ", "").split(",")
+    try:
+        if "" in items:
+            raise ValueError
+        return [int(x) for x in items]
+    except ValueError:
+        raise InputError(f"--ids must be comma-separated integers with no empty item, e.g. 1,2,3; "
+                         f"got {text!r}") from None
+
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR",
-                   help="a Hugging Face DeepSeek-V2/V3 checkpoint directory (safetensors + config.json)")
+    weights = p.add_mutually_exclusive_group()
+    weights.add_argument("--model", metavar="DIR",
+                         help="a Hugging Face DeepSeek-V2/V3 checkpoint directory (safetensors + config.json)")
+    weights.add_argument("--random-weights", action="store_true",
+                         help="no checkpoint: run the spec with random weights")
     p.add_argument("--spec", metavar="SPEC.yaml",
                    help="the model spec (default: written from DIR/config.json; with --random-weights: "
                         f"model_specs/{DEFAULT_SPEC.name})")
-    p.add_argument("--random-weights", action="store_true", help="no checkpoint: run the spec with random weights")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text (needs a tokenizer in DIR)")
     src.add_argument("--ids", help="comma-separated token ids, e.g. 1,2,3")
@@ -45,26 +63,73 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--bundle", metavar="DIR", help="run a bundle made by `dsgraph compile` (backend cuda; its "
                    "spec, dtype and block size)")
-    p.add_argument("--block-size", type=int, default=None,
+    p.add_argument("--block-size", type=block_size_arg, default=None,
                    help="KV-cache page size in tokens (default: the bundle's, else 64)")
-    p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+    p.add_argument("--max-seq-len", type=whole_number(1), default=None, metavar="N",
                    help="longest sequence the KV cache holds (default: 8192, or the model's limit if lower)")
-    p.add_argument("--tp", type=int, default=None, metavar="N",
+    p.add_argument("--tp", type=whole_number(1), default=None, metavar="N",
                    help="ranks to spread the model over, one process each: launch with torchrun "
                         "--nproc-per-node N (default: torchrun's WORLD_SIZE, else 1)")
 
 
-def _tokenizer(model_dir):
+# Files a Hugging Face tokenizer is read from: where one of them is present, a tokenizer that fails
+# to load is a broken one (say why), not a checkpoint that ships none.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _tokenizer(model_dir, needed: bool, warn: bool):
+    """The model directory's tokenizer, or None.  `needed` (--prompt): no tokenizer is an InputError
+    that says why.  Otherwise (--ids, the tokenizer only decodes the answer) a tokenizer whose files
+    are there but do not load is a warning (when `warn`), and the ids are printed alone."""
+    from .errors import InputError
     if model_dir is None:
-        return None
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except Exception:  # noqa: BLE001 - no tokenizer files: fall back to ids
-        return None
+        why = "--random-weights has no model directory"
+    elif not os.path.isdir(model_dir):
+        why = f"{model_dir} is not a folder"
+    elif not (present := [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, f))]):
+        why = f"none in {model_dir}"
+    else:
+        try:
+            from transformers import AutoTokenizer
+            return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        except ImportError:
+            why = f"reading {present[0]} needs transformers, which is not installed"
+        except Exception as e:  # noqa: BLE001 - whatever breaks reading the user's files is reported with its reason
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            why = f"cannot read it from {', '.join(present)}: {reason}"
+        if not needed and warn:
+            print(f"dsgraph: warning: the tokenizer in {model_dir}: {why}; printing token ids only", file=sys.stderr)
+    if needed:
+        raise InputError(f"--prompt needs a tokenizer in the model directory ({why}); pass --ids instead")
+    return None
+
+
+def _torchrun_ranks(tp: int | None) -> tuple[int, bool]:
+    """(ranks, whether this process prints): --tp, else torchrun's WORLD_SIZE, else 1; rank 0 prints.
+    torchrun sets RANK and WORLD_SIZE together; one without the other, or a value that is not a
+    rank, is refused here rather than run as a silent rank or a ValueError."""
+    from .errors import InputError
+    env = {}
+    for name in ("WORLD_SIZE", "RANK"):
+        text = os.environ.get(name, "")
+        if text == "":
+            continue
+        try:
+            env[name] = int(text)
+        except ValueError:
+            raise InputError(f"{name}={text!r} (set by torchrun) must be a whole number") from None
+    if len(env) == 1:
+        (given, value), = env.items()
+        other = "RANK" if given == "WORLD_SIZE" else "WORLD_SIZE"
+        raise InputError(f"{given}={value} is set but {other} is not: launch with torchrun --nproc-per-node N, "
+                         f"which sets both (or unset {given})")
+    if env:
+        world, rank = env["WORLD_SIZE"], env["RANK"]
+        if world < 1 or not 0 <= rank < world:
+            raise InputError(f"RANK={rank} and WORLD_SIZE={world} are not a rank of a job: RANK must be "
+                             f"0..WORLD_SIZE-1 (torchrun sets both)")
+        return (tp if tp is not None else world), rank == 0
+    return (tp if tp is not None else 1), True
 
 
 def run_generate(args) -> int:
@@ -77,26 +142,23 @@ def run_generate(args) -> int:
     from .errors import InputError
     from .sampling import SamplingParams
 
-    cuda = torch.cuda.is_available()
-    # --backend cuda (or a bundle) without --device means the GPU: say so if there is none.
-    device = args.device or ("cuda" if cuda or args.backend == "cuda" or args.bundle else "cpu")
-    backend = args.backend or ("cuda" if device.startswith("cuda") else "reference")
-    dtype = args.dtype or (None if args.bundle else "bf16" if device.startswith("cuda") else "fp32")
-    check_device(backend, device)  # before the tokenizer, the spec and any weight
+    # Everything the options alone decide, before the tokenizer, the spec and any weight.
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    ids = token_ids(args.ids) if args.ids is not None else None
     if args.model is None and not args.random_weights:
         raise InputError("give --model DIR (a checkpoint) or --random-weights (with --spec, or the default spec)")
-    tok = _tokenizer(args.model)
+    tp, main_rank = _torchrun_ranks(args.tp)
+    cuda = torch.cuda.is_available()
+    # --backend cuda (or a bundle) without --device means the GPU: say so if there is none.
+    device = args.device if args.device is not None else (
+        "cuda" if cuda or args.backend == "cuda" or args.bundle else "cpu")
+    backend = args.backend or ("cuda" if device.startswith("cuda") else "reference")
+    dtype = args.dtype or (None if args.bundle else "bf16" if device.startswith("cuda") else "fp32")
+    check_device(backend, device)
+    tok = _tokenizer(args.model, needed=args.prompt is not None, warn=main_rank)
     if args.prompt is not None:
-        if tok is None:
-            raise InputError("--prompt needs a tokenizer in the model directory (none found); pass --ids instead")
         ids = tok(args.prompt)["input_ids"]
-    else:
-        try:
-            ids = [int(x) for x in args.ids.replace(" ", "").split(",") if x != ""]
-        except ValueError:
-            raise InputError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
-    tp = args.tp if args.tp is not None else int(os.environ.get("WORLD_SIZE", "1") or 1)
-    main_rank = os.environ.get("RANK", "0") == "0"
     kwargs = dict(backend=backend, device=device, dtype=dtype, bundle=args.bundle, max_seq_len=args.max_seq_len)
     if tp != 1:
         kwargs["tp"] = tp
@@ -108,8 +170,6 @@ def run_generate(args) -> int:
     else:
         engine = Engine.from_pretrained(args.model, spec=args.spec, progress=main_rank, **kwargs)
     t1 = time.perf_counter()
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
     out = engine.generate([ids], params)[0]
     t2 = time.perf_counter()
     if not main_rank:

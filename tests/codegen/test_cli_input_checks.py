@@ -151,6 +151,69 @@ def test_compile_bundle_refuses_what_the_kernels_and_the_compiler_cannot_take(tm
         compile_bundle(TINY, cache_dir=tmp_path / "c", progress=False, **kw)
 
 
+# -- generate -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("env, words", [
+    ({"WORLD_SIZE": "abc", "RANK": "0"}, ["WORLD_SIZE='abc'", "whole number"]),
+    ({"RANK": "1"}, ["RANK=1 is set but WORLD_SIZE is not", "torchrun"]),
+    ({"WORLD_SIZE": "2"}, ["WORLD_SIZE=2 is set but RANK is not"]),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, ["RANK=2 and WORLD_SIZE=2", "0..WORLD_SIZE-1"]),
+])
+def test_torchruns_environment_is_checked(capsys, monkeypatch, env, words):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(RANDOM) == 2
+    one_line_error(capsys, *words)
+
+
+@pytest.mark.parametrize("ids", ["1,,2", "1,2,", ",1", ""])
+def test_ids_with_an_empty_item_are_refused(capsys, ids):
+    argv = [a if a != "1" else ids for a in RANDOM]
+    assert main(argv) == 2
+    one_line_error(capsys, "--ids must be comma-separated integers with no empty item")
+
+
+def test_model_and_random_weights_are_exclusive(tmp_path, capsys):
+    option_error(capsys, ["generate", "--model", str(tmp_path), "--random-weights", "--ids", "1"],
+                 "--random-weights", "not allowed with argument --model")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--temperature", "-1"], ["temperature must be a finite number >= 0"]),
+    (["--top-p", "0"], ["top_p must be in (0, 1]"]),
+    (["--max-new-tokens", "0"], ["max_new_tokens must be an integer >= 1"]),
+    (["--device", ""], ["device '' is not a torch device"]),
+])
+def test_pure_argument_errors_come_before_the_model_loads(tmp_path, capsys, argv, words):
+    """A missing checkpoint would be a WeightError: the option's own error is reported first."""
+    assert main(["generate", "--model", str(tmp_path / "missing"), "--ids", "1", "--backend", "reference",
+                 *argv]) == 2
+    one_line_error(capsys, *words)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--block-size", "99999999999999999999"], ["--block-size", "from 1 to"]),
+    (["--max-seq-len", "0"], ["--max-seq-len", ">= 1"]),
+    (["--tp", "0"], ["--tp", ">= 1"]),
+])
+def test_generate_option_values_are_checked_at_the_option(capsys, argv, words):
+    option_error(capsys, [*RANDOM, *argv], *words)
+
+
+def test_a_broken_tokenizer_says_why(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{corrupt")
+    assert main(["generate", "--model", str(model), "--prompt", "hi", "--backend", "reference",
+                 "--device", "cpu"]) == 2
+    one_line_error(capsys, "--prompt needs a tokenizer", "cannot read it from tokenizer.json")
+    (model / "tokenizer.json").unlink()
+    assert main(["generate", "--model", str(model), "--prompt", "hi", "--backend", "reference",
+                 "--device", "cpu"]) == 2
+    one_line_error(capsys, f"(none in {model})")
+
+
 # -- bench -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, words", [
