@@ -214,6 +214,31 @@ def test_a_broken_tokenizer_says_why(tmp_path, capsys):
     one_line_error(capsys, f"(none in {model})")
 
 
+# -- spec --------------------------------------------------------------------------------
+
+def test_a_config_that_is_a_folder_or_empty_says_so(tmp_path, capsys):
+    assert main(["spec", "--from-config", str(tmp_path)]) == 2
+    one_line_error(capsys, "is a folder")
+    empty = tmp_path / "config.json"
+    empty.write_text("\n")
+    assert main(["spec", "--from-config", str(empty)]) == 2
+    one_line_error(capsys, "is empty")
+    if os.path.exists(os.devnull):       # not a regular file: read as one (a pipe works the same way)
+        assert main(["spec", "--from-config", os.devnull]) == 2
+        one_line_error(capsys, "not valid JSON")
+
+
+def test_a_config_from_a_pipe_is_read(tmp_path, capsys):
+    fifo = tmp_path / "config.fifo"
+    os.mkfifo(fifo)
+    import threading
+    writer = threading.Thread(target=lambda: fifo.write_text(Path(TINY_CONFIG).read_text()))
+    writer.start()
+    assert main(["spec", "--from-config", str(fifo)]) == 0
+    writer.join()
+    assert "deepseek_tiny" in capsys.readouterr().out
+
+
 # -- bench -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, words", [
