@@ -4,9 +4,9 @@ derives every figure; this file reads the options and prints the table).
     dsgraph plan [SPEC] [--gpus N[,N...]] [--dtype bf16] [--batch 32] [--context 4096]
                  [--gpu-mem 141] [--link-bw 360] [--net-bw 40] [--bench FILE] [--bw-fraction F] [--json]
 
-Without --gpus every degree of 1, 2, 4, ..., 64 is planned and those the model refuses are listed
-with their reasons.  Degrees asked for with --gpus must divide the model (else one error line), and
-when none of them fits, the table is followed by one error line with the planner's numbers.
+Every degree asked for with --gpus (default: 1, 2, 4, ..., 64) is planned, and those the model refuses
+are listed with their reasons.  When none of them fits, the table is followed by one error line with
+the planner's numbers (exit status 2), which the table's notes then leave out.
 """
 from __future__ import annotations
 
@@ -51,33 +51,43 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
 def run_plan(args) -> int:
     """per-GPU memory, bytes per decode step and a step-time estimate on 1 to 64 GPUs"""
-    from ir.parallel import check_parallel
     from ir.spec import load_spec
     spec = load_spec(args.spec or str(DEFAULT_SPEC))
-    for n in args.gpus or ():
-        check_parallel(spec, n)
     hw = planner.hardware(batch=args.batch, context=args.context, measured=planner.load_measured(args.bench),
                           gpu_mem_gb=args.gpu_mem, bw_fraction=args.bw_fraction, link_gbps=args.link_bw,
                           net_gbps=args.net_bw)
+    # --gpus or the default list alike: a count the model cannot split is a "refused" row, the rest planned
     d = planner.plan_deployment(spec, args.gpus or planner.DEFAULT_GPUS, dtype=args.dtype, batch=args.batch,
                                 context=args.context, hw=hw)
+    fits = any(p.fits for p in d.plans)
     if args.json:
         print(json.dumps(d.to_json(), indent=1))
     else:
-        print("\n".join(table(d)))
-    if args.gpus and not any(p.fits for p in d.plans):
-        raise InputError(planner.not_fitting(d, d.plans[0]) if len(d.plans) == 1 else
-                         f"{d.spec_name} in {d.dtype} fits on none of {', '.join(str(p.gpus) for p in d.plans)} GPUs "
-                         f"at batch {d.batch} x context {d.context} (the table says by how much)")
+        # when nothing fits, why is the error line below: not a note under the table as well
+        print("\n".join(table(d, misfit_notes=fits)))
+    if not fits:
+        raise InputError(nothing_fits(d))
     return 0
+
+
+def nothing_fits(d: planner.Deployment) -> str:
+    """The one error line when no GPU count asked for fits: one plan's numbers, or which counts."""
+    if len(d.plans) == 1:
+        return planner.not_fitting(d, d.plans[0])
+    asked = ", ".join(str(n) for n in sorted([p.gpus for p in d.plans] + list(d.refused)))
+    if not d.plans:
+        return f"{d.spec_name} runs on none of the GPU counts asked for ({asked}): each is refused, for the reason given"
+    return (f"{d.spec_name} in {d.dtype} fits on none of {', '.join(str(p.gpus) for p in d.plans)} GPUs "
+            f"at batch {d.batch} x context {d.context} (the table says by how much)")
 
 
 def _gb(n: float) -> str:
     return f"{n / planner.GB:.1f}"
 
 
-def table(d: planner.Deployment) -> list[str]:
-    """The human-readable plan: what was measured and assumed, one row per degree, then the notes."""
+def table(d: planner.Deployment, misfit_notes: bool = True) -> list[str]:
+    """The human-readable plan: what was measured and assumed, one row per degree, then the notes
+    (why a degree does not fit, unless not `misfit_notes`; why one is refused)."""
     hw = d.hardware
     lines = [
         f"{d.spec_name} in {d.dtype}, batch {d.batch} x context {d.context}, {hw.gpu_mem / planner.GB:g} GB per GPU "
@@ -99,7 +109,7 @@ def table(d: planner.Deployment) -> list[str]:
                      f"{p.step_ms:.2f}" if runs else "-", f"{p.tokens_per_s:,.0f}" if runs else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    misfits = [p for p in d.plans if not p.fits]
+    misfits = [p for p in d.plans if not p.fits] if misfit_notes else []
     if misfits or d.refused:
         lines.append("")
     lines += [f"{p.gpus:>4}: {planner.not_fitting(d, p)}" for p in misfits]

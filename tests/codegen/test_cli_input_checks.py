@@ -257,3 +257,9 @@ def test_bench_json_path_is_checked_before_anything_runs(tmp_path, capsys, monke
     one_line_error(capsys, "is a folder")
 
 
+# -- plan --------------------------------------------------------------------------------
+
+def test_plan_gpus_lists_refused_counts_and_plans_the_rest(capsys):
+    assert main(["plan", TINY, "--gpus", "2,3", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [p["gpus"] for p in d["plans"]] == [2] and list(d["refused"]) == ["3"]

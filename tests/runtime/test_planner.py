@@ -152,10 +152,16 @@ def test_refused_degrees_name_the_reason(specs, capsys):
     assert main(["plan", spec_path("deepseek_v2_lite")]) == 0
     out = capsys.readouterr().out
     assert "  32: refused: heads (num_attention_heads) = 16 does not divide by 32 ranks" in out
-    assert main(["plan", spec_path("deepseek_v3"), "--gpus", "8,3"]) == 2
+    # --gpus as the default list: a refused row with its reason, the other counts planned
+    assert main(["plan", spec_path("deepseek_v3"), "--gpus", "16,3"]) == 0
     out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1
-    assert err.startswith("dsgraph: error: deepseek_v3 cannot run on 3 ranks: heads") and "routed experts" in err
+    assert err == "" and "   3: refused: heads (num_attention_heads) = 128 does not divide by 3 ranks" in out
+    assert "routed experts" in out and any(line.split()[:1] == ["16"] for line in out.splitlines())
+    assert main(["plan", spec_path("deepseek_v3"), "--gpus", "8,3"]) == 2     # and nothing fits: still an error
+    out, err = capsys.readouterr()
+    assert "   3: refused: heads" in out and err.count("\n") == 1
+    assert err.startswith("dsgraph: error: deepseek_v3 in bfloat16 does not fit on 8 x 141 GB")
+    assert "does not fit" not in out                                          # the reason once, not twice
 
 
 def test_the_table_then_one_line_when_nothing_asked_for_fits(capsys):
@@ -165,6 +171,7 @@ def test_the_table_then_one_line_when_nothing_asked_for_fits(capsys):
     assert "weights 173.0 GB" in err and "> 141 GB" in err
     row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["8"])
     assert row[1] == "173.0" and row[-2:] == ["-", "-"]
+    assert "does not fit" not in out                                          # the reason once: the error line
     assert main(["plan", spec_path("deepseek_v3"), "--gpus", "8,16", "--context", "8192", "--batch", "4"]) == 0
     out = capsys.readouterr().out
     copy = json.loads((README.parent / "runtime" / "bench_h200.json").read_text())["copy_bandwidth_GBps"] / 1000
