@@ -91,12 +91,14 @@ def _tokenizer(model_dir, needed: bool, warn: bool):
     else:
         try:
             from transformers import AutoTokenizer
-            return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         except ImportError:
-            why = f"reading {present[0]} needs transformers, which is not installed"
-        except Exception as e:  # noqa: BLE001 - whatever breaks reading the user's files is reported with its reason
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            why = f"cannot read it from {', '.join(present)}: {reason}"
+            AutoTokenizer, why = None, f"reading {present[0]} needs transformers, which is not installed"
+        if AutoTokenizer is not None:
+            try:
+                return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+            except Exception as e:  # noqa: BLE001 - whatever breaks reading the user's files is reported, with why
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                why = f"cannot read it from {', '.join(present)}: {reason}"
         if not needed and warn:
             print(f"dsgraph: warning: the tokenizer in {model_dir}: {why}; printing token ids only", file=sys.stderr)
     if needed:
