@@ -263,9 +263,10 @@ def _parse_op(loc: Located, raw, path: str, dims: dict) -> OpDecl:
         block = _get(loc, raw, "block", path, str)
         return OpDecl("call", inputs, outputs, {"block": block}, {}, path)
     opdef = OPS[op]
-    n_in = opdef.inputs
-    if len(inputs) != n_in:
-        raise loc.error(f"{path}.in", f"op {op!r} takes {n_in} input(s), got {len(inputs)}")
+    low, high = opdef.inputs if isinstance(opdef.inputs, tuple) else (opdef.inputs, opdef.inputs)
+    if not low <= len(inputs) <= high:
+        takes = str(low) if low == high else f"{low} to {high}"
+        raise loc.error(f"{path}.in", f"op {op!r} takes {takes} input(s), got {len(inputs)}")
     attrs, weights = {}, {}
     for key, value in rest.items():
         if key in opdef.weights:

@@ -126,6 +126,14 @@ def test_wrong_number_of_inputs():
     _check(_error(text), "blocks.moe_ffn.ops[11].in", line, "op 'add' takes 2 input(s), got 1")
 
 
+def test_wrong_number_of_inputs_to_an_op_that_takes_a_range():
+    """moe_combine_residual takes 3 or 4 inputs: the count is checked against the range (it used
+    to be compared with the tuple itself, so the op could not be written in a spec at all)."""
+    text, line = _edit("{op: moe_combine, in: [eo, topk_weights], out: routed}",
+                       "{op: moe_combine_residual, in: [eo, topk_weights], out: routed}")
+    _check(_error(text), "blocks.moe_ffn.ops[6].in", line, "op 'moe_combine_residual' takes 3 to 4 input(s), got 2")
+
+
 def test_op_without_out():
     text, line = _edit('"model.norm.weight", out: h}', '"model.norm.weight"}')
     _check(_error(text), "blocks.head.ops[0]", line, "op 'rms_norm' needs 'out'")
