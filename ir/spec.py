@@ -156,6 +156,12 @@ def _parse_dims(loc: Located, data: dict) -> dict:
     if out["qk_rope_head_dim"] > MAX_ROPE_DIM:
         raise loc.error("dims.qk_rope_head_dim", f"rotary dim {out['qk_rope_head_dim']} is larger than the "
                                                  f"{MAX_ROPE_DIM} dsgraph tabulates")
+    if out["top_k"] > out["experts"]:
+        raise loc.error("dims.top_k", f"top_k ({out['top_k']}) must be at most experts ({out['experts']}): a token "
+                                      f"picks top_k distinct routed experts")
+    if out["topk_groups"] > out["groups"]:
+        raise loc.error("dims.topk_groups", f"topk_groups ({out['topk_groups']}) must be at most groups "
+                                            f"({out['groups']})")
     if out["experts"] % out["groups"]:
         raise loc.error("dims.groups", f"experts ({out['experts']}) must divide into groups ({out['groups']})")
     if out["qk_rope_head_dim"] % 2:

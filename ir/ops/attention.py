@@ -127,7 +127,7 @@ class MlaKvCacheWrite(OpDef):
     name = "mla_kv_cache_write"
     inputs = 2
     outputs = 3
-    attrs = {"eps": Attr("float", None), **_rope_attrs()}
+    attrs = {"eps": Attr("float", None, positive=True), **_rope_attrs()}
     weights = {"norm": True}
     doc = "[c [T, C], k_pe [T, R]] -> [c_n, k_rot, state]: kv_a_layernorm + rope on k + cache write in one op"
 
@@ -277,7 +277,7 @@ class MlaDecodePrologue(OpDef):
     name = "mla_decode_prologue"
     inputs = 4
     outputs = 4
-    attrs = {"eps": Attr("float", None), **_rope_attrs()}
+    attrs = {"eps": Attr("float", None, positive=True), **_rope_attrs()}
     weights = {"kv_b": True, "norm": True}
     doc = ("[q_nope [T, H, N], q_pe [T, H, R], c [T, C], k_pe [T, R]] -> [q [T, H, C+R], c_n, k_rot, state]: "
            "mla_decode_query and mla_kv_cache_write side by side (they read the same projection, not each other)")

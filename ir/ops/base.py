@@ -95,11 +95,17 @@ class AttrError(ValueError):
 
 @dataclass(frozen=True)
 class Attr:
-    """One attribute: kind is dim | int | float | bool | str | dims (list of dim exprs) | choice."""
+    """One attribute: kind is dim | int | float | bool | str | dims (list of dim exprs) | choice.
+
+    The range of a number is stated here, once, with the attribute: `minimum` for an int
+    (a dim is always >= 1), `positive` for a float that must be > 0 (an
+    eps or a scale: zero or a negative value runs, and gives NaN or silently wrong numbers)."""
 
     kind: str
     default: Any = ...
     choices: tuple = ()
+    minimum: int | None = None
+    positive: bool = False
 
     @property
     def required(self) -> bool:
@@ -118,6 +124,8 @@ class Attr:
         if self.kind == "int":
             if isinstance(value, bool) or not isinstance(value, int):
                 raise AttrError(f"expected an integer, got {value!r}")
+            if self.minimum is not None and value < self.minimum:
+                raise AttrError(f"expected an integer >= {self.minimum}, got {value!r}")
             return value
         if self.kind == "float":
             if isinstance(value, bool):
@@ -130,6 +138,8 @@ class Attr:
             # would silently become inf there.
             if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
                 raise AttrError(f"expected a finite number within float32 range (|x| <= 3.4e38), got {value!r}")
+            if self.positive and number <= 0:
+                raise AttrError(f"expected a number > 0, got {value!r}")
             return number
         if self.kind == "bool":
             if not isinstance(value, bool):

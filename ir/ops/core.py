@@ -117,7 +117,7 @@ class GateUpSilu(OpDef):
 @register
 class RmsNorm(OpDef):
     name = "rms_norm"
-    attrs = {"eps": Attr("float", None)}
+    attrs = {"eps": Attr("float", None, positive=True)}
     weights = {"weight": True}
     doc = "x [T, n] -> x / rms(x) * w"
 
@@ -137,7 +137,7 @@ class FusedAddRmsNorm(OpDef):
     name = "fused_add_rms_norm"
     inputs = 2
     outputs = 2
-    attrs = {"eps": Attr("float", None)}
+    attrs = {"eps": Attr("float", None, positive=True)}
     weights = {"weight": True}
     doc = "[x, residual] -> [rms_norm(x + residual), x + residual]"
 

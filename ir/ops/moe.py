@@ -29,7 +29,7 @@ def _topk_attrs():
         "groups": Attr("dim", 1),
         "topk_groups": Attr("dim", 1),
         "norm_topk_prob": Attr("bool", False),
-        "routed_scaling_factor": Attr("float", 1.0),
+        "routed_scaling_factor": Attr("float", 1.0, positive=True),
     }
 
 
@@ -277,7 +277,7 @@ class MoeCombine(OpDef):
 class MoeRoute(OpDef):
     name = "moe_route"
     outputs = 3
-    attrs = {**_topk_attrs(), "num_experts": Attr("dim"), "shared_experts": Attr("int", 0)}
+    attrs = {**_topk_attrs(), "num_experts": Attr("dim"), "shared_experts": Attr("int", 0, minimum=0)}
     weights = {"gate": True, "bias": False}
     fp32_weights = ("gate", "bias")
     doc = "x [T, D] -> [ids, weights, routing]: router GEMV (fp32) + scoring + top-k + alignment in one op"
@@ -328,7 +328,7 @@ def shared_from_pairs(eo: torch.Tensor, T: int, S: int) -> tuple[torch.Tensor, t
 class MoeCombineResidual(OpDef):
     name = "moe_combine_residual"
     inputs = (3, 4)
-    attrs = {"shared_experts": Attr("int", 0)}
+    attrs = {"shared_experts": Attr("int", 0, minimum=0)}
     doc = ("[expert out [T*K, D], weights [T, K], shared [T, D], residual [T, D]] -> residual + shared + "
            "sum_k w * out; with shared_experts S > 0 the inputs are [expert out [T*P, D], weights [T, P], "
            "residual] and the shared experts' output is the sum of each token's last S pairs")
@@ -365,7 +365,7 @@ class MoeCombineResidualRmsNorm(OpDef):
     name = "moe_combine_residual_rms_norm"
     inputs = (3, 4)
     outputs = 2
-    attrs = {"eps": Attr("float", None), "shared_experts": Attr("int", 0)}
+    attrs = {"eps": Attr("float", None, positive=True), "shared_experts": Attr("int", 0, minimum=0)}
     weights = {"weight": True}
     doc = ("[expert out [T*K, D], weights [T, K], shared [T, D], residual [T, D]] -> [rms_norm(s), s], "
            "s = residual + shared + sum_k w * out: the MoE layer's combine and the next norm (shared_experts: "
@@ -397,7 +397,7 @@ class MoeLocalExperts(OpDef):
     name = "moe_local_experts"
     inputs = 2
     outputs = 2
-    attrs = {"first": Attr("int"), "count": Attr("dim")}
+    attrs = {"first": Attr("int", minimum=0), "count": Attr("dim")}
     doc = ("[ids [T, K], weights [T, K] fp32] -> the pairs over this rank's experts [first, first+count) "
            "(expert parallel): local ids, and id -1 with weight 0 for pairs another rank serves")
 

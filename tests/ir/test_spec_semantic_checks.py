@@ -1,0 +1,91 @@
+"""Specs and configs that are well-formed but state a model the kernels would run wrongly: each is
+one SpecError naming the file, the YAML path (or config key) and the line, before anything is
+compiled.  Before these checks every one of them compiled and ran: an rms_norm eps of -1 gave NaN
+logits, a router two experts wide only ever routed to 2 of 8 experts, a gelu config ran silu, and a
+dim past int32 failed in NVRTC."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ir import SpecError, load_spec
+from ir.ops import OPS
+from ir.ops.base import AttrError
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = (ROOT / "model_specs" / "deepseek_tiny.yaml").read_text()
+FILE = "i.yaml"
+
+
+def _error(*edits: tuple[str, str]) -> tuple[SpecError, str]:
+    text = TINY
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    with pytest.raises(SpecError) as err:
+        load_spec(text, file=FILE)
+    return err.value, text
+
+
+def _check(err: SpecError, text: str, path: str, needle: str, *fragments: str) -> None:
+    """err names FILE, `path` and the line holding `needle`, and says each fragment, in one line."""
+    assert text.count(needle) == 1, needle
+    line = text[:text.index(needle)].count("\n") + 1
+    assert (err.file, err.path, err.line) == (FILE, path, line), str(err)
+    assert str(err).startswith(f"{FILE}:{line} at {path}: ") and "\n" not in str(err), str(err)
+    for f in fragments:
+        assert f in err.message, str(err)
+
+
+# -- 1. numeric attributes and dims: ranges stated once, with the attribute -------------------
+
+@pytest.mark.parametrize("eps", ["-1.0", "0.0", "0"])
+def test_rms_norm_eps_must_be_positive(eps):
+    err, text = _error(("eps: 1.0e-6, out: c_n}", f"eps: {eps}, out: c_n}}"))
+    _check(err, text, "blocks.mla.ops[4].eps", f"eps: {eps}, out: c_n", "attribute 'eps' of rms_norm", "> 0")
+
+
+@pytest.mark.parametrize("factor", ["0.0", "-2.5"])
+def test_routed_scaling_factor_must_be_positive(factor):
+    err, text = _error(("routed_scaling_factor: 1.0,", f"routed_scaling_factor: {factor},"))
+    _check(err, text, "blocks.moe_ffn.ops[1].routed_scaling_factor", f"routed_scaling_factor: {factor}",
+           "attribute 'routed_scaling_factor' of moe_topk", "> 0")
+
+
+def test_a_negative_shared_expert_count_is_refused_where_written():
+    err, text = _error(("{op: moe_combine, in: [eo, topk_weights], out: routed}",
+                        "{op: moe_combine_residual, in: [eo, topk_weights, x, x], shared_experts: -1, out: routed}"))
+    _check(err, text, "blocks.moe_ffn.ops[6].shared_experts", "shared_experts: -1",
+           "attribute 'shared_experts' of moe_combine_residual", ">= 0")
+
+
+def test_every_numeric_attribute_states_its_range():
+    """A new op's eps or scale cannot silently accept 0 or a negative value: every float attribute
+    is declared positive, every int attribute has a minimum, every dim is >= 1."""
+    for name, op in OPS.items():
+        for key, attr in op.attrs.items():
+            where = f"{name}.{key}"
+            if attr.kind == "float":
+                assert attr.positive, where
+                for bad in (0, -1.0):
+                    with pytest.raises(AttrError):
+                        attr.parse(bad, {})
+            elif attr.kind == "int":
+                assert attr.minimum is not None, where
+                with pytest.raises(AttrError):
+                    attr.parse(attr.minimum - 1, {})
+            elif attr.kind in ("dim", "dims"):
+                for bad in (0,):
+                    with pytest.raises(AttrError):
+                        attr.parse([bad] if attr.kind == "dims" else bad, {})
+
+
+def test_top_k_past_the_experts_is_a_dims_error():
+    err, text = _error(("  top_k: 2 ", "  top_k: 9 "))
+    _check(err, text, "dims.top_k", "top_k: 9 ", "top_k (9) must be at most experts (8)")
+
+
+def test_topk_groups_past_the_groups_is_a_dims_error():
+    err, text = _error(("  topk_groups: 1\n", "  topk_groups: 2\n"))
+    _check(err, text, "dims.topk_groups", "topk_groups: 2", "topk_groups (2) must be at most groups (1)")
