@@ -92,6 +92,30 @@ def bind_weights(G: nx.DiGraph, nid: str, templates: dict, wshapes: dict, layer:
     return bound
 
 
+ROUTING_DIMS = ("top_k", "groups", "topk_groups")
+
+
+def _check_routing(op: str, attrs: dict, ins: list[TType], wshapes: dict, model) -> None:
+    """What a spec's MoE ops imply must be its dims: each op runs whatever it is given (so the
+    ops' own checks, which kernel tests reuse at other sizes, cannot know), but a router narrower
+    than the experts only ever routes to its first ones, and an expert stack of another count
+    reads past its per-expert checkpoint tensors or leaves picked experts without weights.  Only
+    a spec's graph is checked so: the passes then regroup experts (E + shared, E / ranks)."""
+    d = model.dims
+    if op == "moe_topk":
+        E = ins[0].shape[1]
+        if E != d["experts"]:
+            raise ShapeError(f"the router's width ({E}, from {ins[0]}) is not the number of routed experts "
+                             f"(dims.experts = {d['experts']})")
+    for key in ROUTING_DIMS:   # stated once, in dims: the planner and the runtime read them there
+        if key in attrs and attrs[key] != d[key]:
+            raise ShapeError(f"{key}={attrs[key]} differs from the spec's dims.{key} ({d[key]})")
+    for role in OPS[op].expert_weights:
+        if role in wshapes and wshapes[role][0] != d["experts"]:
+            raise ShapeError(f"{role} stacks {wshapes[role][0]} experts (num_experts), but the checkpoint has one "
+                             f"tensor per routed expert: dims.experts = {d['experts']}")
+
+
 class _Builder:
     def __init__(self, spec: Spec, phase: str):
         self.spec = spec
@@ -137,6 +161,7 @@ class _Builder:
                 out_types, wshapes = OPS[decl.op].infer(node, [self.G.graph["values"][v] for v in inputs], self.spec.model)
                 if len(out_types) != len(outputs):
                     raise ShapeError(f"{decl.op} makes {len(out_types)} outputs, {len(outputs)} named")
+                _check_routing(decl.op, attrs, [self.G.graph["values"][v] for v in inputs], wshapes, self.spec.model)
                 add_op(self.G, nid, decl.op, attrs, inputs, outputs, weights={}, layer=layer, path=decl.path,
                        order=self.order, producers=self.producers)
                 self.G.nodes[nid]["weights"] = bind_weights(self.G, nid, decl.weights, wshapes, layer)

@@ -89,3 +89,25 @@ def test_top_k_past_the_experts_is_a_dims_error():
 def test_topk_groups_past_the_groups_is_a_dims_error():
     err, text = _error(("  topk_groups: 1\n", "  topk_groups: 2\n"))
     _check(err, text, "dims.topk_groups", "topk_groups: 2", "topk_groups (2) must be at most groups (1)")
+
+
+def test_an_op_that_routes_another_top_k_than_the_dims_is_refused():
+    err, text = _error(("top_k: top_k,", "top_k: 1,"))
+    _check(err, text, "blocks.moe_ffn.ops[1]", "{op: moe_topk,", "moe_topk (layer 1)",
+           "top_k=1 differs from the spec's dims.top_k (2)")
+
+
+# -- 2. widths an op's attributes imply ------------------------------------------------------
+
+def test_router_narrower_than_the_experts_is_refused():
+    err, text = _error(("out_dim: experts, precision: fp32", "out_dim: top_k, precision: fp32"))
+    _check(err, text, "blocks.moe_ffn.ops[1]", "{op: moe_topk,", "moe_topk (layer 1)",
+           "the router's width (2", "number of routed experts (dims.experts = 8)")
+
+
+def test_expert_ops_that_stack_another_expert_count_are_refused():
+    text = TINY.replace("num_experts: experts", "num_experts: 4")
+    with pytest.raises(SpecError) as err:
+        load_spec(text, file=FILE)
+    _check(err.value, text, "blocks.moe_ffn.ops[3]", "{op: moe_gate_up,", "moe_gate_up (layer 1)",
+           "gate stacks 4 experts (num_experts)", "dims.experts = 8")
