@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from .errors import SpecError
 from .lazy import nx
 from .ops import OPS, Node, ShapeError, TType, WeightInfo
+from .ops.base import width_problem
 from .spec import Spec
 
 PHASES = ("prefill", "decode")
@@ -92,6 +93,16 @@ def bind_weights(G: nx.DiGraph, nid: str, templates: dict, wshapes: dict, layer:
     return bound
 
 
+def _check_widths(named: list[tuple[str, tuple, str]]) -> None:
+    """Every concrete dim of each (what, shape, shown) within what the kernels index
+    (ir.ops.base.MAX_WIDTH): the dims a spec names are checked as it loads, the ones an op derives
+    from them (H*(N+R), C+R, H*(N+V), ...) here, where they are first known."""
+    for what, shape, shown in named:
+        for n in shape:
+            if isinstance(n, int) and width_problem(n):
+                raise ShapeError(f"{what} would be {shown}: {width_problem(n)}")
+
+
 ROUTING_DIMS = ("top_k", "groups", "topk_groups")
 
 
@@ -162,6 +173,8 @@ class _Builder:
                 if len(out_types) != len(outputs):
                     raise ShapeError(f"{decl.op} makes {len(out_types)} outputs, {len(outputs)} named")
                 _check_routing(decl.op, attrs, [self.G.graph["values"][v] for v in inputs], wshapes, self.spec.model)
+                _check_widths([(f"value {o}", t.shape, str(t)) for o, t in zip(decl.outputs, out_types)] +
+                              [(f"weight {decl.weights[r]}", shape, str(list(shape))) for r, shape in wshapes.items()])
                 add_op(self.G, nid, decl.op, attrs, inputs, outputs, weights={}, layer=layer, path=decl.path,
                        order=self.order, producers=self.producers)
                 self.G.nodes[nid]["weights"] = bind_weights(self.G, nid, decl.weights, wshapes, layer)

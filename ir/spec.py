@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .errors import SpecError
 from .model import NULLABLE_DIMS, REQUIRED_DIMS, ModelConfig, RopeConfig
 from .ops import OPS
-from .ops.base import FLOAT32_MAX, AttrError
+from .ops.base import FLOAT32_MAX, AttrError, width_problem
 from .rope import attention_factor
 from .yaml_source import Located, load_located
 
@@ -156,6 +156,9 @@ def _parse_dims(loc: Located, data: dict) -> dict:
     if out["qk_rope_head_dim"] > MAX_ROPE_DIM:
         raise loc.error("dims.qk_rope_head_dim", f"rotary dim {out['qk_rope_head_dim']} is larger than the "
                                                  f"{MAX_ROPE_DIM} dsgraph tabulates")
+    for name, value in out.items():   # after the bounds above, whose messages say more
+        if value is not None and width_problem(value):
+            raise loc.error(f"dims.{name}", f"dim {name!r}: {width_problem(value)}")
     if out["top_k"] > out["experts"]:
         raise loc.error("dims.top_k", f"top_k ({out['top_k']}) must be at most experts ({out['experts']}): a token "
                                       f"picks top_k distinct routed experts")

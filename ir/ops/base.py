@@ -22,6 +22,22 @@ from ..expr import ExprError, evaluate
 
 OPS: dict[str, type["OpDef"]] = {}
 FLOAT32_MAX = 3.4028234663852886e38
+MULTI_LINEAR_MAX = 4   # weights of one multi_linear (roles weight0 .. weight3)
+# The generated kernels address tensors with 64-bit offsets ((i64)row * width), but a width is a
+# 32-bit `constexpr int` in the source, indexed with 32-bit ints and rounded up to whole tiles
+# (a few thousand elements at most; 2**16 leaves room), and a multi_linear stacks its weights'
+# rows in one such index (templates/include/skinny.cuh weight_row).  So a dim's limit is a
+# quarter of int32's range less that room: 536854528, far past any DeepSeek dim (V3's widest:
+# vocab, 129280).
+MAX_WIDTH = (2**31 - 2**16) // MULTI_LINEAR_MAX
+
+
+def width_problem(n: int) -> str | None:
+    """Why the kernels cannot index a tensor dim of n elements, or None."""
+    if n > MAX_WIDTH:
+        return (f"{n} is past the {MAX_WIDTH} elements a tensor dim can have (the kernels index a row, and up to "
+                f"{MULTI_LINEAR_MAX} stacked rows, with 32-bit ints)")
+    return None
 
 
 def register(cls):
@@ -98,7 +114,7 @@ class Attr:
     """One attribute: kind is dim | int | float | bool | str | dims (list of dim exprs) | choice.
 
     The range of a number is stated here, once, with the attribute: `minimum` for an int
-    (a dim is always >= 1), `positive` for a float that must be > 0 (an
+    (a dim is always >= 1 and at most MAX_WIDTH), `positive` for a float that must be > 0 (an
     eps or a scale: zero or a negative value runs, and gives NaN or silently wrong numbers)."""
 
     kind: str
@@ -158,9 +174,11 @@ class Attr:
 
 def _positive(n: int, expr) -> int:
     # A size, head count or expert count of zero or less would bind a weight of impossible shape.
+    shown = str(n) if isinstance(expr, int) else f"{expr!r} = {n}"
     if n < 1:
-        shown = str(n) if isinstance(expr, int) else f"{expr!r} = {n}"
         raise AttrError(f"a dim must be a positive integer, got {shown}")
+    if width_problem(n):
+        raise AttrError(f"dim {shown}: {width_problem(n)}")
     return n
 
 

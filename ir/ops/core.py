@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..lazy import F, torch
-from .base import Attr, Node, OpDef, TType, expect, is_float, register, same_rows
+from .base import MULTI_LINEAR_MAX, Attr, Node, OpDef, TType, expect, is_float, register, same_rows
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -57,9 +57,6 @@ class Linear(OpDef):
         if node.attrs["precision"] == "fp32":
             return [F.linear(x.float(), weight.float())]
         return [F.linear(x, weight)]
-
-
-MULTI_LINEAR_MAX = 4   # weights of one multi_linear (roles weight0 .. weight3)
 
 
 @register

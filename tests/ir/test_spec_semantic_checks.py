@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ir import SpecError, load_spec
+from ir import SpecError, build_graph, load_spec, verify
 from ir.ops import OPS
-from ir.ops.base import AttrError
+from ir.ops.base import MAX_WIDTH, AttrError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = (ROOT / "model_specs" / "deepseek_tiny.yaml").read_text()
@@ -62,7 +62,7 @@ def test_a_negative_shared_expert_count_is_refused_where_written():
 
 def test_every_numeric_attribute_states_its_range():
     """A new op's eps or scale cannot silently accept 0 or a negative value: every float attribute
-    is declared positive, every int attribute has a minimum, every dim is >= 1."""
+    is declared positive, every int attribute has a minimum, every dim is >= 1 and within MAX_WIDTH."""
     for name, op in OPS.items():
         for key, attr in op.attrs.items():
             where = f"{name}.{key}"
@@ -76,7 +76,7 @@ def test_every_numeric_attribute_states_its_range():
                 with pytest.raises(AttrError):
                     attr.parse(attr.minimum - 1, {})
             elif attr.kind in ("dim", "dims"):
-                for bad in (0,):
+                for bad in (0, MAX_WIDTH + 1):
                     with pytest.raises(AttrError):
                         attr.parse([bad] if attr.kind == "dims" else bad, {})
 
@@ -111,3 +111,27 @@ def test_expert_ops_that_stack_another_expert_count_are_refused():
         load_spec(text, file=FILE)
     _check(err.value, text, "blocks.moe_ffn.ops[3]", "{op: moe_gate_up,", "moe_gate_up (layer 1)",
            "gate stacks 4 experts (num_experts)", "dims.experts = 8")
+
+
+# -- 4. dims the kernels' 32-bit indices cannot reach ------------------------------------------
+
+def test_a_dim_past_the_kernels_index_range_is_a_dims_error():
+    err, text = _error(("  hidden: 128 ", "  hidden: 99999999999 "))
+    _check(err, text, "dims.hidden", "hidden: 99999999999", "99999999999 is past the 536854528", "32-bit")
+
+
+def test_a_derived_width_past_the_index_range_is_refused_at_its_op():
+    # Each dim is fine; the attention's output width H*V = 20000 * 30000 is not.
+    err, text = _error(("  heads: 4 ", "  heads: 20000 "), ("  v_head_dim: 32 ", "  v_head_dim: 30000 "))
+    _check(err, text, "blocks.mla.ops[7]", "{op: mla_attention,", "mla_attention (layer 0)", "value o would be act[T, 600000000]",
+           f"past the {MAX_WIDTH}")
+
+
+def test_the_limit_is_a_quarter_of_int32_less_tile_padding():
+    assert MAX_WIDTH == (2**31 - 2**16) // 4 == 536854528
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_the_largest_shipped_specs_pass(name):
+    spec = load_spec(str(ROOT / "model_specs" / f"{name}.yaml"))
+    verify(build_graph(spec, "decode"))
