@@ -213,6 +213,52 @@ def _rope_params(c: _Config) -> dict:
     return out
 
 
+# What the kernels compute, for the config keys that could ask for something else (absent keys
+# take transformers' DeepseekV2/V3Config defaults: silu, no biases, no quantization).
+SILU = ("silu", "swish")          # transformers' ACT2FN: both names are SiLU
+# The one quantisation runtime/weights.py dequantises: DeepSeek-V3's FP8 checkpoints (F8_E4M3
+# weights, a float32 inverse scale per 128x128 block; transformers' FineGrainedFP8Config).  Each
+# key may be absent (transformers' default is the value here) or equal to it.
+FP8_METHOD = "fp8"
+FP8_KEYS = {"fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "scale_fmt": "float",
+            "expert_dtype": "fp8"}
+
+
+def check_computable(cfg: dict, *, file: str = CONFIG) -> None:
+    """Refuse a config whose model the kernels would compute wrongly: another activation than
+    SiLU, projections with biases, weights quantised in a way the loader does not dequantise.
+    spec_from_config runs it; so may whoever pairs a checkpoint with a spec of its own."""
+    _check_computable(_Config(cfg, file), cfg.get("model_type") == "deepseek_v3")
+
+
+def _check_computable(c: _Config, v3: bool) -> None:
+    act = c.str("hidden_act", default="silu")
+    if act not in SILU:
+        raise c.error("hidden_act", f"hidden_act {act!r} is not supported: dsgraph's kernels implement silu only")
+    biases = ["attention_bias"] + ([] if v3 else ["mlp_bias"])   # transformers' DeepseekV3 has no mlp_bias
+    for key in biases:
+        if c.bool(key, default=False):
+            raise c.error(key, f"{key}: true is not supported: dsgraph's projections have no bias")
+    quant = c.cfg.get("quantization_config")
+    if quant is None:
+        return
+    if not isinstance(quant, dict):
+        raise c.error("quantization_config", f"quantization_config must be a mapping (or null), got {quant!r}")
+    method = quant.get("quant_method")
+    if method != FP8_METHOD:
+        what = "a quantization_config without quant_method" if method is None else f"quantization {method!r}"
+        raise c.error("quantization_config.quant_method",
+                      f"{what} is not supported: dsgraph loads unquantised weights or DeepSeek-V3's "
+                      f"FP8 (quant_method {FP8_METHOD}: e4m3 weights, a float32 scale per 128x128 block)")
+    for key, accepted in FP8_KEYS.items():
+        value = quant.get(key)
+        # as transformers reads them: a block size may be a tuple, activation_scheme any case
+        seen = list(value) if isinstance(value, tuple) else value.lower() if isinstance(value, str) else value
+        if value is not None and seen != accepted:
+            raise c.error(f"quantization_config.{key}", f"fp8 {key} {value!r} is not supported: dsgraph dequantises "
+                                                        f"{key} {accepted!r} only")
+
+
 def _yaml_str(text: str) -> str:
     """`text` as a YAML scalar that reads back as this string: plain when it is a simple
     name (the shipped specs), else double-quoted (JSON's quoting is valid YAML)."""
@@ -255,6 +301,7 @@ def spec_from_config(cfg: dict, name: str | None = None, title: str | None = Non
     if topk_group > n_group:
         raise c.error("topk_group", f"topk_group ({topk_group}) must be at most n_group ({n_group})")
     v3 = model_type == "deepseek_v3"
+    _check_computable(c, v3)
     tie = c.bool("tie_word_embeddings", default=False)
     if v3:
         scoring, method = "sigmoid", "noaux_tc"   # transformers' DeepseekV3 always routes this way
@@ -270,7 +317,7 @@ def spec_from_config(cfg: dict, name: str | None = None, title: str | None = Non
         rope_pairs, rope_output = "adjacent", "interleaved"
     rope = _rope_params(c)
     eps = c.float("rms_norm_eps", default=1e-6, positive=True)
-    routed_scaling_factor = c.float("routed_scaling_factor", default=1.0)
+    routed_scaling_factor = c.float("routed_scaling_factor", default=1.0, positive=True)
     dims = {
         "hidden": ("D", ints["hidden_size"]), "heads": ("H", ints["num_attention_heads"]),
         "q_lora_rank": ("Q", q_lora_rank), "kv_lora_rank": ("C", ints["kv_lora_rank"]),

@@ -5,17 +5,23 @@ logits, a router two experts wide only ever routed to 2 of 8 experts, a gelu con
 dim past int32 failed in NVRTC."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from ir import SpecError, build_graph, load_spec, verify
+from ir.config_to_spec import spec_from_config
 from ir.ops import OPS
 from ir.ops.base import MAX_WIDTH, AttrError
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = (ROOT / "model_specs" / "deepseek_tiny.yaml").read_text()
 FILE = "i.yaml"
+
+
+def _config(name: str) -> dict:
+    return json.loads((ROOT / "model_specs" / "hf_configs" / f"{name}.json").read_text())
 
 
 def _error(*edits: tuple[str, str]) -> tuple[SpecError, str]:
@@ -135,3 +141,73 @@ def test_the_limit_is_a_quarter_of_int32_less_tile_padding():
 def test_the_largest_shipped_specs_pass(name):
     spec = load_spec(str(ROOT / "model_specs" / f"{name}.yaml"))
     verify(build_graph(spec, "decode"))
+
+
+# -- 3. config keys the kernels do not implement ---------------------------------------------
+
+def _config_error(base: str, **changes) -> SpecError:
+    cfg = {**_config(base), **changes}
+    with pytest.raises(SpecError) as err:
+        spec_from_config(cfg)
+    assert err.value.file == "config.json" and "\n" not in str(err.value), str(err.value)
+    return err.value
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu", "gelu_pytorch_tanh"])
+def test_an_activation_other_than_silu_is_refused(act):
+    err = _config_error("deepseek_tiny", hidden_act=act)
+    assert err.path == "hidden_act" and f"hidden_act {act!r} is not supported" in err.message
+    assert "silu only" in err.message
+
+
+@pytest.mark.parametrize("base, key", [("deepseek_tiny", "attention_bias"), ("deepseek_v3", "attention_bias"),
+                                       ("deepseek_tiny", "mlp_bias")])
+def test_biases_are_refused(base, key):
+    err = _config_error(base, **{key: True})
+    assert err.path == key and "no bias" in err.message
+
+
+@pytest.mark.parametrize("quant", [
+    {"quant_method": "gptq", "bits": 4, "group_size": 128},
+    {"quant_method": "awq", "bits": 4},
+    {"quant_method": "bitsandbytes", "load_in_4bit": True},
+    {"load_in_8bit": True},
+])
+def test_quantisations_the_loader_does_not_dequantise_are_refused(quant):
+    err = _config_error("deepseek_tiny", quantization_config=quant)
+    assert err.path == "quantization_config.quant_method" and "is not supported" in err.message
+    assert "fp8" in err.message
+
+
+@pytest.mark.parametrize("key, value", [("weight_block_size", [64, 64]), ("fmt", "e5m2"),
+                                        ("activation_scheme", "static"), ("scale_fmt", "ue8m0")])
+def test_fp8_other_than_deepseek_v3s_blocks_is_refused(key, value):
+    quant = {**_config("deepseek_v3")["quantization_config"], key: value}
+    err = _config_error("deepseek_v3", quantization_config=quant)
+    assert err.path == f"quantization_config.{key}" and f"{value!r} is not supported" in err.message
+
+
+@pytest.mark.parametrize("factor", [0.0, -1.0])
+def test_a_routed_scaling_factor_of_zero_or_less_is_refused_at_its_key(factor):
+    err = _config_error("deepseek_tiny", routed_scaling_factor=factor)
+    assert err.path == "routed_scaling_factor" and "positive" in err.message
+
+
+def test_what_runs_is_accepted_and_absent_keys_mean_transformers_defaults():
+    spec_from_config(_config("deepseek_v3"))                            # its FP8 block quantisation
+    spec_from_config({**_config("deepseek_v3"), "quantization_config": {
+        **_config("deepseek_v3")["quantization_config"], "activation_scheme": "Dynamic", "weight_block_size": (128, 128)}})
+    spec_from_config({**_config("deepseek_v3"), "quantization_config": {"quant_method": "fp8"}})
+    spec_from_config({**_config("deepseek_v3"), "mlp_bias": True})      # DeepseekV3 has no mlp_bias
+    spec_from_config({**_config("deepseek_tiny"), "hidden_act": "swish"})   # transformers: also SiLU
+    cfg = _config("deepseek_tiny")
+    for key in ("hidden_act", "attention_bias"):
+        del cfg[key]
+    assert spec_from_config(cfg) == spec_from_config(_config("deepseek_tiny"))
+
+
+def test_from_pretrained_writes_its_spec_through_the_same_check():
+    from runtime.model_loader import resolve_spec
+    with pytest.raises(SpecError) as err:
+        resolve_spec(None, {**_config("deepseek_tiny"), "hidden_act": "gelu"})
+    assert err.value.file == "config.json" and err.value.path == "hidden_act"
