@@ -25,6 +25,8 @@ import time
 
 from codegen.kernel import DEFAULTS
 
+from .cli_args import block_size_arg, whole_number
+
 DECODE_CASES = [(1, 512), (8, 512), (32, 512), (128, 512), (256, 512), (1, 4096), (8, 4096), (32, 4096),
                 (128, 4096)]
 PREFILL_CASES = [(1, 2048), (32, 512)]
@@ -48,30 +50,6 @@ def cases_arg(text: str) -> list[tuple[int, int]]:
                                              f"1..{MAX_LENGTH}")
         cases.append((b, n))
     return cases
-
-
-# -- option types every command shares (here because this is the one CLI module the others can all
-# import: runtime/cli.py imports them all) --------------------------------------------------------
-
-def whole_number(low: int = 1, high: int | None = None):
-    """An argparse type: a whole number from `low` to `high`; anything else is refused at the
-    option, with the accepted range, before any work starts."""
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if n < low or (high is not None and n > high):
-            accepted = f">= {low}" if high is None else f"from {low} to {high}"
-            raise argparse.ArgumentTypeError(f"must be a whole number {accepted}, got {text}")
-        return n
-    return parse
-
-
-def block_size_arg(text: str) -> int:
-    """--block-size: tokens per KV-cache page, in the range the kernels take (codegen/bundle.py)."""
-    from codegen.bundle import MAX_BLOCK_SIZE
-    return whole_number(1, MAX_BLOCK_SIZE)(text)
 
 
 def bench_cases(args) -> tuple[list, list]:
@@ -429,9 +407,23 @@ def run_bench(args) -> int:
     require_runtime("bench")
     import torch
 
-    from .engine import Engine
     if not torch.cuda.is_available():
         raise InputError("dsgraph bench needs a CUDA GPU")
+    try:
+        return _run_bench(args, decode_cases, prefill_cases)
+    except torch.OutOfMemoryError:
+        # The full set needs V2-Lite's 31 GB of weights, its cache and the prefill graphs' pool at once:
+        # more than an 80 GB H100 holds (an H200 does).  Say so, not torch's allocator report.
+        gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+        raise InputError(f"dsgraph bench ran out of GPU memory ({gib:.0f} GiB on this GPU): the full set of cases "
+                         f"needs a larger one; --quick, --prefill none or fewer --decode cases need less") from None
+
+
+def _run_bench(args, decode_cases, prefill_cases) -> int:
+    import torch
+
+    from .engine import Engine
+    from .errors import InputError
     from codegen.paths import DEFAULT_SPEC
     spec_path = args.spec or str(DEFAULT_SPEC)
     result = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),

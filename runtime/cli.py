@@ -30,7 +30,8 @@ from codegen.kernel import DEFAULTS
 from codegen.paths import DEFAULT_SPEC, REPO_ROOT
 
 from . import __version__
-from .bench import add_bench_args, block_size_arg, run_bench, whole_number
+from .bench import add_bench_args, run_bench
+from .cli_args import block_size_arg, whole_number
 from .cli_generate import add_generate_args, run_generate
 from .cli_plan import add_plan_args, run_plan
 from .errors import DsgraphError

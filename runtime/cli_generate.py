@@ -20,7 +20,7 @@ import time
 
 from codegen.paths import DEFAULT_SPEC
 
-from .bench import block_size_arg, whole_number
+from .cli_args import block_size_arg, whole_number
 
 
 def token_ids(text: str) -> list[int]:

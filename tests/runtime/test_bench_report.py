@@ -316,3 +316,20 @@ def test_mla_decode_times_are_per_layer_own_times_and_the_cache_rate(capsys):
     assert "MLA decode a layer" in out
     assert "attention  143.3 us (4.21 TB/s of cache)   query    6.3 us   v_up    5.1 us" in out
     assert mla_decode_times({"bytes": need, "breakdown": {"families": {}}}) is None
+
+
+def test_a_gpu_too_small_for_the_full_bench_is_one_line(monkeypatch, tmp_path, capsys):
+    """The full set needs more than an 80 GB H100 holds: torch's allocator report becomes one line."""
+    import torch
+
+    from runtime import bench
+    from runtime.cli import main
+
+    def oom(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 352.00 MiB ...")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 79 * 2**30}))
+    monkeypatch.setattr(bench, "_run_bench", oom)
+    assert main(["bench", "--json", str(tmp_path / "b.json")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "ran out of GPU memory (79 GiB on this GPU)" in err and "--prefill none" in err

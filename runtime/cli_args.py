@@ -1,0 +1,26 @@
+"""Option types the dsgraph commands share: a bad value is refused by argparse at the option, with
+the range accepted, before any model is loaded or any kernel compiled."""
+from __future__ import annotations
+
+import argparse
+
+
+def whole_number(low: int = 1, high: int | None = None):
+    """An argparse type: a whole number from `low` to `high`; anything else is refused at the
+    option, with the accepted range, before any work starts."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if n < low or (high is not None and n > high):
+            accepted = f">= {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"must be a whole number {accepted}, got {text}")
+        return n
+    return parse
+
+
+def block_size_arg(text: str) -> int:
+    """--block-size: tokens per KV-cache page, in the range the kernels take (codegen/bundle.py)."""
+    from codegen.bundle import MAX_BLOCK_SIZE
+    return whole_number(1, MAX_BLOCK_SIZE)(text)
