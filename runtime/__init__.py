@@ -1,9 +1,10 @@
 """dsgraph's runtime: load a bundle or a spec, keep the paged latent KV cache, run steps."""
 __version__ = "0.1.0"  # the distribution's version (pyproject.toml reads it from here)
 
-from .errors import CacheFullError, DsgraphError, InputError, WeightError
+from .errors import CacheFullError, DsgraphError, InputError, NonFiniteError, WeightError
 
-__all__ = ["Engine", "GenerationOutput", "SamplingParams", "CacheFullError", "DsgraphError", "InputError", "WeightError"]
+__all__ = ["Engine", "GenerationOutput", "SamplingParams", "CacheFullError", "DsgraphError", "InputError", "NonFiniteError",
+           "WeightError"]
 
 # Engine and SamplingParams import torch; load them on first use so light entry points
 # (the `dsgraph` CLI answering from the bundle cache) start in milliseconds.

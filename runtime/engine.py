@@ -257,6 +257,11 @@ class Engine:
         backend, device, dtype, kwargs = _check_call("Engine.from_pretrained", backend, device, dtype, bundle,
                                                      kwargs)   # before anything is read
         config = load_config(model_dir)
+        if spec is not None or bundle is not None:
+            # A spec written from this config checks it (spec_from_config); one given alongside still
+            # has to describe a model the kernels compute: no gelu, biases or foreign quantisation.
+            from ir.config_to_spec import check_computable
+            check_computable(config, file=os.path.join(os.fspath(model_dir), "config.json"))
         kwargs.setdefault("eos_token_ids", eos_token_ids(model_dir, config))
 
         def read(specs, spec, dtype, device):

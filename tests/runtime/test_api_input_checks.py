@@ -272,3 +272,18 @@ def test_decode_after_must_leave_a_token_to_decode():
     want = engine.logits([[1, 2], [1, 2, 3, 4]])
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_paired_with_its_own_spec_still_has_its_config_checked(tmp_path, monkeypatch):
+    """spec_from_config refuses a gelu / biased / foreign-quantised config; a spec given alongside the
+    checkpoint must not skip that: its weights would load and compute the wrong function."""
+    from ir.errors import SpecError
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights read before the config was checked")
+    monkeypatch.setattr(engine_mod, "load_model_weights", refuse)
+    hf = json.loads((ROOT / "model_specs" / "hf_configs" / "deepseek_tiny.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "hidden_act": "gelu"}))
+    with pytest.raises(SpecError, match=r"hidden_act 'gelu' is not supported") as err:
+        Engine.from_pretrained(tmp_path, spec=TINY)
+    assert err.value.path == "hidden_act" and str(tmp_path) in err.value.file
