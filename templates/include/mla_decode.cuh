@@ -689,7 +689,7 @@ struct MlaDecodeMma {
     const bool qvec = aligned16(ql) && aligned16(qr) && ql_s1 % 8 == 0 && qr_s1 % 8 == 0;   // uniform
     char* qs = smem + (NSTAGE - 1) * STAGE_BYTES;
     if (qvec) {
-      DSG_ONCE_LOOP for (int e = tid; e < HG * VPR; e += THREADS) {
+      for (int e = tid; e < HG * VPR; e += THREADS) {
         const int hh = e / VPR, c = e - hh * VPR, h = h0 + hh;
         const bool live = sp.valid && h < H;
         const T* src = c * 8 < C ? ql + (i64)h * ql_s1 + c * 8 : qr + (i64)h * qr_s1 + (c * 8 - C);

@@ -201,7 +201,7 @@ __device__ __forceinline__ void topk_scored(float (&l)[(E + 31) / 32], const flo
   unsigned taken = 0u;
   int my_id = 0;
   float my_w = 0.f;
-  DSG_ONCE_LOOP for (int k = 0; k < K; ++k) {
+  for (int k = 0; k < K; ++k) {
     float bv = -CUDART_INF_F;
     int bi = 0x7fffffff;
 #pragma unroll
@@ -250,7 +250,7 @@ __device__ __forceinline__ void scan_counts(const int* count, int* start, i32* _
   if (threadIdx.x >= 32) return;
   const int lane = threadIdx.x;
   int base = 0;
-  DSG_ONCE_LOOP for (int e0 = 0; e0 < E; e0 += 32) {
+  for (int e0 = 0; e0 < E; e0 += 32) {
     const int e = e0 + lane;
     const int c = (e < E) ? count[e] : 0;
     int incl = c;
@@ -280,18 +280,18 @@ __device__ __forceinline__ void align(const Id* __restrict__ ids, int num_pairs,
   static_assert(E >= 1 && 2 * E * sizeof(int) <= 48 * 1024, "align: count[] and cursor[] must fit static shared memory");
   __shared__ int count[E];
   __shared__ int cursor[E];
-  DSG_ONCE_LOOP for (int e = threadIdx.x; e < E; e += NT) count[e] = 0;
+  for (int e = threadIdx.x; e < E; e += NT) count[e] = 0;
   __syncthreads();
   // ids come from top-k and lie in [0, E); one that does not (a caller's bug) must not write
   // outside count[] / cursor[]: its pair is left out (offsets[E] < num_pairs then says so).
-  DSG_ONCE_LOOP for (int p = threadIdx.x; p < num_pairs; p += NT) {
+  for (int p = threadIdx.x; p < num_pairs; p += NT) {
     const i64 id = ids[p];
     if (id >= 0 && id < E) atomicAdd(&count[(int)id], 1);
   }
   __syncthreads();
   scan_counts<E>(count, cursor, offsets);
   __syncthreads();
-  DSG_ONCE_LOOP for (int p = threadIdx.x; p < num_pairs; p += NT) {
+  for (int p = threadIdx.x; p < num_pairs; p += NT) {
     const i64 id = ids[p];
     if (id < 0 || id >= E) continue;
     const int slot = atomicAdd(&cursor[(int)id], 1);

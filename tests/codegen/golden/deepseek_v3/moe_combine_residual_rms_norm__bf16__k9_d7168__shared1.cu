@@ -29,20 +29,6 @@ constexpr int K = 9;
 constexpr int THREADS = 896;
 constexpr float EPS = 9.999999974752427e-07f;
 
-// The warm pass (PERF_NOTES v33, an experiment; DSG_COMBINE_WARM_PASS: the most tokens it runs
-// at, 0: off): the row's sum and norm run once before the wait, on whatever the rows hold then,
-// storing nothing, so that their code is in the SM's instruction caches when the wait returns (at
-// b=1 this kernel reaches its wait ~10 us before the experts' down ends; code fetched cold costs
-// ~104 SM cycles a KB, v32).  One copy of the code, run by a rolled two-trip loop.  Its reads are
-// at addresses fixed by t alone, go through L2 only and are made again after the wait
-// (combine_row's FRESH: vec.cuh ld_cg_fresh), so no value from before the wait survives it; every
-// value the warm pass computes is dropped.  At more tokens, only the second trip (a CTA a token:
-// their warm passes might wait for room beside the experts' CTAs).  0: the kernel as before (the
-// #else below; if the pass wins its A/B, it becomes the kernel).
-#ifndef DSG_COMBINE_WARM_PASS
-#define DSG_COMBINE_WARM_PASS 0
-#endif
-
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_combine_residual_rms_norm__bf16__k9_d7168__shared1(
     const __nv_bfloat16* __restrict__ eo,
@@ -55,26 +41,6 @@ moe_combine_residual_rms_norm__bf16__k9_d7168__shared1(
   typedef dsg::RowLayout<act_t, D, THREADS> L;
   float wv[L::ITEMS];             // the norm's weight, before the wait: no kernel writes it
   L::load(nw, wv);
-#if DSG_COMBINE_WARM_PASS
-  __shared__ float scratch[32];
-  const int t = blockIdx.x;
-#pragma unroll 1
-  for (int pass = T <= DSG_COMBINE_WARM_PASS ? 0 : 1; pass < 2; ++pass) {
-    if (pass == 1) {
-      __syncthreads();            // the warm pass's last reads of scratch are done
-      dsg::pdl_wait();            // pdl.cuh: every CTA, before it reads another kernel's output or writes
-      dsg::pdl_launch_dependents();
-    }
-    if (t >= T) continue;
-    float v[L::ITEMS];
-    dsg::moe::combine_row<act_t, D, K, L, 1, true>(eo, w, nullptr, residual, t, v);
-#pragma unroll
-    for (int i = 0; i < L::ITEMS; ++i) v[i] = dsg::round_to<act_t>(v[i]);
-    if (pass == 1) L::store(s + (i64)t * D, v);
-    dsg::rms_norm_row_loaded<act_t, D, L>(v, wv, EPS, scratch);
-    if (pass == 1) L::store(h + (i64)t * D, v);
-  }
-#else
   dsg::pdl_wait();                // pdl.cuh: every CTA, before it reads another kernel's output or writes
   dsg::pdl_launch_dependents();
   __shared__ float scratch[32];
@@ -87,6 +53,5 @@ moe_combine_residual_rms_norm__bf16__k9_d7168__shared1(
   L::store(s + (i64)t * D, v);
   dsg::rms_norm_row_loaded<act_t, D, L>(v, wv, EPS, scratch);
   L::store(h + (i64)t * D, v);
-#endif
   DSG_PHASE_EXIT();               // phases.cuh (nothing unless DSG_PHASES)
 }

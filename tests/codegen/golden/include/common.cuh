@@ -8,20 +8,6 @@
 typedef long long i64;
 typedef int i32;
 
-// Loops a decode step at batch 1 runs once or twice a launch (a top-k's K rounds, a scan's
-// rounds, a strided copy of a few items) that the compiler would otherwise unroll: unrolled, their
-// copies are code each layer fetches cold (~104 SM cycles a KB on the H200, PERF_NOTES v32), while
-// the loop saves a few cycles a trip.  DSG_ONCE_LOOP before such a loop keeps it rolled when
-// DSG_ROLL_ONCE_LOOPS is 1; 0: the compiler decides, as before it (PERF_NOTES v33 has the sites).
-#ifndef DSG_ROLL_ONCE_LOOPS
-#define DSG_ROLL_ONCE_LOOPS 0
-#endif
-#if DSG_ROLL_ONCE_LOOPS
-#define DSG_ONCE_LOOP _Pragma("unroll 1")
-#else
-#define DSG_ONCE_LOOP
-#endif
-
 namespace dsg {
 
 // ---- scalar conversions: every kernel computes in float and stores in the act type ----

@@ -65,9 +65,7 @@ __device__ __forceinline__ int tile_tokens(int T) {
 // elements into dst [nrows][KP] (shared; zero rows from ntok on: the MMA reads whole n8 columns).
 // Row r starts at src + r * s0. VEC: 16-byte cp.async (src rows 16-byte aligned, K % 8 == 0),
 // else element copies. The caller waits (cp_async_wait<0>) and syncs before reading.
-// FRESH: the element copies through vec.cuh's ld_cg_fresh (a warm pass reads the rows before the
-// kernel's wait and again after it; cp.async is asm volatile and reads through L2 already).
-template <typename T, int K, int KP, int THREADS, bool FRESH = false>
+template <typename T, int K, int KP, int THREADS>
 __device__ __forceinline__ void stage_rows(T* dst, const T* __restrict__ src, i64 s0, int ntok, bool vec) {
   static_assert(sizeof(T) == 2 && K % 8 == 0 && KP % 8 == 0, "stage_rows: 16-bit rows of whole 16-byte chunks");
   const int nrows = (ntok + 7) / 8 * 8;
@@ -81,8 +79,7 @@ __device__ __forceinline__ void stage_rows(T* dst, const T* __restrict__ src, i6
   } else {
     for (int i = threadIdx.x; i < nrows * K; i += THREADS) {
       const int r = i / K, k = i % K;
-      dst[r * KP + k] = r < ntok ? (FRESH ? ld_cg_fresh(src + (i64)r * s0 + k) : src[(i64)r * s0 + k])
-                                 : from_float<T>(0.f);
+      dst[r * KP + k] = r < ntok ? src[(i64)r * s0 + k] : from_float<T>(0.f);
     }
   }
 }
@@ -203,16 +200,6 @@ struct AbsorbQuery {
 };
 
 // ---- mla_v_up -----------------------------------------------------------------------------
-// DSG_VUP_WARM_PASS (an experiment, PERF_NOTES v33; 0: off): at up to that many tokens, each CTA
-// runs its first token tile once before its wait, storing nothing, so the tile's code is fetched
-// while the attention still runs (at b=1 v_up reaches its wait ~3 us before the attention ends,
-// v29; code fetched cold costs ~104 SM cycles a KB, v32).  One copy of the tile's code, run by
-// the pass loop; its reads of o_lat are cp.async (asm volatile, through L2) or ld_cg_fresh, made
-// again after the wait; every value the warm pass computes is dropped (pdl.cuh).
-#ifndef DSG_VUP_WARM_PASS
-#define DSG_VUP_WARM_PASS 0
-#endif
-
 // CTA (token chunk, head, block of MT * 16 weight rows); warp w = (k slice ks = w / MT, m16 tile
 // mt = w % MT): rows v0 + mt*16 + {g, g+8} over the 32-k chunks ks*CPS .. ks*CPS + CPS - 1
 // (of NCH = C / 32), 2 * CPS 16-byte weight registers per thread. The KS slices' partial sums
@@ -263,90 +250,65 @@ struct AbsorbVUp {
     }
   }
 
-  // One token tile [t0, t0 + ntok): o_lat's rows staged, the products, the k slices' partial sums
-  // met in shared memory and (store) written out.
-  template <bool FRESH>
-  __device__ static __forceinline__ void tile(const Weights& wt, const T* __restrict__ ol, i64 ol_s0, i64 ol_s1,
-                                              T* __restrict__ out, int t0, int ntok, bool o_vec, bool store,
-                                              unsigned char* smem) {
-    const int h = blockIdx.y;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const int mt = warp % MT, ks = warp / MT;
-    const int v0 = blockIdx.z * MB;
-    T* o_s = reinterpret_cast<T*>(smem);
-    float* red = reinterpret_cast<float*>(smem);
-    stage_rows<T, C, CP, THREADS, FRESH>(o_s, ol + (i64)t0 * ol_s0 + (i64)h * ol_s1, ol_s0, ntok, o_vec);
-    mma::cp_async_wait<0>();
-    __syncthreads();
-    float acc[NT][4];
-#pragma unroll
-    for (int jt = 0; jt < NT; ++jt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[jt][e] = 0.f;
-#pragma unroll
-    for (int q = 0; q < CPS; ++q) {
-      const int chunk = ks * CPS + q;
-      if (chunk >= NCH) break;   // warp-uniform: the last slice may be short
-      const uint4 a = wt.a[q], b = wt.b[q];
-      const unsigned s0[4] = {a.x, b.x, a.y, b.y}, s1[4] = {a.z, b.z, a.w, b.w};
-#pragma unroll
-      for (int jt = 0; jt < NT; ++jt) {
-        if (jt * 8 >= ntok) break;
-        const uint4 x = *reinterpret_cast<const uint4*>(o_s + (jt * 8 + g) * CP + chunk * 32 + 8 * c);
-        mma::mma16816<mma::MmaType<T>::BF16>(acc[jt], s0, x.x, x.y);
-        mma::mma16816<mma::MmaType<T>::BF16>(acc[jt], s1, x.z, x.w);
-      }
-    }
-    __syncthreads();   // every warp is done with o_s: red aliases it
-    // acc[jt][e]: row mt*16 + g + 8 * (e >> 1), token jt * 8 + 2c + (e & 1)
-#pragma unroll
-    for (int jt = 0; jt < NT; ++jt) {
-      if (jt * 8 >= ntok) break;
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        red[(ks * TN + jt * 8 + 2 * c + (e & 1)) * RP + mt * 16 + g + 8 * (e >> 1)] = acc[jt][e];
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < ntok * MB; i += THREADS) {
-      const int tok = i / MB, r = i % MB, v = v0 + r;
-      if (v >= V) continue;
-      float sum = 0.f;
-#pragma unroll
-      for (int k = 0; k < KS; ++k) sum += red[(k * TN + tok) * RP + r];
-      if (store) out[(i64)(t0 + tok) * (H * V) + h * V + v] = from_float<T>(sum);
-    }
-    __syncthreads();   // red / o_s are reused by the next tile
-  }
-
   __device__ static __forceinline__ void run(const T* __restrict__ ol, i64 ol_s0, i64 ol_s1,
                                              const T* __restrict__ kv_b, T* __restrict__ out, int T_,
                                              unsigned char* smem) {
     const int h = blockIdx.y;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int mt = warp % MT, ks = warp / MT;
     const int v0 = blockIdx.z * MB;
     Weights wt;
     load_weights(wt, kv_b, h, v0 + mt * 16 + g, ks);
-    const bool o_vec = aligned16(ol) && ol_s0 % 8 == 0 && ol_s1 % 8 == 0;
-    const int tw = tile_tokens<TN, BAL>(T_);
-#if DSG_VUP_WARM_PASS
-#pragma unroll 1
-    for (int pass = T_ <= DSG_VUP_WARM_PASS ? 0 : 1; pass < 2; ++pass) {
-      if (pass == 1) {
-        pdl_wait();   // o_lat comes from the attention kernel; the weights do not
-        pdl_launch_dependents();
-      }
-      for (int t0 = blockIdx.x * tw; t0 < T_; t0 += gridDim.x * tw) {
-        tile<true>(wt, ol, ol_s0, ol_s1, out, t0, min(tw, T_ - t0), o_vec, pass == 1, smem);
-        if (pass == 0) break;   // the warm pass: the first tile, nothing stored
-      }
-    }
-#else
     pdl_wait();   // o_lat comes from the attention kernel; the weights do not
     pdl_launch_dependents();
-    for (int t0 = blockIdx.x * tw; t0 < T_; t0 += gridDim.x * tw)
-      tile<false>(wt, ol, ol_s0, ol_s1, out, t0, min(tw, T_ - t0), o_vec, true, smem);
-#endif
+    T* o_s = reinterpret_cast<T*>(smem);
+    float* red = reinterpret_cast<float*>(smem);
+    const bool o_vec = aligned16(ol) && ol_s0 % 8 == 0 && ol_s1 % 8 == 0;
+    const int tw = tile_tokens<TN, BAL>(T_);
+    for (int t0 = blockIdx.x * tw; t0 < T_; t0 += gridDim.x * tw) {
+      const int ntok = min(tw, T_ - t0);
+      stage_rows<T, C, CP, THREADS>(o_s, ol + (i64)t0 * ol_s0 + (i64)h * ol_s1, ol_s0, ntok, o_vec);
+      mma::cp_async_wait<0>();
+      __syncthreads();
+      float acc[NT][4];
+#pragma unroll
+      for (int jt = 0; jt < NT; ++jt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[jt][e] = 0.f;
+#pragma unroll
+      for (int q = 0; q < CPS; ++q) {
+        const int chunk = ks * CPS + q;
+        if (chunk >= NCH) break;   // warp-uniform: the last slice may be short
+        const uint4 a = wt.a[q], b = wt.b[q];
+        const unsigned s0[4] = {a.x, b.x, a.y, b.y}, s1[4] = {a.z, b.z, a.w, b.w};
+#pragma unroll
+        for (int jt = 0; jt < NT; ++jt) {
+          if (jt * 8 >= ntok) break;
+          const uint4 x = *reinterpret_cast<const uint4*>(o_s + (jt * 8 + g) * CP + chunk * 32 + 8 * c);
+          mma::mma16816<mma::MmaType<T>::BF16>(acc[jt], s0, x.x, x.y);
+          mma::mma16816<mma::MmaType<T>::BF16>(acc[jt], s1, x.z, x.w);
+        }
+      }
+      __syncthreads();   // every warp is done with o_s: red aliases it
+      // acc[jt][e]: row mt*16 + g + 8 * (e >> 1), token jt * 8 + 2c + (e & 1)
+#pragma unroll
+      for (int jt = 0; jt < NT; ++jt) {
+        if (jt * 8 >= ntok) break;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          red[(ks * TN + jt * 8 + 2 * c + (e & 1)) * RP + mt * 16 + g + 8 * (e >> 1)] = acc[jt][e];
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < ntok * MB; i += THREADS) {
+        const int tok = i / MB, r = i % MB, v = v0 + r;
+        if (v >= V) continue;
+        float sum = 0.f;
+#pragma unroll
+        for (int k = 0; k < KS; ++k) sum += red[(k * TN + tok) * RP + r];
+        out[(i64)(t0 + tok) * (H * V) + h * V + v] = from_float<T>(sum);
+      }
+      __syncthreads();   // red / o_s are reused by the next tile
+    }
     DSG_PHASE_EXIT();   // phases.cuh
   }
 };

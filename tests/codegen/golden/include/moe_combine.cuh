@@ -6,7 +6,6 @@
 #pragma once
 #include "common.cuh"
 #include "moe_common.cuh"
-#include "vec.cuh"
 
 namespace dsg {
 namespace moe {
@@ -106,13 +105,11 @@ constexpr int COMBINE_ROWS_IN_FLIGHT_ITEMS = 64;
 // ... and every row of the token (routed, shared, residual) at once while they are at most this many.
 constexpr int COMBINE_ALL_IN_FLIGHT_ITEMS = 96;
 
-// The RESID combine of token t's whole row in RowLayout L (vec.cuh; one
+// The RESID combine of token t's whole row in RowLayout L (vec.cuh, which the caller includes; one
 // CTA a token, so the row can feed a block reduction: moe_combine_residual_rms_norm.cu.j2): v[i]
 // before its rounding to T.
-// S: as combine_slice.  FRESH: every read with vec.cuh's ld_cg_fresh (the warm pass before the
-// kernel's wait reads these rows while the kernels before it may still write them, and the pass
-// after it must read them again; moe_combine_residual_rms_norm.cu.j2).
-template <typename T, int D, int K, typename L, int S = 0, bool FRESH = false>
+// S: as combine_slice.
+template <typename T, int D, int K, typename L, int S = 0>
 __device__ __forceinline__ void combine_row(const T* __restrict__ eo, const float* __restrict__ w,
                                             const T* __restrict__ shared, const T* __restrict__ residual, int t,
                                             float (&v)[L::ITEMS]) {
@@ -131,16 +128,16 @@ __device__ __forceinline__ void combine_row(const T* __restrict__ eo, const floa
     // one token (PERF_NOTES v31).  The same sums in the same order.
     float wk[R], er[R][L::ITEMS], es[SH][L::ITEMS], res[L::ITEMS];
 #pragma unroll
-    for (int k = 0; k < R; ++k) wk[k] = FRESH ? ld_cg_fresh(w + (i64)t * K + k) : w[(i64)t * K + k];
+    for (int k = 0; k < R; ++k) wk[k] = w[(i64)t * K + k];
 #pragma unroll
-    for (int k = 0; k < R; ++k) L::template load<FRESH>(eo + ((i64)t * K + k) * D, er[k]);
+    for (int k = 0; k < R; ++k) L::load(eo + ((i64)t * K + k) * D, er[k]);
     if constexpr (S > 0) {
 #pragma unroll
-      for (int j = 0; j < S; ++j) L::template load<FRESH>(eo + ((i64)t * K + R + j) * D, es[j]);
+      for (int j = 0; j < S; ++j) L::load(eo + ((i64)t * K + R + j) * D, es[j]);
     } else {
-      L::template load<FRESH>(shared + (i64)t * D, es[0]);
+      L::load(shared + (i64)t * D, es[0]);
     }
-    L::template load<FRESH>(residual + (i64)t * D, res);
+    L::load(residual + (i64)t * D, res);
 #pragma unroll
     for (int k = 0; k < R; ++k)
       if (wk[k] != 0.f)
@@ -171,11 +168,10 @@ __device__ __forceinline__ void combine_row(const T* __restrict__ eo, const floa
   for (int k0 = 0; k0 < R; k0 += GROUP) {
     float wk[GROUP], er[GROUP][L::ITEMS];
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g)
-      wk[g] = k0 + g < R ? (FRESH ? ld_cg_fresh(w + (i64)t * K + k0 + g) : w[(i64)t * K + k0 + g]) : 0.f;
+    for (int g = 0; g < GROUP; ++g) wk[g] = k0 + g < R ? w[(i64)t * K + k0 + g] : 0.f;
 #pragma unroll
     for (int g = 0; g < GROUP; ++g)
-      if (k0 + g < R) L::template load<FRESH>(eo + ((i64)t * K + k0 + g) * D, er[g]);
+      if (k0 + g < R) L::load(eo + ((i64)t * K + k0 + g) * D, er[g]);
 #pragma unroll
     for (int g = 0; g < GROUP; ++g)
       if (wk[g] != 0.f)          // (past R: weight 0)
@@ -189,18 +185,18 @@ __device__ __forceinline__ void combine_row(const T* __restrict__ eo, const floa
     for (int i = 0; i < L::ITEMS; ++i) sh[i] = 0.f;
 #pragma unroll
     for (int k = K - S; k < K; ++k) {
-      L::template load<FRESH>(eo + ((i64)t * K + k) * D, e);
+      L::load(eo + ((i64)t * K + k) * D, e);
 #pragma unroll
       for (int i = 0; i < L::ITEMS; ++i) sh[i] += e[i];
     }
 #pragma unroll
     for (int i = 0; i < L::ITEMS; ++i) e[i] = round_to<T>(sh[i]);
   } else {
-    L::template load<FRESH>(shared + (i64)t * D, e);
+    L::load(shared + (i64)t * D, e);
   }
 #pragma unroll
   for (int i = 0; i < L::ITEMS; ++i) v[i] = plus_shared<T>(v[i], e[i]);
-  L::template load<FRESH>(residual + (i64)t * D, e);
+  L::load(residual + (i64)t * D, e);
 #pragma unroll
   for (int i = 0; i < L::ITEMS; ++i) v[i] = plus_residual<T>(v[i], e[i]);
 }

@@ -97,7 +97,7 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
   const int num_pairs = num_tokens * (K + S);
   DSG_PHASE(6);   // the aligning CTA: every top-k done
   int* sid = reinterpret_cast<int*>(smem);
-  DSG_ONCE_LOOP for (int p = threadIdx.x; p < num_pairs; p += NT) sid[p] = (int)__ldcg(ids + p);
+  for (int p = threadIdx.x; p < num_pairs; p += NT) sid[p] = (int)__ldcg(ids + p);
   __syncthreads();
   align<E + S, NT, int>(sid, num_pairs, order, offsets);
   DSG_PHASE_EXIT();

@@ -22,12 +22,6 @@
 //    that kernel: a decode graph's context lengths) and the KV-cache rows earlier steps wrote may
 //    be read before pdl_wait(); the rows this step writes may not.  (mla_decode.cuh: the decode
 //    attention's first tiles, DSG_DECODE_ROWS_BEFORE_WAIT.)
-//  - A warm pass (an experiment, off: DSG_COMBINE_WARM_PASS in moe_combine_residual_rms_norm.cu.j2,
-//    DSG_VUP_WARM_PASS in mla_absorb.cuh, DSG_SKINNY_WARM_PASS in skinny.cuh) runs the code after
-//    the wait once before it, so that its instructions are fetched while the predecessor still runs.  It stores nothing global, reads only at addresses that do not depend
-//    on what it reads, drops every value it computes, and each of its reads of another kernel's
-//    output is made again after the wait through vec.cuh's ld_cg_fresh (L2 only, never hoisted or
-//    merged by the compiler), so nothing it saw before the wait reaches a result.
 // Both are no-ops when the kernel was launched without the attribute. Raw PTX, not
 // cudaGridDependencySynchronize, because NVRTC builds without the device runtime.
 // Both carry phases.cuh's marks (nothing unless DSG_PHASES: tests/gpu/perf_phases.py).

@@ -179,25 +179,22 @@ __device__ __forceinline__ uint4 ld_weight16(const void* p) {
 
 // row[k .. k + 8) as raw 16-bit words; zeros for a null row and for k >= K.  VEC: one 16-byte load
 // (K % 8 == 0, so a chunk is whole or past the end); else element loads (any K, any alignment).
-// FRESH (x in a warm pass, below): vec.cuh's ld_cg_fresh loads, made again after the wait.
-template <typename T, int K, bool VEC, bool WEIGHT, bool FRESH = false>
+template <typename T, int K, bool VEC, bool WEIGHT>
 __device__ __forceinline__ uint4 chunk16(const T* row, int k) {
   uint4 v = make_uint4(0u, 0u, 0u, 0u);
   if constexpr (VEC) {
     if (row != nullptr && k < K) {
       if constexpr (WEIGHT) v = ld_weight16(row + k);
-      else if constexpr (FRESH) v = ld_cg_fresh16(row + k);
       else v = *reinterpret_cast<const uint4*>(row + k);
     }
   } else {
     if (row != nullptr) {
       const unsigned short* e = reinterpret_cast<const unsigned short*>(row);
-      auto at = [&](int i) -> unsigned { return FRESH ? ld_cg_fresh(e + i) : e[i]; };
       unsigned w[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const unsigned lo = (k + 2 * j < K) ? at(k + 2 * j) : 0u;
-        const unsigned hi = (k + 2 * j + 1 < K) ? at(k + 2 * j + 1) : 0u;
+        const unsigned lo = (k + 2 * j < K) ? e[k + 2 * j] : 0u;
+        const unsigned hi = (k + 2 * j + 1 < K) ? e[k + 2 * j + 1] : 0u;
         w[j] = lo | (hi << 16);
       }
       v = make_uint4(w[0], w[1], w[2], w[3]);
@@ -215,31 +212,11 @@ __device__ __forceinline__ void mma_chunk(float (&d)[4], const uint4& wg, const 
   dsg::mma::mma16816<BF16>(d, a1, xv.z, xv.w);
 }
 
-// DSG_SKINNY_WARM_PASS (an experiment, PERF_NOTES v33; the most tokens it runs at, 0: off): a
-// warm trip before the wait runs the first batch of K steps on the weights already in registers
-// and on whatever x holds then (ld_cg_fresh loads), and the reduction without its stores (finish
-// with store = false), so that their code is fetched while the kernel before still runs (o_proj
-// reaches its wait ~1.8 us, q + kv_a ~2.9 us before its predecessor ends at b=1, v29; code
-// fetched cold costs ~104 SM cycles a KB, v32).  Then the kernel as it was, from the wait.  One
-// copy of the code, run by the pass loop (pdl.cuh: the warm pass's exception to the contract).
-#ifndef DSG_SKINNY_WARM_PASS
-#define DSG_SKINNY_WARM_PASS 0
-#endif
-
-// mma_tiles without a finish: the kernel as it was.
-typedef void (*NoFinish)(bool);
-template <typename F> struct IsNoFinish { static constexpr bool value = false; };
-template <> struct IsNoFinish<NoFinish> { static constexpr bool value = true; };
-
 // One CTA's RT row tiles with NT n8 token tiles; partial sums to red (this warp's slice), laid out as
-// [warp][rt][nt][lane][4] (an mma accumulator per lane).  With a finish (the reduction, which the
-// caller runs after it otherwise): the warm trip first when `warm` (above), each trip ending in
-// finish(store).
-template <typename T, int K, int WARPS, int RT, int U, int NT, bool VEC, int KS, bool SILU, int... ROWS,
-          typename Finish = NoFinish>
+// [warp][rt][nt][lane][4] (an mma accumulator per lane).
+template <typename T, int K, int WARPS, int RT, int U, int NT, bool VEC, int KS, bool SILU, int... ROWS>
 __device__ __forceinline__ void mma_tiles(const T* __restrict__ x, i64 x_stride, const Mats<T, sizeof...(ROWS)>& m,
-                                          int ntok, int row0, float* red, bool warm = false,
-                                          Finish&& finish = nullptr) {
+                                          int ntok, int row0, float* red) {
   constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
   constexpr int NSTEPS = (K + STEP - 1) / STEP;
   constexpr int NW = KS * WARPS;                       // warps splitting K: the cluster's
@@ -279,79 +256,37 @@ __device__ __forceinline__ void mma_tiles(const T* __restrict__ x, i64 x_stride,
         for (int h = 0; h < 2; ++h) wv[u][rt][h] = chunk16<T, K, VEC, true>(wr[rt][h], k_of(b, u));
   };
   // The first batch of weights is in flight while the kernel before this one drains (PDL); x is
-  // that kernel's output, so it is read only after the wait (but for the warm trip's, above).
+  // that kernel's output, so it is read only after the wait.
   load_weights(0);
-  if constexpr (!IsNoFinish<Finish>::value) {
-    float* mine = red + (threadIdx.x >> 5) * (RT * NT * 128);
-#pragma unroll 1
-    for (int pass = warm ? 0 : 1; pass < 2; ++pass) {
-      if (pass == 1) {
-        if (warm) __syncthreads();   // the warm trip's reads of red are done
-        dsg::pdl_wait();
+  dsg::pdl_wait();
+  for (int b = 0; b < batches;) {
+    uint4 xv[U][NT];
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
+    for (int u = 0; u < U; ++u)
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NT; ++nt) xv[u][nt] = chunk16<T, K, VEC, false>(xr[nt], k_of(b, u));
 #pragma unroll
-            for (int j = 0; j < 4; ++j) acc[rt][nt][j] = 0.f;
-      }
-      for (int b = 0; b < batches;) {
-        uint4 xv[U][NT];
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) xv[u][nt] = chunk16<T, K, VEC, false, true>(xr[nt], k_of(b, u));
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) mma_chunk<BF16>(acc[rt][nt], wv[u][rt][0], wv[u][rt][1], xv[u][nt]);
-        if (pass == 0) break;   // the warm trip: the first batch, its weights kept in wv for the real one
-        if (++b < batches) load_weights(b);
-      }
-      if (pass == 1) dsg::pdl_launch_dependents();
+    for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          *reinterpret_cast<float4*>(mine + (rt * NT + nt) * 128 + lane * 4) =
-              make_float4(acc[rt][nt][0], acc[rt][nt][1], acc[rt][nt][2], acc[rt][nt][3]);
-      finish(pass == 1);
-    }
-  } else {
-    dsg::pdl_wait();
-    for (int b = 0; b < batches;) {
-      uint4 xv[U][NT];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) xv[u][nt] = chunk16<T, K, VEC, false>(xr[nt], k_of(b, u));
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) mma_chunk<BF16>(acc[rt][nt], wv[u][rt][0], wv[u][rt][1], xv[u][nt]);
-      if (++b < batches) load_weights(b);
-    }
-    dsg::pdl_launch_dependents();
-    float* mine = red + (threadIdx.x >> 5) * (RT * NT * 128);
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        *reinterpret_cast<float4*>(mine + (rt * NT + nt) * 128 + lane * 4) =
-            make_float4(acc[rt][nt][0], acc[rt][nt][1], acc[rt][nt][2], acc[rt][nt][3]);
+        for (int nt = 0; nt < NT; ++nt) mma_chunk<BF16>(acc[rt][nt], wv[u][rt][0], wv[u][rt][1], xv[u][nt]);
+    if (++b < batches) load_weights(b);
   }
+  dsg::pdl_launch_dependents();
+  float* mine = red + (threadIdx.x >> 5) * (RT * NT * 128);
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      *reinterpret_cast<float4*>(mine + (rt * NT + nt) * 128 + lane * 4) =
+          make_float4(acc[rt][nt][0], acc[rt][nt][1], acc[rt][nt][2], acc[rt][nt][3]);
 }
 
 // Sum the warps' accumulators (mma layout) and store: element i of a warp's slice is (rt, nt, lane,
 // j) -> row rt * 16 + lane / 4 + 8 * (j / 2), token 8 * nt + 2 * (lane % 4) + j % 2.
-// store = false (a warm trip): the same reduction, nothing written.
 template <typename T, int WARPS, int RT, int NT, int KS, bool SILU, int... ROWS>
-__device__ __forceinline__ void mma_store(const Mats<T, sizeof...(ROWS)>& m, int ntok, int row0, float* red,
-                                          bool store = true) {
+__device__ __forceinline__ void mma_store(const Mats<T, sizeof...(ROWS)>& m, int ntok, int row0, float* red) {
   auto where = [&](int i, int& row, int& tok) {
     const int rt = i / (NT * 128), nt = (i / 128) % NT, l = (i % 128) >> 2, j = i & 3;
     row = row0 + rt * TILE + (l >> 2) + 8 * (j >> 1);
@@ -363,13 +298,13 @@ __device__ __forceinline__ void mma_store(const Mats<T, sizeof...(ROWS)>& m, int
     reduce_store<WARPS, KS, RT * NT * 128, 2>(red, [&](int i, float gate, float up) {
       int row, tok;
       where(i, row, tok);
-      if (store && tok < ntok) store_silu<T, rows[0]>(m, row, tok, gate, up);
+      if (tok < ntok) store_silu<T, rows[0]>(m, row, tok, gate, up);
     });
   } else {
     reduce_store<WARPS, KS, RT * NT * 128, 0>(red, [&](int i, float s) {
       int row, tok;
       where(i, row, tok);
-      if (store && tok < ntok) store_out<T, ROWS...>(m, row, tok, s);
+      if (tok < ntok) store_out<T, ROWS...>(m, row, tok, s);
     });
   }
 }
@@ -475,24 +410,6 @@ __device__ __forceinline__ void fp32_store(const Mats<float, sizeof...(ROWS)>& m
 
 // ---- the kernel body -----------------------------------------------------------------------------
 
-// The 16-bit path at NT n8 token tiles: the tiles, then the reduction and stores.  Where a warm trip
-// may run (DSG_SKINNY_WARM_PASS: up to that many tokens, so NT == 2 only above 8), mma_tiles runs
-// the reduction itself at the end of each trip (its finish).
-template <typename T, int K, int WARPS, int RT, int U, int NT, int KS, bool SILU, int... ROWS>
-__device__ __forceinline__ void mma_linear(const T* __restrict__ x, i64 x_stride, const Mats<T, sizeof...(ROWS)>& m,
-                                           int ntok, int row0, float* red, bool vec) {
-  if constexpr (DSG_SKINNY_WARM_PASS > 8 * (NT - 1)) {
-    const bool warm = ntok <= DSG_SKINNY_WARM_PASS;
-    auto finish = [&](bool store) { mma_store<T, WARPS, RT, NT, KS, SILU, ROWS...>(m, ntok, row0, red, store); };
-    if (vec) mma_tiles<T, K, WARPS, RT, U, NT, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red, warm, finish);
-    else mma_tiles<T, K, WARPS, RT, U, NT, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red, warm, finish);
-  } else {
-    if (vec) mma_tiles<T, K, WARPS, RT, U, NT, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
-    else mma_tiles<T, K, WARPS, RT, U, NT, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
-    mma_store<T, WARPS, RT, NT, KS, SILU, ROWS...>(m, ntok, row0, red);
-  }
-}
-
 // y_i = x @ W_i^T for ntok <= MAX_TOKENS tokens (the lowering's grid is 0 above; a larger ntok
 // would leave the outputs unwritten, which the property tests' poisoned outputs would catch).
 // KS: CTAs per cluster along x (the kernel is declared __cluster_dims__(KS, 1, 1) when KS > 1); the
@@ -509,8 +426,15 @@ __device__ __forceinline__ void linear(const T* __restrict__ x, i64 x_stride, co
     else fp32_tiles<K, WARPS, RT, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
     fp32_store<WARPS, RT, KS, SILU, ROWS...>(m, ntok, row0, red);
   } else {
-    if (ntok <= 8) mma_linear<T, K, WARPS, RT, U, 1, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red, vec);
-    else mma_linear<T, K, WARPS, RT, U, 2, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red, vec);
+    if (ntok <= 8) {
+      if (vec) mma_tiles<T, K, WARPS, RT, U, 1, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+      else mma_tiles<T, K, WARPS, RT, U, 1, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+      mma_store<T, WARPS, RT, 1, KS, SILU, ROWS...>(m, ntok, row0, red);
+    } else {
+      if (vec) mma_tiles<T, K, WARPS, RT, U, 2, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+      else mma_tiles<T, K, WARPS, RT, U, 2, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+      mma_store<T, WARPS, RT, 2, KS, SILU, ROWS...>(m, ntok, row0, red);
+    }
   }
   DSG_PHASE_EXIT();   // phases.cuh
 }

@@ -12,38 +12,10 @@ __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
 }
 
-// Loads through L2 only (ld.global.cg: no L1 line keeps what they saw) that the compiler may
-// neither hoist, merge nor drop (asm volatile, ordered against the kernel's other memory
-// operations): a kernel that reads the same address before its PDL wait and again after it
-// (a warm pass: pdl.cuh) must load it twice.  __ldcg is not enough:
-// through a const __restrict__ pointer the compiler may take the value as fixed for the whole
-// kernel and load it once, before the wait.
-__device__ __forceinline__ uint4 ld_cg_fresh16(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p) : "memory");
-  return r;
-}
+// Load 16 bytes (8 bf16/fp16 or 4 fp32) from p (16-byte aligned) as floats.
 template <typename T>
-__device__ __forceinline__ T ld_cg_fresh(const T* p) {
-  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "ld_cg_fresh: 2- or 4-byte elements");
-  T v;
-  if constexpr (sizeof(T) == 2) {
-    unsigned short r;
-    asm volatile("ld.global.cg.u16 %0, [%1];\n" : "=h"(r) : "l"(p) : "memory");
-    v = *reinterpret_cast<const T*>(&r);
-  } else {
-    unsigned r;
-    asm volatile("ld.global.cg.u32 %0, [%1];\n" : "=r"(r) : "l"(p) : "memory");
-    v = *reinterpret_cast<const T*>(&r);
-  }
-  return v;
-}
-
-// Load 16 bytes (8 bf16/fp16 or 4 fp32) from p (16-byte aligned) as floats.  FRESH: ld_cg_fresh16.
-template <typename T, bool FRESH = false>
 __device__ __forceinline__ void load16(const T* p, float* out) {
-  const uint4 raw = FRESH ? ld_cg_fresh16(p) : *reinterpret_cast<const uint4*>(p);
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
   const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int i = 0; i < Vec16<T>::N; ++i) out[i] = to_float(e[i]);
@@ -73,23 +45,21 @@ struct RowLayout {
 
   __device__ static __forceinline__ int index(int k, int j) { return (k * THREADS + (int)threadIdx.x) * VEC + j; }
 
-  // v[ITEMS] <- row (zeros past N).  FRESH: as load16's.
-  template <bool FRESH = false>
+  // v[ITEMS] <- row (zeros past N).
   __device__ static __forceinline__ void load(const T* row, float* v) {
     const bool vec = VEC > 1 && aligned16(row);
 #pragma unroll
     for (int k = 0; k < CHUNKS; ++k) {
       const int i0 = index(k, 0);
       if (vec) {
-        if (i0 < N) load16<T, FRESH>(row + i0, v + k * VEC);
+        if (i0 < N) load16(row + i0, v + k * VEC);
         else {
 #pragma unroll
           for (int j = 0; j < VEC; ++j) v[k * VEC + j] = 0.f;
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j)
-          v[k * VEC + j] = (i0 + j < N) ? to_float(FRESH ? ld_cg_fresh(row + i0 + j) : row[i0 + j]) : 0.f;
+        for (int j = 0; j < VEC; ++j) v[k * VEC + j] = (i0 + j < N) ? to_float(row[i0 + j]) : 0.f;
       }
     }
   }
