@@ -220,8 +220,9 @@ SILU = ("silu", "swish")          # transformers' ACT2FN: both names are SiLU
 # weights, a float32 inverse scale per 128x128 block; transformers' FineGrainedFP8Config).  Each
 # key may be absent (transformers' default is the value here) or equal to it.
 FP8_METHOD = "fp8"
-FP8_KEYS = {"fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "scale_fmt": "float",
-            "expert_dtype": "fp8"}
+FP8_BLOCK = 128                   # runtime/weights.py dequantises in blocks of this side
+FP8_KEYS = {"fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            "scale_fmt": "float", "expert_dtype": "fp8"}
 
 
 def check_computable(cfg: dict, *, file: str = CONFIG) -> None:
