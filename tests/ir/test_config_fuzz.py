@@ -344,7 +344,7 @@ def test_compile_on_cpu_succeeds_or_is_one_line_error(mutations, monkeypatch, ca
     ("[1, 2, 3]", "a config.json is a JSON object"),
     ("null", "a config.json is a JSON object"),
     ('{"model_type": "deepseek_v2",\n oops}', "not valid JSON"),
-    ("", "not valid JSON"),
+    ("", "is empty"),                  # said as such, not as a JSON error at line 1
     (b"\xff\xfe{}", "not UTF-8"),
 ])
 def test_config_file_that_is_not_a_config(tmp_path, monkeypatch, capsys, content, message):
@@ -363,7 +363,7 @@ def test_missing_config_and_unwritable_output_are_one_line_errors(tmp_path, monk
     tiny = str(ROOT / "model_specs" / "hf_configs" / "deepseek_tiny.json")
     for argv, message in [
         (["spec", "--from-config", str(tmp_path / "missing.json")], "config file not found"),
-        (["spec", "--from-config", str(tmp_path)], "config file not found"),
+        (["spec", "--from-config", str(tmp_path)], "is a folder; give its config.json"),
         (["spec", "--from-config", tiny, "-o", str(tmp_path)], "cannot write"),
         (["spec", "--from-config", tiny, "-o", str(tmp_path / "no" / "such" / "spec.yaml")], "cannot write"),
     ]:
