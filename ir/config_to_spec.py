@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 
 import yaml
@@ -250,7 +251,7 @@ def _check_computable(c: _Config, v3: bool) -> None:
         what = "a quantization_config without quant_method" if method is None else f"quantization {method!r}"
         raise c.error("quantization_config.quant_method",
                       f"{what} is not supported: dsgraph loads unquantised weights or DeepSeek-V3's "
-                      f"FP8 (quant_method {FP8_METHOD}: e4m3 weights, a float32 scale per 128x128 block)")
+                      f"FP8 (quant_method {FP8_METHOD}: e4m3 weights, a float32 scale per {FP8_BLOCK}x{FP8_BLOCK} block)")
     for key, accepted in FP8_KEYS.items():
         value = quant.get(key)
         # as transformers reads them: a block size may be a tuple, activation_scheme any case
@@ -367,11 +368,17 @@ def spec_from_config(cfg: dict, name: str | None = None, title: str | None = Non
 def spec_from_config_file(path: str, name: str | None = None) -> str:
     try:
         with open(path, encoding="utf-8") as fh:
-            cfg = json.load(fh)
+            text = fh.read()
+    except IsADirectoryError:
+        raise SpecError("is a folder; give its config.json", file=str(path)) from None
     except OSError as exc:
         raise SpecError(f"cannot read config: {exc.strerror}", file=str(path)) from None
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"not valid JSON: {exc.msg}", file=str(path), line=exc.lineno) from None
     except UnicodeDecodeError as exc:
         raise SpecError(f"not UTF-8 text: {exc.reason} at byte {exc.start}", file=str(path)) from None
+    if not text.strip() and os.path.isfile(path):   # an empty file said as such, not as JSON's error
+        raise SpecError("is empty; expected a Hugging Face config.json", file=str(path))
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"not valid JSON: {exc.msg}", file=str(path), line=exc.lineno) from None
     return spec_from_config(cfg, name=name, file=str(path))

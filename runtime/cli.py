@@ -57,13 +57,8 @@ def run_spec(args) -> int:
     """write a model spec from a Hugging Face config.json"""
     from ir.config_to_spec import spec_from_config_file
     from ir.errors import SpecError
-    config = Path(args.from_config)
-    if not config.exists():
+    if not Path(args.from_config).exists():
         raise SpecError("config file not found", file=args.from_config)
-    if config.is_dir():
-        raise SpecError("is a folder; give its config.json", file=args.from_config)
-    if config.is_file() and not config.read_bytes().strip():
-        raise SpecError("is empty; expected a Hugging Face config.json", file=args.from_config)
     text = spec_from_config_file(args.from_config, name=args.name)
     if args.output:
         try:

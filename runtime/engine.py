@@ -158,16 +158,13 @@ def _check_call(caller: str, backend, device, dtype, bundle, options: dict) -> t
 
 def cache_plan(spec: Spec, *, block_size: int, dtype: torch.dtype, device: torch.device,
                max_seq_len: int | None, max_num_seqs: int, num_blocks: int | None) -> tuple[int, int, int]:
-    """(max_seq_len, blocks per sequence, num_blocks) of the paged KV cache.
+    """(max_seq_len, blocks per sequence, num_blocks) of the paged KV cache, from arguments its
+    callers have checked (check_cache_args).
 
     Unless given, num_blocks is what max_num_seqs sequences of max_seq_len need, capped by a
     budget: CPU_CACHE_BUDGET on the CPU, GPU_CACHE_FRACTION of the free memory on a GPU.
     """
     dims = spec.dims
-    args = check_cache_args(block_size=block_size, num_blocks=num_blocks, max_seq_len=max_seq_len,
-                            max_num_seqs=max_num_seqs)
-    block_size, num_blocks, max_seq_len, max_num_seqs = (
-        args["block_size"], args["num_blocks"], args["max_seq_len"], args["max_num_seqs"])
     if max_seq_len is not None and max_seq_len > dims["max_positions"]:
         raise InputError(f"max_seq_len={max_seq_len} exceeds the model's max_positions={dims['max_positions']}")
     max_seq_len = min(DEFAULT_MAX_SEQ_LEN if max_seq_len is None else max_seq_len, dims["max_positions"])
@@ -190,10 +187,11 @@ def estimate_memory(spec: Spec, specs: dict, *, dtype: torch.dtype, device: torc
     """Weights plus KV cache, before either exists.  On a GPU the default cache takes a share
     of whatever is free after the weights, so only one full-length sequence's blocks count.
     `specs`: the WeightSpecs the model binds (from the graphs, or from a bundle's manifest)."""
-    block_size = check_cache_args(block_size=block_size)["block_size"]   # None: the default
+    args = check_cache_args(block_size=block_size, num_blocks=num_blocks, max_seq_len=max_seq_len,
+                            max_num_seqs=max_num_seqs)   # None: the default
+    block_size = args["block_size"]
     _, blocks_per_seq, planned = cache_plan(
-        spec, block_size=block_size, dtype=dtype, device=torch.device("cpu") if device.type == "cuda" else device,
-        max_seq_len=max_seq_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks)
+        spec, dtype=dtype, device=torch.device("cpu") if device.type == "cuda" else device, **args)
     if device.type == "cuda" and num_blocks is None:
         planned = blocks_per_seq
     per_block = PagedLatentCache.bytes_per_block(spec.dims["layers"], block_size, spec.model.cache_width, dtype)
