@@ -31,6 +31,13 @@ namespace moe {
 #define DSG_ROUTE_ONE_TILE_NO_TICKET 1
 #endif
 constexpr bool ROUTE_ONE_TILE_NO_TICKET = DSG_ROUTE_ONE_TILE_NO_TICKET != 0;
+// ... and takes the pairs' ids for its alignment from its own top-k warps through shared memory
+// (1), instead of reading back from L2 the ids those warps just stored (0): one L2 round trip less
+// on b=1's critical path, between the route's top-k and the expert GEMM's start.
+#ifndef DSG_ROUTE_ONE_TILE_SHARED_IDS
+#define DSG_ROUTE_ONE_TILE_SHARED_IDS 1
+#endif
+constexpr bool ROUTE_ONE_TILE_SHARED_IDS = ROUTE_ONE_TILE_NO_TICKET && DSG_ROUTE_ONE_TILE_SHARED_IDS != 0;
 
 // Top-k of the three-launch form: one warp per token, WARPS tokens per CTA.  S: the shared experts
 // each token also selects (moe_router.cuh topk_scored); a token's ids / weights row is K + S wide.
@@ -79,6 +86,8 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
   DSG_PHASE(5);   // the tile's last CTA: every logit of the tile written
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.y * TT + warp;
+  const bool one_tile = ROUTE_ONE_TILE_NO_TICKET && gridDim.y == 1;   // uniform
+  __shared__ int tile_ids[ROUTE_ONE_TILE_SHARED_IDS ? TT * (K + S) : 1];   // one tile's pairs' ids
   if (t < num_tokens) {
     float l[SLOTS];
 #pragma unroll
@@ -87,19 +96,24 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
       l[s] = (e < E) ? __ldcg(logits + (i64)t * E + e) : -CUDART_INF_F;
     }
     float* sc = smem + warp * 2 * E;
-    topk_scored<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS, S>(l, bias, scaling, ids + (i64)t * (K + S),
-                                                                 weights + (i64)t * (K + S), sc, sc + E);
+    topk_scored<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS, S>(
+        l, bias, scaling, ids + (i64)t * (K + S), weights + (i64)t * (K + S), sc, sc + E,
+        ROUTE_ONE_TILE_SHARED_IDS && one_tile ? tile_ids + warp * (K + S) : nullptr);
   }
 
   // 3. the last tile's CTA: align every pair (ids copied to shared memory past L1)
-  if (ROUTE_ONE_TILE_NO_TICKET && gridDim.y == 1) __syncthreads();   // (this CTA's top-k wrote the ids)
+  if (one_tile) __syncthreads();   // (this CTA's top-k wrote the ids)
   else if (!last_arrival(&tickets[TILES], gridDim.y)) return;
   const int num_pairs = num_tokens * (K + S);
   DSG_PHASE(6);   // the aligning CTA: every top-k done
-  int* sid = reinterpret_cast<int*>(smem);
-  for (int p = threadIdx.x; p < num_pairs; p += NT) sid[p] = (int)__ldcg(ids + p);
-  __syncthreads();
-  align<E + S, NT, int>(sid, num_pairs, order, offsets);
+  const int* pair_ids = tile_ids;                // one tile: pair p = t * (K + S) + k is tile_ids[p]
+  if (!(ROUTE_ONE_TILE_SHARED_IDS && one_tile)) {
+    int* sid = reinterpret_cast<int*>(smem);
+    for (int p = threadIdx.x; p < num_pairs; p += NT) sid[p] = (int)__ldcg(ids + p);
+    __syncthreads();
+    pair_ids = sid;
+  }
+  align<E + S, NT, int>(pair_ids, num_pairs, order, offsets);
   DSG_PHASE_EXIT();
 }
 

@@ -118,7 +118,7 @@ __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
 template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS, int S = 0>
 __device__ __forceinline__ void topk_scored(float (&l)[(E + 31) / 32], const float* __restrict__ bias,
                                             float scaling, i64* __restrict__ ids, float* __restrict__ weights,
-                                            float* sc, float* ch) {
+                                            float* sc, float* ch, int* id_copy = nullptr) {
   constexpr int SLOTS = (E + 31) / 32;   // experts a lane owns: e = lane + 32 * s
   constexpr int GS = E / G;              // experts per group (contiguous)
   static_assert(SLOTS <= 32, "moe top-k: at most 1024 experts");
@@ -226,6 +226,8 @@ __device__ __forceinline__ void topk_scored(float (&l)[(E + 31) / 32], const flo
     ids[lane] = (i64)(lane - K);
     weights[lane] = 1.f;
   }
+  // id_copy (shared memory; the fused route's one-tile path): the same ids, for its alignment
+  if (id_copy != nullptr && lane < K + S) id_copy[lane] = lane < K ? my_id + S : lane - K;
 }
 
 template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS, int S = 0>
