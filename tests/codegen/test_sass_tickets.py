@@ -1,10 +1,12 @@
 """The self-resetting tickets (tickets.cuh) and the fused route's one-tile path (moe_route.cuh)
 have switches, on since PERF_NOTES v23: on (the default), one acquire-release atomic and a relaxed
 reset, and no fence.sc left; off (-D...=0, for an A/B), __threadfence's fence.sc (MEMBAR.SC.GPU)
-around plain atomics.  Compiled with NVRTC on the CPU from the committed goldens."""
+around plain atomics.  The one-tile path's shared-id switch (PERF_NOTES v35, off until it has run
+on a GPU) compiles on, without spills.  Compiled with NVRTC on the CPU from the committed goldens."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -30,3 +32,36 @@ def test_acquire_release_tickets_leave_no_sequentially_consistent_fence(name):
     assert off["MEMBAR.SC.GPU"] > 0 and off["ATOMG.E.EXCH.STRONG.GPU"] > 0, sorted(off)
     assert on["MEMBAR.SC.GPU"] == 0 and on["ATOMG.E.EXCH.STRONG.GPU"] == 0, sorted(on)
     assert on["ATOMG.E.ADD.STRONG.GPU"] > 0, sorted(on)
+
+
+FUSED_ROUTES = {   # each spec's fused route: (golden folder, kernel, its one tile's pairs T * (K + S))
+    "v2_lite": ("deepseek_v2_lite", "moe_route__bf16__d2048__e64_k6__softmax_greedy__shared2__fused_t256", 8 * 8),
+    "v2": ("deepseek_v2", "moe_route__bf16__d5120__e160_k6__g8_tg3__softmax_group_limited_greedy__rsf16p0__shared2"
+                          "__fused_t256", 8 * 8),
+    "v3": ("deepseek_v3", "moe_route__bf16__d7168__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__shared1"
+                          "__fused_t256", 8 * 9),
+}
+
+
+def _smem_and_spills(log: str) -> tuple[int, bool]:
+    """ptxas -v's static shared memory (bytes; -1 if it said none) and whether it spilled."""
+    smem = [int(x) for x in re.findall(r"used \d+ barriers?, (\d+) bytes smem", log)]
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    return (smem[0] if smem else -1), any(spills)
+
+
+@pytest.mark.parametrize("spec", sorted(FUSED_ROUTES))
+def test_the_routes_shared_id_switch_adds_one_tiles_ids_and_spills_nothing(spec):
+    """DSG_ROUTE_ONE_TILE_SHARED_IDS (moe_route.cuh, off until it has run on a GPU): on, each spec's
+    fused route still compiles, without spills, with one tile's pair ids (4 bytes each) more of
+    static shared memory; off is the default the goldens hold."""
+    folder, name, pairs = FUSED_ROUTES[spec]
+    src = open(os.path.join(os.path.dirname(GOLDEN), folder, name + ".cu")).read()
+    logs = {}
+    for flag in ("0", "1"):
+        r = compile_cubin(src, name, arch="sm_90a",
+                          options=("--ptxas-options=-v", f"-DDSG_ROUTE_ONE_TILE_SHARED_IDS={flag}"))
+        logs[flag] = r.log
+    (off, off_spills), (on, on_spills) = _smem_and_spills(logs["0"]), _smem_and_spills(logs["1"])
+    assert off >= 0 and on == off + 4 * pairs, (off, on, logs["1"][-400:])
+    assert not off_spills and not on_spills, logs["1"][-400:]
