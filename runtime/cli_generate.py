@@ -28,13 +28,12 @@ def token_ids(text: str) -> list[int]:
     separator to skip).  Whether each id is in the vocabulary, the engine says."""
     from .errors import InputError
     items = text.replace(" ", "").split(",")
-    try:
-        if "" in items:
-            raise ValueError
-        return [int(x) for x in items]
-    except ValueError:
-        raise InputError(f"--ids must be comma-separated integers with no empty item, e.g. 1,2,3; "
-                         f"got {text!r}") from None
+    if "" not in items:
+        try:
+            return [int(x) for x in items]
+        except ValueError:
+            pass
+    raise InputError(f"--ids must be comma-separated integers with no empty item, e.g. 1,2,3; got {text!r}")
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:

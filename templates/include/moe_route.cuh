@@ -89,6 +89,7 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.y * TT + warp;
   const bool one_tile = ROUTE_ONE_TILE_NO_TICKET && gridDim.y == 1;   // uniform
+  const bool shared_ids = ROUTE_ONE_TILE_SHARED_IDS && one_tile;       // the ids for align in tile_ids
   __shared__ int tile_ids[ROUTE_ONE_TILE_SHARED_IDS ? TT * (K + S) : 1];   // one tile's pairs' ids
   if (t < num_tokens) {
     float l[SLOTS];
@@ -100,7 +101,7 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
     float* sc = smem + warp * 2 * E;
     topk_scored<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS, S>(
         l, bias, scaling, ids + (i64)t * (K + S), weights + (i64)t * (K + S), sc, sc + E,
-        ROUTE_ONE_TILE_SHARED_IDS && one_tile ? tile_ids + warp * (K + S) : nullptr);
+        shared_ids ? tile_ids + warp * (K + S) : nullptr);
   }
 
   // 3. the last tile's CTA: align every pair (ids copied to shared memory past L1)
@@ -109,7 +110,7 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
   const int num_pairs = num_tokens * (K + S);
   DSG_PHASE(6);   // the aligning CTA: every top-k done
   const int* pair_ids = tile_ids;                // one tile: pair p = t * (K + S) + k is tile_ids[p]
-  if (!(ROUTE_ONE_TILE_SHARED_IDS && one_tile)) {
+  if (!shared_ids) {
     int* sid = reinterpret_cast<int*>(smem);
     for (int p = threadIdx.x; p < num_pairs; p += NT) sid[p] = (int)__ldcg(ids + p);
     __syncthreads();
