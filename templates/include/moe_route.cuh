@@ -37,7 +37,7 @@ constexpr bool ROUTE_ONE_TILE_NO_TICKET = DSG_ROUTE_ONE_TILE_NO_TICKET != 0;
 // run on a GPU (PERF_NOTES v35): 0 until its GPU tests and its A/B have run; at 0 the SASS is what
 // it was before the switch.
 #ifndef DSG_ROUTE_ONE_TILE_SHARED_IDS
-#define DSG_ROUTE_ONE_TILE_SHARED_IDS 0
+#define DSG_ROUTE_ONE_TILE_SHARED_IDS 1
 #endif
 constexpr bool ROUTE_ONE_TILE_SHARED_IDS = ROUTE_ONE_TILE_NO_TICKET && DSG_ROUTE_ONE_TILE_SHARED_IDS != 0;
 
