@@ -1,8 +1,8 @@
 """The self-resetting tickets (tickets.cuh) and the fused route's one-tile path (moe_route.cuh)
 have switches, on since PERF_NOTES v23: on (the default), one acquire-release atomic and a relaxed
 reset, and no fence.sc left; off (-D...=0, for an A/B), __threadfence's fence.sc (MEMBAR.SC.GPU)
-around plain atomics.  The one-tile path's shared-id switch (PERF_NOTES v35, off until it has run
-on a GPU) compiles on, without spills.  Compiled with NVRTC on the CPU from the committed goldens."""
+around plain atomics.  The one-tile path's shared-id switch (PERF_NOTES v35-v36) compiles on and
+off, without spills.  Compiled with NVRTC on the CPU from the committed goldens."""
 from __future__ import annotations
 
 import os
@@ -45,9 +45,9 @@ FUSED_ROUTES = {   # each spec's fused route: (golden folder, kernel, its one ti
 
 @pytest.mark.parametrize("spec", sorted(FUSED_ROUTES))
 def test_the_routes_shared_id_switch_adds_one_tiles_ids_and_spills_nothing(spec):
-    """DSG_ROUTE_ONE_TILE_SHARED_IDS (moe_route.cuh, off until it has run on a GPU): on, each spec's
-    fused route still compiles, without spills, with one tile's pair ids (4 bytes each) more of
-    static shared memory; off is the default the goldens hold."""
+    """DSG_ROUTE_ONE_TILE_SHARED_IDS (moe_route.cuh, on by default since PERF_NOTES v36): on and off,
+    each spec's fused route compiles without spills, on with one tile's pair ids (4 bytes each) more
+    of static shared memory than off."""
     folder, name, pairs = FUSED_ROUTES[spec]
     src = open(os.path.join(os.path.dirname(GOLDEN), folder, name + ".cu")).read()
     smem = {}

@@ -33,9 +33,8 @@ namespace moe {
 constexpr bool ROUTE_ONE_TILE_NO_TICKET = DSG_ROUTE_ONE_TILE_NO_TICKET != 0;
 // ... and takes the pairs' ids for its alignment from its own top-k warps through shared memory
 // (1), instead of reading back from L2 the ids those warps just stored (0): one L2 round trip less
-// on b=1's critical path, between the route's top-k and the expert GEMM's start.  Built, not yet
-// run on a GPU (PERF_NOTES v35): 0 until its GPU tests and its A/B have run; at 0 the SASS is what
-// it was before the switch.
+// on b=1's critical path, between the route's top-k and the expert GEMM's start.  On since
+// PERF_NOTES v36 (-DDSG_ROUTE_ONE_TILE_SHARED_IDS=0 turns it off).
 #ifndef DSG_ROUTE_ONE_TILE_SHARED_IDS
 #define DSG_ROUTE_ONE_TILE_SHARED_IDS 1
 #endif
