@@ -14,6 +14,7 @@ import re
 import yaml
 
 from .errors import SpecError
+from .formats import FP8_BLOCK
 
 CONFIG = "config.json"
 _PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
@@ -217,11 +218,10 @@ def _rope_params(c: _Config) -> dict:
 # What the kernels compute, for the config keys that could ask for something else (absent keys
 # take transformers' DeepseekV2/V3Config defaults: silu, no biases, no quantization).
 SILU = ("silu", "swish")          # transformers' ACT2FN: both names are SiLU
-# The one quantisation runtime/weights.py dequantises: DeepSeek-V3's FP8 checkpoints (F8_E4M3
-# weights, a float32 inverse scale per 128x128 block; transformers' FineGrainedFP8Config).  Each
-# key may be absent (transformers' default is the value here) or equal to it.
+# The one quantisation a config may ask for: DeepSeek-V3's FP8 checkpoints (F8_E4M3 weights, a
+# float32 inverse scale per 128x128 block; transformers' FineGrainedFP8Config), ir/formats.FP8.
+# Each key may be absent (transformers' default is the value here) or equal to it.
 FP8_METHOD = "fp8"
-FP8_BLOCK = 128                   # runtime/weights.py dequantises in blocks of this side
 FP8_KEYS = {"fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
             "scale_fmt": "float", "expert_dtype": "fp8"}
 

@@ -60,3 +60,88 @@ def scale_shape(shape: tuple[int, ...], fmt: WeightFormat) -> tuple[int, ...]:
 def companion_names(weight_name: str, fmt: WeightFormat) -> tuple[str, ...]:
     """Checkpoint names of a weight's companion tensors, in the order of fmt.companions."""
     return tuple(weight_name + suffix for suffix in fmt.companions)
+
+
+UNSCALED = tuple(n for n, f in FORMATS.items() if not f.quantized)   # what a kernel takes unless it says more
+FP8_MAX = 448.0                     # the largest finite float8_e4m3fn
+
+
+def format_named(name: str) -> WeightFormat:
+    """The format spelled `name`; a ValueError listing the known ones otherwise."""
+    fmt = FORMATS.get(name)
+    if fmt is None:
+        raise ValueError(f"unknown weight format {name!r} (known: {', '.join(FORMATS)})")
+    return fmt
+
+
+def weight_format(G, name: str, act: str = "bf16") -> WeightFormat:
+    """The storage format of bound weight `name` of graph G: its WeightInfo's format, or (None) the
+    activation dtype's `act` (fp32 where the weight is pinned to fp32)."""
+    info = G.graph["weights"][name]
+    if info.format is not None:
+        return FORMATS[info.format]
+    return FORMATS["fp32" if info.keep_fp32 else act]
+
+
+def companions_of(weights: dict, name: str) -> tuple[str, ...]:
+    """The bound companion names (scales) of bound weight `name` in a graph's weights table; () if unscaled."""
+    info = weights[name]
+    if info.format is None:
+        return ()
+    return companion_names(name, FORMATS[info.format])
+
+
+def with_companions(weights: dict, names) -> set[str]:
+    """`names` and the companions each of them carries: what a pass that drops unbound weights keeps."""
+    out = set(names)
+    for n in names:
+        if n in weights:
+            out.update(companions_of(weights, n))
+    return out
+
+
+def block_slice_problem(fmt: WeightFormat, dim: int, start: int, stop: int, whole: int) -> str | None:
+    """Why rows/columns [start, stop) of a `whole`-long dim of a block-scaled weight cannot be cut with its
+    scales (the cut must fall on block edges; the last block may be partial), or None."""
+    if fmt.block is None:
+        return None
+    b = fmt.block[dim]
+    if start % b or (stop % b and stop != whole):
+        return (f"{start}:{stop} of a {whole}-long dim does not fall on the {b}-wide blocks of its "
+                f"{fmt.name} scales")
+    return None
+
+
+def companion_info(info, fmt: WeightFormat, suffix: str):
+    """The WeightInfo of a block format's scale companion for a weight bound as `info`: the scale shape,
+    float32, its stacked parts the matching scales (a slice of a weight becomes that slice of its
+    scale's blocks).  A ValueError if a slice of the weight does not fall on block edges."""
+    from .ops.base import WeightInfo, WeightSlice
+
+    parts = None
+    if info.parts is not None:
+        parts = []
+        for p in info.parts:
+            if isinstance(p, str):
+                parts.append(p + suffix)
+                continue
+            problem = block_slice_problem(fmt, p.dim, p.start, p.stop, p.stored[p.dim])
+            if problem:
+                raise ValueError(f"stacked part {p.name} {problem}")
+            b = fmt.block[p.dim]
+            parts.append(WeightSlice(p.name + suffix, p.dim, p.start // b, cdiv(p.stop, b), scale_shape(p.stored, fmt)))
+        parts = tuple(parts)
+    return WeightInfo(scale_shape(tuple(info.shape), fmt), True, parts)
+
+
+def set_format(weights: dict, name: str, fmt: WeightFormat) -> None:
+    """Store bound weight `name` in quantised format `fmt`: its WeightInfo's format, and its companions
+    bound beside it.  (An unscaled weight's format stays None: it is stored in the activation dtype.)"""
+    from dataclasses import replace
+
+    if not fmt.quantized:
+        raise ValueError(f"{name}: format {fmt.name} is unscaled; an unscaled weight is stored in the activation dtype")
+    info = replace(weights[name], format=fmt.name)
+    weights[name] = info
+    for suffix, cname in zip(fmt.companions, companion_names(name, fmt)):
+        weights[cname] = companion_info(info, fmt, suffix)

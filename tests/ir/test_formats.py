@@ -1,0 +1,48 @@
+"""ir/formats.py: the format of a bound weight, its companions bound beside it, stacked and sliced."""
+import types
+
+import pytest
+
+from ir.formats import FP8, FORMATS, companion_names, scale_shape, set_format, weight_format, with_companions
+from ir.ops.base import WeightInfo, WeightSlice
+
+
+def _graph(weights):
+    return types.SimpleNamespace(graph={"weights": weights})
+
+
+def test_weight_format_reads_the_graph_and_defaults_to_the_activation_dtype():
+    W = {"a.weight": WeightInfo((576, 200)), "gate.weight": WeightInfo((16, 200), keep_fp32=True),
+         "n.weight": WeightInfo((200,))}
+    set_format(W, "a.weight", FP8)
+    G = _graph(W)
+    assert weight_format(G, "a.weight") is FP8
+    assert W["a.weight_scale_inv"] == WeightInfo((5, 2), True)           # 576 rows: 4 whole blocks and one of 64
+    assert weight_format(G, "a.weight_scale_inv") is FORMATS["fp32"]
+    assert weight_format(G, "gate.weight") is FORMATS["fp32"]
+    assert weight_format(G, "n.weight") is FORMATS["bf16"]
+    assert weight_format(G, "n.weight", act="fp16") is FORMATS["fp16"]
+    assert with_companions(W, {"a.weight"}) == {"a.weight", "a.weight_scale_inv"}
+
+
+def test_stacked_companions_follow_the_parts_slices_on_block_edges():
+    parts = (WeightSlice("s.up.weight", 0, 256, 512, (512, 300)), "e.0.up.weight", "e.1.up.weight")
+    W = {"e.*.up.weight": WeightInfo((3, 256, 300), parts=parts)}
+    set_format(W, "e.*.up.weight", FP8)
+    scale = W["e.*.up.weight_scale_inv"]
+    assert scale.shape == (3, *scale_shape((256, 300), FP8)) == (3, 2, 3)
+    assert scale.parts == (WeightSlice("s.up.weight_scale_inv", 0, 2, 4, (4, 3)),
+                           "e.0.up.weight_scale_inv", "e.1.up.weight_scale_inv")
+    assert companion_names("e.*.up.weight", FP8) == ("e.*.up.weight_scale_inv",)
+
+
+def test_a_slice_off_the_block_edges_is_refused():
+    W = {"x": WeightInfo((2, 64, 300), parts=(WeightSlice("s", 0, 0, 64, (128, 300)),
+                                              WeightSlice("s", 0, 64, 128, (128, 300))))}
+    with pytest.raises(ValueError, match="does not fall on the 128-wide blocks"):
+        set_format(W, "x", FP8)
+
+
+def test_unscaled_formats_are_the_activation_dtype():
+    with pytest.raises(ValueError, match="unscaled"):
+        set_format({"x": WeightInfo((4, 4))}, "x", FORMATS["bf16"])
