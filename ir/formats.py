@@ -41,6 +41,13 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
 )}
 FP8 = FORMATS["fp8_e4m3_block128"]
 
+# The tensors DeepSeek-V3's FP8 checkpoints store in FP8 (globs over checkpoint names; bound per-expert
+# stacks match too): every decoder-layer linear -- transformers' FineGrainedFP8 replaces each nn.Linear but
+# lm_head -- so not the embedding, the norms, the router gate (a TopkRouter, not a Linear) and its
+# e_score_correction_bias, nor lm_head.  `spec --from-config`, `--dtype fp8` / `weight_format="fp8"` and
+# `dsgraph quantize` all take the FP8 weights from here.
+FP8_CHECKPOINT_GLOBS = ("model.layers.*.self_attn.*_proj*.weight", "model.layers.*.mlp.*_proj.weight")
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -62,6 +69,7 @@ def companion_names(weight_name: str, fmt: WeightFormat) -> tuple[str, ...]:
     return tuple(weight_name + suffix for suffix in fmt.companions)
 
 
+ACT = "act"     # a spec's spelling of "stored in the activation dtype" (weight_formats)
 UNSCALED = tuple(n for n, f in FORMATS.items() if not f.quantized)   # what a kernel takes unless it says more
 FP8_MAX = 448.0                     # the largest finite float8_e4m3fn
 
@@ -145,3 +153,69 @@ def set_format(weights: dict, name: str, fmt: WeightFormat) -> None:
     weights[name] = info
     for suffix, cname in zip(fmt.companions, companion_names(name, fmt)):
         weights[cname] = companion_info(info, fmt, suffix)
+
+
+def dequantize(weight, companions, fmt: WeightFormat):
+    """The float32 weight a quantised `weight` and its `companions` (in fmt.companions order) stand for:
+    the reference semantics of every op on a quantised weight.  FP8 blocks: W = q * s per block, the
+    edge blocks partial, exact in float32 (an e4m3 value times a float32 scale rounds once)."""
+    from .lazy import torch
+
+    if not fmt.quantized:
+        return weight
+    (scale_inv,) = companions
+    want = scale_shape(tuple(weight.shape), fmt)
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"{fmt.name} scale has shape {tuple(scale_inv.shape)}, expected {want} for a weight of "
+                         f"shape {tuple(weight.shape)}")
+    rows, cols = weight.shape[-2:]
+    return weight.to(torch.float32) * dequantize_scale(scale_inv.to(torch.float32), rows, cols, fmt)
+
+
+def quantize(weight, fmt: WeightFormat):
+    """(q, companions) storing float `weight` [.., rows, cols] in block format `fmt`, as DeepSeek-V3's
+    checkpoints are written: per block s = amax|W| / 448 in float32 (an all-zero block gets s = 1),
+    q = W / s saturated to +-448 and rounded to nearest even in float8_e4m3fn; the stored scale_inv is s."""
+    from .lazy import F, torch
+
+    if fmt is not FP8:
+        raise ValueError(f"quantising to {fmt.name} is not supported (only {FP8.name})")
+    w = weight.to(torch.float32)
+    *lead, rows, cols = w.shape
+    br, bc = fmt.block
+    pr, pc = cdiv(rows, br) * br - rows, cdiv(cols, bc) * bc - cols
+    padded = F.pad(w, (0, pc, 0, pr))      # zeros: they never raise a block's amax
+    blocks = padded.reshape(*lead, cdiv(rows, br), br, cdiv(cols, bc), bc)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w / dequantize_scale(s, rows, cols, fmt)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, (s,)
+
+
+def dequantize_scale(scale_inv, rows: int, cols: int, fmt: WeightFormat):
+    """A block scale [.., ceil(rows/br), ceil(cols/bc)] spread to one value per element [.., rows, cols]."""
+    br, bc = fmt.block
+    return scale_inv.repeat_interleave(br, -2)[..., :rows, :].repeat_interleave(bc, -1)[..., :cols]
+
+
+def format_problem(weights: dict, name: str, role: str, opdef) -> str | None:
+    """Why bound weight `name` cannot be the `role` of an op `opdef` in a graph whose weights table is
+    `weights` (its format, its companions), or None."""
+    info = weights[name]
+    if info.format is None:
+        return None
+    fmt = FORMATS.get(info.format)
+    if fmt is None:
+        return f"weight {name} has unknown format {info.format!r} (known: {', '.join(FORMATS)})"
+    if role not in opdef.scaled_weights or info.keep_fp32:
+        return f"weight {name} is {fmt.name}, but {opdef.name} takes its {role} unquantised"
+    for cname in companion_names(name, fmt):
+        c = weights.get(cname)
+        if c is None:
+            return f"weight {name} is {fmt.name}, but its companion {cname} is not bound"
+        if tuple(c.shape) != scale_shape(tuple(info.shape), fmt) or not c.keep_fp32:
+            return (f"companion {cname} is bound as {tuple(c.shape)}{'' if c.keep_fp32 else ' (not float32)'}, "
+                    f"{fmt.name} needs float32 {scale_shape(tuple(info.shape), fmt)} for {name} {tuple(info.shape)}")
+        if (c.parts is None) != (info.parts is None) or (c.parts is not None and len(c.parts) != len(info.parts)):
+            return f"companion {cname} is not stacked as {name} is"
+    return None

@@ -209,6 +209,9 @@ class OpDef:
     weights: ClassVar[dict[str, bool]] = {}       # role -> required
     expert_weights: ClassVar[tuple[str, ...]] = ()  # roles whose name has {expert}
     fp32_weights: ClassVar[tuple[str, ...]] = ()   # roles kept in float32
+    # roles that may be stored in a quantised format (ir/formats.py): matrices the op multiplies by,
+    # which its reference semantics take dequantised (ir/interpret.py)
+    scaled_weights: ClassVar[tuple[str, ...]] = ()
     doc: ClassVar[str] = ""
 
     @classmethod

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from ..formats import with_companions
+from ..formats import format_problem, with_companions
 from ..graph import add_op, topo_order, value_producers
 from ..ops import OPS, Node, ShapeError
 
@@ -259,6 +259,9 @@ def _check_weights(G: nx.DiGraph, op: NewOp, node: Node, wshapes: dict) -> None:
                                f"{name} is bound otherwise")
         if (info.parts is not None) != (role in opdef.expert_weights):
             raise RewriteError(f"{op.op}'s {role} and {name} disagree on being per-expert")
+        problem = format_problem(G.graph["weights"], name, role, opdef)
+        if problem:
+            raise RewriteError(problem)
 
 
 # ---- naming --------------------------------------------------------------------------------------

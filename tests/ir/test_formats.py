@@ -46,3 +46,40 @@ def test_a_slice_off_the_block_edges_is_refused():
 def test_unscaled_formats_are_the_activation_dtype():
     with pytest.raises(ValueError, match="unscaled"):
         set_format({"x": WeightInfo((4, 4))}, "x", FORMATS["bf16"])
+
+
+# ---- the spec's weight_formats ------------------------------------------------------------------
+
+import json
+from pathlib import Path
+
+import ir
+from ir.config_to_spec import spec_from_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = json.loads((ROOT / "model_specs" / "hf_configs" / "deepseek_tiny.json").read_text())
+
+
+def _spec(formats: str):
+    return ir.load_spec(spec_from_config(TINY, name="tiny") + "\nweight_formats:\n" + formats, file="t.yaml")
+
+
+def test_spec_weight_formats_first_match_wins_and_act_carves_out():
+    spec = _spec('  "model.layers.0.*": act\n  "model.layers.*_proj*.weight": fp8_e4m3_block128\n')
+    G = ir.build_graph(spec, "decode")
+    fp8 = sorted(n for n, i in G.graph["weights"].items() if i.format)
+    assert fp8 and all(n.startswith("model.layers.1.") for n in fp8)
+    assert "model.layers.1.mlp.experts.*.gate_proj.weight_scale_inv" in G.graph["weights"]
+    ir.verify(G)
+
+
+@pytest.mark.parametrize("formats, message", [
+    ('  "model.layers.*.nothing.weight": fp8_e4m3_block128\n', "matches no weight the spec binds"),
+    ('  "model.embed_tokens.weight": fp8_e4m3_block128\n', "embedding .* cannot take a quantised weight"),
+    ('  "model.layers.*.mlp.gate.weight": fp8_e4m3_block128\n', "is kept in float32"),
+    ('  "lm_head.weight": int3\n', "weight format must be act"),
+])
+def test_spec_weight_format_mistakes_are_located_errors(formats, message):
+    with pytest.raises(ir.SpecError, match=message) as info:
+        _spec(formats)
+    assert "t.yaml" in str(info.value) and "weight_formats" in str(info.value)
