@@ -14,7 +14,7 @@ import re
 import yaml
 
 from .errors import SpecError
-from .formats import FP8, FP8_BLOCK, FP8_CHECKPOINT_GLOBS
+from .formats import FP8, FP8_BLOCK, FP8_CHECKPOINT_GLOBS, weight_formats_yaml
 
 CONFIG = "config.json"
 _PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
@@ -375,14 +375,6 @@ def spec_from_config(cfg: dict, name: str | None = None, title: str | None = Non
         scoring=scoring, method=method, norm_topk_prob="true" if norm else "false",
         routed_scaling_factor=_num(routed_scaling_factor), bias=bias, lm_head=lm_head)
     return "\n".join(lines) + "\n" + body + (weight_formats_yaml(FP8_CHECKPOINT_GLOBS, FP8) if fp8 and weight_formats else "")
-
-
-def weight_formats_yaml(globs, fmt) -> str:
-    """The spec's ``weight_formats:`` section storing the weights `globs` match in `fmt`."""
-    lines = ["", "weight_formats:                 # how the checkpoint stores its weights (first match wins; "
-                 "the rest: the activation dtype)"]
-    lines += [f"  {json.dumps(g)}: {fmt.name}" for g in globs]
-    return "\n".join(lines) + "\n"
 
 
 def spec_from_config_file(path: str, name: str | None = None) -> str:

@@ -74,6 +74,16 @@ UNSCALED = tuple(n for n, f in FORMATS.items() if not f.quantized)   # what a ke
 FP8_MAX = 448.0                     # the largest finite float8_e4m3fn
 
 
+def weight_formats_yaml(globs, fmt: WeightFormat) -> str:
+    """A spec's ``weight_formats:`` section storing the weights `globs` match in `fmt` (ir/spec.py reads it)."""
+    import json
+
+    lines = ["", "weight_formats:                 # how the checkpoint stores its weights (first match wins; "
+                 "the rest: the activation dtype)"]
+    lines += [f"  {json.dumps(g)}: {fmt.name}" for g in globs]
+    return "\n".join(lines) + "\n"
+
+
 def format_named(name: str) -> WeightFormat:
     """The format spelled `name`; a ValueError listing the known ones otherwise."""
     fmt = FORMATS.get(name)
