@@ -112,6 +112,11 @@ class Checkpoint:
     def names(self) -> set[str]:
         return set(self._shard_of)
 
+    def shard_file(self, name: str) -> str:
+        """The file (relative to model_dir) that holds tensor `name`."""
+        self._handle(name)   # a WeightError naming it if absent
+        return self._shard_of[name]
+
     def __contains__(self, name: str) -> bool:
         return name in self._shard_of
 
