@@ -4,6 +4,11 @@ Everything a user can get wrong is caught here or in the graph builder and repor
 as one SpecError naming file, YAML path and line: unknown op, unknown attribute,
 undefined value, missing dim, wrong type.  Shapes and dtypes are checked when the
 graph is built (``load_spec`` builds it once so a broken spec fails at load time).
+
+Besides the model (dims, config, layer_plan, blocks) a spec may say how its checkpoint stores the
+weights: ``weight_formats:``, a map from a glob over bound weight names to a storage format, first
+match wins (see _parse_weight_formats; `dsgraph spec --from-config` writes it from DeepSeek-V3's
+quantization_config).  Unmatched weights are stored in the activation dtype.
 """
 from __future__ import annotations
 

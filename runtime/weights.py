@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from ir.formats import FORMATS, FP8, WeightFormat, companion_names
+from ir.formats import FORMATS, FP8, companion_names
 from ir.ops.base import WeightSlice
 from runtime.errors import WeightError
 
@@ -374,12 +374,3 @@ def _read_part(ckpt: Checkpoint, p: Part, device: torch.device | str) -> torch.T
         return _read(ckpt, p, device)
     return _read(ckpt, p.name, device, p.part)
 
-
-def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, fmt: WeightFormat = FP8) -> torch.Tensor:
-    """float32 weight from an FP8 [rows, cols] weight and its per-block inverse scales (ir.formats.dequantize);
-    a WeightError for a scale of the wrong shape."""
-    from ir.formats import dequantize
-    try:
-        return dequantize(weight, (scale_inv,), fmt)
-    except ValueError as e:
-        raise WeightError(str(e)) from None

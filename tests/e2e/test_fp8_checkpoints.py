@@ -32,21 +32,22 @@ KV_A = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
 
 
 def _v3_fp8_config():
-    """V3-style with widths past one block: hidden 136, kv_a rows 150 + 8 = 158 (a 30-row ceil block),
-    16 experts in 4 groups (noaux_tc, top-3 of 2 groups), moe_intermediate 140."""
+    """V3-style with odd widths past one block: hidden 137, kv_a rows 151 + 8 = 159 (a 31-row ceil block, as
+    576 = 4 x 128 + 64 is in V3), 16 experts in 4 groups (noaux_tc, top-3 of 2 groups), moe_intermediate 141."""
     from transformers import DeepseekV3Config
     return DeepseekV3Config(**hf_tiny._common(
-        hidden_size=136, intermediate_size=260, moe_intermediate_size=140, kv_lora_rank=150, q_lora_rank=130,
+        hidden_size=137, intermediate_size=261, moe_intermediate_size=141, kv_lora_rank=151, q_lora_rank=131,
         num_hidden_layers=3, n_routed_experts=16, num_experts_per_tok=3, n_shared_experts=1,
         first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
         rope_interleave=True, initializer_range=0.05, rope_parameters=hf_tiny._yarn(4.0, 64, 1.0, 1.0)))
 
 
 def _v2_lite_fp8_config():
-    """V2-Lite-style (q projected directly, softmax greedy) with widths past one block."""
+    """V2-Lite-style (q projected directly, softmax greedy, two shared experts) with odd widths past one block
+    (kv_lora_rank stays even: transformers V2 views rope pairs as complex numbers)."""
     from transformers import DeepseekV2Config
     return DeepseekV2Config(**hf_tiny._common(
-        hidden_size=132, intermediate_size=200, moe_intermediate_size=130, kv_lora_rank=140, q_lora_rank=None,
+        hidden_size=135, intermediate_size=201, moe_intermediate_size=131, kv_lora_rank=140, q_lora_rank=None,
         num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2,
         first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
         initializer_range=0.05, rope_parameters=hf_tiny._yarn(4.0, 64, 0.707, 0.707)))
@@ -108,7 +109,7 @@ def test_fp8_checkpoint_runs_as_stored_and_matches_transformers_on_the_dequantis
     assert all(held[n].dtype == torch.float8_e4m3fn for n in fp8_weights)
     assert held["model.embed_tokens.weight"].dtype == torch.float32 and held["lm_head.weight"].dtype == torch.float32
     if name == "v3":
-        assert held[KV_A + "_scale_inv"].shape == (2, 2)     # 158 x 136: ceil blocks in both dims
+        assert held[KV_A + "_scale_inv"].shape == (2, 2)     # 159 x 137: ceil blocks in both dims
         assert held["model.layers.1.mlp.gate.weight"].dtype == torch.float32
     prompts = _prompts()
     for prompt, ours in zip(prompts, engine.logits(prompts)):

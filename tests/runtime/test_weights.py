@@ -6,12 +6,12 @@ import torch
 from safetensors.torch import save_file
 
 from ir.ops import WeightSlice
+from ir.formats import FP8, dequantize
 from runtime.convert import Converted
 from runtime.errors import DsgraphError, WeightError
 from runtime.weights import (
     Checkpoint,
     WeightSpec,
-    dequantize_fp8_blockwise,
     load_config,
     load_weights,
 )
@@ -184,15 +184,15 @@ def _fp8_weight(rows, cols):
 
 def test_fp8_dequant_matches_reference():
     w, scale = _fp8_weight(200, 130)  # partial edge blocks in both dims
-    got = dequantize_fp8_blockwise(w, scale)
+    got = dequantize(w, (scale,), FP8)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), _fp8_reference(w, scale), rtol=1e-6, atol=0)
 
 
 def test_fp8_dequant_rejects_wrong_scale_shape():
     w, _ = _fp8_weight(200, 130)
-    with pytest.raises(WeightError, match=r"expected \(2, 2\)"):
-        dequantize_fp8_blockwise(w, torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"expected \(2, 2\)"):
+        dequantize(w, (torch.ones(1, 2),), FP8)
 
 
 def test_fp8_checkpoint_loads_as_stored(tmp_path):
