@@ -198,3 +198,28 @@ def test_a_checkpoint_in_another_format_is_one_weight_error_naming_the_tensor(fp
         Engine.from_pretrained(bad, backend="reference", device="cpu", dtype=torch.float32)
     message = str(info.value)
     assert want in message and message.count(KV_A) == 1, message
+
+
+def test_dequantising_on_request_runs_what_fp8_runs(fp8_model):
+    """weight_format="dtype": an FP8 checkpoint's weights widened at load (for a backend without FP8 kernels)
+    give the logits the FP8 weights give."""
+    _, _, fp8, _ = fp8_model
+    kw = dict(backend="reference", device="cpu", dtype=torch.float32)
+    wide = Engine.from_pretrained(fp8, weight_format="dtype", **kw)
+    assert not any(s.format for s in wide.weight_specs.values())
+    assert not any(n.endswith("_scale_inv") for n in wide.weight_specs)
+    stored = Engine.from_pretrained(fp8, **kw)
+    prompts = _prompts()
+    for a, b in zip(wide.logits(prompts), stored.logits(prompts)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_weight_format_and_quantize_mistakes_are_one_line(fp8_model, tmp_path, capsys):
+    from runtime.errors import InputError
+    _, src, fp8, _ = fp8_model
+    with pytest.raises(InputError, match="weight_format must be None, 'fp8' or 'dtype', got 'int4'"):
+        Engine.from_pretrained(src, backend="reference", device="cpu", weight_format="int4")
+    assert cli_main(["quantize", "--to", "fp8", str(fp8), str(tmp_path / "again")]) == 2
+    assert "has a quantization_config already" in capsys.readouterr().err
+    assert cli_main(["quantize", "--to", "fp8", str(src), str(fp8)]) == 2
+    assert "is not an empty folder" in capsys.readouterr().err
