@@ -84,14 +84,6 @@ def weight_formats_yaml(globs, fmt: WeightFormat) -> str:
     return "\n".join(lines) + "\n"
 
 
-def format_named(name: str) -> WeightFormat:
-    """The format spelled `name`; a ValueError listing the known ones otherwise."""
-    fmt = FORMATS.get(name)
-    if fmt is None:
-        raise ValueError(f"unknown weight format {name!r} (known: {', '.join(FORMATS)})")
-    return fmt
-
-
 def weight_format(G, name: str, act: str = "bf16") -> WeightFormat:
     """The storage format of bound weight `name` of graph G: its WeightInfo's format, or (None) the
     activation dtype's `act` (fp32 where the weight is pinned to fp32)."""
@@ -179,7 +171,7 @@ def dequantize(weight, companions, fmt: WeightFormat):
         raise ValueError(f"{fmt.name} scale has shape {tuple(scale_inv.shape)}, expected {want} for a weight of "
                          f"shape {tuple(weight.shape)}")
     rows, cols = weight.shape[-2:]
-    return weight.to(torch.float32) * dequantize_scale(scale_inv.to(torch.float32), rows, cols, fmt)
+    return weight.to(torch.float32) * _spread_scale(scale_inv.to(torch.float32), rows, cols, fmt)
 
 
 def quantize(weight, fmt: WeightFormat):
@@ -198,11 +190,11 @@ def quantize(weight, fmt: WeightFormat):
     blocks = padded.reshape(*lead, cdiv(rows, br), br, cdiv(cols, bc), bc)
     amax = blocks.abs().amax(dim=(-3, -1))
     s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (w / dequantize_scale(s, rows, cols, fmt)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = (w / _spread_scale(s, rows, cols, fmt)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, (s,)
 
 
-def dequantize_scale(scale_inv, rows: int, cols: int, fmt: WeightFormat):
+def _spread_scale(scale_inv, rows: int, cols: int, fmt: WeightFormat):
     """A block scale [.., ceil(rows/br), ceil(cols/bc)] spread to one value per element [.., rows, cols]."""
     br, bc = fmt.block
     return scale_inv.repeat_interleave(br, -2)[..., :rows, :].repeat_interleave(bc, -1)[..., :cols]
