@@ -10,7 +10,8 @@ library:
     all_reduce                  -> torch.distributed.all_reduce (NCCL, on the current stream)
     moe_local_experts           -> ir.ops.moe.local_experts_ref (two torch.where: ids and weights)
 
-Anything else without a family is a LoweringError naming the node and its op.  A family
+Anything else without a family is a LoweringError naming the node and its op; so is a node
+binding a weight in a storage format its family's kernels do not take (weight_format_problem).  A family
 may also hand a node back to its library call, whole (the router's fp32 linear) or from a
 number of tokens on (LibraryCall.from_tokens: linear_skinny's kernel runs below it, cuBLAS
 from it on; the runtime runs one of the two per step).
@@ -30,6 +31,7 @@ import re
 
 import networkx as nx
 
+from ir.formats import UNSCALED, weight_format
 from ir.graph import topo_order
 
 from . import families, sizes
@@ -128,6 +130,20 @@ def node_location(G: nx.DiGraph, nid: str) -> str:
         o = origins[0]
         head = f"{o.file}:{o.line} at {o.path}: " if o.line is not None else f"{o.file} at {o.path}: "
     return f"{head}node {nid} ({data['op']})"
+
+
+def weight_format_problem(G: nx.DiGraph, nid: str, family, opts: Options) -> str | None:
+    """Why node `nid` cannot run on the cuda backend for the storage format of a weight it binds, or None.
+    A family module declares the formats its kernels take as ``WEIGHT_FORMATS`` (default: the unscaled
+    ones, ir.formats.UNSCALED); the library calls (cuBLAS through torch) take unscaled weights only."""
+    takes = getattr(family, "WEIGHT_FORMATS", UNSCALED) if family is not None else UNSCALED
+    data = G.nodes[nid]
+    for name in data["weights"].values():
+        fmt = weight_format(G, name, opts.dtype)
+        if fmt.name not in takes:
+            return (f"{node_location(G, nid)}: no kernel for weight format {fmt.name} at {data['op']} {nid} on the "
+                    f"cuda backend; run it with backend='reference'")
+    return None
 
 
 def library_call(nid: str, data: dict, *, from_tokens: int = 1) -> LibraryCall:
@@ -249,6 +265,12 @@ def lower_graph(G: nx.DiGraph, opts: Options | None = None, *, strict: bool = Tr
         data = G.nodes[nid]
         op = data["op"]
         family = families.family_for_op(op)
+        problem = weight_format_problem(G, nid, family, opts)
+        if problem and strict:
+            raise LoweringError(problem, located=True)
+        if problem:
+            plan.unlowered.append((nid, op))
+            continue
         if family is not None:
             plan.steps.extend(_lower_node(G, nid, family, opts))
         elif op in LIBRARY_CALLS:

@@ -13,7 +13,7 @@ A phase in the manifest (JSON with sorted keys, so it diffs cleanly):
 
 The bound weights (`weights_to_json`, the manifest's ``weights``):
 
-    {name: {shape, keep_fp32, parts: null | [part...], [part, stored] | [experts]}}
+    {name: {shape, keep_fp32, parts: null | [part...], [part, stored] | [experts], [format]}}
 
 A stacked weight's part is a checkpoint tensor's name (the whole tensor is slot i of the stack)
 or {name, part: [dim, start, stop], stored}: that slice of the checkpoint tensor `name`, whose
@@ -112,7 +112,7 @@ def part_to_json(part: str | WeightSlice) -> str | dict:
 
 
 def weights_to_json(graphs) -> dict:
-    """Every weight the phases bind: {name: {shape, keep_fp32, parts}} (what loading reads).
+    """Every weight the phases bind: {name: {shape, keep_fp32, parts[, format]}} (what loading reads).
 
     In a rank's graphs (world > 1, ir/passes/shard_for_rank.py) a weight the rank holds a
     slice of also says which: ``part`` [dim, start, stop] of the tensor as stored, whose
@@ -126,6 +126,8 @@ def weights_to_json(graphs) -> dict:
         for name, info in G.graph["weights"].items():
             entry = {"shape": list(info.shape), "keep_fp32": bool(info.keep_fp32),
                      "parts": [part_to_json(p) for p in info.parts] if info.parts is not None else None}
+            if info.format is not None:     # stored quantised (ir/formats.py); absent: the activation dtype
+                entry["format"] = info.format
             shard = shards.get(name)
             if shard is not None and shard.dim is not None:
                 stored = list(info.shape)

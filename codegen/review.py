@@ -5,7 +5,8 @@ those sources include (plus, for a compiled bundle, its launch plan).  Kernels a
 by what they are for, not by their names (which carry dims): first by role (family[.stage])
 and the spec ops they implement, then by role and op names, then by role alone when that
 leaves one kernel on each side.  So a changed rope factor, or V2-Lite against V3, reads as
-kernels *changed*, not as files removed and added.  The summary comes first.
+kernels *changed*, not as files removed and added.  A change of weight storage format (a spec's
+weight_formats) is one summary line per kind of change.  The summary comes first.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ class Side:
     kernels: dict[str, dict[str, str]]           # spec name -> kernel name -> source
     headers: dict[str, str] = field(default_factory=dict)   # header name -> text
     plans: dict[str, str] = field(default_factory=dict)     # spec name -> launch plan text (bundles)
+    # spec name -> {bound weight: its storage format, "act" for the activation dtype} (specs and bundles)
+    formats: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def _role(source: str) -> tuple[str, tuple, tuple]:
@@ -117,6 +120,9 @@ def compare(a: Side, b: Side) -> Report:
             listed.append(f"  {'changed':<8} {prefix}launch plan "
                           f"({sum(1 for l in plan_diff if l[:1] in '+-' and l[:3] not in ('+++', '---'))} lines)")
             diff += plan_diff
+        fa, fb = a.formats.get(sa), b.formats.get(sb)
+        if fa is not None and fb is not None:
+            listed += format_changes(fa, fb, prefix)
     header_changes = []
     for name in sorted(set(a.headers) | set(b.headers)):
         x, y = a.headers.get(name), b.headers.get(name)
@@ -136,6 +142,30 @@ def compare(a: Side, b: Side) -> Report:
     summary += listed + header_changes
     differs = bool(listed or header_changes)
     return Report(summary, diff, differs)
+
+
+def format_changes(a: dict[str, str], b: dict[str, str], prefix: str = "") -> list[str]:
+    """One summary line per change of storage format (e.g. act -> fp8_e4m3_block128) among the weights both
+    sides bind: how many weights changed so, and the first few of them."""
+    moves: dict[tuple[str, str], list[str]] = {}
+    for name in sorted(set(a) & set(b)):
+        if a[name] != b[name]:
+            moves.setdefault((a[name], b[name]), []).append(name)
+    return [f"  {'changed':<8} {prefix}weight format {fa} -> {fb}: {len(names)} weight(s) "
+            f"({', '.join(names[:3])}{' ...' if len(names) > 3 else ''})" for (fa, fb), names in sorted(moves.items())]
+
+
+def weight_formats(weights: dict) -> dict[str, str]:
+    """{weight: format or "act"} from a graph's weights table (WeightInfo) or a manifest's (dicts); the
+    companions (scales) are left out: they come and go with their weight's format."""
+    out, companions = {}, set()
+    for name, w in weights.items():
+        fmt = w.get("format") if isinstance(w, dict) else w.format
+        out[name] = fmt or "act"
+        if fmt:
+            from ir.formats import FORMATS, companion_names
+            companions.update(companion_names(name, FORMATS[fmt]))
+    return {n: f for n, f in out.items() if n not in companions}
 
 
 def plan_text(manifest_phases: dict) -> str:

@@ -14,6 +14,7 @@ import re
 import yaml
 
 from .errors import SpecError
+from .formats import FP8, FP8_BLOCK, FP8_CHECKPOINT_GLOBS, weight_formats_yaml
 
 CONFIG = "config.json"
 _PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
@@ -217,23 +218,24 @@ def _rope_params(c: _Config) -> dict:
 # What the kernels compute, for the config keys that could ask for something else (absent keys
 # take transformers' DeepseekV2/V3Config defaults: silu, no biases, no quantization).
 SILU = ("silu", "swish")          # transformers' ACT2FN: both names are SiLU
-# The one quantisation runtime/weights.py dequantises: DeepSeek-V3's FP8 checkpoints (F8_E4M3
-# weights, a float32 inverse scale per 128x128 block; transformers' FineGrainedFP8Config).  Each
-# key may be absent (transformers' default is the value here) or equal to it.
+# The one quantisation a config may ask for: DeepSeek-V3's FP8 checkpoints (F8_E4M3 weights, a
+# float32 inverse scale per 128x128 block; transformers' FineGrainedFP8Config), ir/formats.FP8.
+# Each key may be absent (transformers' default is the value here) or equal to it.
 FP8_METHOD = "fp8"
-FP8_BLOCK = 128                   # runtime/weights.py dequantises in blocks of this side
+KEPT_UNQUANTISED = ("lm_head", "model.embed_tokens")   # modules_to_not_convert entries that change nothing here
 FP8_KEYS = {"fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
             "scale_fmt": "float", "expert_dtype": "fp8"}
 
 
 def check_computable(cfg: dict, *, file: str = CONFIG) -> None:
     """Refuse a config whose model the kernels would compute wrongly: another activation than
-    SiLU, projections with biases, weights quantised in a way the loader does not dequantise.
+    SiLU, projections with biases, weights quantised in another format than ir/formats.FP8.
     spec_from_config runs it; so may whoever pairs a checkpoint with a spec of its own."""
     _check_computable(_Config(cfg, file), cfg.get("model_type") == "deepseek_v3")
 
 
-def _check_computable(c: _Config, v3: bool) -> None:
+def _check_computable(c: _Config, v3: bool) -> bool:
+    """Raise on what the kernels would compute wrongly; whether the checkpoint stores FP8 weights."""
     act = c.str("hidden_act", default="silu")
     if act not in SILU:
         raise c.error("hidden_act", f"hidden_act {act!r} is not supported: dsgraph's kernels implement silu only")
@@ -243,7 +245,7 @@ def _check_computable(c: _Config, v3: bool) -> None:
             raise c.error(key, f"{key}: true is not supported: dsgraph's projections have no bias")
     quant = c.cfg.get("quantization_config")
     if quant is None:
-        return
+        return False
     if not isinstance(quant, dict):
         raise c.error("quantization_config", f"quantization_config must be a mapping (or null), got {quant!r}")
     method = quant.get("quant_method")
@@ -257,8 +259,14 @@ def _check_computable(c: _Config, v3: bool) -> None:
         # as transformers reads them: a block size may be a tuple, activation_scheme any case
         seen = list(value) if isinstance(value, tuple) else value.lower() if isinstance(value, str) else value
         if value is not None and seen != accepted:
-            raise c.error(f"quantization_config.{key}", f"fp8 {key} {value!r} is not supported: dsgraph dequantises "
+            raise c.error(f"quantization_config.{key}", f"fp8 {key} {value!r} is not supported: dsgraph reads "
                                                         f"{key} {accepted!r} only")
+    for module in quant.get("modules_to_not_convert") or ():
+        if module not in KEPT_UNQUANTISED:
+            raise c.error("quantization_config.modules_to_not_convert",
+                          f"module {module!r} kept unquantised is not supported: dsgraph's FP8 layout stores every "
+                          f"decoder-layer linear in FP8 (write the spec's weight_formats by hand for another split)")
+    return True
 
 
 def _yaml_str(text: str) -> str:
@@ -269,10 +277,14 @@ def _yaml_str(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def spec_from_config(cfg: dict, name: str | None = None, title: str | None = None, *, file: str = CONFIG) -> str:
+def spec_from_config(cfg: dict, name: str | None = None, title: str | None = None, *, file: str = CONFIG,
+                     weight_formats: bool = True) -> str:
     """Return spec YAML text for a Hugging Face DeepSeek-V2/V3 config dict.  Every value it
     reads is checked first (type, range, the constraints between dims), so a config it cannot
-    translate is one SpecError naming `file` and the key."""
+    translate is one SpecError naming `file` and the key.  A quantization_config (DeepSeek-V3's
+    FP8) becomes the spec's weight_formats, so the weights load as stored; weight_formats=False
+    leaves it out (the architecture alone: model_specs/deepseek_v3.yaml, whose FP8 form is
+    `--dtype fp8`)."""
     if not isinstance(cfg, dict):
         raise SpecError(f"a config.json is a JSON object, got {type(cfg).__name__}", file=file)
     c = _Config(cfg, file)
@@ -303,7 +315,7 @@ def spec_from_config(cfg: dict, name: str | None = None, title: str | None = Non
     if topk_group > n_group:
         raise c.error("topk_group", f"topk_group ({topk_group}) must be at most n_group ({n_group})")
     v3 = model_type == "deepseek_v3"
-    _check_computable(c, v3)
+    fp8 = _check_computable(c, v3)
     tie = c.bool("tie_word_embeddings", default=False)
     if v3:
         scoring, method = "sigmoid", "noaux_tc"   # transformers' DeepseekV3 always routes this way
@@ -362,7 +374,7 @@ def spec_from_config(cfg: dict, name: str | None = None, title: str | None = Non
         q_ops=Q_LORA if q_lora_rank else Q_DIRECT, rope_pairs=rope_pairs, rope_output=rope_output,
         scoring=scoring, method=method, norm_topk_prob="true" if norm else "false",
         routed_scaling_factor=_num(routed_scaling_factor), bias=bias, lm_head=lm_head)
-    return "\n".join(lines) + "\n" + body
+    return "\n".join(lines) + "\n" + body + (weight_formats_yaml(FP8_CHECKPOINT_GLOBS, FP8) if fp8 and weight_formats else "")
 
 
 def spec_from_config_file(path: str, name: str | None = None) -> str:

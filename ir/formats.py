@@ -41,6 +41,13 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
 )}
 FP8 = FORMATS["fp8_e4m3_block128"]
 
+# The tensors DeepSeek-V3's FP8 checkpoints store in FP8 (globs over checkpoint names; bound per-expert
+# stacks match too): every decoder-layer linear -- transformers' FineGrainedFP8 replaces each nn.Linear but
+# lm_head -- so not the embedding, the norms, the router gate (a TopkRouter, not a Linear) and its
+# e_score_correction_bias, nor lm_head.  `spec --from-config`, `--dtype fp8` / `weight_format="fp8"` and
+# `dsgraph quantize` all take the FP8 weights from here.
+FP8_CHECKPOINT_GLOBS = ("model.layers.*.self_attn.*_proj*.weight", "model.layers.*.mlp.*_proj.weight")
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -60,3 +67,157 @@ def scale_shape(shape: tuple[int, ...], fmt: WeightFormat) -> tuple[int, ...]:
 def companion_names(weight_name: str, fmt: WeightFormat) -> tuple[str, ...]:
     """Checkpoint names of a weight's companion tensors, in the order of fmt.companions."""
     return tuple(weight_name + suffix for suffix in fmt.companions)
+
+
+ACT = "act"     # a spec's spelling of "stored in the activation dtype" (weight_formats)
+UNSCALED = tuple(n for n, f in FORMATS.items() if not f.quantized)   # what a kernel takes unless it says more
+FP8_MAX = 448.0                     # the largest finite float8_e4m3fn
+
+
+def weight_formats_yaml(globs, fmt: WeightFormat) -> str:
+    """A spec's ``weight_formats:`` section storing the weights `globs` match in `fmt` (ir/spec.py reads it)."""
+    import json
+
+    lines = ["", "weight_formats:                 # how the checkpoint stores its weights (first match wins; "
+                 "the rest: the activation dtype)"]
+    lines += [f"  {json.dumps(g)}: {fmt.name}" for g in globs]
+    return "\n".join(lines) + "\n"
+
+
+def weight_format(G, name: str, act: str = "bf16") -> WeightFormat:
+    """The storage format of bound weight `name` of graph G: its WeightInfo's format, or (None) the
+    activation dtype's `act` (fp32 where the weight is pinned to fp32)."""
+    info = G.graph["weights"][name]
+    if info.format is not None:
+        return FORMATS[info.format]
+    return FORMATS["fp32" if info.keep_fp32 else act]
+
+
+def companions_of(weights: dict, name: str) -> tuple[str, ...]:
+    """The bound companion names (scales) of bound weight `name` in a graph's weights table; () if unscaled."""
+    info = weights[name]
+    if info.format is None:
+        return ()
+    return companion_names(name, FORMATS[info.format])
+
+
+def with_companions(weights: dict, names) -> set[str]:
+    """`names` and the companions each of them carries: what a pass that drops unbound weights keeps."""
+    out = set(names)
+    for n in names:
+        if n in weights:
+            out.update(companions_of(weights, n))
+    return out
+
+
+def block_slice_problem(fmt: WeightFormat, dim: int, start: int, stop: int, whole: int) -> str | None:
+    """Why rows/columns [start, stop) of a `whole`-long dim of a block-scaled weight cannot be cut with its
+    scales (the cut must fall on block edges; the last block may be partial), or None."""
+    if fmt.block is None:
+        return None
+    b = fmt.block[dim]
+    if start % b or (stop % b and stop != whole):
+        return (f"{start}:{stop} of a {whole}-long dim does not fall on the {b}-wide blocks of its "
+                f"{fmt.name} scales")
+    return None
+
+
+def companion_info(info, fmt: WeightFormat, suffix: str):
+    """The WeightInfo of a block format's scale companion for a weight bound as `info`: the scale shape,
+    float32, its stacked parts the matching scales (a slice of a weight becomes that slice of its
+    scale's blocks).  A ValueError if a slice of the weight does not fall on block edges."""
+    from .ops.base import WeightInfo, WeightSlice
+
+    parts = None
+    if info.parts is not None:
+        parts = []
+        for p in info.parts:
+            if isinstance(p, str):
+                parts.append(p + suffix)
+                continue
+            problem = block_slice_problem(fmt, p.dim, p.start, p.stop, p.stored[p.dim])
+            if problem:
+                raise ValueError(f"stacked part {p.name} {problem}")
+            b = fmt.block[p.dim]
+            parts.append(WeightSlice(p.name + suffix, p.dim, p.start // b, cdiv(p.stop, b), scale_shape(p.stored, fmt)))
+        parts = tuple(parts)
+    return WeightInfo(scale_shape(tuple(info.shape), fmt), True, parts)
+
+
+def set_format(weights: dict, name: str, fmt: WeightFormat) -> None:
+    """Store bound weight `name` in quantised format `fmt`: its WeightInfo's format, and its companions
+    bound beside it.  (An unscaled weight's format stays None: it is stored in the activation dtype.)"""
+    from dataclasses import replace
+
+    if not fmt.quantized:
+        raise ValueError(f"{name}: format {fmt.name} is unscaled; an unscaled weight is stored in the activation dtype")
+    info = replace(weights[name], format=fmt.name)
+    weights[name] = info
+    for suffix, cname in zip(fmt.companions, companion_names(name, fmt)):
+        weights[cname] = companion_info(info, fmt, suffix)
+
+
+def dequantize(weight, companions, fmt: WeightFormat):
+    """The float32 weight a quantised `weight` and its `companions` (in fmt.companions order) stand for:
+    the reference semantics of every op on a quantised weight.  FP8 blocks: W = q * s per block, the
+    edge blocks partial, exact in float32 (an e4m3 value times a float32 scale rounds once)."""
+    from .lazy import torch
+
+    if not fmt.quantized:
+        return weight
+    (scale_inv,) = companions
+    want = scale_shape(tuple(weight.shape), fmt)
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"{fmt.name} scale has shape {tuple(scale_inv.shape)}, expected {want} for a weight of "
+                         f"shape {tuple(weight.shape)}")
+    rows, cols = weight.shape[-2:]
+    return weight.to(torch.float32) * _spread_scale(scale_inv.to(torch.float32), rows, cols, fmt)
+
+
+def quantize(weight, fmt: WeightFormat):
+    """(q, companions) storing float `weight` [.., rows, cols] in block format `fmt`, as DeepSeek-V3's
+    checkpoints are written: per block s = amax|W| / 448 in float32 (an all-zero block gets s = 1),
+    q = W / s saturated to +-448 and rounded to nearest even in float8_e4m3fn; the stored scale_inv is s."""
+    from .lazy import F, torch
+
+    if fmt is not FP8:
+        raise ValueError(f"quantising to {fmt.name} is not supported (only {FP8.name})")
+    w = weight.to(torch.float32)
+    *lead, rows, cols = w.shape
+    br, bc = fmt.block
+    pr, pc = cdiv(rows, br) * br - rows, cdiv(cols, bc) * bc - cols
+    padded = F.pad(w, (0, pc, 0, pr))      # zeros: they never raise a block's amax
+    blocks = padded.reshape(*lead, cdiv(rows, br), br, cdiv(cols, bc), bc)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w / _spread_scale(s, rows, cols, fmt)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, (s,)
+
+
+def _spread_scale(scale_inv, rows: int, cols: int, fmt: WeightFormat):
+    """A block scale [.., ceil(rows/br), ceil(cols/bc)] spread to one value per element [.., rows, cols]."""
+    br, bc = fmt.block
+    return scale_inv.repeat_interleave(br, -2)[..., :rows, :].repeat_interleave(bc, -1)[..., :cols]
+
+
+def format_problem(weights: dict, name: str, role: str, opdef) -> str | None:
+    """Why bound weight `name` cannot be the `role` of an op `opdef` in a graph whose weights table is
+    `weights` (its format, its companions), or None."""
+    info = weights[name]
+    if info.format is None:
+        return None
+    fmt = FORMATS.get(info.format)
+    if fmt is None:
+        return f"weight {name} has unknown format {info.format!r} (known: {', '.join(FORMATS)})"
+    if role not in opdef.scaled_weights or info.keep_fp32:
+        return f"weight {name} is {fmt.name}, but {opdef.name} takes its {role} unquantised"
+    for cname in companion_names(name, fmt):
+        c = weights.get(cname)
+        if c is None:
+            return f"weight {name} is {fmt.name}, but its companion {cname} is not bound"
+        if tuple(c.shape) != scale_shape(tuple(info.shape), fmt) or not c.keep_fp32:
+            return (f"companion {cname} is bound as {tuple(c.shape)}{'' if c.keep_fp32 else ' (not float32)'}, "
+                    f"{fmt.name} needs float32 {scale_shape(tuple(info.shape), fmt)} for {name} {tuple(info.shape)}")
+        if (c.parts is None) != (info.parts is None) or (c.parts is not None and len(c.parts) != len(info.parts)):
+            return f"companion {cname} is not stacked as {name} is"
+    return None

@@ -14,9 +14,11 @@ checkpoint names: node ``L3.mla.q`` is layer 3's q projection.  Graph attributes
 """
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 
 from .errors import SpecError
+from .formats import ACT, FORMATS, set_format
 from .lazy import nx
 from .ops import OPS, Node, ShapeError, TType, WeightInfo
 from .ops.base import width_problem
@@ -200,7 +202,45 @@ class _Builder:
         if t.shape[1:] != (spec.dims["vocab"],):
             raise spec.error("blocks.head.outputs", f"the head must make logits [T, vocab={spec.dims['vocab']}], makes {t}")
         self._rename_value(logits, "logits")
+        self._apply_weight_formats()
         return self.G
+
+    def _apply_weight_formats(self) -> None:
+        """Give each bound weight the format of the spec's first weight_formats glob that matches its
+        name, and bind its companions; a glob that matches nothing, or a format on a weight its op
+        cannot take quantised, is a located SpecError."""
+        rules = self.spec.weight_formats
+        if not rules:
+            return
+        weights = self.G.graph["weights"]
+        chosen: dict[str, tuple[str, str]] = {}
+        hits = {pattern: 0 for pattern, _ in rules}
+        for name in weights:
+            for pattern, fmt in rules:
+                if fnmatch.fnmatchcase(name, pattern):
+                    hits[pattern] += 1
+                    if fmt != ACT:
+                        chosen[name] = (pattern, fmt)
+                    break
+        for pattern, n in hits.items():
+            if not n:
+                raise self.spec.error(f"weight_formats.{pattern}", f"{pattern!r} matches no weight the spec binds")
+        for nid, data in self.G.nodes(data=True):
+            opdef = OPS[data["op"]]
+            for role, name in data["weights"].items():
+                if name not in chosen:
+                    continue
+                pattern, fmt = chosen[name]
+                if role not in opdef.scaled_weights or weights[name].keep_fp32:
+                    why = "is kept in float32" if weights[name].keep_fp32 else "cannot take a quantised weight"
+                    raise self.spec.error(f"weight_formats.{pattern}",
+                                          f"{name} would be {fmt}, but it is the {role} of {data['op']} "
+                                          f"{nid}, which {why}")
+        for name, (pattern, fmt) in chosen.items():
+            try:
+                set_format(weights, name, FORMATS[fmt])
+            except ValueError as exc:
+                raise self.spec.error(f"weight_formats.{pattern}", str(exc)) from None
 
     def _single(self, outs, block):
         if len(outs) != 1:

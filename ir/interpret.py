@@ -10,8 +10,22 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only
     import networkx as nx
 
+from .formats import FORMATS, companions_of, dequantize
 from .graph import node_view, topo_order
 from .ops import OPS
+
+
+def bound_weight(G: nx.DiGraph, weights: dict, name: str, ins: list):
+    """Bound weight `name` as an op's reference semantics takes it: as stored, or, when quantised,
+    dequantised exactly (ir.formats.dequantize, float32) and cast to the dtype the op computes in
+    (that of its first float input: the activation dtype, or float32)."""
+    info = G.graph["weights"][name]
+    if info.format is None:
+        return weights[name]
+    full = dequantize(weights[name], [weights[c] for c in companions_of(G.graph["weights"], name)],
+                      FORMATS[info.format])
+    act = next((t.dtype for t in ins if hasattr(t, "dtype") and t.dtype.is_floating_point), full.dtype)
+    return full.to(act)
 
 
 def logit_rows_only(op: str, node, ins: list, w: dict, ctx, rows):
@@ -36,8 +50,8 @@ def run_graph(G: nx.DiGraph, inputs: dict, weights: dict, ctx, keep: tuple[str, 
     for i, nid in enumerate(order):
         data = G.nodes[nid]
         node = node_view(G, nid)
-        w = {role: weights[name] for role, name in data["weights"].items()}
         ins = [env[v] for v in data["inputs"]]
+        w = {role: bound_weight(G, weights, name, ins) for role, name in data["weights"].items()}
         if rows is not None and "logits" in data["outputs"]:
             ins, outs = logit_rows_only(data["op"], node, ins, w, ctx, rows)
         else:

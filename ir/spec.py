@@ -4,6 +4,11 @@ Everything a user can get wrong is caught here or in the graph builder and repor
 as one SpecError naming file, YAML path and line: unknown op, unknown attribute,
 undefined value, missing dim, wrong type.  Shapes and dtypes are checked when the
 graph is built (``load_spec`` builds it once so a broken spec fails at load time).
+
+Besides the model (dims, config, layer_plan, blocks) a spec may say how its checkpoint stores the
+weights: ``weight_formats:``, a map from a glob over bound weight names to a storage format, first
+match wins (see _parse_weight_formats; `dsgraph spec --from-config` writes it from DeepSeek-V3's
+quantization_config).  Unmatched weights are stored in the activation dtype.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from .errors import SpecError
+from .formats import ACT, FORMATS
 from .model import NULLABLE_DIMS, REQUIRED_DIMS, ModelConfig, RopeConfig
 from .ops import OPS
 from .ops.base import FLOAT32_MAX, AttrError, width_problem
@@ -20,7 +26,7 @@ from .rope import attention_factor
 from .yaml_source import Located, load_located
 
 SCHEMA = 1
-TOP_KEYS = {"schema", "name", "model_type", "dims", "config", "layer_plan", "blocks"}
+TOP_KEYS = {"schema", "name", "model_type", "dims", "config", "layer_plan", "blocks", "weight_formats"}
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 REQUIRED_BLOCKS = ("embed", "decoder_layer", "head")
 PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
@@ -77,6 +83,8 @@ class Spec:
     plan: LayerPlan
     blocks: dict[str, Block]
     located: Located = field(repr=False)
+    # (glob over bound checkpoint names, format name or ACT), in the spec's order: the first match wins
+    weight_formats: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:
@@ -252,6 +260,28 @@ def _parse_plan(loc: Located, data: dict, dims: dict) -> LayerPlan:
     return LayerPlan(first, freq, kinds["dense_layer"], kinds["moe_layer"])
 
 
+def _parse_weight_formats(loc: Located, data: dict) -> tuple[tuple[str, str], ...]:
+    """The optional ``weight_formats:`` map: a glob over bound checkpoint names ({layer} and {expert}
+    formatted; a per-expert stack is named with ``*`` for the expert) -> the storage format of the
+    weights it matches, first match wins.  A quantised format (ir/formats.py) or ``act``: stored in the
+    activation dtype (what an unmatched weight is), to carve exceptions out of a later, wider glob:
+
+        weight_formats:
+          "model.layers.*.mlp.gate.weight": act
+          "model.layers.*_proj*.weight": fp8_e4m3_block128
+    """
+    raw = _get(loc, data, "weight_formats", "", dict, required=False, default={})
+    out = []
+    for pattern, name in raw.items():
+        path = f"weight_formats.{pattern}"
+        if not isinstance(name, str) or (name != ACT and (name not in FORMATS or not FORMATS[name].quantized)):
+            quantised = [n for n, f in FORMATS.items() if f.quantized]
+            raise loc.error(path, f"weight format must be {ACT} (the activation dtype) or one of "
+                                  f"{', '.join(quantised)}; got {name!r}")
+        out.append((pattern, name))
+    return tuple(out)
+
+
 def _parse_op(loc: Located, raw, path: str, dims: dict) -> OpDecl:
     if not isinstance(raw, dict):
         raise loc.error(path, f"an op is a mapping like {{op: linear, in: x, out: y}}, got {raw!r}")
@@ -416,7 +446,8 @@ def parse_spec(text: str, file: str = "<spec>") -> Spec:
     plan = _parse_plan(loc, data, dims)
     blocks = _parse_blocks(loc, data, dims)
     _check_calls(loc, blocks, plan)
-    return Spec(file=file, text=text, model=model, plan=plan, blocks=blocks, located=loc)
+    return Spec(file=file, text=text, model=model, plan=plan, blocks=blocks, located=loc,
+                weight_formats=_parse_weight_formats(loc, data))
 
 
 def load_spec(path_or_text: str, *, file: str | None = None, check: bool = True) -> Spec:

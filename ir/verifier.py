@@ -2,11 +2,13 @@
 
 Checks: no cycles; every op known; every input defined by the graph inputs or by a
 node with an edge to its reader; each value made once; outputs re-infer to the
-recorded types (shapes consistent); every bound weight recorded with that shape.
+recorded types (shapes consistent); every bound weight recorded with that shape; a quantised
+weight only in a role its op takes quantised, with its companions bound in their shapes.
 """
 from __future__ import annotations
 
 from .errors import GraphError
+from .formats import format_problem
 from .graph import node_view, value_producers
 from .lazy import nx
 from .ops import OPS, ShapeError
@@ -53,6 +55,9 @@ def verify(G: nx.DiGraph) -> None:
                 raise GraphError(f"node {nid}: weight {name} is not recorded")
             if tuple(info.shape) != tuple(wshapes[role]):
                 raise GraphError(f"node {nid}: weight {name} recorded as {info.shape}, op expects {wshapes[role]}")
+            problem = format_problem(G.graph["weights"], name, role, opdef)
+            if problem:
+                raise GraphError(f"node {nid} ({data['op']}): {problem}")
     for v in G.graph["outputs"]:
         if v not in producers:
             raise GraphError(f"graph output {v!r} is never made")

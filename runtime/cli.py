@@ -9,6 +9,7 @@
     dsgraph generate --model DIR (--prompt TEXT | --ids 1,2,3) [--max-new-tokens N] ...
     dsgraph bench [--quick] [--decode BxC,...] [--prefill BxL,...] [--no-pdl] [--json bench.json]
     dsgraph plan [SPEC] [--gpus N[,N...]] [--dtype bf16] [--batch 32] [--context 4096] [--json] ...
+    dsgraph quantize --to fp8 IN OUT
 
 Subcommands live in COMMANDS (name -> (add_arguments, run)); adding one is one
 entry.  A user's mistake (bad spec, failed kernel compile, damaged bundle, missing
@@ -34,6 +35,7 @@ from .bench import add_bench_args, run_bench
 from .cli_args import block_size_arg, whole_number
 from .cli_generate import add_generate_args, run_generate
 from .cli_plan import add_plan_args, run_plan
+from .quantize import add_quantize_args, run_quantize
 from .errors import DsgraphError
 
 EXIT_USER_ERROR = 2
@@ -125,7 +127,7 @@ def run_compile(args) -> int:
 def _side(what: str, dtype: str, block_size: int):
     """What reaches NVRTC for a spec file, a bundle folder, 'golden' or 'worktree' (codegen.review.Side)."""
     from codegen import goldens
-    from codegen.review import Side, plan_text
+    from codegen.review import Side, plan_text, weight_formats
     if what == "golden":
         side = Side("golden", {})
         for rel, text in goldens.committed_files().items():
@@ -147,16 +149,19 @@ def _side(what: str, dtype: str, block_size: int):
         from codegen.bundle import load_manifest, load_rank_plan
         manifest = load_manifest(path)
         name = manifest["spec"]["name"]
-        phases = load_rank_plan(path, manifest, 0)["phases"]     # rank 0's plan for a bundle of several
+        plan0 = load_rank_plan(path, manifest, 0)                # rank 0's plan for a bundle of several
+        phases, weights = plan0["phases"], plan0.get("weights") or manifest.get("weights", {})
         return Side(what, {name: {k: (path / e["source"]).read_text(encoding="utf-8")
                                   for k, e in manifest["kernels"].items()}},
                     headers={h: (path / rel).read_text(encoding="utf-8")
                              for h, rel in manifest.get("includes", {}).items()},
-                    plans={name: plan_text(phases)})
+                    plans={name: plan_text(phases)}, formats={name: weight_formats(weights)})
     if not path.is_file():
         raise FileNotFoundError(f"{what} is not a spec file, a bundle folder, 'golden' or 'worktree'")
     name, sources, headers, _ = goldens.render_spec_sources(path, dtype=dtype, block_size=block_size)
-    return Side(what, {name: sources}, headers=headers)
+    from ir import build_graph, load_spec
+    bound = build_graph(load_spec(str(path)), "decode").graph["weights"]
+    return Side(what, {name: sources}, headers=headers, formats={name: weight_formats(bound)})
 
 
 def add_diff_args(p: argparse.ArgumentParser) -> None:
@@ -218,6 +223,7 @@ COMMANDS = {
     "generate": (add_generate_args, run_generate),
     "bench": (add_bench_args, run_bench),
     "plan": (add_plan_args, run_plan),
+    "quantize": (add_quantize_args, run_quantize),
 }
 
 

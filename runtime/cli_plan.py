@@ -1,7 +1,7 @@
 """`dsgraph plan`: size a tensor/expert-parallel deployment before buying it (runtime/planner.py
 derives every figure; this file reads the options and prints the table).
 
-    dsgraph plan [SPEC] [--gpus N[,N...]] [--dtype bf16] [--batch 32] [--context 4096]
+    dsgraph plan [SPEC] [--gpus N[,N...]] [--dtype bf16|fp8] [--weights fp8] [--batch 32] [--context 4096]
                  [--gpu-mem 141] [--link-bw 360] [--net-bw 40] [--bench FILE] [--bw-fraction F] [--json]
 
 Every degree asked for with --gpus (default: 1, 2, 4, ..., 64) is planned, and those the model refuses
@@ -34,7 +34,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help=f"spec YAML (default: model_specs/{DEFAULT_SPEC.name}, shipped with dsgraph)")
     p.add_argument("--gpus", type=_degrees, default=None, metavar="N[,N...]",
                    help="GPU counts to plan (default: " + ", ".join(map(str, planner.DEFAULT_GPUS)) + ")")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="weight, cache and activation dtype")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"),
+                   help="weight, cache and activation dtype; fp8 is short for --dtype bf16 --weights fp8")
+    p.add_argument("--weights", default=None, choices=("fp8",),
+                   help="store the linears as DeepSeek-V3's FP8 checkpoints do (e4m3, a float32 scale per 128x128 "
+                        "block; the rest in --dtype) (default: as the spec says)")
     p.add_argument("--batch", type=int, default=32, metavar="B", help="sequences decoded together")
     p.add_argument("--context", type=int, default=4096, metavar="L", help="tokens of context per sequence")
     p.add_argument("--gpu-mem", type=float, default=planner.GPU_MEM_GB, metavar="GB", help="memory per GPU")
@@ -53,11 +57,15 @@ def run_plan(args) -> int:
     """per-GPU memory, bytes per decode step and a step-time estimate on 1 to 64 GPUs"""
     from ir.spec import load_spec
     spec = load_spec(args.spec or str(DEFAULT_SPEC))
+    dtype, weights = ("bf16", "fp8") if args.dtype == "fp8" else (args.dtype, args.weights)
+    if weights is not None:
+        from .convert import spec_in_format
+        spec = spec_in_format(spec, None, weights)
     hw = planner.hardware(batch=args.batch, context=args.context, measured=planner.load_measured(args.bench),
                           gpu_mem_gb=args.gpu_mem, bw_fraction=args.bw_fraction, link_gbps=args.link_bw,
                           net_gbps=args.net_bw)
     # --gpus or the default list alike: a count the model cannot split is a "refused" row, the rest planned
-    d = planner.plan_deployment(spec, args.gpus or planner.DEFAULT_GPUS, dtype=args.dtype, batch=args.batch,
+    d = planner.plan_deployment(spec, args.gpus or planner.DEFAULT_GPUS, dtype=dtype, batch=args.batch,
                                 context=args.context, hw=hw)
     fits = any(p.fits for p in d.plans)
     if args.json:
@@ -77,7 +85,7 @@ def nothing_fits(d: planner.Deployment) -> str:
     asked = ", ".join(str(n) for n in sorted([p.gpus for p in d.plans] + list(d.refused)))
     if not d.plans:
         return f"{d.spec_name} runs on none of the GPU counts asked for ({asked}): each is refused, for the reason given"
-    return (f"{d.spec_name} in {d.dtype} fits on none of {', '.join(str(p.gpus) for p in d.plans)} GPUs "
+    return (f"{d.spec_name} in {d.precision} fits on none of {', '.join(str(p.gpus) for p in d.plans)} GPUs "
             f"at batch {d.batch} x context {d.context} (the table says by how much)")
 
 
@@ -90,7 +98,7 @@ def table(d: planner.Deployment, misfit_notes: bool = True) -> list[str]:
     (why a degree does not fit, unless not `misfit_notes`; why one is refused)."""
     hw = d.hardware
     lines = [
-        f"{d.spec_name} in {d.dtype}, batch {d.batch} x context {d.context}, {hw.gpu_mem / planner.GB:g} GB per GPU "
+        f"{d.spec_name} in {d.precision}, batch {d.batch} x context {d.context}, {hw.gpu_mem / planner.GB:g} GB per GPU "
         f"(runtime/planner.py says how each figure is derived)",
         f"measured: copy bandwidth {hw.copy_bw / 1e12:.2f} TB/s; decode reached {hw.bw_fraction:.0%} of it "
         + (f"at {hw.fraction_source} ({hw.measured_on})" if hw.fraction_source != "given" else "(given)"),

@@ -233,7 +233,7 @@ class Engine:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model_dir, backend: str | None = None, device=None, dtype=None, spec=None,
-                        bundle=None, progress=None, cache_dir=None, **kwargs) -> "Engine":
+                        bundle=None, progress=None, cache_dir=None, weight_format=None, **kwargs) -> "Engine":
         """Load a Hugging Face DeepSeek-V2/V3 checkpoint directory (safetensors + config.json).
 
         backend="reference" (the default without a bundle) runs the graphs with each op's torch
@@ -247,6 +247,9 @@ class Engine:
         the cache) and this process runs its rank's plan from it.  ``pdl`` (backend="cuda"):
         launch the kernels that keep the contract with programmatic dependent launch (True,
         dsgraph's default) or not (False, for an A/B); None runs a given bundle as compiled.
+        ``weight_format``: None loads the weights as the spec (or the checkpoint's config) says they
+        are stored; "fp8" quantises a bf16 checkpoint's linears to DeepSeek-V3's FP8 block layout as
+        it loads, "dtype" dequantises an FP8 checkpoint to the model dtype (runtime/convert.py).
         """
         if not isinstance(model_dir, (str, os.PathLike)):
             raise InputError(f"model_dir must be a checkpoint directory (a str or os.PathLike path), got {model_dir!r}")
@@ -261,9 +264,15 @@ class Engine:
             from ir.config_to_spec import check_computable
             check_computable(config, file=os.path.join(os.fspath(model_dir), "config.json"))
         kwargs.setdefault("eos_token_ids", eos_token_ids(model_dir, config))
+        if weight_format is not None:
+            from .convert import spec_in_format
+            if bundle is not None:
+                raise InputError("a bundle carries its weight formats; weight_format applies to a spec")
+            spec = spec_in_format(spec, config, weight_format)
 
         def read(specs, spec, dtype, device):
-            return load_model_weights(model_dir, specs, spec, dtype=dtype, device=device, progress=progress)
+            return load_model_weights(model_dir, specs, spec, dtype=dtype, device=device, progress=progress,
+                                      weight_format=weight_format)
         return cls._assemble(spec, config, read, f"from {model_dir}", backend=backend, device=device, dtype=dtype,
                              bundle=bundle, cache_dir=cache_dir, **kwargs)
 

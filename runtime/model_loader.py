@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ir.formats import FORMATS, companion_names, quantize
 from ir.spec import Spec, load_spec
 
 from .errors import WeightError
@@ -88,7 +89,11 @@ def manifest_weight_specs(table: dict) -> dict[str, WeightSpec]:
             held = {p for p in parts if isinstance(p, str)}
             every = (name.replace("*", str(e)) for e in range(w["experts"][2]))
             extra = {"others": tuple(n for n in every if n not in held)}
-        specs[name] = WeightSpec(shape=tuple(w["shape"]), keep_fp32=bool(w["keep_fp32"]), parts=parts, **extra)
+        fmt = w.get("format")
+        if fmt is not None and fmt not in FORMATS:
+            raise WeightError(f"weight {name}: unknown format {fmt!r} in the manifest (known: {', '.join(FORMATS)})")
+        specs[name] = WeightSpec(shape=tuple(w["shape"]), keep_fp32=bool(w["keep_fp32"]), parts=parts, format=fmt,
+                                 **extra)
     return specs
 
 
@@ -145,10 +150,14 @@ def progress_bar(desc: str = "loading weights"):
 
 
 def load_model_weights(model_dir, specs: dict[str, WeightSpec], spec: Spec, *, dtype, device,
-                       progress=None) -> dict[str, torch.Tensor]:
+                       progress=None, weight_format: str | None = None) -> dict[str, torch.Tensor]:
     """``progress``: None or False (quiet), True (a tqdm bar, see progress_bar) or a
-    ``progress(done, total)`` callable."""
+    ``progress(done, total)`` callable.  ``weight_format`` ("fp8" / "dtype"): read the checkpoint
+    converted to that format (runtime/convert.py) rather than as stored."""
     ckpt = Checkpoint.open(model_dir)
+    if weight_format is not None:
+        from .convert import Converted
+        ckpt = Converted(ckpt, weight_format)
     return load_weights(ckpt, specs, dtype=dtype, device=device,
                         ignore=unused_checkpoint_tensors(spec.dims["layers"]),
                         progress=progress_bar() if progress is True else None if progress is False else progress)
@@ -168,7 +177,8 @@ def random_weights(specs: dict[str, WeightSpec], *, dtype, device, seed: int = 0
     """
     out = {}
     for name, spec in sorted(specs.items()):
-        wdtype = torch.float32 if spec.keep_fp32 else dtype
+        # a quantised weight is drawn in float32 and quantised below, as a checkpoint would store it
+        wdtype = torch.float32 if spec.keep_fp32 or spec.format else dtype
         if spec.parts is not None:      # per-expert tensors, stacked: each drawn by its own name
             whole: dict = {}            # the tensors this stack's slices are cut from, dropped after it
             out[name] = torch.stack([_draw_part(p, spec.shape[1:], wdtype, device, seed, std, whole)
@@ -179,6 +189,14 @@ def random_weights(specs: dict[str, WeightSpec], *, dtype, device, seed: int = 0
             dim, start, stop = spec.part
             t = t.narrow(dim, start, stop - start).contiguous()
         out[name] = t
+    for name, spec in specs.items():
+        if spec.format is not None:
+            # each block's scale from its own values: a stack (and a rank's block-aligned slice) quantises
+            # as its whole checkpoint tensor would
+            fmt = FORMATS[spec.format]
+            out[name], scales = quantize(out[name], fmt)
+            for cname, scale in zip(companion_names(name, fmt), scales):
+                out[cname] = scale.to(device)
     return out
 
 

@@ -6,7 +6,8 @@ D hidden, W = kv_lora_rank + qk_rope_head_dim the latent cache row, elt the dtyp
 
   weights / GPU   every weight the graphs bind (runtime.model_loader.weight_specs: the engine's own
                   list), cut to rank 0's part by ir/parallel.py (the one table of how each weight is
-                  split), summed by runtime.memory.weight_bytes (routers stay float32).  Rank 0 is
+                  split), summed by runtime.memory.weight_bytes (routers stay float32; a weight the
+                  spec stores quantised counts as stored: FP8 one byte an element, plus its scales).  Rank 0 is
                   every rank: heads, widths and experts split evenly, the rest is replicated.
   KV cache / GPU  B sequences x ceil(L / block) pages x PagedLatentCache.bytes_per_block.  The MLA
                   latent cache is not split by heads, so every rank holds all of it: more GPUs free
@@ -91,13 +92,28 @@ class Plan:
 
 
 def rank_weight_specs(specs: dict, model, world: int, rank: int = 0) -> dict:
-    """The WeightSpecs rank `rank` of `world` binds: each weight cut by ir/parallel.py."""
-    from ir.parallel import sharded_shape, weight_shard
+    """The WeightSpecs rank `rank` of `world` binds: each weight cut by ir/parallel.py, a quantised
+    weight's scales with it (a ParallelError where a rank's slice would split a scale's block, as
+    ir/passes/shard_for_rank.py refuses it)."""
+    from ir.formats import FORMATS, block_slice_problem, companion_names
+    from ir.parallel import ParallelError, Shard, sharded_shape, weight_shard
     from .weights import WeightSpec
+    base_of = {c: name for name, s in specs.items() if s.format
+               for c in companion_names(name, FORMATS[s.format])}
     out = {}
     for name, s in specs.items():
-        shape = sharded_shape(s.shape, weight_shard(name, s.shape, model, world, rank))
-        out[name] = WeightSpec(shape=shape, keep_fp32=s.keep_fp32)
+        base = base_of.get(name, name)
+        shard = weight_shard(base, specs[base].shape, model, world, rank)
+        if base != name and shard.dim is not None:     # the blocks of the weight's slice
+            fmt = FORMATS[specs[base].format]
+            whole = specs[base].shape[shard.dim]
+            problem = block_slice_problem(fmt, shard.dim, shard.start, shard.stop, whole)
+            if problem:
+                raise ParallelError(f"weight {base} {specs[base].shape} ({fmt.name}) on {world} ranks: rank "
+                                    f"{rank}'s slice {problem}")
+            b = fmt.block[shard.dim]
+            shard = Shard(shard.kind, shard.start // b, -(-shard.stop // b))
+        out[name] = WeightSpec(shape=sharded_shape(s.shape, shard), keep_fp32=s.keep_fp32, format=s.format)
     return out
 
 
@@ -234,9 +250,16 @@ class Deployment:
     hardware: Hardware
     plans: list[Plan]
     refused: dict[int, list[str]]
+    weights: str = ""              # the quantised weight formats the spec stores some weights in, if any
+
+    @property
+    def precision(self) -> str:
+        """"bf16", or "bf16 with fp8_e4m3_block128 weights": what the table's lines say."""
+        return f"{self.dtype} with {self.weights} weights" if self.weights else self.dtype
 
     def to_json(self) -> dict:
-        return {"spec": self.spec_name, "dtype": self.dtype, "batch": self.batch, "context": self.context,
+        return {"spec": self.spec_name, "dtype": self.dtype, "weight_formats": self.weights,
+                "batch": self.batch, "context": self.context,
                 "hardware": asdict(self.hardware), "plans": [asdict(p) for p in self.plans],
                 "refused": {str(n): r for n, r in self.refused.items()}}
 
@@ -245,7 +268,7 @@ def plan_deployment(spec, gpus=DEFAULT_GPUS, *, dtype="bf16", batch: int = 32, c
                     hw: Hardware | None = None, block_size: int | None = None) -> Deployment:
     """Plans for every degree in `gpus` that ir.parallel accepts; the others in `refused`."""
     from codegen.kernel import DEFAULTS
-    from ir.parallel import parallel_problems
+    from ir.parallel import ParallelError, parallel_problems
     from .engine import _as_dtype
     from ir.graph import build_graph
     from .model_loader import weight_specs
@@ -259,16 +282,25 @@ def plan_deployment(spec, gpus=DEFAULT_GPUS, *, dtype="bf16", batch: int = 32, c
     # One phase before the passes binds what the engine's compiled graphs bind (the tests check it): 0.1 s, not 4.
     graphs = {"decode": build_graph(spec, "decode")}
     specs, gathered = weight_specs(graphs), gathered_weights(graphs)
-    plans = [plan_for(spec, specs, gathered, n, dtype=torch_dtype, batch=batch, context=context, hw=hw,
-                      block_size=block_size) for n in gpus if n not in refused]
-    return Deployment(spec.name, str(torch_dtype).removeprefix("torch."), batch, context, hw, plans, refused)
+    plans = []
+    for n in gpus:
+        if n in refused:
+            continue
+        try:
+            plans.append(plan_for(spec, specs, gathered, n, dtype=torch_dtype, batch=batch, context=context, hw=hw,
+                                  block_size=block_size))
+        except ParallelError as e:     # a quantised weight's slice would split its scale blocks
+            refused[n] = [str(e)]
+    formats = sorted({s.format for s in specs.values() if s.format})
+    return Deployment(spec.name, str(torch_dtype).removeprefix("torch."), batch, context, hw, plans, refused,
+                      weights=", ".join(formats))
 
 
 def not_fitting(d: Deployment, p: Plan) -> str:
     """The one line that says why plan `p` does not fit, with the planner's numbers."""
     gb = d.hardware.gpu_mem / GB
     need = (p.weights + p.kv_cache + p.margin) / GB
-    line = (f"{d.spec_name} in {d.dtype} does not fit on {p.gpus} x {gb:g} GB: per GPU weights "
+    line = (f"{d.spec_name} in {d.precision} does not fit on {p.gpus} x {gb:g} GB: per GPU weights "
             f"{p.weights / GB:.1f} GB + KV cache {p.kv_cache / GB:.1f} GB ({d.batch} x {d.context} tokens) + margin "
             f"{p.margin / GB:.1f} GB = {need:.1f} GB > {gb:g} GB")
     if p.max_batch:

@@ -9,13 +9,15 @@ than after minutes of loading.
 
 A stacked weight's part is a whole checkpoint tensor or a slice of one (ir.ops.WeightSlice: the
 shared experts stacked ahead of the routed ones); either way the checkpoint is read as stored.
+A quantised weight (WeightSpec.format: DeepSeek-V3's FP8) is loaded as stored, its scales as
+weights of their own; a checkpoint whose storage differs from the spec's is a WeightError naming
+the tensor (runtime/convert.py converts a checkpoint on request instead).
 
 Dimension legend: E experts, I expert intermediate size, D hidden size.
 """
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,7 +25,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from ir.config_to_spec import FP8_BLOCK  # the block side the config check accepts: one fact, there
+from ir.formats import FORMATS, FP8, companion_names
 from ir.ops.base import WeightSlice
 from runtime.errors import WeightError
 
@@ -31,10 +33,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 
-# DeepSeek-V3's official FP8 checkpoints: F8_E4M3 weights with one float32
-# inverse scale per 128x128 block, stored next to the weight.
-FP8_DTYPE = "F8_E4M3"
-SCALE_SUFFIX = "_scale_inv"
+# How a quantised format's elements are stored: safetensors dtype and torch dtype (ir/formats.py storage).
+STORED = {"fp8_e4m3": ("F8_E4M3", torch.float8_e4m3fn)}
+FP8_DTYPE = STORED[FP8.storage][0]
 
 _FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 _MAX_LISTED = 10  # per kind of problem; the rest is summarised as a count
@@ -110,6 +111,11 @@ class Checkpoint:
 
     def names(self) -> set[str]:
         return set(self._shard_of)
+
+    def shard_file(self, name: str) -> str:
+        """The file (relative to model_dir) that holds tensor `name`."""
+        self._handle(name)   # a WeightError naming it if absent
+        return self._shard_of[name]
 
     def __contains__(self, name: str) -> bool:
         return name in self._shard_of
@@ -188,6 +194,9 @@ class WeightSpec:
     part: tuple[int, int, int] | None = None
     stored: tuple[int, ...] | None = None
     others: tuple[str, ...] = ()
+    # a quantised storage format's name (ir/formats.py): loaded as stored, never widened; its
+    # companions (scales) are WeightSpecs of their own.  None: cast to the model dtype.
+    format: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
@@ -259,7 +268,7 @@ def load_weights(
         progress(done, total)
     out: dict[str, torch.Tensor] = {}
     for key, spec in specs.items():
-        target = torch.float32 if spec.keep_fp32 else dtype
+        target = stored_dtype(spec) or (torch.float32 if spec.keep_fp32 else dtype)
         if spec.parts is None:
             out[key] = _read(ckpt, key, device, spec.part).to(device=device, dtype=target)
             done += 1
@@ -296,7 +305,7 @@ def check_checkpoint(ckpt: Checkpoint, specs: dict[str, WeightSpec], ignore: Cal
                 missing.append(f"{name} (expected shape {shape})")
                 continue
             used.add(name)
-            problem = _check_tensor(ckpt, name, shape, used)
+            problem = _check_tensor(ckpt, name, shape, spec.format, used)
             if problem:
                 wrong.append(problem)
     unexpected = sorted(n for n in available - used if not _is_ignored(n, ignore))
@@ -311,33 +320,37 @@ def check_checkpoint(ckpt: Checkpoint, specs: dict[str, WeightSpec], ignore: Cal
         raise WeightError(f"checkpoint at {ckpt.model_dir} does not match the model:\n" + "\n".join(sections))
 
 
-def _check_tensor(ckpt: Checkpoint, name: str, shape: tuple[int, ...], used: set[str]) -> str | None:
+def stored_dtype(spec: WeightSpec) -> torch.dtype | None:
+    """The torch dtype a quantised weight is held in as stored, or None (cast to the model dtype)."""
+    return None if spec.format is None else STORED[FORMATS[spec.format].storage][1]
+
+
+def _check_tensor(ckpt: Checkpoint, name: str, shape: tuple[int, ...], fmt: str | None, used: set[str]) -> str | None:
     got = ckpt.shape(name)
     if got != shape:
         return f"{name}: checkpoint has shape {got}, the spec expects {shape}"
     dt = ckpt.dtype_str(name)
+    if fmt is not None:
+        want = STORED[FORMATS[fmt].storage][0]
+        if dt != want:
+            return (f"{name}: the spec stores it as {fmt} ({want}), the checkpoint has {dt}; quantise the "
+                    f"checkpoint (dsgraph quantize --to fp8) or load it with weight_format='fp8'")
+        return None
     if dt in _FLOAT_DTYPES:
         return None
-    if dt != FP8_DTYPE:
-        return f"{name}: checkpoint dtype {dt} is not one dsgraph can load ({', '.join(sorted(_FLOAT_DTYPES))}, {FP8_DTYPE})"
-    scale = name + SCALE_SUFFIX
-    if scale not in ckpt:
-        return f"{name}: stored as {FP8_DTYPE} but the checkpoint has no {scale} to dequantise it"
-    used.add(scale)
-    if len(shape) != 2:
-        return f"{name}: {FP8_DTYPE} is only supported for 2-D weights, this one has shape {shape}"
-    want = fp8_scale_shape(shape)
-    if ckpt.shape(scale) != want:
-        return f"{scale}: checkpoint has shape {ckpt.shape(scale)}, expected {want} (one scale per {FP8_BLOCK}x{FP8_BLOCK} block)"
-    if ckpt.dtype_str(scale) not in _FLOAT_DTYPES:
-        return f"{scale}: checkpoint dtype {ckpt.dtype_str(scale)} is not a floating-point type"
-    return None
+    if dt == FP8_DTYPE:
+        used.update(n for n in companion_names(name, FP8) if n in ckpt)   # reported once, with its weight
+        return (f"{name}: the checkpoint stores it as {FP8_DTYPE} ({FP8.name}), the spec expects the activation "
+                f"dtype; take the spec from the checkpoint's config.json (its weight_formats) or load it with "
+                f"weight_format='dtype' to dequantise")
+    return f"{name}: checkpoint dtype {dt} is not one dsgraph can load ({', '.join(sorted(_FLOAT_DTYPES))}, {FP8_DTYPE})"
 
 
 def _is_ignored(name: str, ignore: Callable[[str], bool]) -> bool:
-    # An FP8 scale follows its weight: ignoring X.weight also ignores X.weight_scale_inv.
-    if name.endswith(SCALE_SUFFIX) and ignore(name[: -len(SCALE_SUFFIX)]):
-        return True
+    # A scale follows its weight: ignoring X.weight also ignores X.weight_scale_inv.
+    for suffix in FP8.companions:
+        if name.endswith(suffix) and ignore(name[: -len(suffix)]):
+            return True
     return ignore(name)
 
 
@@ -350,24 +363,9 @@ def _section(title: str, items: list[str]) -> str:
 
 def _read(ckpt: Checkpoint, name: str, device: torch.device | str,
           part: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """One checkpoint tensor (or its slice `part` = (dim, start, stop)), dequantised if FP8;
-    the caller casts and places it."""
-    if ckpt.dtype_str(name) != FP8_DTYPE:
-        return ckpt.get(name, part)
-    if part is None:
-        # Dequantise where the result will live: the 1-byte weights cross the bus,
-        # not their 4-byte expansion.
-        scale = ckpt.get(name + SCALE_SUFFIX)
-        return dequantize_fp8_blockwise(ckpt.get(name).to(device), scale.to(device))
-    # A slice reads the whole 128-blocks it overlaps (and their scales), then trims.
-    dim, start, stop = part
-    lo, hi = start // FP8_BLOCK, -(-stop // FP8_BLOCK)
-    whole = ckpt.shape(name)[dim]
-    weight = ckpt.get(name, (dim, lo * FP8_BLOCK, min(hi * FP8_BLOCK, whole)))
-    scale = ckpt.get(name + SCALE_SUFFIX, (dim, lo, hi))
-    full = dequantize_fp8_blockwise(weight.to(device), scale.to(device))
-    trim = slice(start - lo * FP8_BLOCK, stop - lo * FP8_BLOCK)
-    return full[trim] if dim == 0 else full[:, trim]
+    """One checkpoint tensor (or its slice `part` = (dim, start, stop)) as stored; the caller casts
+    (unless it is quantised) and places it."""
+    return ckpt.get(name, part)
 
 
 def _read_part(ckpt: Checkpoint, p: Part, device: torch.device | str) -> torch.Tensor:
@@ -376,18 +374,3 @@ def _read_part(ckpt: Checkpoint, p: Part, device: torch.device | str) -> torch.T
         return _read(ckpt, p, device)
     return _read(ckpt, p.name, device, p.part)
 
-
-def fp8_scale_shape(shape: tuple[int, ...], block: int = FP8_BLOCK) -> tuple[int, int]:
-    rows, cols = shape
-    return (math.ceil(rows / block), math.ceil(cols / block))
-
-
-def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """float32 weight from an FP8 [rows, cols] weight and its per-block inverse
-    scales [ceil(rows/block), ceil(cols/block)]; edge blocks may be partial."""
-    rows, cols = weight.shape
-    want = fp8_scale_shape((rows, cols), block)
-    if tuple(scale_inv.shape) != want:
-        raise WeightError(f"FP8 scale has shape {tuple(scale_inv.shape)}, expected {want} for a weight of shape {(rows, cols)}")
-    scale = scale_inv.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
-    return weight.float() * scale

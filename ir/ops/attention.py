@@ -168,6 +168,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
 @register
 class MlaAttention(OpDef):
     name = "mla_attention"
+    scaled_weights = ("kv_b",)
     inputs = 3
     weights = {"kv_b": True}
     doc = "[q_nope [T, H, N], q_rot [T, H, R], state] -> o [T, H*V]: causal attention over the sequence's cache rows"
@@ -232,6 +233,7 @@ class MlaPrefillAttention(OpDef):
 @register
 class MlaQAbsorb(OpDef):
     name = "mla_q_absorb"
+    scaled_weights = ("kv_b",)
     weights = {"kv_b": True}
     doc = "q_nope [T, H, N] -> q_lat [T, H, C] = q_nope @ W_UK (the K half of kv_b absorbed into the query)"
 
@@ -251,6 +253,7 @@ class MlaQAbsorb(OpDef):
 @register
 class MlaDecodeQuery(OpDef):
     name = "mla_decode_query"
+    scaled_weights = ("kv_b",)
     inputs = 2
     attrs = _rope_attrs()
     weights = {"kv_b": True}
@@ -275,6 +278,7 @@ class MlaDecodeQuery(OpDef):
 @register
 class MlaDecodePrologue(OpDef):
     name = "mla_decode_prologue"
+    scaled_weights = ("kv_b",)
     inputs = 4
     outputs = 4
     attrs = {"eps": Attr("float", None, positive=True), **_rope_attrs()}
@@ -323,6 +327,7 @@ class MlaDecodeAttention(OpDef):
 @register
 class MlaVUp(OpDef):
     name = "mla_v_up"
+    scaled_weights = ("kv_b",)
     weights = {"kv_b": True}
     doc = "o_lat [T, H, C] -> o [T, H*V] = o_lat @ W_UV^T (the V half of kv_b, applied after attention)"
 

@@ -97,12 +97,16 @@ class WeightSlice:
 
 @dataclass(frozen=True)
 class WeightInfo:
-    """A bound checkpoint tensor: expected shape, fp32 pinning, per-expert parts."""
+    """A bound checkpoint tensor: expected shape, fp32 pinning, per-expert parts, storage format."""
 
     shape: tuple
     keep_fp32: bool = False
     # stacked along a new dim 0 (one per expert): a checkpoint tensor's name, or a WeightSlice of one
     parts: tuple[str | WeightSlice, ...] | None = None
+    # the storage format's name (ir/formats.py FORMATS); None: stored in the activation dtype (or fp32
+    # where keep_fp32).  A quantised weight's companions (scales) are bound weights of their own, named
+    # ir.formats.companion_names(name, format), stacked and sliced the same way.
+    format: str | None = None
 
 
 class AttrError(ValueError):
@@ -205,6 +209,9 @@ class OpDef:
     weights: ClassVar[dict[str, bool]] = {}       # role -> required
     expert_weights: ClassVar[tuple[str, ...]] = ()  # roles whose name has {expert}
     fp32_weights: ClassVar[tuple[str, ...]] = ()   # roles kept in float32
+    # roles that may be stored in a quantised format (ir/formats.py): matrices the op multiplies by,
+    # which its reference semantics take dequantised (ir/interpret.py)
+    scaled_weights: ClassVar[tuple[str, ...]] = ()
     doc: ClassVar[str] = ""
 
     @classmethod

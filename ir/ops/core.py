@@ -33,6 +33,7 @@ class Embedding(OpDef):
 @register
 class Linear(OpDef):
     name = "linear"
+    scaled_weights = ("weight",)
     attrs = {"out_dim": Attr("dim"), "precision": Attr("choice", "act", ("act", "fp32"))}
     weights = {"weight": True}
     doc = "x [T, k] @ W[n, k]^T -> [T, n]; precision fp32 keeps the router in float32"
@@ -62,6 +63,7 @@ class Linear(OpDef):
 @register
 class MultiLinear(OpDef):
     name = "multi_linear"
+    scaled_weights = tuple(f"weight{i}" for i in range(MULTI_LINEAR_MAX))
     outputs = -1  # as many as out_dims
     attrs = {"out_dims": Attr("dims")}
     weights = {f"weight{i}": i < 2 for i in range(MULTI_LINEAR_MAX)}
@@ -94,6 +96,7 @@ def gate_up_silu_ref(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> t
 @register
 class GateUpSilu(OpDef):
     name = "gate_up_silu"
+    scaled_weights = ("gate", "up")
     attrs = {"out_dim": Attr("dim")}
     weights = {"gate": True, "up": True}
     doc = ("x [T, k] -> silu(x W_gate^T) * (x W_up^T) [T, n]: SwiGLU in the epilogue of the fused gate + up "

@@ -153,6 +153,7 @@ def _expert_shapes(node, E, n, k, roles):
 @register
 class MoeGateUp(OpDef):
     name = "moe_gate_up"
+    scaled_weights = ("gate", "up")
     inputs = 2
     outputs = 2
     attrs = {"num_experts": Attr("dim"), "out_dim": Attr("dim")}
@@ -179,6 +180,7 @@ class MoeGateUp(OpDef):
 @register
 class MoeGateUpSilu(OpDef):
     name = "moe_gate_up_silu"
+    scaled_weights = ("gate", "up")
     inputs = 2
     attrs = {"num_experts": Attr("dim"), "out_dim": Attr("dim")}
     weights = {"gate": True, "up": True}
@@ -199,6 +201,7 @@ class MoeGateUpSilu(OpDef):
 @register
 class MoeDown(OpDef):
     name = "moe_down"
+    scaled_weights = ("weight",)
     inputs = 2
     attrs = {"num_experts": Attr("dim"), "out_dim": Attr("dim")}
     weights = {"weight": True}
@@ -222,6 +225,7 @@ class MoeDown(OpDef):
 @register
 class MoeExpertFfn(OpDef):
     name = "moe_expert_ffn"
+    scaled_weights = ("gate", "up", "down")
     inputs = 2
     attrs = {"num_experts": Attr("dim"), "inner_dim": Attr("dim"), "out_dim": Attr("dim")}
     weights = {"gate": True, "up": True, "down": True}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import networkx as nx
 
+from ..formats import FORMATS, set_format, with_companions
 from ..ops import WeightInfo, WeightSlice
 from .rewrite import NewOp, RewriteError, copy_graph, nodes_of, op_of, producer_of, refuse, replace, sole_reader
 from .shard_for_rank import parallel_of
@@ -154,7 +155,7 @@ def _fuse_layer(G: nx.DiGraph, combine: str) -> None:
     try:
         replace(G, old, new)
     except RewriteError as exc:
-        for name in bound.values():
+        for name in with_companions(G.graph["weights"], bound.values()):
             if not any(name in d["weights"].values() for _, d in G.nodes(data=True)):
                 G.graph["weights"].pop(name, None)
         raise _Refused(route, combine, str(exc)) from None
@@ -176,5 +177,14 @@ def _stack(G: nx.DiGraph, routed: str, shared: str, dim: int, S: int, M: int) ->
     name = routed.replace(".experts.*.", ".experts.*+shared_experts.")
     if name == routed:
         name = f"{routed}+shared"
+    if r.format != s.format:
+        raise _Refused(routed, shared, f"the routed experts are stored as {r.format or 'the activation dtype'}, "
+                                       f"the shared ones as {s.format or 'the activation dtype'}: one stack has one format")
     G.graph["weights"][name] = WeightInfo((r.shape[0] + S, *r.shape[1:]), False, (*slices, *r.parts))
+    if r.format is not None:
+        try:   # the stack's scales: the shared scale's blocks of each slice, then the routed experts' scales
+            set_format(G.graph["weights"], name, FORMATS[r.format])
+        except ValueError as exc:
+            del G.graph["weights"][name]
+            raise _Refused(routed, shared, f"the shared experts' slices cannot carry their scales: {exc}") from None
     return name

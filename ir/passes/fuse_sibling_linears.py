@@ -28,7 +28,8 @@ def fuse_sibling_linears(G: nx.DiGraph) -> nx.DiGraph:
     The siblings keep their output names (their readers are unchanged) and execution order
     (weight i is the i-th sibling to run).  Refused, with the reason logged: an fp32 linear
     (the router keeps float32 weights and output), a linear nothing reads (eliminate_dead's),
-    and siblings past MULTI_LINEAR_MAX (they form the next group).
+    siblings whose weights are stored in another format (each format forms its own groups: one
+    multi_linear has one weight format), and siblings past MULTI_LINEAR_MAX (the next group).
     """
     G = copy_graph(G)
     groups: dict[str, list[str]] = {}
@@ -46,14 +47,28 @@ def fuse_sibling_linears(G: nx.DiGraph) -> nx.DiGraph:
             elif n not in act:
                 refuse(G, n, other, f"{n} is an fp32 linear (its weights and output stay float32); siblings "
                                     f"reading {x} fuse at the activation precision only")
-        chunks = [act[i:i + MULTI_LINEAR_MAX] for i in range(0, len(act), MULTI_LINEAR_MAX)]
-        for group in chunks[1:]:
-            refuse(G, act[0], group[0], f"a multi_linear takes at most {MULTI_LINEAR_MAX} weights; "
-                                        f"{', '.join(group)} start another")
-        for group in chunks:
-            if len(group) >= 2:
-                _fuse(G, x, group)
+        by_format: dict = {}
+        for n in act:
+            by_format.setdefault(_format(G, n), []).append(n)
+        if len(by_format) > 1:
+            first, *others = by_format.values()
+            for group in others:
+                refuse(G, first[0], group[0], f"their weights are stored in different formats "
+                                              f"({_format(G, first[0]) or 'activation dtype'} and "
+                                              f"{_format(G, group[0]) or 'activation dtype'}); each format fuses apart")
+        for same in by_format.values():
+            chunks = [same[i:i + MULTI_LINEAR_MAX] for i in range(0, len(same), MULTI_LINEAR_MAX)]
+            for group in chunks[1:]:
+                refuse(G, same[0], group[0], f"a multi_linear takes at most {MULTI_LINEAR_MAX} weights; "
+                                             f"{', '.join(group)} start another")
+            for group in chunks:
+                if len(group) >= 2:
+                    _fuse(G, x, group)
     return G
+
+
+def _format(G: nx.DiGraph, nid: str) -> str | None:
+    return G.graph["weights"][G.nodes[nid]["weights"]["weight"]].format
 
 
 def _is_read(G: nx.DiGraph, nid: str) -> bool:

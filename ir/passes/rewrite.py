@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
+from ..formats import format_problem, with_companions
 from ..graph import add_op, topo_order, value_producers
 from ..ops import OPS, Node, ShapeError
 
@@ -182,8 +183,9 @@ def prune_values(G: nx.DiGraph) -> None:
 
 
 def prune_weights(G: nx.DiGraph) -> None:
-    """Drop bound weights no node reads any more (so the loader does not ask for them)."""
-    used = {name for _, d in G.nodes(data=True) for name in d["weights"].values()}
+    """Drop bound weights no node reads any more (so the loader does not ask for them); a quantised
+    weight's companions (its scales) stay while it does."""
+    used = with_companions(G.graph["weights"], {name for _, d in G.nodes(data=True) for name in d["weights"].values()})
     for name in [w for w in G.graph["weights"] if w not in used]:
         del G.graph["weights"][name]
 
@@ -257,6 +259,9 @@ def _check_weights(G: nx.DiGraph, op: NewOp, node: Node, wshapes: dict) -> None:
                                f"{name} is bound otherwise")
         if (info.parts is not None) != (role in opdef.expert_weights):
             raise RewriteError(f"{op.op}'s {role} and {name} disagree on being per-expert")
+        problem = format_problem(G.graph["weights"], name, role, opdef)
+        if problem:
+            raise RewriteError(problem)
 
 
 # ---- naming --------------------------------------------------------------------------------------

@@ -32,9 +32,10 @@ import dataclasses
 
 import networkx as nx
 
+from ..formats import FORMATS, block_slice_problem, cdiv, companion_names
 from ..graph import add_op, node_view, topo_order
-from ..ops import OPS, ShapeError, WeightInfo
-from ..parallel import ParallelError, rule_for, sharded_shape, weight_shard
+from ..ops import OPS, ShapeError
+from ..parallel import ParallelError, Shard, rule_for, sharded_shape, weight_shard
 from .rewrite import copy_graph, fresh_name, readers_of, scope_of
 
 EXPERT_OPS = ("moe_align", "moe_gate_up", "moe_gate_up_silu", "moe_down", "moe_expert_ffn")
@@ -68,8 +69,10 @@ def shard_for_rank(G: nx.DiGraph) -> nx.DiGraph:
             if name not in shards:   # a weight several nodes bind is sliced once
                 info = H.graph["weights"][name]
                 shard = shards[name] = weight_shard(name, info.shape, model, world, rank)
-                parts = info.parts[shard.start:shard.stop] if shard.kind == "experts" else info.parts
-                H.graph["weights"][name] = WeightInfo(sharded_shape(info.shape, shard), info.keep_fp32, parts)
+                _shard_weight(H, name, shard)
+                for cname, cshard in _companion_shards(H, name, info, shard):
+                    shards[cname] = cshard
+                    _shard_weight(H, cname, cshard)
             shard = shards[name]
             if data["op"] == "linear" and shard.kind == "rows":
                 data["attrs"]["out_dim"] = shard.stop - shard.start
@@ -89,6 +92,27 @@ def shard_for_rank(G: nx.DiGraph) -> nx.DiGraph:
     H.graph["shards"] = shards
     H.graph["partial"] = partial
     return H
+
+
+def _shard_weight(H: nx.DiGraph, name: str, shard) -> None:
+    info = H.graph["weights"][name]
+    parts = info.parts[shard.start:shard.stop] if shard.kind == "experts" else info.parts
+    H.graph["weights"][name] = dataclasses.replace(info, shape=sharded_shape(info.shape, shard), parts=parts)
+
+
+def _companion_shards(H: nx.DiGraph, name: str, info, shard) -> list:
+    """(companion, its Shard) for a quantised weight's scales: the same experts, or the blocks of the
+    rank's rows / columns, which must fall on block edges (a rank's slice may not split a block)."""
+    if info.format is None:
+        return []
+    fmt = FORMATS[info.format]
+    if shard.kind in ("rows", "cols"):
+        problem = block_slice_problem(fmt, shard.dim, shard.start, shard.stop, info.shape[shard.dim])
+        if problem:
+            raise ParallelError(f"weight {name} {tuple(info.shape)} ({fmt.name}): this rank's slice {problem}")
+        b = fmt.block[shard.dim]
+        shard = Shard(shard.kind, shard.start // b, cdiv(shard.stop, b))
+    return [(cname, shard) for cname in companion_names(name, fmt)]
 
 
 def _localize(H: nx.DiGraph, topk: str, first: int, count: int) -> None:

@@ -28,8 +28,40 @@ def _title(text: str) -> str:
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_spec_is_what_from_config_writes(name):
+    # The shipped specs are the architectures with weights in the activation dtype; V3's FP8 storage
+    # is their weight_formats (test_v3_config_gives_fp8_weight_formats).
     text = (SPECS / f"{name}.yaml").read_text()
-    assert spec_from_config(_config(name), name=name, title=_title(text)) == text
+    assert spec_from_config(_config(name), name=name, title=_title(text), weight_formats=False) == text
+    if name != "deepseek_v3":
+        assert spec_from_config(_config(name), name=name, title=_title(text)) == text
+
+
+def test_v3_config_gives_fp8_weight_formats():
+    """V3's quantization_config: every decoder-layer linear is FP8 with its scale; the embedding, norms,
+    router gate and its bias and lm_head stay in the activation dtype."""
+    from ir.formats import FP8, weight_format
+    text = spec_from_config(_config("deepseek_v3"), name="deepseek_v3")
+    spec = load_spec(text, file="v3.yaml", check=False)
+    assert spec.weight_formats == (("model.layers.*.self_attn.*_proj*.weight", FP8.name),
+                                   ("model.layers.*.mlp.*_proj.weight", FP8.name))
+    small = dict(_config("deepseek_v3"), num_hidden_layers=4, n_routed_experts=8, n_group=4, topk_group=2,
+                 num_experts_per_tok=2)
+    G = build_graph(load_spec(spec_from_config(small), file="v3.yaml"), "prefill")
+    fp8 = {n for n, info in G.graph["weights"].items() if info.format == FP8.name}
+    kept = {n for n, info in G.graph["weights"].items() if info.format is None and not n.endswith("_scale_inv")}
+    layer = {n.split(".", 3)[3] for n in fp8}
+    assert layer == {"self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
+                     "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+                     "mlp.up_proj.weight", "mlp.down_proj.weight", "mlp.experts.*.gate_proj.weight",
+                     "mlp.experts.*.up_proj.weight", "mlp.experts.*.down_proj.weight",
+                     "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+                     "mlp.shared_experts.down_proj.weight"}
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers.3.mlp.gate.weight",
+            "model.layers.3.mlp.gate.e_score_correction_bias", "model.layers.0.input_layernorm.weight",
+            "model.layers.0.self_attn.kv_a_layernorm.weight"} <= kept
+    kv_a = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    assert weight_format(G, kv_a) is FP8
+    assert G.graph["weights"][kv_a + "_scale_inv"].shape == (5, 56)      # 576 rows: 5 ceil blocks; 7168 / 128
 
 
 @pytest.mark.parametrize("name", SHIPPED)

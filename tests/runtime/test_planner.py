@@ -222,3 +222,36 @@ def test_the_readme_example_is_what_dsgraph_prints(capsys, monkeypatch):
     monkeypatch.chdir(README.parent)
     assert main(shlex.split(command)[1:]) == 0
     assert capsys.readouterr().out == shown, "refresh the README's `dsgraph plan` example"
+
+
+# ---- FP8 weights (issue 49): counted as stored -----------------------------------------------------
+
+def test_deepseek_v3_with_fp8_weights_fits_8_h200(specs, capsys):
+    """V3 as its checkpoints store it: the linears FP8 (one byte, plus a float32 scale per 128x128 block),
+    the embedding, norms, routers and lm_head bf16.  Both spellings plan the same."""
+    from runtime.convert import spec_in_format
+    fp8 = spec_in_format(specs["deepseek_v3"], None, "fp8")
+    whole = bound(fp8)
+    fp8_bytes = sum(math.prod(s.shape) for s in whole.values() if s.format)
+    scale_bytes = 4 * sum(math.prod(whole[n + "_scale_inv"].shape) for n, s in whole.items() if s.format)
+    rest = 2 * sum(math.prod(s.shape) for n, s in whole.items()
+                   if not s.format and not n.endswith("_scale_inv") and not s.keep_fp32)
+    fp32 = 4 * sum(math.prod(s.shape) for n, s in whole.items() if s.keep_fp32 and not n.endswith("_scale_inv"))
+    (one,) = planner.plan_deployment(fp8, (1,), dtype="bf16").plans
+    assert one.weights == fp8_bytes + scale_bytes + rest + fp32
+    assert 650e9 < fp8_bytes < 671e9 and scale_bytes < fp8_bytes / 4000
+    (eight,) = planner.plan_deployment(fp8, (8,), dtype="bf16").plans
+    assert eight.fits and eight.weights < 95e9 and eight.max_batch >= 32
+    outputs = []
+    for args in (["--dtype", "fp8"], ["--weights", "fp8"]):
+        assert main(["plan", spec_path("deepseek_v3"), "--gpus", "8", "--json", *args]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0] == outputs[1]
+    assert outputs[0]["weight_formats"] == "fp8_e4m3_block128" and outputs[0]["plans"][0]["weights"] == eight.weights
+
+
+def test_fp8_ranks_whose_slice_splits_a_block_are_refused(specs, capsys):
+    assert main(["plan", spec_path("deepseek_v3"), "--dtype", "fp8", "--gpus", "8,32"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"32: refused: weight model\.layers\.0\.mlp\.down_proj\.weight .*does not fall on the 128-wide "
+                     r"blocks", out)

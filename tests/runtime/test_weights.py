@@ -6,11 +6,12 @@ import torch
 from safetensors.torch import save_file
 
 from ir.ops import WeightSlice
+from ir.formats import FP8, dequantize
+from runtime.convert import Converted
 from runtime.errors import DsgraphError, WeightError
 from runtime.weights import (
     Checkpoint,
     WeightSpec,
-    dequantize_fp8_blockwise,
     load_config,
     load_weights,
 )
@@ -20,10 +21,11 @@ def _rand(*shape, dtype=torch.float32):
     return (torch.randn(*shape) + 0.5).to(dtype)  # random, never zeros
 
 
-def _load(model_dir, specs, **kw):
+def _load(model_dir, specs, weight_format=None, **kw):
     kw.setdefault("dtype", torch.float32)
     kw.setdefault("device", "cpu")
-    return load_weights(Checkpoint.open(model_dir), specs, **kw)
+    ckpt = Checkpoint.open(model_dir)
+    return load_weights(ckpt if weight_format is None else Converted(ckpt, weight_format), specs, **kw)
 
 
 @pytest.fixture
@@ -182,29 +184,40 @@ def _fp8_weight(rows, cols):
 
 def test_fp8_dequant_matches_reference():
     w, scale = _fp8_weight(200, 130)  # partial edge blocks in both dims
-    got = dequantize_fp8_blockwise(w, scale)
+    got = dequantize(w, (scale,), FP8)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), _fp8_reference(w, scale), rtol=1e-6, atol=0)
 
 
 def test_fp8_dequant_rejects_wrong_scale_shape():
     w, _ = _fp8_weight(200, 130)
-    with pytest.raises(WeightError, match=r"expected \(2, 2\)"):
-        dequantize_fp8_blockwise(w, torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"expected \(2, 2\)"):
+        dequantize(w, (torch.ones(1, 2),), FP8)
 
 
-def test_fp8_checkpoint_loads_dequantised(tmp_path):
+def test_fp8_checkpoint_loads_as_stored(tmp_path):
     w, scale = _fp8_weight(130, 20)
     save_file({"p.weight": w, "p.weight_scale_inv": scale}, str(tmp_path / "model.safetensors"))
-    out = _load(tmp_path, {"p.weight": WeightSpec((130, 20))}, dtype=torch.bfloat16)  # scale counts as used
+    specs = {"p.weight": WeightSpec((130, 20), format="fp8_e4m3_block128"),
+             "p.weight_scale_inv": WeightSpec((2, 1), keep_fp32=True)}
+    out = _load(tmp_path, specs, dtype=torch.bfloat16)
+    assert out["p.weight"].dtype == torch.float8_e4m3fn and torch.equal(out["p.weight"].view(torch.uint8),
+                                                                        w.view(torch.uint8))
+    assert out["p.weight_scale_inv"].dtype == torch.float32 and torch.equal(out["p.weight_scale_inv"], scale)
+
+
+def test_fp8_checkpoint_loads_dequantised_on_request(tmp_path):
+    w, scale = _fp8_weight(130, 20)
+    save_file({"p.weight": w, "p.weight_scale_inv": scale}, str(tmp_path / "model.safetensors"))
+    out = _load(tmp_path, {"p.weight": WeightSpec((130, 20))}, "dtype", dtype=torch.bfloat16)  # scale hidden
     assert out["p.weight"].dtype == torch.bfloat16
     torch.testing.assert_close(out["p.weight"], _fp8_reference(w, scale).to(torch.bfloat16))
 
 
-def test_fp8_without_scale_rejected(tmp_path):
-    w, _ = _fp8_weight(4, 4)
-    save_file({"p.weight": w}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(WeightError, match="p.weight_scale_inv"):
+def test_fp8_where_the_spec_expects_the_model_dtype_names_the_tensor(tmp_path):
+    w, scale = _fp8_weight(4, 4)
+    save_file({"p.weight": w, "p.weight_scale_inv": scale}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(WeightError, match=r"p.weight: the checkpoint stores it as F8_E4M3 .* weight_format='dtype'"):
         _load(tmp_path, {"p.weight": WeightSpec((4, 4))})
 
 
@@ -339,7 +352,7 @@ def test_a_slice_that_does_not_fit_its_slot_is_a_one_line_weight_error(part, sto
     assert "\n" not in str(info.value) and "shared" in str(info.value)
 
 
-def test_fp8_slices_dequantise_their_blocks(tmp_path):
+def test_fp8_slices_dequantise_their_blocks_on_request(tmp_path):
     """Slices of an FP8 tensor that start and end inside 128-blocks, along rows and columns."""
     Mf, Df = 100, 20
     gate, gate_scale = _fp8_weight(S * Mf, Df)
@@ -351,7 +364,7 @@ def test_fp8_slices_dequantise_their_blocks(tmp_path):
                  WeightSlice("sh.gate", 0, s * Mf, (s + 1) * Mf, (S * Mf, Df)) for s in range(S))),
              "down": WeightSpec((1 + S, Df, Mf), parts=("r.down",) + tuple(
                  WeightSlice("sh.down", 1, s * Mf, (s + 1) * Mf, (Df, S * Mf)) for s in range(S)))}
-    out = _load(tmp_path, specs)      # both scales count as used: no unexpected tensors
+    out = _load(tmp_path, specs, "dtype")      # both scales hidden: no unexpected tensors
     gate_ref, down_ref = _fp8_reference(gate, gate_scale).float(), _fp8_reference(down, down_scale).float()
     torch.testing.assert_close(out["gate"][1:], gate_ref.reshape(S, Mf, Df))
     torch.testing.assert_close(out["down"][1:], torch.stack([down_ref.narrow(1, s * Mf, Mf) for s in range(S)]))
