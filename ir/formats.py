@@ -60,3 +60,15 @@ def scale_shape(shape: tuple[int, ...], fmt: WeightFormat) -> tuple[int, ...]:
 def companion_names(weight_name: str, fmt: WeightFormat) -> tuple[str, ...]:
     """Checkpoint names of a weight's companion tensors, in the order of fmt.companions."""
     return tuple(weight_name + suffix for suffix in fmt.companions)
+
+
+def weight_format(G, weight_name: str, act_dtype: str = "bf16") -> WeightFormat:
+    """The storage format of bound weight `weight_name` of graph G: its WeightInfo's `format` where it
+    declares one, else fp32 for a weight the op pins to fp32, else the activation dtype's."""
+    info = G.graph["weights"][weight_name]
+    name = getattr(info, "format", None)
+    if name is None:
+        return FORMATS["fp32" if getattr(info, "keep_fp32", False) else act_dtype]
+    if name not in FORMATS:
+        raise ValueError(f"weight {weight_name} has unknown format {name!r} (one of {', '.join(FORMATS)})")
+    return FORMATS[name]

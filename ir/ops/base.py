@@ -103,6 +103,7 @@ class WeightInfo:
     keep_fp32: bool = False
     # stacked along a new dim 0 (one per expert): a checkpoint tensor's name, or a WeightSlice of one
     parts: tuple[str | WeightSlice, ...] | None = None
+    format: str | None = None   # storage format (ir/formats.py FORMATS); None: the activation dtype
 
 
 class AttrError(ValueError):
