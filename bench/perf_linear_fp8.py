@@ -1,7 +1,7 @@
 """The skinny linear with FP8 weights against the bf16 one at DeepSeek-V2-Lite's decode shapes (a script).
 
-    python3 bench/perf_linear_fp8.py [--tokens 1,8,16] [--shapes q+kv_a,o,...] [--fp8-variants w8r1u2,...]
-                                     [--fallback-tokens 32] [--json PATH]
+    python3 bench/perf_linear_fp8.py [--tokens 1,8,16] [--shapes q+kv_a,o,...] [--fallback-tokens 32] [--json PATH]
+                                     [--fp8-variants default,w8r1u4_rolling,w8r1u1_batch,...]
     python3 bench/perf_linear_fp8.py --compile-only     # no GPU: registers and spills of every kernel
 
 Prediction (written before the first run): FP8 reads half the weight bytes, so on the large shapes
@@ -9,7 +9,8 @@ Prediction (written before the first run): FP8 reads half the weight bytes, so o
 time (1.7-1.9x faster) at every T <= 16; on the small ones (kv_a 2.4 MB bf16, o_proj) the launch and the
 ramp-up of a ~1 us kernel stay, so less.
 
-Each launch is timed over a CUDA graph of at least ITERS launches that cycles through enough copies of the
+FP8 variants: "default" (the lowering's choice for the op) or w<warps>r<row tiles>u<unroll>[k<cluster>] with
+a pipeline suffix _rolling / _batch (templates/include/fp8.cuh).  Each launch is timed over a CUDA graph of at least ITERS launches that cycles through enough copies of the
 weights to exceed ~4x the L2 (so weights come from HBM, as in a decode step), median of 3 replays, with
 CUDA events.  A row prints us, the weight bytes read (FP8: bytes plus the float32 block scales), GB/s
 and % of the measured device-to-device copy bandwidth (torch copy of a 1 GB buffer); the fp8/bf16 time
@@ -43,10 +44,10 @@ from ir.ops import TType  # noqa: E402
 ITERS = 20
 ROTATE_BYTES = 256 << 20
 BAD_ERR = 1e-2
-_VARIANT_RE = re.compile(r"^w(\d+)r(\d+)u(\d+)(?:k(\d+))?$")
-BF16_VARIANT = f"w{linear_skinny.WARPS}r{linear_skinny.ROW_TILES}u{linear_skinny.UNROLL}"
-FP8_DEFAULT = f"w{linear_skinny.WARPS}r{linear_skinny.ROW_TILES}u{linear_skinny.FP8_UNROLL}"
-FP8_VARIANTS = f"{FP8_DEFAULT},w8r1u1,w8r1u4,w16r1u1,w4r1u2,w8r1u2k2"
+_VARIANT_RE = re.compile(r"^w(\d+)r(\d+)u(\d+)(?:k(\d+))?(?:_(rolling|batch))?$")
+BF16_VARIANT = "default"
+FP8_DEFAULT = "default"
+FP8_VARIANTS = "default,w8r1u4_rolling,w8r1u1_batch"
 
 
 
@@ -61,12 +62,16 @@ def shapes(m) -> dict:
             "shared gate_up": (D, [MS, MS], True), "shared down": (MS, [D], False)}
 
 
-def parse_variant(v: str) -> tuple[int, int, int, int]:
+def parse_variant(v: str) -> dict:
+    """"default" (the lowering's for the op) or w<warps>r<row tiles>u<unroll>[k<cluster>][_rolling|_batch]."""
+    if v == "default":
+        return {}
     mt = _VARIANT_RE.match(v)
     if not mt:
-        raise SystemExit(f"variant {v!r} is not w<warps>r<row tiles>u<unroll>[k<cluster>]")
-    w, r, u, k = mt.groups()
-    return int(w), int(r), int(u), int(k or 1)
+        raise SystemExit(f"variant {v!r} is not default or w<warps>r<row tiles>u<unroll>[k<cluster>][_rolling|_batch]")
+    w, r, u, k, pipe = mt.groups()
+    out = {"warps": int(w), "row_tiles": int(r), "unroll": int(u), "ksplit": int(k or 1)}
+    return {**out, "pipeline": pipe} if pipe else out
 
 
 def lowered(m, K, rows, silu, variant, fp8):
@@ -81,8 +86,7 @@ def lowered(m, K, rows, silu, variant, fp8):
     if fp8:
         for name, info in list(G.graph["weights"].items()):
             G.graph["weights"][name] = dataclasses.replace(info, format=FP8.name)
-    warps, rt, unroll, ks = parse_variant(variant)
-    steps = linear_skinny.lower(nid, G, Options(dtype="bf16"), warps=warps, row_tiles=rt, unroll=unroll, ksplit=ks)
+    steps = linear_skinny.lower(nid, G, Options(dtype="bf16"), **parse_variant(variant))
     (la,) = [s for s in steps if isinstance(s, KernelLaunch)]
     (call,) = [s for s in steps if isinstance(s, LibraryCall)]
     return la, call, G.nodes[nid]["outputs"]

@@ -51,29 +51,38 @@ SKINNY_MAX_TOKENS = 16
 # CTAs as well (KSPLIT times the CTAs: for shapes whose row tiles are about the SM count, such as
 # o_proj's 128; reduced through distributed shared memory, skinny.cuh), off until measured.
 WARPS, ROW_TILES, UNROLL, KSPLIT = 8, 1, 4, 1
-# FP8 weights (templates/include/fp8.cuh): a step is 64 k, so 2 steps a batch keep the 16-bit kernel's
-# 16-byte loads and k per batch in flight, in ~108 registers (4 need ~178: one CTA an SM, or spills).
-FP8_UNROLL = 2
+# FP8 weights (templates/include/fp8.cuh): a step is 64 k; the pipeline of the weight loads and the
+# steps in flight by op, measured on an H100 (bench/perf_linear_fp8.py, V2-Lite's shapes, T = 1 and 16):
+# gate_up_silu (thousands of rows: many row tiles an SM) as batch x1, three CTAs an SM (the shared
+# experts' 6.8 / 7.1 us against 8.4 / 10.4 rolling x4); the others rolling x4, two CTAs an SM at 128
+# registers (q + kv_a, o, the downs: 5-40% faster than batch x1).
+FP8_PIPELINE = {False: ("rolling", 4), True: ("batch", 1)}   # silu -> (pipeline, unroll)
+PIPELINES = ("rolling", "batch")
 
 
-def min_blocks(warps: int, row_tiles: int, unroll: int, fp8: bool = False) -> int:
+def min_blocks(warps: int, row_tiles: int, unroll: int, pipeline: str | None = None) -> int:
     """CTAs per SM the register budget is set for (__launch_bounds__): two (<= 128 registers at 256
     threads: ~100 used at 8 x 1 x 4) while a thread keeps at most 4 x 2 weight loads in flight,
-    else one (more loads in flight need more registers than two CTAs leave).  An FP8 step holds
-    twice the x and widened weights of a 16-bit one, so it counts twice."""
-    return 2 if warps <= 8 and unroll * row_tiles * (2 if fp8 else 1) <= 4 else 1
+    else one (more loads in flight need more registers than two CTAs leave).  FP8 (fp8.cuh): rolling
+    keeps two up to 4 steps of one row tile; batch holds twice a 16-bit step's x and widened weights."""
+    if pipeline == "rolling":
+        return 2 if warps <= 8 and row_tiles == 1 and unroll <= 4 else 1
+    loads = unroll * row_tiles * (2 if pipeline == "batch" else 1)
+    return 2 if warps <= 8 and loads <= 4 else 1
 
 
-def variant_tag(warps: int, row_tiles: int, unroll: int, ksplit: int = 1, fp8: bool = False) -> str | None:
-    """The kernel-name part of a non-default shape (None for the default): w8r1u4, w8r1u4k2."""
-    if (warps, row_tiles, unroll, ksplit) == (WARPS, ROW_TILES, FP8_UNROLL if fp8 else UNROLL, KSPLIT):
+def variant_tag(warps: int, row_tiles: int, unroll: int, ksplit: int = 1, default_unroll: int = UNROLL,
+                pipeline: str | None = None, default_pipeline: str | None = None) -> str | None:
+    """The kernel-name part of a non-default shape (None for the default): w8r1u4, w8r1u4k2, w8r1u1_batch."""
+    if (warps, row_tiles, unroll, ksplit, pipeline) == (WARPS, ROW_TILES, default_unroll, KSPLIT, default_pipeline):
         return None
-    return f"w{warps}r{row_tiles}u{unroll}" + (f"k{ksplit}" if ksplit > 1 else "")
+    return (f"w{warps}r{row_tiles}u{unroll}" + (f"k{ksplit}" if ksplit > 1 else "")
+            + (f"_{pipeline}" if pipeline != default_pipeline else ""))
 
 
 def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unroll: int | None = None,
-          ksplit: int = KSPLIT):
-    """unroll None: UNROLL, or FP8_UNROLL for FP8 weights."""
+          ksplit: int = KSPLIT, pipeline: str | None = None):
+    """unroll and pipeline None: the defaults (UNROLL; FP8 weights: FP8_PIPELINE); pipeline is FP8's only."""
     from codegen.lower import library_call
     data, (x,), outs, bound = node_io(G, nid)
     if data["op"] == "linear" and data["attrs"]["precision"] == "fp32":
@@ -89,19 +98,24 @@ def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unrol
         roles = ["weight"] if data["op"] == "linear" else [f"weight{i}" for i in range(len(outs))]
     act = DTYPES[opts.dtype]
     fp8 = _fp8_weights(G, [bound[r] for r in roles], opts)
-    if unroll is None:
-        unroll = FP8_UNROLL if fp8 else UNROLL
+    default_pipeline, default_unroll = FP8_PIPELINE[silu] if fp8 else (None, UNROLL)
+    if pipeline is not None and (not fp8 or pipeline not in PIPELINES):
+        raise LoweringError(f"pipeline {pipeline!r}: FP8 weights only, one of {', '.join(PIPELINES)}")
+    unroll = default_unroll if unroll is None else unroll
+    pipeline = pipeline or default_pipeline
     w_args = [f"w{i}" for i in range(len(rows))]
     s_args = [f"s{i}" for i in range(len(rows))] if fp8 else []
     y_args = [f"y{i}" for i in range(len(outs))]
     if ksplit not in (1, 2, 4, 8):
         raise LoweringError(f"a cluster of {ksplit} CTAs; the skinny linear splits K over 1, 2, 4 or 8")
     params = {"act": act, "K": K, "rows": rows, "warps": warps, "rt": row_tiles, "unroll": unroll, "ks": ksplit,
-              "min_blocks": min_blocks(warps, row_tiles, unroll, fp8), "max_tokens": SKINNY_MAX_TOKENS, "w_args": w_args,
+              "min_blocks": min_blocks(warps, row_tiles, unroll, pipeline), "max_tokens": SKINNY_MAX_TOKENS, "w_args": w_args,
               "y_args": y_args, "silu": silu, "wfmt": FP8.name if fp8 else opts.dtype, "s_args": s_args}
+    if fp8:
+        params["rolling"] = pipeline == "rolling"
     parts = [f"{opts.dtype}_wfp8" if fp8 else opts.dtype, f"k{K}",
              f"silu{rows[0]}" if silu else "o" + "_".join(map(str, rows))]
-    tag = variant_tag(warps, row_tiles, unroll, ksplit, fp8)
+    tag = variant_tag(warps, row_tiles, unroll, ksplit, default_unroll, pipeline, default_pipeline)
     if tag:
         parts.append(tag)
     w_ctype = "unsigned char" if fp8 else act

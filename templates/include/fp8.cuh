@@ -14,6 +14,11 @@
 // accumulator that is scaled by its rows' block scales and added to the running sum: the scales cost
 // 4 FMAs and 2 scalar loads a step, and the sum is DeepGEMM's fp32 promotion per K block.
 //
+// Two pipelines of the weight loads (the lowering picks one per node, codegen/families/linear_skinny.py):
+// ROLLING keeps U steps in flight per thread, each slot reloaded as soon as it is widened (deep, for
+// shapes with few row tiles per SM); batch loads U steps, computes them, then loads the next U (fewer
+// registers: at U = 1 three CTAs an SM, for shapes with many row tiles, such as the gate + up).
+//
 // Odd widths and views: the 16-byte path needs K % 16 == 0, 16-byte aligned bases and an x row
 // stride that keeps rows aligned (tested once per CTA); otherwise element loads.  Rows past O and k
 // past K load zeros (and a zero scale), which add nothing.
@@ -128,7 +133,7 @@ __device__ __forceinline__ uint4 widen8(unsigned lo, unsigned hi) {
 
 // One CTA's RT row tiles with NT n8 token tiles; partial sums to red as skinny.cuh's mma_tiles lays
 // them out (so its mma_store sums and stores them).
-template <typename T, int K, int WARPS, int RT, int U, int NT, bool VEC, int KS, bool SILU, int... ROWS>
+template <typename T, int K, int WARPS, int RT, int U, bool ROLLING, int NT, bool VEC, int KS, bool SILU, int... ROWS>
 __device__ __forceinline__ void fp8_tiles(const T* __restrict__ x, i64 x_stride, const Fp8Mats<sizeof...(ROWS)>& m,
                                           int ntok, int row0, float* red) {
   constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
@@ -150,7 +155,8 @@ __device__ __forceinline__ void fp8_tiles(const T* __restrict__ x, i64 x_stride,
   }
   const int my_steps = warp < NSTEPS ? (NSTEPS - warp + NW - 1) / NW : 0;
   const int batches = (my_steps + U - 1) / U;
-  auto k_of = [&](int b, int u) { return (warp + NW * (b * U + u)) * FP8_STEP + 16 * c; };
+  // Step i of this warp starts at k = step_k(i); a step past the last loads zeros (no access).
+  auto step_k = [&](int i) { return (warp + NW * i) * FP8_STEP; };
 
   float acc[RT][NT][4];
 #pragma unroll
@@ -160,49 +166,85 @@ __device__ __forceinline__ void fp8_tiles(const T* __restrict__ x, i64 x_stride,
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[rt][nt][j] = 0.f;
 
+  // Slot u of the U in registers: a step's 16 weight bytes of rows g and g + 8 of each tile and their
+  // scales.  The scale is the step's (one K block a step: every thread of the quad takes the same
+  // one, whichever k its own bytes start at).
   uint4 wv[U][RT][2];
   float sv[U][RT][2];
-  auto load_weights = [&](int b) {
+  auto load_step = [&](int i, int u) {
+    const int k = step_k(i);
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+    for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          wv[u][rt][h] = chunk_fp8<K, VEC>(wr[rt][h], k_of(b, u));
-          sv[u][rt][h] = scale_at<K>(sr[rt][h], k_of(b, u));
-        }
+      for (int h = 0; h < 2; ++h) {
+        wv[u][rt][h] = chunk_fp8<K, VEC>(wr[rt][h], k + 16 * c);
+        sv[u][rt][h] = scale_at<K>(sr[rt][h], k);
+      }
   };
-  // Weights and scales are static: the first batch is in flight while the kernel before drains (PDL).
-  load_weights(0);
-  dsg::pdl_wait();
-  for (int b = 0; b < batches;) {
-    uint4 xv[U][NT][2];
+  auto load_x = [&](int k, uint4 (&xv)[NT][2]) {
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int half = 0; half < 2; ++half) xv[nt][half] = chunk16<T, K, VEC, false>(xr[nt], k + 8 * half);
+  };
+  // acc += the step in slot u (k: this thread's first k of it) times its scales.  ROLLING: the slot is
+  // reloaded with step `next` as soon as it is widened, and x is loaded an n8 tile at a time then
+  // (fewer live registers); batch: x comes loaded (`pre`).
+  auto compute = [&](int u, int next, int k, const uint4 (&pre)[NT][2]) {
+    uint4 wide[RT][2][2];
+    float sc[RT][2];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) xv[u][nt][half] = chunk16<T, K, VEC, false>(xr[nt], k_of(b, u) + 8 * half);
+    for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+      for (int h = 0; h < 2; ++h) {
+        wide[rt][h][0] = widen8<T>(wv[u][rt][h].x, wv[u][rt][h].y);
+        wide[rt][h][1] = widen8<T>(wv[u][rt][h].z, wv[u][rt][h].w);
+        sc[rt][h] = sv[u][rt][h];
+      }
+    if constexpr (ROLLING) load_step(next, u);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      uint4 x0 = pre[nt][0], x1 = pre[nt][1];
+      if constexpr (ROLLING) x0 = chunk16<T, K, VEC, false>(xr[nt], k), x1 = chunk16<T, K, VEC, false>(xr[nt], k + 8);
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
-        const uint4 g0 = widen8<T>(wv[u][rt][0].x, wv[u][rt][0].y), g1 = widen8<T>(wv[u][rt][0].z, wv[u][rt][0].w);
-        const uint4 h0 = widen8<T>(wv[u][rt][1].x, wv[u][rt][1].y), h1 = widen8<T>(wv[u][rt][1].z, wv[u][rt][1].w);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          float p[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_chunk<BF16>(p, g0, h0, xv[u][nt][0]);
-          mma_chunk<BF16>(p, g1, h1, xv[u][nt][1]);
-          // c0 c1 are row g, c2 c3 row g + 8
-          acc[rt][nt][0] = fmaf(p[0], sv[u][rt][0], acc[rt][nt][0]);
-          acc[rt][nt][1] = fmaf(p[1], sv[u][rt][0], acc[rt][nt][1]);
-          acc[rt][nt][2] = fmaf(p[2], sv[u][rt][1], acc[rt][nt][2]);
-          acc[rt][nt][3] = fmaf(p[3], sv[u][rt][1], acc[rt][nt][3]);
-        }
+        float p[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_chunk<BF16>(p, wide[rt][0][0], wide[rt][1][0], x0);
+        mma_chunk<BF16>(p, wide[rt][0][1], wide[rt][1][1], x1);
+        // c0 c1 are row g, c2 c3 row g + 8
+        acc[rt][nt][0] = fmaf(p[0], sc[rt][0], acc[rt][nt][0]);
+        acc[rt][nt][1] = fmaf(p[1], sc[rt][0], acc[rt][nt][1]);
+        acc[rt][nt][2] = fmaf(p[2], sc[rt][1], acc[rt][nt][2]);
+        acc[rt][nt][3] = fmaf(p[3], sc[rt][1], acc[rt][nt][3]);
       }
-    if (++b < batches) load_weights(b);
+    }
+  };
+  // Weights and scales are static: the first batch is in flight while the kernel before drains (PDL).
+#pragma unroll
+  for (int u = 0; u < U; ++u) load_step(u, u);
+  dsg::pdl_wait();
+  for (int b = 0; b < batches; ++b) {
+    if constexpr (ROLLING) {
+      // Each slot is reloaded with the next batch's step as soon as it is widened: U loads stay in
+      // flight while the warp computes (no second set of registers).
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint4 none[NT][2] = {};
+        compute(u, (b + 1) * U + u, step_k(b * U + u) + 16 * c, none);
+      }
+    } else {
+      // The batch's x first (all U steps' loads in flight together), then its mmas, then the next
+      // batch's weights: fewer registers (three CTAs an SM at U = 1), nothing in flight while computing.
+      uint4 xv[U][NT][2];
+#pragma unroll
+      for (int u = 0; u < U; ++u) load_x(step_k(b * U + u) + 16 * c, xv[u]);
+#pragma unroll
+      for (int u = 0; u < U; ++u) compute(u, 0, 0, xv[u]);
+      if (b + 1 < batches) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) load_step((b + 1) * U + u, u);
+      }
+    }
   }
   dsg::pdl_launch_dependents();
   float* mine = red + (threadIdx.x >> 5) * (RT * NT * 128);
@@ -216,7 +258,7 @@ __device__ __forceinline__ void fp8_tiles(const T* __restrict__ x, i64 x_stride,
 
 // y_i = x @ (q_i * s_i)^T for ntok <= MAX_TOKENS tokens; `out` holds the outputs (its weights are
 // unused).  T: bf16 or fp16 activations.
-template <typename T, int K, int WARPS, int RT, int U, int KS, bool SILU, int... ROWS>
+template <typename T, int K, int WARPS, int RT, int U, bool ROLLING, int KS, bool SILU, int... ROWS>
 __device__ __forceinline__ void linear_fp8(const T* __restrict__ x, i64 x_stride,
                                            const Fp8Mats<sizeof...(ROWS)>& m, const Mats<T, sizeof...(ROWS)>& out,
                                            int ntok, float* red) {
@@ -226,12 +268,12 @@ __device__ __forceinline__ void linear_fp8(const T* __restrict__ x, i64 x_stride
   const int row0 = (blockIdx.x / KS) * RT * TILE;
   const bool vec = fp8_vec_ok<T, K, (int)sizeof...(ROWS)>(x, x_stride, m);
   if (ntok <= 8) {
-    if (vec) fp8_tiles<T, K, WARPS, RT, U, 1, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
-    else fp8_tiles<T, K, WARPS, RT, U, 1, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+    if (vec) fp8_tiles<T, K, WARPS, RT, U, ROLLING, 1, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+    else fp8_tiles<T, K, WARPS, RT, U, ROLLING, 1, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
     mma_store<T, WARPS, RT, 1, KS, SILU, ROWS...>(out, ntok, row0, red);
   } else {
-    if (vec) fp8_tiles<T, K, WARPS, RT, U, 2, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
-    else fp8_tiles<T, K, WARPS, RT, U, 2, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+    if (vec) fp8_tiles<T, K, WARPS, RT, U, ROLLING, 2, true, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+    else fp8_tiles<T, K, WARPS, RT, U, ROLLING, 2, false, KS, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
     mma_store<T, WARPS, RT, 2, KS, SILU, ROWS...>(out, ntok, row0, red);
   }
   DSG_PHASE_EXIT();   // phases.cuh

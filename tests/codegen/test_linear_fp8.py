@@ -55,7 +55,8 @@ def test_fp8_weights_lower_to_the_fp8_kernel_with_their_scales_and_the_fallback_
     launch, call = linear_skinny.lower(nid, G, Options())
     assert isinstance(launch, KernelLaunch) and isinstance(call, LibraryCall)
     assert launch.name == "linear_skinny__bf16_wfp8__k2048__o3072_576"
-    assert launch.params["wfmt"] == FP8.name and launch.params["unroll"] == linear_skinny.FP8_UNROLL
+    assert launch.params["wfmt"] == FP8.name and launch.params["rolling"]
+    assert (launch.params["unroll"], launch.params["min_blocks"]) == (4, 2)
     bound = {a.name: (a.ctype, a.ref) for a in launch.args}
     assert bound["w0"] == ("const unsigned char*", WeightRef("q"))
     assert bound["w1"] == ("const unsigned char*", WeightRef("kv_a"))
@@ -63,6 +64,18 @@ def test_fp8_weights_lower_to_the_fp8_kernel_with_their_scales_and_the_fallback_
     assert bound["s1"] == ("const float*", WeightRef("kv_a_scale_inv"))
     assert call.from_tokens == linear_skinny.SKINNY_MAX_TOKENS + 1 and call.attrs["weight_format"] == FP8.name
     assert call.weights == ("q", "kv_a")
+
+
+def test_the_gate_up_runs_the_batch_pipeline_and_a_non_default_one_is_named():
+    G, nid = _node("gate_up_silu")
+    launch = linear_skinny.lower(nid, G, Options())[0]
+    assert launch.name == "linear_skinny__bf16_wfp8__k2048__silu10944"
+    assert not launch.params["rolling"] and launch.params["unroll"] == 1
+    other = linear_skinny.lower(nid, G, Options(), pipeline="rolling", unroll=4)[0]
+    assert other.name == "linear_skinny__bf16_wfp8__k2048__silu10944__w8r1u4_rolling" and other.params["rolling"]
+    G, nid = _node(formats=(None, None))
+    with pytest.raises(LoweringError, match="pipeline 'batch': FP8 weights only"):
+        linear_skinny.lower(nid, G, Options(), pipeline="batch")
 
 
 def test_bf16_weights_lower_as_before():
