@@ -55,7 +55,7 @@ WARPS, ROW_TILES, UNROLL, KSPLIT = 8, 1, 4, 1
 # steps in flight by op, measured on an H100 (bench/perf_linear_fp8.py, V2-Lite's shapes, T = 1 and 16):
 # gate_up_silu (thousands of rows: many row tiles an SM) as batch x1, three CTAs an SM (the shared
 # experts' 6.8 / 7.1 us against 8.4 / 10.4 rolling x4); the others rolling x4, two CTAs an SM at 128
-# registers (q + kv_a, o, the downs: 5-40% faster than batch x1).
+# registers (q + kv_a, o, the downs: 5-40% faster than batch x1; at K = 10944 ptxas spills 12 bytes).
 FP8_PIPELINE = {False: ("rolling", 4), True: ("batch", 1)}   # silu -> (pipeline, unroll)
 PIPELINES = ("rolling", "batch")
 
