@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from codegen import sizes as size_exprs
 from codegen.kernel import DEFAULTS, KernelLaunch, LibraryCall
 from ir.context import StepContext
+from ir.formats import FP8, companion_names, dequantize
 from ir.ops.collective import all_reduce_sum
 from ir.ops.core import gate_up_silu_ref
 from ir.ops.moe import local_experts_ref, pairs_per_token
@@ -293,13 +294,22 @@ class CudaBackend:
         if call.attrs.get("precision") == "fp32":
             x = x.float()
         for name, out in zip(call.weights, call.outputs, strict=True):
-            w = self.weights[name]
+            w = self._library_weight(call, name, x.dtype)
             env[out] = F.linear(x, w.float() if call.attrs.get("precision") == "fp32" else w)
+
+    def _library_weight(self, call: LibraryCall, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A library call's weight as cuBLAS takes it.  FP8 weights (above the skinny kernel's tokens)
+        are the fallback: dequantised to the activation dtype every call, until FP8 GEMMs take them."""
+        w = self.weights[name]
+        if call.attrs.get("weight_format") == FP8.name:
+            w = dequantize(w, [self.weights[c] for c in companion_names(name, FP8)], FP8).to(dtype)
+        return w
 
     def _gate_up_silu(self, call: LibraryCall, env: dict) -> None:
         """silu(x gate^T) * (x up^T) above the skinny kernel's token count: two cuBLAS GEMMs and
         torch's SwiGLU, rounding where the kernel (and the unfused ops) round."""
-        gate, up = (self.weights[w] for w in call.weights)
+        x = env[call.inputs[0]]
+        gate, up = (self._library_weight(call, w, x.dtype) for w in call.weights)
         env[call.outputs[0]] = gate_up_silu_ref(env[call.inputs[0]], gate, up)
 
     def _all_reduce(self, call: LibraryCall, env: dict) -> None:

@@ -13,13 +13,23 @@ a decode graph captured at one batch size holds exactly one of them):
 
 A linear at fp32 precision (the router, when fuse_router did not take it) is the library call at
 every T: its weights and output stay float32 whatever the activation dtype.
+
+Weights in FP8 (fp8_e4m3_block128, ir/formats.py; every weight of the node, bf16 or fp16
+activations): the kernel reads the FP8 bytes and their block scales (the companion weights
+"<weight>_scale_inv") and widens them in registers (templates/include/fp8.cuh); its name carries
+"wfp8".  Above SKINNY_MAX_TOKENS the library call is the FP8 fallback: it dequantises each weight to
+the activation dtype (torch) before the cuBLAS GEMM, every step -- correct, not fast; FP8 x FP8
+wgmma is to replace it.
 """
 from __future__ import annotations
+
+import dataclasses
 
 from codegen.errors import LoweringError
 from codegen.kernel import DTYPES, KernelLaunch, inp, out, size, stride, weight
 from codegen.render import kernel_name
 from codegen.sizes import only_below
+from ir.formats import FP8, companion_names, weight_format
 
 from ._dense_util import inner_dims, node_io
 
@@ -27,6 +37,9 @@ FAMILY = "linear_skinny"
 TEMPLATE = "linear_skinny.cu.j2"
 OPS = ("linear", "multi_linear", "gate_up_silu")
 PDL = True   # every CTA waits (griddepcontrol.wait) before reading x or writing y; weights before it
+# Storage formats its kernel reads (codegen/lower.py weight_format_problem): FP8 blocks are widened in
+# registers up to SKINNY_MAX_TOKENS; above it the library call dequantises (cuda_backend._library_weight).
+WEIGHT_FORMATS = ("bf16", "fp16", "fp32", FP8.name)
 
 # Up to this many tokens the kernel serves the node, cuBLAS above: a tensor-core n8 tile holds 8
 # tokens and the kernel runs two (templates/include/skinny.cuh MAX_TOKENS).  To be measured on the
@@ -41,24 +54,38 @@ SKINNY_MAX_TOKENS = 16
 # CTAs as well (KSPLIT times the CTAs: for shapes whose row tiles are about the SM count, such as
 # o_proj's 128; reduced through distributed shared memory, skinny.cuh), off until measured.
 WARPS, ROW_TILES, UNROLL, KSPLIT = 8, 1, 4, 1
+# FP8 weights (templates/include/fp8.cuh): a step is 64 k; the pipeline of the weight loads and the
+# steps in flight by op, measured on an H100 (bench/perf_linear_fp8.py, V2-Lite's shapes, T = 1 and 16):
+# gate_up_silu (thousands of rows: many row tiles an SM) as batch x1, three CTAs an SM (the shared
+# experts' 6.8 / 7.1 us against 8.4 / 10.4 rolling x4); the others rolling x4, two CTAs an SM at 128
+# registers (q + kv_a, o, the downs: 5-40% faster than batch x1; at K = 10944 ptxas spills 12 bytes).
+FP8_PIPELINE = {False: ("rolling", 4), True: ("batch", 1)}   # silu -> (pipeline, unroll)
+PIPELINES = ("rolling", "batch")
 
 
-def min_blocks(warps: int, row_tiles: int, unroll: int) -> int:
+def min_blocks(warps: int, row_tiles: int, unroll: int, pipeline: str | None = None) -> int:
     """CTAs per SM the register budget is set for (__launch_bounds__): two (<= 128 registers at 256
     threads: ~100 used at 8 x 1 x 4) while a thread keeps at most 4 x 2 weight loads in flight,
-    else one (more loads in flight need more registers than two CTAs leave)."""
-    return 2 if warps <= 8 and unroll * row_tiles <= 4 else 1
+    else one (more loads in flight need more registers than two CTAs leave).  FP8 (fp8.cuh): rolling
+    keeps two up to 4 steps of one row tile; batch holds twice a 16-bit step's x and widened weights."""
+    if pipeline == "rolling":
+        return 2 if warps <= 8 and row_tiles == 1 and unroll <= 4 else 1
+    loads = unroll * row_tiles * (2 if pipeline == "batch" else 1)
+    return 2 if warps <= 8 and loads <= 4 else 1
 
 
-def variant_tag(warps: int, row_tiles: int, unroll: int, ksplit: int = 1) -> str | None:
-    """The kernel-name part of a non-default shape (None for the default): w8r1u4, w8r1u4k2."""
-    if (warps, row_tiles, unroll, ksplit) == (WARPS, ROW_TILES, UNROLL, KSPLIT):
+def variant_tag(warps: int, row_tiles: int, unroll: int, ksplit: int = 1, default_unroll: int = UNROLL,
+                pipeline: str | None = None, default_pipeline: str | None = None) -> str | None:
+    """The kernel-name part of a non-default shape (None for the default): w8r1u4, w8r1u4k2, w8r1u1_batch."""
+    if (warps, row_tiles, unroll, ksplit, pipeline) == (WARPS, ROW_TILES, default_unroll, KSPLIT, default_pipeline):
         return None
-    return f"w{warps}r{row_tiles}u{unroll}" + (f"k{ksplit}" if ksplit > 1 else "")
+    return (f"w{warps}r{row_tiles}u{unroll}" + (f"k{ksplit}" if ksplit > 1 else "")
+            + (f"_{pipeline}" if pipeline != default_pipeline else ""))
 
 
-def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unroll: int = UNROLL,
-          ksplit: int = KSPLIT):
+def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unroll: int | None = None,
+          ksplit: int = KSPLIT, pipeline: str | None = None):
+    """unroll and pipeline None: the defaults (UNROLL; FP8 weights: FP8_PIPELINE); pipeline is FP8's only."""
     from codegen.lower import library_call
     data, (x,), outs, bound = node_io(G, nid)
     if data["op"] == "linear" and data["attrs"]["precision"] == "fp32":
@@ -73,19 +100,31 @@ def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unrol
         rows = [inner_dims(G, y)[0] for y in outs]
         roles = ["weight"] if data["op"] == "linear" else [f"weight{i}" for i in range(len(outs))]
     act = DTYPES[opts.dtype]
+    fp8 = _fp8_weights(G, [bound[r] for r in roles], opts)
+    default_pipeline, default_unroll = FP8_PIPELINE[silu] if fp8 else (None, UNROLL)
+    if pipeline is not None and (not fp8 or pipeline not in PIPELINES):
+        raise LoweringError(f"pipeline {pipeline!r}: FP8 weights only, one of {', '.join(PIPELINES)}")
+    unroll = default_unroll if unroll is None else unroll
+    pipeline = pipeline or default_pipeline
     w_args = [f"w{i}" for i in range(len(rows))]
+    s_args = [f"s{i}" for i in range(len(rows))] if fp8 else []
     y_args = [f"y{i}" for i in range(len(outs))]
     if ksplit not in (1, 2, 4, 8):
         raise LoweringError(f"a cluster of {ksplit} CTAs; the skinny linear splits K over 1, 2, 4 or 8")
     params = {"act": act, "K": K, "rows": rows, "warps": warps, "rt": row_tiles, "unroll": unroll, "ks": ksplit,
-              "min_blocks": min_blocks(warps, row_tiles, unroll), "max_tokens": SKINNY_MAX_TOKENS, "w_args": w_args,
-              "y_args": y_args, "silu": silu}
-    parts = [opts.dtype, f"k{K}", f"silu{rows[0]}" if silu else "o" + "_".join(map(str, rows))]
-    tag = variant_tag(warps, row_tiles, unroll, ksplit)
+              "min_blocks": min_blocks(warps, row_tiles, unroll, pipeline), "max_tokens": SKINNY_MAX_TOKENS, "w_args": w_args,
+              "y_args": y_args, "silu": silu, "wfmt": FP8.name if fp8 else opts.dtype, "s_args": s_args}
+    if fp8:
+        params["rolling"] = pipeline == "rolling"
+    parts = [f"{opts.dtype}_wfp8" if fp8 else opts.dtype, f"k{K}",
+             f"silu{rows[0]}" if silu else "o" + "_".join(map(str, rows))]
+    tag = variant_tag(warps, row_tiles, unroll, ksplit, default_unroll, pipeline, default_pipeline)
     if tag:
         parts.append(tag)
+    w_ctype = "unsigned char" if fp8 else act
     args = (inp("x", act, x), stride("x_stride", x, 0),
-            *(weight(a, act, bound[r]) for a, r in zip(w_args, roles)),
+            *(weight(a, w_ctype, bound[r]) for a, r in zip(w_args, roles)),
+            *(weight(a, "float", companion_names(bound[r], FP8)[0]) for a, r in zip(s_args, roles)),
             *(out(a, act, y) for a, y in zip(y_args, outs)),
             size("T", "T"))
     ctas = -(-sum(rows) // (16 * row_tiles)) * ksplit
@@ -94,4 +133,21 @@ def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unrol
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
         grid=(f"{ctas} * {only_below(SKINNY_MAX_TOKENS)}", 1, 1), block=(warps * 32, 1, 1), args=args,
         stage=data["op"])
-    return [launch, library_call(nid, data, from_tokens=SKINNY_MAX_TOKENS + 1)]
+    call = library_call(nid, data, from_tokens=SKINNY_MAX_TOKENS + 1)
+    if fp8:
+        call = dataclasses.replace(call, attrs={**call.attrs, "weight_format": FP8.name})
+    return [launch, call]
+
+
+def _fp8_weights(G, names: list[str], opts) -> bool:
+    """Whether the node's weights are FP8 (all of them); a LoweringError where the kernel cannot take
+    their formats."""
+    fmts = [weight_format(G, n, opts.dtype) for n in names]
+    if all(f.name == opts.dtype for f in fmts):
+        return False
+    if any(f is not FP8 for f in fmts):
+        found = ", ".join(f"{n}: {f.name}" for n, f in zip(names, fmts))
+        raise LoweringError(f"the skinny linear takes weights all in {opts.dtype} or all in {FP8.name}, got {found}")
+    if opts.dtype == "fp32":
+        raise LoweringError(f"{FP8.name} weights need bf16 or fp16 activations, not fp32")
+    return True

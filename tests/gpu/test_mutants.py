@@ -17,6 +17,7 @@ import pytest
 
 import test_kernels_dense as dense
 import test_kernels_linear as linear
+import test_kernels_linear_fp8 as linear_fp8
 import test_kernels_mla as mla
 import test_kernels_moe as moe
 import test_kernels_moe_expert_ffn as moe_ffn
@@ -220,6 +221,33 @@ MUTANTS = [
            "m.y[0][(i64)tok * N + col] = from_float<T>(s * u);", "m.y[0][(i64)tok * N + col] = from_float<T>(s * u * 1.01f);",
            linear.test_gate_up_silu, dict(dtype="bf16", T=3, K=256, n=40, extra=0, offset=0, shift="none",
                                           variant=linear.VARIANTS[0], seed=15)),
+    Mutant("FP8 skinny linear: a row block's last tile takes the next block's scales", "include/fp8.cuh",
+           "s = m.s[i] + (i64)((r - off) / FP8_BLOCK) * KB;", "s = m.s[i] + (i64)((r - off + TILE) / FP8_BLOCK) * KB;",
+           linear_fp8.test_linear_skinny_fp8, dict(dtype="bf16", T=5, K=512, rows=[576], extra=0, offset=0,
+                                                   shift="none", variant=linear_fp8.VARIANTS[0], seed=16)),
+    Mutant("FP8 skinny linear: the last K block unscaled", "include/fp8.cuh",
+           "return (s != nullptr && k < K) ? __ldg(s + k / FP8_BLOCK) : 0.f;",
+           "return (s != nullptr && k < K) ? (k / FP8_BLOCK == (K - 1) / FP8_BLOCK ? 1.f : __ldg(s + k / FP8_BLOCK)) : 0.f;",
+           linear_fp8.test_linear_skinny_fp8, dict(dtype="bf16", T=9, K=2048, rows=[256], extra=0, offset=0,
+                                                   shift="none", variant=linear_fp8.VARIANTS[0], seed=17)),
+    Mutant("FP8 skinny linear: the ceil K block dropped (K = 2064: 16 columns past the last whole block)",
+           "include/fp8.cuh", "if (k < K) v = ld_weight16(row + k);",
+           "if (k < K / FP8_BLOCK * FP8_BLOCK) v = ld_weight16(row + k);",
+           linear_fp8.test_linear_skinny_fp8, dict(dtype="bf16", T=2, K=2064, rows=[200], extra=0, offset=0,
+                                                   shift="none", variant=linear_fp8.VARIANTS[0], seed=18)),
+    Mutant("FP8 skinny linear: the ceil row block dropped (kv_a's 576 rows: the last 64)", "include/fp8.cuh",
+           "if (r >= off && r < off + rows[i]) {", "if (r >= off && r < off + rows[i] / FP8_BLOCK * FP8_BLOCK) {",
+           linear_fp8.test_linear_skinny_fp8, dict(dtype="bf16", T=1, K=2048, rows=[3072, 576], extra=0, offset=0,
+                                                   shift="none", variant=linear_fp8.VARIANTS[0], seed=19)),
+    Mutant("FP8 skinny linear: the rolling pipeline reloads its slots one step late (K = 10944: 6 batches a warp)",
+           "include/fp8.cuh", "if constexpr (ROLLING) load_step(next, u);", "if constexpr (ROLLING) load_step(next + 1, u);",
+           linear_fp8.test_linear_skinny_fp8, dict(dtype="bf16", T=3, K=10944, rows=[256], extra=0, offset=0,
+                                                   shift="none", variant=linear_fp8.VARIANTS[0], seed=21)),
+    Mutant("FP8 gate_up_silu: the up rows scaled with their gate's scales (batch pipeline)", "include/fp8.cuh",
+           "acc[rt][nt][2] = fmaf(p[2], sc[rt][1], acc[rt][nt][2]);",
+           "acc[rt][nt][2] = fmaf(p[2], sc[rt][0], acc[rt][nt][2]);",
+           linear_fp8.test_gate_up_silu_fp8, dict(dtype="bf16", T=4, K=512, n=136, extra=0, offset=0, shift="none",
+                                                  variant=linear_fp8.VARIANTS[0], seed=20)),
 ]
 
 

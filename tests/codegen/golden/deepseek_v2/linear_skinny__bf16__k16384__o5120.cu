@@ -2,7 +2,7 @@
 // template: linear_skinny.cu.j2
 // kernel:   linear_skinny__bf16__k16384__o5120
 // role:     linear_skinny.linear
-// params:   {"K":16384,"act":"__nv_bfloat16","ks":1,"max_tokens":16,"min_blocks":2,"rows":[5120],"rt":1,"silu":false,"unroll":4,"w_args":["w0"],"warps":8,"y_args":["y0"]}
+// params:   {"K":16384,"act":"__nv_bfloat16","ks":1,"max_tokens":16,"min_blocks":2,"rows":[5120],"rt":1,"s_args":[],"silu":false,"unroll":4,"w_args":["w0"],"warps":8,"wfmt":"bf16","y_args":["y0"]}
 // includes: cluster.cuh, common.cuh, mma.cuh, pdl.cuh, phases.cuh, skinny.cuh, vec.cuh
 // nodes:    L0-59.mla.y
 // implements (spec op, layers, passes that fused it):

@@ -1,0 +1,293 @@
+"""The skinny linear with FP8 weights against the bf16 one at DeepSeek-V2-Lite's decode shapes (a script).
+
+    python3 bench/perf_linear_fp8.py [--tokens 1,8,16] [--shapes q+kv_a,o,...] [--fallback-tokens 32] [--json PATH]
+                                     [--fp8-variants default,w8r1u4_rolling,w8r1u1_batch,...]
+    python3 bench/perf_linear_fp8.py --compile-only     # no GPU: registers and spills of every kernel
+
+Prediction (written before the first run): FP8 reads half the weight bytes, so on the large shapes
+(dense gate_up 2 x 10944 x 2048, dense down, q+kv_a) the FP8 kernel takes ~0.53-0.6 of the bf16 kernel's
+time (1.7-1.9x faster) at every T <= 16; on the small ones (kv_a 2.4 MB bf16, o_proj) the launch and the
+ramp-up of a ~1 us kernel stay, so less.
+
+FP8 variants: "default" (the lowering's choice for the op) or w<warps>r<row tiles>u<unroll>[k<cluster>] with
+a pipeline suffix _rolling / _batch (templates/include/fp8.cuh).  Each launch is timed over a CUDA graph of at least ITERS launches that cycles through enough copies of the
+weights to exceed ~4x the L2 (so weights come from HBM, as in a decode step), median of 3 replays, with
+CUDA events.  A row prints us, the weight bytes read (FP8: bytes plus the float32 block scales), GB/s
+and % of the measured device-to-device copy bandwidth (torch copy of a 1 GB buffer); the fp8/bf16 time
+ratio.  Correctness alongside: outputs poisoned, norm-wise error against float64 on the dequantised
+weights (BAD above 1e-2; exit status 1 if any).  --fallback-tokens: the FP8 node's library call above
+16 tokens (dequantise to bf16 each call, then cuBLAS) against bf16 cuBLAS on the same shape.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+
+from harness import single_op_graph  # noqa: E402
+
+import ir  # noqa: E402
+from codegen.families import linear_skinny  # noqa: E402
+from codegen.kernel import KernelLaunch, LibraryCall, Options  # noqa: E402
+from ir.formats import FP8, companion_names, scale_shape  # noqa: E402
+from ir.ops import TType  # noqa: E402
+
+ITERS = 20
+ROTATE_BYTES = 256 << 20
+BAD_ERR = 1e-2
+_VARIANT_RE = re.compile(r"^w(\d+)r(\d+)u(\d+)(?:k(\d+))?(?:_(rolling|batch))?$")
+BF16_VARIANT = "default"
+FP8_DEFAULT = "default"
+FP8_VARIANTS = "default,w8r1u4_rolling,w8r1u1_batch"
+
+
+
+def shapes(m) -> dict:
+    """name -> (K, weight rows, silu)."""
+    d = m.dims
+    D, H, N, R, V, C = (d[k] for k in ("hidden", "heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                       "kv_lora_rank"))
+    I, MS = d["intermediate"], d["moe_intermediate"] * d["shared_experts"]
+    return {"q": (D, [H * (N + R)], False), "kv_a": (D, [C + R], False), "q+kv_a": (D, [H * (N + R), C + R], False),
+            "o": (H * V, [D], False), "dense gate_up": (D, [I, I], True), "dense down": (I, [D], False),
+            "shared gate_up": (D, [MS, MS], True), "shared down": (MS, [D], False)}
+
+
+def parse_variant(v: str) -> dict:
+    """"default" (the lowering's for the op) or w<warps>r<row tiles>u<unroll>[k<cluster>][_rolling|_batch]."""
+    if v == "default":
+        return {}
+    mt = _VARIANT_RE.match(v)
+    if not mt:
+        raise SystemExit(f"variant {v!r} is not default or w<warps>r<row tiles>u<unroll>[k<cluster>][_rolling|_batch]")
+    w, r, u, k, pipe = mt.groups()
+    out = {"warps": int(w), "row_tiles": int(r), "unroll": int(u), "ksplit": int(k or 1)}
+    return {**out, "pipeline": pipe} if pipe else out
+
+
+def lowered(m, K, rows, silu, variant, fp8):
+    x = {"x": TType(("T", K), "act")}
+    if silu:
+        G, nid = single_op_graph(m, "gate_up_silu", {"out_dim": rows[0]}, x, {"gate": "w0", "up": "w1"}, phase="decode")
+    elif len(rows) == 1:
+        G, nid = single_op_graph(m, "linear", {"out_dim": rows[0]}, x, {"weight": "w0"}, phase="decode")
+    else:
+        G, nid = single_op_graph(m, "multi_linear", {"out_dims": rows}, x,
+                                 {f"weight{i}": f"w{i}" for i in range(len(rows))}, phase="decode")
+    if fp8:
+        for name, info in list(G.graph["weights"].items()):
+            G.graph["weights"][name] = dataclasses.replace(info, format=FP8.name)
+    steps = linear_skinny.lower(nid, G, Options(dtype="bf16"), **parse_variant(variant))
+    (la,) = [s for s in steps if isinstance(s, KernelLaunch)]
+    (call,) = [s for s in steps if isinstance(s, LibraryCall)]
+    return la, call, G.nodes[nid]["outputs"]
+
+
+def compile_only(m, names, fp8_variants) -> int:
+    from codegen.nvrtc import compile_cubin
+    from codegen.render import render_launch
+    bad = 0
+    for name in names:
+        K, rows, silu = shapes(m)[name]
+        for fp8, v in [(False, BF16_VARIANT), *((True, v) for v in fp8_variants)]:
+            la, _, _ = lowered(m, K, rows, silu, v, fp8)
+            res = compile_cubin(render_launch(la), la.name, options=("--ptxas-options=-v",))
+            info = " ".join(line.split(":", 1)[-1].strip() for line in res.log.splitlines()
+                            if "registers" in line or "spill" in line)
+            spills = "0 bytes spill stores" not in res.log or "0 bytes spill loads" not in res.log
+            bad += spills
+            print(f"{name:<15} {v:<9} {la.name:<52} {'SPILLS ' if spills else ''}{info}", flush=True)
+    return 1 if bad else 0
+
+
+def copy_bandwidth() -> float:
+    import torch
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return 2 * n / (sorted(times)[2] / 1e3)
+
+
+def time_us(fn, copies: int) -> float:
+    """us per call of fn(i), i cycling over `copies` weight copies: max(ITERS, copies) calls captured in
+    one CUDA graph, replayed and timed with CUDA events (median of 3)."""
+    import torch
+    iters = max(ITERS, copies)
+    calls = itertools.count()
+    step = lambda: fn(next(calls) % copies)   # noqa: E731
+    step()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        step()
+        stream.synchronize()
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(iters):
+                step()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(3):
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / iters)
+    return sorted(times)[1]
+
+
+def quantize(w):
+    """w [O, K] float32 -> (q float8_e4m3fn, s float32 per 128 x 128 block): s = amax / 448 (V3's recipe)."""
+    import torch
+    O, K = w.shape
+    sb = scale_shape((O, K), FP8)
+    pad = torch.zeros(sb[0] * 128, sb[1] * 128, device=w.device)
+    pad[:O, :K] = w
+    blocks = pad.view(sb[0], 128, sb[1], 128)
+    s = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448
+    q = (blocks / s[:, None, :, None]).view(sb[0] * 128, sb[1] * 128)[:O, :K].to(torch.float8_e4m3fn)
+    return q.contiguous(), s.float()
+
+
+def dequant(q, s):
+    O, K = q.shape
+    return q.double() * s.double().repeat_interleave(128, 0)[:O].repeat_interleave(128, 1)[:, :K]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1,8,16")
+    ap.add_argument("--shapes", default="q,kv_a,q+kv_a,o,dense gate_up,dense down,shared gate_up,shared down")
+    ap.add_argument("--fp8-variants", default=FP8_VARIANTS)
+    ap.add_argument("--fallback-tokens", default="32")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--compile-only", action="store_true")
+    args = ap.parse_args()
+    m = ir.load_spec(os.path.join(ROOT, "model_specs", "deepseek_v2_lite.yaml")).model
+    names = [s for s in args.shapes.split(",") if s]
+    fp8_variants = [v for v in args.fp8_variants.split(",") if v]
+    for v in fp8_variants:
+        parse_variant(v)
+    if args.compile_only:
+        return compile_only(m, names, fp8_variants)
+
+    import torch
+    import torch.nn.functional as F
+
+    from ir.ops.core import gate_up_silu_ref
+    from runtime.cuda_backend import CudaBackend
+    from runtime.launcher import KernelRunner
+    runner = KernelRunner()
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}; device-to-device copy {bw / 1e9:.0f} GB/s", flush=True)
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    fb_tokens = [int(t) for t in args.fallback_tokens.split(",") if t]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results, bad = [], 0
+
+    def report(name, T, what, us, nbytes, err=None, base=None):
+        nonlocal bad
+        flag = ""
+        if err is not None and not err <= BAD_ERR:
+            bad += 1
+            flag = "  BAD"
+        print(f"{name:<15} T={T:<3} {what:<22} {us:8.2f} us {nbytes / 1e6:8.2f} MB {nbytes / us / 1e3:7.0f} GB/s "
+              f"({nbytes / us * 1e6 / bw * 100:3.0f}%)" + (f"  x{base / us:4.2f} vs bf16" if base else "")
+              + (f"  err {err:.1e}" if err is not None else "") + flag, flush=True)
+        results.append({"shape": name, "T": T, "what": what, "us": us, "bytes": nbytes, "err": err})
+
+    for name in names:
+        K, rows, silu = shapes(m)[name]
+        bf16_bytes = sum(rows) * K * 2
+        fp8_bytes = sum(n * K + 4 * math.prod(scale_shape((n, K), FP8)) for n in rows)
+        copies = max(1, min(128, math.ceil(ROTATE_BYTES / fp8_bytes)))
+        wf = [[torch.randn(n, K, device="cuda", generator=gen) * K ** -0.5 for n in rows] for _ in range(copies)]
+        bf16 = [[w.to(torch.bfloat16) for w in c] for c in wf]
+        qs = [[quantize(w) for w in c] for c in wf]
+        del wf
+        wb = [{f"w{j}": w for j, w in enumerate(c)} for c in bf16]
+        w8 = [{k: v for j, (q, s) in enumerate(c) for k, v in ((f"w{j}", q), (companion_names(f"w{j}", FP8)[0], s))}
+              for c in qs]
+        ref_w = [dequant(q, s) for q, s in qs[0]]
+        for T in tokens + fb_tokens:
+            x = torch.randn(T, K, device="cuda", generator=gen).to(torch.bfloat16)
+            if silu:
+                ref8 = [gate_up_silu_ref(x.double(), ref_w[0], ref_w[1])]
+                refb = [gate_up_silu_ref(x.double(), bf16[0][0].double(), bf16[0][1].double())]
+            else:
+                ref8 = [x.double() @ w.T for w in ref_w]
+                refb = [x.double() @ w.double().T for w in bf16[0]]
+
+            def err_of(ys, refs):
+                return max(float((y.double() - r).norm() / r.norm()) for y, r in zip(ys, refs))
+
+            if T > linear_skinny.SKINNY_MAX_TOKENS:
+                if silu:
+                    base = time_us(lambda i: gate_up_silu_ref(x, bf16[i][0], bf16[i][1]), copies)
+                else:
+                    base = time_us(lambda i: [F.linear(x, w) for w in bf16[i]], copies)
+                report(name, T, "bf16 cuBLAS", base, bf16_bytes)
+                _, call, outs = lowered(m, K, rows, silu, FP8_DEFAULT, True)
+                be = CudaBackend.__new__(CudaBackend)
+                fn = CudaBackend._gate_up_silu if silu else CudaBackend._linear
+                env = {"x": x}
+
+                def fallback(i):
+                    be.weights = w8[i]
+                    fn(be, call, env)
+                fallback(0)
+                err = err_of([env[o] for o in outs], ref8)
+                report(name, T, "fp8 fallback", time_us(fallback, copies), fp8_bytes, err, base)
+                continue
+            la, _, outs = lowered(m, K, rows, silu, BF16_VARIANT, False)
+            ys = {o: torch.full((T, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                  for o, n in zip(outs, rows[:1] if silu else rows)}
+            runner.run(la, values={"x": x, **ys}, weights=wb[0], sizes={"T": T})
+            torch.cuda.synchronize()
+            err = err_of(list(ys.values()), refb)
+            base = time_us(lambda i: runner.run(la, values={"x": x, **ys}, weights=wb[i], sizes={"T": T}), copies)
+            report(name, T, f"bf16 {BF16_VARIANT}", base, bf16_bytes, err)
+            for v in fp8_variants:
+                la8, _, _ = lowered(m, K, rows, silu, v, True)
+                for y in ys.values():
+                    y.fill_(float("nan"))
+                runner.run(la8, values={"x": x, **ys}, weights=w8[0], sizes={"T": T})
+                torch.cuda.synchronize()
+                err = err_of(list(ys.values()), ref8)
+                us = time_us(lambda i: runner.run(la8, values={"x": x, **ys}, weights=w8[i], sizes={"T": T}), copies)
+                report(name, T, f"fp8 {v}", us, fp8_bytes, err, base)
+        del bf16, qs, wb, w8
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": bw, "results": results}, fh, indent=1)
+    if bad:
+        print(f"\n{bad} launch(es) BAD (norm-wise error above {BAD_ERR})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
