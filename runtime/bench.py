@@ -86,7 +86,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 # Seconds of untimed steps before a case is timed, on top of its warm-up calls: the GPU's clocks
 # follow its load, and a case timed right after a heavy one or after idle time otherwise reads
 # them still moving (H200: the SM clock at 1560 MHz right after the prefill cases, 1980 steady;
-# b=1 decode then 2.05 ms against 2.00: PERF_NOTES v29, bench/perf_bench_order.py).
+# b=1 decode then 2.05 ms against 2.00: PERF_NOTES v29, tests/gpu/perf_bench_order.py).
 WARM_SECONDS = 0.5
 
 
