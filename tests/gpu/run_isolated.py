@@ -5,7 +5,7 @@ process: every later test in that process would fail with it.  One process per t
 each result its own, and a few processes share the GPU at once.
 
     python3 tests/gpu/run_isolated.py [-j 4] [--wrap "compute-sanitizer --tool memcheck"]
-                                      [--log-dir DIR] [--timeout S] [--budget S]
+                                      [--log-dir DIR] [--timeout S] [--budget S] [--group function]
                                       [PYTEST_ARGS... e.g. tests/gpu -k mla]
 
 Each test's result line is printed (and flushed) as soon as it ends; at the end, the table of all
@@ -39,6 +39,16 @@ def collect(pytest_cmd: list[str], pytest_args: list[str]) -> list[str]:
     if not ids:
         sys.exit(f"run_isolated: pytest collected no tests from {pytest_args}:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
     return ids
+
+
+def group(nodes: list[str], by: str) -> list[str]:
+    """The node ids one process each runs: tests, test functions (pytest runs every parametrization
+    of `file::function`) or files, in collection order."""
+    if by == "function":
+        nodes = [n.split("[", 1)[0] for n in nodes]
+    elif by == "file":
+        nodes = [n.split("::", 1)[0] for n in nodes]
+    return list(dict.fromkeys(nodes))
 
 
 class Run:
@@ -134,13 +144,17 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds the whole run may take, collection included: then the tests still "
                          "running are stopped and the table so far printed (default: no limit)")
+    ap.add_argument("--group", choices=("test", "function", "file"), default="test",
+                    help="what one process runs: one test (default), every parametrization of one test "
+                         "function, or one file; fewer processes start, but a fault takes its group's "
+                         "later tests down with it")
     ap.add_argument("--pytest", default=None, help=argparse.SUPPRESS)   # the CPU tests' stand-in for pytest
     args, pytest_args = ap.parse_known_args(argv)
     log_dir = Path(args.log_dir) if args.log_dir else None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
     pytest_cmd = shlex.split(args.pytest) if args.pytest else [sys.executable, "-m", "pytest"]
-    nodes = collect(pytest_cmd, pytest_args or ["tests/gpu"])
+    nodes = group(collect(pytest_cmd, pytest_args or ["tests/gpu"]), args.group)
     wrap = shlex.split(args.wrap)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     deadline = t_start + args.budget if args.budget is not None else float("inf")
