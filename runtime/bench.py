@@ -26,6 +26,7 @@ import time
 from codegen.kernel import DEFAULTS
 
 from .cli_args import block_size_arg, whole_number
+from .timing import event_ms as _timeit
 
 DECODE_CASES = [(1, 512), (8, 512), (32, 512), (128, 512), (256, 512), (1, 4096), (8, 4096), (32, 4096),
                 (128, 4096)]
@@ -89,28 +90,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 WARM_SECONDS = 0.5
 
 
-def _timeit(fn, iters: int, warmup: int = 2, warm_s: float = 0.0) -> float:
-    """Median milliseconds of fn() over iters, timed with CUDA events, after `warmup` calls and
-    then more until `warm_s` seconds have passed."""
-    import torch
-    for _ in range(warmup):
-        fn()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < warm_s:
-        fn()
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def copy_bandwidth() -> float:
     """Bytes/s of a device-to-device copy (read + write counted), 2 GiB buffers."""
     import torch
@@ -172,7 +151,7 @@ def _token_ids(vocab: int, shape: tuple, *case) -> "torch.Tensor":
 
 def decode_engine(cases, pdl: bool = True):
     """DeepSeek-V2-Lite with random bf16 weights on the GPU, whose cache holds every (batch, ctx) of
-    `cases` at once plus 64 blocks: the engine of the GPU timing scripts (tests/gpu/perf_*.py)."""
+    `cases` at once plus 64 blocks: the engine of the GPU timing scripts (bench/perf_*.py)."""
     from codegen.paths import DEFAULT_SPEC
 
     from .engine import Engine

@@ -89,6 +89,8 @@ def test_wheel_installs_and_compiles_from_another_folder(tmp_path):
     for data in ("templates", "model_specs"):
         shipped = {p.relative_to(ROOT).as_posix() for p in (ROOT / data).rglob("*") if p.is_file()}
         assert {f"codegen/{p}" for p in shipped} <= names, f"{data}/ is not all in the wheel"
+    # the timing tools and the tests are for developers, not users
+    assert not {n for n in names if n.startswith(("bench/", "tests/"))}, "bench/ or tests/ in the wheel"
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path, env=env)

@@ -23,7 +23,7 @@ README = ROOT / "README.md"
 CI = ROOT / ".ci" / "run"
 
 FIRST_COMMAND = "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && dsgraph compile"
-# the GPU API example; the GPU suite and bench; the compute-sanitizer runs
+# the checkpoint-to-text example (docs/TESTING.md holds the GPU suite's commands)
 GPU_MARKERS = ('device="cuda"', "tests/gpu/run_isolated.py")
 
 
@@ -53,7 +53,7 @@ def test_every_runnable_block_is_accounted_for():
     runnable = blocks("bash") + blocks("python")
     setup, gpu = _setup_commands(), [b for b in runnable if _is_gpu(b)]
     assert setup == [FIRST_COMMAND, ci_command()]
-    assert len(gpu) == 3, "a new GPU-only README block: list it here on purpose"
+    assert len(gpu) == 1, "a new GPU-only README block: list it here on purpose"
     assert len(runnable) == len(setup) + len(gpu) + len(_runnable_bash()) + len(_runnable_python())
     assert _runnable_bash() and _runnable_python()
     assert {info.strip() for info in re.findall(r"^```([^\n]*)\n.*?^```", README.read_text(), re.M | re.S)} <= \
@@ -131,3 +131,15 @@ def test_readme_spec_error_is_what_dsgraph_prints(repo_cwd, capsys):
     (repo_cwd / "broken.yaml").write_text(spec.replace(good, "sizes: [kv_lora_rank, qk_nope_head_dim]"))
     rc, out, err = _dsgraph(command, capsys)
     assert rc == 2 and err.strip() == shown
+
+
+def test_readme_is_for_users_and_its_paths_exist():
+    """At most 250 lines, docs/ linked once, and every repository path it names is there."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 250
+    assert len(re.findall(r"\]\((docs/[^)]*)\)", text)) == 1
+    tops = ("model_specs/", "ir/", "codegen/", "templates/", "runtime/", "tests/", "bench/", "docs/", ".ci/")
+    named = {p for p in re.findall(r"`([^`\s]+)`", text) if p.startswith(tops) and not set(p) & set("*{<")}
+    assert named, "the README names no repository path"
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, missing

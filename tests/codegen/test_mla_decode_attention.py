@@ -248,7 +248,7 @@ def test_cuda_core_path_waits_and_does_not_spill():
 @sass
 @pytest.mark.parametrize("tag", ["w8s2c8", "w4s3c8", "w8s3c4"])
 def test_timed_variants_compile(tag):
-    """tests/gpu/perf_decode.py's variants compile, their largest split count and no split (the
+    """bench/perf_decode.py's variants compile, their largest split count and no split (the
     4-warp one sits at 255 registers: a few bytes of spill are allowed there, none at 8 warps)."""
     w, s, c = (int(x) for x in tag[1:].replace("s", " ").replace("c", " ").split())
     _, launches = lowered("deepseek_v2_lite", variant=fam.Variant(w, s, c))

@@ -50,7 +50,7 @@ def _lower(name: str, dtype: str, variant: str, monkeypatch):
 
 
 def test_v2_is_the_default_and_the_first_version_is_gone(monkeypatch):
-    # v2 at its default tile measured fastest at 1x2048 on the H200 (runtime/PERF_NOTES.md v11); the
+    # v2 at its default tile measured fastest at 1x2048 on the H200 (docs/PERF_NOTES.md, v11); the
     # first tensor-core kernel (v1, MlaPrefillTC) was slower at every shape and was removed
     assert fam.TC_VARIANT == "v2"
     G, nid = _graph("lite")

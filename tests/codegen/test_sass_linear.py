@@ -76,11 +76,11 @@ def test_fp16_runs_on_tensor_cores_and_fp32_on_cuda_cores():
 
 
 def test_every_variant_compiles_without_spills_and_clusters_reduce_through_distributed_shared_memory():
-    """The variants tests/gpu/perf_linear.py times (tests/gpu/test_kernels_linear.py draws them) at
+    """The variants bench/perf_linear.py times (tests/gpu/test_kernels_linear.py draws them) at
     V2-Lite's o_proj: no spills; the cluster ones (K split over 2 or 4 CTAs) carry the cluster
     barriers and read the other CTAs' sums from distributed shared memory (generic LD)."""
-    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-    from perf_linear import VARIANTS, launch_for, lite
+    from bench.perf_linear import VARIANTS, launch_for
+    from bench.perf_decode import lite
     m = lite()
     for v in VARIANTS.split(","):
         launch, _ = launch_for(m, 2048, [2048], v)

@@ -1,4 +1,4 @@
-"""phases.cuh's marks (tests/gpu/perf_phases.py): without DSG_PHASES the kernels read no timer (the
+"""phases.cuh's marks (bench/perf_phases.py): without DSG_PHASES the kernels read no timer (the
 marks are nothing; their machine code is the same as without the header, checked when the marks
 landed); with it, the kernels on b=1's decode path read the global timer and the SM clock at thread
 0's pdl_wait() call and return and keep their exit with atomic maxima.  Compiled with NVRTC on the

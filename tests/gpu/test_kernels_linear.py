@@ -9,7 +9,7 @@ strided view (row stride K + extra, starting `offset` elements in) and `shift`: 
 element past an aligned allocation, so the CTA's alignment test sends it to the element loads.
 Outputs are poisoned (NaN): an element the kernel does not write fails.  The kernel's shape
 (warps, row tiles, unroll, cluster split of K) is drawn too, among the variants
-tests/gpu/perf_linear.py times, so whichever the H200 picks is tested.  Fixed regression cases sit beside the test as @example."""
+bench/perf_linear.py times, so whichever the H200 picks is tested.  Fixed regression cases sit beside the test as @example."""
 from __future__ import annotations
 
 import pytest

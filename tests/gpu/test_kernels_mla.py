@@ -454,7 +454,7 @@ def clusters_per_item(live, sizes, T, H) -> int:
     return size_exprs.evaluate(live.grid[0], full) // (T * NG * live.params["cs"])
 
 
-PERF_VARIANTS = ("w8s2c8", "w4s3c8", "w8s3c4")   # tests/gpu/perf_decode.py's candidates beside the default
+PERF_VARIANTS = ("w8s2c8", "w4s3c8", "w8s3c4")   # bench/perf_decode.py's candidates beside the default
 
 
 def _variant(tag: str):

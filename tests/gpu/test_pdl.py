@@ -42,7 +42,7 @@ from hypothesis import strategies as st  # noqa: E402
 pytestmark = GPU_MARKS
 DEV = "cuda"
 D, E, K, M = 1024, 32, 6, 352          # hidden, experts, top-k, expert width (V2-Lite-like ratios)
-LITE = {"D": 2048, "E": 64, "K": 6, "M": 1408}   # DeepSeek-V2-Lite's (tests/gpu/perf_pdl.py times these)
+LITE = {"D": 2048, "E": 64, "K": 6, "M": 1408}   # DeepSeek-V2-Lite's (bench/perf_pdl.py times these)
 TOKENS = (1, 2, 8, 9, 33, 300, 2048)
 
 

@@ -1,9 +1,9 @@
 """Routed-expert (grouped MoE) kernel timings at DeepSeek-V2-Lite dims (a script, not a test).
 
-    python3 tests/gpu/perf_moe.py [--pairs 1,2,4,8,9,12,16,32,64,65,128,256] [--batches 1,8,32,128,256]
+    python3 -m bench.perf_moe [--pairs 1,2,4,8,9,12,16,32,64,65,128,256] [--batches 1,8,32,128,256]
                                   [--variants ts8_thr2_skinny64,ts0_wgs,thr0_skinny0]
                                   [--json PATH]
-    python3 tests/gpu/perf_moe.py --compile-only      # no GPU: lower, render and NVRTC-compile every
+    python3 -m bench.perf_moe --compile-only      # no GPU: lower, render and NVRTC-compile every
                                                       # variant's kernels for --arch (default sm_90)
 
 Builds one-node graphs of moe_gate_up_silu and moe_down (E experts, hidden D, expert
@@ -42,28 +42,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.gpu.harness import single_op_graph
+from bench.perf_decode import lite
+from runtime.timing import graph_us
 
-from harness import single_op_graph  # noqa: E402
-from perf_decode import lite, time_us  # noqa: E402
-
-from codegen import sizes as size_exprs  # noqa: E402
-from codegen.families import family_for_op  # noqa: E402
-from codegen.families import _moe  # noqa: E402
-from codegen.families._moe import GEMV_ONLY_TOKENS, gemm_launch_smem, gemv_grid, mma_grid_y  # noqa: E402
-from codegen.sizes import only_above  # noqa: E402
-from codegen.kernel import Options  # noqa: E402
-from ir.ops import TType  # noqa: E402
-from ir.ops.moe import align_ref  # noqa: E402
-from runtime.launcher import KernelRunner  # noqa: E402
+from codegen import sizes as size_exprs
+from codegen.families import family_for_op
+from codegen.families import _moe
+from codegen.families._moe import GEMV_ONLY_TOKENS, gemm_launch_smem, gemv_grid, mma_grid_y
+from codegen.sizes import only_above
+from codegen.kernel import Options
+from ir.ops import TType
+from ir.ops.moe import align_ref
+from runtime.launcher import KernelRunner
 
 DEV = "cuda"
 DT = torch.bfloat16
@@ -414,13 +411,13 @@ def main():
                     for la in launches:
                         runner.run(la, workspaces=ws, **kw)
 
-                us = time_us(run_family, ITERS)
+                us = graph_us(run_family, ITERS)
                 stage_us = {}
                 for la in launches:
                     if launch_is_empty(runner, la, sizes):
                         stage_us[la.stage] = 0.0
                     else:
-                        stage_us[la.stage] = time_us(lambda la=la: runner.run(la, workspaces=ws, **kw), ITERS)
+                        stage_us[la.stage] = graph_us(lambda la=la: runner.run(la, workspaces=ws, **kw), ITERS)
                 wbytes = case["touched"] * per_expert[fam]
                 nbytes = wbytes + act_bytes[fam]
                 bad = not err <= BAD_ERR

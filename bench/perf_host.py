@@ -1,6 +1,6 @@
 """Host time of an eager step against its GPU time (a script, not a test).
 
-    python3 tests/gpu/perf_host.py [--cases prefill1x2048,prefill32x512,decode1,decode32] [--no-pdl]
+    python3 -m bench.perf_host [--cases prefill1x2048,prefill32x512,decode1,decode32] [--no-pdl]
 
 DeepSeek-V2-Lite (random bf16 weights, as `dsgraph bench`), each step launched eagerly (decode
 too: graphs off, as a multi-GPU rank runs it).  Per case, milliseconds:
@@ -19,21 +19,20 @@ from __future__ import annotations
 import argparse
 import collections
 import math
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
+import torch
 
-import runtime.cuda_backend as cb  # noqa: E402
-import runtime.cuda_driver as cd  # noqa: E402
-import runtime.launcher as ln  # noqa: E402
-from codegen.kernel import DEFAULTS  # noqa: E402
-from runtime.bench import _decode_ctx, _prefill_ctx, _release, _timeit  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
+import runtime.cuda_backend as cb
+import runtime.cuda_driver as cd
+import runtime.launcher as ln
+from codegen.kernel import DEFAULTS
+from runtime.bench import _decode_ctx, _prefill_ctx, _release
+from runtime.timing import event_ms
+from runtime.engine import Engine
 
 SPIN_CYCLES = int(5e8)   # ~0.25 s of GPU spin ahead of the timed launches
 
@@ -125,7 +124,7 @@ def main() -> int:
 
             def f():
                 return be.forward(phase, ids, step)
-            ms = _timeit(f, 7, warmup=2)
+            ms = event_ms(f, 7, warmup=2)
             host = host_ms(f)
             queued = queued_ms(f)
             acc.clear()

@@ -1,6 +1,6 @@
 """Where a decode step's wall clock goes beyond its kernels' own device time (a script, not a test).
 
-    python3 tests/gpu/perf_replay.py [--cases 1x512,32x512,128x512] [--top 8] [--profile]
+    python3 -m bench.perf_replay [--cases 1x512,32x512,128x512] [--top 8] [--profile]
 
 DeepSeek-V2-Lite (random bf16 weights, as `dsgraph bench`), decode steps replayed from their CUDA
 graph (PDL on, as the bench runs them).  Per case, milliseconds:
@@ -32,16 +32,14 @@ import statistics
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-from runtime.bench import _decode_ctx, _release, _timeit, decode_engine, family_of  # noqa: E402
+from runtime.bench import _decode_ctx, _release, decode_engine, family_of
+from runtime.timing import event_ms
 
-from perf_host import SPIN_CYCLES, host_ms, queued_ms  # noqa: E402
-
+from bench.perf_host import SPIN_CYCLES, host_ms, queued_ms
 
 
 def kernel_timeline(fn) -> list[tuple[str, float, float]]:
@@ -135,7 +133,7 @@ def main() -> int:
 
             def f():
                 return be.forward("decode", ids, step)
-            step_ms = _timeit(f, 21, warmup=3)
+            step_ms = event_ms(f, 21, warmup=3)
             host = host_ms(f)
             queued = statistics.median(queued_ms(f) for _ in range(5))
             (cap,) = be.graphs_decode.graphs.values()

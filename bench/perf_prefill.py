@@ -1,13 +1,13 @@
 """Prefill kernel timings at DeepSeek-V2-Lite dims (a script, not a test).
 
-    python3 tests/gpu/perf_prefill.py [--batch 32] [--seqlen 512] [--families moe,attn,...]
+    python3 -m bench.perf_prefill [--batch 32] [--seqlen 512] [--families moe,attn,...]
                                       [--attn-variants v2,v2_m128n32w32s]
                                       [--route-tokens 257,2048,16384] [--route-variants default,gemv,align0]
                                       [--gemm-variants wgmma,64x3] [--wgmma-shapes 32x512,1x2048]
 
 Builds one-node graphs of the prefill phase's generated kernels (the same lowering the
 bundle uses), runs them through KernelRunner on random bf16 tensors at T = batch * seqlen
-and times every launch as a CUDA graph of a few launches of it (perf_decode.time_us: no host
+and times every launch as a CUDA graph of a few launches of it (runtime.timing.graph_us: no host
 cost per launch, so a launch of a few us shows its device time, not the ~30 us an eager launch
 costs the host); a big-T spot check against torch follows for the tensor-core paths and the
 router logits (the property tests in test_kernels_*.py cover the edges at small T).
@@ -54,29 +54,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench.perf_decode import lite
+from tests.gpu.harness import single_op_graph
+from runtime.timing import graph_us
 
-from harness import single_op_graph  # noqa: E402
-from perf_decode import time_us  # noqa: E402
+import ir
+from codegen.families import family_for_op
+from codegen.kernel import Options
+from ir.ops import TType
+from runtime.launcher import KernelRunner
 
-import ir  # noqa: E402
-from codegen.families import family_for_op  # noqa: E402
-from codegen.kernel import Options  # noqa: E402
-from ir.ops import TType  # noqa: E402
-from runtime.launcher import KernelRunner  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEV = "cuda"
 DT = torch.bfloat16
-
-
-def lite():
-    return ir.load_spec(os.path.join(ROOT, "model_specs", "deepseek_v2_lite.yaml")).model
 
 
 def lower(G, nid, dtype="bf16"):
@@ -89,7 +81,7 @@ def rand(*shape, scale=1.0, dtype=DT):
 
 def time_launch(runner, launch, kw, budget_s=0.05):
     """ms per launch: a few launches captured in one CUDA graph, replayed and timed with events
-    (perf_decode.time_us), as many as fit ~budget_s of device time (3 to 20)."""
+    (runtime.timing.graph_us), as many as fit ~budget_s of device time (3 to 20)."""
     runner.run(launch, **kw)                       # compile + warm up
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -99,7 +91,7 @@ def time_launch(runner, launch, kw, budget_s=0.05):
     torch.cuda.synchronize()
     one = max(s.elapsed_time(e), 1e-3)             # an upper bound (host launch cost included)
     iters = int(max(3, min(20, budget_s * 1e3 / one)))
-    return time_us(lambda: runner.run(launch, **kw), iters) / 1e3
+    return graph_us(lambda: runner.run(launch, **kw), iters) / 1e3
 
 
 def routing(T, E, K, device=None):
@@ -236,7 +228,7 @@ def bench_route(m, T, variant="default"):
         if la.stage == "router_gemm":
             note += f", {size_exprs.evaluate(la.grid[2], sizes)} splits of D"
         report(f"  {la.name}", ms, predict.get(la.stage, 0) * 1e6, note)
-    total = time_us(lambda: runner.run_all(running, **kw), 10) / 1e3
+    total = graph_us(lambda: runner.run_all(running, **kw), 10) / 1e3
     report(f"  route total T={T} ({variant}, {len(running)} launches)", total, 0)
     runner.run_all(running, **kw)
     err = relerr(ws["router_logits"], x.float() @ gate.T)

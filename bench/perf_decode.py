@@ -1,9 +1,9 @@
 """MLA decode kernel timings at DeepSeek-V2-Lite dims (a script, not a test).
 
-    python3 tests/gpu/perf_decode.py [--cases 1x512,32x512,64x4096,128x4096,128x8192]
+    python3 -m bench.perf_decode [--cases 1x512,32x512,64x4096,128x4096,128x8192]
                                      [--variants w8s3c8,w8s2c8,w4s3c8,w8s3c4] [--attention-only]
                                      [--baseline DIR]
-    python3 tests/gpu/perf_decode.py --absorb 1,8,32,64,128,256 [--absorb-variants cc,mma,...]
+    python3 -m bench.perf_decode --absorb 1,8,32,64,128,256 [--absorb-variants cc,mma,...]
 
 Builds one-node graphs of mla_decode_attention (one launch a layer: G clusters of S = 1, 2, 4 or 8 KV
 splits an item, merged on chip and, with G > 1, through L2), mla_decode_query and mla_v_up (the same lowering the bundle
@@ -15,7 +15,7 @@ w<warps>s<ring stages>c<cluster = most splits>, the first the lowering's default
 cache, L2-resident when small, as earlier PERF_NOTES measured) and, where the cache is under
 256 MB, "cold" (launches rotate over copies of the cache that together exceed L2); each variant's
 output is checked against torch (fp32, norm-wise per sequence, BAD above 1e-2). --baseline DIR
-runs DIR/tests/gpu/perf_decode.py (a checkout of the code before, e.g. main) on the same cases
+runs DIR/bench/perf_decode.py (a checkout of the code before, e.g. main) on the same cases
 afterwards, for the old kernel's numbers in the same run.
 
 --absorb times only mla_decode_query and mla_v_up at those token counts, once per variant
@@ -35,18 +35,16 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.gpu.harness import single_op_graph
 
-from harness import single_op_graph  # noqa: E402
+import ir
+from codegen.families import family_for_op
+from codegen.kernel import Options
+from codegen.paths import DEFAULT_SPEC
+from ir.ops import TType
+from runtime.launcher import KernelRunner
+from runtime.timing import graph_us
 
-import ir  # noqa: E402
-from codegen.families import family_for_op  # noqa: E402
-from codegen.kernel import Options  # noqa: E402
-from ir.ops import TType  # noqa: E402
-from runtime.launcher import KernelRunner  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEV = "cuda"
 DT = torch.bfloat16
 BS = 64
@@ -54,7 +52,7 @@ ITERS = 50
 
 
 def lite():
-    return ir.load_spec(os.path.join(ROOT, "model_specs", "deepseek_v2_lite.yaml")).model
+    return ir.load_spec(str(DEFAULT_SPEC)).model
 
 
 def lower(G, nid):
@@ -63,35 +61,6 @@ def lower(G, nid):
 
 def rand(*shape, scale=1.0):
     return (torch.randn(*shape, device=DEV) * scale).to(DT)
-
-
-def time_us(fn, iters=ITERS):
-    """us per call of fn: `iters` calls captured into one CUDA graph (no host cost per launch,
-    like the engine's graph replay), replayed and timed with CUDA events (median of 3)."""
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        fn()
-        stream.synchronize()
-        with torch.cuda.graph(g, stream=stream):
-            for _ in range(iters):
-                fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(3):
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / iters)
-    return sorted(times)[1]
 
 
 def row(name, B, ctx, us, nbytes):
@@ -164,7 +133,7 @@ def bench_attention(runner, m, B, L, variants=(ATTN_VARIANTS.split(",")[0],)):
             o = out[t].float()
             errs.append(float("inf") if torch.isnan(o).any() else ((o - ref).norm() / ref.norm()).item())
         err = max(errs)
-        hot = time_us(lambda: runner.run(la, **kw))
+        hot = graph_us(lambda: runner.run(la, **kw))
         cold = None
         if copies > 1:
             calls = [dict(kw, ctx={**ctx, "kv_cache": c}) for c in caches]
@@ -173,7 +142,7 @@ def bench_attention(runner, m, B, L, variants=(ATTN_VARIANTS.split(",")[0],)):
             def rotate():
                 runner.run(la, **calls[n[0] % copies])
                 n[0] += 1
-            cold = time_us(rotate, iters=copies)
+            cold = graph_us(rotate, iters=copies)
         what = f"attention {tag} (S={S} G={Gs})"
         row(what + " hot", B, L, hot, nbytes)
         if cold is not None:
@@ -237,7 +206,7 @@ def bench_query(runner, m, T, variant=None):
     kw = dict(values={"q_nope": qb[..., :N], "q_pe": qb[..., N:], "out": out}, weights={"kvb": kv_b},
               ctx={"positions": torch.arange(T, dtype=torch.int64, device=DEV)}, sizes={"T": T})
     (la,) = lower_variant(G, nid, "query", variant)
-    us = time_us(lambda: runner.run(la, **kw))
+    us = graph_us(lambda: runner.run(la, **kw))
     row("mla_decode_query" + (f" [{variant}]" if variant else ""), T, 0, us, H * N * C * 2 + T * H * (N + R + C + R) * 2)
     wuk = kv_b.view(H, N + V, C)[:, :N].float()
     ref = torch.einsum("thn,hnc->thc", qb[..., :N].float(), wuk)
@@ -255,7 +224,7 @@ def bench_v_up(runner, m, T, variant=None):
     out = torch.full((T, H * V), float("nan"), device=DEV, dtype=DT)
     kw = dict(values={"o_lat": o_lat, "out": out}, weights={"kvb": kv_b}, sizes={"T": T})
     (la,) = lower_variant(G, nid, "v_up", variant)
-    us = time_us(lambda: runner.run(la, **kw))
+    us = graph_us(lambda: runner.run(la, **kw))
     row("mla_v_up" + (f" [{variant}]" if variant else ""), T, 0, us, H * V * C * 2 + T * H * (C + V) * 2)
     wuv = kv_b.view(H, N + V, C)[:, N:].float()
     ref = torch.einsum("thc,hvc->thv", o_lat.float(), wuv).reshape(T, H * V)
@@ -302,8 +271,10 @@ def main():
     attention_table(attention, variants)
     if args.baseline:
         print(f"\nbaseline: {args.baseline}", flush=True)
-        subprocess.run([sys.executable, os.path.join(args.baseline, "tests", "gpu", "perf_decode.py"),
-                        "--cases", args.cases], cwd=args.baseline, check=False)
+        # an older checkout keeps the script under tests/gpu/
+        old = os.path.join(args.baseline, "tests", "gpu", "perf_decode.py")
+        cmd = [sys.executable, old] if os.path.exists(old) else [sys.executable, "-m", "bench.perf_decode"]
+        subprocess.run(cmd + ["--cases", args.cases], cwd=args.baseline, check=False)
 
 
 if __name__ == "__main__":

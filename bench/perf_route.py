@@ -1,13 +1,13 @@
 """moe_route timings at decode sizes: the fused launch against the three launches (a script, not a test).
 
-    python3 tests/gpu/perf_route.py [--specs deepseek_v2_lite,deepseek_v3] [--tokens 1,8,32,128,256]
+    python3 -m bench.perf_route [--specs deepseek_v2_lite,deepseek_v3] [--tokens 1,8,32,128,256]
                                     [--bounds 256]
 
 Takes the first moe_route node of each spec's decode graph (the pass pipeline's, so the routing
 attributes are the spec's: V2-Lite softmax greedy E=64 K=6 D=2048; V3 sigmoid noaux_tc with bias,
 E=256 K=8 groups 8/4 D=7168), lowers it twice -- with moe_route.ROUTE_FUSED_TOKENS = None (the
 three launches: router GEMV, top-k, align) and with each --bounds value (the fused launch while
-T <= bound) -- and times each form with perf_decode.time_us: ITERS routes captured in one CUDA
+T <= bound) -- and times each form with runtime.timing.graph_us: ITERS routes captured in one CUDA
 graph, so the time per route includes the graph's per-kernel gaps as a decode step sees them.
 Each launch of the three is timed alone too.  The fused outputs are checked against the three
 launches' (same offsets, ids equal up to near-ties, weights within 1e-5).
@@ -35,26 +35,23 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from runtime.timing import graph_us
 
-from perf_decode import time_us  # noqa: E402
+import ir
+import ir.passes
+from codegen import sizes as size_exprs
+from codegen.families import moe_route
+from codegen.kernel import Options
+from codegen.paths import MODEL_SPECS_DIR
+from runtime.launcher import KernelRunner
 
-import ir  # noqa: E402
-import ir.passes  # noqa: E402
-from codegen import sizes as size_exprs  # noqa: E402
-from codegen.families import moe_route  # noqa: E402
-from codegen.kernel import Options  # noqa: E402
-from runtime.launcher import KernelRunner  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEV = "cuda"
 DT = torch.bfloat16
 
 
 def route_node(spec: str):
     """(G, nid) of the first moe_route node of the spec's decode graph."""
-    G = ir.passes.run_pipeline(ir.build_graph(ir.load_spec(os.path.join(ROOT, "model_specs", f"{spec}.yaml")),
+    G = ir.passes.run_pipeline(ir.build_graph(ir.load_spec(str(MODEL_SPECS_DIR / f"{spec}.yaml")),
                                               "decode"))
     nid = next(n for n, d in G.nodes(data=True) if d["op"] == "moe_route")
     return G, nid
@@ -108,8 +105,8 @@ def main():
             kw = dict(values=values, weights=weights, sizes=sizes)
             ws = runner.run_all(three, **kw)
             ref = {k: values[k].clone() for k in (ids, w, f"{r}.offsets")}
-            t3 = time_us(lambda: runner.run_all(three, **kw, workspaces=ws))
-            parts = "  ".join(f"{la.stage} {time_us(lambda la=la: runner.run(la, **kw, workspaces=ws)):.2f}"
+            t3 = graph_us(lambda: runner.run_all(three, **kw, workspaces=ws))
+            parts = "  ".join(f"{la.stage} {graph_us(lambda la=la: runner.run(la, **kw, workspaces=ws)):.2f}"
                               for la in running(three, sizes))
             print(f"{spec:<17} T={T:<4} three launches {t3:7.2f} us   ({parts})", flush=True)
             for bound in (int(b) for b in a.bounds.split(",")):
@@ -125,7 +122,7 @@ def main():
                 rows = (values[ids] == ref[ids]).all(dim=1)
                 ok = ok and torch.allclose(values[w][rows], ref[w][rows], rtol=1e-5, atol=1e-6)
                 bad += not ok
-                tf = time_us(lambda: runner.run_all(fused, **kw, workspaces=ws))
+                tf = graph_us(lambda: runner.run_all(fused, **kw, workspaces=ws))
                 print(f"{spec:<17} T={T:<4} fused (bound {bound:<4})  {tf:7.2f} us   {t3 / tf:5.2f}x   "
                       f"{'ok' if ok else 'BAD'} (ids equal on {same_ids:.1%} of tokens)", flush=True)
     runner.close()

@@ -1,6 +1,6 @@
 """What programmatic dependent launch saves at a kernel boundary (a script, not a test).
 
-    python3 tests/gpu/perf_pdl.py [--tokens 1,8,32,128] [--layers 26]
+    python3 -m bench.perf_pdl [--tokens 1,8,32,128] [--layers 26]
 
 Times the MoE decode chain of tests/gpu/test_pdl.py at DeepSeek-V2-Lite's dims (D 2048, E 64,
 K 6, M 1408; bf16): rms_norm -> router GEMV -> top-k -> align -> gate_up_silu -> down ->
@@ -17,19 +17,14 @@ whole step's.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from runtime.timing import graph_us
+from tests.gpu.test_pdl import LITE, _launches, _outputs, _run
 
-from perf_decode import time_us  # noqa: E402
-from test_pdl import LITE, _launches, _outputs, _run  # noqa: E402
-
-from codegen import sizes as size_exprs  # noqa: E402
-from runtime.launcher import KernelRunner  # noqa: E402
+from codegen import sizes as size_exprs
+from runtime.launcher import KernelRunner
 
 DEV = "cuda"
 
@@ -62,7 +57,7 @@ def main() -> None:
         us = {}
         for pdl in (False, True):
             launches = _launches("bf16", pdl, **LITE)
-            us[pdl] = time_us(lambda: [_run(runner, launches, values, w, T, K=K) for _ in range(a.layers)], iters=1) \
+            us[pdl] = graph_us(lambda: [_run(runner, launches, values, w, T, K=K) for _ in range(a.layers)], iters=1) \
                 / a.layers
         n = sum(0 not in [size_exprs.evaluate(g, {"T": T, "NP": T * K, "SMS": sms}) for g in la.grid]
                 for la in _launches("bf16", True, **LITE))

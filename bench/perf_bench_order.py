@@ -1,14 +1,14 @@
 """Does `dsgraph bench`'s b=1 decode step depend on what ran just before it (a script, not a test)?
 
-    python3 tests/gpu/perf_bench_order.py
+    python3 -m bench.perf_bench_order
 
 The bench times its prefill cases first, then its decode cases, b=1 ctx=512 first of them.  This
 times b=1 ctx=512 decode (graph replays, 50 steps, median, as the bench does) before any prefill,
-then, for each warm-up time (untimed steps first: bench._timeit's warm_s), right after the bench's
+then, for each warm-up time (untimed steps first: runtime.timing.event_ms's warm_s), right after the bench's
 prefill timings (1x2048 and 32x512, graphs and eager) and after five idle seconds; and reads the
 SM clock (torch.cuda.clock_rate, via NVML) beside each.
 
-    python3 tests/gpu/perf_bench_order.py --per-step 300
+    python3 -m bench.perf_bench_order --per-step 300
 
 times 300 consecutive b=1 ctx=512 steps one by one (CUDA events around each, as the bench) and
 reads NVML's SM clock, memory clock and power after each: are the ~4% levels b=1's steps drift
@@ -19,15 +19,13 @@ with its clock.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from runtime.bench import _decode_ctx, _prefill_ctx, _release, _timeit, decode_engine  # noqa: E402
+from runtime.bench import _decode_ctx, _prefill_ctx, _release, decode_engine
+from runtime.timing import event_ms
 
 
 def clock() -> str:
@@ -108,7 +106,7 @@ def main() -> int:
 
     def decode(label, warm_s=0.0):
         sids, step, ids = _decode_ctx(eng, 1, 512)
-        ms = _timeit(lambda: be.forward("decode", ids, step), 50, warm_s=warm_s)
+        ms = event_ms(lambda: be.forward("decode", ids, step), 50, warm_s=warm_s)
         label = f"{label}, warm {warm_s} s"
         _release(eng, sids)
         print(f"decode 1x512 {label:<28} {ms:.3f} ms   {clock()}", flush=True)
@@ -116,9 +114,9 @@ def main() -> int:
     def prefills():
         for batch, length in ((1, 2048), (32, 512)):
             sids, step, ids = _prefill_ctx(eng, batch, length)
-            ms = _timeit(lambda: be.forward("prefill", ids, step), 16, warmup=2)
+            ms = event_ms(lambda: be.forward("prefill", ids, step), 16, warmup=2)
             be.use_graphs = False
-            eager = _timeit(lambda: be.forward("prefill", ids, step), 16, warmup=1)
+            eager = event_ms(lambda: be.forward("prefill", ids, step), 16, warmup=1)
             be.use_graphs = True
             _release(eng, sids)
             print(f"prefill {batch}x{length}: {ms:.1f} ms (eager {eager:.1f})   {clock()}", flush=True)

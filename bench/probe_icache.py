@@ -1,6 +1,6 @@
 """How much code an SM keeps warm between kernels (a script, not a test).
 
-    python3 tests/gpu/probe_icache.py [--sizes 4,8,...] [--rotate 4,8,...] [--kernels 10] [--spread 1,8,32,all]
+    python3 -m bench.probe_icache [--sizes 4,8,...] [--rotate 4,8,...] [--kernels 10] [--spread 1,8,32,all]
                                       [--gaps 8,32,128] [--warm 8,16,32] [--spin-us 20]
 
 PERF_NOTES v32 measured what code fetched cold costs (~104 SM cycles a KB, probe_merge.py) and
@@ -37,17 +37,13 @@ cutting executed code below it pays for every kernel of the layer, not only the 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from codegen.nvrtc import compile_cubin  # noqa: E402
-from probe_merge import EVICT_SRC  # noqa: E402
-from runtime.cuda_driver import I32, I64, LoadedModule, launch  # noqa: E402
+from codegen.nvrtc import compile_cubin
+from bench.probe_merge import EVICT_SRC
+from runtime.cuda_driver import I32, I64, LoadedModule, launch
 
 INSTR_BYTES = 16                    # one sm_90 SASS instruction
 SMEM = 160 * 1024                   # one CTA an SM

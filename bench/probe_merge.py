@@ -1,6 +1,6 @@
 """What the decode attention's split merge costs four ways (a script, not a test).
 
-    python3 tests/gpu/probe_merge.py [--clusters 1,8,32] [--launches 200]
+    python3 -m bench.probe_merge [--clusters 1,8,32] [--launches 200]
 
 perf_phases puts ~3.4 us of the b=1 attention's ~8 between "partials in place" and "columns merged"
 (PERF_NOTES v32): 8 splits of a cluster each merge a 64-column span of 16 heads from the 8 partials
@@ -28,15 +28,12 @@ cold code costs a kernel whose instructions each run once (b=1's kernels: one ti
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from codegen.nvrtc import compile_cubin  # noqa: E402
-from runtime.cuda_driver import I32, I64, LoadedModule, launch  # noqa: E402
+from codegen.nvrtc import compile_cubin
+from runtime.cuda_driver import I32, I64, LoadedModule, launch
 
 S, HG, C, THREADS = 8, 16, 512, 256
 SPAN = C // S

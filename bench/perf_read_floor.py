@@ -1,7 +1,7 @@
 """What one kernel that only streams N bytes from HBM reaches (a script, not a test).
 
-    python3 tests/gpu/perf_read_floor.py [--mb 8.4,15,134,419] [--ctas-per-sm 1,2,4,8] [--loads 2,4,8]
-    python3 tests/gpu/perf_read_floor.py --compile-only     # no GPU: NVRTC-compile every variant
+    python3 -m bench.perf_read_floor [--mb 8.4,15,134,419] [--ctas-per-sm 1,2,4,8] [--loads 2,4,8]
+    python3 -m bench.perf_read_floor --compile-only     # no GPU: NVRTC-compile every variant
 
 Issue 14 asks the decode linears up to 16 tokens to read their weights at >= 80% of the copy
 bandwidth, each kernel timed alone (`dsgraph bench`'s linears: the profiler's own device time of
@@ -12,7 +12,7 @@ more work on the linear kernels this measures the ceiling: a kernel that does no
 the same bytes (16-byte loads, `loads` in flight a thread, a grid-stride walk, one word a CTA
 written so nothing is optimised away), at several grid sizes, timed the way the bench times the
 linears (torch.profiler's kernel duration, the mean over launches) and, beside it, as the
-per-launch time of back-to-back launches in a CUDA graph (perf_decode.time_us; launch gaps
+per-launch time of back-to-back launches in a CUDA graph (runtime.timing.graph_us; launch gaps
 included).  Each launch reads the next of enough copies of the buffer to exceed ~4x the 50-60 MB L2, as in a decode step,
 where each layer's weights are read once.
 
@@ -24,13 +24,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from codegen.nvrtc import compile_cubin  # noqa: E402
+from codegen.nvrtc import compile_cubin
 
 KERNEL = "read_floor"
 SOURCE = r"""
@@ -119,7 +115,7 @@ def main() -> None:
         return
 
     import torch
-    from perf_decode import time_us
+    from runtime.timing import graph_us
     from runtime.bench import copy_bandwidth
     from runtime.cuda_driver import I64, LoadedModule, device_arch, launch as cu_launch
 
@@ -144,7 +140,7 @@ def main() -> None:
 
                 prof = profiled_us(launch, args.launches)
                 taken = itertools.count()   # each captured launch reads the next copy
-                per_launch = time_us(lambda: launch(next(taken)), args.launches)
+                per_launch = graph_us(lambda: launch(next(taken)), args.launches)
                 row = (mb, loads, per_sm, prof, per_launch)
                 rows.append(row)
                 if best is None or prof < best[3]:

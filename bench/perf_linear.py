@@ -1,9 +1,9 @@
 """Skinny linear (linear_skinny) timings at DeepSeek-V2-Lite's linear shapes, against cuBLAS
 (a script, not a test).
 
-    python3 tests/gpu/perf_linear.py [--tokens 1,2,4,8,16] [--shapes q+kv_a,o,...] [--json PATH]
+    python3 -m bench.perf_linear [--tokens 1,2,4,8,16] [--shapes q+kv_a,o,...] [--json PATH]
                                      [--variants w8r1u4,w8r1u2,w8r1u8,w4r1u4,w8r2u2,w16r1u2,w8r1u4k2,w8r1u2k4]
-    python3 tests/gpu/perf_linear.py --compile-only   # no GPU: lower, render and NVRTC-compile every
+    python3 -m bench.perf_linear --compile-only   # no GPU: lower, render and NVRTC-compile every
                                                       # variant at every shape, print registers / spills
 
 Shapes (dims read from model_specs/deepseek_v2_lite.yaml; "per step": how many a decode step runs):
@@ -37,17 +37,14 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench.perf_decode import lite
+from tests.gpu.harness import single_op_graph
 
-from harness import single_op_graph  # noqa: E402
+import ir
+from codegen.families import linear_skinny
+from codegen.kernel import KernelLaunch, Options
+from ir.ops import TType
 
-import ir  # noqa: E402
-from codegen.families import linear_skinny  # noqa: E402
-from codegen.kernel import KernelLaunch, Options  # noqa: E402
-from ir.ops import TType  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERS = 20
 ROTATE_BYTES = 256 << 20       # weight copies cycled per graph: ~4x the L2
 BAD_ERR = 1e-2
@@ -55,10 +52,6 @@ DEFAULT_VARIANT = (f"w{linear_skinny.WARPS}r{linear_skinny.ROW_TILES}u{linear_sk
                    + (f"k{linear_skinny.KSPLIT}" if linear_skinny.KSPLIT > 1 else ""))
 VARIANTS = f"{DEFAULT_VARIANT},w8r1u2,w8r1u8,w4r1u4,w8r2u2,w16r1u2,w8r1u4k2,w8r1u2k4"
 _VARIANT_RE = re.compile(r"^w(\d+)r(\d+)u(\d+)(?:k(\d+))?$")
-
-
-def lite():
-    return ir.load_spec(os.path.join(ROOT, "model_specs", "deepseek_v2_lite.yaml")).model
 
 
 def shapes(m) -> dict:
@@ -119,29 +112,12 @@ def compile_only(m, names, variants, arch) -> int:
     return 1 if bad else 0
 
 
-def copy_bandwidth() -> float:
-    import torch
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return 2 * n / (sorted(times)[2] / 1e3)
-
-
 def time_cycled(fn, copies: int) -> float:
     """us per call of fn(i), i cycling over `copies` weight copies (so the weights come from DRAM, not
-    L2): perf_decode.time_us over max(ITERS, copies) calls in one CUDA graph (median of 3 replays)."""
-    from perf_decode import time_us
+    L2): runtime.timing.graph_us over max(ITERS, copies) calls in one CUDA graph (median of 3 replays)."""
+    from runtime.timing import graph_us
     calls = itertools.count()
-    return time_us(lambda: fn(next(calls) % copies), iters=max(ITERS, copies))
+    return graph_us(lambda: fn(next(calls) % copies), iters=max(ITERS, copies))
 
 
 def main() -> int:
@@ -168,6 +144,7 @@ def main() -> int:
     import torch.nn.functional as F
 
     from ir.ops.core import gate_up_silu_ref
+    from runtime.bench import copy_bandwidth
     from runtime.launcher import KernelRunner
     runner = KernelRunner()
     bw = copy_bandwidth()

@@ -1,17 +1,11 @@
-"""tests/gpu/perf_footprint.py and tests/gpu/probe_icache.py on the CPU: how the footprint script
+"""bench/perf_footprint.py and bench/probe_icache.py on the CPU: how the footprint script
 reads ncu's source page into each kernel's executed code, and that the probe's kernels are the code
 they claim to be (NVRTC here, no GPU)."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "gpu"))
-sys.path.insert(0, os.path.join(HERE, "codegen"))
-import perf_footprint as pf  # noqa: E402
+from bench import perf_footprint as pf
 
 HEADER = '"{a}","Source","Warp Stall Sampling (All Samples)","Instructions Executed","Thread Instructions Executed"\n'
 
@@ -60,10 +54,10 @@ def test_a_layer_sums_the_kernels_every_layer_runs(capsys):
 
 
 def test_the_probe_kernels_are_the_code_they_claim():
-    from sass import cuobjdump, instructions
+    from tests.codegen.sass import cuobjdump, instructions
     if cuobjdump() is None:
         pytest.skip("needs cuobjdump and nvdisasm (the test extra)")
-    import probe_icache as pi
+    from bench import probe_icache as pi
 
     from codegen.nvrtc import compile_cubin
     src = (pi.straight_kernel("s8", 8, 1) + pi.gapped_kernel("g8", 8, 32) + pi.warm_pass_kernel("w8", 8, True)

@@ -1,6 +1,6 @@
 """The engine's own host time per decode step of `generate` (a script, not a test; no GPU).
 
-    python3 tests/runtime/perf_engine_host.py [--cases 1x512,128x64,128x2000] [--steps 40]
+    python3 -m bench.perf_engine_host [--cases 1x512,128x64,128x2000] [--steps 40]
 
 What `dsgraph bench` does not time: between two decode steps `Engine.generate` samples, advances
 and finishes sequences, schedules the next batch (cache blocks) and builds the step's inputs, on
@@ -12,19 +12,15 @@ model, its positions widened so long prompts are accepted).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
+import torch
 
-import tiny_engine  # noqa: E402
-from runtime import SamplingParams  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
-from runtime.scheduler import Scheduler  # noqa: E402
+from tests.runtime import tiny_engine
+from runtime import SamplingParams
+from runtime.engine import Engine
+from runtime.scheduler import Scheduler
 
 VOCAB = 64
 

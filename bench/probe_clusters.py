@@ -2,7 +2,7 @@
 that takes a whole SM (one CTA per SM: ~224 KB of shared memory, as mla_decode_attention's
 tensor-core split), from cuOccupancyMaxActiveClusters (a script, not a test).
 
-    python3 tests/gpu/probe_clusters.py [--smem BYTES]
+    python3 -m bench.probe_clusters [--smem BYTES]
 
 The GPCs' SM counts decide it: a cluster's CTAs share one GPC, so a GPC of n SMs holds
 floor(n / S) clusters of S one-SM CTAs. mla_decode_attention's split policy depends on it.
@@ -10,15 +10,12 @@ floor(n / S) clusters of S one-SM CTAs. mla_decode_attention's split policy depe
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
+import torch
 
-from codegen.nvrtc import compile_cubin  # noqa: E402
-from runtime.cuda_driver import LoadedModule, _driver, check  # noqa: E402
+from codegen.nvrtc import compile_cubin
+from runtime.cuda_driver import LoadedModule, _driver, check
 
 SRC = r'''
 extern "C" __global__ void __launch_bounds__(256, 1) probe(float* p) {

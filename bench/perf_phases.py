@@ -1,7 +1,7 @@
 """Where a decode step's time goes inside its kernels, from marks the kernels write themselves (a
 script, not a test).
 
-    python3 tests/gpu/perf_phases.py [--cases 1x512,1x4096] [--steps 30] [--window 15,80] [--pdl both]
+    python3 -m bench.perf_phases [--cases 1x512,1x4096] [--steps 30] [--window 15,80] [--pdl both]
 
 DeepSeek-V2-Lite (random bf16 weights, as `dsgraph bench`), its kernels compiled with -DDSG_PHASES=1
 (templates/include/phases.cuh) into a bundle cache of this run's own, decode steps replayed from
@@ -40,7 +40,6 @@ import statistics
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 MARKS = 9                     # phases.cuh: a table row (its CTAS rows: the table's size)
 WAIT_CALL, WAITED, TRIGGER, EXIT = range(4)

@@ -1,7 +1,7 @@
 """Each b=1 decode kernel's executed code footprint, from Nsight Compute's source counters (a
 script, not a test).
 
-    python3 tests/gpu/perf_footprint.py [--out DIR] [--case 1x512] [--kernels 40] [--skip 0]
+    python3 -m bench.perf_footprint [--out DIR] [--case 1x512] [--kernels 40] [--skip 0]
 
 PERF_NOTES v32: an H200 fetches code that is not in its SMs' instruction caches at ~104 SM cycles
 a KB, and at b=1 a decode layer's kernels each run once between nine others, so the instructions a
@@ -35,8 +35,8 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+from codegen.paths import REPO_ROOT
+
 
 INSTR_BYTES = 16
 # dsgraph's kernel names (codegen/kernel.py: family__params); torch's own kernels are left out
@@ -168,9 +168,9 @@ def main() -> int:
     if not a.parse:
         cmd = [a.ncu, "--clock-control", "none", "--section", "SourceCounters", "-k", KERNELS,
                "--launch-skip", str(a.skip), "--launch-count", str(a.kernels), "-f", "-o", rep,
-               sys.executable, os.path.abspath(__file__), "--child", "--out", out, "--case", a.case]
+               sys.executable, "-m", "bench.perf_footprint", "--child", "--out", out, "--case", a.case]
         try:
-            got = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            got = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, cwd=REPO_ROOT)
         except subprocess.TimeoutExpired as e:
             text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x
                            for x in (e.stdout or "", e.stderr or ""))

@@ -1,7 +1,7 @@
 """What a kernel boundary costs when the next kernel takes its input on a flag instead of at its
 PDL wait (a script, not a test).
 
-    python3 tests/gpu/perf_handoff.py [--ctas 1,8,64,132] [--work-cycles 0,4000] [--links 200]
+    python3 -m bench.perf_handoff [--ctas 1,8,64,132] [--work-cycles 0,4000] [--links 200]
 
 A chain of `links` launches of one kernel, every one a programmatic dependent launch, captured in
 one CUDA graph.  Link i reads what link i - 1 wrote (one int a CTA), spins `work` SM cycles, and
@@ -20,15 +20,12 @@ Per link: the replay's time over `links`; `flag` - `wait` is what the hand-off s
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from codegen.nvrtc import compile_cubin  # noqa: E402
-from runtime.cuda_driver import I32, I64, LoadedModule, launch  # noqa: E402
+from codegen.nvrtc import compile_cubin
+from runtime.cuda_driver import I32, I64, LoadedModule, launch
 
 SRC = r"""
 __device__ __forceinline__ void spin_cycles(long long n) {

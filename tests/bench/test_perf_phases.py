@@ -1,12 +1,10 @@
-"""tests/gpu/perf_phases.py, the in-kernel phase marks of a decode step, on the CPU: how it turns
+"""bench/perf_phases.py, the in-kernel phase marks of a decode step, on the CPU: how it turns
 mark tables into a chain of the last layer's kernels and its per-boundary figures."""
 from __future__ import annotations
 
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
-import perf_phases as pp  # noqa: E402
+from bench import perf_phases as pp
 
 US = 1000   # ns
 
@@ -84,7 +82,7 @@ def test_the_script_compiles_every_kernel_with_the_marks_into_a_cache_of_its_own
     monkeypatch.setenv("DSGRAPH_CACHE_DIR", "/elsewhere")
     pp.with_phase_marks()
     assert os.environ["DSGRAPH_CACHE_DIR"] != "/elsewhere" and os.path.isdir(os.environ["DSGRAPH_CACHE_DIR"])
-    golden = os.path.join(os.path.dirname(os.path.abspath(__file__)), "codegen", "golden", "deepseek_v2_lite")
+    golden = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "codegen", "golden", "deepseek_v2_lite")
     name = "fused_add_rms_norm__bf16__d2048"
     cubin = nvrtc.compile_cubin(open(os.path.join(golden, name + ".cu")).read(), name, arch="sm_90").cubin
     assert b"dsg_phase_ns" in cubin and b"dsg_phase_clk" in cubin
