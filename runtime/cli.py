@@ -9,6 +9,7 @@
     dsgraph generate --model DIR (--prompt TEXT | --ids 1,2,3) [--max-new-tokens N] ...
     dsgraph bench [--quick] [--decode BxC,...] [--prefill BxL,...] [--no-pdl] [--json bench.json]
     dsgraph plan [SPEC] [--gpus N[,N...]] [--dtype bf16] [--batch 32] [--context 4096] [--json] ...
+    dsgraph serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [engine options as for generate]
 
 Subcommands live in COMMANDS (name -> (add_arguments, run)); adding one is one
 entry.  A user's mistake (bad spec, failed kernel compile, damaged bundle, missing
@@ -34,6 +35,7 @@ from .bench import add_bench_args, run_bench
 from .cli_args import block_size_arg, whole_number
 from .cli_generate import add_generate_args, run_generate
 from .cli_plan import add_plan_args, run_plan
+from .cli_serve import add_serve_args, run_serve
 from .errors import DsgraphError
 
 EXIT_USER_ERROR = 2
@@ -218,6 +220,7 @@ COMMANDS = {
     "generate": (add_generate_args, run_generate),
     "bench": (add_bench_args, run_bench),
     "plan": (add_plan_args, run_plan),
+    "serve": (add_serve_args, run_serve),
 }
 
 

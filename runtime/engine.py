@@ -33,7 +33,7 @@ from ir.context import StepContext
 from ir.parallel import check_parallel
 from ir.spec import Spec, parse_spec
 
-from .errors import CacheFullError, InputError, NonFiniteError
+from .errors import CacheFullError, InputError, NonFiniteError, PromptTooLongError
 from .h2d import upload_together
 from .kv_cache import BlockAllocator, BlockTables, PagedLatentCache
 from .memory import MemoryEstimate, check_fits, weight_bytes
@@ -380,7 +380,7 @@ class Engine:
                 if not 0 <= tid < self.vocab:
                     raise InputError(f"prompt {i}, position {j}: token id {tid} is out of range [0, {self.vocab})")
             if len(p) > self.max_seq_len:
-                raise InputError(f"prompt {i} has {len(p)} tokens; the engine holds at most {self.max_seq_len} "
+                raise PromptTooLongError(f"prompt {i} has {len(p)} tokens; the engine holds at most {self.max_seq_len} "
                                  f"per sequence (max_seq_len; the model allows {self.spec.dims['max_positions']})")
             out.append(ids)
         return out
