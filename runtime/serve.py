@@ -16,6 +16,7 @@ fastapi is imported only here, so the rest of dsgraph runs without the [serve] e
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -166,15 +167,31 @@ class Server:
             choice["message"] = {"role": "assistant", "content": text}
         return choice
 
-    async def complete(self, job: Job, ids: list[int], params: SamplingParams) -> JSONResponse:
+    async def complete(self, job: Job, ids: list[int], params: SamplingParams, request: Request) -> JSONResponse:
         rid = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
         pieces, tokens, reason = [], [], None
-        try:
+
+        async def collect():
+            nonlocal reason
             async for piece, new, reason in self.events(job, ids, params):
                 pieces.append(piece)
-                tokens += new
-        except EngineStoppedError as e:
-            return _error(RequestError(str(e), status=503, kind="service_unavailable"))
+                tokens.extend(new)
+
+        # A client that hangs up while its answer is computed has its request aborted (the
+        # collecting task is cancelled, which closes the stream), as a streaming client's is.
+        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            work.cancel()                               # a no-op once it has finished
+            (outcome,) = await asyncio.gather(work, return_exceptions=True)
+        if isinstance(outcome, asyncio.CancelledError):
+            return _error(RequestError("the client disconnected", status=499))   # nobody reads it
+        if isinstance(outcome, EngineStoppedError):
+            return _error(RequestError(str(outcome), status=503, kind="service_unavailable"))
+        if isinstance(outcome, BaseException):
+            raise outcome
         return JSONResponse({**self._head(job, rid, False),
                              "choices": [self._choice(job, "".join(pieces), tokens, reason, False)],
                              "usage": self._usage(len(ids), len(tokens))})
@@ -234,7 +251,7 @@ class Server:
                 job, ids, params = self.prepare(body, chat)
             except RequestError as e:
                 return _error(e)
-            return self.stream(job, ids, params) if job.stream else await self.complete(job, ids, params)
+            return self.stream(job, ids, params) if job.stream else await self.complete(job, ids, params, request)
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -256,6 +273,12 @@ class Server:
                                 status_code=200 if running else 503)
 
         return app
+
+
+async def _disconnected(request: Request, every: float = 0.25) -> None:
+    """Returns once the client has gone."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(every)
 
 
 def _one_request(e: Exception) -> str:

@@ -27,7 +27,7 @@ from hf_tiny import VOCAB, build                       # noqa: E402
 from tiny_tokenizer import SPECIAL, save_tokenizer     # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_SEQ_LEN = 96
+MAX_SEQ_LEN = 256                  # the tiny model's limit: a long answer takes a few seconds on the CPU
 ENGINE_ARGS = ["--backend", "reference", "--device", "cpu", "--dtype", "fp32", "--block-size", "4",
                "--max-seq-len", str(MAX_SEQ_LEN)]
 
@@ -199,6 +199,16 @@ def test_sixteen_concurrent_streams_equal_generate_alone(client, engine, model_d
     assert got == [alone(engine, p, n) for p, n in zip(prompts, lengths)]
 
 
+def _wait_aborted(url: str, before: dict) -> dict:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{url}/health").json()
+        if health["requests"] == 0 and health["aborted"] > before["aborted"]:
+            break
+        time.sleep(0.1)
+    return health
+
+
 def test_a_client_that_leaves_mid_stream_is_aborted_and_its_blocks_come_back(server, model_dir):
     url = server[0]
     before = httpx.get(f"{url}/health").json()
@@ -211,12 +221,19 @@ def test_a_client_that_leaves_mid_stream_is_aborted_and_its_blocks_come_back(ser
             events += line.startswith("data: ")
             if events == 2:
                 break                                     # leave, mid-answer
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        health = httpx.get(f"{url}/health").json()
-        if health["requests"] == 0 and health["aborted"] > before["aborted"]:
-            break
-        time.sleep(0.1)
+    health = _wait_aborted(url, before)
+    assert health["aborted"] == before["aborted"] + 1 and health["requests"] == 0
+    assert health["free_blocks"] == health["num_blocks"]
+
+
+def test_a_client_that_leaves_before_its_whole_answer_is_aborted(server, model_dir):
+    url = server[0]
+    before = httpx.get(f"{url}/health").json()
+    body = {"model": model_dir.name, "prompt": prompt_ids(4), "max_tokens": MAX_SEQ_LEN, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+    health = _wait_aborted(url, before)
     assert health["aborted"] == before["aborted"] + 1 and health["requests"] == 0
     assert health["free_blocks"] == health["num_blocks"]
 
@@ -243,7 +260,7 @@ def test_errors_through_the_client_and_others_unaffected(client, engine, model_d
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="no-such-model", prompt=[1, 2], max_tokens=2)
     with pytest.raises(openai.APIStatusError) as e:
-        client.chat.completions.create(model=model_dir.name, messages=[{"role": "user", "content": "w1 " * 200}])
+        client.chat.completions.create(model=model_dir.name, messages=[{"role": "user", "content": "w1 " * MAX_SEQ_LEN}])
     assert e.value.status_code == 413
     with pytest.raises(openai.NotFoundError):
         client.get("/v1/nothing-here", cast_to=object)
