@@ -264,7 +264,8 @@ class Server:
         @app.get("/v1/models")
         async def models():
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                                "owned_by": "dsgraph", "max_model_len": self.engine.max_seq_len}]}
+                                                "owned_by": "dsgraph", "max_model_len": self.engine.max_seq_len,
+                                                "vocab_size": self.engine.vocab}]}
 
         @app.get("/health")
         async def health():

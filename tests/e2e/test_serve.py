@@ -6,15 +6,10 @@ its cache blocks come back), bad requests as OpenAI-shaped errors, and a clean s
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -24,43 +19,12 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from hf_tiny import VOCAB, build                       # noqa: E402
+from serve_client import server_log, start_server                  # noqa: E402
 from tiny_tokenizer import SPECIAL, save_tokenizer     # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_SEQ_LEN = 256                  # the tiny model's limit: a long answer takes a few seconds on the CPU
 ENGINE_ARGS = ["--backend", "reference", "--device", "cpu", "--dtype", "fp32", "--block-size", "4",
                "--max-seq-len", str(MAX_SEQ_LEN)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}: {proc.stderr.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError("the server did not answer /health in time")
-
-
-def start_server(model_dir: Path, *extra: str) -> tuple[str, subprocess.Popen]:
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", str(model_dir), "--port", str(port),
-                             "--log-level", "warning", *ENGINE_ARGS, *extra],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc)
-    return url, proc
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +35,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    url, proc = start_server(model_dir)
+    url, proc = start_server(model_dir, *ENGINE_ARGS)
     yield url, proc
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -269,6 +233,19 @@ def test_errors_through_the_client_and_others_unaffected(client, engine, model_d
         == alone(engine, p, 3)
 
 
+def test_the_load_script_reports_throughput_and_ttft(server):
+    """bench/serve_load.py (the GPU load run's script), briefly, against the CPU server."""
+    import asyncio
+
+    from bench.serve_load import run_load
+    report = asyncio.run(run_load(server[0], streams=4, seconds=1.0, prompt_len=6, max_tokens=4))
+    assert report.requests >= 4 and report.errors == 0
+    assert report.output_tokens == 4 * report.requests and report.tokens_per_s > 0
+    assert 0 < report.ttft_ms["p50"] <= report.ttft_ms["p99"] and report.tpot_ms["p50"] > 0
+    health = httpx.get(f"{server[0]}/health").json()
+    assert health["requests"] == 0 and health["free_blocks"] == health["num_blocks"]
+
+
 def test_sigterm_stops_the_server_cleanly(server, model_dir):
     """Last: it stops the module's server.  A stream open at SIGTERM ends (finished, or cut at the
     shutdown timeout) and the process exits 0 with no traceback."""
@@ -294,6 +271,6 @@ def test_sigterm_stops_the_server_cleanly(server, model_dir):
     assert proc.wait(timeout=60) == 0
     t.join(60)
     assert not t.is_alive()
-    err = proc.stderr.read()
-    assert "Traceback" not in err, err
+    err = server_log(proc)
+    assert "Traceback" not in err and "dsgraph: server stopped" in err, err
     assert lines and json.loads(lines[0].removeprefix("data: "))["object"] == "text_completion"
