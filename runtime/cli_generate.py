@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from codegen.paths import DEFAULT_SPEC
+from codegen.paths import DEFAULT_SPEC, SPEC_ARGUMENT, shipped_specs
 
 from .cli_args import block_size_arg, whole_number
 
@@ -42,9 +42,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                          help="a Hugging Face DeepSeek-V2/V3 checkpoint directory (safetensors + config.json)")
     weights.add_argument("--random-weights", action="store_true",
                          help="no checkpoint: run the spec with random weights")
-    p.add_argument("--spec", metavar="SPEC.yaml",
-                   help="the model spec (default: written from DIR/config.json; with --random-weights: "
-                        f"model_specs/{DEFAULT_SPEC.name})")
+    p.add_argument("--spec", metavar="SPEC",
+                   help=f"the model spec: {SPEC_ARGUMENT} ({', '.join(shipped_specs())}; default: written from "
+                        f"DIR/config.json; with --random-weights: {DEFAULT_SPEC.stem})")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text (needs a tokenizer in DIR)")
     src.add_argument("--ids", help="comma-separated token ids, e.g. 1,2,3")
@@ -74,6 +74,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache page size in tokens (default: the bundle's, else 64)")
     p.add_argument("--max-seq-len", type=whole_number(1), default=None, metavar="N",
                    help="longest sequence the KV cache holds (default: 8192, or the model's limit if lower)")
+    p.add_argument("--num-blocks", type=whole_number(1), default=None, metavar="N",
+                   help="KV-cache blocks (default: sized to the device)")
 
 
 def engine_kwargs(args) -> dict:
@@ -89,7 +91,8 @@ def engine_kwargs(args) -> dict:
     backend = args.backend or ("cuda" if device.startswith("cuda") else "reference")
     dtype = args.dtype or (None if args.bundle else "bf16" if device.startswith("cuda") else "fp32")
     check_device(backend, device)
-    kwargs = dict(backend=backend, device=device, dtype=dtype, bundle=args.bundle, max_seq_len=args.max_seq_len)
+    kwargs = dict(backend=backend, device=device, dtype=dtype, bundle=args.bundle, max_seq_len=args.max_seq_len,
+                  num_blocks=args.num_blocks)
     if args.block_size is not None:
         kwargs["block_size"] = args.block_size
     return kwargs
@@ -108,7 +111,8 @@ def load_tokenizer(model_dir, needed: bool, warn: bool, without: str = "printing
     if model_dir is None:
         why = "--random-weights has no model directory"
     elif not os.path.isdir(model_dir):
-        why = f"{model_dir} is not a folder"
+        from codegen.paths import missing_model_folder
+        raise InputError(missing_model_folder(model_dir))      # before the tokenizer: the folder itself
     elif not (present := [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, f))]):
         why = f"none in {model_dir}"
     else:

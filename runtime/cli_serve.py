@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 
-from codegen.paths import DEFAULT_SPEC
+from codegen.paths import DEFAULT_SPEC, SPEC_ARGUMENT, shipped_specs
 
 from .cli_args import whole_number
 from .cli_generate import add_engine_args, engine_kwargs, load_tokenizer
@@ -32,8 +32,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     weights.add_argument("--random-weights", action="store_true",
                          help="no checkpoint: serve the spec with random weights (token-id prompts only)")
     p.add_argument("--spec", metavar="SPEC",
-                   help="the model spec (default: written from MODEL_DIR/config.json; with --random-weights: "
-                        f"{DEFAULT_SPEC.stem})")
+                   help=f"the model spec: {SPEC_ARGUMENT} ({', '.join(shipped_specs())}; default: written from "
+                        f"MODEL_DIR/config.json; with --random-weights: {DEFAULT_SPEC.stem})")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=whole_number(1, 65535), default=8000, help="port to listen on")
     p.add_argument("--served-model-name", metavar="NAME",
@@ -42,8 +42,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--max-num-seqs", type=whole_number(1), default=MAX_NUM_SEQS, metavar="N",
                    help="requests decoded together at most (more wait for a place)")
-    p.add_argument("--num-blocks", type=whole_number(1), default=None, metavar="N",
-                   help="KV-cache blocks (default: sized to the device)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
                    help="on SIGINT/SIGTERM, seconds open requests get to finish")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
@@ -77,16 +75,16 @@ def run_serve(args) -> int:
         raise InputError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     kwargs = engine_kwargs(args)
     _check_port(args.host, args.port)
-    tokenizer = load_tokenizer(args.model, needed=False, warn=args.model is not None,
-                               without="serving token-id prompts only (no text, no chat)")
 
     from .engine import Engine
     from .serve import Server
-    kwargs.update(max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
+    kwargs["max_num_seqs"] = args.max_num_seqs
     if args.random_weights:
         engine = Engine.from_spec(None if args.bundle else args.spec or str(DEFAULT_SPEC), **kwargs)
     else:
         engine = Engine.from_pretrained(args.model, spec=args.spec, progress=True, **kwargs)
+    tokenizer = load_tokenizer(args.model, needed=False, warn=args.model is not None,
+                               without="serving token-id prompts only (no text, no chat)")
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else engine.spec.name)
     server = Server(engine, tokenizer, name)

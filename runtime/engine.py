@@ -118,6 +118,9 @@ def check_device(backend: str, device) -> torch.device:
     if backend == "cuda" and dev.type != "cuda":
         raise InputError(f"backend='cuda' runs the generated kernels on a CUDA device, got device={dev}; "
                          f"use device='cuda', or backend='reference' on the CPU")
+    if backend == "cuda":
+        from .requirements import check_gpu
+        check_gpu(dev)              # a Hopper GPU and a CUDA 13 driver
     return dev
 
 
