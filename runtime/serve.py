@@ -119,8 +119,8 @@ class Server:
             return job.prompt_ids
         tok = self.tokenizer
         if tok is None:
-            what = "chat messages" if job.chat else "a text prompt"
-            raise RequestError(f"{what} need a tokenizer and the model folder has none; send the prompt as token "
+            what = "chat messages need" if job.chat else "a text prompt needs"
+            raise RequestError(f"{what} a tokenizer and the model folder has none; send the prompt as token "
                                f"ids to /v1/completions", param="messages" if job.chat else "prompt")
         if job.chat:
             if not getattr(tok, "chat_template", None):
@@ -231,6 +231,7 @@ class Server:
                 self.aengine.shutdown()
 
         app = FastAPI(title="dsgraph", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        app.state.server = self
 
         @app.exception_handler(HTTPException)
         async def http_error(_request, exc: HTTPException):
