@@ -112,7 +112,8 @@ async def run_load(url: str, *, streams: int = 64, seconds: float = 60.0, prompt
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
     p.add_argument("--model", help="the model name to send (default: the server's one model)")
     p.add_argument("--streams", type=int, default=64, help="concurrent streaming clients")

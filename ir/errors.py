@@ -14,11 +14,17 @@ class DsgraphError(Exception):
     such an error as one line and never as a traceback."""
 
 
-def did_you_mean(name, known) -> str:
-    """"; did you mean 'x'?" for the nearest of `known` to a mistyped `name`, else ""."""
+def closest(name, known) -> str | None:
+    """The one of `known` a mistyped `name` was most likely meant to be, if any is close."""
     import difflib
     close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return close[0] if close else None
+
+
+def did_you_mean(name, known) -> str:
+    """"; did you mean 'x'?" for the nearest of `known` to a mistyped `name`, else ""."""
+    near = closest(name, known)
+    return f"; did you mean {near!r}?" if near else ""
 
 
 class SpecError(DsgraphError, ValueError):

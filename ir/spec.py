@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from .errors import SpecError, did_you_mean
+from .errors import SpecError, closest, did_you_mean
 from .model import NULLABLE_DIMS, REQUIRED_DIMS, ModelConfig, RopeConfig
 from .ops import OPS
 from .ops.base import FLOAT32_MAX, AttrError, width_problem
@@ -138,8 +138,8 @@ def _parse_dims(loc: Located, data: dict) -> dict:
         out[name] = value
     for name in REQUIRED_DIMS:
         if name not in out:
-            typo = did_you_mean(name, [d for d in out if d not in REQUIRED_DIMS and d not in NULLABLE_DIMS])
-            typo = f" ({typo.removeprefix('; did you mean ').removesuffix('?')} is not a dim name: a typo?)" if typo else ""
+            typo = closest(name, [d for d in out if d not in REQUIRED_DIMS and d not in NULLABLE_DIMS])
+            typo = f" ({typo!r} is not a dim name: a typo?)" if typo else ""
             raise loc.error("dims", f"missing dim {name!r}{typo} (a spec names: {', '.join(REQUIRED_DIMS)})")
     # The graph is built layer by layer, with one weight name per expert per layer, and the
     # rotary inverse frequencies are computed one by one: bound them so that an absurd value

@@ -36,8 +36,8 @@ def in_cli_terms(message: str) -> str:
     num_blocks), in the command line's terms (--device cpu, --dtype fp32, raise --num-blocks):
     what `dsgraph` prints when the engine refuses something."""
     import re
-    message = re.sub(r"\b(device|backend)=(?:'([^']*)'|([\w:]+))", lambda m: f"--{m.group(1)} {m.group(2) or m.group(3)}",
-                     message)
+    message = re.sub(r"\b(device|backend)=(?:'([^']*)'|([\w:]+))",
+                     lambda m: f"--{m.group(1)} {m.group(2) or m.group(3)}", message)
     message = re.sub(r"\bdtype=torch\.(float32|bfloat16|float16)\b",
                      lambda m: f"--dtype {_TORCH_DTYPES[m.group(1)]}", message)
     names = "|".join(_API_OPTIONS)

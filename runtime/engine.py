@@ -383,8 +383,9 @@ class Engine:
                 if not 0 <= tid < self.vocab:
                     raise InputError(f"prompt {i}, position {j}: token id {tid} is out of range [0, {self.vocab})")
             if len(p) > self.max_seq_len:
-                raise PromptTooLongError(f"prompt {i} has {len(p)} tokens; the engine holds at most {self.max_seq_len} "
-                                 f"per sequence (max_seq_len; the model allows {self.spec.dims['max_positions']})")
+                raise PromptTooLongError(f"prompt {i} has {len(p)} tokens; the engine holds at most "
+                                         f"{self.max_seq_len} per sequence (max_seq_len; the model allows "
+                                         f"{self.spec.dims['max_positions']})")
             out.append(ids)
         return out
 

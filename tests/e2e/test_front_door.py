@@ -124,7 +124,8 @@ def test_a_gpu_older_than_hopper_or_an_old_driver_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     check_device("cuda", "cuda")
     monkeypatch.setattr(requirements, "driver_version", lambda: 12040)
-    with pytest.raises(InputError, match=r"supports CUDA 12.4; .* need an NVIDIA driver for CUDA 13 or newer \(R580\+\)"):
+    with pytest.raises(InputError, match=r"supports CUDA 12.4; .* need an NVIDIA driver for CUDA 13 or newer "
+                                         r"\(R580\+\)"):
         check_device("cuda", "cuda")
 
 

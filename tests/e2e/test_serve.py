@@ -224,7 +224,8 @@ def test_errors_through_the_client_and_others_unaffected(client, engine, model_d
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="no-such-model", prompt=[1, 2], max_tokens=2)
     with pytest.raises(openai.APIStatusError) as e:
-        client.chat.completions.create(model=model_dir.name, messages=[{"role": "user", "content": "w1 " * MAX_SEQ_LEN}])
+        client.chat.completions.create(model=model_dir.name,
+                                       messages=[{"role": "user", "content": "w1 " * MAX_SEQ_LEN}])
     assert e.value.status_code == 413
     with pytest.raises(openai.NotFoundError):
         client.get("/v1/nothing-here", cast_to=object)
