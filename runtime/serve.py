@@ -120,8 +120,9 @@ class Server:
         tok = self.tokenizer
         if tok is None:
             what = "chat messages need" if job.chat else "a text prompt needs"
-            raise RequestError(f"{what} a tokenizer and the model folder has none; send the prompt as token "
-                               f"ids to /v1/completions", param="messages" if job.chat else "prompt")
+            raise RequestError(f"{what} a tokenizer and this server has none (it reads the one in the model "
+                               f"folder); send the prompt as token ids to /v1/completions",
+                               param="messages" if job.chat else "prompt")
         if job.chat:
             if not getattr(tok, "chat_template", None):
                 raise RequestError("the model's tokenizer has no chat template (tokenizer_config.json "
