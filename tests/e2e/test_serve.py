@@ -275,3 +275,13 @@ def test_sigterm_stops_the_server_cleanly(server, model_dir):
     err = server_log(proc)
     assert "Traceback" not in err and "dsgraph: server stopped" in err, err
     assert lines and json.loads(lines[0].removeprefix("data: "))["object"] == "text_completion"
+
+
+def test_sigint_stops_a_server_cleanly(model_dir):
+    """Ctrl-C in the terminal: the same graceful stop, exit 0, no traceback."""
+    url, proc = start_server(model_dir, *ENGINE_ARGS)
+    assert httpx.get(f"{url}/health").status_code == 200
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    err = server_log(proc)
+    assert "Traceback" not in err and "dsgraph: server stopped" in err, err
