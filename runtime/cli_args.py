@@ -27,7 +27,7 @@ def block_size_arg(text: str) -> int:
 
 
 # The engine's arguments as the API names them in messages, and the command line's options for them.
-_API_OPTIONS = ("num_blocks", "max_seq_len", "max_new_tokens", "max_num_seqs", "block_size")
+_API_OPTIONS = ("num_blocks", "max_seq_len", "max_new_tokens", "max_num_seqs", "top_p", "top_k", "block_size")
 _TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 

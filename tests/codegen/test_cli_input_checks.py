@@ -187,8 +187,8 @@ def test_model_and_random_weights_are_exclusive(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["--temperature", "-1"], ["temperature must be a finite number >= 0"]),
-    (["--top-p", "0"], ["top_p must be in (0, 1]"]),
-    (["--max-new-tokens", "0"], ["max_new_tokens must be an integer >= 1"]),
+    (["--top-p", "0"], ["--top-p must be in (0, 1]"]),              # the engine's message, in CLI terms
+    (["--max-new-tokens", "0"], ["--max-new-tokens must be an integer >= 1"]),
     (["--device", ""], ["device '' is not a torch device"]),
 ])
 def test_pure_argument_errors_come_before_the_model_loads(tmp_path, capsys, argv, words):
