@@ -18,7 +18,19 @@ capability (the same bundle under the same cache key), the device's plain arch e
 """
 from __future__ import annotations
 
-from .nvrtc import parse_arch
+from .nvrtc import ArchError, parse_arch
+
+# What dsgraph's kernels are written for (wgmma, TMA, programmatic dependent launch): one wording
+# for the compile command and the runtime's device check.
+SUPPORTED_GPUS = "Hopper GPUs (compute capability 9.0: H100, H200)"
+MIN_ARCH = 90
+
+
+def check_supported(target: str) -> None:
+    """ArchError, in one line that says what is supported, for a target older than Hopper."""
+    if parse_arch(target) < MIN_ARCH:
+        raise ArchError(f"dsgraph's kernels are written for {SUPPORTED_GPUS}; {target} is older: "
+                        f"compile for sm_90 or sm_90a")
 
 
 def features(target: str) -> frozenset:

@@ -58,6 +58,7 @@ from .cache import (MANIFEST, BundleCache, cache_key, compiler_source_hash, defa
                     default_cache_origin)
 from .errors import DsgraphError
 from .kernel import DEFAULTS, DTYPES, KernelLaunch, Options, signature_key
+from .paths import spec_path
 
 SCHEMA = 3     # 3: each kernel step says whether it is launched with PDL ("pdl"), and so do the options
 PHASES = ("prefill", "decode")  # same as ir.PHASES; spelled here so a cache hit never imports ir
@@ -113,11 +114,9 @@ def _spec_text(spec) -> tuple[str, str]:
     """(text, file name) of a spec path or an ir.Spec."""
     if hasattr(spec, "text") and hasattr(spec, "model"):
         return spec.text, spec.file
-    path = Path(spec)
+    path = spec_path(spec)               # a file, or a shipped spec's name
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"spec file not found: {path}") from None
     except IsADirectoryError:
         raise FileNotFoundError(f"spec path is a folder, not a YAML file: {path}") from None
     except OSError as e:

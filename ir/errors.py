@@ -14,6 +14,19 @@ class DsgraphError(Exception):
     such an error as one line and never as a traceback."""
 
 
+def closest(name, known) -> str | None:
+    """The one of `known` a mistyped `name` was most likely meant to be, if any is close."""
+    import difflib
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1)
+    return close[0] if close else None
+
+
+def did_you_mean(name, known) -> str:
+    """"; did you mean 'x'?" for the nearest of `known` to a mistyped `name`, else ""."""
+    near = closest(name, known)
+    return f"; did you mean {near!r}?" if near else ""
+
+
 class SpecError(DsgraphError, ValueError):
     """A mistake in a model spec: unknown op, undefined value, bad shape, missing dim..."""
 
@@ -29,3 +42,11 @@ class SpecError(DsgraphError, ValueError):
 
 class GraphError(DsgraphError, RuntimeError):
     """The graph broke an invariant (a compiler bug, or a pass that went wrong)."""
+
+
+class SpecNotFoundError(SpecError, FileNotFoundError):
+    """A spec argument that is neither a file nor the name of a spec shipped with dsgraph."""
+
+    def __init__(self, message: str, *, file: str):
+        DsgraphError.__init__(self, message)
+        self.file, self.path, self.line, self.message = file, "", None, message

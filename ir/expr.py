@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 import operator
 
+from .errors import did_you_mean
+
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
 
 
@@ -35,7 +37,7 @@ def evaluate(expr, env: dict[str, int | None]) -> int:
             return node.value
         if isinstance(node, ast.Name):
             if node.id not in env:
-                raise ExprError(f"undefined dim {node.id!r} in {expr!r}")
+                raise ExprError(f"undefined dim {node.id!r} in {expr!r}{did_you_mean(node.id, env)}")
             value = env[node.id]
             if value is None:
                 raise ExprError(f"dim {node.id!r} is null (this model has none) but {expr!r} uses it")

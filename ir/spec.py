@@ -17,7 +17,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from .errors import SpecError
+from .errors import SpecError, closest, did_you_mean
 from .formats import ACT, FORMATS
 from .model import NULLABLE_DIMS, REQUIRED_DIMS, ModelConfig, RopeConfig
 from .ops import OPS
@@ -146,7 +146,9 @@ def _parse_dims(loc: Located, data: dict) -> dict:
         out[name] = value
     for name in REQUIRED_DIMS:
         if name not in out:
-            raise loc.error("dims", f"missing dim {name!r} (a spec names: {', '.join(REQUIRED_DIMS)})")
+            typo = closest(name, [d for d in out if d not in REQUIRED_DIMS and d not in NULLABLE_DIMS])
+            typo = f" ({typo!r} is not a dim name: a typo?)" if typo else ""
+            raise loc.error("dims", f"missing dim {name!r}{typo} (a spec names: {', '.join(REQUIRED_DIMS)})")
     # The graph is built layer by layer, with one weight name per expert per layer, and the
     # rotary inverse frequencies are computed one by one: bound them so that an absurd value
     # is an error rather than minutes of work and gigabytes of names.
@@ -184,7 +186,8 @@ def _parse_config(loc: Located, data: dict, name: str, model_type: str, dims: di
     cfg = _get(loc, data, "config", "", dict)
     for key in cfg:
         if key not in ("rms_norm_eps", "tie_word_embeddings", "rope"):
-            raise loc.error(f"config.{key}", f"unknown config key {key!r}")
+            raise loc.error(f"config.{key}", f"unknown config key {key!r}"
+                                             f"{did_you_mean(key, ('rms_norm_eps', 'tie_word_embeddings', 'rope'))}")
     eps = _get(loc, cfg, "rms_norm_eps", "config", float)
     if eps <= 0:
         raise loc.error("config.rms_norm_eps", "rms_norm_eps must be positive")
@@ -197,7 +200,8 @@ def _parse_config(loc: Located, data: dict, name: str, model_type: str, dims: di
     values = {}
     for key in rope_raw:
         if key not in fields:
-            raise loc.error(f"config.rope.{key}", f"unknown rope key {key!r} (known: {', '.join(fields)})")
+            raise loc.error(f"config.rope.{key}", f"unknown rope key {key!r}{did_you_mean(key, fields)} "
+                                                        f"(known: {', '.join(fields)})")
     for key, kind in fields.items():
         if key in rope_raw:
             values[key] = _get(loc, rope_raw, key, "config.rope", kind)
@@ -287,7 +291,8 @@ def _parse_op(loc: Located, raw, path: str, dims: dict) -> OpDecl:
         raise loc.error(path, f"an op is a mapping like {{op: linear, in: x, out: y}}, got {raw!r}")
     op = _get(loc, raw, "op", path, str)
     if op != "call" and op not in OPS:
-        raise loc.error(f"{path}.op", f"unknown op {op!r} (known: call, {', '.join(sorted(OPS))})")
+        raise loc.error(f"{path}.op", f"unknown op {op!r}{did_you_mean(op, ['call', *OPS])} "
+                                      f"(known: call, {', '.join(sorted(OPS))})")
     if "in" not in raw:
         raise loc.error(path, f"op {op!r} needs 'in'")
     if "out" not in raw:
@@ -331,7 +336,8 @@ def _parse_op(loc: Located, raw, path: str, dims: dict) -> OpDecl:
                 raise loc.error(f"{path}.{key}", f"attribute {key!r} of {op}: {exc}") from None
         else:
             known = sorted(set(opdef.attrs) | set(opdef.weights))
-            raise loc.error(f"{path}.{key}", f"unknown attribute {key!r} for op {op!r} (it takes: {', '.join(known) or 'nothing'})")
+            raise loc.error(f"{path}.{key}", f"unknown attribute {key!r} for op {op!r}{did_you_mean(key, known)} "
+                                                 f"(it takes: {', '.join(known) or 'nothing'})")
     for key, spec in opdef.attrs.items():
         if key not in attrs:
             if spec.required:
@@ -368,7 +374,8 @@ def _parse_blocks(loc: Located, data: dict, dims: dict) -> dict[str, Block]:
             for i, v in enumerate(decl.inputs):
                 if v not in defined:
                     p = f"{decl.path}.in" + (f"[{i}]" if len(decl.inputs) > 1 else "")
-                    raise loc.error(p, f"undefined value {v!r} (defined so far: {', '.join(sorted(defined))})")
+                    raise loc.error(p, f"undefined value {v!r}{did_you_mean(v, defined)} "
+                                             f"(defined so far: {', '.join(sorted(defined))})")
             for v in decl.outputs:
                 if v in defined:
                     raise loc.error(f"{decl.path}.out", f"value {v!r} is defined twice")
@@ -431,9 +438,14 @@ def parse_spec(text: str, file: str = "<spec>") -> Spec:
     data = loc.data
     if not isinstance(data, dict):
         raise loc.error("", "a spec is a mapping with schema, name, model_type, dims, config, layer_plan, blocks")
+    if "schema" not in data and {"architectures", "hidden_size", "_name_or_path"} & set(data):
+        raise loc.error("", "this is a Hugging Face config.json, not a dsgraph spec: write a spec from it with "
+                            "`dsgraph spec --from-config CONFIG.json -o spec.yaml`, or give the checkpoint folder "
+                            "(--model DIR, Engine.from_pretrained(DIR)), whose spec is written from its config.json")
     for key in data:
         if key not in TOP_KEYS:
-            raise loc.error(key, f"unknown top-level key {key!r} (known: {', '.join(sorted(TOP_KEYS))})")
+            raise loc.error(key, f"unknown top-level key {key!r}{did_you_mean(key, TOP_KEYS)} "
+                                 f"(known: {', '.join(sorted(TOP_KEYS))})")
     schema = _get(loc, data, "schema", "", int)
     if schema != SCHEMA:
         raise loc.error("schema", f"this dsgraph reads spec schema {SCHEMA}, the file says {schema}")

@@ -3,12 +3,13 @@ __version__ = "0.1.0"  # the distribution's version (pyproject.toml reads it fro
 
 from .errors import CacheFullError, DsgraphError, InputError, NonFiniteError, WeightError
 
-__all__ = ["Engine", "GenerationOutput", "SamplingParams", "CacheFullError", "DsgraphError", "InputError", "NonFiniteError",
-           "WeightError"]
+__all__ = ["AsyncEngine", "Engine", "GenerationOutput", "RequestOutput", "SamplingParams", "CacheFullError",
+           "DsgraphError", "InputError", "NonFiniteError", "WeightError"]
 
 # Engine and SamplingParams import torch; load them on first use so light entry points
 # (the `dsgraph` CLI answering from the bundle cache) start in milliseconds.
-_LAZY = {"Engine": ".engine", "GenerationOutput": ".engine", "SamplingParams": ".sampling"}
+_LAZY = {"AsyncEngine": ".async_engine", "Engine": ".engine", "GenerationOutput": ".engine", "RequestOutput": ".engine",
+         "SamplingParams": ".sampling"}
 
 
 def __getattr__(name):

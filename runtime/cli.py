@@ -10,6 +10,7 @@
     dsgraph bench [--quick] [--decode BxC,...] [--prefill BxL,...] [--no-pdl] [--json bench.json]
     dsgraph plan [SPEC] [--gpus N[,N...]] [--dtype bf16] [--batch 32] [--context 4096] [--json] ...
     dsgraph quantize --to fp8 IN OUT
+    dsgraph serve MODEL_DIR [--host 127.0.0.1] [--port 8000] [engine options as for generate]
 
 Subcommands live in COMMANDS (name -> (add_arguments, run)); adding one is one
 entry.  A user's mistake (bad spec, failed kernel compile, damaged bundle, missing
@@ -28,14 +29,15 @@ import sys
 from pathlib import Path
 
 from codegen.kernel import DEFAULTS
-from codegen.paths import DEFAULT_SPEC, REPO_ROOT
+from codegen.paths import DEFAULT_SPEC, REPO_ROOT, SPEC_ARGUMENT, shipped_specs
 
 from . import __version__
 from .bench import add_bench_args, run_bench
-from .cli_args import block_size_arg, whole_number
+from .cli_args import block_size_arg, in_cli_terms, whole_number
 from .cli_generate import add_generate_args, run_generate
 from .cli_plan import add_plan_args, run_plan
 from .quantize import add_quantize_args, run_quantize
+from .cli_serve import add_serve_args, run_serve
 from .errors import DsgraphError
 
 EXIT_USER_ERROR = 2
@@ -77,7 +79,7 @@ def run_spec(args) -> int:
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", nargs="?", default=None,
-                   help=f"spec YAML (default: model_specs/{DEFAULT_SPEC.name}, shipped with dsgraph)")
+                   help=f"{SPEC_ARGUMENT} ({', '.join(shipped_specs())}; default: {DEFAULT_SPEC.stem})")
     p.add_argument("-o", "--output", default="bundle", metavar="DIR", help="bundle folder to write")
     p.add_argument("--arch", default=DEFAULTS.arch, help="NVRTC target, e.g. sm_90 or sm_90a")
     p.add_argument("--dtype", default=DEFAULTS.dtype, choices=("bf16", "fp16", "fp32"), help="activation dtype")
@@ -96,7 +98,9 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
 
 def run_compile(args) -> int:
     """compile a spec into a kernel bundle (through the cache)"""
+    from codegen.arch import check_supported
     from codegen.bundle import compile_bundle, load_rank_plan
+    check_supported(args.arch)
     args.spec = args.spec or str(DEFAULT_SPEC)
     res = compile_bundle(args.spec, args.output, arch=args.arch, dtype=args.dtype,
                          block_size=args.block_size, cache_dir=args.cache_dir, jobs=args.jobs,
@@ -224,6 +228,7 @@ COMMANDS = {
     "bench": (add_bench_args, run_bench),
     "plan": (add_plan_args, run_plan),
     "quantize": (add_quantize_args, run_quantize),
+    "serve": (add_serve_args, run_serve),
 }
 
 
@@ -288,7 +293,7 @@ def main(argv=None) -> int:
         # Everything a user can cause is a DsgraphError (spec, config, lowering, bundle, checkpoint,
         # input) or a missing file; anything else is a bug and keeps its traceback.
         if isinstance(e, (DsgraphError, FileNotFoundError)):
-            return _err(str(e))
+            return _err(in_cli_terms(str(e)))
         raise
 
 

@@ -24,3 +24,24 @@ def block_size_arg(text: str) -> int:
     """--block-size: tokens per KV-cache page, in the range the kernels take (codegen/bundle.py)."""
     from codegen.bundle import MAX_BLOCK_SIZE
     return whole_number(1, MAX_BLOCK_SIZE)(text)
+
+
+# The engine's arguments as the API names them in messages, and the command line's options for them.
+_API_OPTIONS = ("num_blocks", "max_seq_len", "max_new_tokens", "max_num_seqs", "top_p", "top_k", "block_size")
+_TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def in_cli_terms(message: str) -> str:
+    """A runtime message, written for the Python API (device='cpu', dtype=torch.float32, raise
+    num_blocks), in the command line's terms (--device cpu, --dtype fp32, raise --num-blocks):
+    what `dsgraph` prints when the engine refuses something."""
+    import re
+    message = re.sub(r"\b(device|backend)=(?:'([^']*)'|([\w:]+))",
+                     lambda m: f"--{m.group(1)} {m.group(2) or m.group(3)}", message)
+    message = re.sub(r"\bdtype=torch\.(float32|bfloat16|float16)\b",
+                     lambda m: f"--dtype {_TORCH_DTYPES[m.group(1)]}", message)
+    names = "|".join(_API_OPTIONS)
+    message = re.sub(rf"(?<![\w-])({names})=", lambda m: f"--{m.group(1).replace('_', '-')} ", message)
+    # a bare name, where a message tells what to change ("raise num_blocks"); block_size only with a value
+    return re.sub(rf"(?<![\w-])({names.removesuffix('|block_size')})\b",
+                  lambda m: f"--{m.group(1).replace('_', '-')}", message)

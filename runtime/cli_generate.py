@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from codegen.paths import DEFAULT_SPEC
+from codegen.paths import DEFAULT_SPEC, SPEC_ARGUMENT, shipped_specs
 
 from .cli_args import block_size_arg, whole_number
 
@@ -42,9 +42,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                          help="a Hugging Face DeepSeek-V2/V3 checkpoint directory (safetensors + config.json)")
     weights.add_argument("--random-weights", action="store_true",
                          help="no checkpoint: run the spec with random weights")
-    p.add_argument("--spec", metavar="SPEC.yaml",
-                   help="the model spec (default: written from DIR/config.json; with --random-weights: "
-                        f"model_specs/{DEFAULT_SPEC.name})")
+    p.add_argument("--spec", metavar="SPEC",
+                   help=f"the model spec: {SPEC_ARGUMENT} ({', '.join(shipped_specs())}; default: written from "
+                        f"DIR/config.json; with --random-weights: {DEFAULT_SPEC.stem})")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text (needs a tokenizer in DIR)")
     src.add_argument("--ids", help="comma-separated token ids, e.g. 1,2,3")
@@ -54,6 +54,14 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: a fresh one)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the model's eos token")
+    add_engine_args(p)
+    p.add_argument("--tp", type=whole_number(1), default=None, metavar="N",
+                   help="ranks to spread the model over, one process each: launch with torchrun "
+                        "--nproc-per-node N (default: torchrun's WORLD_SIZE, else 1)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine options `generate` and `serve` share (engine_kwargs reads them)."""
     p.add_argument("--backend", choices=("cuda", "reference"), default=None,
                    help="default: cuda when a GPU is present, else reference")
     p.add_argument("--device", default=None,
@@ -61,14 +69,33 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--bundle", metavar="DIR", help="run a bundle made by `dsgraph compile` (backend cuda; its "
-                   "spec, dtype and block size)")
+                   "spec, dtype and block size; default: none, the spec is compiled through the bundle cache)")
     p.add_argument("--block-size", type=block_size_arg, default=None,
                    help="KV-cache page size in tokens (default: the bundle's, else 64)")
     p.add_argument("--max-seq-len", type=whole_number(1), default=None, metavar="N",
                    help="longest sequence the KV cache holds (default: 8192, or the model's limit if lower)")
-    p.add_argument("--tp", type=whole_number(1), default=None, metavar="N",
-                   help="ranks to spread the model over, one process each: launch with torchrun "
-                        "--nproc-per-node N (default: torchrun's WORLD_SIZE, else 1)")
+    p.add_argument("--num-blocks", type=whole_number(1), default=None, metavar="N",
+                   help="KV-cache blocks (default: sized to the device)")
+
+
+def engine_kwargs(args) -> dict:
+    """The Engine constructor's backend / device / dtype / cache arguments from add_engine_args'
+    options, defaults filled in and the device checked (before any weight is read)."""
+    import torch
+
+    from .engine import check_device
+    cuda = torch.cuda.is_available()
+    # --backend cuda (or a bundle) without --device means the GPU: say so if there is none.
+    device = args.device if args.device is not None else (
+        "cuda" if cuda or args.backend == "cuda" or args.bundle else "cpu")
+    backend = args.backend or ("cuda" if device.startswith("cuda") else "reference")
+    dtype = args.dtype or (None if args.bundle else "bf16" if device.startswith("cuda") else "fp32")
+    check_device(backend, device)
+    kwargs = dict(backend=backend, device=device, dtype=dtype, bundle=args.bundle, max_seq_len=args.max_seq_len,
+                  num_blocks=args.num_blocks)
+    if args.block_size is not None:
+        kwargs["block_size"] = args.block_size
+    return kwargs
 
 
 # Files a Hugging Face tokenizer is read from: where one of them is present, a tokenizer that fails
@@ -76,22 +103,24 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def _tokenizer(model_dir, needed: bool, warn: bool):
+def load_tokenizer(model_dir, needed: bool, warn: bool, without: str = "printing token ids only"):
     """The model directory's tokenizer, or None.  `needed` (--prompt): no tokenizer is an InputError
     that says why.  Otherwise (--ids, the tokenizer only decodes the answer) a tokenizer whose files
-    are there but do not load is a warning (when `warn`), and the ids are printed alone."""
+    are there but do not load is a warning (when `warn`) that ends saying what happens `without` it."""
     from .errors import InputError
     if model_dir is None:
         why = "--random-weights has no model directory"
     elif not os.path.isdir(model_dir):
-        why = f"{model_dir} is not a folder"
+        from codegen.paths import missing_model_folder
+        raise InputError(missing_model_folder(model_dir))      # before the tokenizer: the folder itself
     elif not (present := [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, f))]):
         why = f"none in {model_dir}"
     else:
         try:
             from transformers import AutoTokenizer
         except ImportError:
-            AutoTokenizer, why = None, f"reading {present[0]} needs transformers, which is not installed"
+            AutoTokenizer, why = None, (f"reading {present[0]} needs transformers, which is not installed: "
+                                            f"pip install 'dsgraph[serve]' (or transformers)")
         if AutoTokenizer is not None:
             try:
                 return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -99,7 +128,7 @@ def _tokenizer(model_dir, needed: bool, warn: bool):
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 why = f"cannot read it from {', '.join(present)}: {reason}"
         if not needed and warn:
-            print(f"dsgraph: warning: the tokenizer in {model_dir}: {why}; printing token ids only", file=sys.stderr)
+            print(f"dsgraph: warning: the tokenizer in {model_dir}: {why}; {without}", file=sys.stderr)
     if needed:
         raise InputError(f"--prompt needs a tokenizer in the model directory ({why}); pass --ids instead")
     return None
@@ -137,9 +166,7 @@ def run_generate(args) -> int:
     """generate tokens from a checkpoint or a spec with random weights"""
     from .errors import require_runtime
     require_runtime("generate")
-    import torch
-
-    from .engine import Engine, check_device
+    from .engine import Engine
     from .errors import InputError
     from .sampling import SamplingParams
 
@@ -150,21 +177,13 @@ def run_generate(args) -> int:
     if args.model is None and not args.random_weights:
         raise InputError("give --model DIR (a checkpoint) or --random-weights (with --spec, or the default spec)")
     tp, main_rank = _torchrun_ranks(args.tp)
-    cuda = torch.cuda.is_available()
-    # --backend cuda (or a bundle) without --device means the GPU: say so if there is none.
-    device = args.device if args.device is not None else (
-        "cuda" if cuda or args.backend == "cuda" or args.bundle else "cpu")
-    backend = args.backend or ("cuda" if device.startswith("cuda") else "reference")
-    dtype = args.dtype or (None if args.bundle else "bf16" if device.startswith("cuda") else "fp32")
-    check_device(backend, device)
-    tok = _tokenizer(args.model, needed=args.prompt is not None, warn=main_rank)
+    kwargs = engine_kwargs(args)
+    backend, device, dtype = kwargs["backend"], kwargs["device"], kwargs["dtype"]
+    tok = load_tokenizer(args.model, needed=args.prompt is not None, warn=main_rank)
     if args.prompt is not None:
         ids = tok(args.prompt)["input_ids"]
-    kwargs = dict(backend=backend, device=device, dtype=dtype, bundle=args.bundle, max_seq_len=args.max_seq_len)
     if tp != 1:
         kwargs["tp"] = tp
-    if args.block_size is not None:
-        kwargs["block_size"] = args.block_size
     t0 = time.perf_counter()
     if args.random_weights:
         engine = Engine.from_spec(None if args.bundle else args.spec or str(DEFAULT_SPEC), **kwargs)

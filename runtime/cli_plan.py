@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from codegen.paths import DEFAULT_SPEC
+from codegen.paths import DEFAULT_SPEC, SPEC_ARGUMENT, shipped_specs, spec_path
 
 from . import planner
 from .errors import InputError
@@ -31,7 +31,7 @@ def _degrees(text: str) -> tuple[int, ...]:
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", nargs="?", default=None,
-                   help=f"spec YAML (default: model_specs/{DEFAULT_SPEC.name}, shipped with dsgraph)")
+                   help=f"{SPEC_ARGUMENT} ({', '.join(shipped_specs())}; default: {DEFAULT_SPEC.stem})")
     p.add_argument("--gpus", type=_degrees, default=None, metavar="N[,N...]",
                    help="GPU counts to plan (default: " + ", ".join(map(str, planner.DEFAULT_GPUS)) + ")")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp8"),
@@ -56,7 +56,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 def run_plan(args) -> int:
     """per-GPU memory, bytes per decode step and a step-time estimate on 1 to 64 GPUs"""
     from ir.spec import load_spec
-    spec = load_spec(args.spec or str(DEFAULT_SPEC))
+    spec = load_spec(str(spec_path(args.spec or DEFAULT_SPEC)))
     dtype, weights = ("bf16", "fp8") if args.dtype == "fp8" else (args.dtype, args.weights)
     if weights is not None:
         from .convert import spec_in_format

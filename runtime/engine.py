@@ -3,6 +3,11 @@
     engine = Engine.from_pretrained(model_dir, backend="reference", device="cpu", dtype=torch.float32)
     engine.logits([[1, 2, 3], [4, 5]])                      # one [len, vocab] tensor per prompt
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=16))[0].token_ids
+    for out in engine.generate_stream([1, 2, 3], params): print(out.token_ids)   # as they come
+
+    rid = engine.add_request([1, 2, 3], params)            # what a server drives (one thread):
+    while engine.has_unfinished_requests():                #   requests join the running batch
+        for out in engine.step(): ...                      #   between steps; engine.abort(rid)
 
 Before anything is read or allocated, the constructors check the device (a GPU asked
 for and none visible) and the memory the model needs (runtime/memory.py).  Generation
@@ -17,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +33,7 @@ from ir.context import StepContext
 from ir.parallel import check_parallel
 from ir.spec import Spec, parse_spec
 
-from .errors import CacheFullError, InputError, NonFiniteError
+from .errors import CacheFullError, InputError, NonFiniteError, PromptTooLongError
 from .h2d import upload_together
 from .kv_cache import BlockAllocator, BlockTables, PagedLatentCache
 from .memory import MemoryEstimate, check_fits, weight_bytes
@@ -49,6 +55,18 @@ class GenerationOutput:
     token_ids: list[int]                  # the new tokens (stop token included when one ended it)
     finish_reason: str                    # "stop" | "length"
     logits: torch.Tensor | None = None    # [new, vocab] float32 when SamplingParams.return_logits
+
+
+@dataclass
+class RequestOutput:
+    """What one step() gave one request: its new tokens, and why it ended once it has."""
+    request_id: int
+    token_ids: list[int]                  # the tokens this step added (usually one; none when aborted)
+    finish_reason: str | None = None      # None while running; then "stop" | "length" | "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 # dtype names the API takes besides torch dtypes (the CLI's --dtype spellings among them).
@@ -100,6 +118,9 @@ def check_device(backend: str, device) -> torch.device:
     if backend == "cuda" and dev.type != "cuda":
         raise InputError(f"backend='cuda' runs the generated kernels on a CUDA device, got device={dev}; "
                          f"use device='cuda', or backend='reference' on the CPU")
+    if backend == "cuda":
+        from .requirements import check_gpu
+        check_gpu(dev)              # a Hopper GPU and a CUDA 13 driver
     return dev
 
 
@@ -229,6 +250,9 @@ class Engine:
             backend_impl = ReferenceBackend(graphs, weights)
         self.backend = backend_impl
         self._seq_ids = itertools.count()
+        # the requests in flight (request id -> Sequence) and the one scheduler that runs them
+        self._requests: dict[int, Sequence] = {}
+        self._sched = Scheduler(self.tables, self.max_num_seqs, max_prefill_tokens=max(self.max_seq_len, 8192))
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -368,8 +392,9 @@ class Engine:
                 if not 0 <= tid < self.vocab:
                     raise InputError(f"prompt {i}, position {j}: token id {tid} is out of range [0, {self.vocab})")
             if len(p) > self.max_seq_len:
-                raise InputError(f"prompt {i} has {len(p)} tokens; the engine holds at most {self.max_seq_len} "
-                                 f"per sequence (max_seq_len; the model allows {self.spec.dims['max_positions']})")
+                raise PromptTooLongError(f"prompt {i} has {len(p)} tokens; the engine holds at most "
+                                         f"{self.max_seq_len} per sequence (max_seq_len; the model allows "
+                                         f"{self.spec.dims['max_positions']})")
             out.append(ids)
         return out
 
@@ -531,32 +556,134 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationOutput]:
+        """Generate for every prompt (continuous batching) and return when all are done.
+
+        Built on the request API below: each prompt is added as a request and step() runs until
+        they finish, so it drives the engine itself and refuses to run beside requests that
+        someone else's step() loop is serving."""
         prompts = self._check_prompts(prompts)
         plist = self._check_params(prompts, params)
+        self._check_requests_fit(prompts, plist)
+        self._check_no_driver("generate")
+        seqs = [self._add(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        self._drive(seqs)
+        return [self._output(s) for s in seqs]
+
+    # ---- requests: what a server drives ---------------------------------------------------------
+    # add_request queues a prompt; step() runs one engine step (admitting waiting requests into
+    # the running batch: continuous batching) and says what each request got; abort() ends a
+    # request, its cache blocks freed at the next step.  One thread drives these (the server's
+    # engine loop, runtime/async_engine.py); generate and generate_stream drive them themselves.
+
+    def check_request(self, prompt, params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
+        """(prompt ids, params) of one request, checked as add_request checks them, with nothing
+        changed: a front end can refuse a bad request before it reaches the engine's thread."""
+        [prompt] = self._check_prompts([prompt])
+        [sp] = self._check_params([prompt], params)
+        self._check_requests_fit([prompt], [sp])
+        return prompt, sp
+
+    def add_request(self, prompt, params: SamplingParams | None = None) -> int:
+        """Queue one prompt (a list of token ids); it joins the running batch at the next step().
+        Returns the request id that step() outputs, abort() and the stream name."""
+        prompt, sp = self.check_request(prompt, params)
+        return self._add(prompt, sp, 0).seq_id
+
+    def abort(self, request_id: int) -> bool:
+        """End a request; its cache blocks are freed at the next step(), which reports it finished
+        with finish_reason "abort".  False when no such request is in flight (done or unknown)."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.done:
+            return False
+        seq.finish_reason = "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One engine step: admit waiting requests (one packed prefill), advance the running ones by
+        a token (one batched decode).  Returns, per request that advanced or ended, its new tokens
+        and its finish reason once it is done; finished requests then leave the engine."""
+        sched = self._sched
+        ended = [s for s in self._requests.values() if s.finish_reason == "abort"]
+        for s in ended:
+            sched.finish(s)            # frees its blocks, running or waiting
+        if sched.has_work():
+            admitted = sched.admit()
+            if admitted:
+                self._advance(sched, admitted, self._step("prefill", admitted, last_only=True))
+            batch = [s for s in sched.decode_batch() if s not in admitted and not s.done]
+            if batch:
+                self._advance(sched, batch, self._step("decode", batch))
+        outs = []
+        for s in list(self._requests.values()):
+            new = s.output[s.reported:]
+            if new or s.done:
+                s.reported = len(s.output)
+                outs.append(RequestOutput(s.seq_id, new, s.finish_reason))
+            if s.done:
+                del self._requests[s.seq_id]
+        return outs
+
+    def generate_stream(self, prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """One prompt's new tokens as they come: a RequestOutput per step (token_ids: that step's
+        new tokens), the last one with its finish_reason.  The request is checked now and added
+        when iteration starts; closing the iterator early aborts it.  Like generate, it drives
+        the steps itself."""
+        prompt, sp = self.check_request(prompt, params)
+        return self._stream(prompt, sp)
+
+    def _stream(self, prompt: list[int], sp: SamplingParams) -> Iterator[RequestOutput]:
+        self._check_no_driver("generate_stream")
+        seq = self._add(prompt, sp, 0)
+        try:
+            while seq.seq_id in self._requests:
+                for out in self.step():
+                    if out.request_id == seq.seq_id:
+                        yield out
+        finally:
+            self._drop([seq])          # closed early: its blocks are freed now (nobody else drives this engine)
+
+    def _check_no_driver(self, caller: str) -> None:
+        if self._requests:
+            raise InputError(f"{caller}() runs the engine's steps itself, but {len(self._requests)} request(s) "
+                             f"added with add_request are in flight: step() them to the end or abort them first")
+
+    def _check_requests_fit(self, prompts: list[list[int]], plist: list[SamplingParams]) -> None:
         news = [self._new_tokens(len(p), sp.max_new_tokens) for p, sp in zip(prompts, plist)]
         # The last new token is sampled, never fed back: it takes no cache row.
         self._check_fits_cache([(len(p) + n - 1, f"{len(p)} prompt + {n} new tokens, less the last, never cached")
                                 for p, n in zip(prompts, news)], "raise num_blocks or lower max_new_tokens")
-        sched = Scheduler(self.tables, self.max_num_seqs, max_prefill_tokens=max(self.max_seq_len, 8192))
-        seqs = []
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
-            gen = None if sp.greedy else make_generator(sp.seed, self.device)
-            seq = Sequence(next(self._seq_ids), p, sp, gen, i)
-            seqs.append(seq)
-            sched.add(seq)
+
+    def _add(self, prompt: list[int], sp: SamplingParams, index: int) -> Sequence:
+        gen = None if sp.greedy else make_generator(sp.seed, self.device)
+        seq = Sequence(next(self._seq_ids), prompt, sp, gen, index)
+        self._requests[seq.seq_id] = seq
+        self._sched.add(seq)
+        return seq
+
+    def _drive(self, seqs: list[Sequence]) -> None:
+        """step() until `seqs` are done; on an error they are aborted (their blocks freed) first."""
         try:
-            while sched.has_work():
-                admitted = sched.admit()
-                if admitted:
-                    self._advance(sched, admitted, self._step("prefill", admitted, last_only=True))
-                batch = [s for s in sched.decode_batch() if s not in admitted and not s.done]
-                if batch:
-                    self._advance(sched, batch, self._step("decode", batch))
-        finally:
-            for s in seqs:
-                self.tables.release(s.seq_id)
-        return [GenerationOutput(s.output, s.finish_reason or "length",
-                                 torch.stack(s.logits) if s.params.return_logits and s.logits else None) for s in seqs]
+            while any(s.seq_id in self._requests for s in seqs):
+                self.step()
+        except BaseException:
+            self._drop(seqs)
+            raise
+
+    def _drop(self, seqs: list[Sequence]) -> None:
+        """End `seqs` at once, those still in flight as aborted, and free their blocks."""
+        for s in seqs:
+            if self._requests.pop(s.seq_id, None) is not None:
+                s.finish_reason = s.finish_reason or "abort"
+                self._sched.finish(s)
+
+    @staticmethod
+    def _output(s: Sequence) -> GenerationOutput:
+        return GenerationOutput(s.output, s.finish_reason or "length",
+                                torch.stack(s.logits) if s.params.return_logits and s.logits else None)
 
     def _advance(self, sched: Scheduler, seqs: list[Sequence], logits: torch.Tensor) -> None:
         next_ids = sample_next(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()

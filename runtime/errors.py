@@ -6,7 +6,8 @@ our own code) still surface as themselves.
 """
 from ir.errors import DsgraphError  # the one base class, shared with the compiler
 
-__all__ = ["CacheFullError", "DsgraphError", "InputError", "NonFiniteError", "WeightError"]
+__all__ = ["CacheFullError", "DsgraphError", "InputError", "NonFiniteError", "PromptTooLongError",
+           "WeightError"]
 
 
 class WeightError(DsgraphError):
@@ -29,6 +30,10 @@ class CacheFullError(DsgraphError):
 class InputError(DsgraphError, ValueError):
     """A bad prompt or parameter. Also a ValueError, so code that already
     guards against ValueError keeps working."""
+
+
+class PromptTooLongError(InputError):
+    """A prompt longer than the engine holds per sequence (max_seq_len): a server answers 413."""
 
 
 class NonFiniteError(DsgraphError):

@@ -42,7 +42,8 @@ def resolve_spec(spec, config: dict | None) -> Spec:
     if isinstance(spec, Spec):
         return spec
     if spec is not None:
-        return load_spec(str(spec))
+        from codegen.paths import spec_path
+        return load_spec(str(spec_path(spec)))      # a file, or a shipped spec's name
     if config is None:
         raise WeightError("no spec given and no config.json to write one from")
     from ir.config_to_spec import spec_from_config

@@ -28,6 +28,7 @@ class Sequence:
     logits: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
     cached: int = 0                    # tokens whose rows are in the cache
+    reported: int = 0                  # output tokens Engine.step() has handed out
 
     @property
     def tokens(self) -> list[int]:
@@ -118,6 +119,9 @@ class Scheduler:
         self.preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
+        """`seq` leaves (done or aborted), running or still waiting; its blocks are freed."""
         self.tables.release(seq.seq_id)
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

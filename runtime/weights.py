@@ -163,6 +163,10 @@ def read_json_object(path: Path, what: str) -> dict:
 
 
 def load_config(model_dir: str | Path) -> dict:
+    from codegen.paths import missing_model_folder
+    why = missing_model_folder(model_dir)
+    if why is not None:
+        raise WeightError(why)
     return read_json_object(Path(model_dir) / CONFIG_FILE, "model config")
 
 

@@ -105,4 +105,8 @@ def test_wheel_installs_and_compiles_from_another_folder(tmp_path):
     r = _run([dsgraph, "compile"], cwd=elsewhere, env=env)
     _check_default_bundle(r.stdout, elsewhere / "bundle")
     assert f"({site / 'codegen' / 'model_specs' / 'deepseek_v2_lite.yaml'})" in r.stdout
+    # a shipped spec by its name, from any folder (the same bundle: a cache hit)
+    r = _run([dsgraph, "compile", "deepseek_v2_lite", "-o", "by_name"], cwd=elsewhere, env=env)
+    _check_default_bundle(r.stdout, elsewhere / "by_name")
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert "torch" not in _installed(venv / "bin" / "python", env)

@@ -62,10 +62,17 @@ def option_error(capsys, argv, *words) -> None:
 
 # -- compile ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["sm_70", "sm_10", "sm_999"])
+@pytest.mark.parametrize("arch", ["sm_999", "sm_1000"])
 def test_an_arch_nvrtc_cannot_target_is_one_line(tmp_path, capsys, no_compile, arch):
     assert main(["compile", TINY, "-o", str(tmp_path / "b"), "--arch", arch]) == 2
     one_line_error(capsys, f"cannot target {arch}", "it supports sm_")
+
+
+@pytest.mark.parametrize("arch", ["sm_70", "sm_80", "sm_89", "sm_10"])
+def test_an_arch_older_than_hopper_says_what_is_supported(tmp_path, capsys, no_compile, arch):
+    assert main(["compile", TINY, "-o", str(tmp_path / "b"), "--arch", arch]) == 2
+    one_line_error(capsys, "written for Hopper GPUs (compute capability 9.0: H100, H200)", f"{arch} is older",
+                   "sm_90 or sm_90a")
 
 
 def test_the_arch_error_is_a_dsgraph_error_and_still_a_value_error():
@@ -180,8 +187,8 @@ def test_model_and_random_weights_are_exclusive(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["--temperature", "-1"], ["temperature must be a finite number >= 0"]),
-    (["--top-p", "0"], ["top_p must be in (0, 1]"]),
-    (["--max-new-tokens", "0"], ["max_new_tokens must be an integer >= 1"]),
+    (["--top-p", "0"], ["--top-p must be in (0, 1]"]),              # the engine's message, in CLI terms
+    (["--max-new-tokens", "0"], ["--max-new-tokens must be an integer >= 1"]),
     (["--device", ""], ["device '' is not a torch device"]),
 ])
 def test_pure_argument_errors_come_before_the_model_loads(tmp_path, capsys, argv, words):

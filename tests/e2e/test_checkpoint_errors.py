@@ -149,7 +149,7 @@ def test_explicit_spec_path_that_does_not_match(model_dir, tmp_path):
 
 
 def test_explicit_spec_path_that_does_not_exist(model_dir, tmp_path):
-    with pytest.raises(SpecError, match="cannot read spec"):
+    with pytest.raises(SpecError, match="spec file not found"):
         _load(model_dir, spec=str(tmp_path / "nope.yaml"))
 
 

@@ -45,6 +45,31 @@ def test_unknown_op():
     _check(_error(text), "blocks.dense_ffn.ops[2].op", line, "unknown op 'swiglu'", "silu_and_mul")
 
 
+def test_a_typoed_op_gets_a_did_you_mean():
+    text, line = _edit("{op: silu_and_mul, in: [g, u], out: a}", "{op: silu_and_mull, in: [g, u], out: a}")
+    _check(_error(text), "blocks.dense_ffn.ops[2].op", line, "unknown op 'silu_and_mull'; did you mean 'silu_and_mul'?")
+
+
+def test_a_typoed_dim_gets_a_did_you_mean():
+    text, line = _edit("out_dim: moe_intermediate, out: [eg, eu]", "out_dim: moe_intermediat, out: [eg, eu]")
+    _check(_error(text), "blocks.moe_ffn.ops[3].out_dim", line, "did you mean 'moe_intermediate'?")
+    text, _ = _edit("  kv_lora_rank: 512         # C\n", "  kv_lora_rnk: 512\n")
+    _check(_error(text), "dims", _line_of(text, "dims:\n"), "missing dim 'kv_lora_rank' ('kv_lora_rnk' is not a dim name")
+
+
+def test_a_typoed_key_or_value_gets_a_did_you_mean():
+    text, line = _edit("schema: 1", "schemaa: 1")
+    _check(_error(text), "schemaa", line, "did you mean 'schema'?")
+    text, line = _edit("in: [q_nope, q_rot, kv_cache]", "in: [q_nope, q_rott, kv_cache]")
+    _check(_error(text), "blocks.mla.ops[7].in[1]", line, "did you mean 'q_rot'?")
+
+
+def test_a_config_json_given_as_a_spec_points_to_spec_from_config():
+    config = (Path(__file__).resolve().parents[2] / "model_specs" / "hf_configs" / "deepseek_tiny.json").read_text()
+    with pytest.raises(SpecError, match="not a dsgraph spec: write a spec from it with `dsgraph spec --from-config"):
+        load_spec(config, file="config.json")
+
+
 def test_undefined_value():
     text, line = _edit("in: [q_nope, q_rot, kv_cache]", "in: [q_nope, q_rott, kv_cache]")
     _check(_error(text), "blocks.mla.ops[7].in[1]", line, "undefined value 'q_rott'", "q_rot")
