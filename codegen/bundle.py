@@ -59,7 +59,8 @@ from .cache import (MANIFEST, BundleCache, cache_key, compiler_source_hash, defa
 from .errors import DsgraphError
 from .kernel import DEFAULTS, DTYPES, KernelLaunch, Options, signature_key
 
-SCHEMA = 3     # 3: each kernel step says whether it is launched with PDL ("pdl"), and so do the options
+SCHEMA = 4     # 4: each phase lists its arena slots (codegen/memplan.py); each kernel step and the options
+               # say whether it is launched with PDL ("pdl")
 PHASES = ("prefill", "decode")  # same as ir.PHASES; spelled here so a cache hit never imports ir
 SPEC_FILE = "spec.yaml"
 RANKS_DIR = "ranks"
