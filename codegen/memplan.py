@@ -202,3 +202,65 @@ class ArenaPlan:
         """What the same slots take with no sharing (each its own buffer): the plan's baseline."""
         key = self.key(sizes, act_itemsize)
         return sum(_align(key[i]) for i in self._slot_shape)
+
+
+# -- what `dsgraph compile` and `dsgraph plan` report ------------------------------------------
+
+REPORT_SMS = 132               # an H100 SXM's / H200's SM count: the workspaces' split counts read it
+PREFILL_TOKENS = (1, 2048, 16384)
+DECODE_BATCHES = (1, 32, 128)
+DECODE_CONTEXT = 4096
+
+
+def pairs_per_token(plan) -> int:
+    """P of the phase's routing values (shape ("T*P", experts)); 1 where nothing routes."""
+    from ir.ops.moe import pairs_per_token as of_dim
+    for buf in plan.buffers.values():
+        if buf.dtype == "routing" and of_dim(buf.shape[0]) is not None:
+            return of_dim(buf.shape[0])
+    return 1
+
+
+def step_sizes(phase: str, tokens: int, plan, *, context: int = DECODE_CONTEXT, sms: int = REPORT_SMS) -> dict:
+    """The sizes of one step: a prefill of one `tokens`-token prompt, or a decode step of `tokens`
+    sequences at `context` tokens each."""
+    P = pairs_per_token(plan)
+    if phase == "decode":
+        return {"T": tokens, "B": tokens, "NP": P * tokens, "MAXQ": 1, "MAXCTX": context, "W": -(-context // 16),
+                "SMS": sms}
+    return {"T": tokens, "B": 1, "NP": P * tokens, "MAXQ": tokens, "MAXCTX": tokens, "W": -(-tokens // 16),
+            "SMS": sms}
+
+
+def peak_bytes(plans: dict, act_itemsize: int, *, prefill_tokens=PREFILL_TOKENS, decode_batches=DECODE_BATCHES,
+               context: int = DECODE_CONTEXT) -> list[tuple[str, int, int, int]]:
+    """(phase, tokens or batch, planned arena bytes, bytes with one buffer per value) per step size:
+    the step's activations and workspaces; its logits (the step's output) and the library calls'
+    temporaries come on top."""
+    out = []
+    for phase, plan in plans.items():
+        arena = ArenaPlan(plan.arena)
+        for n in (decode_batches if phase == "decode" else prefill_tokens):
+            sizes = step_sizes(phase, n, plan, context=context)
+            out.append((phase, n, arena.layout(sizes, act_itemsize).total, arena.unplanned_bytes(sizes, act_itemsize)))
+    return out
+
+
+def describe_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1e3:.1f} kB"
+
+
+def peak_lines(plans: dict, act_itemsize: int, **kw) -> list[str]:
+    """The report's lines, one per phase: `prefill  activations 1 tok 0.1 MB, 2048 tok ... (unplanned ...)`."""
+    rows = peak_bytes(plans, act_itemsize, **kw)
+    lines = []
+    for phase in plans:
+        mine = [r for r in rows if r[0] == phase]
+        unit = "seqs" if phase == "decode" else "tok"
+        where = f" at context {kw.get('context', DECODE_CONTEXT)}" if phase == "decode" else ""
+        lines.append(f"{phase} activations{where}: " + ", ".join(
+            f"{n} {unit} {describe_bytes(b)} (unplanned {describe_bytes(u)})" for _, n, b, u in mine))
+    return lines
