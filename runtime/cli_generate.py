@@ -66,6 +66,8 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache page size in tokens (default: the bundle's, else 64)")
     p.add_argument("--max-seq-len", type=whole_number(1), default=None, metavar="N",
                    help="longest sequence the KV cache holds (default: 8192, or the model's limit if lower)")
+    p.add_argument("--max-num-batched-tokens", type=whole_number(1), default=None, metavar="N",
+                   help="tokens one step runs at most: a longer prompt prefills in chunks (reference backend)")
     p.add_argument("--tp", type=whole_number(1), default=None, metavar="N",
                    help="ranks to spread the model over, one process each: launch with torchrun "
                         "--nproc-per-node N (default: torchrun's WORLD_SIZE, else 1)")
@@ -165,6 +167,8 @@ def run_generate(args) -> int:
         kwargs["tp"] = tp
     if args.block_size is not None:
         kwargs["block_size"] = args.block_size
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     t0 = time.perf_counter()
     if args.random_weights:
         engine = Engine.from_spec(None if args.bundle else args.spec or str(DEFAULT_SPEC), **kwargs)
