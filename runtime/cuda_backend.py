@@ -260,7 +260,12 @@ class CudaBackend:
     def forward(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """ids [T] -> logits [T, vocab] float32 (or [L, vocab]: the rows ctx.logit_rows names).
         Decode steps replay a CUDA graph per shape bucket; other steps one per shape seen before
-        (cuda_graphs.PrefillGraphs)."""
+        (cuda_graphs.PrefillGraphs).  A prefill step's sequences start at position 0: the prefill
+        attention kernel attends to the step's own tokens only, so a cached prefix (chunked prefill)
+        is refused here rather than silently left out."""
+        if phase == "prefill" and ctx.context_lens != ctx.query_lens:
+            raise InputError("backend='cuda' prefills whole prompts only: a step whose sequences already hold cache "
+                             "rows (chunked prefill, max_num_batched_tokens) runs on backend='reference' for now")
         if self.use_graphs and ids.is_cuda:
             if phase == "decode" and ctx.logit_rows is None and all(q == 1 for q in ctx.query_lens):
                 return self.graphs_decode.run(ids, ctx)
@@ -378,6 +383,10 @@ class CudaBackend:
                 raise RuntimeError(f"the {phase} arena must grow during a graph capture; the capture's "
                                    f"warm-up runs the same step first, so this is a bug")
             grow = have.numel() * 5 // 4 if have is not None and have.device == torch.device(device) else 0
+            if have is not None and have.is_cuda:
+                # the steps queued on the old arena finish before its memory goes back to the allocator
+                # (a warm-up on a side stream may allocate it next); growing is rare: a new largest step
+                torch.cuda.synchronize(have.device)
             self.arenas.pop(phase, None)   # freed before the new one is allocated
             self.graphs_decode.forget(phase)
             self.graphs_prefill.forget(phase)
@@ -395,7 +404,9 @@ class CudaBackend:
 
     def release_arenas(self) -> None:
         """Free the arenas (and the graphs that hold their addresses); the next step allocates anew."""
-        for phase in list(self.arenas):
+        for phase, arena in list(self.arenas.items()):
+            if arena.is_cuda:
+                torch.cuda.synchronize(arena.device)
             self.graphs_decode.forget(phase)
             self.graphs_prefill.forget(phase)
         self.arenas.clear()

@@ -78,3 +78,17 @@ def test_a_bad_cap_and_chunking_on_the_cuda_backend_are_one_line():
         check_chunking("cuda", 512)
     assert "\n" not in str(info.value)
     assert check_chunking("cuda", None) is None and check_chunking("reference", 8) == 8
+
+
+def test_the_cuda_backend_refuses_a_prefill_step_over_a_cached_prefix():
+    """Its prefill attention kernel attends to the step's own tokens: a step whose sequence already
+    holds rows is one clear line, never logits that silently left the prefix out."""
+    from ir.context import StepContext
+    from runtime.cuda_backend import CudaBackend
+    backend = CudaBackend.__new__(CudaBackend)
+    ctx = StepContext(positions=torch.arange(4, 7), query_lens=[3], context_lens=[7],
+                      block_tables=torch.zeros(1, 2, dtype=torch.int32), slot_mapping=torch.arange(4, 7),
+                      kv_cache=[], block_size=BLOCK)
+    with pytest.raises(InputError, match="prefills whole prompts only") as info:
+        backend.forward("prefill", torch.zeros(3, dtype=torch.int64), ctx)
+    assert "\n" not in str(info.value)
