@@ -39,9 +39,10 @@ DECODE_CASES = [(1, 512), (8, 512), (32, 512), (128, 512), (256, 512), (1, 4096)
 PREFILL_CASES = [(1, 2048), (32, 512)]
 HF_DECODE_CASES = [(1, 512), (32, 512)]
 MAX_BATCH, MAX_LENGTH = 256, 8192   # the engine the bench builds: max_num_seqs, max_seq_len
+MAX_PROMPT = 32768                  # a prefill case's prompt at most (the engine's max_seq_len grows to it)
 
 
-def cases_arg(text: str) -> list[tuple[int, int]]:
+def cases_arg(text: str, max_length: int = MAX_LENGTH) -> list[tuple[int, int]]:
     """--decode / --prefill: "1x512,192x512" -> [(1, 512), (192, 512)] (batch x context, or x prompt
     length); "none" -> no case of that kind."""
     if text.strip().lower() == "none":
@@ -52,11 +53,21 @@ def cases_arg(text: str) -> list[tuple[int, int]]:
         if not (x and b.isdigit() and n.isdigit()):
             raise argparse.ArgumentTypeError(f"{item.strip()!r} is not BATCHxLENGTH (e.g. 32x512)")
         b, n = int(b), int(n)
-        if not (1 <= b <= MAX_BATCH and 1 <= n <= MAX_LENGTH):
+        if not (1 <= b <= MAX_BATCH and 1 <= n <= max_length):
             raise argparse.ArgumentTypeError(f"{item.strip()}: batch must be 1..{MAX_BATCH} and length "
-                                             f"1..{MAX_LENGTH}")
+                                             f"1..{max_length}")
         cases.append((b, n))
     return cases
+
+
+def prefill_cases_arg(text: str) -> list[tuple[int, int]]:
+    """--prefill: cases_arg with prompts up to MAX_PROMPT tokens."""
+    return cases_arg(text, MAX_PROMPT)
+
+
+def max_seq_len_for(prefill_cases) -> int:
+    """The bench engine's max_seq_len: MAX_LENGTH, or the longest prefill case's prompt."""
+    return max([MAX_LENGTH, *(n for _, n in prefill_cases)])
 
 
 def bench_cases(args) -> tuple[list, list]:
@@ -81,8 +92,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer cases (batch 1 and 32, context 512)")
     p.add_argument("--decode", type=cases_arg, default=None, metavar="BxC,...",
                    help="decode cases, batch x context (e.g. 1x512,192x512; none: no decode case)")
-    p.add_argument("--prefill", type=cases_arg, default=None, metavar="BxL,...",
-                   help="prefill cases, batch x prompt length (e.g. 1x2048; none: no prefill case)")
+    p.add_argument("--prefill", type=prefill_cases_arg, default=None, metavar="BxL,...",
+                   help=f"prefill cases, batch x prompt length up to {MAX_PROMPT} (e.g. 1x2048; none: no prefill case)")
     p.add_argument("--block-size", type=block_size_arg, default=DEFAULTS.block_size,
                    help="KV-cache page size in tokens")
     p.add_argument("--no-pdl", action="store_true",
@@ -514,8 +525,8 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
     num_blocks = bench_num_blocks(decode_cases, prefill_cases, args.block_size)
     t0 = time.perf_counter()
     engine = Engine.from_spec(spec_path, backend="cuda", device="cuda", dtype="bf16", block_size=args.block_size,
-                              num_blocks=num_blocks, max_seq_len=MAX_LENGTH, max_num_seqs=MAX_BATCH,
-                              pdl=not args.no_pdl)
+                              num_blocks=num_blocks, max_seq_len=max_seq_len_for(prefill_cases),
+                              max_num_seqs=MAX_BATCH, pdl=not args.no_pdl)
     result["pdl"] = not args.no_pdl
     result["load_seconds"] = time.perf_counter() - t0
     backend = engine.backend

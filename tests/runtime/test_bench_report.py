@@ -234,6 +234,11 @@ def test_bench_cases_from_the_command_line():
     from runtime.errors import InputError
     assert cases_arg("1x512, 192X512") == [(1, 512), (192, 512)]
     assert cases_arg("none") == []
+    from runtime.bench import max_seq_len_for, prefill_cases_arg
+    assert prefill_cases_arg("1x32768,2x9000") == [(1, 32768), (2, 9000)]   # a long prompt: prefill only
+    with pytest.raises(argparse.ArgumentTypeError):
+        prefill_cases_arg("1x32769")
+    assert max_seq_len_for([(1, 32768)]) == 32768 and max_seq_len_for([(32, 512)]) == max_seq_len_for([]) == 8192
     for bad in ("1x", "x512", "1*512", "0x512", "257x512", "1x9000", "1x512,"):
         with pytest.raises(argparse.ArgumentTypeError):
             cases_arg(bad)
