@@ -387,12 +387,15 @@ class CudaBackend:
                 # the steps queued on the old arena finish before its memory goes back to the allocator
                 # (a warm-up on a side stream may allocate it next); growing is rare: a new largest step
                 torch.cuda.synchronize(have.device)
-            self.arenas.pop(phase, None)   # freed before the new one is allocated
+            # the old arena (its views and the graphs that hold it included) is freed before the new one
+            # is allocated, so growing never holds both
+            have = None
+            self.arenas.pop(phase, None)
+            self._typed.pop(phase, None)
             self.graphs_decode.forget(phase)
             self.graphs_prefill.forget(phase)
             have = self.arenas[phase] = torch.empty(_round_arena(max(nbytes, grow)), dtype=torch.uint8,
                                                     device=device)
-            self._typed.pop(phase, None)
         typed = self._typed.get(phase)
         if typed is None:
             typed = self._typed[phase] = {"arena": have}
@@ -443,7 +446,8 @@ def _put(env: dict, name: str, result: torch.Tensor) -> None:
         dst.copy_(result)
 
 
-# Library calls that make their own outputs; `split` is the other one (a view the buffer plan makes).
+# Library calls that compute their outputs (into the planned buffers, _put); `split` is the other one
+# (a view the buffer plan makes).
 _ALLOCATING = {"linear": CudaBackend._linear, "multi_linear": CudaBackend._linear,
                "gate_up_silu": CudaBackend._gate_up_silu, "all_reduce": CudaBackend._all_reduce,
                "moe_local_experts": CudaBackend._local_experts}

@@ -92,3 +92,14 @@ def test_the_cuda_backend_refuses_a_prefill_step_over_a_cached_prefix():
     with pytest.raises(InputError, match="prefills whole prompts only") as info:
         backend.forward("prefill", torch.zeros(3, dtype=torch.int64), ctx)
     assert "\n" not in str(info.value)
+
+
+def test_the_constructors_pass_the_cap_on():
+    from codegen.paths import MODEL_SPECS_DIR
+    from runtime import Engine
+    engine = Engine.from_spec(str(MODEL_SPECS_DIR / "deepseek_tiny.yaml"), max_num_batched_tokens=5, num_blocks=16)
+    assert engine.max_num_batched_tokens == 5
+    ps = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    for a, b in zip(engine.logits(ps), Engine.from_spec(str(MODEL_SPECS_DIR / "deepseek_tiny.yaml"),
+                                                        num_blocks=16).logits(ps)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
