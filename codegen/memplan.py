@@ -254,13 +254,16 @@ def describe_bytes(n: float) -> str:
 
 
 def peak_lines(plans: dict, act_itemsize: int, **kw) -> list[str]:
-    """The report's lines, one per phase: `prefill  activations 1 tok 0.1 MB, 2048 tok ... (unplanned ...)`."""
+    """The report's lines, one per phase, e.g. `prefill activations: 2048 tok 121.77 MB, 16384 tok
+    974.13 MB (one buffer per value: 5.48 GB, 43.42 GB)`."""
     rows = peak_bytes(plans, act_itemsize, **kw)
     lines = []
     for phase in plans:
         mine = [r for r in rows if r[0] == phase]
-        unit = "seqs" if phase == "decode" else "tok"
-        where = f" at context {kw.get('context', DECODE_CONTEXT)}" if phase == "decode" else ""
-        lines.append(f"{phase} activations{where}: " + ", ".join(
-            f"{n} {unit} {describe_bytes(b)} (unplanned {describe_bytes(u)})" for _, n, b, u in mine))
+        if phase == "decode":
+            head, size = f"decode activations at context {kw.get('context', DECODE_CONTEXT)}", "batch {}"
+        else:
+            head, size = f"{phase} activations", "{} tok"
+        lines.append(f"{head}: " + ", ".join(f"{size.format(n)} {describe_bytes(b)}" for _, n, b, _ in mine)
+                     + " (one buffer per value: " + ", ".join(describe_bytes(u) for *_, u in mine) + ")")
     return lines
