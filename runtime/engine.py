@@ -449,25 +449,22 @@ class Engine:
             s.cached = n
         return logits
 
-    def _prefill(self, seqs: list[Sequence], *, last_only: bool = False) -> torch.Tensor:
-        """Every uncached token of ``seqs``, in steps of at most max_num_batched_tokens: logits as _step
-        gives them for one step (``last_only``: each sequence's last token)."""
+    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Every uncached token of ``seqs``, in steps of at most max_num_batched_tokens: logits [T, vocab]
+        as one step gives them (each sequence's rows together, in order)."""
         if self.max_num_batched_tokens is None:
-            return self._step("prefill", seqs, last_only=last_only)
+            return self._step("prefill", seqs)
         rows: dict[int, list] = {id(s): [] for s in seqs}
         while True:
             take = chunk_tokens([s.num_tokens - s.cached for s in seqs], self.max_num_batched_tokens)
             step = [(s, t) for s, t in zip(seqs, take) if t]
             if not step:
                 break
-            out = self._step("prefill", [s for s, _ in step], last_only=last_only, take=[t for _, t in step])
+            out = self._step("prefill", [s for s, _ in step], take=[t for _, t in step])
             at = 0
             for s, t in step:
-                n = 1 if last_only else t
-                rows[id(s)].append(out[at:at + n])
-                at += n
-        if last_only:
-            return torch.cat([rows[id(s)][-1] for s in seqs])
+                rows[id(s)].append(out[at:at + t])
+                at += t
         return torch.cat([torch.cat(rows[id(s)]) for s in seqs])
 
     def _step_tensors(self, phase: str, seq_ids: list[int], ids: list[int], positions: list[int],
