@@ -86,8 +86,8 @@ def memory_lines(spec, d: planner.Deployment, dtype: str) -> list[str]:
     from codegen.kernel import DEFAULTS
     from codegen.memplan import peak_lines
     whole = spec.dims["max_positions"]
-    lines = [f"{p.gpus:>4} GPU{'s' if p.gpus > 1 else ' '}: {p.full_context_seqs} sequence(s) of the whole "
-             f"{whole}-token context fit beside the weights" for p in d.plans]
+    lines = [f"{p.gpus:>4}: {p.full_context_seqs} sequence(s) of the whole {whole}-token context fit per GPU "
+             f"beside the weights" for p in d.plans]
     sp = plan_spec(spec, dataclasses.replace(DEFAULTS, dtype=dtype))
     itemsize = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
     return lines + [f"one GPU, {line}" for line in peak_lines(sp.plans, itemsize, context=d.context)]
