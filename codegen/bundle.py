@@ -60,7 +60,8 @@ from .errors import DsgraphError
 from .kernel import DEFAULTS, DTYPES, KernelLaunch, Options, signature_key
 from .paths import spec_path
 
-SCHEMA = 3     # 3: each kernel step says whether it is launched with PDL ("pdl"), and so do the options
+SCHEMA = 4     # 4: each phase lists its arena slots (codegen/memplan.py); each kernel step and the options
+               # say whether it is launched with PDL ("pdl")
 PHASES = ("prefill", "decode")  # same as ir.PHASES; spelled here so a cache hit never imports ir
 SPEC_FILE = "spec.yaml"
 RANKS_DIR = "ranks"

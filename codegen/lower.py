@@ -23,6 +23,8 @@ with symbolic first dim "T" / "T*K", dtype) or why it must not: split outputs
 are views of their input (base, element offset, strides); "state" values are
 the layer's KV cache; a "routing" value lives in two int32 buffers
 `<R>.order` [T*K] (token-expert pairs sorted by expert) and `<R>.offsets` [E+1].
+The allocated buffers and the kernels' workspaces then share one arena by
+liveness (codegen/memplan.py: `plan.arena`, their lifetimes in launch order).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from . import families, sizes
 from .errors import LoweringError
 from .kernel import (CTX_FIELDS, POINTER_REFS, SCALAR_KINDS, Arg, CtxRef, KernelLaunch, LibraryCall, Options,
                      SizeRef, StrideRef, TensorMapRef, WorkspaceRef)
+from .memplan import arena_slots
 from .plan import Buffer, NodeInfo, PhasePlan, View
 from .provenance import node_origins
 
@@ -284,4 +287,5 @@ def lower_graph(G: nx.DiGraph, opts: Options | None = None, *, strict: bool = Tr
             continue
         plan.nodes[nid] = NodeInfo(layer=data.get("layer"), outputs=tuple(data["outputs"]))
     plan.buffers = buffer_plan(G, order)
+    plan.arena = arena_slots(plan)
     return plan

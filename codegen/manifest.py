@@ -9,7 +9,8 @@ A phase in the manifest (JSON with sorted keys, so it diffs cleanly):
              workspace: [{name, shape, dtype}], [requires: ["sm_90a"]]}
             | {type: "library", node, op, call, inputs, outputs, weights, attrs, from_tokens}],
     buffers: {value: {shape, dtype, [view: {base, offset, strides}], [layer], [parts]}},
-    nodes: {node: {layer, outputs}}
+    nodes: {node: {layer, outputs}},
+    arena: [{name, shape, dtype, live: [first, last]}]   (codegen/memplan.py: placed at run time)
 
 The bound weights (`weights_to_json`, the manifest's ``weights``):
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 from ir.ops import WeightSlice
 
 from .kernel import Arg, KernelLaunch, LibraryCall, Workspace
+from .memplan import Slot
 from .plan import Buffer, NodeInfo, PhasePlan, View
 
 STEP_TYPES = ("kernel", "library")
@@ -91,7 +93,8 @@ def phase_to_json(plan: PhasePlan) -> dict:
             "steps": [step_to_json(s) for s in plan.steps],
             "buffers": {name: buffer_to_json(b) for name, b in plan.buffers.items()},
             "nodes": {n: {"layer": info.layer, "outputs": list(info.outputs)} for n, info in plan.nodes.items()},
-            "unlowered": [list(u) for u in plan.unlowered]}
+            "unlowered": [list(u) for u in plan.unlowered],
+            "arena": [s.to_json() for s in plan.arena]}
 
 
 def phase_from_json(phase: str, d: dict) -> PhasePlan:
@@ -100,7 +103,8 @@ def phase_from_json(phase: str, d: dict) -> PhasePlan:
         buffers={name: buffer_from_json(name, b) for name, b in d["buffers"].items()},
         nodes={n: NodeInfo(layer=i["layer"], outputs=tuple(i["outputs"])) for n, i in d["nodes"].items()},
         inputs=tuple(d["inputs"]), outputs=tuple(d["outputs"]),
-        unlowered=[tuple(u) for u in d.get("unlowered", ())])
+        unlowered=[tuple(u) for u in d.get("unlowered", ())],
+        arena=tuple(Slot.from_json(s) for s in d["arena"]))
 
 
 def part_to_json(part: str | WeightSlice) -> str | dict:

@@ -48,6 +48,7 @@ class PhasePlan:
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
     unlowered: list[tuple[str, str]] = field(default_factory=list)  # (node, op), strict=False only
+    arena: tuple = ()            # codegen.memplan.Slot: what the step allocates, with lifetimes
 
     @property
     def launches(self) -> list[KernelLaunch]:

@@ -9,6 +9,13 @@ What it prints and writes (JSON):
     achieved fraction of the copy bandwidth;
   - the same workloads through transformers (DeepseekV2ForCausalLM, eager, same weights);
   - a per-kernel breakdown of one decode step.
+
+Memory (an 80 GB H100 runs every default case): a step's activations live in its phase's arena
+(codegen/memplan.py), so the prefill cases add about a GB to the weights and the cache.  The
+transformers model is a second copy of the weights; `transformers_placement` decides from the
+GPU's measured free memory whether it loads beside the engine, after the engine's KV cache,
+graphs and arenas are freed (made again for the profiles after it), or not at all (said in one
+line; the engine's numbers are kept).
 """
 from __future__ import annotations
 
@@ -33,9 +40,10 @@ DECODE_CASES = [(1, 512), (8, 512), (32, 512), (128, 512), (256, 512), (1, 4096)
 PREFILL_CASES = [(1, 2048), (32, 512)]
 HF_DECODE_CASES = [(1, 512), (32, 512)]
 MAX_BATCH, MAX_LENGTH = 256, 8192   # the engine the bench builds: max_num_seqs, max_seq_len
+MAX_PROMPT = 32768                  # a prefill case's prompt at most (the engine's max_seq_len grows to it)
 
 
-def cases_arg(text: str) -> list[tuple[int, int]]:
+def cases_arg(text: str, max_length: int = MAX_LENGTH) -> list[tuple[int, int]]:
     """--decode / --prefill: "1x512,192x512" -> [(1, 512), (192, 512)] (batch x context, or x prompt
     length); "none" -> no case of that kind."""
     if text.strip().lower() == "none":
@@ -46,11 +54,21 @@ def cases_arg(text: str) -> list[tuple[int, int]]:
         if not (x and b.isdigit() and n.isdigit()):
             raise argparse.ArgumentTypeError(f"{item.strip()!r} is not BATCHxLENGTH (e.g. 32x512)")
         b, n = int(b), int(n)
-        if not (1 <= b <= MAX_BATCH and 1 <= n <= MAX_LENGTH):
+        if not (1 <= b <= MAX_BATCH and 1 <= n <= max_length):
             raise argparse.ArgumentTypeError(f"{item.strip()}: batch must be 1..{MAX_BATCH} and length "
-                                             f"1..{MAX_LENGTH}")
+                                             f"1..{max_length}")
         cases.append((b, n))
     return cases
+
+
+def prefill_cases_arg(text: str) -> list[tuple[int, int]]:
+    """--prefill: cases_arg with prompts up to MAX_PROMPT tokens."""
+    return cases_arg(text, MAX_PROMPT)
+
+
+def max_seq_len_for(prefill_cases) -> int:
+    """The bench engine's max_seq_len: MAX_LENGTH, or the longest prefill case's prompt."""
+    return max([MAX_LENGTH, *(n for _, n in prefill_cases)])
 
 
 def bench_cases(args) -> tuple[list, list]:
@@ -75,8 +93,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer cases (batch 1 and 32, context 512)")
     p.add_argument("--decode", type=cases_arg, default=None, metavar="BxC,...",
                    help="decode cases, batch x context (e.g. 1x512,192x512; none: no decode case)")
-    p.add_argument("--prefill", type=cases_arg, default=None, metavar="BxL,...",
-                   help="prefill cases, batch x prompt length (e.g. 1x2048; none: no prefill case)")
+    p.add_argument("--prefill", type=prefill_cases_arg, default=None, metavar="BxL,...",
+                   help=f"prefill cases, batch x prompt length up to {MAX_PROMPT} (e.g. 1x2048; none: no prefill case)")
     p.add_argument("--block-size", type=block_size_arg, default=DEFAULTS.block_size,
                    help="KV-cache page size in tokens")
     p.add_argument("--no-pdl", action="store_true",
@@ -355,6 +373,67 @@ def expert_gemm_rate(row: dict) -> dict | None:
     return per or None
 
 
+# A transformers eager step's memory beside its weights (an estimate, on the high side): per token
+# the hidden states, q, the decompressed k / v, and the dense FFN's intermediates (bf16, with some
+# held at once), the attention's scores per head (fp32 softmax and its bf16 copy), the decode
+# cases' DynamicCache (decompressed K and V, every layer), and cuBLAS workspaces and slack.
+HF_SLACK_BYTES = 3 << 30
+
+
+def hf_activation_bytes(dims: dict, prefill_cases, decode_cases) -> int:
+    D, H, I, L = dims["hidden"], dims["heads"], dims["intermediate"], dims["layers"]
+    NR, V = dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"], dims["v_head_dim"]
+    prefill = max((b * n * 2 * (8 * D + 3 * I + 4 * H * NR) + b * H * n * n * 6 for b, n in prefill_cases), default=0)
+    decode = max((b * c * H * (NR + V) * L * 2 for b, c in decode_cases), default=0)
+    return max(prefill, decode) + HF_SLACK_BYTES
+
+
+def transformers_placement(free: int, reclaimable: int, need: int) -> tuple[str, str]:
+    """Where the transformers side runs, from the GPU's measured free memory with the engine loaded
+    (`free`: runtime.memory.available_bytes), what freeing the engine's KV cache, graphs and arenas
+    gives back (`reclaimable`) and what the transformers model needs (`need`: its weights and
+    hf_activation_bytes): ("beside", ...) the engine, ("after_cache", ...) once those are freed, or
+    ("skip", the one line that says why)."""
+    gb = 1e9
+    if need <= free:
+        return "beside", f"transformers beside the engine ({need / gb:.1f} GB of {free / gb:.1f} GB free)"
+    if need <= free + reclaimable:
+        return "after_cache", (f"transformers after the engine's KV cache and graphs are freed ({need / gb:.1f} GB "
+                               f"needed, {free / gb:.1f} GB free, {reclaimable / gb:.1f} GB freed)")
+    return "skip", (f"transformers skipped: it needs {need / gb:.1f} GB and the GPU has {free / gb:.1f} GB free even "
+                    f"with the engine's KV cache and graphs freed ({reclaimable / gb:.1f} GB more); --no-transformers "
+                    f"says so up front")
+
+
+def _engine_reclaimable(engine) -> int:
+    """What freeing the engine's KV cache, captured graphs and arenas gives back: the cache and arenas
+    exactly, the graphs' pool as torch's allocator holds it beyond the weights, cache and arenas."""
+    import torch
+    cache = engine.cache.nbytes
+    arenas = engine.backend.arena_bytes()
+    weights = sum(t.numel() * t.element_size() for t in engine.backend.weights.values() if t is not None)
+    pools = max(0, torch.cuda.memory_reserved() - weights - cache - arenas)
+    return cache + arenas + pools
+
+
+def free_engine_memory(engine) -> None:
+    """Free the engine's KV cache, captured graphs and arenas (the weights stay); restore_engine_cache
+    makes a cache of the same size again."""
+    import torch
+    backend = engine.backend
+    backend.graphs_decode.graphs.clear()
+    backend.graphs_prefill.graphs.clear()
+    backend.release_arenas()
+    engine.cache.layers.clear()
+    torch.cuda.empty_cache()
+
+
+def restore_engine_cache(engine) -> None:
+    from .kv_cache import PagedLatentCache
+    c, dims = engine.cache, engine.spec.dims
+    engine.cache = PagedLatentCache(dims["layers"], c.num_blocks, c.block_size, c.width, engine.dtype, engine.device)
+
+
 def _release(engine, seq_ids):
     for s in seq_ids:
         engine.tables.release(s)
@@ -391,11 +470,17 @@ def run_bench(args) -> int:
     try:
         return _run_bench(args, decode_cases, prefill_cases)
     except torch.OutOfMemoryError:
-        # The full set needs V2-Lite's 31 GB of weights, its cache and the prefill graphs' pool at once:
-        # more than an 80 GB H100 holds (an H200 does).  Say so, not torch's allocator report.
+        # The default cases fit an 80 GB H100 (V2-Lite's 31 GB of weights, its cache, the planned
+        # activations); a smaller GPU or larger cases may not.  Say so, not torch's allocator report.
         gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-        raise InputError(f"dsgraph bench ran out of GPU memory ({gib:.0f} GiB on this GPU): the full set of cases "
-                         f"needs a larger one; --quick, --prefill none or fewer --decode cases need less") from None
+        raise InputError(f"dsgraph bench ran out of GPU memory ({gib:.0f} GiB on this GPU): these cases need a "
+                         f"larger one; --quick, --prefill none or fewer --decode cases need less") from None
+
+
+def bench_num_blocks(decode_cases, prefill_cases, block_size: int) -> int:
+    """The bench engine's cache: the largest case's tokens, plus 8 blocks a decode sequence."""
+    max_tokens = max(b * c for b, c in decode_cases + prefill_cases)
+    return math.ceil(max_tokens / block_size) + 8 * max((b for b, _ in decode_cases), default=0)
 
 
 def _run_bench(args, decode_cases, prefill_cases) -> int:
@@ -416,12 +501,11 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
     result["copy_bandwidth_GBps"] = bw / 1e9
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s", flush=True)
 
-    max_tokens = max(b * c for b, c in decode_cases + prefill_cases)
-    num_blocks = math.ceil(max_tokens / args.block_size) + 8 * max((b for b, _ in decode_cases), default=0)
+    num_blocks = bench_num_blocks(decode_cases, prefill_cases, args.block_size)
     t0 = time.perf_counter()
     engine = Engine.from_spec(spec_path, backend="cuda", device="cuda", dtype="bf16", block_size=args.block_size,
-                              num_blocks=num_blocks, max_seq_len=MAX_LENGTH, max_num_seqs=MAX_BATCH,
-                              pdl=not args.no_pdl)
+                              num_blocks=num_blocks, max_seq_len=max_seq_len_for(prefill_cases),
+                              max_num_seqs=MAX_BATCH, pdl=not args.no_pdl)
     result["pdl"] = not args.no_pdl
     result["load_seconds"] = time.perf_counter() - t0
     backend = engine.backend
@@ -460,8 +544,8 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
                   f"{need['total'] / (ms / 1e3) / bw * 100:.0f}% of copy bandwidth", flush=True)
 
         if not args.no_transformers:   # transformers' eager steps launch thousands of kernels: before the profiles too
-            result["transformers"] = _bench_transformers(
-                engine, args, prefill_cases, [c for c in HF_DECODE_CASES if c in decode_cases])
+            result["transformers"] = _transformers_side(engine, args, prefill_cases,
+                                                        [c for c in HF_DECODE_CASES if c in decode_cases])
 
         result["prefill"] = []
         for batch, length in prefill_cases:
@@ -507,6 +591,36 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
         raise InputError(f"cannot write --json {args.json}: {e.strerror or e}") from None
     print(f"wrote {args.json}", file=sys.stderr)
     return 0
+
+
+def _transformers_side(engine, args, prefill_cases, decode_cases) -> dict:
+    """_bench_transformers where transformers_placement says it fits (freeing the engine's cache first
+    where it must, and making it again after); {"skipped": why} where it does not."""
+    import torch
+
+    from .memory import available_bytes
+    weights = sum(t.numel() * t.element_size() for t in engine.backend.weights.values() if t is not None)
+    need = weights + hf_activation_bytes(engine.spec.dims, prefill_cases, decode_cases)
+    torch.cuda.synchronize()
+    where, why = transformers_placement(available_bytes("cuda"), _engine_reclaimable(engine), need)
+    print(why, flush=True)
+    if where == "skip":
+        return {"skipped": why}
+    if where == "after_cache":
+        free_engine_memory(engine)
+    try:
+        out = _bench_transformers(engine, args, prefill_cases, decode_cases)
+    except torch.OutOfMemoryError:
+        out = None   # the model is freed with the exception's frames, here
+    if out is None:
+        torch.cuda.empty_cache()
+        why = "transformers ran out of GPU memory beside the engine's weights; its numbers are left out"
+        print(why, flush=True)
+        out = {"skipped": why}
+    if where == "after_cache":
+        restore_engine_cache(engine)
+    out["placement"] = where
+    return out
 
 
 def _bench_transformers(engine, args, prefill_cases, decode_cases) -> dict:

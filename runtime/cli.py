@@ -120,6 +120,12 @@ def run_compile(args) -> int:
         if plan.get("unlowered"):
             line += f", {len(plan['unlowered'])} nodes unlowered"
         print(line)
+    from codegen.manifest import phase_from_json
+    from codegen.memplan import peak_lines
+    plans = {phase: phase_from_json(phase, plan) for phase, plan in phases.items()}
+    itemsize = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
+    for i, line in enumerate(peak_lines(plans, itemsize)):   # codegen/memplan.py: shared by liveness
+        print(f"{'memory' if i == 0 else '':<8} {line}")
     print(f"cache    {'hit' if res.cached else 'miss (built)'}  key {res.key[:16]}")
     print(f"time     {res.seconds:.2f} s")
     print(f"bundle   {res.path}")

@@ -76,6 +76,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest sequence the KV cache holds (default: 8192, or the model's limit if lower)")
     p.add_argument("--num-blocks", type=whole_number(1), default=None, metavar="N",
                    help="KV-cache blocks (default: sized to the device)")
+    p.add_argument("--max-num-batched-tokens", type=whole_number(1), default=None, metavar="N",
+                   help="tokens one step runs at most: a longer prompt prefills in chunks (reference backend)")
 
 
 def engine_kwargs(args) -> dict:
@@ -93,6 +95,8 @@ def engine_kwargs(args) -> dict:
     check_device(backend, device)
     kwargs = dict(backend=backend, device=device, dtype=dtype, bundle=args.bundle, max_seq_len=args.max_seq_len,
                   num_blocks=args.num_blocks)
+    if args.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.block_size is not None:
         kwargs["block_size"] = args.block_size
     return kwargs

@@ -3,6 +3,7 @@ derives every figure; this file reads the options and prints the table).
 
     dsgraph plan [SPEC] [--gpus N[,N...]] [--dtype bf16|fp8] [--weights fp8] [--batch 32] [--context 4096]
                  [--gpu-mem 141] [--link-bw 360] [--net-bw 40] [--bench FILE] [--bw-fraction F] [--json]
+                 [--memory]
 
 Every degree asked for with --gpus (default: 1, 2, 4, ..., 64) is planned, and those the model refuses
 are listed with their reasons.  When none of them fits, the table is followed by one error line with
@@ -11,6 +12,7 @@ the planner's numbers (exit status 2), which the table's notes then leave out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from codegen.paths import DEFAULT_SPEC, SPEC_ARGUMENT, shipped_specs, spec_path
@@ -51,6 +53,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bw-fraction", type=float, default=None, metavar="F",
                    help="share of copy bandwidth a decode step reaches (default: the nearest measured case)")
     p.add_argument("--json", action="store_true", help="print the plans as JSON instead of a table")
+    p.add_argument("--memory", action="store_true",
+                   help="also a step's planned activation memory (lowers the spec: a few seconds) and how many "
+                        "sequences of the model's whole context fit")
 
 
 def run_plan(args) -> int:
@@ -68,14 +73,32 @@ def run_plan(args) -> int:
     d = planner.plan_deployment(spec, args.gpus or planner.DEFAULT_GPUS, dtype=dtype, batch=args.batch,
                                 context=args.context, hw=hw)
     fits = any(p.fits for p in d.plans)
+    memory = memory_lines(spec, d, args.dtype) if args.memory else None
     if args.json:
-        print(json.dumps(d.to_json(), indent=1))
+        out = d.to_json()
+        if memory is not None:
+            out["memory"] = memory
+        print(json.dumps(out, indent=1))
     else:
         # when nothing fits, why is the error line below: not a note under the table as well
-        print("\n".join(table(d, misfit_notes=fits)))
+        print("\n".join(table(d, misfit_notes=fits) + (["", *memory] if memory else [])))
     if not fits:
         raise InputError(nothing_fits(d))
     return 0
+
+
+def memory_lines(spec, d: planner.Deployment, dtype: str) -> list[str]:
+    """What --memory adds: per GPU count, the sequences of the whole context that fit; then a step's
+    planned activations (one GPU's plan; codegen/memplan.py)."""
+    from codegen.bundle import plan_spec
+    from codegen.kernel import DEFAULTS
+    from codegen.memplan import peak_lines
+    whole = spec.dims["max_positions"]
+    lines = [f"{p.gpus:>4}: {p.full_context_seqs} sequence(s) of the whole {whole}-token context fit per GPU "
+             f"beside the weights" for p in d.plans]
+    sp = plan_spec(spec, dataclasses.replace(DEFAULTS, dtype=dtype))
+    itemsize = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
+    return lines + [f"one GPU, {line}" for line in peak_lines(sp.plans, itemsize, context=d.context)]
 
 
 def nothing_fits(d: planner.Deployment) -> str:

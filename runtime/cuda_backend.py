@@ -3,9 +3,10 @@
 A bundle (made by `dsgraph compile`, or compiled here through the cache when none is
 given) is the artifact: `open_bundle` checks it against this dsgraph and this GPU and
 reads back each phase's plan from its manifest; the backend then runs those steps as
-written, with no graph, no passes, no lowering and no NVRTC.  Each step allocates its
-values per the buffer plan, binds them to the kernels' typed arguments, and launches on
-torch's current stream; dense GEMMs above the skinny kernel's token count (cuBLAS through torch),
+written, with no graph, no passes, no lowering and no NVRTC.  Each step places its
+values and workspaces in its phase's arena per the memory plan (codegen/memplan.py: values
+whose lifetimes do not overlap share bytes), binds them to the kernels' typed arguments, and
+launches on torch's current stream; dense GEMMs above the skinny kernel's token count (cuBLAS through torch),
 the views of ``split`` and, in a rank's bundle, the all-reduce and the local-expert renumbering are
 the only library calls.  No
 device-to-host copy happens in a step.
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from codegen import sizes as size_exprs
 from codegen.kernel import DEFAULTS, KernelLaunch, LibraryCall
+from codegen.memplan import ArenaPlan, workspace_slot
 from ir.context import StepContext
 from ir.formats import FP8, companion_names, dequantize
 from ir.ops.collective import all_reduce_sum
@@ -128,6 +130,9 @@ class CudaBackend:
         self._schedules: dict[str, list] = {}   # phase -> its steps by node (_schedule)
         self._layouts: dict[tuple, dict] = {}     # (phase, sizes its buffers read) -> name -> _layout
         self._buffer_sizes: dict[str, tuple] = {}  # phase -> the size names its buffer plan reads
+        self.arena_plans = {phase: ArenaPlan(plan.arena) for phase, plan in plans.items()}
+        self.arenas: dict[str, torch.Tensor] = {}   # phase -> its arena (bytes), grown as steps need
+        self._typed: dict[str, dict] = {}            # phase -> its arena's typed views (_arena_view)
         from .cuda_graphs import DecodeGraphs, PrefillGraphs
         self.graphs_decode = DecodeGraphs(self)
         self.graphs_prefill = PrefillGraphs(self)
@@ -153,14 +158,18 @@ class CudaBackend:
     def _shape(self, shape, sizes) -> tuple:
         return tuple(size_exprs.evaluate(d, sizes) if isinstance(d, str) else d for d in shape)
 
-    def _layout(self, name: str, plan, sizes: dict, shapes: dict):
+    def _layout(self, name: str, plan, sizes: dict, shapes: dict, placed):
         """What the buffer plan says of `name` at these sizes, worked out once per sizes (`shapes`
-        is that sizes' cache): ("state", layer) | ("routing", parts) | ("view", base, shape, strides,
-        offset) | ("new", shape, dtype)."""
+        is that sizes' cache, `placed` the arena's codegen.memplan.Layout at them): ("state", layer)
+        | ("routing", parts) | ("view", base, shape, strides, offset) | ("arena", byte offset, shape,
+        dtype) | ("new", shape, dtype): a value the memory plan leaves out (the step's outputs)."""
         got = shapes.get(name)
         if got is None:
             buf = plan.buffers[name]
-            if buf.dtype == "state":
+            if name in placed.offsets:
+                got = ("arena", placed.offsets[name], self._shape(buf.shape, sizes),
+                       self.dtype if buf.dtype == "act" else _VALUE_DTYPES[buf.dtype])
+            elif buf.dtype == "state":
                 got = ("state", buf.layer)
             elif buf.dtype == "routing":
                 got = ("routing", tuple(buf.parts))
@@ -173,10 +182,11 @@ class CudaBackend:
             shapes[name] = got
         return got
 
-    def _shapes_at(self, phase: str, sizes: dict) -> dict:
+    def _shapes_at(self, phase: str, sizes: dict, arena_key: tuple) -> dict:
         """The layout cache of `phase` at these sizes, keyed by the sizes its buffer plan reads (a
-        decode step's growing context reads none of them, so eager decode hits it every step);
-        emptied when it holds _LAYOUTS_KEPT of them (a server's prompts have many lengths)."""
+        decode step's growing context reads none of them, so eager decode hits it every step) and
+        the arena's placement (ArenaPlan.key); emptied when it holds _LAYOUTS_KEPT of them (a
+        server's prompts have many lengths)."""
         names = self._buffer_sizes.get(phase)
         if names is None:
             names = set()
@@ -184,7 +194,7 @@ class CudaBackend:
                 for d in (*buf.shape, *(buf.view.strides if buf.view is not None else ())):
                     names |= size_exprs.names(d)
             names = self._buffer_sizes[phase] = tuple(sorted(names))
-        key = (phase, *(sizes.get(n) for n in names))
+        key = (phase, arena_key, *(sizes.get(n) for n in names))
         shapes = self._layouts.get(key)
         if shapes is None:
             if len(self._layouts) >= _LAYOUTS_KEPT:
@@ -192,22 +202,43 @@ class CudaBackend:
             shapes = self._layouts[key] = {}
         return shapes
 
-    def _materialize(self, name: str, plan, env: dict, sizes: dict, ctx: StepContext, device, shapes: dict) -> None:
+    def _workspaces(self, node: str, launches, sizes: dict, shapes: dict, placed) -> list:
+        """(name, (byte offset, shape, dtype)) of the node's workspaces in the arena, worked out once
+        per sizes (a name its launches share once, as KernelRunner.run_all allocates it; one empty
+        at these sizes is left to the runner)."""
+        key = ("workspaces", node)
+        got = shapes.get(key)
+        if got is None:
+            got, seen = [], set()
+            for launch in launches:
+                for ws in launch.workspace:
+                    slot = workspace_slot(node, ws.name)
+                    if ws.name not in seen and placed.nbytes.get(slot):
+                        dtype = self.dtype if ws.dtype == "act" else _VALUE_DTYPES[ws.dtype]
+                        got.append((ws.name, (placed.offsets[slot], self._shape(ws.shape, sizes), dtype)))
+                    seen.add(ws.name)
+            shapes[key] = got
+        return got
+
+    def _materialize(self, name: str, plan, env: dict, sizes: dict, ctx: StepContext, device, shapes: dict,
+                     placed, arena: dict) -> None:
         if name in env:
             return
-        got = self._layout(name, plan, sizes, shapes)
-        if got[0] == "new":
+        got = self._layout(name, plan, sizes, shapes, placed)
+        if got[0] == "arena":
+            env[name] = _arena_view(arena, got[1], got[2], got[3])
+        elif got[0] == "new":
             env[name] = torch.empty(got[1], dtype=got[2], device=device)
         elif got[0] == "view":
             _, base_name, shape, strides, offset = got
-            self._materialize(base_name, plan, env, sizes, ctx, device, shapes)
+            self._materialize(base_name, plan, env, sizes, ctx, device, shapes, placed, arena)
             base = env[base_name]
             env[name] = base.as_strided(shape, strides, base.storage_offset() + offset)
         elif got[0] == "state":
             env[name] = ctx.kv_cache[got[1]]
         else:
             for part in got[1]:
-                self._materialize(part, plan, env, sizes, ctx, device, shapes)
+                self._materialize(part, plan, env, sizes, ctx, device, shapes, placed, arena)
             env[name] = {"order": env[got[1][0]], "offsets": env[got[1][1]]}
 
     def _meta(self, ctx: StepContext, device) -> dict:
@@ -230,7 +261,12 @@ class CudaBackend:
     def forward(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """ids [T] -> logits [T, vocab] float32 (or [L, vocab]: the rows ctx.logit_rows names).
         Decode steps replay a CUDA graph per shape bucket; other steps one per shape seen before
-        (cuda_graphs.PrefillGraphs)."""
+        (cuda_graphs.PrefillGraphs).  A prefill step's sequences start at position 0: the prefill
+        attention kernel attends to the step's own tokens only, so a cached prefix (chunked prefill)
+        is refused here rather than silently left out."""
+        if phase == "prefill" and ctx.context_lens != ctx.query_lens:
+            raise InputError("backend='cuda' prefills whole prompts only: a step whose sequences already hold cache "
+                             "rows (chunked prefill, max_num_batched_tokens) runs on backend='reference' for now")
         if self.use_graphs and ids.is_cuda:
             if phase == "decode" and ctx.logit_rows is None and all(q == 1 for q in ctx.query_lens):
                 return self.graphs_decode.run(ids, ctx)
@@ -264,23 +300,29 @@ class CudaBackend:
         device = ids.device
         env = {"ids": ids}
         sizes = KernelRunner.step_sizes(sizes, meta, env)   # once a step (the device's SM count too)
-        shapes = self._shapes_at(phase, sizes)
+        arena_plan = self.arena_plans[phase]
+        arena_key = arena_plan.key(sizes, self.dtype.itemsize)
+        placed = arena_plan.layout(sizes, self.dtype.itemsize, arena_key)
+        arena = self._arena(phase, placed.total, device)
+        shapes = self._shapes_at(phase, sizes, arena_key)
         for node, launches, call in self._schedule(phase):
             if call is not None and launches and not call.runs_at(sizes["T"]):
                 call = None   # the kernels' turn
-            if call is not None and call.op in _ALLOCATING:
-                if call.op == "linear" and "logits" in call.outputs:
-                    self._linear(call, env, rows=ctx.logit_rows)   # the head: only the rows used
-                else:
-                    _ALLOCATING[call.op](self, call, env)   # the library allocates its output
+            if call is not None and call.op == "linear" and "logits" in call.outputs:
+                self._linear(call, env, rows=ctx.logit_rows)   # the head: only the rows used, a new tensor
                 continue
             info = plan.nodes[node]
             for out in info.outputs:
-                self._materialize(out, plan, env, sizes, ctx, device, shapes)
+                self._materialize(out, plan, env, sizes, ctx, device, shapes, placed, arena)
             if call is not None:
-                continue   # a view: the buffer plan made it
+                if call.op in _ALLOCATING:
+                    _ALLOCATING[call.op](self, call, env)   # into the planned outputs
+                continue   # else a view: the buffer plan made it
             meta["kv_cache"] = ctx.kv_cache[info.layer] if info.layer is not None else None
-            self.runner.run_all(launches, values=env, weights=self.weights, ctx=meta, sizes=sizes)
+            work = {name: _arena_view(arena, *where)
+                    for name, where in self._workspaces(node, launches, sizes, shapes, placed)}
+            self.runner.run_all(launches, values=env, weights=self.weights, ctx=meta, sizes=sizes,
+                                workspaces=work)
             if ctx.logit_rows is not None and "logits" in info.outputs:   # a kernel made them: all rows
                 env["logits"] = env["logits"].index_select(0, ctx.logit_rows)
         return env["logits"].float() if as_float else env["logits"]
@@ -295,7 +337,14 @@ class CudaBackend:
             x = x.float()
         for name, out in zip(call.weights, call.outputs, strict=True):
             w = self._library_weight(call, name, x.dtype)
-            env[out] = F.linear(x, w.float() if call.attrs.get("precision") == "fp32" else w)
+            if call.attrs.get("precision") == "fp32":
+                w = w.float()
+            dst = env.get(out)
+            if dst is not None and x.dim() == 2 and dst.dtype == x.dtype == w.dtype and dst.is_contiguous() \
+                    and tuple(dst.shape) == (x.shape[0], w.shape[0]):
+                torch.mm(x, w.t(), out=dst)   # F.linear's own GEMM, into the planned buffer
+            else:
+                _put(env, out, F.linear(x, w))
 
     def _library_weight(self, call: LibraryCall, name: str, dtype: torch.dtype) -> torch.Tensor:
         """A library call's weight as cuBLAS takes it.  FP8 weights (above the skinny kernel's tokens)
@@ -310,7 +359,7 @@ class CudaBackend:
         torch's SwiGLU, rounding where the kernel (and the unfused ops) round."""
         x = env[call.inputs[0]]
         gate, up = (self._library_weight(call, w, x.dtype) for w in call.weights)
-        env[call.outputs[0]] = gate_up_silu_ref(env[call.inputs[0]], gate, up)
+        _put(env, call.outputs[0], gate_up_silu_ref(x, gate, up))
 
     def _all_reduce(self, call: LibraryCall, env: dict) -> None:
         """The sum of this rank's partial value over every rank: torch.distributed (NCCL on GPUs,
@@ -325,15 +374,90 @@ class CudaBackend:
         (none here: no .item(), no barrier, and TORCH_NCCL_BLOCKING_WAIT unset, which would make
         wait() block the host); every rank capturing and replaying the same graphs in the same
         order (they do: the ranks run the same steps on the same inputs).  Untested on GPUs."""
-        env[call.outputs[0]] = all_reduce_sum(env[call.inputs[0]])
+        _put(env, call.outputs[0], all_reduce_sum(env[call.inputs[0]]))
 
     def _local_experts(self, call: LibraryCall, env: dict) -> None:
         ids, weights = local_experts_ref(env[call.inputs[0]], env[call.inputs[1]], call.attrs["first"],
                                          call.attrs["count"])
-        env[call.outputs[0]], env[call.outputs[1]] = ids, weights
+        _put(env, call.outputs[0], ids)
+        _put(env, call.outputs[1], weights)
+
+    # ---- the arena ---------------------------------------------------------------------------
+    def _arena(self, phase: str, nbytes: int, device) -> dict:
+        """The phase's arena, as one typed view per dtype, holding at least `nbytes`.  Growing it
+        drops the phase's captured graphs: they hold the old arena's addresses (graphs of one phase
+        share the arena: they never run at the same time)."""
+        have = self.arenas.get(phase)
+        if have is None or have.numel() < nbytes or have.device != torch.device(device):
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"the {phase} arena must grow during a graph capture; the capture's "
+                                   f"warm-up runs the same step first, so this is a bug")
+            grow = have.numel() * 5 // 4 if have is not None and have.device == torch.device(device) else 0
+            if have is not None and have.is_cuda:
+                # the steps queued on the old arena finish before its memory goes back to the allocator
+                # (a warm-up on a side stream may allocate it next); growing is rare: a new largest step
+                torch.cuda.synchronize(have.device)
+            # the old arena (its views and the graphs that hold it included) is freed before the new one
+            # is allocated, so growing never holds both
+            have = None
+            self.arenas.pop(phase, None)
+            self._typed.pop(phase, None)
+            self.graphs_decode.forget(phase)
+            self.graphs_prefill.forget(phase)
+            have = self.arenas[phase] = torch.empty(_round_arena(max(nbytes, grow)), dtype=torch.uint8,
+                                                    device=device)
+        typed = self._typed.get(phase)
+        if typed is None:
+            typed = self._typed[phase] = {"arena": have}
+        return typed
+
+    def arena_bytes(self) -> int:
+        """Bytes the arenas of every phase hold now."""
+        return sum(a.numel() for a in self.arenas.values())
+
+    def release_arenas(self) -> None:
+        """Free the arenas (and the graphs that hold their addresses); the next step allocates anew."""
+        for phase, arena in list(self.arenas.items()):
+            if arena.is_cuda:
+                torch.cuda.synchronize(arena.device)
+            self.graphs_decode.forget(phase)
+            self.graphs_prefill.forget(phase)
+        self.arenas.clear()
+        self._typed.clear()
 
 
-# Library calls that make their own outputs; `split` is the other one (a view the buffer plan makes).
+_ARENA_ROUND = 2 << 20   # grow in whole 2 MiB pages (torch's large-allocation granularity)
+
+
+def _round_arena(nbytes: int) -> int:
+    return max(_ARENA_ROUND, -(-nbytes // _ARENA_ROUND) * _ARENA_ROUND)
+
+
+def _arena_view(arena: dict, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The contiguous `shape` of `dtype` at byte `offset` of the arena (`arena`: its typed views,
+    made once per dtype; offsets are aligned to codegen.memplan.ALIGN)."""
+    typed = arena.get(dtype)
+    if typed is None:
+        raw = arena["arena"]
+        typed = arena[dtype] = raw[:raw.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return typed.as_strided(shape, tuple(reversed(strides)), offset // dtype.itemsize)
+
+
+def _put(env: dict, name: str, result: torch.Tensor) -> None:
+    """A library call's result into its planned buffer (or as the value, where none is planned)."""
+    dst = env.get(name)
+    if dst is None:
+        env[name] = result
+    else:
+        dst.copy_(result)
+
+
+# Library calls that compute their outputs (into the planned buffers, _put); `split` is the other one
+# (a view the buffer plan makes).
 _ALLOCATING = {"linear": CudaBackend._linear, "multi_linear": CudaBackend._linear,
                "gate_up_silu": CudaBackend._gate_up_silu, "all_reduce": CudaBackend._all_reduce,
                "moe_local_experts": CudaBackend._local_experts}

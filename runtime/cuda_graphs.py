@@ -29,13 +29,13 @@ outlast the host), PREFILL_GRAPHS_KEPT graphs.  A full set gives up its least re
 only when that one has not run for PREFILL_GRAPH_IDLE_STEPS prefill steps: a server cycling
 through more shapes than it keeps runs the others eagerly instead of capturing every step.
 
-Memory: a step keeps every value it makes until it ends (the buffer plan reuses nothing), so a
-graph holds its step's activations for as long as it lives: V2-Lite at 2048 tokens ~5.6 GB, at
-4096 ~11 GB.  The prefill graphs share one pool, and a step's values are all freed when its
-capture ends, so the next capture reuses them: the pool holds about the largest step's
-activations, not their sum (replays never overlap, and each graph writes every value before it
-reads it).  The bound of 2048 tokens keeps that to ~6 GB; a capture that runs out of memory
-leaves its key to eager steps from then on.
+Memory: a step's values and workspaces live in its phase's arena (codegen/memplan.py: values
+whose lifetimes do not overlap share bytes; V2-Lite at 2048 tokens ~0.12 GB), which every graph of
+the phase captures: replays never overlap, and each graph writes every value before it reads it.
+An arena that must grow for a larger step is allocated anew, and the phase's graphs, which hold
+the old one's addresses, are dropped (`forget`) and captured again when their keys come back.  The
+graphs' own pool holds only what a step allocates outside the plan: its logits and the library
+calls' temporaries.  A capture that runs out of memory leaves its key to eager steps from then on.
 """
 from __future__ import annotations
 
@@ -102,6 +102,11 @@ class DecodeGraphs:
         self.buffers: dict[tuple, DecodeInputs] = {}   # (B, W, device) -> its graphs' inputs
         self.pool = None
 
+    def forget(self, phase: str) -> None:
+        """Drop the graphs of `phase` (its arena moved)."""
+        if phase == "decode":
+            self.graphs.clear()
+
     def inputs(self, B: int, W: int, device) -> DecodeInputs:
         """The buffers decode graphs of B sequences and width W read on `device` (made on first use)."""
         device = torch.device(device)
@@ -152,6 +157,11 @@ class PrefillGraphs:
         self.refused: set[tuple] = set()       # keys whose capture ran out of memory: eager from then on
         self.steps = 0
         self.pool = None
+
+    def forget(self, phase: str) -> None:
+        """Drop the graphs of `phase` (its arena moved)."""
+        for key in [k for k in self.graphs if k[0] == phase]:
+            del self.graphs[key]
 
     def key(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> tuple:
         """What decides a step's launches: its sizes and logit rows; the cache and device it writes."""

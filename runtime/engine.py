@@ -41,7 +41,7 @@ from .model_loader import (compile_graphs, eos_token_ids, load_config, load_mode
                            random_weights, resolve_spec, weight_specs)
 from .parallel import check_ranks_agree, init_parallel
 from .sampling import NOT_FINITE, SamplingParams, as_integer, make_generator, sample_next, token_id_tuple
-from .scheduler import Scheduler, Sequence
+from .scheduler import Scheduler, Sequence, chunk_tokens
 
 BACKENDS = ("reference", "cuda")
 DEFAULT_MAX_SEQ_LEN = 8192
@@ -147,6 +147,15 @@ def check_cache_args(*, block_size=None, num_blocks=None, max_seq_len=None, max_
                                    "of sequences run together")}
 
 
+def check_chunking(backend: str, max_num_batched_tokens) -> int | None:
+    """max_num_batched_tokens as an int >= 1 or None, where `backend` can chunk a prefill."""
+    n = _count(max_num_batched_tokens, "max_num_batched_tokens", None, "of tokens a step runs; None: no cap")
+    if n is not None and backend == "cuda":
+        raise InputError("max_num_batched_tokens (chunked prefill) runs on backend='reference' for now: the cuda "
+                         "prefill attention does not read a cached prefix yet; leave it None on backend='cuda'")
+    return n
+
+
 def _backend_and_device(backend: str | None, device, bundle) -> tuple[str, torch.device]:
     """The defaults (a bundle runs on cuda; cuda runs on the GPU), checked."""
     backend = backend or ("cuda" if bundle is not None else "reference")
@@ -156,7 +165,7 @@ def _backend_and_device(backend: str | None, device, bundle) -> tuple[str, torch
 # What from_pretrained / from_spec pass on besides their own parameters: the Engine's cache, batch
 # and stop arguments, and the parallel and launch switches that _assemble reads.
 CACHE_ARGS = ("block_size", "num_blocks", "max_seq_len", "max_num_seqs")
-ENGINE_OPTIONS = (*CACHE_ARGS, "eos_token_ids", "tp", "pdl")
+ENGINE_OPTIONS = (*CACHE_ARGS, "eos_token_ids", "tp", "pdl", "max_num_batched_tokens")
 
 
 def _check_call(caller: str, backend, device, dtype, bundle, options: dict) -> tuple[str, torch.device, object, dict]:
@@ -174,6 +183,8 @@ def _check_call(caller: str, backend, device, dtype, bundle, options: dict) -> t
     options = {**options, **{k: checked[k] for k in CACHE_ARGS if options.get(k) is not None}}
     if "eos_token_ids" in options:
         options["eos_token_ids"] = token_id_tuple(options["eos_token_ids"], "eos_token_ids")
+    if "max_num_batched_tokens" in options:
+        options["max_num_batched_tokens"] = check_chunking(backend, options["max_num_batched_tokens"])
     return backend, device, dtype, options
 
 
@@ -223,7 +234,8 @@ class Engine:
     def __init__(self, spec: Spec, graphs: dict, weights: dict, *, backend: str = "reference", device="cpu",
                  dtype=torch.float32, block_size: int = DEFAULTS.block_size, num_blocks: int | None = None,
                  max_seq_len: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 eos_token_ids=(), backend_impl=None, weight_specs: dict | None = None):
+                 eos_token_ids=(), backend_impl=None, weight_specs: dict | None = None,
+                 max_num_batched_tokens: int | None = None):
         self.spec = spec
         self.graphs = graphs
         # what each bound weight reads of the checkpoint (the bundle manifest's weights table, or
@@ -253,6 +265,10 @@ class Engine:
         # the requests in flight (request id -> Sequence) and the one scheduler that runs them
         self._requests: dict[int, Sequence] = {}
         self._sched = Scheduler(self.tables, self.max_num_seqs, max_prefill_tokens=max(self.max_seq_len, 8192))
+        # Tokens one step runs at most (vLLM's name); None: a prompt prefills in one step.  A longer
+        # prompt prefills in chunks that attend to the rows earlier chunks cached, and running
+        # sequences decode in the same steps (scheduler.chunk_tokens).
+        self.max_num_batched_tokens = check_chunking(backend, max_num_batched_tokens)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -432,15 +448,19 @@ class Engine:
                     needed=-(-rows // bs), free=self.tables.free_blocks)
 
     # ---- one step -----------------------------------------------------------------------------
-    def _step(self, phase: str, seqs: list[Sequence], *, last_only: bool = False) -> torch.Tensor:
-        """Run the new tokens of ``seqs`` (prefill: all uncached; decode: the last one); logits [T, vocab],
-        or with ``last_only`` [B, vocab]: each sequence's last token (the head runs on those rows alone)."""
+    def _step(self, phase: str, seqs: list[Sequence], *, last_only: bool = False,
+              take: list[int] | None = None) -> torch.Tensor:
+        """Run the new tokens of ``seqs`` (prefill: all uncached, or the next ``take[i]`` of them; decode:
+        the last one); logits [T, vocab], or with ``last_only`` [B, vocab]: each sequence's last token
+        this step (the head runs on those rows alone)."""
         ids, positions, slots, query_lens, context_lens = [], [], [], [], []
-        for s in seqs:
+        for i, s in enumerate(seqs):
             n = s.num_tokens
             if phase == "prefill":
                 start = s.cached
-                ids.extend(s.tokens[start:])
+                if take is not None:
+                    n = start + take[i]
+                ids.extend(s.tokens[start:n])
             else:   # one token: O(1) per sequence whatever its length (PERF_NOTES v18, the host's part)
                 start = n - 1
                 ids.append(s.last_token)
@@ -459,9 +479,27 @@ class Engine:
             kv_cache=self.cache.layers, block_size=self.block_size,
             logit_rows=rows_t)
         logits = self.backend.forward(phase, ids_t, ctx)
-        for s in seqs:
-            s.cached = s.num_tokens
+        for s, n in zip(seqs, context_lens):
+            s.cached = n
         return logits
+
+    def _prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Every uncached token of ``seqs``, in steps of at most max_num_batched_tokens: logits [T, vocab]
+        as one step gives them (each sequence's rows together, in order)."""
+        if self.max_num_batched_tokens is None:
+            return self._step("prefill", seqs)
+        rows: dict[int, list] = {id(s): [] for s in seqs}
+        while True:
+            take = chunk_tokens([s.num_tokens - s.cached for s in seqs], self.max_num_batched_tokens)
+            step = [(s, t) for s, t in zip(seqs, take) if t]
+            if not step:
+                break
+            out = self._step("prefill", [s for s, _ in step], take=[t for _, t in step])
+            at = 0
+            for s, t in step:
+                rows[id(s)].append(out[at:at + t])
+                at += t
+        return torch.cat([torch.cat(rows[id(s)]) for s in seqs])
 
     def _step_tensors(self, phase: str, seq_ids: list[int], ids: list[int], positions: list[int],
                       slots: list[int], rows: list[int] | None) -> tuple:
@@ -526,7 +564,7 @@ class Engine:
 
     def _logits_batch(self, seqs: list[Sequence], decode_after, results, slots) -> None:
         if decode_after is None:
-            out = self._step("prefill", seqs)
+            out = self._prefill(seqs)
             start = 0
             for i, s in zip(slots, seqs):
                 results[i] = out[start:start + len(s.prompt)]
@@ -537,7 +575,7 @@ class Engine:
         rows = {s.seq_id: [] for s in seqs}
         for s in seqs:
             s.prompt = full[s.seq_id][:decode_after]
-        out = self._step("prefill", seqs)
+        out = self._prefill(seqs)
         start = 0
         for s in seqs:
             rows[s.seq_id].append(out[start:start + len(s.prompt)])
@@ -604,7 +642,8 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One engine step: admit waiting requests (one packed prefill), advance the running ones by
-        a token (one batched decode).  Returns, per request that advanced or ended, its new tokens
+        a token (one batched decode); under max_num_batched_tokens, one mixed step of the running
+        decodes and as much of the admitted prompts as the cap leaves.  Returns, per request that advanced or ended, its new tokens
         and its finish reason once it is done; finished requests then leave the engine."""
         sched = self._sched
         ended = [s for s in self._requests.values() if s.finish_reason == "abort"]
@@ -612,11 +651,14 @@ class Engine:
             sched.finish(s)            # frees its blocks, running or waiting
         if sched.has_work():
             admitted = sched.admit()
-            if admitted:
-                self._advance(sched, admitted, self._step("prefill", admitted, last_only=True))
-            batch = [s for s in sched.decode_batch() if s not in admitted and not s.done]
-            if batch:
-                self._advance(sched, batch, self._step("decode", batch))
+            if self.max_num_batched_tokens is not None:
+                self._mixed_step(sched)    # prompts prefill in capped chunks beside the running decodes
+            else:
+                if admitted:
+                    self._advance(sched, admitted, self._step("prefill", admitted, last_only=True))
+                batch = [s for s in sched.decode_batch() if s not in admitted and not s.done]
+                if batch:
+                    self._advance(sched, batch, self._step("decode", batch))
         outs = []
         for s in list(self._requests.values()):
             new = s.output[s.reported:]
@@ -684,6 +726,25 @@ class Engine:
     def _output(s: Sequence) -> GenerationOutput:
         return GenerationOutput(s.output, s.finish_reason or "length",
                                 torch.stack(s.logits) if s.params.return_logits and s.logits else None)
+
+    def _mixed_step(self, sched: Scheduler) -> None:
+        """One step under max_num_batched_tokens: every running sequence's next token (decode), then as
+        much of the prompts still prefilling as the cap leaves (chunk_tokens); a decode step alone
+        while no prompt is pending.  The sequences whose tokens are all cached after it sample."""
+        running = sched.decode_batch()
+        if all(s.num_tokens - s.cached == 1 for s in running):
+            if running:
+                self._advance(sched, running, self._step("decode", running))
+            return
+        decoding = [s for s in running if s.num_tokens - s.cached == 1]
+        prefilling = [s for s in running if s.num_tokens - s.cached > 1]
+        take = chunk_tokens([s.num_tokens - s.cached for s in prefilling],
+                            max(0, self.max_num_batched_tokens - len(decoding)))
+        step = decoding + [s for s, t in zip(prefilling, take) if t]
+        logits = self._step("prefill", step, last_only=True, take=[1] * len(decoding) + [t for t in take if t])
+        done = [i for i, s in enumerate(step) if s.cached == s.num_tokens]
+        if done:
+            self._advance(sched, [step[i] for i in done], logits[done])
 
     def _advance(self, sched: Scheduler, seqs: list[Sequence], logits: torch.Tensor) -> None:
         next_ids = sample_next(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()

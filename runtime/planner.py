@@ -13,7 +13,11 @@ D hidden, W = kv_lora_rank + qk_rope_head_dim the latent cache row, elt the dtyp
                   latent cache is not split by heads, so every rank holds all of it: more GPUs free
                   room for it (smaller weight slices) but do not divide it.
   fits            weights + KV + runtime.memory's margin (a step's activations, allocator slack)
-                  <= the GPU's memory; the largest batch at L and context at B use what is left.
+                  <= the GPU's memory; the largest batch at L and context at B use what is left, and
+                  so does the count of sequences of the model's whole context (max_positions).
+  activations     (--memory) a step's planned activation bytes (codegen/memplan.py: values share an
+                  arena by liveness) for prefills of 1 / 2048 / 16384 tokens and decode batches at L,
+                  from the spec lowered for one GPU.
   bytes / step    what rank 0 reads to decode one token per sequence: its slice of every weight
                   read whole (attention, dense and shared FFN, routers, norms, lm_head), B rows of
                   the embedding, the routed experts the batch touches and the KV cache (B x L x W x
@@ -83,6 +87,7 @@ class Plan:
     fits: bool
     max_batch: int                 # at the requested context
     max_context: int               # at the requested batch (capped at the model's max_positions)
+    full_context_seqs: int         # sequences of the model's whole context (max_positions) the KV room holds
     read: dict                     # bytes one decode step reads, by part, and "total"
     allreduce_bytes: float         # sent per GPU per step
     memory_ms: float               # read["total"] / (copy bandwidth x fraction)
@@ -172,13 +177,14 @@ def plan_for(spec, specs: dict, gathered: set, world: int, *, dtype, batch: int,
     max_batch = max(0, int(room // kv_cache_bytes(spec, dtype, 1, context, block_size)))
     pages = max(0, int(room // kv_cache_bytes(spec, dtype, batch, block_size, block_size)))
     max_context = min(pages * block_size, spec.dims["max_positions"])
+    full = max(0, int(room // kv_cache_bytes(spec, dtype, 1, spec.dims["max_positions"], block_size)))
     fits = est.total <= hw.gpu_mem
     read = decode_read_bytes(spec, specs, gathered, world, dtype, batch, context)
     sent, ar_s = allreduce_cost(spec, dtype, world, batch, hw)
     mem_s = read["total"] / (hw.copy_bw * hw.bw_fraction)
     step_s = mem_s + ar_s
     return Plan(world, weights, est.kv_cache, est.margin, int(hw.gpu_mem - est.total), fits, max_batch, max_context,
-                read, sent, mem_s * 1e3, ar_s * 1e3, step_s * 1e3, batch / step_s)
+                full, read, sent, mem_s * 1e3, ar_s * 1e3, step_s * 1e3, batch / step_s)
 
 
 # -- the measured single-GPU figures ------------------------------------------------------

@@ -125,3 +125,15 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+
+def chunk_tokens(uncached: list[int], budget: int) -> list[int]:
+    """Tokens each sequence runs this step under a cap of `budget` tokens (chunked prefill): in order,
+    each takes what it still lacks until the budget is spent; the first short of it takes the rest,
+    the ones after it none this step."""
+    take = []
+    for n in uncached:
+        t = max(0, min(n, budget))
+        take.append(t)
+        budget -= t
+    return take

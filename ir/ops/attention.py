@@ -200,33 +200,55 @@ class MlaAttention(OpDef):
 
 @register
 class MlaPrefillAttention(OpDef):
+    """Causal attention of each sequence's new tokens over its cached prefix and themselves.
+
+    With four inputs a sequence's keys are its own tokens (it starts at position 0).  With the
+    cache state as a fifth input and kv_b bound, a sequence that already holds rows in the cache
+    (a chunk of a long prompt after the first, or a decode token in a mixed step: context_lens
+    minus query_lens of them) attends to those too: they are decompressed with kv_b as the
+    prefill's own rows are, and go before the step's keys; positions are absolute."""
     name = "mla_prefill_attention"
-    inputs = 4
-    doc = "[q_nope, q_rot, kv [T, H*(N+V)], k_rot [T, R]] -> o [T, H*V]: causal within each packed prompt"
+    inputs = (4, 5)
+    weights = {"kv_b": False}
+    doc = ("[q_nope, q_rot, kv [T, H*(N+V)], k_rot [T, R], (state)] -> o [T, H*V]: causal over each "
+           "sequence's cached prefix (with the state and kv_b) and its new tokens")
 
     @classmethod
     def infer(cls, node, ins, model):
-        qn, qr, kv, kr = ins
+        qn, qr, kv, kr = ins[:4]
         d = model.dims
         H, N, R, V = d["heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"]
         expect(qn.shape[1:] == (H, N) and qr.shape[1:] == (H, R), f"mla_prefill_attention: bad query {qn}, {qr}")
         expect(kv.shape[1:] == (H * (N + V),), f"mla_prefill_attention expects kv [T, {H * (N + V)}], got {kv}")
         expect(kr.shape[1:] == (R,), f"mla_prefill_attention expects k_rot [T, {R}], got {kr}")
-        return [TType((qn.shape[0], H * V), "act")], {}
+        if len(ins) == 5:
+            expect(ins[4].dtype == "state", f"mla_prefill_attention's fifth input must be the cache state, "
+                                            f"got {ins[4]}")
+            expect("kv_b" in node.weights, "mla_prefill_attention reads a cached prefix only with kv_b bound")
+        return [TType((qn.shape[0], H * V), "act")], ({"kv_b": _kv_b_shape(model)} if "kv_b" in node.weights else {})
 
     @classmethod
     def run(cls, node, ins, w, ctx):
         d = node.model.dims
-        H, N, V = d["heads"], d["qk_nope_head_dim"], d["v_head_dim"]
-        qn, qr, kv, kr = ins
+        H, N, V, C = d["heads"], d["qk_nope_head_dim"], d["v_head_dim"], d["kv_lora_rank"]
+        qn, qr, kv, kr = ins[:4]
+        paged = len(ins) == 5
         q = torch.cat([qn, qr], dim=-1)
         kv = kv.view(-1, H, N + V)
         k = torch.cat([kv[..., :N], kr[:, None, :].expand(-1, H, -1)], dim=-1)
         out = torch.empty(q.shape[0], H, V, dtype=torch.float64, device=q.device)
-        for s, e in ctx.query_ranges():
-            # Prefill starts every sequence fresh: keys are the prompt's own tokens.
-            local = ctx.positions[s:e] - ctx.positions[s]
-            out[s:e] = _attend(q[s:e], k[s:e], kv[s:e, :, N:], local, node.model.softmax_scale)
+        for b, (s, e) in enumerate(ctx.query_ranges()):
+            prefix = ctx.context_lens[b] - (e - s) if paged else 0
+            if prefix == 0:
+                # keys are the sequence's own tokens, from position 0
+                local = ctx.positions[s:e] - ctx.positions[s]
+                out[s:e] = _attend(q[s:e], k[s:e], kv[s:e, :, N:], local, node.model.softmax_scale)
+                continue
+            rows = ctx.gather_rows(node.layer, b)[:prefix].to(q.device)
+            pkv = torch.nn.functional.linear(rows[:, :C].to(w["kv_b"].dtype), w["kv_b"]).to(kv.dtype).view(-1, H, N + V)
+            pk = torch.cat([pkv[..., :N], rows[:, None, C:].to(kv.dtype).expand(-1, H, -1)], dim=-1)
+            keys, values = torch.cat([pk, k[s:e]]), torch.cat([pkv[..., N:], kv[s:e, :, N:]])
+            out[s:e] = _attend(q[s:e], keys, values, ctx.positions[s:e], node.model.softmax_scale)
         return [out.to(qn.dtype).reshape(q.shape[0], H * V)]
 
 

@@ -1,10 +1,12 @@
 """lower_mla_prefill: prefill attention decompresses the latent with kv_b and attends per prompt.
 
-A prompt's keys are its own tokens, so prefill needs no cache read: c_n and k_rot
-come straight from the cache-write node (which still writes, so decode can read the
-rows later).  The lowering assumes what the engine's prefill guarantees: every
-sequence starts at position 0 (no cached prefix), and the cache holds rows in the
-activation dtype.
+A prompt's keys are its own tokens, so a prompt's first step needs no cache read: c_n
+and k_rot come straight from the cache-write node (which still writes, so decode can
+read the rows later).  A later chunk of a long prompt (chunked prefill), or a decode
+token in a step with a prefill chunk, also attends to the rows earlier steps cached:
+the attention takes the cache state and kv_b to read and decompress that prefix
+(ir/ops/attention.py MlaPrefillAttention).  The cache holds rows in the activation
+dtype, so a prefix row is the c_n / k_rot its step made.
 """
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ def lower_mla_prefill(G: nx.DiGraph) -> nx.DiGraph:
         \\   /                                     |                 |
       cache_write                                 cache_write       kv [T, H*(N+V)]
            |                                      |                 |
-         state                                  state (unread;     |   k_rot
-           |                                      kept: it writes)  |  /
-      mla_attention (kv_b) <- q_nope, q_rot      mla_prefill_attention <- q_nope, q_rot
-           |                                                 |
+         state                                  state (the prefix  |   k_rot
+           |                                      earlier steps     |  /
+           |                                      cached)           | /
+      mla_attention (kv_b) <- q_nope, q_rot      mla_prefill_attention (kv_b) <- q_nope, q_rot, state
+           |                                                 |             (the cached prefix, if any)
          o [T, H*V]                                        o [T, H*V]
 
     The cache writer may be cache_write (reads c_n, k_rot) or mla_kv_cache_write
@@ -54,7 +57,7 @@ def lower_mla_prefill(G: nx.DiGraph) -> nx.DiGraph:
         try:
             replace(G, [attn], [
                 NewOp("linear", [c_n], [kv], {"out_dim": H * (N + V), "precision": "act"}, {"weight": kv_b}),
-                NewOp("mla_prefill_attention", [q_nope, q_rot, kv, k_rot], [o]),
+                NewOp("mla_prefill_attention", [q_nope, q_rot, kv, k_rot, state], [o], {}, {"kv_b": kv_b}),
             ])
         except RewriteError as exc:
             refuse(G, writer, attn, str(exc))

@@ -382,17 +382,18 @@ def test_a_bundle_says_which_launches_are_pdl_and_no_pdl_is_its_own_bundle(spec,
     assert bundle_mod.recompile_command(m_off, off.path).endswith(" --no-pdl")
 
 
-def test_a_bundle_from_before_pdl_is_refused_in_one_line(spec, tmp_path, fake_nvrtc):
-    """Schema 2 bundles (no "pdl" on their launches) are refused with the command that rebuilds them."""
+def test_a_bundle_of_an_older_schema_is_refused_in_one_line(spec, tmp_path, fake_nvrtc):
+    """Schema 2 bundles (no "pdl" on their launches, no arena) are refused with the command that rebuilds them."""
     res = _compile(spec, tmp_path / "c", out_dir=tmp_path / "b")
     m = json.loads((res.path / "manifest.json").read_text())
     m["schema"] = 2
     for ph in m["phases"].values():
         for st in ph["steps"]:
             st.pop("pdl", None)
+        ph.pop("arena", None)
     (res.path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(BundleError) as info:
         load_bundle(res.path, arch="sm_90")
     msg = str(info.value)
-    assert "bundle schema 2, this dsgraph reads schema 3; recompile the bundle (dsgraph compile)" in msg
+    assert f"bundle schema 2, this dsgraph reads schema {SCHEMA}; recompile the bundle (dsgraph compile)" in msg
     assert "\n" not in msg

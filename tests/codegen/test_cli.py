@@ -58,6 +58,7 @@ def test_compile_then_cached(tmp_path, capsys, cache_dir, monkeypatch):
     assert main(args) == 0
     first = capsys.readouterr().out
     assert "miss" in first and f"bundle   {out}" in first and "library calls" in first
+    assert "memory   " in first and "prefill activations: 1 tok " in first and "2048 tok " in first, first
     assert (out / "manifest.json").is_file()
     assert list(cache_dir.glob("*/*/manifest.json"))
     assert main(args) == 0

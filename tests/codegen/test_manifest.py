@@ -49,6 +49,7 @@ def test_a_phase_reads_back_from_the_manifest_as_lowered(spec):
                 for s in plan.steps] == back.steps
         assert back.buffers == plan.buffers and back.nodes == plan.nodes
         assert (back.inputs, back.outputs) == (plan.inputs, plan.outputs)
+        assert back.arena == plan.arena and plan.arena
 
 
 def test_argument_references_round_trip():

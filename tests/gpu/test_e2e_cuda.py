@@ -229,6 +229,30 @@ def test_prefill_graph_replay_equals_eager(tiny):
             assert torch.equal(a, b), f"call {i}: graph replay and eager launches differ"
 
 
+def test_steps_share_the_planned_arena_and_graphs_follow_it_when_it_grows(tiny):
+    """A step's values live in its phase's arena (codegen/memplan.py), which its graphs capture: when
+    the arena grows (a larger step), the phase's graphs are dropped, captured again on the new one,
+    and replay exactly the eager logits."""
+    _, _, engine = tiny
+    be = engine.backend
+    be.use_graphs = False
+    want = engine.logits(PROMPTS)
+    be.use_graphs = True
+    be.graphs_prefill.seen.clear()
+    for _ in range(2):
+        got = engine.logits(PROMPTS)
+    assert be.graphs_prefill.graphs, "no prefill graph was captured"
+    arena = be.arenas["prefill"]
+    be._arena("prefill", arena.numel() + 1, torch.device(DEV))   # as a larger step grows it
+    assert be.arenas["prefill"].data_ptr() != arena.data_ptr() and not be.graphs_prefill.graphs
+    del arena
+    for _ in range(2):
+        got = engine.logits(PROMPTS)
+    assert be.graphs_prefill.graphs, "no prefill graph was captured on the new arena"
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_pdl_off_gives_exactly_the_same_logits(tiny):
     """Programmatic dependent launch (on by default: every engine here runs it, prefill eagerly and
     decode in captured graphs) changes when kernels start, never what they compute: the same model

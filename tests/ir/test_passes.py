@@ -310,10 +310,13 @@ def test_pipeline_on_v2_lite_prefill():
     for gone in ("mla_attention", "rope", "cache_write", "moe_topk", "mla_decode_attention", "mla_q_absorb"):
         assert ops[gone] == 0, gone
     assert ops["mla_prefill_attention"] == ops["mla_kv_cache_write"] == ops["rope_q"] == 27
-    # The cache write stays although nothing in prefill reads its state: decode will.
+    # The cache write stays; its state is read by the layer's attention alone, for the prefix earlier
+    # steps cached (chunked prefill), and by decode later.
     for nid, d in G.nodes(data=True):
         if d["op"] == "mla_kv_cache_write":
-            assert not any(d["outputs"][2] in G.edges[nid, s]["values"] for s in G.successors(nid))
+            readers = [s for s in G.successors(nid) if d["outputs"][2] in G.edges[nid, s]["values"]]
+            assert [G.nodes[r]["op"] for r in readers] == ["mla_prefill_attention"]
+            assert G.nodes[readers[0]]["inputs"][4] == d["outputs"][2]
 
 
 def checkpoint_reads(G) -> dict:

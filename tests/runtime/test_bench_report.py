@@ -234,6 +234,11 @@ def test_bench_cases_from_the_command_line():
     from runtime.errors import InputError
     assert cases_arg("1x512, 192X512") == [(1, 512), (192, 512)]
     assert cases_arg("none") == []
+    from runtime.bench import max_seq_len_for, prefill_cases_arg
+    assert prefill_cases_arg("1x32768,2x9000") == [(1, 32768), (2, 9000)]   # a long prompt: prefill only
+    with pytest.raises(argparse.ArgumentTypeError):
+        prefill_cases_arg("1x32769")
+    assert max_seq_len_for([(1, 32768)]) == 32768 and max_seq_len_for([(32, 512)]) == max_seq_len_for([]) == 8192
     for bad in ("1x", "x512", "1*512", "0x512", "257x512", "1x9000", "1x512,"):
         with pytest.raises(argparse.ArgumentTypeError):
             cases_arg(bad)
@@ -333,3 +338,37 @@ def test_a_gpu_too_small_for_the_full_bench_is_one_line(monkeypatch, tmp_path, c
     assert main(["bench", "--json", str(tmp_path / "b.json")]) != 0
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "ran out of GPU memory (79 GiB on this GPU)" in err and "--prefill none" in err
+
+
+def _v2_lite_bench_memory():
+    """(weights, the default cases' KV cache, the transformers side's need) in bytes, bf16."""
+    import torch
+
+    from codegen.paths import DEFAULT_SPEC
+    from ir.spec import load_spec
+    from runtime import bench
+    from runtime.kv_cache import PagedLatentCache
+    from runtime.memory import weight_bytes
+    from runtime.model_loader import compile_graphs, weight_specs
+    spec = load_spec(str(DEFAULT_SPEC))
+    weights = weight_bytes(weight_specs(compile_graphs(spec).graphs), torch.bfloat16)
+    blocks = bench.bench_num_blocks(bench.DECODE_CASES, bench.PREFILL_CASES, 64)
+    cache = blocks * PagedLatentCache.bytes_per_block(spec.dims["layers"], 64, spec.model.cache_width, torch.bfloat16)
+    hf_cases = [c for c in bench.HF_DECODE_CASES if c in bench.DECODE_CASES]
+    need = weights + bench.hf_activation_bytes(spec.dims, bench.PREFILL_CASES, hf_cases)
+    return weights, cache, need
+
+
+@pytest.mark.parametrize("gpu_gib,where", [(79.1, "after_cache"), (139.8, "beside"), (40.0, "skip")])
+def test_the_transformers_side_loads_where_the_measured_free_memory_says(gpu_gib, where):
+    """The default cases on an 80 GB H100 (79.1 GiB to torch): the engine's weights and cache leave too
+    little for a second copy of the weights, so the cache and graphs go first (they hold ~20 GB);
+    an H200 holds both; a 40 GB GPU neither (one line, the engine's numbers kept)."""
+    from runtime import bench
+    weights, cache, need = _v2_lite_bench_memory()
+    assert 30e9 < weights < 33e9 and cache > 15e9
+    overhead = 2 << 30    # CUDA context, the arenas, the graphs' pool: what the engine holds beyond these
+    free = int(gpu_gib * 2**30) - weights - cache - overhead
+    got, why = bench.transformers_placement(free, cache + overhead // 2, need)
+    assert got == where, why
+    assert "\n" not in why and (got != "skip" or "--no-transformers" in why)

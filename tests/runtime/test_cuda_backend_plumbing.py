@@ -11,6 +11,7 @@ checked against the reference backend.
 """
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -43,7 +44,7 @@ class ReferenceKernels:
         self.step: StepContext | None = None
         self.calls = 0
 
-    def run_all(self, launches, *, values, weights, ctx, sizes):
+    def run_all(self, launches, *, values, weights, ctx, sizes, workspaces=None):
         G = self.graphs[self.phase]
         nid = launches[0].nodes[0]
         assert all(l.nodes[0] == nid for l in launches), "a node's launches must come together"
@@ -69,12 +70,15 @@ class ReferenceKernels:
         return {}
 
 
+H100_SMS = 132   # the device fact a step's workspaces are sized by, given here where no GPU is
+
+
 class SteppedCuda(CudaBackend):
     """CudaBackend with the stub kernels; forward() tells the stub which step it runs."""
 
     def forward(self, phase, ids, ctx):
         self.runner.phase, self.runner.step = phase, ctx
-        return self._forward(phase, ids, ctx, self._meta(ctx, ids.device), self._sizes(ctx))
+        return self._forward(phase, ids, ctx, self._meta(ctx, ids.device), {**self._sizes(ctx), "SMS": H100_SMS})
 
 
 def _forbid(*_, **__):
@@ -167,3 +171,57 @@ def test_loading_a_bundle_imports_no_graph_machinery(bundle):
             "assert 'networkx' not in sys.modules, 'networkx was imported'; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+class WrongPlan(SteppedCuda):
+    """The backend with a planted wrong memory plan: slot `late` put on top of slot `early` while
+    `early` is still to be read."""
+
+    def plant(self, phase: str, early: str, late: str) -> None:
+        arena_plan = self.arena_plans[phase]
+        right = arena_plan.layout
+
+        def wrong(sizes, act_itemsize, key=None):
+            placed = right(sizes, act_itemsize, key)
+            return dataclasses.replace(placed, offsets={**placed.offsets, late: placed.offsets[early]})
+        arena_plan.layout = wrong
+
+
+def _alias_victims(plan):
+    """Two values live together, the second made while the first is still to be read by a later node."""
+    values = [s for s in plan.arena if "/" not in s.name]   # not workspaces: the stub kernels use none
+    for a in values:
+        for b in values:
+            if a.first < b.first < a.last and a.shape == b.shape and a.dtype == b.dtype == "act":
+                return a, b
+    raise AssertionError("the tiny model has no two values live together")
+
+
+def test_the_step_runs_on_aliased_buffers_and_a_wrong_plan_changes_the_logits(bundle):
+    """Values share the arena (the plan is much smaller than one buffer per value) and the logits
+    still equal the reference backend's (the first test); a planted plan that puts a value on top
+    of one still live is an overlap `overlaps` names, and it changes the logits."""
+    from codegen.memplan import overlaps
+    model, weights = compiled()
+    loaded = load_bundle(bundle, arch="sm_90", nvrtc_version=nvrtc_version(), dtype="fp32", block_size=4)
+    sizes = {"T": 9, "NP": 9 * 3, "B": 2, "MAXQ": 5, "MAXCTX": 5, "W": 2, "SMS": H100_SMS}
+    assert loaded.plans["prefill"].arena, "the manifest carries the arena's slots"
+    arena_plan = CudaBackend.from_bundle(loaded, weights, dtype=torch.float32,
+                                         top_k=model.spec.dims["top_k"]).arena_plans["prefill"]
+    placed = arena_plan.layout(sizes, 4)
+    assert placed.total * 3 < arena_plan.unplanned_bytes(sizes, 4)
+    names = [s.name for s in arena_plan.slots]
+    assert overlaps(arena_plan.slots, [placed.nbytes[n] for n in names], [placed.offsets[n] for n in names]) is None
+
+    ps = prompts([4, 5])
+    ref = make_engine().logits(ps)
+    early, late = _alias_victims(loaded.plans["prefill"])
+    backend = WrongPlan.from_bundle(loaded, weights, dtype=torch.float32, top_k=model.spec.dims["top_k"])
+    backend.runner = ReferenceKernels(model.graphs)
+    backend.plant("prefill", early.name, late.name)
+    wrong = backend.arena_plans["prefill"].layout(sizes, 4)
+    assert overlaps(arena_plan.slots, [wrong.nbytes[n] for n in names],
+                    [wrong.offsets[n] for n in names]) is not None
+    ours = make_engine(backend_impl=backend).logits(ps)
+    assert any(not torch.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in zip(ours, ref)), \
+        f"{late.name} written over {early.name} while it is live, and the logits did not change"

@@ -256,3 +256,19 @@ def test_fp8_ranks_whose_slice_splits_a_block_are_refused(specs, capsys):
     out = capsys.readouterr().out
     assert re.search(r"32: refused: weight model\.layers\.0\.mlp\.down_proj\.weight .*does not fall on the 128-wide "
                      r"blocks", out)
+
+
+def test_memory_says_how_many_whole_contexts_fit_and_a_steps_planned_activations(specs, capsys):
+    """--memory: V2-Lite's whole 163,840-token context on one 80 GB GPU, as many sequences as the
+    KV cache's room holds beside the weights and margin; and the planned activations per step size."""
+    assert main(["plan", spec_path("deepseek_v2_lite"), "--gpus", "1", "--gpu-mem", "80", "--memory", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    p = got["plans"][0]
+    spec = specs["deepseek_v2_lite"]
+    per_seq = PagedLatentCache.bytes_per_block(spec.dims["layers"], 64, spec.model.cache_width, torch.bfloat16) \
+        * math.ceil(163840 / 64)
+    assert p["full_context_seqs"] == int((80e9 - p["weights"] - p["margin"]) // per_seq) >= 1
+    assert any(f"{p['full_context_seqs']} sequence(s) of the whole 163840-token context" in line
+               for line in got["memory"])
+    prefill = next(line for line in got["memory"] if "prefill activations" in line)
+    assert "2048 tok " in prefill and "16384 tok " in prefill, prefill

@@ -1,0 +1,105 @@
+"""Chunked prefill on the reference backend: with max_num_batched_tokens a long prompt runs in
+chunks that attend to the rows earlier chunks cached (the lowered prefill attention reading the
+paged prefix), and running sequences decode in the same steps.  The logits equal one unchunked
+prefill (fp32, 1e-5) and greedy generation picks the same tokens, at chunk sizes 1,
+block_size - 1, block_size, block_size + 1 and ragged ones."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import SamplingParams
+from runtime.errors import InputError
+from runtime.scheduler import chunk_tokens
+from tiny_engine import make_engine, prompts
+
+BLOCK = 4
+CAPS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 7, 11]
+
+
+def test_chunks_take_in_order_until_the_budget_is_spent():
+    assert chunk_tokens([5, 3, 2], 6) == [5, 1, 0]
+    assert chunk_tokens([5, 3, 2], 100) == [5, 3, 2]
+    assert chunk_tokens([5, 3], 0) == [0, 0]
+    assert chunk_tokens([], 4) == []
+
+
+@pytest.mark.parametrize("cap", CAPS)
+def test_chunked_logits_equal_one_prefill(cap):
+    ps = prompts([13, 1, 9, 4], seed=cap)
+    ref = make_engine().logits(ps)
+    engine = make_engine(max_num_batched_tokens=cap)
+    steps = []
+    forward = engine.backend.forward
+    engine.backend.forward = lambda phase, ids, ctx: steps.append(int(ids.shape[0])) or forward(phase, ids, ctx)
+    got = engine.logits(ps)
+    assert max(steps) <= cap and len(steps) >= -(-27 // cap)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cap", [1, BLOCK + 1, 7])
+def test_chunked_prefill_then_decode_equals_the_unchunked_run(cap):
+    ps = prompts([11, 6], seed=3)
+    for a, b in zip(make_engine(max_num_batched_tokens=cap).logits(ps, decode_after=8),
+                    make_engine().logits(ps, decode_after=8)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cap", CAPS)
+def test_greedy_generation_with_decode_mixed_into_prefill_chunks_picks_the_same_tokens(cap):
+    """Prompts of different lengths: the short ones finish prefilling and decode in the steps that
+    still carry the long one's chunks (one step, phase prefill, decode tokens and a chunk)."""
+    ps = prompts([3, 17, 2, 9], seed=11)
+    sp = SamplingParams(max_new_tokens=5, ignore_eos=True, return_logits=True)
+    ref = make_engine().generate(ps, sp)
+    engine = make_engine(max_num_batched_tokens=cap)
+    mixed = []
+    forward = engine.backend.forward
+
+    def spy(phase, ids, ctx):
+        mixed.append(phase == "prefill" and 1 in ctx.query_lens and max(ctx.query_lens) > 1)
+        return forward(phase, ids, ctx)
+    engine.backend.forward = spy
+    got = engine.generate(ps, sp)
+    for a, b in zip(got, ref):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+    if cap > 2:
+        assert any(mixed), "no step mixed decode tokens with a prefill chunk"
+    assert engine.tables.free_blocks == engine.tables.allocator.num_blocks
+
+
+def test_a_bad_cap_and_chunking_on_the_cuda_backend_are_one_line():
+    with pytest.raises(InputError, match="max_num_batched_tokens must be >= 1"):
+        make_engine(max_num_batched_tokens=0)
+    from runtime.engine import check_chunking
+    with pytest.raises(InputError, match="runs on backend='reference' for now") as info:
+        check_chunking("cuda", 512)
+    assert "\n" not in str(info.value)
+    assert check_chunking("cuda", None) is None and check_chunking("reference", 8) == 8
+
+
+def test_the_cuda_backend_refuses_a_prefill_step_over_a_cached_prefix():
+    """Its prefill attention kernel attends to the step's own tokens: a step whose sequence already
+    holds rows is one clear line, never logits that silently left the prefix out."""
+    from ir.context import StepContext
+    from runtime.cuda_backend import CudaBackend
+    backend = CudaBackend.__new__(CudaBackend)
+    ctx = StepContext(positions=torch.arange(4, 7), query_lens=[3], context_lens=[7],
+                      block_tables=torch.zeros(1, 2, dtype=torch.int32), slot_mapping=torch.arange(4, 7),
+                      kv_cache=[], block_size=BLOCK)
+    with pytest.raises(InputError, match="prefills whole prompts only") as info:
+        backend.forward("prefill", torch.zeros(3, dtype=torch.int64), ctx)
+    assert "\n" not in str(info.value)
+
+
+def test_the_constructors_pass_the_cap_on():
+    from codegen.paths import MODEL_SPECS_DIR
+    from runtime import Engine
+    engine = Engine.from_spec(str(MODEL_SPECS_DIR / "deepseek_tiny.yaml"), max_num_batched_tokens=5, num_blocks=16)
+    assert engine.max_num_batched_tokens == 5
+    ps = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    for a, b in zip(engine.logits(ps), Engine.from_spec(str(MODEL_SPECS_DIR / "deepseek_tiny.yaml"),
+                                                        num_blocks=16).logits(ps)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
