@@ -252,9 +252,6 @@ GEMM_SKINNY = 64
 # at ~3.5 TB/s; 128 with 2, 3 or 4 stages, 256 with 2 and 64 with 6 (one CTA per SM) no better.
 # 4 x (128 + 64) x 72 x 2 B = 110.6 KB: two CTAs per SM.
 SKINNY_BK, SKINNY_STAGES = 64, 4
-# The swapped tiles' copies as one bulk copy per row on an mbarrier (moe_grouped.cuh 4c, bulk.cuh) instead
-# of 16-byte cp.async: fewer L2 requests for the same bytes.  Off until measured on the H200.
-SKINNY_BULK = False
 # Above this many tokens the grouped GEMM runs on Hopper's wgmma + TMA (moe_wgmma.cuh,
 # _moe_wgmma.py: a persistent warp-specialised grid, 128 x 256 x 64 tiles) in place of the mma
 # launch, on compute-capability-9.0 targets (that kernel is built for sm_90a; codegen/arch.py);
@@ -332,7 +329,7 @@ def grouped_launches(family: str, template: str, name_parts: list, p: dict, nid:
         gp = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "thr": thr,
               "variant": "mma", "threads": GEMM_THREADS, "bk": GEMM_BK, "stages": GEMM_STAGES, "smem": smem,
               "skinny": GEMM_SKINNY, "sbk": SKINNY_BK, "sst": SKINNY_STAGES,
-              "rpw": p["rpw"], "vec": p["vec"], "bulk": SKINNY_BULK}
+              "rpw": p["rpw"], "vec": p["vec"]}
         launches.append(KernelLaunch(
             family=family, template=template, name=kernel_name(family, [*name_parts, "mma"]),
             params=gp, nodes=(nid,),

@@ -44,11 +44,6 @@ FROM_TOKENS = 0                        # the GEMV keeps T <= this (0: none; see 
 # tiles are of 1-3 pairs): on from 32 they read 3% slower at b=1 (PERF_NOTES v22).  The fused
 # launch has its own (moe_expert_ffn.STAGED_FROM_BP).
 STAGED_FROM_BP = 0
-# The pair rows the decode tiles gather and the outputs they store under L2's evict_last policy
-# (moe_wgmma_skinny.cuh WgSkinnyTiles::ACT_EVICT_LAST, DSG_WS_ACT_EVICT_LAST rendered into each
-# kernel that includes it, the fused launch's too).  Off: measured on the H200 2-3% slower at
-# b=128-256, the same below (PERF_NOTES v23); its GPU tests (`-k activations_kept`) pass.
-ACT_EVICT_LAST = False
 # Gate / up with the shared experts among the pairs (moe_route's shared_experts S): those experts
 # are 0..S-1 and every token's, so the walk's first S * cdiv(T, BP) * col_tiles row tiles are known
 # from T alone, and a CTA whose first tile is one of them starts its first STAGES weight slices
@@ -72,9 +67,8 @@ ONE_TOKEN_STAGE = "wgmma_skinny_t1"     # the launch's stage and kernel-name par
 
 
 def switch_names(staged: int) -> list:
-    """The kernel-name parts of the switches that are on (staged epilogue, activations kept in L2):
-    their code differs, so their own name."""
-    return [f"st{staged}"] * bool(staged) + ["al"] * ACT_EVICT_LAST
+    """The kernel-name part of the staged epilogue where it is on: its code differs, so its own name."""
+    return [f"st{staged}"] * bool(staged)
 
 
 def smem(stages: int) -> int:
@@ -152,7 +146,7 @@ def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args
                                  variant=ONE_TOKEN_STAGE if one_token else "wgmma_skinny", box=(BOX, BK),
                                  threads=THREADS, stages=stages, smem_bytes=smem(stages), cols=cols(down=down),
                                  grid=grid(p, down=down, one_token=one_token), pairs=BP, staged_from=STAGED_FROM_BP,
-                                 act_evict_last=int(ACT_EVICT_LAST), **extra)
+                                 **extra)
 
 
 def take_over(launches: list, family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,

@@ -49,7 +49,6 @@ TEMPLATE = "moe_expert_ffn.cu.j2"
 OPS = ("moe_expert_ffn",)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 WORKSPACE = "expert_act"
-FUSED = True  # False: the two-launch path at every T (scratch A/Bs; tests/gpu/perf_moe.py compares them)
 FUSED_FROM, FUSED_UPTO = 4, 256   # the tokens the fused launch serves (see above)
 
 S = _moe_wgmma_skinny
@@ -73,7 +72,7 @@ def fused_launch(nid: str, opts: Options, gu: dict, dn: dict, args: tuple) -> Ke
     tiles = f"{nct} * {S.row_tiles(E)}"
     params = {"act": gu["act"], "E": E, "M": M, "D": D, "K": K, "variant": "fused", "threads": THREADS,
               "stages": S.STAGES, "smem": S.smem(S.STAGES), "box_rows": S.BOX, "box_k": S.BK, "pairs": S.BP,
-              "staged_from": STAGED_FROM_BP, "act_evict_last": int(S.ACT_EVICT_LAST),
+              "staged_from": STAGED_FROM_BP,
               "row_tiles": row_tile_bound(E, S.upper() * K)}   # the window's widest: one module for any window
     return KernelLaunch(
         family=FAMILY, template=TEMPLATE,
@@ -106,7 +105,7 @@ def around_window(launches: list, p: dict, *, down: bool) -> list:
 def fused_applies(opts, gu: dict, dn: dict) -> bool:
     """Where decode's wgmma expert GEMM serves both halves (same conditions), one CTA more of
     static shared memory aside (the fused kernel's is the skinny kernel's)."""
-    return FUSED and S.applies(opts, gu) and S.applies(opts, dn)
+    return S.applies(opts, gu) and S.applies(opts, dn)
 
 
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:

@@ -43,10 +43,6 @@ __host__ __device__ constexpr int wgmma_skinny_col_tiles(int mode, int n) {
 // every stage, and its pair rows 16 KB in, stay on one).  4 stages: 97 KB, two CTAs per SM.
 __host__ __device__ constexpr int wgmma_skinny_smem(int stages) { return stages * WS_STAGE_BYTES + 1024; }
 
-#ifndef DSG_WS_ACT_EVICT_LAST
-#define DSG_WS_ACT_EVICT_LAST 0
-#endif
-
 // The decode tile for moe_wgmma.cuh's producer (which gathers the pair rows and issues the boxes):
 // 64 pairs, 64-row boxes, the weights first in a stage and the pair rows after them.
 struct WgSkinnyTiles {
@@ -55,10 +51,6 @@ struct WgSkinnyTiles {
   // Weight boxes with L2's evict_first policy: read once a step, they go first, and the lines of
   // `a` and of the outputs stay (PERF_NOTES v22: +0.03-0.05 TB/s at b=128 and 256, even below).
   static constexpr bool W_EVICT_FIRST = true;
-  // The pair rows the tiles gather (x; `a`, which 16 down tiles of a row tile gather) and the
-  // outputs they store (`a`; down's, which the combine reads next) with L2's evict_last policy, so
-  // the weights stream past them: the lowering's _moe_wgmma_skinny.ACT_EVICT_LAST.
-  static constexpr bool ACT_EVICT_LAST = DSG_WS_ACT_EVICT_LAST != 0;
   __host__ __device__ static constexpr int cols(int mode) { return wgmma_skinny_cols(mode); }
 };
 
@@ -69,8 +61,7 @@ __device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* 
                                                    const float (&acc0)[BP / 2], const float (&acc1)[BP / 2],
                                                    T* __restrict__ out0, T* __restrict__ out1) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  const unsigned long long pol = WgSkinnyTiles::ACT_EVICT_LAST ? l2::evict_last() : 0ull;
-  auto st = [&](T* p, float v) { l2::store_if<WgSkinnyTiles::ACT_EVICT_LAST>(p, from_float<T>(v), pol); };
+  auto st = [&](T* p, float v) { *p = from_float<T>(v); };
   // acc[4j + 2h + c]: stage row 16 warp + lane / 4 + 8h (an output column), pair 8j + 2 (lane % 4) + c.
 #pragma unroll
   for (int j = 0; j < BP / 8; ++j)
@@ -157,14 +148,12 @@ __device__ __forceinline__ void wgmma_skinny_store_staged(const WgTile& tl, cons
     }
   wgmma::warpgroup_sync(WS_CONSUMER_BAR);                // every row of the stage is written
   const bool vec = N % 8 == 0 && aligned_to<16>(out0);   // (uniform) whole 16-byte chunks, else elements
-  const unsigned long long pol = WgSkinnyTiles::ACT_EVICT_LAST ? l2::evict_last() : 0ull;
 #pragma unroll 4
   for (int q = tid; q < BP * CH; q += 128) {
     const int r = q / CH, k = q % CH, col = tl.n0 + 8 * k;
     if (r >= tl.rows || col >= N) continue;
     const float4 bits = dsg::cluster::ld4<false>(st + r * RB + ((k ^ (r & 7)) << 4));   // 8 elements, as bits
-    store_chunk<T, N, WgSkinnyTiles::ACT_EVICT_LAST>(out0 + (i64)order[tl.pbeg + r] * N + col,
-                                                     *reinterpret_cast<const uint4*>(&bits), col, vec, pol);
+    store_chunk<T, N>(out0 + (i64)order[tl.pbeg + r] * N + col, *reinterpret_cast<const uint4*>(&bits), col, vec);
   }
 }
 

@@ -62,17 +62,6 @@ def test_grouped_gemm_runs_on_tensor_cores_without_spills(op):
     assert ops["HMMA.16816.F32.BF16"] > without["HMMA.16816.F32.BF16"]
 
 
-@pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_down"])
-def test_bulk_copy_variant_compiles_to_bulk_copies(op):
-    """The swapped tiles' bulk-copy variant (_moe.SKINNY_BULK, off until measured on the H200)
-    copies rows with UBLKCP and waits on mbarriers, without spills."""
-    launch = _mma_launch(op)
-    res, ops = _compile(dataclasses.replace(launch, params={**launch.params, "bulk": True}))
-    assert ops["UBLKCP.S.G"] > 0, sorted(ops)
-    assert ops["SYNCS.PHASECHK.TRANS64.TRYWAIT"] > 0, "stages are waited for on their mbarrier"
-    assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
-
-
 def _wgmma_launch(op: str, dtype: str, monkeypatch):
     monkeypatch.setattr(_moe, "GEMM_WGMMA_TOKENS", 256)
     for G, nid in moe_graphs(*DIMS["v2_lite"]):

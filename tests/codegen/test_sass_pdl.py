@@ -57,7 +57,7 @@ WEIGHT_LOADS_BEFORE_WAIT: frozenset = frozenset({"mla_decode_query", "mla_v_up",
 TWO_BACK_LOADS_BEFORE_WAIT: frozenset = frozenset({"moe_down"})
 # Families whose kernels read before pdl_wait() the step's inputs and the KV-cache rows of earlier
 # steps (pdl.cuh's third allowance; loads only, as for weights): the decode attention's first tiles
-# (mla_decode.cuh DSG_DECODE_ROWS_BEFORE_WAIT; test_sass_decode_rows_before_wait.py, and on the GPU
+# (mla_decode.cuh; test_sass_decode_prefetch.py, and on the GPU
 # tests/gpu/test_kernels_mla.py's race test, check that this step's rows wait).
 STEP_INPUTS_BEFORE_WAIT: frozenset = frozenset({"mla_decode_attention"})
 # Families whose kernels, besides TWO_BACK_LOADS_BEFORE_WAIT's loads, gather rows that the kernel two
@@ -163,7 +163,7 @@ def _key(k) -> str:
 def _problems(case: str) -> dict:
     """(kernel name, template, params) -> (family, problem or None) of every PDL kernel of one case;
     "unfused" and "variants" compile only what the V2-Lite cases before them did not."""
-    saved = _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK, _moe.GEMM_WGMMA_SKINNY
+    saved = _moe.ALIGN_PARALLEL_PAIRS, _moe.GEMM_WGMMA_SKINNY
     lite = ROOT / "model_specs" / "deepseek_v2_lite.yaml"
     seen: dict = {}
     try:
@@ -171,15 +171,15 @@ def _problems(case: str) -> dict:
             seen = _problems("deepseek_v2_lite")
             plans = [_unfused_plans("deepseek_v2_lite"), _partly_fused_plans("deepseek_v2_lite")]
         elif case == "variants":   # the parallel align below its default bound; the GEMV and the mma
-            # launch (decode's wgmma off: they serve fp32, odd KD, other targets), with the bulk-copy tiles
+            # launch (decode's wgmma off: they serve fp32, odd KD, other targets)
             seen = {**_problems("deepseek_v2_lite"), **_problems("unfused")}
-            _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK, _moe.GEMM_WGMMA_SKINNY = 512, True, False
+            _moe.ALIGN_PARALLEL_PAIRS, _moe.GEMM_WGMMA_SKINNY = 512, False
             plans = [_unfused_plans("deepseek_v2_lite"), plan_spec(str(lite), DEFAULTS).plans]
         else:
             plans = [plan_spec(str(ROOT / "model_specs" / f"{case}.yaml"), DEFAULTS).plans]
         sources = [k for k in _pdl_sources(plans).values() if _key(k) not in seen]
     finally:
-        _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK, _moe.GEMM_WGMMA_SKINNY = saved
+        _moe.ALIGN_PARALLEL_PAIRS, _moe.GEMM_WGMMA_SKINNY = saved
     cubins = compile_kernels(sources, "sm_90", jobs=2)
     out = {}
     for k in sources:

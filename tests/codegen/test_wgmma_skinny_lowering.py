@@ -194,27 +194,3 @@ def test_the_staged_epilogue_compiles_to_whole_chunk_stores_without_spills(op, m
         assert off["STG.E.128"] == 0 and on["STG.E.128"] > 0 and on["LDS.128"] > 0 and on["STS.U16"] > 0, sorted(on)
         assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
         assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 128, res.log
-
-
-@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
-@pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_down"])
-def test_activations_kept_in_l2_is_a_rendered_switch_that_compiles_without_spills(op, monkeypatch):
-    """`_moe_wgmma_skinny.ACT_EVICT_LAST` (off until a GPU A/B) is rendered into the kernel's source
-    (`#define DSG_WS_ACT_EVICT_LAST`), gives the kernel its own name (`__al__`) and other code, and
-    on it compiles without spills at most 128 registers, its 16-byte gathers still cp.async."""
-    for G, nid in _grouped():
-        if G.nodes[nid]["op"] != op:
-            continue
-        kernels = {}
-        for on in (False, True):
-            monkeypatch.setattr(_moe_wgmma_skinny, "ACT_EVICT_LAST", on)
-            (sk,) = [la for la in _lower(G, nid) if la.stage == "wgmma_skinny"]
-            src = render_launch(sk)
-            assert f"#define DSG_WS_ACT_EVICT_LAST {int(on)}" in src
-            assert ("__al__" in sk.name) == on, sk.name
-            kernels[on] = compile_cubin(src, sk.name, arch="sm_90a", options=("--ptxas-options=-v",))
-        res = kernels[True]
-        assert kernels[True].cubin != kernels[False].cubin
-        assert opcodes(res.cubin)["LDGSTS.E.BYPASS.LTC128B.128"] > 0
-        assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
-        assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 128, res.log

@@ -914,28 +914,6 @@ def _lower_mma(G, nid, dtype):
         return _lower(G, nid, dtype)
 
 
-def _lower_bulk(G, nid, dtype):
-    """The lowering with the swapped tiles' rows as bulk copies on mbarriers (moe_grouped.cuh 4c,
-    _moe.SKINNY_BULK, off by default until measured), renamed: the runner caches compiled
-    modules by launch name."""
-    out = []
-    for la in _lower_mma(G, nid, dtype):
-        if la.stage == "mma":
-            la = dataclasses.replace(la, name=f"{la.name}__bulk", params={**la.params, "bulk": True})
-        out.append(la)
-    return out
-
-
-@given(case=pair_count_cases())
-@example(case=_counts_case("bf16", (9, 16, 17, 33, 64, 65, 0, 4), 2, 256, 200))   # all three swapped tiles
-@example(case=_counts_case("fp16", (63, 0, 1, 129, 8, 31), 1, 41, 37))            # odd KD: the cp.async ring stays
-@example(case=_counts_case("bf16", (1, 2, 9, 0, 12, 3, 2, 7), 2, 128, 64))        # whole slices: bulk copies
-@_settings(10)
-def test_moe_pair_counts_bulk_copies(runner, case):
-    _grouped(runner, "moe_gate_up_silu", case, lower=_lower_bulk)
-    _grouped(runner, "moe_down", case, lower=_lower_bulk)
-
-
 # -- combine ---------------------------------------------------------------------------------
 
 @st.composite

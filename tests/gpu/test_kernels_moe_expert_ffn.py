@@ -231,18 +231,6 @@ def test_moe_expert_ffn_fused_staged_epilogue(runner, case, staged, monkeypatch)
     _run(runner, case, expect=["fused"], window=(1, 256))
 
 
-@pytest.mark.parametrize("case", [
-    _case("bf16", _lite(8), 8, 2048, 1408),                      # V2-Lite b=8
-    _case("fp16", _lite(256), 8, 2048, 1408, "outputs"),          # b=256, outputs misaligned: element stores
-    _case("bf16", (256, 129, 100, 27, 0, 0), 2, 136, 200),        # partial column tiles, staged and not
-])
-def test_moe_expert_ffn_fused_activations_kept_in_l2(runner, case, monkeypatch):
-    """`_moe_wgmma_skinny.ACT_EVICT_LAST` on in the fused launch (off: 2-3% slower, PERF_NOTES v23):
-    x and `a` gathered, `a` and out stored under L2's evict_last policy; the outputs are the same."""
-    monkeypatch.setattr(moe_expert_ffn.S, "ACT_EVICT_LAST", True)
-    _run(runner, case, expect=["fused"], window=(1, 256))
-
-
 @st.composite
 def shared_cases(draw):
     """Decode with S shared experts (numbered first, T pairs each, as fuse_shared_experts makes

@@ -199,17 +199,3 @@ def test_wgmma_skinny_staged_epilogue(runner, op, case, staged, monkeypatch):
     from codegen.families import _moe_wgmma_skinny
     monkeypatch.setattr(_moe_wgmma_skinny, "STAGED_FROM_BP", staged)
     _run(runner, op, _gate_up(case) if op != "moe_down" else _down(case))
-
-
-@pytest.mark.parametrize("op,case", [
-    ("moe_gate_up_silu", _case("bf16", _lite((17, 33, 65, 9, 16, 32, 64, 40, 50, 60)), 6, 2048, 1408)),
-    ("moe_gate_up_silu", _case("fp16", (15, 16, 17, 31, 32, 33), 2, 136, 37)),        # odd N: element stores
-    ("moe_down", _case("bf16", (256, 129, 100, 27, 0, 0), 2, 136, 200)),               # partial column tile
-    ("moe_down", _case("fp16", (63, 64, 65, 9), 1, 40, 264, "outputs")),               # outputs misaligned
-])
-def test_wgmma_skinny_activations_kept_in_l2(runner, op, case, monkeypatch):
-    """`_moe_wgmma_skinny.ACT_EVICT_LAST` on (off by default until a GPU A/B): the gathers and the
-    stores carry L2's evict_last policy; the outputs are the same."""
-    from codegen.families import _moe_wgmma_skinny
-    monkeypatch.setattr(_moe_wgmma_skinny, "ACT_EVICT_LAST", True)
-    _run(runner, op, _gate_up(case) if op != "moe_down" else _down(case))
