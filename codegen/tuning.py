@@ -134,6 +134,20 @@ class Tuning:
         return {f"{s}.{k}": v for s, knobs in self.to_json().items() for k, v in knobs.items() if base[s][k] != v}
 
     @classmethod
+    def from_changed(cls, changed: dict) -> "Tuning":
+        """The inverse of `changed` ({"section.knob": value})."""
+        nested: dict = {}
+        for key, value in (changed or {}).items():
+            sec, _, knob = str(key).partition(".")
+            nested.setdefault(sec, {})[knob] = value
+        return cls.from_json(nested)
+
+    def flags(self) -> list[str]:
+        """The CLI's --tune flags that make this Tuning."""
+        return [f"--tune {k}={'none' if v is None else str(v).lower() if isinstance(v, bool) else v}"
+                for k, v in self.changed().items()]
+
+    @classmethod
     def from_json(cls, data: dict) -> "Tuning":
         if not isinstance(data, dict):
             raise TuningError(f"tuning must be a mapping of sections, got {type(data).__name__}")

@@ -25,7 +25,7 @@ import time
 
 from codegen.kernel import DEFAULTS
 
-from .cli_args import block_size_arg, whole_number
+from .cli_args import add_tune_arg, block_size_arg, tuning_of, whole_number
 
 DECODE_CASES = [(1, 512), (8, 512), (32, 512), (128, 512), (256, 512), (1, 4096), (8, 4096), (32, 4096),
                 (128, 4096)]
@@ -80,6 +80,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache page size in tokens")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch every kernel without programmatic dependent launch (an A/B against the default)")
+    add_tune_arg(p)
 
 
 # Seconds of untimed steps before a case is timed, on top of its warm-up calls: the GPU's clocks
@@ -403,6 +404,7 @@ def run_bench(args) -> int:
     from .errors import InputError, require_runtime
     # What the options ask for first: a bad one is an error here, on any machine, before a GPU is looked for.
     decode_cases, prefill_cases = bench_cases(args)
+    tuning_of(args)
     check_json_path(args.json)
     require_runtime("bench")
     import torch
@@ -442,8 +444,9 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
     t0 = time.perf_counter()
     engine = Engine.from_spec(spec_path, backend="cuda", device="cuda", dtype="bf16", block_size=args.block_size,
                               num_blocks=num_blocks, max_seq_len=MAX_LENGTH, max_num_seqs=MAX_BATCH,
-                              pdl=not args.no_pdl)
+                              pdl=not args.no_pdl, tuning=tuning_of(args))
     result["pdl"] = not args.no_pdl
+    result["tuning"] = tuning_of(args).changed()
     result["load_seconds"] = time.perf_counter() - t0
     backend = engine.backend
     dims = engine.spec.dims

@@ -24,3 +24,16 @@ def block_size_arg(text: str) -> int:
     """--block-size: tokens per KV-cache page, in the range the kernels take (codegen/bundle.py)."""
     from codegen.bundle import MAX_BLOCK_SIZE
     return whole_number(1, MAX_BLOCK_SIZE)(text)
+
+
+def add_tune_arg(p: argparse.ArgumentParser) -> None:
+    """--tune SECTION.KNOB=VALUE, repeatable (codegen/tuning.py; `dsgraph explain` lists the knobs)."""
+    p.add_argument("--tune", action="append", default=[], metavar="SECTION.KNOB=VALUE",
+                   help="set a tuning knob, e.g. moe.expert_ffn_upto=128 (repeatable; default: dsgraph's "
+                        "tuning; `dsgraph explain --knobs` lists them)")
+
+
+def tuning_of(args):
+    """The Tuning of the command's --tune flags (TuningError, one line, on a mistake)."""
+    from codegen.tuning import parse_tune
+    return parse_tune(getattr(args, "tune", None) or [])

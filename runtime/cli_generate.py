@@ -20,7 +20,7 @@ import time
 
 from codegen.paths import DEFAULT_SPEC
 
-from .cli_args import block_size_arg, whole_number
+from .cli_args import add_tune_arg, block_size_arg, tuning_of, whole_number
 
 
 def token_ids(text: str) -> list[int]:
@@ -64,6 +64,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    "spec, dtype and block size)")
     p.add_argument("--block-size", type=block_size_arg, default=None,
                    help="KV-cache page size in tokens (default: the bundle's, else 64)")
+    add_tune_arg(p)
     p.add_argument("--max-seq-len", type=whole_number(1), default=None, metavar="N",
                    help="longest sequence the KV cache holds (default: 8192, or the model's limit if lower)")
     p.add_argument("--tp", type=whole_number(1), default=None, metavar="N",
@@ -165,6 +166,8 @@ def run_generate(args) -> int:
         kwargs["tp"] = tp
     if args.block_size is not None:
         kwargs["block_size"] = args.block_size
+    if args.tune:
+        kwargs["tuning"] = tuning_of(args)
     t0 = time.perf_counter()
     if args.random_weights:
         engine = Engine.from_spec(None if args.bundle else args.spec or str(DEFAULT_SPEC), **kwargs)

@@ -135,7 +135,7 @@ def _backend_and_device(backend: str | None, device, bundle) -> tuple[str, torch
 # What from_pretrained / from_spec pass on besides their own parameters: the Engine's cache, batch
 # and stop arguments, and the parallel and launch switches that _assemble reads.
 CACHE_ARGS = ("block_size", "num_blocks", "max_seq_len", "max_num_seqs")
-ENGINE_OPTIONS = (*CACHE_ARGS, "eos_token_ids", "tp", "pdl")
+ENGINE_OPTIONS = (*CACHE_ARGS, "eos_token_ids", "tp", "pdl", "tuning")
 
 
 def _check_call(caller: str, backend, device, dtype, bundle, options: dict) -> tuple[str, torch.device, object, dict]:
@@ -247,6 +247,8 @@ class Engine:
         the cache) and this process runs its rank's plan from it.  ``pdl`` (backend="cuda"):
         launch the kernels that keep the contract with programmatic dependent launch (True,
         dsgraph's default) or not (False, for an A/B); None runs a given bundle as compiled.
+        ``tuning`` (backend="cuda", the spec compiled here): a codegen.tuning.Tuning, a mapping
+        {section: {knob: value}} or ["section.knob=value", ...]; a bundle keeps its own.
         """
         if not isinstance(model_dir, (str, os.PathLike)):
             raise InputError(f"model_dir must be a checkpoint directory (a str or os.PathLike path), got {model_dir!r}")
@@ -299,6 +301,10 @@ class Engine:
         `read_weights(specs, spec, dtype, device)` then supplies the weights the backend binds."""
         tp = kwargs.pop("tp", None)
         pdl = kwargs.pop("pdl", None)   # the cuda backend's launches; the reference backend launches none
+        tuning = kwargs.pop("tuning", None)   # the kernels' tuning where the cuda backend compiles the spec
+        if tuning is not None and bundle is not None:
+            raise InputError("tuning applies where the engine compiles the spec; a bundle keeps the tuning it "
+                             "was compiled with (dsgraph compile --tune ...)")
         if backend == "reference":
             if bundle is not None:
                 raise InputError("a bundle runs on backend='cuda'; the reference backend runs the spec itself")
@@ -325,7 +331,7 @@ class Engine:
         loaded = open_bundle(spec, bundle_dir=bundle, device=device,
                              dtype=dtype,
                              block_size=kwargs.pop("block_size", None), cache_dir=cache_dir, world=world, rank=rank,
-                             pdl=pdl)
+                             pdl=pdl, tuning=tuning)
         spec = parse_spec(loaded.spec_text, loaded.manifest["spec"]["file"])
         dtype, block_size = _as_dtype(loaded.options["dtype"], "cuda"), loaded.options["block_size"]
         specs = manifest_weight_specs(loaded.weights)    # the rank's slices

@@ -3,7 +3,8 @@
 mla_decode_query: [q_nope [T,H,N], q_pe [T,H,R]] -> q [T, H, C+R] = [q_nope @ W_UK | rope(q_pe)]
 mla_q_absorb:     q_nope [T,H,N] -> q_lat [T, H, C] = q_nope @ W_UK
 mla_decode_prologue: mla_decode_query + mla_kv_cache_write's [c, k_pe] -> [c_n, k_rot, cache rows]
-                  (PROLOGUE_TOKENS: the cache write as an extra head row of the tensor-core grid)
+                  (Tuning.attention.prologue_upto: the cache write as an extra head row of the
+                  tensor-core grid; codegen/dispatch.py's decode_query table)
 W_UK[h] = kv_b rows h*(N+V) .. h*(N+V)+N-1 ([N, C]). A batched skinny GEMM, two kernels:
 
 - tensor cores (bf16 / fp16, N % 16 == 0, N <= 128, C % 32 == 0: every shipped spec):
@@ -25,6 +26,7 @@ strides are 16-byte aligned, and store 8-byte output runs when out is 8-byte ali
 """
 from __future__ import annotations
 
+from codegen import dispatch
 from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride, weight
 from codegen.render import kernel_name
 from codegen.sizes import only_above, only_below
@@ -46,11 +48,11 @@ TCH = 16                # token chunks (grid x) at most
 STATIC_SMEM = 48 * 1024  # q_s + red are static __shared__ arrays: the 48 KB every device allows
 PDL = True
 
-# mla_decode_prologue (the query and its cache write in one op): up to this many tokens the cache
-# rows are written by an extra head row of the tensor-core query's grid (one launch); above it,
-# and wherever the CUDA-core query serves, by mla_kv_cache_write's own kernel (one CTA a token:
-# the extra row's few CTAs would walk many tokens one after another).
-PROLOGUE_TOKENS = 16
+# mla_decode_prologue (the query and its cache write in one op): up to attention.prologue_upto
+# tokens the cache rows are written by an extra head row of the tensor-core query's grid (one
+# launch); above it, and wherever the CUDA-core query serves, by mla_kv_cache_write's own kernel
+# (one CTA a token: the extra row's few CTAs would walk many tokens one after another).
+
 TC_TOKENS = 32           # tokens per tile: 4 n8 tiles, 32 accumulators per thread
 TC_WARPS = 4             # warps per CTA (32 columns each) at most: 4 -> 64 CTAs a token chunk at V2-Lite
 TC_CHUNKS = 8            # token chunks (grid x) at most
@@ -92,12 +94,14 @@ def lower(nid, G, opts):
         tag = f"mma_t{tc['TN']}_w{tc['wpc']}"
         if not prologue:
             return [_launch(nid, G, opts, params, grid, tc["threads"], tag)]
-        params.update(kv_tokens=PROLOGUE_TOKENS, eps=c_float(data["attrs"]["eps"]))
-        grid = (grid[0], f"{H} + {only_below(PROLOGUE_TOKENS)}", grid[2])
+        upto = max((hi for _, hi in dispatch.row_range(dispatch.rows(op, {"mma": True}, opts.tuning), "mma_kv")),
+                   default=0)
+        params.update(kv_tokens=upto, eps=c_float(data["attrs"]["eps"]))
+        grid = (grid[0], f"{H} + {only_below(upto)}", grid[2])
         kv_args = kv_write_args(opts, ins[2:], outs[1:], w["norm"], params["act"], "norm_w", positions=False)
         return [_launch(nid, G, opts, params, grid, tc["threads"], tag + "_kv", kv_args),
                 kv_write_launch(nid, G, opts, ins[2:], outs[1:], w["norm"], data["attrs"],
-                                grid=(f"T * {only_above(PROLOGUE_TOKENS)}", 1, 1))]
+                                grid=(f"T * {only_above(upto)}", 1, 1))]
     eb = ELEM_BYTES[opts.dtype]
     vec = vec16(C, eb)
     cg = -(-C // vec)

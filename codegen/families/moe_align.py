@@ -20,4 +20,4 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     _moe.require_dense(G, nid, ids)
     _moe.check_experts(nid, E, 1)
     p = _moe.align_params(E)
-    return _moe.align_launches(FAMILY, TEMPLATE, kernel_name(FAMILY, [f"e{E}"]), p, nid, ids, routing)
+    return _moe.align_launches(FAMILY, TEMPLATE, kernel_name(FAMILY, [f"e{E}"]), p, nid, ids, routing, opts)
