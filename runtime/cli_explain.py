@@ -141,39 +141,39 @@ def _name(step) -> str:
 
 
 def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
+    """The reasons of the table rows behind the running launches ("variant [range]: why; ...")."""
     from codegen import dispatch
     from codegen.kernel import KernelLaunch
     if op not in dispatch.TABLES:
         return ""
-    table = dispatch.table(op, opts.tuning)
-    stages = [s.stage if isinstance(s, KernelLaunch) else "library" for s in running]
-    wanted = set()
-    for st, s in zip(stages, running):
+    wanted: dict = {}   # (table op, variant), in order
+    for s in running:
+        st = s.stage if isinstance(s, KernelLaunch) else "library"
         if op in ("linear", "multi_linear", "gate_up_silu"):
-            wanted.add("library" if st == "library" else "skinny")
+            wanted[(op, "library" if st == "library" else "skinny")] = 1
         elif op == "moe_expert_ffn":
-            wanted.add("fused" if st == "fused" else "two_launch")
+            wanted[(op, "fused" if st == "fused" else "two_launch")] = 1
+            if st != "fused":   # and the grouped family's own row
+                wanted[(s.family, st)] = 1
         elif op == "mla_prefill_attention":
-            wanted.add(f"mma {s.params['tc2']['name']}" if "tc2" in s.params else "simt")
-        elif op == "mla_decode_attention":
-            wanted.add("mma" if s.params.get("mma") else "simt")
+            wanted[(op, f"mma {s.params['tc2']['name']}" if "tc2" in s.params else "simt")] = 1
+        elif op in ("mla_decode_attention", "mla_v_up"):
+            wanted[(op, "mma" if s.params.get("mma") else "simt")] = 1
         elif op in ("mla_decode_prologue", "mla_decode_query"):
             if s.family == "mla_kv_cache_write":
                 continue
             separate = any(getattr(o, "family", "") == "mla_kv_cache_write" for o in running)
-            wanted.add(("mma" if separate else "mma_kv") if s.params.get("mma") else "simt")
-        elif op == "mla_v_up":
-            wanted.add("mma" if s.params.get("mma") else "simt")
+            wanted[(op, ("mma" if separate else "mma_kv") if s.params.get("mma") else "simt")] = 1
         else:
-            wanted.add(st)
+            wanted[(op, st)] = 1
     known = {"dtype": opts.dtype}   # the facts read off the node here; the shape facts stay open
     if op in ("linear", "multi_linear", "gate_up_silu"):
         known["precision"] = "fp32" if op == "linear" and attrs.get("precision") == "fp32" else "act"
-    out: dict = {}
-    for case in table.cases:   # the first case that admits the known facts and has the variant at T
-        if not case.holds({**case.when, **known}):
-            continue
-        for r in case.rows:
-            if r.variant in wanted and r.variant not in out and r.covers(T):
-                out[r.variant] = f"{r.variant} [{table.unit} {r.span}]: {r.reason}"
-    return "; ".join(out.values())
+    out: list = []
+    for table_op, variant in wanted:
+        table = dispatch.table(table_op, opts.tuning)
+        row = next((r for case in table.cases if case.holds({**case.when, **known})   # the first case that
+                    for r in case.rows if r.variant == variant and r.covers(T)), None)  # admits the known facts
+        if row is not None:
+            out.append(f"{variant} [{table.unit} {row.span}]: {row.reason}")
+    return "; ".join(out)

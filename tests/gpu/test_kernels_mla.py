@@ -247,7 +247,7 @@ def test_mla_decode_query(name, dtype, absorb, lens, layout, lead, seed):
 
 def check_prologue(name, dtype, lens, bs, layout, lead, seed):
     """mla_decode_prologue: the query and the cache write of one decode step in one launch while
-    T <= PROLOGUE_TOKENS (tensor-core dims), their two kernels otherwise; every output checked,
+    T <= attention.prologue_upto (tensor-core dims), their two kernels otherwise; every output checked,
     the cache rows of the step poisoned first."""
     m = absorb_model(name)
     H, C, R, N, V = dims(m)
