@@ -69,7 +69,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default=None, help="default: model_specs/deepseek_v2_lite.yaml")
     p.add_argument("--json", default="bench.json", metavar="FILE", help="where to write every number")
     p.add_argument("--iters", type=whole_number(1), default=50,
-                   help="timed repetitions per case (the median counts: b=1 steps drift between levels ~4%% apart, PERF_NOTES v26)")
+                   help="timed repetitions per case (the median counts: b=1 steps drift between levels ~4%% apart)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
     p.add_argument("--quick", action="store_true", help="fewer cases (batch 1 and 32, context 512)")
     p.add_argument("--decode", type=cases_arg, default=None, metavar="BxC,...",
@@ -86,7 +86,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 # Seconds of untimed steps before a case is timed, on top of its warm-up calls: the GPU's clocks
 # follow its load, and a case timed right after a heavy one or after idle time otherwise reads
 # them still moving (H200: the SM clock at 1560 MHz right after the prefill cases, 1980 steady;
-# b=1 decode then 2.05 ms against 2.00: PERF_NOTES v29, tests/gpu/perf_bench_order.py).
+# b=1 decode then 2.05 ms against 2.00).
 WARM_SECONDS = 0.5
 
 
@@ -163,7 +163,7 @@ def _token_ids(vocab: int, shape: tuple, *case) -> "torch.Tensor":
     """Random token ids (on the CPU) drawn from a generator seeded by the case, so that every run of
     a tree, and both arms of an A/B, route the same tokens to the same experts: the touched experts
     (the step's bytes and floor) moved by up to 2.4% between runs of one tree with unseeded ids
-    (PERF_NOTES v19)."""
+    (docs/PERF_NOTES.md)."""
     import torch
     seed = 0
     for v in (*case, *shape):
@@ -456,7 +456,7 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
     with torch.inference_mode():
         # Every step is timed before the first profile: once torch's profiler has run, CUPTI stays
         # attached to the process and adds host time to every later launch (a decode graph's
-        # replay call on the H200: 29-52 us before, 128-275 after, PERF_NOTES v17), which a step's
+        # replay call on the H200: 29-52 us before, 128-275 after), which a step's
         # wall clock then counts.  So: all the timings, then all the profiles.
         timed = {}
         for batch, length in prefill_cases:

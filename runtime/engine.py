@@ -413,7 +413,7 @@ class Engine:
             if phase == "prefill":
                 start = s.cached
                 ids.extend(s.tokens[start:])
-            else:   # one token: O(1) per sequence whatever its length (PERF_NOTES v18, the host's part)
+            else:   # one token: O(1) per sequence whatever its length (the host's part of a step)
                 start = n - 1
                 ids.append(s.last_token)
             positions.extend(range(start, n))

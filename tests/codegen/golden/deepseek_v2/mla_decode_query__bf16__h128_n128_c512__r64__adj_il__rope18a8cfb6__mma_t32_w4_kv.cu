@@ -73,7 +73,7 @@ mla_decode_query__bf16__h128_n128_c512__r64__adj_il__rope18a8cfb6__mma_t32_w4_kv
     // the tile's ntok * HALF rotations over every thread of the head's gridDim.z CTAs (H200: in
     // the z == 0 CTAs alone, 8 dependent round trips a thread at 32 tokens cost ~4 us); a pair's
     // two inputs are loaded with its position, before the angle's sine waits for it (one round
-    // trip, not two: PERF_NOTES v31)
+    // trip, not two)
     const int h = blockIdx.y;
     for (int i = blockIdx.z * Q::THREADS + threadIdx.x; i < ntok * HALF; i += gridDim.z * Q::THREADS) {
       const int tt = i / HALF, p = i % HALF, t = t0 + tt;

@@ -96,7 +96,7 @@ struct DecodeSplit {
   // so qs[g] <= t < qs[g + 1] makes g the last sequence starting at or before t, as the search
   // finds).  Only a wrong guess (several tokens a sequence) searches, a round trip a halving, and
   // loads again.  The search first and then the loads took two round trips at one sequence and
-  // log2(B) + 2 at B (PERF_NOTES v31): the decode attention's chain before its wait.
+  // log2(B) + 2 at B: the decode attention's chain before its wait.
   template <int KT>
   __device__ __forceinline__ void rows(const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
                                        const i64* __restrict__ positions, int B) {

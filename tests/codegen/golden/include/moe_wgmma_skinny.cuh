@@ -49,7 +49,7 @@ struct WgSkinnyTiles {
   static constexpr int BM = WS_BP, BOX = WS_BOX, STAGE_BYTES = WS_STAGE_BYTES;
   static constexpr int ROWS_AT = WS_W_BYTES, WEIGHTS_AT = 0;
   // Weight boxes with L2's evict_first policy: read once a step, they go first, and the lines of
-  // `a` and of the outputs stay (PERF_NOTES v22: +0.03-0.05 TB/s at b=128 and 256, even below).
+  // `a` and of the outputs stay (+0.03-0.05 TB/s at b=128 and 256 on the H200, even below).
   static constexpr bool W_EVICT_FIRST = true;
   __host__ __device__ static constexpr int cols(int mode) { return wgmma_skinny_cols(mode); }
 };
@@ -94,7 +94,7 @@ __device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* 
 // ---- The epilogue through shared memory (DSG_WS_STAGED_FROM_BP, from the lowering) ----------------
 // The element stores above scatter 2-byte values (a thread holds one output column of BP / 4
 // pairs).  At b=256 the tiles' stores cost the expert kernels 0.36 ms a decode step, at b=128 0.08
-// (PERF_NOTES v21: the same kernels with the stores of the tiles of 17+ pairs left out went from
+// (on the H200 the same kernels with the stores of the tiles of 17+ pairs left out went from
 // 3.91 to 4.10 TB/s at b=256).  Tiles of at least WS_STAGED_FROM_BP pairs (0: none) instead keep
 // the ring stage of their last K slice (24 KB; a DOWN tile's 64 pairs x 128 columns are 16 KB),
 // write the rounded outputs into it as [pair][column] rows (16-byte chunk k of row r at
@@ -102,7 +102,7 @@ __device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* 
 // chunks of each pair's row (a warp writes 512 contiguous bytes of two rows), and only then free
 // the stage.  DOWN and GATE_UP_SILU (one output each); GATE_UP keeps the element stores.  The
 // kernel's source defines DSG_WS_STAGED_FROM_BP before it includes this header (the lowering's:
-// 32 in the fused expert FFN, 0 in the two grouped launches; PERF_NOTES v22); without it, 0.
+// Tuning.moe.expert_ffn_staged_from / decode_staged_from); without it, 0.
 #ifndef DSG_WS_STAGED_FROM_BP
 #define DSG_WS_STAGED_FROM_BP 0
 #endif
@@ -189,7 +189,7 @@ __device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* _
     wgmma::commit();
     // Free this slice's stage as soon as its wgmma have read it, not once the next slice is issued
     // (wait<1>): the producer keeps all ST stages ahead of the slice being read, not ST - 1.
-    // Measured on the H200 (PERF_NOTES v24): the expert kernels +0.7-0.9% at every batch.  The
+    // Measured on the H200: the expert kernels +0.7-0.9% at every batch.  The
     // tile's last stage is freed after the epilogue (the staged one stores through it).
     wgmma::wait<0>();
     if (kt + 1 < KT && lane == 0) mbar::arrive(&empty[s]);
@@ -268,7 +268,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   // DOWN follows gate_up_silu, which waits for the route before it lets DOWN launch: the route's
   // `offsets` are complete before DOWN's first CTA runs (pdl.cuh, two launches back), so DOWN
   // builds its tile table and starts its first tile's first ST weight slices (no kernel writes
-  // weights) before its wait, into the tail of gate_up_silu (PERF_NOTES v16: that boundary cost
+  // weights) before its wait, into the tail of gate_up_silu (that boundary cost
   // ~1.9 us a layer).  The pairs' rows (x, gate_up_silu's output) are gathered after it.
   // GATE_UP* follows the route itself: every read of another kernel's output after the wait.  But
   // with SH shared experts the walk's first SH * cdiv(T, WS_BP) row tiles are theirs whatever the
