@@ -22,8 +22,8 @@ SM_SHARED = 228 * 1024                 # an H100 / H200 SM's shared memory (each
 # Gate / up with the shared experts among the pairs (moe_route's shared_experts S): those experts
 # are 0..S-1 and every token's, so the walk's first S * cdiv(T, BP) * col_tiles row tiles are known
 # from T alone, and a CTA whose first tile is one of them runs that tile's whole K loop before its
-# wait, its pairs' rows gathered too (its outputs stored after the wait: moe_wgmma_skinny.cuh SH,
-# SH_WHOLE; the kernel takes the pair count NP for T), so the shared experts' weights stream while
+# wait, its pairs' rows gathered too (its outputs stored after the wait: moe_wgmma_skinny.cuh SH;
+# the kernel takes the pair count NP for T), so the shared experts' weights stream while
 # the route still runs.
 # Down at one token (decode's b = 1) runs as a launch of its own with Tuning.moe.one_token_down_stages
 # ring stages, one CTA an SM: twice the weight slices in flight a CTA, and twice the slices of its
@@ -78,7 +78,7 @@ def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args
     if sh:
         args = (*args, size("num_pairs", "NP"))
     names = [*name_parts, *switch_names(staged), *([f"sh{sh}w"] if sh else [])]
-    extra = {} if down else {"shared": sh, "shared_whole": bool(sh)}
+    extra = {} if down else {"shared": sh}
     stages = opts.tuning.moe.one_token_down_stages if one_token else STAGES
     tiles = f"{col_tiles(p['N'], down=down)} * {row_tiles(p['E'])}"
     grid = when(f"min(SMS, {tiles})" if one_token else f"min(2 * SMS, {tiles})", run)

@@ -64,7 +64,7 @@ STEP_INPUTS_BEFORE_WAIT: frozenset = frozenset({"mla_decode_attention"})
 # Families whose kernels, besides TWO_BACK_LOADS_BEFORE_WAIT's loads, gather rows that the kernel two
 # launches back wrote with L2-only cp.async (LDGSTS.E.BYPASS: cp.async.cg) before pdl_wait():
 # decode's gate / up runs a shared expert's tile's K loop before its wait, its weight boxes by TMA
-# and its pair rows (x, the route's input) gathered (moe_wgmma_skinny.cuh SH_WHOLE); it stores after.
+# and its pair rows (x, the route's input) gathered (moe_wgmma_skinny.cuh SH); it stores after.
 TWO_BACK_GATHERS_BEFORE_WAIT: frozenset = frozenset({"moe_gate_up_silu", "moe_gate_up"})
 
 _EXITS = ("EXIT", "RET", "KILL", "BRX", "JMX", "CALL", "JMP")

@@ -98,7 +98,7 @@ def _route_layout(ids: torch.Tensor, shared: int) -> torch.Tensor:
     """ids [T, K] with each token's row as moe_route writes it when its first `shared` experts are
     shared ones (every token one pair of each): the routed pairs first, then shared expert s at slot
     K - shared + s (moe_router.cuh topk_scored), which decode's gate / up relies on to find a shared tile's
-    pairs before its wait (moe_wgmma_skinny.cuh SH_WHOLE)."""
+    pairs before its wait (moe_wgmma_skinny.cuh SH)."""
     if not shared:
         return ids
     T = ids.shape[0]
@@ -253,7 +253,7 @@ def shared_cases(draw):
 @kernel_test(8)
 def test_moe_expert_ffn_shared_experts_start_before_the_wait(runner, case):
     """Decode's two launches with the shared experts among the pairs, laid out as moe_route lays
-    them (moe_wgmma_skinny.cuh SH, SH_WHOLE): gate_up_silu's CTAs whose
+    them (moe_wgmma_skinny.cuh SH): gate_up_silu's CTAs whose
     first tile is a shared expert's run that whole tile before their PDL wait, from T alone (its
     pairs from the route's layout, not from `order`), then the rest of their walk from the offsets,
     past it (a wrong pair, a tile done twice or not at all: wrong or poisoned rows)."""

@@ -2,7 +2,7 @@
 // template: moe_gate_up_silu.cu.j2
 // kernel:   moe_gate_up_silu__bf16__e162_k8__m1536_d5120__sh2w__wgmma_skinny
 // role:     moe_gate_up_silu.wgmma_skinny
-// params:   {"E":162,"K":8,"KD":5120,"N":1536,"act":"__nv_bfloat16","box_k":64,"box_rows":64,"cols":64,"pairs":64,"shared":2,"shared_whole":true,"smem":99328,"staged_from":0,"stages":4,"threads":256,"variant":"wgmma_skinny"}
+// params:   {"E":162,"K":8,"KD":5120,"N":1536,"act":"__nv_bfloat16","box_k":64,"box_rows":64,"cols":64,"pairs":64,"shared":2,"smem":99328,"staged_from":0,"stages":4,"threads":256,"variant":"wgmma_skinny"}
 // includes: cluster.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tma.cuh, wgmma.cuh
 // nodes:    L1-59.moe_ffn.ea, L1-59.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
@@ -48,7 +48,6 @@ moe_gate_up_silu__bf16__e162_k8__m1536_d5120__sh2w__wgmma_skinny(
     __nv_bfloat16* __restrict__ out,
     int num_pairs) {
   extern __shared__ __align__(16) char smem[];
-  dsg::moe::grouped_gemm_wgmma_skinny<__nv_bfloat16, dsg::moe::GATE_UP_SILU, 162, 1536, 5120, 8, 4, 2,
-      true>(
+  dsg::moe::grouped_gemm_wgmma_skinny<__nv_bfloat16, dsg::moe::GATE_UP_SILU, 162, 1536, 5120, 8, 4, 2>(
       x, &w_gate, &w_up, order, offsets, out, nullptr, smem, num_pairs);
 }

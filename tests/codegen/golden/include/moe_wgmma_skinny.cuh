@@ -246,10 +246,9 @@ __device__ __forceinline__ void wgmma_skinny_issue_first(char* ring, const Tenso
 
 // SH: the shared experts among the pairs (moe_route's shared_experts: experts 0..SH-1, every token
 // one pair of each, so offsets[s] = s * T for s <= SH), whose first slices GATE_UP* starts before
-// its wait; num_pairs (NP = T * K) then gives T.  0: none (DOWN's early start is its own).
-// SH_WHOLE: a CTA whose first tile is a shared expert's runs that whole tile before its wait (see
-// below); false: only its first slices.
-template <typename T, int MODE, int E, int N, int KD, int K, int ST, int SH = 0, bool SH_WHOLE = false>
+// its wait; num_pairs (NP = T * K) then gives T.  0: none (DOWN's early start is its own).  A CTA
+// whose first tile is a shared expert's runs that whole tile before its wait (see below).
+template <typename T, int MODE, int E, int N, int KD, int K, int ST, int SH = 0>
 __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ x, const TensorMap* w0,
                                                           const TensorMap* w1, const i32* __restrict__ order,
                                                           const i32* __restrict__ offsets, T* __restrict__ out0,
@@ -264,7 +263,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
                 "wgmma skinny gemm: two CTAs per SM at four stages, one at more");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   __shared__ int tiles[E + 1];
-  __shared__ i32 shared_order[SH_WHOLE ? WS_BP : 1];     // SH_WHOLE: the early tile's pairs
+  __shared__ i32 shared_order[SH > 0 ? WS_BP : 1];       // the early shared tile's pairs
   // DOWN follows gate_up_silu, which waits for the route before it lets DOWN launch: the route's
   // `offsets` are complete before DOWN's first CTA runs (pdl.cuh, two launches back), so DOWN
   // builds its tile table and starts its first tile's first ST weight slices (no kernel writes
@@ -273,9 +272,8 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   // GATE_UP* follows the route itself: every read of another kernel's output after the wait.  But
   // with SH shared experts the walk's first SH * cdiv(T, WS_BP) row tiles are theirs whatever the
   // route says (experts 0..SH-1 hold T pairs each: wgmma_row_tiles makes the same table from the
-  // offsets after the wait), so a CTA whose first tile is one of them starts its first ST weight
-  // slices before its wait, while the route runs (the pair rows, x, are gathered after it).
-  // SH_WHOLE: that first tile's whole K loop before the wait, its pair rows gathered too; the
+  // offsets after the wait), so a CTA whose first tile is one of them runs that first tile's whole
+  // K loop before its wait, while the route runs, its pair rows gathered too; the
   // consumer waits only before it stores the tile's outputs (no write before the wait: a workspace
   // freed by the route, which still runs, may hold them).  Its pairs are known from T alone (token
   // t's shared pair s is t * K + K - SH + s: moe_route's layout, moe_router.cuh topk_scored), so
@@ -308,22 +306,20 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
       const int t = blockIdx.x, rt = (t / NCT) % per;     // tile t: shared expert t / NCT / per, row tile rt
       WgTile tl;
       tl.e = t / NCT / per;
-      tl.pbeg = 0;                                        // (SH_WHOLE: rows of shared_order)
+      tl.pbeg = 0;                                        // (rows of shared_order)
       tl.rows = min(WS_BP, tokens - rt * WS_BP);
       tl.n0 = (t % NCT) * wgmma_skinny_cols(MODE);
       if (threadIdx.x == 0) wgmma_skinny_issue_first<MODE, N, PRE>(smem + (ring - raw), w0, w1, tl.e, tl.n0, full);
-      if constexpr (SH_WHOLE) {
-        if ((int)threadIdx.x < tl.rows) shared_order[threadIdx.x] = (rt * WS_BP + threadIdx.x) * K + K - SH + tl.e;
-        __syncthreads();
-        int it = 0;
-        if (threadIdx.x < 128)
-          wgmma_produce_tile<T, MODE, N, KD, K, ST, WgSkinnyTiles>(x, w0, w1, shared_order, tl, smem + (ring - raw),
-                                                                   full, empty, aligned_to<16>(x), it, PRE);
-        else
-          wgmma_skinny_tile_fit<T, MODE, N, KD, ST, true>(tl, shared_order, ring, full, empty, out0, out1, it);
-        preissued = 0;
-        skip = 1;
-      }
+      if ((int)threadIdx.x < tl.rows) shared_order[threadIdx.x] = (rt * WS_BP + threadIdx.x) * K + K - SH + tl.e;
+      __syncthreads();
+      int it = 0;
+      if (threadIdx.x < 128)
+        wgmma_produce_tile<T, MODE, N, KD, K, ST, WgSkinnyTiles>(x, w0, w1, shared_order, tl, smem + (ring - raw),
+                                                                 full, empty, aligned_to<16>(x), it, PRE);
+      else
+        wgmma_skinny_tile_fit<T, MODE, N, KD, ST, true>(tl, shared_order, ring, full, empty, out0, out1, it);
+      preissued = 0;
+      skip = 1;
     }
     dsg::pdl_wait();
     dsg::pdl_launch_dependents();
