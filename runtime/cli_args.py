@@ -28,7 +28,7 @@ def block_size_arg(text: str) -> int:
 
 def add_tune_arg(p: argparse.ArgumentParser) -> None:
     """--tune SECTION.KNOB=VALUE, repeatable (codegen/tuning.py; `dsgraph explain` lists the knobs)."""
-    p.add_argument("--tune", action="append", default=[], metavar="SECTION.KNOB=VALUE",
+    p.add_argument("--tune", action="append", default=None, metavar="SECTION.KNOB=VALUE",
                    help="set a tuning knob, e.g. moe.expert_ffn_upto=128 (repeatable; default: dsgraph's "
                         "tuning; `dsgraph explain --knobs` lists them)")
 

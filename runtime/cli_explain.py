@@ -33,8 +33,8 @@ def tokens_arg(text: str) -> list[int]:
 
 def add_explain_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", nargs="?", default=None, help=f"the model spec (default: model_specs/{DEFAULT_SPEC.name})")
-    p.add_argument("--tokens", type=tokens_arg, default=[1, 48, 300, 16384], metavar="N,...",
-                   help="token counts of a step (default: 1,48,300,16384)")
+    p.add_argument("--tokens", type=tokens_arg, default="1,48,300,16384", metavar="N,...",
+                   help="token counts of a step")
     p.add_argument("--phase", choices=PHASES, default=None, help="only this phase (default: both)")
     p.add_argument("--arch", default=DEFAULTS.arch, help="NVRTC target, e.g. sm_90 or sm_80")
     p.add_argument("--dtype", default=DEFAULTS.dtype, choices=("bf16", "fp16", "fp32"), help="activation dtype")
