@@ -146,6 +146,12 @@ def _check_call(caller: str, backend, device, dtype, bundle, options: dict) -> t
     for name in options:
         if name not in ENGINE_OPTIONS:
             raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+    if options.get("tuning") is not None:   # the kernels' tuning, where the engine compiles the spec
+        if bundle is not None:
+            raise InputError("tuning applies where the engine compiles the spec; a bundle keeps the tuning it "
+                             "was compiled with (dsgraph compile --tune ...)")
+        from codegen.tuning import as_tuning
+        options = {**options, "tuning": as_tuning(options["tuning"])}   # TuningError (one line) if bad
     backend, device = _backend_and_device(backend, device, bundle)
     if dtype is not None:
         dtype = _as_dtype(dtype, backend)
@@ -302,9 +308,6 @@ class Engine:
         tp = kwargs.pop("tp", None)
         pdl = kwargs.pop("pdl", None)   # the cuda backend's launches; the reference backend launches none
         tuning = kwargs.pop("tuning", None)   # the kernels' tuning where the cuda backend compiles the spec
-        if tuning is not None and bundle is not None:
-            raise InputError("tuning applies where the engine compiles the spec; a bundle keeps the tuning it "
-                             "was compiled with (dsgraph compile --tune ...)")
         if backend == "reference":
             if bundle is not None:
                 raise InputError("a bundle runs on backend='cuda'; the reference backend runs the spec itself")
