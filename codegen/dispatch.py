@@ -90,49 +90,39 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
     and cp.async); decode_wgmma_fits / prefill_wgmma_fits (the kernels' shared memory for E
     experts); one_token (down's one-token launch fits one CTA an SM)."""
     m = t.moe
-    wgmma_above = m.prefill_wgmma_above
-    thr = None if wgmma_above is None else max(wgmma_above, m.gemv_upto)
+    thr = None if m.prefill_wgmma_above is None else max(m.prefill_wgmma_above, m.gemv_upto)
     # decode's wgmma runs up to the prefill wgmma's threshold (256 where that is off)
-    upper = max(m.decode_wgmma_from, thr if thr is not None else 256)
-    big = ("wgmma", "persistent wgmma + TMA grid: prefill's many pairs per expert")
-    mma_big = ("mma", "mma.sync row tiles and swapped tiles (no prefill wgmma here)")
-    gemv_why = "CUDA-core GEMV: each touched weight row read once at the fewest tokens"
-    skinny_why = "decode's wgmma + TMA tiles: the pairs as wgmma's N, two CTAs an SM"
-    t1 = down and m.one_token_down_stages > 4 and m.decode_wgmma_from == 0
-    cases = []
-    cases.append(Case({"dtype": "fp32"}, _rows(("gemv", 1, INF, "fp32 has no tensor-core path: the GEMV at every T")),
-                      "fp32"))
+    upper = max(m.decode_wgmma_from, 256 if thr is None else thr)
+    gemv = "CUDA-core GEMV: each touched weight row read once at the fewest tokens"
+    mma = "mma.sync: light experts on CUDA cores, the rest on tensor cores (swapped tiles for few pairs)"
+    wgmma = "persistent wgmma + TMA grid: prefill's many pairs per expert"
+    skinny = "decode's wgmma + TMA tiles: the pairs as wgmma's N, two CTAs an SM"
+    one = f"down at one token: a ring of {m.one_token_down_stages} stages, one CTA an SM"
+    sixteen = ("bf16", "fp16")
+    cases = [Case({"dtype": "fp32"}, _rows(("gemv", 1, INF, "fp32 has no tensor-core path: the GEMV at every T")),
+                  "fp32")]
     if m.decode_wgmma:
+        t1 = down and m.one_token_down_stages > 4 and m.decode_wgmma_from == 0
         for fits in (True, False):
-            above = big if fits and wgmma_above is not None else mma_big
-            one = ("wgmma_skinny_t1", 1, 1, f"down at one token: a ring of {m.one_token_down_stages} stages, "
-                                            f"one CTA an SM")
-            rows = [("gemv", 1, m.decode_wgmma_from, gemv_why)]
+            above = ("wgmma", upper + 1, INF, wgmma) if fits and thr is not None else \
+                ("mma", upper + 1, INF, mma + " (no prefill wgmma here)")
+            when = {"dtype": sixteen, "sm_90a": True, "tma_rows": True, "decode_wgmma_fits": True,
+                    "prefill_wgmma_fits": fits}
             if t1:
-                cases.append(Case({"dtype": ("bf16", "fp16"), "sm_90a": True, "tma_rows": True,
-                                   "decode_wgmma_fits": True, "prefill_wgmma_fits": fits, "one_token": True},
-                                  _rows(one, ("wgmma_skinny", 2, upper, skinny_why), (*above[:1], upper + 1, INF,
-                                                                                       above[1])),
+                cases.append(Case({**when, "one_token": True},
+                                  _rows(("wgmma_skinny_t1", 1, 1, one), ("wgmma_skinny", 2, upper, skinny), above),
                                   "16-bit, sm_90a, decode's wgmma on"))
-            cases.append(Case({"dtype": ("bf16", "fp16"), "sm_90a": True, "tma_rows": True,
-                               "decode_wgmma_fits": True, "prefill_wgmma_fits": fits},
-                              _rows(*rows, ("wgmma_skinny", m.decode_wgmma_from + 1, upper, skinny_why),
-                                    (above[0], upper + 1, INF, above[1])),
+            cases.append(Case(when, _rows(("gemv", 1, m.decode_wgmma_from, gemv),
+                                          ("wgmma_skinny", m.decode_wgmma_from + 1, upper, skinny), above),
                               "16-bit, sm_90a, decode's wgmma on"))
     if thr is not None:
-        cases.append(Case({"dtype": ("bf16", "fp16"), "sm_90a": True, "tma_rows": True, "prefill_wgmma_fits": True},
-                          _rows(("gemv", 1, m.gemv_upto, gemv_why),
-                                ("mma", m.gemv_upto + 1, thr, "mma.sync: light experts on CUDA cores, the rest on "
-                                                              "tensor cores (swapped tiles for few pairs)"),
-                                ("wgmma", thr + 1, INF, big[1])),
+        cases.append(Case({"dtype": sixteen, "sm_90a": True, "tma_rows": True, "prefill_wgmma_fits": True},
+                          _rows(("gemv", 1, m.gemv_upto, gemv), ("mma", m.gemv_upto + 1, thr, mma),
+                                ("wgmma", thr + 1, INF, wgmma)),
                           "16-bit, sm_90a, without decode's wgmma"))
-    cases.append(Case({"dtype": ("bf16", "fp16")},
-                      _rows(("gemv", 1, m.gemv_upto, gemv_why),
-                            ("mma", m.gemv_upto + 1, INF, "mma.sync: light experts on CUDA cores, the rest on "
-                                                          "tensor cores (swapped tiles for few pairs)")),
+    cases.append(Case({"dtype": sixteen}, _rows(("gemv", 1, m.gemv_upto, gemv), ("mma", m.gemv_upto + 1, INF, mma)),
                       "16-bit without sm_90a or 16-byte rows"))
-    name = "moe_down" if down else "moe_gate_up_silu"
-    return Table(name, "tokens", tuple(cases),
+    return Table("moe_down" if down else "moe_gate_up_silu", "tokens", tuple(cases),
                  ("dtype", "sm_90a", "tma_rows", "decode_wgmma_fits", "prefill_wgmma_fits", "one_token"))
 
 
