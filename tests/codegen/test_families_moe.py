@@ -407,7 +407,7 @@ def test_route_of_shipped_specs_compiles_without_spills():
     """Every route kernel of the shipped specs builds for sm_90 with no spills; where cuobjdump is
     installed, each waits for the previous kernel and lets the next one launch (PDL: griddepcontrol
     is ACQBULK / PREEXIT in SASS), and the fused one takes its tickets with acquire-release global
-    atomics (MEMBAR.ALL.GPU, no fence.sc's MEMBAR.SC.GPU: tickets.cuh, PERF_NOTES v23) and reads
+    atomics (MEMBAR.ALL.GPU, no fence.sc's MEMBAR.SC.GPU: tickets.cuh) and reads
     the logits and ids that other CTAs wrote past L1 (LDG.E.STRONG.GPU, not the read-only path); the
     router GEMM is fp32 FFMA fed by 16-byte shared loads, with the same tickets for its split of D."""
     _nvrtc_or_skip()
