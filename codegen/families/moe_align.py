@@ -1,5 +1,5 @@
 """moe_align: expert ids [T, K] -> routing: pairs grouped by expert (order [NP] i32) and each
-expert's start (offsets [E + 1] i32), in one CTA, or above _moe.ALIGN_PARALLEL_PAIRS pairs in
+expert's start (offsets [E + 1] i32), in one CTA, or above moe.align_parallel_above pairs in
 three launches (count, scan, scatter).  The same kernels are stage 3 of moe_route."""
 from __future__ import annotations
 

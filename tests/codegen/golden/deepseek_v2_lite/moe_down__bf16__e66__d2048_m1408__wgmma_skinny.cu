@@ -21,7 +21,7 @@
 // others on CUDA cores, one grid), or above a token count on sm_90a variant wgmma (every expert
 // on wgmma + TMA tiles, moe_wgmma.cuh); decode's tokens on variant wgmma_skinny
 // (moe_wgmma_skinny.cuh), at one token on variant wgmma_skinny_t1: the same code with a deeper
-// ring, one CTA an SM (_moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES).
+// ring, one CTA an SM (Tuning.moe.one_token_down_stages).
 // The GEMV and mma wait at entry (pdl.cuh): which expert's weights a CTA reads comes from the
 // routing, another kernel's output.  The skinny variants start their first tile's weights before
 // the wait (the routing is two launches back: moe_wgmma_skinny.cuh).

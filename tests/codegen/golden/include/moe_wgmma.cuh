@@ -404,7 +404,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const T* __restrict__ x, cons
   static_assert(KD % 8 == 0, "wgmma gemm: rows of whole 16-byte chunks (TMA strides, cp.async)");
   static_assert(ST >= 2, "wgmma gemm: a ring of at least two stages");
   static_assert(wgmma_smem(ST) + 2 * ST * 8 + 4 * (E + 1) <= 227 * 1024,
-                "wgmma gemm: ring + staging + row-tile table exceed a CTA's 227 KB (_moe_wgmma.applies)");
+                "wgmma gemm: ring + staging + row-tile table exceed a CTA's 227 KB (_moe_wgmma.fits)");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   __shared__ int tiles[E + 1];
   // Every read below (offsets, order, x) is of another kernel's output.

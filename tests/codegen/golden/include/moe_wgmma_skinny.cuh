@@ -256,8 +256,8 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   static_assert(sizeof(T) == 2, "wgmma skinny gemm: 16-bit operands");
   static_assert(KD % 8 == 0, "wgmma skinny gemm: rows of whole 16-byte chunks (TMA strides, cp.async)");
   static_assert(ST >= 2, "wgmma skinny gemm: a ring of at least two stages");
-  // Two CTAs an SM at the 4-stage ring (_moe_wgmma_skinny.applies); down's one-token launch, one
-  // CTA an SM, runs a deeper one (_moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES).
+  // Two CTAs an SM at the 4-stage ring (_moe_wgmma_skinny.fits); down's one-token launch, one
+  // CTA an SM, runs a deeper one (Tuning.moe.one_token_down_stages).
   static_assert((ST <= 4 ? 2 : 1) * (wgmma_skinny_smem(ST) + 2 * ST * 8 + 4 * (E + 1) + 4 * WS_BP + 1024) <=
                     228 * 1024,
                 "wgmma skinny gemm: two CTAs per SM at four stages, one at more");
