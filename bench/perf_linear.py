@@ -43,13 +43,14 @@ from tests.gpu.harness import single_op_graph
 import ir
 from codegen.families import linear_skinny
 from codegen.kernel import KernelLaunch, Options
+from codegen.tuning import LinearTuning
 from ir.ops import TType
 
 ITERS = 20
 ROTATE_BYTES = 256 << 20       # weight copies cycled per graph: ~4x the L2
 BAD_ERR = 1e-2
-DEFAULT_VARIANT = (f"w{linear_skinny.WARPS}r{linear_skinny.ROW_TILES}u{linear_skinny.UNROLL}"
-                   + (f"k{linear_skinny.KSPLIT}" if linear_skinny.KSPLIT > 1 else ""))
+_T = LinearTuning()   # the kernel's default shape (codegen/tuning.py)
+DEFAULT_VARIANT = f"w{_T.warps}r{_T.row_tiles}u{_T.unroll}" + (f"k{_T.ksplit}" if _T.ksplit > 1 else "")
 VARIANTS = f"{DEFAULT_VARIANT},w8r1u2,w8r1u8,w4r1u4,w8r2u2,w16r1u2,w8r1u4k2,w8r1u2k4"
 _VARIANT_RE = re.compile(r"^w(\d+)r(\d+)u(\d+)(?:k(\d+))?$")
 

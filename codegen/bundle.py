@@ -59,6 +59,7 @@ from .cache import (MANIFEST, BundleCache, cache_key, compiler_source_hash, defa
 from .errors import DsgraphError
 from .kernel import DEFAULTS, DTYPES, KernelLaunch, Options, signature_key
 from .paths import spec_path
+from .tuning import DEFAULT_TUNING, Tuning, as_tuning
 
 SCHEMA = 4     # 4: each phase lists its arena slots (codegen/memplan.py); each kernel step and the options
                # say whether it is launched with PDL ("pdl")
@@ -160,14 +161,15 @@ def _check_options(arch: str, dtype: str, block_size: int, world: int = 1, pdl: 
 
 
 def bundle_key(spec_text: str, *, arch: str, dtype: str, block_size: int, strict: bool = True,
-               world: int = 1, pdl: bool = DEFAULTS.pdl) -> str:
+               world: int = 1, pdl: bool = DEFAULTS.pdl, tuning: Tuning = DEFAULT_TUNING) -> str:
     from .nvrtc import nvrtc_version
     return cache_key(spec_text=spec_text, template_texts=render_mod.template_texts(),
                      compiler_hash=compiler_source_hash(), nvrtc_version=nvrtc_version(),
-                     arch=arch, options=_options_json(dtype, block_size, strict, world, pdl))
+                     arch=arch, options=_options_json(dtype, block_size, strict, world, pdl, tuning))
 
 
-def _options_json(dtype: str, block_size: int, strict: bool, world: int = 1, pdl: bool = DEFAULTS.pdl) -> dict:
+def _options_json(dtype: str, block_size: int, strict: bool, world: int = 1, pdl: bool = DEFAULTS.pdl,
+                  tuning: Tuning = DEFAULT_TUNING) -> dict:
     # pdl changes no kernel source (pdl.cuh's instructions are no-ops in a launch without the
     # attribute), only the manifest's launches: it is in the key because the manifest is.
     options = {"dtype": dtype, "block_size": block_size, "pdl": pdl}
@@ -175,6 +177,9 @@ def _options_json(dtype: str, block_size: int, strict: bool, world: int = 1, pdl
         options["allow_unlowered"] = True
     if world > 1:   # absent at world 1: one process's bundles keep their keys
         options["world"] = world
+    changed = tuning.changed()
+    if changed:     # the knobs set away from the defaults (which the compiler hash covers)
+        options["tuning"] = changed
     return options
 
 
@@ -270,9 +275,10 @@ def unique_kernels(plans, *, compiler_hash: str | None = None) -> list[KernelSou
 
 
 def render_spec(spec, *, dtype: str = DEFAULTS.dtype, block_size: int = DEFAULTS.block_size,
-                arch: str = DEFAULTS.arch, strict: bool = False):
+                arch: str = DEFAULTS.arch, strict: bool = False, tuning=None):
     """(spec name, [KernelSource], unlowered [(phase, node, op)]): render only, no compiler hash."""
-    sp = plan_spec(spec, Options(arch=arch, dtype=dtype, block_size=block_size), strict=strict)
+    sp = plan_spec(spec, Options(arch=arch, dtype=dtype, block_size=block_size, tuning=as_tuning(tuning)),
+                   strict=strict)
     unlowered = [(ph, n, op) for ph in PHASES for n, op in sp.plans[ph].unlowered]
     return sp.spec.name, unique_kernels(sp.plans), unlowered
 
@@ -376,7 +382,9 @@ def _builder(spec, spec_text: str, spec_file: str, key: str, opts: Options, stri
             "spec": {"name": sp.spec.name, "file": spec_file, "path": SPEC_FILE,
                      "sha256": hashlib.sha256(spec_text.encode("utf-8")).hexdigest()},
             "compiler_hash": compiler_hash, "nvrtc_version": list(nvrtc_version()),
-            "arch": opts.arch, "options": _options_json(opts.dtype, opts.block_size, strict, world, opts.pdl),
+            "arch": opts.arch,
+            "options": _options_json(opts.dtype, opts.block_size, strict, world, opts.pdl, opts.tuning),
+            "tuning": opts.tuning.to_json(),
             "kernels": {k.name: {"family": k.family, "role": k.role, "template": k.template, "params": k.params,
                                  "nodes": list(k.nodes), "source": f"kernels/{k.name}.cu",
                                  "cubin": f"kernels/{k.name}.cubin", "includes": sorted(k.includes),
@@ -461,7 +469,7 @@ def _replace_with_copy(entry: Path, out_dir: Path) -> Path:
 def compile_bundle(spec, out_dir=None, *, arch: str = DEFAULTS.arch, dtype: str = DEFAULTS.dtype,
                    block_size: int = DEFAULTS.block_size, cache_dir=None, progress: bool | None = None,
                    jobs: int | None = None, strict: bool = True, world: int = 1,
-                   pdl: bool = DEFAULTS.pdl) -> BundleResult:
+                   pdl: bool = DEFAULTS.pdl, tuning=None) -> BundleResult:
     """Compile `spec` (a path or an ir.Spec) into a bundle, through the cache.
 
     Returns where it is (the cache entry, or `out_dir` when given), whether it was a
@@ -469,20 +477,23 @@ def compile_bundle(spec, out_dir=None, *, arch: str = DEFAULTS.arch, dtype: str 
     lets nodes no family lowers through (listed under "unlowered"; part of the key).
     world > 1: one bundle for every rank of a tensor / expert parallel job (each rank's
     graphs through the shard passes; see the module docstring); the key covers `world`.
-    pdl=False: no launch is a programmatic dependent launch (for an A/B against the default)."""
+    pdl=False: no launch is a programmatic dependent launch (for an A/B against the default).
+    tuning: a codegen.tuning.Tuning (or what codegen.tuning.as_tuning takes); part of the key."""
     t0 = time.perf_counter()
     _check_options(arch, dtype, block_size, world, pdl, jobs)
+    tuning = as_tuning(tuning)
     text, file = _spec_text(spec)
     if out_dir is not None:
         _check_out_dir(out_dir)
     cache = (BundleCache(cache_dir) if cache_dir is not None
              else BundleCache(default_cache_dir(), origin=default_cache_origin()))
     cache.check_root()
-    key = bundle_key(text, arch=arch, dtype=dtype, block_size=block_size, strict=strict, world=world, pdl=pdl)
+    key = bundle_key(text, arch=arch, dtype=dtype, block_size=block_size, strict=strict, world=world, pdl=pdl,
+                     tuning=tuning)
     if progress is None:
         progress = sys.stderr.isatty()
     stats: dict = {}
-    opts = Options(arch=arch, dtype=dtype, block_size=block_size, pdl=pdl)
+    opts = Options(arch=arch, dtype=dtype, block_size=block_size, pdl=pdl, tuning=tuning)
     entry, built = cache.get_or_build(
         key, _builder(spec, text, file, key, opts, strict, jobs, progress, stats, world))
     if "kernels" in stats:
@@ -536,9 +547,18 @@ def recompile_command(manifest: dict, bundle_dir, arch: str | None = None, dtype
     spec = Path(bundle_dir) / manifest.get("spec", {}).get("path", SPEC_FILE)
     world = world or bundle_world(manifest)
     pdl = opts.get("pdl", DEFAULTS.pdl) if pdl is None else pdl
+    tune = "".join(f" {f}" for f in _manifest_tuning(manifest).flags())
     return (f"dsgraph compile {spec} -o {bundle_dir} --arch {arch or manifest.get('arch')} "
             f"--dtype {dtype or opts.get('dtype')} --block-size {block_size or opts.get('block_size')}"
-            + (f" {WORLD_FLAG} {world}" if world > 1 else "") + ("" if pdl else f" {NO_PDL_FLAG}"))
+            + (f" {WORLD_FLAG} {world}" if world > 1 else "") + ("" if pdl else f" {NO_PDL_FLAG}") + tune)
+
+
+def _manifest_tuning(manifest: dict) -> Tuning:
+    """The tuning a bundle was compiled with (its options' knobs away from the defaults)."""
+    try:
+        return Tuning.from_changed(manifest.get("options", {}).get("tuning", {}))
+    except DsgraphError:
+        return DEFAULT_TUNING   # a knob this dsgraph does not know: the key check refuses the bundle
 
 
 def check_compatible(manifest: dict, bundle_dir, *, arch: str, nvrtc_version=None,
@@ -581,7 +601,8 @@ def check_compatible(manifest: dict, bundle_dir, *, arch: str, nvrtc_version=Non
                           f"recompile it: {fix}")
     spec_text = (Path(bundle_dir) / manifest["spec"]["path"]).read_text(encoding="utf-8")
     key = bundle_key(spec_text, arch=manifest["arch"], dtype=opts.get("dtype"), block_size=opts.get("block_size"),
-                     strict=not opts.get("allow_unlowered", False), world=built_for, pdl=opts.get("pdl"))
+                     strict=not opts.get("allow_unlowered", False), world=built_for, pdl=opts.get("pdl"),
+                     tuning=_manifest_tuning(manifest))
     if key != manifest.get("key"):
         raise BundleError(f"{where} is stale: its key does not match its spec, this dsgraph's templates and "
                           f"NVRTC (something it was built from changed); recompile it: {fix}")

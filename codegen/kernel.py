@@ -52,6 +52,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
+from .tuning import DEFAULT_TUNING, Tuning, as_tuning
+
 DTYPES = {"bf16": "__nv_bfloat16", "fp16": "__half", "fp32": "float"}
 
 # Step-metadata tensors a kernel may read: field -> element C type.
@@ -77,6 +79,11 @@ class Options:
     block_size: int = 64         # KV-cache page size (tokens per block)
     pdl: bool = True             # launch the kernels of PDL families (FAMILY.PDL) with programmatic
                                  # dependent launch; False: every launch waits for the one before it
+    tuning: Tuning = DEFAULT_TUNING   # which kernel serves which size, tiles (codegen/tuning.py)
+
+    def __post_init__(self):
+        if not isinstance(self.tuning, Tuning):
+            object.__setattr__(self, "tuning", as_tuning(self.tuning))
 
 
 DEFAULTS = Options()

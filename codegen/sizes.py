@@ -128,3 +128,18 @@ def only_below(ts: int) -> str:
 def only_above(ts: int) -> str:
     """1 while T > ts, else 0."""
     return f"min(1, T // {ts + 1})"
+
+
+def token_range(lo: int, hi: int | None) -> str | None:
+    """1 while lo <= T <= hi (hi None: no end), else 0; None where that is every T >= 1."""
+    if lo <= 1:
+        return None if hi is None else only_below(hi)
+    return only_above(lo - 1) if hi is None else f"{only_above(lo - 1)} * {only_below(hi)}"
+
+
+def token_ranges(ranges) -> str | None:
+    """1 while T lies in one of `ranges` ((lo, hi) pairs that do not overlap), else 0."""
+    factors = [token_range(lo, hi) for lo, hi in ranges]
+    if any(f is None for f in factors):
+        return None
+    return factors[0] if len(factors) == 1 else "(" + " + ".join(factors) + ")"

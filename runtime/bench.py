@@ -32,7 +32,7 @@ import time
 
 from codegen.kernel import DEFAULTS
 
-from .cli_args import block_size_arg, whole_number
+from .cli_args import add_tune_arg, block_size_arg, tuning_of, whole_number
 from .timing import event_ms as _timeit
 
 DECODE_CASES = [(1, 512), (8, 512), (32, 512), (128, 512), (256, 512), (1, 4096), (8, 4096), (32, 4096),
@@ -88,7 +88,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default=None, help="default: model_specs/deepseek_v2_lite.yaml")
     p.add_argument("--json", default="bench.json", metavar="FILE", help="where to write every number")
     p.add_argument("--iters", type=whole_number(1), default=50,
-                   help="timed repetitions per case (the median counts: b=1 steps drift between levels ~4%% apart, PERF_NOTES v26)")
+                   help="timed repetitions per case (the median counts: b=1 steps drift between levels ~4%% apart)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
     p.add_argument("--quick", action="store_true", help="fewer cases (batch 1 and 32, context 512)")
     p.add_argument("--decode", type=cases_arg, default=None, metavar="BxC,...",
@@ -99,12 +99,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache page size in tokens")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch every kernel without programmatic dependent launch (an A/B against the default)")
+    add_tune_arg(p)
 
 
 # Seconds of untimed steps before a case is timed, on top of its warm-up calls: the GPU's clocks
 # follow its load, and a case timed right after a heavy one or after idle time otherwise reads
 # them still moving (H200: the SM clock at 1560 MHz right after the prefill cases, 1980 steady;
-# b=1 decode then 2.05 ms against 2.00: PERF_NOTES v29, tests/gpu/perf_bench_order.py).
+# b=1 decode then 2.05 ms against 2.00).
 WARM_SECONDS = 0.5
 
 
@@ -159,7 +160,7 @@ def _token_ids(vocab: int, shape: tuple, *case) -> "torch.Tensor":
     """Random token ids (on the CPU) drawn from a generator seeded by the case, so that every run of
     a tree, and both arms of an A/B, route the same tokens to the same experts: the touched experts
     (the step's bytes and floor) moved by up to 2.4% between runs of one tree with unseeded ids
-    (PERF_NOTES v19)."""
+    (docs/PERF_NOTES.md)."""
     import torch
     seed = 0
     for v in (*case, *shape):
@@ -461,6 +462,7 @@ def run_bench(args) -> int:
     from .errors import InputError, require_runtime
     # What the options ask for first: a bad one is an error here, on any machine, before a GPU is looked for.
     decode_cases, prefill_cases = bench_cases(args)
+    tuning_of(args)
     check_json_path(args.json)
     require_runtime("bench")
     import torch
@@ -505,8 +507,9 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
     t0 = time.perf_counter()
     engine = Engine.from_spec(spec_path, backend="cuda", device="cuda", dtype="bf16", block_size=args.block_size,
                               num_blocks=num_blocks, max_seq_len=max_seq_len_for(prefill_cases),
-                              max_num_seqs=MAX_BATCH, pdl=not args.no_pdl)
+                              max_num_seqs=MAX_BATCH, pdl=not args.no_pdl, tuning=tuning_of(args))
     result["pdl"] = not args.no_pdl
+    result["tuning"] = tuning_of(args).changed()
     result["load_seconds"] = time.perf_counter() - t0
     backend = engine.backend
     dims = engine.spec.dims
@@ -516,7 +519,7 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
     with torch.inference_mode():
         # Every step is timed before the first profile: once torch's profiler has run, CUPTI stays
         # attached to the process and adds host time to every later launch (a decode graph's
-        # replay call on the H200: 29-52 us before, 128-275 after, PERF_NOTES v17), which a step's
+        # replay call on the H200: 29-52 us before, 128-275 after), which a step's
         # wall clock then counts.  So: all the timings, then all the profiles.
         timed = {}
         for batch, length in prefill_cases:

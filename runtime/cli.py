@@ -3,7 +3,8 @@
     dsgraph --version
     dsgraph spec --from-config CONFIG.json [-o spec.yaml] [--name NAME]
     dsgraph compile [SPEC] [-o DIR] [--arch sm_90] [--dtype bf16] [--block-size 64] [--tp 1]
-                    [--no-pdl] [--cache-dir DIR] [--jobs N] [--allow-unlowered]
+                    [--no-pdl] [--cache-dir DIR] [--jobs N] [--allow-unlowered] [--tune S.K=V ...]
+    dsgraph explain [SPEC] [--tokens 1,48,300] [--phase prefill|decode] [--tune S.K=V ...] [--knobs]
     dsgraph diff A B          A, B: a spec file, a bundle folder, "golden" or "worktree"
     dsgraph goldens [--check]
     dsgraph generate --model DIR (--prompt TEXT | --ids 1,2,3) [--max-new-tokens N] ...
@@ -33,7 +34,8 @@ from codegen.paths import DEFAULT_SPEC, REPO_ROOT, SPEC_ARGUMENT, shipped_specs
 
 from . import __version__
 from .bench import add_bench_args, run_bench
-from .cli_args import block_size_arg, in_cli_terms, whole_number
+from .cli_args import add_tune_arg, block_size_arg, in_cli_terms, tuning_of, whole_number
+from .cli_explain import add_explain_args, run_explain
 from .cli_generate import add_generate_args, run_generate
 from .cli_plan import add_plan_args, run_plan
 from .quantize import add_quantize_args, run_quantize
@@ -92,6 +94,7 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                         "its contract, templates/include/pdl.cuh, are)")
     p.add_argument("--cache-dir", help="bundle cache (default: $DSGRAPH_CACHE_DIR or ~/.cache/dsgraph)")
     p.add_argument("--jobs", type=whole_number(1), help="parallel NVRTC compiles (default: one per core)")
+    add_tune_arg(p)
     p.add_argument("--allow-unlowered", action="store_true",
                    help="let nodes no kernel family lowers through (listed in the manifest)")
 
@@ -104,12 +107,15 @@ def run_compile(args) -> int:
     args.spec = args.spec or str(DEFAULT_SPEC)
     res = compile_bundle(args.spec, args.output, arch=args.arch, dtype=args.dtype,
                          block_size=args.block_size, cache_dir=args.cache_dir, jobs=args.jobs,
-                         strict=not args.allow_unlowered, world=args.tp, pdl=not args.no_pdl)
+                         strict=not args.allow_unlowered, world=args.tp, pdl=not args.no_pdl,
+                         tuning=tuning_of(args))
     manifest = json.loads((res.path / "manifest.json").read_text(encoding="utf-8"))
     print(f"spec     {manifest['spec']['name']} ({args.spec})")
     ranks = f", {args.tp} ranks" if args.tp != 1 else ""
     print(f"target   {manifest['arch']}, NVRTC {'.'.join(map(str, manifest['nvrtc_version']))}, "
           f"{args.dtype}, block size {args.block_size}{ranks}{', no PDL' if args.no_pdl else ''}")
+    if manifest["options"].get("tuning"):
+        print("tuning   " + ", ".join(f"{k}={v}" for k, v in manifest["options"]["tuning"].items()))
     print(f"kernels  {res.kernels} unique")
     phases = load_rank_plan(res.path, manifest, 0)["phases"]   # every rank launches the same kernels
     for phase, plan in phases.items():
@@ -233,6 +239,7 @@ COMMANDS = {
     "generate": (add_generate_args, run_generate),
     "bench": (add_bench_args, run_bench),
     "plan": (add_plan_args, run_plan),
+    "explain": (add_explain_args, run_explain),
     "quantize": (add_quantize_args, run_quantize),
     "serve": (add_serve_args, run_serve),
 }

@@ -45,3 +45,16 @@ def in_cli_terms(message: str) -> str:
     # a bare name, where a message tells what to change ("raise num_blocks"); block_size only with a value
     return re.sub(rf"(?<![\w-])({names.removesuffix('|block_size')})\b",
                   lambda m: f"--{m.group(1).replace('_', '-')}", message)
+
+
+def add_tune_arg(p: argparse.ArgumentParser) -> None:
+    """--tune SECTION.KNOB=VALUE, repeatable (codegen/tuning.py; `dsgraph explain` lists the knobs)."""
+    p.add_argument("--tune", action="append", default=None, metavar="SECTION.KNOB=VALUE",
+                   help="set a tuning knob, e.g. moe.expert_ffn_upto=128 (repeatable; default: dsgraph's "
+                        "tuning; `dsgraph explain --knobs` lists them)")
+
+
+def tuning_of(args):
+    """The Tuning of the command's --tune flags (TuningError, one line, on a mistake)."""
+    from codegen.tuning import parse_tune
+    return parse_tune(getattr(args, "tune", None) or [])

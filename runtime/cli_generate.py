@@ -20,7 +20,7 @@ import time
 
 from codegen.paths import DEFAULT_SPEC, SPEC_ARGUMENT, shipped_specs
 
-from .cli_args import block_size_arg, whole_number
+from .cli_args import add_tune_arg, block_size_arg, tuning_of, whole_number
 
 
 def token_ids(text: str) -> list[int]:
@@ -72,6 +72,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "spec, dtype and block size; default: none, the spec is compiled through the bundle cache)")
     p.add_argument("--block-size", type=block_size_arg, default=None,
                    help="KV-cache page size in tokens (default: the bundle's, else 64)")
+    add_tune_arg(p)
     p.add_argument("--max-seq-len", type=whole_number(1), default=None, metavar="N",
                    help="longest sequence the KV cache holds (default: 8192, or the model's limit if lower)")
     p.add_argument("--num-blocks", type=whole_number(1), default=None, metavar="N",
@@ -99,6 +100,8 @@ def engine_kwargs(args) -> dict:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.block_size is not None:
         kwargs["block_size"] = args.block_size
+    if args.tune:
+        kwargs["tuning"] = tuning_of(args)
     return kwargs
 
 

@@ -61,7 +61,7 @@ def device_arch_of(device: torch.device) -> str:
 
 
 def open_bundle(spec, *, bundle_dir=None, device, dtype: torch.dtype | None, block_size: int | None,
-                cache_dir=None, world: int = 1, rank: int = 0, pdl: bool | None = None):
+                cache_dir=None, world: int = 1, rank: int = 0, pdl: bool | None = None, tuning=None):
     """The LoadedBundle to run on `device`: `bundle_dir` as given, or `spec` compiled for this
     GPU through the bundle cache (with dsgraph's defaults for what is not given; the target is
     codegen.arch.target_arch of the device).  Either way it is checked (compiler hash, key, that its
@@ -86,7 +86,8 @@ def open_bundle(spec, *, bundle_dir=None, device, dtype: torch.dtype | None, blo
             # of defaults, one cache entry
             bundle_dir = compile_bundle(spec, arch=target_arch(arch), dtype=name or DEFAULTS.dtype,
                                         block_size=block_size or DEFAULTS.block_size, cache_dir=cache_dir,
-                                        world=world, pdl=DEFAULTS.pdl if pdl is None else pdl).path
+                                        world=world, pdl=DEFAULTS.pdl if pdl is None else pdl,
+                                        tuning=tuning).path
         loaded = load_bundle(bundle_dir, arch=arch, nvrtc_version=nvrtc_version(), dtype=name,
                              block_size=block_size, world=world, rank=rank, pdl=pdl)
     except Exception as exc:   # any failure: the other ranks must not be left waiting in the all-gather

@@ -9,18 +9,18 @@ lengths from those buffers, so a graph captured for a context bucket serves ever
 context up to it.
 
 The host's part of a decode step is on its critical path: the GPU idles from the previous step's
-end until the replay is queued (the caller reads each step's logits before the next).  PERF_NOTES
-v16 measured the refill at 0.1-0.23 ms a step, most of it the per-step upload of the context
+end until the replay is queued (the caller reads each step's logits before the next).  The H200
+measured the refill at 0.1-0.23 ms a step, most of it the per-step upload of the context
 lengths; a decode step's context lengths are its positions + 1 (each sequence's one new token is
 its last cached one), so the graph computes them on the device from the positions.  The engine
 uploads a step's other inputs straight into the graph's buffers (DecodeGraphs.inputs: one packed
 int64 copy and one of the block tables, as its other steps upload theirs), and `run` copies only
 what is not already there: the host queues those two uploads and the replay, where four
-device-to-device copies more cost ~30-35 us of GPU idle a step (PERF_NOTES v17).  A caller
-passing tensors of its own gets them copied in, as before.
+device-to-device copies more cost ~30-35 us of GPU idle a step.  A caller passing tensors of
+its own gets them copied in.
 
 A prefill step of a few thousand tokens launches ~565 kernels whose GPU time is about the
-host's time to launch them (PERF_NOTES v12: 1x2048 24 ms of kernels, 18-24 ms of host time
+host's time to launch them (1x2048: 24 ms of kernels, 18-24 ms of host time
 depending on the machine), so a slow host leaves the GPU waiting.  Its launches are decided by
 its sizes (T, B, NP, MAXQ, MAXCTX, W) and how many logit rows it keeps; the rest is device data.
 PrefillGraphs captures a step the second time its key comes (a shape seen once runs eagerly and

@@ -165,7 +165,7 @@ def _backend_and_device(backend: str | None, device, bundle) -> tuple[str, torch
 # What from_pretrained / from_spec pass on besides their own parameters: the Engine's cache, batch
 # and stop arguments, and the parallel and launch switches that _assemble reads.
 CACHE_ARGS = ("block_size", "num_blocks", "max_seq_len", "max_num_seqs")
-ENGINE_OPTIONS = (*CACHE_ARGS, "eos_token_ids", "tp", "pdl", "max_num_batched_tokens")
+ENGINE_OPTIONS = (*CACHE_ARGS, "eos_token_ids", "tp", "pdl", "max_num_batched_tokens", "tuning")
 
 
 def _check_call(caller: str, backend, device, dtype, bundle, options: dict) -> tuple[str, torch.device, object, dict]:
@@ -176,6 +176,12 @@ def _check_call(caller: str, backend, device, dtype, bundle, options: dict) -> t
     for name in options:
         if name not in ENGINE_OPTIONS:
             raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+    if options.get("tuning") is not None:   # the kernels' tuning, where the engine compiles the spec
+        if bundle is not None:
+            raise InputError("tuning applies where the engine compiles the spec; a bundle keeps the tuning it "
+                             "was compiled with (dsgraph compile --tune ...)")
+        from codegen.tuning import as_tuning
+        options = {**options, "tuning": as_tuning(options["tuning"])}   # TuningError (one line) if bad
     backend, device = _backend_and_device(backend, device, bundle)
     if dtype is not None:
         dtype = _as_dtype(dtype, backend)
@@ -290,6 +296,8 @@ class Engine:
         ``weight_format``: None loads the weights as the spec (or the checkpoint's config) says they
         are stored; "fp8" quantises a bf16 checkpoint's linears to DeepSeek-V3's FP8 block layout as
         it loads, "dtype" dequantises an FP8 checkpoint to the model dtype (runtime/convert.py).
+        ``tuning`` (backend="cuda", the spec compiled here): a codegen.tuning.Tuning, a mapping
+        {section: {knob: value}} or ["section.knob=value", ...]; a bundle keeps its own.
         """
         if not isinstance(model_dir, (str, os.PathLike)):
             raise InputError(f"model_dir must be a checkpoint directory (a str or os.PathLike path), got {model_dir!r}")
@@ -348,6 +356,7 @@ class Engine:
         `read_weights(specs, spec, dtype, device)` then supplies the weights the backend binds."""
         tp = kwargs.pop("tp", None)
         pdl = kwargs.pop("pdl", None)   # the cuda backend's launches; the reference backend launches none
+        tuning = kwargs.pop("tuning", None)   # the kernels' tuning where the cuda backend compiles the spec
         if backend == "reference":
             if bundle is not None:
                 raise InputError("a bundle runs on backend='cuda'; the reference backend runs the spec itself")
@@ -374,7 +383,7 @@ class Engine:
         loaded = open_bundle(spec, bundle_dir=bundle, device=device,
                              dtype=dtype,
                              block_size=kwargs.pop("block_size", None), cache_dir=cache_dir, world=world, rank=rank,
-                             pdl=pdl)
+                             pdl=pdl, tuning=tuning)
         spec = parse_spec(loaded.spec_text, loaded.manifest["spec"]["file"])
         dtype, block_size = _as_dtype(loaded.options["dtype"], "cuda"), loaded.options["block_size"]
         specs = manifest_weight_specs(loaded.weights)    # the rank's slices
@@ -461,7 +470,7 @@ class Engine:
                 if take is not None:
                     n = start + take[i]
                 ids.extend(s.tokens[start:n])
-            else:   # one token: O(1) per sequence whatever its length (PERF_NOTES v18, the host's part)
+            else:   # one token: O(1) per sequence whatever its length (the host's part of a step)
                 start = n - 1
                 ids.append(s.last_token)
             positions.extend(range(start, n))

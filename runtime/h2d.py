@@ -55,7 +55,7 @@ def pack(parts: list) -> tuple[np.ndarray, list[int]]:
 def upload_together(parts: list, device) -> list:
     """int64 lists (None: skipped) as device tensors from one host-to-device copy: a step's ids,
     positions, slots and logit rows cost one upload instead of four (each ~20-50 us of host time on
-    a decode step's critical path, PERF_NOTES v16)."""
+    a decode step's critical path)."""
     flat, starts = pack(parts)
     whole = upload(flat, torch.int64, device)
     return [None if p is None else whole[at:at + len(p)] for p, at in zip(parts, starts)]

@@ -114,7 +114,7 @@ class BlockTables:
         self._tables: dict[int, list[int]] = {}
         # Each table also as an int32 row of max_blocks_per_seq, zero-padded, kept as blocks come: a
         # decode step's [B, width] tables are then one stack of rows, where converting B Python lists
-        # cost ~0.5 ms a step at B = 128 (PERF_NOTES v18, the engine's host part).
+        # cost ~0.5 ms a step at B = 128 (the engine's host part).
         self._rows: dict[int, np.ndarray] = {}
 
     @property

@@ -10,9 +10,9 @@ groups, M expert intermediate size, NP = T*K token-expert pairs (pair p = t*K + 
 """
 from __future__ import annotations
 
+from codegen import dispatch
 from codegen.errors import LoweringError
 from codegen.kernel import DTYPES, Arg, KernelLaunch, Workspace, inp, out, size, weight, work
-from codegen.sizes import only_above, only_below
 from ir.graph import value_producers
 from ir.ops.moe import pairs_per_token
 
@@ -23,11 +23,8 @@ MAX_EXPERTS = 1024        # top-k keeps E / 32 scores per lane; align keeps E co
 MAX_TOP_K = 32            # one lane per chosen expert
 TOPK_WARPS = 4            # tokens per top-k CTA (one warp each)
 ALIGN_THREADS = 1024      # the single align CTA (and the scan of the parallel one)
-# Above this many pairs the alignment runs as count / scan / scatter over ALIGN_CHUNK-pair chunks
-# (moe_router.cuh 3b) instead of one CTA (None: one CTA at every NP).  Measured on the H200 (PERF_NOTES
-# v10, tests/gpu/perf_prefill.py --route-variants default,align0), the route's launches together
-# at V2-Lite (K 6): 1024 tokens 26.8 us one CTA / 26.2 parallel, 4096 69.4 / 53.0, 16384 240 / 155.
-ALIGN_PARALLEL_PAIRS = 6144
+# Above Tuning.moe.align_parallel_above pairs the alignment runs as count / scan / scatter over
+# ALIGN_CHUNK-pair chunks (moe_router.cuh 3b) instead of one CTA (codegen/dispatch.py align).
 ALIGN_CHUNK, ALIGN_CHUNK_THREADS = 2048, 256
 
 
@@ -152,8 +149,8 @@ def topk_name_parts(p: dict) -> list[str]:
 
 
 def when(grid, factor: str | None):
-    """A grid extent that runs only while `factor` (a 0 / 1 expression: codegen.sizes.only_below /
-    only_above) is 1; None: always."""
+    """A grid extent that runs only while `factor` (a 0 / 1 expression: codegen.sizes.token_range)
+    is 1; None: always."""
     if factor is None:
         return grid
     return factor if grid == 1 else f"{grid} * {factor}"
@@ -180,13 +177,13 @@ def align_params(E: int) -> dict:
 
 
 def align_launches(family: str, template: str, name: str, params: dict, nid: str, ids: str,
-                   routing: str, stage: str = "", only: str | None = None) -> list[KernelLaunch]:
-    """The one-CTA align; with ALIGN_PARALLEL_PAIRS set, it runs only up to that many pairs and
-    the count / scan / scatter launches (moe_router.cuh 3b) take larger NP (each grid is 0 otherwise).
-    `only`: a grid factor on all of them (see `when`)."""
+                   routing: str, opts, stage: str = "", only: str | None = None) -> list[KernelLaunch]:
+    """The one-CTA align up to the pairs dispatch.align gives it; above, the count / scan / scatter
+    launches (moe_router.cuh 3b; each grid is 0 otherwise).  `only`: a grid factor on all of them
+    (see `when`)."""
     io = (inp("ids", "i64", ids), out("order", "i32", f"{routing}.order"),
           out("offsets", "i32", f"{routing}.offsets"), size("num_pairs", "NP"))
-    big = ALIGN_PARALLEL_PAIRS
+    big = dispatch.rows("align", {}, opts.tuning)[0].hi   # the one CTA's last pair count (None: every)
     # One CTA: the counts, the scan and the scatter need a block-wide barrier between them.
     one = 1 if big is None else f"(1 - min(1, NP // {big + 1}))"
     launches = [KernelLaunch(family=family, template=template, name=name, params=params, nodes=(nid,),
@@ -214,60 +211,26 @@ def align_launches(family: str, template: str, name: str, params: dict, nid: str
     return launches
 
 
-# -- grouped experts (moe_gate_up_silu, moe_gate_up, moe_down) --------------------------------
-# Two launches per node for bf16 / fp16, of which a step runs one (the other's grid is 0):
-#   * "gemv" at T <= GEMV_ONLY_TOKENS (decode's smallest batches): CUDA cores for every expert,
-#     one CTA row of slots per expert with pairs (moe_grouped.cuh 4);
-#   * "mma" above: one grid for every expert, the ones with more than GEMM_THRESHOLD pairs on
-#     tensor cores (prefill: ~T*K/E pairs each; decode b >= 16: swapped tiles), the light ones on
-#     CUDA cores in slots ahead of the tiles (moe_grouped.cuh 4b), so neither kind waits for the other's
-#     tail.  Which expert goes where is decided on the device from the routing offsets.
-# fp32 has no tensor-core path here: its GEMV takes every expert at every T.
-# Odd widths keep both paths: the GEMM copies K slices with 16-byte cp.async only when KD % 8 == 0
+# -- grouped experts (moe_gate_up_silu, moe_gate_up, moe_down): the GEMV and the mma launch ----------
+# Which launch serves which T is codegen/dispatch.py's table (grouped_experts); _moe_grouped.py
+# lowers the rows.  These two are the forms every target has:
+#   * "gemv": CUDA cores for every expert, one CTA row of slots per expert with pairs
+#     (moe_grouped.cuh 4); fp32's only form, and decode's smallest batches elsewhere;
+#   * "mma": one grid for every expert, the ones with more than gemm_threshold pairs on tensor
+#     cores (row tiles; few pairs: swapped tiles, moe_grouped.cuh 4c), the light ones on CUDA cores
+#     in slots ahead of the tiles (moe_grouped.cuh 4b), so neither kind waits for the other's tail.
+#     Which expert goes where is decided on the device from the routing offsets.
+# Odd widths keep both: the GEMM copies K slices with 16-byte cp.async only when KD % 8 == 0
 # (else element loads with zero fill into the same 16-byte-aligned smem rows) and stores column
 # pairs as one 4-byte word only when N is even (else two element stores); its column tiles mask
-# n >= N.  So it is chosen for every D and M; at run time a launch whose operands' bases are not
-# aligned for those wide accesses runs every expert as a light one (moe_grouped.cuh gemm_operands_ok).
+# n >= N.  At run time a launch whose operands' bases are not aligned for those wide accesses runs
+# every expert as a light one (moe_grouped.cuh gemm_operands_ok).
 
 GROUPED_WARPS = 4
 GROUPED_PAIRS = 8         # pairs per pass over the weights: decode reads each weight row once
-# Experts with more pairs than this go to the tensor-core tiles.  Measured on the H200 (PERF_NOTES
-# v6, tests/gpu/perf_moe.py): the GEMV reads the weights at 4.1 TB/s with 1 pair per expert and
-# 3.6 with 2, but 2.2 with 4 and 1.4 with 8; the swapped tensor-core tiles (GEMM_SKINNY) read them
-# at ~3.5 TB/s from 4 to 32 pairs.  Threshold 2 beat 4 and 8 at decode b=32 and b=128.
-GEMM_THRESHOLD = 2
-# Up to this many tokens the GEMV alone takes every expert (an expert then has at most T pairs):
-# at decode b=8 it read the touched weights at 3.75 TB/s where the GEMV + tiles split of
-# threshold 2 read 3.42 (PERF_NOTES v6, B=8).  Above it, the one-grid "mma" launch.
-GEMV_ONLY_TOKENS = 8
 GEMM_BM = 128             # pairs per row tile        (templates/include/moe_grouped.cuh GEMM_*)
 GEMM_BNW = 128            # weight rows per CTA: 64 gate + 64 up, or 128 down
-GEMM_BK, GEMM_STAGES, GEMM_THREADS = 32, 4, 256   # K slice, slices in flight (2 CTAs per SM)
-# A row tile of at most GEMM_SKINNY pairs runs swapped: the 128 weight rows as the mma's M side,
-# the pairs as N in 16/32/64-wide tiles (moe_grouped.cuh 4c), so decode's few pairs per expert neither
-# waste the tile's copies nor its tensor work.  0 keeps every tile in the row-tile layout.
-GEMM_SKINNY = 64
-# The swapped tiles' own K slice and ring depth, measured on the H200 (PERF_NOTES v6, v7): a K
-# slice of 32 (64-byte runs of each weight row) read the weights at ~2.6 TB/s, 64 with 4 stages
-# at ~3.5 TB/s; 128 with 2, 3 or 4 stages, 256 with 2 and 64 with 6 (one CTA per SM) no better.
-# 4 x (128 + 64) x 72 x 2 B = 110.6 KB: two CTAs per SM.
-SKINNY_BK, SKINNY_STAGES = 64, 4
-# The swapped tiles' copies as one bulk copy per row on an mbarrier (moe_grouped.cuh 4c, bulk.cuh) instead
-# of 16-byte cp.async: fewer L2 requests for the same bytes.  Off until measured on the H200.
-SKINNY_BULK = False
-# Above this many tokens the grouped GEMM runs on Hopper's wgmma + TMA (moe_wgmma.cuh,
-# _moe_wgmma.py: a persistent warp-specialised grid, 128 x 256 x 64 tiles) in place of the mma
-# launch, on compute-capability-9.0 targets (that kernel is built for sm_90a; codegen/arch.py);
-# None: never.  Measured on the H200 (PERF_NOTES v10, tests/gpu/perf_prefill.py --gemm-variants
-# wgmma): gate_up_silu / down at 512 tokens 208 / 102 us against mma.sync's 267 / 146, at 2048
-# 315 / 171 against 731 / 404, at 16384 2168 / 1151 against 4485 / 2356 (523 / 493 TFLOP/s).
-GEMM_WGMMA_TOKENS = 256
-# Up to GEMM_WGMMA_TOKENS (decode: 1 to ~40 pairs an expert) the grouped GEMM runs as the swapped
-# tile on wgmma + TMA (moe_wgmma_skinny.cuh, _moe_wgmma_skinny.py: 64-row TMA boxes of weights,
-# the pairs as wgmma's N) in place of the GEMV and the mma launch, on compute-capability-9.0
-# targets; False: never.  Measured on the H200 (PERF_NOTES v13): the touched weights at 4.1 TB/s
-# from b=16 to b=128, where the GEMV and the mma launch read them at 3.4-3.7.
-GEMM_WGMMA_SKINNY = True
+GEMM_THREADS = 256        # two CTAs per SM
 
 
 def slots(E: int) -> str:
@@ -280,11 +243,6 @@ def gemm_row_tiles(E: int, thr: int) -> str:
     each expert with more than thr pairs at most one partial tile.  Top-k picks K distinct experts
     per token, so no expert has more pairs than there are tokens: with T <= thr there is none."""
     return f"(NP // {GEMM_BM} + min({E}, NP // {thr + 1})) * min(1, T // {thr + 1})"
-
-
-def mma_grid_y(E: int, thr: int, ts: int) -> str:
-    """The one-grid launch's y extent: the light slots, then the row tiles; 0 while T <= ts."""
-    return f"({slots(E)} + {gemm_row_tiles(E, thr)}) * {only_above(ts)}"
 
 
 def gemm_smem(bk: int, stages: int) -> int:
@@ -304,45 +262,30 @@ def grouped_params(nid: str, opts, *, E: int, N: int, KD: int, K: int, rows_per_
             "pt": GROUPED_PAIRS, "vec": vec_width(KD, ELEM_BYTES[dt])}
 
 
-def has_gemm(opts) -> bool:
-    return opts.dtype in ("bf16", "fp16")
+def gemv_launch(family: str, template: str, name: str, p: dict, nid: str, args: tuple, run: str | None) -> KernelLaunch:
+    """The GEMV over the family's args: slot x row group; `run`: its token-range factor."""
+    return KernelLaunch(
+        family=family, template=template, name=name, params={**p, "variant": "gemv"}, nodes=(nid,),
+        grid=(when(slots(p["E"]), run), -(-p["N"] // (p["warps"] * p["rpw"])), 1),
+        block=(p["warps"] * 32, 1, 1), args=args, stage="gemv")
 
 
-def gemv_grid(p: dict, ts: int | None) -> tuple:
-    """Slot x row group; ts: the GEMV runs only while T <= ts (None: at every T, fp32)."""
-    x = slots(p["E"]) if ts is None else f"{slots(p['E'])} * {only_below(ts)}"
-    return (x, -(-p["N"] // (p["warps"] * p["rpw"])), 1)
-
-
-def grouped_launches(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,
-                     opts, *, down: bool, shared: int = 0) -> list[KernelLaunch]:
-    """The GEMV launch, then (bf16 / fp16) the one-grid tensor-core launch over the same args;
-    `shared`: the routing's shared experts (routing_shared), which decode's wgmma launch of
-    gate / up starts before its wait (_moe_wgmma_skinny)."""
-    from codegen.render import kernel_name
-    gemm = has_gemm(opts)
-    launches = [KernelLaunch(
-        family=family, template=template, name=kernel_name(family, name_parts),
-        params={**p, "variant": "gemv"}, nodes=(nid,), grid=gemv_grid(p, GEMV_ONLY_TOKENS if gemm else None),
-        block=(p["warps"] * 32, 1, 1), args=args, stage="gemv")]
-    if gemm:
-        bn = GEMM_BNW if down else GEMM_BNW // 2
-        thr = GEMM_THRESHOLD
-        smem = gemm_launch_smem(GEMM_BK, GEMM_STAGES, GEMM_SKINNY, SKINNY_BK, SKINNY_STAGES)
-        gp = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "thr": thr,
-              "variant": "mma", "threads": GEMM_THREADS, "bk": GEMM_BK, "stages": GEMM_STAGES, "smem": smem,
-              "skinny": GEMM_SKINNY, "sbk": SKINNY_BK, "sst": SKINNY_STAGES,
-              "rpw": p["rpw"], "vec": p["vec"], "bulk": SKINNY_BULK}
-        launches.append(KernelLaunch(
-            family=family, template=template, name=kernel_name(family, [*name_parts, "mma"]),
-            params=gp, nodes=(nid,),
-            grid=(-(-p["N"] // bn), mma_grid_y(p["E"], thr, GEMV_ONLY_TOKENS), 1),
-            block=(GEMM_THREADS, 1, 1), args=(*args, size("num_pairs", "NP")), smem=smem, stage="mma"))
-        from . import _moe_wgmma, _moe_wgmma_skinny
-        launches = _moe_wgmma.take_over(launches, family, template, name_parts, p, nid, args, opts, down=down)
-        launches = _moe_wgmma_skinny.take_over(launches, family, template, name_parts, p, nid, args, opts,
-                                               down=down, shared=shared)
-    return launches
+def mma_launch(family: str, template: str, name: str, p: dict, nid: str, args: tuple, run: str | None, opts, *,
+               down: bool) -> KernelLaunch:
+    """The one-grid tensor-core launch over the family's args (plus the pair count); `run`: its
+    token-range factor."""
+    m = opts.tuning.moe
+    bn = GEMM_BNW if down else GEMM_BNW // 2
+    thr = m.gemm_threshold
+    smem = gemm_launch_smem(m.gemm_bk, m.gemm_stages, m.gemm_skinny, m.skinny_bk, m.skinny_stages)
+    gp = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "thr": thr,
+          "variant": "mma", "threads": GEMM_THREADS, "bk": m.gemm_bk, "stages": m.gemm_stages, "smem": smem,
+          "skinny": m.gemm_skinny, "sbk": m.skinny_bk, "sst": m.skinny_stages, "rpw": p["rpw"], "vec": p["vec"]}
+    y = f"({slots(p['E'])} + {gemm_row_tiles(p['E'], thr)})"
+    return KernelLaunch(
+        family=family, template=template, name=name, params=gp, nodes=(nid,),
+        grid=(-(-p["N"] // bn), when(y, run), 1),
+        block=(GEMM_THREADS, 1, 1), args=(*args, size("num_pairs", "NP")), smem=smem, stage="mma")
 
 
 # -- combine ---------------------------------------------------------------------------------

@@ -1,29 +1,18 @@
-"""The grouped expert GEMM on Hopper's wgmma + TMA (templates/include/moe_wgmma.cuh) as the
-launch of the grouped expert families (moe_gate_up_silu, moe_gate_up, moe_down) above
-`_moe.GEMM_WGMMA_TOKENS` tokens: prefill's ~T*K/E pairs per expert.
+"""The grouped expert GEMM on Hopper's wgmma + TMA (templates/include/moe_wgmma.cuh): prefill's
+~T*K/E pairs per expert, a persistent warp-specialised grid of 128 x 256 x 64 tiles over every
+expert, 384 threads, the weights as TMA tensor maps.
 
-Not a family (the leading underscore).  `take_over` gets the family's launches (GEMV, mma) and,
-where the variant applies, hands every T above the threshold from the mma launch (its grid then
-0) to a persistent wgmma launch over the same operands, the weights as TMA tensor maps:
-
-    T <= GEMV_ONLY_TOKENS            the GEMV                              (unchanged)
-    GEMV_ONLY_TOKENS < T <= threshold  the mma launch (light slots + tiles) (unchanged)
-    T > threshold                    wgmma: grid min(SMS, tile bound), 384 threads, every expert
-
-It applies where the target offers sm_90a (codegen/arch.py: a bundle for sm_90 or sm_90a; the
-launch `requires` it, so that kernel alone is built for sm_90a), the activations are 16-bit and
-KD % 8 == 0 (16-byte rows: TMA strides, cp.async); elsewhere the launches stay as they are.  Off
-while GEMM_WGMMA_TOKENS is None.
+Not a family (the leading underscore): a launch builder for _moe_grouped.py, which lowers the
+rows of codegen/dispatch.py's grouped_experts table ("wgmma").  It serves where the target offers
+sm_90a (codegen/arch.py: a bundle for sm_90 or sm_90a; the launch `requires` it, so that kernel
+alone is built for sm_90a), the activations are 16-bit and KD % 8 == 0 (16-byte rows: TMA
+strides, cp.async), and its shared memory fits (`fits`).
 """
 from __future__ import annotations
 
-import dataclasses
-
-from codegen.arch import has_feature
 from codegen.kernel import KernelLaunch, WeightRef, tensor_map
-from codegen.sizes import only_above, only_below
 
-from . import _moe
+from ._moe import when
 from .mla_decode_attention import smem_limit
 
 FEATURE = "sm_90a"
@@ -46,15 +35,9 @@ def static_smem(E: int) -> int:
     return 2 * STAGES * 8 + 4 * (E + 1)
 
 
-def applies(opts, p: dict) -> bool:
-    return (_moe.GEMM_WGMMA_TOKENS is not None and has_feature(opts.arch, FEATURE)
-            and opts.dtype in ("bf16", "fp16") and p["KD"] % 8 == 0
-            and smem(STAGES) + static_smem(p["E"]) <= smem_limit(opts.arch))   # sm_90: up to ~490 experts
-
-
-def threshold() -> int:
-    """Tokens above which the wgmma launch runs (never at or below the GEMV's)."""
-    return max(_moe.GEMM_WGMMA_TOKENS, _moe.GEMV_ONLY_TOKENS)
+def fits(opts, E: int) -> bool:
+    """Its ring and tables fit a CTA's shared memory on the target (sm_90: up to ~490 experts)."""
+    return smem(STAGES) + static_smem(E) <= smem_limit(opts.arch)
 
 
 def tma_launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *, variant: str,
@@ -75,23 +58,10 @@ def tma_launch(family: str, template: str, name_parts: list, p: dict, nid: str, 
 
 
 def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *,
-           down: bool) -> KernelLaunch:
+           down: bool, run: str | None) -> KernelLaunch:
     """The persistent wgmma launch over the family's operands, each weight as a tensor map of
-    [BOX rows x BK] boxes."""
+    [BOX rows x BK] boxes; `run`: its token-range factor."""
     cols = BN if down else BN // 2                       # output columns per tile
     tiles = f"{-(-p['N'] // cols)} * (NP // {BM} + min({p['E']}, NP))"   # bound: one partial row tile per expert
     return tma_launch(family, template, name_parts, p, nid, args, variant="wgmma", box=(BOX, BK), threads=THREADS,
-                      stages=STAGES, smem_bytes=smem(STAGES), cols=cols,
-                      grid=f"min(SMS, {tiles}) * {only_above(threshold())}")
-
-
-def take_over(launches: list, family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple,
-              opts, *, down: bool) -> list:
-    """`launches` (GEMV, mma), with the wgmma launch taking T above the threshold where it applies."""
-    if not applies(opts, p):
-        return launches
-    *rest, mma = launches
-    assert mma.stage == "mma", mma.stage
-    below = dataclasses.replace(mma, grid=(mma.grid[0], f"({mma.grid[1]}) * {only_below(threshold())}",
-                                           mma.grid[2]))
-    return [*rest, below, launch(family, template, name_parts, p, nid, args, down=down)]
+                      stages=STAGES, smem_bytes=smem(STAGES), cols=cols, grid=when(f"min(SMS, {tiles})", run))

@@ -2,14 +2,14 @@
 and gate_up_silu, x -> silu(x W_gate^T) * (x W_up^T).
 
 Each node lowers to two steps, of which a step runs one (decided from T on the host, no sync, so
-a decode graph captured at one batch size holds exactly one of them):
+a decode graph captured at one batch size holds exactly one of them; codegen/dispatch.py's linear
+table, Tuning.linear.skinny_upto):
 
-    T <= SKINNY_MAX_TOKENS   the skinny kernel (templates/include/skinny.cuh): each weight byte read
-                             once with 16-byte loads, tensor-core mma with the tokens as N, the
-                             stacked weights of a multi_linear in one launch.  Its grid has the
-                             factor codegen.sizes.only_below(SKINNY_MAX_TOKENS): 0 above.
-    T >  SKINNY_MAX_TOKENS   the library call (cuBLAS, one GEMM per weight), whose from_tokens says
-                             so; the runtime skips it below.
+    T <= skinny_upto   the skinny kernel (templates/include/skinny.cuh): each weight byte read once
+                       with 16-byte loads, tensor-core mma with the tokens as N, the stacked weights
+                       of a multi_linear in one launch.  Its grid has the factor of its range: 0 above.
+    T >  skinny_upto   the library call (cuBLAS, one GEMM per weight), whose from_tokens says so;
+                       the runtime skips it below.
 
 A linear at fp32 precision (the router, when fuse_router did not take it) is the library call at
 every T: its weights and output stay float32 whatever the activation dtype.
@@ -17,18 +17,20 @@ every T: its weights and output stay float32 whatever the activation dtype.
 Weights in FP8 (fp8_e4m3_block128, ir/formats.py; every weight of the node, bf16 or fp16
 activations): the kernel reads the FP8 bytes and their block scales (the companion weights
 "<weight>_scale_inv") and widens them in registers (templates/include/fp8.cuh); its name carries
-"wfp8".  Above SKINNY_MAX_TOKENS the library call is the FP8 fallback: it dequantises each weight to
-the activation dtype (torch) before the cuBLAS GEMM, every step -- correct, not fast; FP8 x FP8
-wgmma is to replace it.
+"wfp8" and its load pipeline is Tuning.linear.fp8_*.  Above skinny_upto the library call is the FP8
+fallback: it dequantises each weight to the activation dtype (torch) before the cuBLAS GEMM, every
+step -- correct, not fast; FP8 x FP8 wgmma is to replace it.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from codegen import dispatch
 from codegen.errors import LoweringError
 from codegen.kernel import DTYPES, KernelLaunch, inp, out, size, stride, weight
 from codegen.render import kernel_name
 from codegen.sizes import only_below
+from codegen.tuning import DEFAULT_TUNING
 from ir.formats import FP8, companion_names, weight_format
 
 from ._dense_util import inner_dims, node_io
@@ -38,29 +40,21 @@ TEMPLATE = "linear_skinny.cu.j2"
 OPS = ("linear", "multi_linear", "gate_up_silu")
 PDL = True   # every CTA waits (griddepcontrol.wait) before reading x or writing y; weights before it
 # Storage formats its kernel reads (codegen/lower.py weight_format_problem): FP8 blocks are widened in
-# registers up to SKINNY_MAX_TOKENS; above it the library call dequantises (cuda_backend._library_weight).
+# registers up to skinny_upto; above it the library call dequantises (cuda_backend._library_weight).
 WEIGHT_FORMATS = ("bf16", "fp16", "fp32", FP8.name)
+PIPELINES = ("rolling", "batch")   # FP8 weights' load pipelines (fp8.cuh)
 
-# Up to this many tokens the kernel serves the node, cuBLAS above: a tensor-core n8 tile holds 8
-# tokens and the kernel runs two (templates/include/skinny.cuh MAX_TOKENS).  To be measured on the
-# H200 (tests/gpu/perf_linear.py prints kernel against cuBLAS at T = 1..16): a smaller crossover
-# is a change of this constant alone, a larger one needs more n8 tiles in the kernel.
+# The most tokens the kernel takes: a tensor-core n8 tile holds 8 tokens and the kernel runs two
+# (templates/include/skinny.cuh MAX_TOKENS).  Tuning.linear.skinny_upto, at most this, is where
+# cuBLAS takes over; a larger one needs more n8 tiles in the kernel.
 SKINNY_MAX_TOKENS = 16
 
-# The kernel's shape (tests/gpu/perf_linear.py --variants times others; not yet measured): WARPS
-# warps split K in 32-wide steps, a CTA owns ROW_TILES 16-row tiles of the stacked weights, and
-# UNROLL steps of 16-byte weight loads per thread are in flight at a time (UNROLL x 2 rows x
-# ROW_TILES x 16 B: 32 KB a CTA at 8 x 1 x 4).  KSPLIT > 1 splits K over a cluster of that many
-# CTAs as well (KSPLIT times the CTAs: for shapes whose row tiles are about the SM count, such as
-# o_proj's 128; reduced through distributed shared memory, skinny.cuh), off until measured.
-WARPS, ROW_TILES, UNROLL, KSPLIT = 8, 1, 4, 1
-# FP8 weights (templates/include/fp8.cuh): a step is 64 k; the pipeline of the weight loads and the
-# steps in flight by op, measured on an H100 (bench/perf_linear_fp8.py, V2-Lite's shapes, T = 1 and 16):
-# gate_up_silu (thousands of rows: many row tiles an SM) as batch x1, three CTAs an SM (the shared
-# experts' 6.8 / 7.1 us against 8.4 / 10.4 rolling x4); the others rolling x4, two CTAs an SM at 128
-# registers (q + kv_a, o, the downs: 5-40% faster than batch x1; at K = 10944 ptxas spills 12 bytes).
-FP8_PIPELINE = {False: ("rolling", 4), True: ("batch", 1)}   # silu -> (pipeline, unroll)
-PIPELINES = ("rolling", "batch")
+# The kernel's shape (Tuning.linear): `warps` warps split K in 32-wide steps, a CTA owns `row_tiles`
+# 16-row tiles of the stacked weights, and `unroll` steps of 16-byte weight loads per thread are in
+# flight at a time (unroll x 2 rows x row_tiles x 16 B: 32 KB a CTA at 8 x 1 x 4).  ksplit > 1
+# splits K over a cluster of that many CTAs as well (ksplit times the CTAs: for shapes whose row
+# tiles are about the SM count, such as o_proj's 128; reduced through distributed shared memory,
+# skinny.cuh).
 
 
 def min_blocks(warps: int, row_tiles: int, unroll: int, pipeline: str | None = None) -> int:
@@ -74,22 +68,32 @@ def min_blocks(warps: int, row_tiles: int, unroll: int, pipeline: str | None = N
     return 2 if warps <= 8 and loads <= 4 else 1
 
 
-def variant_tag(warps: int, row_tiles: int, unroll: int, ksplit: int = 1, default_unroll: int = UNROLL,
+def variant_tag(warps: int, row_tiles: int, unroll: int, ksplit: int = 1, default_unroll: int | None = None,
                 pipeline: str | None = None, default_pipeline: str | None = None) -> str | None:
     """The kernel-name part of a non-default shape (None for the default): w8r1u4, w8r1u4k2, w8r1u1_batch."""
-    if (warps, row_tiles, unroll, ksplit, pipeline) == (WARPS, ROW_TILES, default_unroll, KSPLIT, default_pipeline):
+    d = DEFAULT_TUNING.linear
+    default_unroll = d.unroll if default_unroll is None else default_unroll
+    if (warps, row_tiles, unroll, ksplit, pipeline) == (d.warps, d.row_tiles, default_unroll, d.ksplit,
+                                                        default_pipeline):
         return None
     return (f"w{warps}r{row_tiles}u{unroll}" + (f"k{ksplit}" if ksplit > 1 else "")
             + (f"_{pipeline}" if pipeline != default_pipeline else ""))
 
 
-def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unroll: int | None = None,
-          ksplit: int = KSPLIT, pipeline: str | None = None):
-    """unroll and pipeline None: the defaults (UNROLL; FP8 weights: FP8_PIPELINE); pipeline is FP8's only."""
+def lower(nid, G, opts, *, warps: int | None = None, row_tiles: int | None = None, unroll: int | None = None,
+          ksplit: int | None = None, pipeline: str | None = None):
+    """The shape's arguments default to opts.tuning.linear (a test may pass one explicitly); unroll and
+    pipeline of FP8 weights to its fp8_* knobs (pipeline is FP8's only)."""
     from codegen.lower import library_call
+    t = opts.tuning.linear
+    warps, row_tiles, ksplit = warps or t.warps, row_tiles or t.row_tiles, ksplit or t.ksplit
     data, (x,), outs, bound = node_io(G, nid)
-    if data["op"] == "linear" and data["attrs"]["precision"] == "fp32":
+    precision = "fp32" if data["op"] == "linear" and data["attrs"]["precision"] == "fp32" else "act"
+    rows_ = dispatch.rows(data["op"], {"precision": precision}, opts.tuning)
+    skinny = dispatch.row_range(rows_, "skinny")
+    if not skinny:
         return [library_call(nid, data)]
+    ((_, upto),) = skinny
     if opts.dtype not in DTYPES:
         raise LoweringError(f"unsupported activation dtype {opts.dtype!r} (one of {', '.join(DTYPES)})")
     (K,) = inner_dims(G, x)
@@ -101,19 +105,26 @@ def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unrol
         roles = ["weight"] if data["op"] == "linear" else [f"weight{i}" for i in range(len(outs))]
     act = DTYPES[opts.dtype]
     fp8 = _fp8_weights(G, [bound[r] for r in roles], opts)
-    default_pipeline, default_unroll = FP8_PIPELINE[silu] if fp8 else (None, UNROLL)
+    if fp8:
+        d = DEFAULT_TUNING.linear
+        default_pipeline, default_unroll = (d.fp8_silu_pipeline, d.fp8_silu_unroll) if silu else \
+            (d.fp8_pipeline, d.fp8_unroll)
+        tuned_pipeline, tuned_unroll = (t.fp8_silu_pipeline, t.fp8_silu_unroll) if silu else \
+            (t.fp8_pipeline, t.fp8_unroll)
+    else:
+        default_pipeline, default_unroll, tuned_pipeline, tuned_unroll = None, DEFAULT_TUNING.linear.unroll, None, t.unroll
     if pipeline is not None and (not fp8 or pipeline not in PIPELINES):
         raise LoweringError(f"pipeline {pipeline!r}: FP8 weights only, one of {', '.join(PIPELINES)}")
-    unroll = default_unroll if unroll is None else unroll
-    pipeline = pipeline or default_pipeline
+    unroll, pipeline = unroll or tuned_unroll, pipeline or tuned_pipeline
     w_args = [f"w{i}" for i in range(len(rows))]
     s_args = [f"s{i}" for i in range(len(rows))] if fp8 else []
     y_args = [f"y{i}" for i in range(len(outs))]
     if ksplit not in (1, 2, 4, 8):
         raise LoweringError(f"a cluster of {ksplit} CTAs; the skinny linear splits K over 1, 2, 4 or 8")
     params = {"act": act, "K": K, "rows": rows, "warps": warps, "rt": row_tiles, "unroll": unroll, "ks": ksplit,
-              "min_blocks": min_blocks(warps, row_tiles, unroll, pipeline), "max_tokens": SKINNY_MAX_TOKENS, "w_args": w_args,
-              "y_args": y_args, "silu": silu, "wfmt": FP8.name if fp8 else opts.dtype, "s_args": s_args}
+              "min_blocks": min_blocks(warps, row_tiles, unroll, pipeline), "max_tokens": SKINNY_MAX_TOKENS,
+              "w_args": w_args, "y_args": y_args, "silu": silu, "wfmt": FP8.name if fp8 else opts.dtype,
+              "s_args": s_args}
     if fp8:
         params["rolling"] = pipeline == "rolling"
     parts = [f"{opts.dtype}_wfp8" if fp8 else opts.dtype, f"k{K}",
@@ -131,9 +142,9 @@ def lower(nid, G, opts, *, warps: int = WARPS, row_tiles: int = ROW_TILES, unrol
     # stage: the op served, so reviews pair kernels by it (role linear_skinny.multi_linear, ...)
     launch = KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
-        grid=(f"{ctas} * {only_below(SKINNY_MAX_TOKENS)}", 1, 1), block=(warps * 32, 1, 1), args=args,
+        grid=(f"{ctas} * {only_below(upto)}", 1, 1), block=(warps * 32, 1, 1), args=args,
         stage=data["op"])
-    call = library_call(nid, data, from_tokens=SKINNY_MAX_TOKENS + 1)
+    call = library_call(nid, data, from_tokens=upto + 1)
     if fp8:
         call = dataclasses.replace(call, attrs={**call.attrs, "weight_format": FP8.name})
     return [launch, call]

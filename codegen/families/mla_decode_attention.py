@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 
 from codegen.kernel import KernelLaunch, Workspace, ctx, inp, out, size, stride, work
 from codegen.render import kernel_name
+from codegen.tuning import DEFAULT_TUNING
 
 from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, c_float, inner_dims, node_io
 
@@ -70,8 +71,7 @@ _CTA_RESERVED = 1024
 
 @dataclass(frozen=True)
 class Variant:
-    """The tensor-core split's switchable shape and the split policy's bound (tests/gpu/perf_decode.py
-    lowers several in one GPU run). warps = 8: 64-row tiles, 256 threads, ~220 registers (the queries
+    """The tensor-core split's shape and the split policy's bound (Tuning.attention.decode_*). warps = 8: 64-row tiles, 256 threads, ~220 registers (the queries
     live in registers), one CTA per SM; warps = 4: 32-row tiles, two CTAs per SM where shared memory
     allows. stages: cp.async ring depth (stages - 1 tiles in flight while one is computed).
     cluster: CTAs per cluster = the most KV splits of one (token, head group)."""
@@ -88,7 +88,8 @@ class Variant:
         return f"w{self.warps}s{self.stages}c{self.cluster}"
 
 
-DEFAULT = Variant()
+DEFAULT = Variant(DEFAULT_TUNING.attention.decode_warps, DEFAULT_TUNING.attention.decode_stages,
+                  DEFAULT_TUNING.attention.decode_cluster)
 MAX_S = DEFAULT.cluster  # upper bound of S (the cluster: every split of an item merges on chip)
 
 # Shared memory a CTA may have (bytes; the opt-in maximum per block) by compute capability.
@@ -243,8 +244,13 @@ def cluster_sizes(cs: int) -> list[int]:
     return out
 
 
+def tuned(opts) -> Variant:
+    a = opts.tuning.attention
+    return Variant(warps=a.decode_warps, stages=a.decode_stages, cluster=a.decode_cluster)
+
+
 def lower(nid, G, opts, variant: Variant | None = None):
-    v = variant or DEFAULT
+    v = variant or tuned(opts)
     data, ins, outs, w = node_io(G, nid)
     H, C = inner_dims(G, ins[0])
     _, R = inner_dims(G, ins[1])

@@ -3,7 +3,8 @@
 mla_decode_query: [q_nope [T,H,N], q_pe [T,H,R]] -> q [T, H, C+R] = [q_nope @ W_UK | rope(q_pe)]
 mla_q_absorb:     q_nope [T,H,N] -> q_lat [T, H, C] = q_nope @ W_UK
 mla_decode_prologue: mla_decode_query + mla_kv_cache_write's [c, k_pe] -> [c_n, k_rot, cache rows]
-                  (PROLOGUE_TOKENS: the cache write as an extra head row of the tensor-core grid)
+                  (Tuning.attention.prologue_upto: the cache write as an extra head row of the
+                  tensor-core grid; codegen/dispatch.py's decode_query table)
 W_UK[h] = kv_b rows h*(N+V) .. h*(N+V)+N-1 ([N, C]). A batched skinny GEMM, two kernels:
 
 - tensor cores (bf16 / fp16, N % 16 == 0, N <= 128, C % 32 == 0: every shipped spec):
@@ -25,11 +26,12 @@ strides are 16-byte aligned, and store 8-byte output runs when out is 8-byte ali
 """
 from __future__ import annotations
 
+from codegen import dispatch
 from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride, weight
 from codegen.render import kernel_name
 from codegen.sizes import only_above, only_below
 
-from ._absorb import min_blocks, token_chunks, variant_tag
+from ._absorb import token_chunks
 from ._dense_util import (ELEM_BYTES, LoweringError, act_ctype, c_float, dims, inner_dims, node_io, rope_params,
                           rope_tag, vec16)
 from .mla_kv_cache_write import kv_write_args, kv_write_launch
@@ -46,21 +48,15 @@ TCH = 16                # token chunks (grid x) at most
 STATIC_SMEM = 48 * 1024  # q_s + red are static __shared__ arrays: the 48 KB every device allows
 PDL = True
 
-TENSOR_CORES = True      # the mma.sync kernel where it applies (perf_decode.py times both)
-# mla_decode_prologue (the query and its cache write in one op): up to this many tokens the cache
-# rows are written by an extra head row of the tensor-core query's grid (one launch); above it,
-# and wherever the CUDA-core query serves, by mla_kv_cache_write's own kernel (one CTA a token:
-# the extra row's few CTAs would walk many tokens one after another).
-PROLOGUE_TOKENS = 16
+# mla_decode_prologue (the query and its cache write in one op): up to attention.prologue_upto
+# tokens the cache rows are written by an extra head row of the tensor-core query's grid (one
+# launch); above it, and wherever the CUDA-core query serves, by mla_kv_cache_write's own kernel
+# (one CTA a token: the extra row's few CTAs would walk many tokens one after another).
+
 TC_TOKENS = 32           # tokens per tile: 4 n8 tiles, 32 accumulators per thread
 TC_WARPS = 4             # warps per CTA (32 columns each) at most: 4 -> 64 CTAs a token chunk at V2-Lite
 TC_CHUNKS = 8            # token chunks (grid x) at most
 TC_MAX_N = 128           # qk_nope_head_dim at most: a warp holds N / 2 weight registers
-TC_BALANCED = False      # the balanced token dealing (_absorb.py), off until measured again
-# Registers a thread at most (__launch_bounds__' CTAs per SM), None: ptxas chooses (137 at V2-Lite:
-# 3 CTAs an SM, 396 of T=256's 512 at once); 128 holds V2-Lite's kernels without spills at 4 CTAs
-# an SM (perf_decode.py mma_regcap; unmeasured)
-TC_MAX_REGS = None
 
 
 def _static_smem(N: int, ks: int, cgb: int, vec: int) -> int:
@@ -76,11 +72,10 @@ def _tc_pitch(N: int) -> int:
 def tensor_core_params(N: int, C: int, dtype: str) -> dict | None:
     """AbsorbQuery's template params, or None where the CUDA-core kernel serves (fp32, or dims
     the mma tiling does not cover)."""
-    if not TENSOR_CORES or dtype not in ("bf16", "fp16") or N % 16 or N > TC_MAX_N or C % 32:
+    if dtype not in ("bf16", "fp16") or N % 16 or N > TC_MAX_N or C % 32:
         return None
     wpc = max(w for w in range(1, TC_WARPS + 1) if (C // 32) % w == 0)   # no warp past column C
-    return {"TN": TC_TOKENS, "wpc": wpc, "threads": 32 * wpc, "smem_bytes": TC_TOKENS * _tc_pitch(N) * 2,
-            "min_blocks": min_blocks(32 * wpc, TC_MAX_REGS), "balanced": TC_BALANCED}
+    return {"TN": TC_TOKENS, "wpc": wpc, "threads": 32 * wpc, "smem_bytes": TC_TOKENS * _tc_pitch(N) * 2}
 
 
 def lower(nid, G, opts):
@@ -95,16 +90,18 @@ def lower(nid, G, opts):
     if tc is not None:
         params = {"act": act_ctype(opts), "H": H, "N": N, "V": V, "C": C, "R": R,
                   "out_w": C + R if has_rope else C, "has_rope": has_rope, "mma": True, "kv_write": prologue, **tc}
-        grid = (token_chunks(TC_TOKENS, TC_CHUNKS, TC_BALANCED), H, C // (32 * tc["wpc"]))
-        tag = variant_tag(f"mma_t{tc['TN']}_w{tc['wpc']}", TC_BALANCED, tc["min_blocks"])
+        grid = (token_chunks(TC_TOKENS, TC_CHUNKS), H, C // (32 * tc["wpc"]))
+        tag = f"mma_t{tc['TN']}_w{tc['wpc']}"
         if not prologue:
             return [_launch(nid, G, opts, params, grid, tc["threads"], tag)]
-        params.update(kv_tokens=PROLOGUE_TOKENS, eps=c_float(data["attrs"]["eps"]))
-        grid = (grid[0], f"{H} + {only_below(PROLOGUE_TOKENS)}", grid[2])
+        upto = max((hi for _, hi in dispatch.row_range(dispatch.rows(op, {"mma": True}, opts.tuning), "mma_kv")),
+                   default=0)
+        params.update(kv_tokens=upto, eps=c_float(data["attrs"]["eps"]))
+        grid = (grid[0], f"{H} + {only_below(upto)}", grid[2])
         kv_args = kv_write_args(opts, ins[2:], outs[1:], w["norm"], params["act"], "norm_w", positions=False)
         return [_launch(nid, G, opts, params, grid, tc["threads"], tag + "_kv", kv_args),
                 kv_write_launch(nid, G, opts, ins[2:], outs[1:], w["norm"], data["attrs"],
-                                grid=(f"T * {only_above(PROLOGUE_TOKENS)}", 1, 1))]
+                                grid=(f"T * {only_above(upto)}", 1, 1))]
     eb = ELEM_BYTES[opts.dtype]
     vec = vec16(C, eb)
     cg = -(-C // vec)

@@ -3,8 +3,8 @@ decompressed keys ([kv_nope | k_rot], N + R wide) and values (V wide); fp32 onli
 Grid: (query tiles of the longest prompt, heads, sequences).
 
 bf16 / fp16: tensor cores, mma.sync m16n8k16: MlaPrefillTC2 (mla_prefill_tc2.cuh; Q in registers,
-a two-stage K / V ring, the mask only on tiles that need it) at the tile TC_VARIANT names, by default
-64-row query tiles of 4 warps.  fp32: CUDA cores (MlaPrefill, mla_prefill.cuh: 32-row query tiles,
+a two-stage K / V ring, the mask only on tiles that need it) at the tile Tuning.attention.prefill_tile
+names, by default 64-row query tiles of 4 warps.  fp32: CUDA cores (MlaPrefill, mla_prefill.cuh: 32-row query tiles,
 256 threads).
 
 Alignment: the fp32 kernel reads and writes global memory element by element. The tensor-core
@@ -31,17 +31,13 @@ PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (prog
 
 BM = BN = 32
 THREADS = 256
-# The tile bf16 / fp16 lower to (A/B timing: tests/gpu/perf_prefill.py --attn-variants; TC2_DEFAULT
-# measured fastest at 1x2048 on the H200, runtime/PERF_NOTES.md v11; the first tensor-core kernel, v1,
-# was 1.4-1.6x slower at every shape measured and is gone):
-#   "v2"                         MlaPrefillTC2 at TC2_DEFAULT
+# The tile bf16 / fp16 lower to (Tuning.attention.prefill_tile; the default measured fastest at
+# 1x2048 on the H200):
 #   "v2_m{BM}n{BN}w{WM}{q|s}[b{B}]"
 #                                MlaPrefillTC2 with BM query rows a CTA, BN keys a tile, WM (16 or 32)
 #                                rows a warp, Q fragments in registers (q) or re-read from shared memory (s);
 #                                b{B}: __launch_bounds__(THREADS, B), registers capped so B CTAs fit an SM
 # The kernel name carries the full v2_m..n..w.. form, so each tile compiles to its own kernel.
-TC_VARIANT = "v2"
-TC2_DEFAULT = "v2_m64n64w16q"
 _TC2 = re.compile(r"v2_m(\d+)n(\d+)w(16|32)([qs])(?:b(\d+))?")
 
 
@@ -62,14 +58,13 @@ class Tc2Tile(NamedTuple):
 
 
 def tc_variant(name: str) -> Tc2Tile:
-    """TC_VARIANT's tile; a spelling it cannot be raises."""
-    m = _TC2.fullmatch(TC2_DEFAULT if name == "v2" else name)
+    """The tile a prefill_tile setting names; a spelling it cannot be raises."""
+    m = _TC2.fullmatch(name)
     if not m:
-        raise LoweringError(f"mla_prefill_attention.TC_VARIANT {name!r}: expected 'v2' or "
-                            f"'v2_m<BM>n<BN>w<16|32><q|s>'")
+        raise LoweringError(f"attention.prefill_tile {name!r}: expected 'v2_m<BM>n<BN>w<16|32><q|s>'")
     tile = Tc2Tile(int(m[1]), int(m[2]), int(m[3]), m[4] == "q", int(m[5] or 0))
     if tile.bm % tile.wm or tile.bn % 16 or tile.bn == 0 or not 32 <= tile.threads <= 1024:
-        raise LoweringError(f"mla_prefill_attention.TC_VARIANT {name!r}: BM must be a multiple of WM with "
+        raise LoweringError(f"attention.prefill_tile {name!r}: BM must be a multiple of WM with "
                             f"1 to 32 warps, BN a multiple of 16")
     return tile
 
@@ -93,7 +88,7 @@ def lower(nid, G, opts):
     _, R = inner_dims(G, ins[1])
     V = dims(G)["v_head_dim"]
     tc = opts.dtype in ("bf16", "fp16")
-    tile = tc_variant(TC_VARIANT) if tc else None
+    tile = tc_variant(opts.tuning.attention.prefill_tile) if tc else None
     smem = tc2_smem_bytes(N, R, V, tile) if tile else smem_bytes(N, R, V)
     check_smem(f"mla_prefill_attention (N {N}, R {R}, V {V}, {opts.dtype})", smem, opts,
                "qk_nope_head_dim + qk_rope_head_dim and v_head_dim are too wide for one query / key / value tile")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from codegen.kernel import KernelLaunch, inp, out, size, stride, weight
 from codegen.render import kernel_name
 
-from ._absorb import min_blocks, token_chunks, variant_tag
+from ._absorb import token_chunks
 from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, dims, inner_dims, node_io, vec16
 
 FAMILY = "mla_v_up"
@@ -37,22 +37,16 @@ THREADS = 256
 TCH = 16                # token chunks (grid x) at most
 STATIC_SMEM = 48 * 1024  # o_s [TT][CP] is a static __shared__ array: the 48 KB every device allows
 
-TENSOR_CORES = True      # the mma.sync kernel where it applies (perf_decode.py times both)
 TC_TOKENS = 32           # tokens per tile: 4 n8 tiles, 16 accumulators per thread
 TC_MTILES = 2            # m16 weight-row tiles per CTA: 2 -> 64 CTAs a token chunk at V2-Lite
 TC_SLICE_CHUNKS = 4      # 32-column chunks per warp at most (k slice): 2 * 4 16-byte registers
 TC_CHUNKS = 8            # token chunks (grid x) at most
-TC_BALANCED = False      # the balanced token dealing (_absorb.py), off until measured again
-# Registers a thread at most (__launch_bounds__' CTAs per SM), None: ptxas chooses (96 at V2-Lite:
-# 2 CTAs an SM); 80 holds V2-Lite's kernel without spills at 3 CTAs an SM (perf_decode.py
-# mma_regcap; unmeasured), 64 spills
-TC_MAX_REGS = None
 
 
 def tensor_core_params(V: int, C: int, dtype: str) -> dict | None:
     """AbsorbVUp's template params, or None where the CUDA-core kernel serves (fp32, C % 32 != 0,
     or a staged tile over the static shared memory)."""
-    if not TENSOR_CORES or dtype not in ("bf16", "fp16") or C % 32:
+    if dtype not in ("bf16", "fp16") or C % 32:
         return None
     nch = C // 32
     ks = -(-nch // TC_SLICE_CHUNKS)
@@ -62,8 +56,7 @@ def tensor_core_params(V: int, C: int, dtype: str) -> dict | None:
     smem = max(TC_TOKENS * pitch * 2, ks * TC_TOKENS * (16 * mt + 4) * 4)
     if smem > STATIC_SMEM:
         return None
-    return {"TN": TC_TOKENS, "mt": mt, "ks": ks, "cps": cps, "threads": 32 * mt * ks, "smem_bytes": smem,
-            "min_blocks": min_blocks(32 * mt * ks, TC_MAX_REGS), "balanced": TC_BALANCED}
+    return {"TN": TC_TOKENS, "mt": mt, "ks": ks, "cps": cps, "threads": 32 * mt * ks, "smem_bytes": smem}
 
 
 def lower(nid, G, opts):
@@ -76,8 +69,8 @@ def lower(nid, G, opts):
     tc = tensor_core_params(V, C, opts.dtype)
     if tc is not None:
         params = {"act": act, "H": H, "N": N, "V": V, "C": C, "mma": True, **tc}
-        parts.append(variant_tag(f"mma_t{tc['TN']}_m{tc['mt']}", TC_BALANCED, tc["min_blocks"]))
-        grid = (token_chunks(TC_TOKENS, TC_CHUNKS, TC_BALANCED), H, -(-V // (16 * tc["mt"])))
+        parts.append(f"mma_t{tc['TN']}_m{tc['mt']}")
+        grid = (token_chunks(TC_TOKENS, TC_CHUNKS), H, -(-V // (16 * tc["mt"])))
         threads = tc["threads"]
     else:
         eb = ELEM_BYTES[opts.dtype]

@@ -1,5 +1,5 @@
 """moe_align: expert ids [T, K] -> routing: pairs grouped by expert (order [NP] i32) and each
-expert's start (offsets [E + 1] i32), in one CTA, or above _moe.ALIGN_PARALLEL_PAIRS pairs in
+expert's start (offsets [E + 1] i32), in one CTA, or above moe.align_parallel_above pairs in
 three launches (count, scan, scatter).  The same kernels are stage 3 of moe_route."""
 from __future__ import annotations
 
@@ -20,4 +20,4 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     _moe.require_dense(G, nid, ids)
     _moe.check_experts(nid, E, 1)
     p = _moe.align_params(E)
-    return _moe.align_launches(FAMILY, TEMPLATE, kernel_name(FAMILY, [f"e{E}"]), p, nid, ids, routing)
+    return _moe.align_launches(FAMILY, TEMPLATE, kernel_name(FAMILY, [f"e{E}"]), p, nid, ids, routing, opts)

@@ -1,11 +1,10 @@
 """moe_down: [a [NP, M], routing] -> eo [NP, D] = a[p] W[e]^T per pair, one grouped launch a
-step: the GEMV at decode's smallest batches, else one grid of CUDA-core slots for light experts
-and tensor-core tiles for the rest (codegen/families/_moe.py, grouped experts)."""
+step, which one by codegen/dispatch.py's grouped_experts table (_moe_grouped.py lowers it)."""
 from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, inp, out, weight, Options
 
-from . import _moe
+from . import _moe, _moe_grouped
 
 FAMILY = "moe_down"
 TEMPLATE = "moe_down.cu.j2"
@@ -27,8 +26,8 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     return launches(nid, p, args, opts)
 
 
-def launches(nid: str, p: dict, args: tuple, opts: Options) -> list[KernelLaunch]:
+def launches(nid: str, p: dict, args: tuple, opts: Options, *, within=None) -> list[KernelLaunch]:
     """The grouped launches over `args` (a, w, order, offsets, out); moe_expert_ffn's two-launch
-    path passes its workspace as a."""
-    return _moe.grouped_launches(FAMILY, TEMPLATE, [opts.dtype, f"e{p['E']}", f"d{p['N']}_m{p['KD']}"], p, nid, args,
-                                 opts, down=True)
+    path passes its workspace as a and its token ranges as `within`."""
+    return _moe_grouped.launches(FAMILY, TEMPLATE, [opts.dtype, f"e{p['E']}", f"d{p['N']}_m{p['KD']}"], p, nid,
+                                 args, opts, down=True, within=within)

@@ -1,64 +1,48 @@
 """moe_expert_ffn: [x [T, D], routing] -> eo [NP, D] = (silu(x Wg[e]^T) * (x Wu[e]^T)) Wd[e]^T per
 pair: decode's expert FFN (ir/passes/fuse_expert_ffn.py), one persistent launch where decode's
 wgmma + TMA expert GEMM runs (templates/include/moe_expert_ffn.cuh), else the two grouped launches.
+Which at which T is codegen/dispatch.py's expert_ffn table:
 
-    FUSED_FROM <= T <= FUSED_UPTO, sm_90a, 16-bit,    "fused": gate_up_silu's tiles then down's, one grid
-    D and M % 8 == 0
+    expert_ffn_from <= T <= expert_ffn_upto, sm_90a,    "fused": gate_up_silu's tiles then down's, one grid
+    16-bit, decode's wgmma serving both halves
     otherwise                                          moe_gate_up_silu's launches, then moe_down's
 
-Why a window, measured on the H200 (`dsgraph bench`, the two paths and v19's fixed walk side by
-side in each of three runs, the same tokens routed; PERF_NOTES v20): with its tiles taken in
-order from a counter the one launch makes decode steps 0.5-2% shorter than the two from 8 to 192
-tokens and even to 0.5% shorter at 256; at 4 the two tie, and at 1 and 2 the one launch is 3-9%
-slower (there the tiles are about one round; v19's fixed walk, tile b on CTA b, was the fastest at
-1-4 tokens, why is open, and it is gone because it deadlocks where not all of its CTAs run at
-once).  With PDL the two launches already
-overlap (down starts its weights in gate_up_silu's tail), so the gain is packing: one walk of both
-kernels' tiles, taken by whichever CTA is free, leaves fewer part-empty rounds than two.
-To measure it again: `dsgraph bench --no-transformers --prefill none --decode 1x512,2x512,...,256x512`
-from a script that sets FUSED = False in one process and FUSED_FROM, FUSED_UPTO = 1, 256 in
-another, each with its own DSGRAPH_CACHE_DIR (the bundle cache's key sees the compiler's source,
-not a constant changed at run time); the bench routes the same tokens in every run.
+Why a window: with its tiles taken in order from a counter the one launch makes decode steps
+0.5-2% shorter than the two from 8 to 192 tokens; at 1 and 2 tokens, where the tiles are about one
+round, it is 3-9% slower (docs/PERF_NOTES.md).  With PDL the two launches already overlap (down
+starts its weights in gate_up_silu's tail), so the gain is packing: one walk of both kernels'
+tiles, taken by whichever CTA is free, leaves fewer part-empty rounds than two.  To measure it
+again: `dsgraph bench --tune moe.expert_ffn_upto=0 ...` against the default, the same tokens routed.
 
 The intermediate a [NP, M] is a workspace ("expert_act") of the node: the fused launch writes and
 reads it within the launch, the two-launch path passes it from one launch to the next.  The
 two-launch path is the moe_gate_up_silu and moe_down families' own lowering (their kernel names,
-so a prefill graph's unfused nodes and this node share those kernels), their decode wgmma
-launches narrowed to the T outside the window.
+so a prefill graph's unfused nodes and this node share those kernels), limited to the T outside
+the window.
 
 The fused launch's grid is min(2 SMS, its tiles), two CTAs an SM; its CTAs take tiles in order
 from a counter, so a down tile only ever waits for gate_up_silu tiles that running CTAs hold, and
 the walk finishes whatever number of its CTAs the GPU runs at once (moe_expert_ffn.cuh).  Its
 per-row-tile counters are a __device__ array of RT entries: the most row tiles a launch at the top
-of decode's wgmma range (S.upper()) can have, whatever the window, so a kernel of one name is one
-module.
+of decode's wgmma range can have, whatever the window, so a kernel of one name is one module.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from codegen import dispatch, sizes
+from codegen.arch import has_feature
 from codegen.errors import LoweringError
 from codegen.kernel import KernelLaunch, Options, Workspace, inp, out, tensor_map, weight, work
-from codegen import sizes
-from codegen.sizes import only_above, only_below
 
-from . import _moe, _moe_wgmma_skinny, moe_down, moe_gate_up_silu
+from . import _moe, _moe_grouped, _moe_wgmma_skinny as S, moe_down, moe_gate_up_silu
 
 FAMILY = "moe_expert_ffn"
 TEMPLATE = "moe_expert_ffn.cu.j2"
 OPS = ("moe_expert_ffn",)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 WORKSPACE = "expert_act"
-FUSED = True  # False: the two-launch path at every T (scratch A/Bs; tests/gpu/perf_moe.py compares them)
-FUSED_FROM, FUSED_UPTO = 4, 256   # the tokens the fused launch serves (see above)
-
-S = _moe_wgmma_skinny
 THREADS = S.THREADS + 32   # + the publisher warp (moe_expert_ffn.cuh FFN_THREADS)
-# The fused launch's tiles of at least this many pairs store through shared memory (the staged
-# epilogue of moe_wgmma_skinny.cuh; 0: element stores).  Measured on the H200 (PERF_NOTES v22):
-# the expert kernels at b=256 3.995 -> 4.02 TB/s, b=8-128 within noise; from 16 every batch lost.
-STAGED_FROM_BP = 32
-# gate_up_silu tiles of 128 columns (x gathered once for both halves) measured 2-3.5% slower (PERF_NOTES v24).
 
 
 def row_tile_bound(E: int, pairs: int) -> int:
@@ -66,47 +50,34 @@ def row_tile_bound(E: int, pairs: int) -> int:
     return sizes.evaluate(S.row_tiles(E), {"NP": pairs})
 
 
-def fused_launch(nid: str, opts: Options, gu: dict, dn: dict, args: tuple) -> KernelLaunch:
+def decode_upper(opts, gu: dict) -> int:
+    """The top of decode's wgmma range (the grouped table's wgmma_skinny row)."""
+    return max(hi for _, hi in dispatch.row_range(_moe_grouped.table_rows(opts, gu, down=False), "wgmma_skinny"))
+
+
+def fused_launch(nid: str, opts: Options, gu: dict, dn: dict, args: tuple, run: str | None) -> KernelLaunch:
     from codegen.render import kernel_name
+    staged = opts.tuning.moe.expert_ffn_staged_from
     E, K, M, D = gu["E"], gu["K"], gu["N"], dn["N"]
     nct = S.col_tiles(M, down=False) + S.col_tiles(D, down=True)   # a row tile's: gate_up_silu's + down's
     tiles = f"{nct} * {S.row_tiles(E)}"
     params = {"act": gu["act"], "E": E, "M": M, "D": D, "K": K, "variant": "fused", "threads": THREADS,
               "stages": S.STAGES, "smem": S.smem(S.STAGES), "box_rows": S.BOX, "box_k": S.BK, "pairs": S.BP,
-              "staged_from": STAGED_FROM_BP, "act_evict_last": int(S.ACT_EVICT_LAST),
-              "row_tiles": row_tile_bound(E, S.upper() * K)}   # the window's widest: one module for any window
+              "staged_from": staged,
+              "row_tiles": row_tile_bound(E, decode_upper(opts, gu) * K)}   # the widest: one module for any window
     return KernelLaunch(
         family=FAMILY, template=TEMPLATE,
-        name=kernel_name(FAMILY, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}", *S.switch_names(STAGED_FROM_BP), "fused"]),
-        params=params, nodes=(nid,), grid=(f"min(2 * SMS, {tiles}) * {fused_range()}", 1, 1),
+        name=kernel_name(FAMILY, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}", *S.switch_names(staged), "fused"]),
+        params=params, nodes=(nid,), grid=(_moe.when(f"min(2 * SMS, {tiles})", run), 1, 1),
         block=(THREADS, 1, 1), args=args, smem=S.smem(S.STAGES), stage="fused", requires=(S.FEATURE,))
 
 
-def upto() -> int:
-    return min(FUSED_UPTO, S.upper())
-
-
-def fused_range() -> str:
-    """1 while FUSED_FROM <= T <= upto(), else 0."""
-    return f"{only_above(FUSED_FROM - 1)} * {only_below(upto())}"
-
-
-def two_launch_range() -> str:
-    """Where decode's wgmma launches of the two families run instead: the rest of (0, S.upper()]."""
-    return f"({only_below(FUSED_FROM - 1)} + {only_above(upto())} * {only_below(S.upper())})"
-
-
-def around_window(launches: list, p: dict, *, down: bool) -> list:
-    """A family's launches with its decode wgmma launch narrowed to the T outside the window."""
-    return [dataclasses.replace(la, grid=(S.grid(p, down=down, run=two_launch_range(),
-                                                 one_token=la.stage == S.ONE_TOKEN_STAGE), 1, 1))
-            if la.stage in ("wgmma_skinny", S.ONE_TOKEN_STAGE) else la for la in launches]
-
-
-def fused_applies(opts, gu: dict, dn: dict) -> bool:
-    """Where decode's wgmma expert GEMM serves both halves (same conditions), one CTA more of
-    static shared memory aside (the fused kernel's is the skinny kernel's)."""
-    return FUSED and S.applies(opts, gu) and S.applies(opts, dn)
+def facts(opts, gu: dict, dn: dict) -> dict:
+    """The expert_ffn table's conditions: decode's wgmma serves both halves where the grouped
+    table gives both a wgmma_skinny row."""
+    both = all(any(r.variant == "wgmma_skinny" for r in _moe_grouped.table_rows(opts, p, down=down))
+               for p, down in ((gu, False), (dn, True)))
+    return {"dtype": opts.dtype, "sm_90a": has_feature(opts.arch, S.FEATURE), "decode_wgmma": both}
 
 
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
@@ -125,12 +96,14 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
                order, offsets, work("out", act, WORKSPACE))
     dn_args = (work("a", act, WORKSPACE, writes=False), weight("w", act, bound["down"]), order, offsets,
                out("out", act, y))
-    gu_launches = moe_gate_up_silu.launches(nid, gu, gu_args, opts, shared=_moe.routing_shared(G, routing))
-    dn_launches = moe_down.launches(nid, dn, dn_args, opts)
-    if fused_applies(opts, gu, dn):
+    rows = dispatch.rows(FAMILY, facts(opts, gu, dn), opts.tuning)
+    two = dispatch.row_range(rows, "two_launch")
+    launches = []
+    for lo, hi in dispatch.row_range(rows, "fused"):
         args = (inp("x", act, x), tensor_map("w_gate", bound["gate"], (S.BOX, S.BK)),
                 tensor_map("w_up", bound["up"], (S.BOX, S.BK)), tensor_map("w_down", bound["down"], (S.BOX, S.BK)),
                 order, offsets, work("a", act, WORKSPACE), out("out", act, y))
-        gu_launches = [fused_launch(nid, opts, gu, dn, args), *around_window(gu_launches, gu, down=False)]
-        dn_launches = around_window(dn_launches, dn, down=True)
-    return [dataclasses.replace(la, workspace=(ws,)) for la in (*gu_launches, *dn_launches)]
+        launches.append(fused_launch(nid, opts, gu, dn, args, sizes.token_range(lo, hi)))
+    launches += moe_gate_up_silu.launches(nid, gu, gu_args, opts, shared=_moe.routing_shared(G, routing), within=two)
+    launches += moe_down.launches(nid, dn, dn_args, opts, within=two)
+    return [dataclasses.replace(la, workspace=(ws,)) for la in launches]

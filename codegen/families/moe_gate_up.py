@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, inp, out, weight, Options
 
-from . import _moe
+from . import _moe, _moe_grouped
 
 FAMILY = "moe_gate_up"
 TEMPLATE = "moe_gate_up.cu.j2"
@@ -23,5 +23,5 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     args = (inp("x", act, x), weight("w_gate", act, bound["gate"]), weight("w_up", act, bound["up"]),
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out_gate", act, out_g), out("out_up", act, out_u))
-    return _moe.grouped_launches(FAMILY, TEMPLATE, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"], p, nid, args, opts, down=False,
-                                 shared=_moe.routing_shared(G, routing))
+    return _moe_grouped.launches(FAMILY, TEMPLATE, [opts.dtype, f"e{E}_k{K}", f"m{M}_d{D}"], p, nid, args, opts,
+                                 down=False, shared=_moe.routing_shared(G, routing))

@@ -1,15 +1,14 @@
 """moe_gate_up_silu: [x [T, D], routing] -> a [NP, M] = silu(x Wg[e]^T) * (x Wu[e]^T) per pair.
 
-One grouped launch a step (codegen/families/_moe.py, grouped experts): the GEMV at decode's
-smallest batches, else one grid of CUDA-core slots for light experts and tensor-core tiles for
-the rest.  Only experts with pairs get CTAs, so decode reads each touched expert's gate and up
-rows exactly once.
+One grouped launch a step, which one by codegen/dispatch.py's grouped_experts table
+(_moe_grouped.py lowers it).  Only experts with pairs get CTAs, so decode reads each touched
+expert's gate and up rows exactly once.
 """
 from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, inp, out, weight, Options
 
-from . import _moe
+from . import _moe, _moe_grouped
 
 FAMILY = "moe_gate_up_silu"
 TEMPLATE = "moe_gate_up_silu.cu.j2"
@@ -31,8 +30,10 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     return launches(nid, p, args, opts, shared=_moe.routing_shared(G, routing))
 
 
-def launches(nid: str, p: dict, args: tuple, opts: Options, *, shared: int = 0) -> list[KernelLaunch]:
+def launches(nid: str, p: dict, args: tuple, opts: Options, *, shared: int = 0, within=None) -> list[KernelLaunch]:
     """The grouped launches over `args` (x, w_gate, w_up, order, offsets, out); moe_expert_ffn's
-    two-launch path passes its workspace as out.  `shared`: _moe.routing_shared."""
+    two-launch path passes its workspace as out and its token ranges as `within`.  `shared`:
+    _moe.routing_shared."""
     name = [opts.dtype, f"e{p['E']}_k{p['K']}", f"m{p['N']}_d{p['KD']}"]
-    return _moe.grouped_launches(FAMILY, TEMPLATE, name, p, nid, args, opts, down=False, shared=shared)
+    return _moe_grouped.launches(FAMILY, TEMPLATE, name, p, nid, args, opts, down=False, shared=shared,
+                                 within=within)

@@ -4,21 +4,22 @@ P = K + S: with shared_experts S > 0 (ir/passes/fuse_shared_experts.py) every to
 pairs are followed by S pairs of the shared experts (weight 1), aligned with the routed ones over
 E + S experts: the shared experts are 0..S-1, routed expert e is S + e (moe_router.cuh topk_scored).
 
-While T <= ROUTE_FUSED_TOKENS, one launch ("fused", templates/include/moe_route.cuh):
+Which launches serve which T is codegen/dispatch.py's route table (Tuning.route).
+While T <= route.fused_upto, one launch ("fused", templates/include/moe_route.cuh):
   the router GEMV's CTAs (EPB experts x TT tokens each, so decode's T = 1 spreads the fp32 gate
   over E / EPB CTAs) write the logits; the last CTA of each token tile to finish (an atomic
   ticket) runs scoring, group selection, top-k, normalisation and scaling for the tile's TT
   tokens, a warp each; the last tile to finish aligns every pair (counts, scan, scatter) in its
   CTA.  The tickets reset themselves, so CUDA-graph replays need no memset launch.
 Above it, three launches:
-  1. router logits [T, E] = x.float() @ gate.T in fp32 (workspace): while T <= GEMM_TOKENS the
+  1. router logits [T, E] = x.float() @ gate.T in fp32 (workspace): while T <= route.gemm_above the
                    GEMV (EPB experts x TT tokens a CTA), above it the tiled GEMM of
                    templates/include/router_gemm.cuh (BM tokens x BN experts a CTA, so x is read
                    cdiv(E, BN) times instead of cdiv(E, EPB); D split over CTAs while the tiles are
                    fewer than the SMs);
   2. top-k         one warp per token (the moe_topk kernel's math);
   3. align         counts, scan and scatter of the pairs by expert in one CTA (the moe_align
-                   kernel's), or count / scan / scatter launches above _moe.ALIGN_PARALLEL_PAIRS.
+                   kernel's), or count / scan / scatter launches above moe.align_parallel_above pairs.
 Which runs is chosen on the host from T alone (grid factors: codegen.sizes.only_below /
 only_above), so a decode step captured at a batch size carries only the launches that do work; a
 launch whose T range is empty under the bounds is not emitted.  No device-to-host copy: the grouped expert
@@ -28,7 +29,8 @@ from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, Options, Workspace, WorkspaceRef, inp, out, size, weight, work
 from codegen.render import kernel_name
-from codegen.sizes import only_above, only_below
+from codegen import dispatch
+from codegen.sizes import only_below, token_range
 
 from . import _moe
 
@@ -40,17 +42,11 @@ PDL = True                # every kernel of moe_route.cu.j2 waits before its fir
 GEMV_THREADS = 256
 EXPERTS_PER_CTA = 2
 TOKENS_PER_CTA = 8        # a token tile; in the fused launch, one warp per token for the top-k
-# Up to this many tokens the route is the one fused launch; above it, the three launches.  The
-# fused launch runs each tile's top-k in one CTA of the tile and the alignment of all T*K pairs in
-# one CTA of GEMV_THREADS threads (the three-launch align has ALIGN_THREADS), so at large T the
-# three launches win; where they cross is for the H200 to say (tests/gpu/perf_route.py).  None:
-# always the three launches.
-ROUTE_FUSED_TOKENS = 256
-# The three-launch route's logits: the GEMV while T <= GEMM_TOKENS, the tiled GEMM above (None: the
-# GEMV at every T, as before the GEMM; 0: the GEMM at every T).  The GEMV re-reads each token's x
-# once per expert pair (569 us a layer at prefill 32x512 on the H200, PERF_NOTES v8); at the
-# fused bound the GEMM, split over D, already fills the SMs, so the two bounds meet.
-GEMM_TOKENS = 256
+# The fused launch runs each tile's top-k in one CTA of the tile and the alignment of all T*K
+# pairs in one CTA of GEMV_THREADS threads (the three-launch align has ALIGN_THREADS), so at large
+# T the three launches win.  The three-launch route's logits: the GEMV re-reads each token's x once
+# per expert pair, so above route.gemm_above the tiled GEMM; at the fused bound the GEMM, split
+# over D, already fills the SMs, so the two bounds meet.
 # The GEMM's tiles (templates/include/router_gemm.cuh): BM tokens x BN experts a CTA of GEMM_THREADS,
 # BK of D a stage, TM x TN outputs a thread (16 FMAs per two 16-byte shared loads).  Two CTAs an SM:
 # 36.9 KB of shared memory each and at most 128 registers a thread.
@@ -100,11 +96,6 @@ def gemm_splits(E: int, D: int) -> int | str:
     return f"max(1, min({cap}, min(SMS, {GEMM_TICKETS}) // ({gemm_tiles(E)})))"
 
 
-def _factors(*fs) -> str | None:
-    fs = [f for f in fs if f is not None]
-    return " * ".join(fs) if fs else None
-
-
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     attrs, (x,), (ids, weights, routing), bound = _moe.node_io(G, nid)
     dt, ct = _moe.act(nid, opts)
@@ -117,10 +108,11 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
             "vec": _moe.vec_width(D, 4)}
     logits = Workspace("router_logits", ("T", E), "f32")
     cta_cols = -(-E // EXPERTS_PER_CTA)
-    ft = ROUTE_FUSED_TOKENS
+    rows = dispatch.rows(FAMILY, {}, opts.tuning)
+    fused_rows = dispatch.row_range(rows, "fused")
     launches = []
 
-    if ft is not None:
+    for _, ft in fused_rows:
         tiles = fused_tiles(ft)
         smem = fused_smem(E, K + S, tiles)
         fused = {**gemv, **topk, "stage": "fused", "warps": GEMV_THREADS // 32, "tiles": tiles, "smem": smem}
@@ -135,28 +127,25 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
             name=kernel_name(FAMILY, [dt, f"d{D}", *_moe.topk_name_parts(topk), f"fused_t{tiles * TOKENS_PER_CTA}"]),
             params=fused, nodes=(nid,), grid=(f"{cta_cols} * {only_below(ft)}", f"cdiv(T, {TOKENS_PER_CTA})", 1),
             block=(GEMV_THREADS, 1, 1), args=tuple(args), smem=smem, workspace=(logits,), stage="fused"))
-    above = None if ft is None else only_above(ft)
+    # the three launches: top-k and align wherever the fused launch does not run
+    above = token_range(fused_rows[0][1] + 1, None) if fused_rows else None
 
-    # the logits: the GEMV on (ft, GEMM_TOKENS], the GEMM above max(ft, GEMM_TOKENS)
-    gt = GEMM_TOKENS
-    if gt is None or ft is None or gt > ft:
-        gemv_only = _factors(above, None if gt is None else only_below(gt))
+    for lo, hi in dispatch.row_range(rows, "router_gemv"):
         launches.append(KernelLaunch(
             family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [dt, f"e{E}_d{D}", "gemv"]),
             params={**gemv, "stage": "router_gemv"}, nodes=(nid,),
-            grid=(_moe.when(cta_cols, gemv_only), f"cdiv(T, {TOKENS_PER_CTA})", 1), block=(GEMV_THREADS, 1, 1),
+            grid=(_moe.when(cta_cols, token_range(lo, hi)), f"cdiv(T, {TOKENS_PER_CTA})", 1), block=(GEMV_THREADS, 1, 1),
             args=(inp("x", ct, x), weight("gate", "float", bound["gate"]),
                   work("logits", "float", "router_logits"), size("num_tokens", "T")),
             workspace=(logits,), stage="router_gemv"))
-    if gt is not None:
-        lo = max(gt, ft or 0)
-        launches.append(_gemm_launch(nid, dt, ct, x, bound["gate"], E, D, logits, only_above(lo) if lo else None))
+    for lo, hi in dispatch.row_range(rows, "router_gemm"):
+        launches.append(_gemm_launch(nid, dt, ct, x, bound["gate"], E, D, logits, token_range(lo, hi)))
     launches.append(_moe.topk_launch(
         FAMILY, TEMPLATE, kernel_name(FAMILY, [*_moe.topk_name_parts(topk), "topk"]), topk, nid,
         WorkspaceRef("router_logits"), bias, ids, weights, workspace=(logits,), stage="topk", only=above))
     align = {"stage": "align", **_moe.align_params(E + S)}
     launches += _moe.align_launches(FAMILY, TEMPLATE, kernel_name(FAMILY, [f"e{E + S}", "align"]), align,
-                                    nid, ids, routing, stage="align", only=above)
+                                    nid, ids, routing, opts, stage="align", only=above)
     return launches
 
 

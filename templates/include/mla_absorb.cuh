@@ -11,7 +11,7 @@
 // weight ONCE, into registers, with every load in flight before pdl_wait (the prefetch overlaps
 // the previous kernel's tail), then reuses it for each token tile of its chunk (grid x: token
 // chunks, so large T spreads over more CTAs and the weight is re-read from L2, not DRAM; a tile
-// is TN tokens, or with BAL the chunk's share of T up to TN: tile_tokens).
+// is TN tokens).
 //
 // The k-order trick: a dot product does not care in which order its K terms are summed, so the
 // physical k behind a fragment's logical k may be any bijection, as long as the A and B fragments
@@ -54,13 +54,6 @@ __device__ __forceinline__ unsigned pair16(const unsigned short* p) {
   return (unsigned)p[0] | ((unsigned)p[1] << 16);
 }
 
-// Tokens per tile, the same in every CTA: TN, or (BAL) this chunk's share of T (grid x chunks)
-// rounded up to whole n8 MMA columns, at most TN (codegen/families/_absorb.py deals the chunks).
-template <int TN, bool BAL>
-__device__ __forceinline__ int tile_tokens(int T) {
-  return BAL ? min(TN, (cdiv(T, (int)gridDim.x) + 7) / 8 * 8) : TN;
-}
-
 // Stage the token rows of a tile, ntok of them rounded up to whole n8 columns (nrows), of K 16-bit
 // elements into dst [nrows][KP] (shared; zero rows from ntok on: the MMA reads whole n8 columns).
 // Row r starts at src + r * s0. VEC: 16-byte cp.async (src rows 16-byte aligned, K % 8 == 0),
@@ -90,7 +83,7 @@ __device__ __forceinline__ void stage_rows(T* dst, const T* __restrict__ src, i6
 // columns col0 + 4g + 2j and col0 + 4g + 2j + 1, so a thread's 4 columns are contiguous (8-byte
 // weight loads, 8-byte output stores). The warp holds its [N, 32] weight slice (N / 2 registers)
 // and runs the full K = N: no cross-warp reduction.
-template <typename T, int H, int N, int V, int C, int OUT_W, int TN, int WPC, bool BAL>
+template <typename T, int H, int N, int V, int C, int OUT_W, int TN, int WPC>
 struct AbsorbQuery {
   static_assert(sizeof(T) == 2, "tensor-core path: bf16 / fp16");
   static_assert(N % 16 == 0 && C % (32 * WPC) == 0 && TN % 8 == 0, "AbsorbQuery tiling");
@@ -185,7 +178,7 @@ struct AbsorbQuery {
     pdl_launch_dependents();
     const bool q_vec = aligned16(qn) && qn_s0 % 8 == 0 && qn_s1 % 8 == 0;
     const bool out_vec = OUT_W % 4 == 0 && aligned8(out);
-    const int tw = tile_tokens<TN, BAL>(T_);
+    const int tw = TN;
     for (int t0 = blockIdx.x * tw; t0 < T_; t0 += gridDim.x * tw) {
       const int ntok = min(tw, T_ - t0);
       stage_rows<T, N, NP, THREADS>(q_s, qn + (i64)t0 * qn_s0 + (i64)h * qn_s1, qn_s0, ntok, q_vec);
@@ -204,7 +197,7 @@ struct AbsorbQuery {
 // mt = w % MT): rows v0 + mt*16 + {g, g+8} over the 32-k chunks ks*CPS .. ks*CPS + CPS - 1
 // (of NCH = C / 32), 2 * CPS 16-byte weight registers per thread. The KS slices' partial sums
 // meet in shared memory (aliasing the staged o_lat tile, after the barrier that retires it).
-template <typename T, int H, int N, int V, int C, int TN, int MT, int KS, int CPS, bool BAL>
+template <typename T, int H, int N, int V, int C, int TN, int MT, int KS, int CPS>
 struct AbsorbVUp {
   static_assert(sizeof(T) == 2, "tensor-core path: bf16 / fp16");
   static_assert(C % 32 == 0 && TN % 8 == 0, "AbsorbVUp tiling");
@@ -264,7 +257,7 @@ struct AbsorbVUp {
     T* o_s = reinterpret_cast<T*>(smem);
     float* red = reinterpret_cast<float*>(smem);
     const bool o_vec = aligned16(ol) && ol_s0 % 8 == 0 && ol_s1 % 8 == 0;
-    const int tw = tile_tokens<TN, BAL>(T_);
+    const int tw = TN;
     for (int t0 = blockIdx.x * tw; t0 < T_; t0 += gridDim.x * tw) {
       const int ntok = min(tw, T_ - t0);
       stage_rows<T, C, CP, THREADS>(o_s, ol + (i64)t0 * ol_s0 + (i64)h * ol_s1, ol_s0, ntok, o_vec);

@@ -22,7 +22,7 @@ __device__ __forceinline__ void kv_cache_write_token(int t, const T* __restrict_
   // Every input of the token first, in one memory round trip: its slot and position, the latent
   // row, the norm's weight and this thread's rotation pairs.  (The angles' sines wait for the
   // position; computed first, as before, they held the row's loads back a round trip, and k_pe's
-  // another after the norm: PERF_NOTES v31.)
+  // another after the norm.)
   const i64 slot = slots[t];
   const i64 pos = positions[t];
   typedef RowLayout<T, C, THREADS> L;

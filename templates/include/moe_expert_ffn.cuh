@@ -2,10 +2,10 @@
 // a [NP, M] = silu(x Wg[e]^T) * (x Wu[e]^T) and out [NP, D] = a[p] Wd[e]^T per pair, as the two
 // grouped launches of moe_wgmma_skinny.cuh compute them (the same tiles, the same rounding), but
 // one grid walks both: tiles t < G = tiles[E] * NCT_GU are gate_up_silu's (row tile, column tile),
-// the rest down's.  Why (PERF_NOTES v19): one walk of both kernels' tiles leaves fewer part-empty
+// the rest down's.  Why: one walk of both kernels' tiles leaves fewer part-empty
 // rounds than two, a CTA goes from its last gate_up_silu tile to its first down tile without a
 // launch between, and at decode's smallest batches down's tiles start their weights on the CTAs
-// gate_up_silu's few tiles leave idle (v19: 1-4% on the expert kernels from 2 to 192 tokens).
+// gate_up_silu's few tiles leave idle (1-4% on the expert kernels from 2 to 192 tokens).
 //
 // The walk: CTAs take tiles in order from a counter (`walk[0]`, a __device__ pair of the module,
 // zero when it loads).  Producer thread 0 takes its next tile TAKE_LEAD slices before the current
@@ -17,7 +17,7 @@
 // counts them) sets both back to 0 for the next launch.  Taken in order, a CTA that finishes early
 // takes more (gate_up_silu's tiles read 1.45x down's bytes; a shared expert's second row tile
 // reads its weights from L2), and no CTA waits for a tile that nobody has taken (below).
-// Measured on the H200 against v19's fixed walk (tile b, b + grid, ...; PERF_NOTES v20): 0.5-2%
+// Measured on the H200 against a fixed walk (tile b, b + grid, ...): 0.5-2%
 // shorter decode steps from b=8 to 256, but slower where the tiles are about one round (b <= 4),
 // which the lowering leaves to the two launches.
 //
@@ -30,7 +30,7 @@
 //     (red.release.gpu: the barrier gathers the warpgroup's stores, the queue's arrive / wait
 //     carry them to the publisher at CTA scope, its release orders them before the add).  The
 //     release waits for the stores to reach L2; made by the consumer it held the next tile's
-//     wgmma for that round trip (PERF_NOTES v22: a relaxed add, timing only, gave the expert
+//     wgmma for that round trip (a relaxed add, timing only, gave the expert
 //     kernels +0.04-0.05 TB/s from b=8 to 256), made by a warp of its own it holds nobody;
 //   * a down tile's producer thread 0 reads the counter (ld.acquire.gpu); below NCT_GU it first
 //     issues the weight boxes of the tile's first slices whose stages are free (no kernel writes
@@ -109,7 +109,7 @@ __device__ __forceinline__ void expert_ffn_produce(const T* __restrict__ x, cons
       if (t >= gu_total && t < total) {
         const int u = t - gu_total, rt = u / NCT_D;
         // The CTA's first down tile lets the next kernel's CTAs in (pdl.cuh); at its start or at
-        // its exit measured the same (PERF_NOTES v19).
+        // its exit measured the same.
         if (!downs) dsg::pdl_launch_dependents();
         downs = true;
         if (ld_acquire_gpu(ready + rt) < (unsigned)NCT_GU) {

@@ -43,22 +43,14 @@ __host__ __device__ constexpr int wgmma_skinny_col_tiles(int mode, int n) {
 // every stage, and its pair rows 16 KB in, stay on one).  4 stages: 97 KB, two CTAs per SM.
 __host__ __device__ constexpr int wgmma_skinny_smem(int stages) { return stages * WS_STAGE_BYTES + 1024; }
 
-#ifndef DSG_WS_ACT_EVICT_LAST
-#define DSG_WS_ACT_EVICT_LAST 0
-#endif
-
 // The decode tile for moe_wgmma.cuh's producer (which gathers the pair rows and issues the boxes):
 // 64 pairs, 64-row boxes, the weights first in a stage and the pair rows after them.
 struct WgSkinnyTiles {
   static constexpr int BM = WS_BP, BOX = WS_BOX, STAGE_BYTES = WS_STAGE_BYTES;
   static constexpr int ROWS_AT = WS_W_BYTES, WEIGHTS_AT = 0;
   // Weight boxes with L2's evict_first policy: read once a step, they go first, and the lines of
-  // `a` and of the outputs stay (PERF_NOTES v22: +0.03-0.05 TB/s at b=128 and 256, even below).
+  // `a` and of the outputs stay (+0.03-0.05 TB/s at b=128 and 256 on the H200, even below).
   static constexpr bool W_EVICT_FIRST = true;
-  // The pair rows the tiles gather (x; `a`, which 16 down tiles of a row tile gather) and the
-  // outputs they store (`a`; down's, which the combine reads next) with L2's evict_last policy, so
-  // the weights stream past them: the lowering's _moe_wgmma_skinny.ACT_EVICT_LAST.
-  static constexpr bool ACT_EVICT_LAST = DSG_WS_ACT_EVICT_LAST != 0;
   __host__ __device__ static constexpr int cols(int mode) { return wgmma_skinny_cols(mode); }
 };
 
@@ -69,8 +61,7 @@ __device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* 
                                                    const float (&acc0)[BP / 2], const float (&acc1)[BP / 2],
                                                    T* __restrict__ out0, T* __restrict__ out1) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
-  const unsigned long long pol = WgSkinnyTiles::ACT_EVICT_LAST ? l2::evict_last() : 0ull;
-  auto st = [&](T* p, float v) { l2::store_if<WgSkinnyTiles::ACT_EVICT_LAST>(p, from_float<T>(v), pol); };
+  auto st = [&](T* p, float v) { *p = from_float<T>(v); };
   // acc[4j + 2h + c]: stage row 16 warp + lane / 4 + 8h (an output column), pair 8j + 2 (lane % 4) + c.
 #pragma unroll
   for (int j = 0; j < BP / 8; ++j)
@@ -103,7 +94,7 @@ __device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* 
 // ---- The epilogue through shared memory (DSG_WS_STAGED_FROM_BP, from the lowering) ----------------
 // The element stores above scatter 2-byte values (a thread holds one output column of BP / 4
 // pairs).  At b=256 the tiles' stores cost the expert kernels 0.36 ms a decode step, at b=128 0.08
-// (PERF_NOTES v21: the same kernels with the stores of the tiles of 17+ pairs left out went from
+// (on the H200 the same kernels with the stores of the tiles of 17+ pairs left out went from
 // 3.91 to 4.10 TB/s at b=256).  Tiles of at least WS_STAGED_FROM_BP pairs (0: none) instead keep
 // the ring stage of their last K slice (24 KB; a DOWN tile's 64 pairs x 128 columns are 16 KB),
 // write the rounded outputs into it as [pair][column] rows (16-byte chunk k of row r at
@@ -111,7 +102,7 @@ __device__ __forceinline__ void wgmma_skinny_store(const WgTile& tl, const i32* 
 // chunks of each pair's row (a warp writes 512 contiguous bytes of two rows), and only then free
 // the stage.  DOWN and GATE_UP_SILU (one output each); GATE_UP keeps the element stores.  The
 // kernel's source defines DSG_WS_STAGED_FROM_BP before it includes this header (the lowering's:
-// 32 in the fused expert FFN, 0 in the two grouped launches; PERF_NOTES v22); without it, 0.
+// Tuning.moe.expert_ffn_staged_from / decode_staged_from); without it, 0.
 #ifndef DSG_WS_STAGED_FROM_BP
 #define DSG_WS_STAGED_FROM_BP 0
 #endif
@@ -157,14 +148,12 @@ __device__ __forceinline__ void wgmma_skinny_store_staged(const WgTile& tl, cons
     }
   wgmma::warpgroup_sync(WS_CONSUMER_BAR);                // every row of the stage is written
   const bool vec = N % 8 == 0 && aligned_to<16>(out0);   // (uniform) whole 16-byte chunks, else elements
-  const unsigned long long pol = WgSkinnyTiles::ACT_EVICT_LAST ? l2::evict_last() : 0ull;
 #pragma unroll 4
   for (int q = tid; q < BP * CH; q += 128) {
     const int r = q / CH, k = q % CH, col = tl.n0 + 8 * k;
     if (r >= tl.rows || col >= N) continue;
     const float4 bits = dsg::cluster::ld4<false>(st + r * RB + ((k ^ (r & 7)) << 4));   // 8 elements, as bits
-    store_chunk<T, N, WgSkinnyTiles::ACT_EVICT_LAST>(out0 + (i64)order[tl.pbeg + r] * N + col,
-                                                     *reinterpret_cast<const uint4*>(&bits), col, vec, pol);
+    store_chunk<T, N>(out0 + (i64)order[tl.pbeg + r] * N + col, *reinterpret_cast<const uint4*>(&bits), col, vec);
   }
 }
 
@@ -200,7 +189,7 @@ __device__ __forceinline__ void wgmma_skinny_tile(const WgTile& tl, const i32* _
     wgmma::commit();
     // Free this slice's stage as soon as its wgmma have read it, not once the next slice is issued
     // (wait<1>): the producer keeps all ST stages ahead of the slice being read, not ST - 1.
-    // Measured on the H200 (PERF_NOTES v24): the expert kernels +0.7-0.9% at every batch.  The
+    // Measured on the H200: the expert kernels +0.7-0.9% at every batch.  The
     // tile's last stage is freed after the epilogue (the staged one stores through it).
     wgmma::wait<0>();
     if (kt + 1 < KT && lane == 0) mbar::arrive(&empty[s]);
@@ -257,10 +246,9 @@ __device__ __forceinline__ void wgmma_skinny_issue_first(char* ring, const Tenso
 
 // SH: the shared experts among the pairs (moe_route's shared_experts: experts 0..SH-1, every token
 // one pair of each, so offsets[s] = s * T for s <= SH), whose first slices GATE_UP* starts before
-// its wait; num_pairs (NP = T * K) then gives T.  0: none (DOWN's early start is its own).
-// SH_WHOLE: a CTA whose first tile is a shared expert's runs that whole tile before its wait (see
-// below); false: only its first slices.
-template <typename T, int MODE, int E, int N, int KD, int K, int ST, int SH = 0, bool SH_WHOLE = false>
+// its wait; num_pairs (NP = T * K) then gives T.  0: none (DOWN's early start is its own).  A CTA
+// whose first tile is a shared expert's runs that whole tile before its wait (see below).
+template <typename T, int MODE, int E, int N, int KD, int K, int ST, int SH = 0>
 __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ x, const TensorMap* w0,
                                                           const TensorMap* w1, const i32* __restrict__ order,
                                                           const i32* __restrict__ offsets, T* __restrict__ out0,
@@ -268,25 +256,24 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
   static_assert(sizeof(T) == 2, "wgmma skinny gemm: 16-bit operands");
   static_assert(KD % 8 == 0, "wgmma skinny gemm: rows of whole 16-byte chunks (TMA strides, cp.async)");
   static_assert(ST >= 2, "wgmma skinny gemm: a ring of at least two stages");
-  // Two CTAs an SM at the 4-stage ring (_moe_wgmma_skinny.applies); down's one-token launch, one
-  // CTA an SM, runs a deeper one (_moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES).
+  // Two CTAs an SM at the 4-stage ring (_moe_wgmma_skinny.fits); down's one-token launch, one
+  // CTA an SM, runs a deeper one (Tuning.moe.one_token_down_stages).
   static_assert((ST <= 4 ? 2 : 1) * (wgmma_skinny_smem(ST) + 2 * ST * 8 + 4 * (E + 1) + 4 * WS_BP + 1024) <=
                     228 * 1024,
                 "wgmma skinny gemm: two CTAs per SM at four stages, one at more");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   __shared__ int tiles[E + 1];
-  __shared__ i32 shared_order[SH_WHOLE ? WS_BP : 1];     // SH_WHOLE: the early tile's pairs
+  __shared__ i32 shared_order[SH > 0 ? WS_BP : 1];       // the early shared tile's pairs
   // DOWN follows gate_up_silu, which waits for the route before it lets DOWN launch: the route's
   // `offsets` are complete before DOWN's first CTA runs (pdl.cuh, two launches back), so DOWN
   // builds its tile table and starts its first tile's first ST weight slices (no kernel writes
-  // weights) before its wait, into the tail of gate_up_silu (PERF_NOTES v16: that boundary cost
+  // weights) before its wait, into the tail of gate_up_silu (that boundary cost
   // ~1.9 us a layer).  The pairs' rows (x, gate_up_silu's output) are gathered after it.
   // GATE_UP* follows the route itself: every read of another kernel's output after the wait.  But
   // with SH shared experts the walk's first SH * cdiv(T, WS_BP) row tiles are theirs whatever the
   // route says (experts 0..SH-1 hold T pairs each: wgmma_row_tiles makes the same table from the
-  // offsets after the wait), so a CTA whose first tile is one of them starts its first ST weight
-  // slices before its wait, while the route runs (the pair rows, x, are gathered after it).
-  // SH_WHOLE: that first tile's whole K loop before the wait, its pair rows gathered too; the
+  // offsets after the wait), so a CTA whose first tile is one of them runs that first tile's whole
+  // K loop before its wait, while the route runs, its pair rows gathered too; the
   // consumer waits only before it stores the tile's outputs (no write before the wait: a workspace
   // freed by the route, which still runs, may hold them).  Its pairs are known from T alone (token
   // t's shared pair s is t * K + K - SH + s: moe_route's layout, moe_router.cuh topk_scored), so
@@ -319,22 +306,20 @@ __device__ __forceinline__ void grouped_gemm_wgmma_skinny(const T* __restrict__ 
       const int t = blockIdx.x, rt = (t / NCT) % per;     // tile t: shared expert t / NCT / per, row tile rt
       WgTile tl;
       tl.e = t / NCT / per;
-      tl.pbeg = 0;                                        // (SH_WHOLE: rows of shared_order)
+      tl.pbeg = 0;                                        // (rows of shared_order)
       tl.rows = min(WS_BP, tokens - rt * WS_BP);
       tl.n0 = (t % NCT) * wgmma_skinny_cols(MODE);
       if (threadIdx.x == 0) wgmma_skinny_issue_first<MODE, N, PRE>(smem + (ring - raw), w0, w1, tl.e, tl.n0, full);
-      if constexpr (SH_WHOLE) {
-        if ((int)threadIdx.x < tl.rows) shared_order[threadIdx.x] = (rt * WS_BP + threadIdx.x) * K + K - SH + tl.e;
-        __syncthreads();
-        int it = 0;
-        if (threadIdx.x < 128)
-          wgmma_produce_tile<T, MODE, N, KD, K, ST, WgSkinnyTiles>(x, w0, w1, shared_order, tl, smem + (ring - raw),
-                                                                   full, empty, aligned_to<16>(x), it, PRE);
-        else
-          wgmma_skinny_tile_fit<T, MODE, N, KD, ST, true>(tl, shared_order, ring, full, empty, out0, out1, it);
-        preissued = 0;
-        skip = 1;
-      }
+      if ((int)threadIdx.x < tl.rows) shared_order[threadIdx.x] = (rt * WS_BP + threadIdx.x) * K + K - SH + tl.e;
+      __syncthreads();
+      int it = 0;
+      if (threadIdx.x < 128)
+        wgmma_produce_tile<T, MODE, N, KD, K, ST, WgSkinnyTiles>(x, w0, w1, shared_order, tl, smem + (ring - raw),
+                                                                 full, empty, aligned_to<16>(x), it, PRE);
+      else
+        wgmma_skinny_tile_fit<T, MODE, N, KD, ST, true>(tl, shared_order, ring, full, empty, out0, out1, it);
+      preissued = 0;
+      skip = 1;
     }
     dsg::pdl_wait();
     dsg::pdl_launch_dependents();

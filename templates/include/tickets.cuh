@@ -10,43 +10,23 @@
 
 namespace dsg {
 
-// The arrival's ordering as one acquire-release atomic (atom.acq_rel.gpu) and a relaxed reset, in
-// place of __threadfence's fence.sc before and after plain atomics (the expert FFN's release
-// measured fence.sc holding its warp longer, PERF_NOTES v16).  On since PERF_NOTES v23: with the
-// route's one-tile path below, b=1's step 0.02-0.04 ms faster (the route's tickets are on its
-// critical path).  -DDSG_TICKETS_ACQ_REL=0 brings back the fences, for an A/B.
-#ifndef DSG_TICKETS_ACQ_REL
-#define DSG_TICKETS_ACQ_REL 1
-#endif
-constexpr bool TICKETS_ACQ_REL = DSG_TICKETS_ACQ_REL != 0;
-
 // A CTA's arrival at a ticket counter, after its global writes; true in the CTA that arrives
 // last of `expected`, which also resets the counter.  Every thread calls it; `flag` is an int of
-// the CTA's shared memory that carries thread 0's answer to the others.  The grid barrier
-// of cooperative groups orders memory the same way: the CTA barrier gathers every thread's
-// writes to thread 0, whose fence (cumulative) publishes them before its atomic; in the last
-// CTA, thread 0's atomic has seen every other CTA's, its fence and the barrier then order them
-// before every thread's loads, which must go past L1 (__ldcg: other SMs wrote the data).
+// the CTA's shared memory that carries thread 0's answer to the others.  The CTA barrier gathers
+// every thread's writes to thread 0, whose one acquire-release atomic (atom.acq_rel.gpu, cheaper
+// on the critical path than __threadfence's fence.sc around a plain atomic) publishes them; in the
+// last CTA, that atomic has seen every other CTA's, and the barrier then orders them before every
+// thread's loads, which must go past L1 (__ldcg: other SMs wrote the data).
 __device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int expected, int* flag) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    bool is_last;
-    if constexpr (TICKETS_ACQ_REL) {
-      // release: the CTA's writes (gathered by the barrier) before the add; acquire: every
-      // earlier arrival's (the adds form one release sequence) before what the last CTA reads.
-      unsigned old;
-      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
-      is_last = old == expected - 1u;
-      // The next launch to take a ticket runs after this grid has completed (stream order).
-      if (is_last) asm volatile("st.relaxed.gpu.global.u32 [%0], 0;\n" ::"l"(counter) : "memory");
-    } else {
-      __threadfence();
-      is_last = atomicAdd(counter, 1u) == expected - 1u;
-      if (is_last) {
-        atomicExch(counter, 0u);    // no other CTA of this launch touches it again
-        __threadfence();
-      }
-    }
+    // release: the CTA's writes (gathered by the barrier) before the add; acquire: every
+    // earlier arrival's (the adds form one release sequence) before what the last CTA reads.
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+    const bool is_last = old == expected - 1u;
+    // The next launch to take a ticket runs after this grid has completed (stream order).
+    if (is_last) asm volatile("st.relaxed.gpu.global.u32 [%0], 0;\n" ::"l"(counter) : "memory");
     *flag = is_last;
   }
   __syncthreads();

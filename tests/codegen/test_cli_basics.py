@@ -49,7 +49,8 @@ def _options(parser: argparse.ArgumentParser):
 # Options whose default is computed at run time (None in argparse): their help says how.
 COMPUTED = {("compile", "spec"), ("compile", "--cache-dir"), ("compile", "--jobs"), ("spec", "--output"),
             ("spec", "--name"), ("generate", "--spec"), ("generate", "--seed"), ("generate", "--backend"),
-            ("generate", "--device"), ("generate", "--dtype"), ("generate", "--max-seq-len"), ("bench", "--spec")}
+            ("generate", "--device"), ("generate", "--dtype"), ("generate", "--max-seq-len"), ("bench", "--spec"),
+            ("explain", "spec"), *((c, "--tune") for c in ("compile", "generate", "bench", "explain"))}
 
 
 def test_every_option_has_help_that_says_its_default():

@@ -12,6 +12,7 @@ from codegen import families, sizes
 from codegen.families import linear_skinny
 from codegen.kernel import KernelLaunch, LibraryCall, Options, SizeRef, StrideRef, ValueRef, WeightRef
 from codegen.lower import library_call, lower_graph
+from codegen.tuning import LinearTuning
 from ir.passes import run_pipeline
 
 MAX = linear_skinny.SKINNY_MAX_TOKENS
@@ -34,7 +35,7 @@ def test_the_kernel_serves_up_to_the_token_count_and_cublas_from_the_next_token(
         grid = sizes.evaluate(launch.grid[0], {"T": T})
         assert (grid > 0) == (T <= MAX) and (grid > 0) != call.runs_at(T), T
         assert grid in (0, (3072 + 576) // 16)
-    assert launch.block == (linear_skinny.WARPS * 32, 1, 1) and launch.smem == 0
+    assert launch.block == (LinearTuning().warps * 32, 1, 1) and launch.smem == 0
 
 
 def test_the_kernel_binds_x_its_row_stride_every_weight_and_output_in_order():

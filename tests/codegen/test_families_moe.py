@@ -18,6 +18,7 @@ from harness import single_op_graph, tiny_model  # noqa: E402
 import ir  # noqa: E402
 import ir.passes  # noqa: E402
 from codegen import families  # noqa: E402
+from codegen.tuning import SECTIONS, MoeTuning, Tuning  # noqa: E402
 from codegen.arch import kernel_target  # noqa: E402
 from codegen.kernel import KernelLaunch, Options  # noqa: E402
 from codegen.kernel import SizeRef, WorkspaceRef  # noqa: E402
@@ -65,10 +66,18 @@ def moe_graphs(E, K, G, TG, D, M, scoring, method, bias, norm, scaling):
     ]
 
 
-def lower(G, nid, dtype) -> list[KernelLaunch]:
+def lower(G, nid, dtype, tuning=None) -> list[KernelLaunch]:
     fam = families.family_for_op(G.nodes[nid]["op"])
     assert fam is not None, f"no family claims {G.nodes[nid]['op']}"
-    return fam.lower(nid, G, Options(dtype=dtype))
+    return fam.lower(nid, G, Options(dtype=dtype, tuning=tuning))
+
+
+def tuned(**sections) -> Tuning:
+    """A Tuning with these sections' knobs set: tuned(moe={"decode_wgmma": False})."""
+    return Tuning(**{k: SECTIONS[k](**v) for k, v in sections.items()})
+
+
+DECODE_WGMMA_OFF = tuned(moe={"decode_wgmma": False})
 
 
 def test_every_moe_op_has_a_family():
@@ -91,10 +100,10 @@ def test_lowering_is_deterministic_and_names_are_readable(dims):
                 assert "/work" not in src and "/home" not in src
 
 
-def test_kernel_names(monkeypatch):
-    from codegen.families import _moe
-    monkeypatch.setattr(_moe, "GEMM_WGMMA_SKINNY", False)    # the GEMV and the mma launch (then: below)
-    by_op = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "bf16")] for G, nid in moe_graphs(*DIMS["v3"])}
+def test_kernel_names():
+    # decode's wgmma off: the GEMV and the mma launch (then: below)
+    by_op = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "bf16", DECODE_WGMMA_OFF)]
+             for G, nid in moe_graphs(*DIMS["v3"])}
     assert by_op["moe_route"] == ["moe_route__bf16__d7168__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__fused_t256",
                                   "moe_route__bf16__e256_d7168__gemm",
                                   "moe_route__e256_k8__g8_tg4__sigmoid_noaux_tc__norm__rsf2p5__bias__topk",
@@ -105,7 +114,7 @@ def test_kernel_names(monkeypatch):
                                          "moe_gate_up_silu__bf16__e256_k8__m2048_d7168__wgmma"]
     assert by_op["moe_down"] == ["moe_down__bf16__e256__d7168_m2048", "moe_down__bf16__e256__d7168_m2048__mma",
                                  "moe_down__bf16__e256__d7168_m2048__wgmma"]
-    monkeypatch.setattr(_moe, "GEMM_WGMMA_SKINNY", True)     # the default: decode's wgmma in their place
+    # the default: decode's wgmma in their place
     on = {G.nodes[nid]["op"]: [x.name for x in lower(G, nid, "bf16")] for G, nid in moe_graphs(*DIMS["v3"])}
     assert on["moe_down"] == ["moe_down__bf16__e256__d7168_m2048__wgmma_skinny",
                               "moe_down__bf16__e256__d7168_m2048__wgmma_skinny_t1",     # one token
@@ -127,22 +136,20 @@ def _worst_tiles(NP: int, thr: int) -> int:
     return sum(-(-c // 128) for c in worst if c > thr)
 
 
-def test_grouped_launch_covers_every_expert_and_row(monkeypatch):
+def test_grouped_launch_covers_every_expert_and_row():
     """Exactly one of the launches runs at each T, and it covers every expert with pairs.  With
-    decode's wgmma off: the GEMV while T <= GEMV_ONLY_TOKENS (a slot per expert that can have
+    decode's wgmma off: the GEMV while T <= moe.gemv_upto (a slot per expert that can have
     pairs), the one-grid mma launch above (the same light slots, then a bound on the row tiles), up
-    to GEMM_WGMMA_TOKENS, and the wgmma launch above that (its grid: test_wgmma_lowering.py).  With
-    it on (the default): the decode wgmma up to GEMM_WGMMA_TOKENS, then the prefill wgmma."""
+    to moe.prefill_wgmma_above, and the wgmma launch above that (its grid: test_wgmma_lowering.py).
+    With it on (the default): the decode wgmma up to moe.prefill_wgmma_above, then the prefill wgmma."""
     from codegen import sizes
-    from codegen.families import _moe
-    from codegen.families._moe import GEMM_WGMMA_TOKENS, GEMV_ONLY_TOKENS
+    GEMM_WGMMA_TOKENS, GEMV_ONLY_TOKENS = MoeTuning().prefill_wgmma_above, MoeTuning().gemv_upto
     Ts = (1, 2, 3, GEMV_ONLY_TOKENS, GEMV_ONLY_TOKENS + 1, 64, 128, GEMM_WGMMA_TOKENS, GEMM_WGMMA_TOKENS + 1, 16384)
     for G, nid in moe_graphs(*DIMS["v2_lite"]):
         op = G.nodes[nid]["op"]
         if op not in ("moe_gate_up_silu", "moe_gate_up", "moe_down"):
             continue
-        monkeypatch.setattr(_moe, "GEMM_WGMMA_SKINNY", False)
-        launch, gemm, wgmma = lower(G, nid, "bf16")
+        launch, gemm, wgmma = lower(G, nid, "bf16", DECODE_WGMMA_OFF)
         p, q = launch.params, gemm.params
         assert launch.grid[1] * p["warps"] * p["rpw"] >= p["N"]
         assert p["vec"] * 2 == 16                         # 16-byte weight loads
@@ -161,7 +168,6 @@ def test_grouped_launch_covers_every_expert_and_row(monkeypatch):
                 assert mma_y >= min(64, NP) + _worst_tiles(NP, q["thr"]), (T, mma_y)
             else:
                 assert gemv_x == 0 and mma_y == 0 and wg > 0, (T, wg)
-        monkeypatch.setattr(_moe, "GEMM_WGMMA_SKINNY", True)
         skinny, *one, wgmma = lower(G, nid, "bf16")
         assert (skinny.stage, wgmma.stage) == ("wgmma_skinny", "wgmma")
         assert [o.stage for o in one] == ["wgmma_skinny_t1"] * (op == "moe_down")   # down at one token
@@ -239,20 +245,19 @@ def test_compiles_to_sm90_cubin(dims, tmp_path):
 
 
 @pytest.mark.parametrize("op", ["moe_align", "moe_route"])
-def test_parallel_align_takes_over_above_its_pair_count(op, monkeypatch):
-    """With _moe.ALIGN_PARALLEL_PAIRS set, the one-CTA align runs up to that many pairs and the
+def test_parallel_align_takes_over_above_its_pair_count(op):
+    """With moe.align_parallel_above set, the one-CTA align runs up to that many pairs and the
     count / scan / scatter launches above it (each grid 0 otherwise); the chunks cover NP, the
     scan is one CTA, and all three share one hist workspace of a row per chunk."""
     from codegen import sizes
-    from codegen.families import _moe, moe_route
-    monkeypatch.setattr(_moe, "ALIGN_PARALLEL_PAIRS", 512)
-    # moe_route aligns in its fused launch while T <= ROUTE_FUSED_TOKENS: its align launches then
+    tuning = tuned(moe={"align_parallel_above": 512})
+    # moe_route aligns in its fused launch while T <= route.fused_upto: its align launches then
     # have grid 0 (test_route_runs_one_form_at_each_t); here T is past that bound.
-    T = moe_route.ROUTE_FUSED_TOKENS + 1 if op == "moe_route" else None
+    T = tuning.route.fused_upto + 1 if op == "moe_route" else None
     for G, nid in moe_graphs(*DIMS["v2_lite"]):
         if G.nodes[nid]["op"] != op:
             continue
-        launches = [la for la in lower(G, nid, "bf16") if "align" in la.name]
+        launches = [la for la in lower(G, nid, "bf16", tuning) if "align" in la.name]
         assert [la.stage.removeprefix("align").lstrip("_") for la in launches] == ["", "count", "scan", "scatter"]
         one, count, scan, scatter = launches
         for NP in (1, 511, 512, 513, 2048, 2049, 98304):
@@ -271,17 +276,16 @@ def test_parallel_align_takes_over_above_its_pair_count(op, monkeypatch):
     raise AssertionError(f"no {op} node")
 
 
-def test_align_default_is_parallel_above_the_measured_pair_count(monkeypatch):
-    """Measured on the H200 (PERF_NOTES v10): one CTA up to 6144 pairs (1024 tokens at K 6), the
-    count / scan / scatter launches above; off (None) only the one CTA."""
-    from codegen.families import _moe
-    assert _moe.ALIGN_PARALLEL_PAIRS == 6144
+def test_align_default_is_parallel_above_the_measured_pair_count():
+    """One CTA up to 6144 pairs (1024 tokens at K 6), the count / scan / scatter launches above;
+    off (none) only the one CTA."""
+    assert MoeTuning().align_parallel_above == 6144
     for G, nid in moe_graphs(*DIMS["v2_lite"]):
         if G.nodes[nid]["op"] == "moe_route":
             assert [la.stage for la in lower(G, nid, "bf16")] == ["fused", "router_gemm", "topk", "align",
                                                                  "align_count", "align_scan", "align_scatter"]
-            monkeypatch.setattr(_moe, "ALIGN_PARALLEL_PAIRS", None)
-            assert [la.stage for la in lower(G, nid, "bf16")] == ["fused", "router_gemm", "topk", "align"]
+            off = tuned(moe={"align_parallel_above": None})
+            assert [la.stage for la in lower(G, nid, "bf16", off)] == ["fused", "router_gemm", "topk", "align"]
 
 
 # T at the bounds' edges (255, 256, 257 with the default 256), at a fused tile's (7, 8, 9) and a GEMM
@@ -313,28 +317,25 @@ def _check_gemm_grid(gemm, E, D, T, env):
 
 
 @pytest.mark.parametrize("dims", sorted(DIMS))
-@pytest.mark.parametrize("ft", ["default", None, 1, 8, 100])
+@pytest.mark.parametrize("ft", ["default", 0, 1, 8, 100])
 @pytest.mark.parametrize("gt", ["default", None, 0, 8, 300])
-def test_route_runs_one_form_at_each_t(dims, ft, gt, monkeypatch):
-    """Exactly one form of the route runs at each T: the fused launch while T <= ROUTE_FUSED_TOKENS
+def test_route_runs_one_form_at_each_t(dims, ft, gt):
+    """Exactly one form of the route runs at each T: the fused launch while T <= route.fused_upto
     (its grid covers every expert and token, and stays within its tickets' tiles), the three
-    launches above it (their grids 0 below it), their logits from the GEMV while T <= GEMM_TOKENS
+    launches above it (their grids 0 below it), their logits from the GEMV while T <= route.gemm_above
     and from the GEMM above (its grid: _check_gemm_grid); a launch whose range of T is empty is not
-    emitted.  ft None: the three launches alone, at every T; gt None: no GEMM.  The alignment is
-    the one-CTA launch up to _moe.ALIGN_PARALLEL_PAIRS pairs, count / scan / scatter above."""
+    emitted.  ft 0: the three launches alone, at every T; gt None: no GEMM.  The alignment is
+    the one-CTA launch up to moe.align_parallel_above pairs, count / scan / scatter above."""
     from codegen import sizes
-    from codegen.families import _moe, moe_route
-    ap = _moe.ALIGN_PARALLEL_PAIRS
+    ap = MoeTuning().align_parallel_above
     parallel = ["align_count", "align_scan", "align_scatter"] if ap is not None else []
-    if ft != "default":
-        monkeypatch.setattr(moe_route, "ROUTE_FUSED_TOKENS", ft)
-    if gt != "default":
-        monkeypatch.setattr(moe_route, "GEMM_TOKENS", gt)
-    ft, gt = moe_route.ROUTE_FUSED_TOKENS, moe_route.GEMM_TOKENS
+    knobs = {**({} if ft == "default" else {"fused_upto": ft}), **({} if gt == "default" else {"gemm_above": gt})}
+    tuning = tuned(route=knobs)
+    ft, gt = tuning.route.fused_upto or None, tuning.route.gemm_above
     E, K, D = DIMS[dims][0], DIMS[dims][1], DIMS[dims][4]
     G, nid = moe_graphs(*DIMS[dims])[0]
-    launches = lower(G, nid, "bf16")
-    gemv = gt is None or ft is None or gt > ft
+    launches = lower(G, nid, "bf16", tuning)
+    gemv = gt is None or gt > (ft or 0)
     assert [la.stage for la in launches] == ((["fused"] if ft is not None else []) + (["router_gemv"] if gemv else [])
                                              + (["router_gemm"] if gt is not None else []) + ["topk", "align"]
                                              + parallel)
@@ -406,7 +407,7 @@ def test_route_of_shipped_specs_compiles_without_spills():
     """Every route kernel of the shipped specs builds for sm_90 with no spills; where cuobjdump is
     installed, each waits for the previous kernel and lets the next one launch (PDL: griddepcontrol
     is ACQBULK / PREEXIT in SASS), and the fused one takes its tickets with acquire-release global
-    atomics (MEMBAR.ALL.GPU, no fence.sc's MEMBAR.SC.GPU: tickets.cuh, PERF_NOTES v23) and reads
+    atomics (MEMBAR.ALL.GPU, no fence.sc's MEMBAR.SC.GPU: tickets.cuh) and reads
     the logits and ids that other CTAs wrote past L1 (LDG.E.STRONG.GPU, not the read-only path); the
     router GEMM is fp32 FFMA fed by 16-byte shared loads, with the same tickets for its split of D."""
     _nvrtc_or_skip()

@@ -1,4 +1,4 @@
-"""The tensor-core prefill attention's variants (mla_prefill_attention.TC_VARIANT): v2 at its default
+"""The tensor-core prefill attention's tiles (Tuning.attention.prefill_tile): v2 at its default
 tile is what bf16 / fp16 lower to; each MlaPrefillTC2 tile lowers to its own kernel name,
 its shared-memory size agrees with the template's static_assert (NVRTC, sm_90, on the CPU), and at
 V2-Lite's dims it runs on HMMA without register spills."""
@@ -22,6 +22,7 @@ from codegen.families import mla_prefill_attention as fam  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
 from codegen.nvrtc import compile_cubin  # noqa: E402
 from codegen.render import render_launch  # noqa: E402
+from codegen.tuning import AttentionTuning, Tuning, TuningError  # noqa: E402
 from ir.ops import TType  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,27 +43,28 @@ def _graph(name: str):
                                                             "kr": a(R)}, {})
 
 
-def _lower(name: str, dtype: str, variant: str, monkeypatch):
+DEFAULT_TILE = AttentionTuning().prefill_tile
+
+
+def _lower(name: str, dtype: str, variant: str):
     G, nid = _graph(name)
-    monkeypatch.setattr(fam, "TC_VARIANT", variant)
-    (launch,) = fam.lower(nid, G, Options(dtype=dtype))
+    tuning = Tuning(attention=AttentionTuning(prefill_tile=variant))
+    (launch,) = fam.lower(nid, G, Options(dtype=dtype, tuning=tuning))
     return launch
 
 
-def test_v2_is_the_default_and_the_first_version_is_gone(monkeypatch):
-    # v2 at its default tile measured fastest at 1x2048 on the H200 (docs/PERF_NOTES.md, v11); the
-    # first tensor-core kernel (v1, MlaPrefillTC) was slower at every shape and was removed
-    assert fam.TC_VARIANT == "v2"
+def test_the_default_tile_and_a_tile_the_tuning_refuses():
+    # the default tile measured fastest at 1x2048 on the H200
+    assert DEFAULT_TILE == "v2_m64n64w16q"
     G, nid = _graph("lite")
     (default,) = fam.lower(nid, G, Options(dtype="bf16"))
     assert default.name == "mla_prefill_attention__bf16__h16_n128_r64_v128__mma__v2_m64n64w16q"
-    assert default.block == (128, 1, 1) and default.params["tc2"]["name"] == fam.TC2_DEFAULT
-    with pytest.raises(LoweringError, match="expected 'v2'"):
-        _lower("lite", "bf16", "v1", monkeypatch)
+    assert default.block == (128, 1, 1) and default.params["tc2"]["name"] == DEFAULT_TILE
+    with pytest.raises(TuningError, match="attention.prefill_tile 'v1'"):
+        _lower("lite", "bf16", "v1")
 
 
 def test_variant_spellings():
-    assert fam.tc_variant("v2") == fam.tc_variant(fam.TC2_DEFAULT)
     t = fam.tc_variant("v2_m128n32w32sb2")
     assert (t.bm, t.bn, t.wm, t.qreg, t.minb, t.threads) == (128, 32, 32, False, 2, 128)
     assert t.name == "v2_m128n32w32sb2"
@@ -71,20 +73,20 @@ def test_variant_spellings():
             fam.tc_variant(bad)
 
 
-def test_fp32_ignores_the_variant(monkeypatch):
-    launch = _lower("lite", "fp32", "v2", monkeypatch)
+def test_fp32_ignores_the_variant():
+    launch = _lower("lite", "fp32", DEFAULT_TILE)
     assert "mma" not in launch.name and "tc2" not in launch.params
 
 
 @pytest.mark.parametrize("name,dtype,variant", [
-    ("lite", "bf16", "v2"),
+    ("lite", "bf16", DEFAULT_TILE),
     ("lite", "fp16", "v2_m128n32w32s"),
     ("lite", "bf16", "v2_m64n32w16qb3"),
-    ("odd", "fp16", "v2"),
+    ("odd", "fp16", DEFAULT_TILE),
     ("odd", "bf16", "v2_m64n32w32s"),
 ])
-def test_tc2_compiles(name, dtype, variant, monkeypatch):
-    launch = _lower(name, dtype, variant, monkeypatch)
+def test_tc2_compiles(name, dtype, variant):
+    launch = _lower(name, dtype, variant)
     tile = fam.tc_variant(variant)
     assert launch.name.endswith(f"__mma__{tile.name}")
     assert launch.block == (tile.threads, 1, 1) and launch.grid[0] == f"cdiv(MAXQ, {tile.bm})"

@@ -1,7 +1,7 @@
 """The grouped expert GEMM compiles to the instructions it was written for (sm_90, NVRTC on the
 CPU): tensor-core HMMA fed by 16-byte cp.async (LDGSTS, L2 128-byte hint) and ldmatrix (LDSM), no register spills,
 and the swapped few-pairs tiles (moe_grouped.cuh 4c) add tensor-core code of their own.  The wgmma variant
-(sm_90a, moe_wgmma.cuh; off by default) is HGMMA fed by TMA boxes and gathering cp.async copies on
+(sm_90a, moe_wgmma.cuh) is HGMMA fed by TMA boxes and gathering cp.async copies on
 mbarriers, with its registers moved between warpgroups, without spills.  Decode's fused expert FFN
 (moe_expert_ffn.cuh) reads its weight boxes under an L2 evict_first policy and stores the outputs
 of its tiles of 32+ pairs in 16-byte chunks, with a publisher warp beside its two warpgroups."""
@@ -18,25 +18,22 @@ from sass import cuobjdump, instructions, opcodes  # noqa: E402
 from test_families_moe import DIMS, lower, moe_graphs  # noqa: E402
 
 from codegen import families  # noqa: E402
-from codegen.families import _moe  # noqa: E402
 from codegen.families._moe import gemm_launch_smem  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
 from codegen.nvrtc import KernelCompileError, compile_cubin  # noqa: E402
 from codegen.render import render_launch  # noqa: E402
+from codegen.tuning import MoeTuning, Tuning  # noqa: E402
 
 pytestmark = pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
 
 
 def _mma_launch(op: str):
     """The mma launch, as a target without decode's wgmma (fp32 aside: odd KD, non-9.0 targets) has it."""
-    saved, _moe.GEMM_WGMMA_SKINNY = _moe.GEMM_WGMMA_SKINNY, False
-    try:
-        for G, nid in moe_graphs(*DIMS["v2_lite"]):
-            if G.nodes[nid]["op"] == op:
-                (launch,) = [la for la in lower(G, nid, "bf16") if la.stage == "mma"]
-                return launch
-    finally:
-        _moe.GEMM_WGMMA_SKINNY = saved
+    for G, nid in moe_graphs(*DIMS["v2_lite"]):
+        if G.nodes[nid]["op"] == op:
+            (launch,) = [la for la in lower(G, nid, "bf16", Tuning(moe=MoeTuning(decode_wgmma=False)))
+                         if la.stage == "mma"]
+            return launch
     raise AssertionError(op)
 
 
@@ -62,19 +59,7 @@ def test_grouped_gemm_runs_on_tensor_cores_without_spills(op):
     assert ops["HMMA.16816.F32.BF16"] > without["HMMA.16816.F32.BF16"]
 
 
-@pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_down"])
-def test_bulk_copy_variant_compiles_to_bulk_copies(op):
-    """The swapped tiles' bulk-copy variant (_moe.SKINNY_BULK, off until measured on the H200)
-    copies rows with UBLKCP and waits on mbarriers, without spills."""
-    launch = _mma_launch(op)
-    res, ops = _compile(dataclasses.replace(launch, params={**launch.params, "bulk": True}))
-    assert ops["UBLKCP.S.G"] > 0, sorted(ops)
-    assert ops["SYNCS.PHASECHK.TRANS64.TRYWAIT"] > 0, "stages are waited for on their mbarrier"
-    assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
-
-
-def _wgmma_launch(op: str, dtype: str, monkeypatch):
-    monkeypatch.setattr(_moe, "GEMM_WGMMA_TOKENS", 256)
+def _wgmma_launch(op: str, dtype: str):
     for G, nid in moe_graphs(*DIMS["v2_lite"]):
         if G.nodes[nid]["op"] == op:
             launches = families.family_for_op(op).lower(nid, G, Options(dtype=dtype))
@@ -85,12 +70,12 @@ def _wgmma_launch(op: str, dtype: str, monkeypatch):
 
 @pytest.mark.parametrize("op,dtype", [("moe_gate_up_silu", "bf16"), ("moe_down", "bf16"), ("moe_gate_up_silu", "fp16"),
                                       ("moe_gate_up", "bf16")])
-def test_wgmma_variant_is_hgmma_fed_by_tma_and_gathering_copies(op, dtype, monkeypatch):
-    """_moe.GEMM_WGMMA_TOKENS (off until measured on the H200): 4 HGMMA 64x256x16 per K slice,
+def test_wgmma_variant_is_hgmma_fed_by_tma_and_gathering_copies(op, dtype):
+    """The prefill wgmma (above moe.prefill_wgmma_above tokens): 4 HGMMA 64x256x16 per K slice,
     the weights as 3-D TMA boxes, the pair rows as 16-byte cp.async reported to the stage's
     mbarrier, warpgroup register reallocation; no mma.sync fall-back, no spills, registers within
     the 168 a 384-thread CTA has at launch."""
-    launch = _wgmma_launch(op, dtype, monkeypatch)
+    launch = _wgmma_launch(op, dtype)
     res = compile_cubin(render_launch(launch), launch.name, arch="sm_90a", options=("--ptxas-options=-v",))
     ops = opcodes(res.cubin)
     assert ops["HGMMA.64x256x16.F32" + (".BF16" if dtype == "bf16" else "")] == 4, sorted(ops)   # fp16 has no suffix
@@ -106,9 +91,9 @@ def test_wgmma_variant_is_hgmma_fed_by_tma_and_gathering_copies(op, dtype, monke
     assert used <= 168, res.log
 
 
-def test_wgmma_variant_needs_the_sm90a_target(monkeypatch):
+def test_wgmma_variant_needs_the_sm90a_target():
     """wgmma.cuh refuses a plain sm_90 build with one clear error (the lowering never asks for one)."""
-    launch = _wgmma_launch("moe_down", "bf16", monkeypatch)
+    launch = _wgmma_launch("moe_down", "bf16")
     with pytest.raises(KernelCompileError, match="sm_90a"):
         compile_cubin(render_launch(launch), launch.name, arch="sm_90")
 

@@ -20,6 +20,7 @@ The planted kernels at the end prove the check catches each way of breaking it.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -34,10 +35,10 @@ from tiny import ROOT  # noqa: E402
 
 from codegen import families  # noqa: E402
 from codegen.bundle import compile_kernels, disambiguate, plan_spec, unique_kernels  # noqa: E402
-from codegen.families import _moe  # noqa: E402
 from codegen.kernel import DEFAULTS  # noqa: E402
 from codegen.nvrtc import compile_cubin  # noqa: E402
 from codegen.render import include_closure  # noqa: E402
+from codegen.tuning import MoeTuning, Tuning  # noqa: E402
 
 pytestmark = pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
 
@@ -57,13 +58,13 @@ WEIGHT_LOADS_BEFORE_WAIT: frozenset = frozenset({"mla_decode_query", "mla_v_up",
 TWO_BACK_LOADS_BEFORE_WAIT: frozenset = frozenset({"moe_down"})
 # Families whose kernels read before pdl_wait() the step's inputs and the KV-cache rows of earlier
 # steps (pdl.cuh's third allowance; loads only, as for weights): the decode attention's first tiles
-# (mla_decode.cuh DSG_DECODE_ROWS_BEFORE_WAIT; test_sass_decode_rows_before_wait.py, and on the GPU
+# (mla_decode.cuh; test_sass_decode_prefetch.py, and on the GPU
 # tests/gpu/test_kernels_mla.py's race test, check that this step's rows wait).
 STEP_INPUTS_BEFORE_WAIT: frozenset = frozenset({"mla_decode_attention"})
 # Families whose kernels, besides TWO_BACK_LOADS_BEFORE_WAIT's loads, gather rows that the kernel two
 # launches back wrote with L2-only cp.async (LDGSTS.E.BYPASS: cp.async.cg) before pdl_wait():
 # decode's gate / up runs a shared expert's tile's K loop before its wait, its weight boxes by TMA
-# and its pair rows (x, the route's input) gathered (moe_wgmma_skinny.cuh SH_WHOLE); it stores after.
+# and its pair rows (x, the route's input) gathered (moe_wgmma_skinny.cuh SH); it stores after.
 TWO_BACK_GATHERS_BEFORE_WAIT: frozenset = frozenset({"moe_gate_up_silu", "moe_gate_up"})
 
 _EXITS = ("EXIT", "RET", "KILL", "BRX", "JMX", "CALL", "JMP")
@@ -131,21 +132,21 @@ def _pdl_sources(plans_list) -> dict:
     return out
 
 
-def _plans_after(spec: str, passes: list) -> dict:
+def _plans_after(spec: str, passes: list, opts=DEFAULTS) -> dict:
     """The phases lowered after `passes` (none: straight from the graph builder)."""
     import ir
     from codegen.lower import lower_graph
     from ir.passes import run_pipeline
     text = (ROOT / "model_specs" / f"{spec}.yaml").read_text()
     parsed = ir.parse_spec(text, f"{spec}.yaml")
-    return disambiguate({ph: lower_graph(run_pipeline(ir.build_graph(parsed, ph), passes), DEFAULTS, strict=False)
+    return disambiguate({ph: lower_graph(run_pipeline(ir.build_graph(parsed, ph), passes), opts, strict=False)
                          for ph in ("prefill", "decode")})
 
 
-def _unfused_plans(spec: str) -> dict:
+def _unfused_plans(spec: str, opts=DEFAULTS) -> dict:
     """No passes: the families the pipeline fuses away (add, moe_topk, moe_align, moe_gate_up,
     moe_combine) lower here."""
-    return _plans_after(spec, [])
+    return _plans_after(spec, [], opts)
 
 
 def _partly_fused_plans(spec: str) -> dict:
@@ -163,23 +164,19 @@ def _key(k) -> str:
 def _problems(case: str) -> dict:
     """(kernel name, template, params) -> (family, problem or None) of every PDL kernel of one case;
     "unfused" and "variants" compile only what the V2-Lite cases before them did not."""
-    saved = _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK, _moe.GEMM_WGMMA_SKINNY
     lite = ROOT / "model_specs" / "deepseek_v2_lite.yaml"
     seen: dict = {}
-    try:
-        if case == "unfused":
-            seen = _problems("deepseek_v2_lite")
-            plans = [_unfused_plans("deepseek_v2_lite"), _partly_fused_plans("deepseek_v2_lite")]
-        elif case == "variants":   # the parallel align below its default bound; the GEMV and the mma
-            # launch (decode's wgmma off: they serve fp32, odd KD, other targets), with the bulk-copy tiles
-            seen = {**_problems("deepseek_v2_lite"), **_problems("unfused")}
-            _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK, _moe.GEMM_WGMMA_SKINNY = 512, True, False
-            plans = [_unfused_plans("deepseek_v2_lite"), plan_spec(str(lite), DEFAULTS).plans]
-        else:
-            plans = [plan_spec(str(ROOT / "model_specs" / f"{case}.yaml"), DEFAULTS).plans]
-        sources = [k for k in _pdl_sources(plans).values() if _key(k) not in seen]
-    finally:
-        _moe.ALIGN_PARALLEL_PAIRS, _moe.SKINNY_BULK, _moe.GEMM_WGMMA_SKINNY = saved
+    if case == "unfused":
+        seen = _problems("deepseek_v2_lite")
+        plans = [_unfused_plans("deepseek_v2_lite"), _partly_fused_plans("deepseek_v2_lite")]
+    elif case == "variants":   # the parallel align below its default bound; the GEMV and the mma
+        # launch (decode's wgmma off: they serve fp32, odd KD, other targets)
+        seen = {**_problems("deepseek_v2_lite"), **_problems("unfused")}
+        opts = dataclasses.replace(DEFAULTS, tuning=Tuning(moe=MoeTuning(align_parallel_above=512, decode_wgmma=False)))
+        plans = [_unfused_plans("deepseek_v2_lite", opts), plan_spec(str(lite), opts).plans]
+    else:
+        plans = [plan_spec(str(ROOT / "model_specs" / f"{case}.yaml"), DEFAULTS).plans]
+    sources = [k for k in _pdl_sources(plans).values() if _key(k) not in seen]
     cubins = compile_kernels(sources, "sm_90", jobs=2)
     out = {}
     for k in sources:

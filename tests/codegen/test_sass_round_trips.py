@@ -1,6 +1,6 @@
 """At one token the small kernels of a decode layer are latency: after their PDL wait, each memory
 round trip they wait for in turn adds to the step.  These kernels issue every load their result
-needs before the first instruction that waits on one (PERF_NOTES v25, v31).  Compiled with NVRTC on
+needs before the first instruction that waits on one.  Compiled with NVRTC on
 the CPU from the committed goldens (V2-Lite, and V3's combine)."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The wgmma + TMA grouped expert GEMM (moe_wgmma.cuh, codegen/families/_moe_wgmma.py) as a
-lowering choice, on the CPU: off by default; where switched on, only for compute-capability-9.0
+lowering choice, on the CPU: on by default above Tuning.moe.prefill_wgmma_above tokens, only for compute-capability-9.0
 targets (sm_90, sm_90a), 16-bit activations and 16-byte rows; it takes every T above its threshold
 from the mma launch, with a persistent grid that covers every row tile; its weights are tensor
 maps, which the manifest carries and reads back; it requires sm_90a, so a bundle builds that kernel
@@ -21,34 +21,29 @@ from test_families_moe import DIMS, moe_graphs  # noqa: E402
 import codegen.nvrtc as nvrtc  # noqa: E402
 from codegen import arch, families, sizes  # noqa: E402
 from codegen.bundle import BundleError, check_compatible, compile_bundle, load_manifest  # noqa: E402
-from codegen.families import _moe, _moe_wgmma  # noqa: E402
+from codegen.families import _moe_wgmma  # noqa: E402
 from codegen.families.mla_decode_attention import smem_limit  # noqa: E402
 from codegen.kernel import (DEFAULTS, TENSOR_MAP_CTYPE, Arg, KernelLaunch, Options, TensorMapRef,  # noqa: E402
                             WeightRef, ref_from_json, ref_to_json)
 from codegen.manifest import step_from_json, step_to_json  # noqa: E402
+from codegen.tuning import MoeTuning, Tuning  # noqa: E402
 from tiny import write_tiny_spec  # noqa: E402
 
 GROUPED = ("moe_gate_up_silu", "moe_gate_up", "moe_down")
 
 
-def _lower(G, nid, dtype="bf16", target="sm_90"):
-    return families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(arch=target, dtype=dtype))
+# These tests are the prefill wgmma's place beside the GEMV and the mma launch; decode's wgmma (on by
+# default, which takes both their token ranges) has its own: test_wgmma_skinny_lowering.py.
+PREFILL_ONLY = Tuning(moe=MoeTuning(decode_wgmma=False))
+WGMMA_OFF = Tuning(moe=MoeTuning(decode_wgmma=False, prefill_wgmma_above=None))
+
+
+def _lower(G, nid, dtype="bf16", target="sm_90", tuning=PREFILL_ONLY):
+    return families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(arch=target, dtype=dtype, tuning=tuning))
 
 
 def _grouped(dims="v2_lite"):
     return [(G, nid) for G, nid in moe_graphs(*DIMS[dims]) if G.nodes[nid]["op"] in GROUPED]
-
-
-@pytest.fixture(autouse=True)
-def decode_wgmma_off(monkeypatch):
-    """These tests are the prefill wgmma's place beside the GEMV and the mma launch; decode's wgmma
-    (on by default, which takes both their token ranges) has its own: test_wgmma_skinny_lowering.py."""
-    monkeypatch.setattr(_moe, "GEMM_WGMMA_SKINNY", False)
-
-
-@pytest.fixture
-def wgmma_on(monkeypatch):
-    monkeypatch.setattr(_moe, "GEMM_WGMMA_TOKENS", 256)
 
 
 def test_arch_features_and_targets(monkeypatch):
@@ -65,9 +60,9 @@ def test_arch_features_and_targets(monkeypatch):
 
 
 def test_on_by_default_for_compute_capability_90_only():
-    """Measured on the H200 (PERF_NOTES v10): the default lowering hands prefill's token counts to
-    the wgmma launch on sm_90 / sm_90a targets, and nowhere else; off (None) it holds none."""
-    assert _moe.GEMM_WGMMA_TOKENS == 256
+    """The default lowering hands prefill's token counts to the wgmma launch on sm_90 / sm_90a
+    targets, and nowhere else; off (None) it holds none."""
+    assert MoeTuning().prefill_wgmma_above == 256
     for G, nid in _grouped():
         for target in ("sm_90", "sm_90a"):
             assert [la.stage for la in _lower(G, nid, target=target)] == ["gemv", "mma", "wgmma"]
@@ -75,14 +70,13 @@ def test_on_by_default_for_compute_capability_90_only():
             assert [la.stage for la in _lower(G, nid, target=target)] == ["gemv", "mma"]
 
 
-def test_off_holds_no_wgmma_launch(monkeypatch):
-    monkeypatch.setattr(_moe, "GEMM_WGMMA_TOKENS", None)
+def test_off_holds_no_wgmma_launch():
     for G, nid in _grouped():
         for target in ("sm_90", "sm_90a"):
-            assert [la.stage for la in _lower(G, nid, target=target)] == ["gemv", "mma"]
+            assert [la.stage for la in _lower(G, nid, target=target, tuning=WGMMA_OFF)] == ["gemv", "mma"]
 
 
-def test_only_for_compute_capability_90_16bit_and_whole_16_byte_rows(wgmma_on):
+def test_only_for_compute_capability_90_16bit_and_whole_16_byte_rows():
     for G, nid in _grouped():
         for target in ("sm_80", "sm_100"):
             assert [la.stage for la in _lower(G, nid, target=target)] == ["gemv", "mma"]
@@ -103,7 +97,7 @@ def _worst_row_tiles(NP: int, E: int) -> int:
         [129] * (NP // 129) + ([NP % 129] if NP % 129 else []) if NP // 129 < E else [NP]))
 
 
-def test_more_experts_than_a_ctas_shared_memory_holds_keep_the_mma_launch(wgmma_on):
+def test_more_experts_than_a_ctas_shared_memory_holds_keep_the_mma_launch():
     """The ring + epilogue staging take 225 KB; the row-tile table 4 bytes an expert more: V3's 256
     experts fit, ~500 would not, and such a spec keeps mma.sync (no kernel that cannot launch)."""
     assert _moe_wgmma.smem(_moe_wgmma.STAGES) + _moe_wgmma.static_smem(256) <= smem_limit("sm_90a")
@@ -114,8 +108,8 @@ def test_more_experts_than_a_ctas_shared_memory_holds_keep_the_mma_launch(wgmma_
             assert [la.stage for la in _lower(G, nid)] == ["gemv", "mma"], G.nodes[nid]["op"]
 
 
-def test_one_launch_runs_at_each_T_and_the_wgmma_grid_covers_every_tile(wgmma_on):
-    thr = _moe_wgmma.threshold()
+def test_one_launch_runs_at_each_T_and_the_wgmma_grid_covers_every_tile():
+    thr = PREFILL_ONLY.moe.prefill_wgmma_above
     for G, nid in _grouped():
         gemv, mma, wg = _lower(G, nid)
         p = wg.params
@@ -135,7 +129,7 @@ def test_one_launch_runs_at_each_T_and_the_wgmma_grid_covers_every_tile(wgmma_on
                 assert ncols * (6 * T // 128 + min(64, 6 * T)) >= ncols * _worst_row_tiles(6 * T, 64)
 
 
-def test_weights_are_tensor_maps_and_the_manifest_reads_them_back(wgmma_on):
+def test_weights_are_tensor_maps_and_the_manifest_reads_them_back():
     for G, nid in _grouped():
         gemv, mma, wg = _lower(G, nid)
         weights = [a for a in mma.args if isinstance(a.ref, WeightRef)]
@@ -169,7 +163,6 @@ def test_lowering_refuses_a_kernel_whose_target_lacks_its_features(monkeypatch):
 def test_a_bundle_records_what_its_kernels_need_and_is_refused_where_they_cannot_run(tmp_path, monkeypatch):
     """dsgraph compile's default target (sm_90) with the variant on: the wgmma kernels alone are
     built for sm_90a and say so; a device of another compute capability refuses the bundle."""
-    monkeypatch.setattr(_moe, "GEMM_WGMMA_TOKENS", 256)
     built: dict = {}
 
     def fake(src, name, **kw):
@@ -177,7 +170,8 @@ def test_a_bundle_records_what_its_kernels_need_and_is_refused_where_they_cannot
         return nvrtc.CompileResult(cubin=b"CUBIN", log="")
     monkeypatch.setattr(nvrtc, "compile_cubin", fake)
     spec = write_tiny_spec(tmp_path / "tiny.yaml")
-    res = compile_bundle(spec, tmp_path / "b", cache_dir=tmp_path / "c", strict=False, progress=False)
+    res = compile_bundle(spec, tmp_path / "b", cache_dir=tmp_path / "c", strict=False, progress=False,
+                         tuning=PREFILL_ONLY)
     m = load_manifest(res.path)
     assert m["arch"] == "sm_90" and m["features"] == ["sm_90a"]
     needs = sorted(n for n, k in m["kernels"].items() if k.get("requires") == ["sm_90a"])
@@ -190,9 +184,8 @@ def test_a_bundle_records_what_its_kernels_need_and_is_refused_where_they_cannot
     msg = str(info.value)
     assert "\n" not in msg and "needs sm_90a" in msg and needs[0] in msg and "this device (sm_100)" in msg
     assert "--arch sm_100" in msg
-    # the default bundle (variant off) names no features: it is what it was (another cache: the
-    # switch is in the compiler's source, which the key covers, but monkeypatching leaves that be)
-    monkeypatch.setattr(_moe, "GEMM_WGMMA_TOKENS", None)
-    plain = compile_bundle(spec, tmp_path / "p", cache_dir=tmp_path / "c2", strict=False, progress=False)
+    # a bundle without the wgmma kernels names no features
+    plain = compile_bundle(spec, tmp_path / "p", cache_dir=tmp_path / "c", strict=False, progress=False,
+                           tuning=WGMMA_OFF)
     mp = load_manifest(plain.path)
     assert mp["arch"] == "sm_90" and "features" not in mp and not any("requires" in k for k in mp["kernels"].values())

@@ -19,16 +19,21 @@ from sass import cuobjdump, opcodes  # noqa: E402
 from test_families_moe import DIMS, moe_graphs  # noqa: E402
 
 from codegen import families, sizes  # noqa: E402
-from codegen.families import _moe, _moe_wgmma, _moe_wgmma_skinny  # noqa: E402
+from codegen.families import _moe_wgmma_skinny  # noqa: E402
 from codegen.kernel import Options, TensorMapRef, WeightRef  # noqa: E402
 from codegen.nvrtc import KernelCompileError, compile_cubin  # noqa: E402
 from codegen.render import render_launch  # noqa: E402
+from codegen.tuning import MoeTuning, Tuning  # noqa: E402
 
 GROUPED = ("moe_gate_up_silu", "moe_gate_up", "moe_down")
 
 
-def _lower(G, nid, dtype="bf16", target="sm_90"):
-    return families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(arch=target, dtype=dtype))
+def _moe(**knobs) -> Tuning:
+    return Tuning(moe=MoeTuning(**knobs))
+
+
+def _lower(G, nid, dtype="bf16", target="sm_90", tuning=Tuning()):
+    return families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(arch=target, dtype=dtype, tuning=tuning))
 
 
 def _grouped(dims="v2_lite"):
@@ -40,7 +45,7 @@ def _stages(G, nid, **kw):
 
 
 def _decode_stages(G, nid):
-    """wgmma_skinny, and down's one-token launch (ONE_TOKEN_DOWN_STAGES) after it."""
+    """wgmma_skinny, and down's one-token launch (moe.one_token_down_stages) after it."""
     return ["wgmma_skinny", *[ONE] * (G.nodes[nid]["op"] == "moe_down")]
 
 
@@ -48,7 +53,7 @@ ONE = _moe_wgmma_skinny.ONE_TOKEN_STAGE
 
 
 def test_on_by_default_for_compute_capability_90_16bit_and_whole_16_byte_rows():
-    assert _moe.GEMM_WGMMA_SKINNY and _moe_wgmma_skinny.FROM_TOKENS == 0
+    assert MoeTuning().decode_wgmma and MoeTuning().decode_wgmma_from == 0
     for G, nid in _grouped():
         for target in ("sm_90", "sm_90a"):
             assert _stages(G, nid, target=target) == [*_decode_stages(G, nid), "wgmma"]
@@ -62,18 +67,16 @@ def test_on_by_default_for_compute_capability_90_16bit_and_whole_16_byte_rows():
                       "moe_down": ["gemv", "mma"]}
 
 
-def test_without_the_one_token_launch_down_keeps_one_launch(monkeypatch):
-    """ONE_TOKEN_DOWN_STAGES at STAGES (or 0): down's one launch takes every T of its range."""
+def test_without_the_one_token_launch_down_keeps_one_launch():
+    """moe.one_token_down_stages at STAGES (or 0): down's one launch takes every T of its range."""
     for st in (0, _moe_wgmma_skinny.STAGES):
-        monkeypatch.setattr(_moe_wgmma_skinny, "ONE_TOKEN_DOWN_STAGES", st)
         for G, nid in _grouped():
-            assert _stages(G, nid) == ["wgmma_skinny", "wgmma"]
+            assert _stages(G, nid, tuning=_moe(one_token_down_stages=st)) == ["wgmma_skinny", "wgmma"]
 
 
-def test_off_keeps_the_gemv_and_the_mma_launch(monkeypatch):
-    monkeypatch.setattr(_moe, "GEMM_WGMMA_SKINNY", False)
+def test_off_keeps_the_gemv_and_the_mma_launch():
     for G, nid in _grouped():
-        assert _stages(G, nid) == ["gemv", "mma", "wgmma"]
+        assert _stages(G, nid, tuning=_moe(decode_wgmma=False)) == ["gemv", "mma", "wgmma"]
 
 
 def _worst_tiles(NP: int, E: int, bp: int = 64) -> int:
@@ -86,12 +89,12 @@ def _worst_tiles(NP: int, E: int, bp: int = 64) -> int:
 
 
 @pytest.mark.parametrize("from_tokens", [0, 8])
-def test_one_launch_runs_at_each_T_and_the_grid_covers_every_tile(monkeypatch, from_tokens):
-    """FROM_TOKENS 0 (the default): no GEMV; 8: the GEMV keeps T <= 8 (perf_moe's ts8_wgs)."""
-    monkeypatch.setattr(_moe_wgmma_skinny, "FROM_TOKENS", from_tokens)
-    upper = _moe_wgmma.threshold()
+def test_one_launch_runs_at_each_T_and_the_grid_covers_every_tile(from_tokens):
+    """moe.decode_wgmma_from 0 (the default): no GEMV; 8: the GEMV keeps T <= 8."""
+    tuning = _moe(decode_wgmma_from=from_tokens)
+    upper = tuning.moe.prefill_wgmma_above
     for G, nid in _grouped():
-        launches = _lower(G, nid)
+        launches = _lower(G, nid, tuning=tuning)
         by = {la.stage: la for la in launches}
         one = ONE in by
         assert one == (G.nodes[nid]["op"] == "moe_down" and not from_tokens)
@@ -103,7 +106,7 @@ def test_one_launch_runs_at_each_T_and_the_grid_covers_every_tile(monkeypatch, f
         assert 2 * (sk.smem + _moe_wgmma_skinny.static_smem(p["E"]) + 1024) <= 228 * 1024   # two CTAs an SM
         if one:   # the deeper ring, one CTA an SM, the same operands, kernel and tile
             t1 = by[ONE]
-            st = _moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES
+            st = tuning.moe.one_token_down_stages
             assert t1.smem == t1.params["smem"] == st * (128 + 64) * 64 * 2 + 1024 and st > 4
             assert t1.smem + _moe_wgmma_skinny.static_smem(p["E"], st) + 1024 <= 228 * 1024 < 2 * t1.smem
             assert t1.args == sk.args and t1.template == sk.template and t1.requires == sk.requires
@@ -174,8 +177,8 @@ def test_compiles_to_hgmma_fed_by_tma_and_gathering_copies(op, dtype):
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
 @pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_down"])
-def test_the_staged_epilogue_compiles_to_whole_chunk_stores_without_spills(op, monkeypatch):
-    """The epilogue through shared memory (moe_wgmma_skinny.cuh; `_moe_wgmma_skinny.STAGED_FROM_BP`,
+def test_the_staged_epilogue_compiles_to_whole_chunk_stores_without_spills(op):
+    """The epilogue through shared memory (moe_wgmma_skinny.cuh; `moe.decode_staged_from`,
     0 in these two launches, which serve 1-3 tokens; the fused launch's is on) is rendered into
     the kernel's source and, on from 32 pairs, compiles to 2-byte shared stores, 16-byte shared loads and 16-byte global stores, no
     spills, at most 128 registers; off, the kernel has no 16-byte global store at all."""
@@ -184,37 +187,12 @@ def test_the_staged_epilogue_compiles_to_whole_chunk_stores_without_spills(op, m
             continue
         kernels = {}
         for staged in (0, 32):
-            monkeypatch.setattr(_moe_wgmma_skinny, "STAGED_FROM_BP", staged)
-            (sk,) = [la for la in _lower(G, nid) if la.stage == "wgmma_skinny"]
+            (sk,) = [la for la in _lower(G, nid, tuning=_moe(decode_staged_from=staged)) if la.stage == "wgmma_skinny"]
             src = render_launch(sk)
             assert f"#define DSG_WS_STAGED_FROM_BP {staged}" in src
             assert ("__st32__" in sk.name) == bool(staged), sk.name   # other code, another name
             kernels[staged] = compile_cubin(src, sk.name, arch="sm_90a", options=("--ptxas-options=-v",))
         off, on, res = opcodes(kernels[0].cubin), opcodes(kernels[32].cubin), kernels[32]
         assert off["STG.E.128"] == 0 and on["STG.E.128"] > 0 and on["LDS.128"] > 0 and on["STS.U16"] > 0, sorted(on)
-        assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
-        assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 128, res.log
-
-
-@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
-@pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_down"])
-def test_activations_kept_in_l2_is_a_rendered_switch_that_compiles_without_spills(op, monkeypatch):
-    """`_moe_wgmma_skinny.ACT_EVICT_LAST` (off until a GPU A/B) is rendered into the kernel's source
-    (`#define DSG_WS_ACT_EVICT_LAST`), gives the kernel its own name (`__al__`) and other code, and
-    on it compiles without spills at most 128 registers, its 16-byte gathers still cp.async."""
-    for G, nid in _grouped():
-        if G.nodes[nid]["op"] != op:
-            continue
-        kernels = {}
-        for on in (False, True):
-            monkeypatch.setattr(_moe_wgmma_skinny, "ACT_EVICT_LAST", on)
-            (sk,) = [la for la in _lower(G, nid) if la.stage == "wgmma_skinny"]
-            src = render_launch(sk)
-            assert f"#define DSG_WS_ACT_EVICT_LAST {int(on)}" in src
-            assert ("__al__" in sk.name) == on, sk.name
-            kernels[on] = compile_cubin(src, sk.name, arch="sm_90a", options=("--ptxas-options=-v",))
-        res = kernels[True]
-        assert kernels[True].cubin != kernels[False].cubin
-        assert opcodes(res.cubin)["LDGSTS.E.BYPASS.LTC128B.128"] > 0
         assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
         assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 128, res.log

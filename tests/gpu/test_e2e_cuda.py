@@ -149,7 +149,7 @@ def test_full_size_v2_lite_bf16_error_within_transformers_bf16(prompt_len, gpu_t
     """bf16 end to end on a full-size V2-Lite-shaped model with random weights: our error against
     transformers fp32 is at most 1.5x transformers' own bf16 error (prefill + 16 decode steps).
     A 48-token prompt's prefill runs the experts on mma.sync tiles; 300 tokens is above
-    _moe.GEMM_WGMMA_TOKENS, where every expert runs on the sm_90a wgmma kernel."""
+    moe.prefill_wgmma_above, where every expert runs on the sm_90a wgmma kernel."""
     from transformers import DeepseekV2ForCausalLM
     from runtime import Engine
     from runtime.model_loader import compile_graphs, resolve_spec

@@ -21,12 +21,13 @@ from kernel_cases import DTYPES, Recorder, act, empty_out, kernel_test, model, r
 
 from codegen.families import linear_skinny
 from codegen.kernel import KernelLaunch, Options
+from codegen.tuning import LinearTuning
 
 SETTINGS = kernel_test(40)
 REC = Recorder("linear_skinny")
 REC_SILU = Recorder("linear_skinny gate_up_silu")
 # (warps, row tiles, unroll, cluster): the default and the variants perf_linear.py times
-VARIANTS = ((linear_skinny.WARPS, linear_skinny.ROW_TILES, linear_skinny.UNROLL, linear_skinny.KSPLIT),
+VARIANTS = ((LinearTuning().warps, LinearTuning().row_tiles, LinearTuning().unroll, LinearTuning().ksplit),
             (8, 1, 2, 1), (8, 1, 8, 1), (4, 1, 4, 1), (8, 2, 2, 1), (16, 1, 2, 1), (8, 1, 4, 2), (8, 1, 2, 4))
 WIDTHS = st.one_of(st.sampled_from([1, 7, 8, 9, 31, 32, 33, 40, 255, 256, 257, 264, 511, 512, 2048, 2049, 2816]),
                    st.integers(1, 3000))

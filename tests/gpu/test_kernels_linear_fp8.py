@@ -25,6 +25,7 @@ from kernel_cases import Recorder, act, empty_out, kernel_test, model, rand, ref
 from test_kernels_linear import silu_reference, x_view
 
 from codegen.families import linear_skinny
+from codegen.tuning import LinearTuning
 from codegen.kernel import KernelLaunch, LibraryCall, Options
 from ir.formats import FP8, cdiv, companion_names, scale_shape
 
@@ -35,7 +36,7 @@ DTYPES = ("bf16", "fp16")
 BLOCK = FP8.block[0]
 # (warps, row tiles, unroll, cluster, pipeline): the FP8 defaults (None: the op's) and the shapes
 # bench/perf_linear_fp8.py times
-VARIANTS = ((linear_skinny.WARPS, linear_skinny.ROW_TILES, None, linear_skinny.KSPLIT, None),
+VARIANTS = ((LinearTuning().warps, LinearTuning().row_tiles, None, LinearTuning().ksplit, None),
             (8, 1, 4, 1, "rolling"), (8, 1, 1, 1, "batch"), (8, 1, 2, 1, "batch"), (8, 1, 8, 1, "rolling"),
             (4, 1, 2, 1, "rolling"), (16, 1, 2, 1, "batch"), (8, 2, 2, 1, "rolling"), (8, 1, 4, 2, "rolling"),
             (8, 1, 1, 4, "batch"))

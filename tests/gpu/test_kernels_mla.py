@@ -247,7 +247,7 @@ def test_mla_decode_query(name, dtype, absorb, lens, layout, lead, seed):
 
 def check_prologue(name, dtype, lens, bs, layout, lead, seed):
     """mla_decode_prologue: the query and the cache write of one decode step in one launch while
-    T <= PROLOGUE_TOKENS (tensor-core dims), their two kernels otherwise; every output checked,
+    T <= attention.prologue_upto (tensor-core dims), their two kernels otherwise; every output checked,
     the cache rows of the step poisoned first."""
     m = absorb_model(name)
     H, C, R, N, V = dims(m)
@@ -322,24 +322,13 @@ def test_mla_v_up(name, dtype, T, lead, seed):
     check_v_up(name, dtype, T, lead, seed)
 
 
-# The tensor-core variants the families can be switched to (perf_decode.py ABSORB_VARIANTS):
-# module constants of both families.
-ABSORB_VARIANTS = {"default": {}, "balanced_regcap": {"TC_BALANCED": True, "TC_MAX_REGS": 128}}
-
-
-@pytest.mark.parametrize("variant", list(ABSORB_VARIANTS))
 @pytest.mark.parametrize("lead", [0, 1])
 @pytest.mark.parametrize("T", TOKEN_EDGES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["lite", "tc32", "tc16"])
-def test_absorb_token_edges(name, dtype, T, lead, variant, monkeypatch):
+def test_absorb_token_edges(name, dtype, T, lead):
     """Every token count at a tile edge, for the three kernels, aligned (lead 0: every vector
-    path) and not (lead 1: every scalar fall-back); bf16 / fp16 take the tensor-core kernels,
-    in their default variant and the balanced token dealing with capped registers."""
-    from codegen.families import mla_decode_query, mla_v_up
-    for mod in (mla_decode_query, mla_v_up):
-        for k, v in ABSORB_VARIANTS[variant].items():
-            monkeypatch.setattr(mod, k, v)
+    path) and not (lead 1: every scalar fall-back); bf16 / fp16 take the tensor-core kernels."""
     launches = [check_query(name, dtype, absorb, split_tokens(T, 1 + T % 3), ("adjacent", "interleaved"), lead,
                             seed=T) for absorb in (False, True)]
     launches.append(check_v_up(name, dtype, T, lead, seed=T))
@@ -548,9 +537,8 @@ def test_mla_decode_attention_reads_this_steps_rows_after_its_wait(ctx_lens, qle
     """Programmatic dependent launch: the kernel right before the attention writes this step's
     cache rows (mla_kv_cache_write; both launches PDL, replayed from a captured graph so that the
     attention's CTAs start while the writer runs) into rows poisoned with NaN before every replay:
-    an attention that read one of them before its pdl_wait() returns NaN.  With mla_decode.cuh's
-    DSG_DECODE_ROWS_BEFORE_WAIT the tensor-core split reads the rows of earlier steps before its
-    wait and only this step's after it (DecodeSplit::fresh_from): this is the test of that line.
+    an attention that read one of them before its pdl_wait() returns NaN.  mla_decode.cuh's
+    tensor-core split reads the rows of earlier steps before its wait and only this step's after it (DecodeSplit::fresh_from): this is the test of that line.
     Up to qlen tokens a sequence (each at most its context): a token after its sequence's first
     finds the step's first row from the first token's position."""
     import dataclasses

@@ -21,7 +21,6 @@ largest absolute error.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import os
@@ -38,6 +37,7 @@ from harness import (GPU_MARKS, TORCH_DTYPES, assert_strict, kernel_test, poison
 from codegen import families  # noqa: E402
 from codegen.families import _moe  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
+from codegen.tuning import MoeTuning, Tuning  # noqa: E402
 from ir.graph import node_view  # noqa: E402
 from ir.ops import OPS, TType  # noqa: E402
 from ir.ops.core import rms_norm_ref  # noqa: E402
@@ -112,14 +112,16 @@ def _moved(misalign: str, role: str) -> bool:
     return misalign == "all" or misalign == role
 
 
-def _lower(G, nid, dtype):
-    """The lowering with decode's wgmma off (_moe.GEMM_WGMMA_SKINNY): these tests hold the GEMV and
-    the mma launch to their references (they serve fp32, odd KD and targets other than 9.0);
-    test_kernels_moe_wgmma_skinny.py holds the default decode path."""
+# Decode's wgmma off: these tests hold the GEMV and the mma launch to their references (they serve
+# fp32, odd KD and targets other than 9.0); test_kernels_moe_wgmma_skinny.py holds the default
+# decode path.
+TUNING = Tuning(moe=MoeTuning(decode_wgmma=False))
+
+
+def _lower(G, nid, dtype, tuning=TUNING):
     fam = families.family_for_op(G.nodes[nid]["op"])
     assert fam is not None, G.nodes[nid]["op"]
-    with _moe_switch("GEMM_WGMMA_SKINNY", False):
-        return fam.lower(nid, G, Options(dtype=dtype))
+    return fam.lower(nid, G, Options(dtype=dtype, tuning=tuning))
 
 
 def _random_ids(T, E, K, g) -> torch.Tensor:
@@ -374,17 +376,16 @@ def _route_stages_running(launches, sizes_: dict) -> list[str]:
 
 
 def _align_stages(NP: int) -> list[str]:
-    """The alignment's running stages at NP pairs: one CTA up to _moe.ALIGN_PARALLEL_PAIRS, count /
+    """The alignment's running stages at NP pairs: one CTA up to moe.align_parallel_above, count /
     scan / scatter above."""
-    ap = _moe.ALIGN_PARALLEL_PAIRS
+    ap = TUNING.moe.align_parallel_above
     return ["align"] if ap is None or NP <= ap else ["align_count", "align_scan", "align_scatter"]
 
 
 def _three_launches(T: int, K: int) -> list[str]:
     """The stages of the three-launch route at T (above the fused bound): its logits from the GEMV
-    while T <= moe_route.GEMM_TOKENS, from the GEMM above; then top-k and the alignment."""
-    from codegen.families import moe_route
-    gt = moe_route.GEMM_TOKENS
+    while T <= route.gemm_above, from the GEMM above; then top-k and the alignment."""
+    gt = TUNING.route.gemm_above
     return ["router_gemv" if gt is None or T <= gt else "router_gemm", "topk", *_align_stages(T * K)]
 
 
@@ -402,7 +403,7 @@ def test_moe_route(runner, case):
     _check_route(p, ws["router_logits"])
 
 
-# The fused route (one launch while T <= moe_route.ROUTE_FUSED_TOKENS) at the shipped specs' routing:
+# The fused route (one launch while T <= route.fused_upto) at the shipped specs' routing:
 # (name, scoring, method, E, groups, topk_groups, K, D, norm_topk_prob, routed_scaling_factor, bias)
 FUSED_SHAPES = {
     "v2_lite": ("softmax", "greedy", 64, 1, 1, 6, 2048, False, 1.0, False),
@@ -416,7 +417,7 @@ FUSED_SHAPES = {
 def _fused_tokens() -> tuple:
     """T at a token tile's edges (7, 8, 9) and the fused bound's (255, 256, 257 at its default)."""
     from codegen.families import moe_route
-    ft = moe_route.ROUTE_FUSED_TOKENS or 256
+    ft = TUNING.route.fused_upto or 256
     return tuple(sorted({1, 2, 7, 8, 9, ft - 1, ft, ft + 1}))
 
 
@@ -458,7 +459,7 @@ def test_moe_route_fused(runner, case):
     from codegen.families import moe_route
     p = _route_problem(case)
     launches = _lower(p.G, p.nid, case["dtype"])
-    ft = moe_route.ROUTE_FUSED_TOKENS
+    ft = TUNING.route.fused_upto or None
     fused = ft is not None and case["T"] <= ft
     assert _route_stages_running(launches, p.sizes) == (["fused"] if fused else _three_launches(case["T"], p.pairs))
     ws = runner.run_all(launches, values=p.values, weights=p.weights, sizes=p.sizes)
@@ -489,12 +490,12 @@ def test_moe_route_fused_runs_again_and_replays_in_a_graph(runner, case):
     _check_graph_replays(runner, launches, p, ws, case["seed"] + 100)
 
 
-# The router GEMM: the three-launch route's logits above moe_route.GEMM_TOKENS (prefill sizes).
+# The router GEMM: the three-launch route's logits above route.gemm_above (prefill sizes).
 def _gemm_tokens() -> tuple:
     """T at the GEMM's lower edge (257 at the default bounds), between (1000), at a whole number of
     its token tiles (4096) and one past it (4097)."""
     from codegen.families import moe_route
-    lo = max(moe_route.GEMM_TOKENS or 0, moe_route.ROUTE_FUSED_TOKENS or 0)
+    lo = max(TUNING.route.gemm_above or 0, TUNING.route.fused_upto)
     return (lo + 1, 1000, 4096, 4097)
 
 
@@ -663,13 +664,12 @@ def test_moe_align_leaves_out_other_ranks_pairs(runner, T, E, K, seed):
 @example(T=85, E=7, K=6, other_ranks=False, seed=3)         # 510 pairs: still the one CTA
 @_settings(10)
 def test_moe_align_parallel(runner, T, E, K, other_ranks, seed):
-    """The count / scan / scatter alignment (moe_router.cuh 3b; above _moe.ALIGN_PARALLEL_PAIRS)
+    """The count / scan / scatter alignment (moe_router.cuh 3b; above moe.align_parallel_above)
     switched on above 512 pairs: the same contract as the one-CTA align, with and without pairs
     of other ranks (id -1)."""
     K = min(K, E)
     G, nid = single_op_graph(tiny_model(), "moe_align", {"num_experts": E}, {"ids": TType(("T", K), "i64")}, {})
-    with _moe_switch("ALIGN_PARALLEL_PAIRS", 512):
-        launches = _lower(G, nid, "bf16")
+    launches = _lower(G, nid, "bf16", Tuning(moe=MoeTuning(decode_wgmma=False, align_parallel_above=512)))
     (r_name,) = G.nodes[nid]["outputs"]
     g = _gen(seed)
     ids = _random_ids(T, E, K, g)
@@ -785,7 +785,7 @@ def test_moe_down(runner, case):
 @st.composite
 def many_pairs_cases(draw):
     """Prefill-like: hundreds to thousands of pairs per expert, so the tensor-core GEMM path runs
-    (experts with more than GEMM_THRESHOLD pairs), next to light experts on the GEMV path; row
+    (experts with more than moe.gemm_threshold pairs), next to light experts on the GEMV path; row
     tiles with a partial last tile, odd dims (element loads), N not a multiple of the column tile."""
     E = draw(st.sampled_from((1, 3, 7, 8)))
     return {"dtype": draw(st.sampled_from(("bf16", "fp16"))), "T": draw(st.sampled_from((150, 700, 2048))),
@@ -823,7 +823,7 @@ def test_moe_down_many_pairs(runner, case):
 # Pair counts per expert around every boundary the kernels choose at: the GEMM threshold (2),
 # the GEMV's pass width (8), the swapped tensor-core tiles (16 / 32 / 64 pairs), the 128-pair row
 # tile, and experts never hit.  The token count picks the launch (the GEMV alone while
-# T <= GEMV_ONLY_TOKENS = 8, else the one grid of light slots and tiles): both are drawn.
+# T <= moe.gemv_upto = 8, else the one grid of light slots and tiles): both are drawn.
 PAIR_COUNTS = (0, 1, 2, 3, 7, 8, 9, 16, 17, 31, 33, 63, 64, 65, 127, 129, 256)
 
 
@@ -894,46 +894,12 @@ def test_moe_down_pair_counts(runner, case):
     _grouped(runner, "moe_down", case, lower=_lower_mma)
 
 
-@contextlib.contextmanager
-def _moe_switch(name: str, value):
-    """_moe.<name> = value inside the block (a fixture would not suit @given)."""
-    saved = getattr(_moe, name)
-    setattr(_moe, name, value)
-    try:
-        yield
-    finally:
-        setattr(_moe, name, saved)
-
-
 def _lower_mma(G, nid, dtype):
-    """The lowering with the mma.sync launch at every T above the GEMV (_moe.GEMM_WGMMA_TOKENS off):
+    """The lowering with the mma.sync launch at every T above the GEMV (moe.prefill_wgmma_above off):
     the default hands prefill's token counts to the wgmma launch, which test_kernels_moe_wgmma.py
     covers, and whose TMA maps need 16-byte aligned weights (the runtime's allocations are; these
     tests' shifted views are not, and the mma.sync path is what serves them)."""
-    with _moe_switch("GEMM_WGMMA_TOKENS", None):
-        return _lower(G, nid, dtype)
-
-
-def _lower_bulk(G, nid, dtype):
-    """The lowering with the swapped tiles' rows as bulk copies on mbarriers (moe_grouped.cuh 4c,
-    _moe.SKINNY_BULK, off by default until measured), renamed: the runner caches compiled
-    modules by launch name."""
-    out = []
-    for la in _lower_mma(G, nid, dtype):
-        if la.stage == "mma":
-            la = dataclasses.replace(la, name=f"{la.name}__bulk", params={**la.params, "bulk": True})
-        out.append(la)
-    return out
-
-
-@given(case=pair_count_cases())
-@example(case=_counts_case("bf16", (9, 16, 17, 33, 64, 65, 0, 4), 2, 256, 200))   # all three swapped tiles
-@example(case=_counts_case("fp16", (63, 0, 1, 129, 8, 31), 1, 41, 37))            # odd KD: the cp.async ring stays
-@example(case=_counts_case("bf16", (1, 2, 9, 0, 12, 3, 2, 7), 2, 128, 64))        # whole slices: bulk copies
-@_settings(10)
-def test_moe_pair_counts_bulk_copies(runner, case):
-    _grouped(runner, "moe_gate_up_silu", case, lower=_lower_bulk)
-    _grouped(runner, "moe_down", case, lower=_lower_bulk)
+    return _lower(G, nid, dtype, Tuning(moe=MoeTuning(decode_wgmma=False, prefill_wgmma_above=None)))
 
 
 # -- combine ---------------------------------------------------------------------------------

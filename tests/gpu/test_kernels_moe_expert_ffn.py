@@ -2,7 +2,7 @@
 against the op's reference, rounded where the kernels round.
 
 The fused launch (sm_90a, 16-bit, D and M multiples of 8; templates/include/
-moe_expert_ffn.cuh; the lowering runs it for FUSED_FROM <= T <= FUSED_UPTO, this test at every T
+moe_expert_ffn.cuh; the lowering runs it for moe.expert_ffn_from <= T <= moe.expert_ffn_upto, this test at every T
 from 1 to 256) walks gate_up_silu's tiles and then down's in one grid; a down tile gathers
 its rows of the intermediate `a` once its row tile's counter says every gate_up_silu tile of it is
 stored, and the row tile's last down tile sets the counter back to 0.  So each example runs the
@@ -40,6 +40,7 @@ from harness import GPU_MARKS, TORCH_DTYPES, kernel_test, poison, shifted, singl
 from codegen import families, sizes  # noqa: E402
 from codegen.families import _moe, _moe_wgmma_skinny, moe_expert_ffn  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
+from codegen.tuning import MoeTuning, Tuning  # noqa: E402
 from ir.ops import TType  # noqa: E402
 from ir.ops.moe import align_ref, grouped_linear  # noqa: E402
 
@@ -78,25 +79,26 @@ def _reference(x, routing, w, tdt, NP):
     return a, grouped_linear(a, True, routing, w["down"].double(), NP)
 
 
-def _lower(G, nid, dtype, window, shared=0):
-    """The family's launches with the fused launch serving T in `window` (None: the lowering's),
-    lowered as if the routing came from a route with `shared` shared experts (the test's graph
-    takes the routing as an input: _moe.routing_shared would say 0)."""
-    saved = moe_expert_ffn.FUSED_FROM, moe_expert_ffn.FUSED_UPTO, _moe.routing_shared
+def _lower(G, nid, dtype, window, shared=0, **moe):
+    """The family's launches with the fused launch serving T in `window` (None: the lowering's) and
+    `moe` knobs set, lowered as if the routing came from a route with `shared` shared experts (the
+    test's graph takes the routing as an input: _moe.routing_shared would say 0)."""
     if window is not None:
-        moe_expert_ffn.FUSED_FROM, moe_expert_ffn.FUSED_UPTO = window
+        moe.update(expert_ffn_from=window[0], expert_ffn_upto=window[1])
+    saved = _moe.routing_shared
     _moe.routing_shared = lambda G, routing: shared
     try:
-        return families.family_for_op("moe_expert_ffn").lower(nid, G, Options(dtype=dtype))
+        return families.family_for_op("moe_expert_ffn").lower(nid, G, Options(dtype=dtype,
+                                                                              tuning=Tuning(moe=MoeTuning(**moe))))
     finally:
-        moe_expert_ffn.FUSED_FROM, moe_expert_ffn.FUSED_UPTO, _moe.routing_shared = saved
+        _moe.routing_shared = saved
 
 
 def _route_layout(ids: torch.Tensor, shared: int) -> torch.Tensor:
     """ids [T, K] with each token's row as moe_route writes it when its first `shared` experts are
     shared ones (every token one pair of each): the routed pairs first, then shared expert s at slot
     K - shared + s (moe_router.cuh topk_scored), which decode's gate / up relies on to find a shared tile's
-    pairs before its wait (moe_wgmma_skinny.cuh SH_WHOLE)."""
+    pairs before its wait (moe_wgmma_skinny.cuh SH)."""
     if not shared:
         return ids
     T = ids.shape[0]
@@ -104,7 +106,7 @@ def _route_layout(ids: torch.Tensor, shared: int) -> torch.Tensor:
     return torch.cat([routed, torch.arange(shared).expand(T, shared)], dim=1).contiguous()
 
 
-def _run(runner, case, *, expect: list, window=None, fused_grid=None):
+def _run(runner, case, *, expect: list, window=None, fused_grid=None, **moe):
     """`expect`: the stages of the launches that run at the case's T (grid > 0).  `fused_grid`: the
     fused launch's CTAs in place of the lowering's (an expression of T, NP and SMS).  A case's
     "shared" (default 0): its first experts are shared ones (T pairs each), lowered as such."""
@@ -112,7 +114,7 @@ def _run(runner, case, *, expect: list, window=None, fused_grid=None):
     tdt = TORCH_DTYPES[dtype]
     T, NP = sum(counts) // K, sum(counts)
     G, nid = _graph(E, K, D, M)
-    launches = _lower(G, nid, dtype, window, case.get("shared", 0))
+    launches = _lower(G, nid, dtype, window, case.get("shared", 0), **moe)
     if fused_grid is not None:
         launches = [dataclasses.replace(la, grid=(fused_grid, 1, 1)) if la.stage == "fused" else la
                     for la in launches]
@@ -223,24 +225,11 @@ def test_moe_expert_ffn_lowering_window(runner, case, expect):
     _case("bf16", (256, 129, 100, 27, 0, 0), 2, 136, 200),        # partial column tiles (N % 128, M % 64)
     _case("fp16", (15, 16, 17, 31, 32, 33, 63, 64, 65), 3, 40, 40, "inputs"),   # odd widths, every BP
 ])
-def test_moe_expert_ffn_fused_staged_epilogue(runner, case, staged, monkeypatch):
-    """The fused launch's epilogue switch (`moe_expert_ffn.STAGED_FROM_BP`, 32 by default, which
-    every other test here runs) at its other settings: tiles of at least `staged` pairs store their
+def test_moe_expert_ffn_fused_staged_epilogue(runner, case, staged):
+    """The fused launch's epilogue knob (moe.expert_ffn_staged_from, 32 by default, which every
+    other test here runs) at its other settings: tiles of at least `staged` pairs store their
     outputs, `a` and out alike, through their last ring stage in 16-byte chunks; 0, none does."""
-    monkeypatch.setattr(moe_expert_ffn, "STAGED_FROM_BP", staged)
-    _run(runner, case, expect=["fused"], window=(1, 256))
-
-
-@pytest.mark.parametrize("case", [
-    _case("bf16", _lite(8), 8, 2048, 1408),                      # V2-Lite b=8
-    _case("fp16", _lite(256), 8, 2048, 1408, "outputs"),          # b=256, outputs misaligned: element stores
-    _case("bf16", (256, 129, 100, 27, 0, 0), 2, 136, 200),        # partial column tiles, staged and not
-])
-def test_moe_expert_ffn_fused_activations_kept_in_l2(runner, case, monkeypatch):
-    """`_moe_wgmma_skinny.ACT_EVICT_LAST` on in the fused launch (off: 2-3% slower, PERF_NOTES v23):
-    x and `a` gathered, `a` and out stored under L2's evict_last policy; the outputs are the same."""
-    monkeypatch.setattr(moe_expert_ffn.S, "ACT_EVICT_LAST", True)
-    _run(runner, case, expect=["fused"], window=(1, 256))
+    _run(runner, case, expect=["fused"], window=(1, 256), expert_ffn_staged_from=staged)
 
 
 @st.composite
@@ -264,7 +253,7 @@ def shared_cases(draw):
 @kernel_test(8)
 def test_moe_expert_ffn_shared_experts_start_before_the_wait(runner, case):
     """Decode's two launches with the shared experts among the pairs, laid out as moe_route lays
-    them (_moe_wgmma_skinny SHARED_BEFORE_WAIT, SHARED_WHOLE_BEFORE_WAIT): gate_up_silu's CTAs whose
+    them (moe_wgmma_skinny.cuh SH): gate_up_silu's CTAs whose
     first tile is a shared expert's run that whole tile before their PDL wait, from T alone (its
     pairs from the route's layout, not from `order`), then the rest of their walk from the offsets,
     past it (a wrong pair, a tile done twice or not at all: wrong or poisoned rows)."""

@@ -1,6 +1,6 @@
-"""The wgmma + TMA grouped expert GEMM (templates/include/moe_wgmma.cuh; built for sm_90a, off by
-default: _moe.GEMM_WGMMA_TOKENS) against the ops' references, switched on here for every T above
-the GEMV's 8 tokens.
+"""The wgmma + TMA grouped expert GEMM (templates/include/moe_wgmma.cuh; built for sm_90a, above
+moe.prefill_wgmma_above tokens by default) against the ops' references, switched on here for every
+T above the GEMV's 8 tokens.
 
 Each example lowers a one-node graph (the default target, sm_90) with the variant on, checks that
 the wgmma launch is the one that runs at its T (the mma launch's grid is 0), runs every launch on
@@ -30,6 +30,7 @@ from harness import GPU_MARKS, kernel_test  # noqa: E402
 
 from codegen import families, sizes  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
+from codegen.tuning import MoeTuning, Tuning  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import assume, example, given  # noqa: E402
@@ -64,14 +65,10 @@ runner = runner_fixture("wgmma")
 
 
 def _lower_wgmma(G, nid, dtype, ran: list | None = None):
-    """The family's launches with the wgmma variant above 8 tokens (the GEMV's)."""
-    from codegen.families import _moe
-    saved = _moe.GEMM_WGMMA_TOKENS, _moe.GEMM_WGMMA_SKINNY       # (a fixture would not suit @given)
-    _moe.GEMM_WGMMA_TOKENS, _moe.GEMM_WGMMA_SKINNY = 8, False      # (decode's wgmma: its own test file)
-    try:
-        launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype))
-    finally:
-        _moe.GEMM_WGMMA_TOKENS, _moe.GEMM_WGMMA_SKINNY = saved
+    """The family's launches with the wgmma variant above 8 tokens (the GEMV's; decode's wgmma off:
+    its own test file)."""
+    tuning = Tuning(moe=MoeTuning(prefill_wgmma_above=8, decode_wgmma=False))
+    launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype, tuning=tuning))
     assert [la.stage for la in launches] == ["gemv", "mma", "wgmma"], [la.stage for la in launches]
     if ran is not None:
         ran.extend(launches)

@@ -1,5 +1,5 @@
 """Decode's wgmma + TMA grouped expert GEMM (templates/include/moe_wgmma_skinny.cuh; built for
-sm_90a; _moe.GEMM_WGMMA_SKINNY) against the ops' references, switched on here for its token range
+sm_90a; moe.decode_wgmma) against the ops' references, switched on here for its token range
 (the GEMV's 8 < T <= the prefill wgmma's 256).
 
 Each example lowers a one-node graph (the default target, sm_90) with the variant on, checks that
@@ -34,6 +34,7 @@ from harness import GPU_MARKS, kernel_test  # noqa: E402
 from codegen import families, sizes  # noqa: E402
 from codegen.families import _moe_wgmma_skinny  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
+from codegen.tuning import MoeTuning, Tuning  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import assume, example, given  # noqa: E402
@@ -52,15 +53,10 @@ runner = wgmma_tests.runner_fixture("wgmma_skinny")
 ONE = _moe_wgmma_skinny.ONE_TOKEN_STAGE
 
 
-def _lower_skinny(G, nid, dtype, ran: list | None = None):
+def _lower_skinny(G, nid, dtype, ran: list | None = None, tuning: Tuning = Tuning()):
     """The family's launches with the decode wgmma variant on (down: its one-token launch too)."""
-    from codegen.families import _moe
-    saved, _moe.GEMM_WGMMA_SKINNY = _moe.GEMM_WGMMA_SKINNY, True     # (a fixture would not suit @given)
-    try:
-        launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype))
-    finally:
-        _moe.GEMM_WGMMA_SKINNY = saved
-    one = [ONE] * (G.nodes[nid]["op"] == "moe_down" and _moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES > _moe_wgmma_skinny.STAGES)
+    launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype, tuning=tuning))
+    one = [ONE] * (G.nodes[nid]["op"] == "moe_down" and tuning.moe.one_token_down_stages > _moe_wgmma_skinny.STAGES)
     assert [la.stage for la in launches] == ["wgmma_skinny", *one, "wgmma"], [la.stage for la in launches]
     if ran is not None:
         ran.extend(launches)
@@ -74,9 +70,9 @@ def _check_skinny_ran(launches, T, K, stage="wgmma_skinny"):
     assert running == [stage], (T, running)
 
 
-def _run(runner, op, case, stage="wgmma_skinny"):
+def _run(runner, op, case, stage="wgmma_skinny", tuning: Tuning = Tuning()):
     ran: list = []
-    base._grouped(runner, op, case, lower=lambda G, nid, dtype: _lower_skinny(G, nid, dtype, ran))
+    base._grouped(runner, op, case, lower=lambda G, nid, dtype: _lower_skinny(G, nid, dtype, ran, tuning))
     _check_skinny_ran(ran, case["T"], case["K"], stage)
 
 
@@ -178,7 +174,7 @@ def _one(dtype, E, experts, KD, N, misalign="none", seed=23):
 @example(case=_one("fp16", 8, (1, 6, 7), 136, 136, "outputs"))                  # partial column tile; outputs misaligned
 @kernel_test(10)
 def test_moe_down_one_token_launch(runner, case):
-    """Down's one-token launch (_moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES: the deeper ring, one CTA an
+    """Down's one-token launch (moe.one_token_down_stages: the deeper ring, one CTA an
     SM, more of its first tile's slices before the wait) is the one that runs at T = 1 and matches
     the reference; 22 K slices at V2-Lite's widths wrap its 8-stage ring almost three times."""
     _run(runner, "moe_down", _down(case), stage=ONE)
@@ -191,25 +187,9 @@ def test_moe_down_one_token_launch(runner, case):
     ("moe_down", _case("bf16", (256, 129, 100, 27, 0, 0), 2, 136, 200)),               # partial column tile
     ("moe_down", _case("fp16", (63, 64, 65, 9), 1, 40, 264, "outputs")),               # outputs misaligned
 ])
-def test_wgmma_skinny_staged_epilogue(runner, op, case, staged, monkeypatch):
-    """The epilogue through shared memory (`_moe_wgmma_skinny.STAGED_FROM_BP`, 0 in these two
-    launches, which serve 1-3 tokens: on, b=1 read 3% slower, PERF_NOTES v22): tiles of at least
-    `staged` pairs store through their last ring stage in 16-byte chunks, the narrower ones
-    element by element."""
-    from codegen.families import _moe_wgmma_skinny
-    monkeypatch.setattr(_moe_wgmma_skinny, "STAGED_FROM_BP", staged)
-    _run(runner, op, _gate_up(case) if op != "moe_down" else _down(case))
-
-
-@pytest.mark.parametrize("op,case", [
-    ("moe_gate_up_silu", _case("bf16", _lite((17, 33, 65, 9, 16, 32, 64, 40, 50, 60)), 6, 2048, 1408)),
-    ("moe_gate_up_silu", _case("fp16", (15, 16, 17, 31, 32, 33), 2, 136, 37)),        # odd N: element stores
-    ("moe_down", _case("bf16", (256, 129, 100, 27, 0, 0), 2, 136, 200)),               # partial column tile
-    ("moe_down", _case("fp16", (63, 64, 65, 9), 1, 40, 264, "outputs")),               # outputs misaligned
-])
-def test_wgmma_skinny_activations_kept_in_l2(runner, op, case, monkeypatch):
-    """`_moe_wgmma_skinny.ACT_EVICT_LAST` on (off by default until a GPU A/B): the gathers and the
-    stores carry L2's evict_last policy; the outputs are the same."""
-    from codegen.families import _moe_wgmma_skinny
-    monkeypatch.setattr(_moe_wgmma_skinny, "ACT_EVICT_LAST", True)
-    _run(runner, op, _gate_up(case) if op != "moe_down" else _down(case))
+def test_wgmma_skinny_staged_epilogue(runner, op, case, staged):
+    """The epilogue through shared memory (moe.decode_staged_from, 0 in these two launches, which
+    serve 1-3 tokens: on, b=1 read 3% slower): tiles of at least `staged` pairs store through their
+    last ring stage in 16-byte chunks, the narrower ones element by element."""
+    _run(runner, op, _gate_up(case) if op != "moe_down" else _down(case),
+         tuning=Tuning(moe=MoeTuning(decode_staged_from=staged)))

@@ -88,7 +88,7 @@ MUTANTS = [
                "dtype": "fp32", "T": 33, "D": 64, "E": 64, "K": 6, "bias": True, "misalign": "none", "seed": 8,
                "attrs": {"scoring": "sigmoid", "method": "noaux_tc", "groups": 8, "topk_groups": 4,
                          "norm_topk_prob": True, "routed_scaling_factor": 2.5}}), uses_runner=True),
-    Mutant("routed scaling factor x1.01 (the fused route, T <= ROUTE_FUSED_TOKENS)", "moe_route.cu.j2",
+    Mutant("routed scaling factor x1.01 (the fused route, T <= route.fused_upto)", "moe_route.cu.j2",
            "constexpr float kScaling = {{ scaling }};", "constexpr float kScaling = {{ scaling }} * 1.01f;",
            moe.test_moe_route_fused, dict(case=moe._shape_case("v3", "bf16", 9)), uses_runner=True),
     Mutant("fused route tickets never reset (a second run or graph replay routes nothing)", "include/tickets.cuh",

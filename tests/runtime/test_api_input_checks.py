@@ -84,6 +84,16 @@ def test_an_unknown_keyword_fails_before_anything_is_built(tmp_path, nothing_bui
         Engine.from_pretrained(tmp_path, backend_impl=object())
 
 
+def test_tuning_is_checked_before_anything_is_built(tmp_path, nothing_built):
+    """`tuning` (the kernels' Tuning where the engine compiles the spec): a bad knob is one line, and
+    a bundle keeps the tuning it was compiled with."""
+    from codegen.tuning import TuningError
+    with pytest.raises(TuningError, match=r"unknown tuning knob 'moe.expert_ffn_uptoo' \(did you mean"):
+        Engine.from_spec(TINY, tuning=["moe.expert_ffn_uptoo=128"])
+    with pytest.raises(InputError, match="a bundle keeps the tuning it was compiled with"):
+        Engine.from_spec(None, bundle=str(tmp_path), tuning=["moe.expert_ffn_upto=128"])
+
+
 def test_bad_checkpoint_arguments(nothing_built, tmp_path):
     with pytest.raises(InputError, match=r"model_dir must be a checkpoint directory .*got None"):
         Engine.from_pretrained(None)

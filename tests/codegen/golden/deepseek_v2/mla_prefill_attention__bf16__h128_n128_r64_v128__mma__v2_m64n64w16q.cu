@@ -9,13 +9,13 @@
 //   deepseek_v2.yaml:81 blocks.mla.ops[9] mla_attention, layers 0-59 (lower_mla_prefill)
 
 // MLA prefill attention (decompressed K/V, causal within each packed prompt): MlaPrefillTC2
-// (mla_prefill_tc2.cuh) on tensor cores for bf16 / fp16, at the tile mla_prefill_attention.TC_VARIANT
+// (mla_prefill_tc2.cuh) on tensor cores for bf16 / fp16, at the tile Tuning.attention.prefill_tile
 // names; MlaPrefill (mla_prefill.cuh, fp32 CUDA cores) for fp32.
 #include "mla_prefill_tc2.cuh"
 #include "pdl.cuh"
 
 typedef __nv_bfloat16 act_t;
-// variant v2_m64n64w16q (mla_prefill_attention.TC_VARIANT): BM query rows a CTA, BN keys a tile, WM rows a warp
+// variant v2_m64n64w16q (Tuning.attention.prefill_tile): BM query rows a CTA, BN keys a tile, WM rows a warp
 typedef dsg::MlaPrefillTC2<act_t, /*H=*/128, /*N=*/128, /*R=*/64, /*V=*/128,
                            /*BM=*/64, /*BN=*/64, /*WM=*/16,
                            /*QREG=*/true> Attn;

@@ -2,8 +2,8 @@
 // template: moe_down.cu.j2
 // kernel:   moe_down__bf16__e162__d5120_m1536__wgmma_skinny_t1
 // role:     moe_down.wgmma_skinny_t1
-// params:   {"E":162,"K":1,"KD":1536,"N":5120,"act":"__nv_bfloat16","act_evict_last":0,"box_k":64,"box_rows":64,"cols":128,"pairs":64,"smem":197632,"staged_from":0,"stages":8,"threads":256,"variant":"wgmma_skinny_t1"}
-// includes: bulk.cuh, cluster.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tma.cuh, wgmma.cuh
+// params:   {"E":162,"K":1,"KD":1536,"N":5120,"act":"__nv_bfloat16","box_k":64,"box_rows":64,"cols":128,"pairs":64,"smem":197632,"staged_from":0,"stages":8,"threads":256,"variant":"wgmma_skinny_t1"}
+// includes: cluster.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tma.cuh, wgmma.cuh
 // nodes:    L1-59.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:101 blocks.moe_ffn.ops[3] moe_gate_up, layers 1-59 (fuse_moe_silu, fuse_shared_experts, fuse_expert_ffn)
@@ -21,7 +21,7 @@
 // others on CUDA cores, one grid), or above a token count on sm_90a variant wgmma (every expert
 // on wgmma + TMA tiles, moe_wgmma.cuh); decode's tokens on variant wgmma_skinny
 // (moe_wgmma_skinny.cuh), at one token on variant wgmma_skinny_t1: the same code with a deeper
-// ring, one CTA an SM (_moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES).
+// ring, one CTA an SM (Tuning.moe.one_token_down_stages).
 // The GEMV and mma wait at entry (pdl.cuh): which expert's weights a CTA reads comes from the
 // routing, another kernel's output.  The skinny variants start their first tile's weights before
 // the wait (the routing is two launches back: moe_wgmma_skinny.cuh).
@@ -29,7 +29,6 @@
 #include "pdl.cuh"
 
 #define DSG_WS_STAGED_FROM_BP 0  // tiles of this many pairs or more store through shared memory (0: none)
-#define DSG_WS_ACT_EVICT_LAST 0  // 1: pair rows and outputs under L2's evict_last policy
 #include "moe_wgmma_skinny.cuh"
 
 static_assert(dsg::moe::wgmma_skinny_smem(8) == 197632, "shared memory size disagrees with the lowering");

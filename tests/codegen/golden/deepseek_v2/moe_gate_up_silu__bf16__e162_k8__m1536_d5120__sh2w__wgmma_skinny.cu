@@ -2,8 +2,8 @@
 // template: moe_gate_up_silu.cu.j2
 // kernel:   moe_gate_up_silu__bf16__e162_k8__m1536_d5120__sh2w__wgmma_skinny
 // role:     moe_gate_up_silu.wgmma_skinny
-// params:   {"E":162,"K":8,"KD":5120,"N":1536,"act":"__nv_bfloat16","act_evict_last":0,"box_k":64,"box_rows":64,"cols":64,"pairs":64,"shared":2,"shared_whole":true,"smem":99328,"staged_from":0,"stages":4,"threads":256,"variant":"wgmma_skinny"}
-// includes: bulk.cuh, cluster.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tma.cuh, wgmma.cuh
+// params:   {"E":162,"K":8,"KD":5120,"N":1536,"act":"__nv_bfloat16","box_k":64,"box_rows":64,"cols":64,"pairs":64,"shared":2,"smem":99328,"staged_from":0,"stages":4,"threads":256,"variant":"wgmma_skinny"}
+// includes: cluster.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tma.cuh, wgmma.cuh
 // nodes:    L1-59.moe_ffn.ea, L1-59.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2.yaml:101 blocks.moe_ffn.ops[3] moe_gate_up, layers 1-59 (fuse_moe_silu, fuse_shared_experts)
@@ -30,7 +30,6 @@
 #include "pdl.cuh"
 
 #define DSG_WS_STAGED_FROM_BP 0  // tiles of this many pairs or more store through shared memory (0: none)
-#define DSG_WS_ACT_EVICT_LAST 0  // 1: pair rows and outputs under L2's evict_last policy
 #include "moe_wgmma_skinny.cuh"
 
 static_assert(dsg::moe::wgmma_skinny_smem(4) == 99328, "shared memory size disagrees with the lowering");
@@ -49,7 +48,6 @@ moe_gate_up_silu__bf16__e162_k8__m1536_d5120__sh2w__wgmma_skinny(
     __nv_bfloat16* __restrict__ out,
     int num_pairs) {
   extern __shared__ __align__(16) char smem[];
-  dsg::moe::grouped_gemm_wgmma_skinny<__nv_bfloat16, dsg::moe::GATE_UP_SILU, 162, 1536, 5120, 8, 4, 2,
-      true>(
+  dsg::moe::grouped_gemm_wgmma_skinny<__nv_bfloat16, dsg::moe::GATE_UP_SILU, 162, 1536, 5120, 8, 4, 2>(
       x, &w_gate, &w_up, order, offsets, out, nullptr, smem, num_pairs);
 }

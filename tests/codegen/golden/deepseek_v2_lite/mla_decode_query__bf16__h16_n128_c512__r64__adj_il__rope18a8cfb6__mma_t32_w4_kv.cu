@@ -2,7 +2,7 @@
 // template: mla_decode_query.cu.j2
 // kernel:   mla_decode_query__bf16__h16_n128_c512__r64__adj_il__rope18a8cfb6__mma_t32_w4_kv
 // role:     mla_decode_query
-// params:   {"C":512,"H":16,"N":128,"R":64,"TN":32,"V":128,"act":"__nv_bfloat16","balanced":false,"eps":"9.999999974752427e-07f","has_rope":true,"kv_tokens":16,"kv_write":true,"min_blocks":0,"mma":true,"out_interleaved":true,"out_w":576,"pairs_adjacent":true,"rope_attention_factor":"1.0f","rope_inv_freq":["1.0f","0.7498942017555237f","0.5623413324356079f","0.4216965138912201f","0.3162277638912201f","0.23713736236095428f","0.17782793939113617f","0.1333521455526352f","0.10000000149011612f","0.07498941570520401f","0.05623412877321243f","0.039006926119327545f","0.026879360899329185f","0.01837814413011074f","0.012447956018149853f","0.0083345090970397f","0.005500000435858965f","0.0035619973205029964f","0.002249365206807852f","0.0013705134624615312f","0.0007905694073997438f","0.0004149904125370085f","0.00017782794020604342f","3.333803397254087e-05f","2.499999936844688e-05f","1.8747354260995053e-05f","1.4058532542549074e-05f","1.0542412383074407e-05f","7.905694474175107e-06f","5.928434347879374e-06f","4.445698323252145e-06f","3.3338035336782923e-06f"],"smem_bytes":9216,"threads":128,"wpc":4}
+// params:   {"C":512,"H":16,"N":128,"R":64,"TN":32,"V":128,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","has_rope":true,"kv_tokens":16,"kv_write":true,"mma":true,"out_interleaved":true,"out_w":576,"pairs_adjacent":true,"rope_attention_factor":"1.0f","rope_inv_freq":["1.0f","0.7498942017555237f","0.5623413324356079f","0.4216965138912201f","0.3162277638912201f","0.23713736236095428f","0.17782793939113617f","0.1333521455526352f","0.10000000149011612f","0.07498941570520401f","0.05623412877321243f","0.039006926119327545f","0.026879360899329185f","0.01837814413011074f","0.012447956018149853f","0.0083345090970397f","0.005500000435858965f","0.0035619973205029964f","0.002249365206807852f","0.0013705134624615312f","0.0007905694073997438f","0.0004149904125370085f","0.00017782794020604342f","3.333803397254087e-05f","2.499999936844688e-05f","1.8747354260995053e-05f","1.4058532542549074e-05f","1.0542412383074407e-05f","7.905694474175107e-06f","5.928434347879374e-06f","4.445698323252145e-06f","3.3338035336782923e-06f"],"smem_bytes":9216,"threads":128,"wpc":4}
 // includes: common.cuh, mla_absorb.cuh, mla_kv_write.cuh, mma.cuh, norm.cuh, pdl.cuh, phases.cuh, rope.cuh, vec.cuh
 // nodes:    L0-26.mla.q_decode
 // implements (spec op, layers, passes that fused it):
@@ -26,8 +26,7 @@ constexpr float EPS = 9.999999974752427e-07f;
 typedef __nv_bfloat16 act_t;
 constexpr int H = 16, N = 128, V = 128, C = 512;
 constexpr int OUT_W = 576;
-typedef dsg::absorb::AbsorbQuery<act_t, H, N, V, C, OUT_W, /*TN=*/32, /*WPC=*/4,
-                                  /*BAL=*/false> Q;
+typedef dsg::absorb::AbsorbQuery<act_t, H, N, V, C, OUT_W, /*TN=*/32, /*WPC=*/4> Q;
 static_assert(Q::THREADS == 128, "block size disagrees with the lowering");
 static_assert(Q::SMEM == 9216, "staged tile size disagrees with the lowering");
 constexpr int R = 64;
@@ -74,7 +73,7 @@ mla_decode_query__bf16__h16_n128_c512__r64__adj_il__rope18a8cfb6__mma_t32_w4_kv(
     // the tile's ntok * HALF rotations over every thread of the head's gridDim.z CTAs (H200: in
     // the z == 0 CTAs alone, 8 dependent round trips a thread at 32 tokens cost ~4 us); a pair's
     // two inputs are loaded with its position, before the angle's sine waits for it (one round
-    // trip, not two: PERF_NOTES v31)
+    // trip, not two)
     const int h = blockIdx.y;
     for (int i = blockIdx.z * Q::THREADS + threadIdx.x; i < ntok * HALF; i += gridDim.z * Q::THREADS) {
       const int tt = i / HALF, p = i % HALF, t = t0 + tt;

@@ -3,7 +3,7 @@
 // kernel:   moe_down__bf16__e66__d2048_m1408__wgmma
 // role:     moe_down.wgmma
 // params:   {"E":66,"K":1,"KD":1408,"N":2048,"act":"__nv_bfloat16","box_k":64,"box_rows":128,"cols":256,"smem":230400,"stages":4,"threads":384,"variant":"wgmma"}
-// includes: bulk.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_grouped.cuh, moe_wgmma.cuh, pdl.cuh, phases.cuh, tma.cuh, wgmma.cuh
+// includes: common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_grouped.cuh, moe_wgmma.cuh, pdl.cuh, phases.cuh, tma.cuh, wgmma.cuh
 // nodes:    L1-26.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:99 blocks.moe_ffn.ops[3] moe_gate_up, layers 1-26 (fuse_moe_silu, fuse_shared_experts, fuse_expert_ffn)
@@ -21,7 +21,7 @@
 // others on CUDA cores, one grid), or above a token count on sm_90a variant wgmma (every expert
 // on wgmma + TMA tiles, moe_wgmma.cuh); decode's tokens on variant wgmma_skinny
 // (moe_wgmma_skinny.cuh), at one token on variant wgmma_skinny_t1: the same code with a deeper
-// ring, one CTA an SM (_moe_wgmma_skinny.ONE_TOKEN_DOWN_STAGES).
+// ring, one CTA an SM (Tuning.moe.one_token_down_stages).
 // The GEMV and mma wait at entry (pdl.cuh): which expert's weights a CTA reads comes from the
 // routing, another kernel's output.  The skinny variants start their first tile's weights before
 // the wait (the routing is two launches back: moe_wgmma_skinny.cuh).

@@ -2,8 +2,8 @@
 // template: moe_gate_up_silu.cu.j2
 // kernel:   moe_gate_up_silu__bf16__e66_k8__m1408_d2048__sh2w__wgmma_skinny
 // role:     moe_gate_up_silu.wgmma_skinny
-// params:   {"E":66,"K":8,"KD":2048,"N":1408,"act":"__nv_bfloat16","act_evict_last":0,"box_k":64,"box_rows":64,"cols":64,"pairs":64,"shared":2,"shared_whole":true,"smem":99328,"staged_from":0,"stages":4,"threads":256,"variant":"wgmma_skinny"}
-// includes: bulk.cuh, cluster.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tma.cuh, wgmma.cuh
+// params:   {"E":66,"K":8,"KD":2048,"N":1408,"act":"__nv_bfloat16","box_k":64,"box_rows":64,"cols":64,"pairs":64,"shared":2,"smem":99328,"staged_from":0,"stages":4,"threads":256,"variant":"wgmma_skinny"}
+// includes: cluster.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tma.cuh, wgmma.cuh
 // nodes:    L1-26.moe_ffn.ea, L1-26.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:99 blocks.moe_ffn.ops[3] moe_gate_up, layers 1-26 (fuse_moe_silu, fuse_shared_experts)
@@ -30,7 +30,6 @@
 #include "pdl.cuh"
 
 #define DSG_WS_STAGED_FROM_BP 0  // tiles of this many pairs or more store through shared memory (0: none)
-#define DSG_WS_ACT_EVICT_LAST 0  // 1: pair rows and outputs under L2's evict_last policy
 #include "moe_wgmma_skinny.cuh"
 
 static_assert(dsg::moe::wgmma_skinny_smem(4) == 99328, "shared memory size disagrees with the lowering");
@@ -49,7 +48,6 @@ moe_gate_up_silu__bf16__e66_k8__m1408_d2048__sh2w__wgmma_skinny(
     __nv_bfloat16* __restrict__ out,
     int num_pairs) {
   extern __shared__ __align__(16) char smem[];
-  dsg::moe::grouped_gemm_wgmma_skinny<__nv_bfloat16, dsg::moe::GATE_UP_SILU, 66, 1408, 2048, 8, 4, 2,
-      true>(
+  dsg::moe::grouped_gemm_wgmma_skinny<__nv_bfloat16, dsg::moe::GATE_UP_SILU, 66, 1408, 2048, 8, 4, 2>(
       x, &w_gate, &w_up, order, offsets, out, nullptr, smem, num_pairs);
 }

@@ -3,7 +3,7 @@
 // kernel:   moe_gate_up_silu__bf16__e66_k8__m1408_d2048__wgmma
 // role:     moe_gate_up_silu.wgmma
 // params:   {"E":66,"K":8,"KD":2048,"N":1408,"act":"__nv_bfloat16","box_k":64,"box_rows":128,"cols":128,"smem":230400,"stages":4,"threads":384,"variant":"wgmma"}
-// includes: bulk.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_grouped.cuh, moe_wgmma.cuh, pdl.cuh, phases.cuh, tma.cuh, wgmma.cuh
+// includes: common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_grouped.cuh, moe_wgmma.cuh, pdl.cuh, phases.cuh, tma.cuh, wgmma.cuh
 // nodes:    L1-26.moe_ffn.ea, L1-26.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:99 blocks.moe_ffn.ops[3] moe_gate_up, layers 1-26 (fuse_moe_silu, fuse_shared_experts)

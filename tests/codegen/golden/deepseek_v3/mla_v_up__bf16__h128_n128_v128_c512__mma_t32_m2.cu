@@ -2,7 +2,7 @@
 // template: mla_v_up.cu.j2
 // kernel:   mla_v_up__bf16__h128_n128_v128_c512__mma_t32_m2
 // role:     mla_v_up
-// params:   {"C":512,"H":128,"N":128,"TN":32,"V":128,"act":"__nv_bfloat16","balanced":false,"cps":4,"ks":4,"min_blocks":0,"mma":true,"mt":2,"smem_bytes":34816,"threads":256}
+// params:   {"C":512,"H":128,"N":128,"TN":32,"V":128,"act":"__nv_bfloat16","cps":4,"ks":4,"mma":true,"mt":2,"smem_bytes":34816,"threads":256}
 // includes: common.cuh, mla_absorb.cuh, mma.cuh, pdl.cuh, phases.cuh, vec.cuh
 // nodes:    L0-60.mla.o
 // implements (spec op, layers, passes that fused it):
@@ -16,8 +16,7 @@
 
 typedef __nv_bfloat16 act_t;
 typedef dsg::absorb::AbsorbVUp<act_t, /*H=*/128, /*N=*/128, /*V=*/128, /*C=*/512, /*TN=*/32,
-                               /*MT=*/2, /*KS=*/4, /*CPS=*/4,
-                               /*BAL=*/false> VUp;
+                               /*MT=*/2, /*KS=*/4, /*CPS=*/4> VUp;
 static_assert(VUp::THREADS == 256, "block size disagrees with the lowering");
 static_assert(VUp::SMEM == 34816, "shared memory size disagrees with the lowering");
 

@@ -2,8 +2,8 @@
 // template: moe_expert_ffn.cu.j2
 // kernel:   moe_expert_ffn__bf16__e257_k9__m2048_d7168__st32__fused
 // role:     moe_expert_ffn.fused
-// params:   {"D":7168,"E":257,"K":9,"M":2048,"act":"__nv_bfloat16","act_evict_last":0,"box_k":64,"box_rows":64,"pairs":64,"row_tiles":293,"smem":99328,"staged_from":32,"stages":4,"threads":288,"variant":"fused"}
-// includes: bulk.cuh, cluster.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_expert_ffn.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tickets.cuh, tma.cuh, wgmma.cuh
+// params:   {"D":7168,"E":257,"K":9,"M":2048,"act":"__nv_bfloat16","box_k":64,"box_rows":64,"pairs":64,"row_tiles":293,"smem":99328,"staged_from":32,"stages":4,"threads":288,"variant":"fused"}
+// includes: cluster.cuh, common.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, moe_common.cuh, moe_expert_ffn.cuh, moe_grouped.cuh, moe_wgmma.cuh, moe_wgmma_skinny.cuh, pdl.cuh, phases.cuh, tickets.cuh, tma.cuh, wgmma.cuh
 // nodes:    L3-60.moe_ffn.eo
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3.yaml:101 blocks.moe_ffn.ops[3] moe_gate_up, layers 3-60 (fuse_moe_silu, fuse_shared_experts, fuse_expert_ffn)
@@ -22,7 +22,6 @@
 // It waits at entry (pdl.cuh): which expert's weights a CTA reads comes from the routing, the
 // previous kernel's output.
 #define DSG_WS_STAGED_FROM_BP 32  // tiles of this many pairs or more store through shared memory (0: none)
-#define DSG_WS_ACT_EVICT_LAST 0  // 1: pair rows and outputs under L2's evict_last policy
 #include "moe_expert_ffn.cuh"
 
 static_assert(dsg::moe::wgmma_skinny_smem(4) == 99328, "shared memory size disagrees with the lowering");

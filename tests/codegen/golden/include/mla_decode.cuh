@@ -96,7 +96,7 @@ struct DecodeSplit {
   // so qs[g] <= t < qs[g + 1] makes g the last sequence starting at or before t, as the search
   // finds).  Only a wrong guess (several tokens a sequence) searches, a round trip a halving, and
   // loads again.  The search first and then the loads took two round trips at one sequence and
-  // log2(B) + 2 at B (PERF_NOTES v31): the decode attention's chain before its wait.
+  // log2(B) + 2 at B: the decode attention's chain before its wait.
   template <int KT>
   __device__ __forceinline__ void rows(const i32* __restrict__ context_lens, const i32* __restrict__ query_start,
                                        const i64* __restrict__ positions, int B) {
@@ -551,24 +551,13 @@ struct MlaDecode {
 //    memory and keeps its own share of the row sums;
 //  - values: warp w owns C / NW output columns; P (16 x KT) and V (the same tile) by ldmatrix.
 // Three barriers per tile; no partial scores cross warps.
-// The tensor-core split reads the cache rows of earlier steps before its pdl_wait() (1), or every
-// row after it (0: the kernel as it was before the switch).  1 since PERF_NOTES v26 (b=1 -0.04 ms a
-// step, b=128 ctx 4096 -0.14); tests/gpu/test_kernels_mla.py -k reads_this_steps_rows races it.
-#ifndef DSG_DECODE_ROWS_BEFORE_WAIT
-#define DSG_DECODE_ROWS_BEFORE_WAIT 1
-#endif
-// After its wait, the split copies this step's own rows of its first NSTAGE - 1 tiles (at decode
-// one row a sequence) in a loop over those rows (1), or with issue<true>'s unrolled walk over every
-// row of those tiles (0): ~1,000 of the kernel's ~5,000 instructions, fetched cold each layer
-// (an H200 fetches cold code at ~104 SM cycles a KB, tests/gpu/probe_merge.py).  The same copies.
-// 1 since PERF_NOTES v32: b=1 -0.02 to -0.03 ms a step (ctx 512 and 4096), b=128 ctx 4096 +0.04.
-#ifndef DSG_DECODE_FRESH_COMPACT
-#define DSG_DECODE_FRESH_COMPACT 1
-#endif
+// The split reads the cache rows of earlier steps before its pdl_wait() (tests/gpu/test_kernels_mla.py
+// -k reads_this_steps_rows races it), and after it copies this step's own rows of its first
+// NSTAGE - 1 tiles (at decode one row a sequence) in a loop over those rows: an unrolled walk over
+// every row of those tiles would be ~1,000 more instructions, fetched cold each layer.
 
 template <typename T, int C, int R, int H, int BS, int NW, int NSTAGE, int S>
 struct MlaDecodeMma {
-  static constexpr bool ROWS_BEFORE_WAIT = DSG_DECODE_ROWS_BEFORE_WAIT;
   static constexpr int HG = 16;
   static constexpr int NG = (H + HG - 1) / HG;
   static constexpr int W = C + R;
@@ -605,7 +594,7 @@ struct MlaDecodeMma {
   // pages looked up first, eight independent loads), lane l the chunks l, l + 32, ... of each.
   // WINDOW: only the split's rows r with lo <= r < hi, and with `fill` the rows past the split
   // zero-filled; two calls, [0, f) with fill and [f, ..) without, fill the slot as one call without
-  // WINDOW does (ROWS_BEFORE_WAIT).
+  // WINDOW does.
   // Cache row r of the split's sequence (block table `table`): its first element.
   __device__ __forceinline__ static const T* cache_row(const T* __restrict__ cache, const i32* __restrict__ table, int r) {
     return cache + ((i64)__ldg(table + r / BS) * BS + r % BS) * W;
@@ -651,38 +640,32 @@ struct MlaDecodeMma {
     DSG_PHASE(phases::ENTRY);   // phases.cuh: its launch apart from its pre-wait chain
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g8 = lane >> 2, c4 = lane & 3;   // mma fragment coordinates: heads g8, g8 + 8
-    // ROWS_BEFORE_WAIT: before the wait, what no kernel of this step writes (pdl.cuh): the step's
+    // Before the wait, what no kernel of this step writes (pdl.cuh): the step's
     // metadata (uploaded before the step's first kernel) and the cache rows earlier steps wrote,
     // i.e. the first NSTAGE - 1 tiles but for this step's own rows (fresh_from), which the kernel
     // before this one writes (mla_decode_query's cache CTA or mla_kv_cache_write): those, and the
     // queries, follow the wait.  At one token and a short context that is every cache row but one
-    // off the critical path (PERF_NOTES v25: the attention is ~6 us of a layer's step there).
-    DecodeSplit<S> sp;
-    int ntiles = 0, fresh = 0;
-    const i32* table = block_tables;
+    // off the critical path (the attention is ~6 us of a layer's step there).
+    DecodeSplit<S> sp = DecodeSplit<S>::template locate<NG>(T_);
+    sp.warm_table(block_tables, bt_width, B);
+    sp.template rows<KT>(context_lens, query_start, positions, B);
+    const int ntiles = sp.tiles(KT);
+    const int fresh = sp.valid ? sp.fresh_from(positions) : 0;
+    const i32* table = block_tables + (i64)sp.b * bt_width;
     char* ring = smem;
-    if constexpr (ROWS_BEFORE_WAIT) {
-      sp = DecodeSplit<S>::template locate<NG>(T_);
-      sp.warm_table(block_tables, bt_width, B);
-      sp.template rows<KT>(context_lens, query_start, positions, B);
-      ntiles = sp.tiles(KT);
-      fresh = sp.valid ? sp.fresh_from(positions) : 0;
-      table = block_tables + (i64)sp.b * bt_width;
 #pragma unroll
-      for (int st = 0; st < NSTAGE - 1; ++st) {
-        if (st < ntiles) issue<true>(ring, st, sp, cache, table, warp, lane, 0, fresh, true);
-        mma::cp_async_commit();
-      }
+    for (int st = 0; st < NSTAGE - 1; ++st) {
+      if (st < ntiles) issue<true>(ring, st, sp, cache, table, warp, lane, 0, fresh, true);
+      mma::cp_async_commit();
     }
     pdl_wait();   // everything below reads what the kernels before it wrote (queries; this step's cache rows)
-    if constexpr (!ROWS_BEFORE_WAIT) sp = DecodeSplit<S>::template locate<NG>(T_);
 
     // The group's queries go to the last ring slot (free until iteration 0 refills it, after its
     // barrier) and from there into A fragments: qf[ks] = heads 0-15 x columns 16 ks .. 16 ks + 15.
     // As 16-byte cp.async chunks where the views allow it (the engine's q_lat / q_rot are the two
     // parts of one [T, H, C + R] buffer), committed ahead of the first tiles so that their latency
-    // overlaps the metadata chain (with ROWS_BEFORE_WAIT: in one group with this step's rows of the
-    // first tiles); element by element otherwise. Heads past H are zero.
+    // overlaps the metadata chain (in one group with this step's rows of the first tiles); element
+    // by element otherwise. Heads past H are zero.
     const int h0 = sp.g * HG;
     const T* ql = q_lat + (i64)sp.t * ql_s0;
     const T* qr = q_rot + (i64)sp.t * qr_s0;
@@ -696,31 +679,14 @@ struct MlaDecodeMma {
         mma::cp_async16(chunk(qs, hh, c), live ? src : q_lat, live ? 16 : 0);
       }
     }
-    if constexpr (ROWS_BEFORE_WAIT && DSG_DECODE_FRESH_COMPACT) {
-      // rows [fresh, r_end) of the first NSTAGE - 1 tiles, warp w the w-th, w + NW-th, ... of them
-      const int lo = max(fresh, sp.r_begin), hi = min(sp.r_end, sp.r_begin + min(ntiles, NSTAGE - 1) * KT);
+    // rows [fresh, r_end) of the first NSTAGE - 1 tiles, warp w the w-th, w + NW-th, ... of them
+    const int lo = max(fresh, sp.r_begin), hi = min(sp.r_end, sp.r_begin + min(ntiles, NSTAGE - 1) * KT);
 #pragma unroll 1
-      for (int r = lo + warp; r < hi; r += NW) {
-        const int it = (r - sp.r_begin) / KT;   // < NSTAGE - 1: ring slot it
-        copy_row(ring + it * STAGE_BYTES, r - sp.r_begin - it * KT, cache_row(cache, table, r), lane, 16);
-      }
-      mma::cp_async_commit();
-    } else if constexpr (ROWS_BEFORE_WAIT) {
-#pragma unroll
-      for (int st = 0; st < NSTAGE - 1; ++st)
-        if (st < ntiles) issue<true>(ring, st, sp, cache, table, warp, lane, fresh, 0x7fffffff, false);
-      mma::cp_async_commit();
-    } else {
-      mma::cp_async_commit();
-      sp.template rows<KT>(context_lens, query_start, positions, B);
-      ntiles = sp.tiles(KT);
-      table = block_tables + (i64)sp.b * bt_width;
-#pragma unroll
-      for (int st = 0; st < NSTAGE - 1; ++st) {
-        if (st < ntiles) issue(ring, st, sp, cache, table, warp, lane);
-        mma::cp_async_commit();
-      }
+    for (int r = lo + warp; r < hi; r += NW) {
+      const int it = (r - sp.r_begin) / KT;   // < NSTAGE - 1: ring slot it
+      copy_row(ring + it * STAGE_BYTES, r - sp.r_begin - it * KT, cache_row(cache, table, r), lane, 16);
     }
+    mma::cp_async_commit();
     if (!qvec) {
       for (int e = tid; e < HG * W; e += THREADS) {
         const int hh = e / W, d = e - hh * W, h = h0 + hh;
@@ -729,10 +695,9 @@ struct MlaDecodeMma {
         *reinterpret_cast<T*>(chunk(qs, hh, d >> 3) + (d & 7) * 2) = v;
       }
     }
-    if constexpr (ROWS_BEFORE_WAIT) mma::cp_async_wait<0>();   // the queries and the first NSTAGE - 1 tiles
-    else mma::cp_async_wait<NSTAGE - 1>();                      // the query group (the oldest) has landed
+    mma::cp_async_wait<0>();   // the queries and the first NSTAGE - 1 tiles
     __syncthreads();
-    DSG_PHASE(4);   // phases.cuh: the queries (and with ROWS_BEFORE_WAIT the first tiles) landed
+    DSG_PHASE(4);   // phases.cuh: the queries and the first tiles landed
     unsigned qf[KSTEPS][4];
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) mma::ldsm_x4(qf[ks], chunk(qs, lane & 15, 2 * ks + (lane >> 4)));

@@ -1,8 +1,8 @@
 // MLA prefill attention on tensor cores (bf16 / fp16): MlaPrefillTC2, the tensor-core sibling of
-// mla_prefill.cuh's MlaPrefill (fp32, CUDA cores), at the tile mla_prefill_attention.TC_VARIANT
+// mla_prefill.cuh's MlaPrefill (fp32, CUDA cores), at the tile Tuning.attention.prefill_tile
 // names.  It replaced a first tensor-core version (MlaPrefillTC: Q re-read from shared memory every
 // key tile, single-buffered K / V, the mask on every tile), 1.4-1.6x slower at every shape
-// measured on the H200 (runtime/PERF_NOTES.md v11) and removed after.
+// measured on the H200 (docs/PERF_NOTES.md) and removed after.
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"

@@ -11,16 +11,11 @@ template <> struct MmaType<__nv_bfloat16> { static constexpr bool BF16 = true; }
 template <> struct MmaType<__half> { static constexpr bool BF16 = false; };
 
 // .L2::128B: the copies of a stage cover whole 128-byte runs of each row, and the hint lets L2
-// fetch a run as one line (H200, PERF_NOTES v7: the grouped expert tiles are L2-throughput-bound,
+// fetch a run as one line (H200: the grouped expert tiles are L2-throughput-bound,
 // ~89% of L2 at 75% of DRAM; the hint gained 1-2% in every case measured, 256B lost).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
                "r"(src_bytes));
-}
-// cp_async16 under an L2 policy (l2_policy.cuh) on the source's line.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes, unsigned long long policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;\n" ::"r"(smem_u32(dst)),
-               "l"(src), "r"(src_bytes), "l"(policy));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {

@@ -125,7 +125,7 @@ __device__ __forceinline__ void combine_row(const T* __restrict__ eo, const floa
     // Every row's loads, the shared rows' and the residual's too, issued before the first sum: one
     // memory round trip.  With only the routed rows ahead (below) the SASS summed them, then loaded
     // the shared rows, summed those, then loaded the residual: three round trips after the wait at
-    // one token (PERF_NOTES v31).  The same sums in the same order.
+    // one token.  The same sums in the same order.
     float wk[R], er[R][L::ITEMS], es[SH][L::ITEMS], res[L::ITEMS];
 #pragma unroll
     for (int k = 0; k < R; ++k) wk[k] = w[(i64)t * K + k];
@@ -158,8 +158,7 @@ __device__ __forceinline__ void combine_row(const T* __restrict__ eo, const floa
   }
   // Otherwise the routed rows GROUP at a time, each group's loads issued before its first sum:
   // all of them at once where their items fit (one round trip, not R: at decode's few tokens this
-  // kernel is that latency), 4 at a time at V3's 896 threads (two trips, not eight: PERF_NOTES
-  // v31).  A pair of weight 0 adds nothing: its row is read (the buffer holds it) and dropped,
+  // kernel is that latency), 4 at a time at V3's 896 threads (two trips, not eight).  A pair of weight 0 adds nothing: its row is read (the buffer holds it) and dropped,
   // whatever it holds.  The same sums in the same order.
   constexpr int BUDGET = 65536 / L::NTHREADS - 40;   // a thread's registers past what else it needs
   constexpr int FIT = (BUDGET < COMBINE_ROWS_IN_FLIGHT_ITEMS ? BUDGET : COMBINE_ROWS_IN_FLIGHT_ITEMS) / L::ITEMS;

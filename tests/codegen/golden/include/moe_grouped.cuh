@@ -7,8 +7,6 @@
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
-#include "bulk.cuh"
-#include "mbarrier.cuh"
 #include "moe_common.cuh"
 
 namespace dsg {
@@ -263,15 +261,7 @@ __device__ __forceinline__ void skinny_weight_row(int n0, int r, const T* W0, co
   else { n = n0 + (r >> 4) * 8 + (r & 7); Wm = (r & 8) ? W1 : W0; }
 }
 
-// BULK: a stage's weight and x rows arrive as one bulk copy per row (bulk.cuh), counted on the
-// stage's mbarrier, issued by warp 0; only for shapes where every slice is whole (KD % SBK == 0,
-// N % BN == 0, 16-byte rows), else the cp.async ring with its zero fill.
-template <int N, int KD, int MODE, int SBK>
-__host__ __device__ constexpr bool skinny_bulk_ok() {
-  return KD % 8 == 0 && KD % SBK == 0 && N % ((MODE == DOWN) ? GEMM_BNW : GEMM_BNW / 2) == 0;
-}
-
-template <typename T, int MODE, int N, int KD, int K, int SBK, int SST, int BP, bool BULK>
+template <typename T, int MODE, int N, int KD, int K, int SBK, int SST, int BP>
 __device__ __forceinline__ void grouped_gemm_skinny(const T* __restrict__ x, const T* __restrict__ W0,
                                                     const T* __restrict__ W1, const i32* __restrict__ order,
                                                     const int* __restrict__ s_row, int pbeg, int rows, int n0,
@@ -336,45 +326,7 @@ __device__ __forceinline__ void grouped_gemm_skinny(const T* __restrict__ x, con
     }
   };
 
-  if constexpr (BULK) {
-    static_assert(skinny_bulk_ok<N, KD, MODE, SBK>(), "skinny gemm: bulk copies need whole 16-byte slices");
-    constexpr unsigned ROW_BYTES = BK * sizeof(T), STAGE_BYTES = (BNW + BP) * ROW_BYTES;
-    __shared__ __align__(8) unsigned long long bars[SST];
-    if (tid == 0) {
-#pragma unroll
-      for (int s = 0; s < SST; ++s) dsg::mbar::init(&bars[s], 1);
-      dsg::mbar::init_fence();
-    }
-    __syncthreads();
-    // warp 0 announces the stage's bytes, then its lanes copy 4 weight rows and BP / 32 x rows each
-    auto issue = [&](int stage, int kt) {
-      const int k0 = kt * BK;
-      T* w = Ws + stage * BNW * P;
-      T* a = Xs + stage * BP * P;
-      if (lane == 0) dsg::mbar::arrive_expect_tx(&bars[stage], STAGE_BYTES);
-      __syncwarp();
-      dsg::mbar::fence_proxy_async();
-#pragma unroll
-      for (int i = 0; i < BNW / 32; ++i) {
-        const int r = lane + 32 * i;
-        int n;
-        const T* Wm;
-        skinny_weight_row<MODE>(n0, r, W0, W1, n, Wm);
-        dsg::bulk::copy(w + r * P, Wm + (i64)n * KD + k0, ROW_BYTES, &bars[stage]);
-      }
-      for (int r = lane; r < BP; r += 32) dsg::bulk::copy(a + r * P, x + (i64)s_row[r] * KD + k0, ROW_BYTES, &bars[stage]);
-    };
-    if (warp == 0)
-      for (int s = 0; s < SST - 1 && s < KT; ++s) issue(s, s);
-    for (int kt = 0; kt < KT; ++kt) {
-      dsg::mbar::wait(&bars[kt % SST], (kt / SST) & 1);
-      __syncthreads();        // every warp is done with the stage refilled below (slice kt - 1's)
-      if (warp == 0 && kt + SST - 1 < KT) issue((kt + SST - 1) % SST, kt + SST - 1);
-      compute(kt % SST);
-    }
-  } else {
-    dsg::mma::cp_async_ring<SST>(KT, load_stage, compute);
-  }
+  dsg::mma::cp_async_ring<SST>(KT, load_stage, compute);
 
   // epilogue: acc[j] holds weight rows warp*16 + g (c0, c1) and + 8 (c2, c3) for the tile's pairs
   // j*8 + t2, j*8 + t2 + 1
@@ -407,7 +359,7 @@ __device__ __forceinline__ void grouped_gemm_skinny(const T* __restrict__ x, con
 }
 
 template <typename T, int MODE, int E, int N, int KD, int K, int THR, int BK, int ST, int SK, int SBK, int SST,
-          int LRPW, int VEC, bool BULK>
+          int LRPW, int VEC>
 __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* __restrict__ w0,
                                              const T* __restrict__ w1, const i32* __restrict__ order,
                                              const i32* __restrict__ offsets, int num_pairs,
@@ -493,23 +445,22 @@ __device__ __forceinline__ void grouped_gemm(const T* __restrict__ x, const T* _
   const T* W0 = w0 + (i64)e * N * KD;
   const T* W1 = ((MODE == DOWN) ? w0 : w1) + (i64)e * N * KD;
   // A tile of at most SK pairs (decode's usual case): the swapped orientation (4c above).
-  constexpr bool SKINNY_BULK = BULK && skinny_bulk_ok<N, KD, MODE, SBK>();
   // rows is uniform across the CTA, so every thread takes the same branch.
   if constexpr (SK >= 16) {
     if (rows <= 16) {
-      grouped_gemm_skinny<T, MODE, N, KD, K, SBK, SST, 16, SKINNY_BULK>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
+      grouped_gemm_skinny<T, MODE, N, KD, K, SBK, SST, 16>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
       return;
     }
   }
   if constexpr (SK >= 32) {
     if (rows <= 32) {
-      grouped_gemm_skinny<T, MODE, N, KD, K, SBK, SST, 32, SKINNY_BULK>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
+      grouped_gemm_skinny<T, MODE, N, KD, K, SBK, SST, 32>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
       return;
     }
   }
   if constexpr (SK >= 64) {
     if (rows <= 64) {
-      grouped_gemm_skinny<T, MODE, N, KD, K, SBK, SST, 64, SKINNY_BULK>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
+      grouped_gemm_skinny<T, MODE, N, KD, K, SBK, SST, 64>(x, W0, W1, order, s_row, pbeg, rows, n0, out0, out1, smem);
       return;
     }
   }

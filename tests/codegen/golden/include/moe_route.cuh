@@ -24,22 +24,6 @@
 namespace dsg {
 namespace moe {
 
-// One token tile (T <= TT, every decode step up to TT tokens): its CTA that ran top-k is the last
-// tile by construction, so it aligns without taking the tiles' ticket (an atomic and its fences
-// on b=1's critical path).  On since PERF_NOTES v23 (-DDSG_ROUTE_ONE_TILE_NO_TICKET=0 turns it off).
-#ifndef DSG_ROUTE_ONE_TILE_NO_TICKET
-#define DSG_ROUTE_ONE_TILE_NO_TICKET 1
-#endif
-constexpr bool ROUTE_ONE_TILE_NO_TICKET = DSG_ROUTE_ONE_TILE_NO_TICKET != 0;
-// ... and takes the pairs' ids for its alignment from its own top-k warps through shared memory
-// (1), instead of reading back from L2 the ids those warps just stored (0): one L2 round trip less
-// on b=1's critical path, between the route's top-k and the expert GEMM's start.  On since
-// PERF_NOTES v36 (-DDSG_ROUTE_ONE_TILE_SHARED_IDS=0 turns it off).
-#ifndef DSG_ROUTE_ONE_TILE_SHARED_IDS
-#define DSG_ROUTE_ONE_TILE_SHARED_IDS 1
-#endif
-constexpr bool ROUTE_ONE_TILE_SHARED_IDS = ROUTE_ONE_TILE_NO_TICKET && DSG_ROUTE_ONE_TILE_SHARED_IDS != 0;
-
 // Top-k of the three-launch form: one warp per token, WARPS tokens per CTA.  S: the shared experts
 // each token also selects (moe_router.cuh topk_scored); a token's ids / weights row is K + S wide.
 template <int E, int K, int G, int TG, int SCORING, int METHOD, bool NORM, bool HAS_BIAS, int WARPS, int S = 0>
@@ -87,9 +71,13 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
   DSG_PHASE(5);   // the tile's last CTA: every logit of the tile written
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.y * TT + warp;
-  const bool one_tile = ROUTE_ONE_TILE_NO_TICKET && gridDim.y == 1;   // uniform
-  const bool shared_ids = ROUTE_ONE_TILE_SHARED_IDS && one_tile;       // the ids for align in tile_ids
-  __shared__ int tile_ids[ROUTE_ONE_TILE_SHARED_IDS ? TT * (K + S) : 1];   // one tile's pairs' ids
+  // One token tile (T <= TT, every decode step up to TT tokens): its CTA that ran top-k is the
+  // last tile by construction, so it aligns without taking the tiles' ticket (an atomic on b=1's
+  // critical path), and takes the pairs' ids from its own top-k warps through shared memory
+  // instead of reading back from L2 the ids those warps just stored (one L2 round trip less
+  // between the route's top-k and the expert GEMM's start).
+  const bool one_tile = gridDim.y == 1;   // uniform
+  __shared__ int tile_ids[TT * (K + S)];   // one tile's pairs' ids
   if (t < num_tokens) {
     float l[SLOTS];
 #pragma unroll
@@ -100,7 +88,7 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
     float* sc = smem + warp * 2 * E;
     topk_scored<E, K, G, TG, SCORING, METHOD, NORM, HAS_BIAS, S>(
         l, bias, scaling, ids + (i64)t * (K + S), weights + (i64)t * (K + S), sc, sc + E,
-        shared_ids ? tile_ids + warp * (K + S) : nullptr);
+        one_tile ? tile_ids + warp * (K + S) : nullptr);
   }
 
   // 3. the last tile's CTA: align every pair (ids copied to shared memory past L1)
@@ -109,7 +97,7 @@ __device__ __forceinline__ void route_fused(const T* __restrict__ x, const float
   const int num_pairs = num_tokens * (K + S);
   DSG_PHASE(6);   // the aligning CTA: every top-k done
   const int* pair_ids = tile_ids;                // one tile: pair p = t * (K + S) + k is tile_ids[p]
-  if (!shared_ids) {
+  if (!one_tile) {
     int* sid = reinterpret_cast<int*>(smem);
     for (int p = threadIdx.x; p < num_pairs; p += NT) sid[p] = (int)__ldcg(ids + p);
     __syncthreads();

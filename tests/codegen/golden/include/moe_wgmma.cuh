@@ -124,18 +124,15 @@ __device__ __forceinline__ T ld_cg(const T* p) {
 // One stage's gathered rows of a producer thread: 16-byte chunk kc .. kc + 8 of x rows src[i]
 // (-1: zeros) into tile rows r0 + 16 i, whose chunk positions share one swizzle (dst is row r0's).
 // VEC: 16-byte cp.async (x 16-byte aligned; .cg: through L2); else element loads through L2 and
-// a 16-byte shared store.  HINT: the cp.async copies carry L2 policy `pol` (l2_policy.cuh).
-template <typename T, int KD, bool VEC, int R, bool HINT = false>
-__device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int (&src)[R], int kc, char* dst,
-                                             unsigned long long pol = 0) {
+// a 16-byte shared store.
+template <typename T, int KD, bool VEC, int R>
+__device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int (&src)[R], int kc, char* dst) {
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     const bool ok = src[i] >= 0 && kc < KD;              // else zeros: rows past the tile, K past KD
     const T* from = x + (ok ? (i64)src[i] * KD + kc : 0);
     char* to = dst + i * 16 * WG_ROW_BYTES;
-    if constexpr (VEC && HINT) {
-      dsg::mma::cp_async16(to, from, ok ? 16 : 0, pol);
-    } else if constexpr (VEC) {
+    if constexpr (VEC) {
       dsg::mma::cp_async16(to, from, ok ? 16 : 0);
     } else {
       uint4 raw;
@@ -150,16 +147,15 @@ __device__ __forceinline__ void wgmma_gather(const T* __restrict__ x, const int 
 // One staged 16-byte chunk (8 elements) of an output row, at column `col` of N, to dst: whole
 // (vec: N % 8 == 0 and a 16-byte aligned base, so the chunk lies inside the row) or element by
 // element up to N.  The epilogues that go through shared memory end here (moe_wgmma_skinny.cuh's too).
-// HINT: the stores carry L2 policy `pol` (l2_policy.cuh).
-template <typename T, int N, bool HINT = false>
-__device__ __forceinline__ void store_chunk(T* dst, const uint4& chunk, int col, bool vec, unsigned long long pol = 0) {
+template <typename T, int N>
+__device__ __forceinline__ void store_chunk(T* dst, const uint4& chunk, int col, bool vec) {
   if (vec) {
-    l2::store_if<HINT>(reinterpret_cast<uint4*>(dst), chunk, pol);
+    *reinterpret_cast<uint4*>(dst) = chunk;
   } else {
     const T* e = reinterpret_cast<const T*>(&chunk);
 #pragma unroll
     for (int k = 0; k < 8; ++k)
-      if (col + k < N) l2::store_if<HINT>(dst + k, e[k], pol);
+      if (col + k < N) dst[k] = e[k];
   }
 }
 
@@ -184,7 +180,6 @@ struct WgPrefillTiles {
   static constexpr int BM = WG_BM, BOX = WG_BOX, STAGE_BYTES = WG_STAGE_BYTES;
   static constexpr int ROWS_AT = 0, WEIGHTS_AT = WG_BM * WG_ROW_BYTES;
   static constexpr bool W_EVICT_FIRST = false;   // (L2's default: a prefill's row tiles share weight boxes)
-  static constexpr bool ACT_EVICT_LAST = false;  // (its gathered rows and outputs: L2's default)
   __host__ __device__ static constexpr int cols(int mode) { return wgmma_tile_cols(mode); }
 };
 
@@ -222,11 +217,11 @@ __device__ __forceinline__ void wgmma_pair_rows(const i32* __restrict__ order, c
 // A producer thread's part of one stage's gathered rows (wgmma_gather into dst), announced to the
 // stage's full barrier: as its cp.async copies land (vec), or after plain stores made visible to
 // the async proxy that wgmma reads through.
-template <typename T, int KD, int R, bool HINT>
+template <typename T, int KD, int R>
 __device__ __forceinline__ void wgmma_gather_slice(const T* __restrict__ x, const int (&src)[R], int kc, char* dst,
-                                                   bool vec, unsigned long long* full_s, unsigned long long pol) {
+                                                   bool vec, unsigned long long* full_s) {
   if (vec) {
-    wgmma_gather<T, KD, true, R, HINT>(x, src, kc, dst, pol);
+    wgmma_gather<T, KD, true, R>(x, src, kc, dst);
     mbar::arrive_on_cp_async(full_s);
   } else {
     wgmma_gather<T, KD, false>(x, src, kc, dst);
@@ -256,7 +251,6 @@ __device__ __forceinline__ void wgmma_produce_tile(const T* __restrict__ x, cons
   const int chunk = (c ^ (r0 & 7)) * 16;                 // 128B swizzle: c ^ (row % 8)
   int src[L::BM / 16];                                   // x row of each of this thread's tile rows, -1: none
   wgmma_pair_rows<MODE, K>(order, tl, r0, src);
-  const unsigned long long act = L::ACT_EVICT_LAST ? l2::evict_last() : 0ull;   // the gathers' L2 policy
   for (int kt = 0; kt < KT; ++kt, ++it) {
     at_slice(kt, KT);
     const int s = it % ST;
@@ -265,8 +259,7 @@ __device__ __forceinline__ void wgmma_produce_tile(const T* __restrict__ x, cons
     char* b = ring + s * L::STAGE_BYTES + L::WEIGHTS_AT;
     const int k0 = kt * WG_BK;
     if (p == 0 && kt >= pre) wgmma_issue_weights<MODE, N, L>(b, w0, w1, k0, tl.n0, tl.e, &full[s]);
-    wgmma_gather_slice<T, KD, L::BM / 16, L::ACT_EVICT_LAST>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk, vec,
-                                                            &full[s], act);
+    wgmma_gather_slice<T, KD, L::BM / 16>(x, src, k0 + 8 * c, a + r0 * WG_ROW_BYTES + chunk, vec, &full[s]);
   }
 }
 
@@ -411,7 +404,7 @@ __device__ __forceinline__ void grouped_gemm_wgmma(const T* __restrict__ x, cons
   static_assert(KD % 8 == 0, "wgmma gemm: rows of whole 16-byte chunks (TMA strides, cp.async)");
   static_assert(ST >= 2, "wgmma gemm: a ring of at least two stages");
   static_assert(wgmma_smem(ST) + 2 * ST * 8 + 4 * (E + 1) <= 227 * 1024,
-                "wgmma gemm: ring + staging + row-tile table exceed a CTA's 227 KB (_moe_wgmma.applies)");
+                "wgmma gemm: ring + staging + row-tile table exceed a CTA's 227 KB (_moe_wgmma.fits)");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   __shared__ int tiles[E + 1];
   // Every read below (offsets, order, x) is of another kernel's output.

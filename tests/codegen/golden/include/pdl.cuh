@@ -17,7 +17,7 @@
 //    before its pdl_wait() what the kernel two launches back wrote: its predecessor let it launch
 //    only once that kernel had completed.  Such reads go through L2 (ld.global.cg), never an L1
 //    line.  (moe_wgmma_skinny.cuh: DOWN reads the route's offsets behind gate_up_silu, and
-//    gate_up_silu gathers x, the route's input, for a shared expert's tile: SH_WHOLE.)
+//    gate_up_silu gathers x, the route's input, for a shared expert's tile.)
 //  - By the same chain, what the step's inputs hold (uploaded before its first kernel, or made by
 //    that kernel: a decode graph's context lengths) and the KV-cache rows earlier steps wrote may
 //    be read before pdl_wait(); the rows this step writes may not.  (mla_decode.cuh: the decode

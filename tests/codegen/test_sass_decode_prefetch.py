@@ -1,8 +1,7 @@
-"""The decode attention's tensor-core split has a switch (mla_decode.cuh DSG_DECODE_ROWS_BEFORE_WAIT,
-on by default since PERF_NOTES v26): on, it reads the step's metadata and the cache
-rows of earlier steps before its pdl_wait() (cp.async, LDGSTS) and still writes nothing and leaves
-no path before it; off, nothing global is read before the wait (test_sass_pdl's strict check).
-Compiled with NVRTC on the CPU from the committed goldens."""
+"""The decode attention's tensor-core split (mla_decode.cuh) reads the step's metadata and the
+cache rows of earlier steps before its pdl_wait() (cp.async, LDGSTS), and still writes nothing and
+leaves no path before it; its metadata is one round trip.  Compiled with NVRTC on the CPU from the
+committed goldens."""
 from __future__ import annotations
 
 import os
@@ -25,11 +24,10 @@ KERNELS = ["deepseek_v2_lite/mla_decode_attention__bf16__c512_r64__h16__page64__
            "deepseek_v3/mla_decode_attention__bf16__c512_r64__h128__page64__s2"]
 
 
-def _sass(path: str, on: int, *defines: str):
+def _sass(path: str):
     name = os.path.basename(path)
     src = open(os.path.join(GOLDEN, path + ".cu")).read()
-    options = (f"-DDSG_DECODE_ROWS_BEFORE_WAIT={on}",) + tuple(f"-D{d}" for d in defines)
-    cubin = compile_cubin(src, name, arch="sm_90a", options=options).cubin
+    cubin = compile_cubin(src, name, arch="sm_90a").cubin
     return instructions(cubin)[name]
 
 
@@ -39,10 +37,8 @@ def _before_wait(instrs) -> list:
 
 
 @pytest.mark.parametrize("path", KERNELS)
-def test_rows_before_wait_switch(path):
-    off, on = _sass(path, 0), _sass(path, 1)
-    assert wait_problem(off) is None
-    assert not any(op.startswith(("LDG", "LDGSTS")) for op in _before_wait(off))
+def test_earlier_steps_rows_are_copied_before_the_wait(path):
+    on = _sass(path)
     assert wait_problem(on, weight_loads=True) is None      # loads only: no write, no exit before it
     early = _before_wait(on)
     assert any(op.startswith("LDGSTS") for op in early), "no cache row is copied before the wait"
@@ -72,25 +68,10 @@ def _loads_before_first_use(instrs) -> int:
 def test_the_step_metadata_is_one_round_trip_before_the_wait():
     # DecodeSplit::rows(): the sequence guessed (one token a sequence), so the query range, the
     # context length and the position are loaded together; searching first took two round trips at
-    # one sequence and log2(B) + 2 at B (PERF_NOTES v31)
-    on = _sass("deepseek_v2_lite/mla_decode_attention__bf16__c512_r64__h16__page64__s8", 1)
+    # one sequence and log2(B) + 2 at B
+    on = _sass("deepseek_v2_lite/mla_decode_attention__bf16__c512_r64__h16__page64__s8")
     assert _loads_before_first_use(on) >= 4
     # and the block table's row towards L1 with them (DecodeSplit::warm_table): the page lookups
     # after rows() hit L1 instead of a second round trip
     first_load = min(i.addr for i in on if i.opcode.startswith("LDG"))
     assert any(i.opcode.startswith("CCTL") and ".PF1" in i.opcode and i.addr < first_load for i in on)
-
-
-@pytest.mark.parametrize("path", KERNELS[::2])
-def test_this_steps_rows_are_copied_by_a_short_loop(path):
-    # After its wait the split copies this step's own rows (one a sequence at decode) in a loop over
-    # them (DSG_DECODE_FRESH_COMPACT, on by default since PERF_NOTES v32), not with the unrolled
-    # walk over every row of its first tiles: ~1,000 instructions fewer, each fetched cold every
-    # layer (an H200 fetches cold code at ~104 SM cycles a KB: b=1 -0.02 to -0.03 ms a step)
-    walk, loop = _sass(path, 1, "DSG_DECODE_FRESH_COMPACT=0"), _sass(path, 1)
-    assert len(loop) <= len(walk) - 800, (len(walk), len(loop))
-
-    def copies_after_wait(instrs):
-        first = min(i.addr for i in instrs if i.opcode == "ACQBULK")
-        return sum(1 for i in instrs if i.addr > first and i.opcode.startswith("LDGSTS"))
-    assert copies_after_wait(loop) <= copies_after_wait(walk) // 2

@@ -1,0 +1,268 @@
+"""Which kernel serves an op, by token count: one table per op with several kernels.
+
+A table is a list of cases, tried in order; a case holds when all of its conditions hold for the
+node being lowered (the activation dtype, the weight format, an arch feature such as sm_90a, and
+shape facts the family computes: "16-byte rows", "fits shared memory"), and its rows then split
+the token range [1, inf) among the op's variants, each with the reason it is there:
+
+    (phase, token range, arch / feature, dtype, weight format) -> variant
+
+The lowering asks the table (`rows`) and emits one launch per row, its grid multiplied by the
+row's range factor (`codegen.sizes.token_range`): the runtime picks the launch with work from T on
+the host, so one captured decode graph holds the kernel of its batch size.  `dsgraph explain`
+prints `select` for a spec's nodes.  The numbers come from the compile options' Tuning
+(codegen/tuning.py); the measurements behind the defaults are in docs/PERF_NOTES.md.
+
+Weight formats: today a weight is stored in the activation dtype ("same"); a quantised format is
+one more value of the `weight_format` condition and its rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import DsgraphError
+from .tuning import DEFAULT_TUNING, Tuning
+
+INF = None                     # a range without an upper end
+PHASES = ("prefill", "decode")
+DTYPES = ("bf16", "fp16", "fp32")
+WEIGHT_FORMATS = ("same",)     # the weight stored in the activation dtype
+
+
+class DispatchError(DsgraphError, ValueError):
+    """No row of an op's table serves the asked size (a table bug, or an op without a table)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    variant: str               # the launch (stage) that serves the range
+    lo: int                    # first token count it serves
+    hi: int | None             # last (INF: no end)
+    reason: str
+
+    def covers(self, t: int) -> bool:
+        return t >= self.lo and (self.hi is None or t <= self.hi)
+
+    @property
+    def span(self) -> str:
+        return f"{self.lo}.." + ("inf" if self.hi is None else str(self.hi))
+
+
+@dataclass(frozen=True)
+class Case:
+    when: dict                 # condition -> required value (a tuple: any of them); {} always holds
+    rows: tuple[Row, ...]
+    note: str = ""             # what the case is (printed by explain)
+
+    def holds(self, facts: dict) -> bool:
+        for k, want in self.when.items():
+            have = facts.get(k)
+            if isinstance(want, tuple) and have not in want:
+                return False
+            if not isinstance(want, tuple) and have != want:
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class Table:
+    op: str                    # the table's name (an op, or a family serving several)
+    unit: str                  # what the ranges count: "tokens" (T) or "pairs" (T * (K + S))
+    cases: tuple[Case, ...]
+    facts: tuple[str, ...] = field(default=())   # the conditions its cases read
+
+    def case(self, facts: dict) -> Case:
+        for c in self.cases:
+            if c.holds(facts):
+                return c
+        raise DispatchError(f"dispatch table {self.op}: no case for {facts}")
+
+
+def _rows(*spec) -> tuple[Row, ...]:
+    """Rows from (variant, lo, hi, reason), dropping empty ranges (lo > hi)."""
+    return tuple(Row(v, lo, hi, why) for v, lo, hi, why in spec if hi is None or lo <= hi)
+
+
+# -- the grouped expert GEMMs (moe_gate_up_silu, moe_gate_up, moe_down) -------------------------
+
+def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
+    """Facts: dtype; sm_90a (the target offers it); tma_rows (KD % 8 == 0: 16-byte rows for TMA
+    and cp.async); decode_wgmma_fits / prefill_wgmma_fits (the kernels' shared memory for E
+    experts); one_token (down's one-token launch fits one CTA an SM)."""
+    m = t.moe
+    thr = None if m.prefill_wgmma_above is None else max(m.prefill_wgmma_above, m.gemv_upto)
+    # decode's wgmma runs up to the prefill wgmma's threshold (256 where that is off)
+    upper = max(m.decode_wgmma_from, 256 if thr is None else thr)
+    gemv = "CUDA-core GEMV: each touched weight row read once at the fewest tokens"
+    mma = "mma.sync: light experts on CUDA cores, the rest on tensor cores (swapped tiles for few pairs)"
+    wgmma = "persistent wgmma + TMA grid: prefill's many pairs per expert"
+    skinny = "decode's wgmma + TMA tiles: the pairs as wgmma's N, two CTAs an SM"
+    one = f"down at one token: a ring of {m.one_token_down_stages} stages, one CTA an SM"
+    sixteen = ("bf16", "fp16")
+    cases = [Case({"dtype": "fp32"}, _rows(("gemv", 1, INF, "fp32 has no tensor-core path: the GEMV at every T")),
+                  "fp32")]
+    if m.decode_wgmma:
+        t1 = down and m.one_token_down_stages > 4 and m.decode_wgmma_from == 0
+        for fits in (True, False):
+            above = ("wgmma", upper + 1, INF, wgmma) if fits and thr is not None else \
+                ("mma", upper + 1, INF, mma + " (no prefill wgmma here)")
+            when = {"dtype": sixteen, "sm_90a": True, "tma_rows": True, "decode_wgmma_fits": True,
+                    "prefill_wgmma_fits": fits}
+            if t1:
+                cases.append(Case({**when, "one_token": True},
+                                  _rows(("wgmma_skinny_t1", 1, 1, one), ("wgmma_skinny", 2, upper, skinny), above),
+                                  "16-bit, sm_90a, decode's wgmma on"))
+            cases.append(Case(when, _rows(("gemv", 1, m.decode_wgmma_from, gemv),
+                                          ("wgmma_skinny", m.decode_wgmma_from + 1, upper, skinny), above),
+                              "16-bit, sm_90a, decode's wgmma on"))
+    if thr is not None:
+        cases.append(Case({"dtype": sixteen, "sm_90a": True, "tma_rows": True, "prefill_wgmma_fits": True},
+                          _rows(("gemv", 1, m.gemv_upto, gemv), ("mma", m.gemv_upto + 1, thr, mma),
+                                ("wgmma", thr + 1, INF, wgmma)),
+                          "16-bit, sm_90a, without decode's wgmma"))
+    cases.append(Case({"dtype": sixteen}, _rows(("gemv", 1, m.gemv_upto, gemv), ("mma", m.gemv_upto + 1, INF, mma)),
+                      "16-bit without sm_90a or 16-byte rows"))
+    return Table("moe_down" if down else "moe_gate_up_silu", "tokens", tuple(cases),
+                 ("dtype", "sm_90a", "tma_rows", "decode_wgmma_fits", "prefill_wgmma_fits", "one_token"))
+
+
+def expert_ffn(t: Tuning = DEFAULT_TUNING) -> Table:
+    """Decode's fused expert FFN (moe_expert_ffn).  Facts: dtype, sm_90a, and decode_wgmma (both
+    halves' decode wgmma applies: the fused kernel is made of its tiles)."""
+    m = t.moe
+    g = grouped_experts(t)
+    upper = max(r.hi for c in g.cases for r in c.rows if r.variant == "wgmma_skinny" and r.hi is not None) \
+        if m.decode_wgmma else 0
+    upto = min(m.expert_ffn_upto, upper)
+    two = "two_launch"
+    two_why = "moe_gate_up_silu's launch, then moe_down's (their own tables)"
+    return Table("moe_expert_ffn", "tokens", (
+        Case({"dtype": ("bf16", "fp16"), "sm_90a": True, "decode_wgmma": True},
+             _rows((two, 1, m.expert_ffn_from - 1, two_why + ": at 1-3 tokens the tiles are about one round"),
+                   ("fused", m.expert_ffn_from, upto, "one persistent launch of gate_up_silu's tiles then "
+                                                      "down's, taken in order from a counter: fewer part-empty rounds"),
+                   (two, max(upto, m.expert_ffn_from - 1) + 1, INF, two_why)),
+             "16-bit, sm_90a, decode's wgmma on"),
+        Case({}, _rows((two, 1, INF, two_why)), "elsewhere")), ("dtype", "sm_90a", "decode_wgmma"))
+
+
+# -- the route ------------------------------------------------------------------------------------
+
+def route(t: Tuning = DEFAULT_TUNING) -> Table:
+    r = t.route
+    ft, gt = r.fused_upto, r.gemm_above
+    lo = ft + 1
+    if gt is None:
+        rows = _rows(("fused", 1, ft, "the whole route in one launch (tickets hand each stage on)"),
+                     ("router_gemv", lo, INF, "router GEMV, then top-k and align launches"))
+    else:
+        rows = _rows(("fused", 1, ft, "the whole route in one launch (tickets hand each stage on)"),
+                     ("router_gemv", lo, gt, "router GEMV, then top-k and align launches"),
+                     ("router_gemm", max(gt, ft) + 1, INF, "router logits on the tiled GEMM (x read once an "
+                                                            "expert block), then top-k and align launches"))
+    return Table("moe_route", "tokens", (Case({}, rows, "every target"),))
+
+
+def align(t: Tuning = DEFAULT_TUNING) -> Table:
+    """The route's alignment of its pairs (and moe_align's), by pair count."""
+    big = t.moe.align_parallel_above
+    rows = _rows(("one_cta", 1, big if big is not None else INF, "counts, scan and scatter in one CTA"),
+                 *((("count_scan_scatter", big + 1, INF, "count / scan / scatter launches over 2048-pair "
+                                                         "chunks"),) if big is not None else ()))
+    return Table("align", "pairs", (Case({}, rows, "every target"),))
+
+
+# -- dense linears and attention ----------------------------------------------------------------
+
+def linear(t: Tuning = DEFAULT_TUNING) -> Table:
+    """linear / multi_linear / gate_up_silu.  Facts: precision (the node's: fp32 for the router)."""
+    up = t.linear.skinny_upto
+    return Table("linear", "tokens", (
+        Case({"precision": "fp32"}, _rows(("library", 1, INF, "fp32 precision: cuBLAS, weights and output "
+                                                              "stay float32")), "fp32 precision (the router)"),
+        Case({}, _rows(("skinny", 1, up, "skinny kernel: each weight byte read once, tokens as the mma's N"),
+                       ("library", up + 1, INF, "cuBLAS GEMM")), "activation precision")), ("precision",))
+
+
+def prefill_attention(t: Tuning = DEFAULT_TUNING) -> Table:
+    return Table("mla_prefill_attention", "tokens", (
+        Case({"dtype": ("bf16", "fp16")}, _rows((f"mma {t.attention.prefill_tile}", 1, INF,
+                                                  "flash-style tensor-core tile (mma.sync), Q in registers")),
+             "16-bit"),
+        Case({}, _rows(("simt", 1, INF, "CUDA cores (fp32)")), "fp32")), ("dtype",))
+
+
+def decode_attention(t: Tuning = DEFAULT_TUNING) -> Table:
+    """Facts: mma (16-bit and the tensor-core tiling fits the row width and shared memory)."""
+    a = t.attention
+    return Table("mla_decode_attention", "tokens", (
+        Case({"mma": True}, _rows(("mma", 1, INF, f"tensor-core split, {a.decode_warps} warps, {a.decode_stages}-stage "
+                                                  f"ring; S (1, 2 or {a.decode_cluster} CTAs a cluster) and the "
+                                                  f"clusters an item chosen from T and the context at run time")),
+             "16-bit, tensor-core tiling fits"),
+        Case({}, _rows(("simt", 1, INF, "CUDA-core split (fp32 or odd widths)")), "elsewhere")), ("mma",))
+
+
+def decode_query(t: Tuning = DEFAULT_TUNING) -> Table:
+    """mla_decode_prologue (the absorbed query and its cache write).  Facts: mma (16-bit and the
+    dims fit the tensor-core tiling)."""
+    up = t.attention.prologue_upto
+    return Table("mla_decode_prologue", "tokens", (
+        Case({"mma": True}, _rows(("mma_kv", 1, up, "tensor-core query; an extra head row of its grid writes the "
+                                                    "cache rows (one launch)"),
+                                  ("mma", up + 1, INF, "tensor-core query, then mla_kv_cache_write (a CTA a token)")),
+             "16-bit, tensor-core tiling fits"),
+        Case({}, _rows(("simt", 1, INF, "CUDA-core query, then mla_kv_cache_write")), "elsewhere")), ("mma",))
+
+
+def v_up(t: Tuning = DEFAULT_TUNING) -> Table:
+    return Table("mla_v_up", "tokens", (
+        Case({"mma": True}, _rows(("mma", 1, INF, "tensor-core V up-projection, weights in registers")),
+             "16-bit, tensor-core tiling fits"),
+        Case({}, _rows(("simt", 1, INF, "CUDA cores")), "elsewhere")), ("mma",))
+
+
+# -- lookups ---------------------------------------------------------------------------------------
+
+TABLES = {
+    "moe_gate_up_silu": lambda t: grouped_experts(t),
+    "moe_gate_up": lambda t: grouped_experts(t),
+    "moe_down": lambda t: grouped_experts(t, down=True),
+    "moe_expert_ffn": expert_ffn,
+    "moe_route": route,
+    "align": align,
+    "linear": linear,
+    "multi_linear": linear,
+    "gate_up_silu": linear,
+    "mla_prefill_attention": prefill_attention,
+    "mla_decode_attention": decode_attention,
+    "mla_decode_prologue": decode_query,
+    "mla_decode_query": decode_query,
+    "mla_v_up": v_up,
+}
+
+
+def table(op: str, tuning: Tuning = DEFAULT_TUNING) -> Table:
+    if op not in TABLES:
+        raise DispatchError(f"no dispatch table for op {op!r}")
+    return TABLES[op](tuning)
+
+
+def rows(op: str, facts: dict, tuning: Tuning = DEFAULT_TUNING) -> tuple[Row, ...]:
+    """The rows of the case that holds for `facts`: the variants a lowering emits, with their ranges."""
+    return table(op, tuning).case(facts).rows
+
+
+def select(op: str, tokens: int, facts: dict, tuning: Tuning = DEFAULT_TUNING) -> Row:
+    """The row that serves `tokens` (in the table's unit)."""
+    if tokens < 1:
+        raise DispatchError(f"token count must be >= 1, got {tokens}")
+    for r in rows(op, facts, tuning):
+        if r.covers(tokens):
+            return r
+    raise DispatchError(f"dispatch table {op}: no row serves {tokens}")   # a gap: the table tests refuse it
+
+
+def row_range(rows_, variant: str) -> list[tuple[int, int | None]]:
+    """The ranges the rows give `variant` (a variant may serve several)."""
+    return [(r.lo, r.hi) for r in rows_ if r.variant == variant]

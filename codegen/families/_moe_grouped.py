@@ -1,0 +1,71 @@
+"""The grouped expert families' lowering (moe_gate_up_silu, moe_gate_up, moe_down): the rows of
+codegen/dispatch.py's grouped_experts table, one launch each over the same operands, its grid
+multiplied by its token range (codegen.sizes.token_ranges), so a step runs exactly one.
+
+Not a family (the leading underscore).  The launch builders: _moe (gemv, mma), _moe_wgmma
+(wgmma), _moe_wgmma_skinny (wgmma_skinny, wgmma_skinny_t1); the imports form a tree.
+"""
+from __future__ import annotations
+
+from codegen import dispatch
+from codegen.arch import has_feature
+from codegen.kernel import KernelLaunch
+from codegen.render import kernel_name
+from codegen.sizes import token_ranges
+
+from . import _moe, _moe_wgmma, _moe_wgmma_skinny as S
+
+
+# the launches' order in a node's plan (one of them has work at a given T)
+ORDER = ("gemv", "wgmma_skinny", S.ONE_TOKEN_STAGE, "mma", "wgmma")
+
+
+def facts(opts, p: dict, *, down: bool) -> dict:
+    """The conditions of the grouped_experts table for this node and target."""
+    return {"dtype": opts.dtype, "sm_90a": has_feature(opts.arch, _moe_wgmma.FEATURE),
+            "tma_rows": p["KD"] % 8 == 0, "decode_wgmma_fits": S.fits(p["E"]),
+            "prefill_wgmma_fits": _moe_wgmma.fits(opts, p["E"]),
+            "one_token": down and S.fits(p["E"], opts.tuning.moe.one_token_down_stages, ctas=1)}
+
+
+def table_rows(opts, p: dict, *, down: bool) -> tuple:
+    return dispatch.rows("moe_down" if down else "moe_gate_up_silu", facts(opts, p, down=down), opts.tuning)
+
+
+def launches(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, opts, *,
+             down: bool, shared: int = 0, within=None) -> list[KernelLaunch]:
+    """One launch per variant of the table's rows; `shared`: the routing's shared experts (decode's
+    gate / up runs their first tile before its wait); `within`: token ranges the node's launches are
+    limited to (moe_expert_ffn's outside its fused window), None: every T."""
+    rows = table_rows(opts, p, down=down)
+    out = []
+    for variant in sorted({r.variant for r in rows}, key=ORDER.index):
+        ranges = _clip(dispatch.row_range(rows, variant), within)
+        if not ranges:
+            continue
+        run = token_ranges(ranges)
+        if variant == "gemv":
+            out.append(_moe.gemv_launch(family, template, kernel_name(family, name_parts), p, nid, args, run))
+        elif variant == "mma":
+            out.append(_moe.mma_launch(family, template, kernel_name(family, [*name_parts, "mma"]), p, nid, args,
+                                       run, opts, down=down))
+        elif variant == "wgmma":
+            out.append(_moe_wgmma.launch(family, template, name_parts, p, nid, args, down=down, run=run))
+        else:
+            out.append(S.launch(family, template, name_parts, p, nid, args, opts, down=down, run=run,
+                                shared=shared, one_token=variant == S.ONE_TOKEN_STAGE))
+    return out
+
+
+def _clip(ranges, within):
+    """`ranges` intersected with `within` (both lists of (lo, hi), hi None: no end)."""
+    if within is None:
+        return ranges
+    out = []
+    for lo, hi in ranges:
+        for wlo, whi in within:
+            a = max(lo, wlo)
+            b = hi if whi is None else (whi if hi is None else min(hi, whi))
+            if b is None or a <= b:
+                out.append((a, b))
+    return out

@@ -1,0 +1,179 @@
+"""`dsgraph explain`: which kernel every op of a spec runs at a token count, and why.
+
+    dsgraph explain model_specs/deepseek_v2_lite.yaml --tokens 1,48,300,16384 [--phase decode]
+    dsgraph explain --knobs              the tuning knobs, their defaults and meaning
+
+The answer is the lowering's own: the spec goes through the passes and the families (no NVRTC),
+and at each token count the launches whose grids have work (codegen.sizes, with the step's sizes)
+are the ones printed, each with the reason of the dispatch-table row that put it there
+(codegen/dispatch.py).  Decode at T tokens is T sequences of --context tokens each; prefill at T
+tokens is one prompt of T tokens.
+"""
+from __future__ import annotations
+
+import argparse
+
+from codegen.kernel import DEFAULTS
+from codegen.paths import DEFAULT_SPEC
+
+from .cli_args import add_tune_arg, tuning_of, whole_number
+
+PHASES = ("prefill", "decode")
+
+
+def tokens_arg(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token counts like 1,48,300, got {text!r}") from None
+    if not out or any(t < 1 for t in out):
+        raise argparse.ArgumentTypeError(f"token counts must be whole numbers >= 1, got {text!r}")
+    return out
+
+
+def add_explain_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", nargs="?", default=None, help=f"the model spec (default: model_specs/{DEFAULT_SPEC.name})")
+    p.add_argument("--tokens", type=tokens_arg, default="1,48,300,16384", metavar="N,...",
+                   help="token counts of a step")
+    p.add_argument("--phase", choices=PHASES, default=None, help="only this phase (default: both)")
+    p.add_argument("--arch", default=DEFAULTS.arch, help="NVRTC target, e.g. sm_90 or sm_80")
+    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=("bf16", "fp16", "fp32"), help="activation dtype")
+    p.add_argument("--context", type=whole_number(1), default=512, metavar="C",
+                   help="decode: each sequence's context length")
+    p.add_argument("--sms", type=whole_number(1), default=132, metavar="N",
+                   help="SMs of the GPU the grids are sized for (an H100 / H200 has 132)")
+    p.add_argument("--knobs", action="store_true", help="list the tuning knobs and exit")
+    add_tune_arg(p)
+
+
+def run_explain(args) -> int:
+    """print which kernel every op runs at a token count, and the dispatch table's reason"""
+    from codegen.tuning import knobs
+    tuning = tuning_of(args)
+    if args.knobs:
+        for name, (default, doc) in knobs().items():
+            value = tuning.to_json()[name.split(".")[0]][name.split(".")[1]]
+            mark = "" if value == default else f"  (set: {value})"
+            print(f"{name:<32} {'none' if default is None else default!s:<16} {doc}{mark}")
+        return 0
+    for line in explain_lines(args.spec or str(DEFAULT_SPEC), tokens=args.tokens,
+                              phases=(args.phase,) if args.phase else PHASES, arch=args.arch, dtype=args.dtype,
+                              context=args.context, sms=args.sms, tuning=tuning):
+        print(line)
+    return 0
+
+
+def explain_lines(spec, *, tokens, phases=PHASES, arch=DEFAULTS.arch, dtype=DEFAULTS.dtype, context=512,
+                  sms=132, tuning=None) -> list[str]:
+    from codegen.bundle import check_block_size, plan_spec
+    from codegen.kernel import KernelLaunch, Options
+    from codegen.nvrtc import check_target
+    from codegen.tuning import as_tuning
+    check_target(arch)
+    check_block_size(DEFAULTS.block_size)
+    tuning = as_tuning(tuning)
+    opts = Options(arch=arch, dtype=dtype, tuning=tuning)
+    sp = plan_spec(spec, opts, strict=False)
+    changed = tuning.changed()
+    lines = [f"{sp.spec.name} ({spec}): {arch}, {dtype}, tuning "
+             + (", ".join(f"{k}={v}" for k, v in changed.items()) if changed else "defaults")]
+    for phase in phases:
+        G, plan = sp.graphs[phase], sp.plans[phase]
+        P = _pairs_per_token(G)
+        per_node: dict = {}
+        for step in plan.steps:
+            for nid in (step.nodes if isinstance(step, KernelLaunch) else (step.node,)):
+                per_node.setdefault(nid, []).append(step)
+        for T in tokens:
+            sizes = _sizes(phase, T, P, context, DEFAULTS.block_size, sms)
+            lines.append("")
+            lines.append(f"{phase}, T = {T}" + (f" ({T} sequences of {context} tokens)" if phase == "decode"
+                                                 else " (one prompt)") + (f", NP = {T * P}" if P else ""))
+            seen: dict = {}
+            for nid, steps in per_node.items():
+                op = G.nodes[nid]["op"]
+                running = [s for s in steps if _runs(s, sizes, T)]
+                key = (op, tuple(_name(s) for s in running))
+                if key in seen:
+                    seen[key][1] += 1
+                    continue
+                seen[key] = [nid, 1, op, running]
+            for key, (nid, count, op, running) in seen.items():
+                kernels = ", ".join(_name(s) for s in running) or "(nothing: no launch has work)"
+                where = f"{nid}" + (f" (+{count - 1} alike)" if count > 1 else "")
+                lines.append(f"  {op:<24} {where}")
+                lines.append(f"    runs   {kernels}")
+                why = _reason(op, running, T, opts, G.nodes[nid]["attrs"])
+                if why:
+                    lines.append(f"    why    {why}")
+    return lines
+
+
+def _pairs_per_token(G) -> int:
+    from ir.ops.moe import pairs_per_token
+    for v in G.graph["values"].values():
+        if getattr(v, "dtype", None) == "routing":
+            P = pairs_per_token(v.shape[0])
+            if P:
+                return P
+    return 0
+
+
+def _sizes(phase: str, T: int, P: int, context: int, block_size: int, sms: int) -> dict:
+    if phase == "decode":
+        B, maxq, maxctx = T, 1, context
+    else:
+        B, maxq, maxctx = 1, T, T
+    return {"T": T, "B": B, "NP": T * P, "MAXQ": maxq, "MAXCTX": maxctx, "W": -(-maxctx // block_size), "SMS": sms}
+
+
+def _runs(step, sizes: dict, T: int) -> bool:
+    from codegen.kernel import KernelLaunch
+    from codegen.sizes import evaluate
+    if isinstance(step, KernelLaunch):
+        return all(evaluate(g, sizes) > 0 for g in step.grid)
+    return step.runs_at(T)
+
+
+def _name(step) -> str:
+    from codegen.kernel import KernelLaunch
+    return step.name if isinstance(step, KernelLaunch) else f"library {step.call}"
+
+
+def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
+    """The reasons of the table rows behind the running launches ("variant [range]: why; ...")."""
+    from codegen import dispatch
+    from codegen.kernel import KernelLaunch
+    if op not in dispatch.TABLES:
+        return ""
+    wanted: dict = {}   # (table op, variant), in order
+    for s in running:
+        st = s.stage if isinstance(s, KernelLaunch) else "library"
+        if op in ("linear", "multi_linear", "gate_up_silu"):
+            wanted[(op, "library" if st == "library" else "skinny")] = 1
+        elif op == "moe_expert_ffn":
+            wanted[(op, "fused" if st == "fused" else "two_launch")] = 1
+            if st != "fused":   # and the grouped family's own row
+                wanted[(s.family, st)] = 1
+        elif op == "mla_prefill_attention":
+            wanted[(op, f"mma {s.params['tc2']['name']}" if "tc2" in s.params else "simt")] = 1
+        elif op in ("mla_decode_attention", "mla_v_up"):
+            wanted[(op, "mma" if s.params.get("mma") else "simt")] = 1
+        elif op in ("mla_decode_prologue", "mla_decode_query"):
+            if s.family == "mla_kv_cache_write":
+                continue
+            separate = any(getattr(o, "family", "") == "mla_kv_cache_write" for o in running)
+            wanted[(op, ("mma" if separate else "mma_kv") if s.params.get("mma") else "simt")] = 1
+        else:
+            wanted[(op, st)] = 1
+    known = {"dtype": opts.dtype}   # the facts read off the node here; the shape facts stay open
+    if op in ("linear", "multi_linear", "gate_up_silu"):
+        known["precision"] = "fp32" if op == "linear" and attrs.get("precision") == "fp32" else "act"
+    out: list = []
+    for table_op, variant in wanted:
+        table = dispatch.table(table_op, opts.tuning)
+        row = next((r for case in table.cases if case.holds({**case.when, **known})   # the first case that
+                    for r in case.rows if r.variant == variant and r.covers(T)), None)  # admits the known facts
+        if row is not None:
+            out.append(f"{variant} [{table.unit} {row.span}]: {row.reason}")
+    return "; ".join(out)

@@ -1,0 +1,78 @@
+"""`dsgraph explain` prints, per op and token count, the kernel the lowering runs and the dispatch
+table row's reason; `--tune` moves it; a bad setting is one line.  And `dsgraph compile --tune`."""
+from __future__ import annotations
+
+import json
+
+import codegen.nvrtc as nvrtc
+from runtime.cli import main
+from tiny import ROOT, write_tiny_spec
+
+LITE = str(ROOT / "model_specs" / "deepseek_v2_lite.yaml")
+
+
+def _explain(capsys, *argv) -> str:
+    assert main(["explain", LITE, *argv]) == 0
+    return capsys.readouterr().out
+
+
+def _block(out: str, head: str) -> str:
+    """The lines of one phase / T section."""
+    return out.split(head + " ", 1)[1].split("\n\n", 1)[0]
+
+
+def test_explain_v2_lite_at_the_issues_token_counts(capsys):
+    out = _explain(capsys, "--tokens", "1,48,300,16384")
+    assert out.startswith("deepseek_v2_lite (") and "sm_90, bf16, tuning defaults" in out.splitlines()[0]
+    for phase in ("prefill", "decode"):
+        for T in (1, 48, 300, 16384):
+            assert f"\n{phase}, T = {T} " in out, (phase, T)
+    d1 = _block(out, "decode, T = 1")
+    assert "moe_down__bf16__e66__d2048_m1408__wgmma_skinny_t1" in d1 and "down at one token" in d1
+    assert "moe_gate_up_silu__bf16__e66_k8__m1408_d2048__sh2w__wgmma_skinny" in d1
+    assert "moe_route__bf16__d2048__e64_k6__softmax_greedy__shared2__fused_t256" in d1
+    assert "linear_skinny__bf16__k2048__o3072_576" in d1 and "skinny [tokens 1..16]" in d1
+    d48 = _block(out, "decode, T = 48")
+    assert "moe_expert_ffn__bf16__e66_k8__m1408_d2048__st32__fused" in d48 and "fused [tokens 4..256]" in d48
+    assert "library torch.nn.functional.linear" in d48 and "library [tokens 17..inf]: cuBLAS GEMM" in d48
+    assert "mla_decode_attention__bf16__c512_r64__h16__page64" in d48
+    p300 = _block(out, "prefill, T = 300")
+    assert "moe_gate_up_silu__bf16__e66_k8__m1408_d2048__wgmma" in p300 and "wgmma [tokens 257..inf]" in p300
+    assert "moe_route__bf16__e64_d2048__gemm" in p300 and "router_gemm [tokens 257..inf]" in p300
+    assert "mla_prefill_attention__bf16__h16_n128_r64_v128__mma__v2_m64n64w16q" in p300
+    p16k = _block(out, "prefill, T = 16384")
+    assert "moe_route__e66__align_count" in p16k
+
+
+def test_explain_follows_the_tuning(capsys):
+    out = _explain(capsys, "--tokens", "48", "--phase", "decode", "--tune", "moe.expert_ffn_upto=32")
+    assert "tuning moe.expert_ffn_upto=32" in out.splitlines()[0] and "prefill," not in out
+    d48 = _block(out, "decode, T = 48")
+    assert "st32__fused" not in d48 and "moe_gate_up_silu__bf16__e66_k8__m1408_d2048__sh2w__wgmma_skinny" in d48
+    assert "two_launch [tokens 33..inf]" in d48
+
+
+def test_explain_lists_the_knobs(capsys):
+    assert main(["explain", "--knobs", "--tune", "route.fused_upto=8"]) == 0
+    out = capsys.readouterr().out
+    assert "moe.expert_ffn_upto" in out and "route.fused_upto" in out and "(set: 8)" in out
+
+
+def test_a_bad_tune_is_one_line(capsys):
+    assert main(["explain", LITE, "--tune", "moe.expert_ffn_uptoo=128"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("dsgraph: error: unknown tuning knob 'moe.expert_ffn_uptoo' "
+                   "(did you mean moe.expert_ffn_upto?)\n")
+
+
+def test_compile_with_tune_is_another_bundle_that_records_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda src, name, **kw: nvrtc.CompileResult(b"CUBIN", ""))
+    spec = write_tiny_spec(tmp_path / "t.yaml")
+    args = ["compile", str(spec), "--allow-unlowered", "--cache-dir", str(tmp_path / "c")]
+    assert main([*args, "-o", str(tmp_path / "a")]) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "-o", str(tmp_path / "b"), "--tune", "route.fused_upto=8"]) == 0
+    tuned = capsys.readouterr().out
+    assert "miss" in tuned and "tuning   route.fused_upto=8" in tuned and "tuning " not in plain
+    m = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert m["options"]["tuning"] == {"route.fused_upto": 8} and m["tuning"]["route"]["fused_upto"] == 8
