@@ -31,6 +31,7 @@ def _plan(spec: str, phase: str):
     return lower_graph(_graph(spec, phase), Options(), strict=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec,phase", CASES)
 def test_every_node_is_accounted_for(spec, phase):
     G, plan = _graph(spec, phase), _plan(spec, phase)

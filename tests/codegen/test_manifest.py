@@ -28,6 +28,7 @@ def _declared(source: str) -> dict[str, list[str]]:
     return {m.group(1): [p.strip() for p in m.group(2).split(",")] for m in _SIGNATURE.finditer(source)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_every_launch_matches_its_kernels_signature(spec):
     sp = _planned(spec)

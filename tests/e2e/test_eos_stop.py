@@ -55,6 +55,7 @@ def _first_new(tokens) -> int:
     pytest.skip("the greedy run repeats every token; no clean eos candidate")
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_generate_stops_at_eos_like_transformers(trajectory):
     path, tokens = trajectory

@@ -88,6 +88,7 @@ def bundle(tmp_path_factory):
     return compile_bundle(model.spec, out / "bundle", dtype="fp32", block_size=4, cache_dir=out / "cache").path
 
 
+@pytest.mark.slow
 def test_backend_runs_the_manifest_and_matches_the_reference_backend(bundle, monkeypatch):
     model, weights = compiled()
     for mod, name in ((ir.passes, "run_pipeline"), (ir.graph, "build_graph"), (codegen.lower, "lower_graph"),
