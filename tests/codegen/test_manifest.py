@@ -40,6 +40,7 @@ def test_every_launch_matches_its_kernels_signature(spec):
             assert declared[launch.name] == [a.declaration() for a in launch.args], launch.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_a_phase_reads_back_from_the_manifest_as_lowered(spec):
     for plan in _planned(spec).plans.values():

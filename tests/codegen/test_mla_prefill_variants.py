@@ -83,6 +83,7 @@ def test_fp32_ignores_the_variant(monkeypatch):
     ("odd", "fp16", "v2"),
     ("odd", "bf16", "v2_m64n32w32s"),
 ])
+@pytest.mark.slow
 def test_tc2_compiles(name, dtype, variant, monkeypatch):
     launch = _lower(name, dtype, variant, monkeypatch)
     tile = fam.tc_variant(variant)

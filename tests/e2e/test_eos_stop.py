@@ -80,6 +80,7 @@ def test_generate_stops_at_eos_like_transformers(trajectory):
     assert full.token_ids == tokens and full.finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_cli_stops_at_eos_unless_ignore_eos(trajectory, capsys):
     path, tokens = trajectory
     stop = _first_new(tokens)

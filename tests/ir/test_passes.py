@@ -265,6 +265,7 @@ def test_pipeline_preserves_semantics(phase, case):
 
 # ---- structure on the shipped V2-Lite spec -------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, phase", [(n, ph) for n, ph in PASS_PHASES if n in ANCHOR and
                                          not (n == "fuse_q_rope_into_query" and ph == "prefill")])
 def test_pass_fires_on_v2_lite(name, phase):

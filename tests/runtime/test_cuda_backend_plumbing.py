@@ -112,6 +112,7 @@ def test_backend_runs_the_manifest_and_matches_the_reference_backend(bundle, mon
     assert stub.calls > 0
 
 
+@pytest.mark.slow
 def test_linears_run_the_skinny_kernel_up_to_its_token_count_and_cublas_above(bundle, monkeypatch):
     """A linear node carries both steps (codegen/families/linear_skinny.py); each step runs exactly
     one of them, by T: the kernel through T = SKINNY_MAX_TOKENS, the library call from the next
