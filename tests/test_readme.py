@@ -96,6 +96,7 @@ def _dsgraph(line: str, capsys) -> tuple[int, str, str]:
     return rc, out.out, out.err
 
 
+@pytest.mark.slow
 def test_readme_cli_examples_run_as_written(repo_cwd, capsys):
     (block,) = _runnable_bash()
     lines = [line for line in block.splitlines() if line.strip()]

@@ -80,6 +80,7 @@ def test_each_result_is_printed_as_its_test_ends_and_a_hang_is_a_timeout(fake, t
     assert _gone(_pids(tmp_path)["hang_60"])
 
 
+@pytest.mark.slow     # waits out its 15 s budget
 def test_the_budget_stops_the_run_and_prints_what_finished(fake, tmp_path):
     t0 = time.time()
     proc = _start(fake, "-j", "1", "--budget", "15")     # one at a time: later_0 waits behind hang_60

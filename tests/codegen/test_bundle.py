@@ -51,6 +51,7 @@ def _compile(spec, cache, **kw):
     return compile_bundle(spec, cache_dir=cache, **kw)
 
 
+@pytest.mark.slow
 def test_real_compile_and_manifest(spec, tmp_path, monkeypatch):
     counter = Counter(real=True)
     monkeypatch.setattr(nvrtc, "compile_cubin", counter)

@@ -85,6 +85,7 @@ def test_commands_have_one_line_help():
 
 # -- the compile path needs no torch ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_compile_spec_diff_and_help_import_no_torch(tmp_path):
     spec = write_tiny_spec(tmp_path / "tiny.yaml")
     config = ROOT / "model_specs" / "hf_configs" / "deepseek_tiny.json"
@@ -117,6 +118,7 @@ def test_loading_a_spec_imports_neither_torch_nor_networkx():
     assert r.returncode == 0 and r.stdout.strip() == "deepseek_tiny []", r.stderr
 
 
+@pytest.mark.slow
 def test_compile_for_several_ranks_and_the_rank_counts_it_refuses(tmp_path, capsys):
     """`dsgraph compile --tp N`: one bundle, a plan per rank over shared kernels (codegen/bundle.py);
     diff reads rank 0's plan; a rank count the model cannot split is one line."""

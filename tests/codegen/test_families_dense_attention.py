@@ -63,7 +63,9 @@ def test_family_claims_op(op):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("model_name", ["deepseek_v2_lite", "deepseek_v3", "odd"])
+# the odd widths (the smallest model, every edge case of the rendering) in the quick tier
+@pytest.mark.parametrize("model_name", [pytest.param("deepseek_v2_lite", marks=pytest.mark.slow),
+                                        pytest.param("deepseek_v3", marks=pytest.mark.slow), "odd"])
 @pytest.mark.parametrize("op", OPS_UNDER_TEST)
 def test_lowers_renders_and_compiles(op, model_name, dtype):
     G, nid = graph_for(op, model(model_name))

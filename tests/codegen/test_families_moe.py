@@ -201,6 +201,7 @@ def test_route_needs_no_host_sync():
             assert used <= {"T", "NP", "SMS"}, (launch.name, used)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["deepseek_v2_lite", "deepseek_v2", "deepseek_v3"])
 def test_shipped_specs_lower_their_moe_nodes(spec):
     for phase in ("decode", "prefill"):
@@ -226,6 +227,7 @@ def _nvrtc_or_skip():
     return compile_cubin
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dims", sorted(DIMS))
 def test_compiles_to_sm90_cubin(dims, tmp_path):
     compile_cubin = _nvrtc_or_skip()
@@ -403,6 +405,7 @@ def _route_launches_of_shipped_specs():
     return [seen[k] for k in sorted(seen)]
 
 
+@pytest.mark.slow
 def test_route_of_shipped_specs_compiles_without_spills():
     """Every route kernel of the shipped specs builds for sm_90 with no spills; where cuobjdump is
     installed, each waits for the previous kernel and lets the next one launch (PDL: griddepcontrol

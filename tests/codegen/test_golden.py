@@ -4,9 +4,12 @@ When this fails, look at the diff (`python -m runtime.cli diff golden worktree`)
 and if the change is intended, refresh the goldens with the command it prints."""
 from __future__ import annotations
 
+import pytest
+
 from codegen import goldens
 
 
+@pytest.mark.slow
 def test_goldens_are_current():
     expected = goldens.expected_files()
     committed = goldens.committed_files()

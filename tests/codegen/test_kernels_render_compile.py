@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -44,6 +45,7 @@ def configs(draw):
     return tiny_config(**overrides)
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs(), dtype=st.sampled_from(["bf16", "fp16", "fp32"]),
        block_size=st.sampled_from([16, 32, 64, 128]))

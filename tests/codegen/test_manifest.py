@@ -28,6 +28,7 @@ def _declared(source: str) -> dict[str, list[str]]:
     return {m.group(1): [p.strip() for p in m.group(2).split(",")] for m in _SIGNATURE.finditer(source)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_every_launch_matches_its_kernels_signature(spec):
     sp = _planned(spec)
@@ -39,6 +40,7 @@ def test_every_launch_matches_its_kernels_signature(spec):
             assert declared[launch.name] == [a.declaration() for a in launch.args], launch.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SPECS)
 def test_a_phase_reads_back_from_the_manifest_as_lowered(spec):
     for plan in _planned(spec).plans.values():

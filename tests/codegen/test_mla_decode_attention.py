@@ -211,6 +211,7 @@ def _elf(cubin: bytes) -> str:
 sass = pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
 
 
+@pytest.mark.slow
 @sass
 @pytest.mark.parametrize("name,dtype", [("deepseek_v2_lite", "bf16"), ("deepseek_v2", "bf16"),
                                         ("deepseek_v3", "bf16"), ("deepseek_v3", "fp16")])
@@ -234,6 +235,7 @@ def test_shipped_specs_run_on_tensor_cores_without_spills(name, dtype):
         assert ("EIATTR_CTA_PER_CLUSTER" in _elf(res.cubin)) == clustered, "cluster dims in the cubin"
 
 
+@pytest.mark.slow
 @sass
 def test_cuda_core_path_waits_and_does_not_spill():
     for name, dtype in (("deepseek_v2_lite", "fp32"), ("odd", "bf16")):
@@ -245,6 +247,7 @@ def test_cuda_core_path_waits_and_does_not_spill():
             assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
 
 
+@pytest.mark.slow
 @sass
 @pytest.mark.parametrize("tag", ["w8s2c8", "w4s3c8", "w8s3c4"])
 def test_timed_variants_compile(tag):

@@ -85,6 +85,7 @@ def test_fp32_ignores_the_variant():
     ("odd", "fp16", DEFAULT_TILE),
     ("odd", "bf16", "v2_m64n32w32s"),
 ])
+@pytest.mark.slow
 def test_tc2_compiles(name, dtype, variant):
     launch = _lower(name, dtype, variant)
     tile = fam.tc_variant(variant)

@@ -38,6 +38,7 @@ def edited_templates(tmp_path, monkeypatch):
     return tdir
 
 
+@pytest.mark.slow
 def test_a_shared_header_edit_makes_the_goldens_stale_and_shows_in_the_diff(edited_templates):
     expected = goldens.expected_files(("deepseek_v2_lite",))
     committed = {k: v for k, v in goldens.committed_files().items()
@@ -64,6 +65,7 @@ def _spec_copy(tmp_path, name, old, new):
     return path
 
 
+@pytest.mark.slow
 def test_an_eps_change_shows_in_the_generated_source(tmp_path, capsys):
     b = _spec_copy(tmp_path, "eps.yaml", "rms_norm_eps: 1.0e-06", "rms_norm_eps: 1.0e-05")
     assert main(["diff", str(V2_LITE), str(b)]) == 1
@@ -73,6 +75,7 @@ def test_an_eps_change_shows_in_the_generated_source(tmp_path, capsys):
     assert re.search(r"^\+constexpr float EPS = 9\.99999974737875\de-06f;$", out, re.M), out[:2000]
 
 
+@pytest.mark.slow
 def test_a_rope_factor_change_reads_as_changed_kernels(tmp_path, capsys):
     """The three rope kernels (renamed: their table digest is in the name) pair by role, and the
     attention kernels change too (prefill, and decode's three: one per cluster size): YaRN's mscale,
@@ -85,6 +88,7 @@ def test_a_rope_factor_change_reads_as_changed_kernels(tmp_path, capsys):
     assert re.search(r"^\+constexpr float SCALE = ", out, re.M)
 
 
+@pytest.mark.slow
 def test_v2_lite_against_v3_pairs_kernels_by_role(capsys):
     assert main(["diff", "--stat", str(V2_LITE), str(ROOT / "model_specs" / "deepseek_v3.yaml")]) == 1
     first = capsys.readouterr().out.splitlines()[0]

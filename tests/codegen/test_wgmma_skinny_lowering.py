@@ -150,6 +150,7 @@ def test_without_the_prefill_wgmma_the_mma_launch_keeps_the_tokens_above():
             assert (skinny, sizes.evaluate(mma.grid[1], env) > 0) == (T <= 256, T > 256)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
 @pytest.mark.parametrize("op,dtype", list(itertools.product(GROUPED, ("bf16", "fp16"))))
 def test_compiles_to_hgmma_fed_by_tma_and_gathering_copies(op, dtype):
@@ -175,6 +176,7 @@ def test_compiles_to_hgmma_fed_by_tma_and_gathering_copies(op, dtype):
                 compile_cubin(render_launch(sk), sk.name, arch="sm_90")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
 @pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_down"])
 def test_the_staged_epilogue_compiles_to_whole_chunk_stores_without_spills(op):

@@ -55,6 +55,7 @@ def _first_new(tokens) -> int:
     pytest.skip("the greedy run repeats every token; no clean eos candidate")
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_generate_stops_at_eos_like_transformers(trajectory):
     path, tokens = trajectory
@@ -79,6 +80,7 @@ def test_generate_stops_at_eos_like_transformers(trajectory):
     assert full.token_ids == tokens and full.finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_cli_stops_at_eos_unless_ignore_eos(trajectory, capsys):
     path, tokens = trajectory
     stop = _first_new(tokens)

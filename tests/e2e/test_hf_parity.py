@@ -27,7 +27,8 @@ BS = hf_tiny.BLOCK_SIZE
 MODELS = list(hf_tiny.CONFIGS)
 
 
-@pytest.fixture(scope="module", params=MODELS)
+# v2_lite in the quick tier (`-m "not slow"`), the other models in the full suite
+@pytest.fixture(scope="module", params=[m if m == "v2_lite" else pytest.param(m, marks=pytest.mark.slow) for m in MODELS])
 def tiny(request, tmp_path_factory):
     """(name, model dir, transformers model, our engine) for one tiny model; built once per module."""
     name = request.param

@@ -18,6 +18,10 @@ from hf_tiny import BLOCK_SIZE, VOCAB, build
 
 from ir.parallel import ParallelError
 
+# gloo processes, seconds each: the full suite; tests/ir/test_parallel_rules.py and
+# test_moe_expert_parallel_refs.py cover the split in the quick tier
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 71], [88, 13, 4, 4, 30]]
 NEW_TOKENS = 4
 RTOL = 1e-5

@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -30,6 +31,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         f.write(f"rc={rc}\n{out.getvalue()}")
 
 
+@pytest.mark.slow
 def test_generate_under_torchrun_prints_once_and_matches_one_process(tmp_path, capsys):
     from runtime.cli import main
     assert main(ARGS) == 0

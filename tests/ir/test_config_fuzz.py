@@ -273,6 +273,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, print_blob=True, database=
                                             "factor": 22026.465794806718, "mscale": 1,
                                             "mscale_all_dim": -1})])                       # ZeroDivision: mscale 0
 # the edges named in the issue
+@pytest.mark.slow
 @example(base="deepseek_tiny", mutations=[("set", "n_routed_experts", 2048)])
 @example(base="deepseek_tiny", mutations=[("set", "n_routed_experts", 1025)])
 @example(base="deepseek_v3", mutations=[("set", "n_routed_experts", 2048)])
@@ -324,6 +325,7 @@ def compile_mutation(draw):
     return ("set", key, draw(st.sampled_from(COMPILE_DIMS[key])))
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=COMPILE_EXAMPLES)
 @given(mutations=st.lists(compile_mutation(), min_size=1, max_size=3))
 @example(mutations=[("set", "hidden_size", 127), ("set", "kv_lora_rank", 31), ("set", "qk_nope_head_dim", 33),

@@ -78,6 +78,7 @@ def test_every_decode_moe_layer_runs_one_expert_ffn_and_prefill_keeps_two_ops(na
     assert snapshot(prefill) == snapshot(run_pipeline(graphs["prefill"], WITHOUT))
 
 
+@pytest.mark.slow
 def test_v2_lite_decode_binds_the_stacks_the_two_ops_bound():
     G0 = before_fuse(v2_lite_graph("decode"))
     G = FUSE.run(G0)

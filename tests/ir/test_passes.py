@@ -224,6 +224,7 @@ PASS_PHASES = [(p.name, phase) for p in PIPELINE for phase in p.phases]
 HYPO = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, phase", PASS_PHASES, ids=[f"{n}-{ph}" for n, ph in PASS_PHASES])
 @HYPO
 @given(case=cases())
@@ -264,6 +265,7 @@ def test_pipeline_preserves_semantics(phase, case):
 
 # ---- structure on the shipped V2-Lite spec -------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, phase", [(n, ph) for n, ph in PASS_PHASES if n in ANCHOR and
                                          not (n == "fuse_q_rope_into_query" and ph == "prefill")])
 def test_pass_fires_on_v2_lite(name, phase):
@@ -350,12 +352,14 @@ def test_rope_q_refusal_in_prefill_is_logged_and_recorded(caplog):
     assert not any("mla_prefill" in r for r in run_pipeline(v2_lite_graph("decode")).graph.get("refusals", []))
 
 
+@pytest.mark.slow
 def test_pipeline_is_idempotent():
     for phase in ir.PHASES:
         once = run_pipeline(v2_lite_graph(phase))
         assert snapshot(run_pipeline(once)) == snapshot(once)
 
 
+@pytest.mark.slow
 def test_passes_do_not_mutate_their_input():
     for phase in ir.PHASES:
         G = v2_lite_graph(phase)

@@ -141,6 +141,7 @@ def parallel_cases(draw):
             draw(st.integers(2, 4)))
 
 
+@pytest.mark.slow
 @HYPO
 @given(case=parallel_cases())
 def test_rank_graphs_together_equal_the_whole_graph(case):

@@ -85,6 +85,7 @@ def test_kernels_are_attributed_to_their_family_or_the_libraries():
     assert family_of("nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT") == "cublas/torch"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec_file", ["deepseek_v2_lite.yaml", "deepseek_v2.yaml", "deepseek_v3.yaml"])
 def test_linear_bytes_are_the_decode_graphs_linear_weights(spec_file):
     """linear_bytes is what the decode graph's linear ops (and the multi_linears and gate_up_silus
@@ -160,6 +161,7 @@ def test_pdl_edges_count_the_pdl_launches_right_after_a_pdl_kernel():
     assert edges == {"kernels": 8, "pdl": 7, "overlapped": 4}
 
 
+@pytest.mark.slow
 def test_pdl_edges_of_a_v2_lite_decode_step():
     """Batch 1, V2-Lite: every kernel launch is PDL and follows a PDL kernel; with pdl off, nothing
     is PDL and the same kernels launch."""

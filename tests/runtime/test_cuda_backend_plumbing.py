@@ -92,6 +92,7 @@ def bundle(tmp_path_factory):
     return compile_bundle(model.spec, out / "bundle", dtype="fp32", block_size=4, cache_dir=out / "cache").path
 
 
+@pytest.mark.slow
 def test_backend_runs_the_manifest_and_matches_the_reference_backend(bundle, monkeypatch):
     model, weights = compiled()
     for mod, name in ((ir.passes, "run_pipeline"), (ir.graph, "build_graph"), (codegen.lower, "lower_graph"),
@@ -115,6 +116,7 @@ def test_backend_runs_the_manifest_and_matches_the_reference_backend(bundle, mon
     assert stub.calls > 0
 
 
+@pytest.mark.slow
 def test_linears_run_the_skinny_kernel_up_to_its_token_count_and_cublas_above(bundle, monkeypatch):
     """A linear node carries both steps (codegen/families/linear_skinny.py); each step runs exactly
     one of them, by T: the kernel through T = SKINNY_MAX_TOKENS, the library call from the next

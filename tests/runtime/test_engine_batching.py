@@ -69,6 +69,7 @@ def test_mixed_lengths_and_a_stop_token_match_each_alone(alone):
     assert engine.tables.free_blocks == engine.tables.allocator.num_blocks
 
 
+@pytest.mark.slow
 def test_tiny_cache_preempts_and_still_matches(alone, preemptions):
     ps = prompts([5, 6, 7, 3], seed=12)
     params = SamplingParams(max_new_tokens=12, return_logits=True)
@@ -85,6 +86,7 @@ def test_tiny_cache_preempts_and_still_matches(alone, preemptions):
     assert engine.tables.free_blocks == 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_random_workloads_match_alone(alone, preemptions, seed):
     rng = random.Random(seed)

@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from test_cuda_backend_plumbing import ReferenceKernels, SteppedCuda
@@ -25,6 +26,8 @@ from ir.config_to_spec import spec_from_config
 from ir.parallel import rule_for
 from runtime import Engine, SamplingParams
 from runtime.model_loader import bind_checkpoint, checkpoint_tensors, compile_graphs, random_weights, weight_specs
+
+pytestmark = pytest.mark.slow     # gloo processes compiling bundles, seconds each
 
 WORLD = 2
 LENGTHS = [1, 3, 4, 5]

@@ -217,7 +217,7 @@ def test_a_shard_table_error_surfaces_as_a_parallel_error(specs):
     assert sharded_shape((8, 4), weight_shard("x.weight", (8, 4), specs["deepseek_tiny"].model, 2, 1)) == (8, 4)
 
 
-def test_the_readme_example_is_what_dsgraph_prints(capsys, monkeypatch):
+def test_the_documented_example_is_what_dsgraph_prints(capsys, monkeypatch):
     command, shown = re.search(r"^\$ (dsgraph plan [^\n]*)\n(.*?)^```", PLAN_EXAMPLE.read_text(encoding="utf-8"),
                                re.M | re.S).groups()
     monkeypatch.chdir(ROOT)
@@ -225,7 +225,7 @@ def test_the_readme_example_is_what_dsgraph_prints(capsys, monkeypatch):
     assert capsys.readouterr().out == shown, "refresh the `dsgraph plan` example in docs/PARALLEL.md"
 
 
-# ---- FP8 weights (issue 49): counted as stored -----------------------------------------------------
+# ---- FP8 weights: counted as stored -----------------------------------------------------
 
 def test_deepseek_v3_with_fp8_weights_fits_8_h200(specs, capsys):
     """V3 as its checkpoints store it: the linears FP8 (one byte, plus a float32 scale per 128x128 block),
