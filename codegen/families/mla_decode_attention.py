@@ -200,7 +200,7 @@ def rec_floats(C: int, HG: int, S: int) -> int:
 def cluster_capacity(c: int, ctas_per_sm: int) -> str:
     """Clusters of c CTAs assumed resident at once: clusters of 2 fill every SM (a TPC is two SMs);
     clusters of 4 or 8 are counted on half the SMs, since a cluster's CTAs share one GPC and the GPCs'
-    sizes leave SMs over (H200, measured with tests/gpu/probe_clusters.py: 66 clusters of 2, 30 of 4,
+    sizes leave SMs over (H200, measured with bench/probe_clusters.py: 66 clusters of 2, 30 of 4,
     15 of 8 on 132 SMs; 32 clusters of 4 ran as two waves, twice the time)."""
     sms = f"{ctas_per_sm} * SMS"
     if c <= 2:

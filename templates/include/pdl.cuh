@@ -24,7 +24,7 @@
 //    attention's first tiles, DSG_DECODE_ROWS_BEFORE_WAIT.)
 // Both are no-ops when the kernel was launched without the attribute. Raw PTX, not
 // cudaGridDependencySynchronize, because NVRTC builds without the device runtime.
-// Both carry phases.cuh's marks (nothing unless DSG_PHASES: tests/gpu/perf_phases.py).
+// Both carry phases.cuh's marks (nothing unless DSG_PHASES: bench/perf_phases.py).
 #pragma once
 #include "phases.cuh"
 

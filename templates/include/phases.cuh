@@ -1,4 +1,4 @@
-// Phase marks: where a kernel's time goes inside a step (tests/gpu/perf_phases.py reads them).
+// Phase marks: where a kernel's time goes inside a step (bench/perf_phases.py reads them).
 //
 // Only with DSG_PHASES defined (perf_phases.py compiles its own bundle with -DDSG_PHASES=1); without
 // it every mark is nothing and the machine code is what it would be without this header.
