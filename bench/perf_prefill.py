@@ -69,7 +69,7 @@ from runtime.timing import graph_us
 import ir
 from codegen.families import family_for_op
 from codegen.kernel import Options
-from codegen.tuning import DEFAULT_TUNING, Tuning
+from codegen.tuning import DEFAULT_TUNING, Tuning, TuningError
 from ir.ops import TType
 from runtime.launcher import KernelRunner
 
@@ -78,9 +78,13 @@ DT = torch.bfloat16
 
 
 def tuned(section: str, **knobs) -> Tuning:
-    """The default tuning with some knobs of one section changed."""
-    return dataclasses.replace(DEFAULT_TUNING, **{section: dataclasses.replace(getattr(DEFAULT_TUNING, section),
-                                                                               **knobs)})
+    """The default tuning with some knobs of one section changed; SystemExit (one line) on a value
+    the tuning refuses."""
+    try:
+        return dataclasses.replace(DEFAULT_TUNING, **{section: dataclasses.replace(getattr(DEFAULT_TUNING, section),
+                                                                                   **knobs)})
+    except TuningError as e:
+        raise SystemExit(f"perf_prefill: {e}") from None
 
 
 def lower(G, nid, dtype="bf16", tuning: Tuning = DEFAULT_TUNING):
