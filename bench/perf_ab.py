@@ -3,7 +3,7 @@ not a test).
 
     python3 -m bench.perf_ab --arm base \
         --arm 'wide:--tune moe.expert_ffn_upto=128' \
-        --arm 'both:--tune moe.expert_ffn_upto=128 --tune attention.cluster=4' \
+        --arm 'both:--tune moe.expert_ffn_upto=128 --tune attention.decode_cluster=4' \
         [--decode 1x512,8x512,256x512] [--rounds 2] [--check '-j 8 tests/gpu/test_kernels_moe.py -k route']
         [--out DIR]
 

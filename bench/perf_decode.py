@@ -3,24 +3,25 @@
     python3 -m bench.perf_decode [--cases 1x512,32x512,64x4096,128x4096,128x8192]
                                      [--variants w8s3c8,w8s2c8,w4s3c8,w8s3c4] [--attention-only]
                                      [--baseline DIR]
-    python3 -m bench.perf_decode --absorb 1,8,32,64,128,256 [--absorb-variants cc,mma,...]
+    python3 -m bench.perf_decode --absorb 1,8,32,64,128,256
 
 Builds one-node graphs of mla_decode_attention (one launch a layer: G clusters of S = 1, 2, 4 or 8 KV
 splits an item, merged on chip and, with G > 1, through L2), mla_decode_query and mla_v_up (the same lowering the bundle
 uses), runs them through KernelRunner on random bf16 tensors (decode: one token per sequence,
 context `ctx`, paged cache with permuted 64-row pages) and times every launch with CUDA events
 over 50 launches captured in one CUDA graph; prints us / launch and achieved GB/s of the bytes
-each must read. Attention is timed per variant (codegen.families.mla_decode_attention.Variant:
-w<warps>s<ring stages>c<cluster = most splits>, the first the lowering's default), "hot" (one
+each must read. Attention is timed per variant, each a Tuning in the compile options
+(Options(tuning=...): w<warps>s<ring stages>c<cluster = most splits> are attention.decode_warps,
+decode_stages and decode_cluster; the first the default), "hot" (one
 cache, L2-resident when small, as earlier PERF_NOTES measured) and, where the cache is under
 256 MB, "cold" (launches rotate over copies of the cache that together exceed L2); each variant's
 output is checked against torch (fp32, norm-wise per sequence, BAD above 1e-2). --baseline DIR
 runs DIR/bench/perf_decode.py (a checkout of the code before, e.g. main) on the same cases
 afterwards, for the old kernel's numbers in the same run.
 
---absorb times only mla_decode_query and mla_v_up at those token counts, once per variant
-(ABSORB_VARIANTS: cc = the CUDA-core kernels, mma = the tensor-core defaults, the rest tensor-core
-tilings), one row per (kernel, T, variant) and a summary table.
+--absorb times only mla_decode_query and mla_v_up (the tensor-core kernels the lowering ships) at
+those token counts, one row per (kernel, T) and a summary table.  Their CUDA-core, balanced and
+register-capped variants are gone: they lost and their switches were deleted.
 
 Bytes per layer: attention B * ctx * 576 * 2 (the cache; 302 MB at 64 x 4096 -> 89 us at
 3.4 TB/s); decode_query / v_up the 2 MB of W_UK / W_UV plus activations.
@@ -28,6 +29,7 @@ Bytes per layer: attention B * ctx * 576 * 2 (the cache; 302 MB at 64 x 4096 -> 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -40,6 +42,7 @@ from tests.gpu.harness import single_op_graph
 import ir
 from codegen.families import family_for_op
 from codegen.kernel import Options
+from codegen.tuning import DEFAULT_TUNING, Tuning
 from codegen.paths import DEFAULT_SPEC
 from ir.ops import TType
 from runtime.launcher import KernelRunner
@@ -55,8 +58,8 @@ def lite():
     return ir.load_spec(str(DEFAULT_SPEC)).model
 
 
-def lower(G, nid):
-    return family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype="bf16", block_size=BS))
+def lower(G, nid, tuning: Tuning = DEFAULT_TUNING):
+    return family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype="bf16", block_size=BS, tuning=tuning))
 
 
 def rand(*shape, scale=1.0):
@@ -72,23 +75,30 @@ def relerr(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
 
 
-ATTN_VARIANTS = "w8s3c8,w8s2c8,w4s3c8,w8s3c4"
+_A = DEFAULT_TUNING.attention
+ATTN_VARIANTS = f"w{_A.decode_warps}s{_A.decode_stages}c{_A.decode_cluster},w8s2c8,w4s3c8,w8s3c4"
 COLD_BYTES = 256 << 20     # cold timing: one graph rotates over this many bytes of cache copies (L2: 60 MB)
 
 
-def attention_variant(tag: str):
-    from codegen.families import mla_decode_attention as fam
+def attention_variant(tag: str) -> Tuning:
+    """w<warps>s<stages>c<cluster> -> the tuning with attention.decode_warps / decode_stages /
+    decode_cluster set; SystemExit (one line) on a bad spelling or value."""
+    from codegen.tuning import TuningError
     mt = re.fullmatch(r"w(\d+)s(\d+)c(\d+)", tag)
     if mt is None:
         raise SystemExit(f"variant {tag!r}: expected w<warps>s<stages>c<cluster>, e.g. w8s3c8")
-    return fam.Variant(*map(int, mt.groups()))
+    warps, stages, cluster = map(int, mt.groups())
+    try:
+        return dataclasses.replace(DEFAULT_TUNING, attention=dataclasses.replace(
+            DEFAULT_TUNING.attention, decode_warps=warps, decode_stages=stages, decode_cluster=cluster))
+    except TuningError as e:
+        raise SystemExit(f"variant {tag!r}: {e}") from None
 
 
 def bench_attention(runner, m, B, L, variants=(ATTN_VARIANTS.split(",")[0],)):
     """us per launch of every variant at B sequences x L context (hot and, for small caches, cold);
     returns {variant: (us hot, us cold or None, max error)}."""
     from codegen import sizes as size_exprs
-    from codegen.families import mla_decode_attention as fam
     d = m.dims
     H, C, R = d["heads"], d["kv_lora_rank"], d["qk_rope_head_dim"]
     T = B
@@ -115,8 +125,7 @@ def bench_attention(runner, m, B, L, variants=(ATTN_VARIANTS.split(",")[0],)):
     scale = G.graph["model"].softmax_scale
     results = {}
     for tag in variants:
-        v = attention_variant(tag)
-        launches = fam.lower(nid, G, Options(dtype="bf16", block_size=BS), variant=v)
+        launches = lower(G, nid, attention_variant(tag))
         live = [la for la in launches if 0 not in tuple(size_exprs.evaluate(x, full) for x in la.grid)]
         (la,) = live
         S = la.params["cs"]
@@ -168,33 +177,7 @@ def attention_table(all_results: dict, variants) -> None:
         print(f"{B}x{L:<10}" + "".join(f"{c:>26}" for c in cells))
 
 
-# Variants of the absorbed projections: module constants of the two families, set while lowering.
-ABSORB_VARIANTS = {
-    "cc": dict(query=dict(TENSOR_CORES=False), v_up=dict(TENSOR_CORES=False)),
-    "mma": dict(query={}, v_up={}),
-    "mma_balanced": dict(query=dict(TC_BALANCED=True), v_up=dict(TC_BALANCED=True)),
-    "mma_regcap": dict(query=dict(TC_MAX_REGS=128), v_up=dict(TC_MAX_REGS=80)),
-    "mma_balanced_regcap": dict(query=dict(TC_BALANCED=True, TC_MAX_REGS=128),
-                                v_up=dict(TC_BALANCED=True, TC_MAX_REGS=80)),
-}
-
-
-def lower_variant(G, nid, family: str, variant: str | None):
-    """Lower with the variant's family constants in force (restored afterwards)."""
-    import importlib
-    mod = importlib.import_module(f"codegen.families.{'mla_decode_query' if family == 'query' else 'mla_v_up'}")
-    overrides = ABSORB_VARIANTS[variant][family] if variant else {}
-    saved = {k: getattr(mod, k) for k in overrides}
-    try:
-        for k, v in overrides.items():
-            setattr(mod, k, v)
-        return lower(G, nid)
-    finally:
-        for k, v in saved.items():
-            setattr(mod, k, v)
-
-
-def bench_query(runner, m, T, variant=None):
+def bench_query(runner, m, T):
     d = m.dims
     H, N, R, V, C = d["heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"], d["kv_lora_rank"]
     G, nid = single_op_graph(m, "mla_decode_query", {"pairs": "adjacent", "output": "interleaved"},
@@ -205,16 +188,16 @@ def bench_query(runner, m, T, variant=None):
     out = torch.full((T, H, C + R), float("nan"), device=DEV, dtype=DT)
     kw = dict(values={"q_nope": qb[..., :N], "q_pe": qb[..., N:], "out": out}, weights={"kvb": kv_b},
               ctx={"positions": torch.arange(T, dtype=torch.int64, device=DEV)}, sizes={"T": T})
-    (la,) = lower_variant(G, nid, "query", variant)
+    (la,) = lower(G, nid)
     us = graph_us(lambda: runner.run(la, **kw))
-    row("mla_decode_query" + (f" [{variant}]" if variant else ""), T, 0, us, H * N * C * 2 + T * H * (N + R + C + R) * 2)
+    row("mla_decode_query", T, 0, us, H * N * C * 2 + T * H * (N + R + C + R) * 2)
     wuk = kv_b.view(H, N + V, C)[:, :N].float()
     ref = torch.einsum("thn,hnc->thc", qb[..., :N].float(), wuk)
     print(f"    decode_query spot check: max rel err {relerr(out[..., :C], ref):.2e}", flush=True)
     return us
 
 
-def bench_v_up(runner, m, T, variant=None):
+def bench_v_up(runner, m, T):
     d = m.dims
     H, N, V, C = d["heads"], d["qk_nope_head_dim"], d["v_head_dim"], d["kv_lora_rank"]
     G, nid = single_op_graph(m, "mla_v_up", {}, {"o_lat": TType(("T", H, C), "act")}, {"kv_b": "kvb"},
@@ -223,44 +206,45 @@ def bench_v_up(runner, m, T, variant=None):
     kv_b = rand(H * (N + V), C, scale=0.1)
     out = torch.full((T, H * V), float("nan"), device=DEV, dtype=DT)
     kw = dict(values={"o_lat": o_lat, "out": out}, weights={"kvb": kv_b}, sizes={"T": T})
-    (la,) = lower_variant(G, nid, "v_up", variant)
+    (la,) = lower(G, nid)
     us = graph_us(lambda: runner.run(la, **kw))
-    row("mla_v_up" + (f" [{variant}]" if variant else ""), T, 0, us, H * V * C * 2 + T * H * (C + V) * 2)
+    row("mla_v_up", T, 0, us, H * V * C * 2 + T * H * (C + V) * 2)
     wuv = kv_b.view(H, N + V, C)[:, N:].float()
     ref = torch.einsum("thc,hvc->thv", o_lat.float(), wuv).reshape(T, H * V)
     print(f"    v_up spot check: max rel err {relerr(out, ref):.2e}", flush=True)
     return us
 
 
-def bench_absorb(runner, m, tokens, variants):
-    """mla_decode_query and mla_v_up at each token count, once per variant; a summary table."""
+def bench_absorb(runner, m, tokens):
+    """mla_decode_query and mla_v_up at each token count; a summary table."""
     res = {}
     for T in tokens:
-        for v in variants:
-            res["query", T, v] = bench_query(runner, m, T, v)
-            res["v_up", T, v] = bench_v_up(runner, m, T, v)
-    print(f"\n{'us per launch':<18}" + "".join(f"{v:>11}" for v in variants), flush=True)
-    for fam in ("query", "v_up"):
-        for T in tokens:
-            print(f"{fam + ' T=' + str(T):<18}" + "".join(f"{res[fam, T, v]:>11.2f}" for v in variants), flush=True)
+        res["query", T] = bench_query(runner, m, T)
+        res["v_up", T] = bench_v_up(runner, m, T)
+    print(f"\n{'us per launch':<18}{'query':>11}{'v_up':>11}", flush=True)
+    for T in tokens:
+        print(f"{'T=' + str(T):<18}{res['query', T]:>11.2f}{res['v_up', T]:>11.2f}", flush=True)
     return res
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="1x512,32x512,64x4096,128x4096,128x8192")
-    ap.add_argument("--variants", default=ATTN_VARIANTS, help="decode attention variants (first: the default)")
+    ap.add_argument("--variants", default=ATTN_VARIANTS,
+                    help="decode attention variants w<warps>s<stages>c<cluster> (attention.decode_warps / "
+                         "decode_stages / decode_cluster; first: the default)")
     ap.add_argument("--attention-only", action="store_true", help="time decode attention alone")
     ap.add_argument("--baseline", default=None, help="a checkout of the code before: run its perf_decode.py after")
     ap.add_argument("--absorb", default=None, help="token counts: time only decode_query / v_up variants")
-    ap.add_argument("--absorb-variants", default=",".join(ABSORB_VARIANTS))
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    for v in variants:
+        attention_variant(v)                 # a bad spelling stops here, before any GPU work
     m = lite()
     runner = KernelRunner()
     if args.absorb:
-        bench_absorb(runner, m, [int(t) for t in args.absorb.split(",")], args.absorb_variants.split(","))
+        bench_absorb(runner, m, [int(t) for t in args.absorb.split(",")])
         return
-    variants = args.variants.split(",")
     attention = {}
     for case in args.cases.split(","):
         B, L = map(int, case.split("x"))

@@ -16,12 +16,13 @@ Shapes (dims read from model_specs/deepseek_v2_lite.yaml; "per step": how many a
   lm_head         K=D  rows vocab                                                (1)
   q, kv_a         the two unfused (0 a step: to show what the fusion buys)
 
-Variants w<warps>r<row tiles>u<unroll>[k<cluster>] (codegen/families/linear_skinny.py WARPS, ROW_TILES,
-UNROLL, KSPLIT: k2 / k4 split K over clusters of 2 / 4 CTAs; the first listed is the lowering's default).  Each launch is timed over a CUDA graph of
+Variants w<warps>r<row tiles>u<unroll>[k<cluster>], each a Tuning in the compile options (Options(tuning=...):
+linear.warps, row_tiles, unroll, ksplit; k2 / k4 split K over clusters of 2 / 4 CTAs; the first listed
+is the default).  Each launch is timed over a CUDA graph of
 ITERS-or-more launches (median of 3 replays) that cycles through enough copies of the weights to
 exceed ~4x the 50-60 MB L2, so the weights come from HBM as in a decode step, where each layer's
 weights are read once.  cuBLAS: torch.nn.functional.linear once per weight (what the runtime runs
-above SKINNY_MAX_TOKENS; the swiglu shapes add torch's silu(gate) * up), timed the same way.  Rows print us, weight TB/s and the fraction of the
+above linear.skinny_upto tokens; the swiglu shapes add torch's silu(gate) * up), timed the same way.  Rows print us, weight TB/s and the fraction of the
 measured device-to-device copy bandwidth; a summary per T sums a decode step's linears
 (shape x per step) for the default, the best variant of each shape, and cuBLAS: issue 14's target
 is >= 80% of the copy bandwidth.  Correctness: outputs poisoned, norm-wise relative error against
@@ -30,6 +31,7 @@ a torch fp32 reference (BAD above 1e-2; the exit status is 1 if any).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -43,13 +45,13 @@ from tests.gpu.harness import single_op_graph
 import ir
 from codegen.families import linear_skinny
 from codegen.kernel import KernelLaunch, Options
-from codegen.tuning import LinearTuning
+from codegen.tuning import DEFAULT_TUNING, Tuning, TuningError
 from ir.ops import TType
 
 ITERS = 20
 ROTATE_BYTES = 256 << 20       # weight copies cycled per graph: ~4x the L2
 BAD_ERR = 1e-2
-_T = LinearTuning()   # the kernel's default shape (codegen/tuning.py)
+_T = DEFAULT_TUNING.linear   # the kernel's default shape (codegen/tuning.py)
 DEFAULT_VARIANT = f"w{_T.warps}r{_T.row_tiles}u{_T.unroll}" + (f"k{_T.ksplit}" if _T.ksplit > 1 else "")
 VARIANTS = f"{DEFAULT_VARIANT},w8r1u2,w8r1u8,w4r1u4,w8r2u2,w16r1u2,w8r1u4k2,w8r1u2k4"
 _VARIANT_RE = re.compile(r"^w(\d+)r(\d+)u(\d+)(?:k(\d+))?$")
@@ -67,17 +69,23 @@ def shapes(m) -> dict:
             "lm_head": (D, [d["vocab"]], 1, False), "q": (D, [H * (N + R)], 0, False), "kv_a": (D, [C + R], 0, False)}
 
 
-def parse_variant(v: str) -> tuple[int, int, int, int]:
+def parse_variant(v: str) -> Tuning:
+    """w<warps>r<row tiles>u<unroll>[k<cluster>] -> the tuning with those linear knobs; SystemExit
+    (one line) on a bad spelling or value."""
     mt = _VARIANT_RE.match(v)
     if not mt:
         raise SystemExit(f"variant {v!r} is not w<warps>r<row tiles>u<unroll>[k<cluster>]")
     w, r, u, k = mt.groups()
-    return int(w), int(r), int(u), int(k or 1)
+    try:
+        return dataclasses.replace(DEFAULT_TUNING, linear=dataclasses.replace(
+            DEFAULT_TUNING.linear, warps=int(w), row_tiles=int(r), unroll=int(u), ksplit=int(k or 1)))
+    except TuningError as e:
+        raise SystemExit(f"variant {v!r}: {e}") from None
 
 
 def launch_for(m, K: int, rows: list[int], variant: str, dtype: str = "bf16",
                silu: bool = False) -> tuple[KernelLaunch, list[str]]:
-    warps, rt, unroll, ks = parse_variant(variant)
+    tuning = parse_variant(variant)
     if silu:
         G, nid = single_op_graph(m, "gate_up_silu", {"out_dim": rows[0]}, {"x": TType(("T", K), "act")},
                                  {"gate": "w0", "up": "w1"}, phase="decode")
@@ -87,7 +95,7 @@ def launch_for(m, K: int, rows: list[int], variant: str, dtype: str = "bf16",
     else:
         G, nid = single_op_graph(m, "multi_linear", {"out_dims": rows}, {"x": TType(("T", K), "act")},
                                  {f"weight{i}": f"w{i}" for i in range(len(rows))}, phase="decode")
-    steps = linear_skinny.lower(nid, G, Options(dtype=dtype), warps=warps, row_tiles=rt, unroll=unroll, ksplit=ks)
+    steps = linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=tuning))
     (la,) = [s for s in steps if isinstance(s, KernelLaunch)]
     return la, G.nodes[nid]["outputs"]
 
@@ -172,7 +180,7 @@ def main() -> int:
             print(f"{name:<16} T={T:<3} cuBLAS    {us_torch:8.2f} us {nbytes / us_torch / 1e6:6.2f} TB/s "
                   f"({nbytes / us_torch * 1e6 / bw * 100:3.0f}%)", flush=True)
             for v in variants:
-                if T > linear_skinny.SKINNY_MAX_TOKENS:
+                if T > DEFAULT_TUNING.linear.skinny_upto:
                     continue   # the kernel's grid is 0 above: cuBLAS alone serves these token counts
                 la, outs = launch_for(m, K, rows, v, silu=silu)
                 ys = {o: torch.full((T, n), float("nan"), device="cuda", dtype=torch.bfloat16)

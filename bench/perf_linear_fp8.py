@@ -1,8 +1,8 @@
 """The skinny linear with FP8 weights against the bf16 one at DeepSeek-V2-Lite's decode shapes (a script).
 
-    python3 bench/perf_linear_fp8.py [--tokens 1,8,16] [--shapes q+kv_a,o,...] [--fallback-tokens 32] [--json PATH]
+    python3 -m bench.perf_linear_fp8 [--tokens 1,8,16] [--shapes q+kv_a,o,...] [--fallback-tokens 32] [--json PATH]
                                      [--fp8-variants default,w8r1u4_rolling,w8r1u1_batch,...]
-    python3 bench/perf_linear_fp8.py --compile-only     # no GPU: registers and spills of every kernel
+    python3 -m bench.perf_linear_fp8 --compile-only     # no GPU: registers and spills of every kernel
 
 Prediction (written before the first run): FP8 reads half the weight bytes, so on the large shapes
 (dense gate_up 2 x 10944 x 2048, dense down, q+kv_a) the FP8 kernel takes ~0.53-0.6 of the bf16 kernel's
@@ -10,13 +10,15 @@ time (1.7-1.9x faster) at every T <= 16; on the small ones (kv_a 2.4 MB bf16, o_
 ramp-up of a ~1 us kernel stay, so less.
 
 FP8 variants: "default" (the lowering's choice for the op) or w<warps>r<row tiles>u<unroll>[k<cluster>] with
-a pipeline suffix _rolling / _batch (templates/include/fp8.cuh).  Each launch is timed over a CUDA graph of at least ITERS launches that cycles through enough copies of the
-weights to exceed ~4x the L2 (so weights come from HBM, as in a decode step), median of 3 replays, with
-CUDA events.  A row prints us, the weight bytes read (FP8: bytes plus the float32 block scales), GB/s
-and % of the measured device-to-device copy bandwidth (torch copy of a 1 GB buffer); the fp8/bf16 time
-ratio.  Correctness alongside: outputs poisoned, norm-wise error against float64 on the dequantised
+a pipeline suffix _rolling / _batch (templates/include/fp8.cuh); each is a Tuning in the compile options
+(Options(tuning=...): linear.warps, row_tiles, ksplit, and the FP8 unroll / pipeline knobs of the op,
+linear.fp8_* or, for gate_up_silu, linear.fp8_silu_*).  Each launch is timed with runtime.timing.graph_us
+over a CUDA graph of at least ITERS launches that cycles through enough copies of the weights to exceed
+~4x the L2 (so weights come from HBM, as in a decode step), median of 3 replays.  A row prints us, the
+weight bytes read (FP8: bytes plus the float32 block scales), GB/s and % of the measured device-to-device
+copy bandwidth (runtime.bench.copy_bandwidth); the fp8/bf16 time ratio.  Correctness alongside: outputs poisoned, norm-wise error against float64 on the dequantised
 weights (BAD above 1e-2; exit status 1 if any).  --fallback-tokens: the FP8 node's library call above
-16 tokens (dequantise to bf16 each call, then cuBLAS) against bf16 cuBLAS on the same shape.
+linear.skinny_upto tokens (dequantise to bf16 each call, then cuBLAS) against bf16 cuBLAS on the same shape.
 """
 from __future__ import annotations
 
@@ -25,21 +27,18 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import re
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+from tests.gpu.harness import single_op_graph
 
-from harness import single_op_graph  # noqa: E402
-
-import ir  # noqa: E402
-from codegen.families import linear_skinny  # noqa: E402
-from codegen.kernel import KernelLaunch, LibraryCall, Options  # noqa: E402
-from ir.formats import FP8, companion_names, scale_shape  # noqa: E402
-from ir.ops import TType  # noqa: E402
+import ir
+from codegen.families import linear_skinny
+from codegen.kernel import KernelLaunch, LibraryCall, Options
+from codegen.paths import DEFAULT_SPEC
+from codegen.tuning import DEFAULT_TUNING, Tuning, TuningError
+from ir.formats import FP8, companion_names, scale_shape
+from ir.ops import TType
 
 ITERS = 20
 ROTATE_BYTES = 256 << 20
@@ -62,16 +61,24 @@ def shapes(m) -> dict:
             "shared gate_up": (D, [MS, MS], True), "shared down": (MS, [D], False)}
 
 
-def parse_variant(v: str) -> dict:
-    """"default" (the lowering's for the op) or w<warps>r<row tiles>u<unroll>[k<cluster>][_rolling|_batch]."""
+def parse_variant(v: str) -> Tuning:
+    """"default" (the lowering's for the op) or w<warps>r<row tiles>u<unroll>[k<cluster>][_rolling|_batch]
+    -> its tuning (the unroll and pipeline set for linear / multi_linear and gate_up_silu alike; no
+    pipeline suffix: each op's default); SystemExit (one line) on a bad spelling or value."""
     if v == "default":
-        return {}
+        return DEFAULT_TUNING
     mt = _VARIANT_RE.match(v)
     if not mt:
         raise SystemExit(f"variant {v!r} is not default or w<warps>r<row tiles>u<unroll>[k<cluster>][_rolling|_batch]")
     w, r, u, k, pipe = mt.groups()
-    out = {"warps": int(w), "row_tiles": int(r), "unroll": int(u), "ksplit": int(k or 1)}
-    return {**out, "pipeline": pipe} if pipe else out
+    knobs = {"warps": int(w), "row_tiles": int(r), "ksplit": int(k or 1), "fp8_unroll": int(u),
+             "fp8_silu_unroll": int(u)}
+    if pipe:
+        knobs.update(fp8_pipeline=pipe, fp8_silu_pipeline=pipe)
+    try:
+        return dataclasses.replace(DEFAULT_TUNING, linear=dataclasses.replace(DEFAULT_TUNING.linear, **knobs))
+    except TuningError as e:
+        raise SystemExit(f"variant {v!r}: {e}") from None
 
 
 def lowered(m, K, rows, silu, variant, fp8):
@@ -86,7 +93,7 @@ def lowered(m, K, rows, silu, variant, fp8):
     if fp8:
         for name, info in list(G.graph["weights"].items()):
             G.graph["weights"][name] = dataclasses.replace(info, format=FP8.name)
-    steps = linear_skinny.lower(nid, G, Options(dtype="bf16"), **parse_variant(variant))
+    steps = linear_skinny.lower(nid, G, Options(dtype="bf16", tuning=parse_variant(variant)))
     (la,) = [s for s in steps if isinstance(s, KernelLaunch)]
     (call,) = [s for s in steps if isinstance(s, LibraryCall)]
     return la, call, G.nodes[nid]["outputs"]
@@ -109,54 +116,12 @@ def compile_only(m, names, fp8_variants) -> int:
     return 1 if bad else 0
 
 
-def copy_bandwidth() -> float:
-    import torch
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return 2 * n / (sorted(times)[2] / 1e3)
-
-
 def time_us(fn, copies: int) -> float:
-    """us per call of fn(i), i cycling over `copies` weight copies: max(ITERS, copies) calls captured in
-    one CUDA graph, replayed and timed with CUDA events (median of 3)."""
-    import torch
-    iters = max(ITERS, copies)
+    """us per call of fn(i), i cycling over `copies` weight copies: runtime.timing.graph_us over
+    max(ITERS, copies) calls captured in one CUDA graph (median of 3 replays)."""
+    from runtime.timing import graph_us
     calls = itertools.count()
-    step = lambda: fn(next(calls) % copies)   # noqa: E731
-    step()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        step()
-        stream.synchronize()
-        with torch.cuda.graph(g, stream=stream):
-            for _ in range(iters):
-                step()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(3):
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / iters)
-    return sorted(times)[1]
+    return graph_us(lambda: fn(next(calls) % copies), iters=max(ITERS, copies), replays=3)
 
 
 def quantize(w):
@@ -186,7 +151,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
-    m = ir.load_spec(os.path.join(ROOT, "model_specs", "deepseek_v2_lite.yaml")).model
+    m = ir.load_spec(str(DEFAULT_SPEC)).model
     names = [s for s in args.shapes.split(",") if s]
     fp8_variants = [v for v in args.fp8_variants.split(",") if v]
     for v in fp8_variants:
@@ -198,6 +163,7 @@ def main() -> int:
     import torch.nn.functional as F
 
     from ir.ops.core import gate_up_silu_ref
+    from runtime.bench import copy_bandwidth
     from runtime.cuda_backend import CudaBackend
     from runtime.launcher import KernelRunner
     runner = KernelRunner()
@@ -244,7 +210,7 @@ def main() -> int:
             def err_of(ys, refs):
                 return max(float((y.double() - r).norm() / r.norm()) for y, r in zip(ys, refs))
 
-            if T > linear_skinny.SKINNY_MAX_TOKENS:
+            if T > DEFAULT_TUNING.linear.skinny_upto:   # the lowering's library call serves T
                 if silu:
                     base = time_us(lambda i: gate_up_silu_ref(x, bf16[i][0], bf16[i][1]), copies)
                 else:

@@ -19,17 +19,23 @@ Cases:
           repeat(arange(E), c) as [T, K], K = top_k when E*c % top_k == 0, else K = 1 (T = E*c)
   B=<B>   decode batch B: T = B tokens, each with top_k distinct experts drawn uniformly
           (the touched experts are counted and printed)
-Variants [ts<n>_]thr<t>_skinny<s>[_sbk<k>_sst<n>][_bulk]: the GEMV runs while T <= n (default:
-the lowering's GEMV_ONLY_TOKENS), the mma launch above it with param thr=t and skinny=s (the
-largest row tile run in the swapped orientation; 0 turns it off), optionally the swapped tiles'
-K slice and ring depth, and _bulk: their rows as bulk copies on mbarriers (SKINNY_BULK); both
-grids are recomputed.  thr0 means the GEMV alone at every T (the mma
-launch is dropped).  [ts<n>_]wgs: the GEMV while T <= n (default GEMV_ONLY_TOKENS), the decode
-wgmma + TMA launch (moe_wgmma_skinny.cuh) above it.  ffn: moe_expert_ffn's one launch for both
-families (moe_expert_ffn.cuh; decode's default on sm_90a since PERF_NOTES v19), timed as one row.
-The prefill wgmma launch is left out of every variant.  Every variant launch is renamed <lowered name>__ts<n> (gemv) or
-<lowered name>__ts<n>_thr<t>_skinny<s>... (mma): KernelRunner keeps one compiled module per
-launch name, so distinct launches must never share a name (checked below).
+Variants, each a codegen.tuning.Tuning in the compile options (Options(tuning=...)), lowered as
+the bundle lowers it (codegen/dispatch.py picks the launch that serves each T):
+  [ts<n>_]thr<t>_skinny<s>[_sbk<k>_sst<n>]   the GEMV while T <= n (moe.gemv_upto; default its
+          default), the mma launch above it with moe.gemm_threshold=t and moe.gemm_skinny=s (the
+          largest row tile run in the swapped orientation; 0 turns it off), optionally the swapped
+          tiles' K slice and ring depth (moe.skinny_bk, moe.skinny_stages); both wgmma launches off
+          (moe.decode_wgmma=false, moe.prefill_wgmma_above=none).  thr0: the GEMV alone at every T
+          (its launch without a token range; no mma launch).
+  [ts<n>_]wgs   the GEMV while T <= n (moe.decode_wgmma_from; default its default), the decode
+          wgmma + TMA launch (moe_wgmma_skinny.cuh) above it at every T (moe.prefill_wgmma_above
+          past any case), with the lowering's one-token down launch where it has one.
+  ffn     moe_expert_ffn's fused launch for both families (moe_expert_ffn.cuh; decode's default
+          on sm_90a), with moe.expert_ffn_from=1, timed as one row (T <= moe.expert_ffn_upto).
+The prefill wgmma launch is left out of every variant.  The _bulk variant (bulk-copy swapped
+tiles) is gone: it lost and its code was deleted.  Every launch of a variant is renamed
+<lowered name>__<variant>: KernelRunner keeps one compiled module per launch name, so distinct
+launches must never share a name (checked below).
 
 Correctness: outputs poisoned with NaN, one run, norm-wise relative error ||out - ref|| / ||ref||
 against a torch fp32 reference on the GPU (BAD above 1e-2; the exit status is 1 if any).
@@ -55,9 +61,8 @@ from runtime.timing import graph_us
 from codegen import sizes as size_exprs
 from codegen.families import family_for_op
 from codegen.families import _moe
-from codegen.families._moe import GEMV_ONLY_TOKENS, gemm_launch_smem, gemv_grid, mma_grid_y
-from codegen.sizes import only_above
 from codegen.kernel import Options
+from codegen.tuning import DEFAULT_TUNING, Tuning, TuningError
 from ir.ops import TType
 from ir.ops.moe import align_ref
 from runtime.launcher import KernelRunner
@@ -68,9 +73,9 @@ ITERS = 20
 BAD_ERR = 1e-2
 FAMILIES = ("moe_gate_up_silu", "moe_down")
 SHORT = {"moe_gate_up_silu": "gate_up_silu", "moe_down": "down", "moe_expert_ffn": "ffn (both)"}
-_VARIANT_RE = re.compile(r"^(?:ts(\d+)_)?thr(\d+)_skinny(\d+)(?:_sbk(\d+)_sst(\d+))?(_bulk)?$")
+_VARIANT_RE = re.compile(r"^(?:ts(\d+)_)?thr(\d+)_skinny(\d+)(?:_sbk(\d+)_sst(\d+))?$")
 _WGS_RE = re.compile(r"^(?:ts(\d+)_)?wgs$")   # the GEMV while T <= ts, the decode wgmma + TMA launch above
-GEMV_ALONE = 1 << 30     # ts of thr0: the GEMV at every T
+NO_PREFILL_WGMMA = 1 << 20  # moe.prefill_wgmma_above past every case: the decode wgmma serves them all
 FFN = "ffn"              # the variant of moe_expert_ffn's one launch for both families
 
 
@@ -98,95 +103,86 @@ def graph(m, family: str, K: int):
                            {"gate": "e.{expert}.gate", "up": "e.{expert}.up"})
 
 
-def parse_variant(v: str) -> tuple:
-    """[ts<n>_]thr<t>_skinny<s>[_sbk<k>_sst<n>] -> (ts, t, s, k or None, n or None); None keeps the
-    lowering's swapped-tile K slice / ring depth.  [ts<n>_]wgs -> (ts, "wgs", ...): the decode
-    wgmma + TMA launch (moe_wgmma_skinny.cuh) above ts.  "ffn": moe_expert_ffn's fused launch
-    (both families in one, moe_expert_ffn.cuh) -> (0, "ffn", ...)."""
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    tuning: Tuning
+    gemv_alone: bool = False     # thr0: the GEMV launch at every T, nothing else
+
+
+def moe_tuning(**knobs) -> Tuning:
+    """The default tuning with some moe knobs changed (TuningError, one line, on a bad value)."""
+    return dataclasses.replace(DEFAULT_TUNING, moe=dataclasses.replace(DEFAULT_TUNING.moe, **knobs))
+
+
+def parse_variant(v: str) -> Variant:
+    """A --variants entry -> its Variant (see the module docstring); SystemExit (one line) on a bad
+    spelling or a knob value the tuning refuses."""
+    try:
+        return _parse_variant(v)
+    except TuningError as e:
+        raise SystemExit(f"variant {v!r}: {e}") from None
+
+
+def _parse_variant(v: str) -> Variant:
+    m = DEFAULT_TUNING.moe
     if v == FFN:
-        return 0, FFN, 0, None, None, False
+        return Variant(v, moe_tuning(expert_ffn_from=1))
     mw = _WGS_RE.match(v)
     if mw is not None:
-        return (int(mw.group(1)) if mw.group(1) else GEMV_ONLY_TOKENS), "wgs", 0, None, None, False
+        ts = int(mw.group(1)) if mw.group(1) else m.decode_wgmma_from
+        return Variant(v, moe_tuning(decode_wgmma=True, decode_wgmma_from=ts, prefill_wgmma_above=NO_PREFILL_WGMMA))
     mt = _VARIANT_RE.match(v)
     if mt is None:
-        raise SystemExit(f"variant {v!r}: expected [ts<int>_]thr<int>_skinny<int>[_sbk<int>_sst<int>][_bulk], "
-                         f"e.g. ts8_thr2_skinny64")
+        raise SystemExit(f"variant {v!r}: expected [ts<int>_]thr<int>_skinny<int>[_sbk<int>_sst<int>], "
+                         f"[ts<int>_]wgs or ffn, e.g. ts8_thr2_skinny64")
     thr = int(mt.group(2))
-    ts = GEMV_ALONE if thr == 0 else (int(mt.group(1)) if mt.group(1) else GEMV_ONLY_TOKENS)
-    sbk, sst = (int(mt.group(4)), int(mt.group(5))) if mt.group(4) else (None, None)
-    return ts, thr, int(mt.group(3)), sbk, sst, bool(mt.group(6))
+    knobs = {"gemv_upto": int(mt.group(1)) if mt.group(1) else m.gemv_upto, "gemm_threshold": thr,
+             "gemm_skinny": int(mt.group(3)), "decode_wgmma": False, "prefill_wgmma_above": None}
+    if mt.group(4):
+        knobs.update(skinny_bk=int(mt.group(4)), skinny_stages=int(mt.group(5)))
+    return Variant(v, moe_tuning(**knobs), gemv_alone=thr == 0)
 
 
-def apply_variant(launches, ts: int, thr: int, skinny: int, sbk=None, sst=None, bulk=False) -> list:
-    """The family's launches with ts (both grids), thr and skinny (mma) overridden, renamed; the
-    prefill wgmma launch left out (the variant's launch takes every T above ts).  thr "wgs": the
-    decode wgmma launch in place of the mma launch."""
-    stages = [la.stage for la in launches]
-    want = ["gemv", "wgmma_skinny"] if thr == "wgs" else ["gemv", "mma"]
-    if [st for st in stages if st != "wgmma"] != want:
-        raise SystemExit(f"expected the launches {want} (and wgmma) from the lowering; got {stages} "
-                         f"({[la.name for la in launches]})")
-    out = []
-    for la in launches:
-        if la.stage == "gemv":
-            out.append(dataclasses.replace(la, name=f"{la.name}__ts{ts}", grid=gemv_grid(la.params, ts)))
-        elif la.stage == "wgmma":
-            continue
-        elif la.stage == "wgmma_skinny":
-            g = la.grid[0].split(" * (1 - min(1, T // ")[0].split(" * min(1, T // ")[0]   # the tile bound alone
-            out.append(dataclasses.replace(la, name=f"{la.name}__ts{ts}", grid=(f"{g} * {only_above(ts)}", 1, 1)))
-        elif thr > 0:
-            E = la.params["E"]
-            p = {**la.params, "thr": thr, "skinny": skinny, "bulk": bulk}
-            suffix = f"__ts{ts}_thr{thr}_skinny{skinny}"
-            if sbk is not None:
-                p.update(sbk=sbk, sst=sst)
-                suffix += f"_sbk{sbk}_sst{sst}"
-            if bulk:
-                suffix += "_bulk"
-            smem = p["smem"] = gemm_launch_smem(p["bk"], p["stages"], skinny, p["sbk"], p["sst"])
-            out.append(dataclasses.replace(
-                la, name=f"{la.name}{suffix}", params=p, smem=smem,
-                grid=(la.grid[0], mma_grid_y(E, thr, ts), la.grid[2])))
-    return out
+def variant_launches(launches, variant: Variant, family: str) -> list:
+    """The lowered launches a variant times, renamed <name>__<variant>: the fused launch alone
+    (ffn); the GEMV alone without its token range (thr0); else every launch but the prefill wgmma."""
+    if family == "moe_expert_ffn":
+        keep = [la for la in launches if la.stage == "fused"]
+    elif variant.gemv_alone:
+        keep = [dataclasses.replace(la, grid=(_moe.slots(la.params["E"]), *la.grid[1:]))
+                for la in launches if la.stage == "gemv"]
+    else:
+        keep = [la for la in launches if la.stage != "wgmma"]
+    if not keep:
+        raise SystemExit(f"variant {variant.name}: the lowering of {family} gave none of its launches "
+                         f"({[la.stage for la in launches]})")
+    return [dataclasses.replace(la, name=f"{la.name}__{variant.name}") for la in keep]
 
 
 class Kernels:
     """Lowered (and variant-applied) launches per (family, K, variant), lowered once each; checks
     that no two different launches share a name (the runner caches compiled modules by name)."""
 
-    def __init__(self, m, runner: KernelRunner):
-        self.m, self.runner = m, runner
+    def __init__(self, m, runner: KernelRunner, arch: str = "sm_90"):
+        self.m, self.runner, self.arch = m, runner, arch
         self._graphs: dict = {}
         self._launches: dict = {}
         self._by_name: dict = {}
 
-    def base(self, family: str, K: int, wgs: bool = False):
-        key = (family, K, wgs)
-        if key not in self._graphs:
-            G, nid = graph(self.m, family, K)
-            saved, _moe.GEMM_WGMMA_SKINNY = _moe.GEMM_WGMMA_SKINNY, wgs
-            try:
-                launches = family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype="bf16"))
-            finally:
-                _moe.GEMM_WGMMA_SKINNY = saved
-            self._graphs[key] = (G, nid, launches)
-        return self._graphs[key]
+    def base(self, family: str, K: int):
+        if (family, K) not in self._graphs:
+            self._graphs[(family, K)] = graph(self.m, family, K)
+        return self._graphs[(family, K)]
 
     def get(self, family: str, K: int, variant: str) -> list:
         key = (family, K, variant)
         if key not in self._launches:
-            ts, thr, skinny, sbk, sst, bulk = parse_variant(variant)
-            if thr == FFN:                                   # the fused launch alone (T <= its range's top)
-                launches = [la for la in self.base(family, K, True)[2] if la.stage == "fused"]
-                self._launches[key] = launches
-                return launches
-            base = self.base(family, K)[2]                 # the GEMV and the mma launch
-            if thr == "wgs":                                 # the GEMV, then the decode wgmma launch
-                base = [la for la in base if la.stage == "gemv"] + [
-                    la for la in self.base(family, K, True)[2] if la.stage == "wgmma_skinny"]
-            launches = apply_variant(base, ts, thr, skinny, sbk, sst, bulk)
+            v = parse_variant(variant)
+            G, nid = self.base(family, K)
+            lowered = family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(arch=self.arch, dtype="bf16",
+                                                                               tuning=v.tuning))
+            launches = variant_launches(lowered, v, family)
             for la in launches:
                 ident = (la.template, json.dumps(la.params, sort_keys=True), tuple(la.args), la.grid, la.block,
                          la.smem)
@@ -194,18 +190,19 @@ class Kernels:
                 if prev != ident:
                     raise SystemExit(f"two different launches named {la.name}: the runner would reuse one "
                                      f"compiled module for both")
-            self.check_source(launches, thr, skinny)
+            self.check_source(launches)
             self._launches[key] = launches
         return self._launches[key]
 
-    def check_source(self, launches, thr: int, skinny: int) -> None:
-        """The rendered source declares the kernel under its launch name, and the overridden
-        params reach the template body (a warning where one does not change it)."""
+    def check_source(self, launches) -> None:
+        """The rendered source declares the kernel under its launch name, and the mma launch's
+        tuned params reach the template body (a warning where one does not change it)."""
         for la in launches:
             src = self.runner.source(la)
             if not re.search(rf"\b{re.escape(la.name)}\s*\(", src):
                 raise SystemExit(f"rendered source of {la.name} does not declare a kernel of that name")
-            probes = [("thr", thr + 1), ("skinny", 0 if skinny else 64)] if la.stage == "mma" and thr != "wgs" else []
+            probes = ([("thr", la.params["thr"] + 1), ("skinny", 0 if la.params["skinny"] else 64)]
+                      if la.stage == "mma" else [])
             for key, other in probes:
                 alt = dataclasses.replace(la, params={**la.params, key: other})
                 if _body(self.runner.source(alt), la.name) == _body(src, la.name):
@@ -304,7 +301,7 @@ def ints(s: str) -> list[int]:
 def compile_only(args, m, variants):
     dm = dims(m)
     runner = KernelRunner(arch=args.arch)
-    kernels = Kernels(m, runner)
+    kernels = Kernels(m, runner, args.arch)
     Ks = sorted({pair_case(dm, c)["K"] for c in ints(args.pairs)} | ({dm["K"]} if ints(args.batches) else set()))
     done = set()
     for v in variants:
@@ -328,7 +325,8 @@ def main():
                     help="pairs per expert c (every expert gets exactly c pairs)")
     ap.add_argument("--batches", default="1,8,32,128,256", help="decode batches B (K distinct experts per token)")
     ap.add_argument("--variants", default="ts8_thr2_skinny64,ts0_wgs,thr0_skinny0",
-                    help="comma-separated [ts<n>_]thr<t>_skinny<s>[_sbk<k>_sst<n>] (thr0: the GEMV alone)")
+                    help="comma-separated [ts<n>_]thr<t>_skinny<s>[_sbk<k>_sst<n>] (thr0: the GEMV alone), "
+                         "[ts<n>_]wgs, ffn (see above)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write every row as JSON to PATH")
     ap.add_argument("--compile-only", action="store_true",
                     help="no GPU: lower, render and compile every kernel with NVRTC for --arch, then stop")

@@ -15,13 +15,18 @@ router logits (the property tests in test_kernels_*.py cover the edges at small 
 The route (--families route) runs at each --route-tokens T (default: batch * seqlen) under each
 --route-variants entry, each with its own KernelRunner (kernel names repeat across variants):
   default          the lowering as shipped (T > 256: router GEMM, top-k, one-CTA align)
-  gemv             moe_route.GEMM_TOKENS = None: the GEMV for the logits at every T (before the GEMM)
-  alignP           _moe.ALIGN_PARALLEL_PAIRS = P: count / scan / scatter above P pairs (align0: always)
-  tileBMxBNxTMxTN  the GEMM's tile (default 64x64x4x4; 128x64x8x4 runs one CTA an SM)
+  gemv             tuning route.gemm_above=none: the GEMV for the logits at every T (before the GEMM)
+  alignP           tuning moe.align_parallel_above=P: count / scan / scatter above P pairs (align0: always)
+The router GEMM's tile is not a tuning knob (moe_route's GEMM_* constants), so it has no variant here.
 Each running launch is timed alone, then the route's launches together ("route total", one graph
-node each, as a prefill step runs them).  Choosing ALIGN_PARALLEL_PAIRS: run default and align0 over
---route-tokens 257,512,1024,2048,4096,8192,16384 and set it to the largest T*K at which the one-CTA
-align is still the faster (the parallel form's three launches against the one).
+node each, as a prefill step runs them).  Choosing moe.align_parallel_above: run default and align0
+over --route-tokens 257,512,1024,2048,4096,8192,16384 and set it to the largest T*K at which the
+one-CTA align is still the faster (the parallel form's three launches against the one).
+
+Every variant is a codegen.tuning.Tuning in the compile options (Options(tuning=...)): the
+attention's --attn-variants are attention.prefill_tile, --gemm-variants BKxSTAGES are
+moe.gemm_bk / moe.gemm_stages (with moe.decode_wgmma=false and moe.prefill_wgmma_above=none, so
+the mma.sync launch they shape is the one timed: add 32x4 for the default's), 'wgmma' sets moe.prefill_wgmma_above (none for the mma.sync launch).
 
 Router GEMM prediction (V2-Lite, E 64, D 2048, H200 at ~1.8 GHz: 132 SMs x 128 fp32 lanes): its
 inner loop is 512 FFMA in 644 instructions a stage (ptxas, sm_90), so the issue rate caps it at
@@ -43,7 +48,7 @@ fp32 on CUDA cores and ~4 TB/s HBM:
   moe_route gemm          T * 64 * 2048 * 2 = 4.3 GFLOP fp32 -> 70 us (x: 67 MB -> 17 us)
   moe_route topk          logits 4 MB read: a few us
   moe_route align         98k pairs, two smem atomics each, one CTA: ~50-100 us (latency-bound;
-                          measured 90.6 us, PERF_NOTES v8); count / scan / scatter over 48
+                          measured 90.6 us, docs/PERF_NOTES.md); count / scan / scatter over 48
                           chunks: ~3 launches of a few us each
   moe_combine_residual    eo 403 MB + 2 x 67 MB in + 67 MB out = 604 MB -> 0.15 ms
   rms_norm / fused_add    67 MB in + 67 MB out (x2 for fused) -> 34 / 67 us
@@ -53,7 +58,7 @@ generated kernels next to the cuBLAS linears.
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 
 import torch
 
@@ -64,6 +69,7 @@ from runtime.timing import graph_us
 import ir
 from codegen.families import family_for_op
 from codegen.kernel import Options
+from codegen.tuning import DEFAULT_TUNING, Tuning, TuningError
 from ir.ops import TType
 from runtime.launcher import KernelRunner
 
@@ -71,8 +77,18 @@ DEV = "cuda"
 DT = torch.bfloat16
 
 
-def lower(G, nid, dtype="bf16"):
-    return family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype))
+def tuned(section: str, **knobs) -> Tuning:
+    """The default tuning with some knobs of one section changed; SystemExit (one line) on a value
+    the tuning refuses."""
+    try:
+        return dataclasses.replace(DEFAULT_TUNING, **{section: dataclasses.replace(getattr(DEFAULT_TUNING, section),
+                                                                                   **knobs)})
+    except TuningError as e:
+        raise SystemExit(f"perf_prefill: {e}") from None
+
+
+def lower(G, nid, dtype="bf16", tuning: Tuning = DEFAULT_TUNING):
+    return family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype, tuning=tuning))
 
 
 def rand(*shape, scale=1.0, dtype=DT):
@@ -121,10 +137,9 @@ def report(name, ms, predict_us, note=""):
 
 def bench_attention(runner, m, B, L, variants=("v2",)):
     """The prefill attention at B prompts of L tokens, once per tensor-core variant (each lowered with
-    mla_prefill_attention.TC_VARIANT set to it, restored after; their kernel names differ, so one
-    runner holds them all): time, TFLOP/s, and a spot check of two sequences against torch sdpa
-    (the output is poisoned with NaN before each variant, so rows it leaves unwritten show)."""
-    from codegen.families import mla_prefill_attention as fam
+    the tuning attention.prefill_tile set to it; their kernel names differ, so one runner holds them
+    all): time, TFLOP/s, and a spot check of two sequences against torch sdpa (the output is
+    poisoned with NaN before each variant, so rows it leaves unwritten show)."""
     d = m.dims
     H, N, R, V, C = d["heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"], d["kv_lora_rank"]
     T = B * L
@@ -155,12 +170,7 @@ def bench_attention(runner, m, B, L, variants=("v2",)):
         v = kvb[..., N:].transpose(0, 1)
         refs[b] = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     for variant in variants:
-        saved = fam.TC_VARIANT
-        try:
-            fam.TC_VARIANT = variant
-            launches = lower(G, nid)
-        finally:
-            fam.TC_VARIANT = saved
+        launches = lower(G, nid, tuning=attention_variant(variant))
         out.fill_(float("nan"))
         for launch in launches:
             ms = time_launch(runner, launch, kw)
@@ -171,19 +181,30 @@ def bench_attention(runner, m, B, L, variants=("v2",)):
               flush=True)
 
 
-def route_variant(name: str):
-    """{module: {constant: value}} for a --route-variants entry (see the module docstring)."""
-    from codegen.families import _moe, moe_route
+def attention_variant(name: str) -> Tuning:
+    """The tuning for an --attn-variants entry: v2 (the default tile) or a prefill_tile spelling."""
+    return DEFAULT_TUNING if name == "v2" else tuned("attention", prefill_tile=name)
+
+
+def route_variant(name: str) -> Tuning:
+    """The tuning for a --route-variants entry (see the module docstring)."""
     if name == "default":
-        return {}
+        return DEFAULT_TUNING
     if name == "gemv":
-        return {moe_route: {"GEMM_TOKENS": None}}
-    if name.startswith("align"):
-        return {_moe: {"ALIGN_PARALLEL_PAIRS": int(name[5:])}}
-    if name.startswith("tile"):
-        bm, bn, tm, tn = (int(v) for v in name[4:].split("x"))
-        return {moe_route: {"GEMM_BM": bm, "GEMM_BN": bn, "GEMM_TM": tm, "GEMM_TN": tn}}
-    raise SystemExit(f"unknown route variant {name!r}")
+        return tuned("route", gemm_above=None)
+    if name.startswith("align") and name[5:].isdigit():
+        return tuned("moe", align_parallel_above=int(name[5:]))
+    raise SystemExit(f"unknown route variant {name!r} (default, gemv, alignPAIRS)")
+
+
+def gemm_variant(name: str) -> Tuning:
+    """The tuning for a --gemm-variants BKxSTAGES entry: the mma.sync launch's K slice and ring depth,
+    with both wgmma launches off so the mma.sync launch serves every T above the GEMV's."""
+    try:
+        bk, stages = (int(x) for x in name.split("x"))
+    except ValueError:
+        raise SystemExit(f"--gemm-variants {name!r}: expected BKxSTAGES (e.g. 64x3) or wgmma") from None
+    return tuned("moe", gemm_bk=bk, gemm_stages=stages, decode_wgmma=False, prefill_wgmma_above=None)
 
 
 def bench_route(m, T, variant="default"):
@@ -202,15 +223,7 @@ def bench_route(m, T, variant="default"):
               f"{r}.offsets": torch.empty(E + 1, dtype=torch.int32, device=DEV)}
     gate = torch.randn(E, D, device=DEV) / D ** 0.5
     weights = {"router.weight": gate}
-    saved = {(mod, k): getattr(mod, k) for mod, kv in route_variant(variant).items() for k in kv}
-    try:
-        for mod, kv in route_variant(variant).items():
-            for k, v in kv.items():
-                setattr(mod, k, v)
-        launches = lower(G, nid)
-    finally:
-        for (mod, k), v in saved.items():
-            setattr(mod, k, v)
+    launches = lower(G, nid, tuning=route_variant(variant))
     runner = KernelRunner()                # kernel names repeat across variants: a fresh module cache
     sizes = runner.step_sizes({"T": T, "NP": T * K}, {}, values)
     from codegen import sizes as size_exprs
@@ -239,7 +252,7 @@ def bench_route(m, T, variant="default"):
     runner.close()
 
 
-def bench_grouped(runner, m, T, which):
+def bench_grouped(runner, m, T, which, tuning: Tuning = DEFAULT_TUNING):
     d = m.dims
     E, K, D, M = d["experts"], d["top_k"], d["hidden"], d["moe_intermediate"]
     NP = T * K
@@ -264,7 +277,7 @@ def bench_grouped(runner, m, T, which):
     outs = G.nodes[nid]["outputs"]
     values = {first: inp, "R": R, **{o: torch.full((NP, n_out), float("nan"), device=DEV, dtype=DT) for o in outs}}
     kw = dict(values=values, weights=weights, sizes={"T": T, "NP": NP})
-    launches = lower(G, nid)
+    launches = lower(G, nid, tuning=tuning)
     total = 0.0
     for launch in launches:
         ms = time_launch(runner, launch, kw)
@@ -332,24 +345,17 @@ def grouped_case(m, T, which):
 
 
 def bench_wgmma(m, shapes):
-    """The wgmma + TMA grouped GEMM (built for sm_90a; above _moe.GEMM_WGMMA_TOKENS in the lowering)
-    against the mma.sync launch, per shape B x L: us, TFLOP/s, speed-up, and both against torch.  Each
-    is lowered with the switch set for it (the mma launch's grid is 0 where wgmma takes over)."""
-    from codegen.families import _moe
+    """The wgmma + TMA grouped GEMM (built for sm_90a; above the tuning moe.prefill_wgmma_above in the
+    lowering) against the mma.sync launch, per shape B x L: us, TFLOP/s, speed-up, and both against
+    torch.  Each is lowered with its own tuning: the mma.sync launch with moe.prefill_wgmma_above=none,
+    the wgmma launch with it at 8 (the mma launch's grid is 0 where wgmma takes over)."""
     runner = KernelRunner()           # builds the wgmma kernel for sm_90a (it requires it), the rest for sm_90
     for B, L in shapes:
         T = B * L
         print(f"# wgmma vs mma.sync at {B} x {L} = {T} tokens", flush=True)
         for which in ("moe_gate_up_silu", "moe_down"):
             G, nid, kw, flops, outs, check = grouped_case(m, T, which)
-            saved = _moe.GEMM_WGMMA_TOKENS
-            try:
-                _moe.GEMM_WGMMA_TOKENS = None
-                (mma,) = [la for la in lower(G, nid) if la.stage == "mma"]
-                _moe.GEMM_WGMMA_TOKENS = 8
-                (wg,) = [la for la in lower(G, nid) if la.stage == "wgmma"]
-            finally:
-                _moe.GEMM_WGMMA_TOKENS = saved
+            mma, wg = wgmma_pair(G, nid)
             ms_mma = time_launch(runner, mma, kw)
             err_mma = check()
             for o in outs:
@@ -363,6 +369,16 @@ def bench_wgmma(m, shapes):
             print(f"    spot check vs torch: mma.sync {err_mma:.2e}, wgmma {err_wg:.2e}; unwritten/NaN: {nan}",
                   flush=True)
     runner.close()
+
+
+WGMMA_OFF, WGMMA_FROM_8 = tuned("moe", prefill_wgmma_above=None), tuned("moe", prefill_wgmma_above=8)
+
+
+def wgmma_pair(G, nid):
+    """(the mma.sync launch, the wgmma launch) of a grouped-expert node, each from its own tuning."""
+    (mma,) = [la for la in lower(G, nid, tuning=WGMMA_OFF) if la.stage == "mma"]
+    (wg,) = [la for la in lower(G, nid, tuning=WGMMA_FROM_8) if la.stage == "wgmma"]
+    return mma, wg
 
 
 def bench_small(runner, m, T):
@@ -389,6 +405,17 @@ def bench_small(runner, m, T):
         report(launch.name, time_launch(runner, launch, kw), T * D * 2 * (K + 3) / 4e12 * 1e6)
 
 
+def check_variants(attn, route, gemm) -> None:
+    """Every variant's tuning made before any GPU work: a misspelt one stops the run at once."""
+    for v in attn:
+        attention_variant(v)
+    for v in route:
+        route_variant(v)
+    for v in gemm:
+        if v != "wgmma":
+            gemm_variant(v)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
@@ -402,16 +429,22 @@ def main():
                     help="batch x seqlen shapes the 'wgmma' variant is timed at")
     ap.add_argument("--align-parallel", type=int, default=None, metavar="PAIRS",
                     help="also time the route with the count / scan / scatter alignment above PAIRS pairs "
-                         "(_moe.ALIGN_PARALLEL_PAIRS; off in the lowering by default): --route-variants alignPAIRS")
+                         f"(the tuning moe.align_parallel_above, {DEFAULT_TUNING.moe.align_parallel_above} by "
+                         "default): --route-variants alignPAIRS")
     ap.add_argument("--attn-variants", default="v2",
                     help="comma-separated tensor-core prefill attention variants to time, each lowered with "
-                         "mla_prefill_attention.TC_VARIANT set to it: v2 (MlaPrefillTC2 at "
-                         "its default tile), v2_m<BM>n<BN>w<16|32><q|s>[b<CTAs>] (see that module)")
+                         "the tuning attention.prefill_tile set to it: v2 (MlaPrefillTC2 at "
+                         "its default tile), v2_m<BM>n<BN>w<16|32><q|s>[b<CTAs>] (see mla_prefill_attention)")
     ap.add_argument("--route-tokens", default="", help="T values for the route (default: batch * seqlen)")
     ap.add_argument("--route-variants", default="default",
-                    help="comma-separated: default, gemv, alignP, tileBMxBNxTMxTN (see the module docstring)")
+                    help="comma-separated: default, gemv, alignP (see the module docstring)")
     a = ap.parse_args()
     fams = set(a.families.split(","))
+    route_names = a.route_variants.split(",")
+    if a.align_parallel is not None:
+        route_names.append(f"align{a.align_parallel}")
+    variants = [v for v in a.gemm_variants.split(",") if v]
+    check_variants(a.attn_variants.split(","), route_names, variants)
     torch.manual_seed(0)
     m = lite()
     T = a.batch * a.seqlen
@@ -421,11 +454,8 @@ def main():
     if "attn" in fams:
         bench_attention(runner, m, a.batch, a.seqlen, a.attn_variants.split(","))
     if "route" in fams:
-        variants = a.route_variants.split(",")
-        if a.align_parallel is not None:
-            variants.append(f"align{a.align_parallel}")
         for t in ([int(v) for v in a.route_tokens.split(",")] if a.route_tokens else [T]):
-            for v in variants:
+            for v in route_names:
                 bench_route(m, t, v)
     if "moe" in fams:
         for which in ("moe_gate_up_silu", "moe_gate_up", "moe_down"):
@@ -433,22 +463,19 @@ def main():
     if "small" in fams:
         bench_small(runner, m, T)
     runner.close()
-    variants = [v for v in a.gemm_variants.split(",") if v]
     if "wgmma" in variants:
         variants.remove("wgmma")
         bench_wgmma(m, [tuple(int(x) for x in s.split("x")) for s in a.wgmma_shapes.split(",")])
     if "moe" in fams and variants:
         from codegen.families import _moe
-        default = (_moe.GEMM_BK, _moe.GEMM_STAGES)
         for v in variants:
-            _moe.GEMM_BK, _moe.GEMM_STAGES = (int(x) for x in v.split("x"))
-            print(f"# MoE GEMM variant BK={_moe.GEMM_BK} stages={_moe.GEMM_STAGES} "
-                  f"(smem {_moe.gemm_smem(_moe.GEMM_BK, _moe.GEMM_STAGES)} B)", flush=True)
+            tuning = gemm_variant(v)
+            bk, stages = tuning.moe.gemm_bk, tuning.moe.gemm_stages
+            print(f"# MoE GEMM variant BK={bk} stages={stages} (smem {_moe.gemm_smem(bk, stages)} B)", flush=True)
             r = KernelRunner()              # kernel names repeat across variants: a fresh module cache
             for which in ("moe_gate_up_silu", "moe_down"):
-                bench_grouped(r, m, T, which)
+                bench_grouped(r, m, T, which, tuning)
             r.close()
-        _moe.GEMM_BK, _moe.GEMM_STAGES = default
 
 
 if __name__ == "__main__":

@@ -5,14 +5,14 @@
 
 Takes the first moe_route node of each spec's decode graph (the pass pipeline's, so the routing
 attributes are the spec's: V2-Lite softmax greedy E=64 K=6 D=2048; V3 sigmoid noaux_tc with bias,
-E=256 K=8 groups 8/4 D=7168), lowers it twice -- with moe_route.ROUTE_FUSED_TOKENS = None (the
-three launches: router GEMV, top-k, align) and with each --bounds value (the fused launch while
-T <= bound) -- and times each form with runtime.timing.graph_us: ITERS routes captured in one CUDA
+E=256 K=8 groups 8/4 D=7168), lowers it twice -- with the tuning route.fused_upto=0 (the three
+launches: router GEMV, top-k, align) and with route.fused_upto at each --bounds value (the fused
+launch while T <= bound) -- and times each form with runtime.timing.graph_us: ITERS routes captured in one CUDA
 graph, so the time per route includes the graph's per-kernel gaps as a decode step sees them.
 Each launch of the three is timed alone too.  The fused outputs are checked against the three
 launches' (same offsets, ids equal up to near-ties, weights within 1e-5).
 
-Prediction (H200; the three launches cost ~6.7 us a layer at b=1 today, PERF_NOTES v1: 0.174 ms
+Prediction (H200; the three launches cost ~6.7 us a layer at b=1 today, docs/PERF_NOTES.md: 0.174 ms
 over 26 V2-Lite layers).  The fused launch removes two kernel boundaries (in a graph ~1-1.5 us
 each: one grid's drain and the next one's start) and keeps the work's serial chain (GEMV, a warp's
 top-k, one CTA's alignment), each link now a fence and an atomic ticket (~0.5 us) instead:
@@ -23,14 +23,14 @@ top-k, one CTA's alignment), each link now a fence and an atomic ticket (~0.5 us
            x tiles from L2 (~25 MB, ~4 us) in both; each tile's top-k overlaps the GEMV's tail;
            the fused align runs 768 pairs on 256 threads (~2 us) instead of 1024
   T = 256  the two within ~1-2 us of each other: the bound is where they cross; if the fused
-           form loses at 256, lower ROUTE_FUSED_TOKENS to the largest T where it wins.
+           form loses at 256, lower route.fused_upto to the largest T where it wins.
 So at b=1 a V2-Lite step's routing goes from ~0.17 ms to ~0.10 ms (26 layers), V3's from ~0.46
 to ~0.29 ms (58 layers), and the route is one kernel of a layer instead of three.
 """
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import sys
 
 import torch
@@ -42,6 +42,7 @@ import ir.passes
 from codegen import sizes as size_exprs
 from codegen.families import moe_route
 from codegen.kernel import Options
+from codegen.tuning import DEFAULT_TUNING
 from codegen.paths import MODEL_SPECS_DIR
 from runtime.launcher import KernelRunner
 
@@ -57,12 +58,14 @@ def route_node(spec: str):
     return G, nid
 
 
-def lower(G, nid, bound):
-    saved, moe_route.ROUTE_FUSED_TOKENS = moe_route.ROUTE_FUSED_TOKENS, bound
-    try:
-        return moe_route.lower(nid, G, Options(dtype="bf16"))
-    finally:
-        moe_route.ROUTE_FUSED_TOKENS = saved
+def options(bound: int) -> Options:
+    """The compile options with the fused launch serving T <= bound (0: the three launches always)."""
+    t = DEFAULT_TUNING
+    return Options(dtype="bf16", tuning=dataclasses.replace(t, route=dataclasses.replace(t.route, fused_upto=bound)))
+
+
+def lower(G, nid, bound: int):
+    return moe_route.lower(nid, G, options(bound))
 
 
 def running(launches, sizes):
@@ -89,8 +92,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--specs", default="deepseek_v2_lite,deepseek_v3")
     ap.add_argument("--tokens", default="1,8,32,128,256")
-    ap.add_argument("--bounds", default=str(moe_route.ROUTE_FUSED_TOKENS or 256),
-                    help="ROUTE_FUSED_TOKENS values to time the fused launch under (each T <= bound)")
+    ap.add_argument("--bounds", default=str(DEFAULT_TUNING.route.fused_upto or 256),
+                    help="route.fused_upto values to time the fused launch under (each T <= bound)")
     a = ap.parse_args()
     torch.manual_seed(0)
     runner = KernelRunner()
@@ -98,7 +101,7 @@ def main():
     print(f"# {torch.cuda.get_device_name()}", flush=True)
     for spec in a.specs.split(","):
         G, nid = route_node(spec)
-        three = lower(G, nid, None)
+        three = lower(G, nid, 0)
         for T in (int(t) for t in a.tokens.split(",")):
             values, weights, (ids, w, r), sizes = buffers(G, nid, T)
             sizes = runner.step_sizes(sizes, {}, values)      # SMS: the router GEMM (T > 256) reads it
