@@ -652,8 +652,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One engine step: admit waiting requests (one packed prefill), advance the running ones by
         a token (one batched decode); under max_num_batched_tokens, one mixed step of the running
-        decodes and as much of the admitted prompts as the cap leaves.  Returns, per request that advanced or ended, its new tokens
-        and its finish reason once it is done; finished requests then leave the engine."""
+        decodes and as much of the admitted prompts as the cap leaves.  Returns, per request that
+        advanced or ended, its new tokens and its finish reason once it is done; finished requests
+        then leave the engine."""
         sched = self._sched
         ended = [s for s in self._requests.values() if s.finish_reason == "abort"]
         for s in ended:
