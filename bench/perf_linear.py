@@ -35,14 +35,12 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import re
 import sys
 
 from bench.perf_decode import lite
 from tests.gpu.harness import single_op_graph
 
-import ir
 from codegen.families import linear_skinny
 from codegen.kernel import KernelLaunch, Options
 from codegen.tuning import DEFAULT_TUNING, Tuning, TuningError
@@ -112,13 +110,18 @@ def compile_only(m, names, variants, arch) -> int:
             if la.name in done:
                 continue
             done.add(la.name)
-            res = compile_cubin(render_launch(la), la.name, arch=arch, options=("--ptxas-options=-v",))
-            info = " ".join(line.split(":", 1)[-1].strip() for line in res.log.splitlines()
-                            if "registers" in line or "spill" in line)
-            spills = "0 bytes spill stores" not in res.log or "0 bytes spill loads" not in res.log
+            spills, info = ptxas_report(compile_cubin(render_launch(la), la.name, arch=arch,
+                                                      options=("--ptxas-options=-v",)).log)
             bad += spills
             print(f"{name:<16} {v:<9} {la.name:<48} {'SPILLS ' if spills else ''}{info}", flush=True)
     return 1 if bad else 0
+
+
+def ptxas_report(log: str) -> tuple[bool, str]:
+    """(whether ptxas spilled, its registers / spill lines) from an NVRTC log of --ptxas-options=-v."""
+    info = " ".join(line.split(":", 1)[-1].strip() for line in log.splitlines()
+                    if "registers" in line or "spill" in line)
+    return "0 bytes spill stores" not in log or "0 bytes spill loads" not in log, info
 
 
 def time_cycled(fn, copies: int) -> float:

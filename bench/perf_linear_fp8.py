@@ -13,7 +13,7 @@ FP8 variants: "default" (the lowering's choice for the op) or w<warps>r<row tile
 a pipeline suffix _rolling / _batch (templates/include/fp8.cuh); each is a Tuning in the compile options
 (Options(tuning=...): linear.warps, row_tiles, ksplit, and the FP8 unroll / pipeline knobs of the op,
 linear.fp8_* or, for gate_up_silu, linear.fp8_silu_*).  Each launch is timed with runtime.timing.graph_us
-over a CUDA graph of at least ITERS launches that cycles through enough copies of the weights to exceed
+over a CUDA graph of at least perf_linear.ITERS launches that cycles through enough copies of the weights to exceed
 ~4x the L2 (so weights come from HBM, as in a decode step), median of 3 replays.  A row prints us, the
 weight bytes read (FP8: bytes plus the float32 block scales), GB/s and % of the measured device-to-device
 copy bandwidth (runtime.bench.copy_bandwidth); the fp8/bf16 time ratio.  Correctness alongside: outputs poisoned, norm-wise error against float64 on the dequantised
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import math
 import re
 import sys
 
+from bench.perf_linear import ptxas_report, time_cycled
 from tests.gpu.harness import single_op_graph
 
 import ir
@@ -40,7 +40,6 @@ from codegen.tuning import DEFAULT_TUNING, Tuning, TuningError
 from ir.formats import FP8, companion_names, scale_shape
 from ir.ops import TType
 
-ITERS = 20
 ROTATE_BYTES = 256 << 20
 BAD_ERR = 1e-2
 _VARIANT_RE = re.compile(r"^w(\d+)r(\d+)u(\d+)(?:k(\d+))?(?:_(rolling|batch))?$")
@@ -107,21 +106,11 @@ def compile_only(m, names, fp8_variants) -> int:
         K, rows, silu = shapes(m)[name]
         for fp8, v in [(False, BF16_VARIANT), *((True, v) for v in fp8_variants)]:
             la, _, _ = lowered(m, K, rows, silu, v, fp8)
-            res = compile_cubin(render_launch(la), la.name, options=("--ptxas-options=-v",))
-            info = " ".join(line.split(":", 1)[-1].strip() for line in res.log.splitlines()
-                            if "registers" in line or "spill" in line)
-            spills = "0 bytes spill stores" not in res.log or "0 bytes spill loads" not in res.log
+            spills, info = ptxas_report(compile_cubin(render_launch(la), la.name,
+                                                      options=("--ptxas-options=-v",)).log)
             bad += spills
             print(f"{name:<15} {v:<9} {la.name:<52} {'SPILLS ' if spills else ''}{info}", flush=True)
     return 1 if bad else 0
-
-
-def time_us(fn, copies: int) -> float:
-    """us per call of fn(i), i cycling over `copies` weight copies: runtime.timing.graph_us over
-    max(ITERS, copies) calls captured in one CUDA graph (median of 3 replays)."""
-    from runtime.timing import graph_us
-    calls = itertools.count()
-    return graph_us(lambda: fn(next(calls) % copies), iters=max(ITERS, copies), replays=3)
 
 
 def quantize(w):
@@ -212,9 +201,9 @@ def main() -> int:
 
             if T > DEFAULT_TUNING.linear.skinny_upto:   # the lowering's library call serves T
                 if silu:
-                    base = time_us(lambda i: gate_up_silu_ref(x, bf16[i][0], bf16[i][1]), copies)
+                    base = time_cycled(lambda i: gate_up_silu_ref(x, bf16[i][0], bf16[i][1]), copies)
                 else:
-                    base = time_us(lambda i: [F.linear(x, w) for w in bf16[i]], copies)
+                    base = time_cycled(lambda i: [F.linear(x, w) for w in bf16[i]], copies)
                 report(name, T, "bf16 cuBLAS", base, bf16_bytes)
                 _, call, outs = lowered(m, K, rows, silu, FP8_DEFAULT, True)
                 be = CudaBackend.__new__(CudaBackend)
@@ -226,7 +215,7 @@ def main() -> int:
                     fn(be, call, env)
                 fallback(0)
                 err = err_of([env[o] for o in outs], ref8)
-                report(name, T, "fp8 fallback", time_us(fallback, copies), fp8_bytes, err, base)
+                report(name, T, "fp8 fallback", time_cycled(fallback, copies), fp8_bytes, err, base)
                 continue
             la, _, outs = lowered(m, K, rows, silu, BF16_VARIANT, False)
             ys = {o: torch.full((T, n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -234,7 +223,7 @@ def main() -> int:
             runner.run(la, values={"x": x, **ys}, weights=wb[0], sizes={"T": T})
             torch.cuda.synchronize()
             err = err_of(list(ys.values()), refb)
-            base = time_us(lambda i: runner.run(la, values={"x": x, **ys}, weights=wb[i], sizes={"T": T}), copies)
+            base = time_cycled(lambda i: runner.run(la, values={"x": x, **ys}, weights=wb[i], sizes={"T": T}), copies)
             report(name, T, f"bf16 {BF16_VARIANT}", base, bf16_bytes, err)
             for v in fp8_variants:
                 la8, _, _ = lowered(m, K, rows, silu, v, True)
@@ -243,7 +232,7 @@ def main() -> int:
                 runner.run(la8, values={"x": x, **ys}, weights=w8[0], sizes={"T": T})
                 torch.cuda.synchronize()
                 err = err_of(list(ys.values()), ref8)
-                us = time_us(lambda i: runner.run(la8, values={"x": x, **ys}, weights=w8[i], sizes={"T": T}), copies)
+                us = time_cycled(lambda i: runner.run(la8, values={"x": x, **ys}, weights=w8[i], sizes={"T": T}), copies)
                 report(name, T, f"fp8 {v}", us, fp8_bytes, err, base)
         del bf16, qs, wb, w8
         torch.cuda.empty_cache()
