@@ -139,11 +139,7 @@ class DecodeGraphs:
                                  context_lens=[bucket] * B, block_tables=x.block_tables,
                                  slot_mapping=x.slot_mapping, kv_cache=ctx.kv_cache,
                                  block_size=ctx.block_size)
-        if self.pool is None or not self.graphs:
-            # torch frees a private pool with its last graph: a handle whose graphs are all gone
-            # (the bench drops them to capture a step anew with PDL off) cannot be captured into again
-            self.pool = torch.cuda.graph_pool_handle()
-        return _record(self.backend, "decode", x.named, static_ctx, self.pool,
+        return _record(self.backend, "decode", x.named, static_ctx, lambda: _live_pool(self),
                        prologue=lambda: _decode_lengths(x.named))
 
 
@@ -216,11 +212,17 @@ class PrefillGraphs:
                                  context_lens=list(ctx.context_lens), block_tables=inputs["block_tables"],
                                  slot_mapping=inputs["slot_mapping"], kv_cache=ctx.kv_cache,
                                  block_size=ctx.block_size, logit_rows=inputs.get("logit_rows"))
-        if self.pool is None or not self.graphs:
-            # torch frees a private pool with its last graph: a handle whose graphs are all gone
-            # cannot be captured into again
-            self.pool = torch.cuda.graph_pool_handle()
-        return _record(self.backend, phase, inputs, static_ctx, self.pool)
+        return _record(self.backend, phase, inputs, static_ctx, lambda: _live_pool(self))
+
+
+def _live_pool(graphs):
+    """The pool the next capture of `graphs` (DecodeGraphs / PrefillGraphs) draws on.  torch frees a
+    private pool with its last graph, and a handle whose graphs are all gone cannot be captured into
+    again: the bench drops them to capture a step anew with PDL off, and an arena that grows during
+    a capture's warm-up drops them (CUDABackend._arena).  So it is asked after the warm-up."""
+    if graphs.pool is None or not graphs.graphs:
+        graphs.pool = torch.cuda.graph_pool_handle()
+    return graphs.pool
 
 
 def _starts(ctx: StepContext) -> list[int]:
@@ -272,8 +274,9 @@ def _logits_of(cap: _Captured) -> torch.Tensor:
     return cap.output.to(torch.float32, copy=True)
 
 
-def _record(be, phase: str, inputs: dict, static_ctx: StepContext, pool, prologue=None) -> _Captured:
-    """One step of `phase` on the static inputs, captured into a graph drawing on `pool`;
+def _record(be, phase: str, inputs: dict, static_ctx: StepContext, pool_of, prologue=None) -> _Captured:
+    """One step of `phase` on the static inputs, captured into a graph drawing on the pool
+    `pool_of()` gives after the warm-up (which may grow the arena and drop the phase's graphs);
     `prologue` (if any) runs first, inside the graph."""
     meta = {k: inputs[k] for k in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start")}
     sizes = be._sizes(static_ctx)
@@ -288,7 +291,7 @@ def _record(be, phase: str, inputs: dict, static_ctx: StepContext, pool, prologu
         be._forward(phase, inputs["ids"], static_ctx, dict(meta), sizes, as_float=False)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool_of()):
         if prologue is not None:
             prologue()
         out = be._forward(phase, inputs["ids"], static_ctx, dict(meta), sizes, as_float=False)

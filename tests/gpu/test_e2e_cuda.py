@@ -253,6 +253,37 @@ def test_steps_share_the_planned_arena_and_graphs_follow_it_when_it_grows(tiny):
         assert torch.equal(a, b)
 
 
+def test_an_arena_grown_in_a_captures_warm_up_leaves_the_capture_a_live_pool(tiny):
+    """A decode graph of a larger batch whose warm-up grows the arena drops the phase's other graphs
+    and, with the last of them, torch's pool: the capture draws on a fresh pool (on the dead one
+    torch fails an internal assert) and replays the eager logits."""
+    _, _, engine = tiny
+    be = engine.backend
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0]]
+    be.use_graphs = False
+    want = engine.logits(prompts, decode_after=3)
+    be.use_graphs = True
+    be.release_arenas()
+    engine.logits(prompts[:1], decode_after=3)
+    assert be.graphs_decode.graphs, "no decode graph was captured"
+    forward, grown = be._forward, []
+
+    def growing_forward(phase, *args, **kw):       # as a new largest step grows the arena
+        if phase == "decode" and not grown:
+            grown.append(be.arenas["decode"].numel())
+            be._arena("decode", grown[0] + 1, torch.device(DEV))
+        return forward(phase, *args, **kw)
+
+    be._forward = growing_forward
+    try:
+        got = engine.logits(prompts, decode_after=3)
+    finally:
+        del be._forward
+    assert grown and be.arenas["decode"].numel() > grown[0] and be.graphs_decode.graphs
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_pdl_off_gives_exactly_the_same_logits(tiny):
     """Programmatic dependent launch (on by default: every engine here runs it, prefill eagerly and
     decode in captured graphs) changes when kernels start, never what they compute: the same model

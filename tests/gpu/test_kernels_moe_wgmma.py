@@ -3,7 +3,7 @@ moe.prefill_wgmma_above tokens by default) against the ops' references, switched
 T above the GEMV's 8 tokens.
 
 Each example lowers a one-node graph (the default target, sm_90) with the variant on, checks that
-the wgmma launch is the one that runs at its T (the mma launch's grid is 0), runs every launch on
+the wgmma launch is the one that runs at its T (the table lowers no mma launch there), runs every launch on
 poisoned outputs through the tests' KernelRunner (which builds the wgmma kernel for sm_90a, as a
 bundle does), and compares with the op's reference rounded where the kernel rounds
 (test_kernels_moe._grouped: element-wise and norm-wise, assert_strict).
@@ -66,10 +66,10 @@ runner = runner_fixture("wgmma")
 
 def _lower_wgmma(G, nid, dtype, ran: list | None = None):
     """The family's launches with the wgmma variant above 8 tokens (the GEMV's; decode's wgmma off:
-    its own test file)."""
+    its own test file).  The mma rows' token range is then empty, so the table lowers no mma launch."""
     tuning = Tuning(moe=MoeTuning(prefill_wgmma_above=8, decode_wgmma=False))
     launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype, tuning=tuning))
-    assert [la.stage for la in launches] == ["gemv", "mma", "wgmma"], [la.stage for la in launches]
+    assert [la.stage for la in launches] == ["gemv", "wgmma"], [la.stage for la in launches]
     if ran is not None:
         ran.extend(launches)
     return launches
@@ -77,8 +77,8 @@ def _lower_wgmma(G, nid, dtype, ran: list | None = None):
 
 def _check_wgmma_ran(launches, T, K):
     env = {"T": T, "NP": T * K, "SMS": torch.cuda.get_device_properties(0).multi_processor_count}
-    gemv, mma, wg = launches
-    assert sizes.evaluate(wg.grid[0], env) > 0 and sizes.evaluate(mma.grid[1], env) == 0
+    gemv, wg = launches
+    assert sizes.evaluate(wg.grid[0], env) > 0
     assert sizes.evaluate(gemv.grid[0], env) == 0
 
 
