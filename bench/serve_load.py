@@ -76,7 +76,10 @@ async def run_load(url: str, *, streams: int = 64, seconds: float = 60.0, prompt
                    max_tokens: int = 128, model: str | None = None, seed: int = 0) -> LoadReport:
     import httpx
     url = url.rstrip("/")
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=streams + 4)) as c:
+    # idle connections expire here before the server's keep-alive (uvicorn: 5 s) closes them, so a
+    # request never goes out on a connection the server is closing at that moment
+    limits = httpx.Limits(max_connections=streams + 4, keepalive_expiry=2.0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as c:
         info = (await c.get(f"{url}/v1/models")).json()["data"][0]
         model = model or info["id"]
         vocab = info.get("vocab_size", 1000)
@@ -97,7 +100,7 @@ async def run_load(url: str, *, streams: int = 64, seconds: float = 60.0, prompt
                     first, rest, n = await _one(c, url, body)
                 except Exception as e:  # noqa: BLE001 - a failed request is counted and reported, the run goes on
                     errors += 1
-                    print(f"serve_load: request failed: {e}", file=sys.stderr)
+                    print(f"serve_load: request failed: {type(e).__name__}: {e}", file=sys.stderr)
                     continue
                 done += 1
                 total += n

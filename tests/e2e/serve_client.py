@@ -45,7 +45,8 @@ def start_server(model_dir: Path, *args: str, timeout: float = 180.0) -> tuple[s
     """`dsgraph serve model_dir *args` on a free port of 127.0.0.1, as a user starts it; (url, process)
     once /health answers."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)   # the caller's too
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
     with tempfile.NamedTemporaryFile(prefix="dsgraph-serve-", suffix=".log", delete=False) as log:
         proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", str(model_dir), "--port", str(port),
                                  "--log-level", "warning", *args],
