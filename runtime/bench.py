@@ -236,7 +236,10 @@ def family_of(kernel: str) -> str:
 def _breakdown(step_fn) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
-    step_fn()
+    # twice: a prefill shape runs eagerly the first time it is seen and is captured the second
+    # (cuda_graphs.PrefillGraphs), whose warm-up would put a second step's kernels in the trace
+    for _ in range(2):
+        step_fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step_fn()
