@@ -527,6 +527,11 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
         timed = {}
         for batch, length in prefill_cases:
             seq_ids, step, ids = _prefill_ctx(engine, batch, length)
+            # the case's own activation peak: its arena made anew at its size, beside what else a step allocates
+            backend.release_arenas()
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
             # The warm-up's second step captures the shape's graph where it has one (cuda_graphs.PrefillGraphs);
             # the same shape launched eagerly, as a shape's first step runs, is timed beside it.
             ms = _timeit(lambda: backend.forward("prefill", ids, step), max(3, args.iters // 3), warmup=2,
@@ -536,7 +541,8 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
                 eager_ms = _timeit(lambda: backend.forward("prefill", ids, step), max(3, args.iters // 3), warmup=1)
             finally:
                 backend.use_graphs = graphs
-            timed["prefill", batch, length] = ms, eager_ms
+            torch.cuda.synchronize()
+            timed["prefill", batch, length] = ms, eager_ms, torch.cuda.max_memory_allocated() - before
             _release(engine, seq_ids)
             print(f"prefill {batch}x{length}: {ms:.1f} ms, {batch * length / (ms / 1e3):.0f} tok/s "
                   f"(eager {eager_ms:.1f} ms, {batch * length / (eager_ms / 1e3):.0f} tok/s)", flush=True)
@@ -556,9 +562,10 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
         result["prefill"] = []
         for batch, length in prefill_cases:
             seq_ids, step, ids = _prefill_ctx(engine, batch, length)
-            ms, eager_ms = timed["prefill", batch, length]
+            ms, eager_ms, peak = timed["prefill", batch, length]
             row = {"batch": batch, "length": length, "ms": ms, "tokens_per_s": batch * length / (ms / 1e3),
                    "eager_ms": eager_ms, "eager_tokens_per_s": batch * length / (eager_ms / 1e3),
+                   "activation_peak_bytes": peak,
                    "breakdown": _breakdown(lambda: backend.forward("prefill", ids, step)),
                    "expert_flops": expert_gemm_flops(dims, first_dense, batch * length, backend.pairs_per_token)}
             row["expert_gemms"] = expert_gemm_rate(row)
@@ -712,7 +719,8 @@ def _print_table(r: dict) -> None:
         t = hf_pre.get(key)
         print(f"{'prefill %dx%d' % key:<26}{p['tokens_per_s'] / 1e3:>9.1f}k tok/s{'':>17}"
               + (f"{t / 1e3:>9.1f}k tok/s{p['tokens_per_s'] / t:>6.1f}x" if t else f"{'':>23}")
-              + (f"   eager {p['eager_tokens_per_s'] / 1e3:.1f}k tok/s" if p.get("eager_tokens_per_s") else ""))
+              + (f"   eager {p['eager_tokens_per_s'] / 1e3:.1f}k tok/s" if p.get("eager_tokens_per_s") else "")
+              + (f", activations {p['activation_peak_bytes'] / 1e9:.2f} GB" if p.get("activation_peak_bytes") else ""))
     print("\nper-kernel device time of one step (top families, ms):")
     for row in r["decode"] + r["prefill"]:
         br = row.get("breakdown")
