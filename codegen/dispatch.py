@@ -140,8 +140,9 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
 
 
 def expert_ffn(t: Tuning = DEFAULT_TUNING) -> Table:
-    """Decode's fused expert FFN (moe_expert_ffn).  Facts: dtype, weight_format, sm_90a, and
-    decode_wgmma (both halves' decode wgmma applies: the fused kernel is made of its tiles)."""
+    """Decode's fused expert FFN (moe_expert_ffn).  Facts: dtype, sm_90a, and decode_wgmma (both
+    halves' decode wgmma applies: the fused kernel is made of its tiles; not with FP8 weights, whose
+    grouped rows are wgmma_skinny_fp8, so those run as the two launches)."""
     m = t.moe
     g = grouped_experts(t)
     upper = max(r.hi for c in g.cases for r in c.rows if r.variant == "wgmma_skinny" and r.hi is not None) \
@@ -150,15 +151,13 @@ def expert_ffn(t: Tuning = DEFAULT_TUNING) -> Table:
     two = "two_launch"
     two_why = "moe_gate_up_silu's launch, then moe_down's (their own tables)"
     return Table("moe_expert_ffn", "tokens", (
-        Case({"weight_format": FP8.name}, _rows((two, 1, INF, two_why + ": the fused launch takes 16-bit weights only")),
-             "FP8 weights"),
         Case({"dtype": ("bf16", "fp16"), "sm_90a": True, "decode_wgmma": True},
              _rows((two, 1, m.expert_ffn_from - 1, two_why + ": at 1-3 tokens the tiles are about one round"),
                    ("fused", m.expert_ffn_from, upto, "one persistent launch of gate_up_silu's tiles then "
                                                       "down's, taken in order from a counter: fewer part-empty rounds"),
                    (two, max(upto, m.expert_ffn_from - 1) + 1, INF, two_why)),
              "16-bit, sm_90a, decode's wgmma on"),
-        Case({}, _rows((two, 1, INF, two_why)), "elsewhere")), ("dtype", "weight_format", "sm_90a", "decode_wgmma"))
+        Case({}, _rows((two, 1, INF, two_why)), "elsewhere")), ("dtype", "sm_90a", "decode_wgmma"))
 
 
 # -- the route ------------------------------------------------------------------------------------

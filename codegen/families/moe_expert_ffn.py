@@ -42,7 +42,7 @@ from . import _moe, _moe_fp8, _moe_grouped, _moe_wgmma_skinny as S, moe_down, mo
 FAMILY = "moe_expert_ffn"
 TEMPLATE = "moe_expert_ffn.cu.j2"
 OPS = ("moe_expert_ffn",)
-WEIGHT_FORMATS = (*UNSCALED, FP8.name)   # FP8: the two grouped launches (codegen/dispatch.py expert_ffn)
+WEIGHT_FORMATS = (*UNSCALED, FP8.name)   # FP8: the two grouped launches (no wgmma_skinny rows: `facts`)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 WORKSPACE = "expert_act"
 THREADS = S.THREADS + 32   # + the publisher warp (moe_expert_ffn.cuh FFN_THREADS)
@@ -77,11 +77,10 @@ def fused_launch(nid: str, opts: Options, gu: dict, dn: dict, args: tuple, run: 
 
 def facts(opts, gu: dict, dn: dict) -> dict:
     """The expert_ffn table's conditions: decode's wgmma serves both halves where the grouped
-    table gives both a wgmma_skinny row."""
+    table gives both a wgmma_skinny row (FP8 weights: wgmma_skinny_fp8 rows, so the two launches)."""
     both = all(any(r.variant == "wgmma_skinny" for r in _moe_grouped.table_rows(opts, p, down=down))
                for p, down in ((gu, False), (dn, True)))
-    return {"dtype": opts.dtype, "weight_format": FP8.name if gu.get("fp8") else "same",
-            "sm_90a": has_feature(opts.arch, S.FEATURE), "decode_wgmma": both}
+    return {"dtype": opts.dtype, "sm_90a": has_feature(opts.arch, S.FEATURE), "decode_wgmma": both}
 
 
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
