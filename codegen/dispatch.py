@@ -13,12 +13,15 @@ the host, so one captured decode graph holds the kernel of its batch size.  `dsg
 prints `select` for a spec's nodes.  The numbers come from the compile options' Tuning
 (codegen/tuning.py); the measurements behind the defaults are in docs/PERF_NOTES.md.
 
-Weight formats: today a weight is stored in the activation dtype ("same"); a quantised format is
-one more value of the `weight_format` condition and its rows.
+Weight formats: a weight stored in the activation dtype is "same"; a quantised format is one more
+value of the `weight_format` condition and its rows (the grouped experts' FP8 case: its kernel, or
+a "none" row that the lowering turns into a LoweringError saying what the format needs).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ir.formats import FP8
 
 from .errors import DsgraphError
 from .tuning import DEFAULT_TUNING, Tuning
@@ -26,7 +29,8 @@ from .tuning import DEFAULT_TUNING, Tuning
 INF = None                     # a range without an upper end
 PHASES = ("prefill", "decode")
 DTYPES = ("bf16", "fp16", "fp32")
-WEIGHT_FORMATS = ("same",)     # the weight stored in the activation dtype
+WEIGHT_FORMATS = ("same", FP8.name)   # the weight stored in the activation dtype; DeepSeek-V3's FP8 blocks
+NONE = "none"                  # a row that no kernel serves: the lowering refuses the node
 
 
 class DispatchError(DsgraphError, ValueError):
@@ -86,9 +90,10 @@ def _rows(*spec) -> tuple[Row, ...]:
 # -- the grouped expert GEMMs (moe_gate_up_silu, moe_gate_up, moe_down) -------------------------
 
 def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
-    """Facts: dtype; sm_90a (the target offers it); tma_rows (KD % 8 == 0: 16-byte rows for TMA
-    and cp.async); decode_wgmma_fits / prefill_wgmma_fits (the kernels' shared memory for E
-    experts); one_token (down's one-token launch fits one CTA an SM)."""
+    """Facts: dtype; weight_format; sm_90a (the target offers it); tma_rows (KD % 8 == 0: 16-byte
+    rows for TMA and cp.async); decode_wgmma_fits / prefill_wgmma_fits (the kernels' shared memory
+    for E experts); one_token (down's one-token launch fits one CTA an SM); fp8_rows (KD % 16 == 0:
+    16-byte FP8 rows) and fp8_fits (the FP8 kernel's shared memory for E experts)."""
     m = t.moe
     thr = None if m.prefill_wgmma_above is None else max(m.prefill_wgmma_above, m.gemv_upto)
     # decode's wgmma runs up to the prefill wgmma's threshold (256 where that is off)
@@ -99,7 +104,14 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
     skinny = "decode's wgmma + TMA tiles: the pairs as wgmma's N, two CTAs an SM"
     one = f"down at one token: a ring of {m.one_token_down_stages} stages, one CTA an SM"
     sixteen = ("bf16", "fp16")
-    cases = [Case({"dtype": "fp32"}, _rows(("gemv", 1, INF, "fp32 has no tensor-core path: the GEMV at every T")),
+    fp8 = ("decode's wgmma + TMA tiles with FP8 weights widened to 16 bits in registers, scaled per "
+           "128-block; above decode correct but re-reading weights per 32 pairs (no FP8 prefill GEMM yet)")
+    cases = [Case({"weight_format": FP8.name, "dtype": sixteen, "sm_90a": True, "fp8_rows": True, "fp8_fits": True},
+                  _rows(("wgmma_skinny_fp8", 1, INF, fp8)), "FP8 weights, 16-bit, sm_90a"),
+             Case({"weight_format": FP8.name}, _rows((NONE, 1, INF, "FP8 weights need sm_90a, 16-bit activations "
+                                                                     "and an inner width a multiple of 16")),
+                  "FP8 weights elsewhere"),
+             Case({"dtype": "fp32"}, _rows(("gemv", 1, INF, "fp32 has no tensor-core path: the GEMV at every T")),
                   "fp32")]
     if m.decode_wgmma:
         t1 = down and m.one_token_down_stages > 4 and m.decode_wgmma_from == 0
@@ -123,12 +135,14 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
     cases.append(Case({"dtype": sixteen}, _rows(("gemv", 1, m.gemv_upto, gemv), ("mma", m.gemv_upto + 1, INF, mma)),
                       "16-bit without sm_90a or 16-byte rows"))
     return Table("moe_down" if down else "moe_gate_up_silu", "tokens", tuple(cases),
-                 ("dtype", "sm_90a", "tma_rows", "decode_wgmma_fits", "prefill_wgmma_fits", "one_token"))
+                 ("dtype", "weight_format", "sm_90a", "tma_rows", "decode_wgmma_fits", "prefill_wgmma_fits",
+                  "one_token", "fp8_rows", "fp8_fits"))
 
 
 def expert_ffn(t: Tuning = DEFAULT_TUNING) -> Table:
     """Decode's fused expert FFN (moe_expert_ffn).  Facts: dtype, sm_90a, and decode_wgmma (both
-    halves' decode wgmma applies: the fused kernel is made of its tiles)."""
+    halves' decode wgmma applies: the fused kernel is made of its tiles; not with FP8 weights, whose
+    grouped rows are wgmma_skinny_fp8, so those run as the two launches)."""
     m = t.moe
     g = grouped_experts(t)
     upper = max(r.hi for c in g.cases for r in c.rows if r.variant == "wgmma_skinny" and r.hi is not None) \

@@ -3,7 +3,8 @@ codegen/dispatch.py's grouped_experts table, one launch each over the same opera
 multiplied by its token range (codegen.sizes.token_ranges), so a step runs exactly one.
 
 Not a family (the leading underscore).  The launch builders: _moe (gemv, mma), _moe_wgmma
-(wgmma), _moe_wgmma_skinny (wgmma_skinny, wgmma_skinny_t1); the imports form a tree.
+(wgmma), _moe_wgmma_skinny (wgmma_skinny, wgmma_skinny_t1), _moe_fp8 (wgmma_skinny_fp8: FP8
+weights, p["fp8"]); the imports form a tree.
 """
 from __future__ import annotations
 
@@ -12,17 +13,19 @@ from codegen.arch import has_feature
 from codegen.kernel import KernelLaunch
 from codegen.render import kernel_name
 from codegen.sizes import token_ranges
+from ir.formats import FP8
 
-from . import _moe, _moe_wgmma, _moe_wgmma_skinny as S
+from . import _moe, _moe_fp8, _moe_wgmma, _moe_wgmma_skinny as S
 
 
 # the launches' order in a node's plan (one of them has work at a given T)
-ORDER = ("gemv", "wgmma_skinny", S.ONE_TOKEN_STAGE, "mma", "wgmma")
+ORDER = ("gemv", "wgmma_skinny", S.ONE_TOKEN_STAGE, _moe_fp8.VARIANT, "mma", "wgmma")
 
 
 def facts(opts, p: dict, *, down: bool) -> dict:
-    """The conditions of the grouped_experts table for this node and target."""
-    return {"dtype": opts.dtype, "sm_90a": has_feature(opts.arch, _moe_wgmma.FEATURE),
+    """The conditions of the grouped_experts table for this node and target (p["fp8"]: FP8 weights)."""
+    return {"dtype": opts.dtype, "weight_format": FP8.name if p.get("fp8") else "same",
+            **_moe_fp8.facts(opts, p), "sm_90a": has_feature(opts.arch, _moe_wgmma.FEATURE),
             "tma_rows": p["KD"] % 8 == 0, "decode_wgmma_fits": S.fits(p["E"]),
             "prefill_wgmma_fits": _moe_wgmma.fits(opts, p["E"]),
             "one_token": down and S.fits(p["E"], opts.tuning.moe.one_token_down_stages, ctas=1)}
@@ -38,6 +41,8 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
     gate / up runs their first tile before its wait); `within`: token ranges the node's launches are
     limited to (moe_expert_ffn's outside its fused window), None: every T."""
     rows = table_rows(opts, p, down=down)
+    if any(r.variant == dispatch.NONE for r in rows):
+        _moe_fp8.check(nid, opts, p)
     out = []
     for variant in sorted({r.variant for r in rows}, key=ORDER.index):
         ranges = _clip(dispatch.row_range(rows, variant), within)
@@ -49,6 +54,8 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
         elif variant == "mma":
             out.append(_moe.mma_launch(family, template, kernel_name(family, [*name_parts, "mma"]), p, nid, args,
                                        run, opts, down=down))
+        elif variant == _moe_fp8.VARIANT:
+            out.append(_moe_fp8.launch(family, template, name_parts, p, nid, args, down=down, run=run))
         elif variant == "wgmma":
             out.append(_moe_wgmma.launch(family, template, name_parts, p, nid, args, down=down, run=run))
         else:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, inp, out, weight, Options
 
-from . import _moe, _moe_grouped
+from ir.formats import FP8, UNSCALED
+
+from . import _moe, _moe_fp8, _moe_grouped
 
 FAMILY = "moe_down"
 TEMPLATE = "moe_down.cu.j2"
 OPS = ("moe_down",)
+WEIGHT_FORMATS = (*UNSCALED, FP8.name)   # FP8: _moe_fp8's launch (codegen/dispatch.py grouped_experts)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 ROWS_PER_WARP = 4
 
@@ -20,7 +23,11 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     # Rows are per pair here, so the kernel never needs K.
     p = _moe.grouped_params(nid, opts, E=E, N=D, KD=M, K=1, rows_per_warp=ROWS_PER_WARP)
     act = p["act"]
-    args = (inp("a", act, a), weight("w", act, bound["weight"]),
+    fp8 = _moe_fp8.is_fp8(G, nid, ("weight",), opts)
+    if fp8:
+        p["fp8"] = True
+    w = _moe_fp8.args({"w": bound["weight"]}) if fp8 else (weight("w", act, bound["weight"]),)
+    args = (inp("a", act, a), *w,
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out", act, y))
     return launches(nid, p, args, opts)

@@ -35,11 +35,14 @@ from codegen.arch import has_feature
 from codegen.errors import LoweringError
 from codegen.kernel import KernelLaunch, Options, Workspace, inp, out, tensor_map, weight, work
 
-from . import _moe, _moe_grouped, _moe_wgmma_skinny as S, moe_down, moe_gate_up_silu
+from ir.formats import FP8, UNSCALED
+
+from . import _moe, _moe_fp8, _moe_grouped, _moe_wgmma_skinny as S, moe_down, moe_gate_up_silu
 
 FAMILY = "moe_expert_ffn"
 TEMPLATE = "moe_expert_ffn.cu.j2"
 OPS = ("moe_expert_ffn",)
+WEIGHT_FORMATS = (*UNSCALED, FP8.name)   # FP8: the two grouped launches (no wgmma_skinny rows: `facts`)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 WORKSPACE = "expert_act"
 THREADS = S.THREADS + 32   # + the publisher warp (moe_expert_ffn.cuh FFN_THREADS)
@@ -74,7 +77,7 @@ def fused_launch(nid: str, opts: Options, gu: dict, dn: dict, args: tuple, run: 
 
 def facts(opts, gu: dict, dn: dict) -> dict:
     """The expert_ffn table's conditions: decode's wgmma serves both halves where the grouped
-    table gives both a wgmma_skinny row."""
+    table gives both a wgmma_skinny row (FP8 weights: wgmma_skinny_fp8 rows, so the two launches)."""
     both = all(any(r.variant == "wgmma_skinny" for r in _moe_grouped.table_rows(opts, p, down=down))
                for p, down in ((gu, False), (dn, True)))
     return {"dtype": opts.dtype, "sm_90a": has_feature(opts.arch, S.FEATURE), "decode_wgmma": both}
@@ -92,10 +95,14 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     act = gu["act"]
     ws = Workspace(WORKSPACE, ("NP", M), "act")
     order, offsets = inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets")
-    gu_args = (inp("x", act, x), weight("w_gate", act, bound["gate"]), weight("w_up", act, bound["up"]),
-               order, offsets, work("out", act, WORKSPACE))
-    dn_args = (work("a", act, WORKSPACE, writes=False), weight("w", act, bound["down"]), order, offsets,
-               out("out", act, y))
+    fp8 = _moe_fp8.is_fp8(G, nid, ("gate", "up", "down"), opts)
+    if fp8:
+        gu["fp8"] = dn["fp8"] = True
+    gu_w = _moe_fp8.args({"w_gate": bound["gate"], "w_up": bound["up"]}) if fp8 else \
+        (weight("w_gate", act, bound["gate"]), weight("w_up", act, bound["up"]))
+    dn_w = _moe_fp8.args({"w": bound["down"]}) if fp8 else (weight("w", act, bound["down"]),)
+    gu_args = (inp("x", act, x), *gu_w, order, offsets, work("out", act, WORKSPACE))
+    dn_args = (work("a", act, WORKSPACE, writes=False), *dn_w, order, offsets, out("out", act, y))
     rows = dispatch.rows(FAMILY, facts(opts, gu, dn), opts.tuning)
     two = dispatch.row_range(rows, "two_launch")
     launches = []

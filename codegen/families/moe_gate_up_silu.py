@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, inp, out, weight, Options
 
-from . import _moe, _moe_grouped
+from ir.formats import FP8, UNSCALED
+
+from . import _moe, _moe_fp8, _moe_grouped
 
 FAMILY = "moe_gate_up_silu"
 TEMPLATE = "moe_gate_up_silu.cu.j2"
 OPS = ("moe_gate_up_silu",)
+WEIGHT_FORMATS = (*UNSCALED, FP8.name)   # FP8: _moe_fp8's launch (codegen/dispatch.py grouped_experts)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 ROWS_PER_WARP = 2
 
@@ -24,7 +27,12 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     _moe.require_dense(G, nid, x)
     p = _moe.grouped_params(nid, opts, E=E, N=M, KD=D, K=K, rows_per_warp=ROWS_PER_WARP)
     act = p["act"]
-    args = (inp("x", act, x), weight("w_gate", act, bound["gate"]), weight("w_up", act, bound["up"]),
+    fp8 = _moe_fp8.is_fp8(G, nid, ("gate", "up"), opts)
+    if fp8:
+        p["fp8"] = True
+    w = _moe_fp8.args({"w_gate": bound["gate"], "w_up": bound["up"]}) if fp8 else \
+        (weight("w_gate", act, bound["gate"]), weight("w_up", act, bound["up"]))
+    args = (inp("x", act, x), *w,
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out", act, h))
     return launches(nid, p, args, opts, shared=_moe.routing_shared(G, routing))

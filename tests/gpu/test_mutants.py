@@ -21,6 +21,7 @@ import test_kernels_linear_fp8 as linear_fp8
 import test_kernels_mla as mla
 import test_kernels_moe as moe
 import test_kernels_moe_expert_ffn as moe_ffn
+import test_kernels_moe_fp8 as moe_fp8
 import test_kernels_moe_wgmma as moe_wgmma
 import test_kernels_moe_wgmma_skinny as moe_wgmma_skinny
 from harness import GPU_MARKS
@@ -221,6 +222,25 @@ MUTANTS = [
            "m.y[0][(i64)tok * N + col] = from_float<T>(s * u);", "m.y[0][(i64)tok * N + col] = from_float<T>(s * u * 1.01f);",
            linear.test_gate_up_silu, dict(dtype="bf16", T=3, K=256, n=40, extra=0, offset=0, shift="none",
                                           variant=linear.VARIANTS[0], seed=15)),
+    Mutant("FP8 experts: a K slice scaled by the next K block's scale (gate)", "include/moe_fp8.cuh",
+           "const float f0 = __ldg(sc0 + kt * WF_BK / WF_BLOCK)",
+           "const float f0 = __ldg(sc0 + min(kt * WF_BK / WF_BLOCK + 1, KB - 1))",
+           moe_fp8.test_moe_gate_up_silu_fp8, dict(case=moe_fp8.case_of("bf16", (15, 16, 17, 31, 32, 33), 2, 272, 200,
+                                                                         seed=41)), uses_runner=True),
+    Mutant("FP8 experts: the ceil row block dropped from the scale layout (down, N = 200)", "include/moe_fp8.cuh",
+           "RB = (N + WF_BLOCK - 1) / WF_BLOCK;", "RB = N / WF_BLOCK;",
+           moe_fp8.test_moe_down_fp8, dict(case=moe_fp8.case_of("bf16", (9, 8, 7, 1), 1, 144, 200, seed=42)),
+           uses_runner=True),
+    Mutant("FP8 experts: the gate and up scales swapped", "include/moe_fp8.cuh",
+           "const float* sc0 = s0 + srow;\n  const float* sc1 = (MODE == DOWN ? s0 : s1) + srow;",
+           "const float* sc0 = (MODE == DOWN ? s0 : s1) + srow;\n  const float* sc1 = s0 + srow;",
+           moe_fp8.test_moe_gate_up_fp8, dict(case=moe_fp8.case_of("bf16", (17, 64, 0, 33), 1, 272, 200, seed=43)),
+           uses_runner=True),
+    Mutant("FP8 experts: one-pair tiles' K slices read one k16 step off (T = 1, the fragment layout)",
+           "include/moe_fp8.cuh", "const uint4 v = lds128(row + ((j ^ sw) << 4));",
+           "const uint4 v = lds128(row + ((((j + 1) & 3) ^ sw) << 4));",
+           moe_fp8.test_moe_down_fp8, dict(case=moe_fp8.case_of("bf16", moe_fp8.one_token(8, (1, 6, 7)), 3, 144, 136,
+                                                                 seed=44)), uses_runner=True),
     Mutant("FP8 skinny linear: a row block's last tile takes the next block's scales", "include/fp8.cuh",
            "s = m.s[i] + (i64)((r - off) / FP8_BLOCK) * KB;", "s = m.s[i] + (i64)((r - off + TILE) / FP8_BLOCK) * KB;",
            linear_fp8.test_linear_skinny_fp8, dict(dtype="bf16", T=5, K=512, rows=[576], extra=0, offset=0,

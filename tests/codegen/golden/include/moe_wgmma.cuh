@@ -174,11 +174,12 @@ __device__ __forceinline__ void wgmma_ring_init(unsigned long long* full, unsign
 
 // Where a tile's pieces sit, for the producer below: pairs per row tile (BM), weight rows per TMA
 // box (BOX, two boxes a stage), output columns per tile by mode, and a stage's layout (its
-// gathered pair rows at ROWS_AT, its weight boxes at WEIGHTS_AT, both 1024-byte aligned).  The
-// prefill GEMM's; moe_wgmma_skinny.cuh has decode's.
+// gathered pair rows at ROWS_AT, its weight boxes at WEIGHTS_AT, both 1024-byte aligned; a weight
+// row of a box W_ROW_BYTES: one 64-wide K slice).  The prefill GEMM's; moe_wgmma_skinny.cuh has
+// decode's, moe_fp8.cuh decode's with FP8 weights.
 struct WgPrefillTiles {
   static constexpr int BM = WG_BM, BOX = WG_BOX, STAGE_BYTES = WG_STAGE_BYTES;
-  static constexpr int ROWS_AT = 0, WEIGHTS_AT = WG_BM * WG_ROW_BYTES;
+  static constexpr int ROWS_AT = 0, WEIGHTS_AT = WG_BM * WG_ROW_BYTES, W_ROW_BYTES = WG_ROW_BYTES;
   static constexpr bool W_EVICT_FIRST = false;   // (L2's default: a prefill's row tiles share weight boxes)
   __host__ __device__ static constexpr int cols(int mode) { return wgmma_tile_cols(mode); }
 };
@@ -191,14 +192,14 @@ template <int MODE, int N, typename L>
 __device__ __forceinline__ void wgmma_issue_weights(char* b, const TensorMap* w0, const TensorMap* w1, int k0, int n0,
                                                     int e, unsigned long long* full_s) {
   const bool box1 = MODE != DOWN || n0 + L::BOX < N;
-  mbar::arrive_expect_tx(full_s, (box1 ? 2 : 1) * L::BOX * WG_ROW_BYTES);
+  mbar::arrive_expect_tx(full_s, (box1 ? 2 : 1) * L::BOX * L::W_ROW_BYTES);
   const unsigned long long pol = L::W_EVICT_FIRST ? l2::evict_first() : 0ull;
   auto box = [&](char* dst, const TensorMap* w, int n) {
     if constexpr (L::W_EVICT_FIRST) tma::load_3d(dst, w, k0, n, e, full_s, pol);
     else tma::load_3d(dst, w, k0, n, e, full_s);
   };
   box(b, w0, n0);
-  if (box1) box(b + L::BOX * WG_ROW_BYTES, MODE == DOWN ? w0 : w1, MODE == DOWN ? n0 + L::BOX : n0);
+  if (box1) box(b + L::BOX * L::W_ROW_BYTES, MODE == DOWN ? w0 : w1, MODE == DOWN ? n0 + L::BOX : n0);
 }
 
 // The source row of each of a producer thread's tile rows r0 + 16 i (-1: none): the pair's x row

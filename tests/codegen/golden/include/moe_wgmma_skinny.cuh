@@ -47,7 +47,7 @@ __host__ __device__ constexpr int wgmma_skinny_smem(int stages) { return stages 
 // 64 pairs, 64-row boxes, the weights first in a stage and the pair rows after them.
 struct WgSkinnyTiles {
   static constexpr int BM = WS_BP, BOX = WS_BOX, STAGE_BYTES = WS_STAGE_BYTES;
-  static constexpr int ROWS_AT = WS_W_BYTES, WEIGHTS_AT = 0;
+  static constexpr int ROWS_AT = WS_W_BYTES, WEIGHTS_AT = 0, W_ROW_BYTES = WS_ROW_BYTES;
   // Weight boxes with L2's evict_first policy: read once a step, they go first, and the lines of
   // `a` and of the outputs stay (+0.03-0.05 TB/s at b=128 and 256 on the H200, even below).
   static constexpr bool W_EVICT_FIRST = true;

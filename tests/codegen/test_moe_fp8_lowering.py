@@ -1,0 +1,93 @@
+"""The grouped experts' FP8 case (codegen/families/_moe_fp8.py, codegen/dispatch.py grouped_experts): FP8
+expert weights lower to the wgmma_skinny_fp8 launch at every token count (decode and prefill), its name
+carries "wfp8", its weights are 64 x 64-byte tensor maps (64B swizzle) with their block scales beside them;
+the expert FFN runs as the two launches; `dsgraph explain` prints the FP8 rows; what no FP8 kernel serves
+(fp32, an inner width not a multiple of 16, FP8 beside bf16 in one node) is one line; the kernels compile
+for sm_90a without spills."""
+from __future__ import annotations
+
+import pytest
+
+from codegen import dispatch, families
+from codegen.errors import LoweringError
+from codegen.families import _moe_fp8
+from codegen.kernel import KernelLaunch, Options, TensorMapRef, WeightRef
+from ir.formats import FP8, set_format, weight_formats_yaml
+from ir.ops import TType
+from runtime.cli import main
+from tests.gpu.harness import single_op_graph, tiny_model
+from tiny import ROOT
+
+LITE = ROOT / "model_specs" / "deepseek_v2_lite.yaml"
+EXPERTS = "model.layers.*.mlp.*_proj.weight"   # V3's FP8 globs' MLP half: experts, shared experts, dense MLP
+FP8_FACTS = {"weight_format": FP8.name, "dtype": "bf16", "sm_90a": True, "fp8_rows": True, "fp8_fits": True}
+
+
+def _node(op: str, KD: int, N: int, *, E: int = 8, K: int = 2, fp8_roles=None):
+    r = TType((f"T*{K}", E), "routing")
+    if op == "moe_down":
+        G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "out_dim": N},
+                                 {"a": TType((f"T*{K}", KD), "act"), "R": r}, {"weight": "e.{expert}.down"})
+    else:
+        G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "out_dim": N},
+                                 {"x": TType(("T", KD), "act"), "R": r},
+                                 {"gate": "e.{expert}.gate", "up": "e.{expert}.up"})
+    bound = G.nodes[nid]["weights"]
+    for role in (bound if fp8_roles is None else fp8_roles):
+        set_format(G.graph["weights"], bound[role], FP8)
+    return G, nid
+
+
+@pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_gate_up", "moe_down"])
+def test_fp8_experts_lower_to_the_fp8_launch_with_maps_and_scales(op):
+    G, nid = _node(op, 144, 200)
+    (la,) = families.family_for_op(op).lower(nid, G, Options(dtype="bf16"))
+    assert la.stage == _moe_fp8.VARIANT and "bf16_wfp8" in la.name and la.grid[0].startswith("min(2 * SMS")
+    maps = [a for a in la.args if isinstance(a.ref, TensorMapRef)]
+    scales = [a for a in la.args if isinstance(a.ref, WeightRef)]
+    assert maps and all(a.ref.box == (64, 64) and a.ref.swizzle == 64 for a in maps)
+    assert sorted(a.ref.name for a in scales) == sorted(m.ref.weight + "_scale_inv" for m in maps)
+    assert all(a.ctype == "const float*" for a in scales), [a.ctype for a in scales]
+
+
+def test_the_fp8_row_serves_every_token_count():
+    for down in (False, True):
+        for T in (1, 2, 8, 32, 128, 192, 300, 16384):
+            assert dispatch.select("moe_down" if down else "moe_gate_up_silu", T, FP8_FACTS).variant == _moe_fp8.VARIANT
+
+
+@pytest.mark.parametrize("why,opts,KD,roles", [
+    ("bf16 or fp16 activations", Options(dtype="fp32"), 144, None),
+    ("multiple of 16", Options(dtype="bf16"), 40, None),
+    ("all in bf16 or all in", Options(dtype="bf16"), 144, ("gate",)),
+])
+def test_what_no_fp8_kernel_serves_is_one_line(why, opts, KD, roles):
+    G, nid = _node("moe_gate_up_silu", KD, 64, fp8_roles=roles)
+    with pytest.raises(LoweringError) as info:
+        families.family_for_op("moe_gate_up_silu").lower(nid, G, opts)
+    assert why in str(info.value) and "\n" not in str(info.value)
+
+
+def test_explain_shows_the_fp8_rows_and_the_two_launches(tmp_path, capsys):
+    spec = tmp_path / "lite_fp8.yaml"
+    spec.write_text(LITE.read_text() + weight_formats_yaml((EXPERTS,), FP8))
+    assert main(["explain", str(spec), "--tokens", "1,48,300"]) == 0
+    out = capsys.readouterr().out
+    for T in (1, 48):
+        block = out.split(f"decode, T = {T} ", 1)[1].split("\n\n", 1)[0]
+        assert "moe_gate_up_silu__bf16_wfp8__e66_k8__m1408_d2048__wgmma_skinny_fp8" in block
+        assert "moe_down__bf16_wfp8__e66__d2048_m1408__wgmma_skinny_fp8" in block
+        assert "wgmma_skinny_fp8 [tokens 1..inf]" in block and "moe_expert_ffn__" not in block
+    prefill = out.split("prefill, T = 300 ", 1)[1].split("\n\n", 1)[0]
+    assert "moe_down__bf16_wfp8__e66__d2048_m1408__wgmma_skinny_fp8" in prefill
+
+
+@pytest.mark.parametrize("op,KD,N,dtype", [("moe_gate_up_silu", 2048, 1408, "bf16"), ("moe_down", 1408, 2048, "fp16")])
+def test_fp8_kernels_compile_for_sm90a_without_spills(op, KD, N, dtype):
+    from codegen.nvrtc import compile_cubin
+    from codegen.render import render_launch
+    G, nid = _node(op, KD, N, E=64, K=6)
+    (la,) = families.family_for_op(op).lower(nid, G, Options(dtype=dtype))
+    assert isinstance(la, KernelLaunch)
+    log = compile_cubin(render_launch(la), la.name, arch="sm_90a", options=("--ptxas-options=-v",)).log
+    assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, log

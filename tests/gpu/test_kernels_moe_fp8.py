@@ -1,0 +1,190 @@
+"""Property tests: the grouped expert GEMMs with FP8 weights (fp8_e4m3_block128: float8_e4m3fn
+[E, N, KD] and a float32 scale per 128 x 128 block [E, ceil(N / 128), ceil(KD / 128)];
+templates/include/moe_fp8.cuh, the "wgmma_skinny_fp8" row of codegen/dispatch.py's grouped_experts
+table, which serves every T) against the ops' references on the weights dequantised exactly
+(float64, from the same bytes and scales) and the kernel's own rounded inputs.
+
+Hypothesis draws pair counts per expert around the kernel's 32-pair row tile (0: no tile, 1, 2,
+15 / 16 / 17 (wgmma N = 16), 31 / 32 / 33 (N = 32; 33 is two row tiles), 64, 65, 100), T from 1
+to 192 (decode's range; an example above it: the prefill fallback), widths with ceil blocks (KD a
+multiple of 16 but not of 128: a partial last K block; N not a multiple of 128: a partial last
+row block, and of the 64 / 128-row tile), x or the outputs one element past an aligned base.
+Weight bytes span e4m3's range in every block and block scales differ by up to 16x, so a scale
+taken from the wrong block moves the result far past the tolerance; outputs are poisoned first.
+The planted mutants of tests/gpu/test_mutants.py (a K slice scaled by the next K block's scale,
+the ceil row block dropped from the scale layout, the gate and up scales swapped) run through these
+bodies and must fail them.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_kernels_moe as base  # noqa: E402
+import test_kernels_moe_wgmma as wgmma_tests  # noqa: E402
+from harness import GPU_MARKS, TORCH_DTYPES, kernel_test, poison, shifted, single_op_graph, tiny_model  # noqa: E402
+
+from codegen import families, sizes  # noqa: E402
+from codegen.families import _moe_fp8  # noqa: E402
+from codegen.kernel import Options  # noqa: E402
+from ir.formats import FP8, cdiv, companion_names, set_format  # noqa: E402
+from ir.graph import node_view  # noqa: E402
+from ir.ops import OPS, TType  # noqa: E402
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import assume, example, given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                             reason="the FP8 expert kernel needs a compute capability 9.0 GPU (sm_90a)")
+pytestmark = [*GPU_MARKS, _HOPPER]
+
+BLOCK = FP8.block[0]
+COUNTS = (0, 1, 2, 15, 16, 17, 31, 32, 33, 64, 65, 100)
+
+runner = wgmma_tests.runner_fixture("fp8")
+
+
+def quantized_experts(E: int, rows: int, K: int, gen, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [E, rows, K], s float32 [E, ceil(rows / 128), ceil(K / 128)]) on the GPU,
+    quantised as DeepSeek-V3's checkpoints are (s = the block's amax / 448), blocks of about `scale`
+    an element times 2^[-2, 2): the bytes span e4m3's range in every block, the scales differ."""
+    rb, kb = cdiv(rows, BLOCK), cdiv(K, BLOCK)
+    size = torch.exp2(torch.rand((E, rb, kb), generator=gen) * 4 - 2) * scale
+    spread = size.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)
+    w = torch.randn(spread.shape, generator=gen) * spread
+    w[:, rows:, :] = 0
+    w[:, :, K:] = 0
+    s = w.abs().view(E, rb, BLOCK, kb, BLOCK).amax(dim=(2, 4)).clamp_min(1e-30) / 448
+    q = (w / s.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2))[:, :rows, :K].to(torch.float8_e4m3fn)
+    return q.contiguous().cuda(), s.cuda()
+
+
+def dequantized(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """W = q * s per 128 x 128 block (edge blocks partial), exactly, in float64 on the CPU."""
+    _, rows, K = q.shape
+    full = s.double().cpu().repeat_interleave(BLOCK, 1)[:, :rows].repeat_interleave(BLOCK, 2)[:, :, :K]
+    return q.cpu().double() * full
+
+
+def lower_fp8(G, nid, dtype):
+    launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype))
+    assert [la.stage for la in launches] == [_moe_fp8.VARIANT], [la.stage for la in launches]
+    assert f"{dtype}_{_moe_fp8.NAME}" in launches[0].name, launches[0].name
+    return launches
+
+
+def run_case(runner, op, case):
+    """One example: the FP8 launch on poisoned outputs against the reference on the dequantised weights."""
+    dtype, T, E, K, KD, N = (case[k] for k in ("dtype", "T", "E", "K", "KD", "N"))
+    tdt = TORCH_DTYPES[dtype]
+    g = torch.Generator().manual_seed(case["seed"])
+    ids = base._ids_with_counts(case["counts"], K, g)
+    ref_r, dev_r = base._routing(T, E, K, g, ids)
+    r = TType((f"T*{K}", E), "routing")
+    if op == "moe_down":
+        G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "out_dim": N},
+                                 {"a": TType((f"T*{K}", KD), "act"), "R": r}, {"weight": "e.{expert}.down"})
+        inp = torch.randn(T * K, KD, generator=g).to(tdt)
+        first = "a"
+    else:
+        G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "out_dim": N},
+                                 {"x": TType(("T", KD), "act"), "R": r},
+                                 {"gate": "e.{expert}.gate", "up": "e.{expert}.up"})
+        inp = torch.randn(T, KD, generator=g).to(tdt)
+        first = "x"
+    bound = G.nodes[nid]["weights"]
+    weights, ref_w = {}, {}
+    for role, name in bound.items():
+        set_format(G.graph["weights"], name, FP8)
+        q, s = quantized_experts(E, N, KD, g, KD ** -0.5)
+        weights[name], weights[companion_names(name, FP8)[0]] = q, s
+        ref_w[role] = dequantized(q, s)
+    launches = lower_fp8(G, nid, dtype)
+    env = {"T": T, "NP": T * K, "SMS": torch.cuda.get_device_properties(0).multi_processor_count}
+    assert sizes.evaluate(launches[0].grid[0], env) > 0
+    outs = G.nodes[nid]["outputs"]
+    mis = case.get("misalign", "none")
+    values = {first: shifted(inp.cuda(), mis == "inputs"), "R": dev_r,
+              **{o: poison(shifted(torch.empty(T * K, N, dtype=tdt, device="cuda"), mis == "outputs")) for o in outs}}
+    runner.run_all(launches, values=values, weights=weights, sizes={"T": T, "NP": T * K})
+    if op == "moe_gate_up_silu":
+        refs = [base._gate_up_silu_rounded(G, nid, inp, ref_r, ref_w, tdt)]
+    else:
+        refs = OPS[op].run(node_view(G, nid), [inp.double(), ref_r], ref_w, None)
+    for o, ref in zip(outs, refs):
+        base._record(f"{op} fp8", dtype, values[o], ref)
+
+
+@st.composite
+def fp8_cases(draw, KDS, NS, tokens=(1, 192)):
+    """Pair counts from COUNTS (the last expert evening out whole tokens), K as large as distinct
+    experts per token allow, T in `tokens`."""
+    E = draw(st.sampled_from((1, 2, 3, 5, 8, 64)))
+    counts = [draw(st.sampled_from(COUNTS)) if E <= 8 or i < 8 else draw(st.sampled_from((0, 0, 1, 2, 3)))
+              for i in range(E)]
+    if sum(counts) == 0:
+        counts[0] = 1
+    for K in sorted({min(E, k) for k in (1, 2, 6, draw(st.sampled_from((2, 3, 6))))}, reverse=True):
+        c = counts[:-1] + [counts[-1] + (-sum(counts)) % K]
+        if max(c) <= sum(c) // K:
+            counts = c
+            break
+    T = sum(counts) // K
+    assume(tokens[0] <= T <= tokens[1] and max(counts) <= T)
+    return {"dtype": draw(st.sampled_from(("bf16", "fp16"))), "T": T, "E": E, "K": K, "counts": counts,
+            "KD": draw(st.sampled_from(KDS)), "N": draw(st.sampled_from(NS)),
+            "misalign": draw(st.sampled_from(("none", "none", "inputs", "outputs"))),
+            "seed": draw(st.integers(0, 2**31 - 1))}
+
+
+def case_of(dtype, counts, K, KD, N, misalign="none", seed=31):
+    assert sum(counts) % K == 0 and max(counts) <= sum(counts) // K, (counts, K)
+    return {"dtype": dtype, "T": sum(counts) // K, "E": len(counts), "K": K, "counts": list(counts), "KD": KD,
+            "N": N, "misalign": misalign, "seed": seed}
+
+
+def lite(head, K=6):
+    """64 experts, the given counts first, the rest 0 / 1 / 2, whole tokens."""
+    counts = list(head) + [(0, 1, 2)[i % 3] for i in range(64 - len(head))]
+    counts[-1] += (-sum(counts)) % K
+    return counts
+
+
+def one_token(E, experts):
+    return [int(e in experts) for e in range(E)]
+
+
+KDS, NS = (64, 144, 272, 528), (37, 64, 128, 200, 264)
+
+
+@given(case=fp8_cases(KDS, NS))
+@example(case=case_of("bf16", lite((17, 33, 65, 9, 16, 32, 31, 40, 50, 60)), 6, 2048, 1408))   # V2-Lite widths
+@example(case=case_of("bf16", one_token(64, (0, 3, 9, 17, 40, 63)), 6, 2048, 1408))          # V2-Lite b=1
+@example(case=case_of("fp16", (15, 16, 17, 31, 32, 33), 2, 144, 37))                 # ceil K block; odd N
+@example(case=case_of("bf16", (100, 65, 64, 0, 33, 2), 2, 272, 200, "inputs"))     # several row tiles; x misaligned
+@example(case=case_of("bf16", (300, 290, 10, 0), 2, 144, 200))                      # T = 300: above decode
+@kernel_test(12)
+def test_moe_gate_up_silu_fp8(runner, case):
+    run_case(runner, "moe_gate_up_silu", case)
+
+
+@given(case=fp8_cases(KDS, NS))
+@example(case=case_of("bf16", (17, 64, 0, 33), 1, 272, 200, "outputs"))
+@kernel_test(4)
+def test_moe_gate_up_fp8(runner, case):
+    run_case(runner, "moe_gate_up", case)
+
+
+@given(case=fp8_cases(KDS, NS + (1408, 2048)))
+@example(case=case_of("bf16", lite((17, 33, 65, 9, 16, 32, 31, 40, 50, 60)), 6, 1408, 2048))   # V2-Lite widths
+@example(case=case_of("bf16", one_token(64, (0, 3, 9, 17, 40, 63)), 6, 1408, 2048))          # V2-Lite b=1
+@example(case=case_of("fp16", (15, 16, 17, 31, 32, 33), 2, 272, 41))              # N - n0 <= 64: one box
+@example(case=case_of("bf16", (100, 65, 64, 0, 33, 2), 2, 144, 200, "outputs"))   # ceil row block, column tile 2
+@kernel_test(12)
+def test_moe_down_fp8(runner, case):
+    run_case(runner, "moe_down", case)
