@@ -9,8 +9,25 @@ tensors), named by appending a suffix to the weight's checkpoint name:
     fp8_e4m3_block128    float8_e4m3fn     _scale_inv: float32 [.., ceil(O/128), ceil(I/128)]  W[o, i] = q[o, i] * s[o // 128, i // 128]
 
 (DeepSeek-V3's released layout: edge blocks are partial -- "ceil blocks" -- e.g. kv_a_proj_with_mqa's 576 rows
-have 5 row blocks, the last one 64 rows.)  int8 per output channel and packed int4 (msModelSlim W8A8 / W4A8)
-are to be added here as rows of the same table.
+have 5 row blocks, the last one 64 rows.)
+
+Huawei msModelSlim's integer formats (what its W8A8 / W4A8 checkpoints store; vllm-ascend runs them), each
+weight with `_scale` / `_offset` companions (float32 [.., O, 1]; the offsets written as zeros: symmetric):
+
+    int8_channel         int8 [.., O, I]   W8A8_DYNAMIC        W[o, i] = q[o, i] * s[o]
+    int8_static          int8 [.., O, I]   W8A8 (static)       as int8_channel; the activation's per-tensor
+                                                               input_scale / input_offset, deq_scale, quant_bias
+                                                               are module siblings (ir/formats_int.py)
+    int4_channel         int8 [.., O/2, I] W4A8_DYNAMIC 1.0.0  two int4 per byte along O: byte[j, i] =
+                                                               (q[2j+1, i] << 4) | (q[2j, i] & 0xF); W = q * s[o]
+    int4_channel_byte    int8 [.., O, I]   one int4 (-8..7) per byte, W = q * s[o]
+    int4_group256        int8 [.., O, I]   W4A8_DYNAMIC < 1.0.0: one int4 per byte, `_scale_second` /
+                                           `_offset_second` [.., O, I/256]: W[o, i] = (q[o, i] * s2[o, i // 256]) * s[o]
+    int4_group256_packed int8 [.., O/2, I] the same scales, two int4 per byte along O
+
+A packed int4 weight also has a `scale_bias` module sibling (an Ascend-kernel correction, 8 * s[o] * sum_i q[o, i];
+checked at load, never added).  Activations are quantised per token (dynamic) or per tensor (static) to int8:
+ir/formats_int.py holds that arithmetic, the one definition the reference and the kernels share.
 
 The activation dtype (Options.dtype) is separate: a bf16 model may keep some weights in FP8.  A weight whose
 format is None in the graph is stored in the activation dtype (or fp32 where the op pins fp32).
@@ -24,8 +41,13 @@ from dataclasses import dataclass
 class WeightFormat:
     name: str                       # the spelling in specs, manifests and the CLI
     storage: str                    # the stored element type: bf16 | fp16 | fp32 | fp8_e4m3
-    block: tuple[int, int] | None   # (rows, cols) a scale covers, or None (unscaled)
+    block: tuple[int, int] | None   # (rows, cols) a scale covers, or None (unscaled, or per output channel)
     companions: tuple[str, ...]     # checkpoint-name suffixes of the companion tensors
+    pack: int = 1                   # values per stored element along O (2: two int4 in one int8)
+    group: int | None = None        # the second-stage scale's group along I (msModelSlim per-group int4)
+    siblings: tuple[str, ...] = ()  # tensors beside the module's `weight` (their leaf names): static W8A8's
+                                    # activation quantisation, packed int4's scale_bias checksum
+    activation: str | None = None   # int8 activation quantisation: "token" (dynamic) | "tensor" (static)
 
     @property
     def quantized(self) -> bool:
@@ -38,8 +60,19 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("fp16", "fp16", None, ()),
     WeightFormat("fp32", "fp32", None, ()),
     WeightFormat("fp8_e4m3_block128", "fp8_e4m3", (FP8_BLOCK, FP8_BLOCK), ("_scale_inv",)),
+    WeightFormat("int8_channel", "int8", None, ("_scale", "_offset"), activation="token"),
+    WeightFormat("int8_static", "int8", None, ("_scale", "_offset"), activation="tensor",
+                 siblings=("input_scale", "input_offset", "deq_scale", "quant_bias")),
+    WeightFormat("int4_channel", "int4", None, ("_scale", "_offset"), pack=2, siblings=("scale_bias",),
+                 activation="token"),
+    WeightFormat("int4_channel_byte", "int4", None, ("_scale", "_offset"), activation="token"),
+    WeightFormat("int4_group256", "int4", None, ("_scale", "_offset", "_scale_second", "_offset_second"),
+                 group=256, activation="token"),
+    WeightFormat("int4_group256_packed", "int4", None, ("_scale", "_offset", "_scale_second", "_offset_second"),
+                 pack=2, group=256, siblings=("scale_bias",), activation="token"),
 )}
 FP8 = FORMATS["fp8_e4m3_block128"]
+INT_FORMATS = tuple(f for f in FORMATS.values() if f.storage in ("int8", "int4"))
 
 # The tensors DeepSeek-V3's FP8 checkpoints store in FP8 (globs over checkpoint names; bound per-expert
 # stacks match too): every decoder-layer linear -- transformers' FineGrainedFP8 replaces each nn.Linear but
@@ -151,6 +184,9 @@ def set_format(weights: dict, name: str, fmt: WeightFormat) -> None:
 
     if not fmt.quantized:
         raise ValueError(f"{name}: format {fmt.name} is unscaled; an unscaled weight is stored in the activation dtype")
+    if fmt.block is None:
+        raise ValueError(f"{name}: format {fmt.name} (msModelSlim integer weights) is read and checked by the loader "
+                         f"(runtime/msmodelslim.py) but no graph op binds it yet")
     info = replace(weights[name], format=fmt.name)
     weights[name] = info
     for suffix, cname in zip(fmt.companions, companion_names(name, fmt)):
@@ -165,6 +201,9 @@ def dequantize(weight, companions, fmt: WeightFormat):
 
     if not fmt.quantized:
         return weight
+    if fmt.block is None:
+        from .formats_int import dequantize_int
+        return dequantize_int(weight, companions, fmt)
     (scale_inv,) = companions
     want = scale_shape(tuple(weight.shape), fmt)
     if tuple(scale_inv.shape) != want:
@@ -180,8 +219,11 @@ def quantize(weight, fmt: WeightFormat):
     q = W / s saturated to +-448 and rounded to nearest even in float8_e4m3fn; the stored scale_inv is s."""
     from .lazy import F, torch
 
+    if fmt in INT_FORMATS:
+        from .formats_int import quantize_int
+        return quantize_int(weight, fmt)
     if fmt is not FP8:
-        raise ValueError(f"quantising to {fmt.name} is not supported (only {FP8.name})")
+        raise ValueError(f"quantising to {fmt.name} is not supported (only {FP8.name} and the integer formats)")
     w = weight.to(torch.float32)
     *lead, rows, cols = w.shape
     br, bc = fmt.block
