@@ -87,8 +87,8 @@ class Checkpoint:
         return cls(root, handles, shard_of)
 
     @classmethod
-    def _from_index(cls, root: Path) -> Checkpoint:
-        index_path = root / INDEX_FILE
+    def _from_index(cls, root: Path, index: str = INDEX_FILE) -> Checkpoint:
+        index_path = root / index
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
             if not isinstance(weight_map, dict):
