@@ -161,6 +161,8 @@ def companion_info(info, fmt: WeightFormat, suffix: str):
     scale's blocks).  A ValueError if a slice of the weight does not fall on block edges."""
     from .ops.base import WeightInfo, WeightSlice
 
+    if fmt.block is None:
+        return _channel_companion_info(info, fmt, suffix)
     parts = None
     if info.parts is not None:
         parts = []
@@ -177,6 +179,45 @@ def companion_info(info, fmt: WeightFormat, suffix: str):
     return WeightInfo(scale_shape(tuple(info.shape), fmt), True, parts)
 
 
+def _channel_companion_info(info, fmt: WeightFormat, suffix: str):
+    """An integer format's companion (per output channel [.., O, 1], or per group [.., O, I/G]): per-expert
+    parts follow the weight's; a slice of rows is those rows of the scale.  A slice of columns is refused:
+    the activation a column block multiplies would be quantised apart from the rest of its row."""
+    from .formats_int import companion_shape
+    from .ops.base import WeightInfo, WeightSlice
+
+    parts = None
+    if info.parts is not None:
+        parts = []
+        for p in info.parts:
+            if isinstance(p, str):
+                parts.append(p + suffix)
+                continue
+            if p.dim != len(p.stored) - 2:
+                raise ValueError(f"stacked part {p.name} is a slice of input columns; {fmt.name} quantises each "
+                                 f"activation row whole")
+            parts.append(WeightSlice(p.name + suffix, p.dim, p.start, p.stop, companion_shape(fmt, suffix, p.stored)))
+        parts = tuple(parts)
+    return WeightInfo(companion_shape(fmt, suffix, tuple(info.shape)), True, parts)
+
+
+def companion_shape_of(fmt: WeightFormat, suffix: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of companion `suffix` of a weight of logical `shape` in `fmt` (a block scale, or an integer
+    format's per-channel / per-group scale)."""
+    if fmt.block is not None:
+        return scale_shape(shape, fmt)
+    from .formats_int import companion_shape
+    return companion_shape(fmt, suffix, shape)
+
+
+def stored_shape(fmt: WeightFormat | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a weight of logical `shape` is stored in: packed int4 holds two output channels a byte."""
+    if fmt is None or fmt.pack == 1:
+        return tuple(shape)
+    from .formats_int import stored_shape as packed
+    return packed(fmt, tuple(shape))
+
+
 def set_format(weights: dict, name: str, fmt: WeightFormat) -> None:
     """Store bound weight `name` in quantised format `fmt`: its WeightInfo's format, and its companions
     bound beside it.  (An unscaled weight's format stays None: it is stored in the activation dtype.)"""
@@ -184,9 +225,9 @@ def set_format(weights: dict, name: str, fmt: WeightFormat) -> None:
 
     if not fmt.quantized:
         raise ValueError(f"{name}: format {fmt.name} is unscaled; an unscaled weight is stored in the activation dtype")
-    if fmt.block is None:
-        raise ValueError(f"{name}: format {fmt.name} (msModelSlim integer weights) is read and checked by the loader "
-                         f"(runtime/msmodelslim.py) but no graph op binds it yet")
+    if fmt.activation == "tensor":
+        raise ValueError(f"{name}: format {fmt.name} (static W8A8) is read and checked by the loader "
+                         f"(runtime/msmodelslim.py), but no op computes its per-tensor activation quantisation yet")
     info = replace(weights[name], format=fmt.name)
     weights[name] = info
     for suffix, cname in zip(fmt.companions, companion_names(name, fmt)):
@@ -253,13 +294,20 @@ def format_problem(weights: dict, name: str, role: str, opdef) -> str | None:
         return f"weight {name} has unknown format {info.format!r} (known: {', '.join(FORMATS)})"
     if role not in opdef.scaled_weights or info.keep_fp32:
         return f"weight {name} is {fmt.name}, but {opdef.name} takes its {role} unquantised"
+    if fmt.block is None:
+        from .formats_int import INT_OPS
+        if opdef.name not in INT_OPS:
+            return f"weight {name} is {fmt.name}, but {opdef.name} takes its {role} in float or FP8 only"
     for cname in companion_names(name, fmt):
         c = weights.get(cname)
         if c is None:
             return f"weight {name} is {fmt.name}, but its companion {cname} is not bound"
-        if tuple(c.shape) != scale_shape(tuple(info.shape), fmt) or not c.keep_fp32:
+    for suffix, cname in zip(fmt.companions, companion_names(name, fmt)):
+        c = weights[cname]
+        want = companion_shape_of(fmt, suffix, tuple(info.shape))
+        if tuple(c.shape) != want or not c.keep_fp32:
             return (f"companion {cname} is bound as {tuple(c.shape)}{'' if c.keep_fp32 else ' (not float32)'}, "
-                    f"{fmt.name} needs float32 {scale_shape(tuple(info.shape), fmt)} for {name} {tuple(info.shape)}")
+                    f"{fmt.name} needs float32 {want} for {name} {tuple(info.shape)}")
         if (c.parts is None) != (info.parts is None) or (c.parts is not None and len(c.parts) != len(info.parts)):
             return f"companion {cname} is not stacked as {name} is"
     return None

@@ -20,7 +20,7 @@ Dimension legend: T tokens, O output channels, I input channels, G the int4 grou
 """
 from __future__ import annotations
 
-from .lazy import torch
+from .lazy import F, torch
 
 INT8 = (-128, 127)
 INT4 = (-8, 7)
@@ -222,7 +222,36 @@ def int_linear(x, stored, companions, fmt, siblings: dict | None = None):
     return (acc * c["_scale"].reshape(1, -1)) * sx
 
 
-__all__ = ["INT4", "INT8", "SCALE_BIAS_DOWN_CHUNKS", "check_companions", "companion_shape", "dequantize_int",
+# The ops whose reference multiplies a bound weight only through linear() below: where an integer format may bind.
+INT_OPS = ("linear", "multi_linear", "gate_up_silu", "moe_gate_up", "moe_gate_up_silu", "moe_down", "moe_expert_ffn")
+
+
+class IntMatrix:
+    """A bound integer weight as an op's reference semantics takes it: `stored` [.., O/pack, I] with its
+    companions (in fmt.companions order); indexing picks experts, linear() is int_linear in x's dtype."""
+
+    def __init__(self, stored, companions, fmt):
+        self.stored, self.companions, self.fmt = stored, tuple(companions), fmt
+
+    @property
+    def shape(self):
+        return torch.Size(logical_shape(self.fmt, tuple(self.stored.shape)))
+
+    def __getitem__(self, index):
+        return IntMatrix(self.stored[index], [c[index] for c in self.companions], self.fmt)
+
+    def linear(self, x):
+        return int_linear(x, self.stored, self.companions, self.fmt).to(x.dtype)
+
+
+def linear(x, w):
+    """F.linear(x, w) -- or, for an IntMatrix, the exact integer linear its format defines."""
+    if isinstance(w, IntMatrix):
+        return w.linear(x)
+    return F.linear(x, w)
+
+
+__all__ = ["INT_OPS", "IntMatrix", "linear", "INT4", "INT8", "SCALE_BIAS_DOWN_CHUNKS", "check_companions", "companion_shape", "dequantize_int",
            "int8_domain", "int_linear", "int_matmul", "int_values", "logical_shape", "pack_int4",
            "quantize_activation", "quantize_activation_static", "quantize_int", "scale_bias", "scale_bias_problem",
            "stored_shape", "unpack_int4"]

@@ -15,8 +15,9 @@ checked against the description's version: "1.0.0" packs two int4 per byte along
 `check()` reads the quantised tensors once: dtypes, shapes, zero offsets, int4 ranges, the scale_bias
 checksum (8 * s * sum q; never added), static W8A8's deq_scale = input_scale * weight_scale and
 quant_bias = -input_offset * sum q.  Every problem is one line of one WeightError naming the tensor and
-its type.  `dequantised()` presents the checkpoint as float32 weights (companions hidden) through the
-Checkpoint interface, for a backend with no integer kernel (weight-only: activations stay float).
+its type.  `open_checked(dir)` is what the loader reads: the checkpoint as stored (the weights and their
+companions, bound by the spec `--from-config` writes from `quantize` / `moe_quantize`), or dequantised to
+float32 (weight_format="dtype": weight-only, activations stay float).
 """
 from __future__ import annotations
 
@@ -204,17 +205,18 @@ def _raise(problems: list[str], where: str) -> None:
                           + "\n  ".join(problems[:_MAX_LISTED]) + more)
 
 
-class Dequantised:
-    """An MsModelSlim checkpoint presented as float32 weights through the Checkpoint interface (names,
-    shape, dtype_str, get): each quantised weight dequantised (ir.formats.dequantize), its companions and
-    siblings hidden.  Weight-only: whoever runs it computes with float activations."""
+class AsStored:
+    """An MsModelSlim checkpoint through the Checkpoint interface (names, shape, dtype_str, get), as stored:
+    the weights and their companions, which a spec with the matching weight_formats binds; the siblings
+    (scale_bias, checked at load) hidden."""
 
-    def __init__(self, ms: MsModelSlim):
+    def __init__(self, ms: MsModelSlim, hidden: set[str] | None = None):
         self.ms = ms
         self.inner = ms.ckpt
         self.model_dir = ms.ckpt.model_dir
         self.reads = ms.ckpt.reads
-        hidden = {c for w in ms.weights.values() for c in w.companions + w.siblings}
+        if hidden is None:
+            hidden = {c for w in ms.weights.values() for c in w.siblings}
         self._names = ms.ckpt.names() - hidden
 
     def names(self) -> set[str]:
@@ -222,6 +224,36 @@ class Dequantised:
 
     def __contains__(self, name: str) -> bool:
         return name in self._names
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.inner.shape(name)
+
+    def dtype_str(self, name: str) -> str:
+        return self.inner.dtype_str(name)
+
+    def get(self, name: str, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        return self.inner.get(name, part)
+
+
+def open_checked(model_dir, weight_format: str | None = None):
+    """The msModelSlim checkpoint at `model_dir`, its values checked, for the loader: as stored, or with
+    weight_format="dtype" dequantised."""
+    from .errors import InputError
+    if weight_format not in (None, "dtype"):
+        raise InputError(f"{model_dir} is an msModelSlim checkpoint (int8 / int4): weight_format must be None (as "
+                         f"stored) or 'dtype' (dequantised), got {weight_format!r}")
+    ms = MsModelSlim.open(model_dir)
+    ms.check()
+    return ms.dequantised() if weight_format == "dtype" else AsStored(ms)
+
+
+class Dequantised(AsStored):
+    """An MsModelSlim checkpoint presented as float32 weights through the Checkpoint interface: each
+    quantised weight dequantised (ir.formats.dequantize), its companions and siblings hidden.  Weight-only:
+    whoever runs it computes with float activations."""
+
+    def __init__(self, ms: MsModelSlim):
+        super().__init__(ms, {c for w in ms.weights.values() for c in w.companions + w.siblings})
 
     def shape(self, name: str) -> tuple[int, ...]:
         w = self.ms.weights.get(name)
@@ -241,5 +273,5 @@ class Dequantised:
         return full.narrow(dim, start, stop - start).contiguous()
 
 
-__all__ = ["DESCRIPTION_FILE", "INDEX_FILE", "PACKED_VERSION", "TYPES", "Dequantised", "MsModelSlim", "QuantWeight",
-           "is_msmodelslim"]
+__all__ = ["DESCRIPTION_FILE", "INDEX_FILE", "PACKED_VERSION", "TYPES", "AsStored", "Dequantised", "MsModelSlim",
+           "QuantWeight", "is_msmodelslim", "open_checked"]

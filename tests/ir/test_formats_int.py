@@ -5,7 +5,7 @@ import torch
 from ir.formats import FORMATS, INT_FORMATS, dequantize, quantize, set_format
 from ir.formats_int import (companion_shape, int_linear, int_matmul, int_values, pack_int4, quantize_activation,
                             quantize_activation_static, scale_bias, scale_bias_problem, stored_shape, unpack_int4)
-from ir.ops.base import WeightInfo
+from ir.ops.base import WeightInfo, WeightSlice
 
 
 def _w(rows, cols, seed=0):
@@ -110,6 +110,17 @@ def test_scale_bias_checksum_catches_mutants(name):
     assert "shape" in scale_bias_problem(sb[:4], stored, comps, fmt)
 
 
-def test_graphs_refuse_integer_formats_in_one_line():
-    with pytest.raises(ValueError, match="int8_channel.*loader"):
-        set_format({"x.weight": WeightInfo((4, 4))}, "x.weight", FORMATS["int8_channel"])
+def test_integer_formats_bind_per_channel_companions_and_refuse_what_they_cannot_mean():
+    W = {"x.weight": WeightInfo((6, 4))}
+    set_format(W, "x.weight", FORMATS["int8_channel"])
+    assert W["x.weight_scale"] == W["x.weight_offset"] == WeightInfo((6, 1), True)
+    parts = (WeightSlice("s.up.weight", 0, 14, 28, (28, 44)), "e.0.up.weight")
+    W = {"e.*.up.weight": WeightInfo((2, 14, 44), parts=parts)}
+    set_format(W, "e.*.up.weight", FORMATS["int4_channel"])
+    assert W["e.*.up.weight_scale"].parts == (WeightSlice("s.up.weight_scale", 0, 14, 28, (28, 1)),
+                                             "e.0.up.weight_scale")
+    down = {"e.*.down.weight": WeightInfo((1, 44, 14), parts=(WeightSlice("s.down.weight", 1, 0, 14, (44, 28)),))}
+    with pytest.raises(ValueError, match="slice of input columns"):
+        set_format(down, "e.*.down.weight", FORMATS["int8_channel"])
+    with pytest.raises(ValueError, match="static W8A8"):
+        set_format({"x.weight": WeightInfo((4, 4))}, "x.weight", FORMATS["int8_static"])
