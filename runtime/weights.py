@@ -281,7 +281,7 @@ def load_weights(
             continue
         # Allocate the stack once at its final dtype and place; each expert is
         # copied in and dropped, never held alongside the others.
-        stacked = torch.empty(_stored_shape(spec, spec.shape), dtype=target, device=device)
+        stacked = torch.empty(stored_shape_of(spec, spec.shape), dtype=target, device=device)
         for e, p in enumerate(spec.parts):
             stacked[e].copy_(_read_part(ckpt, p, device))
             done += 1
@@ -309,7 +309,7 @@ def check_checkpoint(ckpt: Checkpoint, specs: dict[str, WeightSpec], ignore: Cal
                 missing.append(f"{name} (expected shape {shape})")
                 continue
             used.add(name)
-            problem = _check_tensor(ckpt, name, _stored_shape(spec, shape), spec.format, used)
+            problem = _check_tensor(ckpt, name, stored_shape_of(spec, shape), spec.format, used)
             if problem:
                 wrong.append(problem)
     unexpected = sorted(n for n in available - used if not _is_ignored(n, ignore))
@@ -324,7 +324,7 @@ def check_checkpoint(ckpt: Checkpoint, specs: dict[str, WeightSpec], ignore: Cal
         raise WeightError(f"checkpoint at {ckpt.model_dir} does not match the model:\n" + "\n".join(sections))
 
 
-def _stored_shape(spec: WeightSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+def stored_shape_of(spec: WeightSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The stored shape of a tensor `spec` reads as `shape` (packed int4 holds two output channels a byte)."""
     return stored_shape(FORMATS[spec.format] if spec.format else None, shape)
 

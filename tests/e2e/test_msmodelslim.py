@@ -177,3 +177,47 @@ def _odd(tmp_path):
     save_file({EXPERT.format("down"): torch.randn(45, 14)}, str(src / "model.safetensors"))
     (src / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
     return src
+
+
+def _static_w8a8(root, damage=None):
+    """A one-linear checkpoint in static W8A8 (per-tensor input scale / offset, deq_scale, quant_bias)."""
+    from ir.formats import quantize
+    root.mkdir()
+    g = torch.Generator().manual_seed(5)
+    stored, (scale, offset) = quantize(torch.randn(6, 16, generator=g) * 0.1, FORMATS["int8_static"])
+    m = "model.layers.0.self_attn.o_proj"
+    in_s, in_off = torch.tensor([0.02]), torch.tensor([3], dtype=torch.int8)
+    t = {f"{m}.weight": stored, f"{m}.weight_scale": scale, f"{m}.weight_offset": offset,
+         f"{m}.input_scale": in_s, f"{m}.input_offset": in_off,
+         f"{m}.deq_scale": (in_s * scale.reshape(-1)).to(torch.float32),
+         f"{m}.quant_bias": (-3 * stored.to(torch.int64).sum(1)).to(torch.int32)}
+    if damage:
+        t[f"{m}.{damage}"] = t[f"{m}.{damage}"] + 1
+    save_file(t, str(root / "model.safetensors"))
+    (root / DESCRIPTION_FILE).write_text(json.dumps({"version": "1.0.0", **{n: "W8A8" for n in t}}))
+    return root
+
+
+def test_static_w8a8_is_checked_at_load(tmp_path):
+    ms = MsModelSlim.open(_static_w8a8(tmp_path / "ok"))
+    ms.check()
+    assert ms.weights["model.layers.0.self_attn.o_proj.weight"].fmt is FORMATS["int8_static"]
+    for damage, says in (("deq_scale", "not input_scale \\* weight_scale"), ("quant_bias", "not -input_offset")):
+        with pytest.raises(WeightError, match=f"o_proj.{damage} \\(W8A8, int8_static\\): is {says}"):
+            MsModelSlim.open(_static_w8a8(tmp_path / damage, damage)).check()
+
+
+def test_a_checkpoint_in_another_int4_layout_than_the_config_says_is_one_weight_error(tiny, tmp_path):
+    """config.json's w4a8_dynamic means msModelSlim 1.0.0's packed int4; one int4 a byte does not load as it."""
+    from runtime import Engine
+    out = tmp_path / "byte"
+    quantize_checkpoint(tiny, out, "w4a8", int4_format="int4_channel_byte")
+    with pytest.raises(WeightError, match=r"experts\.\d+\.(gate|up|down)_proj\.weight: checkpoint has shape"):
+        Engine.from_pretrained(str(out), backend="reference", device="cpu", dtype=torch.float32)
+
+
+def test_packed_int4_weighs_half_a_byte_an_element():
+    from runtime.memory import weight_bytes
+    from runtime.weights import WeightSpec
+    assert weight_bytes({"w": WeightSpec((2, 8, 4), format="int4_channel")}, torch.bfloat16) == 32
+    assert weight_bytes({"w": WeightSpec((2, 8, 4), format="int8_channel")}, torch.bfloat16) == 64
