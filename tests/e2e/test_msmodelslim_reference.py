@@ -107,11 +107,17 @@ def seed_model(float_dir, quant_dir, scale_error: float = 1.0):
     return model
 
 
-@pytest.fixture(scope="module", params=["w8a8", "w4a8"])
+# V3-like (q_lora, noaux router, 2 dense layers, 1 shared expert) and V2-Lite-like (q_proj, greedy softmax
+# routing, 2 shared experts) with even widths, so int4 packs two output channels a byte.
+CASES = [("v3_tp", "w8a8"), ("v3_tp", "w4a8"), ("v2_lite_tp", "w4a8")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
 def quantised(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    src = hf_tiny.build("v3_tp", root / "float")
-    quantize_checkpoint(src, root / "q", request.param)
+    model, to = request.param
+    root = tmp_path_factory.mktemp(f"{model}_{to}")
+    src = hf_tiny.build(model, root / "float")
+    quantize_checkpoint(src, root / "q", to)
     return src, root / "q"
 
 
@@ -140,3 +146,20 @@ def test_weight_only_dequantisation_on_request(quantised):
                                  weight_format="dtype").logits(PROMPTS[:1])[0]
     exact = Engine.from_pretrained(str(q), backend="reference", device="cpu", dtype=torch.float32).logits(PROMPTS[:1])[0]
     assert 1e-4 < _rel(exact, deq) < 5e-2   # only the activations' int8 rounding differs
+
+
+def test_paged_decode_and_greedy_tokens_follow_the_seed_model(quantised):
+    """The decode graph (absorbed MLA, fused expert FFN) with the same integer arithmetic: teacher-forced
+    decode logits at every position, and greedy tokens the seed model's argmax along our trajectory."""
+    src, q = quantised
+    engine = Engine.from_pretrained(str(q), backend="reference", device="cpu", dtype=torch.float32)
+    seed = seed_model(src, q)
+    for prompt, got in zip(PROMPTS, engine.logits(PROMPTS, decode_after=1)):
+        assert _rel(got, hf_tiny.hf_logits(seed, prompt)) < 1e-5
+    from runtime import SamplingParams
+    (out,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=6))
+    want = hf_tiny.hf_logits(seed, PROMPTS[0] + out.token_ids)[len(PROMPTS[0]) - 1:-1]
+    for tok, row in zip(out.token_ids, want):
+        top2 = row.topk(2)
+        assert tok == int(top2.indices[0]) or (tok == int(top2.indices[1])
+                                               and float(top2.values[0] - top2.values[1]) < 1e-4)
