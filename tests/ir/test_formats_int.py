@@ -1,6 +1,8 @@
 """ir/formats_int.py: msModelSlim's int8 / int4 weight formats and the int8 activation arithmetic."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ir.formats import FORMATS, INT_FORMATS, dequantize, quantize, set_format
 from ir.formats_int import (companion_shape, int_linear, int_matmul, int_values, pack_int4, quantize_activation,
@@ -68,7 +70,7 @@ def test_static_activation_quantisation_multiplies_by_the_inverse_scale_and_adds
 @pytest.mark.parametrize("name", ["int8_channel", "int4_channel", "int4_channel_byte"])
 def test_int_linear_is_the_exact_integer_product_then_the_two_scales(name):
     fmt = FORMATS[name]
-    w, x = _w(10, 48, seed=2), torch.randn(5, 48).to(torch.bfloat16)
+    w, x = _w(10, 48, seed=2), torch.randn(5, 48, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     stored, comps = quantize(w, fmt)
     y = int_linear(x, stored, comps, fmt)
     qx, sx = quantize_activation(x)
@@ -78,12 +80,12 @@ def test_int_linear_is_the_exact_integer_product_then_the_two_scales(name):
     torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=0)
     # and it is close to the float product (the quantisation's own error)
     ref = x.float() @ w.T
-    assert float((y - ref).norm() / ref.norm()) < (0.15 if fmt.storage == "int4" else 0.02)
+    assert float((y - ref).norm() / ref.norm()) < (0.25 if fmt.storage == "int4" else 0.02)   # int4: ~amax/7/sqrt(12)
 
 
 def test_int_linear_static_adds_quant_bias_before_deq_scale():
     fmt = FORMATS["int8_static"]
-    w, x = _w(7, 16, seed=3), torch.randn(3, 16)
+    w, x = _w(7, 16, seed=3), torch.randn(3, 16, generator=torch.Generator().manual_seed(8))
     stored, comps = quantize(w, fmt)
     in_s, in_off = torch.tensor([x.abs().max() / 120]), torch.tensor([2], dtype=torch.int8)
     qsum = int_values(stored, fmt).to(torch.int64).sum(1)
@@ -124,3 +126,22 @@ def test_integer_formats_bind_per_channel_companions_and_refuse_what_they_cannot
         set_format(down, "e.*.down.weight", FORMATS["int8_channel"])
     with pytest.raises(ValueError, match="static W8A8"):
         set_format({"x.weight": WeightInfo((4, 4))}, "x.weight", FORMATS["int8_static"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(t=st.integers(1, 9), i=st.integers(1, 70), half_o=st.integers(1, 12), seed=st.integers(0, 2**16),
+       name=st.sampled_from(["int8_channel", "int4_channel", "int4_channel_byte"]))
+def test_int_linear_property_odd_widths(t, i, half_o, seed, name):
+    """Any widths (packed int4: an even O): the integer product is exact, the scales applied in float32 after
+    it, and the token rows quantised independently of each other (a row alone gives the same output)."""
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(seed)
+    o = 2 * half_o - (0 if fmt.pack == 2 else seed % 2)
+    w, x = torch.randn(o, i, generator=g), torch.randn(t, i, generator=g) * 3
+    stored, comps = quantize(w, fmt)
+    y = int_linear(x, stored, comps, fmt)
+    qx, sx = quantize_activation(x)
+    assert bool((qx.abs() <= 127).all()) and bool((qx.abs().amax(1) == 127).all())
+    want = (int_matmul(qx, int_values(stored, fmt)).double() * comps[0].double().reshape(1, -1)) * sx.double()
+    torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-30)
+    torch.testing.assert_close(int_linear(x[-1:], stored, comps, fmt), y[-1:], rtol=0, atol=0)
