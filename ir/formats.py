@@ -236,8 +236,9 @@ def set_format(weights: dict, name: str, fmt: WeightFormat) -> None:
 
 def dequantize(weight, companions, fmt: WeightFormat):
     """The float32 weight a quantised `weight` and its `companions` (in fmt.companions order) stand for:
-    the reference semantics of every op on a quantised weight.  FP8 blocks: W = q * s per block, the
-    edge blocks partial, exact in float32 (an e4m3 value times a float32 scale rounds once)."""
+    the reference semantics of every op on an FP8 weight.  FP8 blocks: W = q * s per block, the
+    edge blocks partial, exact in float32 (an e4m3 value times a float32 scale rounds once).  The integer
+    formats: ir/formats_int.dequantize_int (their ops multiply exactly instead: formats_int.int_linear)."""
     from .lazy import torch
 
     if not fmt.quantized:
@@ -255,9 +256,10 @@ def dequantize(weight, companions, fmt: WeightFormat):
 
 
 def quantize(weight, fmt: WeightFormat):
-    """(q, companions) storing float `weight` [.., rows, cols] in block format `fmt`, as DeepSeek-V3's
+    """(q, companions) storing float `weight` [.., rows, cols] in format `fmt`.  FP8 as DeepSeek-V3's
     checkpoints are written: per block s = amax|W| / 448 in float32 (an all-zero block gets s = 1),
-    q = W / s saturated to +-448 and rounded to nearest even in float8_e4m3fn; the stored scale_inv is s."""
+    q = W / s saturated to +-448 and rounded to nearest even in float8_e4m3fn; the stored scale_inv is s.
+    The integer formats as msModelSlim writes them: ir/formats_int.quantize_int."""
     from .lazy import F, torch
 
     if fmt in INT_FORMATS:
