@@ -243,6 +243,11 @@ def open_checked(model_dir, weight_format: str | None = None):
         raise InputError(f"{model_dir} is an msModelSlim checkpoint (int8 / int4): weight_format must be None (as "
                          f"stored) or 'dtype' (dequantised), got {weight_format!r}")
     ms = MsModelSlim.open(model_dir)
+    biases = sorted(n for n in ms.float_names() if n.endswith("norm.bias"))
+    if biases:
+        raise WeightError(f"{biases[0]} (FLOAT): an RMSNorm bias (msModelSlim's anti-outlier smoothing, "
+                          f"{len(biases)} in all); dsgraph's rms_norm has no bias yet, and dropping it would "
+                          f"compute another model")
     ms.check()
     return ms.dequantised() if weight_format == "dtype" else AsStored(ms)
 

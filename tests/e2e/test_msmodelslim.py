@@ -221,3 +221,21 @@ def test_packed_int4_weighs_half_a_byte_an_element():
     from runtime.weights import WeightSpec
     assert weight_bytes({"w": WeightSpec((2, 8, 4), format="int4_channel")}, torch.bfloat16) == 32
     assert weight_bytes({"w": WeightSpec((2, 8, 4), format="int8_channel")}, torch.bfloat16) == 64
+
+
+def test_anti_outlier_norm_biases_are_refused_not_dropped(w4a8, tmp_path):
+    from runtime import Engine
+    bias = "model.layers.0.input_layernorm.bias"
+    out = _damage(w4a8, tmp_path, "model.layers.0.input_layernorm.weight", lambda t: t)
+    file = json.loads((out / INDEX_FILE).read_text())["weight_map"]["model.layers.0.input_layernorm.weight"]
+    tensors = load_file(str(out / file))
+    tensors[bias] = torch.full_like(tensors["model.layers.0.input_layernorm.weight"], 0.1)
+    save_file(tensors, str(out / file), metadata={"format": "pt"})
+    index = json.loads((out / INDEX_FILE).read_text())
+    index["weight_map"][bias] = file
+    (out / INDEX_FILE).write_text(json.dumps(index))
+    desc = json.loads((out / DESCRIPTION_FILE).read_text())
+    (out / DESCRIPTION_FILE).write_text(json.dumps({**desc, bias: "FLOAT"}))
+    MsModelSlim.open(out).check()            # a well-formed checkpoint ...
+    with pytest.raises(WeightError, match=f"{bias} \\(FLOAT\\): an RMSNorm bias"):
+        Engine.from_pretrained(str(out), backend="reference", device="cpu", dtype=torch.float32)   # ... not run
