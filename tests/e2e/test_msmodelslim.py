@@ -239,3 +239,20 @@ def test_anti_outlier_norm_biases_are_refused_not_dropped(w4a8, tmp_path):
     MsModelSlim.open(out).check()            # a well-formed checkpoint ...
     with pytest.raises(WeightError, match=f"{bias} \\(FLOAT\\): an RMSNorm bias"):
         Engine.from_pretrained(str(out), backend="reference", device="cpu", dtype=torch.float32)   # ... not run
+
+
+def test_random_weights_in_the_msmodelslim_formats_run_on_the_reference():
+    """Engine.from_spec (benchmarks, smoke runs) quantises its random weights into the spec's integer formats."""
+    from pathlib import Path
+
+    import ir
+    from ir.config_to_spec import spec_from_config
+    from runtime import Engine
+    tiny = json.loads((Path(__file__).resolve().parents[2] / "model_specs/hf_configs/deepseek_tiny.json").read_text())
+    spec = ir.load_spec(spec_from_config({**tiny, "quantize": "w8a8_dynamic", "moe_quantize": "w4a8_dynamic"}),
+                        file="config.json")
+    engine = Engine.from_spec(spec, backend="reference", device="cpu", dtype=torch.float32)
+    weights = engine.backend.weights
+    experts = [n for n in weights if n.endswith("experts.*.down_proj.weight")]
+    assert experts and all(weights[n].dtype == torch.int8 for n in experts)
+    assert torch.isfinite(engine.logits([[1, 2, 3]])[0]).all()
