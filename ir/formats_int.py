@@ -171,7 +171,8 @@ def scale_bias_problem(found, stored, companions, fmt, rel: float = 1e-5) -> str
     output channel, summed over its k columns, within `rel` of the row's sum of |terms|: a float32 sum
     of thousands of terms is that close), or None."""
     if found.dim() != stored.dim() or tuple(found.shape[:-1]) != logical_shape(fmt, tuple(stored.shape))[:-1]:
-        return f"has shape {tuple(found.shape)}, expected [{', '.join(map(str, logical_shape(fmt, tuple(stored.shape))[:-1]))}, k]"
+        rows = ", ".join(map(str, logical_shape(fmt, tuple(stored.shape))[:-1]))
+        return f"has shape {tuple(found.shape)}, expected [{rows}, k]"
     want = scale_bias(stored, companions, fmt).to(torch.float64).squeeze(-1)
     got = found.to(torch.float64).sum(-1)
     c = check_companions(stored, companions, fmt)
@@ -251,7 +252,8 @@ def linear(x, w):
     return F.linear(x, w)
 
 
-__all__ = ["INT_OPS", "IntMatrix", "linear", "INT4", "INT8", "SCALE_BIAS_DOWN_CHUNKS", "check_companions", "companion_shape", "dequantize_int",
+__all__ = ["INT_OPS", "IntMatrix", "linear", "INT4", "INT8", "SCALE_BIAS_DOWN_CHUNKS", "check_companions",
+           "companion_shape", "dequantize_int",
            "int8_domain", "int_linear", "int_matmul", "int_values", "logical_shape", "pack_int4",
            "quantize_activation", "quantize_activation_static", "quantize_int", "scale_bias", "scale_bias_problem",
            "stored_shape", "unpack_int4"]

@@ -115,7 +115,8 @@ class MsModelSlim:
             return None, f"stores {rows} rows for {out} output channels: neither one nor two int4 per byte"
         packed = out == 2 * rows
         if self.version == PACKED_VERSION and not packed:
-            return None, f"version {PACKED_VERSION} packs two int4 per byte along the output dim, but it stores {rows} rows for {out} channels"
+            return None, (f"version {PACKED_VERSION} packs two int4 per byte along the output dim, but it stores "
+                          f"{rows} rows for {out} channels")
         grouped = name + "_scale_second" in self.ckpt
         fmt = {(True, False): "int4_channel", (False, False): "int4_channel_byte",
                (False, True): "int4_group256", (True, True): "int4_group256_packed"}[(packed, grouped)]
@@ -155,7 +156,8 @@ class MsModelSlim:
             return w.name, f"is {ck.dtype_str(w.name)}, {w.fmt.name} stores int8"
         shape = logical_shape(w.fmt, ck.shape(w.name))
         for suffix, c in zip(w.fmt.companions, w.companions):
-            want = companion_shape(w.fmt, suffix, shape) if not suffix.endswith("_second") or shape[-1] % w.fmt.group == 0 else None
+            grouped = suffix.endswith("_second")
+            want = None if grouped and shape[-1] % w.fmt.group else companion_shape(w.fmt, suffix, shape)
             if want is None or ck.shape(c) != want or ck.dtype_str(c) not in _FLOAT:
                 return c, (f"is {ck.dtype_str(c)} {list(ck.shape(c))}, expected a float "
                            f"{list(want) if want else 'tensor'} for {w.name} {list(ck.shape(w.name))}")
@@ -185,7 +187,8 @@ def _static_problem(w: QuantWeight, q, scale, sib) -> tuple[str, str] | None:
     o = q.shape[0]
     in_s, in_off, deq, qb = (sib[k] for k in ("input_scale", "input_offset", "deq_scale", "quant_bias"))
     if in_s.numel() != 1 or in_off.numel() != 1:
-        return f"{w.module}.input_scale", f"input_scale / input_offset must hold one value each, hold {in_s.numel()} / {in_off.numel()}"
+        return (f"{w.module}.input_scale",
+                f"input_scale / input_offset must hold one value each, hold {in_s.numel()} / {in_off.numel()}")
     if deq.dtype != torch.float32 or deq.numel() != o:
         return f"{w.module}.deq_scale", f"is {deq.dtype} {list(deq.shape)}, expected float32 [{o}] (a bf16 model's)"
     want = (in_s.to(torch.float32).reshape(()) * scale.to(torch.float32).reshape(-1))

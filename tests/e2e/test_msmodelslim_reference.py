@@ -144,7 +144,8 @@ def test_weight_only_dequantisation_on_request(quantised):
     src, q = quantised
     deq = Engine.from_pretrained(str(q), backend="reference", device="cpu", dtype=torch.float32,
                                  weight_format="dtype").logits(PROMPTS[:1])[0]
-    exact = Engine.from_pretrained(str(q), backend="reference", device="cpu", dtype=torch.float32).logits(PROMPTS[:1])[0]
+    exact = Engine.from_pretrained(str(q), backend="reference", device="cpu",
+                                   dtype=torch.float32).logits(PROMPTS[:1])[0]
     assert 1e-4 < _rel(exact, deq) < 5e-2   # only the activations' int8 rounding differs
 
 

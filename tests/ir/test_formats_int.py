@@ -36,7 +36,8 @@ def test_quantize_then_dequantize_is_within_half_a_step(fmt):
         assert c.dtype == torch.float32 and tuple(c.shape) == companion_shape(fmt, suffix, (6, 512))
     back = dequantize(stored, comps, fmt)
     q = int_values(stored, fmt)
-    assert int(q.min()) >= (-8 if fmt.storage == "int4" else -128) and int(q.max()) <= (7 if fmt.storage == "int4" else 127)
+    lo, hi = (-8, 7) if fmt.storage == "int4" else (-128, 127)
+    assert int(q.min()) >= lo and int(q.max()) <= hi
     step = comps[0] * (comps[2].repeat_interleave(256, -1) if fmt.group else 1)
     err = (back - w).abs()
     slack = 0.5 * 127 / 7 * comps[0] if fmt.group else 0   # the int8 step's rounding, seen through the int4 step
