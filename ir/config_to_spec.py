@@ -269,6 +269,38 @@ def _check_computable(c: _Config, v3: bool) -> bool:
     return True
 
 
+# Huawei msModelSlim's config.json keys: `quantize` for the ordinary linears, `moe_quantize` for the routed
+# experts (runtime/msmodelslim.py reads the checkpoint).  What each value stores the weights as
+# (ir/formats.py); w4a8_dynamic is msModelSlim 1.0.0's packed per-channel int4 -- a checkpoint in an older
+# int4 layout is a WeightError at load naming the tensor.
+MSMODELSLIM_FORMATS = {"w8a8_dynamic": "int8_channel", "w4a8_dynamic": "int4_channel"}
+
+
+def _msmodelslim_formats(c: _Config, has_moe: bool) -> str:
+    """The spec's weight_formats for a config with msModelSlim's `quantize` / `moe_quantize`, or ""."""
+    dense, moe = c.cfg.get("quantize"), c.cfg.get("moe_quantize")
+    if dense is None and moe is None:
+        return ""
+    if c.cfg.get("quantization_config") is not None:
+        raise c.error("quantize", "a config with both quantization_config and msModelSlim's quantize is ambiguous")
+    for key, value, accepted in (("quantize", dense, ("w8a8_dynamic",)),
+                                 ("moe_quantize", moe, ("w8a8_dynamic", "w4a8_dynamic"))):
+        if value is not None and value not in accepted:
+            raise c.error(key, f"{key} {value!r} is not supported: dsgraph reads msModelSlim's "
+                               f"{' and '.join(accepted)} (static w8a8 is checked at load but not run)")
+    if dense is None:
+        raise c.error("moe_quantize", "moe_quantize without quantize: msModelSlim quantises the other linears too")
+    rules = [("model.layers.*.self_attn.kv_b_proj.weight", "act")]   # msModelSlim keeps kv_b_proj float
+    if has_moe:
+        rules.append(("model.layers.*.mlp.experts.*", MSMODELSLIM_FORMATS[moe or dense]))
+    rules += [("model.layers.*.self_attn.*_proj*.weight", MSMODELSLIM_FORMATS[dense]),
+              ("model.layers.*.mlp.*_proj.weight", MSMODELSLIM_FORMATS[dense])]
+    lines = ["", "weight_formats:                 # msModelSlim's layout (config.json quantize / moe_quantize; "
+                 "first match wins)"]
+    lines += [f"  {json.dumps(g)}: {f}" for g, f in rules]
+    return "\n".join(lines) + "\n"
+
+
 def _yaml_str(text: str) -> str:
     """`text` as a YAML scalar that reads back as this string: plain when it is a simple
     name (the shipped specs), else double-quoted (JSON's quoting is valid YAML)."""
@@ -374,7 +406,11 @@ def spec_from_config(cfg: dict, name: str | None = None, title: str | None = Non
         q_ops=Q_LORA if q_lora_rank else Q_DIRECT, rope_pairs=rope_pairs, rope_output=rope_output,
         scoring=scoring, method=method, norm_topk_prob="true" if norm else "false",
         routed_scaling_factor=_num(routed_scaling_factor), bias=bias, lm_head=lm_head)
-    return "\n".join(lines) + "\n" + body + (weight_formats_yaml(FP8_CHECKPOINT_GLOBS, FP8) if fp8 and weight_formats else "")
+    has_moe = any(layer >= first_dense and layer % moe_freq == 0 for layer in range(ints["num_hidden_layers"]))
+    formats = _msmodelslim_formats(c, has_moe)
+    if fp8:
+        formats = weight_formats_yaml(FP8_CHECKPOINT_GLOBS, FP8)
+    return "\n".join(lines) + "\n" + body + (formats if weight_formats else "")
 
 
 def spec_from_config_file(path: str, name: str | None = None) -> str:

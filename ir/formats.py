@@ -9,8 +9,25 @@ tensors), named by appending a suffix to the weight's checkpoint name:
     fp8_e4m3_block128    float8_e4m3fn     _scale_inv: float32 [.., ceil(O/128), ceil(I/128)]  W[o, i] = q[o, i] * s[o // 128, i // 128]
 
 (DeepSeek-V3's released layout: edge blocks are partial -- "ceil blocks" -- e.g. kv_a_proj_with_mqa's 576 rows
-have 5 row blocks, the last one 64 rows.)  int8 per output channel and packed int4 (msModelSlim W8A8 / W4A8)
-are to be added here as rows of the same table.
+have 5 row blocks, the last one 64 rows.)
+
+Huawei msModelSlim's integer formats (what its W8A8 / W4A8 checkpoints store; vllm-ascend runs them), each
+weight with `_scale` / `_offset` companions (float32 [.., O, 1]; the offsets written as zeros: symmetric):
+
+    int8_channel         int8 [.., O, I]   W8A8_DYNAMIC        W[o, i] = q[o, i] * s[o]
+    int8_static          int8 [.., O, I]   W8A8 (static)       as int8_channel; the activation's per-tensor
+                                                               input_scale / input_offset, deq_scale, quant_bias
+                                                               are module siblings (ir/formats_int.py)
+    int4_channel         int8 [.., O/2, I] W4A8_DYNAMIC 1.0.0  two int4 per byte along O: byte[j, i] =
+                                                               (q[2j+1, i] << 4) | (q[2j, i] & 0xF); W = q * s[o]
+    int4_channel_byte    int8 [.., O, I]   one int4 (-8..7) per byte, W = q * s[o]
+    int4_group256        int8 [.., O, I]   W4A8_DYNAMIC < 1.0.0: one int4 per byte, `_scale_second` /
+                                           `_offset_second` [.., O, I/256]: W[o, i] = (q[o, i] * s2[o, i // 256]) * s[o]
+    int4_group256_packed int8 [.., O/2, I] the same scales, two int4 per byte along O
+
+A packed int4 weight also has a `scale_bias` module sibling (an Ascend-kernel correction, 8 * s[o] * sum_i q[o, i];
+checked at load, never added).  Activations are quantised per token (dynamic) or per tensor (static) to int8:
+ir/formats_int.py holds that arithmetic, the one definition the reference and the kernels share.
 
 The activation dtype (Options.dtype) is separate: a bf16 model may keep some weights in FP8.  A weight whose
 format is None in the graph is stored in the activation dtype (or fp32 where the op pins fp32).
@@ -24,8 +41,13 @@ from dataclasses import dataclass
 class WeightFormat:
     name: str                       # the spelling in specs, manifests and the CLI
     storage: str                    # the stored element type: bf16 | fp16 | fp32 | fp8_e4m3
-    block: tuple[int, int] | None   # (rows, cols) a scale covers, or None (unscaled)
+    block: tuple[int, int] | None   # (rows, cols) a scale covers, or None (unscaled, or per output channel)
     companions: tuple[str, ...]     # checkpoint-name suffixes of the companion tensors
+    pack: int = 1                   # values per stored element along O (2: two int4 in one int8)
+    group: int | None = None        # the second-stage scale's group along I (msModelSlim per-group int4)
+    siblings: tuple[str, ...] = ()  # tensors beside the module's `weight` (their leaf names): static W8A8's
+                                    # activation quantisation, packed int4's scale_bias checksum
+    activation: str | None = None   # int8 activation quantisation: "token" (dynamic) | "tensor" (static)
 
     @property
     def quantized(self) -> bool:
@@ -38,8 +60,19 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     WeightFormat("fp16", "fp16", None, ()),
     WeightFormat("fp32", "fp32", None, ()),
     WeightFormat("fp8_e4m3_block128", "fp8_e4m3", (FP8_BLOCK, FP8_BLOCK), ("_scale_inv",)),
+    WeightFormat("int8_channel", "int8", None, ("_scale", "_offset"), activation="token"),
+    WeightFormat("int8_static", "int8", None, ("_scale", "_offset"), activation="tensor",
+                 siblings=("input_scale", "input_offset", "deq_scale", "quant_bias")),
+    WeightFormat("int4_channel", "int4", None, ("_scale", "_offset"), pack=2, siblings=("scale_bias",),
+                 activation="token"),
+    WeightFormat("int4_channel_byte", "int4", None, ("_scale", "_offset"), activation="token"),
+    WeightFormat("int4_group256", "int4", None, ("_scale", "_offset", "_scale_second", "_offset_second"),
+                 group=256, activation="token"),
+    WeightFormat("int4_group256_packed", "int4", None, ("_scale", "_offset", "_scale_second", "_offset_second"),
+                 pack=2, group=256, siblings=("scale_bias",), activation="token"),
 )}
 FP8 = FORMATS["fp8_e4m3_block128"]
+INT_FORMATS = tuple(f for f in FORMATS.values() if f.storage in ("int8", "int4"))
 
 # The tensors DeepSeek-V3's FP8 checkpoints store in FP8 (globs over checkpoint names; bound per-expert
 # stacks match too): every decoder-layer linear -- transformers' FineGrainedFP8 replaces each nn.Linear but
@@ -128,6 +161,8 @@ def companion_info(info, fmt: WeightFormat, suffix: str):
     scale's blocks).  A ValueError if a slice of the weight does not fall on block edges."""
     from .ops.base import WeightInfo, WeightSlice
 
+    if fmt.block is None:
+        return _channel_companion_info(info, fmt, suffix)
     parts = None
     if info.parts is not None:
         parts = []
@@ -144,6 +179,45 @@ def companion_info(info, fmt: WeightFormat, suffix: str):
     return WeightInfo(scale_shape(tuple(info.shape), fmt), True, parts)
 
 
+def _channel_companion_info(info, fmt: WeightFormat, suffix: str):
+    """An integer format's companion (per output channel [.., O, 1], or per group [.., O, I/G]): per-expert
+    parts follow the weight's; a slice of rows is those rows of the scale.  A slice of columns is refused:
+    the activation a column block multiplies would be quantised apart from the rest of its row."""
+    from .formats_int import companion_shape
+    from .ops.base import WeightInfo, WeightSlice
+
+    parts = None
+    if info.parts is not None:
+        parts = []
+        for p in info.parts:
+            if isinstance(p, str):
+                parts.append(p + suffix)
+                continue
+            if p.dim != len(p.stored) - 2:
+                raise ValueError(f"stacked part {p.name} is a slice of input columns; {fmt.name} quantises each "
+                                 f"activation row whole")
+            parts.append(WeightSlice(p.name + suffix, p.dim, p.start, p.stop, companion_shape(fmt, suffix, p.stored)))
+        parts = tuple(parts)
+    return WeightInfo(companion_shape(fmt, suffix, tuple(info.shape)), True, parts)
+
+
+def companion_shape_of(fmt: WeightFormat, suffix: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of companion `suffix` of a weight of logical `shape` in `fmt` (a block scale, or an integer
+    format's per-channel / per-group scale)."""
+    if fmt.block is not None:
+        return scale_shape(shape, fmt)
+    from .formats_int import companion_shape
+    return companion_shape(fmt, suffix, shape)
+
+
+def stored_shape(fmt: WeightFormat | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a weight of logical `shape` is stored in: packed int4 holds two output channels a byte."""
+    if fmt is None or fmt.pack == 1:
+        return tuple(shape)
+    from .formats_int import stored_shape as packed
+    return packed(fmt, tuple(shape))
+
+
 def set_format(weights: dict, name: str, fmt: WeightFormat) -> None:
     """Store bound weight `name` in quantised format `fmt`: its WeightInfo's format, and its companions
     bound beside it.  (An unscaled weight's format stays None: it is stored in the activation dtype.)"""
@@ -151,6 +225,9 @@ def set_format(weights: dict, name: str, fmt: WeightFormat) -> None:
 
     if not fmt.quantized:
         raise ValueError(f"{name}: format {fmt.name} is unscaled; an unscaled weight is stored in the activation dtype")
+    if fmt.activation == "tensor":
+        raise ValueError(f"{name}: format {fmt.name} (static W8A8) is read and checked by the loader "
+                         f"(runtime/msmodelslim.py), but no op computes its per-tensor activation quantisation yet")
     info = replace(weights[name], format=fmt.name)
     weights[name] = info
     for suffix, cname in zip(fmt.companions, companion_names(name, fmt)):
@@ -159,12 +236,16 @@ def set_format(weights: dict, name: str, fmt: WeightFormat) -> None:
 
 def dequantize(weight, companions, fmt: WeightFormat):
     """The float32 weight a quantised `weight` and its `companions` (in fmt.companions order) stand for:
-    the reference semantics of every op on a quantised weight.  FP8 blocks: W = q * s per block, the
-    edge blocks partial, exact in float32 (an e4m3 value times a float32 scale rounds once)."""
+    the reference semantics of every op on an FP8 weight.  FP8 blocks: W = q * s per block, the
+    edge blocks partial, exact in float32 (an e4m3 value times a float32 scale rounds once).  The integer
+    formats: ir/formats_int.dequantize_int (their ops multiply exactly instead: formats_int.int_linear)."""
     from .lazy import torch
 
     if not fmt.quantized:
         return weight
+    if fmt.block is None:
+        from .formats_int import dequantize_int
+        return dequantize_int(weight, companions, fmt)
     (scale_inv,) = companions
     want = scale_shape(tuple(weight.shape), fmt)
     if tuple(scale_inv.shape) != want:
@@ -175,13 +256,17 @@ def dequantize(weight, companions, fmt: WeightFormat):
 
 
 def quantize(weight, fmt: WeightFormat):
-    """(q, companions) storing float `weight` [.., rows, cols] in block format `fmt`, as DeepSeek-V3's
+    """(q, companions) storing float `weight` [.., rows, cols] in format `fmt`.  FP8 as DeepSeek-V3's
     checkpoints are written: per block s = amax|W| / 448 in float32 (an all-zero block gets s = 1),
-    q = W / s saturated to +-448 and rounded to nearest even in float8_e4m3fn; the stored scale_inv is s."""
+    q = W / s saturated to +-448 and rounded to nearest even in float8_e4m3fn; the stored scale_inv is s.
+    The integer formats as msModelSlim writes them: ir/formats_int.quantize_int."""
     from .lazy import F, torch
 
+    if fmt in INT_FORMATS:
+        from .formats_int import quantize_int
+        return quantize_int(weight, fmt)
     if fmt is not FP8:
-        raise ValueError(f"quantising to {fmt.name} is not supported (only {FP8.name})")
+        raise ValueError(f"quantising to {fmt.name} is not supported (only {FP8.name} and the integer formats)")
     w = weight.to(torch.float32)
     *lead, rows, cols = w.shape
     br, bc = fmt.block
@@ -211,13 +296,20 @@ def format_problem(weights: dict, name: str, role: str, opdef) -> str | None:
         return f"weight {name} has unknown format {info.format!r} (known: {', '.join(FORMATS)})"
     if role not in opdef.scaled_weights or info.keep_fp32:
         return f"weight {name} is {fmt.name}, but {opdef.name} takes its {role} unquantised"
+    if fmt.block is None:
+        from .formats_int import INT_OPS
+        if opdef.name not in INT_OPS:
+            return f"weight {name} is {fmt.name}, but {opdef.name} takes its {role} in float or FP8 only"
     for cname in companion_names(name, fmt):
         c = weights.get(cname)
         if c is None:
             return f"weight {name} is {fmt.name}, but its companion {cname} is not bound"
-        if tuple(c.shape) != scale_shape(tuple(info.shape), fmt) or not c.keep_fp32:
+    for suffix, cname in zip(fmt.companions, companion_names(name, fmt)):
+        c = weights[cname]
+        want = companion_shape_of(fmt, suffix, tuple(info.shape))
+        if tuple(c.shape) != want or not c.keep_fp32:
             return (f"companion {cname} is bound as {tuple(c.shape)}{'' if c.keep_fp32 else ' (not float32)'}, "
-                    f"{fmt.name} needs float32 {scale_shape(tuple(info.shape), fmt)} for {name} {tuple(info.shape)}")
+                    f"{fmt.name} needs float32 {want} for {name} {tuple(info.shape)}")
         if (c.parts is None) != (info.parts is None) or (c.parts is not None and len(c.parts) != len(info.parts)):
             return f"companion {cname} is not stacked as {name} is"
     return None

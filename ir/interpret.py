@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # annotations only
     import networkx as nx
 
 from .formats import FORMATS, companions_of, dequantize
+from .formats_int import IntMatrix
 from .graph import node_view, topo_order
 from .ops import OPS
 
@@ -18,10 +19,14 @@ from .ops import OPS
 def bound_weight(G: nx.DiGraph, weights: dict, name: str, ins: list):
     """Bound weight `name` as an op's reference semantics takes it: as stored, or, when quantised,
     dequantised exactly (ir.formats.dequantize, float32) and cast to the dtype the op computes in
-    (that of its first float input: the activation dtype, or float32)."""
+    (that of its first float input: the activation dtype, or float32); an integer format as an
+    IntMatrix, which the op's linear() multiplies by with int8 activations."""
     info = G.graph["weights"][name]
     if info.format is None:
         return weights[name]
+    fmt = FORMATS[info.format]
+    if fmt.block is None:    # an integer format: the op multiplies by it exactly (ir/formats_int.py linear)
+        return IntMatrix(weights[name], [weights[c] for c in companions_of(G.graph["weights"], name)], fmt)
     full = dequantize(weights[name], [weights[c] for c in companions_of(G.graph["weights"], name)],
                       FORMATS[info.format])
     act = next((t.dtype for t in ins if hasattr(t, "dtype") and t.dtype.is_floating_point), full.dtype)

@@ -54,10 +54,11 @@ class MemoryEstimate:
 
 def weight_bytes(specs: dict, dtype: torch.dtype) -> int:
     """Bytes of the weights `specs` (name -> WeightSpec) bind once loaded at `dtype` (a quantised weight as
-    stored: FP8 one byte an element, its float32 scales weights of their own)."""
-    from .weights import stored_dtype
-    return sum(math.prod(s.shape) * (stored_dtype(s) or (torch.float32 if s.keep_fp32 else dtype)).itemsize
-               for s in specs.values())
+    stored: FP8 / int8 one byte an element, packed int4 two elements a byte, its float32 scales weights of
+    their own)."""
+    from .weights import stored_dtype, stored_shape_of
+    return sum(math.prod(stored_shape_of(s, s.shape))
+               * (stored_dtype(s) or (torch.float32 if s.keep_fp32 else dtype)).itemsize for s in specs.values())
 
 
 def available_bytes(device) -> int | None:

@@ -155,10 +155,14 @@ def load_model_weights(model_dir, specs: dict[str, WeightSpec], spec: Spec, *, d
     """``progress``: None or False (quiet), True (a tqdm bar, see progress_bar) or a
     ``progress(done, total)`` callable.  ``weight_format`` ("fp8" / "dtype"): read the checkpoint
     converted to that format (runtime/convert.py) rather than as stored."""
-    ckpt = Checkpoint.open(model_dir)
-    if weight_format is not None:
-        from .convert import Converted
-        ckpt = Converted(ckpt, weight_format)
+    from .msmodelslim import is_msmodelslim, open_checked
+    if is_msmodelslim(model_dir):
+        ckpt = open_checked(model_dir, weight_format)
+    else:
+        ckpt = Checkpoint.open(model_dir)
+        if weight_format is not None:
+            from .convert import Converted
+            ckpt = Converted(ckpt, weight_format)
     return load_weights(ckpt, specs, dtype=dtype, device=device,
                         ignore=unused_checkpoint_tensors(spec.dims["layers"]),
                         progress=progress_bar() if progress is True else None if progress is False else progress)

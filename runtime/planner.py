@@ -111,6 +111,8 @@ def rank_weight_specs(specs: dict, model, world: int, rank: int = 0) -> dict:
         shard = weight_shard(base, specs[base].shape, model, world, rank)
         if base != name and shard.dim is not None:     # the blocks of the weight's slice
             fmt = FORMATS[specs[base].format]
+            if fmt.block is None:
+                raise ParallelError(f"weight {base} ({fmt.name}) on {world} ranks: integer weights run on one GPU only")
             whole = specs[base].shape[shard.dim]
             problem = block_slice_problem(fmt, shard.dim, shard.start, shard.stop, whole)
             if problem:

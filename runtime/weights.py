@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from ir.formats import FORMATS, FP8, companion_names
+from ir.formats import FORMATS, FP8, companion_names, stored_shape
 from ir.ops.base import WeightSlice
 from runtime.errors import WeightError
 
@@ -34,7 +34,7 @@ INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 
 # How a quantised format's elements are stored: safetensors dtype and torch dtype (ir/formats.py storage).
-STORED = {"fp8_e4m3": ("F8_E4M3", torch.float8_e4m3fn)}
+STORED = {"fp8_e4m3": ("F8_E4M3", torch.float8_e4m3fn), "int8": ("I8", torch.int8), "int4": ("I8", torch.int8)}
 FP8_DTYPE = STORED[FP8.storage][0]
 
 _FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
@@ -87,8 +87,8 @@ class Checkpoint:
         return cls(root, handles, shard_of)
 
     @classmethod
-    def _from_index(cls, root: Path) -> Checkpoint:
-        index_path = root / INDEX_FILE
+    def _from_index(cls, root: Path, index: str = INDEX_FILE) -> Checkpoint:
+        index_path = root / index
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
             if not isinstance(weight_map, dict):
@@ -281,7 +281,7 @@ def load_weights(
             continue
         # Allocate the stack once at its final dtype and place; each expert is
         # copied in and dropped, never held alongside the others.
-        stacked = torch.empty(spec.shape, dtype=target, device=device)
+        stacked = torch.empty(stored_shape_of(spec, spec.shape), dtype=target, device=device)
         for e, p in enumerate(spec.parts):
             stacked[e].copy_(_read_part(ckpt, p, device))
             done += 1
@@ -309,7 +309,7 @@ def check_checkpoint(ckpt: Checkpoint, specs: dict[str, WeightSpec], ignore: Cal
                 missing.append(f"{name} (expected shape {shape})")
                 continue
             used.add(name)
-            problem = _check_tensor(ckpt, name, shape, spec.format, used)
+            problem = _check_tensor(ckpt, name, stored_shape_of(spec, shape), spec.format, used)
             if problem:
                 wrong.append(problem)
     unexpected = sorted(n for n in available - used if not _is_ignored(n, ignore))
@@ -322,6 +322,11 @@ def check_checkpoint(ckpt: Checkpoint, specs: dict[str, WeightSpec], ignore: Cal
         sections.append(_section(f"{len(wrong)} tensor(s) with the wrong shape or dtype", wrong))
     if sections:
         raise WeightError(f"checkpoint at {ckpt.model_dir} does not match the model:\n" + "\n".join(sections))
+
+
+def stored_shape_of(spec: WeightSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The stored shape of a tensor `spec` reads as `shape` (packed int4 holds two output channels a byte)."""
+    return stored_shape(FORMATS[spec.format] if spec.format else None, shape)
 
 
 def stored_dtype(spec: WeightSpec) -> torch.dtype | None:

@@ -1,6 +1,7 @@
 """Dense building blocks: embedding, linear, norms, residual add, split, SwiGLU."""
 from __future__ import annotations
 
+from ..formats_int import linear
 from ..lazy import F, torch
 from .base import MULTI_LINEAR_MAX, Attr, Node, OpDef, TType, expect, is_float, register, same_rows
 
@@ -57,7 +58,7 @@ class Linear(OpDef):
         x, weight = ins[0], w["weight"]
         if node.attrs["precision"] == "fp32":
             return [F.linear(x.float(), weight.float())]
-        return [F.linear(x, weight)]
+        return [linear(x, weight)]
 
 
 @register
@@ -84,13 +85,13 @@ class MultiLinear(OpDef):
 
     @classmethod
     def run(cls, node, ins, w, ctx):
-        return [F.linear(ins[0], w[f"weight{i}"]) for i in range(len(node.attrs["out_dims"]))]
+        return [linear(ins[0], w[f"weight{i}"]) for i in range(len(node.attrs["out_dims"]))]
 
 
 def gate_up_silu_ref(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(x gate^T) * (x up^T), rounded where the unfused linear, linear and silu_and_mul round
     (in place on the gate product: the runtime runs this above the skinny kernel's token count)."""
-    return F.silu(F.linear(x, gate), inplace=True).mul_(F.linear(x, up))
+    return F.silu(linear(x, gate), inplace=True).mul_(linear(x, up))
 
 
 @register

@@ -13,6 +13,7 @@ of them as the shared experts' output.
 """
 from __future__ import annotations
 
+from ..formats_int import linear
 from ..lazy import F, torch
 from .base import Attr, OpDef, TType, expect, register
 from .core import rms_norm_ref
@@ -92,7 +93,7 @@ def grouped_linear(x: torch.Tensor, rows_of_pair: bool, routing: dict, weight: t
             continue
         pairs = routing["order"][offsets[e]:offsets[e + 1]]
         rows = pairs if rows_of_pair else pairs // routing["top_k"]
-        out[pairs] = F.linear(x[rows], weight[e])
+        out[pairs] = linear(x[rows], weight[e])
     return out
 
 

@@ -106,6 +106,9 @@ def _companion_shards(H: nx.DiGraph, name: str, info, shard) -> list:
     if info.format is None:
         return []
     fmt = FORMATS[info.format]
+    if fmt.block is None:
+        raise ParallelError(f"weight {name} ({fmt.name}): integer weights run on one GPU only (no rank slices of "
+                            f"their per-channel scales yet)")
     if shard.kind in ("rows", "cols"):
         problem = block_slice_problem(fmt, shard.dim, shard.start, shard.stop, info.shape[shard.dim])
         if problem:

@@ -156,3 +156,25 @@ def test_tiny_spec_is_a_small_v2_lite_written_by_from_config():
         verify(G)
         params = sum(math.prod(w.shape) for w in G.graph["weights"].values())
         assert params < 1_000_000
+
+
+@pytest.mark.parametrize("quant, says", [
+    ({"quantize": "w8a8"}, "quantize 'w8a8' is not supported"),
+    ({"quantize": "w8a8_dynamic", "moe_quantize": "w4a4_dynamic"}, "moe_quantize 'w4a4_dynamic' is not supported"),
+    ({"moe_quantize": "w4a8_dynamic"}, "moe_quantize without quantize"),
+    ({"quantize": "w8a8_dynamic", "quantization_config": {"quant_method": "fp8"}}, "ambiguous"),
+])
+def test_msmodelslim_quantisation_keys_the_spec_cannot_store_are_one_error(quant, says):
+    with pytest.raises(SpecError, match=says):
+        spec_from_config({**_config("deepseek_tiny"), **quant})
+
+
+def test_msmodelslim_quantisation_keys_become_weight_formats():
+    cfg = {**_config("deepseek_tiny"), "quantize": "w8a8_dynamic", "moe_quantize": "w4a8_dynamic"}
+    G = build_graph(load_spec(spec_from_config(cfg), file="config.json"), "prefill")
+    formats = {n: w.format for n, w in G.graph["weights"].items()}
+    assert formats["model.layers.1.mlp.experts.*.down_proj.weight"] == "int4_channel"
+    assert formats["model.layers.1.mlp.shared_experts.down_proj.weight"] == "int8_channel"
+    assert formats["model.layers.0.self_attn.kv_b_proj.weight"] is None
+    assert formats["model.layers.1.mlp.gate.weight"] is None and formats["lm_head.weight"] is None
+    assert all(formats[n] == "int8_channel" for n in formats if n.endswith(("q_a_proj.weight", "o_proj.weight")))
