@@ -32,7 +32,10 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     T, K = x.shape
     KB = cdiv(K, FP8_BLOCK)
     xf = F.pad(x.float(), (0, KB * FP8_BLOCK - K)).view(T, KB, FP8_BLOCK)
-    s = xf.abs().amax(dim=-1).clamp_min(AMAX_FLOOR) / FP8_MAX
+    amax = xf.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
+    # tensor by tensor: true fp32 division (torch multiplies by the reciprocal of a scalar divisor on
+    # CUDA, which rounds differently from the kernel's amax / 448)
+    s = amax / torch.full_like(amax, FP8_MAX)
     q = (xf / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(T, KB * FP8_BLOCK)[:, :K].contiguous(), s
 
