@@ -50,7 +50,7 @@ def fits(opts) -> bool:
 
 
 def serves(K: int) -> bool:
-    """The shape condition (the table's fact "k16"): whole 16-byte chunks of K."""
+    """The shape condition (the table's fact "fp8_rows"): whole 16-byte chunks of K."""
     return K % 16 == 0
 
 

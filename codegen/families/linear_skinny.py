@@ -106,8 +106,8 @@ def lower(nid, G, opts, *, warps: int | None = None, row_tiles: int | None = Non
         roles = ["weight"] if data["op"] == "linear" else [f"weight{i}" for i in range(len(outs))]
     act = DTYPES[opts.dtype]
     fp8 = _fp8_weights(G, [bound[r] for r in roles], opts)
-    facts = {"precision": precision, "weight_format": FP8.name if fp8 else opts.dtype,
-             "sm_90a": has_feature(opts.arch, gemm_fp8.FEATURE), "k16": gemm_fp8.serves(K),
+    facts = {"precision": precision, "weight_format": FP8.name if fp8 else "same",
+             "sm_90a": has_feature(opts.arch, gemm_fp8.FEATURE), "fp8_rows": gemm_fp8.serves(K),
              "fp8_fits": gemm_fp8.fits(opts)}
     rows_ = dispatch.rows(data["op"], facts, opts.tuning)
     skinny, wgmma = dispatch.row_range(rows_, "skinny"), dispatch.row_range(rows_, "fp8_wgmma")

@@ -16,7 +16,7 @@ from codegen.tuning import SECTIONS, Tuning
 FACT_VALUES = {"dtype": ("bf16", "fp16", "fp32"), "sm_90a": (True, False), "tma_rows": (True, False),
                "decode_wgmma_fits": (True, False), "prefill_wgmma_fits": (True, False), "one_token": (True, False),
                "decode_wgmma": (True, False), "precision": ("fp32", "act"), "mma": (True, False),
-               "weight_format": ("bf16", "fp8_e4m3_block128"), "k16": (True, False), "fp8_fits": (True, False)}
+               "weight_format": dispatch.WEIGHT_FORMATS, "fp8_rows": (True, False), "fp8_fits": (True, False)}
 
 
 def tuned(**knobs) -> Tuning:
@@ -72,10 +72,11 @@ def test_a_table_says_which_case_holds_and_refuses_no_case():
     assert dispatch.select("moe_expert_ffn", 48, {"dtype": "bf16", "sm_90a": True, "decode_wgmma": True}).variant \
         == "fused"
     assert dispatch.select("linear", 17, {"precision": "act"}).variant == "library"
-    fp8 = {"precision": "act", "weight_format": "fp8_e4m3_block128", "sm_90a": True, "k16": True, "fp8_fits": True}
+    fp8 = {"precision": "act", "weight_format": "fp8_e4m3_block128", "sm_90a": True, "fp8_rows": True, "fp8_fits": True}
     assert [dispatch.select("linear", t, fp8).variant for t in (16, 17, 16384)] == ["skinny", "fp8_wgmma", "fp8_wgmma"]
     assert dispatch.select("linear", 17, {**fp8, "sm_90a": False}).variant == "library"
-    assert dispatch.select("linear", 17, {**fp8, "k16": False}).variant == "library"
+    assert dispatch.select("linear", 17, {**fp8, "fp8_rows": False}).variant == "library"
+    assert dispatch.select("linear", 17, {**fp8, "weight_format": "same"}).variant == "library"
     assert dispatch.select("align", 6145, {}).variant == "count_scan_scatter"
     with pytest.raises(dispatch.DispatchError, match="no dispatch table for op 'rms_norm'"):
         dispatch.table("rms_norm")

@@ -84,7 +84,7 @@ def test_without_the_skinny_kernel_the_fp8_gemm_serves_every_t():
 
 
 def test_the_dispatch_row_names_the_fp8_gemm():
-    facts = {"precision": "act", "weight_format": FP8.name, "sm_90a": True, "k16": True, "fp8_fits": True}
+    facts = {"precision": "act", "weight_format": FP8.name, "sm_90a": True, "fp8_rows": True, "fp8_fits": True}
     row = dispatch.select("linear", FIRST, facts)
     assert row.variant == "fp8_wgmma" and "promotion per 128-K block" in row.reason and row.span == f"{FIRST}..inf"
 
