@@ -109,3 +109,37 @@ def test_the_fp8_gemm_compiles_to_fp8_wgmma_without_spills(op, K, dtype):
     res = compile_cubin(render_launch(quant), quant.name, options=("--ptxas-options=-v",))
     assert "0 bytes spill" in res.log
     assert opcodes(res.cubin)["F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"] == 2
+
+
+def test_a_spec_with_fp8_linears_plans_the_quantiser_and_the_gemm_with_their_workspaces():
+    """The tiny config's attention linears and dense MLP in FP8 (its experts and kv_b stay bf16): in the prefill
+    plan every FP8 linear node runs the skinny kernel, then the quantiser and the GEMM, its workspaces
+    placed in the arena over that node alone; the plan survives the manifest's JSON."""
+    import json
+    from pathlib import Path
+
+    import ir
+    from codegen.bundle import plan_spec
+    from codegen.manifest import phase_from_json, phase_to_json
+    from codegen.memplan import workspace_slot
+    from ir.config_to_spec import spec_from_config
+    from ir.formats import weight_formats_yaml
+    root = Path(__file__).resolve().parents[2]
+    tiny = json.loads((root / "model_specs" / "hf_configs" / "deepseek_tiny.json").read_text())
+    globs = ("model.layers.*.self_attn.q*_proj.weight", "model.layers.*.self_attn.kv_a_proj_with_mqa.weight",
+             "model.layers.*.self_attn.o_proj.weight", "model.layers.0.mlp.*_proj.weight")   # not kv_b: attention's
+    spec = ir.load_spec(spec_from_config(tiny, name="tiny") + "\n" + weight_formats_yaml(globs, FP8), file="t.yaml")
+    plan = plan_spec(spec, Options()).plans["prefill"]
+    fp8_nodes = {la.nodes[0] for la in plan.launches if la.family == linear_skinny.FAMILY and "_wfp8" in la.name}
+    assert len(fp8_nodes) >= 4                    # q / kv_a, o_proj per layer, the dense gate_up and down
+    for nid in fp8_nodes:
+        stages = [la.stage for la in plan.launches if la.nodes[0] == nid]
+        assert stages[1:2] == ["quant_x"] and set(stages[2:]) == {"fp8_wgmma"}, (nid, stages)
+        slots = {s.name: s for s in plan.arena}
+        for ws in (gemm_fp8.XQ, gemm_fp8.XS):
+            s = slots[workspace_slot(nid, ws)]
+            assert s.first == s.last, (nid, s)     # alive during its node only
+    assert not [c for c in plan.library_calls if c.attrs.get("weight_format") == FP8.name]
+    back = phase_from_json("prefill", json.loads(json.dumps(phase_to_json(plan))))
+    assert [s.name for s in back.launches] == [s.name for s in plan.launches]
+    assert [s.workspace for s in back.launches] == [s.workspace for s in plan.launches]
