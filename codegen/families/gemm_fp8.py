@@ -3,7 +3,7 @@
 
 The family claims no op: linear_skinny lowers those nodes and, where codegen/dispatch.py's linear
 table gives the row "fp8_wgmma", asks `launches` here for its launches, which run instead of the
-library call over the same token range:
+library call over the same token range (`lower` gives them for one node at every T):
 
     quant_x      x [T, K] -> xq [T, K] e4m3, xs [T, ceil(K / 128)] fp32 (templates/include/quant_fp8.cuh):
                  per token per 128 columns, scale = amax / 448 (x ~= q * s); the node's workspaces.
@@ -17,15 +17,18 @@ chunks of the quantised rows; 16-byte strides of the weight's tensor map).
 """
 from __future__ import annotations
 
+from codegen.arch import has_feature
+from codegen.errors import LoweringError
 from codegen.kernel import DTYPES, KernelLaunch, Workspace, inp, out, size, stride, tensor_map, weight, work
 from codegen.render import kernel_name
-from ir.formats import FP8, FP8_BLOCK, cdiv, companion_names
+from ir.formats import FP8, FP8_BLOCK, cdiv, companion_names, weight_format
 
+from ._dense_util import inner_dims, node_io
 from .mla_decode_attention import smem_limit
 
 FAMILY = "gemm_fp8"
 TEMPLATE = "gemm_fp8.cu.j2"
-OPS = ()          # launches of linear_skinny's nodes (its lowering calls `launches`)
+OPS = ()          # launches of linear_skinny's nodes (its lowering calls `launches`); `lower` for one node alone
 PDL = True        # both kernels wait (griddepcontrol.wait) before reading x / xq or writing
 FEATURE = "sm_90a"
 
@@ -54,8 +57,29 @@ def serves(K: int) -> bool:
     return K % 16 == 0
 
 
-def lower(nid, G, opts):   # pragma: no cover - the registry's contract; linear_skinny lowers the nodes
-    raise NotImplementedError("gemm_fp8 claims no op: linear_skinny.lower asks gemm_fp8.launches")
+def lower(nid, G, opts):
+    """A linear / multi_linear / gate_up_silu node with FP8 weights as the quantiser and the FP8 GEMM at
+    every T (a bench or a test of the GEMM alone; the model's lowering is linear_skinny's, which runs
+    these launches over its table's range); a LoweringError where they cannot serve the node."""
+    data, (x,), outs, bound = node_io(G, nid)
+    op = data["op"]
+    (K,) = inner_dims(G, x)
+    if op == "gate_up_silu":
+        names, rows = [bound["gate"], bound["up"]], [data["attrs"]["out_dim"]]
+    else:
+        names = [bound["weight"]] if op == "linear" else [bound[f"weight{i}"] for i in range(len(outs))]
+        rows = [inner_dims(G, y)[0] for y in outs]
+    problems = [f"{n} is {weight_format(G, n, opts.dtype).name}" for n in names
+                if weight_format(G, n, opts.dtype) is not FP8]
+    if opts.dtype not in ("bf16", "fp16"):
+        problems.append(f"activations are {opts.dtype}, not 16-bit")
+    if not serves(K):
+        problems.append(f"K = {K} is not a multiple of 16")
+    if not has_feature(opts.arch, FEATURE):
+        problems.append(f"target {opts.arch} lacks {FEATURE}")
+    if problems:
+        raise LoweringError(f"gemm_fp8 cannot serve {op} {nid}: {'; '.join(problems)}")
+    return launches(nid, op, x, K, names, list(outs), rows, opts, None, 1)
 
 
 def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[str], rows: list[int], opts,

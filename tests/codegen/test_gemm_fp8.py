@@ -143,3 +143,15 @@ def test_a_spec_with_fp8_linears_plans_the_quantiser_and_the_gemm_with_their_wor
     back = phase_from_json("prefill", json.loads(json.dumps(phase_to_json(plan))))
     assert [s.name for s in back.launches] == [s.name for s in plan.launches]
     assert [s.workspace for s in back.launches] == [s.workspace for s in plan.launches]
+
+
+def test_the_family_lowers_one_node_alone_at_every_t_and_says_what_it_cannot_serve():
+    from codegen.errors import LoweringError
+    G, nid = _node("gate_up_silu", (FP8.name, FP8.name))
+    steps = gemm_fp8.lower(nid, G, Options())
+    assert [s.stage for s in steps] == ["quant_x", "fp8_wgmma"] and _running(steps, 1) == ["quant_x", "fp8_wgmma"]
+    assert [s.name for s in steps] == [s.name for s in linear_skinny.lower(nid, G, Options())[1:]]
+    G, nid = _node("linear", (None,), K=300)
+    with pytest.raises(LoweringError, match="gemm_fp8 cannot serve linear .*: o is bf16; K = 300 is not a multiple "
+                                            "of 16; target sm_80 lacks sm_90a"):
+        gemm_fp8.lower(nid, G, Options(arch="sm_80"))
