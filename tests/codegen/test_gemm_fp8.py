@@ -155,3 +155,23 @@ def test_the_family_lowers_one_node_alone_at_every_t_and_says_what_it_cannot_ser
     with pytest.raises(LoweringError, match="gemm_fp8 cannot serve linear .*: o is bf16; K = 300 is not a multiple "
                                             "of 16; target sm_80 lacks sm_90a"):
         gemm_fp8.lower(nid, G, Options(arch="sm_80"))
+
+
+def test_explain_shows_the_fp8_gemm_above_the_skinny_range(capsys, tmp_path):
+    import json
+    from pathlib import Path
+
+    from ir.config_to_spec import spec_from_config
+    from ir.formats import weight_formats_yaml
+    from runtime.cli import main
+    root = Path(__file__).resolve().parents[2]
+    tiny = json.loads((root / "model_specs" / "hf_configs" / "deepseek_tiny.json").read_text())
+    spec = tmp_path / "tiny_fp8.yaml"
+    spec.write_text(spec_from_config(tiny, name="tiny") + "\n"
+                    + weight_formats_yaml(("model.layers.*.self_attn.o_proj.weight",), FP8))
+    assert main(["explain", str(spec), "--tokens", "16,17", "--phase", "prefill"]) == 0
+    out = capsys.readouterr().out
+    at16, at17 = out.split("prefill, T = 16 ", 1)[1].split("prefill, T = 17 ", 1)
+    assert "linear_skinny__bf16_wfp8__k128__o128" in at16 and "gemm_fp8" not in at16
+    assert "gemm_fp8__bf16__k128__quant_x, gemm_fp8__bf16_wfp8__k128__o128" in at17
+    assert f"fp8_wgmma [tokens {FIRST}..inf]: FP8 x FP8 wgmma + TMA" in at17
