@@ -39,7 +39,7 @@ from tests.gpu.harness import single_op_graph
 
 import ir
 from codegen.families import linear_skinny
-from codegen.kernel import KernelLaunch, LibraryCall, Options
+from codegen.kernel import KernelLaunch, Options
 from codegen.paths import DEFAULT_SPEC
 from codegen.tuning import DEFAULT_TUNING, Tuning, TuningError
 from ir.formats import FP8, companion_names, scale_shape
