@@ -61,14 +61,7 @@ def lower(nid, G, opts):
     """A linear / multi_linear / gate_up_silu node with FP8 weights as the quantiser and the FP8 GEMM at
     every T (a bench or a test of the GEMM alone; the model's lowering is linear_skinny's, which runs
     these launches over its table's range); a LoweringError where they cannot serve the node."""
-    data, (x,), outs, bound = node_io(G, nid)
-    op = data["op"]
-    (K,) = inner_dims(G, x)
-    if op == "gate_up_silu":
-        names, rows = [bound["gate"], bound["up"]], [data["attrs"]["out_dim"]]
-    else:
-        names = [bound["weight"]] if op == "linear" else [bound[f"weight{i}"] for i in range(len(outs))]
-        rows = [inner_dims(G, y)[0] for y in outs]
+    op, x, K, names, outs, rows = operands(G, nid)
     problems = [f"{n} is {weight_format(G, n, opts.dtype).name}" for n in names
                 if weight_format(G, n, opts.dtype) is not FP8]
     if opts.dtype not in ("bf16", "fp16"):
@@ -79,7 +72,19 @@ def lower(nid, G, opts):
         problems.append(f"target {opts.arch} lacks {FEATURE}")
     if problems:
         raise LoweringError(f"gemm_fp8 cannot serve {op} {nid}: {'; '.join(problems)}")
-    return launches(nid, op, x, K, names, list(outs), rows, opts, None, 1)
+    return launches(nid, op, x, K, names, outs, rows, opts, None, 1)
+
+
+def operands(G, nid: str) -> tuple:
+    """(op, x, K, the bound weight names in the node's order (gate_up_silu: gate, up), the outputs,
+    the output widths) of a linear / multi_linear / gate_up_silu node."""
+    data, (x,), outs, bound = node_io(G, nid)
+    op = data["op"]
+    (K,) = inner_dims(G, x)
+    if op == "gate_up_silu":
+        return op, x, K, [bound["gate"], bound["up"]], list(outs), [data["attrs"]["out_dim"]]
+    names = [bound["weight"]] if op == "linear" else [bound[f"weight{i}"] for i in range(len(outs))]
+    return op, x, K, names, list(outs), [inner_dims(G, y)[0] for y in outs]
 
 
 def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[str], rows: list[int], opts,

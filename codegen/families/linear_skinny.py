@@ -92,9 +92,15 @@ def lower(nid, G, opts, *, warps: int | None = None, row_tiles: int | None = Non
     t = opts.tuning.linear
     warps, row_tiles, ksplit = warps or t.warps, row_tiles or t.row_tiles, ksplit or t.ksplit
     data, (x,), outs, bound = node_io(G, nid)
+    gemms, alone = _fp8_gemms(nid, G, opts)
+    if alone:   # no skinny row (Tuning.linear.skinny_upto = 0): the FP8 GEMM at every T
+        return gemms
     precision = "fp32" if data["op"] == "linear" and data["attrs"]["precision"] == "fp32" else "act"
-    if precision == "fp32":
+    rows_ = dispatch.rows(data["op"], {"precision": precision}, opts.tuning)
+    skinny = dispatch.row_range(rows_, "skinny")
+    if not skinny:
         return [library_call(nid, data)]
+    ((_, upto),) = skinny
     if opts.dtype not in DTYPES:
         raise LoweringError(f"unsupported activation dtype {opts.dtype!r} (one of {', '.join(DTYPES)})")
     (K,) = inner_dims(G, x)
@@ -106,19 +112,6 @@ def lower(nid, G, opts, *, warps: int | None = None, row_tiles: int | None = Non
         roles = ["weight"] if data["op"] == "linear" else [f"weight{i}" for i in range(len(outs))]
     act = DTYPES[opts.dtype]
     fp8 = _fp8_weights(G, [bound[r] for r in roles], opts)
-    facts = {"precision": precision, "weight_format": FP8.name if fp8 else "same",
-             "sm_90a": has_feature(opts.arch, gemm_fp8.FEATURE), "fp8_rows": gemm_fp8.serves(K),
-             "fp8_fits": gemm_fp8.fits(opts)}
-    rows_ = dispatch.rows(data["op"], facts, opts.tuning)
-    skinny, wgmma = dispatch.row_range(rows_, "skinny"), dispatch.row_range(rows_, "fp8_wgmma")
-    gemms = []
-    if wgmma:   # the FP8 GEMM from there on (its row ends the table: no library call after it)
-        ((lo, hi),) = wgmma
-        gemms = gemm_fp8.launches(nid, data["op"], x, K, [bound[r] for r in roles], list(outs),
-                                  rows[:1] if silu else rows, opts, token_range(lo, hi), lo)
-    if not skinny:
-        return gemms or [_library_call(nid, data, 1, fp8)]
-    ((_, upto),) = skinny
     if fp8:
         d = DEFAULT_TUNING.linear
         default_pipeline, default_unroll = (d.fp8_silu_pipeline, d.fp8_silu_unroll) if silu else \
@@ -158,16 +151,33 @@ def lower(nid, G, opts, *, warps: int | None = None, row_tiles: int | None = Non
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
         grid=(f"{ctas} * {only_below(upto)}", 1, 1), block=(warps * 32, 1, 1), args=args,
         stage=data["op"])
-    return [launch, *gemms] if gemms else [launch, _library_call(nid, data, upto + 1, fp8)]
-
-
-def _library_call(nid, data, from_tokens: int, fp8: bool):
-    """The node's library call from `from_tokens` on; FP8 weights marked so the runtime dequantises them."""
-    from codegen.lower import library_call
-    call = library_call(nid, data, from_tokens=from_tokens)
+    if gemms:   # the FP8 GEMM above the skinny range (its row ends the table: no library call)
+        return [launch, *gemms]
+    call = library_call(nid, data, from_tokens=upto + 1)
     if fp8:
         call = dataclasses.replace(call, attrs={**call.attrs, "weight_format": FP8.name})
-    return call
+    return [launch, call]
+
+
+def _fp8_gemms(nid, G, opts) -> tuple[list, bool]:
+    """(gemm_fp8's launches over the linear table's "fp8_wgmma" row, whether no skinny row precedes
+    it): none unless the node's weights are all FP8, its activations 16-bit and its x the step's T
+    tokens (the launches' grids read T)."""
+    data = G.nodes[nid]
+    if (data["op"] == "linear" and data["attrs"]["precision"] == "fp32") or opts.dtype not in ("bf16", "fp16"):
+        return [], False
+    op, x, K, names, outs, rows = gemm_fp8.operands(G, nid)
+    if G.graph["values"][x].shape[0] != "T" or not _fp8_weights(G, names, opts):
+        return [], False
+    facts = {"precision": "act", "weight_format": FP8.name, "sm_90a": has_feature(opts.arch, gemm_fp8.FEATURE),
+             "fp8_rows": gemm_fp8.serves(K), "fp8_fits": gemm_fp8.fits(opts)}
+    rows_ = dispatch.rows(op, facts, opts.tuning)
+    wgmma = dispatch.row_range(rows_, "fp8_wgmma")
+    if not wgmma:
+        return [], False
+    ((lo, hi),) = wgmma
+    return (gemm_fp8.launches(nid, op, x, K, names, outs, rows, opts, token_range(lo, hi), lo),
+            not dispatch.row_range(rows_, "skinny"))
 
 
 def _fp8_weights(G, names: list[str], opts) -> bool:
