@@ -189,13 +189,22 @@ def align(t: Tuning = DEFAULT_TUNING) -> Table:
 # -- dense linears and attention ----------------------------------------------------------------
 
 def linear(t: Tuning = DEFAULT_TUNING) -> Table:
-    """linear / multi_linear / gate_up_silu.  Facts: precision (the node's: fp32 for the router)."""
+    """linear / multi_linear / gate_up_silu.  Facts: precision (the node's: fp32 for the router);
+    weight_format (the node's weights': "same" or an ir/formats.py name); sm_90a (the target offers it);
+    fp8_rows (K % 16 == 0: whole 16-byte chunks of the quantised rows); fp8_fits (the FP8 GEMM's shared
+    memory)."""
     up = t.linear.skinny_upto
+    skinny = ("skinny", 1, up, "skinny kernel: each weight byte read once, tokens as the mma's N")
     return Table("linear", "tokens", (
         Case({"precision": "fp32"}, _rows(("library", 1, INF, "fp32 precision: cuBLAS, weights and output "
                                                               "stay float32")), "fp32 precision (the router)"),
-        Case({}, _rows(("skinny", 1, up, "skinny kernel: each weight byte read once, tokens as the mma's N"),
-                       ("library", up + 1, INF, "cuBLAS GEMM")), "activation precision")), ("precision",))
+        Case({"weight_format": "fp8_e4m3_block128", "sm_90a": True, "fp8_rows": True, "fp8_fits": True},
+             _rows(skinny, ("fp8_wgmma", up + 1, INF, "FP8 x FP8 wgmma + TMA: x quantised per token per 128 "
+                                                      "columns, fp32 promotion per 128-K block")),
+             "FP8 weights, sm_90a"),
+        Case({}, _rows(skinny, ("library", up + 1, INF, "cuBLAS GEMM (FP8 weights where the FP8 GEMM cannot run: "
+                                                        "dequantised to the activation dtype every call)")),
+             "activation precision")), ("precision", "weight_format", "sm_90a", "fp8_rows", "fp8_fits"))
 
 
 def prefill_attention(t: Tuning = DEFAULT_TUNING) -> Table:

@@ -348,8 +348,9 @@ class CudaBackend:
                 _put(env, out, F.linear(x, w))
 
     def _library_weight(self, call: LibraryCall, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """A library call's weight as cuBLAS takes it.  FP8 weights (above the skinny kernel's tokens)
-        are the fallback: dequantised to the activation dtype every call, until FP8 GEMMs take them."""
+        """A library call's weight as cuBLAS takes it.  FP8 weights reach a library call only where the
+        FP8 GEMM cannot run (a target without sm_90a, K % 16 != 0: codegen/dispatch.py's linear table):
+        dequantised to the activation dtype every call -- correct, not fast."""
         w = self.weights[name]
         if call.attrs.get("weight_format") == FP8.name:
             w = dequantize(w, [self.weights[c] for c in companion_names(name, FP8)], FP8).to(dtype)

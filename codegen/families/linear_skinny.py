@@ -17,9 +17,10 @@ every T: its weights and output stay float32 whatever the activation dtype.
 Weights in FP8 (fp8_e4m3_block128, ir/formats.py; every weight of the node, bf16 or fp16
 activations): the kernel reads the FP8 bytes and their block scales (the companion weights
 "<weight>_scale_inv") and widens them in registers (templates/include/fp8.cuh); its name carries
-"wfp8" and its load pipeline is Tuning.linear.fp8_*.  Above skinny_upto the library call is the FP8
-fallback: it dequantises each weight to the activation dtype (torch) before the cuBLAS GEMM, every
-step -- correct, not fast; FP8 x FP8 wgmma is to replace it.
+"wfp8" and its load pipeline is Tuning.linear.fp8_*.  Above skinny_upto, on sm_90a, the FP8 x FP8
+GEMM (codegen/families/gemm_fp8.py: a quantiser launch, then wgmma) takes the place of the library
+call; elsewhere (no sm_90a, K % 16 != 0) the library call dequantises each weight to the activation
+dtype (torch) before the cuBLAS GEMM, every step -- correct, not fast.
 """
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ from codegen import dispatch
 from codegen.errors import LoweringError
 from codegen.kernel import DTYPES, KernelLaunch, inp, out, size, stride, weight
 from codegen.render import kernel_name
-from codegen.sizes import only_below
+from codegen.arch import has_feature
+from codegen.sizes import only_below, token_range
 from codegen.tuning import DEFAULT_TUNING
 from ir.formats import FP8, companion_names, weight_format
 
+from . import gemm_fp8
 from ._dense_util import inner_dims, node_io
 
 FAMILY = "linear_skinny"
@@ -40,7 +43,8 @@ TEMPLATE = "linear_skinny.cu.j2"
 OPS = ("linear", "multi_linear", "gate_up_silu")
 PDL = True   # every CTA waits (griddepcontrol.wait) before reading x or writing y; weights before it
 # Storage formats its kernel reads (codegen/lower.py weight_format_problem): FP8 blocks are widened in
-# registers up to skinny_upto; above it the library call dequantises (cuda_backend._library_weight).
+# registers up to skinny_upto; above it gemm_fp8's launches or the library call (which dequantises:
+# cuda_backend._library_weight) take them.
 WEIGHT_FORMATS = ("bf16", "fp16", "fp32", FP8.name)
 PIPELINES = ("rolling", "batch")   # FP8 weights' load pipelines (fp8.cuh)
 
@@ -88,6 +92,9 @@ def lower(nid, G, opts, *, warps: int | None = None, row_tiles: int | None = Non
     t = opts.tuning.linear
     warps, row_tiles, ksplit = warps or t.warps, row_tiles or t.row_tiles, ksplit or t.ksplit
     data, (x,), outs, bound = node_io(G, nid)
+    gemms, alone = _fp8_gemms(nid, G, opts)
+    if alone:   # no skinny row (Tuning.linear.skinny_upto = 0): the FP8 GEMM at every T
+        return gemms
     precision = "fp32" if data["op"] == "linear" and data["attrs"]["precision"] == "fp32" else "act"
     rows_ = dispatch.rows(data["op"], {"precision": precision}, opts.tuning)
     skinny = dispatch.row_range(rows_, "skinny")
@@ -144,10 +151,33 @@ def lower(nid, G, opts, *, warps: int | None = None, row_tiles: int | None = Non
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
         grid=(f"{ctas} * {only_below(upto)}", 1, 1), block=(warps * 32, 1, 1), args=args,
         stage=data["op"])
+    if gemms:   # the FP8 GEMM above the skinny range (its row ends the table: no library call)
+        return [launch, *gemms]
     call = library_call(nid, data, from_tokens=upto + 1)
     if fp8:
         call = dataclasses.replace(call, attrs={**call.attrs, "weight_format": FP8.name})
     return [launch, call]
+
+
+def _fp8_gemms(nid, G, opts) -> tuple[list, bool]:
+    """(gemm_fp8's launches over the linear table's "fp8_wgmma" row, whether no skinny row precedes
+    it): none unless the node's weights are all FP8, its activations 16-bit and its x the step's T
+    tokens (the launches' grids read T)."""
+    data = G.nodes[nid]
+    if (data["op"] == "linear" and data["attrs"]["precision"] == "fp32") or opts.dtype not in ("bf16", "fp16"):
+        return [], False
+    op, x, K, names, outs, rows = gemm_fp8.operands(G, nid)
+    if G.graph["values"][x].shape[0] != "T" or not _fp8_weights(G, names, opts):
+        return [], False
+    facts = {"precision": "act", "weight_format": FP8.name, "sm_90a": has_feature(opts.arch, gemm_fp8.FEATURE),
+             "fp8_rows": gemm_fp8.serves(K), "fp8_fits": gemm_fp8.fits(opts)}
+    rows_ = dispatch.rows(op, facts, opts.tuning)
+    wgmma = dispatch.row_range(rows_, "fp8_wgmma")
+    if not wgmma:
+        return [], False
+    ((lo, hi),) = wgmma
+    return (gemm_fp8.launches(nid, op, x, K, names, outs, rows, opts, token_range(lo, hi), lo),
+            not dispatch.row_range(rows_, "skinny"))
 
 
 def _fp8_weights(G, names: list[str], opts) -> bool:

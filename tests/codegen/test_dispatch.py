@@ -72,6 +72,11 @@ def test_a_table_says_which_case_holds_and_refuses_no_case():
     assert dispatch.select("moe_expert_ffn", 48, {"dtype": "bf16", "sm_90a": True, "decode_wgmma": True}).variant \
         == "fused"
     assert dispatch.select("linear", 17, {"precision": "act"}).variant == "library"
+    fp8 = {"precision": "act", "weight_format": "fp8_e4m3_block128", "sm_90a": True, "fp8_rows": True, "fp8_fits": True}
+    assert [dispatch.select("linear", t, fp8).variant for t in (16, 17, 16384)] == ["skinny", "fp8_wgmma", "fp8_wgmma"]
+    assert dispatch.select("linear", 17, {**fp8, "sm_90a": False}).variant == "library"
+    assert dispatch.select("linear", 17, {**fp8, "fp8_rows": False}).variant == "library"
+    assert dispatch.select("linear", 17, {**fp8, "weight_format": "same"}).variant == "library"
     assert dispatch.select("align", 6145, {}).variant == "count_scan_scatter"
     with pytest.raises(dispatch.DispatchError, match="no dispatch table for op 'rms_norm'"):
         dispatch.table("rms_norm")

@@ -1,7 +1,8 @@
 """linear_skinny with FP8 weights (CPU): its lowering (the kernel's name, its arguments binding the bytes
-and the scale companions, the library call above 16 tokens marked as the FP8 fallback, one-line errors
-for what it cannot take) and its machine code (NVRTC, sm_90): 16-byte weight loads, e4m3 widened by
-the conversion unit, tensor-core HMMA, no spills."""
+and the scale companions, the library call above 16 tokens marked as the FP8 fallback where the FP8 GEMM
+cannot run, one-line errors for what it cannot take) and its machine code (NVRTC, sm_90): 16-byte weight
+loads, e4m3 widened by the conversion unit, tensor-core HMMA, no spills.  Above 16 tokens on sm_90a:
+tests/codegen/test_gemm_fp8.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -50,9 +51,9 @@ def test_weight_format_reads_the_bound_weights_format_else_the_activation_dtype(
     assert weight_format(G, "kv_a").name == "bf16" and weight_format(G, "kv_a", "fp16").name == "fp16"
 
 
-def test_fp8_weights_lower_to_the_fp8_kernel_with_their_scales_and_the_fallback_above():
+def test_fp8_weights_lower_to_the_fp8_kernel_with_their_scales_and_the_fallback_above_without_sm_90a():
     G, nid = _node()
-    launch, call = linear_skinny.lower(nid, G, Options())
+    launch, call = linear_skinny.lower(nid, G, Options(arch="sm_80"))
     assert isinstance(launch, KernelLaunch) and isinstance(call, LibraryCall)
     assert launch.name == "linear_skinny__bf16_wfp8__k2048__o3072_576"
     assert launch.params["wfmt"] == FP8.name and launch.params["rolling"]
@@ -81,6 +82,7 @@ def test_the_gate_up_runs_the_batch_pipeline_and_a_non_default_one_is_named():
 def test_bf16_weights_lower_as_before():
     G, nid = _node(formats=(None, None))
     launch, call = linear_skinny.lower(nid, G, Options())
+    assert isinstance(call, LibraryCall) and call.from_tokens == linear_skinny.SKINNY_MAX_TOKENS + 1
     assert launch.name == "linear_skinny__bf16__k2048__o3072_576" and launch.params["wfmt"] == "bf16"
     assert "weight_format" not in call.attrs and not launch.params["s_args"]
 

@@ -132,12 +132,13 @@ def _pdl_sources(plans_list) -> dict:
     return out
 
 
-def _plans_after(spec: str, passes: list, opts=DEFAULTS) -> dict:
-    """The phases lowered after `passes` (none: straight from the graph builder)."""
+def _plans_after(spec: str, passes: list, opts=DEFAULTS, extra: str = "") -> dict:
+    """The phases lowered after `passes` (none: straight from the graph builder); `extra`: YAML appended
+    to the spec (a weight_formats section)."""
     import ir
     from codegen.lower import lower_graph
     from ir.passes import run_pipeline
-    text = (ROOT / "model_specs" / f"{spec}.yaml").read_text()
+    text = (ROOT / "model_specs" / f"{spec}.yaml").read_text() + extra
     parsed = ir.parse_spec(text, f"{spec}.yaml")
     return disambiguate({ph: lower_graph(run_pipeline(ir.build_graph(parsed, ph), passes), opts, strict=False)
                          for ph in ("prefill", "decode")})
@@ -156,6 +157,14 @@ def _partly_fused_plans(spec: str) -> dict:
     return _plans_after(spec, [p for p in PIPELINE if p.name not in ("fuse_add_rms_norm", "fuse_decode_prologue")])
 
 
+def _fp8_plans() -> dict:
+    """V2-Lite with DeepSeek-V3's FP8 weights (the FP8 linears: skinny and gemm_fp8's launches; what has
+    no FP8 kernel yet is left unlowered)."""
+    from ir.formats import FP8, FP8_CHECKPOINT_GLOBS, weight_formats_yaml
+    from ir.passes import PIPELINE
+    return _plans_after("deepseek_v2_lite", list(PIPELINE), extra="\n" + weight_formats_yaml(FP8_CHECKPOINT_GLOBS, FP8))
+
+
 def _key(k) -> str:
     return json.dumps([k.name, k.template, k.params], sort_keys=True)
 
@@ -169,11 +178,11 @@ def _problems(case: str) -> dict:
     if case == "unfused":
         seen = _problems("deepseek_v2_lite")
         plans = [_unfused_plans("deepseek_v2_lite"), _partly_fused_plans("deepseek_v2_lite")]
-    elif case == "variants":   # the parallel align below its default bound; the GEMV and the mma
+    elif case == "variants":   # the parallel align below its default bound; the GEMV and the mma; FP8 weights
         # launch (decode's wgmma off: they serve fp32, odd KD, other targets)
         seen = {**_problems("deepseek_v2_lite"), **_problems("unfused")}
         opts = dataclasses.replace(DEFAULTS, tuning=Tuning(moe=MoeTuning(align_parallel_above=512, decode_wgmma=False)))
-        plans = [_unfused_plans("deepseek_v2_lite", opts), plan_spec(str(lite), opts).plans]
+        plans = [_unfused_plans("deepseek_v2_lite", opts), plan_spec(str(lite), opts).plans, _fp8_plans()]
     else:
         plans = [plan_spec(str(ROOT / "model_specs" / f"{case}.yaml"), DEFAULTS).plans]
     sources = [k for k in _pdl_sources(plans).values() if _key(k) not in seen]

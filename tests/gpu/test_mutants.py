@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import test_kernels_dense as dense
+import test_kernels_gemm_fp8 as gemm_fp8
 import test_kernels_linear as linear
 import test_kernels_linear_fp8 as linear_fp8
 import test_kernels_mla as mla
@@ -268,6 +269,30 @@ MUTANTS = [
            "acc[rt][nt][2] = fmaf(p[2], sc[rt][0], acc[rt][nt][2]);",
            linear_fp8.test_gate_up_silu_fp8, dict(dtype="bf16", T=4, K=512, n=136, extra=0, offset=0, shift="none",
                                                   variant=linear_fp8.VARIANTS[0], seed=20)),
+    Mutant("FP8 GEMM: the first K block of a consumer's upper rows takes the next token's x scale",
+           "include/gemm_fp8.cuh", "const float xa = sxa[kb], xb = sxb[kb], wg = swg[kb], wu = swu[kb];",
+           "const float xa = sxa[kb + (kb == 0 && ra + 1 < num_tokens ? KB : 0)], xb = sxb[kb], wg = swg[kb], wu = swu[kb];",
+           gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=200, K=512, rows=[256], extra=0, offset=0, zero_rows=0,
+                                               shift=False, seed=22)),
+    Mutant("FP8 GEMM: the ceil K block dropped (K = 2064: 16 columns past the last whole block)",
+           "include/gemm_fp8.cuh", "const bool ok = m0 + r < num_tokens && kc < K;",
+           "const bool ok = m0 + r < num_tokens && kc < K / BK * BK;",
+           gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=40, K=2064, rows=[576], extra=0, offset=0, zero_rows=0,
+                                               shift=False, seed=23)),
+    Mutant("FP8 GEMM: the promotion skipped for the last K block", "include/gemm_fp8.cuh",
+           "const float ga = xa * wg, gb = xb * wg, ua = xa * wu, ub = xb * wu;",
+           "const float ga = kb == KB - 1 ? 0.f : xa * wg, gb = kb == KB - 1 ? 0.f : xb * wg, "
+           "ua = kb == KB - 1 ? 0.f : xa * wu, ub = kb == KB - 1 ? 0.f : xb * wu;",
+           gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=300, K=2048, rows=[2048], extra=0, offset=0,
+                                               zero_rows=0, shift=False, seed=24)),
+    Mutant("FP8 GEMM: the up rows scaled with their gate's block scales (gate_up_silu)", "include/gemm_fp8.cuh",
+           "const float* swu = MODE == SILU ? sw1 + (n0 / BLOCK) * KB : swg;", "const float* swu = swg;",
+           gemm_fp8.test_gate_up_silu_fp8_gemm, dict(dtype="bf16", T=100, K=512, n=200, extra=0, offset=0,
+                                                     shift=False, seed=25)),
+    Mutant("FP8 activation quantiser: the scale x1.01", "include/quant_fp8.cuh",
+           "const float sc = amax / E4M3_MAX;", "const float sc = amax / E4M3_MAX * 1.01f;",
+           gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=50, K=256, rows=[128], extra=0, offset=0, zero_rows=0,
+                                               shift=False, seed=26)),
 ]
 
 

@@ -26,6 +26,15 @@ __device__ __forceinline__ void prefetch(const TensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
 
+// The box of a 2-D map at element coordinates (c0 innermost, c1) into shared dst, its bytes
+// counted on bar.
+__device__ __forceinline__ void load_2d(void* dst, const TensorMap* map, int c0, int c1, unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
 // The box of a 3-D map at element coordinates (c0 innermost, c1, c2) into shared dst (aligned as
 // the map's swizzle needs: 1024 bytes for 128B), its bytes counted on bar.
 __device__ __forceinline__ void load_3d(void* dst, const TensorMap* map, int c0, int c1, int c2,

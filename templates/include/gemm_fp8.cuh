@@ -1,0 +1,277 @@
+// The FP8 x FP8 GEMM of the dense linears above the skinny range (prefill): DeepGEMM's recipe on
+// Hopper's wgmma + TMA (sm_90a).
+//
+//   y[t, o] = sum over K blocks kb of  sx[t, kb] * sw[o / 128, kb] * (qx[t, kb-block] . qw[o, kb-block])
+//
+// qx [T, K] e4m3 and sx [T, KB] fp32 from quant_fp8.cuh (per token per 128 columns), qw [O, K] e4m3
+// with sw [ceil(O / 128), KB] fp32 (fp8_e4m3_block128, ir/formats.py), KB = ceil(K / 128).  Each
+// 128-wide K block is multiplied by wgmma into a fresh fp32 tile, which is then promoted into the
+// fp32 accumulator with its two scales (the tensor cores' FP8 accumulation keeps fewer bits than
+// fp32: promoting every block keeps the sum exact to fp32).  Ceil blocks: K % 128 != 0 -- the last
+// block's columns past K are zeros on both sides (TMA fills the weight's, the copies the tokens');
+// O % 128 != 0 -- the weight rows past O are zeros and their columns are never stored.
+//
+// Shape (the structure of moe_wgmma.cuh's grouped GEMM, without the routing):
+//   * a persistent grid walks tiles t = blockIdx.x, + gridDim.x, ...: row tile t / NCT (128
+//     tokens), column tile t % NCT, so the CTAs running together share the tokens' row tile;
+//   * warpgroup 0 produces (registers given back with setmaxnreg), warpgroups 1 and 2 consume, each
+//     64 of the tile's 128 tokens against its 128 weight rows, through a ring of ST stages
+//     handshaken on mbarriers (full: landed; empty: both consumers are done with it);
+//   * a stage is one 128-wide K block: 128 bytes a row, the 128B swizzle wgmma reads.  The weight
+//     rows as two TMA boxes of 64 rows; the token rows by the producer's 128 threads with 16-byte
+//     cp.async into the same swizzled layout (their address changes with T every step, so no tensor
+//     map of them is encoded on the host), reported to the stage's barrier as they land;
+//   * LINEAR: the tile's 128 weight rows are one 128-row scale block (n0 % 128 == 0), one weight
+//     scale a stage.  SILU (gate_up_silu): 64 gate rows then the same 64 up rows (n0 % 64 == 0: one
+//     scale block each), so a thread's column j < 8 (gate) and j + 8 (up) are one output column and
+//     silu(gate) * up fuses in registers; 64 output columns a tile;
+//   * the epilogue rounds the tile into the consumer's 16 KB of shared memory and stores whole
+//     16-byte chunks of rows (moe_wgmma.cuh's reasons).
+//
+// Needs K % 16 == 0 (whole 16-byte chunks of q rows; 16-byte strides for the weight's tensor map);
+// the lowering emits it only then (codegen/families/gemm_fp8.py).
+#pragma once
+#include "common.cuh"
+#include "mbarrier.cuh"
+#include "mma.cuh"
+#include "pdl.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace dsg {
+namespace gemm_fp8 {
+
+constexpr int LINEAR = 0, SILU = 1;
+constexpr int BLOCK = 128;            // the scale blocks of both operands
+constexpr int BM = 128;               // tokens per tile: two consumer warpgroups x 64
+constexpr int BN = 128;               // weight rows per tile
+constexpr int BK = 128;               // K per stage: one 128-byte swizzled row of e4m3, one scale block
+constexpr int BOX = 64;               // weight rows per TMA box, two a stage
+constexpr int THREADS = 384;          // producer warpgroup + two consumer warpgroups
+constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+constexpr int ROW_BYTES = BK;                           // 128: the swizzle span
+constexpr int STAGE_BYTES = (BM + BN) * ROW_BYTES;      // 32 KB
+constexpr int OUT_ROW_BYTES = 128 * 2;                  // a staged row: up to 128 16-bit columns
+constexpr int OUT_BYTES = 64 * OUT_ROW_BYTES;           // 16 KB a consumer warpgroup
+static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 256 <= 65536, "gemm_fp8: register file");
+
+// One staged 16-byte chunk (8 columns from `col`) of an output row to dst: whole where vec (O % 8 == 0
+// and a 16-byte aligned base), else element by element up to O.
+template <typename T, int O>
+__device__ __forceinline__ void store_chunk(T* dst, const uint4& chunk, int col, bool vec) {
+  if (vec) {
+    *reinterpret_cast<uint4*>(dst) = chunk;
+  } else {
+    const T* e = reinterpret_cast<const T*>(&chunk);
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if (col + k < O) dst[k] = e[k];
+  }
+}
+
+// Output columns a tile covers.
+__host__ __device__ constexpr int tile_cols(int mode) { return mode == SILU ? BN / 2 : BN; }
+// Dynamic shared memory: the ring, the two consumers' staging, and slack to start the ring on a
+// 1024-byte boundary (128B swizzle).
+__host__ __device__ constexpr int smem_bytes(int stages) { return stages * STAGE_BYTES + 2 * OUT_BYTES + 1024; }
+
+// ---- d (64 x 128 fp32) (+)= a (64 x 32 e4m3) * b (32 x 128 e4m3), both K-major in shared memory ----
+// Same register layout as wgmma.cuh's: d[4j + 2h + c] = (row 16 w + l / 4 + 8 h, column 8 j + 2 (l % 4) + c),
+// j < 16.  accumulate = 0: d = a * b (a fresh tile: each K block starts one).
+#define DSG_F8_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+__device__ __forceinline__ void mma_m64n128k32(float (&d)[64], unsigned long long a_desc, unsigned long long b_desc,
+                                               int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3\n"
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},"
+      " %64, %65, p, 1, 1;\n}\n"
+      : DSG_F8_D8(0), DSG_F8_D8(8), DSG_F8_D8(16), DSG_F8_D8(24), DSG_F8_D8(32), DSG_F8_D8(40), DSG_F8_D8(48),
+        DSG_F8_D8(56)
+      : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+#undef DSG_F8_D8
+
+// The ring's barriers (thread 0; the caller's __syncthreads publishes them): full[s] awaits the
+// producer's 128 copy arrivals + its expect_tx, empty[s] one arrival per consumer warp.
+template <int ST>
+__device__ __forceinline__ void ring_init(unsigned long long* full, unsigned long long* empty) {
+#pragma unroll
+  for (int s = 0; s < ST; ++s) {
+    mbar::init(&full[s], 128 + 1);
+    mbar::init(&empty[s], 8);
+  }
+  mbar::init_fence();
+}
+
+// Producer: the 128 threads of warpgroup 0.  Thread p copies 16-byte chunk p % 8 of token rows
+// p / 8 + 16 i (i < 8): a warp covers four whole 128-byte row slices per instruction, and all of a
+// thread's rows share r % 8, so one swizzled chunk position.  Thread 0 also issues the weight boxes.
+template <int MODE, int O, int K, int ST>
+__device__ __forceinline__ void produce(const unsigned char* __restrict__ qx, const TensorMap* w0, const TensorMap* w1,
+                                        int num_tokens, char* ring, unsigned long long* full,
+                                        unsigned long long* empty) {
+  constexpr int KB = (K + BK - 1) / BK, NCT = (O + tile_cols(MODE) - 1) / tile_cols(MODE);
+  const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
+  const int chunk = (c ^ (r0 & 7)) * 16;               // 128B swizzle: c ^ (row % 8)
+  if (p == 0) {
+    tma::prefetch(w0);
+    if (MODE == SILU) tma::prefetch(w1);
+  }
+  const int total = (num_tokens + BM - 1) / BM * NCT;
+  int it = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const int m0 = t / NCT * BM, n0 = t % NCT * tile_cols(MODE);
+    // the second LINEAR box starts past O when O - n0 <= BOX: left out (its columns are never
+    // stored), so no box lies wholly outside the tensor
+    const bool box1 = MODE == SILU || n0 + BOX < O;
+    for (int kb = 0; kb < KB; ++kb, ++it) {
+      const int s = it % ST;
+      mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
+      char* a = ring + s * STAGE_BYTES;
+      char* b = a + BM * ROW_BYTES;
+      const int k0 = kb * BK;
+      if (p == 0) {
+        mbar::arrive_expect_tx(&full[s], (box1 ? 2 : 1) * BOX * ROW_BYTES);
+        tma::load_2d(b, w0, k0, n0, &full[s]);
+        if (box1) tma::load_2d(b + BOX * ROW_BYTES, MODE == SILU ? w1 : w0, k0, MODE == SILU ? n0 : n0 + BOX, &full[s]);
+      }
+      const int kc = k0 + 16 * c;                      // this thread's 16 columns (bytes) of K
+#pragma unroll
+      for (int i = 0; i < BM / 16; ++i) {
+        const int r = r0 + 16 * i;
+        const bool ok = m0 + r < num_tokens && kc < K;  // else zeros: rows past T, K past the ceil block's end
+        const unsigned char* from = qx + (ok ? (i64)(m0 + r) * K + kc : 0);
+        dsg::mma::cp_async16(a + r * ROW_BYTES + chunk, from, ok ? 16 : 0);
+      }
+      mbar::arrive_on_cp_async(&full[s]);
+    }
+  }
+  dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
+}
+
+// Consumer warpgroup cw (0, 1): token rows 64 cw .. + 64 of each tile against its 128 weight rows.
+template <typename T, int MODE, int O, int K, int ST>
+__device__ __forceinline__ void consume(const float* __restrict__ sx, const float* __restrict__ sw0,
+                                        const float* __restrict__ sw1, int num_tokens, unsigned ring,
+                                        unsigned long long* full, unsigned long long* empty, char* staging,
+                                        T* __restrict__ y, int cw) {
+  constexpr int KB = (K + BK - 1) / BK, COLS = tile_cols(MODE), NCT = (O + COLS - 1) / COLS;
+  constexpr int CH = COLS / 8;                         // 16-byte chunks of a staged row
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, tid = threadIdx.x & 127;
+  const bool vec = O % 8 == 0 && (reinterpret_cast<unsigned long long>(y) & 15ull) == 0;   // uniform: whole 16-byte chunks, else elements
+  const int total = (num_tokens + BM - 1) / BM * NCT;
+  float acc[64], part[64];
+  int it = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const int m0 = t / NCT * BM, n0 = t % NCT * COLS;
+    const int ra = m0 + 64 * cw + 16 * warp + (lane >> 2), rb = ra + 8;   // this thread's two token rows
+    const float* sxa = sx + (i64)min(ra, num_tokens - 1) * KB;   // rows past T: any row's scales (never stored)
+    const float* sxb = sx + (i64)min(rb, num_tokens - 1) * KB;
+    const float* swg = sw0 + (n0 / BLOCK) * KB;        // the tile's weight scale block (gate's for SILU)
+    const float* swu = MODE == SILU ? sw1 + (n0 / BLOCK) * KB : swg;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int kb = 0; kb < KB; ++kb, ++it) {
+      const int s = it % ST;
+      // the scales first: their loads run while the stage lands
+      const float xa = sxa[kb], xb = sxb[kb], wg = swg[kb], wu = swu[kb];
+      mbar::wait(&full[s], (it / ST) & 1);
+      mbar::fence_proxy_async();                       // the token rows were cp.async (generic) writes
+      const unsigned a = ring + s * STAGE_BYTES + cw * 64 * ROW_BYTES;
+      const unsigned b = ring + s * STAGE_BYTES + BM * ROW_BYTES;
+      const unsigned long long da = wgmma::desc_sw128(a), db = wgmma::desc_sw128(b);
+      wgmma::fence();
+#pragma unroll
+      for (int k32 = 0; k32 < BK / 32; ++k32)
+        mma_m64n128k32(part, wgmma::desc_advance(da, k32), wgmma::desc_advance(db, k32), k32);
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_operands(part);
+      if (lane == 0) mbar::arrive(&empty[s]);          // the stage is read: free it
+      // promotion: this block's fp32 tile, scaled by its token and weight scales, into the sum
+      const float ga = xa * wg, gb = xb * wg, ua = xa * wu, ub = xb * wu;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const bool up = MODE == SILU && j >= 8;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          acc[4 * j + c] = fmaf(part[4 * j + c], up ? ua : ga, acc[4 * j + c]);
+          acc[4 * j + 2 + c] = fmaf(part[4 * j + 2 + c], up ? ub : gb, acc[4 * j + 2 + c]);
+        }
+      }
+    }
+
+    // Epilogue: acc[4j + 2h + c] is tile row 64 cw + 16 warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + c.
+    // Rounded into this warpgroup's staging rows (16-byte chunk j of row r at chunk j ^ (r % 8):
+    // conflict-free writes and reads), then stored as whole chunks.
+    wgmma::warpgroup_sync(1 + cw);                     // the last tile's chunks have all been read
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int rr = warp * 16 + (lane >> 2) + 8 * h;
+      char* row = staging + rr * OUT_ROW_BYTES + 4 * (lane & 3);
+#pragma unroll
+      for (int jj = 0; jj < CH; ++jj) {
+        const int at = 4 * jj + 2 * h;
+        float v[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          if constexpr (MODE == SILU) {
+            // silu(g) * u rounded where the unfused ops round (moe_wgmma.cuh's fast SiLU)
+            const float gr = round_to<T>(acc[at + c]), ur = round_to<T>(acc[32 + at + c]);
+            v[c] = round_to<T>(__fdividef(gr, 1.f + __expf(-gr))) * ur;
+          } else {
+            v[c] = acc[at + c];
+          }
+        }
+        struct alignas(4) Pair { T lo, hi; } pr = {from_float<T>(v[0]), from_float<T>(v[1])};
+        *reinterpret_cast<Pair*>(row + ((jj ^ (rr & 7)) << 4)) = pr;
+      }
+    }
+    wgmma::warpgroup_sync(1 + cw);                     // the staging rows are whole
+#pragma unroll
+    for (int i = 0; i < 64 * CH / 128; ++i) {
+      const int idx = tid + 128 * i, r = idx / CH, ch = idx % CH;
+      const int row = m0 + 64 * cw + r, col = n0 + 8 * ch;
+      if (row >= num_tokens || col >= O) continue;
+      const uint4 chunk = *reinterpret_cast<const uint4*>(staging + r * OUT_ROW_BYTES + ((ch ^ (r & 7)) << 4));
+      store_chunk<T, O>(y + (i64)row * O + col, chunk, col, vec);
+    }
+  }
+}
+
+// y [T, O] (16-bit) = the FP8 product above; w0 / sw0 the weight (SILU: the gate) and its scales,
+// w1 / sw1 SILU's up (unused for LINEAR).
+template <typename T, int MODE, int O, int K, int ST>
+__device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const float* __restrict__ sx,
+                                     const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
+                                     const float* __restrict__ sw1, T* __restrict__ y, int num_tokens, char* smem) {
+  static_assert(sizeof(T) == 2, "gemm_fp8: 16-bit output");
+  static_assert(K % 16 == 0, "gemm_fp8: token rows of whole 16-byte chunks");
+  static_assert(ST >= 2, "gemm_fp8: a ring of at least two stages");
+  static_assert(BK == BLOCK && BN % BLOCK == 0 && (MODE == LINEAR || BN / 2 <= BLOCK),
+                "gemm_fp8: a stage holds one scale block of K, a tile one of the weight's rows (each half for SILU)");
+  static_assert(smem_bytes(ST) + 2 * ST * 8 <= 227 * 1024, "gemm_fp8: ring + staging exceed a CTA's 227 KB");
+  __shared__ __align__(8) unsigned long long full[ST], empty[ST];
+  dsg::pdl_wait();                                     // qx and sx are the quantiser's output
+  const unsigned raw = smem_u32(smem);
+  const unsigned ring = (raw + 1023u) & ~1023u;        // 128B-swizzle tiles start on 1024-byte boundaries
+  if (threadIdx.x == 0) ring_init<ST>(full, empty);
+  __syncthreads();
+  const int wg = threadIdx.x >> 7;
+  if (wg == 0) {
+    wgmma::setmaxnreg_dec<PRODUCER_REGS>();
+    produce<MODE, O, K, ST>(qx, w0, w1, num_tokens, smem + (ring - raw), full, empty);
+  } else {
+    wgmma::setmaxnreg_inc<CONSUMER_REGS>();
+    char* staging = smem + (ring - raw) + ST * STAGE_BYTES + (wg - 1) * OUT_BYTES;
+    consume<T, MODE, O, K, ST>(sx, sw0, sw1, num_tokens, ring, full, empty, staging, y, wg - 1);
+  }
+  dsg::pdl_launch_dependents();
+}
+
+}  // namespace gemm_fp8
+}  // namespace dsg

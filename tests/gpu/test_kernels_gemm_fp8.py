@@ -1,0 +1,184 @@
+"""Property tests: the FP8 x FP8 GEMM of FP8 linears above the skinny range (gemm_fp8: the quantiser
+launch, then the wgmma GEMM; sm_90a), T from 17 to 16384.
+
+Two checks an example, each against exact inputs:
+  * the quantiser (templates/include/quant_fp8.cuh) against ir/act_quant.py's reference on the same x:
+    the scales bit for bit, the e4m3 bytes within one step on at most a few elements (a value on a
+    rounding boundary);
+  * the GEMM against the FP8 product (ir/act_quant.py linear_fp8, float64) of the kernel's OWN quantised
+    x (read back from the node's workspaces) and the FP8 weight bytes and scales: what is left is the
+    kernel's fp32 accumulation and its bf16 / fp16 output rounding, so the tolerance is the 16-bit one.
+
+Hypothesis draws T (17 .. 16384), K (multiples of 16: whole blocks and ceil blocks, V2-Lite's 10944 =
+85.5 blocks), one or two stacked weights of odd heights (576: kv_a's 64-row ceil block), x as a strided
+view, tokens whose scales differ by up to 2^8 (so a scale taken from the wrong token or block moves the
+result far past the tolerance), all-zero tokens, and a misaligned output (element stores).  Outputs and
+workspaces are poisoned (NaN) first.  The planted mutants of tests/gpu/test_mutants.py (a K block's x
+scale from the next token, the ceil K block dropped, the promotion skipped for the last K block, the
+quantiser's scale 1% off, the up rows scaled as their gate) run through these bodies and must fail them.
+
+Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gemm_fp8.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import assume, example, given, strategies as st
+
+from harness import TORCH_DTYPES, shifted
+from kernel_cases import Recorder, act, empty_out, kernel_test, model, runner, single_op_graph
+from test_kernels_linear_fp8 import as_fp8, quantized
+
+from codegen.families import gemm_fp8, linear_skinny
+from codegen.kernel import KernelLaunch, LibraryCall, Options
+from ir.act_quant import linear_fp8, quantize_act_fp8
+from ir.formats import FP8, cdiv, companion_names
+
+SETTINGS = kernel_test(30)
+REC = Recorder("gemm_fp8")
+REC_SILU = Recorder("gemm_fp8 gate_up_silu")
+DTYPES = ("bf16", "fp16")
+BLOCK = FP8.block[0]
+FIRST = linear_skinny.SKINNY_MAX_TOKENS + 1
+TOKENS = st.one_of(st.sampled_from([FIRST, 31, 64, 127, 128, 129, 255, 256, 257, 1000, 2048, 4096, 16384]),
+                   st.integers(FIRST, 700))
+WIDTHS = st.one_of(st.sampled_from([16, 112, 128, 144, 1408, 2048, 2064, 2816, 10944]),
+                   st.integers(1, 200).map(lambda k: 16 * k))
+HEIGHTS = st.one_of(st.sampled_from([1, 8, 63, 64, 65, 127, 128, 129, 200, 576, 2048, 3072]), st.integers(1, 700))
+MAX_MACS = 6 * 10 ** 11     # T * K * O: keeps the float64 reference to a second or so
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    REC.report()
+    REC_SILU.report()
+
+
+def gemm_launches(G, nid, dtype):
+    """The node's launches that run above the skinny range: gemm_fp8's quantiser, then its GEMMs."""
+    steps = linear_skinny.lower(nid, G, Options(dtype=dtype))
+    assert not [s for s in steps if isinstance(s, LibraryCall)], "FP8 weights above 16 tokens: no library call"
+    launches = [s for s in steps if isinstance(s, KernelLaunch) and s.family == gemm_fp8.FAMILY]
+    assert [la.stage for la in launches[:1]] == ["quant_x"] and all(la.stage == "fp8_wgmma" for la in launches[1:])
+    return launches
+
+
+def x_tokens(T, K, dtype, extra, offset, zero_rows, gen):
+    """x [T, K] as a view into a [T, K + extra] parent: tokens whose sizes differ by up to 2^8 and
+    128-column groups by up to 2^4, so every (token, group) scale differs; `zero_rows` all-zero tokens."""
+    offset = min(offset, extra)
+    size = torch.exp2(torch.rand(T, 1, generator=gen) * 8 - 4)
+    groups = torch.exp2(torch.rand(1, cdiv(K + extra, BLOCK), generator=gen) * 4 - 2)
+    groups = groups.repeat_interleave(BLOCK, 1)[:, :K + extra]
+    parent = torch.randn((T, K + extra), generator=gen) * size * groups
+    parent[torch.randperm(T, generator=gen)[:zero_rows]] = 0
+    return parent.to("cuda", TORCH_DTYPES[dtype])[:, offset:offset + K]
+
+
+def poisoned_workspaces(T, K):
+    """The node's workspaces filled with NaN (e4m3 0x7f and float NaN): an element the quantiser does
+    not write fails the comparison."""
+    xq = torch.full((T, K // 4), 0x7F7F7F7F, dtype=torch.int32, device="cuda")
+    xs = torch.full((T, cdiv(K, BLOCK)), float("nan"), dtype=torch.float32, device="cuda")
+    return {gemm_fp8.XQ: xq, gemm_fp8.XS: xs}
+
+
+def check_quantiser(x, work, msg):
+    """The kernel's quantised x against the reference's: scales exactly, bytes within one e4m3 step on
+    at most a few elements.  Returns the kernel's (q, s), what the GEMM multiplied."""
+    T, K = x.shape
+    q = work[gemm_fp8.XQ].view(torch.uint8).view(T, K).view(torch.float8_e4m3fn)
+    s = work[gemm_fp8.XS]
+    q_ref, s_ref = quantize_act_fp8(x)
+    assert torch.equal(s, s_ref), f"{msg}: quantiser scales differ from the reference at " \
+                                  f"{(s != s_ref).nonzero()[:4].tolist()}"
+    a, b = q.view(torch.uint8).int(), q_ref.view(torch.uint8).int()
+    ma, mb = a & 0x7F, b & 0x7F                      # e4m3 magnitudes count up in steps of one code
+    step = torch.where((a >> 7) == (b >> 7), (ma - mb).abs(), ma + mb)   # across zero: +0 and -0 meet
+    off = int((step != 0).sum())
+    assert int(step.max()) <= 1 and off <= max(4, x.numel() // 10000), \
+        f"{msg}: {off} quantised bytes differ (largest {int(step.max())} steps)"
+    return q, s
+
+
+def run_case(dtype, T, K, rows, extra, offset, zero_rows, shift, seed):
+    m = model("lite")
+    gen = torch.Generator().manual_seed(seed)
+    if len(rows) == 1:
+        G, nid = single_op_graph(m, "linear", {"out_dim": rows[0]}, {"x": act(K)}, {"weight": "w0"})
+    else:
+        G, nid = single_op_graph(m, "multi_linear", {"out_dims": list(rows)}, {"x": act(K)},
+                                 {f"weight{i}": f"w{i}" for i in range(len(rows))})
+    as_fp8(G)
+    outs = G.nodes[nid]["outputs"]
+    x = x_tokens(T, K, dtype, extra, offset, zero_rows, gen)
+    ws = {}
+    for i, n in enumerate(rows):
+        ws[f"w{i}"], ws[companion_names(f"w{i}", FP8)[0]] = quantized(n, K, gen, K ** -0.5)
+    ys = {o: shifted(empty_out((T, n), dtype), shift) for o, n in zip(outs, rows)}
+    work = runner().run_all(gemm_launches(G, nid, dtype), values={"x": x, **ys}, weights=ws, sizes={"T": T},
+                            workspaces=poisoned_workspaces(T, K))
+    torch.cuda.synchronize()
+    msg = f"T={T} K={K} rows={list(rows)} extra={extra} zero_rows={zero_rows} shift={shift}"
+    q, s = check_quantiser(x, work, msg)
+    for i, o in enumerate(outs):
+        ref = linear_fp8(q, s, ws[f"w{i}"], ws[companion_names(f"w{i}", FP8)[0]])
+        REC.check(ys[o], ref, dtype, f"{o} {msg}")
+    REC.example()
+
+
+@SETTINGS
+@given(dtype=st.sampled_from(DTYPES), T=TOKENS, K=WIDTHS, rows=st.lists(HEIGHTS, min_size=1, max_size=2),
+       extra=st.sampled_from([0, 0, 8, 64]), offset=st.integers(0, 64), zero_rows=st.sampled_from([0, 0, 1, 5]),
+       shift=st.sampled_from([False, False, True]), seed=st.integers(0, 2**31))
+# V2-Lite: the fused q + kv_a (576: a 64-row ceil block), o_proj at 16384 tokens, the dense down
+# (K = 10944: 85.5 blocks) off a strided view, the first T the GEMM serves
+@example(dtype="bf16", T=512, K=2048, rows=[3072, 576], extra=0, offset=0, zero_rows=0, shift=False, seed=1)
+@example(dtype="bf16", T=16384, K=2048, rows=[2048], extra=0, offset=0, zero_rows=0, shift=False, seed=2)
+@example(dtype="bf16", T=300, K=10944, rows=[2048], extra=64, offset=8, zero_rows=1, shift=False, seed=3)
+@example(dtype="bf16", T=FIRST, K=2064, rows=[129], extra=0, offset=0, zero_rows=0, shift=False, seed=4)
+# one partial K block, one output row, a misaligned output, fp16
+@example(dtype="fp16", T=129, K=16, rows=[1], extra=8, offset=8, zero_rows=5, shift=True, seed=5)
+@example(dtype="fp16", T=1000, K=2816, rows=[200, 64], extra=0, offset=0, zero_rows=0, shift=True, seed=6)
+def test_linear_fp8_gemm(dtype, T, K, rows, extra, offset, zero_rows, shift, seed):
+    assume(T * K * sum(rows) <= MAX_MACS)
+    run_case(dtype, T, K, rows, extra, offset, zero_rows, shift, seed)
+
+
+def silu_fp8_reference(q, s, wg, sg, wu, su, dtype):
+    """gate_up_silu as the kernel rounds it (and the unfused ops): gate and up from the FP8 product,
+    each rounded to the activation type, silu(gate) rounded, their product in float64."""
+    td = TORCH_DTYPES[dtype]
+    g = linear_fp8(q, s, wg, sg).to(td).double()
+    u = linear_fp8(q, s, wu, su).to(td).double()
+    return (g * torch.sigmoid(g)).to(td).double() * u
+
+
+@SETTINGS
+@given(dtype=st.sampled_from(DTYPES), T=TOKENS, K=WIDTHS, n=HEIGHTS, extra=st.sampled_from([0, 0, 8]),
+       offset=st.integers(0, 8), shift=st.sampled_from([False, False, True]), seed=st.integers(0, 2**31))
+# V2-Lite's dense gate + up (n = 10944) and shared experts' (2816); n = 200: a 64-column tile past the
+# first scale block that ends inside it
+@example(dtype="bf16", T=1000, K=2048, n=10944, extra=0, offset=0, shift=False, seed=1)
+@example(dtype="bf16", T=FIRST, K=2048, n=2816, extra=0, offset=0, shift=False, seed=2)
+@example(dtype="bf16", T=130, K=2064, n=200, extra=8, offset=8, shift=True, seed=3)
+@example(dtype="fp16", T=4096, K=144, n=65, extra=0, offset=0, shift=False, seed=4)
+def test_gate_up_silu_fp8_gemm(dtype, T, K, n, extra, offset, shift, seed):
+    assume(T * K * n * 2 <= MAX_MACS)
+    gen = torch.Generator().manual_seed(seed)
+    G, nid = single_op_graph(model("lite"), "gate_up_silu", {"out_dim": n}, {"x": act(K)}, {"gate": "wg", "up": "wu"})
+    as_fp8(G)
+    x = x_tokens(T, K, dtype, extra, offset, 0, gen)
+    ws = {}
+    for name in ("wg", "wu"):
+        ws[name], ws[companion_names(name, FP8)[0]] = quantized(n, K, gen, K ** -0.5)
+    out = shifted(empty_out((T, n), dtype), shift)
+    work = runner().run_all(gemm_launches(G, nid, dtype), values={"x": x, "out": out}, weights=ws, sizes={"T": T},
+                            workspaces=poisoned_workspaces(T, K))
+    torch.cuda.synchronize()
+    msg = f"T={T} K={K} n={n} shift={shift}"
+    q, s = check_quantiser(x, work, msg)
+    expected = silu_fp8_reference(q, s, ws["wg"], ws["wg_scale_inv"], ws["wu"], ws["wu_scale_inv"], dtype)
+    REC_SILU.check(out, expected, dtype, msg)
+    REC_SILU.example()
