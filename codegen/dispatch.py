@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ir.formats import FP8
+from ir.formats import FORMATS, FP8
 
 from .errors import DsgraphError
 from .tuning import DEFAULT_TUNING, Tuning
@@ -29,7 +29,9 @@ from .tuning import DEFAULT_TUNING, Tuning
 INF = None                     # a range without an upper end
 PHASES = ("prefill", "decode")
 DTYPES = ("bf16", "fp16", "fp32")
-WEIGHT_FORMATS = ("same", FP8.name)   # the weight stored in the activation dtype; DeepSeek-V3's FP8 blocks
+INT8_CHANNEL = FORMATS["int8_channel"].name   # msModelSlim's W8A8_DYNAMIC (per-channel int8, per-token int8 x)
+WEIGHT_FORMATS = ("same", FP8.name, INT8_CHANNEL)   # the weight stored in the activation dtype; DeepSeek-V3's FP8
+                                                   # blocks; msModelSlim's int8
 NONE = "none"                  # a row that no kernel serves: the lowering refuses the node
 
 
@@ -189,13 +191,27 @@ def align(t: Tuning = DEFAULT_TUNING) -> Table:
 # -- dense linears and attention ----------------------------------------------------------------
 
 def linear(t: Tuning = DEFAULT_TUNING) -> Table:
-    """linear / multi_linear / gate_up_silu.  Facts: precision (the node's: fp32 for the router)."""
+    """linear / multi_linear / gate_up_silu.  Facts: precision (the node's: fp32 for the router);
+    weight_format ("same", FP8's, or msModelSlim's int8_channel); dtype."""
     up = t.linear.skinny_upto
+    i8 = INT8_CHANNEL
     return Table("linear", "tokens", (
         Case({"precision": "fp32"}, _rows(("library", 1, INF, "fp32 precision: cuBLAS, weights and output "
                                                               "stay float32")), "fp32 precision (the router)"),
+        Case({"weight_format": i8, "dtype": ("bf16", "fp16")},
+             _rows(("skinny_wi8", 1, up, "int8 weights: x quantised per token by its own launch, then the skinny "
+                                         "kernel's mma.sync s8 x s8 -> s32 with the weights as M (exact, bit-equal "
+                                         "to the reference)"),
+                   ("int_mm", up + 1, INF, "int8 weights above the skinny kernel: NOT a tuned GEMM -- x quantised "
+                                           "per token by torch, the exact integer product by torch._int_mm (float64 "
+                                           "where its shape rules fail), then the scales; int8 wgmma is to replace "
+                                           "it")),
+             "int8 weights, 16-bit activations"),
+        Case({"weight_format": i8}, _rows((NONE, 1, INF, "int8 weights need bf16 or fp16 activations")),
+             "int8 weights, fp32 activations"),
         Case({}, _rows(("skinny", 1, up, "skinny kernel: each weight byte read once, tokens as the mma's N"),
-                       ("library", up + 1, INF, "cuBLAS GEMM")), "activation precision")), ("precision",))
+                       ("library", up + 1, INF, "cuBLAS GEMM")), "activation precision")),
+        ("precision", "weight_format", "dtype"))
 
 
 def prefill_attention(t: Tuning = DEFAULT_TUNING) -> Table:

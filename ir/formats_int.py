@@ -189,7 +189,10 @@ def scale_bias_problem(found, stored, companions, fmt, rel: float = 1e-5) -> str
 def quantize_activation(x):
     """(q int8 [T, I], s float32 [T, 1]): per-token symmetric dynamic quantisation (module docstring)."""
     xf = x.to(torch.float32)
-    s = xf.abs().amax(dim=-1, keepdim=True) / 127.0
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # a tensor divisor: torch on CUDA divides by a Python scalar as a multiply by its reciprocal, which
+    # differs from the true quotient in the last bit for some values (the kernels divide: quant_int8.cuh)
+    s = amax / torch.full_like(amax, 127.0)
     q = torch.round(xf / torch.where(s > 0, s, torch.ones_like(s))).clamp(*INT8)
     return q.to(torch.int8), s
 
@@ -202,7 +205,14 @@ def quantize_activation_static(x, input_scale, input_offset):
 
 
 def int_matmul(qx, qw):
-    """Exact sum_i qx[t, i] * qw[o, i] (int64 [T, O]) for int8 qx [T, I], qw [O, I]."""
+    """Exact sum_i qx[t, i] * qw[o, i] (int64 [T, O]) for int8 qx [T, I], qw [O, I].  On CUDA (no int64
+    GEMM there): torch._int_mm's int32 sums where its shape rules hold (T > 16, I and O multiples of 8;
+    exact below I = 2^17), else float64 sums (exact: every partial sum is an integer below 2^53)."""
+    if qx.is_cuda:
+        (T, I), O = qx.shape, qw.shape[0]
+        if T > 16 and I % 8 == 0 and O % 8 == 0 and I < (1 << 17):
+            return torch._int_mm(qx.to(torch.int8).contiguous(), qw.to(torch.int8).contiguous().T).to(torch.int64)
+        return (qx.to(torch.float64) @ qw.to(torch.float64).T).to(torch.int64)
     return qx.to(torch.int64) @ qw.to(torch.int64).T
 
 
