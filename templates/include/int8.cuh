@@ -25,6 +25,7 @@
 // (tested once a CTA), else byte loads; k past K loads zeros; rows past O load nothing and are not
 // stored.
 #pragma once
+#include "imma.cuh"
 #include "quant_int8.cuh"
 #include "skinny.cuh"
 
@@ -41,19 +42,10 @@ struct I8Mats {
   const float* s[N];
 };
 
-// d += A (16 x 32 s8, row) * B (32 x 8 s8, col), int32 accumulators.
-__device__ __forceinline__ void mma16832_s8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                            unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // d += W rows (g, g + 8) x token row g over the 16 k of one chunk: two k32 mmas (see the top).
 __device__ __forceinline__ void mma_chunk_s8(int (&d)[4], const uint4& wg, const uint4& wg8, const uint4& xv) {
-  mma16832_s8(d, wg.x, wg8.x, wg.y, wg8.y, xv.x, xv.y);
-  mma16832_s8(d, wg.z, wg8.z, wg.w, wg8.w, xv.z, xv.w);
+  dsg::mma::mma16832_s8(d, wg.x, wg8.x, wg.y, wg8.y, xv.x, xv.y);
+  dsg::mma::mma16832_s8(d, wg.z, wg8.z, wg.w, wg8.w, xv.z, xv.w);
 }
 
 // Stacked row r -> its weight row and its scale (nullptrs past the last row).  SILU: skinny.cuh's

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import test_kernels_dense as dense
+import test_kernels_int4_unpack as int4_unpack
 import test_kernels_linear as linear
 import test_kernels_linear_fp8 as linear_fp8
 import test_kernels_linear_int8 as linear_int8
@@ -293,6 +294,12 @@ MUTANTS = [
            "const int q = __float2int_rn(__fdiv_rn(x, s));", "const int q = (int)roundf(__fdiv_rn(x, s));",
            linear_int8.test_quantiser_int8, dict(dtype="bf16", T=3, K=720, extra=0, offset=0, shift=False,
                                                  kind="ties", seed=21)),
+    Mutant("W4A8 unpack: the nibbles swapped (the high nibble taken as the even channel)", "include/int4.cuh",
+           "even = (w << 4) & 0xF0F0F0F0u;\n  odd = w & 0xF0F0F0F0u;",
+           "odd = (w << 4) & 0xF0F0F0F0u;\n  even = w & 0xF0F0F0F0u;",
+           int4_unpack.test_int4_unpack_exact, dict(tiles=2, steps=3, seed=22)),
+    Mutant("W4A8 unpack: the /16 of the shifted unpack dropped", "include/int4.cuh",
+           "return acc >> 4;", "return acc;", int4_unpack.test_int4_unpack_exact, dict(tiles=2, steps=3, seed=23)),
 ]
 
 
