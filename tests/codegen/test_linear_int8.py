@@ -121,17 +121,22 @@ def test_what_the_int8_kernel_cannot_take_is_one_line(formats, opts, message):
     assert "\n" not in str(info.value)
 
 
-def test_a_spec_with_int8_linears_lowers_every_phase():
-    """Attention's projections, the dense FFN and the shared experts in int8 (routed experts float):
-    every such node lowers to its three steps; kv_b stays float."""
-    from codegen.lower import lower_graph
+def _int8_spec_text() -> str:
+    """The tiny spec with attention's projections, the dense FFN and the shared experts in int8 (routed
+    experts float, kv_b float)."""
     from ir.config_to_spec import spec_from_config
-    from ir.passes import run_pipeline
     tiny = json.loads((ROOT / "model_specs" / "hf_configs" / "deepseek_tiny.json").read_text())
     formats = ('\nweight_formats:\n  "model.layers.*.self_attn.kv_b_proj.weight": act\n'
                '  "model.layers.*.self_attn.*_proj*.weight": int8_channel\n'
                '  "model.layers.*.mlp.shared_experts.*": int8_channel\n  "model.layers.0.mlp.*": int8_channel\n')
-    spec = ir.load_spec(spec_from_config(tiny, name="tiny") + formats, file="t.yaml")
+    return spec_from_config(tiny, name="tiny") + formats
+
+
+def test_a_spec_with_int8_linears_lowers_every_phase():
+    """Every int8 node lowers to its three steps; kv_b stays float."""
+    from codegen.lower import lower_graph
+    from ir.passes import run_pipeline
+    spec = ir.load_spec(_int8_spec_text(), file="t.yaml")
     for phase in ("decode", "prefill"):
         plan = lower_graph(run_pipeline(ir.build_graph(spec, phase)), Options())
         quant = [s for s in plan.steps if isinstance(s, KernelLaunch) and s.stage == "quant_int8"]
@@ -139,6 +144,32 @@ def test_a_spec_with_int8_linears_lowers_every_phase():
         calls = [s for s in plan.steps if isinstance(s, LibraryCall) and s.attrs.get("weight_format") == I8]
         assert quant and len(quant) == len(kern) == len(calls), phase
         assert not any("kv_b_proj" in w for c in calls for w in c.weights)
+
+
+def test_an_int8_bundle_keeps_its_steps_through_the_manifest(tmp_path, monkeypatch):
+    """compile_bundle (NVRTC stubbed: the machine code is tested below) writes the int8 steps --
+    workspaces, argument types, the library call's weight_format -- and load_bundle reads back the
+    same plans."""
+    import hashlib
+    import codegen.nvrtc as nvrtc
+    from codegen.bundle import compile_bundle, load_bundle
+    from codegen.lower import lower_graph
+    from ir.passes import run_pipeline
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda source, name, **kw: nvrtc.CompileResult(
+        cubin=b"CUBIN:" + hashlib.sha256(source.encode()).digest(), log=""))
+    path = tmp_path / "tiny.yaml"
+    path.write_text(_int8_spec_text())
+    out = tmp_path / "bundle"
+    compile_bundle(str(path), out, cache_dir=tmp_path / "cache", progress=False)
+    loaded = load_bundle(out, arch="sm_90")
+    spec = ir.load_spec(str(path))
+    for phase in ("decode", "prefill"):
+        want = [s for s in lower_graph(run_pipeline(ir.build_graph(spec, phase)), Options()).steps
+                if (s.params.get("wfmt") if isinstance(s, KernelLaunch) else s.attrs.get("weight_format")) == I8]
+        got = [s for s in loaded.plans[phase].steps
+               if (s.params.get("wfmt") if isinstance(s, KernelLaunch) else s.attrs.get("weight_format")) == I8]
+        assert want and [dataclasses.replace(s, origins=()) if isinstance(s, KernelLaunch) else s for s in got] == \
+            [dataclasses.replace(s, origins=()) if isinstance(s, KernelLaunch) else s for s in want], phase
 
 
 def test_explain_names_the_int8_rows():
