@@ -189,7 +189,8 @@ def _compile(launch, arch="sm_90"):
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
 @pytest.mark.parametrize("op, dtype, K, arch", [("multi_linear", "bf16", 2048, "sm_90"),
                                                 ("gate_up_silu", "bf16", 2048, "sm_90a"),
-                                                ("linear", "fp16", 1001, "sm_90")])
+                                                ("linear", "fp16", 1001, "sm_90"),
+                                                ("linear", "bf16", 18432, "sm_90")])   # V3's down K
 def test_the_int8_kernel_is_imma_on_16_byte_weight_loads_without_spills(op, dtype, K, arch):
     G, nid = _node(op, (I8, I8), K=K)
     quant, launch, _ = linear_skinny.lower(nid, G, Options(dtype=dtype))

@@ -231,6 +231,9 @@ def run_linear(dtype, T, K, rows, variant, big, shift, seed, *, whole: bool, ext
 @example(dtype="fp16", T=7, K=4096, rows=[200], variant=VARIANTS[2], big=True, shift="none", seed=4)
 @example(dtype="bf16", T=9, K=1001, rows=[17, 130, 5], variant=VARIANTS[4], big=False, shift="none", seed=5)
 @example(dtype="bf16", T=3, K=48, rows=[40], variant=VARIANTS[6], big=False, shift="w", seed=6)
+# V3's q_a + kv_a (K = 7168) and a slice of its dense down (K = 18432: sums past 2^24 in one warp's steps)
+@example(dtype="bf16", T=16, K=7168, rows=[1536, 576], variant=VARIANTS[0], big=False, shift="none", seed=7)
+@example(dtype="bf16", T=5, K=18432, rows=[256], variant=VARIANTS[0], big=True, shift="none", seed=8)
 def test_linear_int8_exact_on_the_same_quantised_x(dtype, T, K, rows, variant, big, shift, seed):
     run_linear(dtype, T, K, rows, variant, big, shift, seed, whole=False)
 
