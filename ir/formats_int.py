@@ -89,9 +89,11 @@ def _split(companions, fmt) -> dict:
     return dict(zip(fmt.companions, companions))
 
 
-def check_companions(stored, companions, fmt) -> dict:
-    """The companions by suffix, float32, after checking their shapes and that the offsets are zero
-    (msModelSlim's weights are symmetric); a ValueError says what is wrong."""
+def check_companions(stored, companions, fmt, *, values: bool = True) -> dict:
+    """The companions by suffix, float32, after checking their shapes and (values) that the offsets are
+    zero (msModelSlim's weights are symmetric); a ValueError says what is wrong.  values=False skips the
+    one check that reads the tensors (a host sync: not allowed while a CUDA graph is captured), for
+    weights the loader has checked."""
     c = _split(companions, fmt)
     shape = logical_shape(fmt, tuple(stored.shape))
     out = {}
@@ -101,7 +103,7 @@ def check_companions(stored, companions, fmt) -> dict:
             raise ValueError(f"{fmt.name} companion {suffix} has shape {tuple(t.shape)}, expected {want} for a "
                              f"stored weight of shape {tuple(stored.shape)}")
         t = t.to(torch.float32)
-        if "_offset" in suffix and bool((t != 0).any()):
+        if values and "_offset" in suffix and bool((t != 0).any()):
             raise ValueError(f"{fmt.name} companion {suffix} is not zero: asymmetric weights are not supported")
         out[suffix] = t
     return out
@@ -216,10 +218,11 @@ def int_matmul(qx, qw):
     return qx.to(torch.int64) @ qw.to(torch.int64).T
 
 
-def int_linear(x, stored, companions, fmt, siblings: dict | None = None):
+def int_linear(x, stored, companions, fmt, siblings: dict | None = None, *, check_values: bool = True):
     """y float32 [T, O] = the quantised linear x [T, I] @ W^T with `fmt`'s exact arithmetic (module docstring).
-    `siblings`: static W8A8's input_scale, input_offset, quant_bias, deq_scale by leaf name."""
-    c = check_companions(stored, companions, fmt)
+    `siblings`: static W8A8's input_scale, input_offset, quant_bias, deq_scale by leaf name.  check_values:
+    check_companions' `values` (False: no host sync, for checked weights inside a captured CUDA graph)."""
+    c = check_companions(stored, companions, fmt, values=check_values)
     if fmt.activation == "tensor":
         s = siblings or {}
         qx = quantize_activation_static(x, s["input_scale"], s["input_offset"])
@@ -239,20 +242,21 @@ INT_OPS = ("linear", "multi_linear", "gate_up_silu", "moe_gate_up", "moe_gate_up
 
 class IntMatrix:
     """A bound integer weight as an op's reference semantics takes it: `stored` [.., O/pack, I] with its
-    companions (in fmt.companions order); indexing picks experts, linear() is int_linear in x's dtype."""
+    companions (in fmt.companions order); indexing picks experts, linear() is int_linear in x's dtype.
+    checked: the loader checked the companions' values (linear() then reads none on the host)."""
 
-    def __init__(self, stored, companions, fmt):
-        self.stored, self.companions, self.fmt = stored, tuple(companions), fmt
+    def __init__(self, stored, companions, fmt, *, checked: bool = False):
+        self.stored, self.companions, self.fmt, self.checked = stored, tuple(companions), fmt, checked
 
     @property
     def shape(self):
         return torch.Size(logical_shape(self.fmt, tuple(self.stored.shape)))
 
     def __getitem__(self, index):
-        return IntMatrix(self.stored[index], [c[index] for c in self.companions], self.fmt)
+        return IntMatrix(self.stored[index], [c[index] for c in self.companions], self.fmt, checked=self.checked)
 
     def linear(self, x):
-        return int_linear(x, self.stored, self.companions, self.fmt).to(x.dtype)
+        return int_linear(x, self.stored, self.companions, self.fmt, check_values=not self.checked).to(x.dtype)
 
 
 def linear(x, w):

@@ -361,8 +361,10 @@ class CudaBackend:
             w = dequantize(w, [self.weights[c] for c in companion_names(name, FP8)], FP8).to(dtype)
         elif call.attrs.get("weight_format") == INT8_CHANNEL.name:
             # the exact integer linear (ir/formats_int.py int_linear: x quantised per token, the integer
-            # product, then the scales), which linear() / gate_up_silu_ref take as an IntMatrix
-            w = IntMatrix(w, [self.weights[c] for c in companion_names(name, INT8_CHANNEL)], INT8_CHANNEL)
+            # product, then the scales), which linear() / gate_up_silu_ref take as an IntMatrix; the
+            # loader checked the offsets, so it reads nothing on the host (decode graphs capture it)
+            w = IntMatrix(w, [self.weights[c] for c in companion_names(name, INT8_CHANNEL)], INT8_CHANNEL,
+                          checked=True)
         return w
 
     def _gate_up_silu(self, call: LibraryCall, env: dict) -> None:

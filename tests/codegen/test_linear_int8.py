@@ -211,3 +211,37 @@ def test_the_int8_kernel_is_imma_on_16_byte_weight_loads_without_spills(op, dtyp
     # division); __float2int_rn: F2I with no rounding modifier (round to nearest even), never TRUNC
     assert qops["FCHK"] > 0 and qops["MUFU.RCP"] > 0, sorted(qops)
     assert qops["F2I.NTZ"] > 0 and not any(o.startswith("F2I") and "TRUNC" in o for o in qops), sorted(qops)
+
+
+@pytest.mark.parametrize("op", ["multi_linear", "gate_up_silu"])
+def test_the_exact_call_above_16_tokens_is_int_linear_without_host_reads(op, monkeypatch):
+    """The cuda backend's library call (run here on CPU tensors: it is torch only) gives int_linear's
+    numbers, rounded as the reference backend rounds, and reads no tensor on the host (the loader checked
+    the offsets; a decode graph captured above 16 tokens holds this call)."""
+    import torch
+    from ir.formats_int import int_linear, quantize_int
+    from ir.ops.core import gate_up_silu_ref
+    from runtime.cuda_backend import CudaBackend
+    G, nid = _node(op, K=96)
+    (call,) = [s for s in linear_skinny.lower(nid, G, Options()) if isinstance(s, LibraryCall)]
+    gen = torch.Generator().manual_seed(3)
+    rows = [40, 40] if op == "gate_up_silu" else [48, 24]
+    ws, floats = {}, {}
+    for name, n in zip(call.weights, rows):
+        q, (s, z) = quantize_int(torch.randn(n, 96, generator=gen), linear_skinny.INT8)
+        ws[name], ws[name + "_scale"], ws[name + "_offset"] = q, s, z
+        floats[name] = (q, (s, z))
+    x = torch.randn(20, 96, generator=gen).to(torch.bfloat16)
+    backend = CudaBackend.__new__(CudaBackend)
+    backend.weights = ws
+    env = {"x": x}
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: pytest.fail("a host read of a tensor"))
+    (CudaBackend._gate_up_silu if op == "gate_up_silu" else CudaBackend._linear)(backend, call, env)
+    monkeypatch.undo()
+    lin = {n: int_linear(x, q, c, linear_skinny.INT8).to(x.dtype) for n, (q, c) in floats.items()}
+    if op == "gate_up_silu":
+        g, u = (lin[n] for n in call.weights)
+        assert torch.equal(env[call.outputs[0]], torch.nn.functional.silu(g).mul_(u))
+    else:
+        for name, out in zip(call.weights, call.outputs):
+            assert torch.equal(env[out], lin[name])
