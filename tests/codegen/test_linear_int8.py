@@ -211,6 +211,11 @@ def test_the_int8_kernel_is_imma_on_16_byte_weight_loads_without_spills(op, dtyp
     # division); __float2int_rn: F2I with no rounding modifier (round to nearest even), never TRUNC
     assert qops["FCHK"] > 0 and qops["MUFU.RCP"] > 0, sorted(qops)
     assert qops["F2I.NTZ"] > 0 and not any(o.startswith("F2I") and "TRUNC" in o for o in qops), sorted(qops)
+    # PDL (pdl.cuh): the quantiser touches nothing before its wait; the int8 kernel only its weights
+    from sass import instructions
+    from test_sass_pdl import wait_problem
+    assert wait_problem(instructions(qres.cubin)[quant.name]) is None
+    assert wait_problem(instructions(res.cubin)[launch.name], weight_loads=True) is None
 
 
 @pytest.mark.parametrize("op", ["multi_linear", "gate_up_silu"])
