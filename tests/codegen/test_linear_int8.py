@@ -211,6 +211,8 @@ def test_the_int8_kernel_is_imma_on_16_byte_weight_loads_without_spills(op, dtyp
     # division); __float2int_rn: F2I with no rounding modifier (round to nearest even), never TRUNC
     assert qops["FCHK"] > 0 and qops["MUFU.RCP"] > 0, sorted(qops)
     assert qops["F2I.NTZ"] > 0 and not any(o.startswith("F2I") and "TRUNC" in o for o in qops), sorted(qops)
+    if K % 8 == 0:   # rows that allow it are read once, 16 bytes at a time
+        assert qops["LDG.E.128.CONSTANT"] > 0 and qops["STG.E.64"] > 0, sorted(qops)
     # PDL (pdl.cuh): the quantiser touches nothing before its wait; the int8 kernel only its weights
     from sass import instructions
     from test_sass_pdl import wait_problem

@@ -5,7 +5,8 @@ templates/include/int8.cuh) against ir/formats_int.py's definitions, computed on
 
 - the quantiser: its int8 rows (and their zero padding) and float32 scales equal quantize_activation's
   on the kernel's own bf16 / fp16 input, with rows built to hit rounding ties (x / s = k + 0.5), a row
-  of zeros, tiny rows (subnormal scales) and huge ones;
+  of zeros, tiny rows (subnormal scales) and huge ones; aligned rows with K % 8 == 0 take its 16-byte
+  path, the others (odd K, odd strides, shifted x) its element loads;
 - the int8 kernel alone, given the reference's quantised activations in its workspaces: outputs equal
   ((float(acc) * s_w) * s_x) rounded to the activation type, acc the exact int64 sum -- with
   activations and weights near +-127 so the sums pass 2^24 (a float accumulator would lose bits);
