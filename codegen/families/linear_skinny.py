@@ -100,6 +100,9 @@ def lower(nid, G, opts, *, warps: int | None = None, row_tiles: int | None = Non
     precision = "fp32" if data["op"] == "linear" and data["attrs"]["precision"] == "fp32" else "act"
     roles_ = sorted(data["weights"])
     if precision == "act" and any(weight_format(G, bound[r], opts.dtype) is INT8 for r in roles_):
+        if ksplit != 1 or pipeline is not None:
+            raise LoweringError(f"int8 weights: the skinny linear splits K inside a CTA only and has no load "
+                                f"pipelines (ksplit 1 and no pipeline, got {ksplit} and {pipeline!r})")
         return _lower_int8(nid, G, opts, warps=warps, row_tiles=row_tiles, unroll=unroll or t.unroll)
     rows_ = dispatch.rows(data["op"], {"precision": precision, "weight_format": "same", "dtype": opts.dtype},
                           opts.tuning)
@@ -189,9 +192,6 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
     if any(f is not INT8 for f in fmts):
         found = ", ".join(f"{bound[r]}: {f.name}" for r, f in zip(roles, fmts))
         raise LoweringError(f"the skinny linear takes weights all in {opts.dtype} or all in {INT8.name}, got {found}")
-    if opts.tuning.linear.ksplit != 1:
-        raise LoweringError(f"int8 weights: the skinny linear splits K inside a CTA only (Tuning linear.ksplit 1, "
-                            f"got {opts.tuning.linear.ksplit})")
     rows_ = dispatch.rows(data["op"], {"precision": "act", "weight_format": INT8.name, "dtype": opts.dtype},
                           opts.tuning)
     none = dispatch.row_range(rows_, dispatch.NONE)

@@ -121,6 +121,13 @@ def test_what_the_int8_kernel_cannot_take_is_one_line(formats, opts, message):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("kw", [{"ksplit": 4}, {"pipeline": "batch"}])
+def test_fp8s_and_clusters_knobs_are_refused_for_int8_weights(kw):
+    G, nid = _node()
+    with pytest.raises(LoweringError, match="no load pipelines"):
+        linear_skinny.lower(nid, G, Options(), **kw)
+
+
 def _int8_spec_text() -> str:
     """The tiny spec with attention's projections, the dense FFN and the shared experts in int8 (routed
     experts float, kv_b float)."""
