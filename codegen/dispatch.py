@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ir.formats import FP8
+from ir.formats import FORMATS, FP8
 
 from .errors import DsgraphError
 from .tuning import DEFAULT_TUNING, Tuning
@@ -29,7 +29,9 @@ from .tuning import DEFAULT_TUNING, Tuning
 INF = None                     # a range without an upper end
 PHASES = ("prefill", "decode")
 DTYPES = ("bf16", "fp16", "fp32")
-WEIGHT_FORMATS = ("same", FP8.name)   # the weight stored in the activation dtype; DeepSeek-V3's FP8 blocks
+INT8_CHANNEL = FORMATS["int8_channel"].name   # msModelSlim's W8A8_DYNAMIC (per-channel int8, per-token int8 x)
+WEIGHT_FORMATS = ("same", FP8.name, INT8_CHANNEL)   # the weight stored in the activation dtype; DeepSeek-V3's FP8
+                                                   # blocks; msModelSlim's int8
 NONE = "none"                  # a row that no kernel serves: the lowering refuses the node
 
 
@@ -190,10 +192,11 @@ def align(t: Tuning = DEFAULT_TUNING) -> Table:
 
 def linear(t: Tuning = DEFAULT_TUNING) -> Table:
     """linear / multi_linear / gate_up_silu.  Facts: precision (the node's: fp32 for the router);
-    weight_format (the node's weights': "same" or an ir/formats.py name); sm_90a (the target offers it);
-    fp8_rows (K % 16 == 0: whole 16-byte chunks of the quantised rows); fp8_fits (the FP8 GEMM's shared
-    memory)."""
+    weight_format (the node's weights': "same" or an ir/formats.py name: FP8's, msModelSlim's int8_channel);
+    dtype; sm_90a (the target offers it); fp8_rows (K % 16 == 0: whole 16-byte chunks of the quantised rows);
+    fp8_fits (the FP8 GEMM's shared memory)."""
     up = t.linear.skinny_upto
+    i8 = INT8_CHANNEL
     skinny = ("skinny", 1, up, "skinny kernel: each weight byte read once, tokens as the mma's N")
     return Table("linear", "tokens", (
         Case({"precision": "fp32"}, _rows(("library", 1, INF, "fp32 precision: cuBLAS, weights and output "
@@ -202,9 +205,20 @@ def linear(t: Tuning = DEFAULT_TUNING) -> Table:
              _rows(skinny, ("fp8_wgmma", up + 1, INF, "FP8 x FP8 wgmma + TMA: x quantised per token per 128 "
                                                       "columns, fp32 promotion per 128-K block")),
              "FP8 weights, sm_90a"),
+        Case({"weight_format": i8, "dtype": ("bf16", "fp16")},
+             _rows(("skinny_wi8", 1, up, "int8 weights: x quantised per token by its own launch, then the skinny "
+                                         "kernel's mma.sync s8 x s8 -> s32 with the weights as M (exact, bit-equal "
+                                         "to the reference)"),
+                   ("int_mm", up + 1, INF, "int8 weights above the skinny kernel: NOT a tuned GEMM -- x quantised "
+                                           "per token by torch, the exact integer product by torch._int_mm (float64 "
+                                           "where its shape rules fail), then the scales; int8 wgmma is to replace "
+                                           "it")),
+             "int8 weights, 16-bit activations"),
+        Case({"weight_format": i8}, _rows((NONE, 1, INF, "int8 weights need bf16 or fp16 activations")),
+             "int8 weights, fp32 activations"),
         Case({}, _rows(skinny, ("library", up + 1, INF, "cuBLAS GEMM (FP8 weights where the FP8 GEMM cannot run: "
                                                         "dequantised to the activation dtype every call)")),
-             "activation precision")), ("precision", "weight_format", "sm_90a", "fp8_rows", "fp8_fits"))
+             "activation precision")), ("precision", "weight_format", "dtype", "sm_90a", "fp8_rows", "fp8_fits"))
 
 
 def prefill_attention(t: Tuning = DEFAULT_TUNING) -> Table:

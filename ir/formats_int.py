@@ -89,9 +89,11 @@ def _split(companions, fmt) -> dict:
     return dict(zip(fmt.companions, companions))
 
 
-def check_companions(stored, companions, fmt) -> dict:
-    """The companions by suffix, float32, after checking their shapes and that the offsets are zero
-    (msModelSlim's weights are symmetric); a ValueError says what is wrong."""
+def check_companions(stored, companions, fmt, *, values: bool = True) -> dict:
+    """The companions by suffix, float32, after checking their shapes and (values) that the offsets are
+    zero (msModelSlim's weights are symmetric); a ValueError says what is wrong.  values=False skips the
+    one check that reads the tensors (a host sync: not allowed while a CUDA graph is captured), for
+    weights the loader has checked."""
     c = _split(companions, fmt)
     shape = logical_shape(fmt, tuple(stored.shape))
     out = {}
@@ -101,7 +103,7 @@ def check_companions(stored, companions, fmt) -> dict:
             raise ValueError(f"{fmt.name} companion {suffix} has shape {tuple(t.shape)}, expected {want} for a "
                              f"stored weight of shape {tuple(stored.shape)}")
         t = t.to(torch.float32)
-        if "_offset" in suffix and bool((t != 0).any()):
+        if values and "_offset" in suffix and bool((t != 0).any()):
             raise ValueError(f"{fmt.name} companion {suffix} is not zero: asymmetric weights are not supported")
         out[suffix] = t
     return out
@@ -189,7 +191,10 @@ def scale_bias_problem(found, stored, companions, fmt, rel: float = 1e-5) -> str
 def quantize_activation(x):
     """(q int8 [T, I], s float32 [T, 1]): per-token symmetric dynamic quantisation (module docstring)."""
     xf = x.to(torch.float32)
-    s = xf.abs().amax(dim=-1, keepdim=True) / 127.0
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # a tensor divisor: torch on CUDA divides by a Python scalar as a multiply by its reciprocal, which
+    # differs from the true quotient in the last bit for some values (the kernels divide: quant_int8.cuh)
+    s = amax / torch.full_like(amax, 127.0)
     q = torch.round(xf / torch.where(s > 0, s, torch.ones_like(s))).clamp(*INT8)
     return q.to(torch.int8), s
 
@@ -202,14 +207,22 @@ def quantize_activation_static(x, input_scale, input_offset):
 
 
 def int_matmul(qx, qw):
-    """Exact sum_i qx[t, i] * qw[o, i] (int64 [T, O]) for int8 qx [T, I], qw [O, I]."""
+    """Exact sum_i qx[t, i] * qw[o, i] (int64 [T, O]) for int8 qx [T, I], qw [O, I].  On CUDA (no int64
+    GEMM there): torch._int_mm's int32 sums where its shape rules hold (T > 16, I and O multiples of 8;
+    exact below I = 2^17), else float64 sums (exact: every partial sum is an integer below 2^53)."""
+    if qx.is_cuda:
+        (T, I), O = qx.shape, qw.shape[0]
+        if T > 16 and I % 8 == 0 and O % 8 == 0 and I < (1 << 17):
+            return torch._int_mm(qx.to(torch.int8).contiguous(), qw.to(torch.int8).contiguous().T).to(torch.int64)
+        return (qx.to(torch.float64) @ qw.to(torch.float64).T).to(torch.int64)
     return qx.to(torch.int64) @ qw.to(torch.int64).T
 
 
-def int_linear(x, stored, companions, fmt, siblings: dict | None = None):
+def int_linear(x, stored, companions, fmt, siblings: dict | None = None, *, check_values: bool = True):
     """y float32 [T, O] = the quantised linear x [T, I] @ W^T with `fmt`'s exact arithmetic (module docstring).
-    `siblings`: static W8A8's input_scale, input_offset, quant_bias, deq_scale by leaf name."""
-    c = check_companions(stored, companions, fmt)
+    `siblings`: static W8A8's input_scale, input_offset, quant_bias, deq_scale by leaf name.  check_values:
+    check_companions' `values` (False: no host sync, for checked weights inside a captured CUDA graph)."""
+    c = check_companions(stored, companions, fmt, values=check_values)
     if fmt.activation == "tensor":
         s = siblings or {}
         qx = quantize_activation_static(x, s["input_scale"], s["input_offset"])
@@ -229,20 +242,21 @@ INT_OPS = ("linear", "multi_linear", "gate_up_silu", "moe_gate_up", "moe_gate_up
 
 class IntMatrix:
     """A bound integer weight as an op's reference semantics takes it: `stored` [.., O/pack, I] with its
-    companions (in fmt.companions order); indexing picks experts, linear() is int_linear in x's dtype."""
+    companions (in fmt.companions order); indexing picks experts, linear() is int_linear in x's dtype.
+    checked: the loader checked the companions' values (linear() then reads none on the host)."""
 
-    def __init__(self, stored, companions, fmt):
-        self.stored, self.companions, self.fmt = stored, tuple(companions), fmt
+    def __init__(self, stored, companions, fmt, *, checked: bool = False):
+        self.stored, self.companions, self.fmt, self.checked = stored, tuple(companions), fmt, checked
 
     @property
     def shape(self):
         return torch.Size(logical_shape(self.fmt, tuple(self.stored.shape)))
 
     def __getitem__(self, index):
-        return IntMatrix(self.stored[index], [c[index] for c in self.companions], self.fmt)
+        return IntMatrix(self.stored[index], [c[index] for c in self.companions], self.fmt, checked=self.checked)
 
     def linear(self, x):
-        return int_linear(x, self.stored, self.companions, self.fmt).to(x.dtype)
+        return int_linear(x, self.stored, self.companions, self.fmt, check_values=not self.checked).to(x.dtype)
 
 
 def linear(x, w):

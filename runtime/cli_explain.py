@@ -150,7 +150,11 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
     for s in running:
         st = s.stage if isinstance(s, KernelLaunch) else "library"
         if op in ("linear", "multi_linear", "gate_up_silu"):
-            wanted[(op, "library" if st == "library" else "fp8_wgmma" if s.family == "gemm_fp8" else "skinny")] = 1
+            fmt = s.attrs.get("weight_format") if st == "library" else s.params.get("wfmt")
+            if fmt == "int8_channel":   # the quantiser's launch and the int8 kernel are one row
+                wanted[(op, "int_mm" if st == "library" else "skinny_wi8")] = 1
+            else:
+                wanted[(op, "library" if st == "library" else "fp8_wgmma" if s.family == "gemm_fp8" else "skinny")] = 1
         elif op == "moe_expert_ffn":
             wanted[(op, "fused" if st == "fused" else "two_launch")] = 1
             if st != "fused":   # and the grouped family's own row

@@ -26,7 +26,8 @@ from codegen import sizes as size_exprs
 from codegen.kernel import DEFAULTS, KernelLaunch, LibraryCall
 from codegen.memplan import ArenaPlan, workspace_slot
 from ir.context import StepContext
-from ir.formats import FP8, companion_names, dequantize
+from ir.formats import FORMATS, FP8, companion_names, dequantize
+from ir.formats_int import IntMatrix
 from ir.ops.collective import all_reduce_sum
 from ir.ops.core import gate_up_silu_ref
 from ir.ops.moe import local_experts_ref, pairs_per_token
@@ -38,6 +39,8 @@ from .launcher import KernelRunner
 _LAYOUTS_KEPT = 64   # (phase, sizes) layouts kept before the cache starts over
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _VALUE_DTYPES = {"f32": torch.float32, "i64": torch.int64, "i32": torch.int32}
+
+INT8_CHANNEL = FORMATS["int8_channel"]   # msModelSlim W8A8_DYNAMIC: its library calls run int_linear
 
 
 def _node_of(step) -> str:
@@ -338,6 +341,9 @@ class CudaBackend:
             x = x.float()
         for name, out in zip(call.weights, call.outputs, strict=True):
             w = self._library_weight(call, name, x.dtype)
+            if isinstance(w, IntMatrix):
+                _put(env, out, w.linear(x))
+                continue
             if call.attrs.get("precision") == "fp32":
                 w = w.float()
             dst = env.get(out)
@@ -354,6 +360,12 @@ class CudaBackend:
         w = self.weights[name]
         if call.attrs.get("weight_format") == FP8.name:
             w = dequantize(w, [self.weights[c] for c in companion_names(name, FP8)], FP8).to(dtype)
+        elif call.attrs.get("weight_format") == INT8_CHANNEL.name:
+            # the exact integer linear (ir/formats_int.py int_linear: x quantised per token, the integer
+            # product, then the scales), which linear() / gate_up_silu_ref take as an IntMatrix; the
+            # loader checked the offsets, so it reads nothing on the host (decode graphs capture it)
+            w = IntMatrix(w, [self.weights[c] for c in companion_names(name, INT8_CHANNEL)], INT8_CHANNEL,
+                          checked=True)
         return w
 
     def _gate_up_silu(self, call: LibraryCall, env: dict) -> None:

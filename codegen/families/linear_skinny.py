@@ -21,6 +21,13 @@ activations): the kernel reads the FP8 bytes and their block scales (the compani
 GEMM (codegen/families/gemm_fp8.py: a quantiser launch, then wgmma) takes the place of the library
 call; elsewhere (no sm_90a, K % 16 != 0) the library call dequantises each weight to the activation
 dtype (torch) before the cuBLAS GEMM, every step -- correct, not fast.
+
+Weights in int8 (msModelSlim's int8_channel: W8A8_DYNAMIC, every weight of the node, bf16 or fp16
+activations; codegen/dispatch.py's linear table, rows skinny_wi8 / int_mm): x is quantised per token by
+its own launch (stage quant_int8, templates/include/quant_int8.cuh) into two workspaces, then the int8
+kernel (templates/include/int8.cuh) multiplies int8 x int8 into int32 and scales (float(acc) * s_w) * s_x,
+bit-equal to ir/formats_int.py's reference; its name carries "wi8".  Above skinny_upto the library call
+(marked weight_format int8_channel) is the exact integer product by torch (int_linear), not a tuned GEMM.
 """
 from __future__ import annotations
 
@@ -28,12 +35,12 @@ import dataclasses
 
 from codegen import dispatch
 from codegen.errors import LoweringError
-from codegen.kernel import DTYPES, KernelLaunch, inp, out, size, stride, weight
+from codegen.kernel import DTYPES, KernelLaunch, Workspace, inp, out, size, stride, weight, work
 from codegen.render import kernel_name
 from codegen.arch import has_feature
 from codegen.sizes import only_below, token_range
 from codegen.tuning import DEFAULT_TUNING
-from ir.formats import FP8, companion_names, weight_format
+from ir.formats import FORMATS, FP8, companion_names, weight_format
 
 from . import gemm_fp8
 from ._dense_util import inner_dims, node_io
@@ -44,8 +51,11 @@ OPS = ("linear", "multi_linear", "gate_up_silu")
 PDL = True   # every CTA waits (griddepcontrol.wait) before reading x or writing y; weights before it
 # Storage formats its kernel reads (codegen/lower.py weight_format_problem): FP8 blocks are widened in
 # registers up to skinny_upto; above it gemm_fp8's launches or the library call (which dequantises:
-# cuda_backend._library_weight) take them.
-WEIGHT_FORMATS = ("bf16", "fp16", "fp32", FP8.name)
+# cuda_backend._library_weight) take them.  int8 weights: the quantiser's launch and the int8 kernel up to
+# skinny_upto, the exact integer library call above (_lower_int8).
+INT8 = FORMATS["int8_channel"]
+WEIGHT_FORMATS = ("bf16", "fp16", "fp32", FP8.name, INT8.name)
+QUANT_THREADS = 256               # the quantiser's CTA (one a token row)
 PIPELINES = ("rolling", "batch")   # FP8 weights' load pipelines (fp8.cuh)
 
 # The most tokens the kernel takes: a tensor-core n8 tile holds 8 tokens and the kernel runs two
@@ -92,11 +102,19 @@ def lower(nid, G, opts, *, warps: int | None = None, row_tiles: int | None = Non
     t = opts.tuning.linear
     warps, row_tiles, ksplit = warps or t.warps, row_tiles or t.row_tiles, ksplit or t.ksplit
     data, (x,), outs, bound = node_io(G, nid)
+    precision = "fp32" if data["op"] == "linear" and data["attrs"]["precision"] == "fp32" else "act"
+    roles_ = sorted(data["weights"])
+    if precision == "act" and any(weight_format(G, bound[r], opts.dtype) is INT8 for r in roles_):
+        if ksplit != 1 or pipeline is not None:
+            raise LoweringError(f"int8 weights: the skinny linear splits K inside a CTA only and has no load "
+                                f"pipelines (ksplit 1 and no pipeline, got {ksplit} and {pipeline!r})")
+        return _lower_int8(nid, G, opts, warps=warps, row_tiles=row_tiles, unroll=unroll or t.unroll)
+    # int8 weights went above: _fp8_gemms sees 16-bit or FP8 ones only
     gemms, alone = _fp8_gemms(nid, G, opts)
     if alone:   # no skinny row (Tuning.linear.skinny_upto = 0): the FP8 GEMM at every T
         return gemms
-    precision = "fp32" if data["op"] == "linear" and data["attrs"]["precision"] == "fp32" else "act"
-    rows_ = dispatch.rows(data["op"], {"precision": precision}, opts.tuning)
+    rows_ = dispatch.rows(data["op"], {"precision": precision, "weight_format": "same", "dtype": opts.dtype},
+                          opts.tuning)
     skinny = dispatch.row_range(rows_, "skinny")
     if not skinny:
         return [library_call(nid, data)]
@@ -192,3 +210,64 @@ def _fp8_weights(G, names: list[str], opts) -> bool:
     if opts.dtype == "fp32":
         raise LoweringError(f"{FP8.name} weights need bf16 or fp16 activations, not fp32")
     return True
+
+
+def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
+    """int8_channel weights: the quantiser's launch and the int8 kernel's up to skinny_upto tokens
+    (both over two workspaces: x_int8, the quantised rows, and x_scale), the exact library call above."""
+    from codegen.lower import library_call
+    data, (x,), outs, bound = node_io(G, nid)
+    silu = data["op"] == "gate_up_silu"
+    roles = ["gate", "up"] if silu else (["weight"] if data["op"] == "linear" else
+                                         [f"weight{i}" for i in range(len(outs))])
+    fmts = [weight_format(G, bound[r], opts.dtype) for r in roles]
+    if any(f is not INT8 for f in fmts):
+        found = ", ".join(f"{bound[r]}: {f.name}" for r, f in zip(roles, fmts))
+        raise LoweringError(f"the skinny linear takes weights all in {opts.dtype} or all in {INT8.name}, got {found}")
+    rows_ = dispatch.rows(data["op"], {"precision": "act", "weight_format": INT8.name, "dtype": opts.dtype},
+                          opts.tuning)
+    none = dispatch.row_range(rows_, dispatch.NONE)
+    if none:
+        raise LoweringError(next(r.reason for r in rows_ if r.variant == dispatch.NONE) + f", not {opts.dtype}")
+    call = library_call(nid, data)
+    call = dataclasses.replace(call, attrs={**call.attrs, "weight_format": INT8.name})
+    skinny = dispatch.row_range(rows_, "skinny_wi8")
+    if not skinny:
+        return [call]
+    ((_, upto),) = skinny
+    (K,) = inner_dims(G, x)
+    rows = [data["attrs"]["out_dim"]] * 2 if silu else [inner_dims(G, y)[0] for y in outs]
+    act = DTYPES[opts.dtype]
+    qrow = -(-K // 16) * 16
+    below = only_below(upto)
+    ws = (Workspace("x_int8", (f"min(T, {upto})", qrow // 4), "i32"),   # int8 rows of qrow bytes
+          Workspace("x_scale", (f"min(T, {upto})",), "f32"))
+    quant = KernelLaunch(
+        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [f"{opts.dtype}_qi8", f"k{K}"]),
+        params={"act": act, "K": K, "qrow": qrow, "threads": QUANT_THREADS, "max_tokens": SKINNY_MAX_TOKENS,
+                "wfmt": INT8.name, "quant": True},
+        nodes=(nid,), grid=(f"T * {below}", 1, 1), block=(QUANT_THREADS, 1, 1),
+        args=(inp("x", act, x), stride("x_stride", x, 0), work("q", "signed char", "x_int8"),
+              work("s", "float", "x_scale"), size("T", "T")),
+        workspace=ws, stage="quant_int8")
+    w_args = [f"w{i}" for i in range(len(rows))]
+    s_args = [f"s{i}" for i in range(len(rows))]
+    y_args = [f"y{i}" for i in range(len(outs))]
+    params = {"act": act, "K": K, "rows": rows, "warps": warps, "rt": row_tiles, "unroll": unroll,
+              "min_blocks": min_blocks(warps, row_tiles, unroll), "max_tokens": SKINNY_MAX_TOKENS,
+              "w_args": w_args, "y_args": y_args, "s_args": s_args, "silu": silu, "wfmt": INT8.name,
+              "quant": False}
+    parts = [f"{opts.dtype}_wi8", f"k{K}", f"silu{rows[0]}" if silu else "o" + "_".join(map(str, rows))]
+    tag = variant_tag(warps, row_tiles, unroll)
+    if tag:
+        parts.append(tag)
+    args = (work("xq", "signed char", "x_int8", writes=False), work("xs", "float", "x_scale", writes=False),
+            *(weight(a, "signed char", bound[r]) for a, r in zip(w_args, roles)),
+            *(weight(a, "float", companion_names(bound[r], INT8)[0]) for a, r in zip(s_args, roles)),
+            *(out(a, act, y) for a, y in zip(y_args, outs)),
+            size("T", "T"))
+    linear = KernelLaunch(
+        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
+        grid=(f"{-(-sum(rows) // (16 * row_tiles))} * {below}", 1, 1), block=(warps * 32, 1, 1), args=args,
+        workspace=ws, stage=data["op"])
+    return [quant, linear, dataclasses.replace(call, from_tokens=upto + 1)]

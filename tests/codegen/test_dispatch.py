@@ -85,7 +85,7 @@ def test_a_table_says_which_case_holds_and_refuses_no_case():
 
 
 def test_weight_format_is_a_column_with_the_current_formats():
-    assert dispatch.WEIGHT_FORMATS == ("same", "fp8_e4m3_block128") and set(dispatch.DTYPES) == {"bf16", "fp16", "fp32"}
+    assert dispatch.WEIGHT_FORMATS == ("same", "fp8_e4m3_block128", "int8_channel") and set(dispatch.DTYPES) == {"bf16", "fp16", "fp32"}
 
 
 def test_the_lowering_emits_the_rows_of_the_case_that_holds():

@@ -55,9 +55,14 @@ def _runner(templates_dir: str | None):
 _TEMPLATES: list[str] = []   # innermost templates folder in force (tests/gpu/test_mutants.py), if any
 
 
+def templates_dir() -> str | None:
+    """The templates folder `templates_from` put in force (a mutant's), or None: templates/."""
+    return _TEMPLATES[-1] if _TEMPLATES else None
+
+
 def runner():
     """The KernelRunner of the tests: over templates/, or the folder `templates_from` put in force."""
-    return _runner(_TEMPLATES[-1] if _TEMPLATES else None)
+    return _runner(templates_dir())
 
 
 @contextlib.contextmanager

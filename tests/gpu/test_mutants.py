@@ -17,8 +17,10 @@ import pytest
 
 import test_kernels_dense as dense
 import test_kernels_gemm_fp8 as gemm_fp8
+import test_kernels_int4_unpack as int4_unpack
 import test_kernels_linear as linear
 import test_kernels_linear_fp8 as linear_fp8
+import test_kernels_linear_int8 as linear_int8
 import test_kernels_mla as mla
 import test_kernels_moe as moe
 import test_kernels_moe_expert_ffn as moe_ffn
@@ -293,6 +295,36 @@ MUTANTS = [
            "const float sc = amax / E4M3_MAX;", "const float sc = amax / E4M3_MAX * 1.01f;",
            gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=50, K=256, rows=[128], extra=0, offset=0, zero_rows=0,
                                                shift=False, seed=26)),
+    Mutant("int8 skinny linear: each row scaled by the next channel's weight scale", "include/int8.cuh",
+           "s = m.s[i] + (r - off);", "s = m.s[i] + (r - off + 1);",
+           linear_int8.test_linear_int8_exact_on_the_same_quantised_x,
+           dict(dtype="bf16", T=5, K=512, rows=[200], variant=linear_int8.VARIANTS[0], big=False, shift="none",
+                seed=16)),
+    Mutant("int8 skinny linear: the last 64-k step dropped (K = 2048: 32 steps over 8 warps)", "include/int8.cuh",
+           "const int my_steps = warp < NSTEPS ? (NSTEPS - warp + WARPS - 1) / WARPS : 0;",
+           "const int my_steps = warp < NSTEPS ? (NSTEPS - 1 - warp + WARPS - 1) / WARPS : 0;",
+           linear_int8.test_linear_int8_exact_on_the_same_quantised_x,
+           dict(dtype="bf16", T=9, K=2048, rows=[256], variant=linear_int8.VARIANTS[0], big=False, shift="none",
+                seed=17)),
+    Mutant("int8 gate_up_silu: the up rows scaled with their gate's scale", "include/int8.cuh",
+           "i8_scale(total(i + 2), __ldg(su), x_scale)", "i8_scale(total(i + 2), __ldg(s), x_scale)",
+           linear_int8.test_gate_up_silu_int8, dict(dtype="bf16", T=4, K=512, n=136,
+                                                    variant=linear_int8.VARIANTS[0], shift="none", seed=20)),
+    # seed 20: 3 of the 16 rows' amax / 127 differ in the last bit from amax * fl(1 / 127) (checked on the CPU)
+    Mutant("int8 quantiser: the scale by a reciprocal multiply (as torch on CUDA divides by a scalar)",
+           "include/quant_int8.cuh", "return __fdiv_rn(amax, 127.f);", "return amax * (1.f / 127.f);",
+           linear_int8.test_quantiser_int8, dict(dtype="bf16", T=16, K=2048, extra=0, offset=0, shift=False,
+                                                 kind="random", seed=20)),
+    Mutant("int8 quantiser: ties rounded away from zero", "include/quant_int8.cuh",
+           "const int q = __float2int_rn(__fdiv_rn(x, s));", "const int q = (int)roundf(__fdiv_rn(x, s));",
+           linear_int8.test_quantiser_int8, dict(dtype="bf16", T=3, K=720, extra=0, offset=0, shift=False,
+                                                 kind="ties", seed=21)),
+    Mutant("W4A8 unpack: the nibbles swapped (the high nibble taken as the even channel)", "include/int4.cuh",
+           "even = (w << 4) & 0xF0F0F0F0u;\n  odd = w & 0xF0F0F0F0u;",
+           "odd = (w << 4) & 0xF0F0F0F0u;\n  even = w & 0xF0F0F0F0u;",
+           int4_unpack.test_int4_unpack_exact, dict(tiles=2, steps=3, seed=22)),
+    Mutant("W4A8 unpack: the /16 of the shifted unpack dropped", "include/int4.cuh",
+           "return acc >> 4;", "return acc;", int4_unpack.test_int4_unpack_exact, dict(tiles=2, steps=3, seed=23)),
 ]
 
 
