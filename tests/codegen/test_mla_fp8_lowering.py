@@ -200,3 +200,20 @@ def test_fp8_kernels_compile_for_sm90a_without_spills(name, dtype):
         local = sum(i.opcode.startswith(("LDL", "STL")) for i in body)
         local16 = sum(i.opcode.startswith(("LDL", "STL")) for i in build(la16)[1])
         assert local == local16, (la.name, local, local16)
+
+
+@pytest.mark.parametrize("name", ["v2_lite", "v3"])
+def test_the_gpu_end_to_end_fp8_checkpoints_lower_on_cuda(name, tmp_path):
+    """tests/gpu/test_e2e_fp8.py's tiny checkpoints, written by `dsgraph quantize --to fp8`, lower on the
+    cuda backend in both phases (strict: nothing left to the reference), their FP8 weights on FP8 kernels."""
+    pytest.importorskip("transformers")
+    import json
+
+    from codegen.bundle import plan_spec
+    from runtime.model_loader import resolve_spec
+    from test_e2e_fp8 import write_fp8_checkpoint
+    path = write_fp8_checkpoint(name, tmp_path)
+    spec = resolve_spec(None, json.loads((path / "config.json").read_text()))
+    sp = plan_spec(spec, Options(dtype="bf16"), strict=True)
+    decode = {s.name.split("__")[0] for s in sp.plans["decode"].steps if isinstance(s, KernelLaunch) and "_wfp8__" in s.name}
+    assert decode == {"linear_skinny", "mla_decode_query", "mla_v_up", "moe_gate_up_silu", "moe_down"}, decode
