@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu"))
 from harness import single_op_graph, tiny_model  # noqa: E402
 from sass import cuobjdump, instructions  # noqa: E402
+from test_sass_pdl import wait_problem  # noqa: E402
 from tiny import ROOT  # noqa: E402
 
 import ir  # noqa: E402
@@ -200,6 +201,8 @@ def test_fp8_kernels_compile_for_sm90a_without_spills(name, dtype):
         local = sum(i.opcode.startswith(("LDL", "STL")) for i in body)
         local16 = sum(i.opcode.startswith(("LDL", "STL")) for i in build(la16)[1])
         assert local == local16, (la.name, local, local16)
+        # the PDL contract (pdl.cuh): nothing but kv_b's bytes and scales read before the wait, no write
+        assert wait_problem(body, weight_loads=True) is None, (la.name, wait_problem(body, weight_loads=True))
 
 
 @pytest.mark.parametrize("name", ["v2_lite", "v3"])
