@@ -218,7 +218,8 @@ def decode_attention(t: Tuning = DEFAULT_TUNING) -> Table:
 
 
 ABSORB_FP8 = "kv_b's FP8 bytes widened in registers, each weight times its 128-block scale in fp32"
-ABSORB_FP8_NONE = "FP8 kv_b needs bf16 or fp16 activations and the tensor-core tiling (N % 16 == 0, N <= 128, C % 32 == 0)"
+ABSORB_FP8_NONE = ("FP8 kv_b needs bf16 or fp16 activations and the tensor-core tiling (N % 16 == 0, N <= 128, "
+                   "C % 32 == 0)")
 
 
 def decode_query(t: Tuning = DEFAULT_TUNING) -> Table:

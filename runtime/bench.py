@@ -609,7 +609,7 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
         if not args.no_transformers and weights != "bf16":
             result["transformers_skipped"] = TRANSFORMERS_FP8
             print(TRANSFORMERS_FP8, flush=True)
-        elif not args.no_transformers:   # transformers' eager steps launch thousands of kernels: before the profiles too
+        elif not args.no_transformers:   # transformers' eager steps launch thousands of kernels: before the profiles
             result["transformers"] = _transformers_side(engine, args, prefill_cases,
                                                         [c for c in HF_DECODE_CASES if c in decode_cases])
 

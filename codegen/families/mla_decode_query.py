@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from codegen import dispatch
 from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride
-from ir.formats import FP8, UNSCALED
 from codegen.render import kernel_name
 from codegen.sizes import only_above, only_below
+from ir.formats import FP8, UNSCALED
 
 from ._absorb import dtype_part, kv_b_args, kv_b_format, token_chunks
 from ._dense_util import (ELEM_BYTES, LoweringError, act_ctype, c_float, dims, inner_dims, node_io, rope_params,

@@ -40,7 +40,8 @@ __device__ __forceinline__ bool aligned4(const void* p) {
 // Four e4m3 (w's bytes, the lowest first) -> four floats, exactly.
 __device__ __forceinline__ void e4m3x4_to_float(unsigned w, float (&f)[4]) {
   unsigned lo, hi;
-  asm volatile("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
+  asm volatile("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n"
+               " cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
                : "=r"(lo), "=r"(hi) : "r"(w));
   const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&lo));
   const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hi));

@@ -59,7 +59,8 @@ def test_an_fp8_spec_lowers_with_every_kv_b_op_on_its_fp8_kernel(name):
             continue
         ops = {G.nodes[n]["op"] for n in G.nodes}
         assert {"mla_decode_prologue", "mla_v_up"} <= ops
-        launches = [s for s in plan.steps if isinstance(s, KernelLaunch) and s.family in ("mla_decode_query", "mla_v_up")]
+        launches = [s for s in plan.steps
+                    if isinstance(s, KernelLaunch) and s.family in ("mla_decode_query", "mla_v_up")]
         assert launches
         for la in launches:
             assert "_wfp8__" in la.name and la.params["fp8"] and la.params["mma"], la.name
@@ -150,7 +151,7 @@ def test_the_reference_runs_the_op_on_the_dequantised_kv_b(op):
     m = tiny_model(**TC16)
     G, nid = _node(op, m)
     d = m.dims
-    H, N, V, C, R = d["heads"], d["qk_nope_head_dim"], d["v_head_dim"], d["kv_lora_rank"], d["qk_rope_head_dim"]
+    H, N, V, C = d["heads"], d["qk_nope_head_dim"], d["v_head_dim"], d["kv_lora_rank"]
     gen = torch.Generator().manual_seed(5)
     q, (s,) = quantize(torch.randn(H * (N + V), C, generator=gen) * 0.1, FP8)
     weights = {"kvb": q, "kvb_scale_inv": s}
@@ -218,5 +219,6 @@ def test_the_gpu_end_to_end_fp8_checkpoints_lower_on_cuda(name, tmp_path):
     path = write_fp8_checkpoint(name, tmp_path)
     spec = resolve_spec(None, json.loads((path / "config.json").read_text()))
     sp = plan_spec(spec, Options(dtype="bf16"), strict=True)
-    decode = {s.name.split("__")[0] for s in sp.plans["decode"].steps if isinstance(s, KernelLaunch) and "_wfp8__" in s.name}
+    decode = {s.name.split("__")[0] for s in sp.plans["decode"].steps
+              if isinstance(s, KernelLaunch) and "_wfp8__" in s.name}
     assert decode == {"linear_skinny", "mla_decode_query", "mla_v_up", "moe_gate_up_silu", "moe_down"}, decode

@@ -123,7 +123,8 @@ def test_fp8_logits_within_the_references_own_bf16_error(fp8_engines):
         low = ref_bf16.logits(PROMPTS, decode_after=decode_after)
         for p, o, w, lo in zip(PROMPTS, got, want, low):
             e_ours, e_ref = _rel(o, w), _rel(lo, w)
-            _report(f"fp8_{name}_len{len(p)}_after{decode_after}_rel_ours_vs_reference_bf16", f"{e_ours:.4g} / {e_ref:.4g}")
+            _report(f"fp8_{name}_len{len(p)}_after{decode_after}_rel_ours_vs_reference_bf16",
+                    f"{e_ours:.4g} / {e_ref:.4g}")
             assert e_ours <= 1.5 * e_ref + 1e-3, f"{name} len {len(p)}: ours {e_ours:.4g} vs reference bf16 {e_ref:.4g}"
 
 

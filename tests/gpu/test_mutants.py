@@ -248,7 +248,7 @@ MUTANTS = [
            mla_fp8.test_mla_decode_query_fp8, dict(name="lite", dtype="bf16", absorb=True, lens=[3, 2],
                                                    layout=("adjacent", "interleaved"), lead=0, misaligned=False,
                                                    seed=21)),
-    Mutant("FP8 kv_b query: rows past a head's row-block edge scaled with the block before (N = 128, 168 rows a head)",
+    Mutant("FP8 kv_b query: rows past a head's row-block edge on the block before (N = 128, 168 rows a head)",
            "include/mla_absorb_fp8.cuh", "const float sc = 16 * s + 4 * c + i < wt.nb ? wt.s_lo : wt.s_hi;",
            "const float sc = wt.s_lo;",
            mla_fp8.test_mla_decode_query_fp8, dict(name="x128", dtype="bf16", absorb=False, lens=[4, 3],
