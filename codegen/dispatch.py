@@ -240,23 +240,40 @@ def decode_attention(t: Tuning = DEFAULT_TUNING) -> Table:
         Case({}, _rows(("simt", 1, INF, "CUDA-core split (fp32 or odd widths)")), "elsewhere")), ("mma",))
 
 
+ABSORB_FP8 = "kv_b's FP8 bytes widened in registers, each weight times its 128-block scale in fp32"
+ABSORB_FP8_NONE = ("FP8 kv_b needs bf16 or fp16 activations and the tensor-core tiling (N % 16 == 0, N <= 128, "
+                   "C % 32 == 0)")
+
+
 def decode_query(t: Tuning = DEFAULT_TUNING) -> Table:
     """mla_decode_prologue (the absorbed query and its cache write).  Facts: mma (16-bit and the
-    dims fit the tensor-core tiling)."""
+    dims fit the tensor-core tiling), weight_format (kv_b's)."""
     up = t.attention.prologue_upto
+    kv = "; an extra head row of its grid writes the cache rows (one launch)"
+    then = ", then mla_kv_cache_write (a CTA a token)"
     return Table("mla_decode_prologue", "tokens", (
-        Case({"mma": True}, _rows(("mma_kv", 1, up, "tensor-core query; an extra head row of its grid writes the "
-                                                    "cache rows (one launch)"),
-                                  ("mma", up + 1, INF, "tensor-core query, then mla_kv_cache_write (a CTA a token)")),
+        Case({"weight_format": FP8.name, "mma": True},
+             _rows(("mma_kv_fp8", 1, up, f"tensor-core query, {ABSORB_FP8}{kv}"),
+                   ("mma_fp8", up + 1, INF, f"tensor-core query, {ABSORB_FP8}{then}")),
+             "FP8 kv_b, 16-bit, tensor-core tiling fits"),
+        Case({"weight_format": FP8.name}, _rows((NONE, 1, INF, ABSORB_FP8_NONE)), "FP8 kv_b elsewhere"),
+        Case({"mma": True}, _rows(("mma_kv", 1, up, "tensor-core query" + kv),
+                                  ("mma", up + 1, INF, "tensor-core query" + then)),
              "16-bit, tensor-core tiling fits"),
-        Case({}, _rows(("simt", 1, INF, "CUDA-core query, then mla_kv_cache_write")), "elsewhere")), ("mma",))
+        Case({}, _rows(("simt", 1, INF, "CUDA-core query, then mla_kv_cache_write")), "elsewhere")),
+        ("mma", "weight_format"))
 
 
 def v_up(t: Tuning = DEFAULT_TUNING) -> Table:
+    """Facts: mma (16-bit and the tensor-core tiling fits), weight_format (kv_b's)."""
     return Table("mla_v_up", "tokens", (
+        Case({"weight_format": FP8.name, "mma": True},
+             _rows(("mma_fp8", 1, INF, f"tensor-core V up-projection, {ABSORB_FP8}")),
+             "FP8 kv_b, 16-bit, tensor-core tiling fits"),
+        Case({"weight_format": FP8.name}, _rows((NONE, 1, INF, ABSORB_FP8_NONE)), "FP8 kv_b elsewhere"),
         Case({"mma": True}, _rows(("mma", 1, INF, "tensor-core V up-projection, weights in registers")),
              "16-bit, tensor-core tiling fits"),
-        Case({}, _rows(("simt", 1, INF, "CUDA cores")), "elsewhere")), ("mma",))
+        Case({}, _rows(("simt", 1, INF, "CUDA cores")), "elsewhere")), ("mma", "weight_format"))
 
 
 # -- lookups ---------------------------------------------------------------------------------------

@@ -10,6 +10,12 @@ What it prints and writes (JSON):
   - the same workloads through transformers (DeepseekV2ForCausalLM, eager, same weights);
   - a per-kernel breakdown of one decode step.
 
+`--weights fp8`: the same model with DeepSeek-V3's FP8 weights (every decoder linear, kv_b and the
+experts as float8_e4m3fn with a float32 scale per 128 x 128 block; the embedding, norms, router and
+lm_head as before): the random bf16-scale weights quantised to V3's block layout, as
+`Engine.from_pretrained(dir, weight_format="fp8")` does.  The floor then counts one byte a weight
+plus its scales; the transformers side is skipped (it would run other, dequantised weights).
+
 Memory (an 80 GB H100 runs every default case): a step's activations live in its phase's arena
 (codegen/memplan.py), so the prefill cases add about a GB to the weights and the cache.  The
 transformers model is a second copy of the weights; `transformers_placement` decides from the
@@ -41,6 +47,7 @@ PREFILL_CASES = [(1, 2048), (32, 512)]
 HF_DECODE_CASES = [(1, 512), (32, 512)]
 MAX_BATCH, MAX_LENGTH = 256, 8192   # the engine the bench builds: max_num_seqs, max_seq_len
 MAX_PROMPT = 32768                  # a prefill case's prompt at most (the engine's max_seq_len grows to it)
+WEIGHTS = ("bf16", "fp8")           # --weights: the engine's weight storage
 
 
 def cases_arg(text: str, max_length: int = MAX_LENGTH) -> list[tuple[int, int]]:
@@ -90,6 +97,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=whole_number(1), default=50,
                    help="timed repetitions per case (the median counts: b=1 steps drift between levels ~4%% apart)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
+    p.add_argument("--weights", choices=WEIGHTS, default="bf16",
+                   help="the engine's weights: bf16, or fp8 (DeepSeek-V3's FP8 blocks for every decoder linear, "
+                        "kv_b and the experts; the transformers side is skipped)")
     p.add_argument("--quick", action="store_true", help="fewer cases (batch 1 and 32, context 512)")
     p.add_argument("--decode", type=cases_arg, default=None, metavar="BxC,...",
                    help="decode cases, batch x context (e.g. 1x512,192x512; none: no decode case)")
@@ -120,19 +130,34 @@ def copy_bandwidth() -> float:
     return 2 * n / (ms / 1e3)
 
 
-def decode_bytes(dims: dict, first_dense: int, batch: int, ctx: int, elt: int = 2) -> dict:
-    """Bytes one decode step must read: touched weights (expected distinct experts) and the cache."""
+def matrix_bytes(rows: int, cols: int, elt: int = 2, weights: str = "bf16") -> int:
+    """Bytes of one [rows, cols] weight as stored: `elt` bytes an element, or (fp8) one byte an element
+    and a float32 scale per 128 x 128 block, the edge blocks partial (ir/formats.py)."""
+    if weights == "fp8":
+        from ir.formats import FP8, scale_shape
+        sr, sc = scale_shape((rows, cols), FP8)
+        return rows * cols + 4 * sr * sc
+    return rows * cols * elt
+
+
+def decode_bytes(dims: dict, first_dense: int, batch: int, ctx: int, elt: int = 2, weights: str = "bf16") -> dict:
+    """Bytes one decode step must read: touched weights (expected distinct experts) and the cache.
+    `weights` "fp8": the decoder linears, kv_b and the experts as FP8 blocks (matrix_bytes); the
+    router (float32), lm_head and cache stay as they are."""
     D, H, C, R, N, V = (dims[k] for k in ("hidden", "heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                                           "v_head_dim"))
     E, K, M, I, L = dims["experts"], dims["top_k"], dims["moe_intermediate"], dims["intermediate"], dims["layers"]
-    Q = dims["q_lora_rank"]
-    q = D * H * (N + R) if not Q else D * Q + Q * H * (N + R)
-    attn = (q + D * (C + R) + C * H * (N + V) + H * V * D) * elt * L
-    dense = 3 * D * I * elt * first_dense
+    Q, S = dims["q_lora_rank"], dims["shared_experts"]
+
+    def mat(rows, cols):
+        return matrix_bytes(rows, cols, elt, weights)
+    q = mat(H * (N + R), D) if not Q else mat(Q, D) + mat(H * (N + R), Q)
+    attn = (q + mat(C + R, D) + mat(H * (N + V), C) + mat(D, H * V)) * L
+    dense = (2 * mat(I, D) + mat(D, I)) * first_dense
     touched = E * (1 - (1 - K / E) ** batch)
     moe_layers = L - first_dense
-    experts = touched * 3 * D * M * elt * moe_layers
-    shared = 3 * D * M * dims["shared_experts"] * elt * moe_layers
+    experts = touched * (2 * mat(M, D) + mat(D, M)) * moe_layers
+    shared = (2 * mat(M * S, D) + mat(D, M * S)) * moe_layers if S else 0
     router = E * D * 4 * moe_layers
     head = dims["vocab"] * D * elt
     cache = batch * ctx * (C + R) * elt * L
@@ -142,18 +167,25 @@ def decode_bytes(dims: dict, first_dense: int, batch: int, ctx: int, elt: int = 
     return parts
 
 
-def linear_bytes(dims: dict, first_dense: int, elt: int = 2, shared: bool = True) -> int:
+def linear_bytes(dims: dict, first_dense: int, elt: int = 2, shared: bool = True, weights: str = "bf16") -> int:
     """Weight bytes the step's `linear` / `multi_linear` / `gate_up_silu` ops read (the skinny kernel
     or cuBLAS), whatever the batch: per layer the q (or q_a + q_b), kv_a and o projections, the
     dense FFN or (`shared`: unless they run in the expert kernels) the shared experts, and the head.
-    kv_b is not among them in decode (the absorbed query and v_up kernels read it)."""
+    kv_b is not among them in decode (the absorbed query and v_up kernels read it).  `weights` "fp8":
+    as matrix_bytes stores them (the head stays in `elt`)."""
     D, H, C, R, N, V = (dims[k] for k in ("hidden", "heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                                           "v_head_dim"))
-    L, Q, M, I = dims["layers"], dims["q_lora_rank"], dims["moe_intermediate"], dims["intermediate"]
-    q = D * H * (N + R) if not Q else D * Q + Q * H * (N + R)
-    attn = (q + D * (C + R) + H * V * D) * L
-    ffn = 3 * D * I * first_dense + (3 * D * M * dims["shared_experts"] * (L - first_dense) if shared else 0)
-    return (attn + ffn + dims["vocab"] * D) * elt
+    L, Q, M, I, S = dims["layers"], dims["q_lora_rank"], dims["moe_intermediate"], dims["intermediate"], \
+        dims["shared_experts"]
+
+    def mat(rows, cols):
+        return matrix_bytes(rows, cols, elt, weights)
+    q = mat(H * (N + R), D) if not Q else mat(Q, D) + mat(H * (N + R), Q)
+    attn = (q + mat(C + R, D) + mat(D, H * V)) * L
+    ffn = (2 * mat(I, D) + mat(D, I)) * first_dense
+    if shared and S:
+        ffn += (2 * mat(M * S, D) + mat(D, M * S)) * (L - first_dense)
+    return attn + ffn + dims["vocab"] * D * elt
 
 
 def _token_ids(vocab: int, shape: tuple, *case) -> "torch.Tensor":
@@ -482,6 +514,22 @@ def run_bench(args) -> int:
                          f"larger one; --quick, --prefill none or fewer --decode cases need less") from None
 
 
+TRANSFORMERS_FP8 = ("transformers skipped: --weights fp8 (transformers would run the weights dequantised to bf16, "
+                    "another model's bytes; `dsgraph bench` without --weights fp8 compares the two in bf16)")
+
+
+def bench_spec(spec_path: str, weights: str):
+    """The spec the bench compiles: `spec_path` as it is (bf16), or with DeepSeek-V3's FP8 weight_formats
+    (runtime/convert.py spec_in_format: what Engine.from_pretrained(weight_format="fp8") applies), whose
+    random weights Engine.from_spec draws and quantises to the block layout."""
+    if weights == "bf16":
+        return spec_path
+    from codegen.paths import spec_path as find_spec
+
+    from .convert import spec_in_format
+    return spec_in_format(str(find_spec(spec_path)), None, weights)
+
+
 def bench_num_blocks(decode_cases, prefill_cases, block_size: int) -> int:
     """The bench engine's cache: the largest case's tokens, plus 8 blocks a decode sequence."""
     max_tokens = max(b * c for b, c in decode_cases + prefill_cases)
@@ -507,8 +555,11 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s", flush=True)
 
     num_blocks = bench_num_blocks(decode_cases, prefill_cases, args.block_size)
+    weights = args.weights
+    result["weights"] = weights
     t0 = time.perf_counter()
-    engine = Engine.from_spec(spec_path, backend="cuda", device="cuda", dtype="bf16", block_size=args.block_size,
+    engine = Engine.from_spec(bench_spec(spec_path, weights), backend="cuda", device="cuda", dtype="bf16",
+                              block_size=args.block_size,
                               num_blocks=num_blocks, max_seq_len=max_seq_len_for(prefill_cases),
                               max_num_seqs=MAX_BATCH, pdl=not args.no_pdl, tuning=tuning_of(args))
     result["pdl"] = not args.no_pdl
@@ -551,11 +602,14 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
             timed["decode", batch, ctx] = ms = _timeit(lambda: backend.forward("decode", ids, step), args.iters,
                                                         warm_s=WARM_SECONDS)
             _release(engine, seq_ids)
-            need = decode_bytes(dims, first_dense, batch, ctx)
+            need = decode_bytes(dims, first_dense, batch, ctx, weights=weights)
             print(f"decode b={batch} ctx={ctx}: {ms:.2f} ms/step (floor {need['total'] / bw * 1e3:.2f}), "
                   f"{need['total'] / (ms / 1e3) / bw * 100:.0f}% of copy bandwidth", flush=True)
 
-        if not args.no_transformers:   # transformers' eager steps launch thousands of kernels: before the profiles too
+        if not args.no_transformers and weights != "bf16":
+            result["transformers_skipped"] = TRANSFORMERS_FP8
+            print(TRANSFORMERS_FP8, flush=True)
+        elif not args.no_transformers:   # transformers' eager steps launch thousands of kernels: before the profiles
             result["transformers"] = _transformers_side(engine, args, prefill_cases,
                                                         [c for c in HF_DECODE_CASES if c in decode_cases])
 
@@ -576,7 +630,7 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
         for batch, ctx in decode_cases:
             seq_ids, step, ids = _decode_ctx(engine, batch, ctx)
             ms = timed["decode", batch, ctx]
-            need = decode_bytes(dims, first_dense, batch, ctx)
+            need = decode_bytes(dims, first_dense, batch, ctx, weights=weights)
             row = {"batch": batch, "context": ctx, "ms": ms, "tokens_per_s": batch / (ms / 1e3),
                    "bytes": need, "floor_ms": need["total"] / bw * 1e3,
                    "fraction_of_bandwidth": need["total"] / (ms / 1e3) / bw,
@@ -585,7 +639,7 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
                                                          not args.no_pdl)}
             row["shared_in_experts"] = backend.pairs_per_token > dims["top_k"]
             row["routed_experts"] = routed_expert_rate(row)
-            row["linear_bytes"] = linear_bytes(dims, first_dense, shared=not row["shared_in_experts"])
+            row["linear_bytes"] = linear_bytes(dims, first_dense, shared=not row["shared_in_experts"], weights=weights)
             row["linears"] = linear_rate(row)
             row["mla_decode"] = mla_decode_times(row)
             sizes = {**backend._sizes(step), "SMS": torch.cuda.get_device_properties(0).multi_processor_count}
@@ -707,7 +761,8 @@ def _print_table(r: dict) -> None:
     hf_pre = {(d["batch"], d["length"]): d["tokens_per_s"] for d in hf.get("prefill", [])}
     print()
     pdl = {True: ", PDL on", False: ", PDL off (--no-pdl)"}.get(r.get("pdl"), "")
-    print(f"dsgraph bench — {r['gpu']}, {r['date']}, copy {r['copy_bandwidth_GBps'] / 1e3:.2f} TB/s{pdl}")
+    weights = ", FP8 weights (V3's blocks)" if r.get("weights") == "fp8" else ""
+    print(f"dsgraph bench — {r['gpu']}, {r['date']}, copy {r['copy_bandwidth_GBps'] / 1e3:.2f} TB/s{pdl}{weights}")
     print(f"{'case':<26}{'dsgraph':>14}{'floor':>10}{'% bw':>7}{'transformers':>15}{'speed-up':>10}")
     for d in r["decode"]:
         key = (d["batch"], d["context"])

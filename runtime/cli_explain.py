@@ -162,12 +162,14 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
         elif op == "mla_prefill_attention":
             wanted[(op, f"mma {s.params['tc2']['name']}" if "tc2" in s.params else "simt")] = 1
         elif op in ("mla_decode_attention", "mla_v_up"):
-            wanted[(op, "mma" if s.params.get("mma") else "simt")] = 1
+            fp8 = "_fp8" if s.params.get("fp8") else ""
+            wanted[(op, "mma" + fp8 if s.params.get("mma") else "simt")] = 1
         elif op in ("mla_decode_prologue", "mla_decode_query"):
             if s.family == "mla_kv_cache_write":
                 continue
             separate = any(getattr(o, "family", "") == "mla_kv_cache_write" for o in running)
-            wanted[(op, ("mma" if separate else "mma_kv") if s.params.get("mma") else "simt")] = 1
+            fp8 = "_fp8" if s.params.get("fp8") else ""
+            wanted[(op, ("mma" if separate else "mma_kv") + fp8 if s.params.get("mma") else "simt")] = 1
         else:
             wanted[(op, st)] = 1
     known = {"dtype": opts.dtype}   # the facts read off the node here; the shape facts stay open

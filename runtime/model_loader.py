@@ -181,27 +181,30 @@ def random_weights(specs: dict[str, WeightSpec], *, dtype, device, seed: int = 0
     compiled model with its shared experts stacked and one without are the same model.
     """
     out = {}
+    # a quantised weight's companions (its scales) come from quantising it, not from a draw
+    made = {c for n, s in specs.items() if s.format is not None for c in companion_names(n, FORMATS[s.format])}
     for name, spec in sorted(specs.items()):
-        # a quantised weight is drawn in float32 and quantised below, as a checkpoint would store it
+        if name in made:
+            continue
+        # a quantised weight is drawn in float32 and quantised at once, as a checkpoint would store it (at
+        # once: a full-size model's weights all in float32 before quantising would not fit the GPU)
         wdtype = torch.float32 if spec.keep_fp32 or spec.format else dtype
         if spec.parts is not None:      # per-expert tensors, stacked: each drawn by its own name
             whole: dict = {}            # the tensors this stack's slices are cut from, dropped after it
-            out[name] = torch.stack([_draw_part(p, spec.shape[1:], wdtype, device, seed, std, whole)
-                                     for p in spec.parts])
-            continue
-        t = _draw(name, spec.stored or spec.shape, wdtype, device, seed, std)
-        if spec.part is not None:
-            dim, start, stop = spec.part
-            t = t.narrow(dim, start, stop - start).contiguous()
-        out[name] = t
-    for name, spec in specs.items():
+            t = torch.stack([_draw_part(p, spec.shape[1:], wdtype, device, seed, std, whole) for p in spec.parts])
+        else:
+            t = _draw(name, spec.stored or spec.shape, wdtype, device, seed, std)
+            if spec.part is not None:
+                dim, start, stop = spec.part
+                t = t.narrow(dim, start, stop - start).contiguous()
         if spec.format is not None:
             # each block's scale from its own values: a stack (and a rank's block-aligned slice) quantises
             # as its whole checkpoint tensor would
             fmt = FORMATS[spec.format]
-            out[name], scales = quantize(out[name], fmt)
+            t, scales = quantize(t, fmt)
             for cname, scale in zip(companion_names(name, fmt), scales):
                 out[cname] = scale.to(device)
+        out[name] = t
     return out
 
 

@@ -18,6 +18,11 @@ Both take at most TCH / TC_CHUNKS token chunks (grid x), so the weight is read f
 most that many times (L2 after the first) whatever T is. Both keep the PDL contract (pdl.cuh):
 weights are loaded before pdl_wait, activations after.
 
+kv_b in FP8 (fp8_e4m3_block128): the tensor-core kernel with 4-byte weight loads, each weight widened
+and multiplied by its 128-block scale in registers (templates/include/mla_absorb_fp8.cuh UkWeightsFp8);
+codegen/dispatch.py's decode_query rows mma_kv_fp8 / mma_fp8.  Where the tensor-core kernel does not
+serve (fp32, odd dims), FP8 kv_b is a LoweringError.
+
 Alignment (checked once per CTA, scalar fall-backs otherwise): CUDA cores load the weight's
 16-byte rows when C is a whole number of vectors (vec16) and kv_b is 16-byte aligned; q_nope,
 q_pe (views at any offset) and the output element by element. Tensor cores load 8-byte weight
@@ -27,11 +32,12 @@ strides are 16-byte aligned, and store 8-byte output runs when out is 8-byte ali
 from __future__ import annotations
 
 from codegen import dispatch
-from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride, weight
+from codegen.kernel import KernelLaunch, ctx, inp, out, size, stride
 from codegen.render import kernel_name
 from codegen.sizes import only_above, only_below
+from ir.formats import FP8, UNSCALED
 
-from ._absorb import token_chunks
+from ._absorb import dtype_part, kv_b_args, kv_b_format, token_chunks
 from ._dense_util import (ELEM_BYTES, LoweringError, act_ctype, c_float, dims, inner_dims, node_io, rope_params,
                           rope_tag, vec16)
 from .mla_kv_cache_write import kv_write_args, kv_write_launch
@@ -39,6 +45,7 @@ from .mla_kv_cache_write import kv_write_args, kv_write_launch
 FAMILY = "mla_decode_query"
 TEMPLATE = "mla_decode_query.cu.j2"
 OPS = ("mla_decode_query", "mla_q_absorb", "mla_decode_prologue")
+WEIGHT_FORMATS = (*UNSCALED, FP8.name)   # FP8 kv_b: the tensor-core kernel (codegen/lower.py checks)
 
 TT = 4
 MAX_CGB = 16            # 16-byte column groups per CTA (128 columns at bf16)
@@ -87,15 +94,16 @@ def lower(nid, G, opts):
     has_rope = op != "mla_q_absorb"
     prologue = op == "mla_decode_prologue"
     tc = tensor_core_params(N, C, opts.dtype)
+    fp8, rows = kv_b_format(G, nid, w["kv_b"], opts, "mla_decode_query", tc is not None)
     if tc is not None:
         params = {"act": act_ctype(opts), "H": H, "N": N, "V": V, "C": C, "R": R,
-                  "out_w": C + R if has_rope else C, "has_rope": has_rope, "mma": True, "kv_write": prologue, **tc}
+                  "out_w": C + R if has_rope else C, "has_rope": has_rope, "mma": True, "kv_write": prologue,
+                  "fp8": fp8, **tc}
         grid = (token_chunks(TC_TOKENS, TC_CHUNKS), H, C // (32 * tc["wpc"]))
         tag = f"mma_t{tc['TN']}_w{tc['wpc']}"
         if not prologue:
             return [_launch(nid, G, opts, params, grid, tc["threads"], tag)]
-        upto = max((hi for _, hi in dispatch.row_range(dispatch.rows(op, {"mma": True}, opts.tuning), "mma_kv")),
-                   default=0)
+        upto = max((hi for _, hi in dispatch.row_range(rows, "mma_kv_fp8" if fp8 else "mma_kv")), default=0)
         params.update(kv_tokens=upto, eps=c_float(data["attrs"]["eps"]))
         grid = (grid[0], f"{H} + {only_below(upto)}", grid[2])
         kv_args = kv_write_args(opts, ins[2:], outs[1:], w["norm"], params["act"], "norm_w", positions=False)
@@ -116,7 +124,7 @@ def lower(nid, G, opts):
                             f"a CTA has at most 1024 threads and {STATIC_SMEM} bytes")
     params = {"act": act_ctype(opts), "H": H, "N": N, "V": V, "C": C, "R": R,
               "out_w": C + R if has_rope else C, "TT": TT, "vec": vec, "cgb": cgb, "ks": ks,
-              "has_rope": has_rope, "mma": False}
+              "has_rope": has_rope, "mma": False, "fp8": False}
     grid = (f"min(cdiv(T, {TT}), {TCH})", H, -(-cg // cgb))
     launches = [_launch(nid, G, opts, params, grid, cgb * ks, None)]
     if prologue:   # the CUDA-core query has no cache-write row: the cache write's own kernel
@@ -130,7 +138,7 @@ def _launch(nid, G, opts, params: dict, grid, threads: int, variant: str | None,
     data, ins, outs, w = node_io(G, nid)
     has_rope = params["has_rope"]
     H, N, C, R = params["H"], params["N"], params["C"], params["R"]
-    parts = [opts.dtype, f"h{H}_n{N}_c{C}"]
+    parts = [dtype_part(opts.dtype, params["fp8"]), f"h{H}_n{N}_c{C}"]
     act = params["act"]
     args = [inp("qn", act, ins[0]), stride("qn_s0", ins[0], 0), stride("qn_s1", ins[0], 1)]
     if has_rope:
@@ -143,7 +151,7 @@ def _launch(nid, G, opts, params: dict, grid, threads: int, variant: str | None,
         parts += ["absorb"]
     if variant:
         parts += [variant]
-    args += [weight("kv_b", act, w["kv_b"]), out("out", act, outs[0]), *extra, size("T", "T")]
+    args += [*kv_b_args(w["kv_b"], act, params["fp8"]), out("out", act, outs[0]), *extra, size("T", "T")]
     return KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
         grid=grid, block=(threads, 1, 1), args=tuple(args))

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from codegen.kernel import KernelLaunch, ctx, inp, out, stride
 from codegen.render import kernel_name
+from ir.formats import FP8, UNSCALED
 
 from ._dense_util import LoweringError, act_ctype, c_float, dims, inner_dims, node_io
 from .mla_decode_attention import check_smem
@@ -28,6 +29,9 @@ FAMILY = "mla_prefill_attention"
 TEMPLATE = "mla_prefill_attention.cu.j2"
 OPS = ("mla_prefill_attention",)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
+# kv_b in any format: the node binds it for a cached prefix, which the kernels never read (the cuda
+# backend refuses a cached prefix: runtime/cuda_backend.py); the step's own keys come decompressed in kv.
+WEIGHT_FORMATS = (*UNSCALED, FP8.name)
 
 BM = BN = 32
 THREADS = 256

@@ -17,18 +17,25 @@ Alignment (checked once per CTA, scalar fall-backs otherwise): the weight rows a
 16-byte vectors only when C is a whole number of vectors and kv_b is 16-byte aligned; o_lat (a
 view at any offset) is read element by element by the CUDA-core kernel, staged with 16-byte
 cp.async by the tensor-core one when the view and its strides allow; the output is written
-element by element."""
+element by element.
+
+kv_b in FP8 (fp8_e4m3_block128): the tensor-core kernel with 8-byte weight loads, each weight widened
+and multiplied by its 128-block scale in registers (templates/include/mla_absorb_fp8.cuh UvWeightsFp8);
+codegen/dispatch.py's v_up row mma_fp8.  Where the tensor-core kernel does not serve (fp32, odd dims),
+FP8 kv_b is a LoweringError."""
 from __future__ import annotations
 
-from codegen.kernel import KernelLaunch, inp, out, size, stride, weight
+from codegen.kernel import KernelLaunch, inp, out, size, stride
 from codegen.render import kernel_name
+from ir.formats import FP8, UNSCALED
 
-from ._absorb import token_chunks
+from ._absorb import dtype_part, kv_b_args, kv_b_format, token_chunks
 from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, dims, inner_dims, node_io, vec16
 
 FAMILY = "mla_v_up"
 TEMPLATE = "mla_v_up.cu.j2"
 OPS = ("mla_v_up",)
+WEIGHT_FORMATS = (*UNSCALED, FP8.name)   # FP8 kv_b: the tensor-core kernel (codegen/lower.py checks)
 PDL = True
 
 TT = 8
@@ -65,10 +72,11 @@ def lower(nid, G, opts):
     d = dims(G)
     N, V = d["qk_nope_head_dim"], d["v_head_dim"]
     act = act_ctype(opts)
-    parts = [opts.dtype, f"h{H}_n{N}_v{V}_c{C}"]
     tc = tensor_core_params(V, C, opts.dtype)
+    fp8, _ = kv_b_format(G, nid, w["kv_b"], opts, "mla_v_up", tc is not None)
+    parts = [dtype_part(opts.dtype, fp8), f"h{H}_n{N}_v{V}_c{C}"]
     if tc is not None:
-        params = {"act": act, "H": H, "N": N, "V": V, "C": C, "mma": True, **tc}
+        params = {"act": act, "H": H, "N": N, "V": V, "C": C, "mma": True, "fp8": fp8, **tc}
         parts.append(f"mma_t{tc['TN']}_m{tc['mt']}")
         grid = (token_chunks(TC_TOKENS, TC_CHUNKS), H, -(-V // (16 * tc["mt"])))
         threads = tc["threads"]
@@ -81,11 +89,11 @@ def lower(nid, G, opts):
             raise LoweringError(f"mla_v_up: kv_lora_rank {C} needs {TT * cp * 4} bytes of static shared memory "
                                 f"for {TT} latent rows; a CTA has {STATIC_SMEM}")
         params = {"act": act, "H": H, "N": N, "V": V, "C": C, "TT": TT, "rpw": RPW,
-                  "threads": THREADS, "vec": vec, "mma": False}
+                  "threads": THREADS, "vec": vec, "mma": False, "fp8": False}
         grid = (f"min(cdiv(T, {TT}), {TCH})", H, -(-V // rows_per_cta))
         threads = THREADS
     return [KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts),
         params=params, nodes=(nid,), grid=grid, block=(threads, 1, 1),
         args=(inp("ol", act, ins[0]), stride("ol_s0", ins[0], 0), stride("ol_s1", ins[0], 1),
-              weight("kv_b", act, w["kv_b"]), out("out", act, outs[0]), size("T", "T")))]
+              *kv_b_args(w["kv_b"], act, fp8), out("out", act, outs[0]), size("T", "T")))]

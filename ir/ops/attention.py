@@ -208,6 +208,7 @@ class MlaPrefillAttention(OpDef):
     minus query_lens of them) attends to those too: they are decompressed with kv_b as the
     prefill's own rows are, and go before the step's keys; positions are absolute."""
     name = "mla_prefill_attention"
+    scaled_weights = ("kv_b",)   # the cached prefix's decompression, dequantised as mla_attention's is
     inputs = (4, 5)
     weights = {"kv_b": False}
     doc = ("[q_nope, q_rot, kv [T, H*(N+V)], k_rot [T, R], (state)] -> o [T, H*V]: causal over each "

@@ -22,6 +22,7 @@ import test_kernels_linear as linear
 import test_kernels_linear_fp8 as linear_fp8
 import test_kernels_linear_int8 as linear_int8
 import test_kernels_mla as mla
+import test_kernels_mla_fp8 as mla_fp8
 import test_kernels_moe as moe
 import test_kernels_moe_expert_ffn as moe_ffn
 import test_kernels_moe_fp8 as moe_fp8
@@ -244,6 +245,30 @@ MUTANTS = [
            "const uint4 v = lds128(row + ((((j + 1) & 3) ^ sw) << 4));",
            moe_fp8.test_moe_down_fp8, dict(case=moe_fp8.case_of("bf16", moe_fp8.one_token(8, (1, 6, 7)), 3, 144, 136,
                                                                  seed=44)), uses_runner=True),
+    Mutant("FP8 kv_b query: a column block's scale swapped with its neighbour's (V2-Lite, C = 512)",
+           "include/mla_absorb_fp8.cuh", "wt.s_lo = __ldg(kv_b.s + rb * KB + col / FP8_BLOCK);",
+           "wt.s_lo = __ldg(kv_b.s + rb * KB + (col / FP8_BLOCK ^ 1));",
+           mla_fp8.test_mla_decode_query_fp8, dict(name="lite", dtype="bf16", absorb=True, lens=[3, 2],
+                                                   layout=("adjacent", "interleaved"), lead=0, misaligned=False,
+                                                   seed=21)),
+    Mutant("FP8 kv_b query: rows past a head's row-block edge on the block before (N = 128, 168 rows a head)",
+           "include/mla_absorb_fp8.cuh", "const float sc = 16 * s + 4 * c + i < wt.nb ? wt.s_lo : wt.s_hi;",
+           "const float sc = wt.s_lo;",
+           mla_fp8.test_mla_decode_query_fp8, dict(name="x128", dtype="bf16", absorb=False, lens=[4, 3],
+                                                   layout=("halves", "halves"), lead=0, misaligned=False, seed=22)),
+    Mutant("FP8 kv_b query: the ceil column block dropped from the scale layout (C = 160)",
+           "include/mla_absorb_fp8.cuh",
+           "static constexpr int KB = (C + FP8_BLOCK - 1) / FP8_BLOCK;   // scale columns (the last one partial)",
+           "static constexpr int KB = C / FP8_BLOCK;   // scale columns (the last one partial)",
+           mla_fp8.test_mla_decode_query_fp8, dict(name="tc16", dtype="bf16", absorb=True, lens=[6],
+                                                   layout=("halves", "halves"), lead=0, misaligned=False, seed=23)),
+    Mutant("FP8 kv_b v_up: a column block's scale swapped with its neighbour's (V2-Lite, C = 512)",
+           "include/mla_absorb_fp8.cuh", "sc = __ldg(kv_b.s + (r / FP8_BLOCK) * KB + k / FP8_BLOCK);",
+           "sc = __ldg(kv_b.s + (r / FP8_BLOCK) * KB + (k / FP8_BLOCK ^ 1));",
+           mla_fp8.test_mla_v_up_fp8, dict(name="lite", dtype="bf16", T=5, lead=0, misaligned=False, seed=24)),
+    Mutant("FP8 kv_b v_up: the ceil column block's weights dropped (C = 160: its last 32 columns)",
+           "include/mla_absorb_fp8.cuh", "if (v < V && k < C) {", "if (v < V && k < C / FP8_BLOCK * FP8_BLOCK) {",
+           mla_fp8.test_mla_v_up_fp8, dict(name="tc16", dtype="bf16", T=9, lead=0, misaligned=False, seed=25)),
     Mutant("FP8 skinny linear: a row block's last tile takes the next block's scales", "include/fp8.cuh",
            "s = m.s[i] + (i64)((r - off) / FP8_BLOCK) * KB;", "s = m.s[i] + (i64)((r - off + TILE) / FP8_BLOCK) * KB;",
            linear_fp8.test_linear_skinny_fp8, dict(dtype="bf16", T=5, K=512, rows=[576], extra=0, offset=0,

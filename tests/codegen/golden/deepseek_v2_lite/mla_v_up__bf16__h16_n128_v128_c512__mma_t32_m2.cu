@@ -2,7 +2,7 @@
 // template: mla_v_up.cu.j2
 // kernel:   mla_v_up__bf16__h16_n128_v128_c512__mma_t32_m2
 // role:     mla_v_up
-// params:   {"C":512,"H":16,"N":128,"TN":32,"V":128,"act":"__nv_bfloat16","cps":4,"ks":4,"mma":true,"mt":2,"smem_bytes":34816,"threads":256}
+// params:   {"C":512,"H":16,"N":128,"TN":32,"V":128,"act":"__nv_bfloat16","cps":4,"fp8":false,"ks":4,"mma":true,"mt":2,"smem_bytes":34816,"threads":256}
 // includes: common.cuh, mla_absorb.cuh, mma.cuh, pdl.cuh, phases.cuh, vec.cuh
 // nodes:    L0-26.mla.o
 // implements (spec op, layers, passes that fused it):

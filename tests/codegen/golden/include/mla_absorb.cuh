@@ -78,27 +78,16 @@ __device__ __forceinline__ void stage_rows(T* dst, const T* __restrict__ src, i6
 }
 
 // ---- mla_decode_query / mla_q_absorb ------------------------------------------------------
-// CTA (token chunk, head, column block of WPC * 32 columns); warp w owns columns
-// col0 = (blockIdx.z * WPC + w) * 32 .. +31, as two m16 tiles: tile j's rows g and g + 8 are
-// columns col0 + 4g + 2j and col0 + 4g + 2j + 1, so a thread's 4 columns are contiguous (8-byte
-// weight loads, 8-byte output stores). The warp holds its [N, 32] weight slice (N / 2 registers)
-// and runs the full K = N: no cross-warp reduction.
-template <typename T, int H, int N, int V, int C, int OUT_W, int TN, int WPC>
-struct AbsorbQuery {
-  static_assert(sizeof(T) == 2, "tensor-core path: bf16 / fp16");
-  static_assert(N % 16 == 0 && C % (32 * WPC) == 0 && TN % 8 == 0, "AbsorbQuery tiling");
-  static constexpr int THREADS = WPC * 32;
+// The weight side of AbsorbQuery, kv_b stored in T: a thread's W_UK rows 16s + 4c + i (i < 4) of each
+// k16 step s, 4 columns each (one 8-byte load a row), and the A fragments of step s built from them.
+// (mla_absorb_fp8.cuh has the same interface for FP8 kv_b.)
+template <typename T, int N, int V, int C>
+struct UkWeights16 {
   static constexpr int KSTEPS = N / 16;
-  static constexpr int NT = TN / 8;                       // n8 tiles per token tile
-  // token-row pitch: 8-byte fragment reads of 4 rows per half-warp phase are conflict-free
-  // when the pitch is an odd multiple of 32 bytes (pitch % 64 elements == 16 or 48)
-  static constexpr int NP = N + ((16 - N % 32) + 32) % 32;
-  static_assert(NP % 32 == 16 && NP >= N, "query row pitch");
-  static constexpr int SMEM = TN * NP * (int)sizeof(T);   // the staged q_nope tile
+  typedef const T* Src;
+  struct Regs { uint2 w[KSTEPS][4]; };                    // W_UK rows 16s + 4c + i, 4 columns each
 
-  struct Weights { uint2 w[KSTEPS][4]; };                 // W_UK rows 16s + 4c + i, 4 columns each
-
-  __device__ static __forceinline__ void load_weights(Weights& wt, const T* __restrict__ kv_b, int h, int col) {
+  __device__ static __forceinline__ void load(Regs& wt, const T* __restrict__ kv_b, int h, int col) {
     const T* wk = kv_b + (i64)h * (N + V) * C + col;
     const int c = threadIdx.x & 3;
     if (aligned8(kv_b)) {   // C % 4 == 0: every row then starts 8-byte aligned too
@@ -118,6 +107,42 @@ struct AbsorbQuery {
     }
   }
 
+  // Step s's A fragments: a0 for the thread's columns col, col + 1 (m16 tile 0), a1 for col + 2,
+  // col + 3 (tile 1); rows 4c, 4c+1 carry logical k pair 0, rows 4c+2, 4c+3 pair 1.
+  __device__ static __forceinline__ void frags(const Regs& wt, int s, unsigned (&a0)[4], unsigned (&a1)[4]) {
+    const uint2 *w = wt.w[s];   // .x: tile 0, .y: tile 1
+    a0[0] = lo_halves(w[0].x, w[1].x);
+    a0[1] = hi_halves(w[0].x, w[1].x);
+    a0[2] = lo_halves(w[2].x, w[3].x);
+    a0[3] = hi_halves(w[2].x, w[3].x);
+    a1[0] = lo_halves(w[0].y, w[1].y);
+    a1[1] = hi_halves(w[0].y, w[1].y);
+    a1[2] = lo_halves(w[2].y, w[3].y);
+    a1[3] = hi_halves(w[2].y, w[3].y);
+  }
+};
+
+// CTA (token chunk, head, column block of WPC * 32 columns); warp w owns columns
+// col0 = (blockIdx.z * WPC + w) * 32 .. +31, as two m16 tiles: tile j's rows g and g + 8 are
+// columns col0 + 4g + 2j and col0 + 4g + 2j + 1, so a thread's 4 columns are contiguous (8-byte
+// weight loads, 8-byte output stores). The warp holds its [N, 32] weight slice (N / 2 registers)
+// and runs the full K = N: no cross-warp reduction.
+// WS: the weight side (UkWeights16, or mla_absorb_fp8.cuh's UkWeightsFp8).
+template <typename T, int H, int N, int V, int C, int OUT_W, int TN, int WPC, typename WS = UkWeights16<T, N, V, C>>
+struct AbsorbQuery {
+  static_assert(sizeof(T) == 2, "tensor-core path: bf16 / fp16");
+  static_assert(N % 16 == 0 && C % (32 * WPC) == 0 && TN % 8 == 0, "AbsorbQuery tiling");
+  static constexpr int THREADS = WPC * 32;
+  static constexpr int KSTEPS = N / 16;
+  static constexpr int NT = TN / 8;                       // n8 tiles per token tile
+  // token-row pitch: 8-byte fragment reads of 4 rows per half-warp phase are conflict-free
+  // when the pitch is an odd multiple of 32 bytes (pitch % 64 elements == 16 or 48)
+  static constexpr int NP = N + ((16 - N % 32) + 32) % 32;
+  static_assert(NP % 32 == 16 && NP >= N, "query row pitch");
+  static constexpr int SMEM = TN * NP * (int)sizeof(T);   // the staged q_nope tile
+
+  typedef typename WS::Regs Weights;
+
   // out[t0 + tok, h, col .. col+3] for the staged tile q_s [TN][NP] (ntok valid rows).
   __device__ static __forceinline__ void tile(const Weights& wt, const T* q_s, T* __restrict__ out, int t0, int ntok,
                                               int h, int col, bool out_vec) {
@@ -131,12 +156,8 @@ struct AbsorbQuery {
         for (int e = 0; e < 4; ++e) acc[jt][j][e] = 0.f;
 #pragma unroll
     for (int s = 0; s < KSTEPS; ++s) {
-      // rows 4c, 4c+1 carry logical k pair 0, rows 4c+2, 4c+3 pair 1; .x: tile 0, .y: tile 1
-      const uint2 *w = wt.w[s];
-      const unsigned a0[4] = {lo_halves(w[0].x, w[1].x), hi_halves(w[0].x, w[1].x),
-                              lo_halves(w[2].x, w[3].x), hi_halves(w[2].x, w[3].x)};
-      const unsigned a1[4] = {lo_halves(w[0].y, w[1].y), hi_halves(w[0].y, w[1].y),
-                              lo_halves(w[2].y, w[3].y), hi_halves(w[2].y, w[3].y)};
+      unsigned a0[4], a1[4];
+      WS::frags(wt, s, a0, a1);
 #pragma unroll
       for (int jt = 0; jt < NT; ++jt) {
         if (jt * 8 >= ntok) break;
@@ -168,12 +189,12 @@ struct AbsorbQuery {
   // copies are in flight, so its own global round trips overlap theirs.
   template <typename Extra>
   __device__ static __forceinline__ void run(const T* __restrict__ qn, i64 qn_s0, i64 qn_s1,
-                                             const T* __restrict__ kv_b, T* __restrict__ out, int T_,
+                                             typename WS::Src kv_b, T* __restrict__ out, int T_,
                                              T* q_s, Extra&& extra) {
     const int h = blockIdx.y;
     const int col = (blockIdx.z * WPC + (int)(threadIdx.x >> 5)) * 32 + 4 * ((threadIdx.x & 31) >> 2);
     Weights wt;
-    load_weights(wt, kv_b, h, col);
+    WS::load(wt, kv_b, h, col);
     pdl_wait();   // q_nope (and positions, q_pe) come from earlier kernels; weights do not
     pdl_launch_dependents();
     const bool q_vec = aligned16(qn) && qn_s0 % 8 == 0 && qn_s1 % 8 == 0;
@@ -193,32 +214,14 @@ struct AbsorbQuery {
 };
 
 // ---- mla_v_up -----------------------------------------------------------------------------
-// CTA (token chunk, head, block of MT * 16 weight rows); warp w = (k slice ks = w / MT, m16 tile
-// mt = w % MT): rows v0 + mt*16 + {g, g+8} over the 32-k chunks ks*CPS .. ks*CPS + CPS - 1
-// (of NCH = C / 32), 2 * CPS 16-byte weight registers per thread. The KS slices' partial sums
-// meet in shared memory (aliasing the staged o_lat tile, after the barrier that retires it).
-template <typename T, int H, int N, int V, int C, int TN, int MT, int KS, int CPS>
-struct AbsorbVUp {
-  static_assert(sizeof(T) == 2, "tensor-core path: bf16 / fp16");
-  static_assert(C % 32 == 0 && TN % 8 == 0, "AbsorbVUp tiling");
-  static constexpr int NCH = C / 32;
-  static_assert(KS * CPS >= NCH && (KS - 1) * CPS < NCH, "every k slice holds at least one chunk");
-  static constexpr int THREADS = MT * KS * 32;
-  static constexpr int MB = MT * 16;                      // weight rows per CTA
-  static constexpr int NT = TN / 8;
-  // o_lat row pitch: 16-byte fragment reads of 2 rows per 8-lane phase are conflict-free when
-  // the pitch is an odd multiple of 64 bytes (pitch % 64 elements == 32)
-  static constexpr int CP = C + ((32 - C % 64) + 64) % 64;
-  static_assert(CP % 64 == 32 && CP >= C, "o_lat row pitch");
-  static constexpr int RP = MB + 4;                       // partial-sum row pitch (floats)
-  static constexpr int STAGE_BYTES = TN * CP * (int)sizeof(T);
-  static constexpr int RED_BYTES = KS * TN * RP * 4;
-  static constexpr int SMEM = STAGE_BYTES > RED_BYTES ? STAGE_BYTES : RED_BYTES;
+// The weight side of AbsorbVUp, kv_b stored in T: a thread's W_UV rows g and g + 8 of its m16 tile,
+// 8 k (one 16-byte load) of each 32-k chunk of its k slice.  (mla_absorb_fp8.cuh: UvWeightsFp8.)
+template <typename T, int N, int V, int C, int CPS>
+struct UvWeights16 {
+  typedef const T* Src;
+  struct Regs { uint4 a[CPS], b[CPS]; };                  // rows g and g + 8, k 32*chunk + 8c .. +7
 
-  struct Weights { uint4 a[CPS], b[CPS]; };               // rows g and g + 8, k 32*chunk + 8c .. +7
-
-  __device__ static __forceinline__ void load_weights(Weights& wt, const T* __restrict__ kv_b, int h, int row,
-                                                      int ks) {
+  __device__ static __forceinline__ void load(Regs& wt, const T* __restrict__ kv_b, int h, int row, int ks) {
     const int c = threadIdx.x & 3;
     const T* base = kv_b + ((i64)h * (N + V) + N) * C + 8 * c;
     const bool vec = aligned16(kv_b);   // C % 8 == 0: every row then starts 16-byte aligned too
@@ -243,15 +246,55 @@ struct AbsorbVUp {
     }
   }
 
+  // Chunk q's A fragments of its two k16 steps (s0: k 8c .. 8c+3, s1: 8c+4 .. 8c+7; rows g, g + 8).
+  __device__ static __forceinline__ void frags(const Regs& wt, int q, unsigned (&s0)[4], unsigned (&s1)[4]) {
+    const uint4 a = wt.a[q], b = wt.b[q];
+    s0[0] = a.x;
+    s0[1] = b.x;
+    s0[2] = a.y;
+    s0[3] = b.y;
+    s1[0] = a.z;
+    s1[1] = b.z;
+    s1[2] = a.w;
+    s1[3] = b.w;
+  }
+};
+
+// CTA (token chunk, head, block of MT * 16 weight rows); warp w = (k slice ks = w / MT, m16 tile
+// mt = w % MT): rows v0 + mt*16 + {g, g+8} over the 32-k chunks ks*CPS .. ks*CPS + CPS - 1
+// (of NCH = C / 32), 2 * CPS 16-byte weight registers per thread. The KS slices' partial sums
+// meet in shared memory (aliasing the staged o_lat tile, after the barrier that retires it).
+// WS: the weight side (UvWeights16, or mla_absorb_fp8.cuh's UvWeightsFp8).
+template <typename T, int H, int N, int V, int C, int TN, int MT, int KS, int CPS,
+          typename WS = UvWeights16<T, N, V, C, CPS>>
+struct AbsorbVUp {
+  static_assert(sizeof(T) == 2, "tensor-core path: bf16 / fp16");
+  static_assert(C % 32 == 0 && TN % 8 == 0, "AbsorbVUp tiling");
+  static constexpr int NCH = C / 32;
+  static_assert(KS * CPS >= NCH && (KS - 1) * CPS < NCH, "every k slice holds at least one chunk");
+  static constexpr int THREADS = MT * KS * 32;
+  static constexpr int MB = MT * 16;                      // weight rows per CTA
+  static constexpr int NT = TN / 8;
+  // o_lat row pitch: 16-byte fragment reads of 2 rows per 8-lane phase are conflict-free when
+  // the pitch is an odd multiple of 64 bytes (pitch % 64 elements == 32)
+  static constexpr int CP = C + ((32 - C % 64) + 64) % 64;
+  static_assert(CP % 64 == 32 && CP >= C, "o_lat row pitch");
+  static constexpr int RP = MB + 4;                       // partial-sum row pitch (floats)
+  static constexpr int STAGE_BYTES = TN * CP * (int)sizeof(T);
+  static constexpr int RED_BYTES = KS * TN * RP * 4;
+  static constexpr int SMEM = STAGE_BYTES > RED_BYTES ? STAGE_BYTES : RED_BYTES;
+
+  typedef typename WS::Regs Weights;
+
   __device__ static __forceinline__ void run(const T* __restrict__ ol, i64 ol_s0, i64 ol_s1,
-                                             const T* __restrict__ kv_b, T* __restrict__ out, int T_,
+                                             typename WS::Src kv_b, T* __restrict__ out, int T_,
                                              unsigned char* smem) {
     const int h = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int mt = warp % MT, ks = warp / MT;
     const int v0 = blockIdx.z * MB;
     Weights wt;
-    load_weights(wt, kv_b, h, v0 + mt * 16 + g, ks);
+    WS::load(wt, kv_b, h, v0 + mt * 16 + g, ks);
     pdl_wait();   // o_lat comes from the attention kernel; the weights do not
     pdl_launch_dependents();
     T* o_s = reinterpret_cast<T*>(smem);
@@ -272,8 +315,8 @@ struct AbsorbVUp {
       for (int q = 0; q < CPS; ++q) {
         const int chunk = ks * CPS + q;
         if (chunk >= NCH) break;   // warp-uniform: the last slice may be short
-        const uint4 a = wt.a[q], b = wt.b[q];
-        const unsigned s0[4] = {a.x, b.x, a.y, b.y}, s1[4] = {a.z, b.z, a.w, b.w};
+        unsigned s0[4], s1[4];
+        WS::frags(wt, q, s0, s1);
 #pragma unroll
         for (int jt = 0; jt < NT; ++jt) {
           if (jt * 8 >= ntok) break;
