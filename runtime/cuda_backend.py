@@ -154,7 +154,7 @@ class CudaBackend:
     def _sizes(self, ctx: StepContext) -> dict:
         T = ctx.num_tokens
         return {"T": T, "B": ctx.num_seqs, "NP": T * self.pairs_per_token, "MAXQ": max(ctx.query_lens),
-                "MAXCTX": max(ctx.context_lens), "W": int(ctx.block_tables.shape[1])}
+                "MAXCTX": max(ctx.context_lens), "TK": sum(ctx.context_lens), "W": int(ctx.block_tables.shape[1])}
 
     def _shape(self, shape, sizes) -> tuple:
         return tuple(size_exprs.evaluate(d, sizes) if isinstance(d, str) else d for d in shape)
@@ -249,6 +249,7 @@ class CudaBackend:
             "block_tables": ctx.block_tables.to(device=device, dtype=torch.int32),
             "context_lens": upload(ctx.context_lens, torch.int32, device),
             "query_start": upload(starts, torch.int32, device),
+            "key_start": upload(ctx.key_starts(), torch.int32, device),
         }
 
     def decode_inputs(self, B: int, W: int, device):
@@ -262,12 +263,9 @@ class CudaBackend:
     def forward(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """ids [T] -> logits [T, vocab] float32 (or [L, vocab]: the rows ctx.logit_rows names).
         Decode steps replay a CUDA graph per shape bucket; other steps one per shape seen before
-        (cuda_graphs.PrefillGraphs).  A prefill step's sequences start at position 0: the prefill
-        attention kernel attends to the step's own tokens only, so a cached prefix (chunked prefill)
-        is refused here rather than silently left out."""
-        if phase == "prefill" and ctx.context_lens != ctx.query_lens:
-            raise InputError("backend='cuda' prefills whole prompts only: a step whose sequences already hold cache "
-                             "rows (chunked prefill, max_num_batched_tokens) runs on backend='reference' for now")
+        (cuda_graphs.PrefillGraphs).  A prefill step's sequences may hold cache rows already (a
+        later chunk of a long prompt, a decode token in a mixed step): its attention gathers each
+        sequence's whole context from the cache (ir/passes/lower_mla_prefill.py)."""
         if self.use_graphs and ids.is_cuda:
             if phase == "decode" and ctx.logit_rows is None and all(q == 1 for q in ctx.query_lens):
                 return self.graphs_decode.run(ids, ctx)

@@ -12,7 +12,8 @@ table, Tuning.linear.skinny_upto):
                        the runtime skips it below.
 
 A linear at fp32 precision (the router, when fuse_router did not take it) is the library call at
-every T: its weights and output stay float32 whatever the activation dtype.
+every T: its weights and output stay float32 whatever the activation dtype.  So is a linear over
+rows other than the step's T tokens (the kv_b GEMM over the prefill attention's TK context rows).
 
 Weights in FP8 (fp8_e4m3_block128, ir/formats.py; every weight of the node, bf16 or fp16
 activations): the kernel reads the FP8 bytes and their block scales (the companion weights
@@ -91,6 +92,13 @@ def lower(nid, G, opts, *, warps: int | None = None, row_tiles: int | None = Non
     precision = "fp32" if data["op"] == "linear" and data["attrs"]["precision"] == "fp32" else "act"
     rows_ = dispatch.rows(data["op"], {"precision": precision}, opts.tuning)
     skinny = dispatch.row_range(rows_, "skinny")
+    if G.graph["values"][x].shape[0] != "T":
+        # rows other than the step's tokens (the prefill attention's TK context rows): the grid
+        # factors read T, so the library call takes every row count
+        call = library_call(nid, data)
+        if _fp8_weights(G, list(bound.values()), opts):
+            call = dataclasses.replace(call, attrs={**call.attrs, "weight_format": FP8.name})
+        return [call]
     if not skinny:
         return [library_call(nid, data)]
     ((_, upto),) = skinny

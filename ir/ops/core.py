@@ -57,7 +57,9 @@ class Linear(OpDef):
         x, weight = ins[0], w["weight"]
         if node.attrs["precision"] == "fp32":
             return [F.linear(x.float(), weight.float())]
-        return [F.linear(x, weight)]
+        # rows gathered from the cache (mla_gather_context) come in the cache's dtype, which a reference
+        # engine may keep wider than its weights (float64 over float32 weights)
+        return [F.linear(x.to(weight.dtype), weight)]
 
 
 @register

@@ -90,7 +90,7 @@ def _lite():
 
 
 def _prefill_sizes(T: int) -> dict:
-    return {"T": T, "NP": 8 * T, "B": 1, "MAXQ": T, "MAXCTX": T, "W": -(-T // 64), "SMS": 132}
+    return {"T": T, "NP": 8 * T, "B": 1, "MAXQ": T, "MAXCTX": T, "TK": T, "W": -(-T // 64), "SMS": 132}
 
 
 def test_v2_lite_prefill_activations_fit_the_targets():
