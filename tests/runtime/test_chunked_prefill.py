@@ -102,3 +102,37 @@ def test_the_constructors_pass_the_cap_on():
     for a, b in zip(engine.logits(ps), Engine.from_spec(str(MODEL_SPECS_DIR / "deepseek_tiny.yaml"),
                                                         num_blocks=16).logits(ps)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_reference_attention_over_a_prefix_equals_the_whole_prompts_rows():
+    """mla_prefill_attention with keys=context (a chunk's queries over the sequence's context rows,
+    positions from the prefix on) gives the chunk's rows of keys=step over the whole prompt, float64;
+    a causal bound shifted by one key is caught (the kernels' reference must be strict)."""
+    from ir.graph import Node
+    from ir.ops import OPS
+    from ir.context import StepContext
+    from tiny_engine import compiled
+    m = compiled()[0].spec.model
+    d = m.dims
+    H, N, R, V = d["heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"]
+    g = torch.Generator().manual_seed(3)
+    lens, prefix = [9, 14], [0, 6]        # sequence 1: a chunk of 8 behind 6 cached rows
+    q_nope, q_rot = torch.randn(23, H, N, generator=g).double(), torch.randn(23, H, R, generator=g).double()
+    kv, k_rot = torch.randn(23, H * (N + V), generator=g).double(), torch.randn(23, R, generator=g).double()
+    op = OPS["mla_prefill_attention"]
+
+    def run(keys, rows, query_lens, context_lens, positions, ins):
+        ctx = StepContext(positions=torch.tensor(positions), query_lens=query_lens, context_lens=context_lens,
+                          block_tables=torch.zeros(len(query_lens), 1, dtype=torch.int32),
+                          slot_mapping=torch.zeros(rows, dtype=torch.int64), kv_cache=[], block_size=BLOCK)
+        node = Node(op="mla_prefill_attention", attrs={"keys": keys}, weights={}, layer=0, model=m)
+        return op.run(node, ins, {}, ctx)[0]
+    whole = run("step", 23, lens, lens, [*range(9), *range(14)], [q_nope, q_rot, kv, k_rot])
+    q = slice(9 + prefix[1], 23)            # the chunk's queries: sequence 0 whole, sequence 1 from row 6
+    rows = torch.cat([torch.arange(9), torch.arange(9, 23)])
+    chunk = run("context", 17, [9, 8], [9, 14], [*range(9), *range(6, 14)],
+                [torch.cat([q_nope[:9], q_nope[q]]), torch.cat([q_rot[:9], q_rot[q]]), kv[rows], k_rot[rows]])
+    torch.testing.assert_close(chunk, torch.cat([whole[:9], whole[q]]), rtol=1e-12, atol=1e-12)
+    shifted = run("context", 17, [9, 8], [9, 14], [*range(9), *range(7, 15)],
+                  [torch.cat([q_nope[:9], q_nope[q]]), torch.cat([q_rot[:9], q_rot[q]]), kv[rows], k_rot[rows]])
+    assert not torch.allclose(shifted[9:], whole[q], rtol=1e-2, atol=1e-2)
