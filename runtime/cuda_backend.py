@@ -118,6 +118,12 @@ def plans_pairs_per_token(plans: dict, top_k: int) -> int:
 
 class CudaBackend:
     name = "cuda"
+    # Whether the engine may run decode tokens inside a prefill chunk's step (Engine._mixed_step).  Not
+    # here: a token in a prefill step attends through the context gather and kv_b decompression of its
+    # sequence's whole context (context x H x (N + V) per layer: at 256 sequences of 8k context, 2M rows
+    # of 8 KB of keys and values in V2-Lite), where a decode step reads the compressed rows as they
+    # are; so a mixed step runs its decode tokens as a decode step (its CUDA graph) beside the chunk.
+    mixed_steps = False
 
     def __init__(self, plans: dict, weights: dict, runner, *, dtype, top_k: int):
         self.plans = plans            # phase -> codegen.plan.PhasePlan, read from the manifest

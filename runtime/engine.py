@@ -737,7 +737,10 @@ class Engine:
     def _mixed_step(self, sched: Scheduler) -> None:
         """One step under max_num_batched_tokens: every running sequence's next token (decode), then as
         much of the prompts still prefilling as the cap leaves (chunk_tokens); a decode step alone
-        while no prompt is pending.  The sequences whose tokens are all cached after it sample."""
+        while no prompt is pending.  The sequences whose tokens are all cached after it sample.  The
+        decode tokens ride in the chunk's prefill step as one-token chunks where the backend's
+        `mixed_steps` allows, else they run as a decode step of their own before it (the cuda
+        backend: see CudaBackend.mixed_steps)."""
         running = sched.decode_batch()
         if all(s.num_tokens - s.cached == 1 for s in running):
             if running:
@@ -747,6 +750,16 @@ class Engine:
         prefilling = [s for s in running if s.num_tokens - s.cached > 1]
         take = chunk_tokens([s.num_tokens - s.cached for s in prefilling],
                             max(0, self.max_num_batched_tokens - len(decoding)))
+        if decoding and not getattr(self.backend, "mixed_steps", True):
+            chunks = [s for s, t in zip(prefilling, take) if t]
+            decoded = self._step("decode", decoding)
+            if chunks:
+                logits = self._step("prefill", chunks, last_only=True, take=[t for t in take if t])
+                done = [i for i, s in enumerate(chunks) if s.cached == s.num_tokens]
+                if done:
+                    self._advance(sched, [chunks[i] for i in done], logits[done])
+            self._advance(sched, decoding, decoded)
+            return
         step = decoding + [s for s, t in zip(prefilling, take) if t]
         logits = self._step("prefill", step, last_only=True, take=[1] * len(decoding) + [t for t in take if t])
         done = [i for i, s in enumerate(step) if s.cached == s.num_tokens]

@@ -120,9 +120,9 @@ def test_backend_runs_the_manifest_and_matches_the_reference_backend(bundle, mon
 @pytest.mark.parametrize("cap", [1, 5, 7])
 def test_chunked_prefill_and_mixed_steps_run_the_manifest_and_match_the_reference(bundle, cap):
     """max_num_batched_tokens on the cuda backend: prompts prefill in chunks that attend to the rows
-    earlier chunks cached, beside decode tokens (mixed steps); the context gather's launch gets
-    each sequence's packed context start (key_start) and TK rows, and the logits and tokens equal
-    the unchunked reference run's."""
+    earlier chunks cached, while the running sequences decode (a decode step beside each chunk's
+    step: CudaBackend.mixed_steps); the context gather's launch gets each sequence's packed context
+    start (key_start) and TK rows, and the logits and tokens equal the unchunked reference run's."""
     model, weights = compiled()
     loaded = load_bundle(bundle, arch="sm_90", nvrtc_version=nvrtc_version(), dtype="fp32", block_size=4)
     backend = SteppedCuda.from_bundle(loaded, weights, dtype=torch.float32, top_k=model.spec.dims["top_k"])
@@ -135,6 +135,9 @@ def test_chunked_prefill_and_mixed_steps_run_the_manifest_and_match_the_referenc
             gathers.append((ctx["key_start"].tolist(), sizes["TK"], stub.step))
         return run_all(launches, ctx=ctx, sizes=sizes, **kw)
     stub.run_all = spy
+    phases, forward = [], backend.forward
+    backend.forward = lambda phase, ids, ctx: phases.append((phase, ctx.context_lens != ctx.query_lens)) or \
+        forward(phase, ids, ctx)
     ps = prompts([3, 17, 2, 9], seed=11)
     sp = SamplingParams(max_new_tokens=5, ignore_eos=True, return_logits=True)
     ref = make_engine().generate(ps, sp)
@@ -145,6 +148,9 @@ def test_chunked_prefill_and_mixed_steps_run_the_manifest_and_match_the_referenc
     for starts, tk, step in gathers:
         assert starts == step.key_starts() and tk == starts[-1] == sum(step.context_lens)
     assert any(tk > step.num_tokens for _, tk, step in gathers), "no step attended to a cached prefix"
+    first_decode = next(i for i, (phase, _) in enumerate(phases) if phase == "decode")
+    assert any(phase == "prefill" and prefix for phase, prefix in phases[first_decode:]), \
+        "no chunk ran after decoding began"
     assert engine.tables.free_blocks == engine.tables.allocator.num_blocks
     for a, b in zip(make_engine(backend_impl=backend, max_num_batched_tokens=cap).logits(ps), make_engine().logits(ps)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
