@@ -1,10 +1,10 @@
 """MLA: rotary embedding, the latent cache write, and attention (generic and lowered per phase).
 
-Cache rows are ``[c_n (C) | k_rot (R)]``, 576 wide for DeepSeek.  The generic
-``mla_attention`` reads the cache (so it means the same thing in prefill and decode);
-the passes lower it to ``mla_gather_context -> linear(kv_b) -> mla_prefill_attention`` (gather
-each sequence's context rows from the cache, decompress them with kv_b, causal attention) or to ``mla_q_absorb -> mla_decode_attention -> mla_v_up`` (attend over
-the compressed rows, never decompressing them).
+Cache rows are ``[c_n (C) | k_rot (R)]``, 576 wide for DeepSeek.  The generic ``mla_attention``
+reads the cache (so it means the same thing in prefill and decode); the passes lower it to
+``mla_gather_context -> linear(kv_b) -> mla_prefill_attention`` (gather each sequence's context rows
+from the cache, decompress them with kv_b, causal attention) or to ``mla_q_absorb ->
+mla_decode_attention -> mla_v_up`` (attend over the compressed rows, never decompressing them).
 """
 from __future__ import annotations
 

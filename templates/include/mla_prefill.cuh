@@ -81,7 +81,8 @@ struct MlaPrefill {
       }
       for (int e = tid; e < BN * V; e += THREADS) {
         const int j = e / V, c = e % V;
-        Vs[j * VPITCH + c] = (k0 + j < Lk) ? to_float(kv[(i64)(ks + k0 + j) * kv_s0 + (i64)h * (N + V) + N + c]) : 0.f;
+        Vs[j * VPITCH + c] =
+            (k0 + j < Lk) ? to_float(kv[(i64)(ks + k0 + j) * kv_s0 + (i64)h * (N + V) + N + c]) : 0.f;
       }
       __syncthreads();
 

@@ -9,11 +9,11 @@
 
 namespace dsg {
 
-// The contract of MlaPrefill::run (arguments, keys at key_start with a shifted causal rule, fp32 online softmax in log2 units),
-// with P rounded to T for the P V product (as flash attention does; the row sums and rescaling stay
-// fp32), one rounding of o / l, rows with l == 0 left unwritten, 16-byte cp.async copies where N, R,
-// V, the bases and the strides allow (checked once per CTA) and element gathers elsewhere, the
-// longest query tiles first, any N, R, V.  How it runs:
+// The contract of MlaPrefill::run (arguments, keys at key_start, the causal rule shifted by the keys before
+// the first query, fp32 online softmax in log2 units), with P rounded to T for the P V product (as flash
+// attention does; the row sums and rescaling stay fp32), one rounding of o / l, rows with l == 0 left
+// unwritten, 16-byte cp.async copies where N, R, V, the bases and the strides allow (checked once per CTA)
+// and element gathers elsewhere, the longest query tiles first, any N, R, V.  How it runs:
 //
 //  * WM query rows per warp (16 or 32: one or two m16 tiles), BM / WM warps share each K / V tile,
 //    so a CTA's copies per query row halve at BM = 128; and at WM = 32 each K / V fragment read by
