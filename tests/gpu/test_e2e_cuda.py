@@ -264,6 +264,22 @@ def test_chunked_generation_with_decodes_beside_a_chunk_picks_the_same_tokens(ti
             f"cap {cap}: no chunk over a cached prefix ran after decoding began"
 
 
+def test_generate_cli_chunks_on_the_cuda_backend(tiny_path, capsys):
+    """`dsgraph generate --max-num-batched-tokens 4 --backend cuda` runs (no refusal) and picks the
+    unchunked run's greedy tokens for a prompt longer than the cap."""
+    from runtime.cli import main
+    _, path = tiny_path
+    prompt = CHUNK_PROMPTS[0][:11]
+    args = ["generate", "--model", str(path), "--ids", ",".join(map(str, prompt)), "--max-new-tokens", "6",
+            "--backend", "cuda", "--device", DEV, "--dtype", "fp32", "--block-size", "5"]
+
+    def ids(extra):
+        assert main(args + extra) == 0
+        line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("ids:"))
+        return [int(x) for x in line.split(":", 1)[1].strip().split(",")]
+    assert ids(["--max-num-batched-tokens", "4"]) == ids([])
+
+
 def test_graph_replay_equals_eager_decode(tiny):
     """Decode steps replayed from captured CUDA graphs give exactly the eager launches' logits."""
     _, _, engine = tiny
