@@ -20,6 +20,7 @@ evaluated by the runtime just before launching (no host sync: all are host-known
     T      tokens in the step             B      sequences in the step
     NP     token-expert pairs (T * K)     MAXQ   longest query of the step (prefill)
     MAXCTX longest context of the step    W      block-table width
+    TK     context rows of the step (the sum of the context lengths: mla_gather_context's rows)
     SMS    streaming multiprocessors of the device the step runs on (the runner reads it
            from the device; codegen/sizes.py DEVICE_SIZES)
     and integer literals, + - * // ( ), cdiv(a, b) = ceil(a / b), max(a, b), min(a, b)
@@ -63,6 +64,7 @@ CTX_FIELDS = {
     "block_tables": "i32",     # [B, W]
     "context_lens": "i32",     # [B]
     "query_start": "i32",      # [B + 1]
+    "key_start": "i32",        # [B + 1]: where each sequence's context rows start, packed (prefill)
     "kv_cache": "act",         # [blocks, block_size, C + R] of the node's layer
 }
 

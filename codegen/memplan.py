@@ -228,8 +228,8 @@ def step_sizes(phase: str, tokens: int, plan, *, context: int = DECODE_CONTEXT, 
     if phase == "decode":
         return {"T": tokens, "B": tokens, "NP": P * tokens, "MAXQ": 1, "MAXCTX": context, "W": -(-context // 16),
                 "SMS": sms}
-    return {"T": tokens, "B": 1, "NP": P * tokens, "MAXQ": tokens, "MAXCTX": tokens, "W": -(-tokens // 16),
-            "SMS": sms}
+    return {"T": tokens, "B": 1, "NP": P * tokens, "MAXQ": tokens, "MAXCTX": tokens, "TK": tokens,
+            "W": -(-tokens // 16), "SMS": sms}
 
 
 def peak_bytes(plans: dict, act_itemsize: int, *, prefill_tokens=PREFILL_TOKENS, decode_batches=DECODE_BATCHES,

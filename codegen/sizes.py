@@ -1,6 +1,6 @@
 """Launch-geometry expressions: grid, shared memory, workspace shapes and "size:" args.
 
-A family states them over the step's runtime sizes (T, B, NP, MAXQ, MAXCTX and
+A family states them over the step's runtime sizes (T, B, NP, MAXQ, MAXCTX, TK and
 any other name the caller supplies) and the device's (DEVICE_SIZES: SMS, the number
 of streaming multiprocessors, which runtime.launcher.KernelRunner reads from the
 device the step runs on); the runtime evaluates them just before a launch.  Only integers, names, + - * // ( ), unary minus and cdiv/max/min are
@@ -12,7 +12,7 @@ import ast
 import functools
 import operator
 
-STEP_SIZES = ("T", "B", "NP", "MAXQ", "MAXCTX")
+STEP_SIZES = ("T", "B", "NP", "MAXQ", "MAXCTX", "TK")   # TK: the step's context rows (prefill)
 # Facts of the device a launch runs on, supplied by the runtime at launch time (not part of
 # the bundle's cache key: the generated code does not depend on them, only launch geometry).
 DEVICE_SIZES = ("SMS",)

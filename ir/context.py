@@ -46,6 +46,19 @@ class StepContext:
             start += n
         return out
 
+    def prefix_lens(self) -> list[int]:
+        """[B] rows each sequence held in the cache before this step (a prefill chunk's prefix)."""
+        return [c - q for c, q in zip(self.context_lens, self.query_lens)]
+
+    def key_starts(self) -> list[int]:
+        """[B + 1] where each sequence's context rows start when packed sequence after sequence
+        (mla_gather_context's rows; the last entry is TK, the step's key rows)."""
+        out, start = [0], 0
+        for n in self.context_lens:
+            start += n
+            out.append(start)
+        return out
+
     def gather_rows(self, layer: int, seq: int) -> torch.Tensor:
         """All cache rows of one sequence, in position order: [context_len, C + R]."""
         n = self.context_lens[seq]

@@ -107,6 +107,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help=f"prefill cases, batch x prompt length up to {MAX_PROMPT} (e.g. 1x2048; none: no prefill case)")
     p.add_argument("--block-size", type=block_size_arg, default=DEFAULTS.block_size,
                    help="KV-cache page size in tokens")
+    p.add_argument("--max-num-batched-tokens", type=whole_number(1), default=None, metavar="N",
+                   help="prefill cases run in steps of at most N tokens, each chunk attending to the rows the "
+                        "earlier ones cached, as the engine runs a longer prompt (default: one step a case)")
     p.add_argument("--no-pdl", action="store_true",
                    help="launch every kernel without programmatic dependent launch (an A/B against the default)")
     add_tune_arg(p)
@@ -235,24 +238,54 @@ def _decode_ctx(engine, batch: int, ctx: int):
 
 
 def _prefill_ctx(engine, batch: int, length: int):
+    """(sequence ids, the step, its token ids) of one unchunked prefill of `batch` prompts."""
+    seq_ids, ((step, ids),) = _prefill_steps(engine, batch, length, None)
+    return seq_ids, step, ids
+
+
+def _prefill_steps(engine, batch: int, length: int, cap: int | None):
+    """(sequence ids, [(step, token ids)]): `batch` prompts of `length` tokens prefilled as the engine
+    runs them under max_num_batched_tokens = `cap` (scheduler.chunk_tokens: at most `cap` tokens a
+    step, the prompts in order, each chunk over the rows the earlier ones cached); one step where
+    `cap` is None.  Each step keeps the logits of its sequences' last rows, as generate does."""
     import torch
 
     from ir.context import StepContext
-    seq_ids, slots = [], []
-    for b in range(batch):
-        sid = 20_000_000 + b
+
+    from .scheduler import chunk_tokens
+    seq_ids = [20_000_000 + b for b in range(batch)]   # ids no real request uses
+    for sid in seq_ids:
         engine.tables.reserve(sid, length)
-        slots.extend(engine.tables.slot_mapping(sid, 0, length))
-        seq_ids.append(sid)
     dev = engine.device
-    step = StepContext(positions=torch.arange(length, device=dev).repeat(batch),
-                       query_lens=[length] * batch, context_lens=[length] * batch,
-                       block_tables=engine.tables.table_tensor(seq_ids, dev),
-                       slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-                       kv_cache=engine.cache.layers, block_size=engine.block_size,
-                       # as generate runs a prefill: the head on each sequence's last token only
-                       logit_rows=torch.arange(1, batch + 1, device=dev) * length - 1)
-    return seq_ids, step, _token_ids(engine.vocab, (batch * length,), length).to(dev)
+    ids_all = _token_ids(engine.vocab, (batch * length,), length).to(dev)
+    cached, steps = [0] * batch, []
+    while any(c < length for c in cached):
+        take = chunk_tokens([length - c for c in cached], cap if cap is not None else batch * length)
+        run = [b for b in range(batch) if take[b]]
+        slots, positions, ids = [], [], []
+        for b in run:
+            slots.extend(engine.tables.slot_mapping(seq_ids[b], cached[b], cached[b] + take[b]))
+            positions.append(torch.arange(cached[b], cached[b] + take[b], device=dev))
+            ids.append(ids_all[b * length + cached[b]:b * length + cached[b] + take[b]])
+        query_lens = [take[b] for b in run]
+        step = StepContext(positions=torch.cat(positions), query_lens=query_lens,
+                           context_lens=[cached[b] + take[b] for b in run],
+                           block_tables=engine.tables.table_tensor([seq_ids[b] for b in run], dev),
+                           slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                           kv_cache=engine.cache.layers, block_size=engine.block_size,
+                           logit_rows=torch.tensor(query_lens, device=dev).cumsum(0) - 1)
+        steps.append((step, torch.cat(ids)))
+        for b in run:
+            cached[b] += take[b]
+    return seq_ids, steps
+
+
+def _run_steps(backend, phase: str, steps):
+    """A callable that runs `steps` ([(step, ids)]) in order: one timed prefill, chunked or not."""
+    if len(steps) == 1:
+        ((step, ids),) = steps
+        return lambda: backend.forward(phase, ids, step)
+    return lambda: [backend.forward(phase, ids, step) for step, ids in steps]
 
 
 _GENERATED = re.compile(r"^([a-z][a-z0-9_]*?)__")
@@ -576,8 +609,10 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
         # replay call on the H200: 29-52 us before, 128-275 after), which a step's
         # wall clock then counts.  So: all the timings, then all the profiles.
         timed = {}
+        cap = args.max_num_batched_tokens
         for batch, length in prefill_cases:
-            seq_ids, step, ids = _prefill_ctx(engine, batch, length)
+            seq_ids, steps = _prefill_steps(engine, batch, length, cap)
+            run = _run_steps(backend, "prefill", steps)
             # the case's own activation peak: its arena made anew at its size, beside what else a step allocates
             backend.release_arenas()
             torch.cuda.synchronize()
@@ -585,17 +620,17 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
             torch.cuda.reset_peak_memory_stats()
             # The warm-up's second step captures the shape's graph where it has one (cuda_graphs.PrefillGraphs);
             # the same shape launched eagerly, as a shape's first step runs, is timed beside it.
-            ms = _timeit(lambda: backend.forward("prefill", ids, step), max(3, args.iters // 3), warmup=2,
-                        warm_s=WARM_SECONDS)
+            ms = _timeit(run, max(3, args.iters // 3), warmup=2, warm_s=WARM_SECONDS)
             graphs, backend.use_graphs = backend.use_graphs, False
             try:
-                eager_ms = _timeit(lambda: backend.forward("prefill", ids, step), max(3, args.iters // 3), warmup=1)
+                eager_ms = _timeit(run, max(3, args.iters // 3), warmup=1)
             finally:
                 backend.use_graphs = graphs
             torch.cuda.synchronize()
             timed["prefill", batch, length] = ms, eager_ms, torch.cuda.max_memory_allocated() - before
             _release(engine, seq_ids)
-            print(f"prefill {batch}x{length}: {ms:.1f} ms, {batch * length / (ms / 1e3):.0f} tok/s "
+            chunks = f" in {len(steps)} steps of <= {cap} tokens" if len(steps) > 1 else ""
+            print(f"prefill {batch}x{length}{chunks}: {ms:.1f} ms, {batch * length / (ms / 1e3):.0f} tok/s "
                   f"(eager {eager_ms:.1f} ms, {batch * length / (eager_ms / 1e3):.0f} tok/s)", flush=True)
         for batch, ctx in decode_cases:
             seq_ids, step, ids = _decode_ctx(engine, batch, ctx)
@@ -615,12 +650,12 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
 
         result["prefill"] = []
         for batch, length in prefill_cases:
-            seq_ids, step, ids = _prefill_ctx(engine, batch, length)
+            seq_ids, steps = _prefill_steps(engine, batch, length, cap)
             ms, eager_ms, peak = timed["prefill", batch, length]
             row = {"batch": batch, "length": length, "ms": ms, "tokens_per_s": batch * length / (ms / 1e3),
                    "eager_ms": eager_ms, "eager_tokens_per_s": batch * length / (eager_ms / 1e3),
-                   "activation_peak_bytes": peak,
-                   "breakdown": _breakdown(lambda: backend.forward("prefill", ids, step)),
+                   "activation_peak_bytes": peak, "max_num_batched_tokens": cap, "steps": len(steps),
+                   "breakdown": _breakdown(_run_steps(backend, "prefill", steps)),
                    "expert_flops": expert_gemm_flops(dims, first_dense, batch * length, backend.pairs_per_token)}
             row["expert_gemms"] = expert_gemm_rate(row)
             _release(engine, seq_ids)

@@ -124,7 +124,7 @@ def _sizes(phase: str, T: int, P: int, context: int, block_size: int, sms: int) 
         B, maxq, maxctx = T, 1, context
     else:
         B, maxq, maxctx = 1, T, T
-    return {"T": T, "B": B, "NP": T * P, "MAXQ": maxq, "MAXCTX": maxctx, "W": -(-maxctx // block_size), "SMS": sms}
+    return {"T": T, "B": B, "NP": T * P, "MAXQ": maxq, "MAXCTX": maxctx, "TK": B * maxctx, "W": -(-maxctx // block_size), "SMS": sms}
 
 
 def _runs(step, sizes: dict, T: int) -> bool:

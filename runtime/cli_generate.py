@@ -78,8 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=whole_number(1), default=None, metavar="N",
                    help="KV-cache blocks (default: sized to the device)")
     p.add_argument("--max-num-batched-tokens", type=whole_number(1), default=None, metavar="N",
-                   help="tokens one step runs at most: a longer prompt prefills in chunks (reference backend; "
-                        "default: no cap)")
+                   help="tokens one step runs at most: a longer prompt prefills in chunks, beside the "
+                        "running sequences' decode tokens (default: no cap)")
 
 
 def engine_kwargs(args) -> dict:

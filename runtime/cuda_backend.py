@@ -121,6 +121,12 @@ def plans_pairs_per_token(plans: dict, top_k: int) -> int:
 
 class CudaBackend:
     name = "cuda"
+    # Whether the engine may run decode tokens inside a prefill chunk's step (Engine._mixed_step).  Not
+    # here: a token in a prefill step attends through the context gather and kv_b decompression of its
+    # sequence's whole context (context x H x (N + V) per layer: at 256 sequences of 8k context, 2M rows
+    # of 8 KB of keys and values in V2-Lite), where a decode step reads the compressed rows as they
+    # are; so a mixed step runs its decode tokens as a decode step (its CUDA graph) beside the chunk.
+    mixed_steps = False
 
     def __init__(self, plans: dict, weights: dict, runner, *, dtype, top_k: int):
         self.plans = plans            # phase -> codegen.plan.PhasePlan, read from the manifest
@@ -157,7 +163,7 @@ class CudaBackend:
     def _sizes(self, ctx: StepContext) -> dict:
         T = ctx.num_tokens
         return {"T": T, "B": ctx.num_seqs, "NP": T * self.pairs_per_token, "MAXQ": max(ctx.query_lens),
-                "MAXCTX": max(ctx.context_lens), "W": int(ctx.block_tables.shape[1])}
+                "MAXCTX": max(ctx.context_lens), "TK": sum(ctx.context_lens), "W": int(ctx.block_tables.shape[1])}
 
     def _shape(self, shape, sizes) -> tuple:
         return tuple(size_exprs.evaluate(d, sizes) if isinstance(d, str) else d for d in shape)
@@ -252,6 +258,7 @@ class CudaBackend:
             "block_tables": ctx.block_tables.to(device=device, dtype=torch.int32),
             "context_lens": upload(ctx.context_lens, torch.int32, device),
             "query_start": upload(starts, torch.int32, device),
+            "key_start": upload(ctx.key_starts(), torch.int32, device),
         }
 
     def decode_inputs(self, B: int, W: int, device):
@@ -265,12 +272,9 @@ class CudaBackend:
     def forward(self, phase: str, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """ids [T] -> logits [T, vocab] float32 (or [L, vocab]: the rows ctx.logit_rows names).
         Decode steps replay a CUDA graph per shape bucket; other steps one per shape seen before
-        (cuda_graphs.PrefillGraphs).  A prefill step's sequences start at position 0: the prefill
-        attention kernel attends to the step's own tokens only, so a cached prefix (chunked prefill)
-        is refused here rather than silently left out."""
-        if phase == "prefill" and ctx.context_lens != ctx.query_lens:
-            raise InputError("backend='cuda' prefills whole prompts only: a step whose sequences already hold cache "
-                             "rows (chunked prefill, max_num_batched_tokens) runs on backend='reference' for now")
+        (cuda_graphs.PrefillGraphs).  A prefill step's sequences may hold cache rows already (a
+        later chunk of a long prompt, a decode token in a mixed step): its attention gathers each
+        sequence's whole context from the cache (ir/passes/lower_mla_prefill.py)."""
         if self.use_graphs and ids.is_cuda:
             if phase == "decode" and ctx.logit_rows is None and all(q == 1 for q in ctx.query_lens):
                 return self.graphs_decode.run(ids, ctx)

@@ -199,6 +199,7 @@ class PrefillGraphs:
         _refill(x, ids, ctx)
         x["context_lens"].copy_(upload(ctx.context_lens, torch.int32, ids.device), non_blocking=True)
         x["query_start"].copy_(upload(_starts(ctx), torch.int32, ids.device), non_blocking=True)
+        x["key_start"].copy_(upload(ctx.key_starts(), torch.int32, ids.device), non_blocking=True)
         if ctx.logit_rows is not None:
             x["logit_rows"].copy_(ctx.logit_rows, non_blocking=True)
         cap.graph.replay()
@@ -239,6 +240,7 @@ def _static_inputs(ids: torch.Tensor, ctx: StepContext) -> dict:
         "block_tables": ctx.block_tables.to(device=device, dtype=torch.int32).clone(),
         "context_lens": torch.tensor(ctx.context_lens, dtype=torch.int32, device=device),
         "query_start": torch.tensor(_starts(ctx), dtype=torch.int32, device=device),
+        "key_start": torch.tensor(ctx.key_starts(), dtype=torch.int32, device=device),
     }
 
 
@@ -278,7 +280,8 @@ def _record(be, phase: str, inputs: dict, static_ctx: StepContext, pool_of, prol
     """One step of `phase` on the static inputs, captured into a graph drawing on the pool
     `pool_of()` gives after the warm-up (which may grow the arena and drop the phase's graphs);
     `prologue` (if any) runs first, inside the graph."""
-    meta = {k: inputs[k] for k in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start")}
+    meta = {k: inputs[k] for k in ("positions", "slot_mapping", "block_tables", "context_lens", "query_start",
+                                   "key_start") if k in inputs}
     sizes = be._sizes(static_ctx)
     device = inputs["ids"].device
     # Warm up on a side stream (loads modules, initialises cuBLAS; a prefill writes its own cache

@@ -147,13 +147,10 @@ def check_cache_args(*, block_size=None, num_blocks=None, max_seq_len=None, max_
                                    "of sequences run together")}
 
 
-def check_chunking(backend: str, max_num_batched_tokens) -> int | None:
-    """max_num_batched_tokens as an int >= 1 or None, where `backend` can chunk a prefill."""
-    n = _count(max_num_batched_tokens, "max_num_batched_tokens", None, "of tokens a step runs; None: no cap")
-    if n is not None and backend == "cuda":
-        raise InputError("max_num_batched_tokens (chunked prefill) runs on backend='reference' for now: the cuda "
-                         "prefill attention does not read a cached prefix yet; leave it None on backend='cuda'")
-    return n
+def check_chunking(max_num_batched_tokens) -> int | None:
+    """max_num_batched_tokens as an int >= 1 or None (no cap).  Both backends chunk: the lowered
+    prefill attention reads each sequence's cached prefix (ir/passes/lower_mla_prefill.py)."""
+    return _count(max_num_batched_tokens, "max_num_batched_tokens", None, "of tokens a step runs; None: no cap")
 
 
 def _backend_and_device(backend: str | None, device, bundle) -> tuple[str, torch.device]:
@@ -190,7 +187,7 @@ def _check_call(caller: str, backend, device, dtype, bundle, options: dict) -> t
     if "eos_token_ids" in options:
         options["eos_token_ids"] = token_id_tuple(options["eos_token_ids"], "eos_token_ids")
     if "max_num_batched_tokens" in options:
-        options["max_num_batched_tokens"] = check_chunking(backend, options["max_num_batched_tokens"])
+        options["max_num_batched_tokens"] = check_chunking(options["max_num_batched_tokens"])
     return backend, device, dtype, options
 
 
@@ -274,7 +271,7 @@ class Engine:
         # Tokens one step runs at most (vLLM's name); None: a prompt prefills in one step.  A longer
         # prompt prefills in chunks that attend to the rows earlier chunks cached, and running
         # sequences decode in the same steps (scheduler.chunk_tokens).
-        self.max_num_batched_tokens = check_chunking(backend, max_num_batched_tokens)
+        self.max_num_batched_tokens = check_chunking(max_num_batched_tokens)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -740,7 +737,10 @@ class Engine:
     def _mixed_step(self, sched: Scheduler) -> None:
         """One step under max_num_batched_tokens: every running sequence's next token (decode), then as
         much of the prompts still prefilling as the cap leaves (chunk_tokens); a decode step alone
-        while no prompt is pending.  The sequences whose tokens are all cached after it sample."""
+        while no prompt is pending.  The sequences whose tokens are all cached after it sample.  The
+        decode tokens ride in the chunk's prefill step as one-token chunks where the backend's
+        `mixed_steps` allows, else they run as a decode step of their own before it (the cuda
+        backend: see CudaBackend.mixed_steps)."""
         running = sched.decode_batch()
         if all(s.num_tokens - s.cached == 1 for s in running):
             if running:
@@ -750,6 +750,16 @@ class Engine:
         prefilling = [s for s in running if s.num_tokens - s.cached > 1]
         take = chunk_tokens([s.num_tokens - s.cached for s in prefilling],
                             max(0, self.max_num_batched_tokens - len(decoding)))
+        if decoding and not getattr(self.backend, "mixed_steps", True):
+            chunks = [s for s, t in zip(prefilling, take) if t]
+            decoded = self._step("decode", decoding)
+            if chunks:
+                logits = self._step("prefill", chunks, last_only=True, take=[t for t in take if t])
+                done = [i for i, s in enumerate(chunks) if s.cached == s.num_tokens]
+                if done:
+                    self._advance(sched, [chunks[i] for i in done], logits[done])
+            self._advance(sched, decoding, decoded)
+            return
         step = decoding + [s for s, t in zip(prefilling, take) if t]
         logits = self._step("prefill", step, last_only=True, take=[1] * len(decoding) + [t for t in take if t])
         done = [i for i, s in enumerate(step) if s.cached == s.num_tokens]

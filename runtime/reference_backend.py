@@ -9,6 +9,7 @@ from ir.context import StepContext
 
 class ReferenceBackend:
     name = "reference"
+    mixed_steps = True    # decode tokens run as one-token chunks in a prefill step (Engine._mixed_step)
 
     def __init__(self, graphs: dict, weights: dict[str, torch.Tensor]):
         self.graphs = graphs

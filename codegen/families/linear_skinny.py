@@ -12,7 +12,8 @@ table, Tuning.linear.skinny_upto):
                        the runtime skips it below.
 
 A linear at fp32 precision (the router, when fuse_router did not take it) is the library call at
-every T: its weights and output stay float32 whatever the activation dtype.
+every T: its weights and output stay float32 whatever the activation dtype.  So is a linear over
+rows other than the step's T tokens (the kv_b GEMM over the prefill attention's TK context rows).
 
 Weights in FP8 (fp8_e4m3_block128, ir/formats.py; every weight of the node, bf16 or fp16
 activations): the kernel reads the FP8 bytes and their block scales (the companion weights
@@ -109,7 +110,15 @@ def lower(nid, G, opts, *, warps: int | None = None, row_tiles: int | None = Non
             raise LoweringError(f"int8 weights: the skinny linear splits K inside a CTA only and has no load "
                                 f"pipelines (ksplit 1 and no pipeline, got {ksplit} and {pipeline!r})")
         return _lower_int8(nid, G, opts, warps=warps, row_tiles=row_tiles, unroll=unroll or t.unroll)
-    # int8 weights went above: _fp8_gemms sees 16-bit or FP8 ones only
+    # int8 weights went above: what follows sees 16-bit or FP8 ones only
+    if G.graph["values"][x].shape[0] != "T":
+        # rows other than the step's tokens (the prefill attention's TK context rows): the grid
+        # factors read T (the FP8 GEMM's too), so the library call takes every row count; FP8
+        # weights there are dequantised to the activation dtype (cuda_backend._library_weight)
+        call = library_call(nid, data)
+        if _fp8_weights(G, list(bound.values()), opts):
+            call = dataclasses.replace(call, attrs={**call.attrs, "weight_format": FP8.name})
+        return [call]
     gemms, alone = _fp8_gemms(nid, G, opts)
     if alone:   # no skinny row (Tuning.linear.skinny_upto = 0): the FP8 GEMM at every T
         return gemms
@@ -214,7 +223,8 @@ def _fp8_weights(G, names: list[str], opts) -> bool:
 
 def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
     """int8_channel weights: the quantiser's launch and the int8 kernel's up to skinny_upto tokens
-    (both over two workspaces: x_int8, the quantised rows, and x_scale), the exact library call above."""
+    (both over two workspaces: x_int8, the quantised rows, and x_scale), the exact library call above
+    and over rows other than the step's T tokens."""
     from codegen.lower import library_call
     data, (x,), outs, bound = node_io(G, nid)
     silu = data["op"] == "gate_up_silu"
@@ -232,8 +242,8 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
     call = library_call(nid, data)
     call = dataclasses.replace(call, attrs={**call.attrs, "weight_format": INT8.name})
     skinny = dispatch.row_range(rows_, "skinny_wi8")
-    if not skinny:
-        return [call]
+    if not skinny or G.graph["values"][x].shape[0] != "T":   # the launches' grids read T: TK rows go whole
+        return [call]                                        # to the exact library call
     ((_, upto),) = skinny
     (K,) = inner_dims(G, x)
     rows = [data["attrs"]["out_dim"]] * 2 if silu else [inner_dims(G, y)[0] for y in outs]

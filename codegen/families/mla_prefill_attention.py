@@ -1,6 +1,8 @@
-"""mla_prefill_attention: flash-style causal attention over each packed prompt's own
-decompressed keys ([kv_nope | k_rot], N + R wide) and values (V wide); fp32 online softmax.
-Grid: (query tiles of the longest prompt, heads, sequences).
+"""mla_prefill_attention: flash-style causal attention of each sequence's new tokens over its
+decompressed keys ([kv_nope | k_rot], N + R wide) and values (V wide); fp32 online softmax.  A
+sequence's keys start at key_start[b] (its whole context: mla_gather_context's rows, decompressed)
+or, with keys "step", at its queries' own rows; the causal bound shifts by the keys before its
+first query (a cached prefix).  Grid: (query tiles of the longest query, heads, sequences).
 
 bf16 / fp16: tensor cores, mma.sync m16n8k16: MlaPrefillTC2 (mla_prefill_tc2.cuh; Q in registers,
 a two-stage K / V ring, the mask only on tiles that need it) at the tile Tuning.attention.prefill_tile
@@ -20,7 +22,6 @@ from typing import NamedTuple
 
 from codegen.kernel import KernelLaunch, ctx, inp, out, stride
 from codegen.render import kernel_name
-from ir.formats import FP8, UNSCALED
 
 from ._dense_util import LoweringError, act_ctype, c_float, dims, inner_dims, node_io
 from .mla_decode_attention import check_smem
@@ -29,9 +30,10 @@ FAMILY = "mla_prefill_attention"
 TEMPLATE = "mla_prefill_attention.cu.j2"
 OPS = ("mla_prefill_attention",)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
-# kv_b in any format: the node binds it for a cached prefix, which the kernels never read (the cuda
-# backend refuses a cached prefix: runtime/cuda_backend.py); the step's own keys come decompressed in kv.
-WEIGHT_FORMATS = (*UNSCALED, FP8.name)
+
+# Where a sequence's keys start (ir/ops/attention.py MlaPrefillAttention's keys): its own tokens
+# (the queries' rows) or its whole context (mla_gather_context's rows, packed at key_start).
+KEY_ROWS = {"step": "query_start", "context": "key_start"}
 
 BM = BN = 32
 THREADS = 256
@@ -110,4 +112,5 @@ def lower(nid, G, opts):
               inp("q_rot", act, ins[1]), stride("qr_s0", ins[1], 0), stride("qr_s1", ins[1], 1),
               inp("kv", act, ins[2]), stride("kv_s0", ins[2], 0),
               inp("k_rot", act, ins[3]), stride("kr_s0", ins[3], 0),
-              ctx("query_start", "query_start"), ctx("positions", "positions"), out("out", act, outs[0])))]
+              ctx("query_start", "query_start"), ctx("key_start", KEY_ROWS[data["attrs"]["keys"]]),
+              ctx("positions", "positions"), out("out", act, outs[0])))]

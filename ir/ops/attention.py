@@ -1,10 +1,10 @@
 """MLA: rotary embedding, the latent cache write, and attention (generic and lowered per phase).
 
-Cache rows are ``[c_n (C) | k_rot (R)]``, 576 wide for DeepSeek.  The generic
-``mla_attention`` reads the cache (so it means the same thing in prefill and decode);
-the passes lower it to ``mla_prefill_attention`` (decompress with kv_b, causal over the
-packed prompt) or to ``mla_q_absorb -> mla_decode_attention -> mla_v_up`` (attend over
-the compressed rows, never decompressing them).
+Cache rows are ``[c_n (C) | k_rot (R)]``, 576 wide for DeepSeek.  The generic ``mla_attention``
+reads the cache (so it means the same thing in prefill and decode); the passes lower it to
+``mla_gather_context -> linear(kv_b) -> mla_prefill_attention`` (gather each sequence's context rows
+from the cache, decompress them with kv_b, causal attention) or to ``mla_q_absorb ->
+mla_decode_attention -> mla_v_up`` (attend over the compressed rows, never decompressing them).
 """
 from __future__ import annotations
 
@@ -199,57 +199,78 @@ class MlaAttention(OpDef):
 
 
 @register
-class MlaPrefillAttention(OpDef):
-    """Causal attention of each sequence's new tokens over its cached prefix and themselves.
-
-    With four inputs a sequence's keys are its own tokens (it starts at position 0).  With the
-    cache state as a fifth input and kv_b bound, a sequence that already holds rows in the cache
-    (a chunk of a long prompt after the first, or a decode token in a mixed step: context_lens
-    minus query_lens of them) attends to those too: they are decompressed with kv_b as the
-    prefill's own rows are, and go before the step's keys; positions are absolute."""
-    name = "mla_prefill_attention"
-    scaled_weights = ("kv_b",)   # the cached prefix's decompression, dequantised as mla_attention's is
-    inputs = (4, 5)
-    weights = {"kv_b": False}
-    doc = ("[q_nope, q_rot, kv [T, H*(N+V)], k_rot [T, R], (state)] -> o [T, H*V]: causal over each "
-           "sequence's cached prefix (with the state and kv_b) and its new tokens")
+class MlaGatherContext(OpDef):
+    """Each sequence's cache rows 0 .. context_len - 1 (its cached prefix and the rows this step
+    wrote), packed sequence after sequence: what a prefill chunk attends to.  TK, the rows of the
+    step, is the sum of the context lengths (a whole prompt's TK is its T)."""
+    name = "mla_gather_context"
+    doc = "state -> rows [TK, C+R]: every sequence's cache rows, in position order, sequence after sequence"
 
     @classmethod
     def infer(cls, node, ins, model):
-        qn, qr, kv, kr = ins[:4]
+        (st,) = ins
+        d = model.dims
+        expect(st.dtype == "state", f"mla_gather_context reads the cache state from a cache write, got {st}")
+        return [TType(("TK", d["kv_lora_rank"] + d["qk_rope_head_dim"]), "act")], {}
+
+    @classmethod
+    def run(cls, node, ins, w, ctx):
+        return [torch.cat([ctx.gather_rows(node.layer, b) for b in range(ctx.num_seqs)])]
+
+
+KEYS = ("step", "context")
+
+
+@register
+class MlaPrefillAttention(OpDef):
+    """Causal attention of each sequence's new tokens over decompressed keys and values.
+
+    keys "step": a sequence's keys are its own tokens (the rows of kv / k_rot its queries sit at;
+    the sequence starts at position 0 or the keys before its first token are not seen).
+    keys "context": kv / k_rot hold every sequence's whole context (mla_gather_context's rows,
+    decompressed: TK of them, context_lens[b] for sequence b), so a chunk of a long prompt after
+    the first, or a decode token in a mixed step, sees the rows earlier steps cached; query i sees
+    key j iff j <= positions[i]."""
+    name = "mla_prefill_attention"
+    inputs = 4
+    attrs = {"keys": Attr("choice", "step", KEYS)}
+    doc = ("[q_nope [T, H, N], q_rot [T, H, R], kv [T or TK, H*(N+V)], k_rot [T or TK, R]] -> o [T, H*V]: "
+           "causal over each sequence's keys (its new tokens, or with keys=context its whole context)")
+
+    @classmethod
+    def infer(cls, node, ins, model):
+        qn, qr, kv, kr = ins
         d = model.dims
         H, N, R, V = d["heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"]
         expect(qn.shape[1:] == (H, N) and qr.shape[1:] == (H, R), f"mla_prefill_attention: bad query {qn}, {qr}")
         expect(kv.shape[1:] == (H * (N + V),), f"mla_prefill_attention expects kv [T, {H * (N + V)}], got {kv}")
         expect(kr.shape[1:] == (R,), f"mla_prefill_attention expects k_rot [T, {R}], got {kr}")
-        if len(ins) == 5:
-            expect(ins[4].dtype == "state", f"mla_prefill_attention's fifth input must be the cache state, "
-                                            f"got {ins[4]}")
-            expect("kv_b" in node.weights, "mla_prefill_attention reads a cached prefix only with kv_b bound")
-        return [TType((qn.shape[0], H * V), "act")], ({"kv_b": _kv_b_shape(model)} if "kv_b" in node.weights else {})
+        same_rows(kv, kr, "mla_prefill_attention's keys")
+        return [TType((qn.shape[0], H * V), "act")], {}
 
     @classmethod
     def run(cls, node, ins, w, ctx):
         d = node.model.dims
-        H, N, V, C = d["heads"], d["qk_nope_head_dim"], d["v_head_dim"], d["kv_lora_rank"]
-        qn, qr, kv, kr = ins[:4]
-        paged = len(ins) == 5
+        H, N, V = d["heads"], d["qk_nope_head_dim"], d["v_head_dim"]
+        qn, qr, kv, kr = ins
         q = torch.cat([qn, qr], dim=-1)
         kv = kv.view(-1, H, N + V)
         k = torch.cat([kv[..., :N], kr[:, None, :].expand(-1, H, -1)], dim=-1)
         out = torch.empty(q.shape[0], H, V, dtype=torch.float64, device=q.device)
+        context = node.attrs["keys"] == "context"
+        ks = 0
         for b, (s, e) in enumerate(ctx.query_ranges()):
-            prefix = ctx.context_lens[b] - (e - s) if paged else 0
-            if prefix == 0:
-                # keys are the sequence's own tokens, from position 0
-                local = ctx.positions[s:e] - ctx.positions[s]
-                out[s:e] = _attend(q[s:e], k[s:e], kv[s:e, :, N:], local, node.model.softmax_scale)
-                continue
-            rows = ctx.gather_rows(node.layer, b)[:prefix].to(q.device)
-            pkv = torch.nn.functional.linear(rows[:, :C].to(w["kv_b"].dtype), w["kv_b"]).to(kv.dtype).view(-1, H, N + V)
-            pk = torch.cat([pkv[..., :N], rows[:, None, C:].to(kv.dtype).expand(-1, H, -1)], dim=-1)
-            keys, values = torch.cat([pk, k[s:e]]), torch.cat([pkv[..., N:], kv[s:e, :, N:]])
-            out[s:e] = _attend(q[s:e], keys, values, ctx.positions[s:e], node.model.softmax_scale)
+            if context:
+                # keys at positions 0 .. context_len - 1
+                n = ctx.context_lens[b]
+                keys = slice(ks, ks + n)
+                ks += n
+                pos = ctx.positions[s:e]
+            else:
+                # keys are the sequence's own tokens, from its first
+                keys = slice(s, e)
+                pos = ctx.positions[s:e] - ctx.positions[s]
+            out[s:e] = _attend(q[s:e], k[keys], kv[keys, :, N:], pos, node.model.softmax_scale)
         return [out.to(qn.dtype).reshape(q.shape[0], H * V)]
 
 

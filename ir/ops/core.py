@@ -1,7 +1,7 @@
 """Dense building blocks: embedding, linear, norms, residual add, split, SwiGLU."""
 from __future__ import annotations
 
-from ..formats_int import linear
+from ..formats_int import IntMatrix, linear
 from ..lazy import F, torch
 from .base import MULTI_LINEAR_MAX, Attr, Node, OpDef, TType, expect, is_float, register, same_rows
 
@@ -58,7 +58,10 @@ class Linear(OpDef):
         x, weight = ins[0], w["weight"]
         if node.attrs["precision"] == "fp32":
             return [F.linear(x.float(), weight.float())]
-        return [linear(x, weight)]
+        # rows gathered from the cache (mla_gather_context) come in the cache's dtype, which a reference
+        # engine may keep wider than its weights (float64 over float32 weights); an integer weight's
+        # linear computes in x's dtype (IntMatrix)
+        return [linear(x if isinstance(weight, IntMatrix) else x.to(weight.dtype), weight)]
 
 
 @register

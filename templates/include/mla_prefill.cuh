@@ -1,8 +1,11 @@
 // MLA prefill attention on CUDA cores (fp32; bf16 / fp16 run MlaPrefillTC2, mla_prefill_tc2.cuh),
 // flash style, over decompressed keys and values of the packed
 // prompts: q = [q_nope | q_rot] (DK = N + R wide), k = [kv_nope | k_rot] (k_rot shared by
-// all heads), v = kv's V part; causal within each prompt (key j visible to query i iff
-// j <= positions[i] - positions[first token]). fp32 online softmax (log2 units).
+// all heads), v = kv's V part.  Sequence b's queries are rows query_start[b] .. query_start[b+1] - 1
+// of q, its keys rows key_start[b] .. key_start[b+1] - 1 of kv / k_rot (Lk of them, the last L of
+// which are its queries' own tokens: the keys before them are a cached prefix, or none); key j is
+// visible to query i iff j <= positions[i] - positions[first query] + (Lk - L).  fp32 online
+// softmax (log2 units).
 //
 // CTA = (BM query tile, head, sequence); 256 threads: thread (i = tid / 8, g = tid % 8)
 // owns query row i, scores of keys g, g + 8, ... of each BN-key tile and value columns
@@ -27,7 +30,8 @@ struct MlaPrefill {
   __device__ static void run(const T* __restrict__ q_nope, i64 qn_s0, i64 qn_s1, const T* __restrict__ q_rot,
                              i64 qr_s0, i64 qr_s1, const T* __restrict__ kv, i64 kv_s0,
                              const T* __restrict__ k_rot, i64 kr_s0, const i32* __restrict__ query_start,
-                             const i64* __restrict__ positions, T* __restrict__ out, float scale, char* smem) {
+                             const i32* __restrict__ key_start, const i64* __restrict__ positions,
+                             T* __restrict__ out, float scale, char* smem) {
     constexpr int VPITCH = V | 1;
     float* Qs = reinterpret_cast<float*>(smem);
     float* Ks = Qs + BM * QP;
@@ -38,8 +42,9 @@ struct MlaPrefill {
     const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * BM;
     const int qs = query_start[b], L = query_start[b + 1] - qs;
     if (q0 >= L) return;
+    const int ks = key_start[b], Lk = key_start[b + 1] - ks;
     const int tid = threadIdx.x, i = tid / G, g = tid % G;
-    const i64 pos0 = positions[qs];
+    const i64 pos0 = positions[qs] - (Lk - L);   // the position of key 0
 
     if (tid == 0) max_lp = -1;
     for (int e = tid; e < BM * DK; e += THREADS) {
@@ -56,7 +61,7 @@ struct MlaPrefill {
     __syncthreads();
     if (g == 0 && row_valid) atomicMax(&max_lp, my_lp);
     __syncthreads();
-    const int kend = min(L, max_lp + 1);
+    const int kend = min(Lk, max_lp + 1);
 
     const float scale_log2 = scale * 1.4426950408889634f;
     float m = -CUDART_INF_F, l = 0.f, acc[VPT];
@@ -68,15 +73,16 @@ struct MlaPrefill {
       for (int e = tid; e < BN * DK; e += THREADS) {
         const int j = e / DK, d = e % DK;
         float v = 0.f;
-        if (k0 + j < L) {
-          const i64 u = qs + k0 + j;
+        if (k0 + j < Lk) {
+          const i64 u = ks + k0 + j;
           v = d < N ? to_float(kv[u * kv_s0 + (i64)h * (N + V) + d]) : to_float(k_rot[u * kr_s0 + d - N]);
         }
         Ks[j * KP + d] = v;
       }
       for (int e = tid; e < BN * V; e += THREADS) {
         const int j = e / V, c = e % V;
-        Vs[j * VPITCH + c] = (k0 + j < L) ? to_float(kv[(qs + k0 + j) * kv_s0 + (i64)h * (N + V) + N + c]) : 0.f;
+        Vs[j * VPITCH + c] =
+            (k0 + j < Lk) ? to_float(kv[(i64)(ks + k0 + j) * kv_s0 + (i64)h * (N + V) + N + c]) : 0.f;
       }
       __syncthreads();
 
@@ -94,7 +100,7 @@ struct MlaPrefill {
 #pragma unroll
       for (int kk = 0; kk < KPB; ++kk) {
         const int j = k0 + g + G * kk;
-        s[kk] = (j < L && j <= my_lp) ? s[kk] * scale_log2 : -CUDART_INF_F;
+        s[kk] = (j < Lk && j <= my_lp) ? s[kk] * scale_log2 : -CUDART_INF_F;
         tmax = fmaxf(tmax, s[kk]);
       }
 #pragma unroll

@@ -9,11 +9,11 @@
 
 namespace dsg {
 
-// The contract of MlaPrefill::run (arguments, causal rule, fp32 online softmax in log2 units),
-// with P rounded to T for the P V product (as flash attention does; the row sums and rescaling stay
-// fp32), one rounding of o / l, rows with l == 0 left unwritten, 16-byte cp.async copies where N, R,
-// V, the bases and the strides allow (checked once per CTA) and element gathers elsewhere, the
-// longest query tiles first, any N, R, V.  How it runs:
+// The contract of MlaPrefill::run (arguments, keys at key_start, the causal rule shifted by the keys before
+// the first query, fp32 online softmax in log2 units), with P rounded to T for the P V product (as flash
+// attention does; the row sums and rescaling stay fp32), one rounding of o / l, rows with l == 0 left
+// unwritten, 16-byte cp.async copies where N, R, V, the bases and the strides allow (checked once per CTA)
+// and element gathers elsewhere, the longest query tiles first, any N, R, V.  How it runs:
 //
 //  * WM query rows per warp (16 or 32: one or two m16 tiles), BM / WM warps share each K / V tile,
 //    so a CTA's copies per query row halve at BM = 128; and at WM = 32 each K / V fragment read by
@@ -24,7 +24,7 @@ namespace dsg {
 //    is then dead and holds the second K / V stage.  Without QREG, Q stays in shared memory.
 //  * K and V of tile j + 1 are copied (one cp.async group) while tile j is computed: a two-stage
 //    ring, one barrier per tile (it both publishes tile j and frees tile j - 1's stage).
-//  * The mask (key < L, key <= the row's prompt position) is applied only on tiles that are not
+//  * The mask (key < Lk, key <= the row's position) is applied only on tiles that are not
 //    wholly visible to every valid row of the warp (the diagonal tile and the prompt's end); tiles
 //    wholly hidden from the warp's rows are skipped (a fully masked tile leaves m, l, o exactly as
 //    they were: alpha = 1, p = 0).
@@ -134,8 +134,8 @@ struct MlaPrefillTC2 {
   template <bool VEC>
   __device__ static void body(const T* __restrict__ q_nope, i64 qn_s0, i64 qn_s1, const T* __restrict__ q_rot,
                               i64 qr_s0, i64 qr_s1, const T* __restrict__ kv, i64 kv_s0,
-                              const T* __restrict__ k_rot, i64 kr_s0, int qs, int L, int q0, int kend,
-                              const int (&lp)[MI][2], T* __restrict__ out, float scale, char* smem) {
+                              const T* __restrict__ k_rot, i64 kr_s0, int qs, int L, int ks, int Lk, int q0,
+                              int kend, const int (&lp)[MI][2], T* __restrict__ out, float scale, char* smem) {
     T* const Qs = reinterpret_cast<T*>(smem);
     T* const stage0 = Qs + REGION0;
     T* const stage1 = QREG ? Qs : Qs + Q_ELEMS;
@@ -143,8 +143,8 @@ struct MlaPrefillTC2 {
     const int g = lane >> 2, t2 = (lane & 3) * 2;
     const i64 kvo = (i64)h * (N + V);
     const auto load_tile = [&](T* st, int k0) {   // K then V of keys [k0, k0 + BN)
-      load_qk<VEC>(st, BN, kv, kv_s0, kvo, k_rot, kr_s0, 0, qs + k0, L - k0);
-      load_v<VEC>(st + BN * QKP, kv, kv_s0, kvo + N, qs + k0, L - k0);
+      load_qk<VEC>(st, BN, kv, kv_s0, kvo, k_rot, kr_s0, 0, ks + k0, Lk - k0);
+      load_v<VEC>(st + BN * QKP, kv, kv_s0, kvo + N, ks + k0, Lk - k0);
     };
 
     // The warp's visible-key bounds: every valid row sees keys [0, wmin], some row sees up to wmax.
@@ -234,7 +234,7 @@ struct MlaPrefillTC2 {
       }
 
       // mask only where some key of the tile is hidden from some valid row of the warp
-      if (!(k0 + BN <= L && k0 + BN - 1 <= wmin)) {
+      if (!(k0 + BN <= Lk && k0 + BN - 1 <= wmin)) {
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -242,7 +242,7 @@ struct MlaPrefillTC2 {
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
               const int j = k0 + i * 8 + t2 + (c & 1);
-              if (!(j < L && j <= lp[mi][c >> 1])) s[mi][i][c] = -CUDART_INF_F;
+              if (!(j < Lk && j <= lp[mi][c >> 1])) s[mi][i][c] = -CUDART_INF_F;
             }
       }
 
@@ -332,13 +332,15 @@ struct MlaPrefillTC2 {
   __device__ static void run(const T* __restrict__ q_nope, i64 qn_s0, i64 qn_s1, const T* __restrict__ q_rot,
                              i64 qr_s0, i64 qr_s1, const T* __restrict__ kv, i64 kv_s0,
                              const T* __restrict__ k_rot, i64 kr_s0, const i32* __restrict__ query_start,
-                             const i64* __restrict__ positions, T* __restrict__ out, float scale, char* smem) {
+                             const i32* __restrict__ key_start, const i64* __restrict__ positions,
+                             T* __restrict__ out, float scale, char* smem) {
     __shared__ int max_lp;
     const int b = blockIdx.z;
     const int q0 = (gridDim.x - 1 - blockIdx.x) * BM;       // the longest (last) tiles start first
     const int qs = query_start[b], L = query_start[b + 1] - qs;
     if (q0 >= L) return;
-    const i64 pos0 = positions[qs];
+    const int ks = key_start[b], Lk = key_start[b + 1] - ks;
+    const i64 pos0 = positions[qs] - (Lk - L);   // the position of key 0
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int lp[MI][2], mymax = -1;
 #pragma unroll
@@ -353,18 +355,18 @@ struct MlaPrefillTC2 {
     __syncthreads();
     atomicMax(&max_lp, mymax);
     __syncthreads();
-    const int kend = min(L, max_lp + 1);
+    const int kend = min(Lk, max_lp + 1);
     bool vec = VEC_OK;
     if constexpr (VEC_OK) {
       const auto al = [](const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15) == 0; };
       vec = ((qn_s0 | qn_s1 | qr_s0 | qr_s1 | kv_s0 | kr_s0) & 7) == 0 && al(q_nope) && al(q_rot) && al(kv) && al(k_rot);
     }
     if (vec)
-      body<VEC_OK>(q_nope, qn_s0, qn_s1, q_rot, qr_s0, qr_s1, kv, kv_s0, k_rot, kr_s0, qs, L, q0, kend, lp, out,
-                   scale, smem);
+      body<VEC_OK>(q_nope, qn_s0, qn_s1, q_rot, qr_s0, qr_s1, kv, kv_s0, k_rot, kr_s0, qs, L, ks, Lk, q0, kend, lp,
+                   out, scale, smem);
     else
-      body<false>(q_nope, qn_s0, qn_s1, q_rot, qr_s0, qr_s1, kv, kv_s0, k_rot, kr_s0, qs, L, q0, kend, lp, out,
-                  scale, smem);
+      body<false>(q_nope, qn_s0, qn_s1, q_rot, qr_s0, qr_s1, kv, kv_s0, k_rot, kr_s0, qs, L, ks, Lk, q0, kend, lp,
+                  out, scale, smem);
   }
 };
 

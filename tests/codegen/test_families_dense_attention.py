@@ -20,7 +20,7 @@ from harness import single_op_graph, tiny_model  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPS_UNDER_TEST = ("embedding", "rms_norm", "fused_add_rms_norm", "add", "silu_and_mul", "rope_q",
                   "mla_kv_cache_write", "mla_decode_query", "mla_q_absorb", "mla_decode_prologue",
-                  "mla_decode_attention", "mla_v_up", "mla_prefill_attention")
+                  "mla_decode_attention", "mla_v_up", "mla_prefill_attention", "mla_gather_context")
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,6 +50,7 @@ def graph_for(op, m):
         "mla_decode_attention": ({"ql": a(H, C), "qr": a(H, R), "st": TType(("cache",), "state")}, {}),
         "mla_v_up": ({"ol": a(H, C)}, {"kv_b": "kvb"}),
         "mla_prefill_attention": ({"qn": a(H, N), "qr": a(H, R), "kv": a(H * (N + V)), "kr": a(R)}, {}),
+        "mla_gather_context": ({"st": TType(("cache",), "state")}, {}),
     }
     ins, ws = table[op]
     return single_op_graph(m, op, {}, ins, ws)

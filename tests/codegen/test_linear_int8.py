@@ -153,6 +153,18 @@ def test_a_spec_with_int8_linears_lowers_every_phase():
         assert not any("kv_b_proj" in w for c in calls for w in c.weights)
 
 
+def test_an_int8_linear_over_rows_other_than_the_steps_tokens_is_the_exact_call_alone():
+    """A linear over rows other than the step's T tokens (as prefill's linear(kv_b) reads the TK gathered
+    context rows; the verifier keeps kv_b itself float or FP8): the quantiser's and the int8 kernel's grids
+    read T, so int8 weights there lower to the exact library call at every row count."""
+    G, nid = single_op_graph(_lite(), "linear", {"out_dim": 2048}, {"x": TType(("TK", 512), "act")},
+                             {"weight": "o"})
+    for name in G.graph["weights"]:
+        G.graph["weights"][name] = dataclasses.replace(G.graph["weights"][name], format=I8)
+    (call,) = linear_skinny.lower(nid, G, Options())
+    assert isinstance(call, LibraryCall) and call.attrs["weight_format"] == I8 and call.from_tokens == 1, call
+
+
 def test_an_int8_bundle_keeps_its_steps_through_the_manifest(tmp_path, monkeypatch):
     """compile_bundle (NVRTC stubbed: the machine code is tested below) writes the int8 steps --
     workspaces, argument types, the library call's weight_format -- and load_bundle reads back the

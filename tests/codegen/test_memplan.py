@@ -90,7 +90,7 @@ def _lite():
 
 
 def _prefill_sizes(T: int) -> dict:
-    return {"T": T, "NP": 8 * T, "B": 1, "MAXQ": T, "MAXCTX": T, "W": -(-T // 64), "SMS": 132}
+    return {"T": T, "NP": 8 * T, "B": 1, "MAXQ": T, "MAXCTX": T, "TK": T, "W": -(-T // 64), "SMS": 132}
 
 
 def test_v2_lite_prefill_activations_fit_the_targets():
@@ -104,3 +104,23 @@ def test_v2_lite_prefill_activations_fit_the_targets():
         assert arena.unplanned_bytes(_prefill_sizes(T), 2) > 4 * placed.total
         names = [s.name for s in arena.slots]
         assert overlaps(arena.slots, [placed.nbytes[n] for n in names], [placed.offsets[n] for n in names]) is None
+
+
+def test_a_chunk_over_a_cached_prefix_plans_its_context_rows_by_TK():
+    """Chunked prefill: the context gather's rows [TK, C + R] and their decompressed keys and values
+    [TK, H * (N + V)] are arena slots sized by TK (the step's context rows), not T: an 8192-token
+    chunk behind a 24,576-token prefix plans the 32,768 rows its attention reads, still no two
+    live slots overlap, and the plan stays within the 16k-token step's 6 GB target (at this shape the
+    MoE's 8192-token intermediates still set the peak)."""
+    plan = _lite().plans["prefill"]
+    arena = ArenaPlan(plan.arena)
+    rows = [s for s in arena.slots if s.name.endswith("ctx_rows")]
+    kv = [s for s in arena.slots if s.name.endswith(".mla.kv")]
+    assert len(rows) == len(kv) == 27
+    assert {s.shape for s in rows} == {("TK", 576)} and {s.shape for s in kv} == {("TK", 16 * 256)}
+    chunk = {**_prefill_sizes(8192), "MAXCTX": 32768, "TK": 32768, "W": 512}
+    placed = arena.layout(chunk, 2)
+    assert placed.nbytes[rows[0].name] == 32768 * 576 * 2 and placed.nbytes[kv[0].name] == 32768 * 4096 * 2
+    assert placed.total <= 6e9, placed.total
+    names = [s.name for s in arena.slots]
+    assert overlaps(arena.slots, [placed.nbytes[n] for n in names], [placed.offsets[n] for n in names]) is None

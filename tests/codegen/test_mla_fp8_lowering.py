@@ -70,6 +70,26 @@ def test_an_fp8_spec_lowers_with_every_kv_b_op_on_its_fp8_kernel(name):
 
 
 @pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_90"])
+def test_prefills_kv_b_over_the_context_rows_is_the_dequantising_library_call(name, arch):
+    """Prefill decompresses each sequence's gathered context (TK rows, not the step's T tokens) with one
+    linear(kv_b): neither the skinny kernel nor the FP8 GEMM (their grids read T) but the library call
+    marked FP8, which dequantises kv_b to the activation dtype before cuBLAS, at every row count."""
+    from codegen.kernel import LibraryCall
+    spec = _fp8_spec(name)
+    kv_b = "model.layers.0.self_attn.kv_b_proj.weight"
+    G = run_pipeline(ir.build_graph(spec, "prefill"))
+    plan = lower_graph(G, Options(dtype="bf16", arch=arch))
+    (nid,) = [n for n, d in G.nodes(data=True) if d["op"] == "linear" and kv_b in d["weights"].values()]
+    assert G.graph["values"][G.nodes[nid]["inputs"][0]].shape[0] == "TK"
+    steps = [s for s in plan.steps if nid in (s.nodes if isinstance(s, KernelLaunch) else (s.node,))]
+    assert len(steps) == 1 and isinstance(steps[0], LibraryCall), steps
+    (call,) = steps
+    assert call.weights == (kv_b,) and call.from_tokens == 1, call
+    assert call.attrs.get("weight_format") == FP8.name, call
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v3"])
 def test_explain_names_the_fp8_kernels(name, tmp_path, capsys):
     spec = tmp_path / f"{name}_fp8.yaml"
     spec.write_text(_fp8_spec_text(name))

@@ -102,3 +102,19 @@ def test_tc2_compiles(name, dtype, variant):
         assert regs * tile.threads * max(tile.minb, 1) <= 64 * 1024, f"{regs} registers x {tile.threads} threads"
     if cuobjdump() is not None:
         assert opcodes(res.cubin)[HMMA[dtype]] > 0
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_a_sequences_keys_start_where_its_keys_attribute_says(dtype):
+    """keys=step binds the kernel's key_start to the queries' own rows (query_start); keys=context
+    to the packed context rows (key_start, mla_gather_context's); the kernel is the same."""
+    from codegen.kernel import CtxRef
+    from ir.passes.rewrite import copy_graph
+    G, nid = _graph("lite")
+    (step,) = fam.lower(nid, G, Options(dtype=dtype))
+    H = copy_graph(G)
+    H.nodes[nid]["attrs"]["keys"] = "context"
+    (context,) = fam.lower(nid, H, Options(dtype=dtype))
+    bound = lambda launch: next(a.ref for a in launch.args if a.name == "key_start")  # noqa: E731
+    assert bound(step) == CtxRef("query_start") and bound(context) == CtxRef("key_start")
+    assert step.name == context.name and step.params == context.params

@@ -263,7 +263,7 @@ def make_ctx(query_lens: list[int], context_lens: list[int] | None = None, *, bl
     owns); the cache holds random rows (the rows this step writes are random too: a
     kernel that reads them before writing them fails).  Cache width is `width` or the
     model's C + R.  The ctx dict holds: positions i64 [T], slot_mapping i64 [T],
-    block_tables i32 [B, W], context_lens i32 [B], query_start i32 [B+1],
+    block_tables i32 [B, W], context_lens i32 [B], query_start i32 [B+1], key_start i32 [B+1],
     kv_cache [blocks, block_size, C+R] (of `layer`, in `dtype`).  The StepContext holds
     the same cache content in `ref_dtype` on `ref_device` (its own copy)."""
     if context_lens is None:
@@ -301,16 +301,18 @@ def make_ctx(query_lens: list[int], context_lens: list[int] | None = None, *, bl
     ctx = {
         "positions": positions_t.to(device), "slot_mapping": slots_t.to(device),
         "block_tables": tables.to(device), "context_lens": torch.tensor(context_lens, dtype=torch.int32).to(device),
-        "query_start": query_start.to(device), "kv_cache": caches[layer].to(device, dtype).contiguous(),
+        "query_start": query_start.to(device), "key_start": torch.tensor(step.key_starts(), dtype=torch.int32).to(device),
+        "kv_cache": caches[layer].to(device, dtype).contiguous(),
     }
     return step, ctx
 
 
 def step_sizes(step: StepContext, top_k: int = 1, **extra) -> dict[str, int]:
-    """The runtime sizes a launch's expressions read: T, B, NP (= T * top_k), MAXQ, MAXCTX."""
+    """The runtime sizes a launch's expressions read: T, B, NP (= T * top_k), MAXQ, MAXCTX, TK, W."""
     T = step.num_tokens
     return {"T": T, "B": step.num_seqs, "NP": T * top_k, "MAXQ": max(step.query_lens),
-            "MAXCTX": max(step.context_lens), **extra}
+            "MAXCTX": max(step.context_lens), "TK": sum(step.context_lens), "W": int(step.block_tables.shape[1]),
+            **extra}
 
 
 def ctx_dict(step: StepContext, *, layer: int = 0, dtype: torch.dtype = torch.bfloat16,
@@ -321,4 +323,5 @@ def ctx_dict(step: StepContext, *, layer: int = 0, dtype: torch.dtype = torch.bf
     return {"positions": step.positions.to(device), "slot_mapping": step.slot_mapping.to(device),
             "block_tables": step.block_tables.to(device, torch.int32),
             "context_lens": torch.tensor(step.context_lens, dtype=torch.int32).to(device),
-            "query_start": qs.to(device), "kv_cache": step.kv_cache[layer].to(device, dtype).contiguous()}
+            "query_start": qs.to(device), "key_start": torch.tensor(step.key_starts(), dtype=torch.int32).to(device),
+            "kv_cache": step.kv_cache[layer].to(device, dtype).contiguous()}

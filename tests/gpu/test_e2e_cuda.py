@@ -182,6 +182,104 @@ def test_full_size_v2_lite_bf16_error_within_transformers_bf16(prompt_len, gpu_t
         assert e_ours <= 1.5 * e_hf, f"{label}: ours {e_ours:.4g} vs transformers bf16 {e_hf:.4g}"
 
 
+# -- chunked prefill (max_num_batched_tokens) ----------------------------------------------------
+# Ragged prompts across the 5-row pages; caps of one token, a page less one, a page, a page and one,
+# and ragged ones.  A chunk attends to the rows the earlier chunks cached (mla_gather_context, one kv_b
+# GEMM over the whole context, the prefill attention with each query's position as its bound).
+CHUNK_PROMPTS = [[(7 * i + 3) % 50 for i in range(23)], [11], [(5 * i + 1) % 50 for i in range(12)],
+                 [8, 9, 10, 11, 12, 13]]
+CHUNK_CAPS = (1, 4, 5, 6, 11)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny_path(request, tmp_path_factory):
+    return request.param, build(request.param, tmp_path_factory.mktemp(f"chunk_{request.param}"))
+
+
+def _engine(path, **kw):
+    from runtime import Engine
+    return Engine.from_pretrained(path, backend="cuda", device=DEV, dtype=torch.float32, block_size=5,
+                                  num_blocks=64, max_seq_len=128, **kw)
+
+
+def _spy_prefix_steps(engine) -> list:
+    """Per forward call: (its phase, whether it was a prefill step over a cached prefix)."""
+    seen, forward = [], engine.backend.forward
+
+    def spy(phase, ids, ctx):
+        seen.append((phase, phase == "prefill" and ctx.context_lens != ctx.query_lens))
+        return forward(phase, ids, ctx)
+    engine.backend.forward = spy
+    return seen
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_chunked_prefill_logits_equal_the_unchunked_run(tiny_path, graphs):
+    """fp32: every cap's logits equal one unchunked prefill's within 1e-5 (and after paged decode
+    steps); with graphs on, the second pass replays the chunk steps' captured prefill graphs."""
+    _, path = tiny_path
+    whole = _engine(path)
+    whole.backend.use_graphs = graphs
+    want, want_dec = whole.logits(CHUNK_PROMPTS), whole.logits(CHUNK_PROMPTS, decode_after=4)
+    for cap in CHUNK_CAPS:
+        engine = _engine(path, max_num_batched_tokens=cap)
+        engine.backend.use_graphs = graphs
+        seen = _spy_prefix_steps(engine)
+        for _ in range(2):
+            for a, b in zip(engine.logits(CHUNK_PROMPTS), want):
+                _close(a, b)
+        for a, b in zip(engine.logits(CHUNK_PROMPTS, decode_after=4), want_dec):
+            _close(a, b)
+        assert any(prefix for _, prefix in seen), f"cap {cap}: no step attended to a cached prefix"
+        if graphs:
+            assert engine.backend.graphs_prefill.graphs, f"cap {cap}: no chunk step was captured"
+        assert engine.tables.free_blocks == engine.tables.allocator.num_blocks
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_chunked_generation_with_decodes_beside_a_chunk_picks_the_same_tokens(tiny_path, graphs):
+    """Greedy generation under a cap: the short prompts decode in the engine steps that still carry
+    the long one's chunks (on cuda a decode step beside each chunk's step: CudaBackend.mixed_steps);
+    tokens equal the unchunked run's and their logits within 1e-5."""
+    from runtime import SamplingParams
+    _, path = tiny_path
+    ps = [CHUNK_PROMPTS[1], CHUNK_PROMPTS[0], [4, 2], CHUNK_PROMPTS[3] + CHUNK_PROMPTS[2]]
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True, return_logits=True)
+    whole = _engine(path)
+    whole.backend.use_graphs = graphs
+    ref = whole.generate(ps, sp)
+    for cap in (3, 7):
+        engine = _engine(path, max_num_batched_tokens=cap)
+        engine.backend.use_graphs = graphs
+        seen = _spy_prefix_steps(engine)
+        for a, b in zip(engine.generate(ps, sp), ref):
+            assert a.token_ids == b.token_ids
+            _close(a.logits, b.logits)
+        first_decode = next(i for i, (phase, _) in enumerate(seen) if phase == "decode")
+        assert any(prefix for _, prefix in seen[first_decode:]), \
+            f"cap {cap}: no chunk over a cached prefix ran after decoding began"
+
+
+def test_generate_cli_chunks_on_the_cuda_backend(tiny_path, capsys):
+    """`dsgraph generate --max-num-batched-tokens 4 --backend cuda` runs (no refusal) and picks the
+    unchunked run's greedy tokens for a prompt longer than the cap."""
+    from runtime.cli import main
+    _, path = tiny_path
+    prompt = CHUNK_PROMPTS[0][:11]
+    args = ["generate", "--model", str(path), "--ids", ",".join(map(str, prompt)), "--max-new-tokens", "6",
+            "--backend", "cuda", "--device", DEV, "--dtype", "fp32", "--block-size", "5"]
+
+    def ids(extra):
+        assert main(args + extra) == 0
+        line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("ids:"))
+        return [int(x) for x in line.split(":", 1)[1].strip().split(",")]
+    assert ids(["--max-num-batched-tokens", "4"]) == ids([])
+
+
 def test_graph_replay_equals_eager_decode(tiny):
     """Decode steps replayed from captured CUDA graphs give exactly the eager launches' logits."""
     _, _, engine = tiny

@@ -1,5 +1,6 @@
 """Property tests: rope_q, mla_kv_cache_write, mla_decode_query, mla_q_absorb,
-mla_decode_attention, mla_v_up, mla_prefill_attention kernels against the reference ops
+mla_decode_attention, mla_v_up, mla_prefill_attention (over the step's rows, and over a cached prefix:
+keys=context) and mla_gather_context kernels against the reference ops
 (float64 on the GPU): random dims (V2-Lite's and small odd ones), dtypes, strided views at
 odd element offsets (`lead`: no input starts 16-byte aligned unless lead is 0), paged caches
 with permuted block tables and context lengths at the page edges. The fixed regression cases
@@ -11,7 +12,7 @@ import pytest
 import torch
 from hypothesis import example, given, strategies as st
 
-from harness import make_ctx, rel_error, step_sizes, tiny_model
+from harness import assert_close, make_ctx, rel_error, step_sizes, tiny_model
 from kernel_cases import (kernel_test, DTYPES, MODEL_NAMES, Recorder, TORCH_DTYPES, TType, act, empty_out, lower, rand,
                           reference, run_kernel, runner, single_op_graph)
 from kernel_cases import model as shared_model
@@ -42,7 +43,8 @@ LEAD = st.integers(0, 3)   # elements before each view's first element in its pa
 def model(name: str):
     return tiny_model(**LOCAL_MODELS[name]) if name in LOCAL_MODELS else shared_model(name)
 FAMILIES = ("rope_q", "mla_kv_cache_write", "mla_decode_query", "mla_q_absorb", "mla_decode_prologue",
-            "mla_decode_attention", "mla_v_up", "mla_prefill_attention")
+            "mla_decode_attention", "mla_v_up", "mla_prefill_attention", "mla_prefill_attention.prefix",
+            "mla_gather_context")
 RECS = {f: Recorder(f) for f in FAMILIES}
 rope_layout = st.sampled_from([("adjacent", "interleaved"), ("halves", "halves"), ("adjacent", "halves")])
 BLOCK_SIZES = (16, 64)
@@ -686,3 +688,89 @@ def test_mla_prefill_attention(name, dtype, qlens, lead, seed):
     (ref,) = reference(G, nid, [q_nope, q_rot, kv, k_rot], step=step)
     RECS["mla_prefill_attention"].check(out, ref, dtype)
     RECS["mla_prefill_attention"].example()
+
+
+# -- chunked prefill: the context gather and the attention over a cached prefix ---------------
+# A chunk of query_lens[b] tokens whose sequence held prefix[b] rows before the step: positions
+# prefix .. prefix + q - 1; its keys are the sequence's context_lens[b] = prefix + q rows, packed at
+# key_start[b] (mla_gather_context's rows, decompressed).  Prefixes at 0 and across page edges.
+
+def prefix_lengths(bs: int = 64):
+    return st.one_of(st.sampled_from([0, 1, bs - 1, bs, bs + 1, 2 * bs + 3, 700]), st.integers(0, 200))
+
+
+@SETTINGS
+@given(name=st.sampled_from(NAMES), dtype=st.sampled_from(DTYPES), bs=st.sampled_from(BLOCK_SIZES),
+       qlens=st.lists(st.integers(1, 150), min_size=1, max_size=4), prefixes=st.lists(prefix_lengths(), min_size=4,
+                                                                                       max_size=4),
+       seed=st.integers(0, 2**31))
+@example(name="lite", dtype="bf16", bs=64, qlens=[1, 65], prefixes=[64, 0, 0, 0], seed=13)
+@example(name="odd2", dtype="fp32", bs=16, qlens=[3], prefixes=[17, 0, 0, 0], seed=13)
+def test_mla_gather_context(name, dtype, bs, qlens, prefixes, seed):
+    m = model(name)
+    ctxs = [q + p for q, p in zip(qlens, prefixes)]
+    step, ctx = make_ctx(qlens, ctxs, block_size=bs, model=m, dtype=TORCH_DTYPES[dtype], ref_dtype=torch.float64,
+                         ref_device="cuda", seed=seed)
+    step.kv_cache[0] = ctx["kv_cache"].double()
+    G, nid = single_op_graph(m, "mla_gather_context", {}, {"state": TType(("cache",), "state")}, {})
+    out = empty_out((sum(ctxs), m.cache_width), dtype)
+    run_kernel(G, nid, dtype, values={"out": out}, ctx=ctx, sizes=step_sizes(step), block_size=bs)
+    (ref,) = reference(G, nid, [ctx["kv_cache"]], step=step)
+    assert torch.equal(out.double(), ref.double()), "a gathered row differs from its cache row"   # a copy: exact
+    RECS["mla_gather_context"].example()
+
+
+@SETTINGS
+@given(name=st.sampled_from(NAMES), dtype=st.sampled_from(DTYPES), qlens=prefill_batch(),
+       prefixes=st.lists(prefix_lengths(), min_size=4, max_size=4), lead=LEAD, seed=st.integers(0, 2**31))
+@example(name="lite", dtype="bf16", qlens=[1, 65, 3], prefixes=[4095, 64, 0, 0], lead=0, seed=13)   # a decode token
+@example(name="lite", dtype="bf16", qlens=[64, 33], prefixes=[63, 1, 0, 0], lead=1, seed=13)        # gather path
+@example(name="odd2", dtype="fp32", qlens=[33], prefixes=[65, 0, 0, 0], lead=0, seed=13)
+def test_mla_prefill_attention_over_a_cached_prefix(name, dtype, qlens, prefixes, lead, seed):
+    """keys=context: each chunk's queries attend causally to the prefix's rows and their own (its
+    queries' positions shifted by the prefix), against the reference op in float64."""
+    m = model(name)
+    H, C, R, N, V = dims(m)
+    gen = torch.Generator().manual_seed(seed)
+    ctxs = [q + p for q, p in zip(qlens, prefixes)]
+    step, ctx = make_ctx(qlens, ctxs, block_size=64, model=m, dtype=TORCH_DTYPES[dtype], ref_dtype=torch.float64,
+                         ref_device="cuda", seed=seed)
+    T, TK = step.num_tokens, sum(ctxs)
+    G, nid = single_op_graph(m, "mla_prefill_attention", {"keys": "context"},
+                             {"q_nope": act(H, N), "q_rot": act(H, R), "kv": act(H * (N + V)), "k_rot": act(R)}, {})
+    q_nope, _ = head_views(T, H, [N, R], dtype, gen, lead)
+    q_rot = shifted((T, H, R), dtype, gen, lead)
+    (kv,) = row_views(TK, [H * (N + V)], dtype, gen, lead)
+    _, k_rot = row_views(TK, [C, R], dtype, gen, lead)
+    out = empty_out((T, H * V), dtype)
+    run_kernel(G, nid, dtype, values={"q_nope": q_nope, "q_rot": q_rot, "kv": kv, "k_rot": k_rot, "out": out},
+               ctx=ctx, sizes=step_sizes(step))
+    (ref,) = reference(G, nid, [q_nope, q_rot, kv, k_rot], step=step)
+    RECS["mla_prefill_attention.prefix"].check(out, ref, dtype)
+    RECS["mla_prefill_attention.prefix"].example()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_over_a_prefix_equals_the_unchunked_rows(dtype):
+    """The chunk's rows of one whole-prompt attention (keys=step over all rows) equal the chunk's
+    attention over the cached prefix (keys=context), kernel against kernel: the causal shift is
+    the prefix, not a prompt that starts at the chunk."""
+    m = model("lite")
+    H, C, R, N, V = dims(m)
+    gen = torch.Generator().manual_seed(7)
+    L, P = 200, 130
+    q_nope, q_rot = head_views(L, H, [N, R], dtype, gen)
+    (kv,) = row_views(L, [H * (N + V)], dtype, gen)
+    _, k_rot = row_views(L, [C, R], dtype, gen)
+    qkinds = {"q_nope": act(H, N), "q_rot": act(H, R), "kv": act(H * (N + V)), "k_rot": act(R)}
+    step, ctx = make_ctx([L], block_size=64, model=m, dtype=TORCH_DTYPES[dtype], seed=7)
+    G, nid = single_op_graph(m, "mla_prefill_attention", {}, qkinds, {})
+    whole = empty_out((L, H * V), dtype)
+    run_kernel(G, nid, dtype, values={"q_nope": q_nope, "q_rot": q_rot, "kv": kv, "k_rot": k_rot, "out": whole},
+               ctx=ctx, sizes=step_sizes(step))
+    cstep, cctx = make_ctx([L - P], [L], block_size=64, model=m, dtype=TORCH_DTYPES[dtype], seed=7)
+    Gc, nc = single_op_graph(m, "mla_prefill_attention", {"keys": "context"}, qkinds, {})
+    chunk = empty_out((L - P, H * V), dtype)
+    run_kernel(Gc, nc, dtype, values={"q_nope": q_nope[P:], "q_rot": q_rot[P:], "kv": kv, "k_rot": k_rot,
+                                      "out": chunk}, ctx=cctx, sizes=step_sizes(cstep))
+    assert_close(chunk, whole[P:], dtype, "the chunk's rows against the whole prompt's")

@@ -312,13 +312,23 @@ def test_pipeline_on_v2_lite_prefill():
     for gone in ("mla_attention", "rope", "cache_write", "moe_topk", "mla_decode_attention", "mla_q_absorb"):
         assert ops[gone] == 0, gone
     assert ops["mla_prefill_attention"] == ops["mla_kv_cache_write"] == ops["rope_q"] == 27
-    # The cache write stays; its state is read by the layer's attention alone, for the prefix earlier
-    # steps cached (chunked prefill), and by decode later.
+    # The cache write stays; its state is read by the layer's context gather alone (each sequence's
+    # rows: the prefix earlier steps cached, chunked prefill, and this step's), and by decode later.
+    # The gathered rows' latent part is decompressed by kv_b and attended with keys=context.
+    assert ops["mla_gather_context"] == 27
     for nid, d in G.nodes(data=True):
         if d["op"] == "mla_kv_cache_write":
             readers = [s for s in G.successors(nid) if d["outputs"][2] in G.edges[nid, s]["values"]]
-            assert [G.nodes[r]["op"] for r in readers] == ["mla_prefill_attention"]
-            assert G.nodes[readers[0]]["inputs"][4] == d["outputs"][2]
+            assert [G.nodes[r]["op"] for r in readers] == ["mla_gather_context"]
+            (rows,) = G.nodes[readers[0]]["outputs"]
+            assert G.graph["values"][rows].shape == ("TK", 512 + 64)
+            (split,) = G.successors(readers[0])
+            c_ctx, k_ctx = G.nodes[split]["outputs"]
+            (linear,) = [n for n in G.successors(split) if G.nodes[n]["op"] == "linear"]
+            (attn,) = G.successors(linear)
+            assert G.nodes[attn]["op"] == "mla_prefill_attention" and G.nodes[attn]["attrs"]["keys"] == "context"
+            assert G.nodes[attn]["inputs"][2:] == [G.nodes[linear]["outputs"][0], k_ctx]
+            assert G.nodes[linear]["inputs"] == [c_ctx]
 
 
 def checkpoint_reads(G) -> dict:

@@ -374,3 +374,35 @@ def test_the_transformers_side_loads_where_the_measured_free_memory_says(gpu_gib
     got, why = bench.transformers_placement(free, cache + overhead // 2, need)
     assert got == where, why
     assert "\n" not in why and (got != "skip" or "--no-transformers" in why)
+
+
+@pytest.mark.parametrize("cap", [None, 1, 7, 16, 40])
+def test_bench_prefill_steps_chunk_as_the_engine_does_and_give_its_logits(cap):
+    """dsgraph bench --max-num-batched-tokens: a case's prompts run in steps of at most `cap` tokens,
+    every token once and in order, each chunk over the rows the earlier ones cached; the last step
+    of each prompt gives the unchunked prefill's last-token logits (reference backend, fp32)."""
+    import torch
+
+    from runtime.bench import _prefill_steps, _release
+    from tiny_engine import make_engine
+    engine = make_engine(num_blocks=64)
+    seq_ids, steps = _prefill_steps(engine, 3, 13, cap)
+    assert all(cap is None or s.num_tokens <= cap for s, _ in steps)
+    last = {}
+    for step, ids in steps:
+        out = engine.backend.forward("prefill", ids, step)
+        assert out.shape[0] == step.num_seqs
+        at = 0
+        for q, c, b in zip(step.query_lens, step.context_lens, range(step.num_seqs)):
+            assert step.positions[at:at + q].tolist() == list(range(c - q, c))
+            at += q
+            if c == 13:
+                last.setdefault(len(last), out[b])
+    assert len(last) == 3 and len(steps) == (1 if cap is None else -(-39 // cap))
+    ref = make_engine(num_blocks=64)
+    ref_ids, ((rstep, rids),) = _prefill_steps(ref, 3, 13, None)
+    expect = ref.backend.forward("prefill", rids, rstep)
+    for b in range(3):
+        torch.testing.assert_close(last[b], expect[b], rtol=1e-5, atol=1e-5)
+    _release(engine, seq_ids)
+    assert engine.tables.free_blocks == engine.tables.allocator.num_blocks

@@ -1,4 +1,5 @@
-"""Chunked prefill on the reference backend: with max_num_batched_tokens a long prompt runs in
+"""Chunked prefill (the reference backend here; the cuda backend's plumbing in
+test_cuda_backend_plumbing.py, its kernels in tests/gpu): with max_num_batched_tokens a long prompt runs in
 chunks that attend to the rows earlier chunks cached (the lowered prefill attention reading the
 paged prefix), and running sequences decode in the same steps.  The logits equal one unchunked
 prefill (fp32, 1e-5) and greedy generation picks the same tokens, at chunk sizes 1,
@@ -70,28 +71,26 @@ def test_greedy_generation_with_decode_mixed_into_prefill_chunks_picks_the_same_
     assert engine.tables.free_blocks == engine.tables.allocator.num_blocks
 
 
-def test_a_bad_cap_and_chunking_on_the_cuda_backend_are_one_line():
+def test_a_bad_cap_is_one_line_and_the_cuda_backend_chunks_too():
     with pytest.raises(InputError, match="max_num_batched_tokens must be >= 1"):
         make_engine(max_num_batched_tokens=0)
     from runtime.engine import check_chunking
-    with pytest.raises(InputError, match="runs on backend='reference' for now") as info:
-        check_chunking("cuda", 512)
-    assert "\n" not in str(info.value)
-    assert check_chunking("cuda", None) is None and check_chunking("reference", 8) == 8
+    for bad in (0, -3, 2.5, "many"):
+        with pytest.raises(InputError, match="max_num_batched_tokens") as info:
+            check_chunking(bad)
+        assert "\n" not in str(info.value)
+    assert check_chunking(None) is None and check_chunking(8) == 8
 
 
-def test_the_cuda_backend_refuses_a_prefill_step_over_a_cached_prefix():
-    """Its prefill attention kernel attends to the step's own tokens: a step whose sequence already
-    holds rows is one clear line, never logits that silently left the prefix out."""
+def test_a_step_over_a_cached_prefix_gathers_each_sequences_context():
+    """The lowered prefill attends to every sequence's whole context: mla_gather_context's rows
+    are packed at key_starts (TK of them: the context lengths' sum, T for whole prompts), and the
+    step context says how many of each sequence's rows were cached before it."""
     from ir.context import StepContext
-    from runtime.cuda_backend import CudaBackend
-    backend = CudaBackend.__new__(CudaBackend)
-    ctx = StepContext(positions=torch.arange(4, 7), query_lens=[3], context_lens=[7],
-                      block_tables=torch.zeros(1, 2, dtype=torch.int32), slot_mapping=torch.arange(4, 7),
+    ctx = StepContext(positions=torch.tensor([4, 5, 6, 9]), query_lens=[3, 1], context_lens=[7, 10],
+                      block_tables=torch.zeros(2, 3, dtype=torch.int32), slot_mapping=torch.arange(4),
                       kv_cache=[], block_size=BLOCK)
-    with pytest.raises(InputError, match="prefills whole prompts only") as info:
-        backend.forward("prefill", torch.zeros(3, dtype=torch.int64), ctx)
-    assert "\n" not in str(info.value)
+    assert ctx.prefix_lens() == [4, 9] and ctx.key_starts() == [0, 7, 17]
 
 
 def test_the_constructors_pass_the_cap_on():
@@ -103,3 +102,37 @@ def test_the_constructors_pass_the_cap_on():
     for a, b in zip(engine.logits(ps), Engine.from_spec(str(MODEL_SPECS_DIR / "deepseek_tiny.yaml"),
                                                         num_blocks=16).logits(ps)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_reference_attention_over_a_prefix_equals_the_whole_prompts_rows():
+    """mla_prefill_attention with keys=context (a chunk's queries over the sequence's context rows,
+    positions from the prefix on) gives the chunk's rows of keys=step over the whole prompt, float64;
+    a causal bound shifted by one key is caught (the kernels' reference must be strict)."""
+    from ir.graph import Node
+    from ir.ops import OPS
+    from ir.context import StepContext
+    from tiny_engine import compiled
+    m = compiled()[0].spec.model
+    d = m.dims
+    H, N, R, V = d["heads"], d["qk_nope_head_dim"], d["qk_rope_head_dim"], d["v_head_dim"]
+    g = torch.Generator().manual_seed(3)
+    lens, prefix = [9, 14], [0, 6]        # sequence 1: a chunk of 8 behind 6 cached rows
+    q_nope, q_rot = torch.randn(23, H, N, generator=g).double(), torch.randn(23, H, R, generator=g).double()
+    kv, k_rot = torch.randn(23, H * (N + V), generator=g).double(), torch.randn(23, R, generator=g).double()
+    op = OPS["mla_prefill_attention"]
+
+    def run(keys, rows, query_lens, context_lens, positions, ins):
+        ctx = StepContext(positions=torch.tensor(positions), query_lens=query_lens, context_lens=context_lens,
+                          block_tables=torch.zeros(len(query_lens), 1, dtype=torch.int32),
+                          slot_mapping=torch.zeros(rows, dtype=torch.int64), kv_cache=[], block_size=BLOCK)
+        node = Node(op="mla_prefill_attention", attrs={"keys": keys}, weights={}, layer=0, model=m)
+        return op.run(node, ins, {}, ctx)[0]
+    whole = run("step", 23, lens, lens, [*range(9), *range(14)], [q_nope, q_rot, kv, k_rot])
+    q = slice(9 + prefix[1], 23)            # the chunk's queries: sequence 0 whole, sequence 1 from row 6
+    rows = torch.cat([torch.arange(9), torch.arange(9, 23)])
+    chunk = run("context", 17, [9, 8], [9, 14], [*range(9), *range(6, 14)],
+                [torch.cat([q_nope[:9], q_nope[q]]), torch.cat([q_rot[:9], q_rot[q]]), kv[rows], k_rot[rows]])
+    torch.testing.assert_close(chunk, torch.cat([whole[:9], whole[q]]), rtol=1e-12, atol=1e-12)
+    shifted = run("context", 17, [9, 8], [9, 14], [*range(9), *range(7, 15)],
+                  [torch.cat([q_nope[:9], q_nope[q]]), torch.cat([q_rot[:9], q_rot[q]]), kv[rows], k_rot[rows]])
+    assert not torch.allclose(shifted[9:], whole[q], rtol=1e-2, atol=1e-2)

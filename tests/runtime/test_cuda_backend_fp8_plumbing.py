@@ -83,3 +83,33 @@ def test_the_backend_runs_an_fp8_bundle_as_the_reference_backend(fp8_model, monk
         for a, b in zip(ours.logits(ps, decode_after=decode_after), ref.logits(ps, decode_after=decode_after)):
             assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
     assert stub.calls > 0 and fp8_calls, "the FP8 linears' library calls did not run"
+
+
+@pytest.mark.slow
+def test_chunked_prefill_decompresses_the_context_with_the_fp8_kv_b(fp8_model, monkeypatch):
+    """A prompt prefilled in chunks (max_num_batched_tokens) attends to the rows earlier chunks cached:
+    kv_b decompresses each step's TK context rows through the library call, which dequantises the FP8
+    kv_b; the logits are the reference backend's, chunked the same way, exactly."""
+    model, weights, loaded = fp8_model
+    backend = SteppedCuda.from_bundle(loaded, weights, dtype=torch.bfloat16, top_k=model.spec.dims["top_k"])
+    backend.runner = DequantisingKernels(model.graphs)
+    kv_b_rows = []
+    library = CudaBackend._library_weight
+
+    def spy(self, call, name, dtype):
+        if name == KV_B:
+            assert call.attrs.get("weight_format") == FP8.name
+            kv_b_rows.append(call.inputs[0])
+        return library(self, call, name, dtype)
+    monkeypatch.setattr(CudaBackend, "_library_weight", spy)
+    prefixed, forward = [], backend.forward
+    backend.forward = lambda phase, ids, ctx: prefixed.append(ctx.context_lens != ctx.query_lens) or \
+        forward(phase, ids, ctx)
+    kw = dict(device="cpu", dtype=torch.bfloat16, block_size=4, max_num_batched_tokens=7)
+    ours = Engine(model.spec, model.graphs, weights, backend_impl=backend, **kw)
+    ref = Engine(model.spec, model.graphs, weights, backend="reference", **kw)
+    ps = prompts([3, 17, 9], seed=5)
+    for a, b in zip(ours.logits(ps), ref.logits(ps)):
+        assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
+    assert kv_b_rows, "prefill's kv_b library call did not run"
+    assert any(prefixed), "no chunk attended to a cached prefix"

@@ -117,6 +117,46 @@ def test_backend_runs_the_manifest_and_matches_the_reference_backend(bundle, mon
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("cap", [1, 5, 7])
+def test_chunked_prefill_and_mixed_steps_run_the_manifest_and_match_the_reference(bundle, cap):
+    """max_num_batched_tokens on the cuda backend: prompts prefill in chunks that attend to the rows
+    earlier chunks cached, while the running sequences decode (a decode step beside each chunk's
+    step: CudaBackend.mixed_steps); the context gather's launch gets each sequence's packed context
+    start (key_start) and TK rows, and the logits and tokens equal the unchunked reference run's."""
+    model, weights = compiled()
+    loaded = load_bundle(bundle, arch="sm_90", nvrtc_version=nvrtc_version(), dtype="fp32", block_size=4)
+    backend = SteppedCuda.from_bundle(loaded, weights, dtype=torch.float32, top_k=model.spec.dims["top_k"])
+    stub = backend.runner = ReferenceKernels(model.graphs)
+    gathers = []
+    run_all = stub.run_all
+
+    def spy(launches, *, ctx, sizes, **kw):
+        if launches[0].family == "mla_gather_context":
+            gathers.append((ctx["key_start"].tolist(), sizes["TK"], stub.step))
+        return run_all(launches, ctx=ctx, sizes=sizes, **kw)
+    stub.run_all = spy
+    phases, forward = [], backend.forward
+    backend.forward = lambda phase, ids, ctx: phases.append((phase, ctx.context_lens != ctx.query_lens)) or \
+        forward(phase, ids, ctx)
+    ps = prompts([3, 17, 2, 9], seed=11)
+    sp = SamplingParams(max_new_tokens=5, ignore_eos=True, return_logits=True)
+    ref = make_engine().generate(ps, sp)
+    engine = make_engine(backend_impl=backend, max_num_batched_tokens=cap)
+    for a, b in zip(engine.generate(ps, sp), ref):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+    for starts, tk, step in gathers:
+        assert starts == step.key_starts() and tk == starts[-1] == sum(step.context_lens)
+    assert any(tk > step.num_tokens for _, tk, step in gathers), "no step attended to a cached prefix"
+    first_decode = next(i for i, (phase, _) in enumerate(phases) if phase == "decode")
+    assert any(phase == "prefill" and prefix for phase, prefix in phases[first_decode:]), \
+        "no chunk ran after decoding began"
+    assert engine.tables.free_blocks == engine.tables.allocator.num_blocks
+    for a, b in zip(make_engine(backend_impl=backend, max_num_batched_tokens=cap).logits(ps), make_engine().logits(ps)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_linears_run_the_skinny_kernel_up_to_its_token_count_and_cublas_above(bundle, monkeypatch):
     """A linear node carries both steps (codegen/families/linear_skinny.py); each step runs exactly
     one of them, by T: the kernel through T = SKINNY_MAX_TOKENS, the library call from the next
@@ -126,8 +166,9 @@ def test_linears_run_the_skinny_kernel_up_to_its_token_count_and_cublas_above(bu
     loaded = load_bundle(bundle, arch="sm_90", nvrtc_version=nvrtc_version(), dtype="fp32", block_size=4)
     backend = SteppedCuda.from_bundle(loaded, weights, dtype=torch.float32, top_k=model.spec.dims["top_k"])
     backend.runner = ReferenceKernels(model.graphs)
+    # (the kv_b GEMM over the prefill attention's TK context rows is cuBLAS at every T: not these)
     linear_nodes = {s.node for p in loaded.plans.values() for s in p.library_calls
-                    if s.op in ("linear", "multi_linear", "gate_up_silu")}
+                    if s.op in ("linear", "multi_linear", "gate_up_silu") and s.from_tokens > 1}
     assert {s.op for p in loaded.plans.values() for s in p.library_calls} >= {"multi_linear", "gate_up_silu"}
     kernel_ran, library_ran = [], []
     run_all = ReferenceKernels.run_all
@@ -206,7 +247,7 @@ def test_the_step_runs_on_aliased_buffers_and_a_wrong_plan_changes_the_logits(bu
     from codegen.memplan import overlaps
     model, weights = compiled()
     loaded = load_bundle(bundle, arch="sm_90", nvrtc_version=nvrtc_version(), dtype="fp32", block_size=4)
-    sizes = {"T": 9, "NP": 9 * 3, "B": 2, "MAXQ": 5, "MAXCTX": 5, "W": 2, "SMS": H100_SMS}
+    sizes = {"T": 9, "NP": 9 * 3, "B": 2, "MAXQ": 5, "MAXCTX": 5, "TK": 9, "W": 2, "SMS": H100_SMS}
     assert loaded.plans["prefill"].arena, "the manifest carries the arena's slots"
     arena_plan = CudaBackend.from_bundle(loaded, weights, dtype=torch.float32,
                                          top_k=model.spec.dims["top_k"]).arena_plans["prefill"]

@@ -16,7 +16,7 @@ class _Backend:
     def _sizes(self, ctx):
         T = ctx.num_tokens
         return {"T": T, "B": ctx.num_seqs, "NP": T * self.top_k, "MAXQ": max(ctx.query_lens),
-                "MAXCTX": max(ctx.context_lens), "W": int(ctx.block_tables.shape[1])}
+                "MAXCTX": max(ctx.context_lens), "TK": sum(ctx.context_lens), "W": int(ctx.block_tables.shape[1])}
 
 
 class _Graph:
@@ -43,7 +43,8 @@ def _graphs(monkeypatch):
         inputs = {"ids": ids.clone(), "positions": ctx.positions.clone(), "slot_mapping": ctx.slot_mapping.clone(),
                   "block_tables": ctx.block_tables.clone(),
                   "context_lens": torch.tensor(ctx.context_lens, dtype=torch.int32),
-                  "query_start": torch.tensor(cg._starts(ctx), dtype=torch.int32)}
+                  "query_start": torch.tensor(cg._starts(ctx), dtype=torch.int32),
+                  "key_start": torch.tensor(ctx.key_starts(), dtype=torch.int32)}
         out = torch.zeros(len(ids), 1)
         cap = cg._Captured(_Graph(out, inputs), inputs, out)
         captured.append(cap)

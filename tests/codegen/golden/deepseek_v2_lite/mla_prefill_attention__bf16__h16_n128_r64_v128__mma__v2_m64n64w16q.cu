@@ -8,7 +8,7 @@
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v2_lite.yaml:79 blocks.mla.ops[7] mla_attention, layers 0-26 (lower_mla_prefill)
 
-// MLA prefill attention (decompressed K/V, causal within each packed prompt): MlaPrefillTC2
+// MLA prefill attention (decompressed K/V at key_start, causal by position): MlaPrefillTC2
 // (mla_prefill_tc2.cuh) on tensor cores for bf16 / fp16, at the tile Tuning.attention.prefill_tile
 // names; MlaPrefill (mla_prefill.cuh, fp32 CUDA cores) for fp32.
 #include "mla_prefill_tc2.cuh"
@@ -35,11 +35,12 @@ mla_prefill_attention__bf16__h16_n128_r64_v128__mma__v2_m64n64w16q(
     const __nv_bfloat16* __restrict__ k_rot,
     i64 kr_s0,
     const i32* __restrict__ query_start,
+    const i32* __restrict__ key_start,
     const i64* __restrict__ positions,
     __nv_bfloat16* __restrict__ out) {
   dsg::pdl_wait();                // pdl.cuh: every CTA, before it reads another kernel's output or writes
   dsg::pdl_launch_dependents();
   extern __shared__ __align__(16) char smem[];
-  Attn::run(q_nope, qn_s0, qn_s1, q_rot, qr_s0, qr_s1, kv, kv_s0, k_rot, kr_s0, query_start, positions, out,
-            SCALE, smem);
+  Attn::run(q_nope, qn_s0, qn_s1, q_rot, qr_s0, qr_s1, kv, kv_s0, k_rot, kr_s0, query_start, key_start, positions,
+            out, SCALE, smem);
 }
