@@ -1,0 +1,384 @@
+"""The decode step as a task graph: every launch split into tasks (tiles), each with the regions of
+the values it reads and writes, and the dependencies those regions imply.
+
+A persistent decode kernel runs the step's tasks on SMs that wait on counters instead of on kernel
+boundaries; this pass says which tasks there are and which wait for which.  It takes the lowered
+decode plan (codegen/lower.py) at one batch bucket (the sizes fix which launches run and how many
+tiles each has) and gives a TaskGraph:
+
+    op     a launch (or library call) that has work at these sizes, in plan order
+    task   a tile of an op: reads and writes, each a Region (a value and an index box per dim)
+    deps   the earlier tasks it must wait for: the last writer of every byte it reads (RAW), and
+           for every byte it writes the last writer (WAW) and the readers since (WAR)
+
+Dependencies are computed on *bytes*, not on value names: the memory plan (codegen/memplan.py)
+places values whose lifetimes do not overlap at the same arena bytes, and a split's outputs are
+views of their input, so two different values may be the same memory.  The graph is built against
+the arena as placed at the bucket's sizes (the persistent kernel runs on that same arena), which
+orders a later layer's write after an earlier layer's last read of the same bytes; a non-aliasing
+plan would need no such edges but would cost the arena's sharing.
+
+A family declares its tiling with ``tasks(launch, tiling)`` in its module: a list of Tile (label,
+reads, writes) from the launch's sizes (``tiling`` evaluates shapes and builds regions).  A family
+without one, or one that returns None for a launch (say, a stage that finishes with a grid-wide
+ticket), is one task per launch that reads every pointer it is passed and writes every non-const
+one, whole: always correct, coarse.  A library call is one coarse task; a view ("split") is none.
+
+The graph is data: `to_json` writes one task per line (stable order, so it diffs) and the bundle
+records it per batch bucket (tasks/decode_b{B}.json); `summary` is what `dsgraph explain --tasks`
+prints.  codegen/taskcheck.py checks a graph with its own region bookkeeping.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from . import families
+from . import sizes as size_exprs
+from .kernel import CtxRef, KernelLaunch, LibraryCall, StrideRef, ValueRef, WorkspaceRef
+from .memplan import ITEMSIZE, ArenaPlan, step_sizes, workspace_slot
+
+TASK_BATCHES = (1, 8, 32)      # the decode buckets the bundle records
+TASK_CONTEXT = 512             # each sequence's context: decides the attention's splits
+ARENA = "arena"
+
+
+@dataclass(frozen=True)
+class Region:
+    value: str                                  # a value, a routing part, "<node>/<workspace>", a cache
+    box: tuple[tuple[int, int], ...]            # [lo, hi) per dim of the value's shape at the step's sizes
+
+    def to_json(self) -> list:
+        return [self.value, [list(r) for r in self.box]]
+
+
+@dataclass(frozen=True)
+class Tile:
+    label: str
+    reads: tuple[Region, ...]
+    writes: tuple[Region, ...]
+
+
+@dataclass
+class Op:
+    step: int                  # index into the plan's steps
+    kernel: str                # kernel name, or "library <call>"
+    family: str
+    stage: str
+    node: str
+    tiling: str                # declared | coarse | library
+    first: int                 # its tasks are first .. first + count - 1
+    count: int
+
+
+@dataclass
+class Task:
+    id: int
+    op: int
+    label: str
+    reads: tuple[Region, ...]
+    writes: tuple[Region, ...]
+    deps: tuple[int, ...] = ()
+
+
+@dataclass
+class TaskGraph:
+    batch: int
+    context: int
+    sms: int
+    ops: list[Op] = field(default_factory=list)
+    tasks: list[Task] = field(default_factory=list)
+    tiling: "Tiling | None" = field(default=None, repr=False, compare=False)   # what its regions mean
+
+    def to_json(self) -> str:
+        """One op and one task per line, in plan order: a review diffs it line by line."""
+        head = {"batch": self.batch, "context": self.context, "sms": self.sms}
+        lines = ["{", f'"graph": {json.dumps(head, sort_keys=True)},', '"ops": [']
+        for i, o in enumerate(self.ops):
+            d = {"step": o.step, "kernel": o.kernel, "family": o.family, "stage": o.stage, "node": o.node,
+                 "tiling": o.tiling, "tasks": [o.first, o.count]}
+            lines.append(json.dumps(d, sort_keys=True) + ("," if i + 1 < len(self.ops) else ""))
+        lines += ["],", '"tasks": [']
+        for i, t in enumerate(self.tasks):
+            d = {"id": t.id, "op": t.op, "tile": t.label, "deps": list(t.deps),
+                 "reads": [r.to_json() for r in t.reads], "writes": [r.to_json() for r in t.writes]}
+            lines.append(json.dumps(d, sort_keys=True) + ("," if i + 1 < len(self.tasks) else ""))
+        lines += ["]", "}"]
+        return "\n".join(lines) + "\n"
+
+    def levels(self) -> list[int]:
+        """Each task's level: 0 without dependencies, else one more than its deepest dependency."""
+        level = [0] * len(self.tasks)
+        for t in self.tasks:                     # deps always point to earlier tasks
+            level[t.id] = 1 + max((level[d] for d in t.deps), default=-1)
+        return level
+
+    def summary(self) -> dict:
+        level = self.levels()
+        width = defaultdict(int)
+        for lv in level:
+            width[lv] += 1
+        per_family: dict = {}
+        for o in self.ops:
+            row = per_family.setdefault((o.family, o.stage, o.tiling), [0, 0])
+            row[0] += 1
+            row[1] += o.count
+        return {"tasks": len(self.tasks), "ops": len(self.ops), "deps": sum(len(t.deps) for t in self.tasks),
+                "critical_path": 1 + max(level, default=-1),
+                "widest_level": max(width.values(), default=0),
+                "per_family": {f"{f}{'.' + s if s else ''} ({how})": tuple(v)
+                               for (f, s, how), v in per_family.items()}}
+
+
+# -- what a family's tasks() is given ----------------------------------------------------------
+
+class Tiling:
+    """Shapes, regions and byte intervals of one phase plan at one step's sizes."""
+
+    def __init__(self, plan, sizes: dict, act_itemsize: int = 2):
+        self.plan, self.sizes, self.act_itemsize = plan, dict(sizes), act_itemsize
+        self.T, self.B, self.context = sizes["T"], sizes["B"], sizes["MAXCTX"]
+        self.layout = ArenaPlan(plan.arena).layout(self.sizes, act_itemsize)
+        self._workspaces: dict[str, tuple] = {}    # "<node>/<workspace>" -> (shape, dtype)
+        for step in plan.steps:
+            for ws in getattr(step, "workspace", ()):
+                self._workspaces.setdefault(workspace_slot(step.nodes[0], ws.name),
+                                            (tuple(self.eval(d) for d in ws.shape), ws.dtype))
+        self.caches = {b.layer: b.name for b in plan.buffers.values() if b.dtype == "state"}
+
+    def eval(self, expr) -> int:
+        return size_exprs.evaluate(expr, self.sizes) if isinstance(expr, str) else int(expr)
+
+    # values
+    def shape(self, value: str) -> tuple[int, ...]:
+        if value in self._workspaces:
+            return self._workspaces[value][0]
+        buf = self.plan.buffers[value]
+        if buf.dtype == "state":      # the cache in token rows: sequence b's rows b*context .. +context
+            return (self.B * self.context,)
+        return tuple(self.eval(d) for d in buf.shape)
+
+    def value_of(self, launch, arg: str) -> str:
+        """The value (workspace slot, cache) bound to the launch's pointer argument `arg`."""
+        for a in launch.args:
+            if a.name == arg:
+                return self._bound(launch, a.ref)
+        raise KeyError(f"{launch.name} has no argument {arg}")
+
+    def _bound(self, launch, ref) -> str:
+        if isinstance(ref, ValueRef):
+            return ref.name
+        if isinstance(ref, WorkspaceRef):
+            return workspace_slot(launch.nodes[0], ref.name)
+        if isinstance(ref, CtxRef) and ref.field == "kv_cache":
+            return self.caches[self.plan.nodes[launch.nodes[0]].layer]
+        raise KeyError(ref)
+
+    # regions
+    def box(self, value: str, *ranges) -> Region:
+        """Region of `value`: one (lo, hi) or None (the whole dim) per leading dim; the rest whole."""
+        shape = self.shape(value)
+        box = tuple((0, n) if r is None else (max(0, r[0]), min(n, r[1]))
+                    for r, n in itertools.zip_longest(ranges, shape))
+        return Region(value, box)
+
+    def whole(self, value: str) -> Region:
+        return self.box(value)
+
+    def rows(self, value: str, lo: int, hi: int) -> Region:
+        return self.box(value, (lo, hi))
+
+    def cols(self, value: str, lo: int, hi: int) -> Region:
+        """Columns [lo, hi) of the last dim, every row."""
+        shape = self.shape(value)
+        return self.box(value, *([None] * (len(shape) - 1)), (lo, hi))
+
+    def token_rows(self, value: str, t: int) -> Region:
+        """Token t's rows of a value whose first dim is T times some k (a token's pairs: T*P)."""
+        n = self.shape(value)[0]
+        k = n // self.T if self.T and n % self.T == 0 else None
+        return self.rows(value, t * k, (t + 1) * k) if k else self.whole(value)
+
+    def cache_rows(self, launch, b: int, lo: int, hi: int) -> Region:
+        """Rows lo..hi of sequence b's context in the cache of the launch's layer."""
+        return Region(self._bound(launch, CtxRef("kv_cache")), ((b * self.context + lo, b * self.context + hi),))
+
+    # bytes
+    def _storage(self, value: str):
+        """(space, byte offset, element strides, itemsize) of a value's storage."""
+        if value in self._workspaces:
+            shape, dtype = self._workspaces[value]
+            return ARENA, self.layout.offsets.get(value, 0), _contiguous(shape), self._itemsize(dtype)
+        buf = self.plan.buffers.get(value)
+        if buf is None:
+            raise KeyError(f"no buffer {value}")
+        if buf.dtype == "state":
+            return value, 0, (1,), 1
+        itemsize = self._itemsize(buf.dtype)
+        if buf.view is not None:
+            space, base, _, _ = self._storage(buf.view.base)
+            strides = tuple(self.eval(s) for s in buf.view.strides)
+            return space, base + buf.view.offset * itemsize, strides, itemsize
+        strides = _contiguous(self.shape(value))
+        if value in self.layout.offsets:
+            return ARENA, self.layout.offsets[value], strides, itemsize
+        return value, 0, strides, itemsize       # the step's inputs and its logits
+
+    def _itemsize(self, dtype: str) -> int:
+        return self.act_itemsize if dtype == "act" else ITEMSIZE[dtype]
+
+    def intervals(self, region: Region) -> list[tuple[str, int, int]]:
+        """The region's bytes as (space, lo, hi) intervals, adjacent ones merged."""
+        if any(hi <= lo for lo, hi in region.box):
+            return []
+        space, base, strides, isz = self._storage(region.value)
+        *lead, (c0, c1) = region.box
+        *lead_st, last = strides
+        out: list[tuple[int, int]] = []
+        for idx in itertools.product(*(range(lo, hi) for lo, hi in lead)):
+            start = base + (sum(i * s for i, s in zip(idx, lead_st)) + c0 * last) * isz
+            if last == 1:
+                out.append((start, start + (c1 - c0) * isz))
+            else:
+                out.extend((start + k * last * isz, start + k * last * isz + isz) for k in range(c1 - c0))
+        out.sort()
+        merged: list[list[int]] = []
+        for lo, hi in out:
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        return [(space, lo, hi) for lo, hi in merged]
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
+# -- tiles of one step ------------------------------------------------------------------------
+
+def coarse_tile(launch: KernelLaunch, tiling: Tiling) -> Tile:
+    """The whole launch as one task: reads every pointer it is passed, writes every non-const one."""
+    reads, writes = [], []
+    for a in launch.args:
+        if not a.is_pointer or isinstance(a.ref, (StrideRef,)):
+            continue
+        if isinstance(a.ref, CtxRef) and a.ref.field != "kv_cache":
+            continue                     # step metadata: written by the host before the step
+        if not isinstance(a.ref, (ValueRef, WorkspaceRef, CtxRef)):
+            continue                     # weights: nothing in a step writes them
+        for v in _parts(tiling, tiling._bound(launch, a.ref)):
+            reads.append(tiling.whole(v))
+            if not a.ctype.startswith("const "):
+                writes.append(tiling.whole(v))
+    return Tile("all", tuple(reads), tuple(writes))
+
+
+def _parts(tiling: Tiling, value: str) -> list[str]:
+    buf = tiling.plan.buffers.get(value)
+    return list(buf.parts) if buf is not None and buf.parts else [value]
+
+
+def library_tile(call: LibraryCall, tiling: Tiling) -> Tile:
+    ins = [tiling.whole(v) for name in call.inputs for v in _parts(tiling, name)]
+    outs = [tiling.whole(v) for name in call.outputs for v in _parts(tiling, name)]
+    return Tile("all", tuple(ins), tuple(outs))
+
+
+def runs(step, sizes: dict) -> bool:
+    if isinstance(step, KernelLaunch):
+        return all(size_exprs.evaluate(g, sizes) > 0 for g in step.grid)
+    return step.runs_at(sizes["T"]) and step.call != "view"
+
+
+def step_tiles(step, tiling: Tiling) -> tuple[str, list[Tile]]:
+    if isinstance(step, LibraryCall):
+        return "library", [library_tile(step, tiling)]
+    family = families.family_named(step.family)
+    declare = getattr(family, "tasks", None)
+    tiles = declare(step, tiling) if declare is not None else None
+    if tiles is None:
+        return "coarse", [coarse_tile(step, tiling)]
+    return "declared", tiles
+
+
+# -- the graph --------------------------------------------------------------------------------
+
+def build_task_graph(plan, batch: int, *, context: int = TASK_CONTEXT, sms: int = 132,
+                     act_itemsize: int = 2) -> TaskGraph:
+    """The task graph of `plan` (a decode PhasePlan) at `batch` sequences of `context` tokens."""
+    sizes = step_sizes("decode", batch, plan, context=context, sms=sms)
+    tiling = Tiling(plan, sizes, act_itemsize)
+    graph = TaskGraph(batch, context, sms, tiling=tiling)
+    for i, step in enumerate(plan.steps):
+        if not runs(step, sizes):
+            continue
+        how, tiles = step_tiles(step, tiling)
+        op = len(graph.ops)
+        if isinstance(step, KernelLaunch):
+            graph.ops.append(Op(i, step.name, step.family, step.stage, step.nodes[0], how, len(graph.tasks),
+                                len(tiles)))
+        else:
+            graph.ops.append(Op(i, f"library {step.call}", step.op, "", step.node, how, len(graph.tasks), 1))
+        for t in tiles:
+            graph.tasks.append(Task(len(graph.tasks), op, t.label, t.reads, t.writes))
+    _add_deps(graph, tiling)
+    return graph
+
+
+def _add_deps(graph: TaskGraph, tiling: Tiling) -> None:
+    """RAW, WAW and WAR edges, tracked per cell: the byte ranges between every boundary any task's
+    region has in a space, each with its last writer and the readers since."""
+    spans = [([tiling.intervals(r) for r in t.reads], [tiling.intervals(r) for r in t.writes])
+             for t in graph.tasks]
+    bounds: dict[str, set] = defaultdict(set)
+    for reads, writes in spans:
+        for ivs in (*reads, *writes):
+            for space, lo, hi in ivs:
+                bounds[space].update((lo, hi))
+    index = {s: {b: k for k, b in enumerate(sorted(bs))} for s, bs in bounds.items()}
+    writer = {s: [-1] * len(bs) for s, bs in bounds.items()}
+    readers: dict[str, list] = {s: [[] for _ in bs] for s, bs in bounds.items()}
+
+    def cells(ivs):
+        for space, lo, hi in ivs:
+            ix = index[space]
+            for c in range(ix[lo], ix[hi]):
+                yield space, c
+
+    for t, (reads, writes) in zip(graph.tasks, spans):
+        deps: set = set()
+        for ivs in reads:
+            for space, c in cells(ivs):
+                if writer[space][c] >= 0:
+                    deps.add(writer[space][c])
+        for ivs in writes:
+            for space, c in cells(ivs):
+                if writer[space][c] >= 0:
+                    deps.add(writer[space][c])
+                deps.update(readers[space][c])
+        for ivs in reads:
+            for space, c in cells(ivs):
+                readers[space][c].append(t.id)
+        for ivs in writes:
+            for space, c in cells(ivs):
+                writer[space][c] = t.id
+                readers[space][c] = []
+        deps.discard(t.id)
+        t.deps = tuple(sorted(deps))
+
+
+def summary_lines(graph: TaskGraph) -> list[str]:
+    s = graph.summary()
+    lines = [f"decode, batch {graph.batch} (context {graph.context}, {graph.sms} SMs): {s['tasks']} tasks in "
+             f"{s['ops']} launches, {s['deps']} dependencies, critical path {s['critical_path']} tasks, "
+             f"widest level {s['widest_level']} tasks"]
+    for name, (ops, tasks) in sorted(s["per_family"].items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"  {name:<52} {ops:>4} launches {tasks:>6} tasks")
+    return lines
