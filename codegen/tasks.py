@@ -205,6 +205,59 @@ class Tiling:
         """Rows lo..hi of sequence b's context in the cache of the launch's layer."""
         return Region(self._bound(launch, CtxRef("kv_cache")), ((b * self.context + lo, b * self.context + hi),))
 
+    def parts(self, value: str) -> list[str]:
+        """A routing value's two int32 buffers; any other value itself."""
+        buf = self.plan.buffers.get(value)
+        return list(buf.parts) if buf is not None and buf.parts else [value]
+
+    def pointers(self, launch):
+        """(value, written) for each pointer a step's tiles track: values, workspaces and the cache (not
+        weights, which nothing in a step writes, nor step metadata, which the host writes before it)."""
+        for a in launch.args:
+            if not a.is_pointer or isinstance(a.ref, StrideRef):
+                continue
+            if isinstance(a.ref, CtxRef) and a.ref.field != "kv_cache":
+                continue
+            if not isinstance(a.ref, (ValueRef, WorkspaceRef, CtxRef)):
+                continue
+            for v in self.parts(self._bound(launch, a.ref)):
+                yield v, not a.ctype.startswith("const ")
+
+    # tilings families declare with
+    @staticmethod
+    def tile(label, reads, writes) -> Tile:
+        return Tile(str(label), tuple(reads), tuple(writes))
+
+    def per_token(self, launch) -> list[Tile]:
+        """One task per token (decode: per sequence): token t's rows of every value it is passed
+        (a value of T*k rows: its k rows; one of no token dim: whole), sequence t's cache rows (read:
+        its context; written: its new row)."""
+        caches = set(self.caches.values())
+        tiles = []
+        for t in range(self.T):
+            reads, writes = [], []
+            for v, written in self.pointers(launch):
+                if v in caches:
+                    lo = self.context - 1 if written else 0
+                    reg = Region(v, ((t * self.context + lo, (t + 1) * self.context),))
+                else:
+                    reg = self.token_rows(v, t)
+                (writes if written else reads).append(reg)
+            tiles.append(self.tile(t, reads, writes))
+        return tiles
+
+    def column_tiles(self, launch, width: int, *, of: str | None = None) -> list[Tile]:
+        """Tasks over the last dim of what the launch writes, `width` columns each: each reads every
+        value it is passed whole and writes its columns of every written value (of: of that one only;
+        the others whole)."""
+        pointers = list(self.pointers(launch))
+        written = [v for v, w in pointers if w]
+        n = max(self.shape(v)[-1] for v in written if of is None or v == of)
+        reads = [self.whole(v) for v, w in pointers if not w]
+        return [self.tile(k, reads, [self.cols(v, lo, lo + width) if of is None or v == of else self.whole(v)
+                                     for v in written])
+                for k, lo in enumerate(range(0, n, width))]
+
     # bytes
     def _storage(self, value: str):
         """(space, byte offset, element strides, itemsize) of a value's storage."""
@@ -265,29 +318,14 @@ def _contiguous(shape) -> tuple[int, ...]:
 
 def coarse_tile(launch: KernelLaunch, tiling: Tiling) -> Tile:
     """The whole launch as one task: reads every pointer it is passed, writes every non-const one."""
-    reads, writes = [], []
-    for a in launch.args:
-        if not a.is_pointer or isinstance(a.ref, (StrideRef,)):
-            continue
-        if isinstance(a.ref, CtxRef) and a.ref.field != "kv_cache":
-            continue                     # step metadata: written by the host before the step
-        if not isinstance(a.ref, (ValueRef, WorkspaceRef, CtxRef)):
-            continue                     # weights: nothing in a step writes them
-        for v in _parts(tiling, tiling._bound(launch, a.ref)):
-            reads.append(tiling.whole(v))
-            if not a.ctype.startswith("const "):
-                writes.append(tiling.whole(v))
-    return Tile("all", tuple(reads), tuple(writes))
-
-
-def _parts(tiling: Tiling, value: str) -> list[str]:
-    buf = tiling.plan.buffers.get(value)
-    return list(buf.parts) if buf is not None and buf.parts else [value]
+    pointers = list(tiling.pointers(launch))
+    return Tile("all", tuple(tiling.whole(v) for v, _ in pointers),
+                tuple(tiling.whole(v) for v, w in pointers if w))
 
 
 def library_tile(call: LibraryCall, tiling: Tiling) -> Tile:
-    ins = [tiling.whole(v) for name in call.inputs for v in _parts(tiling, name)]
-    outs = [tiling.whole(v) for name in call.outputs for v in _parts(tiling, name)]
+    ins = [tiling.whole(v) for name in call.inputs for v in tiling.parts(name)]
+    outs = [tiling.whole(v) for name in call.outputs for v in tiling.parts(name)]
     return Tile("all", tuple(ins), tuple(outs))
 
 

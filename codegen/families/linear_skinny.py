@@ -162,3 +162,24 @@ def _fp8_weights(G, names: list[str], opts) -> bool:
     if opts.dtype == "fp32":
         raise LoweringError(f"{FP8.name} weights need bf16 or fp16 activations, not fp32")
     return True
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py): one per CTA row tile of the stacked weights
+    (16 * rt output columns; a gate_up_silu's rows are gate and up interleaved, so 8 * rt), its
+    ksplit CTAs together; each reads x whole and writes its columns of the outputs."""
+    p = launch.params
+    width = 16 * p["rt"] // (2 if p["silu"] else 1)
+    outs = [tiling.value_of(launch, a) for a in p["y_args"]]
+    ncols = [tiling.shape(y)[-1] for y in outs]
+    x = tiling.whole(tiling.value_of(launch, "x"))
+    tiles = []
+    for k, lo in enumerate(range(0, sum(ncols), width)):
+        writes, start = [], 0
+        for y, n in zip(outs, ncols):
+            a, b = max(lo, start), min(lo + width, start + n)
+            if a < b:
+                writes.append(tiling.cols(y, a - start, b - start))
+            start += n
+        tiles.append(tiling.tile(k, [x], writes))
+    return tiles
