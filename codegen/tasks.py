@@ -102,11 +102,24 @@ class TaskGraph:
             lines.append(json.dumps(d, sort_keys=True) + ("," if i + 1 < len(self.ops) else ""))
         lines += ["],", '"tasks": [']
         for i, t in enumerate(self.tasks):
-            d = {"id": t.id, "op": t.op, "tile": t.label, "deps": list(t.deps),
+            d = {"id": t.id, "op": t.op, "tile": t.label,
+                 "waits": [[op, "all" if tiles is None else list(tiles)] for op, tiles in self.waits(t)],
                  "reads": [r.to_json() for r in t.reads], "writes": [r.to_json() for r in t.writes]}
             lines.append(json.dumps(d, sort_keys=True) + ("," if i + 1 < len(self.tasks) else ""))
         lines += ["]", "}"]
         return "\n".join(lines) + "\n"
+
+    def waits(self, task: Task) -> list[tuple[int, tuple | None]]:
+        """Its dependencies by op, as a persistent kernel waits on them: (op, None) for every task of the
+        op (one counter reaching the op's task count), else (op, the op's tile indices it needs)."""
+        by_op: dict = defaultdict(list)
+        for d in task.deps:
+            by_op[self.tasks[d].op].append(d)
+        out = []
+        for op, ds in sorted(by_op.items()):
+            o = self.ops[op]
+            out.append((op, None if len(ds) == o.count else tuple(d - o.first for d in ds)))
+        return out
 
     def levels(self) -> list[int]:
         """Each task's level: 0 without dependencies, else one more than its deepest dependency."""
@@ -125,7 +138,9 @@ class TaskGraph:
             row = per_family.setdefault((o.family, o.stage, o.tiling), [0, 0])
             row[0] += 1
             row[1] += o.count
+        waits = sum(1 if tiles is None else len(tiles) for t in self.tasks for _, tiles in self.waits(t))
         return {"tasks": len(self.tasks), "ops": len(self.ops), "deps": sum(len(t.deps) for t in self.tasks),
+                "waits": waits,
                 "critical_path": 1 + max(level, default=-1),
                 "widest_level": max(width.values(), default=0),
                 "per_family": {f"{f}{'.' + s if s else ''} ({how})": tuple(v)
@@ -415,8 +430,8 @@ def _add_deps(graph: TaskGraph, tiling: Tiling) -> None:
 def summary_lines(graph: TaskGraph) -> list[str]:
     s = graph.summary()
     lines = [f"decode, batch {graph.batch} (context {graph.context}, {graph.sms} SMs): {s['tasks']} tasks in "
-             f"{s['ops']} launches, {s['deps']} dependencies, critical path {s['critical_path']} tasks, "
-             f"widest level {s['widest_level']} tasks"]
+             f"{s['ops']} launches, {s['deps']} dependencies ({s['waits']} counter waits), "
+             f"critical path {s['critical_path']} tasks, widest level {s['widest_level']} tasks"]
     for name, (ops, tasks) in sorted(s["per_family"].items(), key=lambda kv: -kv[1][1]):
         lines.append(f"  {name:<52} {ops:>4} launches {tasks:>6} tasks")
     return lines

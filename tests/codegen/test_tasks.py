@@ -150,3 +150,36 @@ def test_intervals_are_the_bytes_a_strided_view_touches(batch):
         assert torch.equal(got, want), name
         checked += 1
     assert checked > 10
+
+
+def test_json_is_stable_and_says_what_the_graph_holds():
+    import json
+    g, _ = graph_of("tiny", 3)
+    text = g.to_json()
+    assert text == build_task_graph(decode_plan("tiny"), 3).to_json()
+    data = json.loads(text)
+    assert data["graph"] == {"batch": 3, "context": g.context, "sms": g.sms}
+    assert len(data["ops"]) == len(g.ops) and len(data["tasks"]) == len(g.tasks)
+    for t, d in zip(g.tasks, data["tasks"]):    # the waits name exactly the dependencies
+        named = set()
+        for op, tiles in d["waits"]:
+            o = g.ops[op]
+            named.update(range(o.first, o.first + o.count) if tiles == "all" else (o.first + i for i in tiles))
+        assert named == set(t.deps)
+
+
+def test_the_bundle_records_a_task_graph_per_bucket(tmp_path, monkeypatch):
+    import json
+
+    from codegen import nvrtc
+    from codegen.bundle import compile_bundle, load_manifest
+    from codegen.tasks import TASK_BATCHES
+    from tiny import write_tiny_spec
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda source, name, **kw: nvrtc.CompileResult(cubin=b"x", log=""))
+    res = compile_bundle(write_tiny_spec(tmp_path / "tiny.yaml"), cache_dir=tmp_path / "c", strict=False,
+                         progress=False)
+    manifest = load_manifest(res.path)
+    assert sorted(manifest["tasks"]) == sorted(f"decode_b{b}" for b in TASK_BATCHES)
+    for b in TASK_BATCHES:
+        data = json.loads((res.path / manifest["tasks"][f"decode_b{b}"]).read_text())
+        assert data["graph"]["batch"] == b and data["tasks"]
