@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from . import families
@@ -135,9 +135,10 @@ class TaskGraph:
             width[lv] += 1
         per_family: dict = {}
         for o in self.ops:
-            row = per_family.setdefault((o.family, o.stage, o.tiling), [0, 0])
+            row = per_family.setdefault((o.family, o.stage, o.tiling), [0, 0, 0])
             row[0] += 1
             row[1] += o.count
+            row[2] += sum(len(t.deps) for t in self.tasks[o.first:o.first + o.count])
         waits = sum(1 if tiles is None else len(tiles) for t in self.tasks for _, tiles in self.waits(t))
         return {"tasks": len(self.tasks), "ops": len(self.ops), "deps": sum(len(t.deps) for t in self.tasks),
                 "waits": waits,
@@ -425,6 +426,35 @@ def _add_deps(graph: TaskGraph, tiling: Tiling) -> None:
                 readers[space][c] = []
         deps.discard(t.id)
         t.deps = tuple(sorted(deps))
+    _prune(graph)
+
+
+def _prune(graph: TaskGraph) -> None:
+    """Drop the dependencies the others already imply, where that is cheap to see: a dependency of a
+    dependency is implied, and so is any task of an op all of whose tasks are ancestors of another
+    dependency (each task keeps those ops as a bitset, from its dependencies and theirs).  Mostly
+    these are the write-after-read and write-after-write edges through arena bytes a value shares
+    with an earlier one, whose readers and writers all finished before something the task waits for."""
+    full = [0] * len(graph.tasks)
+    for t in graph.tasks:
+        implied: set = set()
+        seen = 0
+        for d in t.deps:
+            implied.update(graph.tasks[d].deps)
+            seen |= full[d]
+        seen |= _whole_ops(graph, implied)
+        kept = tuple(d for d in t.deps if d not in implied and not (seen >> graph.tasks[d].op) & 1)
+        full[t.id] = seen | _whole_ops(graph, implied.union(t.deps))
+        t.deps = kept
+
+
+def _whole_ops(graph: TaskGraph, tasks) -> int:
+    """Bitset of the ops all of whose tasks are among `tasks`."""
+    bits = 0
+    for op, n in Counter(graph.tasks[d].op for d in tasks).items():
+        if n == graph.ops[op].count:
+            bits |= 1 << op
+    return bits
 
 
 def summary_lines(graph: TaskGraph) -> list[str]:
@@ -432,6 +462,6 @@ def summary_lines(graph: TaskGraph) -> list[str]:
     lines = [f"decode, batch {graph.batch} (context {graph.context}, {graph.sms} SMs): {s['tasks']} tasks in "
              f"{s['ops']} launches, {s['deps']} dependencies ({s['waits']} counter waits), "
              f"critical path {s['critical_path']} tasks, widest level {s['widest_level']} tasks"]
-    for name, (ops, tasks) in sorted(s["per_family"].items(), key=lambda kv: -kv[1][1]):
-        lines.append(f"  {name:<52} {ops:>4} launches {tasks:>6} tasks")
+    for name, (ops, tasks, deps) in sorted(s["per_family"].items(), key=lambda kv: (-kv[1][1], kv[0])):
+        lines.append(f"  {name:<48} {ops:>4} launches {tasks:>6} tasks {deps:>7} dependencies")
     return lines

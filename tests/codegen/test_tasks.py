@@ -183,3 +183,24 @@ def test_the_bundle_records_a_task_graph_per_bucket(tmp_path, monkeypatch):
     for b in TASK_BATCHES:
         data = json.loads((res.path / manifest["tasks"][f"decode_b{b}"]).read_text())
         assert data["graph"]["batch"] == b and data["tasks"]
+
+
+def test_explain_tasks_summarises_each_batch(tmp_path, capsys):
+    from runtime.cli import main
+    from tiny import write_tiny_spec
+    assert main(["explain", str(write_tiny_spec(tmp_path / "tiny.yaml")), "--tasks", "--batch", "1,3"]) == 0
+    out = capsys.readouterr().out
+    g1, g3 = graph_of("tiny", 1)[0].summary(), graph_of("tiny", 3)[0].summary()
+    for b, s in ((1, g1), (3, g3)):
+        assert (f"decode, batch {b} (context 512, 132 SMs): {s['tasks']} tasks in {s['ops']} launches, "
+                f"{s['deps']} dependencies ({s['waits']} counter waits), critical path {s['critical_path']} tasks, "
+                f"widest level {s['widest_level']} tasks") in out
+    assert "linear_skinny.multi_linear (declared)" in out and "moe_route.fused (coarse)" in out
+
+
+def test_explain_tasks_refuses_a_bad_batch_in_one_line(capsys):
+    from runtime.cli import main
+    with pytest.raises(SystemExit):
+        main(["explain", "--tasks", "--batch", "0"])
+    err = capsys.readouterr().err
+    assert "token counts must be whole numbers >= 1" in err and "Traceback" not in err
