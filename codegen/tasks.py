@@ -30,6 +30,7 @@ prints.  codegen/taskcheck.py checks a graph with its own region bookkeeping.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 from collections import Counter, defaultdict
@@ -388,17 +389,21 @@ def build_task_graph(plan, batch: int, *, context: int = TASK_CONTEXT, sms: int 
 
 def _add_deps(graph: TaskGraph, tiling: Tiling) -> None:
     """RAW, WAW and WAR edges, tracked per cell: the byte ranges between every boundary any task's
-    region has in a space, each with its last writer and the readers since."""
-    spans = [([tiling.intervals(r) for r in t.reads], [tiling.intervals(r) for r in t.writes])
+    region has in a space, each with its last writer and the readers since.
+
+    The tiles of one op are usually independent (disjoint writes, none reads what a sibling writes):
+    then they all see the state before the op, and the many tiles reading one region (every tile of
+    a linear reads all of x) are looked up once and recorded as one group.  Otherwise the op's tasks
+    go one by one, in order."""
+    spans = [([iv for r in t.reads for iv in tiling.intervals(r)], [iv for r in t.writes for iv in tiling.intervals(r)])
              for t in graph.tasks]
     bounds: dict[str, set] = defaultdict(set)
     for reads, writes in spans:
-        for ivs in (*reads, *writes):
-            for space, lo, hi in ivs:
-                bounds[space].update((lo, hi))
+        for space, lo, hi in (*reads, *writes):
+            bounds[space].update((lo, hi))
     index = {s: {b: k for k, b in enumerate(sorted(bs))} for s, bs in bounds.items()}
     writer = {s: [-1] * len(bs) for s, bs in bounds.items()}
-    readers: dict[str, list] = {s: [[] for _ in bs] for s, bs in bounds.items()}
+    readers: dict[str, list] = {s: [[] for _ in bs] for s, bs in bounds.items()}   # groups: tuples of tasks
 
     def cells(ivs):
         for space, lo, hi in ivs:
@@ -406,27 +411,68 @@ def _add_deps(graph: TaskGraph, tiling: Tiling) -> None:
             for c in range(ix[lo], ix[hi]):
                 yield space, c
 
-    for t, (reads, writes) in zip(graph.tasks, spans):
-        deps: set = set()
-        for ivs in reads:
+    def after_writers(ivs) -> set:
+        return {w for space, c in cells(ivs) if (w := writer[space][c]) >= 0}
+
+    def after_accesses(ivs) -> set:
+        deps = set()
+        for space, c in cells(ivs):
+            if writer[space][c] >= 0:
+                deps.add(writer[space][c])
+            for group in readers[space][c]:
+                deps.update(group)
+        return deps
+
+    def record(groups, writes) -> None:
+        for ivs, ids in groups:
             for space, c in cells(ivs):
-                if writer[space][c] >= 0:
-                    deps.add(writer[space][c])
-        for ivs in writes:
+                readers[space][c].append(ids)
+        for tid, ivs in writes:
             for space, c in cells(ivs):
-                if writer[space][c] >= 0:
-                    deps.add(writer[space][c])
-                deps.update(readers[space][c])
-        for ivs in reads:
-            for space, c in cells(ivs):
-                readers[space][c].append(t.id)
-        for ivs in writes:
-            for space, c in cells(ivs):
-                writer[space][c] = t.id
+                writer[space][c] = tid
                 readers[space][c] = []
-        deps.discard(t.id)
-        t.deps = tuple(sorted(deps))
+
+    for op in graph.ops:
+        ids = range(op.first, op.first + op.count)
+        if _independent([spans[i] for i in ids]):
+            groups: dict = defaultdict(list)
+            for i in ids:
+                groups[tuple(spans[i][0])].append(i)
+            raw = {key: after_writers(key) for key in groups}
+            for i in ids:
+                deps = raw[tuple(spans[i][0])] | after_accesses(spans[i][1])
+                deps.discard(i)
+                graph.tasks[i].deps = tuple(sorted(deps))
+            record([(key, tuple(g)) for key, g in groups.items()], [(i, spans[i][1]) for i in ids])
+            continue
+        for i in ids:
+            deps = after_writers(spans[i][0]) | after_accesses(spans[i][1])
+            deps.discard(i)
+            graph.tasks[i].deps = tuple(sorted(deps))
+            record([(spans[i][0], (i,))], [(i, spans[i][1])])
     _prune(graph)
+
+
+def _independent(spans) -> bool:
+    """No two of these tasks write the same byte, and none reads a byte another writes."""
+    writes = sorted((space, lo, hi, k) for k, (_, w) in enumerate(spans) for space, lo, hi in w)
+    for (s0, _, h0, _), (s1, l1, _, _) in zip(writes, writes[1:]):
+        if s0 == s1 and l1 < h0:
+            return False
+    if len(spans) < 2:
+        return True
+    starts = defaultdict(list)
+    for space, lo, hi, k in writes:
+        starts[space].append((lo, hi, k))
+    for k, (reads, _) in enumerate(spans):
+        for space, lo, hi in reads:
+            ws = starts.get(space, ())
+            j = bisect.bisect_left(ws, (hi,)) - 1     # writes are disjoint and sorted: scan back from here
+            while j >= 0 and ws[j][1] > lo:
+                if ws[j][2] != k:
+                    return False
+                j -= 1
+    return True
 
 
 def _prune(graph: TaskGraph) -> None:
