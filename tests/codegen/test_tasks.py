@@ -204,3 +204,52 @@ def test_explain_tasks_refuses_a_bad_batch_in_one_line(capsys):
         main(["explain", "--tasks", "--batch", "0"])
     err = capsys.readouterr().err
     assert "token counts must be whole numbers >= 1" in err and "Traceback" not in err
+
+
+def _merged(ivs):
+    out = []
+    for space, lo, hi in sorted(ivs):
+        if out and out[-1][0] == space and lo <= out[-1][2]:
+            out[-1][2] = max(out[-1][2], hi)
+        else:
+            out.append([space, lo, hi])
+    return [tuple(x) for x in out]
+
+
+def _within(inner, outer) -> bool:
+    outer = _merged(outer)
+    return all(any(s == space and a <= lo and hi <= b for s, a, b in outer) for space, lo, hi in _merged(inner))
+
+
+@pytest.mark.parametrize("spec,batch", CASES + [("model_specs/deepseek_v2_lite.yaml", 1),
+                                               ("model_specs/deepseek_v2_lite.yaml", 8)])
+def test_declared_tiles_partition_what_the_launch_writes(spec, batch):
+    """A family's tiles against the whole launch (every pointer read, every non-const one written):
+    tiles write disjoint bytes, read and write nothing the launch is not passed, and together write
+    all of it -- but the cache, where only the new rows are written, and values a sibling launch of
+    the same node writes at these sizes (the query's cache-write row when the cache write runs apart)."""
+    from codegen.kernel import KernelLaunch
+    from codegen.tasks import coarse_tile
+    g, tiling = graph_of(spec, batch)
+    plan = decode_plan(spec)
+    caches = set(tiling.caches.values())
+    declared = 0
+    for o in g.ops:
+        if o.tiling != "declared":
+            continue
+        step = plan.steps[o.step]
+        whole = coarse_tile(step, tiling)
+        tasks = g.tasks[o.first:o.first + o.count]
+        ivs = lambda regs: [iv for r in regs for iv in tiling.intervals(r)]
+        writes = [ivs(t.writes) for t in tasks]
+        flat = sorted(iv for w in writes for iv in _merged(w))
+        assert all(a[0] != b[0] or b[1] >= a[2] for a, b in zip(flat, flat[1:])), f"{o.kernel}: tiles overlap"
+        assert _within(flat, ivs(whole.writes)), o.kernel
+        assert _within([iv for t in tasks for iv in ivs(t.reads)], ivs(whole.reads)), o.kernel
+        siblings = {v for p in g.ops if p is not o and p.node == o.node
+                    and isinstance(plan.steps[p.step], KernelLaunch)
+                    for v, w in tiling.pointers(plan.steps[p.step]) if w}
+        must = [r for r in whole.writes if r.value not in caches and r.value not in siblings]
+        assert _within(ivs(must), flat), f"{o.kernel}: tiles leave bytes of {[r.value for r in must]} unwritten"
+        declared += 1
+    assert declared
