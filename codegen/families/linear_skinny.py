@@ -165,13 +165,15 @@ def _fp8_weights(G, names: list[str], opts) -> bool:
 
 
 def tasks(launch, tiling):
-    """The decode task graph's tiles (codegen/tasks.py): one per CTA row tile of the stacked weights
-    (16 * rt output columns; a gate_up_silu's rows are gate and up interleaved, so 8 * rt), its
-    ksplit CTAs together; each reads x whole and writes its columns of the outputs."""
+    """The decode task graph's tiles (codegen/tasks.py): runs of the CTAs' row tiles of the stacked
+    weights (16 * rt output columns a CTA; a gate_up_silu's rows are gate and up interleaved, so
+    8 * rt), its ksplit CTAs together, at most two tasks an SM (more only add waits: the lm head's
+    6400 row tiles are 264 tasks on 132 SMs); each reads x whole and writes its columns of the outputs."""
     p = launch.params
     width = 16 * p["rt"] // (2 if p["silu"] else 1)
     outs = [tiling.value_of(launch, a) for a in p["y_args"]]
     ncols = [tiling.shape(y)[-1] for y in outs]
+    width *= -(-(-(-sum(ncols) // width)) // (2 * tiling.sizes["SMS"]))
     x = tiling.whole(tiling.value_of(launch, "x"))
     tiles = []
     for k, lo in enumerate(range(0, sum(ncols), width)):
