@@ -47,7 +47,7 @@ def add_explain_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", action="store_true",
                    help="summarise the decode step's task graph instead (codegen/tasks.py)")
     p.add_argument("--batch", type=tokens_arg, default="1", metavar="B,...",
-                   help="with --tasks: the decode batch sizes (default 1)")
+                   help="with --tasks: the decode batch sizes (default: %(default)s)")
     add_tune_arg(p)
 
 
