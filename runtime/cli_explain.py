@@ -2,6 +2,7 @@
 
     dsgraph explain model_specs/deepseek_v2_lite.yaml --tokens 1,48,300,16384 [--phase decode]
     dsgraph explain --knobs              the tuning knobs, their defaults and meaning
+    dsgraph explain SPEC --tasks --batch 1,8,32   the decode step's task graph (codegen/tasks.py)
 
 The answer is the lowering's own: the spec goes through the passes and the families (no NVRTC),
 and at each token count the launches whose grids have work (codegen.sizes, with the step's sizes)
@@ -43,6 +44,10 @@ def add_explain_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sms", type=whole_number(1), default=132, metavar="N",
                    help="SMs of the GPU the grids are sized for (an H100 / H200 has 132)")
     p.add_argument("--knobs", action="store_true", help="list the tuning knobs and exit")
+    p.add_argument("--tasks", action="store_true",
+                   help="summarise the decode step's task graph instead (codegen/tasks.py)")
+    p.add_argument("--batch", type=tokens_arg, default="1", metavar="B,...",
+                   help="with --tasks: the decode batch sizes (default: %(default)s)")
     add_tune_arg(p)
 
 
@@ -55,6 +60,11 @@ def run_explain(args) -> int:
             value = tuning.to_json()[name.split(".")[0]][name.split(".")[1]]
             mark = "" if value == default else f"  (set: {value})"
             print(f"{name:<32} {'none' if default is None else default!s:<16} {doc}{mark}")
+        return 0
+    if args.tasks:
+        for line in task_lines(args.spec or str(DEFAULT_SPEC), batches=args.batch, arch=args.arch, dtype=args.dtype,
+                               context=args.context, sms=args.sms, tuning=tuning):
+            print(line)
         return 0
     for line in explain_lines(args.spec or str(DEFAULT_SPEC), tokens=args.tokens,
                               phases=(args.phase,) if args.phase else PHASES, arch=args.arch, dtype=args.dtype,
@@ -106,6 +116,26 @@ def explain_lines(spec, *, tokens, phases=PHASES, arch=DEFAULTS.arch, dtype=DEFA
                 why = _reason(op, running, T, opts, G.nodes[nid]["attrs"])
                 if why:
                     lines.append(f"    why    {why}")
+    return lines
+
+
+def task_lines(spec, *, batches, arch=DEFAULTS.arch, dtype=DEFAULTS.dtype, context=512, sms=132,
+               tuning=None) -> list[str]:
+    """The decode task graph at each batch size: tasks, dependencies, critical path, widest level, and
+    the tasks per family (declared tiling, coarse, library)."""
+    from codegen.bundle import check_block_size, plan_spec
+    from codegen.families._dense_util import ELEM_BYTES
+    from codegen.kernel import Options
+    from codegen.nvrtc import check_target
+    from codegen.tasks import build_task_graph, summary_lines
+    from codegen.tuning import as_tuning
+    check_target(arch)
+    check_block_size(DEFAULTS.block_size)
+    sp = plan_spec(spec, Options(arch=arch, dtype=dtype, tuning=as_tuning(tuning)), strict=False)
+    lines = [f"{sp.spec.name} ({spec}): {arch}, {dtype}"]
+    for b in batches:
+        graph = build_task_graph(sp.plans["decode"], b, context=context, sms=sms, act_itemsize=ELEM_BYTES[dtype])
+        lines += ["", *summary_lines(graph)]
     return lines
 
 

@@ -32,3 +32,8 @@ def lower(nid, G, opts):
         args=(inp("a", ctype, ins[0]), stride("a_stride", ins[0], 0),
               inp("b", ctype, ins[1]), stride("b_stride", ins[1], 0),
               out("out", ctype, outs[0]), size("T", "T")))]
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py): one per token, its rows only."""
+    return tiling.per_token(launch)

@@ -24,3 +24,8 @@ def lower(nid, G, opts):
         params=params, nodes=(nid,), grid=("T", 1, 1), block=(threads, 1, 1),
         args=(inp("ids", "i64", ins[0]), weight("table", params["act"], w["weight"]),
               out("out", params["act"], outs[0]), size("T", "T")))]
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py): one per token, its rows only."""
+    return tiling.per_token(launch)

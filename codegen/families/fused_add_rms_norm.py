@@ -24,3 +24,8 @@ def lower(nid, G, opts):
         args=(inp("x", act, ins[0]), stride("x_stride", ins[0], 0),
               inp("res", act, ins[1]), stride("res_stride", ins[1], 0),
               weight("w", act, w["weight"]), out("h", act, outs[0]), out("s", act, outs[1]), size("T", "T")))]
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py): one per token, its rows only."""
+    return tiling.per_token(launch)

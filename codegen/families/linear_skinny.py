@@ -281,3 +281,28 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
         grid=(f"{-(-sum(rows) // (16 * row_tiles))} * {below}", 1, 1), block=(warps * 32, 1, 1), args=args,
         workspace=ws, stage=data["op"])
     return [quant, linear, dataclasses.replace(call, from_tokens=upto + 1)]
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py): runs of the CTAs' row tiles of the stacked
+    weights (16 * rt output columns a CTA; a gate_up_silu's rows are gate and up interleaved, so
+    8 * rt), its ksplit CTAs together, at most two tasks an SM (more only add waits: the lm head's
+    6400 row tiles are 264 tasks on 132 SMs); each reads x whole and writes its columns of the outputs."""
+    p = launch.params
+    if p["wfmt"] == INT8.name:   # the int8 quantiser and kernel read x through workspaces: one task each
+        return None
+    width = 16 * p["rt"] // (2 if p["silu"] else 1)
+    outs = [tiling.value_of(launch, a) for a in p["y_args"]]
+    ncols = [tiling.shape(y)[-1] for y in outs]
+    width *= -(-(-(-sum(ncols) // width)) // (2 * tiling.sizes["SMS"]))
+    x = tiling.whole(tiling.value_of(launch, "x"))
+    tiles = []
+    for k, lo in enumerate(range(0, sum(ncols), width)):
+        writes, start = [], 0
+        for y, n in zip(outs, ncols):
+            a, b = max(lo, start), min(lo + width, start + n)
+            if a < b:
+                writes.append(tiling.cols(y, a - start, b - start))
+            start += n
+        tiles.append(tiling.tile(k, [x], writes))
+    return tiles

@@ -303,3 +303,8 @@ def lower(nid, G, opts, variant: Variant | None = None):
             stage="single" if c == 1 else f"splits{c}", args=(*args, work("part", "float", ws)),
             workspace=(Workspace(ws, (rows, rec_floats(C, HG, c)), "f32"),)))
     return launches
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py): one per token, its rows only."""
+    return tiling.per_token(launch)

@@ -155,3 +155,22 @@ def _launch(nid, G, opts, params: dict, grid, threads: int, variant: str | None,
     return KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
         grid=grid, block=(threads, 1, 1), args=tuple(args))
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py): one per head (its q_nope and q_pe rows in,
+    its absorbed query out), and where the launch also writes the cache (the mma_kv row of CTAs) one
+    more task for that: c and k_pe in, c_n, k_rot and every sequence's new cache row out."""
+    p = launch.params
+    H = p["H"]
+    heads = ["qn", "qp"] if p["has_rope"] else ["qn"]
+    ins = [tiling.value_of(launch, a) for a in heads]
+    q = tiling.value_of(launch, "out")
+    tiles = [tiling.tile(h, [tiling.box(v, None, (h, h + 1)) for v in ins], [tiling.box(q, None, (h, h + 1))])
+             for h in range(H)]
+    if p.get("kv_write") and tiling.eval(launch.grid[1]) > H:
+        c, k_pe, c_n, k_rot = (tiling.value_of(launch, a) for a in ("c", "k_pe", "c_n", "k_rot"))
+        rows = [tiling.cache_rows(launch, b, tiling.context - 1, tiling.context) for b in range(tiling.B)]
+        tiles.append(tiling.tile("kv", [tiling.whole(c), tiling.whole(k_pe)],
+                                 [tiling.whole(c_n), tiling.whole(k_rot), *rows]))
+    return tiles

@@ -51,3 +51,8 @@ def kv_write_args(opts, ins, outs, norm_weight: str, act: str, w_name: str, posi
             weight(w_name, act, norm_weight), *((ctx("positions", "positions"),) if positions else ()),
             ctx("slots", "slot_mapping"),
             out("c_n", act, outs[0]), out("k_rot", act, outs[1]), ctx("cache", "kv_cache", act, writes=True))
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py): one per token, its rows only."""
+    return tiling.per_token(launch)

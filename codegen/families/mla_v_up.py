@@ -97,3 +97,12 @@ def lower(nid, G, opts):
         params=params, nodes=(nid,), grid=grid, block=(threads, 1, 1),
         args=(inp("ol", act, ins[0]), stride("ol_s0", ins[0], 0), stride("ol_s1", ins[0], 1),
               *kv_b_args(w["kv_b"], act, fp8), out("out", act, outs[0]), size("T", "T")))]
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py): one per head, reading its latent rows
+    o_lat[:, h] and writing its V columns of the output."""
+    H, V = launch.params["H"], launch.params["V"]
+    ol, out_ = tiling.value_of(launch, "ol"), tiling.value_of(launch, "out")
+    return [tiling.tile(h, [tiling.box(ol, None, (h, h + 1))], [tiling.cols(out_, h * V, (h + 1) * V)])
+            for h in range(H)]

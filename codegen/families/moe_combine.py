@@ -21,3 +21,8 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"k{K}_d{D}"]),
         params=p, nodes=(nid,), grid=_moe.combine_grid(p), block=(p["threads"], 1, 1),
         args=(inp("eo", p["act"], eo), inp("w", "float", w), out("out", p["act"], y)))]
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py): one per token, its rows only."""
+    return tiling.per_token(launch)

@@ -28,3 +28,8 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
         params=p, nodes=(nid,), grid=_moe.combine_grid(p), block=(p["threads"], 1, 1),
         args=(inp("eo", p["act"], eo), inp("w", "float", w), *shared_arg,
               inp("residual", p["act"], residual), out("out", p["act"], y)))]
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py): one per token, its rows only."""
+    return tiling.per_token(launch)

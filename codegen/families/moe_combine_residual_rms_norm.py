@@ -31,3 +31,8 @@ def lower(nid: str, G, opts) -> list[KernelLaunch]:
         params=p, nodes=(nid,), grid=("T", 1, 1), block=(p["threads"], 1, 1),
         args=(inp("eo", ct, eo), inp("w", "float", w), *shared_arg, inp("residual", ct, residual),
               weight("nw", ct, wts["weight"]), out("h", ct, h), out("s", ct, s), size("T", "T")))]
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py): one per token, its rows only."""
+    return tiling.per_token(launch)

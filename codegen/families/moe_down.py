@@ -38,3 +38,13 @@ def launches(nid: str, p: dict, args: tuple, opts: Options, *, within=None) -> l
     path passes its workspace as a and its token ranges as `within`."""
     return _moe_grouped.launches(FAMILY, TEMPLATE, [opts.dtype, f"e{p['E']}", f"d{p['N']}_m{p['KD']}"], p, nid,
                                  args, opts, down=True, within=within)
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py) of the skinny wgmma launches: one per column
+    tile of the output (each reads every pair's activations: which rows an expert owns is data); the
+    other launches are one task each."""
+    from ._moe_wgmma_skinny import cols
+    if not launch.stage.startswith("wgmma_skinny"):
+        return None
+    return tiling.column_tiles(launch, cols(down=True))

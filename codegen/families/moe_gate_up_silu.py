@@ -45,3 +45,13 @@ def launches(nid: str, p: dict, args: tuple, opts: Options, *, shared: int = 0, 
     name = [opts.dtype, f"e{p['E']}_k{p['K']}", f"m{p['N']}_d{p['KD']}"]
     return _moe_grouped.launches(FAMILY, TEMPLATE, name, p, nid, args, opts, down=False, shared=shared,
                                  within=within)
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py) of the skinny wgmma launches: one per column
+    tile of the expert activations (which pairs an expert has is data, so every tile covers every
+    pair row); the other launches are one task each."""
+    from ._moe_wgmma_skinny import cols
+    if not launch.stage.startswith("wgmma_skinny"):
+        return None
+    return tiling.column_tiles(launch, cols(down=False))

@@ -28,3 +28,8 @@ def lower(nid, G, opts):
         args=(inp("g", params["act"], ins[0]), stride("g_stride", ins[0], 0),
               inp("u", params["act"], ins[1]), stride("u_stride", ins[1], 0),
               out("out", params["act"], outs[0]), size("T", "T")))]
+
+
+def tasks(launch, tiling):
+    """The decode task graph's tiles (codegen/tasks.py): one per token, its rows only."""
+    return tiling.per_token(launch)
