@@ -66,9 +66,11 @@ def check(nid: str, opts, p: dict) -> None:
         raise LoweringError(f"node {nid}: {FP8.name} expert weights need {' and '.join(why)}")
 
 
-def args(weights: dict) -> tuple:
-    """The FP8 operands of `weights` (argument name -> bound weight name): each as a tensor map, then each
-    one's scales (s_<suffix of the name>: w_gate -> s_gate, w -> s)."""
+def args(weights: dict, act: str, fp8: bool) -> tuple:
+    """The weight operands of `weights` (argument name -> bound weight name): with `fp8`, each as a tensor
+    map, then each one's scales (s_<suffix of the name>: w_gate -> s_gate, w -> s); else each in `act`."""
+    if not fp8:
+        return tuple(weight(a, act, b) for a, b in weights.items())
     maps = tuple(tensor_map(a, b, (BOX, BK), SWIZZLE) for a, b in weights.items())
     scales = tuple(weight("s" + a[1:], "float", companion_names(b, FP8)[0]) for a, b in weights.items())
     return maps + scales

@@ -2,7 +2,7 @@
 step, which one by codegen/dispatch.py's grouped_experts table (_moe_grouped.py lowers it)."""
 from __future__ import annotations
 
-from codegen.kernel import KernelLaunch, inp, out, weight, Options
+from codegen.kernel import KernelLaunch, inp, out, Options
 
 from ir.formats import FP8, UNSCALED
 
@@ -26,7 +26,7 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     fp8 = _moe_fp8.is_fp8(G, nid, ("weight",), opts)
     if fp8:
         p["fp8"] = True
-    w = _moe_fp8.args({"w": bound["weight"]}) if fp8 else (weight("w", act, bound["weight"]),)
+    w = _moe_fp8.args({"w": bound["weight"]}, act, fp8)
     args = (inp("a", act, a), *w,
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out", act, y))

@@ -33,7 +33,7 @@ import dataclasses
 from codegen import dispatch, sizes
 from codegen.arch import has_feature
 from codegen.errors import LoweringError
-from codegen.kernel import KernelLaunch, Options, Workspace, inp, out, tensor_map, weight, work
+from codegen.kernel import KernelLaunch, Options, Workspace, inp, out, tensor_map, work
 
 from ir.formats import FP8, UNSCALED
 
@@ -98,9 +98,8 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     fp8 = _moe_fp8.is_fp8(G, nid, ("gate", "up", "down"), opts)
     if fp8:
         gu["fp8"] = dn["fp8"] = True
-    gu_w = _moe_fp8.args({"w_gate": bound["gate"], "w_up": bound["up"]}) if fp8 else \
-        (weight("w_gate", act, bound["gate"]), weight("w_up", act, bound["up"]))
-    dn_w = _moe_fp8.args({"w": bound["down"]}) if fp8 else (weight("w", act, bound["down"]),)
+    gu_w = _moe_fp8.args({"w_gate": bound["gate"], "w_up": bound["up"]}, act, fp8)
+    dn_w = _moe_fp8.args({"w": bound["down"]}, act, fp8)
     gu_args = (inp("x", act, x), *gu_w, order, offsets, work("out", act, WORKSPACE))
     dn_args = (work("a", act, WORKSPACE, writes=False), *dn_w, order, offsets, out("out", act, y))
     rows = dispatch.rows(FAMILY, facts(opts, gu, dn), opts.tuning)

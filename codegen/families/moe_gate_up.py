@@ -2,7 +2,7 @@
 launch; the unfused form of moe_gate_up_silu (same kernel body, two rounded outputs)."""
 from __future__ import annotations
 
-from codegen.kernel import KernelLaunch, inp, out, weight, Options
+from codegen.kernel import KernelLaunch, inp, out, Options
 
 from ir.formats import FP8, UNSCALED
 
@@ -26,8 +26,7 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     fp8 = _moe_fp8.is_fp8(G, nid, ("gate", "up"), opts)
     if fp8:
         p["fp8"] = True
-    w = _moe_fp8.args({"w_gate": bound["gate"], "w_up": bound["up"]}) if fp8 else \
-        (weight("w_gate", act, bound["gate"]), weight("w_up", act, bound["up"]))
+    w = _moe_fp8.args({"w_gate": bound["gate"], "w_up": bound["up"]}, act, fp8)
     args = (inp("x", act, x), *w,
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out_gate", act, out_g), out("out_up", act, out_u))
