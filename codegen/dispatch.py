@@ -201,10 +201,10 @@ def linear(t: Tuning = DEFAULT_TUNING) -> Table:
     return Table("linear", "tokens", (
         Case({"precision": "fp32"}, _rows(("library", 1, INF, "fp32 precision: cuBLAS, weights and output "
                                                               "stay float32")), "fp32 precision (the router)"),
-        Case({"weight_format": "fp8_e4m3_block128", "sm_90a": True, "fp8_rows": True, "fp8_fits": True},
-             _rows(skinny, ("fp8_wgmma", up + 1, INF, "FP8 x FP8 wgmma + TMA: x quantised per token per 128 "
-                                                      "columns, fp32 promotion per 128-K block")),
-             "FP8 weights, sm_90a"),
+        *((Case({"weight_format": "fp8_e4m3_block128", "sm_90a": True, "fp8_rows": True, "fp8_fits": True},
+                _rows(skinny, ("fp8_wgmma", up + 1, INF, "FP8 x FP8 wgmma + TMA: x quantised per token per 128 "
+                                                         "columns, fp32 promotion per 128-K block")),
+                "FP8 weights, sm_90a"),) if t.linear.fp8_activations else ()),
         Case({"weight_format": i8, "dtype": ("bf16", "fp16")},
              _rows(("skinny_wi8", 1, up, "int8 weights: x quantised per token by its own launch, then the skinny "
                                          "kernel's mma.sync s8 x s8 -> s32 with the weights as M (exact, bit-equal "

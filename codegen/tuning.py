@@ -118,6 +118,10 @@ class LinearTuning(_Section):
                                    doc="skinny kernel, FP8 weights, gate_up_silu: the weight-load pipeline")
     fp8_silu_unroll: int = _knob(1, choices=(1, 2, 4, 8), doc="skinny kernel, FP8 weights, gate_up_silu: "
                                                                "64-k steps in flight a thread")
+    fp8_activations: bool = _knob(True, doc="FP8 weights above skinny_upto: x quantised to e4m3 per token per "
+                                            "128 columns for the FP8 x FP8 GEMM (DeepSeek-V3's dynamic activation "
+                                            "scheme); false: the weights dequantised every call, x kept 16-bit "
+                                            "(the stored weights exactly, slower)")
 
 
 @dataclass(frozen=True)

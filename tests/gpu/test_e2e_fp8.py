@@ -8,15 +8,20 @@ partial "ceil" blocks (kv_a_proj_with_mqa's 176 rows end in a 48-row block, as V
 one), and kv_b's heads cross its 128-row scale blocks.  Both engines load the FP8 checkpoint as stored
 (the spec `--from-config` writes), so every decoder linear, the experts and kv_b are FP8: decode runs
 the FP8 skinny linears, the FP8 expert GEMMs and the FP8 absorbed query / v_up; prefill the FP8 skinny
-linears (<= 16 tokens) or their dequantising fallback (above), and the FP8 expert GEMMs.
+linears (<= 16 tokens) and, above, the FP8 x FP8 GEMM (gemm_fp8: x quantised to e4m3 per token per 128
+columns, DeepSeek-V3's dynamic activation scheme), and the FP8 expert GEMMs.
 
 - logits (prefill, and paged decode after 4 tokens): our error against the reference in fp32 is at
-  most 1.5x the reference's own in bf16 (the same weights, the same bf16 rounding points);
+  most 1.5x the reference's own in bf16 (the same weights, the same bf16 rounding points) -- with the
+  weights' semantics alone (tuning linear.fp8_activations=false: above 16 tokens the weights are
+  dequantised and x stays bf16), and with the FP8 GEMM against the reference that quantises x with
+  ir/act_quant.py exactly where our step ran it (the same activation semantics);
 - greedy tokens: each token we choose is the fp32 reference's argmax over our own trajectory, or
   within our measured logit error of it (a near tie that bf16 may flip either way).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -89,7 +94,8 @@ def write_fp8_checkpoint(name: str, root, seed: int = 0):
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def fp8_engines(request, tmp_path_factory):
-    """(name, cuda bf16 engine, reference fp32 engine, reference bf16 engine), all on the FP8 checkpoint."""
+    """(name, cuda bf16 engine, reference fp32 engine, reference bf16 engine, cuda bf16 engine whose FP8
+    linears keep x in bf16 above 16 tokens), all on the FP8 checkpoint."""
     from runtime import Engine
     name = request.param
     path = write_fp8_checkpoint(name, tmp_path_factory.mktemp(f"fp8_{name}"))
@@ -97,7 +103,9 @@ def fp8_engines(request, tmp_path_factory):
     ours = Engine.from_pretrained(path, backend="cuda", dtype=torch.bfloat16, **kw)
     ref = Engine.from_pretrained(path, backend="reference", dtype=torch.float32, **kw)
     ref_bf16 = Engine.from_pretrained(path, backend="reference", dtype=torch.bfloat16, **kw)
-    return name, ours, ref, ref_bf16
+    exact = Engine.from_pretrained(path, backend="cuda", dtype=torch.bfloat16,
+                                   tuning={"linear": {"fp8_activations": False}}, **kw)
+    return name, ours, ref, ref_bf16, exact
 
 
 def _rel(a, b):
@@ -106,7 +114,7 @@ def _rel(a, b):
 
 def test_the_cuda_backend_runs_the_fp8_kernels(fp8_engines):
     from ir.formats import FP8
-    _, ours, _, _ = fp8_engines
+    _, ours, _, _, exact = fp8_engines
     kv_b = "model.layers.0.self_attn.kv_b_proj.weight"
     assert ours.weight_specs[kv_b].format == FP8.name
     assert ours.backend.weights[kv_b].dtype == torch.float8_e4m3fn
@@ -115,22 +123,81 @@ def test_the_cuda_backend_runs_the_fp8_kernels(fp8_engines):
         assert any(n.startswith(f"{family}__bf16_wfp8__") for n in names), (family, names)
 
 
-def test_fp8_logits_within_the_references_own_bf16_error(fp8_engines):
-    name, ours, ref, ref_bf16 = fp8_engines
+    prefill = [getattr(s, "family", "") for s in ours.backend.plans["prefill"].steps]
+    assert "gemm_fp8" in prefill and "gemm_fp8" not in [getattr(s, "family", "") for s in
+                                                         exact.backend.plans["prefill"].steps]
+
+
+def gemm_fp8_weights(engine) -> set[str]:
+    """The weights whose linears the engine's prefill runs on the FP8 x FP8 GEMM."""
+    names = set()
+    for step in engine.backend.plans["prefill"].steps:
+        if getattr(step, "family", "") == "gemm_fp8":
+            names |= {a.weight for a in step.args if type(a).__name__ == "TensorMapRef"}
+    return names
+
+
+@contextlib.contextmanager
+def activations_quantised_where(engine):
+    """The reference's linears quantise x with ir/act_quant.py (e4m3 per token per 128, then exactly
+    dequantised) where the engine's step runs the FP8 GEMM: their weights are among gemm_fp8's and the
+    step has more tokens than the skinny kernel takes."""
+    from codegen.families.linear_skinny import SKINNY_MAX_TOKENS
+    from ir.act_quant import dequantize_act_fp8, quantize_act_fp8
+    from ir.ops import OPS
+    names = gemm_fp8_weights(engine)
+    assert names
+    classes = [OPS[op] for op in ("linear", "multi_linear", "gate_up_silu")]
+    own = {cls: cls.__dict__.get("run") for cls in classes}    # None: run is inherited
+
+    def quantising(run):
+        def run_on_quantised_x(node, ins, w, ctx):
+            x = ins[0]
+            if set(node.weights.values()) & names and x.shape[0] > SKINNY_MAX_TOKENS:
+                x = dequantize_act_fp8(*quantize_act_fp8(x)).to(x.dtype)
+            return run(node, [x, *ins[1:]], w, ctx)
+        return staticmethod(run_on_quantised_x)
+    try:
+        for cls in classes:
+            cls.run = quantising(cls.run)
+        yield
+    finally:
+        for cls, run in own.items():
+            if run is None:
+                del cls.run
+            else:
+                cls.run = run
+
+
+def _within_bf16_error(name, label, ours, ref, ref_bf16, quantised_like=None):
     for decode_after in (None, 4):
         got = ours.logits(PROMPTS, decode_after=decode_after)
-        want = ref.logits(PROMPTS, decode_after=decode_after)
-        low = ref_bf16.logits(PROMPTS, decode_after=decode_after)
+        with activations_quantised_where(quantised_like) if quantised_like else contextlib.nullcontext():
+            want = ref.logits(PROMPTS, decode_after=decode_after)
+            low = ref_bf16.logits(PROMPTS, decode_after=decode_after)
         for p, o, w, lo in zip(PROMPTS, got, want, low):
             e_ours, e_ref = _rel(o, w), _rel(lo, w)
-            _report(f"fp8_{name}_len{len(p)}_after{decode_after}_rel_ours_vs_reference_bf16",
+            _report(f"fp8_{name}_{label}_len{len(p)}_after{decode_after}_rel_ours_vs_reference_bf16",
                     f"{e_ours:.4g} / {e_ref:.4g}")
-            assert e_ours <= 1.5 * e_ref + 1e-3, f"{name} len {len(p)}: ours {e_ours:.4g} vs reference bf16 {e_ref:.4g}"
+            assert e_ours <= 1.5 * e_ref + 1e-3, \
+                f"{name} {label} len {len(p)}: ours {e_ours:.4g} vs reference bf16 {e_ref:.4g}"
+
+
+def test_fp8_logits_within_the_references_own_bf16_error(fp8_engines):
+    """The FP8 weights' semantics alone: above 16 tokens the weights are dequantised, x stays bf16."""
+    name, _, ref, ref_bf16, exact = fp8_engines
+    _within_bf16_error(name, "bf16_x", exact, ref, ref_bf16)
+
+
+def test_fp8_gemm_logits_within_the_references_own_bf16_error(fp8_engines):
+    """With the FP8 x FP8 GEMM: the reference quantises x as the GEMM's quantiser does, where it runs."""
+    name, ours, ref, ref_bf16, _ = fp8_engines
+    _within_bf16_error(name, "e4m3_x", ours, ref, ref_bf16, quantised_like=ours)
 
 
 def test_fp8_greedy_tokens_follow_the_reference_along_our_trajectory(fp8_engines):
     from runtime import SamplingParams
-    name, ours, ref, _ = fp8_engines
+    name, ours, ref, _, _ = fp8_engines
     new = 12
     outs = ours.generate(PROMPTS, SamplingParams(max_new_tokens=new))
     for p, o in zip(PROMPTS, outs):
