@@ -7,7 +7,6 @@
     <bundle>/kernels/<name>.cubin     NVRTC output for the manifest's arch (a kernel that requires an
                                       arch-specific feature, e.g. sm_90a: for that target; codegen/arch.py)
     <bundle>/ranks/rank<r>.json       world > 1 only: rank r's phases and weight slices
-    <bundle>/tasks/decode_b<B>.json   world 1: the decode step's task graph at batch B (codegen/tasks.py)
 
 Bundles live in the content-addressed cache (codegen/cache.py); the key covers
 exactly the spec text, every template's text, the compiler's source, the NVRTC
@@ -399,7 +398,6 @@ def _builder(spec, spec_text: str, spec_file: str, key: str, opts: Options, stri
             manifest["features"] = features
         if world == 1:
             manifest.update(plan_json(sp))
-            manifest["tasks"] = _write_task_graphs(tmp, sp.plans["decode"], opts)
         else:
             (tmp / RANKS_DIR).mkdir()
             for p in ranks:
@@ -409,23 +407,6 @@ def _builder(spec, spec_text: str, spec_file: str, key: str, opts: Options, stri
         (tmp / MANIFEST).write_text(dumps(manifest), encoding="utf-8")  # last: the commit marker
         stats["kernels"] = len(kernels)
     return build
-
-
-TASKS_DIR = "tasks"
-
-
-def _write_task_graphs(tmp: Path, decode_plan, opts: Options) -> dict:
-    """tasks/decode_b{B}.json per decode bucket (codegen/tasks.py): the step's task graph, as data."""
-    from .families._dense_util import ELEM_BYTES
-    from .tasks import TASK_BATCHES, build_task_graph
-    (tmp / TASKS_DIR).mkdir()
-    out = {}
-    for b in TASK_BATCHES:
-        path = f"{TASKS_DIR}/decode_b{b}.json"
-        graph = build_task_graph(decode_plan, b, act_itemsize=ELEM_BYTES[opts.dtype])
-        (tmp / path).write_text(graph.to_json(), encoding="utf-8")
-        out[f"decode_b{b}"] = path
-    return out
 
 
 def _parse(text: str, file: str):

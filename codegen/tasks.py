@@ -24,9 +24,9 @@ without one, or one that returns None for a launch (say, a stage that finishes w
 ticket), is one task per launch that reads every pointer it is passed and writes every non-const
 one, whole: always correct, coarse.  A library call is one coarse task; a view ("split") is none.
 
-The graph is data: `to_json` writes one task per line (stable order, so it diffs) and the bundle
-records it per batch bucket (tasks/decode_b{B}.json); `summary` is what `dsgraph explain --tasks`
-prints.  codegen/taskcheck.py checks a graph with its own region bookkeeping.
+The graph is data: `to_json` writes one task per line (stable order, so it diffs); `summary` is what
+`dsgraph explain --tasks` prints.  Bundles do not record it: nothing runs it yet, and V3's graph is tens
+of MB (the persistent kernel will carry what it runs).  codegen/taskcheck.py checks a graph with its own region bookkeeping.
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ from . import sizes as size_exprs
 from .kernel import CtxRef, KernelLaunch, LibraryCall, StrideRef, ValueRef, WorkspaceRef
 from .memplan import ITEMSIZE, ArenaPlan, step_sizes, workspace_slot
 
-TASK_BATCHES = (1, 8, 32)      # the decode buckets the bundle records
 TASK_CONTEXT = 512             # each sequence's context: decides the attention's splits
 ARENA = "arena"
 

@@ -168,23 +168,6 @@ def test_json_is_stable_and_says_what_the_graph_holds():
         assert named == set(t.deps)
 
 
-def test_the_bundle_records_a_task_graph_per_bucket(tmp_path, monkeypatch):
-    import json
-
-    from codegen import nvrtc
-    from codegen.bundle import compile_bundle, load_manifest
-    from codegen.tasks import TASK_BATCHES
-    from tiny import write_tiny_spec
-    monkeypatch.setattr(nvrtc, "compile_cubin", lambda source, name, **kw: nvrtc.CompileResult(cubin=b"x", log=""))
-    res = compile_bundle(write_tiny_spec(tmp_path / "tiny.yaml"), cache_dir=tmp_path / "c", strict=False,
-                         progress=False)
-    manifest = load_manifest(res.path)
-    assert sorted(manifest["tasks"]) == sorted(f"decode_b{b}" for b in TASK_BATCHES)
-    for b in TASK_BATCHES:
-        data = json.loads((res.path / manifest["tasks"][f"decode_b{b}"]).read_text())
-        assert data["graph"]["batch"] == b and data["tasks"]
-
-
 def test_explain_tasks_summarises_each_batch(tmp_path, capsys):
     from runtime.cli import main
     from tiny import write_tiny_spec
