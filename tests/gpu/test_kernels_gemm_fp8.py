@@ -31,7 +31,7 @@ from test_kernels_linear_fp8 import as_fp8, quantized
 
 from codegen.families import gemm_fp8, linear_skinny
 from codegen.kernel import KernelLaunch, LibraryCall, Options
-from ir.act_quant import linear_fp8, quantize_act_fp8
+from ir.act_quant import dequantize_act_fp8, dequantize_weight_fp8, linear_fp8, quantize_act_fp8
 from ir.formats import FP8, cdiv, companion_names
 
 SETTINGS = kernel_test(30)
@@ -46,6 +46,11 @@ WIDTHS = st.one_of(st.sampled_from([16, 112, 128, 144, 1408, 2048, 2064, 2816, 1
                    st.integers(1, 200).map(lambda k: 16 * k))
 HEIGHTS = st.one_of(st.sampled_from([1, 8, 63, 64, 65, 127, 128, 129, 200, 576, 2048, 3072]), st.integers(1, 700))
 MAX_MACS = 6 * 10 ** 11     # T * K * O: keeps the float64 reference to a second or so
+# The FP8 tensor cores add a 128-K block's products with about 14 bits (DeepSeek-V3's report, 3.3.2;
+# hence the promotion to fp32 registers per block): an output element may be off by a small multiple
+# of 2^-14 of sum |x w| even where it is itself near zero.  Measured on an H100 (2026-12-06): at most
+# 8.4e-5 of it (fp16 outputs; T = 257, K = 2256).  2^-12 leaves 3x; the norm-wise check is unchanged.
+ACC_SLACK = 2.0 ** -12
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -123,8 +128,8 @@ def run_case(dtype, T, K, rows, extra, offset, zero_rows, shift, seed):
     msg = f"T={T} K={K} rows={list(rows)} extra={extra} zero_rows={zero_rows} shift={shift}"
     q, s = check_quantiser(x, work, msg)
     for i, o in enumerate(outs):
-        ref = linear_fp8(q, s, ws[f"w{i}"], ws[companion_names(f"w{i}", FP8)[0]])
-        REC.check(ys[o], ref, dtype, f"{o} {msg}")
+        w, sw = ws[f"w{i}"], ws[companion_names(f"w{i}", FP8)[0]]
+        REC.check(ys[o], linear_fp8(q, s, w, sw), dtype, f"{o} {msg}", slack=ACC_SLACK * abs_products(q, s, w, sw))
     REC.example()
 
 
@@ -144,6 +149,20 @@ def run_case(dtype, T, K, rows, extra, offset, zero_rows, shift, seed):
 def test_linear_fp8_gemm(dtype, T, K, rows, extra, offset, zero_rows, shift, seed):
     assume(T * K * sum(rows) <= MAX_MACS)
     run_case(dtype, T, K, rows, extra, offset, zero_rows, shift, seed)
+
+
+def abs_products(q, s, w, sw):
+    """sum over k of |x[t, k] w[o, k]| (float64) for the quantised x and weight: the scale of the
+    tensor cores' accumulation error at [t, o]."""
+    return dequantize_act_fp8(q, s).abs() @ dequantize_weight_fp8(w, sw).abs().T
+
+
+def silu_slack(q, s, wg, sg, wu, su):
+    """ACC_SLACK carried through silu(g) * u: |d silu / dg| <= 1.1, so the bound on the product is
+    1.1 |u| slack(g) + |silu(g)| slack(u) (the products' own rounding is the 16-bit tolerance's)."""
+    g, u = linear_fp8(q, s, wg, sg), linear_fp8(q, s, wu, su)
+    silu = (g * torch.sigmoid(g)).abs()
+    return ACC_SLACK * (1.1 * u.abs() * abs_products(q, s, wg, sg) + silu * abs_products(q, s, wu, su))
 
 
 def silu_fp8_reference(q, s, wg, sg, wu, su, dtype):
@@ -180,5 +199,6 @@ def test_gate_up_silu_fp8_gemm(dtype, T, K, n, extra, offset, shift, seed):
     msg = f"T={T} K={K} n={n} shift={shift}"
     q, s = check_quantiser(x, work, msg)
     expected = silu_fp8_reference(q, s, ws["wg"], ws["wg_scale_inv"], ws["wu"], ws["wu_scale_inv"], dtype)
-    REC_SILU.check(out, expected, dtype, msg)
+    REC_SILU.check(out, expected, dtype, msg,
+                   slack=silu_slack(q, s, ws["wg"], ws["wg_scale_inv"], ws["wu"], ws["wu_scale_inv"]))
     REC_SILU.example()
