@@ -209,3 +209,24 @@ def test_the_copied_kernels_under_tritons_interpreter():
     r = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_dsgraphs_side_is_the_fp8_launches_bound_as_the_run_binds_them():
+    side = pf.dsgraph_side()
+    assert set(side) == {"gate_up", "down", "combine"}
+    refs = {}
+    for part, (launches, weights, output) in side.items():
+        assert len(launches) == 1 and output == "out"
+        refs[part] = {getattr(a.ref, "name", None) for a in launches[0].args}
+    assert [la.stage for la in side["gate_up"][0] + side["down"][0]] == ["wgmma_skinny_fp8"] * 2
+    assert {"x", "R.order", "R.offsets", "out"} <= refs["gate_up"] and set(side["gate_up"][1]) == {"gate", "up"}
+    assert {"a", "R.order", "R.offsets", "out"} <= refs["down"] and set(side["down"][1]) == {"weight"}
+    assert refs["combine"] == {"eo", "w", "out"}
+
+
+def test_without_triton_the_run_stops_with_one_line(capsys):
+    if pf.triton is not None:
+        pytest.skip("Triton is installed here")
+    with pytest.raises(SystemExit) as e:
+        pf.main(["--quick"])
+    assert "needs Triton" in str(e.value)
