@@ -6,7 +6,9 @@
 #     at commit 13cb3e44373beb1c8b9d2c017f565af6f7a1b601;
 #   - _per_token_group_quant_fp8 and the launch logic of per_token_group_quant_fp8:
 #     vllm/model_executor/layers/quantization/utils/fp8_utils.py at commit 007d50058a06dec0f82472d63c819244d460c40d;
-#   - the tuning search space: get_configs_compute_bound in benchmarks/kernels/benchmark_moe.py.
+#   - the tuning search space: get_configs_compute_bound in benchmarks/kernels/benchmark_moe.py (its CUDA ranges:
+#     BLOCK_SIZE_M 16-256, N 32-256, K 64-256, GROUP_SIZE_M 1/16/32/64, num_warps 4/8, num_stages 2-5, with block
+#     fp8 keeping N and K multiples of the 128 block), pruned as the module docstring says.
 # Kept: only the fp8_w8a8 block-quantised path (block_shape [128, 128]); the branches the other quantisation modes
 # take (int8, per-channel, per-tensor, bias, wna16) are dropped, each behind a constexpr flag this path sets off.
 """DeepSeek-V2-Lite's routed-expert FFN in FP8: vLLM's fused_moe Triton kernel (fp8_w8a8, block [128, 128], its
