@@ -513,7 +513,7 @@ class VllmExperts:
     def __init__(self, x, ids, tw):
         import torch
         self.x, self.ids, self.tw = x, ids, tw.contiguous()
-        self.T, self.topk = ids.shape
+        self.tokens, self.topk = ids.shape
         self.align = {}
         self.qx = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         self.sx = torch.empty(x.shape[0], x.shape[1] // GROUP, dtype=torch.float32, device=x.device)
@@ -522,7 +522,7 @@ class VllmExperts:
         """Allocate the intermediates for expert intermediate Mi and output width Dout; returns self."""
         import torch
         dev, bf16, f8 = self.x.device, torch.bfloat16, torch.float8_e4m3fn
-        T, topk = self.T, self.topk
+        T, topk = self.tokens, self.topk
         self.cache1 = torch.empty(T, topk, 2 * Mi, dtype=bf16, device=dev)
         self.cache2 = torch.empty(T * topk, Mi, dtype=bf16, device=dev)
         self.qa = torch.empty(T * topk, Mi, dtype=f8, device=dev)
