@@ -666,6 +666,8 @@ def main(argv=None) -> int:
     if triton is None:
         raise SystemExit("bench.peer_fused_moe needs Triton (and a GPU); it is not installed here")
     import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.peer_fused_moe needs a CUDA GPU; none is visible here")
 
     from bench import perf_expert_fp8 as pe
     from ir.formats import FP8, companion_names
