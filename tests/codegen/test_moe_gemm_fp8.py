@@ -122,6 +122,7 @@ def test_a_tiny_fp8_models_prefill_plan_lowers_to_the_fp8_x_fp8_launches():
     plan has them too (one plan serves every T), with no work below 257 tokens."""
     import ir
     from codegen.bundle import plan_spec
+    from codegen.manifest import phase_from_json, phase_to_json
     from codegen.memplan import workspace_slot
     from ir.config_to_spec import spec_from_config
     from ir.formats import weight_formats_yaml
@@ -139,6 +140,9 @@ def test_a_tiny_fp8_models_prefill_plan_lowers_to_the_fp8_x_fp8_launches():
         for ws in la.workspace:
             s = slots[workspace_slot(nid, ws.name)]
             assert s.first == s.last, (nid, s)
+    back = phase_from_json("prefill", json.loads(json.dumps(phase_to_json(plan))))   # the manifest's form
+    assert [(s.name, s.args, s.workspace, s.grid) for s in back.launches] == \
+        [(s.name, s.args, s.workspace, s.grid) for s in plan.launches]
 
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
