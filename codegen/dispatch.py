@@ -95,7 +95,8 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
     """Facts: dtype; weight_format; sm_90a (the target offers it); tma_rows (KD % 8 == 0: 16-byte
     rows for TMA and cp.async); decode_wgmma_fits / prefill_wgmma_fits (the kernels' shared memory
     for E experts); one_token (down's one-token launch fits one CTA an SM); fp8_rows (KD % 16 == 0:
-    16-byte FP8 rows) and fp8_fits (the FP8 kernel's shared memory for E experts)."""
+    16-byte FP8 rows), fp8_fits (the FP8 decode kernel's shared memory for E experts) and fp8x_fits (the
+    FP8 x FP8 prefill kernel's, read where Tuning.moe.fp8_activations is on)."""
     m = t.moe
     thr = None if m.prefill_wgmma_above is None else max(m.prefill_wgmma_above, m.gemv_upto)
     # decode's wgmma runs up to the prefill wgmma's threshold (256 where that is off)
@@ -107,9 +108,16 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
     one = f"down at one token: a ring of {m.one_token_down_stages} stages, one CTA an SM"
     sixteen = ("bf16", "fp16")
     fp8 = ("decode's wgmma + TMA tiles with FP8 weights widened to 16 bits in registers, scaled per "
-           "128-block; above decode correct but re-reading weights per 32 pairs (no FP8 prefill GEMM yet)")
-    cases = [Case({"weight_format": FP8.name, "dtype": sixteen, "sm_90a": True, "fp8_rows": True, "fp8_fits": True},
-                  _rows(("wgmma_skinny_fp8", 1, INF, fp8)), "FP8 weights, 16-bit, sm_90a"),
+           "128-block; above decode correct but re-reading weights per 32 pairs (activations kept 16-bit)")
+    fp8_when = {"weight_format": FP8.name, "dtype": sixteen, "sm_90a": True, "fp8_rows": True, "fp8_fits": True}
+    cases = []
+    if m.fp8_activations and thr is not None:
+        fp8x = ("FP8 x FP8 persistent wgmma + TMA grid: the input quantised to e4m3 per row per 128 columns "
+                "(x once a token, down's a once a pair), fp32 promotion per 128-K block")
+        cases.append(Case({**fp8_when, "fp8x_fits": True},
+                          _rows(("wgmma_skinny_fp8", 1, upper, fp8.split(";")[0]), ("wgmma_fp8", upper + 1, INF, fp8x)),
+                          "FP8 weights, 16-bit, sm_90a, FP8 activations above decode"))
+    cases += [Case(fp8_when, _rows(("wgmma_skinny_fp8", 1, INF, fp8)), "FP8 weights, 16-bit, sm_90a"),
              Case({"weight_format": FP8.name}, _rows((NONE, 1, INF, "FP8 weights need sm_90a, 16-bit activations "
                                                                      "and an inner width a multiple of 16")),
                   "FP8 weights elsewhere"),
@@ -138,7 +146,7 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
                       "16-bit without sm_90a or 16-byte rows"))
     return Table("moe_down" if down else "moe_gate_up_silu", "tokens", tuple(cases),
                  ("dtype", "weight_format", "sm_90a", "tma_rows", "decode_wgmma_fits", "prefill_wgmma_fits",
-                  "one_token", "fp8_rows", "fp8_fits"))
+                  "one_token", "fp8_rows", "fp8_fits", "fp8x_fits"))
 
 
 def expert_ffn(t: Tuning = DEFAULT_TUNING) -> Table:

@@ -68,6 +68,10 @@ class MoeTuning(_Section):
     expert_ffn_upto: int = _knob(256, 0, 4096, doc="... up to this (0: never; capped at decode's wgmma range)")
     expert_ffn_staged_from: int = _knob(32, 0, 64, doc="the fused expert FFN: tiles of this many pairs or more "
                                                        "store through shared memory (0: none)")
+    fp8_activations: bool = _knob(True, doc="FP8 expert weights above decode's range (prefill_wgmma_above): the "
+                                            "expert inputs quantised to e4m3 per row per 128 columns for the FP8 x "
+                                            "FP8 grouped GEMM (DeepSeek-V3's dynamic activation scheme); false: "
+                                            "decode's weight-only FP8 kernel at every T, activations kept 16-bit")
     align_parallel_above: typing.Optional[int] = _knob(6144, 0, 1 << 24,
                                                         doc="pairs above which the route aligns in count / scan / "
                                                             "scatter launches (none: one CTA always)")

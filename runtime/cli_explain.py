@@ -187,8 +187,8 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
                 wanted[(op, "library" if st == "library" else "fp8_wgmma" if s.family == "gemm_fp8" else "skinny")] = 1
         elif op == "moe_expert_ffn":
             wanted[(op, "fused" if st == "fused" else "two_launch")] = 1
-            if st != "fused":   # and the grouped family's own row
-                wanted[(s.family, st)] = 1
+            if st != "fused" and s.family in dispatch.TABLES:   # and the grouped family's own row (the FP8
+                wanted[(s.family, st)] = 1                        # activations' quantiser has none: gemm_fp8's)
         elif op == "mla_prefill_attention":
             wanted[(op, f"mma {s.params['tc2']['name']}" if "tc2" in s.params else "simt")] = 1
         elif op in ("mla_decode_attention", "mla_v_up"):

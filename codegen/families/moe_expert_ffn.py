@@ -112,4 +112,5 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
         launches.append(fused_launch(nid, opts, gu, dn, args, sizes.token_range(lo, hi)))
     launches += moe_gate_up_silu.launches(nid, gu, gu_args, opts, shared=_moe.routing_shared(G, routing), within=two)
     launches += moe_down.launches(nid, dn, dn_args, opts, within=two)
-    return [dataclasses.replace(la, workspace=(ws,)) for la in launches]
+    # (the FP8 x FP8 launches keep their own workspaces beside it: the quantised inputs)
+    return [dataclasses.replace(la, workspace=(ws, *la.workspace)) for la in launches]

@@ -18,8 +18,8 @@
 //   * the row tile is 32 pairs (wgmma N = 16 or 32), not 4e's 64: the fresh accumulators double the
 //     accumulator registers, and two CTAs an SM leave 128 a thread.  An expert with more than 32
 //     pairs reads its weights once per 32 (decode's tokens rarely give one that many).
-// Above decode (prefill) the same kernel serves, correct but re-reading weights per 32 pairs, until
-// an FP8 x FP8 prefill GEMM takes that range.  Needs 16-bit T and KD % 16 == 0 (the FP8 rows' TMA
+// Above decode (prefill) the FP8 x FP8 GEMM of moe_gemm_fp8.cuh serves; this kernel there only where
+// Tuning.moe.fp8_activations is off (correct, re-reading weights per 32 pairs).  Needs 16-bit T and KD % 16 == 0 (the FP8 rows' TMA
 // stride); outputs at any alignment (element stores).
 #pragma once
 #include "fp8.cuh"

@@ -16,7 +16,8 @@ from codegen.tuning import SECTIONS, Tuning
 FACT_VALUES = {"dtype": ("bf16", "fp16", "fp32"), "sm_90a": (True, False), "tma_rows": (True, False),
                "decode_wgmma_fits": (True, False), "prefill_wgmma_fits": (True, False), "one_token": (True, False),
                "decode_wgmma": (True, False), "precision": ("fp32", "act"), "mma": (True, False),
-               "weight_format": dispatch.WEIGHT_FORMATS, "fp8_rows": (True, False), "fp8_fits": (True, False)}
+               "weight_format": dispatch.WEIGHT_FORMATS, "fp8_rows": (True, False), "fp8_fits": (True, False),
+               "fp8x_fits": (True, False)}
 
 
 def tuned(**knobs) -> Tuning:
@@ -33,7 +34,8 @@ TUNINGS = [Tuning(), tuned(moe__decode_wgmma=False), tuned(moe__decode_wgmma_fro
            tuned(moe__one_token_down_stages=0), tuned(moe__expert_ffn_from=1, moe__expert_ffn_upto=4096),
            tuned(moe__expert_ffn_upto=0), tuned(moe__expert_ffn_from=300), tuned(moe__align_parallel_above=None),
            tuned(route__fused_upto=0), tuned(route__gemm_above=None), tuned(route__gemm_above=0, route__fused_upto=8),
-           tuned(linear__skinny_upto=0), tuned(linear__skinny_upto=1), tuned(attention__prologue_upto=0)]
+           tuned(linear__skinny_upto=0), tuned(linear__skinny_upto=1), tuned(attention__prologue_upto=0),
+           tuned(moe__fp8_activations=False)]
 
 
 def _partitions(rows, probe=(1, 2, 3, 4, 7, 8, 9, 16, 17, 255, 256, 257, 300, 4096, 4097, 1 << 20)):

@@ -1,5 +1,6 @@
 """The grouped experts' FP8 case (codegen/families/_moe_fp8.py, codegen/dispatch.py grouped_experts): FP8
-expert weights lower to the wgmma_skinny_fp8 launch at every token count (decode and prefill), its name
+expert weights lower to the wgmma_skinny_fp8 launch over decode's range (every token count with
+moe.fp8_activations off; above decode the FP8 x FP8 launches: tests/codegen/test_moe_gemm_fp8.py), its name
 carries "wfp8", its weights are 64 x 64-byte tensor maps (64B swizzle) with their block scales beside them;
 the expert FFN runs as the two launches; `dsgraph explain` prints the FP8 rows; what no FP8 kernel serves
 (fp32, an inner width not a multiple of 16, FP8 beside bf16 in one node) is one line; the kernels compile
@@ -41,8 +42,8 @@ def _node(op: str, KD: int, N: int, *, E: int = 8, K: int = 2, fp8_roles=None):
 @pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_gate_up", "moe_down"])
 def test_fp8_experts_lower_to_the_fp8_launch_with_maps_and_scales(op):
     G, nid = _node(op, 144, 200)
-    (la,) = families.family_for_op(op).lower(nid, G, Options(dtype="bf16"))
-    assert la.stage == _moe_fp8.VARIANT and "bf16_wfp8" in la.name and la.grid[0].startswith("min(2 * SMS")
+    (la,) = [s for s in families.family_for_op(op).lower(nid, G, Options(dtype="bf16")) if s.stage == _moe_fp8.VARIANT]
+    assert "bf16_wfp8" in la.name and la.grid[0].startswith("min(2 * SMS")
     maps = [a for a in la.args if isinstance(a.ref, TensorMapRef)]
     scales = [a for a in la.args if isinstance(a.ref, WeightRef)]
     assert maps and all(a.ref.box == (64, 64) and a.ref.swizzle == 64 for a in maps)
@@ -50,10 +51,16 @@ def test_fp8_experts_lower_to_the_fp8_launch_with_maps_and_scales(op):
     assert all(a.ctype == "const float*" for a in scales), [a.ctype for a in scales]
 
 
-def test_the_fp8_row_serves_every_token_count():
+def test_the_fp8_row_serves_decode_and_every_token_count_with_16_bit_activations():
+    from codegen.tuning import MoeTuning, Tuning
+    weight_only = Tuning(moe=MoeTuning(fp8_activations=False))
     for down in (False, True):
-        for T in (1, 2, 8, 32, 128, 192, 300, 16384):
-            assert dispatch.select("moe_down" if down else "moe_gate_up_silu", T, FP8_FACTS).variant == _moe_fp8.VARIANT
+        op = "moe_down" if down else "moe_gate_up_silu"
+        for T in (1, 2, 8, 32, 128, 192, 256, 300, 16384):
+            assert dispatch.select(op, T, FP8_FACTS, weight_only).variant == _moe_fp8.VARIANT
+            assert dispatch.select(op, T, {**FP8_FACTS, "fp8x_fits": False}).variant == _moe_fp8.VARIANT
+            assert dispatch.select(op, T, {**FP8_FACTS, "fp8x_fits": True}).variant == \
+                (_moe_fp8.VARIANT if T <= 256 else "wgmma_fp8")
 
 
 @pytest.mark.parametrize("why,opts,KD,roles", [
@@ -77,9 +84,10 @@ def test_explain_shows_the_fp8_rows_and_the_two_launches(tmp_path, capsys):
         block = out.split(f"decode, T = {T} ", 1)[1].split("\n\n", 1)[0]
         assert "moe_gate_up_silu__bf16_wfp8__e66_k8__m1408_d2048__wgmma_skinny_fp8" in block
         assert "moe_down__bf16_wfp8__e66__d2048_m1408__wgmma_skinny_fp8" in block
-        assert "wgmma_skinny_fp8 [tokens 1..inf]" in block and "moe_expert_ffn__" not in block
+        assert "wgmma_skinny_fp8 [tokens 1..256]" in block and "moe_expert_ffn__" not in block
     prefill = out.split("prefill, T = 300 ", 1)[1].split("\n\n", 1)[0]
-    assert "moe_down__bf16_wfp8__e66__d2048_m1408__wgmma_skinny_fp8" in prefill
+    assert "gemm_fp8__bf16__k1408__quant_x, moe_down__bf16_wfp8_afp8__e66__d2048_m1408__wgmma_fp8" in prefill
+    assert "wgmma_fp8 [tokens 257..inf]: FP8 x FP8" in prefill
 
 
 @pytest.mark.parametrize("op,KD,N,dtype", [("moe_gate_up_silu", 2048, 1408, "bf16"), ("moe_down", 1408, 2048, "fp16")])
@@ -87,7 +95,7 @@ def test_fp8_kernels_compile_for_sm90a_without_spills(op, KD, N, dtype):
     from codegen.nvrtc import compile_cubin
     from codegen.render import render_launch
     G, nid = _node(op, KD, N, E=64, K=6)
-    (la,) = families.family_for_op(op).lower(nid, G, Options(dtype=dtype))
+    (la,) = [s for s in families.family_for_op(op).lower(nid, G, Options(dtype=dtype)) if s.stage == _moe_fp8.VARIANT]
     assert isinstance(la, KernelLaunch)
     log = compile_cubin(render_launch(la), la.name, arch="sm_90a", options=("--ptxas-options=-v",)).log
     assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, log

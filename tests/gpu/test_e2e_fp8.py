@@ -9,13 +9,17 @@ one), and kv_b's heads cross its 128-row scale blocks.  Both engines load the FP
 (the spec `--from-config` writes), so every decoder linear, the experts and kv_b are FP8: decode runs
 the FP8 skinny linears, the FP8 expert GEMMs and the FP8 absorbed query / v_up; prefill the FP8 skinny
 linears (<= 16 tokens) and, above, the FP8 x FP8 GEMM (gemm_fp8: x quantised to e4m3 per token per 128
-columns, DeepSeek-V3's dynamic activation scheme), and the FP8 expert GEMMs.
+columns, DeepSeek-V3's dynamic activation scheme), and the FP8 expert GEMMs: decode's weight-only kernel up
+to 16 tokens and, above, the FP8 x FP8 grouped GEMM (moe_gemm_fp8.cuh: x quantised once a token, the
+SwiGLU output once a pair).  Its bound is moe.prefill_wgmma_above, 256 tokens by default, lowered to 16
+here (TUNED) so the prompts' 30-token prefill runs it.
 
 - logits (prefill, and paged decode after 4 tokens): our error against the reference in fp32 is at
   most 1.5x the reference's own in bf16 (the same weights, the same bf16 rounding points) -- with the
-  weights' semantics alone (tuning linear.fp8_activations=false: above 16 tokens the weights are
-  dequantised and x stays bf16), and with the FP8 GEMM against the reference that quantises x with
-  ir/act_quant.py exactly where our step ran it (the same activation semantics); where a reference's
+  weights' semantics alone (tuning linear.fp8_activations=false and moe.fp8_activations=false: above 16
+  tokens the weights are dequantised, or widened in registers for the experts, and x stays bf16), and
+  with the FP8 GEMMs against the reference that quantises x (and the experts' inputs) with
+  ir/act_quant.py exactly where our step ran them (the same activation semantics); where a reference's
   routing decision is a near tie it routes as our step did (NEAR_TIE), and where the margin is clear
   our step must have routed as it does;
 - greedy tokens: each token we choose is the fp32 reference's argmax over our own trajectory, or
@@ -74,6 +78,8 @@ def v2_lite_fp8_cuda_config():
 
 CONFIGS = {"v3": v3_fp8_cuda_config, "v2_lite": v2_lite_fp8_cuda_config}
 PROMPTS = [[3, 17, 5, 22, 9, 41, 7], [11], list(range(8, 30))]   # 7, 1 and 22 tokens (the fallback above 16)
+# The FP8 x FP8 expert GEMMs above 16 tokens (256 by default): a 30-token prefill runs them.
+TUNED = {"moe": {"prefill_wgmma_above": 16}}
 
 
 def write_fp8_checkpoint(name: str, root, seed: int = 0):
@@ -102,11 +108,12 @@ def fp8_engines(request, tmp_path_factory):
     name = request.param
     path = write_fp8_checkpoint(name, tmp_path_factory.mktemp(f"fp8_{name}"))
     kw = dict(device=DEV, block_size=5, num_blocks=64, max_seq_len=128)
-    ours = Engine.from_pretrained(path, backend="cuda", dtype=torch.bfloat16, **kw)
+    ours = Engine.from_pretrained(path, backend="cuda", dtype=torch.bfloat16, tuning=TUNED, **kw)
     ref = Engine.from_pretrained(path, backend="reference", dtype=torch.float32, **kw)
     ref_bf16 = Engine.from_pretrained(path, backend="reference", dtype=torch.bfloat16, **kw)
     exact = Engine.from_pretrained(path, backend="cuda", dtype=torch.bfloat16,
-                                   tuning={"linear": {"fp8_activations": False}}, **kw)
+                                   tuning={"linear": {"fp8_activations": False},
+                                           "moe": {**TUNED["moe"], "fp8_activations": False}}, **kw)
     return name, ours, ref, ref_bf16, exact
 
 
@@ -128,6 +135,9 @@ def test_the_cuda_backend_runs_the_fp8_kernels(fp8_engines):
     prefill = [getattr(s, "family", "") for s in ours.backend.plans["prefill"].steps]
     assert "gemm_fp8" in prefill and "gemm_fp8" not in [getattr(s, "family", "") for s in
                                                          exact.backend.plans["prefill"].steps]
+    fp8x = {s.family for s in ours.backend.plans["prefill"].steps if getattr(s, "stage", "") == "wgmma_fp8"}
+    assert fp8x == {"moe_gate_up_silu", "moe_down"}, fp8x
+    assert not [s for s in exact.backend.plans["prefill"].steps if getattr(s, "stage", "") == "wgmma_fp8"]
 
 
 def gemm_fp8_weights(engine) -> set[str]:
@@ -140,29 +150,55 @@ def gemm_fp8_weights(engine) -> set[str]:
     return names
 
 
+def expert_fp8x_launches(engine) -> list:
+    """(the bound weights, the launch) of each FP8 x FP8 expert GEMM of the engine's prefill plan."""
+    from codegen.kernel import TensorMapRef
+    return [({a.ref.weight for a in s.args if isinstance(a.ref, TensorMapRef)}, s)
+            for s in engine.backend.plans["prefill"].steps if getattr(s, "stage", "") == "wgmma_fp8"]
+
+
 @contextlib.contextmanager
 def activations_quantised_where(engine):
     """The reference's linears quantise x with ir/act_quant.py (e4m3 per token per 128, then exactly
     dequantised) where the engine's step runs the FP8 GEMM: their weights are among gemm_fp8's and the
-    step has more tokens than the skinny kernel takes."""
+    step has more tokens than the skinny kernel takes.  Its expert ops likewise where the step runs the
+    FP8 x FP8 expert GEMMs (their weights among those launches' and the launch has work at the step's
+    T): moe_gate_up's x once a token, moe_down's a once a pair (moe_gate_up_silu and moe_expert_ffn run
+    through those two)."""
     from codegen.families.linear_skinny import SKINNY_MAX_TOKENS
-    from ir.act_quant import dequantize_act_fp8, quantize_act_fp8
+    from codegen.sizes import evaluate
+    from ir.act_quant import act_fp8_roundtrip
     from ir.ops import OPS
     names = gemm_fp8_weights(engine)
     assert names
+    experts = expert_fp8x_launches(engine)
+    assert experts
     classes = [OPS[op] for op in ("linear", "multi_linear", "gate_up_silu")]
-    own = {cls: cls.__dict__.get("run") for cls in classes}    # None: run is inherited
+    moe = [OPS["moe_gate_up"], OPS["moe_down"]]
+    own = {cls: cls.__dict__.get("run") for cls in classes + moe}    # None: run is inherited
 
     def quantising(run):
         def run_on_quantised_x(node, ins, w, ctx):
             x = ins[0]
             if set(node.weights.values()) & names and x.shape[0] > SKINNY_MAX_TOKENS:
-                x = dequantize_act_fp8(*quantize_act_fp8(x)).to(x.dtype)
+                x = act_fp8_roundtrip(x)
             return run(node, [x, *ins[1:]], w, ctx)
         return staticmethod(run_on_quantised_x)
+
+    def quantising_experts(run, per_pair):
+        def run_on_quantised_rows(node, ins, w, ctx):
+            x, r = ins[0], ins[1]
+            T = x.shape[0] // r["top_k"] if per_pair else x.shape[0]
+            env = {"T": T, "NP": T * r["top_k"], "SMS": 132}
+            if any(ws & set(node.weights.values()) and evaluate(la.grid[0], env) > 0 for ws, la in experts):
+                x = act_fp8_roundtrip(x)
+            return run(node, [x, *ins[1:]], w, ctx)
+        return staticmethod(run_on_quantised_rows)
     try:
         for cls in classes:
             cls.run = quantising(cls.run)
+        for cls, per_pair in zip(moe, (False, True)):
+            cls.run = quantising_experts(cls.run, per_pair)
         yield
     finally:
         for cls, run in own.items():

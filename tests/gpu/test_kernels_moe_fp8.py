@@ -31,6 +31,7 @@ from harness import GPU_MARKS, TORCH_DTYPES, kernel_test, poison, shifted, singl
 from codegen import families, sizes  # noqa: E402
 from codegen.families import _moe_fp8  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
+from codegen.tuning import MoeTuning, Tuning  # noqa: E402
 from ir.formats import FP8, cdiv, companion_names, set_format  # noqa: E402
 from ir.graph import node_view  # noqa: E402
 from ir.ops import OPS, TType  # noqa: E402
@@ -72,7 +73,10 @@ def dequantized(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def lower_fp8(G, nid, dtype):
-    launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype))
+    """The weight-only FP8 launch at every T: moe.fp8_activations off keeps the activations 16-bit above
+    decode too (on, the FP8 x FP8 launches serve there: test_kernels_moe_gemm_fp8.py)."""
+    tuning = Tuning(moe=MoeTuning(fp8_activations=False))
+    launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype, tuning=tuning))
     assert [la.stage for la in launches] == [_moe_fp8.VARIANT], [la.stage for la in launches]
     assert f"{dtype}_{_moe_fp8.NAME}" in launches[0].name, launches[0].name
     return launches

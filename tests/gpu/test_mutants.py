@@ -26,6 +26,7 @@ import test_kernels_mla_fp8 as mla_fp8
 import test_kernels_moe as moe
 import test_kernels_moe_expert_ffn as moe_ffn
 import test_kernels_moe_fp8 as moe_fp8
+import test_kernels_moe_gemm_fp8 as moe_gemm_fp8
 import test_kernels_moe_wgmma as moe_wgmma
 import test_kernels_moe_wgmma_skinny as moe_wgmma_skinny
 from harness import GPU_MARKS
@@ -324,6 +325,29 @@ MUTANTS = [
            "const float sc = amax / E4M3_MAX;", "const float sc = amax / E4M3_MAX * 1.01f;",
            gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=50, K=256, rows=[128], extra=0, offset=0, zero_rows=0,
                                                shift=False, seed=26)),
+    Mutant("FP8 x FP8 experts: the last K block of a consumer's upper rows takes the scale of the pair 8 rows on",
+           "include/moe_gemm_fp8.cuh", "const float xa = sxa[kb], xb = sxb[kb], wg = swg[kb], wu = swu[kb];",
+           "const float xa = kb == KB - 1 ? sxb[kb] : sxa[kb], xb = sxb[kb], wg = swg[kb], wu = swu[kb];",
+           moe_gemm_fp8.test_moe_gate_up_silu_fp8x,
+           dict(case=moe_gemm_fp8.case_of("bf16", 300, 5, 2, 256, 200, routing="skewed", seed=27))),
+    Mutant("FP8 x FP8 experts: the ceil K block dropped (KD = 272: 16 columns past the last whole block)",
+           "include/moe_gemm_fp8.cuh", "const bool ok = src[i] >= 0 && kc < KD;",
+           "const bool ok = src[i] >= 0 && kc < KD / f8::BK * f8::BK;",
+           moe_gemm_fp8.test_moe_down_fp8x, dict(case=moe_gemm_fp8.case_of("bf16", 300, 5, 2, 272, 200, seed=28))),
+    Mutant("FP8 x FP8 experts: the promotion skipped for the last K block", "include/moe_gemm_fp8.cuh",
+           "const float ga = xa * wg, gb = xb * wg, ua = xa * wu, ub = xb * wu;",
+           "const float ga = kb == KB - 1 ? 0.f : xa * wg, gb = kb == KB - 1 ? 0.f : xb * wg, "
+           "ua = kb == KB - 1 ? 0.f : xa * wu, ub = kb == KB - 1 ? 0.f : xb * wu;",
+           moe_gemm_fp8.test_moe_down_fp8x, dict(case=moe_gemm_fp8.case_of("bf16", 400, 8, 3, 1408, 264, seed=29))),
+    Mutant("FP8 x FP8 experts: the gate and up scales swapped", "include/moe_gemm_fp8.cuh",
+           "const float ga = xa * wg, gb = xb * wg, ua = xa * wu, ub = xb * wu;",
+           "const float ga = xa * wu, gb = xb * wu, ua = xa * wg, ub = xb * wg;",
+           moe_gemm_fp8.test_moe_gate_up_silu_fp8x,
+           dict(case=moe_gemm_fp8.case_of("bf16", 300, 5, 2, 528, 200, routing="uniform", seed=30))),
+    Mutant("FP8 x FP8 experts: down's rows read as gate_up's (a pair's token row, not its own)",
+           "include/moe_gemm_fp8.cuh", "src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);",
+           "src[i] = pr < 0 ? -1 : pr / (MODE == DOWN ? 2 : K);",
+           moe_gemm_fp8.test_moe_down_fp8x, dict(case=moe_gemm_fp8.case_of("bf16", 300, 5, 2, 144, 200, seed=31))),
     Mutant("int8 skinny linear: each row scaled by the next channel's weight scale", "include/int8.cuh",
            "s = m.s[i] + (r - off);", "s = m.s[i] + (r - off + 1);",
            linear_int8.test_linear_int8_exact_on_the_same_quantised_x,

@@ -87,3 +87,29 @@ def test_the_fp8_product_is_the_sum_of_its_scaled_blocks(T, K, O, seed):
         want += dot * sx[:, kb, None].double() * sw[torch.arange(O) // FP8_BLOCK, kb][None, :].double()
     torch.testing.assert_close(linear_fp8(qx, sx, qw, sw), want, rtol=1e-12, atol=1e-9)
     assert dequantize_weight_fp8(qw, sw).shape == (O, K)
+
+
+@settings(max_examples=15, deadline=None)
+@given(T=st.integers(1, 12), K=st.integers(1, 4), E=st.integers(1, 5), KD=st.sampled_from([16, 128, 144, 272]),
+       N=st.sampled_from([1, 37, 128, 200]), seed=st.integers(0, 2**31))
+def test_the_grouped_fp8_product_is_each_pairs_own_fp8_product(T, K, E, KD, N, seed):
+    """grouped_linear_fp8 (the expert GEMMs' reference): pair p is linear_fp8 of its row and its expert's
+    weight; a pair of another rank's expert (-1) stays zero.  Rows per token (gate_up) or per pair (down)."""
+    from ir.act_quant import dequantize_experts_fp8, grouped_linear_fp8
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, cdiv(N, FP8_BLOCK) * FP8_BLOCK, cdiv(KD, FP8_BLOCK) * FP8_BLOCK, generator=g)
+    s = w.abs().view(E, cdiv(N, FP8_BLOCK), FP8_BLOCK, -1, FP8_BLOCK).amax(dim=(2, 4)) / FP8_MAX
+    q = (w / s.repeat_interleave(FP8_BLOCK, 1).repeat_interleave(FP8_BLOCK, 2))[:, :N, :KD].to(torch.float8_e4m3fn)
+    experts = torch.randint(-1, E, (T * K,), generator=g)
+    for per_token in (True, False):
+        x = _x(T if per_token else T * K, KD, seed, 8.0)
+        qx, sx = quantize_act_fp8(x)
+        rows = torch.arange(T * K) // K if per_token else torch.arange(T * K)
+        y = grouped_linear_fp8(qx, sx, rows, experts, q, s)
+        for p in range(T * K):
+            e, r = int(experts[p]), int(rows[p])
+            want = torch.zeros(N, dtype=torch.float64) if e < 0 else \
+                linear_fp8(qx[r:r + 1], sx[r:r + 1], q[e], s[e])[0]
+            torch.testing.assert_close(y[p], want, rtol=1e-12, atol=1e-12)
+    for e in range(E):
+        torch.testing.assert_close(dequantize_experts_fp8(q, s)[e], dequantize_weight_fp8(q[e], s[e]))

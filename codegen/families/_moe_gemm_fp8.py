@@ -1,0 +1,97 @@
+"""The grouped expert GEMMs with FP8 weights and FP8 activations at prefill
+(templates/include/moe_gemm_fp8.cuh): the "wgmma_fp8" row of codegen/dispatch.py's grouped_experts
+table, above decode's range, where _moe_wgmma serves 16-bit weights.  Two launches a node:
+
+    quant_x     the node's input (gate_up: x [T, D]; down: a [NP, M]) -> e4m3 rows and fp32 scales per
+                row per 128 columns (templates/include/quant_fp8.cuh: gemm_fp8's quantiser kernel, the
+                same one the FP8 linears run), into the node's workspaces.  gate_up quantises each token
+                once for its K pairs; down each pair's SwiGLU output.
+    wgmma_fp8   the persistent grouped GEMM: the quantised rows gathered by the routing's order, the
+                FP8 weights by TMA ([64 rows x 128 bytes] boxes, 128B swizzle), e4m3 x e4m3 wgmma, fp32
+                promotion per 128-K block with the row's and the weight block's scales.
+
+Not a family (the leading underscore): a launch builder for _moe_grouped.py.  It serves where the
+target offers sm_90a, the activations are 16-bit, KD % 16 == 0 and Tuning.moe.fp8_activations is on
+(the e4m3 activations are a numerics choice: off, the weight-only FP8 kernel serves every T).
+"""
+from __future__ import annotations
+
+from codegen.kernel import Arg, KernelLaunch, SizeRef, TensorMapRef, Workspace, size, tensor_map, work
+from codegen.render import kernel_name
+from ir.formats import FP8_BLOCK, cdiv
+
+from . import gemm_fp8
+from ._moe import when
+from .mla_decode_attention import smem_limit
+
+VARIANT = "wgmma_fp8"          # the GEMM launch's stage and kernel-name part
+NAME = "wfp8_afp8"             # the kernel-name part of FP8 weights x FP8 activations
+QUANT_STAGE = "quant_x"        # the quantiser launch's stage (gemm_fp8's)
+FEATURE = gemm_fp8.FEATURE
+BM, BN, BK, BOX = gemm_fp8.BM, gemm_fp8.BN, gemm_fp8.BK, gemm_fp8.BOX   # moe_gemm_fp8.cuh takes gemm_fp8.cuh's tile
+THREADS = gemm_fp8.THREADS
+STAGES = gemm_fp8.STAGES
+# The node's workspaces: its input quantised (4 e4m3 bytes a word) and the scales; gate_up's and
+# down's differ by name, since moe_expert_ffn's node runs both.
+WORKSPACES = {False: ("moe_xq", "moe_xs"), True: ("moe_aq", "moe_as")}
+
+
+def smem(stages: int = STAGES) -> int:
+    """moe_gemm_fp8.cuh fp8x_smem: gemm_fp8.cuh's ring, staging and alignment slack."""
+    return gemm_fp8.smem(stages)
+
+
+def static_smem(E: int) -> int:
+    """The __shared__ arrays: the ring's barriers and the row-tile table."""
+    return 2 * STAGES * 8 + 4 * (E + 1)
+
+
+def fits(opts, E: int) -> bool:
+    """Its ring, staging and tables fit a CTA's shared memory on the target (sm_90: up to ~480 experts)."""
+    return smem() + static_smem(E) <= smem_limit(opts.arch)
+
+
+def facts(opts, p: dict) -> dict:
+    """The conditions of the grouped_experts table's FP8 x FP8 row."""
+    return {"fp8_activations": opts.tuning.moe.fp8_activations, "fp8x_fits": fits(opts, p["E"])}
+
+
+def cols(*, down: bool) -> int:
+    """Output columns a tile (moe_gemm_fp8.cuh fp8x_tile_cols)."""
+    return BN if down else BN // 2
+
+
+def launches(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *, down: bool,
+             run: str | None) -> list[KernelLaunch]:
+    """The quantiser's launch over the node's input (args[0]: x or a), then the grouped FP8 GEMM over the
+    rest of `args` (the FP8 weights' tensor maps re-boxed for 128-byte rows, their scales, order, offsets,
+    the outputs); both grids multiplied by `run`, the row's token-range factor."""
+    act, KD, KB = p["act"], p["KD"], cdiv(p["KD"], FP8_BLOCK)
+    q_ws, s_ws = WORKSPACES[down]
+    rows = "NP" if down else "T"
+    ws = (Workspace(q_ws, (rows, KD // 4), "i32"), Workspace(s_ws, (rows, KB), "f32"))
+    src = args[0]
+    quant = KernelLaunch(
+        family=gemm_fp8.FAMILY, template=gemm_fp8.TEMPLATE,
+        name=kernel_name(gemm_fp8.FAMILY, [name_parts[0], f"k{KD}", "quant_x"]),
+        params={"variant": "quant", "act": act, "K": KD, "KB": KB, "warps": gemm_fp8.QUANT_WARPS,
+                "group": FP8_BLOCK},
+        nodes=(nid,), grid=(when(f"cdiv({rows} * {KB}, {gemm_fp8.QUANT_WARPS})", run), 1, 1),
+        block=(gemm_fp8.QUANT_WARPS * 32, 1, 1),
+        # the MoE families take dense inputs (_moe.require_dense): a row is KD elements apart
+        args=(Arg("x", src.ctype, src.ref), Arg("x_stride", "i64", SizeRef(str(KD))), work("xq", "int", q_ws),
+              work("xs", "float", s_ws), size("T", rows)),
+        workspace=ws, stage=QUANT_STAGE)
+    rest = tuple(tensor_map(a.name, a.ref.weight, (BOX, BK)) if isinstance(a.ref, TensorMapRef) else a
+                 for a in args[1:])
+    c = cols(down=down)
+    tiles = f"{cdiv(p['N'], c)} * (NP // {BM} + min({p['E']}, NP))"   # bound: one partial row tile per expert
+    params = {"act": act, "E": p["E"], "N": p["N"], "KD": KD, "K": p["K"], "variant": VARIANT, "threads": THREADS,
+              "stages": STAGES, "smem": smem(), "cols": c, "box_rows": BOX, "box_k": BK, "bm": BM}
+    gemm = KernelLaunch(
+        family=family, template=template, name=kernel_name(family, [f"{name_parts[0]}_{NAME}", *name_parts[1:],
+                                                                   VARIANT]),
+        params=params, nodes=(nid,), grid=(when(f"min(SMS, {tiles})", run), 1, 1), block=(THREADS, 1, 1),
+        args=(work("xq", "int", q_ws, writes=False), work("xs", "float", s_ws, writes=False), *rest),
+        smem=smem(), workspace=ws, stage=VARIANT, requires=(FEATURE,))
+    return [quant, gemm]

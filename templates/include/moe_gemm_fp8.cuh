@@ -1,0 +1,250 @@
+// 4g. The grouped expert GEMM with FP8 weights AND FP8 activations on Hopper's wgmma + TMA (sm_90a):
+// prefill's many pairs per expert.  The contract of 4d (moe_wgmma.cuh: pairs grouped by expert
+// through the routing `order` / `offsets`, the same outputs rounded at the same points, no host
+// sync), with the product of gemm_fp8.cuh (DeepGEMM's recipe):
+//
+//   y[p, o] = sum over K blocks kb of  sx[r(p), kb] * sw[e][o / 128, kb] * (qx[r(p), kb-block] . qw[e][o, kb-block])
+//
+// qx [R, KD] e4m3 and sx [R, ceil(KD / 128)] fp32: the activations quantised per row per 128 columns
+// by quant_fp8.cuh's launch before this one (gate_up: the MoE input x, R = T, r(p) = p / K: one
+// quantisation per token shared by its K pairs; down: the SwiGLU output a, R = NP, r(p) = p);
+// qw [E, N, KD] e4m3 with sw [E, ceil(N / 128), ceil(KD / 128)] fp32 (fp8_e4m3_block128).  Each
+// 128-wide K block is multiplied by wgmma into a fresh fp32 tile, then promoted into the fp32 sum
+// with its two scales (the FP8 tensor cores accumulate with fewer bits than fp32).
+//
+// The walk of 4d: a persistent grid over (row tile of 128 pairs of one expert, column tile), the row
+// tiles numbered over the experts in order (wgmma_row_tiles); warpgroup 0 produces, warpgroups 1 and
+// 2 consume 64 pairs each through a ring of ST stages.  The tile and stage of gemm_fp8.cuh:
+//   * a stage is one 128-wide K block (one scale block): the tile's 128 weight rows as two TMA boxes
+//     of 64 rows x 128 bytes (128B swizzle) from the 3-D tensor map [E, N, KD]; the 128 pair rows
+//     GATHERED from qx by the producer's threads with 16-byte cp.async (TMA cannot gather rows);
+//   * gate_up: 64 gate rows, then the same 64 up rows (n0 % 64 == 0: one 128-row scale block each),
+//     so a thread's column j < 8 (gate) and j + 8 (up) are one output column: silu(gate) * up fuses
+//     in registers (GATE_UP_SILU) or the halves go to the two outputs (GATE_UP); 64 columns a tile.
+//     DOWN: 128 weight rows from n0 (one scale block), 128 output columns a tile;
+//   * the epilogue rounds the tile into the consumer's 16 KB of shared memory and stores whole
+//     16-byte chunks of each pair's output row.
+// Ceil blocks: KD % 128 != 0 -- the last block's columns past KD are zeros on both sides (TMA fills
+// the weight's, the gather the rows'); N % 128 != 0 -- weight rows past N are zeros, never stored.
+//
+// Where the down quantisation would fuse: gate_up_silu's epilogue holds a pair's 64 SwiGLU columns
+// of a 128-column scale group in one tile, so the group's amax needs the neighbouring column tile
+// (a second pass or a cross-CTA reduction); today down's quantiser is its own launch over a.
+//
+// Needs 16-bit T (the outputs) and KD % 16 == 0 (whole 16-byte chunks of the quantised rows, 16-byte
+// strides of the weight's tensor map); the lowering emits it only then (_moe_gemm_fp8.py).
+#pragma once
+#include "gemm_fp8.cuh"
+#include "moe_wgmma.cuh"
+
+namespace dsg {
+namespace moe {
+
+namespace f8 = dsg::gemm_fp8;
+
+// Output columns a tile covers.
+__host__ __device__ constexpr int fp8x_tile_cols(int mode) { return mode == DOWN ? f8::BN : f8::BN / 2; }
+// Dynamic shared memory: gemm_fp8.cuh's ring, staging and alignment slack.
+__host__ __device__ constexpr int fp8x_smem(int stages) { return f8::smem_bytes(stages); }
+
+// The quantised row of each of a producer thread's tile rows r0 + 16 i (-1: none): the pair's token
+// (pair / K) for the gate_up modes, the pair itself for DOWN.
+template <int MODE, int K, int R>
+__device__ __forceinline__ void fp8x_src_rows(const i32* __restrict__ order, const WgTile& tl, int r0, int (&src)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int r = r0 + 16 * i;
+    const int pr = r < tl.rows ? order[tl.pbeg + r] : -1;
+    src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);
+  }
+}
+
+// Producer: the 128 threads of warpgroup 0.  Thread p copies 16-byte chunk p % 8 of tile rows
+// p / 8 + 16 i (i < 8); thread 0 also issues the weight boxes.
+template <int MODE, int E, int N, int KD, int K, int ST>
+__device__ __forceinline__ void fp8x_produce(const unsigned char* __restrict__ qx, const TensorMap* w0,
+                                             const TensorMap* w1, const i32* __restrict__ order,
+                                             const i32* __restrict__ offsets, const int* tiles, char* ring,
+                                             unsigned long long* full, unsigned long long* empty) {
+  constexpr int KB = (KD + f8::BK - 1) / f8::BK, COLS = fp8x_tile_cols(MODE), NCT = (N + COLS - 1) / COLS;
+  const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
+  const int chunk = (c ^ (r0 & 7)) * 16;               // 128B swizzle: c ^ (row % 8)
+  if (p == 0) {
+    tma::prefetch(w0);
+    if (MODE != DOWN) tma::prefetch(w1);
+  }
+  const int total = tiles[E] * NCT;
+  int it = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const WgTile tl = wgmma_tile<E, NCT, COLS>(tiles, offsets, t);
+    int src[f8::BM / 16];
+    fp8x_src_rows<MODE, K>(order, tl, r0, src);
+    // DOWN's second box starts past N when N - n0 <= 64: left out (its columns are never stored),
+    // so no box lies wholly outside the tensor
+    const bool box1 = MODE != DOWN || tl.n0 + f8::BOX < N;
+    for (int kb = 0; kb < KB; ++kb, ++it) {
+      const int s = it % ST;
+      mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
+      char* a = ring + s * f8::STAGE_BYTES;
+      char* b = a + f8::BM * f8::ROW_BYTES;
+      const int k0 = kb * f8::BK;
+      if (p == 0) {
+        mbar::arrive_expect_tx(&full[s], (box1 ? 2 : 1) * f8::BOX * f8::ROW_BYTES);
+        tma::load_3d(b, w0, k0, tl.n0, tl.e, &full[s]);
+        if (box1)
+          tma::load_3d(b + f8::BOX * f8::ROW_BYTES, MODE == DOWN ? w0 : w1, k0, MODE == DOWN ? tl.n0 + f8::BOX : tl.n0,
+                       tl.e, &full[s]);
+      }
+      const int kc = k0 + 16 * c;                      // this thread's 16 columns (bytes) of K
+#pragma unroll
+      for (int i = 0; i < f8::BM / 16; ++i) {
+        const bool ok = src[i] >= 0 && kc < KD;        // else zeros: rows past the tile, K past the ceil block
+        const unsigned char* from = qx + (ok ? (i64)src[i] * KD + kc : 0);
+        dsg::mma::cp_async16(a + (r0 + 16 * i) * f8::ROW_BYTES + chunk, from, ok ? 16 : 0);
+      }
+      mbar::arrive_on_cp_async(&full[s]);
+    }
+  }
+  dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
+}
+
+// Consumer warpgroup cw (0, 1): tile rows 64 cw .. + 64 against the tile's 128 weight rows.
+template <typename T, int MODE, int E, int N, int KD, int K, int ST>
+__device__ __forceinline__ void fp8x_consume(const float* __restrict__ sx, const float* __restrict__ sw0,
+                                             const float* __restrict__ sw1, const i32* __restrict__ order,
+                                             const i32* __restrict__ offsets, const int* tiles, unsigned ring,
+                                             unsigned long long* full, unsigned long long* empty, char* staging,
+                                             T* __restrict__ out0, T* __restrict__ out1, int cw) {
+  constexpr int KB = (KD + f8::BK - 1) / f8::BK, NB = (N + f8::BLOCK - 1) / f8::BLOCK;
+  constexpr int COLS = fp8x_tile_cols(MODE), NCT = (N + COLS - 1) / COLS;
+  constexpr int CH = (MODE == GATE_UP_SILU ? COLS : f8::BN) / 8;   // 16-byte chunks of a staged row
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, tid = threadIdx.x & 127;
+  // 16-byte row chunks where rows are whole chunks and the bases allow them (uniform), else elements
+  const bool vec = N % 8 == 0 && aligned_to<16>(out0) && aligned_to<16>(out1);
+  const int total = tiles[E] * NCT;
+  float acc[64], part[64];
+  int it = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const WgTile tl = wgmma_tile<E, NCT, COLS>(tiles, offsets, t);
+    // this thread's two tile rows' quantised rows (rows past the tile: row 0's scales, never stored)
+    const int ra = 64 * cw + 16 * warp + (lane >> 2), rb = ra + 8;
+    const int pa = ra < tl.rows ? order[tl.pbeg + ra] : -1, pb = rb < tl.rows ? order[tl.pbeg + rb] : -1;
+    const int qa = pa < 0 ? 0 : (MODE == DOWN ? pa : pa / K), qb = pb < 0 ? 0 : (MODE == DOWN ? pb : pb / K);
+    const float* sxa = sx + (i64)qa * KB;
+    const float* sxb = sx + (i64)qb * KB;
+    // the tile's weight scale block (gate's; up's for the gate_up modes)
+    const float* swg = sw0 + ((i64)tl.e * NB + tl.n0 / f8::BLOCK) * KB;
+    const float* swu = MODE == DOWN ? swg : sw1 + ((i64)tl.e * NB + tl.n0 / f8::BLOCK) * KB;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int kb = 0; kb < KB; ++kb, ++it) {
+      const int s = it % ST;
+      // the scales first: their loads run while the stage lands
+      const float xa = sxa[kb], xb = sxb[kb], wg = swg[kb], wu = swu[kb];
+      mbar::wait(&full[s], (it / ST) & 1);
+      mbar::fence_proxy_async();                       // the gathered rows were cp.async (generic) writes
+      const unsigned a = ring + s * f8::STAGE_BYTES + cw * 64 * f8::ROW_BYTES;
+      const unsigned b = ring + s * f8::STAGE_BYTES + f8::BM * f8::ROW_BYTES;
+      const unsigned long long da = wgmma::desc_sw128(a), db = wgmma::desc_sw128(b);
+      wgmma::fence();
+#pragma unroll
+      for (int k32 = 0; k32 < f8::BK / 32; ++k32)
+        f8::mma_m64n128k32(part, wgmma::desc_advance(da, k32), wgmma::desc_advance(db, k32), k32);
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_operands(part);
+      if (lane == 0) mbar::arrive(&empty[s]);          // the stage is read: free it
+      // promotion: this block's fp32 tile, scaled by its row and weight scales, into the sum
+      const float ga = xa * wg, gb = xb * wg, ua = xa * wu, ub = xb * wu;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const bool up = MODE != DOWN && j >= 8;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          acc[4 * j + c] = fmaf(part[4 * j + c], up ? ua : ga, acc[4 * j + c]);
+          acc[4 * j + 2 + c] = fmaf(part[4 * j + 2 + c], up ? ub : gb, acc[4 * j + 2 + c]);
+        }
+      }
+    }
+
+    // Epilogue: acc[4j + 2h + c] is tile row 64 cw + 16 warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + c.
+    // Rounded into this warpgroup's staging rows (16-byte chunk j of row r at chunk j ^ (r % 8):
+    // conflict-free writes and reads), then stored as whole chunks of each pair's row.  GATE_UP
+    // stages [gate 64 | up 64] and sends each half to its output.
+    wgmma::warpgroup_sync(1 + cw);                     // the last tile's chunks have all been read
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int rr = warp * 16 + (lane >> 2) + 8 * h;
+      char* row = staging + rr * f8::OUT_ROW_BYTES + 4 * (lane & 3);
+#pragma unroll
+      for (int jj = 0; jj < CH; ++jj) {
+        const int at = 4 * jj + 2 * h;
+        float v[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          if constexpr (MODE == GATE_UP_SILU) {
+            // silu(g) * u rounded where the unfused ops round (moe_wgmma.cuh's fast SiLU)
+            const float gr = round_to<T>(acc[at + c]), ur = round_to<T>(acc[32 + at + c]);
+            v[c] = round_to<T>(__fdividef(gr, 1.f + __expf(-gr))) * ur;
+          } else {
+            v[c] = acc[at + c];
+          }
+        }
+        struct alignas(4) Pair { T lo, hi; } pr = {from_float<T>(v[0]), from_float<T>(v[1])};
+        *reinterpret_cast<Pair*>(row + ((jj ^ (rr & 7)) << 4)) = pr;
+      }
+    }
+    wgmma::warpgroup_sync(1 + cw);                     // the staging rows are whole
+#pragma unroll
+    for (int i = 0; i < 64 * CH / 128; ++i) {
+      const int idx = tid + 128 * i, r = idx / CH, ch = idx % CH;
+      const int tr = 64 * cw + r;
+      const int orow = tr < tl.rows ? order[tl.pbeg + tr] : -1;
+      const bool second = MODE == GATE_UP && ch >= 8;  // GATE_UP: the up half
+      const int col = tl.n0 + 8 * (second ? ch - 8 : ch);
+      if (orow < 0 || col >= N) continue;
+      const uint4 chunk = *reinterpret_cast<const uint4*>(staging + r * f8::OUT_ROW_BYTES + ((ch ^ (r & 7)) << 4));
+      store_chunk<T, N>((second ? out1 : out0) + (i64)orow * N + col, chunk, col, vec);
+    }
+  }
+}
+
+// out0 (out1: GATE_UP's up) [NP, N] = the FP8 product above for every pair; w0 / sw0 the weight
+// (gate for the gate_up modes) and its scales, w1 / sw1 up's (DOWN: w0 / sw0 again).
+template <typename T, int MODE, int E, int N, int KD, int K, int ST>
+__device__ __forceinline__ void grouped_gemm_fp8x(const unsigned char* __restrict__ qx, const float* __restrict__ sx,
+                                                  const TensorMap* w0, const float* __restrict__ sw0,
+                                                  const TensorMap* w1, const float* __restrict__ sw1,
+                                                  const i32* __restrict__ order, const i32* __restrict__ offsets,
+                                                  T* __restrict__ out0, T* __restrict__ out1, char* smem) {
+  static_assert(sizeof(T) == 2, "fp8 x fp8 experts: 16-bit outputs");
+  static_assert(KD % 16 == 0, "fp8 x fp8 experts: quantised rows of whole 16-byte chunks");
+  static_assert(ST >= 2, "fp8 x fp8 experts: a ring of at least two stages");
+  static_assert(f8::BM == WG_BM, "fp8 x fp8 experts: the row tiles of wgmma_row_tiles");
+  static_assert(f8::BN == f8::BLOCK && f8::BN / 2 % f8::BOX == 0,
+                "fp8 x fp8 experts: a tile's weight rows (each half for gate_up) lie in one scale block");
+  static_assert(fp8x_smem(ST) + 2 * ST * 8 + 4 * (E + 1) <= 227 * 1024,
+                "fp8 x fp8 experts: ring + staging + row-tile table exceed a CTA's 227 KB (_moe_gemm_fp8.fits)");
+  __shared__ __align__(8) unsigned long long full[ST], empty[ST];
+  __shared__ int tiles[E + 1];
+  dsg::pdl_wait();                                     // offsets, order, qx and sx: earlier kernels' outputs
+  const unsigned raw = smem_u32(smem);
+  const unsigned ring = (raw + 1023u) & ~1023u;        // 128B-swizzle tiles start on 1024-byte boundaries
+  if (threadIdx.x < 32) wgmma_row_tiles<E>(offsets, tiles);
+  if (threadIdx.x == 0) f8::ring_init<ST>(full, empty);
+  __syncthreads();
+  const int wg = threadIdx.x >> 7;
+  if (wg == 0) {
+    wgmma::setmaxnreg_dec<f8::PRODUCER_REGS>();
+    fp8x_produce<MODE, E, N, KD, K, ST>(qx, w0, w1, order, offsets, tiles, smem + (ring - raw), full, empty);
+  } else {
+    wgmma::setmaxnreg_inc<f8::CONSUMER_REGS>();
+    char* staging = smem + (ring - raw) + ST * f8::STAGE_BYTES + (wg - 1) * f8::OUT_BYTES;
+    fp8x_consume<T, MODE, E, N, KD, K, ST>(sx, sw0, sw1, order, offsets, tiles, ring, full, empty, staging, out0,
+                                           out1, wg - 1);
+  }
+  dsg::pdl_launch_dependents();
+}
+
+}  // namespace moe
+}  // namespace dsg

@@ -1,0 +1,232 @@
+"""Property tests: the grouped expert GEMMs with FP8 weights and FP8 activations at prefill
+(templates/include/moe_gemm_fp8.cuh, the "wgmma_fp8" row of codegen/dispatch.py's grouped_experts table:
+above decode's 256 tokens at the default tuning; sm_90a): moe_gate_up_silu, moe_gate_up and moe_down,
+each as its two launches (gemm_fp8's quantiser over the node's input, then the grouped FP8 x FP8 GEMM).
+
+Two checks an example, each against exact inputs (test_kernels_gemm_fp8.py's recipe):
+  * the quantiser against ir/act_quant.py's on the same input (gate_up: x [T, D], one row a token for its
+    K pairs; down: a [NP, M], one row a pair), read back from the node's workspaces: the scales bit for
+    bit, the e4m3 bytes within one step on at most a few elements;
+  * the GEMM against ir/act_quant.py grouped_linear_fp8 (float64, on the GPU) of the kernel's OWN
+    quantised rows and the FP8 expert weights (bytes and block scales), rounded where the kernel rounds
+    (gate_up_silu: gate, up and silu(gate) to the activation type): the 16-bit tolerance plus ACC_SLACK
+    (the FP8 tensor cores' accumulation error, 2^-12 of sum |x w|) element-wise, STRICT norm-wise.
+
+Hypothesis draws T from 257 to 16384, E (1 .. 16; examples at V2-Lite's 64 experts and V3's 256) and top-k,
+the routing uniform, skewed, with empty experts, or with one expert taking every token (a row tile walk
+of 128-pair tiles over 16384 pairs), widths with ceil blocks (KD a multiple of 16, not of 128; N odd or
+past a 64 / 128-row tile), rows whose scales differ by up to 2^8 and all-zero rows, the input or the
+outputs one element past an aligned base (the quantiser's element loads; the GEMM's element stores).
+Outputs are poisoned (NaN) and the workspaces too (e4m3 0x7f, NaN scales), so an element no kernel writes
+fails.  The planted mutants of tests/gpu/test_mutants.py (a K block's x scale from another pair, the
+ceil K block dropped, the promotion skipped for the last K block, the gate and up scales swapped) run
+through these bodies and must fail them.
+
+Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_moe_gemm_fp8.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import assume, example, given, strategies as st
+
+import test_kernels_gemm_fp8 as gemm_tests
+import test_kernels_moe as base
+from harness import GPU_MARKS, TORCH_DTYPES, shifted, single_op_graph, tiny_model
+from kernel_cases import Recorder, empty_out, kernel_test, runner
+from test_kernels_moe_fp8 import quantized_experts
+
+from codegen import families, sizes
+from codegen.families import _moe_gemm_fp8, gemm_fp8
+from codegen.kernel import Options
+from ir.act_quant import grouped_linear_fp8
+from ir.formats import FP8, cdiv, companion_names, set_format
+from ir.ops import TType
+
+_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                             reason="the FP8 x FP8 expert GEMM needs a compute capability 9.0 GPU (sm_90a)")
+pytestmark = [*GPU_MARKS, _HOPPER]
+
+SETTINGS = kernel_test(20)
+REC = {op: Recorder(f"{op} fp8 x fp8") for op in ("moe_gate_up_silu", "moe_gate_up", "moe_down")}
+ACC_SLACK = gemm_tests.ACC_SLACK
+BLOCK = FP8.block[0]
+FIRST = 257                    # the first T the FP8 x FP8 row serves at the default tuning
+TOKENS = st.one_of(st.sampled_from([FIRST, 300, 383, 384, 385, 512, 1000, 2048, 4096, 16384]),
+                   st.integers(FIRST, 1200))
+KDS = (16, 112, 128, 144, 256, 272, 528, 1408, 2048)
+NS = (1, 37, 64, 65, 128, 129, 190, 200, 264, 1408)
+ROUTINGS = ("uniform", "skewed", "empty", "hot")
+MAX_MACS = 3 * 10 ** 10        # pairs x N x KD: the float64 references stay at a second or so
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    for rec in REC.values():
+        rec.report()
+
+
+def routing_ids(T: int, E: int, K: int, kind: str, g) -> torch.Tensor:
+    """ids [T, K], K distinct experts a token: "uniform" (random scores), "skewed" (some experts far
+    more often than others), "empty" (up to E - K experts never chosen), "hot" (expert 0 in every token)."""
+    logits = torch.randn(T, E, generator=g)
+    if kind == "skewed":
+        logits += torch.linspace(0, 6, E)[torch.randperm(E, generator=g)]
+    elif kind == "empty":
+        dead = torch.randperm(E, generator=g)[:E - K]
+        logits[:, dead[:int(torch.randint(0, E - K + 1, (1,), generator=g))]] = float("-inf")
+    elif kind == "hot":
+        logits[:, 0] = float("inf")
+    return logits.topk(K, dim=1).indices
+
+
+def case_of(dtype, T, E, K, KD, N, *, routing="uniform", counts=None, misalign="none", zero_rows=0, seed=31):
+    if counts is not None:
+        assert sum(counts) == T * K and len(counts) == E and max(counts) <= T, (counts, T, K)
+    return {"dtype": dtype, "T": T, "E": E, "K": K, "KD": KD, "N": N, "routing": routing, "counts": counts,
+            "misalign": misalign, "zero_rows": zero_rows, "seed": seed}
+
+
+@st.composite
+def cases(draw, kds=KDS, ns=NS):
+    E = draw(st.sampled_from((1, 2, 3, 5, 8, 16)))
+    K = draw(st.integers(1, min(E, 8)))
+    case = case_of(draw(st.sampled_from(("bf16", "fp16"))), draw(TOKENS), E, K, draw(st.sampled_from(kds)),
+                   draw(st.sampled_from(ns)), routing=draw(st.sampled_from(ROUTINGS)),
+                   misalign=draw(st.sampled_from(("none", "none", "inputs", "outputs"))),
+                   zero_rows=draw(st.sampled_from((0, 0, 1, 5))), seed=draw(st.integers(0, 2**31 - 1)))
+    assume(case["T"] * K * case["N"] * case["KD"] <= MAX_MACS)
+    return case
+
+
+def graph(op: str, E: int, K: int, KD: int, N: int):
+    r = TType((f"T*{K}", E), "routing")
+    if op == "moe_down":
+        G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "out_dim": N},
+                                 {"a": TType((f"T*{K}", KD), "act"), "R": r}, {"weight": "e.{expert}.down"})
+    else:
+        G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "out_dim": N},
+                                 {"x": TType(("T", KD), "act"), "R": r},
+                                 {"gate": "e.{expert}.gate", "up": "e.{expert}.up"})
+    for name in G.nodes[nid]["weights"].values():
+        set_format(G.graph["weights"], name, FP8)
+    return G, nid
+
+
+def fp8x_launches(G, nid, dtype, env):
+    """The node's launches with work at the step's sizes: the quantiser, then the FP8 x FP8 GEMM."""
+    launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype))
+    running = [la for la in launches if all(sizes.evaluate(g, env) > 0 for g in la.grid)]
+    assert [la.stage for la in running] == [_moe_gemm_fp8.QUANT_STAGE, _moe_gemm_fp8.VARIANT], \
+        [la.stage for la in running]
+    assert f"{dtype}_{_moe_gemm_fp8.NAME}" in running[1].name, running[1].name
+    return running
+
+
+def poisoned_workspaces(rows: int, KD: int, down: bool) -> dict:
+    q_ws, s_ws = _moe_gemm_fp8.WORKSPACES[down]
+    return {q_ws: torch.full((rows, KD // 4), 0x7F7F7F7F, dtype=torch.int32, device="cuda"),
+            s_ws: torch.full((rows, cdiv(KD, BLOCK)), float("nan"), dtype=torch.float32, device="cuda")}
+
+
+def _abs8(q: torch.Tensor) -> torch.Tensor:
+    """|q| as e4m3 (exact): sum |x w| through the same grouped product."""
+    return q.float().abs().to(torch.float8_e4m3fn)
+
+
+def run_case(op: str, case: dict) -> None:
+    dtype, T, E, K, KD, N = (case[k] for k in ("dtype", "T", "E", "K", "KD", "N"))
+    td = TORCH_DTYPES[dtype]
+    down = op == "moe_down"
+    g = torch.Generator().manual_seed(case["seed"])
+    ids = base._ids_with_counts(case["counts"], K, g) if case["counts"] else routing_ids(T, E, K, case["routing"], g)
+    ref_r, dev_r = base._routing(T, E, K, g, ids)
+    G, nid = graph(op, E, K, KD, N)
+    weights, fp8w = {}, {}
+    for role, name in G.nodes[nid]["weights"].items():
+        q, s = quantized_experts(E, N, KD, g, KD ** -0.5)
+        weights[name], weights[companion_names(name, FP8)[0]] = q, s
+        fp8w[role] = (q, s)
+    env = {"T": T, "NP": T * K, "SMS": torch.cuda.get_device_properties(0).multi_processor_count}
+    launches = fp8x_launches(G, nid, dtype, env)
+    rows = T * K if down else T
+    x = shifted(gemm_tests.x_tokens(rows, KD, dtype, 0, 0, case["zero_rows"], g).contiguous(),
+                case["misalign"] == "inputs")
+    outs = G.nodes[nid]["outputs"]
+    ys = {o: shifted(empty_out((T * K, N), dtype), case["misalign"] == "outputs") for o in outs}
+    work = runner().run_all(launches, values={"a" if down else "x": x, "R": dev_r, **ys}, weights=weights,
+                            sizes={"T": T, "NP": T * K}, workspaces=poisoned_workspaces(rows, KD, down))
+    torch.cuda.synchronize()
+    msg = (f"{op} T={T} E={E} K={K} KD={KD} N={N} routing={case['routing']} counts={case['counts'] is not None} "
+           f"misalign={case['misalign']} zero_rows={case['zero_rows']}")
+    q_ws, s_ws = _moe_gemm_fp8.WORKSPACES[down]
+    qx, sx = gemm_tests.check_quantiser(x, {gemm_fp8.XQ: work[q_ws], gemm_fp8.XS: work[s_ws]}, msg)
+    pair_rows = torch.arange(T * K, device="cuda")
+    if not down:
+        pair_rows = pair_rows // K                      # a token's K pairs share its quantised row
+    experts = ids.reshape(-1).to("cuda")                # pair t * K + k: expert ids[t, k]
+
+    def product(role):
+        qw, sw = fp8w[role]
+        return (grouped_linear_fp8(qx, sx, pair_rows, experts, qw, sw),
+                ACC_SLACK * grouped_linear_fp8(_abs8(qx), sx, pair_rows, experts, _abs8(qw), sw))
+
+    rec = REC[op]
+    if down:
+        y, slack = product("weight")
+        rec.check(ys[outs[0]], y, dtype, msg, slack=slack)
+    else:
+        (gt, gs), (ut, us) = product("gate"), product("up")
+        if op == "moe_gate_up":
+            rec.check(ys[outs[0]], gt, dtype, f"gate {msg}", slack=gs)
+            rec.check(ys[outs[1]], ut, dtype, f"up {msg}", slack=us)
+        else:
+            # rounded where the kernel (and the unfused ops) round; the slack carried through silu(g) * u
+            # as test_kernels_gemm_fp8.silu_slack does (|d silu / dg| <= 1.1)
+            gr, ur = gt.to(td).double(), ut.to(td).double()
+            expected = (gr * torch.sigmoid(gr)).to(td).double() * ur
+            silu = (gt * torch.sigmoid(gt)).abs()
+            rec.check(ys[outs[0]], expected, dtype, msg, slack=1.1 * ut.abs() * gs + silu * us)
+    rec.example()
+
+
+def lite_counts(T, K, E=64, hot=(300, 257, 129, 128, 127, 64, 0, 1)):
+    """E experts, T tokens of K pairs: the given counts first (row-tile edges, an empty expert), the
+    rest spread evenly (whole tokens: no expert above T)."""
+    counts = list(hot) + [0] * (E - len(hot))
+    rest = T * K - sum(hot)
+    for i in range(len(hot), E):
+        counts[i] = rest // (E - len(hot)) + (1 if i - len(hot) < rest % (E - len(hot)) else 0)
+    return counts
+
+
+@SETTINGS
+@given(case=cases())
+# V2-Lite's routed experts (64 x 1408, hidden 2048, top-6), row-tile edges and an empty expert
+@example(case=case_of("bf16", 300, 64, 6, 2048, 1408, counts=lite_counts(300, 6)))
+# V3's 256 experts of 2048, top-8, the hidden width shrunk to 448 (3.5 K blocks: a ceil block)
+@example(case=case_of("bf16", 300, 256, 8, 448, 2048, routing="skewed", seed=2))
+# one expert in every token of 16384 (128 row tiles of it), odd N (element stores), fp16
+@example(case=case_of("fp16", 16384, 8, 2, 144, 37, routing="hot", seed=3))
+# a partial K block of 16 columns, misaligned x and zero tokens; N past a 64-column tile
+@example(case=case_of("bf16", FIRST, 5, 3, 272, 200, routing="empty", misalign="inputs", zero_rows=5, seed=4))
+def test_moe_gate_up_silu_fp8x(case):
+    run_case("moe_gate_up_silu", case)
+
+
+@SETTINGS
+@given(case=cases())
+@example(case=case_of("bf16", 300, 64, 6, 1408, 2048, counts=lite_counts(300, 6)))            # V2-Lite
+@example(case=case_of("bf16", 300, 256, 8, 2048, 448, routing="skewed", seed=6))              # V3, hidden shrunk
+@example(case=case_of("fp16", 1000, 3, 2, 272, 190, routing="empty", misalign="outputs", seed=7))  # N - n0 <= 64
+@example(case=case_of("bf16", 16384, 8, 2, 112, 65, routing="hot", zero_rows=5, seed=8))
+def test_moe_down_fp8x(case):
+    run_case("moe_down", case)
+
+
+@kernel_test(6)
+@given(case=cases(kds=(144, 272), ns=(37, 200)))
+@example(case=case_of("bf16", 400, 4, 2, 272, 200, routing="skewed", misalign="outputs", seed=9))
+def test_moe_gate_up_fp8x(case):
+    run_case("moe_gate_up", case)
