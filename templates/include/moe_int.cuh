@@ -1,0 +1,220 @@
+// The grouped expert GEMMs with msModelSlim's packed int4 weights (int4_channel, W4A8_DYNAMIC 1.0.0;
+// ir/formats.py) and int8 activations.  The arithmetic is ir/formats_int.py int_linear's, per pair as
+// ir/ops/moe.py grouped_linear applies it:
+//
+//   qx, s_x   the activation rows quantised per row (quant_int8.cuh, its own launch before this one):
+//             x's token rows for GATE_UP_SILU (one quantisation a token, shared by all its pairs), the
+//             SwiGLU's pair rows for DOWN
+//   acc       = sum_k qx[row, k] * q[e, o, k]                exact in int32 (KD < 2^17)
+//   y         = (float(acc) * s_w[e, o]) * s_x[row]          two correctly rounded products (int8.cuh i8_scale)
+//   GATE_UP_SILU: out = round(round(silu(round(y_gate))) * round(y_up)), as moe_grouped.cuh's GEMV rounds
+//   DOWN:         out = round(y)
+//
+// so DOWN's outputs are bit-equal to the reference's, and GATE_UP_SILU's gate and up are (silu's expf
+// may differ from torch's in the last bit before its rounding).
+//
+// Swap-AB with mma.sync m16n8k32 s8 (imma.cuh): the expert's weight channels are the mma's M side,
+// its pairs the N side (n8 tiles), so decode's few pairs an expert cost little padding and each
+// weight byte is read once a pass.  The int4 unpack is int4.cuh's: an m16 tile is 8 packed rows
+// j0 + g (channels 2j as mma row g, 2j + 1 as row g + 8), the mma sums 16 * q * x, and the total is
+// shifted right by 4 (exact).  Thread (g, c) loads 16 bytes at k0 = 64 * step + 16 * c of its packed
+// row and of pair g's quantised row, as int8.cuh does.
+//
+// CTA (WI4_THREADS): WI4_RT = 2 m16 tiles -- GATE_UP_SILU: the gate's and the up's tiles of the same
+// 8 packed rows (16 channels), so SwiGLU pairs them in the epilogue; DOWN: 16 packed rows (32
+// channels) -- of one expert; the warps split KD in 64-wide steps and meet in shared memory (int32,
+// exact in any order).  Grid (column tiles, min(E, NP) slots): slot s is the s-th expert with pairs
+// (moe_grouped.cuh nth_light_expert), so an expert without pairs costs no CTA.  The expert's pairs
+// run in passes of up to 32 (4 n8 tiles), 16 or 8; each pass reads the CTA's weights again (from L2
+// after the first): one pass covers decode's tokens up to 16, more pairs an expert re-read them --
+// correct at any T, not a prefill GEMM.
+//
+// Odd widths: the 16-byte weight loads need KD % 16 == 0 and 16-byte aligned weights (tested per
+// CTA), else byte loads (int8.cuh chunk_i8); k past KD loads zeros; packed rows past N / 2 load zeros
+// and are not stored.  N (channels) is even: two a byte.
+#pragma once
+#include "int4.cuh"
+#include "int8.cuh"
+#include "moe_grouped.cuh"
+#include "pdl.cuh"
+
+namespace dsg {
+namespace moe {
+
+constexpr int WI4_WARPS = 4;
+constexpr int WI4_THREADS = WI4_WARPS * 32;
+constexpr int WI4_STEP = 64;      // k a warp step: 4 threads x 16 bytes of each row
+constexpr int WI4_RT = 2;         // m16 tiles a CTA
+constexpr int WI4_MAX_NT = 4;     // n8 pair tiles in the widest pass
+
+// Output channels a CTA covers (the lowering's column tiles).
+__host__ __device__ constexpr int wi4_channels(int mode) { return mode == DOWN ? 32 : 16; }
+
+// The packed rows (two channels each) a CTA covers.
+__host__ __device__ constexpr int wi4_packed_rows(int mode) { return wi4_channels(mode) / 2; }
+
+// Tile rt's packed row for mma rows (g, g + 8) of a CTA whose first packed row is j0.
+template <int MODE>
+__device__ __forceinline__ int wi4_row(int j0, int rt, int g) {
+  return MODE == DOWN ? j0 + 8 * rt + g : j0 + g;
+}
+
+// One pass over the CTA's weights for the expert's pairs order[c0 .. min(c0 + 8 * NT, end)).
+// w0 / w1, s0 / s1: the expert's matrices and scales (DOWN: w1 == w0).  VEC: 16-byte weight loads.
+template <typename T, int MODE, int N, int KD, int K, int NT, int U, bool VEC>
+__device__ __forceinline__ void wi4_pass(const signed char* __restrict__ qx, const float* __restrict__ sx,
+                                         const signed char* __restrict__ w0, const signed char* __restrict__ w1,
+                                         const float* __restrict__ s0, const float* __restrict__ s1,
+                                         const i32* __restrict__ order, int c0, int end, int j0,
+                                         T* __restrict__ out, int* red) {
+  constexpr int NSTEPS = (KD + WI4_STEP - 1) / WI4_STEP;
+  constexpr int QROW = dsg::quant::qrow(KD);
+  constexpr int NPACK = N / 2;
+  constexpr int SLICE = WI4_RT * NT * 128;   // one warp's int32 partial sums
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int warp = (int)(threadIdx.x >> 5);
+
+  const signed char* wr[WI4_RT];
+#pragma unroll
+  for (int rt = 0; rt < WI4_RT; ++rt) {
+    const int j = wi4_row<MODE>(j0, rt, g);
+    const signed char* base = (MODE == DOWN || rt == 0) ? w0 : w1;
+    wr[rt] = j < NPACK ? base + (i64)j * KD : nullptr;
+  }
+  const signed char* xr[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int slot = c0 + 8 * nt + g;
+    xr[nt] = nullptr;
+    if (slot < end) {
+      const int p = order[slot];
+      xr[nt] = qx + (i64)(MODE == DOWN ? p : p / K) * QROW;
+    }
+  }
+
+  int acc[WI4_RT][NT][4];
+#pragma unroll
+  for (int rt = 0; rt < WI4_RT; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[rt][nt][j] = 0;
+
+  // Steps warp + WI4_WARPS * i in batches of U (a step past the end loads zeros).
+  const int my_steps = warp < NSTEPS ? (NSTEPS - warp + WI4_WARPS - 1) / WI4_WARPS : 0;
+  const int batches = (my_steps + U - 1) / U;
+  for (int b = 0; b < batches; ++b) {
+    uint4 wv[U][WI4_RT], xv[U][NT];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = (warp + WI4_WARPS * (b * U + u)) * WI4_STEP + 16 * c;
+#pragma unroll
+      for (int rt = 0; rt < WI4_RT; ++rt) wv[u][rt] = dsg::skinny::chunk_i8<KD, VEC>(wr[rt], k);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) xv[u][nt] = dsg::skinny::chunk_qx<KD>(xr[nt], k);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int rt = 0; rt < WI4_RT; ++rt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) dsg::int4::mma_chunk_s4(acc[rt][nt], wv[u][rt], xv[u][nt]);
+  }
+
+  int* mine = red + warp * SLICE;
+#pragma unroll
+  for (int rt = 0; rt < WI4_RT; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      *reinterpret_cast<::int4*>(mine + (rt * NT + nt) * 128 + lane * 4) =
+          make_int4(acc[rt][nt][0], acc[rt][nt][1], acc[rt][nt][2], acc[rt][nt][3]);
+  __syncthreads();
+
+  // Element i of a slice: rt, nt, lane l, j -> packed row wi4_row(j0, rt, l / 4), channel 2 * row + j / 2,
+  // pair slot c0 + 8 * nt + 2 * (l % 4) + j % 2.  GATE_UP_SILU: rt 0 is the gate, rt 1 (i + NT * 128) the up
+  // of the same channel and pair.
+  auto total = [&](int i) {
+    int s = 0;
+#pragma unroll
+    for (int w = 0; w < WI4_WARPS; ++w) s += red[w * SLICE + i];
+    return dsg::int4::unscale16(s);
+  };
+  constexpr int ITEMS = MODE == DOWN ? SLICE : SLICE / 2;
+  for (int i = threadIdx.x; i < ITEMS; i += WI4_THREADS) {
+    const int rt = i / (NT * 128), nt = (i / 128) % NT, l = (i % 128) >> 2, j = i & 3;
+    const int ch = 2 * wi4_row<MODE>(j0, rt, l >> 2) + (j >> 1);
+    const int slot = c0 + 8 * nt + 2 * (l & 3) + (j & 1);
+    if (slot >= end || ch >= N) continue;
+    const int p = order[slot];
+    const float x_scale = sx[MODE == DOWN ? p : p / K];
+    T* o = out + (i64)p * N + ch;
+    if constexpr (MODE == DOWN) {
+      *o = from_float<T>(dsg::skinny::i8_scale(total(i), __ldg(s0 + ch), x_scale));
+    } else {
+      const float gt = round_to<T>(dsg::skinny::i8_scale(total(i), __ldg(s0 + ch), x_scale));
+      const float up = round_to<T>(dsg::skinny::i8_scale(total(i + NT * 128), __ldg(s1 + ch), x_scale));
+      const float act = round_to<T>(gt / (1.f + expf(-gt)));
+      *o = from_float<T>(act * up);
+    }
+  }
+  __syncthreads();   // red is the next pass's
+}
+
+template <typename T, int MODE, int N, int KD, int K, bool VEC>
+__device__ __forceinline__ void wi4_pairs(const signed char* __restrict__ qx, const float* __restrict__ sx,
+                                          const signed char* __restrict__ w0, const signed char* __restrict__ w1,
+                                          const float* __restrict__ s0, const float* __restrict__ s1,
+                                          const i32* __restrict__ order, int beg, int end, int j0,
+                                          T* __restrict__ out, int* red) {
+  for (int c0 = beg; c0 < end;) {
+    const int left = end - c0;
+    if (left > 16) {
+      wi4_pass<T, MODE, N, KD, K, 4, 2, VEC>(qx, sx, w0, w1, s0, s1, order, c0, end, j0, out, red);
+      c0 += 32;
+    } else if (left > 8) {
+      wi4_pass<T, MODE, N, KD, K, 2, 4, VEC>(qx, sx, w0, w1, s0, s1, order, c0, end, j0, out, red);
+      c0 += 16;
+    } else {
+      wi4_pass<T, MODE, N, KD, K, 1, 4, VEC>(qx, sx, w0, w1, s0, s1, order, c0, end, j0, out, red);
+      c0 += 8;
+    }
+  }
+}
+
+// out [NP, N] per pair (module comment), qx [rows, qrow(KD)] / sx [rows] from the quantiser; w0 / w1
+// the stacked packed weights [E, N / 2, KD] (DOWN: w1 == w0), s0 / s1 their scales [E, N, 1].
+template <typename T, int MODE, int E, int N, int KD, int K>
+__device__ __forceinline__ void grouped_wi4(const signed char* __restrict__ qx, const float* __restrict__ sx,
+                                            const signed char* __restrict__ w0, const signed char* __restrict__ w1,
+                                            const float* __restrict__ s0, const float* __restrict__ s1,
+                                            const i32* __restrict__ order, const i32* __restrict__ offsets,
+                                            T* __restrict__ out) {
+  static_assert(MODE == GATE_UP_SILU || MODE == DOWN, "grouped int4 experts: GATE_UP_SILU or DOWN");
+  static_assert(N % 2 == 0, "packed int4: two output channels a byte");
+  static_assert(KD < 131072, "int4 x int8: int32 accumulators of 16 * q * x are exact below KD = 2^17");
+  static_assert(!dsg::skinny::IsF32<T>::value, "int4 experts: bf16 or fp16 activations");
+  __shared__ __align__(16) int red[WI4_WARPS * WI4_RT * WI4_MAX_NT * 128];
+  dsg::pdl_wait();   // the routing and the quantised rows are other kernels' outputs
+  dsg::pdl_launch_dependents();
+  const int e = nth_light_expert<E, 0>(offsets, blockIdx.y, false);   // warp-uniform, the same in every warp
+  const int j0 = blockIdx.x * wi4_packed_rows(MODE);
+  if (e < 0 || j0 >= N / 2) return;
+  const int beg = offsets[e], end = offsets[e + 1];
+  const i64 per_expert = (i64)(N / 2) * KD;
+  const signed char* W0 = w0 + e * per_expert;
+  const signed char* W1 = (MODE == DOWN ? w0 : w1) + e * per_expert;
+  const float* S0 = s0 + (i64)e * N;
+  const float* S1 = (MODE == DOWN ? s0 : s1) + (i64)e * N;
+  if constexpr (KD % 16 == 0) {
+    if (aligned16(W0) && aligned16(W1)) {
+      wi4_pairs<T, MODE, N, KD, K, true>(qx, sx, W0, W1, S0, S1, order, beg, end, j0, out, red);
+      DSG_PHASE_EXIT();
+      return;
+    }
+  }
+  wi4_pairs<T, MODE, N, KD, K, false>(qx, sx, W0, W1, S0, S1, order, beg, end, j0, out, red);
+  DSG_PHASE_EXIT();   // phases.cuh
+}
+
+}  // namespace moe
+}  // namespace dsg
