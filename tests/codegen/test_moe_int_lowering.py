@@ -1,0 +1,214 @@
+"""The grouped experts with msModelSlim's packed int4 weights (int4_channel, W4A8_DYNAMIC 1.0.0) on the CPU:
+the grouped_experts table's int rows; moe_gate_up_silu / moe_down lower to the per-row int8 quantiser's launch
+and the int4 launch ("wi4", templates/include/moe_int.cuh) over two workspaces, moe_expert_ffn to both pairs;
+what no int kernel serves is one line; the kernels compile for sm_90 and sm_90a with no spills, on IMMA s8
+with the unpack's LOP3s, keeping the PDL contract; and a tiny W4A8 checkpoint (`dsgraph quantize --to w4a8`)
+lowers with its routed experts on these kernels, no library call serving decode's token counts."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass import cuobjdump, instructions, opcodes  # noqa: E402
+from tiny import ROOT  # noqa: E402
+
+import ir  # noqa: E402
+from codegen import dispatch, families  # noqa: E402
+from codegen.errors import LoweringError  # noqa: E402
+from codegen.families import _moe_int  # noqa: E402
+from codegen.kernel import KernelLaunch, LibraryCall, Options, WeightRef, WorkspaceRef  # noqa: E402
+from ir.formats import FORMATS, set_format  # noqa: E402
+from ir.ops import TType  # noqa: E402
+from tests.gpu.harness import single_op_graph, tiny_model  # noqa: E402
+
+INT4 = FORMATS["int4_channel"]
+FACTS = {"weight_format": INT4.name, "dtype": "bf16", "int_rows": True}
+MOE_OPS = ("moe_gate_up_silu", "moe_gate_up", "moe_down", "moe_expert_ffn")
+
+
+def _node(op: str, KD: int, N: int, *, E: int = 8, K: int = 2, fmt=INT4, roles=None):
+    r = TType((f"T*{K}", E), "routing")
+    if op == "moe_down":
+        G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "out_dim": N},
+                                 {"a": TType((f"T*{K}", KD), "act"), "R": r}, {"weight": "e.{expert}.down"})
+    elif op == "moe_expert_ffn":
+        G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "inner_dim": N, "out_dim": KD},
+                                 {"x": TType(("T", KD), "act"), "R": r},
+                                 {"gate": "e.{expert}.gate", "up": "e.{expert}.up", "down": "e.{expert}.down"})
+    else:
+        G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "out_dim": N},
+                                 {"x": TType(("T", KD), "act"), "R": r},
+                                 {"gate": "e.{expert}.gate", "up": "e.{expert}.up"})
+    bound = G.nodes[nid]["weights"]
+    for role in (bound if roles is None else roles):
+        set_format(G.graph["weights"], bound[role], fmt)
+    return G, nid
+
+
+def _lower(G, nid, opts=None):
+    return families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, opts or Options())
+
+
+def test_the_grouped_table_serves_int4_at_every_token_count_and_refuses_the_rest():
+    for op in ("moe_gate_up_silu", "moe_down"):
+        rows = dispatch.rows(op, FACTS)
+        assert [(r.variant, r.lo, r.hi) for r in rows] == [(_moe_int.VARIANT, 1, None)]
+        assert "exact" in rows[0].reason and "NOT a tuned GEMM" in rows[0].reason
+        for T in (1, 16, 256, 300, 16384):
+            assert dispatch.select(op, T, FACTS).variant == _moe_int.VARIANT
+        for facts in ({**FACTS, "dtype": "fp32"}, {**FACTS, "int_rows": False},
+                      {**FACTS, "weight_format": "int4_group256_packed"}, {**FACTS, "weight_format": "int8_channel"}):
+            assert [r.variant for r in dispatch.rows(op, facts)] == [dispatch.NONE], facts
+    # the bf16 rows are untouched
+    assert dispatch.select("moe_down", 48, {"dtype": "bf16", "sm_90a": True, "tma_rows": True, "decode_wgmma_fits": True,
+                                            "prefill_wgmma_fits": True}).variant == "wgmma_skinny"
+
+
+@pytest.mark.parametrize("op,KD,N", [("moe_gate_up_silu", 2048, 1408), ("moe_down", 1408, 2048)])
+def test_int4_experts_lower_to_the_quantiser_and_the_int4_launch(op, KD, N):
+    G, nid = _node(op, KD, N, E=64, K=6)
+    quant, gemm = _lower(G, nid)
+    down = op == "moe_down"
+    assert quant.stage == _moe_int.QUANT_STAGE and gemm.stage == _moe_int.VARIANT
+    assert quant.template == gemm.template == "moe_int.cu.j2" and quant.family == gemm.family == op
+    assert quant.name == f"{op}__bf16_qi8__k{KD}"
+    assert gemm.name == (f"{op}__bf16_wi4__e64__d{N}_m{KD}" if down else f"{op}__bf16_wi4__e64_k6__m{N}_d{KD}")
+    rows = "NP" if down else "T"
+    assert quant.grid == (rows, 1, 1) and quant.block == (_moe_int.QUANT_THREADS, 1, 1)
+    assert gemm.grid == (N // _moe_int.channels(down=down), "min(64, NP)", 1) and gemm.block == (128, 1, 1)
+    ws = {w.name: w for w in quant.workspace}
+    assert quant.workspace == gemm.workspace and len(ws) == 2
+    q, s = ("aq_i8", "as_f32") if down else ("xq_i8", "xs_f32")
+    assert ws[q].shape == (rows, KD // 4) and ws[q].dtype == "i32" and ws[s].shape == (rows,) and ws[s].dtype == "f32"
+    qa = {a.name: (a.ctype, a.ref) for a in quant.args}
+    assert qa["q"] == ("signed char*", WorkspaceRef(q)) and qa["s"] == ("float*", WorkspaceRef(s))
+    assert qa["x"][0] == "const __nv_bfloat16*" and qa["rows"][1].expr == rows
+    ga = {a.name: (a.ctype, a.ref) for a in gemm.args}
+    assert ga["xq"] == ("const signed char*", WorkspaceRef(q)) and ga["xs"] == ("const float*", WorkspaceRef(s))
+    for w in (("w",) if down else ("w_gate", "w_up")):
+        name = G.nodes[nid]["weights"]["weight" if down else w[2:]]
+        assert ga[w] == ("const signed char*", WeightRef(name))
+        assert ga["s" + w[1:]] == ("const float*", WeightRef(name + "_scale"))
+    assert gemm.params["down"] is down and gemm.params["channels"] == _moe_int.channels(down=down)
+
+
+def test_odd_reduction_widths_pad_the_quantised_rows():
+    G, nid = _node("moe_down", 1001, 90)
+    quant, gemm = _lower(G, nid, Options(dtype="fp16"))
+    assert quant.params["qrow"] == 1008 and quant.workspace[0].shape == ("NP", 252)
+    assert gemm.grid[0] == 3 and gemm.name == "moe_down__fp16_wi4__e8__d90_m1001"
+
+
+def test_the_expert_ffn_runs_both_int_launch_pairs_beside_its_intermediate():
+    G, nid = _node("moe_expert_ffn", 2048, 1408, E=64, K=6)
+    launches = _lower(G, nid)
+    assert [(la.family, la.stage) for la in launches] == [
+        ("moe_gate_up_silu", "quant_i8"), ("moe_gate_up_silu", "mma_wi4"), ("moe_down", "quant_i8"),
+        ("moe_down", "mma_wi4")]
+    for la in launches:
+        assert "expert_act" in {w.name for w in la.workspace}
+    assert {a.name: a.ref for a in launches[2].args}["x"] == WorkspaceRef("expert_act")
+    assert {a.name: a.ref for a in launches[1].args}["out"] == WorkspaceRef("expert_act")
+
+
+@pytest.mark.parametrize("op,kw,opts,message", [
+    ("moe_gate_up_silu", {}, Options(dtype="fp32"), "int4_channel expert weights need bf16 or fp16 activations"),
+    ("moe_down", {"fmt": FORMATS["int4_group256_packed"]}, Options(), "no cuda kernel for int4_group256_packed"),
+    ("moe_down", {"fmt": FORMATS["int8_channel"]}, Options(), "no cuda kernel for int8_channel expert weights"),
+    ("moe_gate_up_silu", {"roles": ("gate",)}, Options(), "all in one integer format, got bf16, int4_channel"),
+    ("moe_down", {"N": 45}, Options(), "packs two output channels a byte; 45 do not pair"),
+])
+def test_what_no_int_kernel_serves_is_one_line(op, kw, opts, message):
+    kw = dict(kw)
+    G, nid = _node(op, 256, kw.pop("N", 200), **kw)
+    with pytest.raises(LoweringError, match=message) as info:
+        _lower(G, nid, opts)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("fmt", ["int4_group256_packed", "int4_group256", "int4_channel_byte", "int8_channel"])
+def test_other_integer_expert_formats_are_refused_at_lowering_in_one_line(fmt):
+    """Per-group int4 (second-stage scales), one int4 a byte and int8 routed experts have no cuda kernel:
+    one line at lowering (the reference backend runs them exactly).  Widths of whole 256-groups."""
+    from codegen.lower import lower_graph
+    from ir.config_to_spec import spec_from_config
+    from ir.passes import run_pipeline
+    tiny = json.loads((ROOT / "model_specs" / "hf_configs" / "deepseek_tiny.json").read_text())
+    tiny = {**tiny, "hidden_size": 256, "moe_intermediate_size": 256}
+    text = spec_from_config(tiny, name="tiny") + f'\nweight_formats:\n  "model.layers.*.mlp.experts.*": {fmt}\n'
+    G = run_pipeline(ir.build_graph(ir.load_spec(text, file="t.yaml"), "decode"))
+    with pytest.raises(LoweringError) as info:
+        lower_graph(G, Options())
+    message = str(info.value)
+    assert "\n" not in message and f"no kernel for weight format {fmt}" in message, message
+
+
+def _compile(launch, arch):
+    from codegen.nvrtc import compile_cubin
+    from codegen.render import render_launch
+    return compile_cubin(render_launch(launch), launch.name, arch=arch, options=("--ptxas-options=-v",))
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
+@pytest.mark.parametrize("op,KD,N,dtype,arch", [("moe_gate_up_silu", 2048, 1408, "bf16", "sm_90"),
+                                                 ("moe_down", 1408, 2048, "bf16", "sm_90a"),
+                                                 ("moe_gate_up_silu", 7168, 2048, "bf16", "sm_90a"),   # V3
+                                                 ("moe_down", 1001, 90, "fp16", "sm_90")])         # byte loads
+def test_the_int4_kernel_is_imma_with_the_unpack_in_registers_without_spills(op, KD, N, dtype, arch):
+    from test_sass_pdl import wait_problem
+    G, nid = _node(op, KD, N, E=64, K=6)
+    quant, gemm = _lower(G, nid, Options(dtype=dtype))
+    res = _compile(gemm, arch)
+    assert "0 bytes stack frame" in res.log and "0 bytes spill stores" in res.log, res.log
+    ops = opcodes(res.cubin)
+    assert ops["IMMA.16832.S8.S8"] > 0, sorted(ops)
+    assert any(o.startswith("LOP3") for o in ops), "the int4 unpack: masks of the packed words"
+    assert ops["I2FP.F32.S32"] > 0 and ops["FMUL"] > 0, "the epilogue: int -> float, then the two scales"
+    if KD % 16 == 0:
+        assert ops["LDG.E.NA.LTC128B.128.CONSTANT"] > 0, sorted(ops)
+    assert not any(o.startswith(("HMMA", "HGMMA", "LDL", "STL")) for o in ops), sorted(ops)
+    if op == "moe_down":
+        assert not any(o.startswith("FFMA") for o in ops), "no FMA may merge the epilogue's two products"
+    assert wait_problem(instructions(res.cubin)[gemm.name]) is None
+    qres = _compile(quant, arch)
+    assert "0 bytes stack frame" in qres.log and "0 bytes spill stores" in qres.log, qres.log
+    qops = opcodes(qres.cubin)
+    assert qops["FCHK"] > 0 and qops["F2I.NTZ"] > 0, sorted(qops)   # __fdiv_rn, round half to even
+    assert wait_problem(instructions(qres.cubin)[quant.name]) is None
+
+
+def test_a_tiny_w4a8_checkpoint_lowers_with_its_experts_on_the_int4_kernels(tmp_path):
+    """`dsgraph quantize --to w4a8` of a tiny V3-style checkpoint, its spec from its config (int8 linears,
+    packed int4 routed experts), the pass pipeline and the cuda lowering on the CPU: every routed-expert node
+    runs the quantiser and the int4 launch at every T; no library call serves a decode token count (<= 16:
+    above it the int8 dense linears' exact call, not the experts)."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+    import hf_tiny
+    from codegen.lower import lower_graph
+    from ir.config_to_spec import spec_from_config
+    from ir.passes import run_pipeline
+    from runtime.cli import main as cli_main
+    src, dst = hf_tiny.build("v3_tp", tmp_path / "hf"), tmp_path / "w4a8"
+    assert cli_main(["quantize", "--to", "w4a8", str(src), str(dst)]) == 0
+    text = spec_from_config(json.loads((dst / "config.json").read_text()), name="tiny_w4a8")
+    assert '"model.layers.*.mlp.experts.*": int4_channel' in text
+    spec = ir.load_spec(text, file="tiny_w4a8.yaml")
+    for phase in ("decode", "prefill"):
+        G = run_pipeline(ir.build_graph(spec, phase))
+        plan = lower_graph(G, Options())
+        experts = [n for n, d in G.nodes(data=True) if d["op"] in MOE_OPS]
+        assert experts, phase
+        for nid in experts:
+            steps = [s for s in plan.steps if (s.nodes[0] if isinstance(s, KernelLaunch) else s.node) == nid]
+            assert steps and all(isinstance(s, KernelLaunch) for s in steps), (phase, nid, steps)
+            assert {s.stage for s in steps} == {_moe_int.QUANT_STAGE, _moe_int.VARIANT}, (phase, nid)
+            assert all(s.grid[0] in ("T", "NP") or "_wi4" in s.name for s in steps)
+        calls = [s for s in plan.steps if isinstance(s, LibraryCall) and s.call != "view"]
+        assert all(c.op not in MOE_OPS for c in calls)
+        if phase == "decode":
+            assert all(c.from_tokens > 16 for c in calls), [(c.node, c.op, c.from_tokens) for c in calls]
