@@ -212,3 +212,32 @@ def test_a_tiny_w4a8_checkpoint_lowers_with_its_experts_on_the_int4_kernels(tmp_
         assert all(c.op not in MOE_OPS for c in calls)
         if phase == "decode":
             assert all(c.from_tokens > 16 for c in calls), [(c.node, c.op, c.from_tokens) for c in calls]
+
+
+def test_an_int4_expert_bundle_keeps_its_steps_through_the_manifest(tmp_path, monkeypatch):
+    """compile_bundle (NVRTC stubbed: the machine code is tested above) writes the int4 experts' steps --
+    workspaces, argument types, template -- and load_bundle reads back the same plans."""
+    import dataclasses
+    import hashlib
+    import codegen.nvrtc as nvrtc
+    from codegen.bundle import compile_bundle, load_bundle
+    from codegen.lower import lower_graph
+    from ir.config_to_spec import spec_from_config
+    from ir.passes import run_pipeline
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda source, name, **kw: nvrtc.CompileResult(
+        cubin=b"CUBIN:" + hashlib.sha256(source.encode()).digest(), log=""))
+    tiny = json.loads((ROOT / "model_specs" / "hf_configs" / "deepseek_tiny.json").read_text())
+    path = tmp_path / "tiny_w4a8.yaml"
+    path.write_text(spec_from_config({**tiny, "quantize": "w8a8_dynamic", "moe_quantize": "w4a8_dynamic"},
+                                     name="tiny_w4a8"))
+    out = tmp_path / "bundle"
+    compile_bundle(str(path), out, cache_dir=tmp_path / "cache", progress=False)
+    loaded = load_bundle(out, arch="sm_90")
+    spec = ir.load_spec(str(path))
+
+    def ours(steps):
+        return [dataclasses.replace(s, origins=()) for s in steps
+                if isinstance(s, KernelLaunch) and s.template == _moe_int.TEMPLATE]
+    for phase in ("decode", "prefill"):
+        want = ours(lower_graph(run_pipeline(ir.build_graph(spec, phase)), Options()).steps)
+        assert want and ours(loaded.plans[phase].steps) == want, phase
