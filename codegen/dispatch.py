@@ -31,7 +31,8 @@ PHASES = ("prefill", "decode")
 DTYPES = ("bf16", "fp16", "fp32")
 INT8_CHANNEL = FORMATS["int8_channel"].name   # msModelSlim's W8A8_DYNAMIC (per-channel int8, per-token int8 x)
 INT4_CHANNEL = FORMATS["int4_channel"].name   # msModelSlim's W4A8_DYNAMIC 1.0.0 (packed int4, per channel)
-WEIGHT_FORMATS = ("same", FP8.name, INT8_CHANNEL, INT4_CHANNEL)   # the weight stored in the activation dtype;
+INT4_GROUP = FORMATS["int4_group256_packed"].name   # older W4A8_DYNAMIC: packed int4, per-group second stage
+WEIGHT_FORMATS = ("same", FP8.name, INT8_CHANNEL, INT4_CHANNEL, INT4_GROUP)   # the weight stored in the activation dtype;
                                                    # DeepSeek-V3's FP8 blocks; msModelSlim's int8 and int4
 INT_EXPERT_FORMATS = tuple(f.name for f in FORMATS.values() if f.storage in ("int8", "int4"))
 NONE = "none"                  # a row that no kernel serves: the lowering refuses the node
@@ -98,7 +99,7 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
     rows for TMA and cp.async); decode_wgmma_fits / prefill_wgmma_fits (the kernels' shared memory
     for E experts); one_token (down's one-token launch fits one CTA an SM); fp8_rows (KD % 16 == 0:
     16-byte FP8 rows) and fp8_fits (the FP8 kernel's shared memory for E experts); int_rows (N even: packed
-    int4's two channels a byte)."""
+    int4's two channels a byte; per group, whole groups of KD)."""
     m = t.moe
     thr = None if m.prefill_wgmma_above is None else max(m.prefill_wgmma_above, m.gemv_upto)
     # decode's wgmma runs up to the prefill wgmma's threshold (256 where that is off)
@@ -115,12 +116,14 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
            "with the weights as M, the int4 unpacked in registers, int32 sums (exact, bit-equal to the reference); "
            "one pass reads an expert's weights for 32 pairs: tuned for decode, above it NOT a tuned GEMM "
            "(int8 wgmma is to replace it)")
-    others = tuple(f for f in INT_EXPERT_FORMATS if f != INT4_CHANNEL)
-    cases = [Case({"weight_format": INT4_CHANNEL, "dtype": sixteen, "int_rows": True},
-                  _rows(("mma_wi4", 1, INF, wi4)), "packed int4 weights, 16-bit"),
-             Case({"weight_format": (INT4_CHANNEL, *others)},
-                  _rows((NONE, 1, INF, "integer expert weights: packed int4 per channel (int4_channel) with bf16 "
-                                       "or fp16 activations only")), "other integer weights"),
+    packed = (INT4_CHANNEL, INT4_GROUP)
+    others = tuple(f for f in INT_EXPERT_FORMATS if f not in packed)
+    cases = [Case({"weight_format": packed, "dtype": sixteen, "int_rows": True},
+                  _rows(("mma_wi4", 1, INF, wi4 + "; per group: each 64-k step's exact sums times its group's "
+                                                  "scale in float32")), "packed int4 weights, 16-bit"),
+             Case({"weight_format": (*packed, *others)},
+                  _rows((NONE, 1, INF, "integer expert weights: packed int4 (per channel or per 256-group) with "
+                                       "bf16 or fp16 activations only")), "other integer weights"),
              Case({"weight_format": FP8.name, "dtype": sixteen, "sm_90a": True, "fp8_rows": True, "fp8_fits": True},
                   _rows(("wgmma_skinny_fp8", 1, INF, fp8)), "FP8 weights, 16-bit, sm_90a"),
              Case({"weight_format": FP8.name}, _rows((NONE, 1, INF, "FP8 weights need sm_90a, 16-bit activations "

@@ -2,13 +2,15 @@
 templates/include/moe_int.cuh): a quantiser launch (quant_int8.cuh: the rows the experts read, int8
 per row -- x's token rows for moe_gate_up_silu, one quantisation a token shared by its pairs; the
 SwiGLU's pair rows for moe_down) into two workspaces, then the grouped int4 x int8 mma.sync launch,
-exact against ir/formats_int.py's arithmetic.  Its kernels are named "wi4"; the template is
-moe_int.cu.j2 (the families' roles: moe_gate_up_silu, moe_down).
+exact against ir/formats_int.py's arithmetic (per-group int4, int4_group256_packed: the group scales
+applied to each 64-k step's exact sums in float32, within ~2^-22 of the reference's float64 sums).  Its
+kernels are named "wi4" ("wi4g256" per group); the template is moe_int.cu.j2 (the families' roles:
+moe_gate_up_silu, moe_down).
 
 Not a family (the leading underscore): the launch builder of the "mma_wi4" row of codegen/dispatch.py's
 grouped_experts table (moe_gate_up_silu, moe_down; moe_expert_ffn runs them as its two launches).  The
-other integer formats (per-group int4, one int4 a byte, int8 experts) get the table's "none" row: one
-LoweringError (`check`).
+other integer formats (one int4 a byte, int8 experts) get the table's "none" row: one LoweringError
+(`check`).
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from ir.formats import FORMATS, INT_FORMATS, companion_names, weight_format
 
 from ._moe import slots, when
 
-INT4 = FORMATS["int4_channel"]     # the format the kernel reads
+INT4 = FORMATS["int4_channel"]     # the formats the kernel reads: packed int4 per channel ...
+INT4_GROUP = FORMATS["int4_group256_packed"]   # ... and with per-group second-stage scales (group 256 along KD)
+SERVED = (INT4.name, INT4_GROUP.name)
 INT_NAMES = tuple(f.name for f in INT_FORMATS)
 VARIANT = "mma_wi4"                # the launch's stage
 NAME = "wi4"                       # the kernel-name part of packed int4 weights
@@ -57,26 +61,32 @@ def int_format(G, nid: str, roles, opts) -> str | None:
 def check(nid: str, opts, p: dict) -> None:
     """A LoweringError where no int expert kernel serves the node (the table's "none" row)."""
     fmt = p["int"]
-    if fmt != INT4.name:
+    if fmt not in SERVED:
         raise LoweringError(f"node {nid}: no cuda kernel for {fmt} expert weights (the grouped int kernel reads "
-                            f"{INT4.name}: packed int4 with per-channel scales); run it with backend='reference'")
+                            f"packed int4: {' or '.join(SERVED)}); run it with backend='reference'")
     if opts.dtype not in ("bf16", "fp16"):
         raise LoweringError(f"node {nid}: {fmt} expert weights need bf16 or fp16 activations, not {opts.dtype}")
     if p["N"] % 2:
         raise LoweringError(f"node {nid}: {fmt} packs two output channels a byte; {p['N']} do not pair")
+    if fmt == INT4_GROUP.name and p["KD"] % INT4_GROUP.group:
+        raise LoweringError(f"node {nid}: {fmt} groups {INT4_GROUP.group} input channels; {p['KD']} do not divide")
 
 
 def facts(opts, p: dict) -> dict:
     """The int case's conditions of the grouped_experts table."""
-    return {"int_rows": p["N"] % 2 == 0}
+    group = FORMATS[p["int"]].group if p.get("int") else None
+    return {"int_rows": p["N"] % 2 == 0 and (not group or p["KD"] % group == 0)}
 
 
 def args(weights: dict, fmt: str) -> tuple:
     """The weight operands of `weights` (argument name -> bound weight name): each packed weight as bytes,
-    then each one's per-channel scale (s_<suffix of the name>: w_gate -> s_gate, w -> s)."""
+    then each one's per-channel scale (s_<suffix of the name>: w_gate -> s_gate, w -> s), then per group
+    each one's second-stage scales (g_gate, g)."""
     f = FORMATS[fmt]
+    second = (*(weight("g" + a[1:], "float", companion_names(b, f)[2]) for a, b in weights.items()),) \
+        if f.group else ()
     return (*(weight(a, "signed char", b) for a, b in weights.items()),
-            *(weight("s" + a[1:], "float", companion_names(b, f)[0]) for a, b in weights.items()))
+            *(weight("s" + a[1:], "float", companion_names(b, f)[0]) for a, b in weights.items()), *second)
 
 
 def launches(family: str, name_parts: list, p: dict, nid: str, args_: tuple, *, down: bool,
@@ -98,10 +108,12 @@ def launches(family: str, name_parts: list, p: dict, nid: str, args_: tuple, *, 
         args=(dataclasses.replace(x, name="x"), work("q", "signed char", q), work("s", "float", s), size("rows", rows)),
         workspace=ws, stage=QUANT_STAGE)
     cols = channels(down=down)
+    group = FORMATS[p["int"]].group or 0
     params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": kd, "K": p["K"], "variant": VARIANT,
-              "threads": THREADS, "channels": cols, "down": down}
+              "threads": THREADS, "channels": cols, "down": down, "group": group}
+    tag = f"{NAME}g{group}" if group else NAME
     gemm = KernelLaunch(
-        family=family, template=TEMPLATE, name=kernel_name(family, [f"{name_parts[0]}_{NAME}", *name_parts[1:]]),
+        family=family, template=TEMPLATE, name=kernel_name(family, [f"{name_parts[0]}_{tag}", *name_parts[1:]]),
         params=params, nodes=(nid,), grid=(-(-p["N"] // cols), when(slots(p["E"]), run), 1),
         block=(THREADS, 1, 1),
         args=(work("xq", "signed char", q, writes=False), work("xs", "float", s, writes=False), *rest),

@@ -12,7 +12,7 @@ FAMILY = "moe_down"
 TEMPLATE = "moe_down.cu.j2"
 OPS = ("moe_down",)
 # FP8: _moe_fp8's launch; packed int4: _moe_int's (codegen/dispatch.py grouped_experts)
-WEIGHT_FORMATS = (*UNSCALED, FP8.name, _moe_int.INT4.name)
+WEIGHT_FORMATS = (*UNSCALED, FP8.name, *_moe_int.SERVED)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 ROWS_PER_WARP = 4
 

@@ -43,7 +43,7 @@ FAMILY = "moe_expert_ffn"
 TEMPLATE = "moe_expert_ffn.cu.j2"
 OPS = ("moe_expert_ffn",)
 # FP8, packed int4: the two grouped launches (no wgmma_skinny rows: `facts`)
-WEIGHT_FORMATS = (*UNSCALED, FP8.name, _moe_int.INT4.name)
+WEIGHT_FORMATS = (*UNSCALED, FP8.name, *_moe_int.SERVED)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 WORKSPACE = "expert_act"
 THREADS = S.THREADS + 32   # + the publisher warp (moe_expert_ffn.cuh FFN_THREADS)

@@ -29,6 +29,12 @@
 // after the first): one pass covers decode's tokens up to 16, more pairs an expert re-read them --
 // correct at any T, not a prefill GEMM.
 //
+// Per-group int4 (int4_group256_packed: second-stage scales s2 [E, N, KD / 256], W = (q * s2) * s_w):
+// GROUP = 256.  A 64-k step lies in one group, so each step's int32 sums (exact) are promoted to float32
+// times their group's s2 and summed there; the warps' float partial sums meet in shared memory, then
+// (sum * s_w) * s_x as above.  ir/formats_int.py sums qx * fl32(q * s2) in float64 instead: the two
+// agree to ~2^-22 relative before the output's rounding, not bit for bit.
+//
 // Odd widths: the 16-byte weight loads need KD % 16 == 0 and 16-byte aligned weights (tested per
 // CTA), else byte loads (int8.cuh chunk_i8); k past KD loads zeros; packed rows past N / 2 load zeros
 // and are not stored.  N (channels) is even: two a byte.
@@ -59,27 +65,50 @@ __device__ __forceinline__ int wi4_row(int j0, int rt, int g) {
   return MODE == DOWN ? j0 + 8 * rt + g : j0 + g;
 }
 
+// The accumulator a thread keeps: int32 sums of 16 * q * x (per channel), or float32 sums of
+// (int32 sum of a 64-k step) * its group's second-stage scale (GROUP > 0).
+template <int GROUP> struct Wi4Acc { typedef int type; };
+template <> struct Wi4Acc<256> { typedef float type; };
+
+// (acc * s_w) * s_x from a thread's total: per channel the exact sum (>> 4) promoted once.
+__device__ __forceinline__ float wi4_scale(int total, float sw, float sx) {
+  return dsg::skinny::i8_scale(dsg::int4::unscale16(total), sw, sx);
+}
+__device__ __forceinline__ float wi4_scale(float total, float sw, float sx) {
+  return __fmul_rn(__fmul_rn(total, sw), sx);
+}
+
 // One pass over the CTA's weights for the expert's pairs order[c0 .. min(c0 + 8 * NT, end)).
-// w0 / w1, s0 / s1: the expert's matrices and scales (DOWN: w1 == w0).  VEC: 16-byte weight loads.
-template <typename T, int MODE, int N, int KD, int K, int NT, int U, bool VEC>
+// w0 / w1, s0 / s1: the expert's matrices and scales (DOWN: w1 == w0); g0 / g1 their second-stage
+// scales [N, KD / GROUP] (GROUP > 0; else unused).  VEC: 16-byte weight loads.
+template <typename T, int MODE, int N, int KD, int K, int GROUP, int NT, int U, bool VEC>
 __device__ __forceinline__ void wi4_pass(const signed char* __restrict__ qx, const float* __restrict__ sx,
                                          const signed char* __restrict__ w0, const signed char* __restrict__ w1,
                                          const float* __restrict__ s0, const float* __restrict__ s1,
+                                         const float* __restrict__ g0, const float* __restrict__ g1,
                                          const i32* __restrict__ order, int c0, int end, int j0,
-                                         T* __restrict__ out, int* red) {
+                                         T* __restrict__ out, int* red_words) {
+  typedef typename Wi4Acc<GROUP>::type A;
   constexpr int NSTEPS = (KD + WI4_STEP - 1) / WI4_STEP;
   constexpr int QROW = dsg::quant::qrow(KD);
   constexpr int NPACK = N / 2;
-  constexpr int SLICE = WI4_RT * NT * 128;   // one warp's int32 partial sums
+  constexpr int SLICE = WI4_RT * NT * 128;   // one warp's partial sums
+  A* red = reinterpret_cast<A*>(red_words);
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int warp = (int)(threadIdx.x >> 5);
 
   const signed char* wr[WI4_RT];
+  const float* gr[WI4_RT];   // GROUP > 0: the even channel's second-stage scales (the odd's follow a row on)
 #pragma unroll
   for (int rt = 0; rt < WI4_RT; ++rt) {
     const int j = wi4_row<MODE>(j0, rt, g);
     const signed char* base = (MODE == DOWN || rt == 0) ? w0 : w1;
     wr[rt] = j < NPACK ? base + (i64)j * KD : nullptr;
+    gr[rt] = nullptr;
+    if constexpr (GROUP > 0) {
+      const float* gbase = (MODE == DOWN || rt == 0) ? g0 : g1;
+      gr[rt] = j < NPACK ? gbase + (i64)(2 * j) * (KD / GROUP) : nullptr;
+    }
   }
   const signed char* xr[NT];
 #pragma unroll
@@ -92,7 +121,7 @@ __device__ __forceinline__ void wi4_pass(const signed char* __restrict__ qx, con
     }
   }
 
-  int acc[WI4_RT][NT][4];
+  A acc[WI4_RT][NT][4];
 #pragma unroll
   for (int rt = 0; rt < WI4_RT; ++rt)
 #pragma unroll
@@ -114,30 +143,53 @@ __device__ __forceinline__ void wi4_pass(const signed char* __restrict__ qx, con
       for (int nt = 0; nt < NT; ++nt) xv[u][nt] = dsg::skinny::chunk_qx<KD>(xr[nt], k);
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+    for (int u = 0; u < U; ++u) {
+      if constexpr (GROUP == 0) {
 #pragma unroll
-      for (int rt = 0; rt < WI4_RT; ++rt)
+        for (int rt = 0; rt < WI4_RT; ++rt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) dsg::int4::mma_chunk_s4(acc[rt][nt], wv[u][rt], xv[u][nt]);
+          for (int nt = 0; nt < NT; ++nt) dsg::int4::mma_chunk_s4(acc[rt][nt], wv[u][rt], xv[u][nt]);
+      } else {
+        // one 64-k step lies in one group: its exact int32 sums, then promoted with the group's scale
+        const int step = warp + WI4_WARPS * (b * U + u);
+        if (step < NSTEPS) {
+          const int grp = step * WI4_STEP / GROUP;
+#pragma unroll
+          for (int rt = 0; rt < WI4_RT; ++rt) {
+            const float ge = gr[rt] != nullptr ? __ldg(gr[rt] + grp) : 0.f;
+            const float go = gr[rt] != nullptr ? __ldg(gr[rt] + KD / GROUP + grp) : 0.f;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              int d[4] = {0, 0, 0, 0};
+              dsg::int4::mma_chunk_s4(d, wv[u][rt], xv[u][nt]);
+              acc[rt][nt][0] += __fmul_rn((float)dsg::int4::unscale16(d[0]), ge);
+              acc[rt][nt][1] += __fmul_rn((float)dsg::int4::unscale16(d[1]), ge);
+              acc[rt][nt][2] += __fmul_rn((float)dsg::int4::unscale16(d[2]), go);
+              acc[rt][nt][3] += __fmul_rn((float)dsg::int4::unscale16(d[3]), go);
+            }
+          }
+        }
+      }
+    }
   }
 
-  int* mine = red + warp * SLICE;
+  A* mine = red + warp * SLICE;
 #pragma unroll
   for (int rt = 0; rt < WI4_RT; ++rt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
-      *reinterpret_cast<::int4*>(mine + (rt * NT + nt) * 128 + lane * 4) =
-          make_int4(acc[rt][nt][0], acc[rt][nt][1], acc[rt][nt][2], acc[rt][nt][3]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mine[(rt * NT + nt) * 128 + lane * 4 + j] = acc[rt][nt][j];
   __syncthreads();
 
   // Element i of a slice: rt, nt, lane l, j -> packed row wi4_row(j0, rt, l / 4), channel 2 * row + j / 2,
   // pair slot c0 + 8 * nt + 2 * (l % 4) + j % 2.  GATE_UP_SILU: rt 0 is the gate, rt 1 (i + NT * 128) the up
   // of the same channel and pair.
   auto total = [&](int i) {
-    int s = 0;
+    A s = 0;
 #pragma unroll
     for (int w = 0; w < WI4_WARPS; ++w) s += red[w * SLICE + i];
-    return dsg::int4::unscale16(s);
+    return s;
   };
   constexpr int ITEMS = MODE == DOWN ? SLICE : SLICE / 2;
   for (int i = threadIdx.x; i < ITEMS; i += WI4_THREADS) {
@@ -149,10 +201,10 @@ __device__ __forceinline__ void wi4_pass(const signed char* __restrict__ qx, con
     const float x_scale = sx[MODE == DOWN ? p : p / K];
     T* o = out + (i64)p * N + ch;
     if constexpr (MODE == DOWN) {
-      *o = from_float<T>(dsg::skinny::i8_scale(total(i), __ldg(s0 + ch), x_scale));
+      *o = from_float<T>(wi4_scale(total(i), __ldg(s0 + ch), x_scale));
     } else {
-      const float gt = round_to<T>(dsg::skinny::i8_scale(total(i), __ldg(s0 + ch), x_scale));
-      const float up = round_to<T>(dsg::skinny::i8_scale(total(i + NT * 128), __ldg(s1 + ch), x_scale));
+      const float gt = round_to<T>(wi4_scale(total(i), __ldg(s0 + ch), x_scale));
+      const float up = round_to<T>(wi4_scale(total(i + NT * 128), __ldg(s1 + ch), x_scale));
       const float act = round_to<T>(gt / (1.f + expf(-gt)));
       *o = from_float<T>(act * up);
     }
@@ -160,39 +212,45 @@ __device__ __forceinline__ void wi4_pass(const signed char* __restrict__ qx, con
   __syncthreads();   // red is the next pass's
 }
 
-template <typename T, int MODE, int N, int KD, int K, bool VEC>
+template <typename T, int MODE, int N, int KD, int K, int GROUP, bool VEC>
 __device__ __forceinline__ void wi4_pairs(const signed char* __restrict__ qx, const float* __restrict__ sx,
                                           const signed char* __restrict__ w0, const signed char* __restrict__ w1,
                                           const float* __restrict__ s0, const float* __restrict__ s1,
+                                          const float* __restrict__ g0, const float* __restrict__ g1,
                                           const i32* __restrict__ order, int beg, int end, int j0,
                                           T* __restrict__ out, int* red) {
   for (int c0 = beg; c0 < end;) {
     const int left = end - c0;
     if (left > 16) {
-      wi4_pass<T, MODE, N, KD, K, 4, 2, VEC>(qx, sx, w0, w1, s0, s1, order, c0, end, j0, out, red);
+      wi4_pass<T, MODE, N, KD, K, GROUP, 4, 2, VEC>(qx, sx, w0, w1, s0, s1, g0, g1, order, c0, end, j0, out, red);
       c0 += 32;
     } else if (left > 8) {
-      wi4_pass<T, MODE, N, KD, K, 2, 4, VEC>(qx, sx, w0, w1, s0, s1, order, c0, end, j0, out, red);
+      wi4_pass<T, MODE, N, KD, K, GROUP, 2, 4, VEC>(qx, sx, w0, w1, s0, s1, g0, g1, order, c0, end, j0, out, red);
       c0 += 16;
     } else {
-      wi4_pass<T, MODE, N, KD, K, 1, 4, VEC>(qx, sx, w0, w1, s0, s1, order, c0, end, j0, out, red);
+      wi4_pass<T, MODE, N, KD, K, GROUP, 1, 4, VEC>(qx, sx, w0, w1, s0, s1, g0, g1, order, c0, end, j0, out, red);
       c0 += 8;
     }
   }
 }
 
 // out [NP, N] per pair (module comment), qx [rows, qrow(KD)] / sx [rows] from the quantiser; w0 / w1
-// the stacked packed weights [E, N / 2, KD] (DOWN: w1 == w0), s0 / s1 their scales [E, N, 1].
-template <typename T, int MODE, int E, int N, int KD, int K>
+// the stacked packed weights [E, N / 2, KD] (DOWN: w1 == w0), s0 / s1 their scales [E, N, 1]; GROUP > 0
+// (int4_group256_packed): g0 / g1 their second-stage scales [E, N, KD / GROUP] (else null).
+template <typename T, int MODE, int E, int N, int KD, int K, int GROUP>
 __device__ __forceinline__ void grouped_wi4(const signed char* __restrict__ qx, const float* __restrict__ sx,
                                             const signed char* __restrict__ w0, const signed char* __restrict__ w1,
                                             const float* __restrict__ s0, const float* __restrict__ s1,
+                                            const float* __restrict__ g0, const float* __restrict__ g1,
                                             const i32* __restrict__ order, const i32* __restrict__ offsets,
                                             T* __restrict__ out) {
   static_assert(MODE == GATE_UP_SILU || MODE == DOWN, "grouped int4 experts: GATE_UP_SILU or DOWN");
   static_assert(N % 2 == 0, "packed int4: two output channels a byte");
   static_assert(KD < 131072, "int4 x int8: int32 accumulators of 16 * q * x are exact below KD = 2^17");
+  static_assert(GROUP == 0 || (GROUP == 256 && KD % GROUP == 0),
+                "per-group int4: groups of 256 input channels, whole ones (a 64-k step lies in one group)");
   static_assert(!dsg::skinny::IsF32<T>::value, "int4 experts: bf16 or fp16 activations");
+  static_assert(sizeof(int) == sizeof(float), "the partial sums share one shared-memory buffer");
   __shared__ __align__(16) int red[WI4_WARPS * WI4_RT * WI4_MAX_NT * 128];
   dsg::pdl_wait();   // the routing and the quantised rows are other kernels' outputs
   dsg::pdl_launch_dependents();
@@ -205,14 +263,16 @@ __device__ __forceinline__ void grouped_wi4(const signed char* __restrict__ qx, 
   const signed char* W1 = (MODE == DOWN ? w0 : w1) + e * per_expert;
   const float* S0 = s0 + (i64)e * N;
   const float* S1 = (MODE == DOWN ? s0 : s1) + (i64)e * N;
+  const float* G0 = GROUP > 0 ? g0 + (i64)e * N * (KD / (GROUP > 0 ? GROUP : 1)) : nullptr;
+  const float* G1 = GROUP > 0 ? (MODE == DOWN ? g0 : g1) + (i64)e * N * (KD / (GROUP > 0 ? GROUP : 1)) : nullptr;
   if constexpr (KD % 16 == 0) {
     if (aligned16(W0) && aligned16(W1)) {
-      wi4_pairs<T, MODE, N, KD, K, true>(qx, sx, W0, W1, S0, S1, order, beg, end, j0, out, red);
+      wi4_pairs<T, MODE, N, KD, K, GROUP, true>(qx, sx, W0, W1, S0, S1, G0, G1, order, beg, end, j0, out, red);
       DSG_PHASE_EXIT();
       return;
     }
   }
-  wi4_pairs<T, MODE, N, KD, K, false>(qx, sx, W0, W1, S0, S1, order, beg, end, j0, out, red);
+  wi4_pairs<T, MODE, N, KD, K, GROUP, false>(qx, sx, W0, W1, S0, S1, G0, G1, order, beg, end, j0, out, red);
   DSG_PHASE_EXIT();   // phases.cuh
 }
 

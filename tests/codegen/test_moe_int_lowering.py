@@ -26,6 +26,7 @@ from ir.ops import TType  # noqa: E402
 from tests.gpu.harness import single_op_graph, tiny_model  # noqa: E402
 
 INT4 = FORMATS["int4_channel"]
+GROUPED = FORMATS["int4_group256_packed"]
 FACTS = {"weight_format": INT4.name, "dtype": "bf16", "int_rows": True}
 MOE_OPS = ("moe_gate_up_silu", "moe_gate_up", "moe_down", "moe_expert_ffn")
 
@@ -60,8 +61,10 @@ def test_the_grouped_table_serves_int4_at_every_token_count_and_refuses_the_rest
         assert "exact" in rows[0].reason and "NOT a tuned GEMM" in rows[0].reason
         for T in (1, 16, 256, 300, 16384):
             assert dispatch.select(op, T, FACTS).variant == _moe_int.VARIANT
-        for facts in ({**FACTS, "dtype": "fp32"}, {**FACTS, "int_rows": False},
-                      {**FACTS, "weight_format": "int4_group256_packed"}, {**FACTS, "weight_format": "int8_channel"}):
+            assert dispatch.select(op, T, {**FACTS, "weight_format": GROUPED.name}).variant == _moe_int.VARIANT
+        for facts in ({**FACTS, "dtype": "fp32"}, {**FACTS, "int_rows": False}, {**FACTS, "weight_format": "int8_channel"},
+                      {**FACTS, "weight_format": GROUPED.name, "int_rows": False},
+                      {**FACTS, "weight_format": "int4_channel_byte"}):
             assert [r.variant for r in dispatch.rows(op, facts)] == [dispatch.NONE], facts
     # the bf16 rows are untouched
     assert dispatch.select("moe_down", 48, {"dtype": "bf16", "sm_90a": True, "tma_rows": True, "decode_wgmma_fits": True,
@@ -96,6 +99,25 @@ def test_int4_experts_lower_to_the_quantiser_and_the_int4_launch(op, KD, N):
     assert gemm.params["down"] is down and gemm.params["channels"] == _moe_int.channels(down=down)
 
 
+@pytest.mark.parametrize("op,KD,N", [("moe_gate_up_silu", 2048, 1408), ("moe_down", 1536, 2048)])
+def test_per_group_int4_adds_the_second_stage_scales(op, KD, N):
+    """int4_group256_packed: the same launches, named wi4g256, with each weight's "_scale_second" beside its
+    "_scale"; a reduction width that is not whole groups is one line."""
+    G, nid = _node(op, KD, N, E=64, K=6, fmt=GROUPED)
+    quant, gemm = _lower(G, nid)
+    assert quant.name == f"{op}__bf16_qi8__k{KD}" and "_wi4g256__" in gemm.name and gemm.params["group"] == 256
+    ga = {a.name: (a.ctype, a.ref) for a in gemm.args}
+    for w in (("w",) if op == "moe_down" else ("w_gate", "w_up")):
+        name = ga[w][1].name
+        assert ga["s" + w[1:]] == ("const float*", WeightRef(name + "_scale"))
+        assert ga["g" + w[1:]] == ("const float*", WeightRef(name + "_scale_second"))
+    from codegen.families import _moe_grouped
+    p = {"int": GROUPED.name, "N": 200, "KD": 300, "E": 8, "K": 1}
+    with pytest.raises(LoweringError, match="groups 256 input channels; 300 do not divide"):
+        _moe_int.check("n", Options(), p)
+    assert _moe_grouped.facts(Options(), {**p, "fp8": False}, down=True)["int_rows"] is False
+
+
 def test_odd_reduction_widths_pad_the_quantised_rows():
     G, nid = _node("moe_down", 1001, 90)
     quant, gemm = _lower(G, nid, Options(dtype="fp16"))
@@ -117,7 +139,7 @@ def test_the_expert_ffn_runs_both_int_launch_pairs_beside_its_intermediate():
 
 @pytest.mark.parametrize("op,kw,opts,message", [
     ("moe_gate_up_silu", {}, Options(dtype="fp32"), "int4_channel expert weights need bf16 or fp16 activations"),
-    ("moe_down", {"fmt": FORMATS["int4_group256_packed"]}, Options(), "no cuda kernel for int4_group256_packed"),
+    ("moe_down", {"fmt": FORMATS["int4_group256"]}, Options(), "no cuda kernel for int4_group256 expert weights"),
     ("moe_down", {"fmt": FORMATS["int8_channel"]}, Options(), "no cuda kernel for int8_channel expert weights"),
     ("moe_gate_up_silu", {"roles": ("gate",)}, Options(), "all in one integer format, got bf16, int4_channel"),
     ("moe_down", {"N": 45}, Options(), "packs two output channels a byte; 45 do not pair"),
@@ -130,10 +152,10 @@ def test_what_no_int_kernel_serves_is_one_line(op, kw, opts, message):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("fmt", ["int4_group256_packed", "int4_group256", "int4_channel_byte", "int8_channel"])
+@pytest.mark.parametrize("fmt", ["int4_group256", "int4_channel_byte", "int8_channel"])
 def test_other_integer_expert_formats_are_refused_at_lowering_in_one_line(fmt):
-    """Per-group int4 (second-stage scales), one int4 a byte and int8 routed experts have no cuda kernel:
-    one line at lowering (the reference backend runs them exactly).  Widths of whole 256-groups."""
+    """One int4 a byte (per group or per channel) and int8 routed experts have no cuda kernel: one line at
+    lowering (the reference backend runs them exactly).  Widths of whole 256-groups."""
     from codegen.lower import lower_graph
     from ir.config_to_spec import spec_from_config
     from ir.passes import run_pipeline
@@ -157,10 +179,14 @@ def _compile(launch, arch):
 @pytest.mark.parametrize("op,KD,N,dtype,arch", [("moe_gate_up_silu", 2048, 1408, "bf16", "sm_90"),
                                                  ("moe_down", 1408, 2048, "bf16", "sm_90a"),
                                                  ("moe_gate_up_silu", 7168, 2048, "bf16", "sm_90a"),   # V3
-                                                 ("moe_down", 1001, 90, "fp16", "sm_90")])         # byte loads
+                                                 ("moe_down", 1001, 90, "fp16", "sm_90"),          # byte loads
+                                                 ("moe_gate_up_silu", 2048, 1408, "bf16", "grouped"),
+                                                 ("moe_down", 1536, 2048, "fp16", "grouped")])
 def test_the_int4_kernel_is_imma_with_the_unpack_in_registers_without_spills(op, KD, N, dtype, arch):
     from test_sass_pdl import wait_problem
-    G, nid = _node(op, KD, N, E=64, K=6)
+    grouped = arch == "grouped"
+    arch = "sm_90" if grouped else arch
+    G, nid = _node(op, KD, N, E=64, K=6, fmt=GROUPED if grouped else INT4)
     quant, gemm = _lower(G, nid, Options(dtype=dtype))
     res = _compile(gemm, arch)
     assert "0 bytes stack frame" in res.log and "0 bytes spill stores" in res.log, res.log
@@ -171,7 +197,7 @@ def test_the_int4_kernel_is_imma_with_the_unpack_in_registers_without_spills(op,
     if KD % 16 == 0:
         assert ops["LDG.E.NA.LTC128B.128.CONSTANT"] > 0, sorted(ops)
     assert not any(o.startswith(("HMMA", "HGMMA", "LDL", "STL")) for o in ops), sorted(ops)
-    if op == "moe_down":
+    if op == "moe_down":   # (per group too: the step's promotion is a separate multiply and add)
         assert not any(o.startswith("FFMA") for o in ops), "no FMA may merge the epilogue's two products"
     assert wait_problem(instructions(res.cubin)[gemm.name]) is None
     qres = _compile(quant, arch)

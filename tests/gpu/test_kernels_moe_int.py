@@ -11,18 +11,21 @@ ir/formats_int.py's definitions computed on the CPU.  The integer arithmetic is 
   pair's expert; moe_gate_up_silu's gate and up exact the same way, then silu(gate) * up within the
   16-bit tolerance (the kernel's expf before its rounding);
 - both launches on x: the same, and the reference backend's op (IntMatrix experts) gives the same numbers;
-- moe_expert_ffn (decode's fused node): its two launches pairs, within the tolerance (down quantises the
-  kernel's own SwiGLU output, whose silu may differ from the reference's in the last bit).
+- moe_expert_ffn (decode's fused node): its two launch pairs, within the tolerance (down quantises the
+  kernel's own SwiGLU output, whose silu may differ from the reference's in the last bit);
+- per-group int4 (int4_group256_packed, second-stage scales [E, N, KD / 256] 2^[-2, 2) apart): within the
+  16-bit tolerance of the reference's float64 sums (the kernel sums each 64-k step's exact sums times its
+  group's scale in float32).
 
 Hypothesis draws pair counts per expert (0: an empty expert; 1..8, 9..16: the one- and two-tile passes;
 17..40: the 32-pair pass and passes after it), T from the counts (1..16 mostly, up to ~40; examples at 300),
 widths with odd reduction dims (KD % 16 != 0: byte weight loads; KD < 64: one step), odd channel counts
-halved (N = 2 * odd: a partial packed-row tile), weights one byte past an aligned base (byte loads), rows
-of zeros and rounding ties.  int4 values are uniform over -8..7 (every nibble), scales differ up to 16x
+halved (N = 2 * odd: a partial packed-row tile), per-group weights (whole 256-groups), weights one byte
+past an aligned base (byte loads), rows of zeros and rounding ties.  int4 values are uniform over -8..7 (every nibble), scales differ up to 16x
 between neighbouring channels, so a scale taken from the wrong channel, a swapped nibble or a dropped
 >> 4 moves outputs far.  Outputs and workspaces are poisoned first.  Planted mutants
 (tests/gpu/test_mutants.py): the nibbles swapped, the >> 4 dropped, the next channel's scale (gate, down),
-a pair's x scale from the next token.
+a pair's x scale from the next token, a group scale off by one group.
 
 Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_moe_int.py
 """
@@ -48,11 +51,14 @@ from ir.ops import OPS, TType
 pytestmark = GPU_MARKS
 SETTINGS = kernel_test(25)
 INT4 = FORMATS["int4_channel"]
+GROUPED = FORMATS["int4_group256_packed"]
 DTYPES = ("bf16", "fp16")
 REC_SILU = Recorder("moe_gate_up_silu wi4")
 REC_FFN = Recorder("moe_expert_ffn wi4")
+REC_GROUP = Recorder("moe_gate_up_silu / moe_down wi4g256")
 COUNTS = (0, 0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 40)
 KDS = (16, 48, 64, 72, 100, 144, 272, 1001, 2048)
+GROUP_KDS = (256, 512, 1536, 2048)    # per group: whole groups of 256
 NS = (2, 16, 30, 32, 34, 90, 200, 1408)
 ROW_KINDS = ("random", "random", "ties", "zeros")
 
@@ -62,6 +68,7 @@ def _report():
     yield
     REC_SILU.report()
     REC_FFN.report()
+    REC_GROUP.report()
 
 
 def int4_experts(E: int, N: int, KD: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +78,13 @@ def int4_experts(E: int, N: int, KD: int, gen) -> tuple[torch.Tensor, torch.Tens
     return q, s.float()
 
 
-def graph(op: str, E: int, K: int, KD: int, N: int):
+def second_stage(E: int, N: int, KD: int, gen) -> torch.Tensor:
+    """Per-group scales s2 float32 [E, N, KD / 256], 2^[-2, 2) apart (a group's scale taken from its
+    neighbour moves the sums far)."""
+    return torch.exp2(torch.rand((E, N, KD // GROUPED.group), generator=gen) * 4 - 2).float()
+
+
+def graph(op: str, E: int, K: int, KD: int, N: int, fmt=INT4):
     r = TType((f"T*{K}", E), "routing")
     if op == "moe_down":
         G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "out_dim": N},
@@ -85,7 +98,7 @@ def graph(op: str, E: int, K: int, KD: int, N: int):
                                  {"x": TType(("T", KD), "act"), "R": r},
                                  {"gate": "e.{expert}.gate", "up": "e.{expert}.up"})
     for name in G.nodes[nid]["weights"].values():
-        set_format(G.graph["weights"], name, INT4)
+        set_format(G.graph["weights"], name, fmt)
     return G, nid
 
 
@@ -97,16 +110,21 @@ def lower_int(G, nid, dtype):
     return launches
 
 
-def bind_weights(bound: dict, shapes: dict, gen, shift: bool) -> tuple[dict, dict]:
-    """(the runner's weights: packed bytes, scales, zero offsets on the GPU; role -> (q, s) on the CPU)."""
+def bind_weights(bound: dict, shapes: dict, gen, shift: bool, fmt=INT4) -> tuple[dict, dict]:
+    """(the runner's weights: packed bytes, scales, zero offsets -- and per group the second-stage scales
+    and their zero offsets -- on the GPU; role -> (q, s[, s2]) on the CPU)."""
     weights, ref = {}, {}
     for role, name in bound.items():
         E, N, KD = shapes[role]
         q, s = int4_experts(E, N, KD, gen)
-        scale, offset = companion_names(name, INT4)
+        names = companion_names(name, fmt)
         weights[name] = shifted(pack_int4(q).cuda(), shift)
-        weights[scale], weights[offset] = s.cuda(), torch.zeros_like(s).cuda()
+        weights[names[0]], weights[names[1]] = s.cuda(), torch.zeros_like(s).cuda()
         ref[role] = (q, s)
+        if fmt.group:
+            s2 = second_stage(E, N, KD, gen)
+            weights[names[2]], weights[names[3]] = s2.cuda(), torch.zeros_like(s2).cuda()
+            ref[role] = (q, s, s2)
     return weights, ref
 
 
@@ -117,9 +135,10 @@ def quant_workspaces(launch, rows: int, KD: int) -> dict:
             s: poison(torch.empty(rows, device="cuda"))}
 
 
-def exact(qx, sx, q, s, routing, K: int, per_pair: bool, dtype) -> torch.Tensor:
+def exact(qx, sx, q, s, routing, K: int, per_pair: bool, dtype, s2=None) -> torch.Tensor:
     """[NP, N] in the activation type: ((float32(acc) * s_w) * s_x), acc the exact int64 sum of each pair's
-    row (the pair's own, or its token's) with its expert's weights (CPU)."""
+    row (the pair's own, or its token's) with its expert's weights (CPU).  Per group (s2): acc as
+    ir/formats_int.py defines it, the float64 sum of qx * float32(q * s2) rounded to float32."""
     E, N, _ = q.shape
     NP = routing["order"].numel()
     out = torch.zeros((NP, N), dtype=torch.float32)
@@ -129,8 +148,12 @@ def exact(qx, sx, q, s, routing, K: int, per_pair: bool, dtype) -> torch.Tensor:
         if pairs.numel() == 0:
             continue
         rows = pairs if per_pair else pairs // K
-        acc = qx[rows].long() @ q[e].long().T
-        out[pairs] = (acc.float() * s[e].reshape(1, -1)) * sx[rows].reshape(-1, 1)
+        if s2 is None:
+            acc = (qx[rows].long() @ q[e].long().T).float()
+        else:
+            dom = q[e].float() * s2[e].repeat_interleave(GROUPED.group, dim=-1)
+            acc = (qx[rows].double() @ dom.double().T).float()
+        out[pairs] = (acc * s[e].reshape(1, -1)) * sx[rows].reshape(-1, 1)
     return out.to(TORCH_DTYPES[dtype])
 
 
@@ -156,16 +179,18 @@ def int_cases(draw, tokens=(1, 48)):
             break
     T = sum(counts) // K
     assume(tokens[0] <= T <= tokens[1] and max(counts) <= T)
-    return {"dtype": draw(st.sampled_from(DTYPES)), "counts": counts, "K": K, "KD": draw(st.sampled_from(KDS)),
+    fmt = draw(st.sampled_from((INT4.name, INT4.name, GROUPED.name)))
+    KD = draw(st.sampled_from(KDS if fmt == INT4.name else GROUP_KDS))
+    return {"dtype": draw(st.sampled_from(DTYPES)), "counts": counts, "K": K, "KD": KD,
             "N": draw(st.sampled_from(NS)), "shift": draw(st.sampled_from((False, False, True))),
-            "kind": draw(st.sampled_from(ROW_KINDS)), "whole": draw(st.booleans()),
+            "kind": draw(st.sampled_from(ROW_KINDS)), "whole": draw(st.booleans()), "fmt": fmt,
             "seed": draw(st.integers(0, 2**31 - 1))}
 
 
-def case_of(dtype, counts, K, KD, N, *, shift=False, kind="random", whole=False, seed=31):
+def case_of(dtype, counts, K, KD, N, *, shift=False, kind="random", whole=False, fmt=INT4.name, seed=31):
     assert sum(counts) % K == 0 and max(counts) <= sum(counts) // K, (counts, K)
     return {"dtype": dtype, "counts": list(counts), "K": K, "KD": KD, "N": N, "shift": shift, "kind": kind,
-            "whole": whole, "seed": seed}
+            "whole": whole, "fmt": fmt, "seed": seed}
 
 
 def lite(head, K=6):
@@ -186,17 +211,23 @@ def run_case(op: str, case: dict) -> None:
     E, T = len(counts), sum(counts) // K
     gen = torch.Generator().manual_seed(case["seed"])
     ref_r, dev_r = base._routing(T, E, K, gen, base._ids_with_counts(counts, K, gen))
-    G, nid = graph(op, E, K, KD, N)
+    fmt = FORMATS[case.get("fmt", INT4.name)]
+    G, nid = graph(op, E, K, KD, N, fmt)
     quant, launch = lower_int(G, nid, dtype)
     down = op == "moe_down"
     rows = T * K if down else T
     inp = special_rows(torch.randn(rows, KD, generator=gen).to("cuda", tdt), case["kind"], gen)
     roles = ("weight",) if down else ("gate", "up")
-    weights, ref_w = bind_weights(G.nodes[nid]["weights"], {r: (E, N, KD) for r in roles}, gen, case["shift"])
+    weights, ref_w = bind_weights(G.nodes[nid]["weights"], {r: (E, N, KD) for r in roles}, gen, case["shift"], fmt)
+    if fmt.group:   # the second stage's typical size (an int8-domain weight of amax ~127 over int4's 7)
+        for r in roles:
+            name = companion_names(G.nodes[nid]["weights"][r], fmt)[0]
+            weights[name] /= 8
+            ref_w[r] = (ref_w[r][0], ref_w[r][1] / 8, *ref_w[r][2:])
     if not down:   # gate over a few units (silu's curve), up near one
         name = G.nodes[nid]["weights"]["up"]
-        weights[companion_names(name, INT4)[0]] /= 4
-        ref_w["up"] = (ref_w["up"][0], ref_w["up"][1] / 4)
+        weights[companion_names(name, fmt)[0]] /= 4
+        ref_w["up"] = (ref_w["up"][0], ref_w["up"][1] / 4, *ref_w["up"][2:])
     qx, sx = quantize_activation(inp.cpu())
     work = quant_workspaces(quant, rows, KD)
     qname, sname = (w.name for w in quant.workspace[:2])
@@ -211,22 +242,27 @@ def run_case(op: str, case: dict) -> None:
     runner().run_all([quant, launch] if case["whole"] else [launch], values={first: inp, "R": dev_r, out_name: out},
                      weights=weights, sizes={"T": T, "NP": T * K}, workspaces=work)
     torch.cuda.synchronize()
-    msg = f"{op} T={T} E={E} K={K} KD={KD} N={N} counts={counts[:8]} shift={case['shift']} kind={case['kind']}"
+    msg = (f"{op} {fmt.name} T={T} E={E} K={K} KD={KD} N={N} counts={counts[:8]} shift={case['shift']} "
+           f"kind={case['kind']}")
     if case["whole"]:
         q = work[qname].view(torch.int8)
         assert_equal(q[:, :KD], qx, f"quantised rows {msg}")
         assert_equal(q[:, KD:], torch.zeros_like(q[:, KD:]), f"quantised rows' padding {msg}")
         assert_equal(work[sname], sx.reshape(-1), f"row scales {msg}")
-    ys = {r: exact(qx, sx, q, s, ref_r, K, down, dtype) for r, (q, s) in ref_w.items()}
+    ys = {r: exact(qx, sx, *w[:2], ref_r, K, down, dtype, *w[2:]) for r, w in ref_w.items()}
     if case["whole"]:   # the reference backend's op on the stored weights: the same numbers by definition
-        ints = {r: IntMatrix(pack_int4(q), (s, torch.zeros_like(s)), INT4) for r, (q, s) in ref_w.items()}
+        ints = {r: IntMatrix(pack_int4(w[0]), [c for t in w[1:] for c in (t, torch.zeros_like(t))], fmt)
+                for r, w in ref_w.items()}
         want = OPS["moe_down" if down else "moe_gate_up"].run(node_view(G, nid), [inp.cpu(), ref_r], ints, None)
         assert all(torch.equal(w, ys[r]) for w, r in zip(want, roles)), "the reference op disagrees with the sums"
-    if down:
+    if down and not fmt.group:
         assert_equal(out, ys["weight"], msg)
+    elif down:   # per group: the kernel's float32 sums of the steps' exact sums, within the 16-bit tolerance
+        REC_GROUP.check(out, ys["weight"].double(), dtype, msg)
+        REC_GROUP.example()
     else:
-        REC_SILU.check(out, silu_mul(ys["gate"], ys["up"], tdt), dtype, msg)
-        REC_SILU.example()
+        (REC_GROUP if fmt.group else REC_SILU).check(out, silu_mul(ys["gate"], ys["up"], tdt), dtype, msg)
+        (REC_GROUP if fmt.group else REC_SILU).example()
 
 
 @SETTINGS
@@ -239,6 +275,8 @@ def run_case(op: str, case: dict) -> None:
 @example(case=case_of("bf16", (300, 290, 10, 0), 2, 144, 200))                        # T = 300: above decode
 @example(case=case_of("bf16", (1,), 1, 16, 2, whole=True))                            # the smallest: one step
 @example(case=case_of("bf16", (5, 4, 3), 2, 512, 200, seed=16))                       # test_mutants' example
+@example(case=case_of("bf16", (5, 4, 3), 2, 512, 200, fmt=GROUPED.name, seed=17))      # per group: test_mutants'
+@example(case=case_of("bf16", one_token(64, (0, 3, 9, 17, 40, 63)), 6, 2048, 1408, fmt=GROUPED.name, whole=True))
 def test_moe_gate_up_silu_wi4(case):
     run_case("moe_gate_up_silu", case)
 
@@ -252,6 +290,7 @@ def test_moe_gate_up_silu_wi4(case):
 @example(case=case_of("bf16", (40, 33, 0, 7), 2, 72, 34, kind="zeros", whole=True))   # passes of 32 + 8; N = 2 * 17
 @example(case=case_of("bf16", (300, 290, 10, 0), 2, 144, 200))                        # T = 300: above decode
 @example(case=case_of("bf16", (5, 4, 3), 2, 512, 200, seed=16))                       # test_mutants' example
+@example(case=case_of("fp16", (17, 9, 6, 32), 2, 1536, 90, fmt=GROUPED.name, shift=True, whole=True))   # per group
 def test_moe_down_wi4(case):
     run_case("moe_down", case)
 
