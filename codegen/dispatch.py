@@ -32,8 +32,8 @@ DTYPES = ("bf16", "fp16", "fp32")
 INT8_CHANNEL = FORMATS["int8_channel"].name   # msModelSlim's W8A8_DYNAMIC (per-channel int8, per-token int8 x)
 INT4_CHANNEL = FORMATS["int4_channel"].name   # msModelSlim's W4A8_DYNAMIC 1.0.0 (packed int4, per channel)
 INT4_GROUP = FORMATS["int4_group256_packed"].name   # older W4A8_DYNAMIC: packed int4, per-group second stage
-WEIGHT_FORMATS = ("same", FP8.name, INT8_CHANNEL, INT4_CHANNEL, INT4_GROUP)   # the weight stored in the activation dtype;
-                                                   # DeepSeek-V3's FP8 blocks; msModelSlim's int8 and int4
+# the weight stored in the activation dtype; DeepSeek-V3's FP8 blocks; msModelSlim's int8 and packed int4
+WEIGHT_FORMATS = ("same", FP8.name, INT8_CHANNEL, INT4_CHANNEL, INT4_GROUP)
 INT_EXPERT_FORMATS = tuple(f.name for f in FORMATS.values() if f.storage in ("int8", "int4"))
 NONE = "none"                  # a row that no kernel serves: the lowering refuses the node
 

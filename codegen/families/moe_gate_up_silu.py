@@ -34,7 +34,8 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     ifmt = _moe_int.int_format(G, nid, ("gate", "up"), opts)
     if ifmt:
         p["int"] = ifmt
-    w = _moe_int.args({"w_gate": bound["gate"], "w_up": bound["up"]}, ifmt) if ifmt else _moe_fp8.args({"w_gate": bound["gate"], "w_up": bound["up"]}, act, fp8)
+    experts = {"w_gate": bound["gate"], "w_up": bound["up"]}
+    w = _moe_int.args(experts, ifmt) if ifmt else _moe_fp8.args(experts, act, fp8)
     args = (inp("x", act, x), *w,
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out", act, h))

@@ -62,13 +62,14 @@ def test_the_grouped_table_serves_int4_at_every_token_count_and_refuses_the_rest
         for T in (1, 16, 256, 300, 16384):
             assert dispatch.select(op, T, FACTS).variant == _moe_int.VARIANT
             assert dispatch.select(op, T, {**FACTS, "weight_format": GROUPED.name}).variant == _moe_int.VARIANT
-        for facts in ({**FACTS, "dtype": "fp32"}, {**FACTS, "int_rows": False}, {**FACTS, "weight_format": "int8_channel"},
+        for facts in ({**FACTS, "dtype": "fp32"}, {**FACTS, "int_rows": False},
+                      {**FACTS, "weight_format": "int8_channel"},
                       {**FACTS, "weight_format": GROUPED.name, "int_rows": False},
                       {**FACTS, "weight_format": "int4_channel_byte"}):
             assert [r.variant for r in dispatch.rows(op, facts)] == [dispatch.NONE], facts
     # the bf16 rows are untouched
-    assert dispatch.select("moe_down", 48, {"dtype": "bf16", "sm_90a": True, "tma_rows": True, "decode_wgmma_fits": True,
-                                            "prefill_wgmma_fits": True}).variant == "wgmma_skinny"
+    bf16 = {"dtype": "bf16", "sm_90a": True, "tma_rows": True, "decode_wgmma_fits": True, "prefill_wgmma_fits": True}
+    assert dispatch.select("moe_down", 48, bf16).variant == "wgmma_skinny"
 
 
 @pytest.mark.parametrize("op,KD,N", [("moe_gate_up_silu", 2048, 1408), ("moe_down", 1408, 2048)])

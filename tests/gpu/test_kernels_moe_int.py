@@ -21,11 +21,11 @@ Hypothesis draws pair counts per expert (0: an empty expert; 1..8, 9..16: the on
 17..40: the 32-pair pass and passes after it), T from the counts (1..16 mostly, up to ~40; examples at 300),
 widths with odd reduction dims (KD % 16 != 0: byte weight loads; KD < 64: one step), odd channel counts
 halved (N = 2 * odd: a partial packed-row tile), per-group weights (whole 256-groups), weights one byte
-past an aligned base (byte loads), rows of zeros and rounding ties.  int4 values are uniform over -8..7 (every nibble), scales differ up to 16x
-between neighbouring channels, so a scale taken from the wrong channel, a swapped nibble or a dropped
->> 4 moves outputs far.  Outputs and workspaces are poisoned first.  Planted mutants
-(tests/gpu/test_mutants.py): the nibbles swapped, the >> 4 dropped, the next channel's scale (gate, down),
-a pair's x scale from the next token, a group scale off by one group.
+past an aligned base (byte loads), rows of zeros and rounding ties.  int4 values are uniform over -8..7
+(every nibble), scales differ up to 16x between neighbouring channels, so a scale taken from the wrong
+channel, a swapped nibble or a dropped >> 4 moves outputs far.  Outputs and workspaces are poisoned first.
+Planted mutants (tests/gpu/test_mutants.py): the nibbles swapped, the >> 4 dropped, the next channel's scale
+(gate, down), a pair's x scale from the next token, a group scale off by one group.
 
 Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_moe_int.py
 """
