@@ -112,18 +112,18 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
     sixteen = ("bf16", "fp16")
     fp8 = ("decode's wgmma + TMA tiles with FP8 weights widened to 16 bits in registers, scaled per "
            "128-block; above decode correct but re-reading weights per 32 pairs (no FP8 prefill GEMM yet)")
-    wi4 = ("int4 weights x int8 activations: x's rows quantised per row by their own launch, then mma.sync s8 "
-           "with the weights as M, the int4 unpacked in registers, int32 sums (exact, bit-equal to the reference); "
-           "one pass reads an expert's weights for 32 pairs: tuned for decode, above it NOT a tuned GEMM "
-           "(int8 wgmma is to replace it)")
-    packed = (INT4_CHANNEL, INT4_GROUP)
-    others = tuple(f for f in INT_EXPERT_FORMATS if f not in packed)
-    cases = [Case({"weight_format": packed, "dtype": sixteen, "int_rows": True},
-                  _rows(("mma_wi4", 1, INF, wi4 + "; per group: each 64-k step's exact sums times its group's "
-                                                  "scale in float32")), "packed int4 weights, 16-bit"),
-             Case({"weight_format": (*packed, *others)},
-                  _rows((NONE, 1, INF, "integer expert weights: packed int4 (per channel or per 256-group) with "
-                                       "bf16 or fp16 activations only")), "other integer weights"),
+    wint = ("integer weights x int8 activations: x's rows quantised per row by their own launch, then mma.sync "
+            "s8 with the weights as M (packed int4 unpacked in registers), int32 sums (exact, bit-equal to the "
+            "reference; per group: each 64-k step's exact sums times its group's scale in float32); one pass "
+            "reads an expert's weights for 32 pairs: tuned for decode, above it NOT a tuned GEMM (int8 wgmma is "
+            "to replace it)")
+    dynamic = tuple(f for f in INT_EXPERT_FORMATS if FORMATS[f].activation == "token")
+    cases = [Case({"weight_format": dynamic, "dtype": sixteen, "int_rows": True},
+                  _rows(("mma_int", 1, INF, wint)), "integer weights, 16-bit"),
+             Case({"weight_format": INT_EXPERT_FORMATS},
+                  _rows((NONE, 1, INF, "integer expert weights: per-token activations (not int8_static), bf16 or "
+                                       "fp16, packed int4 with an even width, per group whole 256-groups")),
+                  "other integer weights"),
              Case({"weight_format": FP8.name, "dtype": sixteen, "sm_90a": True, "fp8_rows": True, "fp8_fits": True},
                   _rows(("wgmma_skinny_fp8", 1, INF, fp8)), "FP8 weights, 16-bit, sm_90a"),
              Case({"weight_format": FP8.name}, _rows((NONE, 1, INF, "FP8 weights need sm_90a, 16-bit activations "

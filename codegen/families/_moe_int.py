@@ -1,15 +1,16 @@
-"""The grouped expert GEMMs with msModelSlim's packed int4 weights (int4_channel, W4A8_DYNAMIC 1.0.0;
-templates/include/moe_int.cuh): a quantiser launch (quant_int8.cuh: the rows the experts read, int8
-per row -- x's token rows for moe_gate_up_silu, one quantisation a token shared by its pairs; the
-SwiGLU's pair rows for moe_down) into two workspaces, then the grouped int4 x int8 mma.sync launch,
-exact against ir/formats_int.py's arithmetic (per-group int4, int4_group256_packed: the group scales
-applied to each 64-k step's exact sums in float32, within ~2^-22 of the reference's float64 sums).  Its
-kernels are named "wi4" ("wi4g256" per group); the template is moe_int.cu.j2 (the families' roles:
-moe_gate_up_silu, moe_down).
+"""The grouped expert GEMMs with msModelSlim's integer weights (templates/include/moe_int.cuh): packed
+int4 (int4_channel, W4A8_DYNAMIC 1.0.0; int4_group256_packed, its older per-group form) and one value a
+byte (int8_channel: W8A8_DYNAMIC experts; int4_channel_byte; int4_group256).  A quantiser launch
+(quant_int8.cuh: the rows the experts read, int8 per row -- x's token rows for moe_gate_up_silu, one
+quantisation a token shared by its pairs; the SwiGLU's pair rows for moe_down) into two workspaces,
+then the grouped int x int8 mma.sync launch, exact against ir/formats_int.py's arithmetic (per group:
+the group scales applied to each 64-k step's exact sums in float32, within ~2^-22 of the reference's
+float64 sums).  Kernel names carry the format (TAGS); the template is moe_int.cu.j2 (the families'
+roles: moe_gate_up_silu, moe_down).
 
-Not a family (the leading underscore): the launch builder of the "mma_wi4" row of codegen/dispatch.py's
-grouped_experts table (moe_gate_up_silu, moe_down; moe_expert_ffn runs them as its two launches).  The
-other integer formats (one int4 a byte, int8 experts) get the table's "none" row: one LoweringError
+Not a family (the leading underscore): the launch builder of the "mma_int" row of codegen/dispatch.py's
+grouped_experts table (moe_gate_up_silu, moe_down; moe_expert_ffn runs them as its two launches).
+int8_static experts (a per-tensor static activation scale) get the table's "none" row: one LoweringError
 (`check`).
 """
 from __future__ import annotations
@@ -22,12 +23,14 @@ from ir.formats import FORMATS, INT_FORMATS, companion_names, weight_format
 
 from ._moe import slots, when
 
-INT4 = FORMATS["int4_channel"]     # the formats the kernel reads: packed int4 per channel ...
-INT4_GROUP = FORMATS["int4_group256_packed"]   # ... and with per-group second-stage scales (group 256 along KD)
-SERVED = (INT4.name, INT4_GROUP.name)
+# The formats the kernel reads and their kernel-name parts (PACK 2: two int4 a byte along N; PACK 1: one
+# value a byte; "g256": per-group second-stage scales).
+TAGS = {"int4_channel": "wi4", "int4_group256_packed": "wi4g256", "int8_channel": "wi8",
+        "int4_channel_byte": "wi4b", "int4_group256": "wi4bg256"}
+SERVED = tuple(TAGS)
+INT4 = FORMATS["int4_channel"]
 INT_NAMES = tuple(f.name for f in INT_FORMATS)
-VARIANT = "mma_wi4"                # the launch's stage
-NAME = "wi4"                       # the kernel-name part of packed int4 weights
+VARIANT = "mma_int"                # the launch's stage
 QUANT_STAGE = "quant_i8"
 QUANT_NAME = "qi8"
 TEMPLATE = "moe_int.cu.j2"
@@ -63,23 +66,26 @@ def check(nid: str, opts, p: dict) -> None:
     fmt = p["int"]
     if fmt not in SERVED:
         raise LoweringError(f"node {nid}: no cuda kernel for {fmt} expert weights (the grouped int kernel reads "
-                            f"packed int4: {' or '.join(SERVED)}); run it with backend='reference'")
+                            f"{', '.join(SERVED)}); run it with backend='reference'")
     if opts.dtype not in ("bf16", "fp16"):
         raise LoweringError(f"node {nid}: {fmt} expert weights need bf16 or fp16 activations, not {opts.dtype}")
-    if p["N"] % 2:
+    f = FORMATS[fmt]
+    if p["N"] % f.pack:
         raise LoweringError(f"node {nid}: {fmt} packs two output channels a byte; {p['N']} do not pair")
-    if fmt == INT4_GROUP.name and p["KD"] % INT4_GROUP.group:
-        raise LoweringError(f"node {nid}: {fmt} groups {INT4_GROUP.group} input channels; {p['KD']} do not divide")
+    if f.group and p["KD"] % f.group:
+        raise LoweringError(f"node {nid}: {fmt} groups {f.group} input channels; {p['KD']} do not divide")
 
 
 def facts(opts, p: dict) -> dict:
     """The int case's conditions of the grouped_experts table."""
-    group = FORMATS[p["int"]].group if p.get("int") else None
-    return {"int_rows": p["N"] % 2 == 0 and (not group or p["KD"] % group == 0)}
+    if not p.get("int"):
+        return {"int_rows": False}
+    f = FORMATS[p["int"]]
+    return {"int_rows": p["N"] % f.pack == 0 and (not f.group or p["KD"] % f.group == 0)}
 
 
 def args(weights: dict, fmt: str) -> tuple:
-    """The weight operands of `weights` (argument name -> bound weight name): each packed weight as bytes,
+    """The weight operands of `weights` (argument name -> bound weight name): each weight as bytes,
     then each one's per-channel scale (s_<suffix of the name>: w_gate -> s_gate, w -> s), then per group
     each one's second-stage scales (g_gate, g)."""
     f = FORMATS[fmt]
@@ -91,7 +97,7 @@ def args(weights: dict, fmt: str) -> tuple:
 
 def launches(family: str, name_parts: list, p: dict, nid: str, args_: tuple, *, down: bool,
              run: str | None) -> list[KernelLaunch]:
-    """The quantiser's launch and the grouped int4 launch over the family's operands (args_: the rows
+    """The quantiser's launch and the grouped int launch over the family's operands (args_: the rows
     the experts read first, then the weights from `args`, order, offsets, out); `run`: their token-range
     factor."""
     from codegen.render import kernel_name
@@ -108,12 +114,13 @@ def launches(family: str, name_parts: list, p: dict, nid: str, args_: tuple, *, 
         args=(dataclasses.replace(x, name="x"), work("q", "signed char", q), work("s", "float", s), size("rows", rows)),
         workspace=ws, stage=QUANT_STAGE)
     cols = channels(down=down)
-    group = FORMATS[p["int"]].group or 0
+    f = FORMATS[p["int"]]
     params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": kd, "K": p["K"], "variant": VARIANT,
-              "threads": THREADS, "channels": cols, "down": down, "group": group}
-    tag = f"{NAME}g{group}" if group else NAME
+              "threads": THREADS, "channels": cols, "down": down, "wfmt": f.name, "pack": f.pack,
+              "group": f.group or 0}
     gemm = KernelLaunch(
-        family=family, template=TEMPLATE, name=kernel_name(family, [f"{name_parts[0]}_{tag}", *name_parts[1:]]),
+        family=family, template=TEMPLATE,
+        name=kernel_name(family, [f"{name_parts[0]}_{TAGS[f.name]}", *name_parts[1:]]),
         params=params, nodes=(nid,), grid=(-(-p["N"] // cols), when(slots(p["E"]), run), 1),
         block=(THREADS, 1, 1),
         args=(work("xq", "signed char", q, writes=False), work("xs", "float", s, writes=False), *rest),

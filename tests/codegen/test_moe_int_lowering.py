@@ -1,9 +1,11 @@
-"""The grouped experts with msModelSlim's packed int4 weights (int4_channel, W4A8_DYNAMIC 1.0.0) on the CPU:
-the grouped_experts table's int rows; moe_gate_up_silu / moe_down lower to the per-row int8 quantiser's launch
-and the int4 launch ("wi4", templates/include/moe_int.cuh) over two workspaces, moe_expert_ffn to both pairs;
-what no int kernel serves is one line; the kernels compile for sm_90 and sm_90a with no spills, on IMMA s8
-with the unpack's LOP3s, keeping the PDL contract; and a tiny W4A8 checkpoint (`dsgraph quantize --to w4a8`)
-lowers with its routed experts on these kernels, no library call serving decode's token counts."""
+"""The grouped experts with msModelSlim's integer weights on the CPU -- packed int4 (int4_channel, W4A8_DYNAMIC
+1.0.0; int4_group256_packed) and one value a byte (int8_channel, int4_channel_byte, int4_group256): the
+grouped_experts table's int rows; moe_gate_up_silu / moe_down lower to the per-row int8 quantiser's launch and
+the int launch ("wi4", "wi8", ..., templates/include/moe_int.cuh) over two workspaces, moe_expert_ffn to both
+pairs; what no int kernel serves is one line; the kernels compile for sm_90 and sm_90a with no spills, on IMMA
+s8 (packed int4: with the unpack's LOP3s), keeping the PDL contract; and tiny W4A8 / W8A8 checkpoints
+(`dsgraph quantize`) lower with their routed experts on these kernels, no library call serving decode's
+token counts."""
 from __future__ import annotations
 
 import json
@@ -62,10 +64,11 @@ def test_the_grouped_table_serves_int4_at_every_token_count_and_refuses_the_rest
         for T in (1, 16, 256, 300, 16384):
             assert dispatch.select(op, T, FACTS).variant == _moe_int.VARIANT
             assert dispatch.select(op, T, {**FACTS, "weight_format": GROUPED.name}).variant == _moe_int.VARIANT
+            for fmt in ("int8_channel", "int4_channel_byte", "int4_group256"):
+                assert dispatch.select(op, T, {**FACTS, "weight_format": fmt}).variant == _moe_int.VARIANT
         for facts in ({**FACTS, "dtype": "fp32"}, {**FACTS, "int_rows": False},
-                      {**FACTS, "weight_format": "int8_channel"},
-                      {**FACTS, "weight_format": GROUPED.name, "int_rows": False},
-                      {**FACTS, "weight_format": "int4_channel_byte"}):
+                      {**FACTS, "weight_format": "int8_static"},
+                      {**FACTS, "weight_format": GROUPED.name, "int_rows": False}):
             assert [r.variant for r in dispatch.rows(op, facts)] == [dispatch.NONE], facts
     # the bf16 rows are untouched
     bf16 = {"dtype": "bf16", "sm_90a": True, "tma_rows": True, "decode_wgmma_fits": True, "prefill_wgmma_fits": True}
@@ -130,8 +133,8 @@ def test_the_expert_ffn_runs_both_int_launch_pairs_beside_its_intermediate():
     G, nid = _node("moe_expert_ffn", 2048, 1408, E=64, K=6)
     launches = _lower(G, nid)
     assert [(la.family, la.stage) for la in launches] == [
-        ("moe_gate_up_silu", "quant_i8"), ("moe_gate_up_silu", "mma_wi4"), ("moe_down", "quant_i8"),
-        ("moe_down", "mma_wi4")]
+        ("moe_gate_up_silu", "quant_i8"), ("moe_gate_up_silu", "mma_int"), ("moe_down", "quant_i8"),
+        ("moe_down", "mma_int")]
     for la in launches:
         assert "expert_act" in {w.name for w in la.workspace}
     assert {a.name: a.ref for a in launches[2].args}["x"] == WorkspaceRef("expert_act")
@@ -140,8 +143,6 @@ def test_the_expert_ffn_runs_both_int_launch_pairs_beside_its_intermediate():
 
 @pytest.mark.parametrize("op,kw,opts,message", [
     ("moe_gate_up_silu", {}, Options(dtype="fp32"), "int4_channel expert weights need bf16 or fp16 activations"),
-    ("moe_down", {"fmt": FORMATS["int4_group256"]}, Options(), "no cuda kernel for int4_group256 expert weights"),
-    ("moe_down", {"fmt": FORMATS["int8_channel"]}, Options(), "no cuda kernel for int8_channel expert weights"),
     ("moe_gate_up_silu", {"roles": ("gate",)}, Options(), "all in one integer format, got bf16, int4_channel"),
     ("moe_down", {"N": 45}, Options(), "packs two output channels a byte; 45 do not pair"),
 ])
@@ -153,10 +154,20 @@ def test_what_no_int_kernel_serves_is_one_line(op, kw, opts, message):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("fmt", ["int4_group256", "int4_channel_byte", "int8_channel"])
-def test_other_integer_expert_formats_are_refused_at_lowering_in_one_line(fmt):
-    """One int4 a byte (per group or per channel) and int8 routed experts have no cuda kernel: one line at
-    lowering (the reference backend runs them exactly).  Widths of whole 256-groups."""
+def test_static_int8_experts_have_no_kernel_in_one_line():
+    """int8_static (a per-tensor static activation scale): the table's none row; `check` says why."""
+    p = {"int": "int8_static", "N": 200, "KD": 256, "E": 8, "K": 1}
+    assert [r.variant for r in dispatch.rows("moe_down", {"dtype": "bf16", "weight_format": "int8_static",
+                                                          "int_rows": True})] == [dispatch.NONE]
+    with pytest.raises(LoweringError, match="no cuda kernel for int8_static expert weights") as info:
+        _moe_int.check("n", Options(), p)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("fmt", sorted(_moe_int.TAGS))
+def test_every_dynamic_integer_expert_format_lowers_to_its_kernel(fmt):
+    """Each format a msModelSlim checkpoint may store routed experts in (per-token activations) lowers to the
+    quantiser and its own int kernel (name part _moe_int.TAGS[fmt]).  Widths of whole 256-groups."""
     from codegen.lower import lower_graph
     from ir.config_to_spec import spec_from_config
     from ir.passes import run_pipeline
@@ -164,10 +175,9 @@ def test_other_integer_expert_formats_are_refused_at_lowering_in_one_line(fmt):
     tiny = {**tiny, "hidden_size": 256, "moe_intermediate_size": 256}
     text = spec_from_config(tiny, name="tiny") + f'\nweight_formats:\n  "model.layers.*.mlp.experts.*": {fmt}\n'
     G = run_pipeline(ir.build_graph(ir.load_spec(text, file="t.yaml"), "decode"))
-    with pytest.raises(LoweringError) as info:
-        lower_graph(G, Options())
-    message = str(info.value)
-    assert "\n" not in message and f"no kernel for weight format {fmt}" in message, message
+    steps = [s for s in lower_graph(G, Options()).steps if isinstance(s, KernelLaunch) and s.stage == "mma_int"]
+    assert steps and all(f"_bf16_{_moe_int.TAGS[fmt]}__" in s.name for s in steps), [s.name for s in steps]
+    assert {s.params["pack"] for s in steps} == {FORMATS[fmt].pack}
 
 
 def _compile(launch, arch):
@@ -181,19 +191,23 @@ def _compile(launch, arch):
                                                  ("moe_down", 1408, 2048, "bf16", "sm_90a"),
                                                  ("moe_gate_up_silu", 7168, 2048, "bf16", "sm_90a"),   # V3
                                                  ("moe_down", 1001, 90, "fp16", "sm_90"),          # byte loads
-                                                 ("moe_gate_up_silu", 2048, 1408, "bf16", "grouped"),
-                                                 ("moe_down", 1536, 2048, "fp16", "grouped")])
-def test_the_int4_kernel_is_imma_with_the_unpack_in_registers_without_spills(op, KD, N, dtype, arch):
+                                                 ("moe_gate_up_silu", 2048, 1408, "bf16", "int4_group256_packed"),
+                                                 ("moe_down", 1536, 2048, "fp16", "int4_group256_packed"),
+                                                 ("moe_gate_up_silu", 2048, 1408, "bf16", "int8_channel"),
+                                                 ("moe_down", 1001, 45, "bf16", "int8_channel"),
+                                                 ("moe_down", 1536, 2048, "bf16", "int4_group256")])
+def test_the_int_kernel_is_imma_without_spills(op, KD, N, dtype, arch):
     from test_sass_pdl import wait_problem
-    grouped = arch == "grouped"
-    arch = "sm_90" if grouped else arch
-    G, nid = _node(op, KD, N, E=64, K=6, fmt=GROUPED if grouped else INT4)
+    fmt = FORMATS[arch] if arch in FORMATS else INT4
+    arch = "sm_90" if arch in FORMATS else arch
+    G, nid = _node(op, KD, N, E=64, K=6, fmt=fmt)
     quant, gemm = _lower(G, nid, Options(dtype=dtype))
     res = _compile(gemm, arch)
     assert "0 bytes stack frame" in res.log and "0 bytes spill stores" in res.log, res.log
     ops = opcodes(res.cubin)
     assert ops["IMMA.16832.S8.S8"] > 0, sorted(ops)
-    assert any(o.startswith("LOP3") for o in ops), "the int4 unpack: masks of the packed words"
+    if fmt.pack == 2:
+        assert any(o.startswith("LOP3") for o in ops), "the int4 unpack: masks of the packed words"
     assert ops["I2FP.F32.S32"] > 0 and ops["FMUL"] > 0, "the epilogue: int -> float, then the two scales"
     if KD % 16 == 0:
         assert ops["LDG.E.NA.LTC128B.128.CONSTANT"] > 0, sorted(ops)
@@ -208,11 +222,12 @@ def test_the_int4_kernel_is_imma_with_the_unpack_in_registers_without_spills(op,
     assert wait_problem(instructions(qres.cubin)[quant.name]) is None
 
 
-def test_a_tiny_w4a8_checkpoint_lowers_with_its_experts_on_the_int4_kernels(tmp_path):
-    """`dsgraph quantize --to w4a8` of a tiny V3-style checkpoint, its spec from its config (int8 linears,
-    packed int4 routed experts), the pass pipeline and the cuda lowering on the CPU: every routed-expert node
-    runs the quantiser and the int4 launch at every T; no library call serves a decode token count (<= 16:
-    above it the int8 dense linears' exact call, not the experts)."""
+@pytest.mark.parametrize("to,fmt", [("w4a8", "int4_channel"), ("w8a8", "int8_channel")])
+def test_a_tiny_msmodelslim_checkpoint_lowers_with_its_experts_on_the_int_kernels(tmp_path, to, fmt):
+    """`dsgraph quantize --to w4a8 | w8a8` of a tiny V3-style checkpoint, its spec from its config (int8
+    linears, packed int4 or int8 routed experts), the pass pipeline and the cuda lowering on the CPU: every
+    routed-expert node runs the quantiser and the int launch at every T; no library call serves a decode token
+    count (<= 16: above it the int8 dense linears' exact call, not the experts)."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(ROOT / "tests" / "e2e"))
     import hf_tiny
@@ -220,10 +235,10 @@ def test_a_tiny_w4a8_checkpoint_lowers_with_its_experts_on_the_int4_kernels(tmp_
     from ir.config_to_spec import spec_from_config
     from ir.passes import run_pipeline
     from runtime.cli import main as cli_main
-    src, dst = hf_tiny.build("v3_tp", tmp_path / "hf"), tmp_path / "w4a8"
-    assert cli_main(["quantize", "--to", "w4a8", str(src), str(dst)]) == 0
-    text = spec_from_config(json.loads((dst / "config.json").read_text()), name="tiny_w4a8")
-    assert '"model.layers.*.mlp.experts.*": int4_channel' in text
+    src, dst = hf_tiny.build("v3_tp", tmp_path / "hf"), tmp_path / to
+    assert cli_main(["quantize", "--to", to, str(src), str(dst)]) == 0
+    text = spec_from_config(json.loads((dst / "config.json").read_text()), name=f"tiny_{to}")
+    assert f'"model.layers.*.mlp.experts.*": {fmt}' in text
     spec = ir.load_spec(text, file="tiny_w4a8.yaml")
     for phase in ("decode", "prefill"):
         G = run_pipeline(ir.build_graph(spec, phase))
@@ -234,14 +249,14 @@ def test_a_tiny_w4a8_checkpoint_lowers_with_its_experts_on_the_int4_kernels(tmp_
             steps = [s for s in plan.steps if (s.nodes[0] if isinstance(s, KernelLaunch) else s.node) == nid]
             assert steps and all(isinstance(s, KernelLaunch) for s in steps), (phase, nid, steps)
             assert {s.stage for s in steps} == {_moe_int.QUANT_STAGE, _moe_int.VARIANT}, (phase, nid)
-            assert all(s.grid[0] in ("T", "NP") or "_wi4" in s.name for s in steps)
+            assert all(s.grid[0] in ("T", "NP") or f"_{_moe_int.TAGS[fmt]}__" in s.name for s in steps)
         calls = [s for s in plan.steps if isinstance(s, LibraryCall) and s.call != "view"]
         assert all(c.op not in MOE_OPS for c in calls)
         if phase == "decode":
             assert all(c.from_tokens > 16 for c in calls), [(c.node, c.op, c.from_tokens) for c in calls]
 
 
-def test_an_int4_expert_bundle_keeps_its_steps_through_the_manifest(tmp_path, monkeypatch):
+def test_an_int_expert_bundle_keeps_its_steps_through_the_manifest(tmp_path, monkeypatch):
     """compile_bundle (NVRTC stubbed: the machine code is tested above) writes the int4 experts' steps --
     workspaces, argument types, template -- and load_bundle reads back the same plans."""
     import dataclasses

@@ -1,7 +1,9 @@
-"""Property tests: the grouped expert GEMMs with msModelSlim's packed int4 weights (int4_channel, W4A8_DYNAMIC
-1.0.0: stored int8 [E, N / 2, KD], two channels a byte along N, the low nibble the even channel; a float32
-scale [E, N, 1] per channel; codegen/families/_moe_int.py, templates/include/moe_int.cuh) against
-ir/formats_int.py's definitions computed on the CPU.  The integer arithmetic is exact, so:
+"""Property tests: the grouped expert GEMMs with msModelSlim's integer weights (codegen/families/_moe_int.py,
+templates/include/moe_int.cuh) against ir/formats_int.py's definitions computed on the CPU.  Mostly packed int4
+(int4_channel, W4A8_DYNAMIC 1.0.0: stored int8 [E, N / 2, KD], two channels a byte along N, the low nibble the
+even channel; a float32 scale [E, N, 1] per channel), and the other layouts the kernel reads: per-group
+second-stage scales (int4_group256_packed), one value a byte (int8_channel: W8A8_DYNAMIC experts;
+int4_channel_byte; int4_group256).  The integer arithmetic is exact, so:
 
 - the quantiser launch: its int8 rows (and their zero padding) and float32 scales bit-equal to
   quantize_activation's on the kernel's own input -- x's token rows for moe_gate_up_silu (one row a token,
@@ -59,6 +61,8 @@ REC_GROUP = Recorder("moe_gate_up_silu / moe_down wi4g256")
 COUNTS = (0, 0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 40)
 KDS = (16, 48, 64, 72, 100, 144, 272, 1001, 2048)
 GROUP_KDS = (256, 512, 1536, 2048)    # per group: whole groups of 256
+ODD_NS = (1, 37, 45)                  # one value a byte: any width
+FMTS = tuple(_moe_int.TAGS) + (INT4.name,) * 3   # mostly W4A8's
 NS = (2, 16, 30, 32, 34, 90, 200, 1408)
 ROW_KINDS = ("random", "random", "ties", "zeros")
 
@@ -71,11 +75,18 @@ def _report():
     REC_GROUP.report()
 
 
-def int4_experts(E: int, N: int, KD: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [E, N, KD] in -8..7, s float32 [E, N, 1]) on the CPU: every nibble, scales 2^[-2, 2) apart."""
-    q = torch.randint(-8, 8, (E, N, KD), generator=gen, dtype=torch.int32).to(torch.int8)
+def int_experts(E: int, N: int, KD: int, gen, fmt=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [E, N, KD], s float32 [E, N, 1]) on the CPU: q over the format's whole range (int4: -8..7, every
+    nibble; int8: -128..127), scales 2^[-2, 2) apart."""
+    lo, hi = (-128, 127) if fmt is not None and fmt.storage == "int8" else (-8, 7)
+    q = torch.randint(lo, hi + 1, (E, N, KD), generator=gen, dtype=torch.int32).to(torch.int8)
     s = torch.exp2(torch.rand((E, N, 1), generator=gen) * 4 - 2) * (KD ** -0.5) / 4
     return q, s.float()
+
+
+def stored(q: torch.Tensor, fmt) -> torch.Tensor:
+    """The bytes a checkpoint stores for int values q [E, N, KD]: two a byte along N (packed), or one."""
+    return pack_int4(q) if fmt.pack == 2 else q
 
 
 def second_stage(E: int, N: int, KD: int, gen) -> torch.Tensor:
@@ -106,7 +117,8 @@ def lower_int(G, nid, dtype):
     launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype))
     stages = [la.stage for la in launches]
     assert stages == [_moe_int.QUANT_STAGE, _moe_int.VARIANT] * (len(stages) // 2) and stages, stages
-    assert all(f"{dtype}_{_moe_int.NAME}" in la.name for la in launches[1::2]), [la.name for la in launches]
+    fmt = launches[1].params["wfmt"]
+    assert all(f"{dtype}_{_moe_int.TAGS[fmt]}__" in la.name for la in launches[1::2]), [la.name for la in launches]
     return launches
 
 
@@ -116,9 +128,11 @@ def bind_weights(bound: dict, shapes: dict, gen, shift: bool, fmt=INT4) -> tuple
     weights, ref = {}, {}
     for role, name in bound.items():
         E, N, KD = shapes[role]
-        q, s = int4_experts(E, N, KD, gen)
+        q, s = int_experts(E, N, KD, gen, fmt)
+        if fmt.storage == "int8":   # int8's products are 16x int4's: the outputs keep their size
+            s = s / 16
         names = companion_names(name, fmt)
-        weights[name] = shifted(pack_int4(q).cuda(), shift)
+        weights[name] = shifted(stored(q, fmt).cuda(), shift)
         weights[names[0]], weights[names[1]] = s.cuda(), torch.zeros_like(s).cuda()
         ref[role] = (q, s)
         if fmt.group:
@@ -179,11 +193,12 @@ def int_cases(draw, tokens=(1, 48)):
             break
     T = sum(counts) // K
     assume(tokens[0] <= T <= tokens[1] and max(counts) <= T)
-    fmt = draw(st.sampled_from((INT4.name, INT4.name, GROUPED.name)))
-    KD = draw(st.sampled_from(KDS if fmt == INT4.name else GROUP_KDS))
-    return {"dtype": draw(st.sampled_from(DTYPES)), "counts": counts, "K": K, "KD": KD,
-            "N": draw(st.sampled_from(NS)), "shift": draw(st.sampled_from((False, False, True))),
-            "kind": draw(st.sampled_from(ROW_KINDS)), "whole": draw(st.booleans()), "fmt": fmt,
+    fmt = FORMATS[draw(st.sampled_from(FMTS))]
+    KD = draw(st.sampled_from(GROUP_KDS if fmt.group else KDS))
+    return {"dtype": draw(st.sampled_from(DTYPES)), "counts": counts, "K": K, "KD": KD, "fmt": fmt.name,
+            "N": draw(st.sampled_from(NS if fmt.pack == 2 else NS + ODD_NS)),
+            "shift": draw(st.sampled_from((False, False, True))),
+            "kind": draw(st.sampled_from(ROW_KINDS)), "whole": draw(st.booleans()),
             "seed": draw(st.integers(0, 2**31 - 1))}
 
 
@@ -251,7 +266,7 @@ def run_case(op: str, case: dict) -> None:
         assert_equal(work[sname], sx.reshape(-1), f"row scales {msg}")
     ys = {r: exact(qx, sx, *w[:2], ref_r, K, down, dtype, *w[2:]) for r, w in ref_w.items()}
     if case["whole"]:   # the reference backend's op on the stored weights: the same numbers by definition
-        ints = {r: IntMatrix(pack_int4(w[0]), [c for t in w[1:] for c in (t, torch.zeros_like(t))], fmt)
+        ints = {r: IntMatrix(stored(w[0], fmt), [c for t in w[1:] for c in (t, torch.zeros_like(t))], fmt)
                 for r, w in ref_w.items()}
         want = OPS["moe_down" if down else "moe_gate_up"].run(node_view(G, nid), [inp.cpu(), ref_r], ints, None)
         assert all(torch.equal(w, ys[r]) for w, r in zip(want, roles)), "the reference op disagrees with the sums"
@@ -277,6 +292,7 @@ def run_case(op: str, case: dict) -> None:
 @example(case=case_of("bf16", (5, 4, 3), 2, 512, 200, seed=16))                       # test_mutants' example
 @example(case=case_of("bf16", (5, 4, 3), 2, 512, 200, fmt=GROUPED.name, seed=17))      # per group: test_mutants'
 @example(case=case_of("bf16", one_token(64, (0, 3, 9, 17, 40, 63)), 6, 2048, 1408, fmt=GROUPED.name, whole=True))
+@example(case=case_of("bf16", lite((16, 9, 8, 1, 0, 15, 16, 3)), 6, 2048, 1408, fmt="int8_channel", whole=True))
 def test_moe_gate_up_silu_wi4(case):
     run_case("moe_gate_up_silu", case)
 
@@ -291,6 +307,10 @@ def test_moe_gate_up_silu_wi4(case):
 @example(case=case_of("bf16", (300, 290, 10, 0), 2, 144, 200))                        # T = 300: above decode
 @example(case=case_of("bf16", (5, 4, 3), 2, 512, 200, seed=16))                       # test_mutants' example
 @example(case=case_of("fp16", (17, 9, 6, 32), 2, 1536, 90, fmt=GROUPED.name, shift=True, whole=True))   # per group
+@example(case=case_of("bf16", one_token(64, (0, 3, 9, 17, 40, 63)), 6, 1408, 2048, fmt="int8_channel"))   # W8A8
+@example(case=case_of("fp16", (17, 9, 6, 32), 2, 1001, 45, fmt="int8_channel", shift=True, whole=True))
+@example(case=case_of("bf16", (5, 4, 3), 2, 512, 37, fmt="int4_group256", whole=True))
+@example(case=case_of("bf16", (6, 5, 1), 2, 100, 45, fmt="int4_channel_byte"))
 def test_moe_down_wi4(case):
     run_case("moe_down", case)
 

@@ -377,8 +377,8 @@ MUTANTS = [
            "const float x_scale = sx[MODE == DOWN ? p : p / K + 1];",
            moe_int.test_moe_gate_up_silu_wi4, dict(case=moe_int.case_of("bf16", (5, 4, 3), 2, 512, 200, seed=16))),
     Mutant("W4A8 experts, per group: the even channel's group scale off by one group (KD = 512: two groups)",
-           "include/moe_int.cuh", "const float ge = gr[rt] != nullptr ? __ldg(gr[rt] + grp) : 0.f;",
-           "const float ge = gr[rt] != nullptr ? __ldg(gr[rt] + (grp ^ 1)) : 0.f;",
+           "include/moe_int.cuh", "const float ge = gr[rt][0] != nullptr ? __ldg(gr[rt][0] + grp) : 0.f;",
+           "const float ge = gr[rt][0] != nullptr ? __ldg(gr[rt][0] + (grp ^ 1)) : 0.f;",
            moe_int.test_moe_gate_up_silu_wi4,
            dict(case=moe_int.case_of("bf16", (5, 4, 3), 2, 512, 200, fmt=moe_int.GROUPED.name, seed=17))),
 ]
