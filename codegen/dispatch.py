@@ -30,11 +30,9 @@ INF = None                     # a range without an upper end
 PHASES = ("prefill", "decode")
 DTYPES = ("bf16", "fp16", "fp32")
 INT8_CHANNEL = FORMATS["int8_channel"].name   # msModelSlim's W8A8_DYNAMIC (per-channel int8, per-token int8 x)
-INT4_CHANNEL = FORMATS["int4_channel"].name   # msModelSlim's W4A8_DYNAMIC 1.0.0 (packed int4, per channel)
-INT4_GROUP = FORMATS["int4_group256_packed"].name   # older W4A8_DYNAMIC: packed int4, per-group second stage
-# the weight stored in the activation dtype; DeepSeek-V3's FP8 blocks; msModelSlim's int8 and packed int4
-WEIGHT_FORMATS = ("same", FP8.name, INT8_CHANNEL, INT4_CHANNEL, INT4_GROUP)
-INT_EXPERT_FORMATS = tuple(f.name for f in FORMATS.values() if f.storage in ("int8", "int4"))
+INT_FORMATS = tuple(f.name for f in FORMATS.values() if f.storage in ("int8", "int4"))   # msModelSlim's
+# the weight stored in the activation dtype; DeepSeek-V3's FP8 blocks; msModelSlim's int8 / int4 layouts
+WEIGHT_FORMATS = ("same", FP8.name, *INT_FORMATS)
 NONE = "none"                  # a row that no kernel serves: the lowering refuses the node
 
 
@@ -117,10 +115,10 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
             "reference; per group: each 64-k step's exact sums times its group's scale in float32); one pass "
             "reads an expert's weights for 32 pairs: tuned for decode, above it NOT a tuned GEMM (int8 wgmma is "
             "to replace it)")
-    dynamic = tuple(f for f in INT_EXPERT_FORMATS if FORMATS[f].activation == "token")
+    dynamic = tuple(f for f in INT_FORMATS if FORMATS[f].activation == "token")
     cases = [Case({"weight_format": dynamic, "dtype": sixteen, "int_rows": True},
                   _rows(("mma_int", 1, INF, wint)), "integer weights, 16-bit"),
-             Case({"weight_format": INT_EXPERT_FORMATS},
+             Case({"weight_format": INT_FORMATS},
                   _rows((NONE, 1, INF, "integer expert weights: per-token activations (not int8_static), bf16 or "
                                        "fp16, packed int4 with an even width, per group whole 256-groups")),
                   "other integer weights"),

@@ -4,8 +4,8 @@ multiplied by its token range (codegen.sizes.token_ranges), so a step runs exact
 
 Not a family (the leading underscore).  The launch builders: _moe (gemv, mma), _moe_wgmma
 (wgmma), _moe_wgmma_skinny (wgmma_skinny, wgmma_skinny_t1), _moe_fp8 (wgmma_skinny_fp8: FP8
-weights, p["fp8"]), _moe_int (mma_wi4: packed int4 weights, p["int"]: the format's name); the imports
-form a tree.
+weights, p["fp8"]), _moe_int (mma_int: msModelSlim's integer weights, p["int"]: the format's name); the
+imports form a tree.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def facts(opts, p: dict, *, down: bool) -> dict:
     """The conditions of the grouped_experts table for this node and target (p["fp8"]: FP8 weights;
     p["int"]: an integer format's name)."""
     return {"dtype": opts.dtype, "weight_format": p.get("int") or (FP8.name if p.get("fp8") else "same"),
-            **_moe_fp8.facts(opts, p), **_moe_int.facts(opts, p), "sm_90a": has_feature(opts.arch, _moe_wgmma.FEATURE),
+            **_moe_fp8.facts(opts, p), **_moe_int.facts(opts, p),
+            "sm_90a": has_feature(opts.arch, _moe_wgmma.FEATURE),
             "tma_rows": p["KD"] % 8 == 0, "decode_wgmma_fits": S.fits(p["E"]),
             "prefill_wgmma_fits": _moe_wgmma.fits(opts, p["E"]),
             "one_token": down and S.fits(p["E"], opts.tuning.moe.one_token_down_stages, ctas=1)}

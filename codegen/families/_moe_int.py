@@ -28,7 +28,6 @@ from ._moe import slots, when
 TAGS = {"int4_channel": "wi4", "int4_group256_packed": "wi4g256", "int8_channel": "wi8",
         "int4_channel_byte": "wi4b", "int4_group256": "wi4bg256"}
 SERVED = tuple(TAGS)
-INT4 = FORMATS["int4_channel"]
 INT_NAMES = tuple(f.name for f in INT_FORMATS)
 VARIANT = "mma_int"                # the launch's stage
 QUANT_STAGE = "quant_i8"
@@ -111,7 +110,8 @@ def launches(family: str, name_parts: list, p: dict, nid: str, args_: tuple, *, 
         family=family, template=TEMPLATE, name=kernel_name(family, [f"{name_parts[0]}_{QUANT_NAME}", f"k{kd}"]),
         params={"act": p["act"], "KD": kd, "qrow": qrow(kd), "threads": QUANT_THREADS, "variant": QUANT_STAGE},
         nodes=(nid,), grid=(when(rows, run), 1, 1), block=(QUANT_THREADS, 1, 1),
-        args=(dataclasses.replace(x, name="x"), work("q", "signed char", q), work("s", "float", s), size("rows", rows)),
+        args=(dataclasses.replace(x, name="x"), work("q", "signed char", q), work("s", "float", s),
+              size("rows", rows)),
         workspace=ws, stage=QUANT_STAGE)
     cols = channels(down=down)
     f = FORMATS[p["int"]]

@@ -42,7 +42,7 @@ from . import _moe, _moe_fp8, _moe_grouped, _moe_int, _moe_wgmma_skinny as S, mo
 FAMILY = "moe_expert_ffn"
 TEMPLATE = "moe_expert_ffn.cu.j2"
 OPS = ("moe_expert_ffn",)
-# FP8, packed int4: the two grouped launches (no wgmma_skinny rows: `facts`)
+# FP8, msModelSlim's integer layouts: the two grouped launches (no wgmma_skinny rows: `facts`)
 WEIGHT_FORMATS = (*UNSCALED, FP8.name, *_moe_int.SERVED)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 WORKSPACE = "expert_act"

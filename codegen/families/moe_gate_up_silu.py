@@ -15,7 +15,7 @@ from . import _moe, _moe_fp8, _moe_grouped, _moe_int
 FAMILY = "moe_gate_up_silu"
 TEMPLATE = "moe_gate_up_silu.cu.j2"
 OPS = ("moe_gate_up_silu",)
-# FP8: _moe_fp8's launch; packed int4: _moe_int's (codegen/dispatch.py grouped_experts)
+# FP8: _moe_fp8's launch; msModelSlim's integer layouts: _moe_int's (codegen/dispatch.py grouped_experts)
 WEIGHT_FORMATS = (*UNSCALED, FP8.name, *_moe_int.SERVED)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 ROWS_PER_WARP = 2
