@@ -30,8 +30,9 @@ INF = None                     # a range without an upper end
 PHASES = ("prefill", "decode")
 DTYPES = ("bf16", "fp16", "fp32")
 INT8_CHANNEL = FORMATS["int8_channel"].name   # msModelSlim's W8A8_DYNAMIC (per-channel int8, per-token int8 x)
-WEIGHT_FORMATS = ("same", FP8.name, INT8_CHANNEL)   # the weight stored in the activation dtype; DeepSeek-V3's FP8
-                                                   # blocks; msModelSlim's int8
+INT_FORMATS = tuple(f.name for f in FORMATS.values() if f.storage in ("int8", "int4"))   # msModelSlim's
+# the weight stored in the activation dtype; DeepSeek-V3's FP8 blocks; msModelSlim's int8 / int4 layouts
+WEIGHT_FORMATS = ("same", FP8.name, *INT_FORMATS)
 NONE = "none"                  # a row that no kernel serves: the lowering refuses the node
 
 
@@ -96,7 +97,8 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
     rows for TMA and cp.async); decode_wgmma_fits / prefill_wgmma_fits (the kernels' shared memory
     for E experts); one_token (down's one-token launch fits one CTA an SM); fp8_rows (KD % 16 == 0:
     16-byte FP8 rows), fp8_fits (the FP8 decode kernel's shared memory for E experts) and fp8x_fits (the
-    FP8 x FP8 prefill kernel's, read where Tuning.moe.fp8_activations is on)."""
+    FP8 x FP8 prefill kernel's, read where Tuning.moe.fp8_activations is on); int_rows (N even: packed
+    int4's two channels a byte; per group, whole groups of KD)."""
     m = t.moe
     thr = None if m.prefill_wgmma_above is None else max(m.prefill_wgmma_above, m.gemv_upto)
     # decode's wgmma runs up to the prefill wgmma's threshold (256 where that is off)
@@ -109,8 +111,19 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
     sixteen = ("bf16", "fp16")
     fp8 = ("decode's wgmma + TMA tiles with FP8 weights widened to 16 bits in registers, scaled per "
            "128-block; above decode correct but re-reading weights per 32 pairs (activations kept 16-bit)")
+    wint = ("integer weights x int8 activations: x's rows quantised per row by their own launch, then mma.sync "
+            "s8 with the weights as M (packed int4 unpacked in registers), int32 sums (exact, bit-equal to the "
+            "reference; per group: each 64-k step's exact sums times its group's scale in float32); one pass "
+            "reads an expert's weights for 32 pairs: tuned for decode, above it NOT a tuned GEMM (int8 wgmma is "
+            "to replace it)")
+    dynamic = tuple(f for f in INT_FORMATS if FORMATS[f].activation == "token")
+    cases = [Case({"weight_format": dynamic, "dtype": sixteen, "int_rows": True},
+                  _rows(("mma_int", 1, INF, wint)), "integer weights, 16-bit"),
+             Case({"weight_format": INT_FORMATS},
+                  _rows((NONE, 1, INF, "integer expert weights: per-token activations (not int8_static), bf16 or "
+                                       "fp16, packed int4 with an even width, per group whole 256-groups")),
+                  "other integer weights")]
     fp8_when = {"weight_format": FP8.name, "dtype": sixteen, "sm_90a": True, "fp8_rows": True, "fp8_fits": True}
-    cases = []
     if m.fp8_activations and thr is not None:
         fp8x = ("FP8 x FP8 persistent wgmma + TMA grid: the input quantised to e4m3 per row per 128 columns "
                 "(x once a token, down's a once a pair), fp32 promotion per 128-K block")
@@ -146,7 +159,7 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
                       "16-bit without sm_90a or 16-byte rows"))
     return Table("moe_down" if down else "moe_gate_up_silu", "tokens", tuple(cases),
                  ("dtype", "weight_format", "sm_90a", "tma_rows", "decode_wgmma_fits", "prefill_wgmma_fits",
-                  "one_token", "fp8_rows", "fp8_fits", "fp8x_fits"))
+                  "one_token", "fp8_rows", "fp8_fits", "fp8x_fits", "int_rows"))
 
 
 def expert_ffn(t: Tuning = DEFAULT_TUNING) -> Table:

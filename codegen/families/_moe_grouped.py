@@ -4,8 +4,8 @@ multiplied by its token range (codegen.sizes.token_ranges), so a step runs exact
 
 Not a family (the leading underscore).  The launch builders: _moe (gemv, mma), _moe_wgmma
 (wgmma), _moe_wgmma_skinny (wgmma_skinny, wgmma_skinny_t1), _moe_fp8 (wgmma_skinny_fp8: FP8
-weights, p["fp8"]), _moe_gemm_fp8 (wgmma_fp8: FP8 weights x FP8 activations, its quantiser first);
-the imports form a tree.
+weights, p["fp8"]), _moe_gemm_fp8 (wgmma_fp8: FP8 weights x FP8 activations, its quantiser first),
+_moe_int (mma_int: msModelSlim's integer weights, p["int"]: the format's name); the imports form a tree.
 """
 from __future__ import annotations
 
@@ -16,17 +16,20 @@ from codegen.render import kernel_name
 from codegen.sizes import token_ranges
 from ir.formats import FP8
 
-from . import _moe, _moe_fp8, _moe_gemm_fp8, _moe_wgmma, _moe_wgmma_skinny as S
+from . import _moe, _moe_fp8, _moe_gemm_fp8, _moe_int, _moe_wgmma, _moe_wgmma_skinny as S
 
 
 # the launches' order in a node's plan (one of them has work at a given T)
-ORDER = ("gemv", "wgmma_skinny", S.ONE_TOKEN_STAGE, _moe_fp8.VARIANT, "mma", "wgmma", _moe_gemm_fp8.VARIANT)
+ORDER = ("gemv", "wgmma_skinny", S.ONE_TOKEN_STAGE, _moe_fp8.VARIANT, _moe_int.VARIANT, "mma", "wgmma",
+         _moe_gemm_fp8.VARIANT)
 
 
 def facts(opts, p: dict, *, down: bool) -> dict:
-    """The conditions of the grouped_experts table for this node and target (p["fp8"]: FP8 weights)."""
-    return {"dtype": opts.dtype, "weight_format": FP8.name if p.get("fp8") else "same",
-            **_moe_fp8.facts(opts, p), "fp8x_fits": _moe_gemm_fp8.fits(opts, p["E"]), "sm_90a": has_feature(opts.arch, _moe_wgmma.FEATURE),
+    """The conditions of the grouped_experts table for this node and target (p["fp8"]: FP8 weights;
+    p["int"]: an integer format's name)."""
+    return {"dtype": opts.dtype, "weight_format": p.get("int") or (FP8.name if p.get("fp8") else "same"),
+            **_moe_fp8.facts(opts, p), **_moe_int.facts(opts, p), "fp8x_fits": _moe_gemm_fp8.fits(opts, p["E"]),
+            "sm_90a": has_feature(opts.arch, _moe_wgmma.FEATURE),
             "tma_rows": p["KD"] % 8 == 0, "decode_wgmma_fits": S.fits(p["E"]),
             "prefill_wgmma_fits": _moe_wgmma.fits(opts, p["E"]),
             "one_token": down and S.fits(p["E"], opts.tuning.moe.one_token_down_stages, ctas=1)}
@@ -43,7 +46,7 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
     limited to (moe_expert_ffn's outside its fused window), None: every T."""
     rows = table_rows(opts, p, down=down)
     if any(r.variant == dispatch.NONE for r in rows):
-        _moe_fp8.check(nid, opts, p)
+        (_moe_int.check if p.get("int") else _moe_fp8.check)(nid, opts, p)
     out = []
     for variant in sorted({r.variant for r in rows}, key=ORDER.index):
         ranges = _clip(dispatch.row_range(rows, variant), within)
@@ -55,6 +58,8 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
         elif variant == "mma":
             out.append(_moe.mma_launch(family, template, kernel_name(family, [*name_parts, "mma"]), p, nid, args,
                                        run, opts, down=down))
+        elif variant == _moe_int.VARIANT:
+            out.extend(_moe_int.launches(family, name_parts, p, nid, args, down=down, run=run))
         elif variant == _moe_fp8.VARIANT:
             out.append(_moe_fp8.launch(family, template, name_parts, p, nid, args, down=down, run=run))
         elif variant == _moe_gemm_fp8.VARIANT:

@@ -37,12 +37,13 @@ from codegen.kernel import KernelLaunch, Options, Workspace, inp, out, tensor_ma
 
 from ir.formats import FP8, UNSCALED
 
-from . import _moe, _moe_fp8, _moe_grouped, _moe_wgmma_skinny as S, moe_down, moe_gate_up_silu
+from . import _moe, _moe_fp8, _moe_grouped, _moe_int, _moe_wgmma_skinny as S, moe_down, moe_gate_up_silu
 
 FAMILY = "moe_expert_ffn"
 TEMPLATE = "moe_expert_ffn.cu.j2"
 OPS = ("moe_expert_ffn",)
-WEIGHT_FORMATS = (*UNSCALED, FP8.name)   # FP8: the two grouped launches (no wgmma_skinny rows: `facts`)
+# FP8, msModelSlim's integer layouts: the two grouped launches (no wgmma_skinny rows: `facts`)
+WEIGHT_FORMATS = (*UNSCALED, FP8.name, *_moe_int.SERVED)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 WORKSPACE = "expert_act"
 THREADS = S.THREADS + 32   # + the publisher warp (moe_expert_ffn.cuh FFN_THREADS)
@@ -98,8 +99,14 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     fp8 = _moe_fp8.is_fp8(G, nid, ("gate", "up", "down"), opts)
     if fp8:
         gu["fp8"] = dn["fp8"] = True
-    gu_w = _moe_fp8.args({"w_gate": bound["gate"], "w_up": bound["up"]}, act, fp8)
-    dn_w = _moe_fp8.args({"w": bound["down"]}, act, fp8)
+    ifmt = _moe_int.int_format(G, nid, ("gate", "up", "down"), opts)
+    if ifmt:
+        gu["int"] = dn["int"] = ifmt
+        gu_w = _moe_int.args({"w_gate": bound["gate"], "w_up": bound["up"]}, ifmt)
+        dn_w = _moe_int.args({"w": bound["down"]}, ifmt)
+    else:
+        gu_w = _moe_fp8.args({"w_gate": bound["gate"], "w_up": bound["up"]}, act, fp8)
+        dn_w = _moe_fp8.args({"w": bound["down"]}, act, fp8)
     gu_args = (inp("x", act, x), *gu_w, order, offsets, work("out", act, WORKSPACE))
     dn_args = (work("a", act, WORKSPACE, writes=False), *dn_w, order, offsets, out("out", act, y))
     rows = dispatch.rows(FAMILY, facts(opts, gu, dn), opts.tuning)
@@ -112,5 +119,5 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
         launches.append(fused_launch(nid, opts, gu, dn, args, sizes.token_range(lo, hi)))
     launches += moe_gate_up_silu.launches(nid, gu, gu_args, opts, shared=_moe.routing_shared(G, routing), within=two)
     launches += moe_down.launches(nid, dn, dn_args, opts, within=two)
-    # (the FP8 x FP8 launches keep their own workspaces beside it: the quantised inputs)
+    # the FP8 x FP8 and int launches keep their own workspaces beside it (their quantised inputs)
     return [dataclasses.replace(la, workspace=(ws, *la.workspace)) for la in launches]

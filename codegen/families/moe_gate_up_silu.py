@@ -10,12 +10,13 @@ from codegen.kernel import KernelLaunch, inp, out, Options
 
 from ir.formats import FP8, UNSCALED
 
-from . import _moe, _moe_fp8, _moe_grouped
+from . import _moe, _moe_fp8, _moe_grouped, _moe_int
 
 FAMILY = "moe_gate_up_silu"
 TEMPLATE = "moe_gate_up_silu.cu.j2"
 OPS = ("moe_gate_up_silu",)
-WEIGHT_FORMATS = (*UNSCALED, FP8.name)   # FP8: _moe_fp8's launch (codegen/dispatch.py grouped_experts)
+# FP8: _moe_fp8's launch; msModelSlim's integer layouts: _moe_int's (codegen/dispatch.py grouped_experts)
+WEIGHT_FORMATS = (*UNSCALED, FP8.name, *_moe_int.SERVED)
 PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (programmatic dependent launch)
 ROWS_PER_WARP = 2
 
@@ -30,7 +31,11 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     fp8 = _moe_fp8.is_fp8(G, nid, ("gate", "up"), opts)
     if fp8:
         p["fp8"] = True
-    w = _moe_fp8.args({"w_gate": bound["gate"], "w_up": bound["up"]}, act, fp8)
+    ifmt = _moe_int.int_format(G, nid, ("gate", "up"), opts)
+    if ifmt:
+        p["int"] = ifmt
+    experts = {"w_gate": bound["gate"], "w_up": bound["up"]}
+    w = _moe_int.args(experts, ifmt) if ifmt else _moe_fp8.args(experts, act, fp8)
     args = (inp("x", act, x), *w,
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out", act, h))

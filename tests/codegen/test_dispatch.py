@@ -17,7 +17,7 @@ FACT_VALUES = {"dtype": ("bf16", "fp16", "fp32"), "sm_90a": (True, False), "tma_
                "decode_wgmma_fits": (True, False), "prefill_wgmma_fits": (True, False), "one_token": (True, False),
                "decode_wgmma": (True, False), "precision": ("fp32", "act"), "mma": (True, False),
                "weight_format": dispatch.WEIGHT_FORMATS, "fp8_rows": (True, False), "fp8_fits": (True, False),
-               "fp8x_fits": (True, False)}
+               "fp8x_fits": (True, False), "int_rows": (True, False)}
 
 
 def tuned(**knobs) -> Tuning:
@@ -87,7 +87,8 @@ def test_a_table_says_which_case_holds_and_refuses_no_case():
 
 
 def test_weight_format_is_a_column_with_the_current_formats():
-    assert dispatch.WEIGHT_FORMATS == ("same", "fp8_e4m3_block128", "int8_channel") and set(dispatch.DTYPES) == {"bf16", "fp16", "fp32"}
+    assert dispatch.WEIGHT_FORMATS == ("same", "fp8_e4m3_block128", "int8_channel", "int8_static", "int4_channel",
+                                       "int4_channel_byte", "int4_group256", "int4_group256_packed") and set(dispatch.DTYPES) == {"bf16", "fp16", "fp32"}
 
 
 def test_the_lowering_emits_the_rows_of_the_case_that_holds():

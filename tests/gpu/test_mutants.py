@@ -27,6 +27,7 @@ import test_kernels_moe as moe
 import test_kernels_moe_expert_ffn as moe_ffn
 import test_kernels_moe_fp8 as moe_fp8
 import test_kernels_moe_gemm_fp8 as moe_gemm_fp8
+import test_kernels_moe_int as moe_int
 import test_kernels_moe_wgmma as moe_wgmma
 import test_kernels_moe_wgmma_skinny as moe_wgmma_skinny
 from harness import GPU_MARKS
@@ -380,6 +381,30 @@ MUTANTS = [
            int4_unpack.test_int4_unpack_exact, dict(tiles=2, steps=3, seed=22)),
     Mutant("W4A8 unpack: the /16 of the shifted unpack dropped", "include/int4.cuh",
            "return acc >> 4;", "return acc;", int4_unpack.test_int4_unpack_exact, dict(tiles=2, steps=3, seed=23)),
+    Mutant("W4A8 experts: the nibbles swapped (down)", "include/int4.cuh",
+           "even = (w << 4) & 0xF0F0F0F0u;\n  odd = w & 0xF0F0F0F0u;",
+           "odd = (w << 4) & 0xF0F0F0F0u;\n  even = w & 0xF0F0F0F0u;",
+           moe_int.test_moe_down_wi4, dict(case=moe_int.case_of("bf16", (5, 4, 3), 2, 512, 200, seed=16))),
+    Mutant("W4A8 experts: the >> 4 of the shifted unpack dropped (gate_up_silu)", "include/int4.cuh",
+           "return acc >> 4;", "return acc;",
+           moe_int.test_moe_gate_up_silu_wi4, dict(case=moe_int.case_of("bf16", (5, 4, 3), 2, 512, 200, seed=16))),
+    Mutant("W4A8 experts: down scaled by the next channel's weight scale", "include/moe_int.cuh",
+           "*o = from_float<T>(wi4_scale(total(i), __ldg(s0 + ch), x_scale));",
+           "*o = from_float<T>(wi4_scale(total(i), __ldg(s0 + ch + 1), x_scale));",
+           moe_int.test_moe_down_wi4, dict(case=moe_int.case_of("bf16", (5, 4, 3), 2, 512, 200, seed=16))),
+    Mutant("W4A8 experts: the gate scaled by the next channel's weight scale", "include/moe_int.cuh",
+           "const float gt = round_to<T>(wi4_scale(total(i), __ldg(s0 + ch), x_scale));",
+           "const float gt = round_to<T>(wi4_scale(total(i), __ldg(s0 + ch + 1), x_scale));",
+           moe_int.test_moe_gate_up_silu_wi4, dict(case=moe_int.case_of("bf16", (5, 4, 3), 2, 512, 200, seed=16))),
+    Mutant("W4A8 experts: a pair's x scale from the next token (gate_up_silu)", "include/moe_int.cuh",
+           "const float x_scale = sx[MODE == DOWN ? p : p / K];",
+           "const float x_scale = sx[MODE == DOWN ? p : p / K + 1];",
+           moe_int.test_moe_gate_up_silu_wi4, dict(case=moe_int.case_of("bf16", (5, 4, 3), 2, 512, 200, seed=16))),
+    Mutant("W4A8 experts, per group: the even channel's group scale off by one group (KD = 512: two groups)",
+           "include/moe_int.cuh", "const float ge = gr[rt][0] != nullptr ? __ldg(gr[rt][0] + grp) : 0.f;",
+           "const float ge = gr[rt][0] != nullptr ? __ldg(gr[rt][0] + (grp ^ 1)) : 0.f;",
+           moe_int.test_moe_gate_up_silu_wi4,
+           dict(case=moe_int.case_of("bf16", (5, 4, 3), 2, 512, 200, fmt=moe_int.GROUPED.name, seed=17))),
 ]
 
 
