@@ -239,3 +239,11 @@ def test_a_shape_the_int_kernels_cannot_serve_is_one_line_before_the_gpu(weights
         assert "int4_channel packs two output channels a byte; 45 do not pair" in err
     else:
         assert err == "dsgraph: error: dsgraph bench needs a CUDA GPU"
+
+
+@pytest.mark.parametrize("weights", INT_WEIGHTS)
+def test_the_table_names_the_integer_layout(weights, capsys):
+    bench._print_table({"gpu": "H200", "date": "2026-12-06", "copy_bandwidth_GBps": 4240.0, "weights": weights,
+                        "decode": [], "prefill": []})
+    head = capsys.readouterr().out.strip().splitlines()[0]
+    assert head.endswith(bench.WEIGHTS_TITLE[weights]) and "msModelSlim" in head
