@@ -185,13 +185,8 @@ def layout_of(weights) -> dict:
     return LAYOUTS[weights] if isinstance(weights, str) else weights
 
 
-def weight_layout(spec) -> dict:
-    """{matrix (MATRICES): format name} as `spec` (an ir Spec) stores them: each matrix's first layer of
-    its kind matched against the spec's weight_formats as the graph builder matches them (first glob
-    wins; "act", or none: the activation dtype, left out)."""
-    import fnmatch
-
-    from ir.formats import ACT
+def _matrix_names(spec) -> dict:
+    """{matrix: the bound name of its first instance} for the MATRICES `spec` (an ir Spec) has."""
     plan, layers = spec.plan, spec.dims["layers"]
     moe = next((i for i in range(layers) if plan.kind(i)[0] == "moe"), None)
     dense = next((i for i in range(layers) if plan.kind(i)[0] == "dense"), None)
@@ -201,12 +196,28 @@ def weight_layout(spec) -> dict:
              "dense_ffn": dense is not None and f"model.layers.{dense}.mlp.gate_proj.weight",
              "shared_experts": moe is not None and f"model.layers.{moe}.mlp.shared_experts.gate_proj.weight",
              "routed_experts": moe is not None and f"model.layers.{moe}.mlp.experts.*.gate_proj.weight"}
+    return {m: n for m, n in names.items() if n}
+
+
+def weight_layout(spec) -> dict:
+    """{matrix (MATRICES): format name} as `spec` (an ir Spec) stores them: each matrix's first layer of
+    its kind matched against the spec's weight_formats as the graph builder matches them (first glob
+    wins; "act", or none: the activation dtype, left out)."""
+    import fnmatch
+
+    from ir.formats import ACT
     out = {}
-    for matrix, name in names.items():
-        fmt = next((f for g, f in spec.weight_formats if name and fnmatch.fnmatchcase(name, g)), ACT)
+    for matrix, name in _matrix_names(spec).items():
+        fmt = next((f for g, f in spec.weight_formats if fnmatch.fnmatchcase(name, g)), ACT)
         if fmt != ACT:
             out[matrix] = fmt
     return out
+
+
+def layout_in(spec, weights: str) -> dict:
+    """LAYOUTS[weights] over the matrices `spec` has (a spec without dense layers has no dense_ffn)."""
+    have = _matrix_names(spec)
+    return {m: f for m, f in LAYOUTS[weights].items() if m in have}
 
 
 def decode_bytes(dims: dict, first_dense: int, batch: int, ctx: int, elt: int = 2, weights="bf16") -> dict:
@@ -647,7 +658,7 @@ def bench_spec(spec_path: str, weights: str):
         raise InputError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     spec = load_spec(str(find_spec(spec_path)))
     if spec.weight_formats:
-        if weight_layout(spec) != LAYOUTS[weights]:
+        if weight_layout(spec) != layout_in(spec, weights):
             raise InputError(f"spec {spec.file} declares its weights' storage, not --weights {weights}'s: "
                              f"{declared_weights(spec)}")
         return spec
@@ -662,7 +673,7 @@ def declared_weights(spec) -> str:
     """What to do with a spec whose weight_formats some --weights did not ask for (the end of a one-line
     error): run it under the --weights whose layout they are, or (none is) bench it without them."""
     layout = weight_layout(spec)
-    name = next((w for w, want in LAYOUTS.items() if want == layout), None)
+    name = next((w for w in LAYOUTS if layout_in(spec, w) == layout), None)
     if name is not None:
         return f"its weight_formats are --weights {name}'s layout; run it with --weights {name}"
     return (f"its weight_formats ({', '.join(f'{m} {f}' for m, f in layout.items())}) are none of --weights "
