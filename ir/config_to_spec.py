@@ -290,6 +290,13 @@ def _msmodelslim_formats(c: _Config, has_moe: bool) -> str:
                                f"{' and '.join(accepted)} (static w8a8 is checked at load but not run)")
     if dense is None:
         raise c.error("moe_quantize", "moe_quantize without quantize: msModelSlim quantises the other linears too")
+    return msmodelslim_weight_formats(dense, moe, has_moe)
+
+
+def msmodelslim_weight_formats(dense: str, moe: str | None, has_moe: bool) -> str:
+    """A spec's ``weight_formats:`` section for msModelSlim's `quantize` = `dense` and `moe_quantize` = `moe`
+    (None: the routed experts as `dense`), both checked values of MSMODELSLIM_FORMATS; `has_moe`: whether the
+    spec has a MoE layer (a glob must match some weight)."""
     rules = [("model.layers.*.self_attn.kv_b_proj.weight", "act")]   # msModelSlim keeps kv_b_proj float
     if has_moe:
         rules.append(("model.layers.*.mlp.experts.*", MSMODELSLIM_FORMATS[moe or dense]))

@@ -16,6 +16,18 @@ lm_head as before): the random bf16-scale weights quantised to V3's block layout
 `Engine.from_pretrained(dir, weight_format="fp8")` does.  The floor then counts one byte a weight
 plus its scales; the transformers side is skipped (it would run other, dequantised weights).
 
+`--weights w8a8` / `w4a8`: the same model in Huawei msModelSlim's integer layout, as its config keys
+quantize: w8a8_dynamic / moe_quantize: w4a8_dynamic prescribe (ir/config_to_spec.py
+msmodelslim_weight_formats): every decoder linear int8 per output channel (W8A8_DYNAMIC), the routed
+experts int8 too (w8a8) or packed int4 per channel (w4a8: W4A8_DYNAMIC, two a byte along the output
+dim); kv_b, the router gate, the embedding, norms and lm_head float.  The random weights are drawn and
+quantised on the GPU (model_loader.random_weights, one expert at a time); the floor counts one byte an
+int8 weight, half a byte a packed int4 one, plus the float32 scale per output channel the kernels read
+(matrix_bytes).  A spec that declares weight_formats itself (model_specs/deepseek_v3_1_w4a8_seed.yaml,
+the seed checkpoint's shape) runs under the --weights they are.  Before the GPU is looked for, the spec
+is lowered for the cuda backend, so a shape the kernels cannot serve (packed int4 with an odd width) is
+the lowering's one line.
+
 Memory (an 80 GB H100 runs every default case): a step's activations live in its phase's arena
 (codegen/memplan.py), so the prefill cases add about a GB to the weights and the cache.  The
 transformers model is a second copy of the weights; `transformers_placement` decides from the
@@ -47,7 +59,21 @@ PREFILL_CASES = [(1, 2048), (32, 512)]
 HF_DECODE_CASES = [(1, 512), (32, 512)]
 MAX_BATCH, MAX_LENGTH = 256, 8192   # the engine the bench builds: max_num_seqs, max_seq_len
 MAX_PROMPT = 32768                  # a prefill case's prompt at most (the engine's max_seq_len grows to it)
-WEIGHTS = ("bf16", "fp8")           # --weights: the engine's weight storage
+WEIGHTS = ("bf16", "fp8", "w8a8", "w4a8")   # --weights: the engine's weight storage
+
+# The weight matrices decode_bytes / linear_bytes count, and each one's storage (an ir/formats.py name;
+# absent: the activation dtype) under each --weights: what the spec bench_spec makes declares
+# (weight_layout reads it back; a test holds the two together).
+MATRICES = ("q", "kv_a", "kv_b", "o", "dense_ffn", "shared_experts", "routed_experts")
+_INT8, _INT4 = "int8_channel", "int4_channel"
+LAYOUTS = {
+    "bf16": {},
+    "fp8": dict.fromkeys(MATRICES, "fp8_e4m3_block128"),
+    "w8a8": {m: _INT8 for m in MATRICES if m != "kv_b"},            # msModelSlim keeps kv_b_proj float
+    "w4a8": {**{m: _INT8 for m in MATRICES if m != "kv_b"}, "routed_experts": _INT4},
+}
+# msModelSlim's config.json values for each integer --weights: (quantize, moe_quantize)
+MSMODELSLIM = {"w8a8": ("w8a8_dynamic", None), "w4a8": ("w8a8_dynamic", "w4a8_dynamic")}
 
 
 def cases_arg(text: str, max_length: int = MAX_LENGTH) -> list[tuple[int, int]]:
@@ -98,8 +124,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="timed repetitions per case (the median counts: b=1 steps drift between levels ~4%% apart)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers side")
     p.add_argument("--weights", choices=WEIGHTS, default="bf16",
-                   help="the engine's weights: bf16, or fp8 (DeepSeek-V3's FP8 blocks for every decoder linear, "
-                        "kv_b and the experts; the transformers side is skipped)")
+                   help="the engine's weights: bf16; fp8 (DeepSeek-V3's FP8 blocks for every decoder linear, "
+                        "kv_b and the experts); w8a8 / w4a8 (msModelSlim: int8 per-channel decoder linears, the "
+                        "routed experts int8 or packed int4; kv_b, router, embedding, lm_head float).  Not bf16: "
+                        "the transformers side is skipped")
     p.add_argument("--quick", action="store_true", help="fewer cases (batch 1 and 32, context 512)")
     p.add_argument("--decode", type=cases_arg, default=None, metavar="BxC,...",
                    help="decode cases, batch x context (e.g. 1x512,192x512; none: no decode case)")
@@ -133,34 +161,85 @@ def copy_bandwidth() -> float:
     return 2 * n / (ms / 1e3)
 
 
-def matrix_bytes(rows: int, cols: int, elt: int = 2, weights: str = "bf16") -> int:
-    """Bytes of one [rows, cols] weight as stored: `elt` bytes an element, or (fp8) one byte an element
-    and a float32 scale per 128 x 128 block, the edge blocks partial (ir/formats.py)."""
-    if weights == "fp8":
-        from ir.formats import FP8, scale_shape
-        sr, sc = scale_shape((rows, cols), FP8)
+def matrix_bytes(rows: int, cols: int, elt: int = 2, weights: str | None = "bf16") -> int:
+    """Bytes a kernel reads of one [rows, cols] weight stored in format `weights` (an ir/formats.py name;
+    "fp8" for DeepSeek-V3's; None or an unscaled name: `elt` bytes an element).  FP8: one byte an element
+    and a float32 scale per 128 x 128 block, the edge blocks partial.  msModelSlim's integer formats: the
+    stored bytes (int8 one an element, packed int4 two elements a byte along the rows) and the float32
+    scale per output row (per group: and one per row per group); their `_offset`s are zeros no kernel reads."""
+    from ir.formats import FORMATS, FP8, cdiv, scale_shape
+    fmt = FP8 if weights == "fp8" else FORMATS.get(weights) if weights else None
+    if weights and fmt is None:
+        raise ValueError(f"unknown weight format {weights!r} (known: fp8, {', '.join(FORMATS)})")
+    if fmt is None or not fmt.quantized:
+        return rows * cols * elt
+    if fmt.block is not None:
+        sr, sc = scale_shape((rows, cols), fmt)
         return rows * cols + 4 * sr * sc
-    return rows * cols * elt
+    groups = cdiv(cols, fmt.group) if fmt.group else 0
+    return cdiv(rows, fmt.pack) * cols + 4 * rows * (1 + groups)
 
 
-def decode_bytes(dims: dict, first_dense: int, batch: int, ctx: int, elt: int = 2, weights: str = "bf16") -> dict:
+def layout_of(weights) -> dict:
+    """{matrix: format name} for `weights`: a --weights name (LAYOUTS) or such a dict (weight_layout)."""
+    return LAYOUTS[weights] if isinstance(weights, str) else weights
+
+
+def _matrix_names(spec) -> dict:
+    """{matrix: the bound name of its first instance} for the MATRICES `spec` (an ir Spec) has."""
+    plan, layers = spec.plan, spec.dims["layers"]
+    moe = next((i for i in range(layers) if plan.kind(i)[0] == "moe"), None)
+    dense = next((i for i in range(layers) if plan.kind(i)[0] == "dense"), None)
+    attn = "model.layers.0.self_attn."
+    names = {"q": attn + ("q_a_proj.weight" if spec.dims.get("q_lora_rank") else "q_proj.weight"),
+             "kv_a": attn + "kv_a_proj_with_mqa.weight", "kv_b": attn + "kv_b_proj.weight", "o": attn + "o_proj.weight",
+             "dense_ffn": dense is not None and f"model.layers.{dense}.mlp.gate_proj.weight",
+             "shared_experts": moe is not None and f"model.layers.{moe}.mlp.shared_experts.gate_proj.weight",
+             "routed_experts": moe is not None and f"model.layers.{moe}.mlp.experts.*.gate_proj.weight"}
+    return {m: n for m, n in names.items() if n}
+
+
+def weight_layout(spec) -> dict:
+    """{matrix (MATRICES): format name} as `spec` (an ir Spec) stores them: each matrix's first layer of
+    its kind matched against the spec's weight_formats as the graph builder matches them (first glob
+    wins; "act", or none: the activation dtype, left out)."""
+    import fnmatch
+
+    from ir.formats import ACT
+    out = {}
+    for matrix, name in _matrix_names(spec).items():
+        fmt = next((f for g, f in spec.weight_formats if fnmatch.fnmatchcase(name, g)), ACT)
+        if fmt != ACT:
+            out[matrix] = fmt
+    return out
+
+
+def layout_in(spec, weights: str) -> dict:
+    """LAYOUTS[weights] over the matrices `spec` has (a spec without dense layers has no dense_ffn)."""
+    have = _matrix_names(spec)
+    return {m: f for m, f in LAYOUTS[weights].items() if m in have}
+
+
+def decode_bytes(dims: dict, first_dense: int, batch: int, ctx: int, elt: int = 2, weights="bf16") -> dict:
     """Bytes one decode step must read: touched weights (expected distinct experts) and the cache.
-    `weights` "fp8": the decoder linears, kv_b and the experts as FP8 blocks (matrix_bytes); the
-    router (float32), lm_head and cache stay as they are."""
+    `weights`: a --weights name or a weight_layout: each matrix as its format stores it (matrix_bytes;
+    "fp8": the decoder linears, kv_b and the experts as FP8 blocks; "w4a8": the routed experts packed
+    int4, the other linears int8, kv_b in `elt`); the router (float32), lm_head and cache stay as they are."""
     D, H, C, R, N, V = (dims[k] for k in ("hidden", "heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                                           "v_head_dim"))
     E, K, M, I, L = dims["experts"], dims["top_k"], dims["moe_intermediate"], dims["intermediate"], dims["layers"]
     Q, S = dims["q_lora_rank"], dims["shared_experts"]
+    layout = layout_of(weights)
 
-    def mat(rows, cols):
-        return matrix_bytes(rows, cols, elt, weights)
-    q = mat(H * (N + R), D) if not Q else mat(Q, D) + mat(H * (N + R), Q)
-    attn = (q + mat(C + R, D) + mat(H * (N + V), C) + mat(D, H * V)) * L
-    dense = (2 * mat(I, D) + mat(D, I)) * first_dense
+    def mat(matrix, rows, cols):
+        return matrix_bytes(rows, cols, elt, layout.get(matrix))
+    q = mat("q", H * (N + R), D) if not Q else mat("q", Q, D) + mat("q", H * (N + R), Q)
+    attn = (q + mat("kv_a", C + R, D) + mat("kv_b", H * (N + V), C) + mat("o", D, H * V)) * L
+    dense = (2 * mat("dense_ffn", I, D) + mat("dense_ffn", D, I)) * first_dense
     touched = E * (1 - (1 - K / E) ** batch)
     moe_layers = L - first_dense
-    experts = touched * (2 * mat(M, D) + mat(D, M)) * moe_layers
-    shared = (2 * mat(M * S, D) + mat(D, M * S)) * moe_layers if S else 0
+    experts = touched * (2 * mat("routed_experts", M, D) + mat("routed_experts", D, M)) * moe_layers
+    shared = (2 * mat("shared_experts", M * S, D) + mat("shared_experts", D, M * S)) * moe_layers if S else 0
     router = E * D * 4 * moe_layers
     head = dims["vocab"] * D * elt
     cache = batch * ctx * (C + R) * elt * L
@@ -170,24 +249,25 @@ def decode_bytes(dims: dict, first_dense: int, batch: int, ctx: int, elt: int = 
     return parts
 
 
-def linear_bytes(dims: dict, first_dense: int, elt: int = 2, shared: bool = True, weights: str = "bf16") -> int:
+def linear_bytes(dims: dict, first_dense: int, elt: int = 2, shared: bool = True, weights="bf16") -> int:
     """Weight bytes the step's `linear` / `multi_linear` / `gate_up_silu` ops read (the skinny kernel
     or cuBLAS), whatever the batch: per layer the q (or q_a + q_b), kv_a and o projections, the
     dense FFN or (`shared`: unless they run in the expert kernels) the shared experts, and the head.
-    kv_b is not among them in decode (the absorbed query and v_up kernels read it).  `weights` "fp8":
-    as matrix_bytes stores them (the head stays in `elt`)."""
+    kv_b is not among them in decode (the absorbed query and v_up kernels read it).  `weights` (a --weights
+    name or a weight_layout): as matrix_bytes stores them (the head stays in `elt`)."""
     D, H, C, R, N, V = (dims[k] for k in ("hidden", "heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                                           "v_head_dim"))
     L, Q, M, I, S = dims["layers"], dims["q_lora_rank"], dims["moe_intermediate"], dims["intermediate"], \
         dims["shared_experts"]
+    layout = layout_of(weights)
 
-    def mat(rows, cols):
-        return matrix_bytes(rows, cols, elt, weights)
-    q = mat(H * (N + R), D) if not Q else mat(Q, D) + mat(H * (N + R), Q)
-    attn = (q + mat(C + R, D) + mat(D, H * V)) * L
-    ffn = (2 * mat(I, D) + mat(D, I)) * first_dense
+    def mat(matrix, rows, cols):
+        return matrix_bytes(rows, cols, elt, layout.get(matrix))
+    q = mat("q", H * (N + R), D) if not Q else mat("q", Q, D) + mat("q", H * (N + R), Q)
+    attn = (q + mat("kv_a", C + R, D) + mat("o", D, H * V)) * L
+    ffn = (2 * mat("dense_ffn", I, D) + mat("dense_ffn", D, I)) * first_dense
     if shared and S:
-        ffn += (2 * mat(M * S, D) + mat(D, M * S)) * (L - first_dense)
+        ffn += (2 * mat("shared_experts", M * S, D) + mat("shared_experts", D, M * S)) * (L - first_dense)
     return attn + ffn + dims["vocab"] * D * elt
 
 
@@ -532,13 +612,14 @@ def run_bench(args) -> int:
     decode_cases, prefill_cases = bench_cases(args)
     tuning_of(args)
     check_json_path(args.json)
+    spec = checked_bench_spec(args)
     require_runtime("bench")
     import torch
 
     if not torch.cuda.is_available():
         raise InputError("dsgraph bench needs a CUDA GPU")
     try:
-        return _run_bench(args, decode_cases, prefill_cases)
+        return _run_bench(args, spec, decode_cases, prefill_cases)
     except torch.OutOfMemoryError:
         # The default cases fit an 80 GB H100 (V2-Lite's 31 GB of weights, its cache, the planned
         # activations); a smaller GPU or larger cases may not.  Say so, not torch's allocator report.
@@ -547,20 +628,85 @@ def run_bench(args) -> int:
                          f"larger one; --quick, --prefill none or fewer --decode cases need less") from None
 
 
-TRANSFORMERS_FP8 = ("transformers skipped: --weights fp8 (transformers would run the weights dequantised to bf16, "
-                    "another model's bytes; `dsgraph bench` without --weights fp8 compares the two in bf16)")
+def transformers_skipped(weights: str) -> str:
+    """The one line that says why the transformers side does not run under --weights `weights` (not bf16)."""
+    return (f"transformers skipped: --weights {weights} (transformers would run the weights dequantised to bf16, "
+            f"another model's bytes; `dsgraph bench` without --weights {weights} compares the two in bf16)")
+
+
+TRANSFORMERS_FP8 = transformers_skipped("fp8")
+WEIGHTS_TITLE = {"fp8": "FP8 weights (V3's blocks)",
+                 "w8a8": "W8A8 weights (msModelSlim: int8 per-channel linears and experts)",
+                 "w4a8": "W4A8 weights (msModelSlim: packed int4 routed experts, int8 per-channel linears)"}
 
 
 def bench_spec(spec_path: str, weights: str):
-    """The spec the bench compiles: `spec_path` as it is (bf16), or with DeepSeek-V3's FP8 weight_formats
-    (runtime/convert.py spec_in_format: what Engine.from_pretrained(weight_format="fp8") applies), whose
-    random weights Engine.from_spec draws and quantises to the block layout."""
+    """The spec the bench compiles: `spec_path` as it is (bf16); with DeepSeek-V3's FP8 weight_formats
+    (runtime/convert.py spec_in_format: what Engine.from_pretrained(weight_format="fp8") applies); or with
+    msModelSlim's (w8a8 / w4a8: the weight_formats `spec --from-config` writes for its quantize /
+    moe_quantize).  Engine.from_spec draws the random weights and quantises them to that layout.  A spec
+    that declares weight_formats itself is taken as it is where they are the layout `weights` names, else
+    one InputError."""
     if weights == "bf16":
         return spec_path
     from codegen.paths import spec_path as find_spec
+    from ir.spec import load_spec
 
     from .convert import spec_in_format
-    return spec_in_format(str(find_spec(spec_path)), None, weights)
+    from .errors import InputError
+    if weights not in WEIGHTS:
+        raise InputError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    spec = load_spec(str(find_spec(spec_path)))
+    if spec.weight_formats:
+        if weight_layout(spec) != layout_in(spec, weights):
+            raise InputError(f"spec {spec.file} declares its weights' storage, not --weights {weights}'s: "
+                             f"{declared_weights(spec)}")
+        return spec
+    if weights == "fp8":
+        return spec_in_format(spec, None, weights)
+    from ir.config_to_spec import msmodelslim_weight_formats
+    has_moe = any(spec.plan.kind(i)[0] == "moe" for i in range(spec.dims["layers"]))
+    return load_spec(spec.text + msmodelslim_weight_formats(*MSMODELSLIM[weights], has_moe), file=spec.file)
+
+
+def declared_weights(spec) -> str:
+    """What to do with a spec whose weight_formats some --weights did not ask for (the end of a one-line
+    error): run it under the --weights whose layout they are, or (none is) bench it without them."""
+    layout = weight_layout(spec)
+    name = next((w for w in LAYOUTS if layout_in(spec, w) == layout), None)
+    if name is not None:
+        return f"its weight_formats are --weights {name}'s layout; run it with --weights {name}"
+    return (f"its weight_formats ({', '.join(f'{m} {f}' for m, f in layout.items())}) are none of --weights "
+            f"{', '.join(WEIGHTS)}; bench the spec without them, under --weights")
+
+
+def checked_bench_spec(args):
+    """The spec `dsgraph bench` runs (bench_spec of --spec and --weights), checked on any machine before a
+    GPU is looked for: a spec whose weight_formats are not --weights' is one line, and (not bf16) the spec
+    is lowered for the cuda backend, so a shape the quantised kernels cannot serve is the lowering's one
+    line rather than a failure after the weights are on the GPU."""
+    from codegen.kernel import Options
+    from codegen.lower import lower_graph
+    from codegen.paths import DEFAULT_SPEC
+    from codegen.paths import spec_path as find_spec
+    from ir.graph import build_graph
+    from ir.passes import run_pipeline
+    from ir.spec import load_spec
+
+    from .errors import InputError
+    spec_arg = args.spec or str(DEFAULT_SPEC)
+    spec = bench_spec(spec_arg, args.weights)
+    if args.weights == "bf16":
+        declared = load_spec(str(find_spec(spec_arg)))
+        if declared.weight_formats:
+            raise InputError(f"spec {declared.file} stores weights quantised, not in bf16: "
+                             f"{declared_weights(declared)}")
+        return spec_arg
+    opts = Options(arch="sm_90a", dtype="bf16", block_size=args.block_size, pdl=not args.no_pdl,
+                   tuning=tuning_of(args))
+    for phase in ("prefill", "decode"):
+        lower_graph(run_pipeline(build_graph(spec, phase)), opts)
+    return spec
 
 
 def bench_num_blocks(decode_cases, prefill_cases, block_size: int) -> int:
@@ -569,7 +715,8 @@ def bench_num_blocks(decode_cases, prefill_cases, block_size: int) -> int:
     return math.ceil(max_tokens / block_size) + 8 * max((b for b, _ in decode_cases), default=0)
 
 
-def _run_bench(args, decode_cases, prefill_cases) -> int:
+def _run_bench(args, spec, decode_cases, prefill_cases) -> int:
+    """`spec`: checked_bench_spec's (a path or a Spec)."""
     import torch
 
     from .engine import Engine
@@ -591,7 +738,7 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
     weights = args.weights
     result["weights"] = weights
     t0 = time.perf_counter()
-    engine = Engine.from_spec(bench_spec(spec_path, weights), backend="cuda", device="cuda", dtype="bf16",
+    engine = Engine.from_spec(spec, backend="cuda", device="cuda", dtype="bf16",
                               block_size=args.block_size,
                               num_blocks=num_blocks, max_seq_len=max_seq_len_for(prefill_cases),
                               max_num_seqs=MAX_BATCH, pdl=not args.no_pdl, tuning=tuning_of(args))
@@ -602,6 +749,8 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
     dims = engine.spec.dims
     result["layers"] = dims["layers"]
     first_dense = engine.spec.plan.first_k_dense_replace
+    layout = weight_layout(engine.spec)    # each matrix's storage, as the compiled spec declares it
+    result["weight_layout"] = layout
 
     with torch.inference_mode():
         # Every step is timed before the first profile: once torch's profiler has run, CUPTI stays
@@ -637,13 +786,13 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
             timed["decode", batch, ctx] = ms = _timeit(lambda: backend.forward("decode", ids, step), args.iters,
                                                         warm_s=WARM_SECONDS)
             _release(engine, seq_ids)
-            need = decode_bytes(dims, first_dense, batch, ctx, weights=weights)
+            need = decode_bytes(dims, first_dense, batch, ctx, weights=layout)
             print(f"decode b={batch} ctx={ctx}: {ms:.2f} ms/step (floor {need['total'] / bw * 1e3:.2f}), "
                   f"{need['total'] / (ms / 1e3) / bw * 100:.0f}% of copy bandwidth", flush=True)
 
         if not args.no_transformers and weights != "bf16":
-            result["transformers_skipped"] = TRANSFORMERS_FP8
-            print(TRANSFORMERS_FP8, flush=True)
+            result["transformers_skipped"] = transformers_skipped(weights)
+            print(result["transformers_skipped"], flush=True)
         elif not args.no_transformers:   # transformers' eager steps launch thousands of kernels: before the profiles
             result["transformers"] = _transformers_side(engine, args, prefill_cases,
                                                         [c for c in HF_DECODE_CASES if c in decode_cases])
@@ -665,7 +814,7 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
         for batch, ctx in decode_cases:
             seq_ids, step, ids = _decode_ctx(engine, batch, ctx)
             ms = timed["decode", batch, ctx]
-            need = decode_bytes(dims, first_dense, batch, ctx, weights=weights)
+            need = decode_bytes(dims, first_dense, batch, ctx, weights=layout)
             row = {"batch": batch, "context": ctx, "ms": ms, "tokens_per_s": batch / (ms / 1e3),
                    "bytes": need, "floor_ms": need["total"] / bw * 1e3,
                    "fraction_of_bandwidth": need["total"] / (ms / 1e3) / bw,
@@ -674,7 +823,8 @@ def _run_bench(args, decode_cases, prefill_cases) -> int:
                                                          not args.no_pdl)}
             row["shared_in_experts"] = backend.pairs_per_token > dims["top_k"]
             row["routed_experts"] = routed_expert_rate(row)
-            row["linear_bytes"] = linear_bytes(dims, first_dense, shared=not row["shared_in_experts"], weights=weights)
+            row["linear_bytes"] = linear_bytes(dims, first_dense, shared=not row["shared_in_experts"],
+                                              weights=layout)
             row["linears"] = linear_rate(row)
             row["mla_decode"] = mla_decode_times(row)
             sizes = {**backend._sizes(step), "SMS": torch.cuda.get_device_properties(0).multi_processor_count}
@@ -796,7 +946,7 @@ def _print_table(r: dict) -> None:
     hf_pre = {(d["batch"], d["length"]): d["tokens_per_s"] for d in hf.get("prefill", [])}
     print()
     pdl = {True: ", PDL on", False: ", PDL off (--no-pdl)"}.get(r.get("pdl"), "")
-    weights = ", FP8 weights (V3's blocks)" if r.get("weights") == "fp8" else ""
+    weights = f", {WEIGHTS_TITLE[r['weights']]}" if r.get("weights") in WEIGHTS_TITLE else ""
     print(f"dsgraph bench — {r['gpu']}, {r['date']}, copy {r['copy_bandwidth_GBps'] / 1e3:.2f} TB/s{pdl}{weights}")
     print(f"{'case':<26}{'dsgraph':>14}{'floor':>10}{'% bw':>7}{'transformers':>15}{'speed-up':>10}")
     for d in r["decode"]:

@@ -189,23 +189,36 @@ def random_weights(specs: dict[str, WeightSpec], *, dtype, device, seed: int = 0
         # a quantised weight is drawn in float32 and quantised at once, as a checkpoint would store it (at
         # once: a full-size model's weights all in float32 before quantising would not fit the GPU)
         wdtype = torch.float32 if spec.keep_fp32 or spec.format else dtype
+        fmt = FORMATS[spec.format] if spec.format is not None else None
         if spec.parts is not None:      # per-expert tensors, stacked: each drawn by its own name
             whole: dict = {}            # the tensors this stack's slices are cut from, dropped after it
-            t = torch.stack([_draw_part(p, spec.shape[1:], wdtype, device, seed, std, whole) for p in spec.parts])
+            # a quantised stack is quantised part by part (a format's scales never span experts, so the
+            # result is the whole stack's): one expert in float32 at a time, not the stack (V3's are 15 GB)
+            t, scales = _stack_parts([_quantized(_draw_part(p, spec.shape[1:], wdtype, device, seed, std, whole), fmt)
+                                      for p in spec.parts])
         else:
             t = _draw(name, spec.stored or spec.shape, wdtype, device, seed, std)
             if spec.part is not None:
                 dim, start, stop = spec.part
                 t = t.narrow(dim, start, stop - start).contiguous()
-        if spec.format is not None:
-            # each block's scale from its own values: a stack (and a rank's block-aligned slice) quantises
-            # as its whole checkpoint tensor would
-            fmt = FORMATS[spec.format]
-            t, scales = quantize(t, fmt)
+            # each block's scale from its own values: a rank's block-aligned slice quantises as its whole
+            # checkpoint tensor would
+            t, scales = _quantized(t, fmt)
+        if fmt is not None:
             for cname, scale in zip(companion_names(name, fmt), scales):
                 out[cname] = scale.to(device)
         out[name] = t
     return out
+
+
+def _quantized(t: torch.Tensor, fmt) -> tuple[torch.Tensor, tuple]:
+    """(stored, companions) of float `t` in `fmt` (ir.formats.quantize), or (t, ()) where fmt is None."""
+    return (t, ()) if fmt is None else quantize(t, fmt)
+
+
+def _stack_parts(parts: list) -> tuple[torch.Tensor, tuple]:
+    """[(stored, companions)] of the parts -> (the stored stack, each companion stacked)."""
+    return torch.stack([p[0] for p in parts]), tuple(torch.stack(c) for c in zip(*(p[1] for p in parts)))
 
 
 def _draw_part(part, shape, dtype, device, seed: int, std: float, whole: dict) -> torch.Tensor:

@@ -100,5 +100,5 @@ def test_the_weights_option(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "--weights {bf16,fp8}" in out and "(default: bf16)" in out
+    assert "--weights {bf16,fp8,w8a8,w4a8}" in out and "(default: bf16)" in out
     assert "--weights fp8" in bench.TRANSFORMERS_FP8 and "\n" not in bench.TRANSFORMERS_FP8
