@@ -158,6 +158,23 @@ def expert_fp8x_launches(engine) -> list:
 
 
 @contextlib.contextmanager
+def runs_replaced(classes, make):
+    """Each op class's reference semantics replaced by make(its run) for the block, then restored
+    (a run of its own put back, an inherited one uncovered again)."""
+    own = {cls: cls.__dict__.get("run") for cls in classes}    # None: run is inherited
+    try:
+        for cls in classes:
+            cls.run = staticmethod(make(cls.run))
+        yield
+    finally:
+        for cls, run in own.items():
+            if run is None:
+                del cls.run
+            else:
+                cls.run = run
+
+
+@contextlib.contextmanager
 def activations_quantised_where(engine):
     """The reference's linears quantise x with ir/act_quant.py (e4m3 per token per 128, then exactly
     dequantised) where the engine's step runs the FP8 GEMM: their weights are among gemm_fp8's and the
@@ -173,9 +190,6 @@ def activations_quantised_where(engine):
     assert names
     experts = expert_fp8x_launches(engine)
     assert experts
-    classes = [OPS[op] for op in ("linear", "multi_linear", "gate_up_silu")]
-    moe = [OPS["moe_gate_up"], OPS["moe_down"]]
-    own = {cls: cls.__dict__.get("run") for cls in classes + moe}    # None: run is inherited
 
     def quantising(run):
         def run_on_quantised_x(node, ins, w, ctx):
@@ -183,29 +197,23 @@ def activations_quantised_where(engine):
             if set(node.weights.values()) & names and x.shape[0] > SKINNY_MAX_TOKENS:
                 x = act_fp8_roundtrip(x)
             return run(node, [x, *ins[1:]], w, ctx)
-        return staticmethod(run_on_quantised_x)
+        return run_on_quantised_x
 
-    def quantising_experts(run, per_pair):
-        def run_on_quantised_rows(node, ins, w, ctx):
-            x, r = ins[0], ins[1]
-            T = x.shape[0] // r["top_k"] if per_pair else x.shape[0]
-            env = {"T": T, "NP": T * r["top_k"], "SMS": 132}
-            if any(ws & set(node.weights.values()) and evaluate(la.grid[0], env) > 0 for ws, la in experts):
-                x = act_fp8_roundtrip(x)
-            return run(node, [x, *ins[1:]], w, ctx)
-        return staticmethod(run_on_quantised_rows)
-    try:
-        for cls in classes:
-            cls.run = quantising(cls.run)
-        for cls, per_pair in zip(moe, (False, True)):
-            cls.run = quantising_experts(cls.run, per_pair)
+    def quantising_experts(per_pair):
+        def make(run):
+            def run_on_quantised_rows(node, ins, w, ctx):
+                x, r = ins[0], ins[1]
+                T = x.shape[0] // r["top_k"] if per_pair else x.shape[0]
+                env = {"T": T, "NP": T * r["top_k"], "SMS": 132}
+                if any(ws & set(node.weights.values()) and evaluate(la.grid[0], env) > 0 for ws, la in experts):
+                    x = act_fp8_roundtrip(x)
+                return run(node, [x, *ins[1:]], w, ctx)
+            return run_on_quantised_rows
+        return make
+    with runs_replaced([OPS[op] for op in ("linear", "multi_linear", "gate_up_silu")], quantising), \
+            runs_replaced([OPS["moe_gate_up"]], quantising_experts(False)), \
+            runs_replaced([OPS["moe_down"]], quantising_experts(True)):
         yield
-    finally:
-        for cls, run in own.items():
-            if run is None:
-                del cls.run
-            else:
-                cls.run = run
 
 
 def routing_margin(logits: torch.Tensor, bias, a: dict) -> torch.Tensor:
@@ -260,12 +268,12 @@ def following_routing(seen: dict, near_tie: float):
     from ir.ops import OPS
     from ir.ops.moe import align_ref, with_shared_pairs
     queue = {layer: list(ids) for layer, ids in seen.items()}
-    cls = OPS["moe_route"]
-    own = cls.__dict__.get("run")
-    run = cls.run
     followed = []
 
-    def run_following(node, ins, w, ctx):
+    def following(run):
+        return lambda node, ins, w, ctx: run_following(run, node, ins, w, ctx)
+
+    def run_following(run, node, ins, w, ctx):
         ids, weights, routing = run(node, ins, w, ctx)
         theirs = queue[node.layer].pop(0).to(ids.device)
         a, S = node.attrs, node.attrs.get("shared_experts", 0)
@@ -286,16 +294,10 @@ def following_routing(seen: dict, near_tie: float):
             chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
         ids, weights = with_shared_pairs(experts, chosen * a["routed_scaling_factor"], E, S)
         return [ids, weights, align_ref(ids, E + S)]
-    cls.run = staticmethod(run_following)
-    try:
+    with runs_replaced([OPS["moe_route"]], following):
         yield followed
-        left = {layer: len(q) for layer, q in queue.items() if q}
-        assert not left, f"the engine routed more steps than the reference ran: {left}"
-    finally:
-        if own is None:
-            del cls.run
-        else:
-            cls.run = own
+    left = {layer: len(q) for layer, q in queue.items() if q}
+    assert not left, f"the engine routed more steps than the reference ran: {left}"
 
 
 # Where a reference's routing decision is a near tie it routes as our step did (following_routing):
