@@ -151,7 +151,8 @@ def run_case(op: str, case: dict) -> None:
     env = {"T": T, "NP": T * K, "SMS": torch.cuda.get_device_properties(0).multi_processor_count}
     launches = fp8x_launches(G, nid, dtype, env)
     rows = T * K if down else T
-    x = shifted(gemm_tests.x_tokens(rows, KD, dtype, 0, 0, case["zero_rows"], g).contiguous(),
+    x_scale = gemm_tests.SILU_X if op == "moe_gate_up_silu" else 1.0
+    x = shifted(gemm_tests.x_tokens(rows, KD, dtype, 0, 0, case["zero_rows"], g, x_scale).contiguous(),
                 case["misalign"] == "inputs")
     outs = G.nodes[nid]["outputs"]
     ys = {o: shifted(empty_out((T * K, N), dtype), case["misalign"] == "outputs") for o in outs}
