@@ -358,7 +358,7 @@ def test_fp8_greedy_tokens_follow_the_reference_along_our_trajectory(fp8_engines
             if tok == best:
                 continue
             gap = float(want[row, best] - want[row, tok])
-            err = float((o.logits[i].float().cpu() - want[row]).abs().max())
+            err = float((o.logits[i].float().cpu() - want[row].cpu()).abs().max())
             assert gap <= 2 * err, f"{name} prompt {p}: token {i} is {tok}, the reference's argmax {best} " \
                                    f"leads by {gap:.4g} (our logit error there {err:.4g})"
             flips += 1

@@ -164,21 +164,27 @@ def abs_products(q, s, w, sw):
     return dequantize_act_fp8(q, s).abs() @ dequantize_weight_fp8(w, sw).abs().T
 
 
-def silu_slack(q, s, wg, sg, wu, su):
-    """ACC_SLACK carried through silu(g) * u: |d silu / dg| <= 1.1, so the bound on the product is
-    1.1 |u| slack(g) + |silu(g)| slack(u) (the products' own rounding is the 16-bit tolerance's)."""
-    g, u = linear_fp8(q, s, wg, sg), linear_fp8(q, s, wu, su)
-    silu = (g * torch.sigmoid(g)).abs()
-    return ACC_SLACK * (1.1 * u.abs() * abs_products(q, s, wg, sg) + silu * abs_products(q, s, wu, su))
+def silu_slack(g, u, g_slack, u_slack):
+    """The accumulation slacks of g and u carried through silu(g) * u: |d silu / dg| <= 1.1, so the
+    bound on the product is 1.1 |u| slack(g) + |silu(g)| slack(u) (the products' own rounding is the
+    16-bit tolerance's)."""
+    return 1.1 * u.abs() * g_slack + (g * torch.sigmoid(g)).abs() * u_slack
 
 
-def silu_fp8_reference(q, s, wg, sg, wu, su, dtype):
-    """gate_up_silu as the kernel rounds it (and the unfused ops): gate and up from the FP8 product,
-    each rounded to the activation type, silu(gate) rounded, their product in float64."""
-    td = TORCH_DTYPES[dtype]
-    g = linear_fp8(q, s, wg, sg).to(td).double()
-    u = linear_fp8(q, s, wu, su).to(td).double()
-    return (g * torch.sigmoid(g)).to(td).double() * u
+def silu_as_rounded(actual, g, u, g_slack, u_slack, td):
+    """gate_up_silu as the kernel (and the unfused ops) round it: g and u (the float64 products) each
+    rounded to the activation type, silu(g) rounded, their product in float64.  Where g or u lies
+    within its accumulation slack of a rounding midpoint, the tensor cores' sum may land on either
+    side; of those roundings the one nearer `actual` (the kernel's) is taken.  One such flip moves an
+    output by an ulp of the chain, which on a few hundred elements alone exceeds the norm-wise bound
+    (T = 17, n = 8 reached 0.0059 in bf16 against a 0.0021 rounding floor)."""
+    a = actual.detach().double().cpu()
+    best = None
+    for gr in ((g - g_slack).to(td).double(), (g + g_slack).to(td).double()):
+        for ur in ((u - u_slack).to(td).double(), (u + u_slack).to(td).double()):
+            y = (gr * torch.sigmoid(gr)).to(td).double() * ur
+            best = y if best is None else torch.where((y - a).abs() < (best - a).abs(), y, best)
+    return best
 
 
 @SETTINGS
@@ -205,7 +211,9 @@ def test_gate_up_silu_fp8_gemm(dtype, T, K, n, extra, offset, shift, seed):
     torch.cuda.synchronize()
     msg = f"T={T} K={K} n={n} shift={shift}"
     q, s = check_quantiser(x, work, msg)
-    expected = silu_fp8_reference(q, s, ws["wg"], ws["wg_scale_inv"], ws["wu"], ws["wu_scale_inv"], dtype)
-    REC_SILU.check(out, expected, dtype, msg,
-                   slack=silu_slack(q, s, ws["wg"], ws["wg_scale_inv"], ws["wu"], ws["wu_scale_inv"]))
+    g, u = linear_fp8(q, s, ws["wg"], ws["wg_scale_inv"]), linear_fp8(q, s, ws["wu"], ws["wu_scale_inv"])
+    g_slack = ACC_SLACK * abs_products(q, s, ws["wg"], ws["wg_scale_inv"])
+    u_slack = ACC_SLACK * abs_products(q, s, ws["wu"], ws["wu_scale_inv"])
+    REC_SILU.check(out, silu_as_rounded(out, g, u, g_slack, u_slack, TORCH_DTYPES[dtype]), dtype, msg,
+                   slack=silu_slack(g, u, g_slack, u_slack))
     REC_SILU.example()

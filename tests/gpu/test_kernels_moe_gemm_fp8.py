@@ -183,12 +183,9 @@ def run_case(op: str, case: dict) -> None:
             rec.check(ys[outs[0]], gt, dtype, f"gate {msg}", slack=gs)
             rec.check(ys[outs[1]], ut, dtype, f"up {msg}", slack=us)
         else:
-            # rounded where the kernel (and the unfused ops) round; the slack carried through silu(g) * u
-            # as test_kernels_gemm_fp8.silu_slack does (|d silu / dg| <= 1.1)
-            gr, ur = gt.to(td).double(), ut.to(td).double()
-            expected = (gr * torch.sigmoid(gr)).to(td).double() * ur
-            silu = (gt * torch.sigmoid(gt)).abs()
-            rec.check(ys[outs[0]], expected, dtype, msg, slack=1.1 * ut.abs() * gs + silu * us)
+            out = ys[outs[0]]
+            rec.check(out, gemm_tests.silu_as_rounded(out, gt, ut, gs, us, td), dtype, msg,
+                      slack=gemm_tests.silu_slack(gt, ut, gs, us))
     rec.example()
 
 

@@ -323,6 +323,7 @@ def test_moe_expert_ffn_wi4(case):
     """The fused node's two launch pairs (gate_up_silu's into its "expert_act" workspace, then down's)
     against the reference chain on the kernel's own SwiGLU rounding points."""
     dtype, counts, K, D, M = (case[k] for k in ("dtype", "counts", "K", "KD", "N"))
+    assume(D % INT4.pack == 0 and M % INT4.pack == 0)   # both weights' output channels pair in int4's bytes
     tdt = TORCH_DTYPES[dtype]
     E, T = len(counts), sum(counts) // K
     gen = torch.Generator().manual_seed(case["seed"])
