@@ -171,19 +171,43 @@ def silu_slack(g, u, g_slack, u_slack):
     return 1.1 * u.abs() * g_slack + (g * torch.sigmoid(g)).abs() * u_slack
 
 
+# the fast SiLU's relative error (__expf and __fdividef: a few fp32 ulps), far under a 16-bit ulp
+FAST_SILU = 2.0 ** -16
+
+
 def silu_as_rounded(actual, g, u, g_slack, u_slack, td):
     """gate_up_silu as the kernel (and the unfused ops) round it: g and u (the float64 products) each
-    rounded to the activation type, silu(g) rounded, their product in float64.  Where g or u lies
-    within its accumulation slack of a rounding midpoint, the tensor cores' sum may land on either
-    side; of those roundings the one nearer `actual` (the kernel's) is taken.  One such flip moves an
-    output by an ulp of the chain, which on a few hundred elements alone exceeds the norm-wise bound
-    (T = 17, n = 8 reached 0.0059 in bf16 against a 0.0021 rounding floor)."""
-    a = actual.detach().double().cpu()
+    rounded to the activation type, silu(g) rounded, their product in float64.  The tensor cores' sums
+    may land anywhere within their accumulation slack and the fast SiLU within FAST_SILU, so a rounding
+    of g, u or silu(g) near enough a midpoint may fall either way; of the roundings within those bounds,
+    the one nearer `actual` (the kernel's) is taken.  One such flip moves an output by an ulp of the
+    chain, which on a few hundred elements alone exceeds the norm-wise bound (T = 17, n = 8 reached
+    0.0059 in bf16 against a 0.0021 rounding floor)."""
+    a, g, u, g_slack, u_slack = (t.detach().double().cpu() for t in (actual, g, u, g_slack, u_slack))
+
+    def step(t, d):
+        """t (16-bit, nonzero) one ulp toward +inf (d = 1) or -inf (d = -1), through its bits."""
+        bits = t.view(torch.int16).int()
+        return torch.where(t > 0, bits + d, bits - d).to(torch.int16).view(td)
+
+    def roundings(v, band, most=3):
+        """Every value of the activation type that a v' within band of v rounds to (up to `most` ulps
+        either side of round(v); the bands here reach 2.5 bf16 ulps at the widest)."""
+        lo, mid, hi = ((v + d * band).to(td) for d in (-1, 0, 1))
+        out, up, down = [mid.double()], mid, mid
+        for _ in range(most):
+            up = torch.where(up != 0, step(up, 1), up)
+            down = torch.where(down != 0, step(down, -1), down)
+            out += [torch.where(up <= hi, up, mid).double(), torch.where(down >= lo, down, mid).double()]
+        return out
+
     best = None
-    for gr in ((g - g_slack).to(td).double(), (g + g_slack).to(td).double()):
-        for ur in ((u - u_slack).to(td).double(), (u + u_slack).to(td).double()):
-            y = (gr * torch.sigmoid(gr)).to(td).double() * ur
-            best = y if best is None else torch.where((y - a).abs() < (best - a).abs(), y, best)
+    for gr in roundings(g, g_slack):
+        silu = gr * torch.sigmoid(gr)
+        for sr in roundings(silu, silu.abs() * FAST_SILU):
+            for ur in roundings(u, u_slack):
+                y = sr * ur
+                best = y if best is None else torch.where((y - a).abs() < (best - a).abs(), y, best)
     return best
 
 
