@@ -185,21 +185,10 @@ def silu_as_rounded(actual, g, u, g_slack, u_slack, td):
     0.0059 in bf16 against a 0.0021 rounding floor)."""
     a, g, u, g_slack, u_slack = (t.detach().double().cpu() for t in (actual, g, u, g_slack, u_slack))
 
-    def step(t, d):
-        """t (16-bit, nonzero) one ulp toward +inf (d = 1) or -inf (d = -1), through its bits."""
-        bits = t.view(torch.int16).int()
-        return torch.where(t > 0, bits + d, bits - d).to(torch.int16).view(td)
-
-    def roundings(v, band, most=3):
-        """Every value of the activation type that a v' within band of v rounds to (up to `most` ulps
-        either side of round(v); the bands here reach 2.5 bf16 ulps at the widest)."""
-        lo, mid, hi = ((v + d * band).to(td) for d in (-1, 0, 1))
-        out, up, down = [mid.double()], mid, mid
-        for _ in range(most):
-            up = torch.where(up != 0, step(up, 1), up)
-            down = torch.where(down != 0, step(down, -1), down)
-            out += [torch.where(up <= hi, up, mid).double(), torch.where(down >= lo, down, mid).double()]
-        return out
+    def roundings(v, band):
+        """round(v) and the roundings of v's band's ends: every rounding a value within a band under an
+        ulp either side can take (a wider band's further ulps are Recorder.check's slack)."""
+        return [(v + d * band).to(td).double() for d in (0, -1, 1)]
 
     best = None
     for gr in roundings(g, g_slack):
