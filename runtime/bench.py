@@ -613,6 +613,7 @@ def run_bench(args) -> int:
     tuning_of(args)
     check_json_path(args.json)
     spec = checked_bench_spec(args)
+    check_cases_fit(spec, decode_cases, prefill_cases)
     require_runtime("bench")
     import torch
 
@@ -709,6 +710,23 @@ def checked_bench_spec(args):
     return spec
 
 
+def max_positions_of(spec) -> int:
+    """The spec's max_positions (`spec`: checked_bench_spec's, a path or shipped name, or a Spec)."""
+    from codegen.paths import spec_path as find_spec
+    from ir.spec import load_spec
+    return (load_spec(str(find_spec(spec))) if isinstance(spec, str) else spec).dims["max_positions"]
+
+
+def check_cases_fit(spec, decode_cases, prefill_cases) -> None:
+    """Every case's sequence within the spec's max_positions, or one InputError naming those past it."""
+    from .errors import InputError
+    limit = max_positions_of(spec)
+    longer = [f"{b}x{n}" for b, n in decode_cases + prefill_cases if n > limit]
+    if longer:
+        raise InputError(f"bench cases {', '.join(longer)} are longer than the spec's max_positions={limit}: "
+                         f"give --decode / --prefill cases within it")
+
+
 def bench_num_blocks(decode_cases, prefill_cases, block_size: int) -> int:
     """The bench engine's cache: the largest case's tokens, plus 8 blocks a decode sequence."""
     max_tokens = max(b * c for b, c in decode_cases + prefill_cases)
@@ -740,7 +758,8 @@ def _run_bench(args, spec, decode_cases, prefill_cases) -> int:
     t0 = time.perf_counter()
     engine = Engine.from_spec(spec, backend="cuda", device="cuda", dtype="bf16",
                               block_size=args.block_size,
-                              num_blocks=num_blocks, max_seq_len=max_seq_len_for(prefill_cases),
+                              num_blocks=num_blocks,
+                              max_seq_len=min(max_seq_len_for(prefill_cases), max_positions_of(spec)),
                               max_num_seqs=MAX_BATCH, pdl=not args.no_pdl, tuning=tuning_of(args))
     result["pdl"] = not args.no_pdl
     result["tuning"] = tuning_of(args).changed()

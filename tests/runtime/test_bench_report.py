@@ -406,3 +406,32 @@ def test_bench_prefill_steps_chunk_as_the_engine_does_and_give_its_logits(cap):
         torch.testing.assert_close(last[b], expect[b], rtol=1e-5, atol=1e-5)
     _release(engine, seq_ids)
     assert engine.tables.free_blocks == engine.tables.allocator.num_blocks
+
+
+def test_cases_past_the_specs_max_positions_are_one_line_and_the_rest_fit_its_cache(capsys, monkeypatch):
+    """deepseek_tiny holds 4096 positions: a 1x8192 case is refused in one line before a GPU is looked for;
+    cases within it build the engine with max_seq_len 4096 (the bench's usual 8192 would be refused)."""
+    import torch
+
+    from runtime import bench, engine
+    from runtime.cli import main
+    assert main(["bench", "--spec", "deepseek_tiny", "--decode", "1x512,2x8192", "--prefill", "1x5000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "2x8192, 1x5000" in err and "max_positions=4096" in err
+
+    built = {}
+
+    class Built(Exception):
+        pass
+
+    def from_spec(spec, **kw):
+        built.update(kw)
+        raise Built
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 3e12)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    monkeypatch.setattr(engine.Engine, "from_spec", staticmethod(from_spec))
+    with pytest.raises(Built):
+        main(["bench", "--spec", "deepseek_tiny", "--decode", "1x512", "--prefill", "1x2048", "--no-transformers"])
+    assert built["max_seq_len"] == 4096
