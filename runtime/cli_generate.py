@@ -72,6 +72,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "spec, dtype and block size; default: none, the spec is compiled through the bundle cache)")
     p.add_argument("--block-size", type=block_size_arg, default=None,
                    help="KV-cache page size in tokens (default: the bundle's, else 64)")
+    p.add_argument("--weight-format", choices=("fp8", "dtype"), default=None,
+                   help="convert a checkpoint's weights as they load: fp8 quantises a bf16 checkpoint's linears "
+                        "to DeepSeek-V3's FP8 blocks (the bytes `dsgraph quantize --to fp8` writes; half of what a "
+                        "decode step reads), dtype widens an FP8 checkpoint to --dtype (default: as stored)")
     add_tune_arg(p)
     p.add_argument("--max-seq-len", type=whole_number(1), default=None, metavar="N",
                    help="longest sequence the KV cache holds (default: 8192, or the model's limit if lower)")
@@ -88,6 +92,7 @@ def engine_kwargs(args) -> dict:
     import torch
 
     from .engine import check_device
+    from .errors import InputError
     cuda = torch.cuda.is_available()
     # --backend cuda (or a bundle) without --device means the GPU: say so if there is none.
     device = args.device if args.device is not None else (
@@ -101,6 +106,11 @@ def engine_kwargs(args) -> dict:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.block_size is not None:
         kwargs["block_size"] = args.block_size
+    if args.weight_format is not None:
+        if args.random_weights:
+            raise InputError("--weight-format converts a checkpoint's weights as they load: give a checkpoint, "
+                             "not --random-weights (random weights in FP8: `dsgraph bench --weights fp8`)")
+        kwargs["weight_format"] = args.weight_format
     if args.tune:
         kwargs["tuning"] = tuning_of(args)
     return kwargs

@@ -223,3 +223,21 @@ def test_weight_format_and_quantize_mistakes_are_one_line(fp8_model, tmp_path, c
     assert "has a quantization_config already" in capsys.readouterr().err
     assert cli_main(["quantize", "--to", "fp8", str(src), str(fp8)]) == 2
     assert "is not an empty folder" in capsys.readouterr().err
+
+
+def test_generate_converts_a_checkpoint_as_it_loads_with_weight_format(fp8_model, capsys):
+    """`generate --weight-format fp8` on the fp32 checkpoint gives the tokens of the checkpoint `dsgraph
+    quantize` wrote (the same bytes: test_online_quantisation_is_the_offline_one); with --random-weights the
+    option is one line."""
+    _, src, fp8, _ = fp8_model
+    run = ["--ids", "1,2,3", "--max-new-tokens", "4", "--device", "cpu"]
+
+    def ids(argv):
+        assert cli_main(["generate", *argv, *run]) == 0
+        return [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("ids:")]
+
+    online = ids(["--model", str(src), "--weight-format", "fp8"])
+    assert online and online == ids(["--model", str(fp8)])
+    assert cli_main(["generate", "--random-weights", "--weight-format", "fp8", *run]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--weight-format converts a checkpoint's weights" in err
