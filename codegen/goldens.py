@@ -23,7 +23,7 @@ from .cache import REPO_ROOT, write_atomic
 from .kernel import DEFAULTS
 
 GOLDEN_DIR = REPO_ROOT / "tests" / "codegen" / "golden"
-SHIPPED_SPECS = ("deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
+SHIPPED_SPECS = ("deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "deepseek_v3_1_w4a8_seed")
 GOLDEN_OPTIONS = {"dtype": DEFAULTS.dtype, "block_size": DEFAULTS.block_size}
 INDEX = "index.json"
 INCLUDE = "include"

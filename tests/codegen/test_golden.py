@@ -25,7 +25,7 @@ def test_index_lists_every_golden_kernel():
     committed = goldens.committed_files()
     import json
     index = json.loads(committed.get(goldens.INDEX, "{}"))
-    assert set(index) == {"deepseek_v2_lite", "deepseek_v2", "deepseek_v3"}
+    assert set(index) == {"deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "deepseek_v3_1_w4a8_seed"}
     for spec, entry in index.items():
         on_disk = sorted(p.split("/", 1)[1][:-3] for p in committed if p.startswith(spec + "/"))
         assert entry["kernels"] == on_disk
