@@ -135,7 +135,7 @@ __device__ __forceinline__ void ring_init(unsigned long long* full, unsigned lon
 }
 
 // Producer: the 128 threads of warpgroup 0.  Thread p copies 16-byte chunk p % 8 of token rows
-// p / 8 + 16 i (i < 8): a warp covers four whole 128-byte row slices per instruction, and all of a
+// p / 8 + 16 j (j < 8): a warp covers four whole 128-byte row slices per instruction, and all of a
 // thread's rows share r % 8, so one swizzled chunk position.  Thread 0 also issues the weight boxes.
 template <int MODE, int O, int K, int ST>
 __device__ __forceinline__ void produce(const unsigned char* __restrict__ qx, const TensorMap* w0, const TensorMap* w1,
