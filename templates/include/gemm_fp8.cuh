@@ -98,6 +98,7 @@ struct Item {
   int tile, split;
 };
 __device__ __forceinline__ Item item_of(int i, int tiles) { return {i % tiles, i / tiles}; }
+
 // Dynamic shared memory: the ring, the two consumers' staging, and slack to start the ring on a
 // 1024-byte boundary (128B swizzle).
 __host__ __device__ constexpr int smem_bytes(int stages) { return stages * STAGE_BYTES + 2 * OUT_BYTES + 1024; }
