@@ -2,7 +2,8 @@
 token ranges), what the launches bind (the quantiser's workspaces, the weight's tensor map and scale
 companion), where the dequantising library call is left (no sm_90a, K % 16 != 0), and the machine code
 NVRTC makes for sm_90a: the FP8 wgmma (QGMMA ... E4M3.E4M3: SASS's name for wgmma .e4m3), weight boxes by
-TMA, no spills, the quantiser's saturating e4m3 conversion."""
+TMA, no spills, the quantiser's saturating e4m3 conversion; at decode batches the split of K (grid,
+the kernel's `splits`, the partials workspace at several T) and its ticket in the SASS."""
 from __future__ import annotations
 
 import os
@@ -156,6 +157,10 @@ def test_the_fp8_gemm_compiles_to_fp8_wgmma_without_spills(op, K, dtype):
         assert ops["QGMMA.64x128x32.F32.E4M3.E4M3"] == 4, sorted(ops)     # one K block: 4 x k32
         assert ops["UTMALDG.2D"] == 2 and ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0, sorted(ops)
         assert not any(o.startswith("HGMMA") for o in ops), "the product runs on FP8 operands, not widened ones"
+        # split K: the tile's ticket (one acquire-release add) and the partials past L1 (16-byte .cg
+        # stores and loads, 16 a thread each)
+        assert ops["ATOMG.E.ADD.STRONG.GPU"] == 1, sorted(ops)
+        assert ops["STG.E.128.STRONG.GPU"] == 16 and ops["LDG.E.128.STRONG.GPU"] == 16, sorted(ops)
     res = compile_cubin(render_launch(quant), quant.name, options=("--ptxas-options=-v",))
     assert "0 bytes spill" in res.log
     assert opcodes(res.cubin)["F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"] == 2
