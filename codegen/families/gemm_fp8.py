@@ -11,6 +11,12 @@ library call over the same token range (`lower` gives them for one node at every
                  up are one launch): y = sum over 128-K blocks of xs * sw * (xq . w), fp32 promotion per
                  block (templates/include/gemm_fp8.cuh), the weight by TMA (a tensor map of [64, 128]
                  boxes), a persistent grid of 128 x 128 tiles (64 output columns for gate_up_silu).
+                 Where the tiles are fewer than the SMs (decode batches: V2-Lite's kv_a has 5 at
+                 T <= 128, o_proj 16, q 24), K is split over `splits` CTAs a tile, the grid is
+                 tiles * splits, and each tile's last CTA sums the splits' partial tiles (the
+                 node's workspace fp8_partials) in split order; both the grid and the kernel's
+                 `splits` argument come from T and SMS at run time (`splits`), so one bundle serves
+                 every captured batch size.
 
 It serves where the target offers sm_90a, the activations are 16-bit and K % 16 == 0 (whole 16-byte
 chunks of the quantised rows; 16-byte strides of the weight's tensor map).
@@ -39,6 +45,13 @@ STAGES = 6                     # 6 x 32 KB of ring + 32 KB of staging: 225 KB of
 OUT_STAGING = 2 * 64 * 256     # each consumer's 64 rows x 256 bytes (gemm_fp8.cuh OUT_BYTES)
 QUANT_WARPS = 8                # (token, group) items a quantiser CTA (quant_fp8.cuh WARPS)
 XQ, XS = "fp8_xq", "fp8_xs"    # the node's workspaces: the quantised x (4 bytes a word) and its scales
+PARTIALS = "fp8_partials"      # ... and the split GEMMs' partial tiles (rows of PARTIAL_FLOATS fp32)
+PARTIAL_FLOATS = 2 * 128 * 64  # a partial tile: each consumer thread's 64 sums (gemm_fp8.cuh PARTIAL_FLOATS)
+# Split K over at most SPLIT_MAX CTAs a tile: the tile's last CTA reads the other S - 1 partials
+# (up to 64 KB each at 128 tokens) from L2 alone, so past a few splits that sum costs more than
+# the SMs it adds stream; 8 takes o_proj's 16 tiles to 128 CTAs and q's 24 to 120 (5 splits).
+SPLIT_MAX = 8
+TICKETS = 1024                 # split tickets a kernel: one per tile; splits only where tiles <= this
 
 
 def smem(stages: int) -> int:
@@ -55,6 +68,33 @@ def fits(opts) -> bool:
 def serves(K: int) -> bool:
     """The shape condition (the table's fact "fp8_rows"): whole 16-byte chunks of K."""
     return K % 16 == 0
+
+
+def tiles(O: int, silu: bool) -> str:
+    """Output tiles at T tokens: 128-token row tiles x column tiles."""
+    return f"cdiv(T, {BM}) * {cdiv(O, BN // 2 if silu else BN)}"
+
+
+def splits(O: int, K: int, silu: bool) -> str:
+    """CTAs a tile (the kernel's `splits`, a size expression of T and SMS): enough splits of K that
+    tiles * splits reaches the SM count, at most SPLIT_MAX and one K block each; 1 where the tiles
+    alone fill the SMs or would not fit the tickets."""
+    cap = min(SPLIT_MAX, cdiv(K, BK))
+    if cap == 1:
+        return "1"
+    return f"max(1, min({cap}, min(SMS, {TICKETS}) // max(1, {tiles(O, silu)})))"
+
+
+def grid(O: int, K: int, silu: bool) -> str:
+    """The GEMM's grid: one CTA a tile up to the SM count (a persistent walk past it), times the
+    splits (> 1 only where the tiles are fewer than half the SMs: then exactly tiles * splits)."""
+    return f"min(SMS, {tiles(O, silu)}) * {splits(O, K, silu)}"
+
+
+def partial_rows(O: int, K: int, silu: bool) -> str:
+    """Partial tiles a split GEMM writes (splits * tiles; none where it does not split)."""
+    S = splits(O, K, silu)
+    return "0" if S == "1" else f"({S}) * {tiles(O, silu)} * min(1, ({S}) - 1)"
 
 
 def lower(nid, G, opts):
@@ -97,19 +137,25 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
     act = DTYPES[opts.dtype]
     KB = cdiv(K, FP8_BLOCK)
     ws = (Workspace(XQ, ("T", K // 4), "i32"), Workspace(XS, ("T", KB), "f32"))
+    silu = op == "gate_up_silu"
+    groups = [(weights, outs[0], rows[0])] if silu else [([w], y, o) for w, y, o in zip(weights, outs, rows)]
+    # the node's GEMMs run one after another: one partials workspace, as large as the largest needs
+    need = sorted({partial_rows(O, K, silu) for _, _, O in groups} - {"0"})
+    rows_expr = need[0] if need else "0"
+    for r in need[1:]:
+        rows_expr = f"max({rows_expr}, {r})"
+    partials = Workspace(PARTIALS, (rows_expr, PARTIAL_FLOATS), "f32")
 
-    def grid(g: str) -> str:
+    def only(g: str) -> str:
         return g if factor is None else f"{g} * {factor}"
 
     quant = KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"k{K}", "quant_x"]),
         params={"variant": "quant", "act": act, "K": K, "KB": KB, "warps": QUANT_WARPS, "group": FP8_BLOCK},
-        nodes=(nid,), grid=(grid(f"cdiv(T * {KB}, {QUANT_WARPS})"), 1, 1), block=(QUANT_WARPS * 32, 1, 1),
+        nodes=(nid,), grid=(only(f"cdiv(T * {KB}, {QUANT_WARPS})"), 1, 1), block=(QUANT_WARPS * 32, 1, 1),
         args=(inp("x", act, x), stride("x_stride", x, 0), work("xq", "int", XQ), work("xs", "float", XS),
               size("T", "T")),
         workspace=ws, stage="quant_x")
-    silu = op == "gate_up_silu"
-    groups = [(weights, outs[0], rows[0])] if silu else [([w], y, o) for w, y, o in zip(weights, outs, rows)]
     gemms = []
     for ws_names, y, O in groups:
         cols = BN // 2 if silu else BN
@@ -123,11 +169,13 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
             family=FAMILY, template=TEMPLATE,
             name=kernel_name(FAMILY, [f"{opts.dtype}_wfp8", f"k{K}", f"silu{O}" if silu else f"o{O}"]),
             params={"variant": "gemm", "act": act, "K": K, "O": O, "silu": silu, "stages": STAGES, "smem": nbytes,
-                    "threads": THREADS, "cols": cols, "box_rows": BOX, "box_k": BK, "bm": BM, "lo": lo},
-            nodes=(nid,), grid=(grid(f"min(SMS, cdiv(T, {BM}) * {cdiv(O, cols)})"), 1, 1), block=(THREADS, 1, 1),
+                    "threads": THREADS, "cols": cols, "box_rows": BOX, "box_k": BK, "bm": BM, "lo": lo,
+                    "tickets": TICKETS, "partial_floats": PARTIAL_FLOATS},
+            nodes=(nid,), grid=(only(grid(O, K, silu)), 1, 1), block=(THREADS, 1, 1),
             args=(work("xq", "int", XQ, writes=False), work("xs", "float", XS, writes=False), *w_args,
-                  out("y", act, y), size("T", "T")),
-            smem=nbytes, workspace=ws, stage="fp8_wgmma", requires=(FEATURE,)))
+                  out("y", act, y), work("partials", "float", PARTIALS), size("T", "T"),
+                  size("splits", splits(O, K, silu))),
+            smem=nbytes, workspace=(*ws, partials), stage="fp8_wgmma", requires=(FEATURE,)))
     return [quant, *gemms]
 
 

@@ -28,6 +28,15 @@
 //   * the epilogue rounds the tile into the consumer's 16 KB of shared memory and stores whole
 //     16-byte chunks of rows (moe_wgmma.cuh's reasons).
 //
+// Split K (decode batches): at T = 17..256 a linear has a few tiles (V2-Lite's kv_a 5, o_proj 16,
+// q 24 at T <= 128), so a grid of one CTA a tile streams the weight on a few of the SMs.  There
+// the lowering splits K: `splits` S CTAs a tile (the grid is tiles * S, both derived from T at run
+// time), split z taking the contiguous K blocks [z KB / S, (z + 1) KB / S) with the promotion per
+// block as above.  Each writes its fp32 partial tile (the rows below T) to the `partials`
+// workspace; the tile's CTA that arrives last (a self-resetting ticket, tickets.cuh) adds the S
+// partials in the order z = 0, 1, ..., S - 1 (the same sums whichever CTA is last) and runs the
+// epilogue.  S = 1 is the walk above, unchanged.
+//
 // Needs K % 16 == 0 (whole 16-byte chunks of q rows; 16-byte strides for the weight's tensor map);
 // the lowering emits it only then (codegen/families/gemm_fp8.py).
 #pragma once
@@ -35,6 +44,7 @@
 #include "mbarrier.cuh"
 #include "mma.cuh"
 #include "pdl.cuh"
+#include "tickets.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -53,6 +63,9 @@ constexpr int ROW_BYTES = BK;                           // 128: the swizzle span
 constexpr int STAGE_BYTES = (BM + BN) * ROW_BYTES;      // 32 KB
 constexpr int OUT_ROW_BYTES = 128 * 2;                  // a staged row: up to 128 16-bit columns
 constexpr int OUT_BYTES = 64 * OUT_ROW_BYTES;           // 16 KB a consumer warpgroup
+constexpr int CONSUMERS = 256;                          // the two consumer warpgroups' threads
+constexpr int PARTIAL_FLOATS = CONSUMERS * 64;          // a split's partial tile: each consumer's 64 sums
+constexpr int CONSUMER_BARRIER = 3;                     // named barrier of both consumers (1, 2: each one's)
 static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 256 <= 65536, "gemm_fp8: register file");
 
 // One staged 16-byte chunk (8 columns from `col`) of an output row to dst: whole where vec (O % 8 == 0
@@ -71,6 +84,21 @@ __device__ __forceinline__ void store_chunk(T* dst, const uint4& chunk, int col,
 
 // Output columns a tile covers.
 __host__ __device__ constexpr int tile_cols(int mode) { return mode == SILU ? BN / 2 : BN; }
+
+// The K blocks [first, end) of split z of `splits`: contiguous, every split one or more (splits <= KB).
+struct KRange {
+  int first, end;
+};
+__device__ __forceinline__ KRange k_range(int z, int splits, int kb) {
+  return {z * kb / splits, (z + 1) * kb / splits};
+}
+
+// Work item i of the walk: tile i % tiles, split i / tiles (split 0 of every tile first).
+struct Item {
+  int tile, split;
+};
+__device__ __forceinline__ Item item_of(int i, int tiles) { return {i % tiles, i / tiles}; }
+
 // Dynamic shared memory: the ring, the two consumers' staging, and slack to start the ring on a
 // 1024-byte boundary (128B swizzle).
 __host__ __device__ constexpr int smem_bytes(int stages) { return stages * STAGE_BYTES + 2 * OUT_BYTES + 1024; }
@@ -108,11 +136,11 @@ __device__ __forceinline__ void ring_init(unsigned long long* full, unsigned lon
 }
 
 // Producer: the 128 threads of warpgroup 0.  Thread p copies 16-byte chunk p % 8 of token rows
-// p / 8 + 16 i (i < 8): a warp covers four whole 128-byte row slices per instruction, and all of a
+// p / 8 + 16 j (j < 8): a warp covers four whole 128-byte row slices per instruction, and all of a
 // thread's rows share r % 8, so one swizzled chunk position.  Thread 0 also issues the weight boxes.
 template <int MODE, int O, int K, int ST>
 __device__ __forceinline__ void produce(const unsigned char* __restrict__ qx, const TensorMap* w0, const TensorMap* w1,
-                                        int num_tokens, char* ring, unsigned long long* full,
+                                        int num_tokens, int splits, char* ring, unsigned long long* full,
                                         unsigned long long* empty) {
   constexpr int KB = (K + BK - 1) / BK, NCT = (O + tile_cols(MODE) - 1) / tile_cols(MODE);
   const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
@@ -121,14 +149,16 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ qx, co
     tma::prefetch(w0);
     if (MODE == SILU) tma::prefetch(w1);
   }
-  const int total = (num_tokens + BM - 1) / BM * NCT;
+  const int tiles = (num_tokens + BM - 1) / BM * NCT;
   int it = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const int m0 = t / NCT * BM, n0 = t % NCT * tile_cols(MODE);
+  for (int i = blockIdx.x; i < tiles * splits; i += gridDim.x) {
+    const Item w = item_of(i, tiles);
+    const KRange kr = k_range(w.split, splits, KB);
+    const int m0 = w.tile / NCT * BM, n0 = w.tile % NCT * tile_cols(MODE);
     // the second LINEAR box starts past O when O - n0 <= BOX: left out (its columns are never
     // stored), so no box lies wholly outside the tensor
     const bool box1 = MODE == SILU || n0 + BOX < O;
-    for (int kb = 0; kb < KB; ++kb, ++it) {
+    for (int kb = kr.first; kb < kr.end; ++kb, ++it) {
       const int s = it % ST;
       mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
       char* a = ring + s * STAGE_BYTES;
@@ -141,8 +171,8 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ qx, co
       }
       const int kc = k0 + 16 * c;                      // this thread's 16 columns (bytes) of K
 #pragma unroll
-      for (int i = 0; i < BM / 16; ++i) {
-        const int r = r0 + 16 * i;
+      for (int j = 0; j < BM / 16; ++j) {
+        const int r = r0 + 16 * j;
         const bool ok = m0 + r < num_tokens && kc < K;  // else zeros: rows past T, K past the ceil block's end
         const unsigned char* from = qx + (ok ? (i64)(m0 + r) * K + kc : 0);
         dsg::mma::cp_async16(a + r * ROW_BYTES + chunk, from, ok ? 16 : 0);
@@ -153,29 +183,89 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ qx, co
   dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
 }
 
+// Both consumer warpgroups (256 threads) meet at their named barrier; the producer is elsewhere.
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(CONSUMER_BARRIER), "n"(CONSUMERS) : "memory");
+}
+
+// A split's end of its tile (consumer threads; acc[4j + 2h + c]: this thread's rows a (h = 0) and
+// b (h = 1), row_ok[h]: the row is below T).  The partial goes to its slot of `partials` as 16
+// float4 a thread (float4 (8h + i) of consumer thread ct at (8h + i) * 256 + ct: a warp stores 512
+// contiguous bytes), rows at or past T neither written nor read; then the tile's ticket.  True in
+// the tile's last CTA, whose acc then holds the sum of the S partials in split order.
+__device__ __forceinline__ bool split_arrive(float (&acc)[64], float* __restrict__ partials,
+                                             unsigned int* __restrict__ tickets, Item w, int tiles, int splits,
+                                             const bool (&row_ok)[2], int* last) {
+  const int ct = threadIdx.x - 128;
+  const auto slot = [&](int z) {
+    return reinterpret_cast<float4*>(partials) + ((i64)z * tiles + w.tile) * (PARTIAL_FLOATS / 4) + ct;
+  };
+  float4* mine = slot(w.split);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    if (row_ok[h])
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        __stcg(mine + (8 * h + i) * CONSUMERS,
+               make_float4(acc[8 * i + 2 * h], acc[8 * i + 2 * h + 1], acc[8 * i + 4 + 2 * h], acc[8 * i + 5 + 2 * h]));
+  consumers_sync();                                    // every consumer's partial, gathered to thread ct 0
+  if (ct == 0) *last = take_ticket(&tickets[w.tile], splits);
+  consumers_sync();
+  if (!*last) return false;
+  float sum[64];
+#pragma unroll
+  for (int k = 0; k < 64; ++k) sum[k] = 0.f;
+  for (int z = 0; z < splits; ++z) {
+    if (z == w.split) {
+#pragma unroll
+      for (int k = 0; k < 64; ++k) sum[k] += acc[k];
+    } else {
+      const float4* p = slot(z);
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (row_ok[h])
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const float4 v = __ldcg(p + (8 * h + i) * CONSUMERS);   // other SMs wrote it: past L1
+            sum[8 * i + 2 * h] += v.x;
+            sum[8 * i + 2 * h + 1] += v.y;
+            sum[8 * i + 4 + 2 * h] += v.z;
+            sum[8 * i + 5 + 2 * h] += v.w;
+          }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 64; ++k) acc[k] = sum[k];
+  return true;
+}
+
 // Consumer warpgroup cw (0, 1): token rows 64 cw .. + 64 of each tile against its 128 weight rows.
 template <typename T, int MODE, int O, int K, int ST>
 __device__ __forceinline__ void consume(const float* __restrict__ sx, const float* __restrict__ sw0,
-                                        const float* __restrict__ sw1, int num_tokens, unsigned ring,
-                                        unsigned long long* full, unsigned long long* empty, char* staging,
-                                        T* __restrict__ y, int cw) {
+                                        const float* __restrict__ sw1, int num_tokens, int splits,
+                                        float* __restrict__ partials, unsigned int* __restrict__ tickets,
+                                        unsigned ring, unsigned long long* full, unsigned long long* empty,
+                                        char* staging, T* __restrict__ y, int cw) {
   constexpr int KB = (K + BK - 1) / BK, COLS = tile_cols(MODE), NCT = (O + COLS - 1) / COLS;
   constexpr int CH = COLS / 8;                         // 16-byte chunks of a staged row
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, tid = threadIdx.x & 127;
   const bool vec = O % 8 == 0 && (reinterpret_cast<unsigned long long>(y) & 15ull) == 0;   // uniform: whole 16-byte chunks, else elements
-  const int total = (num_tokens + BM - 1) / BM * NCT;
+  const int tiles = (num_tokens + BM - 1) / BM * NCT;
+  __shared__ int last;                                 // split_arrive's answer to the consumers
   float acc[64], part[64];
   int it = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const int m0 = t / NCT * BM, n0 = t % NCT * COLS;
+  for (int i = blockIdx.x; i < tiles * splits; i += gridDim.x) {
+    const Item w = item_of(i, tiles);
+    const KRange kr = k_range(w.split, splits, KB);
+    const int m0 = w.tile / NCT * BM, n0 = w.tile % NCT * COLS;
     const int ra = m0 + 64 * cw + 16 * warp + (lane >> 2), rb = ra + 8;   // this thread's two token rows
     const float* sxa = sx + (i64)min(ra, num_tokens - 1) * KB;   // rows past T: any row's scales (never stored)
     const float* sxb = sx + (i64)min(rb, num_tokens - 1) * KB;
     const float* swg = sw0 + (n0 / BLOCK) * KB;        // the tile's weight scale block (gate's for SILU)
     const float* swu = MODE == SILU ? sw1 + (n0 / BLOCK) * KB : swg;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-    for (int kb = 0; kb < KB; ++kb, ++it) {
+    for (int k = 0; k < 64; ++k) acc[k] = 0.f;
+    for (int kb = kr.first; kb < kr.end; ++kb, ++it) {
       const int s = it % ST;
       // the scales first: their loads run while the stage lands
       const float xa = sxa[kb], xb = sxb[kb], wg = swg[kb], wu = swu[kb];
@@ -204,6 +294,8 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
         }
       }
     }
+    const bool row_ok[2] = {ra < num_tokens, rb < num_tokens};
+    if (splits > 1 && !split_arrive(acc, partials, tickets, w, tiles, splits, row_ok, &last)) continue;
 
     // Epilogue: acc[4j + 2h + c] is tile row 64 cw + 16 warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + c.
     // Rounded into this warpgroup's staging rows (16-byte chunk j of row r at chunk j ^ (r % 8):
@@ -233,8 +325,8 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
     }
     wgmma::warpgroup_sync(1 + cw);                     // the staging rows are whole
 #pragma unroll
-    for (int i = 0; i < 64 * CH / 128; ++i) {
-      const int idx = tid + 128 * i, r = idx / CH, ch = idx % CH;
+    for (int q = 0; q < 64 * CH / 128; ++q) {
+      const int idx = tid + 128 * q, r = idx / CH, ch = idx % CH;
       const int row = m0 + 64 * cw + r, col = n0 + 8 * ch;
       if (row >= num_tokens || col >= O) continue;
       const uint4 chunk = *reinterpret_cast<const uint4*>(staging + r * OUT_ROW_BYTES + ((ch ^ (r & 7)) << 4));
@@ -244,19 +336,26 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
 }
 
 // y [T, O] (16-bit) = the FP8 product above; w0 / sw0 the weight (SILU: the gate) and its scales,
-// w1 / sw1 SILU's up (unused for LINEAR).
-template <typename T, int MODE, int O, int K, int ST>
+// w1 / sw1 SILU's up (unused for LINEAR).  `splits`: CTAs a tile (1: no split; the lowering's grid is
+// then at most the tiles, else exactly tiles * splits); `partials`: splits * tiles * PARTIAL_FLOATS
+// floats where splits > 1 (else possibly empty); `tickets`: TICKETS counters, zero between launches.
+// The lowering splits only while the tiles fit the tickets; past that (uniform) the CTA exits with
+// y unwritten rather than index past them.
+template <typename T, int MODE, int O, int K, int ST, int TICKETS>
 __device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const float* __restrict__ sx,
                                      const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
-                                     const float* __restrict__ sw1, T* __restrict__ y, int num_tokens, char* smem) {
+                                     const float* __restrict__ sw1, T* __restrict__ y, float* __restrict__ partials,
+                                     unsigned int* __restrict__ tickets, int num_tokens, int splits, char* smem) {
   static_assert(sizeof(T) == 2, "gemm_fp8: 16-bit output");
   static_assert(K % 16 == 0, "gemm_fp8: token rows of whole 16-byte chunks");
   static_assert(ST >= 2, "gemm_fp8: a ring of at least two stages");
   static_assert(BK == BLOCK && BN % BLOCK == 0 && (MODE == LINEAR || BN / 2 <= BLOCK),
                 "gemm_fp8: a stage holds one scale block of K, a tile one of the weight's rows (each half for SILU)");
-  static_assert(smem_bytes(ST) + 2 * ST * 8 <= 227 * 1024, "gemm_fp8: ring + staging exceed a CTA's 227 KB");
+  static_assert(smem_bytes(ST) + 2 * ST * 8 + 16 <= 227 * 1024, "gemm_fp8: ring + staging exceed a CTA's 227 KB");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   dsg::pdl_wait();                                     // qx and sx are the quantiser's output
+  constexpr int NCT = (O + tile_cols(MODE) - 1) / tile_cols(MODE);
+  if (splits > 1 && (num_tokens + BM - 1) / BM * NCT > TICKETS) return;
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;        // 128B-swizzle tiles start on 1024-byte boundaries
   if (threadIdx.x == 0) ring_init<ST>(full, empty);
@@ -264,11 +363,12 @@ __device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     wgmma::setmaxnreg_dec<PRODUCER_REGS>();
-    produce<MODE, O, K, ST>(qx, w0, w1, num_tokens, smem + (ring - raw), full, empty);
+    produce<MODE, O, K, ST>(qx, w0, w1, num_tokens, splits, smem + (ring - raw), full, empty);
   } else {
     wgmma::setmaxnreg_inc<CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * STAGE_BYTES + (wg - 1) * OUT_BYTES;
-    consume<T, MODE, O, K, ST>(sx, sw0, sw1, num_tokens, ring, full, empty, staging, y, wg - 1);
+    consume<T, MODE, O, K, ST>(sx, sw0, sw1, num_tokens, splits, partials, tickets, ring, full, empty, staging, y,
+                               wg - 1);
   }
   dsg::pdl_launch_dependents();
 }

@@ -10,6 +10,21 @@
 
 namespace dsg {
 
+// One thread's ticket for its group of threads (a CTA, or the threads of a named barrier): true
+// in the group that arrives last of `expected`, which also resets the counter.  The caller's
+// barrier before it gathers the group's global writes to this thread; its barrier after it carries
+// the answer to the group and orders every earlier arrival's writes before the group's loads.
+__device__ __forceinline__ bool take_ticket(unsigned int* counter, unsigned int expected) {
+  // release: the group's writes (gathered by the barrier) before the add; acquire: every earlier
+  // arrival's (the adds form one release sequence) before what the last group reads.
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
+  const bool is_last = old == expected - 1u;
+  // The next launch to take a ticket runs after this grid has completed (stream order).
+  if (is_last) asm volatile("st.relaxed.gpu.global.u32 [%0], 0;\n" ::"l"(counter) : "memory");
+  return is_last;
+}
+
 // A CTA's arrival at a ticket counter, after its global writes; true in the CTA that arrives
 // last of `expected`, which also resets the counter.  Every thread calls it; `flag` is an int of
 // the CTA's shared memory that carries thread 0's answer to the others.  The CTA barrier gathers
@@ -19,16 +34,7 @@ namespace dsg {
 // thread's loads, which must go past L1 (__ldcg: other SMs wrote the data).
 __device__ __forceinline__ bool last_arrival(unsigned int* counter, unsigned int expected, int* flag) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    // release: the CTA's writes (gathered by the barrier) before the add; acquire: every
-    // earlier arrival's (the adds form one release sequence) before what the last CTA reads.
-    unsigned old;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(counter) : "memory");
-    const bool is_last = old == expected - 1u;
-    // The next launch to take a ticket runs after this grid has completed (stream order).
-    if (is_last) asm volatile("st.relaxed.gpu.global.u32 [%0], 0;\n" ::"l"(counter) : "memory");
-    *flag = is_last;
-  }
+  if (threadIdx.x == 0) *flag = take_ticket(counter, expected);
   __syncthreads();
   return *flag != 0;
 }

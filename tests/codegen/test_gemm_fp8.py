@@ -2,7 +2,8 @@
 token ranges), what the launches bind (the quantiser's workspaces, the weight's tensor map and scale
 companion), where the dequantising library call is left (no sm_90a, K % 16 != 0), and the machine code
 NVRTC makes for sm_90a: the FP8 wgmma (QGMMA ... E4M3.E4M3: SASS's name for wgmma .e4m3), weight boxes by
-TMA, no spills, the quantiser's saturating e4m3 conversion."""
+TMA, no spills, the quantiser's saturating e4m3 conversion; at decode batches the split of K (grid,
+the kernel's `splits`, the partials workspace at several T) and its ticket in the SASS."""
 from __future__ import annotations
 
 import os
@@ -45,7 +46,7 @@ def test_above_the_skinny_range_the_quantiser_and_the_fp8_gemm_run(op):
     assert ws == {gemm_fp8.XQ: (("T", 512), "i32"), gemm_fp8.XS: (("T", 16), "f32")}
     for la in launches:
         assert la.requires == ("sm_90a",) and la.smem == gemm_fp8.smem(gemm_fp8.STAGES) <= 227 * 1024
-        assert {w.name for w in la.workspace} == set(ws)
+        assert {w.name for w in la.workspace} == set(ws) | {gemm_fp8.PARTIALS}
         refs = {a.name: a.ref for a in la.args}
         assert refs["xq"] == WorkspaceRef(gemm_fp8.XQ) and refs["xs"] == WorkspaceRef(gemm_fp8.XS)
     if op == "gate_up_silu":
@@ -59,8 +60,58 @@ def test_above_the_skinny_range_the_quantiser_and_the_fp8_gemm_run(op):
         assert [la.name for la in launches] == ["gemm_fp8__bf16_wfp8__k2048__o3072", "gemm_fp8__bf16_wfp8__k2048__o576"]
         assert [{a.name: a.ref for a in la.args}["sw"] for la in launches] == [WeightRef("q_scale_inv"),
                                                                               WeightRef("kv_a_scale_inv")]
-        # kv_a's 576 rows: 5 column tiles (the last one 64 rows, a ceil scale block)
-        assert sizes.evaluate(launches[1].grid[0], {"T": 17, "SMS": 132}) == 5
+        # kv_a's 576 rows: 5 column tiles (the last one 64 rows, a ceil scale block), K split 8 ways
+        assert sizes.evaluate(launches[1].grid[0], {"T": 17, "SMS": 132}) == 5 * 8
+
+
+def _geometry(la, T, sms=132):
+    """(grid, the kernel's splits, partial rows of the node's workspace) of a GEMM launch at T."""
+    env = {"T": T, "SMS": sms}
+    (S,) = [a.ref.expr for a in la.args if a.name == "splits"]
+    (partials,) = [w for w in la.workspace if w.name == gemm_fp8.PARTIALS]
+    assert partials.shape[1] == gemm_fp8.PARTIAL_FLOATS and partials.dtype == "f32"
+    return sizes.evaluate(la.grid[0], env), sizes.evaluate(S, env), sizes.evaluate(partials.shape[0], env)
+
+
+@pytest.mark.parametrize("op", ["linear", "multi_linear", "gate_up_silu"])
+def test_at_decode_batches_k_splits_until_the_tiles_fill_the_sms(op):
+    """V2-Lite's linears at decode batches: where the tiles are fewer than half the SMs the grid is
+    tiles x splits (splits = SMS // tiles, at most SPLIT_MAX and one K block each) and the kernel's
+    `splits` argument is the same number; from there on one CTA a tile (a persistent walk past the SM
+    count), splits 1 and no partials.  The node's one partials workspace holds the largest GEMM's."""
+    G, nid = _node(op, (FP8.name, FP8.name))
+    launches = [s for s in linear_skinny.lower(nid, G, Options()) if s.stage == "fp8_wgmma"]
+    # (tiles at T <= 128, weight rows) per GEMM: q 3072 / 128, kv_a 576 (a 64-row ceil tile), o_proj
+    # 2048, gate_up_silu's 10944 output columns in 64-column tiles
+    tiles = {"multi_linear": [24, 5], "linear": [16], "gate_up_silu": [171]}[op]
+    for T in (FIRST, 32, 64, 128, 129, 256, 257, 1000, 16384):
+        rows = []
+        for la, n in zip(launches, tiles):
+            t = -(-T // 128) * n
+            S = max(1, min(gemm_fp8.SPLIT_MAX, 16, 132 // t))
+            grid, splits, partial_rows = _geometry(la, T)
+            assert splits == S and grid == (t * S if S > 1 else min(132, t)), (la.name, T, grid, splits)
+            rows.append(t * S if S > 1 else 0)
+        assert partial_rows == max(rows), (T, partial_rows, rows)
+    split = {la.name: _geometry(la, 32)[1] for la in launches}
+    assert {"multi_linear": {"gemm_fp8__bf16_wfp8__k2048__o3072": 5, "gemm_fp8__bf16_wfp8__k2048__o576": 8},
+            "linear": {"gemm_fp8__bf16_wfp8__k2048__o2048": 8},
+            "gate_up_silu": {"gemm_fp8__bf16_wfp8__k2048__silu10944": 1}}[op] == split
+    # more SMs than tickets: the tiles bound the split at TICKETS
+    for la, n in zip(launches, tiles):
+        grid, splits, _ = _geometry(la, 16384, sms=4096)
+        t = 128 * n
+        S = max(1, min(gemm_fp8.SPLIT_MAX, 16, gemm_fp8.TICKETS // t))
+        assert splits == S and grid == (t * S if S > 1 else min(4096, t))
+
+
+def test_a_short_k_splits_at_most_once_a_block():
+    G, nid = _node("linear", (FP8.name,), K=256)             # two K blocks
+    (la,) = [s for s in linear_skinny.lower(nid, G, Options()) if s.stage == "fp8_wgmma"]
+    assert _geometry(la, 32) == (16 * 2, 2, 16 * 2)
+    G, nid = _node("linear", (FP8.name,), K=112)             # one (ceil) K block: never split
+    (la,) = [s for s in linear_skinny.lower(nid, G, Options()) if s.stage == "fp8_wgmma"]
+    assert _geometry(la, 32) == (16, 1, 0)
 
 
 def test_the_dequantising_library_call_stays_where_the_fp8_gemm_cannot_run():
@@ -106,6 +157,10 @@ def test_the_fp8_gemm_compiles_to_fp8_wgmma_without_spills(op, K, dtype):
         assert ops["QGMMA.64x128x32.F32.E4M3.E4M3"] == 4, sorted(ops)     # one K block: 4 x k32
         assert ops["UTMALDG.2D"] == 2 and ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0, sorted(ops)
         assert not any(o.startswith("HGMMA") for o in ops), "the product runs on FP8 operands, not widened ones"
+        # split K: the tile's ticket (one acquire-release add) and the partials past L1 (16-byte .cg
+        # stores and loads, 16 a thread each)
+        assert ops["ATOMG.E.ADD.STRONG.GPU"] == 1, sorted(ops)
+        assert ops["STG.E.128.STRONG.GPU"] == 16 and ops["LDG.E.128.STRONG.GPU"] == 16, sorted(ops)
     res = compile_cubin(render_launch(quant), quant.name, options=("--ptxas-options=-v",))
     assert "0 bytes spill" in res.log
     assert opcodes(res.cubin)["F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"] == 2

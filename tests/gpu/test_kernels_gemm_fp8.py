@@ -17,15 +17,25 @@ workspaces are poisoned (NaN) first.  The planted mutants of tests/gpu/test_muta
 scale from the next token, the ceil K block dropped, the promotion skipped for the last K block, the
 quantiser's scale 1% off, the up rows scaled as their gate) run through these bodies and must fail them.
 
+Split K (decode batches, T = 17..256: the tiles fewer than the SMs): most draws split (each example's
+split counts are tallied and printed at the end), and V2-Lite's linears at T = 32 are explicit examples.
+The split GEMM's tickets reset themselves: `test_split_gemm_runs_again_the_same` runs a launch twice,
+after another T (another tile count) and twice from a captured CUDA graph, outputs and partials poisoned
+each time, and wants the first run's output bit for bit (the partials are summed in a fixed order).
+Its mutants: the ticket never reset, the last split's partial left out of the sum, a split's K range
+one block short.
+
 Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gemm_fp8.py
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
 from hypothesis import assume, example, given, strategies as st
 
-from harness import TORCH_DTYPES, shifted
+from harness import TORCH_DTYPES, poison, shifted
 from kernel_cases import Recorder, act, empty_out, kernel_test, model, runner, single_op_graph
 from test_kernels_linear_fp8 import as_fp8, quantized
 
@@ -40,8 +50,8 @@ REC_SILU = Recorder("gemm_fp8 gate_up_silu")
 DTYPES = ("bf16", "fp16")
 BLOCK = FP8.block[0]
 FIRST = linear_skinny.SKINNY_MAX_TOKENS + 1
-TOKENS = st.one_of(st.sampled_from([FIRST, 31, 64, 127, 128, 129, 255, 256, 257, 1000, 2048, 4096, 16384]),
-                   st.integers(FIRST, 700))
+TOKENS = st.one_of(st.sampled_from([FIRST, 31, 32, 64, 127, 128, 129, 255, 256, 257, 1000, 2048, 4096, 16384]),
+                   st.integers(FIRST, 256), st.integers(FIRST, 700))
 WIDTHS = st.one_of(st.sampled_from([16, 112, 128, 144, 1408, 2048, 2064, 2816, 10944]),
                    st.integers(1, 200).map(lambda k: 16 * k))
 HEIGHTS = st.one_of(st.sampled_from([1, 8, 63, 64, 65, 127, 128, 129, 200, 576, 2048, 3072]), st.integers(1, 700))
@@ -53,11 +63,25 @@ MAX_MACS = 6 * 10 ** 11     # T * K * O: keeps the float64 reference to a second
 ACC_SLACK = 2.0 ** -12
 
 
+SPLITS: Counter = Counter()    # examples by the largest split count of their GEMMs (printed at the end)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _report():
     yield
     REC.report()
     REC_SILU.report()
+    print("\nSPLITS gemm_fp8 " + " ".join(f"S={k}:{v}" for k, v in sorted(SPLITS.items())))
+
+
+def split_counts(launches, T: int) -> list[int]:
+    """The GEMM launches' `splits` at T on this GPU (the runner's SM count), as the runner evaluates
+    them: CTAs a tile (1: no split)."""
+    from codegen import sizes
+    from runtime.launcher import KernelRunner
+    env = KernelRunner.step_sizes({"T": T}, {})
+    return [sizes.evaluate(next(a.ref.expr for a in la.args if a.name == "splits"), env)
+            for la in launches if la.stage == "fp8_wgmma"]
 
 
 def gemm_launches(G, nid, dtype):
@@ -129,10 +153,13 @@ def run_case(dtype, T, K, rows, extra, offset, zero_rows, shift, seed):
     for i, n in enumerate(rows):
         ws[f"w{i}"], ws[companion_names(f"w{i}", FP8)[0]] = quantized(n, K, gen, K ** -0.5)
     ys = {o: shifted(empty_out((T, n), dtype), shift) for o, n in zip(outs, rows)}
-    work = runner().run_all(gemm_launches(G, nid, dtype), values={"x": x, **ys}, weights=ws, sizes={"T": T},
+    launches = gemm_launches(G, nid, dtype)
+    S = split_counts(launches, T)
+    SPLITS[max(S)] += 1
+    work = runner().run_all(launches, values={"x": x, **ys}, weights=ws, sizes={"T": T},
                             workspaces=poisoned_workspaces(T, K))
     torch.cuda.synchronize()
-    msg = f"T={T} K={K} rows={list(rows)} extra={extra} zero_rows={zero_rows} shift={shift}"
+    msg = f"T={T} K={K} rows={list(rows)} extra={extra} zero_rows={zero_rows} shift={shift} splits={S}"
     q, s = check_quantiser(x, work, msg)
     for i, o in enumerate(outs):
         w, sw = ws[f"w{i}"], ws[companion_names(f"w{i}", FP8)[0]]
@@ -153,6 +180,11 @@ def run_case(dtype, T, K, rows, extra, offset, zero_rows, shift, seed):
 # one partial K block, one output row, a misaligned output, fp16
 @example(dtype="fp16", T=129, K=16, rows=[1], extra=8, offset=8, zero_rows=5, shift=True, seed=5)
 @example(dtype="fp16", T=1000, K=2816, rows=[200, 64], extra=0, offset=0, zero_rows=0, shift=True, seed=6)
+# V2-Lite's linears at a decode batch of 32, K split (132 SMs: q 5 ways, kv_a 8, o_proj 8, the dense down 8)
+@example(dtype="bf16", T=32, K=2048, rows=[3072, 576], extra=0, offset=0, zero_rows=0, shift=False, seed=7)
+@example(dtype="bf16", T=32, K=2048, rows=[2048], extra=0, offset=0, zero_rows=1, shift=False, seed=8)
+@example(dtype="bf16", T=32, K=10944, rows=[2048], extra=0, offset=0, zero_rows=0, shift=False, seed=9)
+@example(dtype="fp16", T=200, K=2048, rows=[576], extra=8, offset=8, zero_rows=0, shift=True, seed=10)
 def test_linear_fp8_gemm(dtype, T, K, rows, extra, offset, zero_rows, shift, seed):
     assume(T * K * sum(rows) <= MAX_MACS)
     run_case(dtype, T, K, rows, extra, offset, zero_rows, shift, seed)
@@ -209,6 +241,8 @@ def silu_as_rounded(actual, g, u, g_slack, u_slack, td):
 @example(dtype="bf16", T=FIRST, K=2048, n=2816, extra=0, offset=0, shift=False, seed=2)
 @example(dtype="bf16", T=130, K=2064, n=200, extra=8, offset=8, shift=True, seed=3)
 @example(dtype="fp16", T=4096, K=144, n=65, extra=0, offset=0, shift=False, seed=4)
+# the shared experts' width at a decode batch: 44 tiles, K split 3 ways (132 SMs)
+@example(dtype="bf16", T=32, K=2048, n=2816, extra=0, offset=0, shift=False, seed=5)
 def test_gate_up_silu_fp8_gemm(dtype, T, K, n, extra, offset, shift, seed):
     assume(T * K * n * 2 <= MAX_MACS)
     gen = torch.Generator().manual_seed(seed)
@@ -219,10 +253,13 @@ def test_gate_up_silu_fp8_gemm(dtype, T, K, n, extra, offset, shift, seed):
     for name in ("wg", "wu"):
         ws[name], ws[companion_names(name, FP8)[0]] = quantized(n, K, gen, K ** -0.5)
     out = shifted(empty_out((T, n), dtype), shift)
-    work = runner().run_all(gemm_launches(G, nid, dtype), values={"x": x, "out": out}, weights=ws, sizes={"T": T},
+    launches = gemm_launches(G, nid, dtype)
+    S = split_counts(launches, T)
+    SPLITS[max(S)] += 1
+    work = runner().run_all(launches, values={"x": x, "out": out}, weights=ws, sizes={"T": T},
                             workspaces=poisoned_workspaces(T, K))
     torch.cuda.synchronize()
-    msg = f"T={T} K={K} n={n} shift={shift}"
+    msg = f"T={T} K={K} n={n} shift={shift} splits={S}"
     q, s = check_quantiser(x, work, msg)
     g, u = linear_fp8(q, s, ws["wg"], ws["wg_scale_inv"]), linear_fp8(q, s, ws["wu"], ws["wu_scale_inv"])
     g_slack = ACC_SLACK * abs_products(q, s, ws["wg"], ws["wg_scale_inv"])
@@ -230,3 +267,85 @@ def test_gate_up_silu_fp8_gemm(dtype, T, K, n, extra, offset, shift, seed):
     REC_SILU.check(out, silu_as_rounded(out, g, u, g_slack, u_slack, TORCH_DTYPES[dtype]), dtype, msg,
                    slack=silu_slack(g, u, g_slack, u_slack))
     REC_SILU.example()
+
+
+# (K, output widths): V2-Lite's q + kv_a (one multi_linear), o_proj, the dense down; a short K of two blocks
+SPLIT_SHAPES = [(2048, (3072, 576)), (2048, (2048,)), (10944, (2048,)), (256, (640,))]
+
+
+@kernel_test(8)
+@given(dtype=st.sampled_from(DTYPES), T=st.integers(FIRST, 256), shape=st.sampled_from(SPLIT_SHAPES),
+       seed=st.integers(0, 2**31))
+@example(dtype="bf16", T=32, shape=SPLIT_SHAPES[1], seed=11)
+def test_split_gemm_runs_again_the_same(dtype, T, shape, seed):
+    """The split GEMM's tickets reset themselves and its sum has one order: a second run, a run after
+    a launch of the same kernels at another T (another tile count) and two replays of a captured CUDA
+    graph each give the first run's output bit for bit, with the outputs and the partials poisoned
+    (NaN) before every run; the first run against the reference as in test_linear_fp8_gemm."""
+    K, rows = shape
+    gen = torch.Generator().manual_seed(seed)
+    m = model("lite")
+    if len(rows) == 1:
+        G, nid = single_op_graph(m, "linear", {"out_dim": rows[0]}, {"x": act(K)}, {"weight": "w0"})
+    else:
+        G, nid = single_op_graph(m, "multi_linear", {"out_dims": list(rows)}, {"x": act(K)},
+                                 {f"weight{i}": f"w{i}" for i in range(len(rows))})
+    as_fp8(G)
+    outs = G.nodes[nid]["outputs"]
+    ws = {}
+    for i, n in enumerate(rows):
+        ws[f"w{i}"], ws[companion_names(f"w{i}", FP8)[0]] = quantized(n, K, gen, K ** -0.5)
+    launches = gemm_launches(G, nid, dtype)
+    S = split_counts(launches, T)
+    assert max(S) > 1, f"T={T} K={K} rows={list(rows)}: no GEMM splits K ({S})"
+
+    def problem(t, seed_):
+        x = x_tokens(t, K, dtype, 0, 0, 0, torch.Generator().manual_seed(seed_))
+        return x, {o: empty_out((t, n), dtype) for o, n in zip(outs, rows)}
+
+    x, ys = problem(T, seed + 1)
+    work = runner().run_all(launches, values={"x": x, **ys}, weights=ws, sizes={"T": T},
+                            workspaces=poisoned_workspaces(T, K))
+    torch.cuda.synchronize()
+    msg = f"T={T} K={K} rows={list(rows)} splits={S}"
+    q, s = check_quantiser(x, work, msg)
+    first = {}
+    for i, o in enumerate(outs):
+        w, sw = ws[f"w{i}"], ws[companion_names(f"w{i}", FP8)[0]]
+        REC.check(ys[o], linear_fp8(q, s, w, sw), dtype, f"{o} {msg}", slack=ACC_SLACK * abs_products(q, s, w, sw))
+        first[o] = ys[o].clone()
+
+    def poison_all():
+        for t in (*ys.values(), *work.values()):
+            poison(t)
+
+    def same_as_first(what):
+        torch.cuda.synchronize()
+        for o in outs:
+            assert torch.equal(ys[o], first[o]), \
+                f"{o} {msg}: {what} differs from the first run at {int((ys[o] != first[o]).sum())} elements"
+
+    def run():
+        runner().run_all(launches, values={"x": x, **ys}, weights=ws, sizes={"T": T}, workspaces=work)
+
+    poison_all()
+    run()
+    same_as_first("a second run")
+    T2 = 300 if T <= 128 else 64                    # another tile count (and split count) in between
+    x2, ys2 = problem(T2, seed + 2)
+    runner().run_all(launches, values={"x": x2, **ys2}, weights=ws, sizes={"T": T2})
+    poison_all()
+    run()
+    same_as_first(f"a run after one at T={T2}")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    for rep in range(2):
+        poison_all()
+        graph.replay()
+        same_as_first(f"graph replay {rep}")
+    REC.example()
