@@ -226,8 +226,8 @@ def _fp8_weights(G, names: list[str], opts) -> bool:
 def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
     """int8_channel weights: the quantiser's launch and the int8 kernel's up to skinny_upto tokens
     (both over two workspaces: x_int8, the quantised rows, and x_scale); above, gemm_int8's launches
-    where the linear table gives its row (sm_90a, K % 16 == 0), else the exact library call; the exact
-    call alone over rows other than the step's T tokens."""
+    where the linear table gives its row (sm_90a, K % 16 == 0, K < 2^17), else the exact library call;
+    the exact call alone over rows other than the step's T tokens."""
     from codegen.lower import library_call
     data, (x,), outs, bound = node_io(G, nid)
     silu = data["op"] == "gate_up_silu"

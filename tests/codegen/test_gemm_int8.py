@@ -47,7 +47,8 @@ def test_above_the_skinny_range_the_quantiser_and_the_int8_gemm_run(op):
     ws = {w.name: (w.shape, w.dtype) for w in quant.workspace}
     assert ws == {gemm_int8.XQ: (("T", 512), "i32"), gemm_int8.XS: (("T",), "f32")}
     qrefs = {a.name: (a.ctype, a.ref) for a in quant.args}
-    assert qrefs["q"] == ("signed char*", WorkspaceRef(gemm_int8.XQ)) and qrefs["s"] == ("float*", WorkspaceRef(gemm_int8.XS))
+    assert qrefs["q"] == ("signed char*", WorkspaceRef(gemm_int8.XQ))
+    assert qrefs["s"] == ("float*", WorkspaceRef(gemm_int8.XS))
     for la in launches:
         assert la.requires == ("sm_90a",) and la.smem == gemm_int8.smem(gemm_int8.STAGES) <= 227 * 1024
         assert {w.name for w in la.workspace} == set(ws) and la.params["wfmt"] == I8

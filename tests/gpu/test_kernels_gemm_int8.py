@@ -61,7 +61,7 @@ def _report():
 def gemm_launches(G, nid, dtype):
     """The node's launches that run above the skinny range: gemm_int8's quantiser, then its GEMMs."""
     steps = linear_skinny.lower(nid, G, Options(dtype=dtype))
-    assert not [s for s in steps if isinstance(s, LibraryCall)], "int8 weights above 16 tokens on sm_90a: no library call"
+    assert not [s for s in steps if isinstance(s, LibraryCall)], "int8 weights above 16 tokens, sm_90a: no library call"
     launches = [s for s in steps if isinstance(s, KernelLaunch) and s.family == gemm_int8.FAMILY]
     assert [la.stage for la in launches[:1]] == ["quant_i8"] and all(la.stage == "i8_wgmma" for la in launches[1:])
     return launches
