@@ -1,7 +1,8 @@
 """The skinny linear with msModelSlim's int8 weights (W8A8_DYNAMIC) against the bf16 one at DeepSeek-V2-Lite's
-decode shapes (a script).
+decode shapes, and above them the int8 GEMM (gemm_int8) against bf16 cuBLAS and the exact library call (a script).
 
-    python3 -m bench.perf_linear_int8 [--tokens 1,8,16] [--shapes q+kv_a,o,...] [--fallback-tokens 32] [--json PATH]
+    python3 -m bench.perf_linear_int8 [--tokens 1,8,16] [--shapes q+kv_a,o,...] [--gemm-tokens 32,512,16384]
+                                      [--json PATH]
     python3 -m bench.perf_linear_int8 --compile-only     # no GPU: registers and spills of every kernel
 
 Prediction (written before the first run, no measurement yet): int8 reads half the bf16 weight bytes, so on the
@@ -10,13 +11,21 @@ bf16 kernel's time at T <= 16, as FP8's did; the quantiser's own launch (one CTA
 ~2-3 us with its launch gap, so the node (both launches) gains less, and on the small shapes (kv_a, o) may
 lose: the reason to fuse the quantiser into the producing RMSNorm's epilogue.
 
+Prediction for the int8 GEMM (written before its first run, no measurement yet): at 16384 tokens its
+wgmma s32.s8.s8 tiles reach ~50-60% of the H100's ~1979 dense int8 TOPS (128 x 128 tiles, two consumer
+warpgroups, one stage of wgmmas in flight), so V2-Lite's int8 linears of one prefill 32 x 512 step
+(~1.36e13 MACs) take ~25 ms plus ~5 ms of quantiser launches, against ~268 ms through the exact call; at
+32 tokens (decode b = 32) a launch has only as many CTAs as 128-row weight tiles (5 .. 171 of 132 SMs), so
+the small shapes read their weights at well under the copy bandwidth.
+
 Each row times, over a CUDA graph that cycles through enough weight copies to exceed ~4x the L2
 (bench.perf_linear.time_cycled): "bf16" the bf16 kernel; "int8 node" the quantiser and the int8 kernel;
 "int8 kernel" the int8 kernel alone on quantised x.  us, the weight bytes read (int8: bytes plus the float32
 per-channel scales), GB/s and % of the measured copy bandwidth, the ratio to bf16.  Correctness alongside:
-outputs poisoned, then compared bit for bit with ir/formats_int.py's int_linear computed on the CPU (BAD where
-any output differs; exit status 1).  --fallback-tokens: the node's library call above linear.skinny_upto
-(torch's exact integer product) against bf16 cuBLAS on the same shape.
+outputs poisoned, then compared bit for bit with ir/formats_int.py's int_linear computed on the CPU (on the
+GPU above 64 tokens; BAD where any output differs; exit status 1).  --gemm-tokens: above linear.skinny_upto,
+bf16 cuBLAS, "int8 GEMM" the node's launches on sm_90a (gemm_int8's quantiser and GEMMs) and "int8 exact call"
+the library call that serves targets without sm_90a (torch's exact integer product), on the same shape.
 """
 from __future__ import annotations
 
@@ -30,7 +39,8 @@ from bench.perf_linear_fp8 import shapes
 from tests.gpu.harness import single_op_graph
 
 import ir
-from codegen.families import linear_skinny
+from codegen.arch import kernel_target
+from codegen.families import gemm_int8, linear_skinny
 from codegen.kernel import KernelLaunch, LibraryCall, Options
 from codegen.paths import DEFAULT_SPEC
 from codegen.tuning import DEFAULT_TUNING
@@ -41,8 +51,9 @@ ROTATE_BYTES = 256 << 20
 I8 = FORMATS["int8_channel"]
 
 
-def lowered(m, K, rows, silu, int8: bool):
-    """(the node's kernel launches, its library call, its outputs) at bf16 activations."""
+def lowered(m, K, rows, silu, int8: bool, arch: str = "sm_90"):
+    """(the node's kernel launches, its library call (None where kernels serve every T), its outputs) at bf16
+    activations for `arch` (sm_89: no int8 GEMM, the exact library call above the skinny range)."""
     x = {"x": TType(("T", K), "act")}
     if silu:
         G, nid = single_op_graph(m, "gate_up_silu", {"out_dim": rows[0]}, x, {"gate": "w0", "up": "w1"}, phase="decode")
@@ -54,10 +65,10 @@ def lowered(m, K, rows, silu, int8: bool):
     if int8:
         for name, info in list(G.graph["weights"].items()):
             G.graph["weights"][name] = dataclasses.replace(info, format=I8.name)
-    steps = linear_skinny.lower(nid, G, Options(dtype="bf16"))
+    steps = linear_skinny.lower(nid, G, Options(dtype="bf16", arch=arch))
     launches = [s for s in steps if isinstance(s, KernelLaunch)]
-    (call,) = [s for s in steps if isinstance(s, LibraryCall)]
-    return launches, call, G.nodes[nid]["outputs"]
+    calls = [s for s in steps if isinstance(s, LibraryCall)]
+    return launches, calls[0] if calls else None, G.nodes[nid]["outputs"]
 
 
 def compile_only(m, names) -> int:
@@ -68,8 +79,9 @@ def compile_only(m, names) -> int:
         K, rows, silu = shapes(m)[name]
         for int8 in (False, True):
             for la in lowered(m, K, rows, silu, int8)[0]:
-                spills, info = ptxas_report(compile_cubin(render_launch(la), la.name,
-                                                          options=("--ptxas-options=-v",)).log)
+                res = compile_cubin(render_launch(la), la.name, arch=kernel_target("sm_90", la.requires),
+                                    options=("--ptxas-options=-v",))
+                spills, info = ptxas_report(res.log)
                 bad += spills
                 print(f"{name:<15} {la.name:<52} {'SPILLS ' if spills else ''}{info}", flush=True)
     return 1 if bad else 0
@@ -88,12 +100,13 @@ def int8_weights(rows, K, gen):
 
 
 def reference(x, ws, rows, silu):
-    """The node's outputs by ir/formats_int.py on the CPU (bf16)."""
+    """The node's outputs by ir/formats_int.py (bf16, on the CPU): computed on the CPU up to 64 tokens, on the
+    GPU above (its definitions hold on either device: exact integer sums, a true division)."""
     import torch
     from ir.formats_int import int_linear
-    xc = x.cpu()
-    ys = [int_linear(xc, ws[f"w{j}"].cpu(), [ws[c].cpu() for c in companion_names(f"w{j}", I8)], I8)
-          .to(torch.bfloat16) for j in range(len(rows))]
+    dev = "cpu" if x.shape[0] <= 64 else x.device
+    ys = [int_linear(x.to(dev), ws[f"w{j}"].to(dev), [ws[c].to(dev) for c in companion_names(f"w{j}", I8)], I8)
+          .to(torch.bfloat16).cpu() for j in range(len(rows))]
     if silu:
         g, u = (y.float() for y in ys)
         return None, (g, u)
@@ -104,7 +117,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,8,16")
     ap.add_argument("--shapes", default="q,kv_a,q+kv_a,o,dense gate_up,dense down,shared gate_up,shared down")
-    ap.add_argument("--fallback-tokens", default="32")
+    ap.add_argument("--gemm-tokens", default="32,512,16384")
     ap.add_argument("--json", default=None)
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
@@ -127,7 +140,7 @@ def main() -> int:
     bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; device-to-device copy {bw / 1e9:.0f} GB/s", flush=True)
     tokens = [int(t) for t in args.tokens.split(",") if t]
-    fb_tokens = [int(t) for t in args.fallback_tokens.split(",") if t]
+    fb_tokens = [int(t) for t in args.gemm_tokens.split(",") if t]
     gen = torch.Generator(device="cuda").manual_seed(0)
     results, bad = [], 0
 
@@ -164,7 +177,21 @@ def main() -> int:
                 else:
                     base = time_cycled(lambda i: [F.linear(x, w) for w in wb[i].values()], copies)
                 report(name, T, "bf16 cuBLAS", base, bf16_bytes)
-                _, call, outs = lowered(m, K, rows, silu, True)
+                launches, _, outs = lowered(m, K, rows, silu, True)
+                gemm = [la for la in launches if la.family == gemm_int8.FAMILY]
+                work = {gemm_int8.XQ: torch.zeros((T, gemm_int8.qrow(K) // 4), dtype=torch.int32, device="cuda"),
+                        gemm_int8.XS: torch.zeros(T, device="cuda")}
+                ys = {o: torch.full((T, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                      for o, n in zip(outs, rows[:1] if silu else rows)}
+                if gemm:
+                    runner.run_all(gemm, values={"x": x, **ys}, weights=w8[0], sizes={"T": T}, workspaces=work)
+                    torch.cuda.synchronize()
+                    ok = exact(list(ys.values()), x, w8[0], rows, silu)
+                    us = time_cycled(lambda i: runner.run_all(gemm, values={"x": x, **ys}, weights=w8[i],
+                                                              sizes={"T": T}, workspaces=work), copies)
+                    report(name, T, "int8 GEMM", us, int8_bytes, ok, base)
+                del ys, work
+                _, call, outs = lowered(m, K, rows, silu, True, arch="sm_89")
                 be = CudaBackend.__new__(CudaBackend)
                 fn = CudaBackend._gate_up_silu if silu else CudaBackend._linear
                 env = {"x": x}
@@ -181,7 +208,7 @@ def main() -> int:
                   for o, n in zip(outs, rows[:1] if silu else rows)}
             base = time_cycled(lambda i: runner.run(la, values={"x": x, **ys}, weights=wb[i], sizes={"T": T}), copies)
             report(name, T, "bf16", base, bf16_bytes)
-            (quant, la8), _, _ = lowered(m, K, rows, silu, True)
+            quant, la8 = [la for la in lowered(m, K, rows, silu, True)[0] if la.family == linear_skinny.FAMILY]
             qrow = quant.params["qrow"]
             work = {"x_int8": torch.zeros((T, qrow // 4), dtype=torch.int32, device="cuda"),
                     "x_scale": torch.zeros(T, device="cuda")}

@@ -342,7 +342,8 @@ def device_arch() -> str:
 
 _TMA_DTYPES = {torch.bfloat16: "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", torch.float16: "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
                torch.float32: "CU_TENSOR_MAP_DATA_TYPE_FLOAT32",
-               torch.float8_e4m3fn: "CU_TENSOR_MAP_DATA_TYPE_UINT8", torch.uint8: "CU_TENSOR_MAP_DATA_TYPE_UINT8"}
+               torch.float8_e4m3fn: "CU_TENSOR_MAP_DATA_TYPE_UINT8", torch.uint8: "CU_TENSOR_MAP_DATA_TYPE_UINT8",
+               torch.int8: "CU_TENSOR_MAP_DATA_TYPE_UINT8"}   # bytes copied as bytes; out of bounds: zeros
 _TMA_SWIZZLES = {0: "CU_TENSOR_MAP_SWIZZLE_NONE", 32: "CU_TENSOR_MAP_SWIZZLE_32B", 64: "CU_TENSOR_MAP_SWIZZLE_64B",
                  128: "CU_TENSOR_MAP_SWIZZLE_128B"}
 

@@ -27,8 +27,10 @@ Weights in int8 (msModelSlim's int8_channel: W8A8_DYNAMIC, every weight of the n
 activations; codegen/dispatch.py's linear table, rows skinny_wi8 / int_mm): x is quantised per token by
 its own launch (stage quant_int8, templates/include/quant_int8.cuh) into two workspaces, then the int8
 kernel (templates/include/int8.cuh) multiplies int8 x int8 into int32 and scales (float(acc) * s_w) * s_x,
-bit-equal to ir/formats_int.py's reference; its name carries "wi8".  Above skinny_upto the library call
-(marked weight_format int8_channel) is the exact integer product by torch (int_linear), not a tuned GEMM.
+bit-equal to ir/formats_int.py's reference; its name carries "wi8".  Above skinny_upto, on sm_90a with
+K % 16 == 0, the int8 GEMM (codegen/families/gemm_int8.py: its own quantiser launch over every token, then
+wgmma s32.s8.s8, equally exact) takes the place of the library call; elsewhere the library call (marked
+weight_format int8_channel) is the exact integer product by torch (int_linear), not a tuned GEMM.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ from codegen.sizes import only_below, token_range
 from codegen.tuning import DEFAULT_TUNING
 from ir.formats import FORMATS, FP8, companion_names, weight_format
 
-from . import gemm_fp8
+from . import gemm_fp8, gemm_int8
 from ._dense_util import inner_dims, node_io
 
 FAMILY = "linear_skinny"
@@ -53,7 +55,7 @@ PDL = True   # every CTA waits (griddepcontrol.wait) before reading x or writing
 # Storage formats its kernel reads (codegen/lower.py weight_format_problem): FP8 blocks are widened in
 # registers up to skinny_upto; above it gemm_fp8's launches or the library call (which dequantises:
 # cuda_backend._library_weight) take them.  int8 weights: the quantiser's launch and the int8 kernel up to
-# skinny_upto, the exact integer library call above (_lower_int8).
+# skinny_upto, gemm_int8's launches or the exact integer library call above (_lower_int8).
 INT8 = FORMATS["int8_channel"]
 WEIGHT_FORMATS = ("bf16", "fp16", "fp32", FP8.name, INT8.name)
 QUANT_THREADS = 256               # the quantiser's CTA (one a token row)
@@ -223,8 +225,9 @@ def _fp8_weights(G, names: list[str], opts) -> bool:
 
 def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
     """int8_channel weights: the quantiser's launch and the int8 kernel's up to skinny_upto tokens
-    (both over two workspaces: x_int8, the quantised rows, and x_scale), the exact library call above
-    and over rows other than the step's T tokens."""
+    (both over two workspaces: x_int8, the quantised rows, and x_scale); above, gemm_int8's launches
+    where the linear table gives its row (sm_90a, K % 16 == 0, K < 2^17), else the exact library call;
+    the exact call alone over rows other than the step's T tokens."""
     from codegen.lower import library_call
     data, (x,), outs, bound = node_io(G, nid)
     silu = data["op"] == "gate_up_silu"
@@ -234,18 +237,26 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
     if any(f is not INT8 for f in fmts):
         found = ", ".join(f"{bound[r]}: {f.name}" for r, f in zip(roles, fmts))
         raise LoweringError(f"the skinny linear takes weights all in {opts.dtype} or all in {INT8.name}, got {found}")
-    rows_ = dispatch.rows(data["op"], {"precision": "act", "weight_format": INT8.name, "dtype": opts.dtype},
-                          opts.tuning)
+    (K,) = inner_dims(G, x)
+    facts = {"precision": "act", "weight_format": INT8.name, "dtype": opts.dtype,
+             "sm_90a": has_feature(opts.arch, gemm_int8.FEATURE), "i8_rows": gemm_int8.serves(K),
+             "i8_fits": gemm_int8.fits(opts)}
+    rows_ = dispatch.rows(data["op"], facts, opts.tuning)
     none = dispatch.row_range(rows_, dispatch.NONE)
     if none:
         raise LoweringError(next(r.reason for r in rows_ if r.variant == dispatch.NONE) + f", not {opts.dtype}")
     call = library_call(nid, data)
     call = dataclasses.replace(call, attrs={**call.attrs, "weight_format": INT8.name})
+    if G.graph["values"][x].shape[0] != "T":   # the launches' grids read T: TK rows go whole to the exact call
+        return [call]
+    gemms = []
+    for lo, hi in dispatch.row_range(rows_, "i8_wgmma"):   # the int8 GEMM above the skinny range
+        op, _, _, names, outs_, widths = gemm_int8.operands(G, nid)
+        gemms += gemm_int8.launches(nid, op, x, K, names, outs_, widths, opts, token_range(lo, hi), lo)
     skinny = dispatch.row_range(rows_, "skinny_wi8")
-    if not skinny or G.graph["values"][x].shape[0] != "T":   # the launches' grids read T: TK rows go whole
-        return [call]                                        # to the exact library call
+    if not skinny:
+        return gemms or [call]
     ((_, upto),) = skinny
-    (K,) = inner_dims(G, x)
     rows = [data["attrs"]["out_dim"]] * 2 if silu else [inner_dims(G, y)[0] for y in outs]
     act = DTYPES[opts.dtype]
     qrow = -(-K // 16) * 16
@@ -280,6 +291,8 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
         grid=(f"{-(-sum(rows) // (16 * row_tiles))} * {below}", 1, 1), block=(warps * 32, 1, 1), args=args,
         workspace=ws, stage=data["op"])
+    if gemms:   # the int8 GEMM's row ends the table: no library call
+        return [quant, linear, *gemms]
     return [quant, linear, dataclasses.replace(call, from_tokens=upto + 1)]
 
 

@@ -1,5 +1,6 @@
 """bench/perf_linear_int8.py on the CPU: it times the launches the lowering runs (bf16: the skinny kernel;
-int8: the quantiser then the int8 kernel, and the exact library call above the kernel's tokens)."""
+int8: the quantiser then the int8 kernel, above the kernel's tokens the int8 GEMM's launches on sm_90a and
+the exact library call elsewhere)."""
 from __future__ import annotations
 
 import ir
@@ -13,6 +14,9 @@ def test_the_bench_times_the_lowerings_launches():
     for name, (K, rows, silu) in shapes(m).items():
         (bf16,), call, outs = pi.lowered(m, K, rows, silu, False)
         assert "weight_format" not in call.attrs and "_wi8" not in bf16.name
-        (quant, int8), call, outs8 = pi.lowered(m, K, rows, silu, True)
+        (quant, int8, gquant, *gemms), call, outs8 = pi.lowered(m, K, rows, silu, True)
         assert quant.stage == "quant_int8" and "_wi8__" in int8.name and outs8 == outs, name
-        assert call.attrs["weight_format"] == pi.I8.name and quant.params["qrow"] == -(-K // 16) * 16
+        assert call is None and gquant.stage == "quant_i8" and gemms and all(g.stage == "i8_wgmma" for g in gemms)
+        assert quant.params["qrow"] == -(-K // 16) * 16
+        (quant, int8), call, _ = pi.lowered(m, K, rows, silu, True, arch="sm_89")
+        assert call.attrs["weight_format"] == pi.I8.name and call.from_tokens == int8.params["max_tokens"] + 1

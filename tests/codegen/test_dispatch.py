@@ -17,7 +17,8 @@ FACT_VALUES = {"dtype": ("bf16", "fp16", "fp32"), "sm_90a": (True, False), "tma_
                "decode_wgmma_fits": (True, False), "prefill_wgmma_fits": (True, False), "one_token": (True, False),
                "decode_wgmma": (True, False), "precision": ("fp32", "act"), "mma": (True, False),
                "weight_format": dispatch.WEIGHT_FORMATS, "fp8_rows": (True, False), "fp8_fits": (True, False),
-               "fp8x_fits": (True, False), "int_rows": (True, False)}
+               "fp8x_fits": (True, False), "int_rows": (True, False), "i8_rows": (True, False),
+               "i8_fits": (True, False)}
 
 
 def tuned(**knobs) -> Tuning:

@@ -1,6 +1,7 @@
 """linear_skinny with msModelSlim's int8 weights (int8_channel, W8A8_DYNAMIC) on the CPU: its dispatch rows,
 its lowering (the quantiser's launch, the int8 kernel's, their workspaces, the exact library call above 16
-tokens), one-line refusals, a whole int8 spec lowering, and its machine code (NVRTC sm_90 and sm_90a):
+tokens where the int8 GEMM cannot run: a target without sm_90a; tests/codegen/test_gemm_int8.py has the
+GEMM), one-line refusals, a whole int8 spec lowering, and its machine code (NVRTC sm_90 and sm_90a):
 IMMA s8 x s8 with int32 accumulators, 16-byte weight loads, no spills or local memory, the quantiser's
 correctly rounded division and round-to-nearest conversion, the epilogue's separate multiplies."""
 from __future__ import annotations
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 from harness import single_op_graph  # noqa: E402
 
 I8 = "int8_channel"
+NO_90A = Options(arch="sm_89")   # no wgmma: the exact library call serves above the skinny range
 WEIGHT_LOAD = "LDG.E.NA.LTC128B.128.CONSTANT"
 
 
@@ -54,15 +56,20 @@ def test_the_linear_table_has_int8_rows_at_16_bit_and_none_at_fp32():
     assert dispatch.select("linear", 16, facts).variant == "skinny_wi8"
     above = dispatch.select("linear", 17, facts)
     assert above.variant == "int_mm" and "NOT a tuned GEMM" in above.reason and "exact" in above.reason
+    gemm = dispatch.select("linear", 17, {**facts, "sm_90a": True, "i8_rows": True, "i8_fits": True})
+    assert gemm.variant == "i8_wgmma" and "bit-equal" in gemm.reason and gemm.span == "17..inf"
+    for missing in ("sm_90a", "i8_rows", "i8_fits"):
+        wanting = {**facts, "sm_90a": True, "i8_rows": True, "i8_fits": True, missing: False}
+        assert dispatch.select("linear", 17, wanting).variant == "int_mm", missing
     assert dispatch.select("gate_up_silu", 1, {**facts, "dtype": "fp32"}).variant == dispatch.NONE
     assert dispatch.select("linear", 1, {**facts, "weight_format": "same"}).variant == "skinny"
     off = Tuning(linear=LinearTuning(skinny_upto=0))
     assert [r.variant for r in dispatch.rows("linear", facts, off)] == ["int_mm"]
 
 
-def test_int8_weights_lower_to_the_quantiser_the_int8_kernel_and_the_exact_call_above():
+def test_int8_weights_lower_to_the_quantiser_the_int8_kernel_and_the_exact_call_above_without_sm_90a():
     G, nid = _node()
-    quant, launch, call = linear_skinny.lower(nid, G, Options())
+    quant, launch, call = linear_skinny.lower(nid, G, NO_90A)
     assert isinstance(quant, KernelLaunch) and isinstance(launch, KernelLaunch) and isinstance(call, LibraryCall)
     assert quant.name == "linear_skinny__bf16_qi8__k2048" and quant.stage == "quant_int8"
     assert launch.name == "linear_skinny__bf16_wi8__k2048__o3072_576" and launch.stage == "multi_linear"
@@ -88,23 +95,23 @@ def test_int8_weights_lower_to_the_quantiser_the_int8_kernel_and_the_exact_call_
 
 def test_odd_widths_pad_the_quantised_rows_to_16_bytes():
     G, nid = _node("linear", (I8,), K=1001)
-    quant, launch, _ = linear_skinny.lower(nid, G, Options(dtype="fp16"))
+    quant, launch, _ = linear_skinny.lower(nid, G, Options(dtype="fp16"))   # K % 16 != 0: no int8 GEMM
     assert quant.params["qrow"] == 1008 and launch.workspace[0].shape == ("min(T, 16)", 252)
     assert launch.name == "linear_skinny__fp16_wi8__k1001__o2048"
 
 
 def test_a_non_default_shape_is_named_and_the_silu_takes_gate_and_up():
     G, nid = _node("gate_up_silu")
-    _, launch, call = linear_skinny.lower(nid, G, Options(), warps=4, unroll=2)
+    _, launch, call = linear_skinny.lower(nid, G, NO_90A, warps=4, unroll=2)
     assert launch.name == "linear_skinny__bf16_wi8__k2048__silu10944__w4r1u2" and launch.params["silu"]
     bound = {a.name: a.ref for a in launch.args}
     assert bound["s0"] == WeightRef("g_scale") and bound["s1"] == WeightRef("u_scale")
     assert call.call == "ir.ops.core.gate_up_silu_ref" and call.attrs["weight_format"] == I8
 
 
-def test_skinny_upto_zero_leaves_only_the_exact_call():
+def test_skinny_upto_zero_leaves_only_the_exact_call_without_sm_90a():
     G, nid = _node()
-    (call,) = linear_skinny.lower(nid, G, Options(tuning=Tuning(linear=LinearTuning(skinny_upto=0))))
+    (call,) = linear_skinny.lower(nid, G, Options(arch="sm_89", tuning=Tuning(linear=LinearTuning(skinny_upto=0))))
     assert isinstance(call, LibraryCall) and call.from_tokens == 1 and call.attrs["weight_format"] == I8
 
 
@@ -140,17 +147,23 @@ def _int8_spec_text() -> str:
 
 
 def test_a_spec_with_int8_linears_lowers_every_phase():
-    """Every int8 node lowers to its three steps; kv_b stays float."""
+    """Every int8 node lowers to its skinny steps and, above them, the int8 GEMM's (sm_90a: the tiny spec's
+    widths are multiples of 16) or the exact call (without sm_90a); kv_b stays float."""
     from codegen.lower import lower_graph
     from ir.passes import run_pipeline
     spec = ir.load_spec(_int8_spec_text(), file="t.yaml")
     for phase in ("decode", "prefill"):
-        plan = lower_graph(run_pipeline(ir.build_graph(spec, phase)), Options())
-        quant = [s for s in plan.steps if isinstance(s, KernelLaunch) and s.stage == "quant_int8"]
-        kern = [s for s in plan.steps if isinstance(s, KernelLaunch) and "_wi8__" in s.name]
-        calls = [s for s in plan.steps if isinstance(s, LibraryCall) and s.attrs.get("weight_format") == I8]
-        assert quant and len(quant) == len(kern) == len(calls), phase
-        assert not any("kv_b_proj" in w for c in calls for w in c.weights)
+        for opts in (Options(), NO_90A):
+            plan = lower_graph(run_pipeline(ir.build_graph(spec, phase)), opts)
+            launches = [s for s in plan.steps if isinstance(s, KernelLaunch)]
+            quant = [s for s in launches if s.stage == "quant_int8"]
+            kern = [s for s in launches if s.family == linear_skinny.FAMILY and "_wi8__" in s.name]
+            gemm_quant = [s for s in launches if s.stage == "quant_i8"]
+            calls = [s for s in plan.steps if isinstance(s, LibraryCall) and s.attrs.get("weight_format") == I8]
+            above = calls if opts is NO_90A else gemm_quant
+            assert quant and len(quant) == len(kern) == len(above), (phase, opts.arch)
+            assert not (gemm_quant if opts is NO_90A else calls), (phase, opts.arch)
+            assert not any("kv_b_proj" in w for c in calls for w in c.weights)
 
 
 def test_an_int8_linear_over_rows_other_than_the_steps_tokens_is_the_exact_call_alone():
@@ -196,7 +209,9 @@ def test_explain_names_the_int8_rows():
     G, nid = _node("linear", (I8,))
     steps = linear_skinny.lower(nid, G, Options())
     assert _reason("linear", steps[:2], 4, Options(), {}).startswith("skinny_wi8 [tokens 1..16]: int8 weights")
-    assert _reason("linear", steps[2:], 40, Options(), {}).startswith("int_mm [tokens 17..inf]: int8 weights")
+    assert _reason("linear", steps[2:], 40, Options(), {}).startswith("i8_wgmma [tokens 17..inf]: int8 x int8")
+    steps = linear_skinny.lower(nid, G, NO_90A)
+    assert _reason("linear", steps[2:], 40, NO_90A, {}).startswith("int_mm [tokens 17..inf]: int8 weights")
 
 
 def _compile(launch, arch="sm_90"):
@@ -212,7 +227,7 @@ def _compile(launch, arch="sm_90"):
                                                 ("linear", "bf16", 18432, "sm_90")])   # V3's down K
 def test_the_int8_kernel_is_imma_on_16_byte_weight_loads_without_spills(op, dtype, K, arch):
     G, nid = _node(op, (I8, I8), K=K)
-    quant, launch, _ = linear_skinny.lower(nid, G, Options(dtype=dtype))
+    quant, launch = linear_skinny.lower(nid, G, Options(dtype=dtype))[:2]
     res = _compile(launch, arch)
     assert "0 bytes stack frame" in res.log and "0 bytes spill stores" in res.log, res.log
     ops = opcodes(res.cubin)
@@ -249,7 +264,7 @@ def test_the_exact_call_above_16_tokens_is_int_linear_without_host_reads(op, mon
     from ir.ops.core import gate_up_silu_ref
     from runtime.cuda_backend import CudaBackend
     G, nid = _node(op, K=96)
-    (call,) = [s for s in linear_skinny.lower(nid, G, Options()) if isinstance(s, LibraryCall)]
+    (call,) = [s for s in linear_skinny.lower(nid, G, NO_90A) if isinstance(s, LibraryCall)]
     gen = torch.Generator().manual_seed(3)
     rows = [40, 40] if op == "gate_up_silu" else [48, 24]
     ws, floats = {}, {}

@@ -17,6 +17,7 @@ import pytest
 
 import test_kernels_dense as dense
 import test_kernels_gemm_fp8 as gemm_fp8
+import test_kernels_gemm_int8 as gemm_int8
 import test_kernels_int4_unpack as int4_unpack
 import test_kernels_linear as linear
 import test_kernels_linear_fp8 as linear_fp8
@@ -418,6 +419,24 @@ MUTANTS = [
            "const float ge = gr[rt][0] != nullptr ? __ldg(gr[rt][0] + (grp ^ 1)) : 0.f;",
            moe_int.test_moe_gate_up_silu_wi4,
            dict(case=moe_int.case_of("bf16", (5, 4, 3), 2, 512, 200, fmt=moe_int.GROUPED.name, seed=17))),
+    Mutant("int8 GEMM: each column scaled by the next channel's weight scale", "include/gemm_int8.cuh",
+           "swg[c] = __ldg(sw0 + col);", "swg[c] = __ldg(sw0 + min(col + 1, O - 1));",
+           gemm_int8.test_linear_int8_gemm, dict(dtype="bf16", T=200, K=512, rows=[256], extra=0, offset=0,
+                                                 kind="random", big=False, shift=False, seed=32)),
+    Mutant("int8 GEMM: the last k32 step dropped (K = 2048: its last 32 columns)", "include/gemm_int8.cuh",
+           "for (int k32 = 0; k32 < BK / 32; ++k32)",
+           "for (int k32 = 0; k32 < (kb == KB - 1 ? BK / 32 - 1 : BK / 32); ++k32)",
+           gemm_int8.test_linear_int8_gemm, dict(dtype="bf16", T=40, K=2048, rows=[576], extra=0, offset=0,
+                                                 kind="random", big=False, shift=False, seed=33)),
+    Mutant("int8 GEMM: the up rows scaled with their gate's scale (gate_up_silu)", "include/gemm_int8.cuh",
+           "swu[c] = MODE == SILU ? __ldg(sw1 + col) : 0.f;", "swu[c] = MODE == SILU ? __ldg(sw0 + col) : 0.f;",
+           gemm_int8.test_gate_up_silu_int8_gemm, dict(dtype="bf16", T=100, K=512, n=200, extra=0, offset=0,
+                                                       shift=False, seed=34)),
+    Mutant("int8 GEMM: the partial last K box dropped (K = 2064: 16 columns past the last whole box)",
+           "include/gemm_ring.cuh", "const bool ok = m0 + r < num_tokens && kc < K;",
+           "const bool ok = m0 + r < num_tokens && kc < K / BK * BK;",
+           gemm_int8.test_linear_int8_gemm, dict(dtype="bf16", T=40, K=2064, rows=[129], extra=0, offset=0,
+                                                 kind="random", big=False, shift=False, seed=35)),
 ]
 
 
