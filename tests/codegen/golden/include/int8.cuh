@@ -193,10 +193,8 @@ __device__ __forceinline__ void i8_tiles(const signed char* __restrict__ qx, con
           make_int4(acc[rt][nt][0], acc[rt][nt][1], acc[rt][nt][2], acc[rt][nt][3]);
 }
 
-// (float(acc) * s_w) * s_x, the two products rounded apart (no contraction, no reassociation).
-__device__ __forceinline__ float i8_scale(int acc, float sw, float sx) {
-  return __fmul_rn(__fmul_rn(__int2float_rn(acc), sw), sx);
-}
+// (float(acc) * s_w) * s_x, the two products rounded apart (quant_int8.cuh dequant).
+__device__ __forceinline__ float i8_scale(int acc, float sw, float sx) { return dsg::quant::dequant(acc, sw, sx); }
 
 // Sum the warps' int32 partial sums (element i of a slice: rt, nt, lane, j -> row rt * 16 + lane / 4
 // + 8 * (j / 2), token 8 * nt + 2 * (lane % 4) + j % 2), scale and store.  SILU: c0 c1 (i % 4 < 2)

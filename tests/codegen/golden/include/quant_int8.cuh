@@ -39,6 +39,13 @@ __device__ __forceinline__ signed char quantize1(float x, float s) {
 // The scale of a row whose max |x| is amax.
 __device__ __forceinline__ float scale_of(float amax) { return __fdiv_rn(amax, 127.f); }
 
+// y of one int32 sum acc (exact) with its weight channel's scale sw and its token's scale sx:
+// (float(acc) * s_w) * s_x, two correctly rounded products (no contraction, no reassociation), as
+// ir/formats_int.py int_linear computes it.  Every int8 x int8 kernel's epilogue (int8.cuh, gemm_int8.cuh).
+__device__ __forceinline__ float dequant(int acc, float sw, float sx) {
+  return __fmul_rn(__fmul_rn(__int2float_rn(acc), sw), sx);
+}
+
 // Block-wide max of v over THREADS threads (every thread gets it); red holds THREADS / 32 floats.
 template <int THREADS>
 __device__ __forceinline__ float block_max(float v, float* red) {

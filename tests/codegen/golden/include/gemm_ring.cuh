@@ -1,0 +1,123 @@
+// The pieces of a persistent one-byte-operand wgmma GEMM (sm_90a) that do not depend on the operand
+// type: its tile, the mbarrier ring, the producer warpgroup and the epilogue's staged 16-byte stores.
+// gemm_int8.cuh builds on it (int8 x int8 -> int32); gemm_fp8.cuh holds the same pieces for e4m3.
+//
+//   * a persistent grid walks tiles t = blockIdx.x, + gridDim.x, ...: row tile t / NCT (BM tokens),
+//     column tile t % NCT, so the CTAs running together share the tokens' row tile;
+//   * warpgroup 0 produces (registers given back with setmaxnreg), warpgroups 1 and 2 consume, each
+//     64 of the tile's 128 tokens against its 128 weight rows, through a ring of ST stages handshaken
+//     on mbarriers (full: landed; empty: both consumers are done with it);
+//   * a stage is 128 bytes of K a row: the 128B swizzle wgmma reads.  The weight rows as two TMA boxes
+//     of 64 rows (the second left out where it would start past O); the token rows by the producer's
+//     128 threads with 16-byte cp.async into the same swizzled layout (their address changes with T
+//     every call, so no tensor map of them is encoded on the host), reported to the stage's barrier;
+//   * LINEAR tiles hold 128 weight rows; SILU tiles 64 gate rows then the same 64 up rows, so a
+//     consumer thread's accumulator column j < 8 (gate) and j + 8 (up) are one output column;
+//   * the epilogue rounds a tile into its consumer's 16 KB of staging and stores whole 16-byte chunks.
+#pragma once
+#include "common.cuh"
+#include "mbarrier.cuh"
+#include "mma.cuh"
+#include "tma.cuh"
+
+namespace dsg {
+namespace gemm_ring {
+
+constexpr int LINEAR = 0, SILU = 1;
+constexpr int BM = 128;               // tokens per tile: two consumer warpgroups x 64
+constexpr int BN = 128;               // weight rows per tile
+constexpr int BK = 128;               // K bytes per stage: one 128-byte swizzled row
+constexpr int BOX = 64;               // weight rows per TMA box, two a stage
+constexpr int THREADS = 384;          // producer warpgroup + two consumer warpgroups
+constexpr int ROW_BYTES = BK;                           // 128: the swizzle span
+constexpr int STAGE_BYTES = (BM + BN) * ROW_BYTES;      // 32 KB
+constexpr int OUT_ROW_BYTES = 128 * 2;                  // a staged row: up to 128 16-bit columns
+constexpr int OUT_BYTES = 64 * OUT_ROW_BYTES;           // 16 KB a consumer warpgroup
+
+// Output columns a tile covers.
+__host__ __device__ constexpr int tile_cols(int mode) { return mode == SILU ? BN / 2 : BN; }
+// Dynamic shared memory: the ring, the two consumers' staging, and slack to start the ring on a
+// 1024-byte boundary (128B swizzle).
+__host__ __device__ constexpr int smem_bytes(int stages) { return stages * STAGE_BYTES + 2 * OUT_BYTES + 1024; }
+// Tiles of a launch over num_tokens tokens and O output columns.
+__host__ __device__ constexpr int num_tiles(int num_tokens, int mode, int O) {
+  return (num_tokens + BM - 1) / BM * ((O + tile_cols(mode) - 1) / tile_cols(mode));
+}
+
+// One staged 16-byte chunk (8 columns from `col`) of an output row to dst: whole where vec (O % 8 == 0
+// and a 16-byte aligned base), else element by element up to O.
+template <typename T, int O>
+__device__ __forceinline__ void store_chunk(T* dst, const uint4& chunk, int col, bool vec) {
+  if (vec) {
+    *reinterpret_cast<uint4*>(dst) = chunk;
+  } else {
+    const T* e = reinterpret_cast<const T*>(&chunk);
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if (col + k < O) dst[k] = e[k];
+  }
+}
+
+// The ring's barriers (thread 0; the caller's __syncthreads publishes them): full[s] awaits the
+// producer's 128 copy arrivals + its expect_tx, empty[s] one arrival per consumer warp.
+template <int ST>
+__device__ __forceinline__ void ring_init(unsigned long long* full, unsigned long long* empty) {
+#pragma unroll
+  for (int s = 0; s < ST; ++s) {
+    mbar::init(&full[s], 128 + 1);
+    mbar::init(&empty[s], 8);
+  }
+  mbar::init_fence();
+}
+
+// Producer: the 128 threads of warpgroup 0.  Token rows of q [T, QROW] bytes (QROW % 16 == 0, its
+// first K bytes the row's); thread p copies 16-byte chunk p % 8 of token rows p / 8 + 16 i (i < 8):
+// a warp covers four whole 128-byte row slices per instruction, and all of a thread's rows share
+// r % 8, so one swizzled chunk position.  Bytes past K and rows past T land as zeros (as TMA fills
+// the weight's box past K and past O).  Thread 0 also issues the weight boxes.
+template <int MODE, int O, int K, int QROW, int ST>
+__device__ __forceinline__ void produce(const unsigned char* __restrict__ q, const TensorMap* w0, const TensorMap* w1,
+                                        int num_tokens, char* ring, unsigned long long* full,
+                                        unsigned long long* empty) {
+  static_assert(QROW % 16 == 0 && QROW >= K, "gemm_ring: token rows of whole 16-byte chunks");
+  constexpr int KB = (K + BK - 1) / BK, NCT = (O + tile_cols(MODE) - 1) / tile_cols(MODE);
+  const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
+  const int chunk = (c ^ (r0 & 7)) * 16;               // 128B swizzle: c ^ (row % 8)
+  if (p == 0) {
+    tma::prefetch(w0);
+    if (MODE == SILU) tma::prefetch(w1);
+  }
+  const int total = num_tiles(num_tokens, MODE, O);
+  int it = 0;
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const int m0 = t / NCT * BM, n0 = t % NCT * tile_cols(MODE);
+    // the second LINEAR box starts past O when O - n0 <= BOX: left out (its columns are never
+    // stored), so no box lies wholly outside the tensor
+    const bool box1 = MODE == SILU || n0 + BOX < O;
+    for (int kb = 0; kb < KB; ++kb, ++it) {
+      const int s = it % ST;
+      mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
+      char* a = ring + s * STAGE_BYTES;
+      char* b = a + BM * ROW_BYTES;
+      const int k0 = kb * BK;
+      if (p == 0) {
+        mbar::arrive_expect_tx(&full[s], (box1 ? 2 : 1) * BOX * ROW_BYTES);
+        tma::load_2d(b, w0, k0, n0, &full[s]);
+        if (box1) tma::load_2d(b + BOX * ROW_BYTES, MODE == SILU ? w1 : w0, k0, MODE == SILU ? n0 : n0 + BOX, &full[s]);
+      }
+      const int kc = k0 + 16 * c;                      // this thread's 16 columns (bytes) of K
+#pragma unroll
+      for (int i = 0; i < BM / 16; ++i) {
+        const int r = r0 + 16 * i;
+        const bool ok = m0 + r < num_tokens && kc < K;  // else zeros: rows past T, K past the last box's end
+        const unsigned char* from = q + (ok ? (i64)(m0 + r) * QROW + kc : 0);
+        dsg::mma::cp_async16(a + r * ROW_BYTES + chunk, from, ok ? 16 : 0);
+      }
+      mbar::arrive_on_cp_async(&full[s]);
+    }
+  }
+  dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
+}
+
+}  // namespace gemm_ring
+}  // namespace dsg
