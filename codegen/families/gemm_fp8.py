@@ -30,6 +30,8 @@ from codegen.render import kernel_name
 from ir.formats import FP8, FP8_BLOCK, cdiv, companion_names, weight_format
 
 from ._dense_util import inner_dims, node_io
+from ._gemm_split import BK, BM, BN, PARTIAL_WORDS, TICKETS, grid, splits
+from ._gemm_split import partials as partials_workspace
 from .mla_decode_attention import smem_limit
 
 FAMILY = "gemm_fp8"
@@ -38,20 +40,13 @@ OPS = ()          # launches of linear_skinny's nodes (its lowering calls `launc
 PDL = True        # both kernels wait (griddepcontrol.wait) before reading x / xq or writing
 FEATURE = "sm_90a"
 
-BM, BN, BK = 128, 128, 128     # tokens, weight rows, K per tile and stage (gemm_fp8.cuh)
 BOX = 64                       # weight rows per TMA box (two a stage)
 THREADS = 384                  # a producer warpgroup and two consumer warpgroups
 STAGES = 6                     # 6 x 32 KB of ring + 32 KB of staging: 225 KB of the 227 a CTA may have
 OUT_STAGING = 2 * 64 * 256     # each consumer's 64 rows x 256 bytes (gemm_fp8.cuh OUT_BYTES)
 QUANT_WARPS = 8                # (token, group) items a quantiser CTA (quant_fp8.cuh WARPS)
 XQ, XS = "fp8_xq", "fp8_xs"    # the node's workspaces: the quantised x (4 bytes a word) and its scales
-PARTIALS = "fp8_partials"      # ... and the split GEMMs' partial tiles (rows of PARTIAL_FLOATS fp32)
-PARTIAL_FLOATS = 2 * 128 * 64  # a partial tile: each consumer thread's 64 sums (gemm_fp8.cuh PARTIAL_FLOATS)
-# Split K over at most SPLIT_MAX CTAs a tile: the tile's last CTA reads the other S - 1 partials
-# (up to 64 KB each at 128 tokens) from L2 alone, so past a few splits that sum costs more than
-# the SMs it adds stream; 8 takes o_proj's 16 tiles to 128 CTAs and q's 24 to 120 (5 splits).
-SPLIT_MAX = 8
-TICKETS = 1024                 # split tickets a kernel: one per tile; splits only where tiles <= this
+PARTIALS = "fp8_partials"      # ... and the split GEMMs' partial tiles (rows of PARTIAL_WORDS fp32)
 
 
 def smem(stages: int) -> int:
@@ -68,33 +63,6 @@ def fits(opts) -> bool:
 def serves(K: int) -> bool:
     """The shape condition (the table's fact "fp8_rows"): whole 16-byte chunks of K."""
     return K % 16 == 0
-
-
-def tiles(O: int, silu: bool) -> str:
-    """Output tiles at T tokens: 128-token row tiles x column tiles."""
-    return f"cdiv(T, {BM}) * {cdiv(O, BN // 2 if silu else BN)}"
-
-
-def splits(O: int, K: int, silu: bool) -> str:
-    """CTAs a tile (the kernel's `splits`, a size expression of T and SMS): enough splits of K that
-    tiles * splits reaches the SM count, at most SPLIT_MAX and one K block each; 1 where the tiles
-    alone fill the SMs or would not fit the tickets."""
-    cap = min(SPLIT_MAX, cdiv(K, BK))
-    if cap == 1:
-        return "1"
-    return f"max(1, min({cap}, min(SMS, {TICKETS}) // max(1, {tiles(O, silu)})))"
-
-
-def grid(O: int, K: int, silu: bool) -> str:
-    """The GEMM's grid: one CTA a tile up to the SM count (a persistent walk past it), times the
-    splits (> 1 only where the tiles are fewer than half the SMs: then exactly tiles * splits)."""
-    return f"min(SMS, {tiles(O, silu)}) * {splits(O, K, silu)}"
-
-
-def partial_rows(O: int, K: int, silu: bool) -> str:
-    """Partial tiles a split GEMM writes (splits * tiles; none where it does not split)."""
-    S = splits(O, K, silu)
-    return "0" if S == "1" else f"({S}) * {tiles(O, silu)} * min(1, ({S}) - 1)"
 
 
 def lower(nid, G, opts):
@@ -139,12 +107,7 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
     ws = (Workspace(XQ, ("T", K // 4), "i32"), Workspace(XS, ("T", KB), "f32"))
     silu = op == "gate_up_silu"
     groups = [(weights, outs[0], rows[0])] if silu else [([w], y, o) for w, y, o in zip(weights, outs, rows)]
-    # the node's GEMMs run one after another: one partials workspace, as large as the largest needs
-    need = sorted({partial_rows(O, K, silu) for _, _, O in groups} - {"0"})
-    rows_expr = need[0] if need else "0"
-    for r in need[1:]:
-        rows_expr = f"max({rows_expr}, {r})"
-    partials = Workspace(PARTIALS, (rows_expr, PARTIAL_FLOATS), "f32")
+    partials = partials_workspace(PARTIALS, "f32", K, [O for _, _, O in groups], silu)
 
     def only(g: str) -> str:
         return g if factor is None else f"{g} * {factor}"
@@ -170,7 +133,7 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
             name=kernel_name(FAMILY, [f"{opts.dtype}_wfp8", f"k{K}", f"silu{O}" if silu else f"o{O}"]),
             params={"variant": "gemm", "act": act, "K": K, "O": O, "silu": silu, "stages": STAGES, "smem": nbytes,
                     "threads": THREADS, "cols": cols, "box_rows": BOX, "box_k": BK, "bm": BM, "lo": lo,
-                    "tickets": TICKETS, "partial_floats": PARTIAL_FLOATS},
+                    "tickets": TICKETS, "partial_words": PARTIAL_WORDS},
             nodes=(nid,), grid=(only(grid(O, K, silu)), 1, 1), block=(THREADS, 1, 1),
             args=(work("xq", "int", XQ, writes=False), work("xs", "float", XS, writes=False), *w_args,
                   out("y", act, y), work("partials", "float", PARTIALS), size("T", "T"),

@@ -28,14 +28,9 @@
 //   * the epilogue rounds the tile into the consumer's 16 KB of shared memory and stores whole
 //     16-byte chunks of rows (moe_wgmma.cuh's reasons).
 //
-// Split K (decode batches): at T = 17..256 a linear has a few tiles (V2-Lite's kv_a 5, o_proj 16,
-// q 24 at T <= 128), so a grid of one CTA a tile streams the weight on a few of the SMs.  There
-// the lowering splits K: `splits` S CTAs a tile (the grid is tiles * S, both derived from T at run
-// time), split z taking the contiguous K blocks [z KB / S, (z + 1) KB / S) with the promotion per
-// block as above.  Each writes its fp32 partial tile (the rows below T) to the `partials`
-// workspace; the tile's CTA that arrives last (a self-resetting ticket, tickets.cuh) adds the S
-// partials in the order z = 0, 1, ..., S - 1 (the same sums whichever CTA is last) and runs the
-// epilogue.  S = 1 is the walk above, unchanged.
+// Split K (decode batches): gemm_split.cuh's -- `splits` CTAs a tile, each a contiguous range of K
+// blocks with the promotion per block as above, fp32 partial tiles summed in split order by the
+// tile's last CTA.  S = 1 is the walk above, unchanged.
 //
 // Needs K % 16 == 0 (whole 16-byte chunks of q rows; 16-byte strides for the weight's tensor map);
 // the lowering emits it only then (codegen/families/gemm_fp8.py).
@@ -44,13 +39,14 @@
 #include "mbarrier.cuh"
 #include "mma.cuh"
 #include "pdl.cuh"
-#include "tickets.cuh"
+#include "gemm_split.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace dsg {
 namespace gemm_fp8 {
 
+using namespace dsg::gemm_split;
 constexpr int LINEAR = 0, SILU = 1;
 constexpr int BLOCK = 128;            // the scale blocks of both operands
 constexpr int BM = 128;               // tokens per tile: two consumer warpgroups x 64
@@ -63,9 +59,6 @@ constexpr int ROW_BYTES = BK;                           // 128: the swizzle span
 constexpr int STAGE_BYTES = (BM + BN) * ROW_BYTES;      // 32 KB
 constexpr int OUT_ROW_BYTES = 128 * 2;                  // a staged row: up to 128 16-bit columns
 constexpr int OUT_BYTES = 64 * OUT_ROW_BYTES;           // 16 KB a consumer warpgroup
-constexpr int CONSUMERS = 256;                          // the two consumer warpgroups' threads
-constexpr int PARTIAL_FLOATS = CONSUMERS * 64;          // a split's partial tile: each consumer's 64 sums
-constexpr int CONSUMER_BARRIER = 3;                     // named barrier of both consumers (1, 2: each one's)
 static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 256 <= 65536, "gemm_fp8: register file");
 
 // One staged 16-byte chunk (8 columns from `col`) of an output row to dst: whole where vec (O % 8 == 0
@@ -84,20 +77,6 @@ __device__ __forceinline__ void store_chunk(T* dst, const uint4& chunk, int col,
 
 // Output columns a tile covers.
 __host__ __device__ constexpr int tile_cols(int mode) { return mode == SILU ? BN / 2 : BN; }
-
-// The K blocks [first, end) of split z of `splits`: contiguous, every split one or more (splits <= KB).
-struct KRange {
-  int first, end;
-};
-__device__ __forceinline__ KRange k_range(int z, int splits, int kb) {
-  return {z * kb / splits, (z + 1) * kb / splits};
-}
-
-// Work item i of the walk: tile i % tiles, split i / tiles (split 0 of every tile first).
-struct Item {
-  int tile, split;
-};
-__device__ __forceinline__ Item item_of(int i, int tiles) { return {i % tiles, i / tiles}; }
 
 // Dynamic shared memory: the ring, the two consumers' staging, and slack to start the ring on a
 // 1024-byte boundary (128B swizzle).
@@ -181,62 +160,6 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ qx, co
     }
   }
   dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
-}
-
-// Both consumer warpgroups (256 threads) meet at their named barrier; the producer is elsewhere.
-__device__ __forceinline__ void consumers_sync() {
-  asm volatile("bar.sync %0, %1;\n" ::"n"(CONSUMER_BARRIER), "n"(CONSUMERS) : "memory");
-}
-
-// A split's end of its tile (consumer threads; acc[4j + 2h + c]: this thread's rows a (h = 0) and
-// b (h = 1), row_ok[h]: the row is below T).  The partial goes to its slot of `partials` as 16
-// float4 a thread (float4 (8h + i) of consumer thread ct at (8h + i) * 256 + ct: a warp stores 512
-// contiguous bytes), rows at or past T neither written nor read; then the tile's ticket.  True in
-// the tile's last CTA, whose acc then holds the sum of the S partials in split order.
-__device__ __forceinline__ bool split_arrive(float (&acc)[64], float* __restrict__ partials,
-                                             unsigned int* __restrict__ tickets, Item w, int tiles, int splits,
-                                             const bool (&row_ok)[2], int* last) {
-  const int ct = threadIdx.x - 128;
-  const auto slot = [&](int z) {
-    return reinterpret_cast<float4*>(partials) + ((i64)z * tiles + w.tile) * (PARTIAL_FLOATS / 4) + ct;
-  };
-  float4* mine = slot(w.split);
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-    if (row_ok[h])
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        __stcg(mine + (8 * h + i) * CONSUMERS,
-               make_float4(acc[8 * i + 2 * h], acc[8 * i + 2 * h + 1], acc[8 * i + 4 + 2 * h], acc[8 * i + 5 + 2 * h]));
-  consumers_sync();                                    // every consumer's partial, gathered to thread ct 0
-  if (ct == 0) *last = take_ticket(&tickets[w.tile], splits);
-  consumers_sync();
-  if (!*last) return false;
-  float sum[64];
-#pragma unroll
-  for (int k = 0; k < 64; ++k) sum[k] = 0.f;
-  for (int z = 0; z < splits; ++z) {
-    if (z == w.split) {
-#pragma unroll
-      for (int k = 0; k < 64; ++k) sum[k] += acc[k];
-    } else {
-      const float4* p = slot(z);
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        if (row_ok[h])
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const float4 v = __ldcg(p + (8 * h + i) * CONSUMERS);   // other SMs wrote it: past L1
-            sum[8 * i + 2 * h] += v.x;
-            sum[8 * i + 2 * h + 1] += v.y;
-            sum[8 * i + 4 + 2 * h] += v.z;
-            sum[8 * i + 5 + 2 * h] += v.w;
-          }
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < 64; ++k) acc[k] = sum[k];
-  return true;
 }
 
 // Consumer warpgroup cw (0, 1): token rows 64 cw .. + 64 of each tile against its 128 weight rows.
@@ -337,7 +260,7 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
 
 // y [T, O] (16-bit) = the FP8 product above; w0 / sw0 the weight (SILU: the gate) and its scales,
 // w1 / sw1 SILU's up (unused for LINEAR).  `splits`: CTAs a tile (1: no split; the lowering's grid is
-// then at most the tiles, else exactly tiles * splits); `partials`: splits * tiles * PARTIAL_FLOATS
+// then at most the tiles, else exactly tiles * splits); `partials`: splits * tiles * PARTIAL_WORDS
 // floats where splits > 1 (else possibly empty); `tickets`: TICKETS counters, zero between launches.
 // The lowering splits only while the tiles fit the tickets; past that (uniform) the CTA exits with
 // y unwritten rather than index past them.

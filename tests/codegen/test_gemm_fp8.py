@@ -17,6 +17,7 @@ from test_linear_fp8 import _node  # noqa: E402
 
 from codegen import dispatch, sizes  # noqa: E402
 from codegen.arch import kernel_target  # noqa: E402
+from codegen.families import _gemm_split as gemm_split  # noqa: E402
 from codegen.families import gemm_fp8, linear_skinny  # noqa: E402
 from codegen.kernel import KernelLaunch, LibraryCall, Options, TensorMapRef, WeightRef, WorkspaceRef  # noqa: E402
 from ir.formats import FP8  # noqa: E402
@@ -69,7 +70,7 @@ def _geometry(la, T, sms=132):
     env = {"T": T, "SMS": sms}
     (S,) = [a.ref.expr for a in la.args if a.name == "splits"]
     (partials,) = [w for w in la.workspace if w.name == gemm_fp8.PARTIALS]
-    assert partials.shape[1] == gemm_fp8.PARTIAL_FLOATS and partials.dtype == "f32"
+    assert partials.shape[1] == gemm_split.PARTIAL_WORDS and partials.dtype == "f32"
     return sizes.evaluate(la.grid[0], env), sizes.evaluate(S, env), sizes.evaluate(partials.shape[0], env)
 
 
@@ -88,7 +89,7 @@ def test_at_decode_batches_k_splits_until_the_tiles_fill_the_sms(op):
         rows = []
         for la, n in zip(launches, tiles):
             t = -(-T // 128) * n
-            S = max(1, min(gemm_fp8.SPLIT_MAX, 16, 132 // t))
+            S = max(1, min(gemm_split.SPLIT_MAX, 16, 132 // t))
             grid, splits, partial_rows = _geometry(la, T)
             assert splits == S and grid == (t * S if S > 1 else min(132, t)), (la.name, T, grid, splits)
             rows.append(t * S if S > 1 else 0)
@@ -101,7 +102,7 @@ def test_at_decode_batches_k_splits_until_the_tiles_fill_the_sms(op):
     for la, n in zip(launches, tiles):
         grid, splits, _ = _geometry(la, 16384, sms=4096)
         t = 128 * n
-        S = max(1, min(gemm_fp8.SPLIT_MAX, 16, gemm_fp8.TICKETS // t))
+        S = max(1, min(gemm_split.SPLIT_MAX, 16, gemm_split.TICKETS // t))
         assert splits == S and grid == (t * S if S > 1 else min(4096, t))
 
 
