@@ -12,7 +12,11 @@ token range (`lower` gives them for one node at every T):
                  are one launch): exact int32 sums by wgmma .s32.s8.s8, then (float(acc) * s_w) * s_x
                  (templates/include/gemm_int8.cuh), bit-equal to the reference; the weight by TMA (a tensor
                  map of [64, 128] boxes), a persistent grid of 128 x 128 tiles (64 output columns for
-                 gate_up_silu).
+                 gate_up_silu).  Where the tiles are fewer than the SMs (decode batches: T = 17..256),
+                 K is split over `splits` CTAs a tile (codegen/families/_gemm_split.py, as gemm_fp8's):
+                 each writes its int32 partial tile to the node's workspace i8_partials and each
+                 tile's last CTA adds them as integers before the dequant, so the result stays
+                 bit-equal to the unsplit one; grid and `splits` come from T and SMS at run time.
 
 It serves where the target offers sm_90a, the activations are 16-bit, K % 16 == 0 (16-byte strides of
 the weight's tensor map) and K < 2^17 (exact int32 sums); elsewhere the exact library call stays.
@@ -26,6 +30,8 @@ from codegen.render import kernel_name
 from ir.formats import FORMATS, cdiv, companion_names, weight_format
 
 from ._dense_util import inner_dims, node_io
+from ._gemm_split import BK, BM, BN, PARTIAL_WORDS, TICKETS, grid, splits
+from ._gemm_split import partials as partials_workspace
 from .mla_decode_attention import smem_limit
 
 FAMILY = "gemm_int8"
@@ -35,7 +41,6 @@ PDL = True        # both kernels wait (griddepcontrol.wait) before reading x / x
 FEATURE = "sm_90a"
 INT8 = FORMATS["int8_channel"]
 
-BM, BN, BK = 128, 128, 128     # tokens, weight rows, K bytes per tile and stage (gemm_ring.cuh)
 BOX = 64                       # weight rows per TMA box (two a stage)
 THREADS = 384                  # a producer warpgroup and two consumer warpgroups
 STAGES = 6                     # 6 x 32 KB of ring + 32 KB of staging: 225 KB of the 227 a CTA may have
@@ -43,6 +48,7 @@ OUT_STAGING = 2 * 64 * 256     # each consumer's 64 rows x 256 bytes (gemm_ring.
 QUANT_THREADS = 256            # the quantiser's CTA (one a token row)
 MAX_K = 1 << 17                # exact int32 sums below it: K * 128 * 128 < 2^31
 XQ, XS = "i8_xq", "i8_xs"      # the node's workspaces: the quantised x (4 bytes a word) and its scales
+PARTIALS = "i8_partials"       # ... and the split GEMMs' partial tiles (rows of PARTIAL_WORDS int32)
 
 
 def qrow(K: int) -> int:
@@ -110,20 +116,21 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
     q = qrow(K)
     ws = (Workspace(XQ, ("T", q // 4), "i32"), Workspace(XS, ("T",), "f32"))
 
-    def grid(g: str) -> str:
+    def only(g: str) -> str:
         return g if factor is None else f"{g} * {factor}"
 
     quant = KernelLaunch(
         family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"k{K}", "quant_i8"]),
         params={"variant": "quant", "act": act, "K": K, "qrow": q, "threads": QUANT_THREADS, "lo": lo,
                 "wfmt": INT8.name},
-        nodes=(nid,), grid=(grid("T"), 1, 1), block=(QUANT_THREADS, 1, 1),
+        nodes=(nid,), grid=(only("T"), 1, 1), block=(QUANT_THREADS, 1, 1),
         args=(inp("x", act, x), stride("x_stride", x, 0), work("q", "signed char", XQ), work("s", "float", XS),
               size("T", "T")),
         workspace=ws, stage="quant_i8")
     silu = op == "gate_up_silu"
     groups = [(weights, outs[0], rows[0])] if silu else [([w], y, o) for w, y, o in zip(weights, outs, rows)]
     cols = BN // 2 if silu else BN
+    partials = partials_workspace(PARTIALS, "i32", K, [O for _, _, O in groups], silu)
     gemms = []
     for names, y, O in groups:
         if silu:
@@ -137,11 +144,12 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
             name=kernel_name(FAMILY, [f"{opts.dtype}_wi8", f"k{K}", f"silu{O}" if silu else f"o{O}"]),
             params={"variant": "gemm", "act": act, "K": K, "qrow": q, "O": O, "silu": silu, "stages": STAGES,
                     "smem": nbytes, "threads": THREADS, "cols": cols, "box_rows": BOX, "box_k": BK, "bm": BM,
-                    "lo": lo, "wfmt": INT8.name},
-            nodes=(nid,), grid=(grid(f"min(SMS, cdiv(T, {BM}) * {cdiv(O, cols)})"), 1, 1), block=(THREADS, 1, 1),
+                    "lo": lo, "wfmt": INT8.name, "tickets": TICKETS, "partial_words": PARTIAL_WORDS},
+            nodes=(nid,), grid=(only(grid(O, K, silu)), 1, 1), block=(THREADS, 1, 1),
             args=(work("xq", "signed char", XQ, writes=False), work("xs", "float", XS, writes=False), *w_args,
-                  out("y", act, y), size("T", "T")),
-            smem=nbytes, workspace=ws, stage="i8_wgmma", requires=(FEATURE,)))
+                  out("y", act, y), work("partials", "int", PARTIALS), size("T", "T"),
+                  size("splits", splits(O, K, silu))),
+            smem=nbytes, workspace=(*ws, partials), stage="i8_wgmma", requires=(FEATURE,)))
     return [quant, *gemms]
 
 

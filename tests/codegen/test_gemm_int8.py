@@ -3,7 +3,8 @@ token ranges), what the launches bind (the quantiser's workspaces, the weight's 
 companion), where the exact library call is left (no sm_90a, K % 16 != 0, K >= 2^17), and the machine code
 NVRTC makes for sm_90a: the int8 wgmma (IGMMA ... S8.S8: SASS's name for wgmma .s32.s8.s8), weight boxes by
 TMA, no spills, the epilogue's int -> float and two separate multiplies, the quantiser's correctly rounded
-division."""
+division; at decode batches the split of K (grid, the kernel's `splits`, the int32 partials workspace at
+several T and SM counts) and its ticket and partial stores in the SASS."""
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ from test_linear_int8 import I8, _int8_spec_text, _node  # noqa: E402
 from codegen import dispatch, sizes  # noqa: E402
 from codegen.arch import kernel_target  # noqa: E402
 from codegen.errors import LoweringError  # noqa: E402
+from codegen.families import _gemm_split as gemm_split  # noqa: E402
 from codegen.families import gemm_int8, linear_skinny  # noqa: E402
 from codegen.kernel import KernelLaunch, LibraryCall, Options, TensorMapRef, WeightRef, WorkspaceRef  # noqa: E402
 from codegen.tuning import LinearTuning, Tuning  # noqa: E402
@@ -51,10 +53,11 @@ def test_above_the_skinny_range_the_quantiser_and_the_int8_gemm_run(op):
     assert qrefs["s"] == ("float*", WorkspaceRef(gemm_int8.XS))
     for la in launches:
         assert la.requires == ("sm_90a",) and la.smem == gemm_int8.smem(gemm_int8.STAGES) <= 227 * 1024
-        assert {w.name for w in la.workspace} == set(ws) and la.params["wfmt"] == I8
+        assert {w.name for w in la.workspace} == {*ws, gemm_int8.PARTIALS} and la.params["wfmt"] == I8
         refs = {a.name: (a.ctype, a.ref) for a in la.args}
         assert refs["xq"] == ("const signed char*", WorkspaceRef(gemm_int8.XQ))
         assert refs["xs"] == ("const float*", WorkspaceRef(gemm_int8.XS))
+        assert refs["partials"] == ("int*", WorkspaceRef(gemm_int8.PARTIALS))
     if op == "gate_up_silu":
         (la,) = launches
         refs = {a.name: a.ref for a in la.args}
@@ -67,9 +70,70 @@ def test_above_the_skinny_range_the_quantiser_and_the_int8_gemm_run(op):
         assert [{a.name: a.ref for a in la.args}["sw"] for la in launches] == [WeightRef("q_scale"),
                                                                               WeightRef("kv_a_scale")]
         assert {a.name: a.ref for a in launches[0].args}["w"] == TensorMapRef("q", (64, 128), 128)
-        # kv_a's 576 rows: 5 column tiles (the last one 64 rows); at 17 tokens fewer tiles than SMs
-        assert sizes.evaluate(launches[1].grid[0], {"T": FIRST, "SMS": 132}) == 5
+        # kv_a's 576 rows: 5 column tiles (the last one 64 rows); at 17 tokens fewer tiles than SMs: K split 8 ways
+        assert sizes.evaluate(launches[1].grid[0], {"T": FIRST, "SMS": 132}) == 5 * 8
         assert sizes.evaluate(launches[0].grid[0], {"T": 512, "SMS": 132}) == 96
+
+
+def _geometry(la, T, sms=132):
+    """(grid, the kernel's splits, partial rows of the node's workspace) of a GEMM launch at T."""
+    env = {"T": T, "SMS": sms}
+    (S,) = [a.ref.expr for a in la.args if a.name == "splits"]
+    (partials,) = [w for w in la.workspace if w.name == gemm_int8.PARTIALS]
+    assert partials.shape[1] == gemm_split.PARTIAL_WORDS and partials.dtype == "i32"
+    return sizes.evaluate(la.grid[0], env), sizes.evaluate(S, env), sizes.evaluate(partials.shape[0], env)
+
+
+@pytest.mark.parametrize("op", ["linear", "multi_linear", "gate_up_silu"])
+def test_at_decode_batches_k_splits_until_the_tiles_fill_the_sms(op):
+    """V2-Lite's int8 linears at decode batches: where the tiles are fewer than half the SMs the grid is
+    tiles x splits (splits = SMS // tiles, at most SPLIT_MAX and one 128-byte K stage each) and the
+    kernel's `splits` argument is the same number; from there on one CTA a tile (a persistent walk past
+    the SM count), splits 1 and no partials.  The node's one int32 partials workspace holds the largest
+    GEMM's.  The same at an H200-like 132 SMs, a smaller part's 78 and a large one's 170."""
+    G, nid = _node(op, (I8, I8))
+    launches = [s for s in linear_skinny.lower(nid, G, Options()) if s.stage == "i8_wgmma"]
+    # (tiles at T <= 128) per GEMM: q 3072 / 128, kv_a 576 (a 64-row ceil tile), o_proj 2048,
+    # gate_up_silu's 10944 output columns in 64-column tiles
+    tiles = {"multi_linear": [24, 5], "linear": [16], "gate_up_silu": [171]}[op]
+    for sms in (132, 78, 170):
+        for T in (FIRST, 32, 64, 128, 129, 256, 257, 1000, 16384):
+            rows = []
+            for la, n in zip(launches, tiles):
+                t = -(-T // 128) * n
+                S = max(1, min(gemm_split.SPLIT_MAX, 16, sms // t))
+                grid, splits, partial_rows = _geometry(la, T, sms)
+                assert splits == S and grid == (t * S if S > 1 else min(sms, t)), (la.name, T, sms, grid, splits)
+                rows.append(t * S if S > 1 else 0)
+            assert partial_rows == max(rows), (T, sms, partial_rows, rows)
+    split = {la.name: _geometry(la, 32)[1] for la in launches}
+    assert {"multi_linear": {"gemm_int8__bf16_wi8__k2048__o3072": 5, "gemm_int8__bf16_wi8__k2048__o576": 8},
+            "linear": {"gemm_int8__bf16_wi8__k2048__o2048": 8},
+            "gate_up_silu": {"gemm_int8__bf16_wi8__k2048__silu10944": 1}}[op] == split
+    # more SMs than tickets: the tiles bound the split at TICKETS
+    for la, n in zip(launches, tiles):
+        grid, splits, _ = _geometry(la, 16384, sms=4096)
+        t = 128 * n
+        S = max(1, min(gemm_split.SPLIT_MAX, 16, gemm_split.TICKETS // t))
+        assert splits == S and grid == (t * S if S > 1 else min(4096, t))
+
+
+def test_a_short_k_splits_at_most_once_a_stage():
+    G, nid = _node("linear", (I8,), K=256)                  # two 128-byte K stages
+    (la,) = [s for s in linear_skinny.lower(nid, G, Options()) if s.stage == "i8_wgmma"]
+    assert _geometry(la, 32) == (16 * 2, 2, 16 * 2)
+    G, nid = _node("linear", (I8,), K=112)                  # one (partial) K stage: never split
+    (la,) = [s for s in linear_skinny.lower(nid, G, Options()) if s.stage == "i8_wgmma"]
+    assert _geometry(la, 32) == (16, 1, 0)
+
+
+def test_the_split_shares_the_fp8_gemms_expressions():
+    """One split rule for both GEMMs: the int8 and FP8 launches of the same shape get the same grid and
+    splits (one fact in one place: codegen/families/_gemm_split.py)."""
+    from codegen.families import gemm_fp8
+    assert gemm_int8.BM == gemm_fp8.BM and gemm_int8.BN == gemm_fp8.BN and gemm_int8.BK == gemm_fp8.BK
+    assert gemm_int8.grid is gemm_fp8.grid is gemm_split.grid
+    assert gemm_int8.splits is gemm_fp8.splits is gemm_split.splits
 
 
 @pytest.mark.parametrize("opts, K, why", [(Options(arch="sm_89"), 2048, "no sm_90a"),
@@ -107,7 +171,8 @@ def test_without_the_skinny_kernel_the_int8_gemm_serves_every_t():
 def test_the_family_lowers_one_node_alone_at_every_t_and_says_what_it_cannot_serve():
     G, nid = _node("gate_up_silu", (I8, I8))
     quant, gemm = gemm_int8.lower(nid, G, Options())
-    assert quant.grid[0] == "T" and gemm.grid[0] == "min(SMS, cdiv(T, 128) * 171)"
+    assert quant.grid[0] == "T" and gemm.grid[0] == gemm_split.grid(10944, 2048, True)
+    assert sizes.evaluate(gemm.grid[0], {"T": 300, "SMS": 132}) == 132
     G, nid = _node("linear", (None,), K=1001)
     with pytest.raises(LoweringError) as info:
         gemm_int8.lower(nid, G, Options(dtype="fp32", arch="sm_89"))
@@ -179,6 +244,10 @@ def test_the_int8_gemm_compiles_to_int8_wgmma_without_spills(op, K, dtype):
         assert not any(o.startswith(("HGMMA", "QGMMA", "LDL", "STL")) for o in ops), sorted(ops)
         if op != "gate_up_silu":
             assert not any(o.startswith("FFMA") for o in ops), "no FMA may merge the epilogue's two products"
+        # split K: the tile's ticket (one acquire-release add) and the int32 partials past L1 (16-byte .cg
+        # stores and loads, 16 a thread each)
+        assert ops["ATOMG.E.ADD.STRONG.GPU"] == 1, sorted(ops)
+        assert ops["STG.E.128.STRONG.GPU"] == 16 and ops["LDG.E.128.STRONG.GPU"] == 16, sorted(ops)
         assert wait_problem(instructions(res.cubin)[la.name]) is None
     qres = _compile(quant)
     assert "0 bytes stack frame" in qres.log and "0 bytes spill stores" in qres.log, qres.log

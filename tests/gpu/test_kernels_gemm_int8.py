@@ -20,9 +20,18 @@ stacked weights of odd heights (576: a 64-row last tile), x as a strided view, a
 the next channel's weight scale, the last k32 step dropped, the up rows scaled as their gate, the partial
 last K box dropped.
 
+Split K (decode batches, T = 17..256: the tiles fewer than the SMs): most draws split (each example's
+split counts are tallied and printed at the end); the int32 partials are summed as integers, so the split
+result is held to the same bit-exact reference.  V2-Lite's linears at T = 32 must split (S > 1) and match.
+`test_split_int8_gemm_runs_again_the_same` runs a launch twice, after another T (another tile count) and
+twice from a captured CUDA graph, outputs and partials poisoned each time, and wants the first run's
+output bit for bit.  Its mutants: the ticket never reset, the last split's partial left out of the sum.
+
 Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gemm_int8.py
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -33,6 +42,8 @@ from kernel_cases import Recorder, act, empty_out, kernel_test, model, runner, s
 from test_kernels_linear import x_view
 from test_kernels_linear_int8 import I8, ROW_KINDS, as_int8, assert_equal, int8_weights, special_rows
 
+from codegen import sizes
+from codegen.families import _gemm_split as gemm_split
 from codegen.families import gemm_int8, linear_skinny
 from codegen.kernel import KernelLaunch, LibraryCall, Options
 from ir.formats import companion_names
@@ -50,12 +61,27 @@ WIDTHS = st.one_of(st.sampled_from([16, 112, 128, 144, 1408, 2048, 2064, 2816, 1
 HEIGHTS = st.one_of(st.sampled_from([1, 8, 63, 64, 65, 127, 128, 129, 200, 576, 2048, 3072]), st.integers(1, 700))
 MAX_MACS = 6 * 10 ** 11     # T * K * O: the GPU reference's integer product stays well under a second
 CPU_MACS = 3 * 10 ** 7      # and the CPU's int64 one, checked as well below this
+SPLITS: Counter = Counter()    # examples by the largest split count of their GEMMs (printed at the end)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report():
     yield
     REC_SILU.report()
+    print("\nSPLITS gemm_int8 " + " ".join(f"S={k}:{v}" for k, v in sorted(SPLITS.items())))
+
+
+def _step_env(T: int) -> dict:
+    """The sizes the runner evaluates a launch's expressions with at T on this GPU (its SM count)."""
+    from runtime.launcher import KernelRunner
+    return KernelRunner.step_sizes({"T": T}, {})
+
+
+def split_counts(launches, T: int) -> list[int]:
+    """The GEMM launches' `splits` at T on this GPU: CTAs a tile (1: no split)."""
+    env = _step_env(T)
+    return [sizes.evaluate(next(a.ref.expr for a in la.args if a.name == "splits"), env)
+            for la in launches if la.stage == "i8_wgmma"]
 
 
 def gemm_launches(G, nid, dtype):
@@ -67,10 +93,14 @@ def gemm_launches(G, nid, dtype):
     return launches
 
 
-def poisoned_workspaces(T, K):
-    """The node's workspaces: 0x7f bytes and NaN scales (an element the quantiser does not write fails)."""
+def poisoned_workspaces(T, K, launches):
+    """The node's workspaces: 0x7f bytes and NaN scales (an element the quantiser does not write fails),
+    the split GEMMs' int32 partials 0x7f7f7f7f (a partial summed but never written moves the sum far)."""
     xq = torch.full((T, gemm_int8.qrow(K) // 4), 0x7F7F7F7F, dtype=torch.int32, device="cuda")
-    return {gemm_int8.XQ: xq, gemm_int8.XS: poison(torch.empty(T, device="cuda"))}
+    (rows,) = {sizes.evaluate(w.shape[0], _step_env(T)) for la in launches for w in la.workspace
+               if w.name == gemm_int8.PARTIALS}
+    partials = torch.full((rows, gemm_split.PARTIAL_WORDS), 0x7F7F7F7F, dtype=torch.int32, device="cuda")
+    return {gemm_int8.XQ: xq, gemm_int8.XS: poison(torch.empty(T, device="cuda")), gemm_int8.PARTIALS: partials}
 
 
 def check_quantiser(x, work, msg):
@@ -103,8 +133,8 @@ def tokens(T, K, dtype, extra, offset, kind, big, gen):
     return special_rows(x_view(T, K, dtype, extra, offset, gen), kind, gen)
 
 
-def run_case(dtype, T, K, rows, extra, offset, kind, big, shift, seed):
-    gen = torch.Generator().manual_seed(seed)
+def linear_graph(K, rows):
+    """A linear (one width) or multi_linear node with int8 weights w0, w1, ...: (G, nid, its outputs)."""
     m = model("lite")
     if len(rows) == 1:
         G, nid = single_op_graph(m, "linear", {"out_dim": rows[0]}, {"x": act(K)}, {"weight": "w0"})
@@ -112,15 +142,25 @@ def run_case(dtype, T, K, rows, extra, offset, kind, big, shift, seed):
         G, nid = single_op_graph(m, "multi_linear", {"out_dims": list(rows)}, {"x": act(K)},
                                  {f"weight{i}": f"w{i}" for i in range(len(rows))})
     as_int8(G)
-    outs = G.nodes[nid]["outputs"]
+    return G, nid, G.nodes[nid]["outputs"]
+
+
+def run_case(dtype, T, K, rows, extra, offset, kind, big, shift, seed):
+    """Runs the node at T and checks it bit for bit; returns the GEMMs' split counts."""
+    gen = torch.Generator().manual_seed(seed)
+    G, nid, outs = linear_graph(K, rows)
     names = [f"w{i}" for i in range(len(rows))]
     ws = int8_weights(names, rows, K, gen, big=big)
     x = tokens(T, K, dtype, extra, offset, kind, big, gen)
     ys = {o: shifted(empty_out((T, n), dtype), shift) for o, n in zip(outs, rows)}
-    work = runner().run_all(gemm_launches(G, nid, dtype), values={"x": x, **ys}, weights=ws, sizes={"T": T},
-                            workspaces=poisoned_workspaces(T, K))
+    launches = gemm_launches(G, nid, dtype)
+    S = split_counts(launches, T)
+    SPLITS[max(S)] += 1
+    work = runner().run_all(launches, values={"x": x, **ys}, weights=ws, sizes={"T": T},
+                            workspaces=poisoned_workspaces(T, K, launches))
     torch.cuda.synchronize()
-    msg = f"T={T} K={K} rows={list(rows)} extra={extra} offset={offset} kind={kind} big={big} shift={shift}"
+    msg = (f"T={T} K={K} rows={list(rows)} extra={extra} offset={offset} kind={kind} big={big} shift={shift} "
+           f"splits={S}")
     q, s = check_quantiser(x, work, msg)
     for o, name, n in zip(outs, names, rows):
         want = reference_out(q, s, ws, name, dtype)
@@ -128,6 +168,7 @@ def run_case(dtype, T, K, rows, extra, offset, kind, big, shift, seed):
             stored, comp = ws[name].cpu(), [ws[c].cpu() for c in companion_names(name, I8)]
             assert torch.equal(int_linear(x.cpu(), stored, comp, I8).to(TORCH_DTYPES[dtype]), want.cpu()), msg
         assert_equal(ys[o], want, f"{o} {msg}")
+    return S
 
 
 @SETTINGS
@@ -150,6 +191,13 @@ def run_case(dtype, T, K, rows, extra, offset, kind, big, shift, seed):
 @example(dtype="fp16", T=77, K=144, rows=[65], extra=0, offset=0, kind="random", big=True, shift=False, seed=8)
 @example(dtype="bf16", T=40, K=720, rows=[136], extra=8, offset=8, kind="tiny", big=False, shift=False, seed=9)
 @example(dtype="bf16", T=40, K=720, rows=[136], extra=0, offset=0, kind="huge", big=False, shift=True, seed=10)
+# V2-Lite's linears at a decode batch of 32, K split (132 SMs: q 5 ways, kv_a 8, o_proj 8, the dense down 8),
+# and at 200 tokens (kv_a's 10 tiles: 8 ways) with sums past 2^24
+@example(dtype="bf16", T=32, K=2048, rows=[3072, 576], extra=0, offset=0, kind="random", big=False, shift=False,
+         seed=11)
+@example(dtype="bf16", T=32, K=2048, rows=[2048], extra=0, offset=0, kind="ties", big=False, shift=False, seed=12)
+@example(dtype="bf16", T=32, K=10944, rows=[2048], extra=0, offset=0, kind="random", big=False, shift=False, seed=13)
+@example(dtype="fp16", T=200, K=2048, rows=[576], extra=8, offset=8, kind="random", big=True, shift=True, seed=14)
 def test_linear_int8_gemm(dtype, T, K, rows, extra, offset, kind, big, shift, seed):
     assume(T * K * sum(rows) <= MAX_MACS)
     run_case(dtype, T, K, rows, extra, offset, kind, big, shift, seed)
@@ -163,6 +211,8 @@ def test_linear_int8_gemm(dtype, T, K, rows, extra, offset, kind, big, shift, se
 @example(dtype="bf16", T=FIRST, K=2048, n=2816, extra=0, offset=0, shift=False, seed=2)
 @example(dtype="bf16", T=130, K=2064, n=200, extra=8, offset=8, shift=True, seed=3)
 @example(dtype="fp16", T=4096, K=144, n=65, extra=0, offset=0, shift=False, seed=4)
+# the shared experts' width at a decode batch: 44 tiles, K split 3 ways (132 SMs)
+@example(dtype="bf16", T=32, K=2048, n=2816, extra=0, offset=0, shift=False, seed=5)
 def test_gate_up_silu_int8_gemm(dtype, T, K, n, extra, offset, shift, seed):
     """Gate and up each exact (their own channels' scales, rounded to the activation type), then
     silu(gate) rounded, times up."""
@@ -174,13 +224,98 @@ def test_gate_up_silu_int8_gemm(dtype, T, K, n, extra, offset, shift, seed):
     ws["wu_scale"] = ws["wu_scale"] / 4   # gate over a few units (silu's curve), up near one
     x = x_view(T, K, dtype, extra, offset, gen)
     out = shifted(empty_out((T, n), dtype), shift)
-    work = runner().run_all(gemm_launches(G, nid, dtype), values={"x": x, "out": out}, weights=ws, sizes={"T": T},
-                            workspaces=poisoned_workspaces(T, K))
+    launches = gemm_launches(G, nid, dtype)
+    S = split_counts(launches, T)
+    SPLITS[max(S)] += 1
+    work = runner().run_all(launches, values={"x": x, "out": out}, weights=ws, sizes={"T": T},
+                            workspaces=poisoned_workspaces(T, K, launches))
     torch.cuda.synchronize()
-    msg = f"T={T} K={K} n={n} extra={extra} offset={offset} shift={shift}"
+    msg = f"T={T} K={K} n={n} extra={extra} offset={offset} shift={shift} splits={S}"
     q, s = check_quantiser(x, work, msg)
     g = reference_out(q, s, ws, "wg", dtype).double()
     u = reference_out(q, s, ws, "wu", dtype).double()
     expected = (g * torch.sigmoid(g)).to(TORCH_DTYPES[dtype]).double() * u
     REC_SILU.check(out, expected, dtype, msg)
     REC_SILU.example()
+
+
+# (K, output widths): V2-Lite's q + kv_a (one multi_linear), o_proj, the dense down; a short K of two stages
+SPLIT_SHAPES = [(2048, (3072, 576)), (2048, (2048,)), (10944, (2048,)), (256, (640,))]
+
+
+@pytest.mark.parametrize("shape", SPLIT_SHAPES[:3], ids=["q_kv_a", "o_proj", "dense_down"])
+def test_v2_lite_linears_split_at_a_decode_batch_of_32(shape):
+    """At T = 32 every V2-Lite linear's GEMM splits K (S > 1 for each of its launches) and stays bit-exact."""
+    K, rows = shape
+    G, nid, _ = linear_graph(K, rows)
+    S = split_counts(gemm_launches(G, nid, "bf16"), 32)
+    assert min(S) > 1, f"K={K} rows={list(rows)}: a GEMM does not split K at T = 32 ({S})"
+    assert run_case("bf16", 32, K, list(rows), 0, 0, "random", False, False, 21) == S
+
+
+@kernel_test(8)
+@given(dtype=st.sampled_from(DTYPES), T=st.integers(FIRST, 256), shape=st.sampled_from(SPLIT_SHAPES),
+       seed=st.integers(0, 2**31))
+@example(dtype="bf16", T=32, shape=SPLIT_SHAPES[1], seed=11)
+def test_split_int8_gemm_runs_again_the_same(dtype, T, shape, seed):
+    """The split GEMM's tickets reset themselves: a second run, a run after a launch of the same kernels at
+    another T (another tile count) and two replays of a captured CUDA graph each give the first run's
+    output bit for bit, with the outputs and the partials poisoned before every run; the first run bit-equal
+    to the reference as in test_linear_int8_gemm."""
+    K, rows = shape
+    gen = torch.Generator().manual_seed(seed)
+    G, nid, outs = linear_graph(K, rows)
+    names = [f"w{i}" for i in range(len(rows))]
+    ws = int8_weights(names, rows, K, gen)
+    launches = gemm_launches(G, nid, dtype)
+    S = split_counts(launches, T)
+    assert max(S) > 1, f"T={T} K={K} rows={list(rows)}: no GEMM splits K ({S})"
+
+    def problem(t, seed_):
+        x = x_view(t, K, dtype, 0, 0, torch.Generator().manual_seed(seed_))
+        return x, {o: empty_out((t, n), dtype) for o, n in zip(outs, rows)}
+
+    x, ys = problem(T, seed + 1)
+    work = runner().run_all(launches, values={"x": x, **ys}, weights=ws, sizes={"T": T},
+                            workspaces=poisoned_workspaces(T, K, launches))
+    torch.cuda.synchronize()
+    msg = f"T={T} K={K} rows={list(rows)} splits={S}"
+    q, s = check_quantiser(x, work, msg)
+    first = {}
+    for o, name in zip(outs, names):
+        assert_equal(ys[o], reference_out(q, s, ws, name, dtype), f"{o} {msg}")
+        first[o] = ys[o].clone()
+
+    def poison_all():
+        for t in (*ys.values(), *work.values()):
+            poison(t)
+
+    def same_as_first(what):
+        torch.cuda.synchronize()
+        for o in outs:
+            assert torch.equal(ys[o], first[o]), \
+                f"{o} {msg}: {what} differs from the first run at {int((ys[o] != first[o]).sum())} elements"
+
+    def run():
+        runner().run_all(launches, values={"x": x, **ys}, weights=ws, sizes={"T": T}, workspaces=work)
+
+    poison_all()
+    run()
+    same_as_first("a second run")
+    T2 = 300 if T <= 128 else 64                    # another tile count (and split count) in between
+    x2, ys2 = problem(T2, seed + 2)
+    runner().run_all(launches, values={"x": x2, **ys2}, weights=ws, sizes={"T": T2})
+    poison_all()
+    run()
+    same_as_first(f"a run after one at T={T2}")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    for rep in range(2):
+        poison_all()
+        graph.replay()
+        same_as_first(f"graph replay {rep}")

@@ -331,11 +331,11 @@ MUTANTS = [
            "include/tickets.cuh", '"st.relaxed.gpu.global.u32 [%0], 0;\\n"', '""',
            gemm_fp8.test_split_gemm_runs_again_the_same, dict(dtype="bf16", T=32, shape=gemm_fp8.SPLIT_SHAPES[1],
                                                                seed=41)),
-    Mutant("FP8 GEMM split K: the last split's partial left out of the sum", "include/gemm_fp8.cuh",
+    Mutant("FP8 GEMM split K: the last split's partial left out of the sum", "include/gemm_split.cuh",
            "for (int z = 0; z < splits; ++z) {", "for (int z = 0; z < splits - 1; ++z) {",
            gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=32, K=2048, rows=[2048], extra=0, offset=0,
                                                zero_rows=0, shift=False, seed=42)),
-    Mutant("FP8 GEMM split K: each split's K range one block short", "include/gemm_fp8.cuh",
+    Mutant("FP8 GEMM split K: each split's K range one block short", "include/gemm_split.cuh",
            "return {z * kb / splits, (z + 1) * kb / splits};",
            "return {z * kb / splits, (z + 1) * kb / splits - (splits > 1)};",
            gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=32, K=2048, rows=[3072, 576], extra=0, offset=0,
@@ -437,6 +437,14 @@ MUTANTS = [
            "const bool ok = m0 + r < num_tokens && kc < K / BK * BK;",
            gemm_int8.test_linear_int8_gemm, dict(dtype="bf16", T=40, K=2064, rows=[129], extra=0, offset=0,
                                                  kind="random", big=False, shift=False, seed=35)),
+    Mutant("int8 GEMM split K: the tickets never reset (a second run or graph replay writes nothing)",
+           "include/tickets.cuh", '"st.relaxed.gpu.global.u32 [%0], 0;\\n"', '""',
+           gemm_int8.test_split_int8_gemm_runs_again_the_same,
+           dict(dtype="bf16", T=32, shape=gemm_int8.SPLIT_SHAPES[1], seed=44)),
+    Mutant("int8 GEMM split K: the last split's partial left out of the sum", "include/gemm_split.cuh",
+           "for (int z = 0; z < splits; ++z) {", "for (int z = 0; z < splits - 1; ++z) {",
+           gemm_int8.test_linear_int8_gemm, dict(dtype="bf16", T=32, K=2048, rows=[2048], extra=0, offset=0,
+                                                 kind="random", big=False, shift=False, seed=45)),
 ]
 
 

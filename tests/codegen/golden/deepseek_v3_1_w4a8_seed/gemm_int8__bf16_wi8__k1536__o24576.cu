@@ -2,8 +2,8 @@
 // template: gemm_int8.cu.j2
 // kernel:   gemm_int8__bf16_wi8__k1536__o24576
 // role:     gemm_int8.i8_wgmma
-// params:   {"K":1536,"O":24576,"act":"__nv_bfloat16","bm":128,"box_k":128,"box_rows":64,"cols":128,"lo":17,"qrow":1536,"silu":false,"smem":230400,"stages":6,"threads":384,"variant":"gemm","wfmt":"int8_channel"}
-// includes: common.cuh, gemm_int8.cuh, gemm_ring.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, pdl.cuh, phases.cuh, quant_int8.cuh, tma.cuh, vec.cuh, wgmma.cuh
+// params:   {"K":1536,"O":24576,"act":"__nv_bfloat16","bm":128,"box_k":128,"box_rows":64,"cols":128,"lo":17,"partial_words":16384,"qrow":1536,"silu":false,"smem":230400,"stages":6,"threads":384,"tickets":1024,"variant":"gemm","wfmt":"int8_channel"}
+// includes: common.cuh, gemm_int8.cuh, gemm_ring.cuh, gemm_split.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, pdl.cuh, phases.cuh, quant_int8.cuh, tickets.cuh, tma.cuh, vec.cuh, wgmma.cuh
 // nodes:    L0-3.mla.q
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3_1_w4a8_seed.yaml:74 blocks.mla.ops[2] linear, layers 0-3 (as written)
@@ -11,6 +11,8 @@
 // linear above 16 tokens, int8 x int8: y [T, 24576] = x W^T from the quantised x (xq, xs) and the int8
 // weight W [24576, 1536] with its per-channel scales (sw); exact int32 sums, then (float(acc) * s_w) * s_x
 // (templates/include/gemm_int8.cuh), 128 output columns a tile.
+// K split over `splits` CTAs a tile where the tiles are fewer than the SMs (decode batches): the int32
+// partial tiles in `partials`, summed as integers by each tile's last CTA before the dequant.
 #include "gemm_int8.cuh"
 
 static_assert(dsg::gemm_ring::smem_bytes(6) == 230400, "shared memory size disagrees with the lowering");
@@ -20,6 +22,11 @@ static_assert(dsg::gemm_ring::tile_cols(dsg::gemm_ring::LINEAR) == 128,
 static_assert(dsg::gemm_ring::BOX == 64 && dsg::gemm_ring::BK == 128 && dsg::gemm_ring::BM == 128,
               "tensor-map box or row tile disagrees with the lowering");
 static_assert(dsg::quant::qrow(1536) == 1536, "quantised row bytes disagree with the lowering");
+static_assert(dsg::gemm_split::PARTIAL_WORDS == 16384, "split partial tile disagrees with the lowering");
+
+// Split-K tickets, one per output tile (the lowering splits only while the tiles fit), zero when
+// the module loads; each launch leaves them at zero again (tickets.cuh).
+__device__ unsigned int gemm_int8_tickets[1024];
 
 extern "C" __global__ void __launch_bounds__(384, 1)
 gemm_int8__bf16_wi8__k1536__o24576(
@@ -28,8 +35,10 @@ gemm_int8__bf16_wi8__k1536__o24576(
     const __grid_constant__ dsg::TensorMap w,
     const float* __restrict__ sw,
     __nv_bfloat16* __restrict__ y,
-    int T) {
+    int* __restrict__ partials,
+    int T,
+    int splits) {
   extern __shared__ __align__(16) char smem[];
-  dsg::gemm_int8::gemm<__nv_bfloat16, dsg::gemm_ring::LINEAR, 24576, 1536, 1536, 6>(
-      xq, xs, &w, sw, nullptr, nullptr, y, T, smem);
+  dsg::gemm_int8::gemm<__nv_bfloat16, dsg::gemm_ring::LINEAR, 24576, 1536, 1536, 6, 1024>(
+      xq, xs, &w, sw, nullptr, nullptr, y, partials, gemm_int8_tickets, T, splits, smem);
 }

@@ -2,8 +2,8 @@
 // template: gemm_int8.cu.j2
 // kernel:   gemm_int8__bf16_wi8__k7168__silu18432
 // role:     gemm_int8.i8_wgmma
-// params:   {"K":7168,"O":18432,"act":"__nv_bfloat16","bm":128,"box_k":128,"box_rows":64,"cols":64,"lo":17,"qrow":7168,"silu":true,"smem":230400,"stages":6,"threads":384,"variant":"gemm","wfmt":"int8_channel"}
-// includes: common.cuh, gemm_int8.cuh, gemm_ring.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, pdl.cuh, phases.cuh, quant_int8.cuh, tma.cuh, vec.cuh, wgmma.cuh
+// params:   {"K":7168,"O":18432,"act":"__nv_bfloat16","bm":128,"box_k":128,"box_rows":64,"cols":64,"lo":17,"partial_words":16384,"qrow":7168,"silu":true,"smem":230400,"stages":6,"threads":384,"tickets":1024,"variant":"gemm","wfmt":"int8_channel"}
+// includes: common.cuh, gemm_int8.cuh, gemm_ring.cuh, gemm_split.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, pdl.cuh, phases.cuh, quant_int8.cuh, tickets.cuh, tma.cuh, vec.cuh, wgmma.cuh
 // nodes:    L0-2.dense_ffn.g
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3_1_w4a8_seed.yaml:88 blocks.dense_ffn.ops[0] linear, layers 0-2 (fuse_sibling_linears, fuse_gate_up_silu)
@@ -13,6 +13,8 @@
 // gate_up_silu above 16 tokens, int8 x int8: y [T, 18432] = silu(x Wg^T) * (x Wu^T) from the quantised x
 // (xq, xs) and the int8 gate / up weights [18432, 7168] with their per-channel scales (sg, su); exact int32
 // sums, then (float(acc) * s_w) * s_x (templates/include/gemm_int8.cuh), 64 output columns a tile.
+// K split over `splits` CTAs a tile where the tiles are fewer than the SMs (decode batches): the int32
+// partial tiles in `partials`, summed as integers by each tile's last CTA before the dequant.
 #include "gemm_int8.cuh"
 
 static_assert(dsg::gemm_ring::smem_bytes(6) == 230400, "shared memory size disagrees with the lowering");
@@ -22,6 +24,11 @@ static_assert(dsg::gemm_ring::tile_cols(dsg::gemm_ring::SILU) == 64,
 static_assert(dsg::gemm_ring::BOX == 64 && dsg::gemm_ring::BK == 128 && dsg::gemm_ring::BM == 128,
               "tensor-map box or row tile disagrees with the lowering");
 static_assert(dsg::quant::qrow(7168) == 7168, "quantised row bytes disagree with the lowering");
+static_assert(dsg::gemm_split::PARTIAL_WORDS == 16384, "split partial tile disagrees with the lowering");
+
+// Split-K tickets, one per output tile (the lowering splits only while the tiles fit), zero when
+// the module loads; each launch leaves them at zero again (tickets.cuh).
+__device__ unsigned int gemm_int8_tickets[1024];
 
 extern "C" __global__ void __launch_bounds__(384, 1)
 gemm_int8__bf16_wi8__k7168__silu18432(
@@ -32,8 +39,10 @@ gemm_int8__bf16_wi8__k7168__silu18432(
     const __grid_constant__ dsg::TensorMap wu,
     const float* __restrict__ su,
     __nv_bfloat16* __restrict__ y,
-    int T) {
+    int* __restrict__ partials,
+    int T,
+    int splits) {
   extern __shared__ __align__(16) char smem[];
-  dsg::gemm_int8::gemm<__nv_bfloat16, dsg::gemm_ring::SILU, 18432, 7168, 7168, 6>(
-      xq, xs, &wg, sg, &wu, su, y, T, smem);
+  dsg::gemm_int8::gemm<__nv_bfloat16, dsg::gemm_ring::SILU, 18432, 7168, 7168, 6, 1024>(
+      xq, xs, &wg, sg, &wu, su, y, partials, gemm_int8_tickets, T, splits, smem);
 }

@@ -17,11 +17,17 @@
 // K box: its bytes past K are zeros on both sides (TMA fills the weight's, the copies the tokens').
 // O % 128 != 0: the weight rows past O are zeros and their columns are never stored.
 //
+// Split K (decode batches): gemm_split.cuh's -- `splits` CTAs a tile, each the int32 sum of a contiguous
+// range of K stages, written as an int32 partial tile; the tile's last CTA adds the partials as integers
+// (exact: the same int32 sums as the unsplit walk) before the dequant above, so a split result is
+// bit-equal to the unsplit one and to the reference.
+//
 // Needs K % 16 == 0 (16-byte strides for the weight's tensor map) and K < 2^17 (exact int32 sums); the
 // lowering emits it only then (codegen/families/gemm_int8.py).
 #pragma once
 #include "common.cuh"
 #include "gemm_ring.cuh"
+#include "gemm_split.cuh"
 #include "mbarrier.cuh"
 #include "pdl.cuh"
 #include "quant_int8.cuh"
@@ -32,6 +38,7 @@ namespace dsg {
 namespace gemm_int8 {
 
 using namespace dsg::gemm_ring;
+using namespace dsg::gemm_split;
 constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
 static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 256 <= 65536, "gemm_int8: register file");
 
@@ -65,23 +72,27 @@ __device__ __forceinline__ void fence_acc(int (&d)[64]) {
 // Consumer warpgroup cw (0, 1): token rows 64 cw .. + 64 of each tile against its 128 weight rows.
 template <typename T, int MODE, int O, int K, int ST>
 __device__ __forceinline__ void consume(const float* __restrict__ sx, const float* __restrict__ sw0,
-                                        const float* __restrict__ sw1, int num_tokens, unsigned ring,
-                                        unsigned long long* full, unsigned long long* empty, char* staging,
-                                        T* __restrict__ y, int cw) {
+                                        const float* __restrict__ sw1, int num_tokens, int splits,
+                                        int* __restrict__ partials, unsigned int* __restrict__ tickets,
+                                        unsigned ring, unsigned long long* full, unsigned long long* empty,
+                                        char* staging, T* __restrict__ y, int cw) {
   constexpr int KB = (K + BK - 1) / BK, COLS = tile_cols(MODE), NCT = (O + COLS - 1) / COLS;
   constexpr int CH = COLS / 8;                         // 16-byte chunks of a staged row
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, tid = threadIdx.x & 127;
   const bool vec = O % 8 == 0 && (reinterpret_cast<unsigned long long>(y) & 15ull) == 0;   // uniform
-  const int total = num_tiles(num_tokens, MODE, O);
+  const int tiles = num_tiles(num_tokens, MODE, O);
+  __shared__ int last;                                 // split_arrive's answer to the consumers
   int acc[64];
   int it = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const int m0 = t / NCT * BM, n0 = t % NCT * COLS;
+  for (int i = blockIdx.x; i < tiles * splits; i += gridDim.x) {
+    const Item w = item_of(i, tiles);
+    const KRange kr = k_range(w.split, splits, KB);
+    const int m0 = w.tile / NCT * BM, n0 = w.tile % NCT * COLS;
     const int ra = m0 + 64 * cw + 16 * warp + (lane >> 2), rb = ra + 8;   // this thread's two token rows
     // rows past T: any row's scale (never stored); loaded now, used after the K loop
     const float xs[2] = {sx[min(ra, num_tokens - 1)], sx[min(rb, num_tokens - 1)]};
     int prev = -1;                                     // the stage whose wgmmas may still be in flight
-    for (int kb = 0; kb < KB; ++kb, ++it) {
+    for (int kb = kr.first; kb < kr.end; ++kb, ++it) {
       const int s = it % ST;
       mbar::wait(&full[s], (it / ST) & 1);
       mbar::fence_proxy_async();                       // the token rows were cp.async (generic) writes
@@ -91,7 +102,8 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
       wgmma::fence();
 #pragma unroll
       for (int k32 = 0; k32 < BK / 32; ++k32)
-        mma_m64n128k32(acc, wgmma::desc_advance(da, k32), wgmma::desc_advance(db, k32), kb | k32);
+        mma_m64n128k32(acc, wgmma::desc_advance(da, k32), wgmma::desc_advance(db, k32),
+                       (kb - kr.first) | k32);
       wgmma::commit();
       wgmma::wait<1>();                                // the previous stage's wgmmas are done: free it
       if (prev >= 0 && lane == 0) mbar::arrive(&empty[prev]);
@@ -100,6 +112,8 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
     wgmma::wait<0>();
     fence_acc(acc);
     if (lane == 0) mbar::arrive(&empty[prev]);
+    const bool row_ok[2] = {ra < num_tokens, rb < num_tokens};
+    if (splits > 1 && !split_arrive(acc, partials, tickets, w, tiles, splits, row_ok, &last)) continue;
 
     // Epilogue: acc[4j + 2h + c] is tile row 64 cw + 16 warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + c
     // (SILU: j < 8 gate, j + 8 the same column's up).  Rounded into this warpgroup's staging rows (16-byte
@@ -134,8 +148,8 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
     }
     wgmma::warpgroup_sync(1 + cw);                     // the staging rows are whole
 #pragma unroll
-    for (int i = 0; i < 64 * CH / 128; ++i) {
-      const int idx = tid + 128 * i, r = idx / CH, ch = idx % CH;
+    for (int q = 0; q < 64 * CH / 128; ++q) {
+      const int idx = tid + 128 * q, r = idx / CH, ch = idx % CH;
       const int row = m0 + 64 * cw + r, col = n0 + 8 * ch;
       if (row >= num_tokens || col >= O) continue;
       const uint4 chunk = *reinterpret_cast<const uint4*>(staging + r * OUT_ROW_BYTES + ((ch ^ (r & 7)) << 4));
@@ -145,11 +159,16 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
 }
 
 // y [T, O] (16-bit) = the int8 product above; w0 / sw0 the weight (SILU: the gate) and its channel
-// scales, w1 / sw1 SILU's up (unused for LINEAR); qx rows QROW bytes apart.
-template <typename T, int MODE, int O, int K, int QROW, int ST>
+// scales, w1 / sw1 SILU's up (unused for LINEAR); qx rows QROW bytes apart.  `splits`: CTAs a tile (1: no
+// split; the lowering's grid is then at most the tiles, else exactly tiles * splits); `partials`: splits *
+// tiles * PARTIAL_WORDS int32 where splits > 1 (else possibly empty); `tickets`: TICKETS counters, zero
+// between launches.  The lowering splits only while the tiles fit the tickets; past that (uniform) the
+// CTA exits with y unwritten rather than index past them.
+template <typename T, int MODE, int O, int K, int QROW, int ST, int TICKETS>
 __device__ __forceinline__ void gemm(const signed char* __restrict__ qx, const float* __restrict__ sx,
                                      const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
-                                     const float* __restrict__ sw1, T* __restrict__ y, int num_tokens, char* smem) {
+                                     const float* __restrict__ sw1, T* __restrict__ y, int* __restrict__ partials,
+                                     unsigned int* __restrict__ tickets, int num_tokens, int splits, char* smem) {
   static_assert(sizeof(T) == 2, "gemm_int8: 16-bit output");
   static_assert(K % 16 == 0, "gemm_int8: weight rows 16-byte multiples apart (TMA strides)");
   static_assert(K < 131072, "gemm_int8: int32 accumulators are exact below K = 2^17");
@@ -157,6 +176,7 @@ __device__ __forceinline__ void gemm(const signed char* __restrict__ qx, const f
   static_assert(smem_bytes(ST) + 2 * ST * 8 <= 227 * 1024, "gemm_int8: ring + staging exceed a CTA's 227 KB");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   dsg::pdl_wait();                                     // qx and sx are the quantiser's output
+  if (splits > 1 && num_tiles(num_tokens, MODE, O) > TICKETS) return;
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;        // 128B-swizzle tiles start on 1024-byte boundaries
   if (threadIdx.x == 0) ring_init<ST>(full, empty);
@@ -165,11 +185,12 @@ __device__ __forceinline__ void gemm(const signed char* __restrict__ qx, const f
   if (wg == 0) {
     wgmma::setmaxnreg_dec<PRODUCER_REGS>();
     produce<MODE, O, K, QROW, ST>(reinterpret_cast<const unsigned char*>(qx), w0, w1, num_tokens,
-                                  smem + (ring - raw), full, empty);
+                                  splits, smem + (ring - raw), full, empty);
   } else {
     wgmma::setmaxnreg_inc<CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * STAGE_BYTES + (wg - 1) * OUT_BYTES;
-    consume<T, MODE, O, K, ST>(sx, sw0, sw1, num_tokens, ring, full, empty, staging, y, wg - 1);
+    consume<T, MODE, O, K, ST>(sx, sw0, sw1, num_tokens, splits, partials, tickets, ring, full, empty, staging, y,
+                               wg - 1);
   }
   dsg::pdl_launch_dependents();
 }

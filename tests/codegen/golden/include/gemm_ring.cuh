@@ -2,8 +2,9 @@
 // type: its tile, the mbarrier ring, the producer warpgroup and the epilogue's staged 16-byte stores.
 // gemm_int8.cuh builds on it (int8 x int8 -> int32); gemm_fp8.cuh holds the same pieces for e4m3.
 //
-//   * a persistent grid walks tiles t = blockIdx.x, + gridDim.x, ...: row tile t / NCT (BM tokens),
-//     column tile t % NCT, so the CTAs running together share the tokens' row tile;
+//   * a persistent grid walks work items i = blockIdx.x, + gridDim.x, ...: tile t = i % tiles, row
+//     tile t / NCT (BM tokens), column tile t % NCT, so the CTAs running together share the tokens'
+//     row tile; K split i / tiles of `splits` (gemm_split.cuh; 1: the whole of K, item = tile);
 //   * warpgroup 0 produces (registers given back with setmaxnreg), warpgroups 1 and 2 consume, each
 //     64 of the tile's 128 tokens against its 128 weight rows, through a ring of ST stages handshaken
 //     on mbarriers (full: landed; empty: both consumers are done with it);
@@ -16,6 +17,7 @@
 //   * the epilogue rounds a tile into its consumer's 16 KB of staging and stores whole 16-byte chunks.
 #pragma once
 #include "common.cuh"
+#include "gemm_split.cuh"
 #include "mbarrier.cuh"
 #include "mma.cuh"
 #include "tma.cuh"
@@ -71,13 +73,14 @@ __device__ __forceinline__ void ring_init(unsigned long long* full, unsigned lon
 }
 
 // Producer: the 128 threads of warpgroup 0.  Token rows of q [T, QROW] bytes (QROW % 16 == 0, its
-// first K bytes the row's); thread p copies 16-byte chunk p % 8 of token rows p / 8 + 16 i (i < 8):
+// first K bytes the row's); thread p copies 16-byte chunk p % 8 of token rows p / 8 + 16 j (j < 8):
 // a warp covers four whole 128-byte row slices per instruction, and all of a thread's rows share
 // r % 8, so one swizzled chunk position.  Bytes past K and rows past T land as zeros (as TMA fills
-// the weight's box past K and past O).  Thread 0 also issues the weight boxes.
+// the weight's box past K and past O).  Thread 0 also issues the weight boxes.  A work item's stages
+// are its split's K blocks.
 template <int MODE, int O, int K, int QROW, int ST>
 __device__ __forceinline__ void produce(const unsigned char* __restrict__ q, const TensorMap* w0, const TensorMap* w1,
-                                        int num_tokens, char* ring, unsigned long long* full,
+                                        int num_tokens, int splits, char* ring, unsigned long long* full,
                                         unsigned long long* empty) {
   static_assert(QROW % 16 == 0 && QROW >= K, "gemm_ring: token rows of whole 16-byte chunks");
   constexpr int KB = (K + BK - 1) / BK, NCT = (O + tile_cols(MODE) - 1) / tile_cols(MODE);
@@ -87,14 +90,16 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ q, con
     tma::prefetch(w0);
     if (MODE == SILU) tma::prefetch(w1);
   }
-  const int total = num_tiles(num_tokens, MODE, O);
+  const int tiles = num_tiles(num_tokens, MODE, O);
   int it = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const int m0 = t / NCT * BM, n0 = t % NCT * tile_cols(MODE);
+  for (int i = blockIdx.x; i < tiles * splits; i += gridDim.x) {
+    const gemm_split::Item w = gemm_split::item_of(i, tiles);
+    const gemm_split::KRange kr = gemm_split::k_range(w.split, splits, KB);
+    const int m0 = w.tile / NCT * BM, n0 = w.tile % NCT * tile_cols(MODE);
     // the second LINEAR box starts past O when O - n0 <= BOX: left out (its columns are never
     // stored), so no box lies wholly outside the tensor
     const bool box1 = MODE == SILU || n0 + BOX < O;
-    for (int kb = 0; kb < KB; ++kb, ++it) {
+    for (int kb = kr.first; kb < kr.end; ++kb, ++it) {
       const int s = it % ST;
       mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
       char* a = ring + s * STAGE_BYTES;
@@ -107,8 +112,8 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ q, con
       }
       const int kc = k0 + 16 * c;                      // this thread's 16 columns (bytes) of K
 #pragma unroll
-      for (int i = 0; i < BM / 16; ++i) {
-        const int r = r0 + 16 * i;
+      for (int j = 0; j < BM / 16; ++j) {
+        const int r = r0 + 16 * j;
         const bool ok = m0 + r < num_tokens && kc < K;  // else zeros: rows past T, K past the last box's end
         const unsigned char* from = q + (ok ? (i64)(m0 + r) * QROW + kc : 0);
         dsg::mma::cp_async16(a + r * ROW_BYTES + chunk, from, ok ? 16 : 0);
