@@ -40,8 +40,14 @@ __device__ __forceinline__ void consumers_sync() {
 
 // The 16-byte vector of four accumulator words: float4 for fp32 sums, int4 for int32 ones.
 template <typename A> struct Vec4;
-template <> struct Vec4<float> { using type = float4; static __device__ __forceinline__ float4 make(float a, float b, float c, float d) { return make_float4(a, b, c, d); } };
-template <> struct Vec4<int> { using type = int4; static __device__ __forceinline__ int4 make(int a, int b, int c, int d) { return make_int4(a, b, c, d); } };
+template <> struct Vec4<float> {
+  using type = float4;
+  static __device__ __forceinline__ float4 make(float a, float b, float c, float d) { return make_float4(a, b, c, d); }
+};
+template <> struct Vec4<int> {
+  using type = int4;
+  static __device__ __forceinline__ int4 make(int a, int b, int c, int d) { return make_int4(a, b, c, d); }
+};
 
 // A split's end of its tile (consumer threads; acc[4j + 2h + c]: this thread's rows a (h = 0) and
 // b (h = 1), row_ok[h]: the row is below T).  The partial goes to its slot of `partials` as 16
@@ -49,8 +55,9 @@ template <> struct Vec4<int> { using type = int4; static __device__ __forceinlin
 // stores 512 contiguous bytes), rows at or past T neither written nor read; then the tile's ticket.
 // True in the tile's last CTA, whose acc then holds the sum of the S partials in split order.
 template <typename A>
-__device__ __forceinline__ bool split_arrive(A (&acc)[64], A* __restrict__ partials, unsigned int* __restrict__ tickets,
-                                             Item w, int tiles, int splits, const bool (&row_ok)[2], int* last) {
+__device__ __forceinline__ bool split_arrive(A (&acc)[64], A* __restrict__ partials,
+                                             unsigned int* __restrict__ tickets, Item w, int tiles, int splits,
+                                             const bool (&row_ok)[2], int* last) {
   using V = typename Vec4<A>::type;
   const int ct = threadIdx.x - 128;
   const auto slot = [&](int z) {
@@ -62,8 +69,8 @@ __device__ __forceinline__ bool split_arrive(A (&acc)[64], A* __restrict__ parti
     if (row_ok[h])
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        __stcg(mine + (8 * h + i) * CONSUMERS,
-               Vec4<A>::make(acc[8 * i + 2 * h], acc[8 * i + 2 * h + 1], acc[8 * i + 4 + 2 * h], acc[8 * i + 5 + 2 * h]));
+        __stcg(mine + (8 * h + i) * CONSUMERS, Vec4<A>::make(acc[8 * i + 2 * h], acc[8 * i + 2 * h + 1],
+                                                             acc[8 * i + 4 + 2 * h], acc[8 * i + 5 + 2 * h]));
   consumers_sync();                                    // every consumer's partial, gathered to thread ct 0
   if (ct == 0) *last = take_ticket(&tickets[w.tile], splits);
   consumers_sync();
