@@ -165,6 +165,15 @@ def _fp8_plans() -> dict:
     return _plans_after("deepseek_v2_lite", list(PIPELINE), extra="\n" + weight_formats_yaml(FP8_CHECKPOINT_GLOBS, FP8))
 
 
+def _int_plans() -> dict:
+    """V2-Lite in msModelSlim's W4A8 layout (int8 linears: the skinny kernel's and gemm_int8's launches,
+    their quantisers; packed int4 experts)."""
+    from ir.config_to_spec import msmodelslim_weight_formats
+    from ir.passes import PIPELINE
+    return _plans_after("deepseek_v2_lite", list(PIPELINE),
+                        extra=msmodelslim_weight_formats("w8a8_dynamic", "w4a8_dynamic", True))
+
+
 def _key(k) -> str:
     return json.dumps([k.name, k.template, k.params], sort_keys=True)
 
@@ -178,11 +187,12 @@ def _problems(case: str) -> dict:
     if case == "unfused":
         seen = _problems("deepseek_v2_lite")
         plans = [_unfused_plans("deepseek_v2_lite"), _partly_fused_plans("deepseek_v2_lite")]
-    elif case == "variants":   # the parallel align below its default bound; the GEMV and the mma; FP8 weights
+    elif case == "variants":   # the parallel align below its default bound; the GEMV and the mma; FP8 and int weights
         # launch (decode's wgmma off: they serve fp32, odd KD, other targets)
         seen = {**_problems("deepseek_v2_lite"), **_problems("unfused")}
         opts = dataclasses.replace(DEFAULTS, tuning=Tuning(moe=MoeTuning(align_parallel_above=512, decode_wgmma=False)))
-        plans = [_unfused_plans("deepseek_v2_lite", opts), plan_spec(str(lite), opts).plans, _fp8_plans()]
+        plans = [_unfused_plans("deepseek_v2_lite", opts), plan_spec(str(lite), opts).plans, _fp8_plans(),
+                 _int_plans()]
     else:
         plans = [plan_spec(str(ROOT / "model_specs" / f"{case}.yaml"), DEFAULTS).plans]
     sources = [k for k in _pdl_sources(plans).values() if _key(k) not in seen]
