@@ -134,6 +134,7 @@ class Recorder:
         norm-wise check then measures each element's error beyond its slack (on a few hundred
         outputs, one element's accumulation error within the bound reached the bf16 norm-wise one)."""
         a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+        slack = None if slack is None else slack.detach().double().cpu()
         err = float((a - e).abs().max()) if a.numel() else 0.0
         if err != err:  # NaN: an element was not written
             err = float("inf")
@@ -142,13 +143,13 @@ class Recorder:
             assert_close(actual, expected, dtype, msg)
         else:
             rtol, atol = tolerance(dtype)
-            over = (a - e).abs() > atol + rtol * e.abs() + slack.detach().double().cpu()
+            over = (a - e).abs() > atol + rtol * e.abs() + slack
             over |= a.isnan()
             assert not over.any(), (f"{msg}: {int(over.sum())} of {a.numel()} elements beyond the tolerance and "
                                     f"the accumulation slack, first at {over.nonzero()[0].tolist()}")
         if slack is not None:   # the error beyond the slack, of the error's sign
             d = a - e
-            actual = e + d.sign() * (d.abs() - slack.detach().double().cpu()).clamp(min=0)
+            actual = e + d.sign() * (d.abs() - slack).clamp(min=0)
             actual[a.isnan()] = float("nan")
         rel = assert_strict(actual, expected, dtype, f"{self.family} {msg}".strip())
         self.worst_rel[dtype] = max(self.worst_rel.get(dtype, 0.0), rel)

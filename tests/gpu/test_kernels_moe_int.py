@@ -219,6 +219,13 @@ def one_token(E, experts):
     return [int(e in experts) for e in range(E)]
 
 
+def up_near_one(name: str, weights: dict, ref_w: dict, fmt) -> None:
+    """The up weight `name` (bound and reference) at a quarter of bind_weights' scale: the gate spans a
+    few units (silu's curve), up stays near one, so silu(g) * u keeps the scale of a real model's."""
+    weights[companion_names(name, fmt)[0]] /= 4
+    ref_w["up"] = (ref_w["up"][0], ref_w["up"][1] / 4, *ref_w["up"][2:])
+
+
 def run_case(op: str, case: dict) -> None:
     """One example of moe_gate_up_silu / moe_down on int4 experts (the module docstring's comparisons)."""
     dtype, counts, K, KD, N = (case[k] for k in ("dtype", "counts", "K", "KD", "N"))
@@ -239,10 +246,8 @@ def run_case(op: str, case: dict) -> None:
             name = companion_names(G.nodes[nid]["weights"][r], fmt)[0]
             weights[name] /= 8
             ref_w[r] = (ref_w[r][0], ref_w[r][1] / 8, *ref_w[r][2:])
-    if not down:   # gate over a few units (silu's curve), up near one
-        name = G.nodes[nid]["weights"]["up"]
-        weights[companion_names(name, fmt)[0]] /= 4
-        ref_w["up"] = (ref_w["up"][0], ref_w["up"][1] / 4, *ref_w["up"][2:])
+    if not down:
+        up_near_one(G.nodes[nid]["weights"]["up"], weights, ref_w, fmt)
     qx, sx = quantize_activation(inp.cpu())
     work = quant_workspaces(quant, rows, KD)
     qname, sname = (w.name for w in quant.workspace[:2])
@@ -334,9 +339,7 @@ def test_moe_expert_ffn_wi4(case):
     x = special_rows(torch.randn(T, D, generator=gen).to("cuda", tdt), case["kind"], gen)
     weights, ref_w = bind_weights(G.nodes[nid]["weights"], {"gate": (E, M, D), "up": (E, M, D), "down": (E, D, M)},
                                   gen, case["shift"])
-    name = G.nodes[nid]["weights"]["up"]     # up near one, as run_case's
-    weights[companion_names(name, INT4)[0]] /= 4
-    ref_w["up"] = (ref_w["up"][0], ref_w["up"][1] / 4, *ref_w["up"][2:])
+    up_near_one(G.nodes[nid]["weights"]["up"], weights, ref_w, INT4)
     qx, sx = quantize_activation(x.cpu())
     g, u = (exact(qx, sx, *ref_w[r], ref_r, K, False, dtype) for r in ("gate", "up"))
     a = silu_mul(g, u, tdt)
