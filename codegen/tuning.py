@@ -112,6 +112,8 @@ class LinearTuning(_Section):
     row_tiles: int = _knob(1, choices=(1, 2, 4), doc="skinny kernel: 16-row weight tiles a CTA")
     unroll: int = _knob(4, choices=(1, 2, 4, 8), doc="skinny kernel: weight loads in flight a thread")
     ksplit: int = _knob(1, choices=(1, 2, 4, 8), doc="skinny kernel: K split over a cluster of this many CTAs")
+    i8_prologue_upto: int = _knob(0, 0, 16, doc="skinny kernel, int8 weights: up to this many tokens each CTA "
+                                                "quantises x itself in its prologue (no quantiser launch; 0: never)")
     # FP8 weights (templates/include/fp8.cuh), measured on an H100 (bench/perf_linear_fp8.py): rolling x4 for
     # linear / multi_linear (two CTAs an SM), batch x1 for gate_up_silu (thousands of rows; three CTAs an SM).
     fp8_pipeline: str = _knob("rolling", choices=("rolling", "batch"),
