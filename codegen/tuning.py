@@ -72,6 +72,9 @@ class MoeTuning(_Section):
                                             "expert inputs quantised to e4m3 per row per 128 columns for the FP8 x "
                                             "FP8 grouped GEMM (DeepSeek-V3's dynamic activation scheme); false: "
                                             "decode's weight-only FP8 kernel at every T, activations kept 16-bit")
+    int_down_prologue_upto: int = _knob(0, 0, 16, doc="integer expert weights: down quantises its pair rows in each "
+                                                      "CTA's prologue up to this many tokens (no quantiser launch; "
+                                                      "0: never)")
     align_parallel_above: typing.Optional[int] = _knob(6144, 0, 1 << 24,
                                                         doc="pairs above which the route aligns in count / scan / "
                                                             "scatter launches (none: one CTA always)")

@@ -32,26 +32,20 @@ struct XqSmem {
   static constexpr int BYTES = MAX + 4 * ROWS * (THREADS / 32);
 };
 
-// Rows [0, ntok) of x [ntok, K] (rows x_stride apart) -> q [ntok, qrow(K)] int8 (zero padded) and s
-// [ntok] float32 in shared memory, every thread of the CTA taking part; ntok <= ROWS.  The quantiser
-// launch's arithmetic (module comment).  Ends with the barrier that publishes q and s.
-template <typename T, int K, int ROWS, int THREADS>
-__device__ __forceinline__ void quantize_rows_shared(const T* __restrict__ x, i64 x_stride, int ntok,
-                                                     unsigned char* smem) {
+// n rows of bf16 / fp16 activations -> int8 rows of qrow(K) bytes (zero padded) and their float32 scales
+// in shared memory, every thread of the CTA taking part: row t is read from src(t) and written to q row
+// dst(t) and s[dst(t)]; part holds n * THREADS / 32 floats (each row's partial maxima).  vec: every src(t)
+// is 16-byte aligned and K % 8 == 0 (16-byte loads).  The quantiser launch's arithmetic (module comment).
+// Ends with the barrier that publishes q and s.
+template <typename T, int K, int THREADS, typename Src, typename Dst>
+__device__ __forceinline__ void quantize_rows_shared(Src src, Dst dst, int n, bool vec, signed char* q, float* s,
+                                                     float* part) {
   static_assert(sizeof(T) == 2, "quantiser: bf16 or fp16 activations");
   static_assert(THREADS % 32 == 0, "quantiser: whole warps");
-  typedef XqSmem<K, ROWS, THREADS> L;
   constexpr int QROW = qrow(K), WARPS = THREADS / 32;
-  signed char* q = reinterpret_cast<signed char*>(smem + L::Q);
-  float* s = reinterpret_cast<float*>(smem + L::S);
-  float* part = reinterpret_cast<float*>(smem + L::MAX);
   const int tid = (int)threadIdx.x;
-  auto row_of = [&](int t) { return x + (i64)t * x_stride; };
-  // 16-byte loads where every row allows them (K % 8 == 0, x aligned, rows a whole number of 16 bytes apart)
-  bool vec = false;
-  if constexpr (K % 8 == 0) vec = aligned16(x) && x_stride % 8 == 0;
-  for (int t = 0; t < ntok; ++t) {
-    const T* row = row_of(t);
+  for (int t = 0; t < n; ++t) {
+    const T* row = src(t);
     float amax = 0.f;
     if (vec) {
       for (int i = 8 * tid; i < K; i += 8 * THREADS) {
@@ -67,17 +61,17 @@ __device__ __forceinline__ void quantize_rows_shared(const T* __restrict__ x, i6
     if ((tid & 31) == 0) part[t * WARPS + (tid >> 5)] = amax;
   }
   __syncthreads();
-  if (tid < ntok) {
+  if (tid < n) {
     float amax = part[tid * WARPS];
 #pragma unroll
     for (int w = 1; w < WARPS; ++w) amax = fmaxf(amax, part[tid * WARPS + w]);
-    s[tid] = scale_of(amax);
+    s[dst(tid)] = scale_of(amax);
   }
   __syncthreads();
-  for (int t = 0; t < ntok; ++t) {
-    const T* row = row_of(t);
-    signed char* out = q + t * QROW;
-    const float sc = s[t];
+  for (int t = 0; t < n; ++t) {
+    const T* row = src(t);
+    signed char* out = q + (i64)dst(t) * QROW;
+    const float sc = s[dst(t)];
     if (vec) {   // the second read of the row hits L1
       for (int i = 8 * tid; i < QROW; i += 8 * THREADS)
         *reinterpret_cast<uint2*>(out + i) =
@@ -127,7 +121,13 @@ __device__ __forceinline__ void linear_i8_xq(const T* __restrict__ x, i64 x_stri
   typedef dsg::quant::XqSmem<K, XQ, WARPS * 32> L;
   i8_prefetch_rows<K, RT, SILU, ROWS...>(m, blockIdx.x * RT * TILE);
   dsg::pdl_wait();   // x is the previous kernel's output
-  dsg::quant::quantize_rows_shared<T, K, XQ, WARPS * 32>(x, x_stride, ntok, smem);
+  auto row_of = [&](int t) { return x + (i64)t * x_stride; };
+  // 16-byte loads where every row allows them (K % 8 == 0, x aligned, rows a whole number of 16 bytes apart)
+  const bool vec = K % 8 == 0 && aligned16(x) && x_stride % 8 == 0;
+  dsg::quant::quantize_rows_shared<T, K, WARPS * 32>(row_of, [](int t) { return t; }, ntok, vec,
+                                                     reinterpret_cast<signed char*>(smem + L::Q),
+                                                     reinterpret_cast<float*>(smem + L::S),
+                                                     reinterpret_cast<float*>(smem + L::MAX));
   linear_i8<T, K, WARPS, RT, U, SILU, ROWS...>(reinterpret_cast<const signed char*>(smem + L::Q),
                                                 reinterpret_cast<const float*>(smem + L::S), m, out, ntok, red);
 }

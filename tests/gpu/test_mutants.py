@@ -396,7 +396,7 @@ MUTANTS = [
            linear_int8.test_quantiser_int8, dict(dtype="bf16", T=3, K=720, extra=0, offset=0, shift=False,
                                                  kind="ties", seed=21)),
     Mutant("int8 prologue: the scale x1.01", "include/int8_prologue.cuh",
-           "s[tid] = scale_of(amax);", "s[tid] = scale_of(amax) * 1.01f;",
+           "s[dst(tid)] = scale_of(amax);", "s[dst(tid)] = scale_of(amax) * 1.01f;",
            linear_int8.test_linear_int8_prologue_equals_the_quantiser_and_kernel, _prologue_case(seed=24)),
     Mutant("int8 prologue: the last row read from the row after it", "include/int8_prologue.cuh",
            "auto row_of = [&](int t) { return x + (i64)t * x_stride; };",
