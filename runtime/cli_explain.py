@@ -44,7 +44,8 @@ def add_explain_args(p: argparse.ArgumentParser) -> None:
                    help="decode: each sequence's context length")
     p.add_argument("--sms", type=whole_number(1), default=132, metavar="N",
                    help="SMs of the GPU the grids are sized for (an H100 / H200 has 132)")
-    p.add_argument("--weights", choices=("bf16", "fp8", "w8a8", "w4a8"), default="bf16",
+    from .bench import WEIGHTS
+    p.add_argument("--weights", choices=WEIGHTS, default="bf16",
                    help="the weights' storage, as `dsgraph bench --weights` compiles the spec (fp8: V3's blocks; "
                         "w8a8 / w4a8: msModelSlim's int8 linears and int8 / packed int4 experts)")
     p.add_argument("--knobs", action="store_true", help="list the tuning knobs and exit")
