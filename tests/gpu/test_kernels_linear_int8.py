@@ -363,8 +363,8 @@ def test_linear_int8_prologue_equals_the_quantiser_and_kernel(dtype, T, n, K, ro
     if not linear_skinny.xq_fits(K, n, variant[0] or 8, variant[1] or 1, Options()):
         n = T
     gen = torch.Generator().manual_seed(seed)
-    if silu:
-        rows = rows[:1] * 2
+    if silu:   # rows past the 16-bit range would meet silu's -inf / inf (NaN) in both launches: plain rows
+        rows, kind = rows[:1] * 2, "random" if kind in ("ties", "huge") else kind
         G, nid = single_op_graph(model("lite"), "gate_up_silu", {"out_dim": rows[0]}, {"x": act(K)},
                                  {"gate": "w0", "up": "w1"})
         as_int8(G)
