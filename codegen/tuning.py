@@ -72,6 +72,9 @@ class MoeTuning(_Section):
                                             "expert inputs quantised to e4m3 per row per 128 columns for the FP8 x "
                                             "FP8 grouped GEMM (DeepSeek-V3's dynamic activation scheme); false: "
                                             "decode's weight-only FP8 kernel at every T, activations kept 16-bit")
+    fp8_act_epilogue: bool = _knob(False, doc="with fp8_activations: gate_up_silu's FP8 x FP8 epilogue writes a "
+                                              "as e4m3 rows and per-128-column scales (bit-equal to down's "
+                                              "quantiser) in a's place, and down runs without its quantiser launch")
     align_parallel_above: typing.Optional[int] = _knob(6144, 0, 1 << 24,
                                                         doc="pairs above which the route aligns in count / scan / "
                                                             "scatter launches (none: one CTA always)")
