@@ -75,6 +75,9 @@ class MoeTuning(_Section):
     int_down_prologue_upto: int = _knob(0, 0, 16, doc="integer expert weights: down quantises its pair rows in each "
                                                       "CTA's prologue up to this many tokens (no quantiser launch; "
                                                       "0: never)")
+    fp8_act_epilogue: bool = _knob(False, doc="with fp8_activations: gate_up_silu's FP8 x FP8 epilogue writes a "
+                                              "as e4m3 rows and per-128-column scales (bit-equal to down's "
+                                              "quantiser) in a's place, and down runs without its quantiser launch")
     align_parallel_above: typing.Optional[int] = _knob(6144, 0, 1 << 24,
                                                         doc="pairs above which the route aligns in count / scan / "
                                                             "scatter launches (none: one CTA always)")
