@@ -324,6 +324,20 @@ def v_up(t: Tuning = DEFAULT_TUNING) -> Table:
         Case({}, _rows(("simt", 1, INF, "CUDA cores")), "elsewhere")), ("mma", "weight_format"))
 
 
+# -- persistent decode segments -------------------------------------------------------------------
+
+def segments(t: Tuning = DEFAULT_TUNING) -> Table:
+    """Runs of launches as one persistent launch (codegen/segments.py).  Facts: phase; segments
+    (Tuning.persistent.segments).  A segment's own token range is its members' (where they all run)."""
+    per_op = ("per_op", 1, INF, "a launch per op: the reference and fallback")
+    return Table("segments", "tokens", (
+        Case({"phase": "decode", "segments": True},
+             _rows(("segment", 1, INF, "each run of launches with task bodies (norms, 16-bit skinny linears) as "
+                                       "one persistent launch: CTAs take the tiles in order and wait on counters")),
+             "decode, persistent.segments on"),
+        Case({}, _rows(per_op), "elsewhere")), ("phase", "segments"))
+
+
 # -- lookups ---------------------------------------------------------------------------------------
 
 TABLES = {
@@ -341,6 +355,7 @@ TABLES = {
     "mla_decode_prologue": decode_query,
     "mla_decode_query": decode_query,
     "mla_v_up": v_up,
+    "segments": segments,
 }
 
 

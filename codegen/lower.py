@@ -36,7 +36,7 @@ import networkx as nx
 from ir.formats import UNSCALED, weight_format
 from ir.graph import topo_order
 
-from . import families, sizes
+from . import families, segments, sizes
 from .errors import LoweringError
 from .kernel import (CTX_FIELDS, POINTER_REFS, SCALAR_KINDS, Arg, CtxRef, KernelLaunch, LibraryCall, Options,
                      SizeRef, StrideRef, TensorMapRef, WorkspaceRef)
@@ -288,4 +288,4 @@ def lower_graph(G: nx.DiGraph, opts: Options | None = None, *, strict: bool = Tr
         plan.nodes[nid] = NodeInfo(layer=data.get("layer"), outputs=tuple(data["outputs"]))
     plan.buffers = buffer_plan(G, order)
     plan.arena = arena_slots(plan)
-    return plan
+    return segments.apply(plan, opts)

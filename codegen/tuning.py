@@ -137,11 +137,22 @@ class LinearTuning(_Section):
 
 
 @dataclass(frozen=True)
+class PersistentTuning(_Section):
+    """Decode's persistent launches across ops (codegen/segments.py): not yet run on a GPU, so off."""
+    NAME = "persistent"
+    segments: bool = _knob(False, doc="decode: each maximal run of consecutive launches whose families have a task "
+                                      "body (norms, 16-bit skinny linears) as one persistent segment launch, its "
+                                      "CTAs taking the tiles in order and waiting on counters instead of kernel "
+                                      "boundaries (off: a launch per op)")
+
+
+@dataclass(frozen=True)
 class Tuning:
     moe: MoeTuning = field(default_factory=MoeTuning)
     route: RouteTuning = field(default_factory=RouteTuning)
     attention: AttentionTuning = field(default_factory=AttentionTuning)
     linear: LinearTuning = field(default_factory=LinearTuning)
+    persistent: PersistentTuning = field(default_factory=PersistentTuning)
 
     def __post_init__(self):
         for sec in dataclasses.fields(self):

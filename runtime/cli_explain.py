@@ -106,6 +106,7 @@ def explain_lines(spec, *, tokens, phases=PHASES, arch=DEFAULTS.arch, dtype=DEFA
             lines.append("")
             lines.append(f"{phase}, T = {T}" + (f" ({T} sequences of {context} tokens)" if phase == "decode"
                                                  else " (one prompt)") + (f", NP = {T * P}" if P else ""))
+            lines += _segment_lines(plan, sizes, T, opts)
             seen: dict = {}
             for nid, steps in per_node.items():
                 op = G.nodes[nid]["op"]
@@ -124,6 +125,20 @@ def explain_lines(spec, *, tokens, phases=PHASES, arch=DEFAULTS.arch, dtype=DEFA
                 if why:
                     lines.append(f"    why    {why}")
     return lines
+
+
+def _segment_lines(plan, sizes: dict, T: int, opts) -> list[str]:
+    """Where persistent segments run at T (codegen/segments.py): how many, and the launches they save."""
+    from codegen import dispatch
+    segs = [s for s in plan.launches if s.family == "segment" and _runs(s, sizes, T)]
+    if not segs:
+        return []
+    after = sum(1 for s in plan.launches if _runs(s, sizes, T))
+    members = sum(len(s.params["members"]) for s in segs)
+    row = dispatch.select("segments", T, {"phase": plan.phase, "segments": True}, opts.tuning)
+    return [f"  segments: {len(segs)} persistent launches run {members} members' tiles: "
+            f"{after + members - len(segs)} launches -> {after}",
+            f"    why    {row.variant} [tokens {row.span}]: {row.reason}"]
 
 
 def task_lines(spec, *, batches, arch=DEFAULTS.arch, dtype=DEFAULTS.dtype, context=512, sms=132,

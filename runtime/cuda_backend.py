@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from codegen import sizes as size_exprs
-from codegen.kernel import DEFAULTS, KernelLaunch, LibraryCall
+from codegen.kernel import DEFAULTS, KernelLaunch, LibraryCall, ValueRef
 from codegen.memplan import ArenaPlan, workspace_slot
 from ir.context import StepContext
 from ir.formats import FORMATS, FP8, companion_names, dequantize
@@ -138,6 +138,7 @@ class CudaBackend:
         self.pairs_per_token = plans_pairs_per_token(plans, top_k)
         self.use_graphs = True        # steps replay CUDA graphs (turn off to launch every step eagerly)
         self._schedules: dict[str, list] = {}   # phase -> its steps by node (_schedule)
+        self._placed_first: dict[tuple, tuple] = {}   # (phase, node) -> values placed before its launches
         self._layouts: dict[tuple, dict] = {}     # (phase, sizes its buffers read) -> name -> _layout
         self._buffer_sizes: dict[str, tuple] = {}  # phase -> the size names its buffer plan reads
         self.arena_plans = {phase: ArenaPlan(plan.arena) for phase, plan in plans.items()}
@@ -320,7 +321,7 @@ class CudaBackend:
                 self._linear(call, env, rows=ctx.logit_rows)   # the head: only the rows used, a new tensor
                 continue
             info = plan.nodes[node]
-            for out in info.outputs:
+            for out in self._outputs(phase, node, launches):
                 self._materialize(out, plan, env, sizes, ctx, device, shapes, placed, arena)
             if call is not None:
                 if call.op in _ALLOCATING:
@@ -334,6 +335,23 @@ class CudaBackend:
             if ctx.logit_rows is not None and "logits" in info.outputs:   # a kernel made them: all rows
                 env["logits"] = env["logits"].index_select(0, ctx.logit_rows)
         return env["logits"].float() if as_float else env["logits"]
+
+    def _outputs(self, phase: str, node: str, launches) -> tuple[str, ...]:
+        """The values to place before a node's launches run: its outputs, and where a launch serves
+        several nodes (a persistent segment, codegen/segments.py) every member's outputs and the views
+        its members read, which their own nodes' turns would make only after it.  Made once a node."""
+        key = (phase, node)
+        got = self._placed_first.get(key)
+        if got is None:
+            plan = self.plans[phase]
+            names = list(plan.nodes[node].outputs)
+            for launch in launches:
+                if len(launch.nodes) > 1:
+                    names += [o for n in launch.nodes for o in plan.nodes[n].outputs]
+                    names += [a.ref.name for a in launch.args if isinstance(a.ref, ValueRef)
+                              and a.ref.name in plan.buffers]
+            got = self._placed_first[key] = tuple(dict.fromkeys(names))
+        return got
 
     def _linear(self, call: LibraryCall, env: dict, rows: torch.Tensor | None = None) -> None:
         """x @ w.T through cuBLAS, one GEMM per weight (a multi_linear has several); `rows`

@@ -349,3 +349,12 @@ def tasks(launch, tiling):
             start += n
         tiles.append(tiling.tile(k, [x], writes))
     return tiles
+
+
+def segment_body(launch):
+    """Its task body in a persistent segment (templates/include/task_bodies.cuh): a CTA's row tiles, for
+    weights in the activation dtype without a cluster (the segment's CTAs are not clustered); None else."""
+    p = launch.params
+    if p.get("quant") or p["wfmt"] not in ("bf16", "fp16", "fp32") or p["ks"] != 1:
+        return None
+    return {"kind": "linear", **{k: p[k] for k in ("K", "rows", "warps", "rt", "unroll", "silu", "w_args", "y_args")}}

@@ -27,3 +27,9 @@ def lower(nid, G, opts):
 def tasks(launch, tiling):
     """The decode task graph's tiles (codegen/tasks.py): one per token, its rows only."""
     return tiling.per_token(launch)
+
+
+def segment_body(launch):
+    """Its task body in a persistent segment (templates/include/task_bodies.cuh): one token row a task."""
+    p = launch.params
+    return {"kind": "rms_norm", "N": p["N"], "eps": p["eps"]}

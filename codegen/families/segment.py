@@ -1,0 +1,64 @@
+"""segment: a persistent decode segment, one launch running the tasks of a run of member launches
+(codegen/segments.py decides the runs; templates/segment.cu.j2, templates/include/segment.cuh).
+
+It implements no graph op: `launch` builds it from the member launches.  Member j's arguments are
+its own, renamed m<j>_<name>, plus m<j>_tasks (its grid, the tasks it brings: evaluated by the
+runtime like any size); its body (the member family's `segment_body`) names the device function.
+The launch's nodes are the members' with the lead first: the runtime binds the ctx kv_cache of the
+node that leads (codegen/segments.py picks the member that binds one)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+from codegen.errors import LoweringError
+from codegen.kernel import DTYPES, Arg, KernelLaunch, SizeRef
+from codegen.render import kernel_name
+
+FAMILY = "segment"
+TEMPLATE = "segment.cu.j2"
+OPS = ()
+PDL = True    # every CTA waits (griddepcontrol.wait) before it reads a value, writes or takes a task
+SKINNY_RED_TILE = 16 * 16    # skinny.cuh: floats of a warp's partial sums per row tile (TILE x MAX_TOKENS)
+NORM_SCRATCH = 32            # norm.cuh's block_sum: a float a warp
+
+
+def lower(nid, G, opts):
+    raise LoweringError(f"{nid}: a segment is made from a decode plan's launches (codegen/segments.py), "
+                        f"not lowered from a node")
+
+
+def smem_floats(body: dict) -> int:
+    if body["kind"] == "linear":
+        return body["warps"] * body["rt"] * SKINNY_RED_TILE
+    return NORM_SCRATCH
+
+
+def launch(members, bodies, waits, *, lead: int, gate: str | None, pdl: bool) -> KernelLaunch:
+    """One launch for `members` (KernelLaunch, in plan order) with their `bodies` (segment_body) and
+    `waits` (per member, the earlier members it waits for); `lead` the member whose node leads;
+    `gate` the factor of the token range every member runs in (None: every T)."""
+    threads = {m.block for m in members}
+    if len(threads) != 1 or any(tuple(m.grid[1:]) != (1, 1) for m in members):
+        raise LoweringError(f"a segment's members share one block size and have 1-D grids: "
+                            f"{', '.join(m.name for m in members)}")
+    (block,) = threads
+    act = members[0].params["act"]
+    args, infos = [], []
+    for j, (m, body, w) in enumerate(zip(members, bodies, waits)):
+        args += [dataclasses.replace(a, name=f"m{j}_{a.name}") for a in m.args]
+        args.append(Arg(f"m{j}_tasks", "int", SizeRef(m.grid[0])))
+        infos.append({**body, "kernel": m.name, "waits": list(w)})
+    params = {"act": act, "threads": block[0], "members": infos, "smem_floats": max(map(smem_floats, bodies))}
+    digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
+    dtype = {c: d for d, c in DTYPES.items()}[act]
+    total = " + ".join(f"({m.grid[0]})" for m in members)
+    grid = f"min(SMS, {total})" + (f" * {gate}" if gate else "")
+    nodes = [n for m in (members[lead], *members[:lead], *members[lead + 1:]) for n in m.nodes]
+    origins = tuple(o for m in members for o in m.origins)
+    return KernelLaunch(family=FAMILY, template=TEMPLATE,
+                        name=kernel_name(FAMILY, [dtype, f"{len(members)}m", digest]), params=params,
+                        nodes=tuple(dict.fromkeys(nodes)), grid=(grid, 1, 1), block=block, args=tuple(args),
+                        stage="", origins=origins, pdl=pdl, requires=tuple(sorted({r for m in members
+                                                                                     for r in m.requires})))

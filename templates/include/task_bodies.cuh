@@ -1,0 +1,78 @@
+// Task bodies of a persistent segment (segment.cuh): what one CTA of a member launch does, given the
+// tile index it would have had as blockIdx.x, and the weights it streams, for the L2 prefetch while
+// the task waits.  Each body computes exactly what its own kernel's CTA computes (the same device
+// functions, the same rounding), so a segment's outputs are bit-equal to the launches it replaces.
+// Every thread of the CTA calls a body; the segment's block size is the member's.
+#pragma once
+#include "norm.cuh"
+#include "segment.cuh"
+#include "skinny.cuh"
+
+namespace dsg {
+namespace seg {
+
+// rms_norm.cu.j2's CTA t: out[t] = rms_norm(x[t]) * w.
+template <typename T, int N, int THREADS>
+__device__ __forceinline__ void rms_norm_task(const T* x, i64 x_stride, const T* w, T* out, float eps, int t,
+                                              float* scratch) {
+  typedef RowLayout<T, N, THREADS> L;
+  float wv[L::ITEMS], v[L::ITEMS];
+  L::load(w, wv);
+  L::load(x + (i64)t * x_stride, v);
+  rms_norm_row_loaded<T, N, L>(v, wv, eps, scratch);
+  L::store(out + (i64)t * N, v);
+}
+
+// fused_add_rms_norm.cu.j2's CTA t: s[t] = x[t] + res[t] (rounded), h[t] = rms_norm(s[t]) * w.
+template <typename T, int N, int THREADS>
+__device__ __forceinline__ void add_rms_norm_task(const T* x, i64 x_stride, const T* res, i64 res_stride,
+                                                  const T* w, T* h, T* s, float eps, int t, float* scratch) {
+  typedef RowLayout<T, N, THREADS> L;
+  float wv[L::ITEMS], v[L::ITEMS], r[L::ITEMS];
+  L::load(w, wv);
+  L::load(x + (i64)t * x_stride, v);
+  L::load(res + (i64)t * res_stride, r);
+#pragma unroll
+  for (int i = 0; i < L::ITEMS; ++i) v[i] = round_to<T>(v[i] + r[i]);
+  L::store(s + (i64)t * N, v);
+  rms_norm_row_loaded<T, N, L>(v, wv, eps, scratch);
+  L::store(h + (i64)t * N, v);
+}
+
+// A norm's weight row.
+template <typename T, int N>
+__device__ __forceinline__ void norm_prefetch(const T* w) {
+  prefetch_rows(1, (long long)N * sizeof(T), [&](int) { return w; });
+}
+
+// skinny.cuh's linear for the CTA of tile `tile` (KS = 1: a segment has no clusters).
+template <typename T, int K, int WARPS, int RT, int U, bool SILU, int... ROWS>
+__device__ __forceinline__ void linear_task(const T* x, i64 x_stride, const skinny::Mats<T, sizeof...(ROWS)>& m,
+                                            int ntok, int tile, float* red) {
+  const int row0 = tile * RT * skinny::TILE;
+  const bool vec = skinny::vec_ok<T, K, (int)sizeof...(ROWS)>(x, x_stride, m);
+  if constexpr (skinny::IsF32<T>::value) {
+    if (vec) skinny::fp32_tiles<K, WARPS, RT, true, 1, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+    else skinny::fp32_tiles<K, WARPS, RT, false, 1, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+    skinny::fp32_store<WARPS, RT, 1, SILU, ROWS...>(m, ntok, row0, red);
+  } else if (ntok <= 8) {
+    if (vec) skinny::mma_tiles<T, K, WARPS, RT, U, 1, true, 1, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+    else skinny::mma_tiles<T, K, WARPS, RT, U, 1, false, 1, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+    skinny::mma_store<T, WARPS, RT, 1, 1, SILU, ROWS...>(m, ntok, row0, red);
+  } else {
+    if (vec) skinny::mma_tiles<T, K, WARPS, RT, U, 2, true, 1, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+    else skinny::mma_tiles<T, K, WARPS, RT, U, 2, false, 1, SILU, ROWS...>(x, x_stride, m, ntok, row0, red);
+    skinny::mma_store<T, WARPS, RT, 2, 1, SILU, ROWS...>(m, ntok, row0, red);
+  }
+}
+
+// The weight rows of a linear's tile.
+template <typename T, int K, int RT, bool SILU, int... ROWS>
+__device__ __forceinline__ void linear_prefetch(const skinny::Mats<T, sizeof...(ROWS)>& m, int tile) {
+  const int row0 = tile * RT * skinny::TILE;
+  prefetch_rows(RT * skinny::TILE, (long long)K * sizeof(T),
+                [&](int r) { return skinny::weight_row<T, K, SILU, ROWS...>(m, row0 + r); });
+}
+
+}  // namespace seg
+}  // namespace dsg
