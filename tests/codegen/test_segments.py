@@ -193,7 +193,7 @@ def segment_order(g, by_op, rng: random.Random, drop: tuple | None = None) -> li
 @given(batch=st.sampled_from([1, 3, 16]), seed=st.randoms(use_true_random=False))
 def test_any_order_the_waits_allow_reads_what_the_kernel_per_op_step_reads(batch, seed):
     g, by_op = graph("tiny", batch)
-    assert len(by_op) >= 2 and any(w for _, waits in by_op for w in waits)
+    assert by_op and any(w for _, waits in by_op for w in waits)
     order = segment_order(g, by_op, seed)
     assert sorted(order) == list(range(len(g.tasks)))
     assert simulate(g, g.tiling, order) == []
