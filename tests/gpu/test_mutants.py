@@ -32,6 +32,7 @@ import test_kernels_moe_gemm_fp8 as moe_gemm_fp8
 import test_kernels_moe_int as moe_int
 import test_kernels_moe_wgmma as moe_wgmma
 import test_kernels_moe_wgmma_skinny as moe_wgmma_skinny
+import test_kernels_persistent as persistent
 from harness import GPU_MARKS
 from kernel_cases import templates_from
 
@@ -240,6 +241,10 @@ MUTANTS = [
            "m.y[0][(i64)tok * N + col] = from_float<T>(s * u);", "m.y[0][(i64)tok * N + col] = from_float<T>(s * u * 1.01f);",
            linear.test_gate_up_silu, dict(dtype="bf16", T=3, K=256, n=40, extra=0, offset=0, shift="none",
                                           variant=linear.VARIANTS[0], seed=15)),
+    Mutant("persistent segment: the last member skips its wait (down reads gate_up_silu's output early)",
+           "segment.cu.j2", "        dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);",
+           "        if ({{ j }} + 1 < MEMBERS) dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);",
+           persistent.test_segment_equals_the_launches_it_replaces, dict(case=("bf16", "lite"), T=1, seed=50)),
     Mutant("FP8 experts: a K slice scaled by the next K block's scale (gate)", "include/moe_fp8.cuh",
            "const float f0 = __ldg(sc0 + kt * WF_BK / WF_BLOCK)",
            "const float f0 = __ldg(sc0 + min(kt * WF_BK / WF_BLOCK + 1, KB - 1))",
