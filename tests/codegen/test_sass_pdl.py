@@ -38,7 +38,7 @@ from codegen.bundle import compile_kernels, disambiguate, plan_spec, unique_kern
 from codegen.kernel import DEFAULTS  # noqa: E402
 from codegen.nvrtc import compile_cubin  # noqa: E402
 from codegen.render import include_closure  # noqa: E402
-from codegen.tuning import MoeTuning, Tuning  # noqa: E402
+from codegen.tuning import MoeTuning, PersistentTuning, Tuning  # noqa: E402
 
 pytestmark = pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
 
@@ -187,12 +187,14 @@ def _problems(case: str) -> dict:
     if case == "unfused":
         seen = _problems("deepseek_v2_lite")
         plans = [_unfused_plans("deepseek_v2_lite"), _partly_fused_plans("deepseek_v2_lite")]
-    elif case == "variants":   # the parallel align below its default bound; the GEMV and the mma; FP8 and int weights
+    elif case == "variants":   # the parallel align below its default bound; the GEMV and the mma; FP8 and int weights;
+        # persistent segments
         # launch (decode's wgmma off: they serve fp32, odd KD, other targets)
         seen = {**_problems("deepseek_v2_lite"), **_problems("unfused")}
         opts = dataclasses.replace(DEFAULTS, tuning=Tuning(moe=MoeTuning(align_parallel_above=512, decode_wgmma=False)))
+        segments = dataclasses.replace(DEFAULTS, tuning=Tuning(persistent=PersistentTuning(segments=True)))
         plans = [_unfused_plans("deepseek_v2_lite", opts), plan_spec(str(lite), opts).plans, _fp8_plans(),
-                 _int_plans()]
+                 _int_plans(), plan_spec(str(lite), segments).plans]
     else:
         plans = [plan_spec(str(ROOT / "model_specs" / f"{case}.yaml"), DEFAULTS).plans]
     sources = [k for k in _pdl_sources(plans).values() if _key(k) not in seen]

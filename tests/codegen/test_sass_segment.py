@@ -3,7 +3,8 @@ compile for sm_90 without register spills or a stack frame, and their machine co
 segment's memory order (templates/include/segment.cuh): each counter wait is an acquire load
 followed by an L1 invalidation (CCTL.IVALL), each signal a release reduction, and the only
 non-coherent loads (.CONSTANT) are the weights' (skinny.cuh's ld_weight16): activations another task
-of the launch writes never go through ld.global.nc."""
+of the launch writes never go through ld.global.nc.  They keep pdl.cuh's contract (the PDL check of
+tests/codegen/test_sass_pdl.py): nothing but L2 prefetches of weights before the wait."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass import _sass, cuobjdump, opcodes  # noqa: E402
+from sass import _sass, cuobjdump, instructions, opcodes  # noqa: E402
+from test_sass_pdl import wait_problem  # noqa: E402
 
 from codegen.bundle import plan_spec  # noqa: E402
 from codegen.kernel import Options  # noqa: E402
@@ -48,6 +50,14 @@ def test_segment_kernel_compiles_without_spills(k):
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
     assert regs and max(regs) <= 255, log
     assert "0 bytes spill stores, 0 bytes spill loads" in log and "0 bytes stack frame" in log, log
+
+
+@pytest.mark.parametrize("k", range(3))
+def test_segment_kernel_waits_before_it_touches_another_kernels_data(k):
+    """pdl.cuh's contract (tests/codegen/test_sass_pdl.py's check): before its wait a segment only
+    prefetches its first task's weights towards L2 (prefetches, not loads)."""
+    name = sorted(_kernels())[k]
+    assert wait_problem(instructions(_compiled(name).cubin)[name]) is None
 
 
 @pytest.mark.parametrize("k", range(3))
