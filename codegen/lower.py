@@ -25,6 +25,9 @@ the layer's KV cache; a "routing" value lives in two int32 buffers
 `<R>.order` [T*K] (token-expert pairs sorted by expert) and `<R>.offsets` [E+1].
 The allocated buffers and the kernels' workspaces then share one arena by
 liveness (codegen/memplan.py: `plan.arena`, their lifetimes in launch order).
+Last, where codegen/dispatch.py's segments table says so (decode, Tuning.persistent.segments),
+runs of launches become persistent segment launches (codegen/segments.py) and the arena is
+planned again for them.
 """
 from __future__ import annotations
 

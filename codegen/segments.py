@@ -36,6 +36,7 @@ from .kernel import CtxRef, KernelLaunch, LibraryCall, ValueRef
 from .memplan import arena_slots
 
 PROBE_MAX = 1 << 20     # token counts a member's range is probed up to (a larger one: unbounded)
+PROBE_SMS = 132         # SMS while probing: token ranges are factors of T alone, whatever the device
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def body(step):
 
 
 def _sizes(T: int) -> dict:
-    return {"T": T, "B": T, "NP": T, "MAXQ": 1, "MAXCTX": 1, "TK": T, "W": 1, "SMS": 132}
+    return {"T": T, "B": T, "NP": T, "MAXQ": 1, "MAXCTX": 1, "TK": T, "W": 1, "SMS": PROBE_SMS}
 
 
 def runs_upto(step) -> int | None:
@@ -199,8 +200,3 @@ def apply(plan, opts):
     out.arena = arena_slots(out)
     return out
 
-
-def launch_count(plan, sizes: dict) -> int:
-    """Kernel launches with work at these sizes (what `dsgraph explain` counts before and after)."""
-    return sum(1 for s in plan.steps if isinstance(s, KernelLaunch)
-               and all(size_exprs.evaluate(g, sizes) > 0 for g in s.grid))

@@ -25,8 +25,9 @@ ticket), is one task per launch that reads every pointer it is passed and writes
 one, whole: always correct, coarse.  A library call is one coarse task; a view ("split") is none.
 
 The graph is data: `to_json` writes one task per line (stable order, so it diffs); `summary` is what
-`dsgraph explain --tasks` prints.  Bundles do not record it: nothing runs it yet, and V3's graph is tens
-of MB (the persistent kernel will carry what it runs).  codegen/taskcheck.py checks a graph with its own region bookkeeping.
+`dsgraph explain --tasks` prints.  Bundles do not record it: V3's graph is tens of MB, and the persistent
+segments (codegen/segments.py) carry what they run, waits per member, which tests/codegen/test_segments.py
+checks against this graph.  codegen/taskcheck.py checks a graph with its own region bookkeeping.
 """
 from __future__ import annotations
 

@@ -204,3 +204,13 @@ def test_a_segment_without_one_wait_reads_stale_data():
     k, j = next((k, j) for k, (_, waits) in enumerate(by_op) for j, w in enumerate(waits) if w)
     rng = random.Random(5)
     assert any(simulate(g, g.tiling, segment_order(g, by_op, rng, drop=(k, j))) for _ in range(8))
+
+
+@pytest.mark.slow
+def test_explain_shows_the_segments_and_the_launches_they_save():
+    from runtime.cli_explain import explain_lines
+    lines = explain_lines(LITE, tokens=[1, 17], phases=("decode",), tuning=ON)
+    found = [line.strip() for line in lines if line.strip().startswith("segments:")]
+    assert found == ["segments: 28 persistent launches run 60 members' tiles: 272 launches -> 240"]
+    assert any("segment [tokens 1..inf]" in line for line in lines)
+    assert not any("segments:" in line for line in explain_lines(LITE, tokens=[1], phases=("decode",)))
