@@ -84,6 +84,16 @@ def test_a_segment_launch_carries_every_members_arguments_and_nodes():
     assert launch.pdl and launch.block == members[0].block
 
 
+def test_a_segmented_plan_round_trips_through_the_manifest():
+    """A bundle records the segment launches as any step (what the runtime runs without the compiler)."""
+    import json
+    from codegen.manifest import phase_from_json, phase_to_json
+    seg, _ = plans(LITE)
+    written = json.loads(json.dumps(phase_to_json(seg)))
+    assert phase_to_json(phase_from_json("decode", written)) == written
+    assert sum(s["family"] == "segment" for s in written["steps"] if s["type"] == "kernel") == 28
+
+
 def _fake(name: str, node: str, *, kv: bool = False, block: int = 256) -> KernelLaunch:
     args = (inp("x", "float", f"{node}.in"), weight("w", "float", f"{node}.w"), out("out", "float", f"{node}.out"),
             size("T", "T"))
