@@ -34,6 +34,7 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     ifmt = _moe_int.int_format(G, nid, ("gate", "up"), opts)
     if ifmt:
         p["int"] = ifmt
+        _moe_int.take_norm_rows(G, x, opts, p)
     experts = {"w_gate": bound["gate"], "w_up": bound["up"]}
     w = _moe_int.args(experts, ifmt) if ifmt else _moe_fp8.args(experts, act, fp8)
     args = (inp("x", act, x), *w,
