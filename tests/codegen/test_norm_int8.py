@@ -236,3 +236,24 @@ def test_a_bundle_keeps_the_norms_rows_through_the_manifest(tmp_path, monkeypatc
             [dataclasses.replace(s, origins=()) if isinstance(s, KernelLaunch) else s for s in want.steps], phase
         rows = [b for name, b in got.buffers.items() if name.endswith((".qi8", ".si8"))]
         assert rows and all(b.dtype in ("i32", "f32") for b in rows), phase
+
+
+@pytest.mark.parametrize("phase", ir.PHASES)
+def test_at_every_size_the_same_launches_run_less_the_quantisers(phase):
+    """At each T, the launches of the norms and their int8 readers that run (grid > 0) with the knob on are
+    those that run with it off, less the norm-fed quantisers, the norms in their qi8 variants."""
+    from codegen import sizes
+    G, on = _plan(phase, ON)
+    _, off = _plan(phase)
+    fed = _norm_fed(G)
+    norms = {n for n, d in G.nodes(data=True) if d["attrs"].get("quant")}
+
+    def running(plan, T):
+        env = {"T": T, "NP": T * TINY["num_experts_per_tok"], "SMS": 132}
+        return [(s.nodes[0], s.name.removesuffix("__qi8"), s.stage) for s in _launches(plan)
+                if s.nodes[0] in fed | norms and all(sizes.evaluate(g, env) > 0 for g in s.grid)]
+
+    for T in (1, 2, 16, 17, 64, 256, 257, 4096):
+        got, want = running(on, T), running(off, T)
+        quantisers = [r for r in want if r[2] in QUANT_STAGES and r[0] in fed and not r[1].startswith("moe_down")]
+        assert quantisers and got == [r for r in want if r not in quantisers], (phase, T)
