@@ -29,7 +29,7 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
         p["fp8"] = True
     ifmt = _moe_int.int_format(G, nid, ("weight",), opts)
     if ifmt:
-        p["int"] = ifmt
+        p["int"], p["pairs"] = ifmt, _moe_int.pairs(G, routing)
     experts = {"w": bound["weight"]}
     w = _moe_int.args(experts, ifmt) if ifmt else _moe_fp8.args(experts, act, fp8)
     args = (inp("a", act, a), *w,
