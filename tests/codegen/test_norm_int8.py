@@ -257,3 +257,20 @@ def test_at_every_size_the_same_launches_run_less_the_quantisers(phase):
         got, want = running(on, T), running(off, T)
         quantisers = [r for r in want if r[2] in QUANT_STAGES and r[0] in fed and not r[1].startswith("moe_down")]
         assert quantisers and got == [r for r in want if r not in quantisers], (phase, T)
+
+
+def test_with_the_prologue_knob_too_the_norms_rows_win():
+    """linear.i8_prologue_upto on as well: a norm-fed int8 linear reads the norm's rows at every T its
+    skinny kernel serves (no prologue variant, no quantiser); a linear whose input no norm makes (o_proj, the
+    dense down) quantises x in its prologue as that knob asks."""
+    both = Tuning(linear=LinearTuning(norm_int8=True, i8_prologue_upto=8))
+    G, plan = _plan("decode", both)
+    fed = _norm_fed(G)
+    skinny = [s for s in _launches(plan) if s.family == "linear_skinny" and s.params.get("wfmt") == "int8_channel"]
+    mine = [s for s in skinny if s.nodes[0] in fed]
+    others = [s for s in skinny if s.nodes[0] not in fed]
+    assert mine and all(s.stage != "quant_int8" and "xq" not in s.params for s in mine), [s.name for s in mine]
+    for s in mine:
+        assert isinstance({a.name: a for a in s.args}["xq"].ref, ValueRef), s.name
+        assert s.grid[0].endswith("(1 - min(1, T // 17))"), s.grid   # every T up to skinny_upto
+    assert any(s.params.get("xq") == 8 for s in others), [s.name for s in others]
