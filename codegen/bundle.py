@@ -202,7 +202,7 @@ def plan_spec(spec, opts: Options, *, strict: bool = True, world: int = 1, rank:
     import ir
     from ir.passes import run_pipeline
 
-    from .lower import lower_graph
+    from .lower import lower_graph, pipeline_knobs
     if not (hasattr(spec, "text") and hasattr(spec, "model")):
         text, file = _spec_text(spec)
         spec = ir.parse_spec(text, file)
@@ -214,7 +214,7 @@ def plan_spec(spec, opts: Options, *, strict: bool = True, world: int = 1, rank:
         G = ir.build_graph(spec, phase)
         if world > 1:
             G.graph["parallel"] = {"world": world, "rank": rank}
-        G = run_pipeline(G)
+        G = run_pipeline(G, knobs=pipeline_knobs(opts))
         graphs[phase] = G
         plans[phase] = lower_graph(G, opts, strict=strict)
     return SpecPlan(spec, disambiguate(plans), graphs, world, rank)

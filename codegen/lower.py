@@ -260,6 +260,14 @@ def _lower_node(G: nx.DiGraph, nid: str, family, opts: Options) -> list[KernelLa
     return out
 
 
+def pipeline_knobs(opts: Options) -> frozenset:
+    """The knob-gated passes of ir/passes' PIPELINE that `opts` switches on (their Pass.knob, a boolean
+    "section.knob" of the tuning): what the compiler passes run_pipeline as `knobs`."""
+    from ir.passes import PIPELINE
+    changed = opts.tuning.changed()
+    return frozenset(p.knob for p in PIPELINE if p.knob is not None and changed.get(p.knob) is True)
+
+
 def lower_graph(G: nx.DiGraph, opts: Options | None = None, *, strict: bool = True) -> PhasePlan:
     """Lower one phase's post-pass graph. strict=False records nodes nobody can lower
     in `plan.unlowered` instead of raising (for tooling while families are written)."""

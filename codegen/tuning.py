@@ -134,6 +134,9 @@ class LinearTuning(_Section):
                                             "128 columns for the FP8 x FP8 GEMM (DeepSeek-V3's dynamic activation "
                                             "scheme); false: the weights dequantised every call, x kept 16-bit "
                                             "(the stored weights exactly, slower)")
+    norm_int8: bool = _knob(False, doc="int8 weights (int8_channel) reading an RMSNorm's output: the norm also "
+                                       "writes the int8 rows and per-token scales (ir/passes/fuse_norm_int8_quant"
+                                       ".py) and its int8 readers skip their quantiser launch")
 
 
 @dataclass(frozen=True)

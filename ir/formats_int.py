@@ -199,6 +199,21 @@ def quantize_activation(x):
     return q.to(torch.int8), s
 
 
+def qrow(k: int) -> int:
+    """Bytes of one quantised row as the int8 kernels read it: k rounded up to 16 (zero padded, so a row
+    is whole 16-byte loads; templates/include/quant_int8.cuh qrow)."""
+    return -(-k // 16) * 16
+
+
+def quantized_rows(x):
+    """(q int32 [T, qrow(I) / 4], s float32 [T]): quantize_activation(x) in the kernels' layout, the int8
+    row zero padded to qrow(I) bytes and read four bytes a word (little-endian) -- what an RMSNorm writes
+    for its int8 readers (ir/passes/fuse_norm_int8_quant.py)."""
+    q, s = quantize_activation(x)
+    q = F.pad(q, (0, qrow(q.shape[-1]) - q.shape[-1]))
+    return q.contiguous().view(torch.int32), s.reshape(-1)
+
+
 def quantize_activation_static(x, input_scale, input_offset):
     """int8 [T, I]: per-tensor static quantisation, q = clamp(rne(x * (1 / input_scale) + input_offset))."""
     inv = 1.0 / input_scale.to(torch.float32).reshape(())

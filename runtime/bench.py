@@ -687,7 +687,7 @@ def checked_bench_spec(args):
     is lowered for the cuda backend, so a shape the quantised kernels cannot serve is the lowering's one
     line rather than a failure after the weights are on the GPU."""
     from codegen.kernel import Options
-    from codegen.lower import lower_graph
+    from codegen.lower import lower_graph, pipeline_knobs
     from codegen.paths import DEFAULT_SPEC
     from codegen.paths import spec_path as find_spec
     from ir.graph import build_graph
@@ -706,7 +706,7 @@ def checked_bench_spec(args):
     opts = Options(arch="sm_90a", dtype="bf16", block_size=args.block_size, pdl=not args.no_pdl,
                    tuning=tuning_of(args))
     for phase in ("prefill", "decode"):
-        lower_graph(run_pipeline(build_graph(spec, phase)), opts)
+        lower_graph(run_pipeline(build_graph(spec, phase), knobs=pipeline_knobs(opts)), opts)
     return spec
 
 

@@ -236,4 +236,14 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
                     for r in case.rows if r.variant == variant and r.covers(T)), None)  # admits the known facts
         if row is not None:
             out.append(f"{variant} [{table.unit} {row.span}]: {row.reason}")
+    if any(isinstance(s, KernelLaunch) and _reads_norm_rows(s) for s in running):
+        out.append("here x's int8 rows and scales come from the RMSNorm that makes x (linear.norm_int8), "
+                   "not a quantiser launch")
     return "; ".join(out)
+
+
+def _reads_norm_rows(launch) -> bool:
+    """Whether the launch reads its quantised input rows from graph values (a norm's,
+    ir/passes/norm_rows.py) instead of its node's quantiser workspace."""
+    from codegen.kernel import ValueRef
+    return any(a.name == "xq" and isinstance(a.ref, ValueRef) for a in launch.args)

@@ -23,6 +23,7 @@ from codegen.errors import LoweringError
 from codegen.kernel import KernelLaunch, Workspace, size, weight, work
 from ir.formats import FORMATS, INT_FORMATS, companion_names, weight_format
 
+from . import _norm_quant
 from ._moe import slots, when
 
 # The formats the kernel reads and their kernel-name parts (PACK 2: two int4 a byte along N; PACK 1: one
@@ -134,11 +135,19 @@ def args(weights: dict, fmt: str) -> tuple:
             *(weight("s" + a[1:], "float", companion_names(b, f)[0]) for a, b in weights.items()), *second)
 
 
+def take_norm_rows(G, x: str, opts, p: dict) -> None:
+    """p["x_rows"]: the int8 rows of the experts' input x and their scales where the norm that makes x
+    writes them (_norm_quant.int8_rows; integer weights only): gate / up read them, no quantiser launch."""
+    rows = _norm_quant.int8_rows(G, x, opts) if p.get("int") else None
+    if rows:
+        p["x_rows"] = rows
+
+
 def launches(family: str, name_parts: list, p: dict, nid: str, args_: tuple, *, down: bool,
              run: str | None) -> list[KernelLaunch]:
     """The quantiser's launch and the grouped int launch over the family's operands (args_: the rows
     the experts read first, then the weights from `args`, order, offsets, out); `run`: their token-range
-    factor."""
+    factor.  The int launch alone where p["x_rows"] holds gate / up's quantised input (take_norm_rows)."""
     from codegen.render import kernel_name
     x, rest = args_[0], args_[1:]
     rows = "NP" if down else "T"
@@ -158,11 +167,11 @@ def launches(family: str, name_parts: list, p: dict, nid: str, args_: tuple, *, 
     params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": kd, "K": p["K"], "variant": VARIANT,
               "threads": THREADS, "channels": cols, "down": down, "wfmt": f.name, "pack": f.pack,
               "group": f.group or 0}
+    normed = None if down else p.get("x_rows")
+    x_args = _norm_quant.x_args(normed, q, s)
     gemm = KernelLaunch(
         family=family, template=TEMPLATE,
         name=kernel_name(family, [f"{name_parts[0]}_{TAGS[f.name]}", *name_parts[1:]]),
         params=params, nodes=(nid,), grid=(-(-p["N"] // cols), when(slots(p["E"]), run), 1),
-        block=(THREADS, 1, 1),
-        args=(work("xq", "signed char", q, writes=False), work("xs", "float", s, writes=False), *rest),
-        workspace=ws, stage=VARIANT)
-    return [quant, gemm]
+        block=(THREADS, 1, 1), args=(*x_args, *rest), workspace=() if normed else ws, stage=VARIANT)
+    return [gemm] if normed else [quant, gemm]

@@ -29,6 +29,7 @@ from codegen.kernel import DTYPES, KernelLaunch, Workspace, inp, out, size, stri
 from codegen.render import kernel_name
 from ir.formats import FORMATS, cdiv, companion_names, weight_format
 
+from . import _norm_quant
 from ._dense_util import inner_dims, node_io
 from ._gemm_split import BK, BM, BN, PARTIAL_WORDS, TICKETS, grid, splits
 from ._gemm_split import partials as partials_workspace
@@ -106,10 +107,12 @@ def operands(G, nid: str) -> tuple:
 
 
 def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[str], rows: list[int], opts,
-             factor: str | None, lo: int) -> list[KernelLaunch]:
+             factor: str | None, lo: int, normed: tuple[str, str] | None = None) -> list[KernelLaunch]:
     """The quantiser's launch, then the GEMMs' (one per output), their grids multiplied by `factor`
     (the row's token range, codegen.sizes.token_range); `weights` the bound int8 weight names in the
-    node's order (gate_up_silu: gate, up), `rows` the output widths, `lo` the row's first T."""
+    node's order (gate_up_silu: gate, up), `rows` the output widths, `lo` the row's first T.  `normed`:
+    the values holding x's int8 rows and scales, written by the norm that makes x (_norm_quant.int8_rows):
+    the GEMMs read them and there is no quantiser launch."""
     if opts.dtype not in ("bf16", "fp16"):
         raise ValueError(f"gemm_int8 needs 16-bit activations, got {opts.dtype}")
     act = DTYPES[opts.dtype]
@@ -131,6 +134,7 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
     groups = [(weights, outs[0], rows[0])] if silu else [([w], y, o) for w, y, o in zip(weights, outs, rows)]
     cols = BN // 2 if silu else BN
     partials = partials_workspace(PARTIALS, "i32", K, [O for _, _, O in groups], silu)
+    x_args = _norm_quant.x_args(normed, XQ, XS)
     gemms = []
     for names, y, O in groups:
         if silu:
@@ -146,11 +150,11 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
                     "smem": nbytes, "threads": THREADS, "cols": cols, "box_rows": BOX, "box_k": BK, "bm": BM,
                     "lo": lo, "wfmt": INT8.name, "tickets": TICKETS, "partial_words": PARTIAL_WORDS},
             nodes=(nid,), grid=(only(grid(O, K, silu)), 1, 1), block=(THREADS, 1, 1),
-            args=(work("xq", "signed char", XQ, writes=False), work("xs", "float", XS, writes=False), *w_args,
-                  out("y", act, y), work("partials", "int", PARTIALS), size("T", "T"),
+            args=(*x_args, *w_args, out("y", act, y), work("partials", "int", PARTIALS), size("T", "T"),
                   size("splits", splits(O, K, silu))),
-            smem=nbytes, workspace=(*ws, partials), stage="i8_wgmma", requires=(FEATURE,)))
-    return [quant, *gemms]
+            smem=nbytes, workspace=(partials,) if normed else (*ws, partials), stage="i8_wgmma",
+            requires=(FEATURE,)))
+    return gemms if normed else [quant, *gemms]
 
 
 def _scale(name: str) -> str:

@@ -27,7 +27,9 @@ Weights in int8 (msModelSlim's int8_channel: W8A8_DYNAMIC, every weight of the n
 activations; codegen/dispatch.py's linear table, rows skinny_wi8 / int_mm): x is quantised per token by
 its own launch (stage quant_int8, templates/include/quant_int8.cuh) into two workspaces, then the int8
 kernel (templates/include/int8.cuh) multiplies int8 x int8 into int32 and scales (float(acc) * s_w) * s_x,
-bit-equal to ir/formats_int.py's reference; its name carries "wi8".  Above skinny_upto, on sm_90a with
+bit-equal to ir/formats_int.py's reference; its name carries "wi8".  Where the RMSNorm that makes x
+writes x's int8 rows itself (Tuning.linear.norm_int8, ir/passes/fuse_norm_int8_quant.py), the int8 kernels
+read those and no quantiser launch runs.  Above skinny_upto, on sm_90a with
 K % 16 == 0, the int8 GEMM (codegen/families/gemm_int8.py: its own quantiser launch over every token, then
 wgmma s32.s8.s8, equally exact) takes the place of the library call; elsewhere the library call (marked
 weight_format int8_channel) is the exact integer product by torch (int_linear), not a tuned GEMM.
@@ -48,7 +50,7 @@ from codegen.sizes import only_below, token_range
 from codegen.tuning import DEFAULT_TUNING
 from ir.formats import FORMATS, FP8, companion_names, weight_format
 
-from . import gemm_fp8, gemm_int8
+from . import _norm_quant, gemm_fp8, gemm_int8
 from ._dense_util import inner_dims, node_io
 
 FAMILY = "linear_skinny"
@@ -253,10 +255,11 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
     call = dataclasses.replace(call, attrs={**call.attrs, "weight_format": INT8.name})
     if G.graph["values"][x].shape[0] != "T":   # the launches' grids read T: TK rows go whole to the exact call
         return [call]
+    normed = _norm_quant.int8_rows(G, x, opts)   # the norm that makes x writes its int8 rows: no quantiser
     gemms = []
     for lo, hi in dispatch.row_range(rows_, "i8_wgmma"):   # the int8 GEMM above the skinny range
         op, _, _, names, outs_, widths = gemm_int8.operands(G, nid)
-        gemms += gemm_int8.launches(nid, op, x, K, names, outs_, widths, opts, token_range(lo, hi), lo)
+        gemms += gemm_int8.launches(nid, op, x, K, names, outs_, widths, opts, token_range(lo, hi), lo, normed)
     skinny = dispatch.row_range(rows_, "skinny_wi8")
     prologue = dispatch.row_range(rows_, "skinny_wi8_xq")
     if not skinny and not prologue:
@@ -279,6 +282,13 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
                   *(out(a, act, y) for a, y in zip(y_args, outs)),
                   size("T", "T"))
     ctas = -(-sum(rows) // (16 * row_tiles))
+    if normed:   # the norm that makes x wrote its int8 rows: they win over the prologue's and the quantiser's
+        first, top = min(a for a, _ in prologue + skinny), max(b for _, b in prologue + skinny)
+        steps = [KernelLaunch(
+            family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
+            grid=(f"{ctas} * {token_range(first, top)}", 1, 1), block=(warps * 32, 1, 1),
+            args=(*_norm_quant.x_args(normed, "x_int8", "x_scale"), *w_operands), stage=data["op"])]
+        return [*steps, *gemms] if gemms else [*steps, dataclasses.replace(call, from_tokens=top + 1)]
     steps = []
     for _, n in prologue:   # x quantised in each CTA's prologue: no quantiser launch, no workspaces
         nbytes = xq_smem(K, n, warps)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from codegen.kernel import KernelLaunch, inp, out, size, weight
 from codegen.render import kernel_name
 
-from . import _moe
+from . import _moe, _norm_quant
 from ._dense_util import ELEM_BYTES, block_threads_for_row, c_float
 
 FAMILY = "moe_combine_residual_rms_norm"
@@ -18,19 +18,23 @@ PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (prog
 
 
 def lower(nid: str, G, opts) -> list[KernelLaunch]:
-    attrs, ins, (h, s), wts = _moe.node_io(G, nid)
+    attrs, ins, (h, s, *_), wts = _moe.node_io(G, nid)
     eo, w, shared, residual = _moe.combine_inputs(attrs, ins)
     D, K = _moe.inner(G, nid, eo), _moe.inner(G, nid, w)
     _moe.require_dense(G, nid, *ins)
     dt, ct = _moe.act(nid, opts)
     p = {"act": ct, "D": D, "K": K, "S": _moe.combine_shared(attrs),
          "threads": block_threads_for_row(D, ELEM_BYTES[dt]), "eps": c_float(attrs["eps"])}
+    q_params, q_parts, q_args = _norm_quant.extras(G, nid, opts, D)
+    p.update(q_params)
     shared_arg = () if shared is None else (inp("shared", ct, shared),)
     return [KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"k{K}_d{D}", *_moe.shared_tag(p)]),
+        family=FAMILY, template=TEMPLATE,
+        name=kernel_name(FAMILY, [opts.dtype, f"k{K}_d{D}", *_moe.shared_tag(p), *q_parts]),
         params=p, nodes=(nid,), grid=("T", 1, 1), block=(p["threads"], 1, 1),
         args=(inp("eo", ct, eo), inp("w", "float", w), *shared_arg, inp("residual", ct, residual),
-              weight("nw", ct, wts["weight"]), out("h", ct, h), out("s", ct, s), size("T", "T")))]
+              weight("nw", ct, wts["weight"]), out("h", ct, h), out("s", ct, s), *q_args,
+              size("T", "T")))]
 
 
 def tasks(launch, tiling):

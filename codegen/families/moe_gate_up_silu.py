@@ -33,6 +33,7 @@ def params(nid: str, G, opts: Options) -> dict:
     ifmt = _moe_int.int_format(G, nid, ("gate", "up"), opts)
     if ifmt:
         p["int"] = ifmt
+        _moe_int.take_norm_rows(G, x, opts, p)
     return p
 
 

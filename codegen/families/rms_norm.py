@@ -4,6 +4,7 @@ from __future__ import annotations
 from codegen.kernel import KernelLaunch, inp, out, size, stride, weight
 from codegen.render import kernel_name
 
+from . import _norm_quant
 from ._dense_util import ELEM_BYTES, act_ctype, block_threads_for_row, c_float, inner_dims, node_io
 
 FAMILY = "rms_norm"
@@ -16,12 +17,13 @@ def lower(nid, G, opts):
     data, ins, outs, w = node_io(G, nid)
     (n,) = inner_dims(G, ins[0])
     threads = block_threads_for_row(n, ELEM_BYTES[opts.dtype])
-    params = {"act": act_ctype(opts), "N": n, "threads": threads, "eps": c_float(data["attrs"]["eps"])}
+    q_params, q_parts, q_args = _norm_quant.extras(G, nid, opts, n)
+    params = {"act": act_ctype(opts), "N": n, "threads": threads, "eps": c_float(data["attrs"]["eps"]), **q_params}
     return [KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"d{n}"]),
+        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"d{n}", *q_parts]),
         params=params, nodes=(nid,), grid=("T", 1, 1), block=(threads, 1, 1),
         args=(inp("x", params["act"], ins[0]), stride("x_stride", ins[0], 0),
-              weight("w", params["act"], w["weight"]), out("out", params["act"], outs[0]), size("T", "T")))]
+              weight("w", params["act"], w["weight"]), out("out", params["act"], outs[0]), *q_args, size("T", "T")))]
 
 
 def tasks(launch, tiling):

@@ -1,7 +1,7 @@
 """Dense building blocks: embedding, linear, norms, residual add, split, SwiGLU."""
 from __future__ import annotations
 
-from ..formats_int import IntMatrix, linear
+from ..formats_int import IntMatrix, linear, qrow, quantized_rows
 from ..lazy import F, torch
 from .base import MULTI_LINEAR_MAX, Attr, Node, OpDef, TType, expect, is_float, register, same_rows
 
@@ -11,6 +11,27 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+# The quantised rows a norm may also write for readers that would quantise its output themselves
+# (attrs["quant"], set by ir/passes/fuse_norm_int8_quant.py; never by a spec): "int8" adds q int32
+# [T, qrow(n) / 4] (the int8 rows, four bytes a word) and s float32 [T] (ir/formats_int.py quantized_rows).
+NORM_QUANT = ("int8",)
+
+
+def norm_quant_types(node, h: TType) -> list[TType]:
+    """The types of the quantised rows a norm with normed output `h` writes after its usual outputs."""
+    quant = node.attrs.get("quant")
+    if quant is None:
+        return []
+    expect(quant in NORM_QUANT, f"a norm's quantised rows are one of {', '.join(NORM_QUANT)}, got {quant!r}")
+    rows, n = h.shape
+    return [TType((rows, qrow(n) // 4), "i32"), TType((rows,), "f32")]
+
+
+def norm_quant_ref(node, h: torch.Tensor) -> list:
+    """The quantised rows of the normed output h (norm_quant_types), computed from h as its readers would."""
+    return list(quantized_rows(h)) if node.attrs.get("quant") is not None else []
 
 
 @register
@@ -129,11 +150,12 @@ class RmsNorm(OpDef):
     def infer(cls, node, ins, model):
         (x,) = ins
         expect(len(x.shape) == 2 and x.dtype == "act", f"rms_norm expects an activation [T, n], got {x}")
-        return [x], {"weight": (x.shape[1],)}
+        return [x, *norm_quant_types(node, x)], {"weight": (x.shape[1],)}
 
     @classmethod
     def run(cls, node, ins, w, ctx):
-        return [rms_norm_ref(ins[0], w["weight"], node.attrs["eps"])]
+        h = rms_norm_ref(ins[0], w["weight"], node.attrs["eps"])
+        return [h, *norm_quant_ref(node, h)]
 
 
 @register
@@ -149,12 +171,13 @@ class FusedAddRmsNorm(OpDef):
     def infer(cls, node, ins, model):
         x, r = ins
         expect(x == r and len(x.shape) == 2 and x.dtype == "act", f"fused_add_rms_norm needs equal inputs, got {x} and {r}")
-        return [x, x], {"weight": (x.shape[1],)}
+        return [x, x, *norm_quant_types(node, x)], {"weight": (x.shape[1],)}
 
     @classmethod
     def run(cls, node, ins, w, ctx):
         s = ins[0] + ins[1]
-        return [rms_norm_ref(s, w["weight"], node.attrs["eps"]), s]
+        h = rms_norm_ref(s, w["weight"], node.attrs["eps"])
+        return [h, s, *norm_quant_ref(node, h)]
 
 
 @register
@@ -223,4 +246,4 @@ class SiluAndMul(OpDef):
         return [F.silu(ins[0]) * ins[1]]
 
 
-__all__ = ["rms_norm_ref", "same_rows", "Node"]
+__all__ = ["NORM_QUANT", "norm_quant_ref", "norm_quant_types", "rms_norm_ref", "same_rows", "Node"]

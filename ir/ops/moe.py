@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..formats_int import linear
 from ..lazy import F, torch
 from .base import Attr, OpDef, TType, expect, register
-from .core import rms_norm_ref
+from .core import norm_quant_ref, norm_quant_types, rms_norm_ref
 
 SCORING = ("softmax", "sigmoid")
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -379,12 +379,13 @@ class MoeCombineResidualRmsNorm(OpDef):
     @classmethod
     def infer(cls, node, ins, model):
         (out,), _ = MoeCombineResidual.infer(node, ins, model)
-        return [out, out], {"weight": (out.shape[1],)}
+        return [out, out, *norm_quant_types(node, out)], {"weight": (out.shape[1],)}
 
     @classmethod
     def run(cls, node, ins, w, ctx):
         (s,) = MoeCombineResidual.run(node, ins, w, ctx)
-        return [rms_norm_ref(s, w["weight"], node.attrs["eps"]), s]
+        h = rms_norm_ref(s, w["weight"], node.attrs["eps"])
+        return [h, s, *norm_quant_ref(node, h)]
 
 
 def local_experts_ref(ids: torch.Tensor, weights: torch.Tensor, first: int, count: int):

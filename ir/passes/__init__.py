@@ -5,6 +5,8 @@ pattern before and after); it copies its input and never edits it.  ``run_pipeli
 runs, in order, the passes that apply to the graph's phase and verifies the graph
 after each one.  Fusions a pass declines are logged on the ``dsgraph.passes``
 logger ("cannot fuse A with B: reason") and listed in ``G.graph["refusals"]``.
+A pass with a ``knob`` runs only where the caller names that knob in ``knobs``
+(codegen.lower.pipeline_knobs: the compile options' tuning switches it on).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from .fuse_expert_ffn import fuse_expert_ffn
 from .fuse_gate_up_silu import fuse_gate_up_silu
 from .fuse_kv_norm_rope_cache import fuse_kv_norm_rope_cache
 from .fuse_moe_silu import fuse_moe_silu
+from .fuse_norm_int8_quant import fuse_norm_int8_quant
 from .fuse_q_rope_into_query import fuse_q_rope_into_query
 from .fuse_router import fuse_router
 from .fuse_shared_experts import fuse_shared_experts
@@ -38,6 +41,7 @@ from .split_rope import split_rope
 class Pass:
     run: Callable[[nx.DiGraph], nx.DiGraph]
     phases: tuple[str, ...]
+    knob: str | None = None    # "section.knob" of codegen.tuning that switches it on; None: always runs
 
     @property
     def name(self) -> str:
@@ -70,6 +74,9 @@ PIPELINE: list[Pass] = [
     Pass(fuse_gate_up_silu,            BOTH),     # multi_linear (gate, up) + silu_and_mul -> gate_up_silu
     # Residual stream
     Pass(fuse_add_rms_norm,            BOTH),     # add (or moe_combine_residual) + rms_norm -> one op
+    # Quantised activations
+    Pass(fuse_norm_int8_quant,         BOTH, knob="linear.norm_int8"),   # a norm feeding int8 linears also
+                                                                         # writes their int8 rows
     # Clean-up
     Pass(eliminate_dead,               BOTH),     # drop ops nobody reads (cache writes always stay)
 ]
@@ -87,11 +94,12 @@ def _run_one(p: Pass, G: nx.DiGraph) -> nx.DiGraph:
     return out
 
 
-def run_pipeline(G: nx.DiGraph, passes: list[Pass] = PIPELINE) -> nx.DiGraph:
-    """Run the passes that apply to ``G.graph["phase"]``, verifying after each; ``G`` is not changed."""
+def run_pipeline(G: nx.DiGraph, passes: list[Pass] = PIPELINE, knobs: frozenset = frozenset()) -> nx.DiGraph:
+    """Run the passes that apply to ``G.graph["phase"]`` (a knob-gated one where ``knobs`` names its
+    knob), verifying after each; ``G`` is not changed."""
     phase = G.graph["phase"]
     for p in passes:
-        if phase not in p.phases:
+        if phase not in p.phases or (p.knob is not None and p.knob not in knobs):
             continue
         G = _run_one(p, G)
         try:
@@ -103,6 +111,6 @@ def run_pipeline(G: nx.DiGraph, passes: list[Pass] = PIPELINE) -> nx.DiGraph:
 
 __all__ = ["PIPELINE", "Pass", "run_pipeline", "eliminate_dead", "fuse_add_rms_norm", "fuse_combine_shared_residual",
            "fuse_decode_prologue", "fuse_expert_ffn",
-           "fuse_gate_up_silu", "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_q_rope_into_query", "fuse_router",
+           "fuse_gate_up_silu", "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_norm_int8_quant", "fuse_q_rope_into_query", "fuse_router",
            "fuse_shared_experts", "fuse_sibling_linears", "insert_all_reduce", "lower_mla_decode", "lower_mla_prefill", "shard_for_rank",
            "split_rope"]

@@ -125,3 +125,12 @@ def test_the_lowering_emits_the_rows_of_the_case_that_holds():
             running = [la.stage for la in launches if all(sizes.evaluate(g, env) > 0 for g in la.grid)]
             assert running == [next(r.variant for r in rows if r.covers(T))], (op, T, running)
     assert dataclasses.is_dataclass(dispatch.Row)
+
+
+def test_the_norms_int8_rows_move_no_row():
+    """linear.norm_int8 changes who quantises a norm's output (ir/passes/fuse_norm_int8_quant.py), not which
+    kernel serves a size: every table gives the same cases with it on (tests/codegen/test_norm_int8.py has
+    the launches that run at each T, with it on and off)."""
+    on = tuned(linear__norm_int8=True)
+    for op in sorted(dispatch.TABLES):
+        assert dispatch.table(op, on) == dispatch.table(op, Tuning()), op

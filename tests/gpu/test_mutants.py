@@ -32,6 +32,7 @@ import test_kernels_moe_gemm_fp8 as moe_gemm_fp8
 import test_kernels_moe_int as moe_int
 import test_kernels_moe_wgmma as moe_wgmma
 import test_kernels_moe_wgmma_skinny as moe_wgmma_skinny
+import test_kernels_norm_int8 as norm_int8
 import test_kernels_persistent as persistent
 from harness import GPU_MARKS
 from kernel_cases import templates_from
@@ -490,6 +491,27 @@ MUTANTS = [
            "for (int z = 0; z < splits; ++z) {", "for (int z = 0; z < splits - 1; ++z) {",
            gemm_int8.test_linear_int8_gemm, dict(dtype="bf16", T=32, K=2048, rows=[2048], extra=0, offset=0,
                                                  kind="random", big=False, shift=False, seed=45)),
+    Mutant("norm's int8 rows: the scale x1.01", "include/norm_quant.cuh",
+           "const float sc = scale_of(block_max<Layout::NTHREADS>(amax, red));",
+           "const float sc = scale_of(block_max<Layout::NTHREADS>(amax, red)) * 1.01f;",
+           norm_int8.test_norm_int8_rows_equal_the_quantisers,
+           dict(op="fused_add_rms_norm", dtype="bf16", T=16, n=2048, extra=0, offset=0, wscale=1.0, zeros=False,
+                seed=46)),
+    Mutant("norm's int8 rows: the scale one ulp up", "include/norm_quant.cuh",
+           "const float sc = scale_of(block_max<Layout::NTHREADS>(amax, red));",
+           "const float sc = nextafterf(scale_of(block_max<Layout::NTHREADS>(amax, red)), 1e30f);",
+           norm_int8.test_norm_int8_rows_equal_the_quantisers,
+           dict(op="rms_norm", dtype="bf16", T=4, n=2048, extra=0, offset=0, wscale=1.0, zeros=False, seed=47)),
+    Mutant("norm's int8 rows: the max over values up to half a bf16 ulp larger (as over the unrounded row)",
+           "include/norm_quant.cuh", "amax = fmaxf(amax, fabsf(v[i]));",
+           "amax = fmaxf(amax, fabsf(v[i]) * (1.f + 0x1p-10f));",
+           norm_int8.test_norm_int8_rows_equal_the_quantisers,
+           dict(op="moe_combine_residual_rms_norm", dtype="bf16", T=5, n=2048, extra=0, offset=0, wscale=1.0,
+                zeros=False, seed=48)),
+    Mutant("norm's int8 rows: the padding not zeroed", "include/norm_quant.cuh",
+           "i += Layout::NTHREADS) q[i] = 0;", "i += Layout::NTHREADS) q[i] = 1;",
+           norm_int8.test_norm_int8_rows_equal_the_quantisers,
+           dict(op="rms_norm", dtype="fp16", T=3, n=1001, extra=1, offset=1, wscale=1.0, zeros=False, seed=49)),
 ]
 
 
