@@ -72,6 +72,9 @@ class MoeTuning(_Section):
                                             "expert inputs quantised to e4m3 per row per 128 columns for the FP8 x "
                                             "FP8 grouped GEMM (DeepSeek-V3's dynamic activation scheme); false: "
                                             "decode's weight-only FP8 kernel at every T, activations kept 16-bit")
+    fp8_one_token_down: bool = _knob(False, doc="FP8 expert weights: down at T = 1 as its own launch, one CTA an SM, "
+                                                "its ring as deep in weight bytes as one_token_down_stages' bf16 ring "
+                                                "(twice the FP8 stages; off while that is <= 4)")
     align_parallel_above: typing.Optional[int] = _knob(6144, 0, 1 << 24,
                                                         doc="pairs above which the route aligns in count / scan / "
                                                             "scatter launches (none: one CTA always)")

@@ -35,6 +35,7 @@ constexpr int WF_W_ROW_BYTES = WF_BK;              // an FP8 weight row of a sli
 constexpr int WF_W_BYTES = WF_ROWS * WF_W_ROW_BYTES;                  // 8 KB of weights a stage
 constexpr int WF_STAGE_BYTES = WF_W_BYTES + WF_BP * WS_ROW_BYTES;     // + 4 KB of pair rows: 12 KB
 constexpr int WF_BLOCK = 128;                      // a scale's rows and columns
+constexpr int WF_STAGES = 8;                       // the two-CTA ring (_moe_fp8.STAGES); deeper: one CTA an SM
 static_assert(WF_BLOCK % WF_BK == 0 && WF_BLOCK % WF_BOX == 0, "fp8 experts: a box sees one scale a slice");
 static_assert(WF_W_BYTES % 1024 == 0 && WF_STAGE_BYTES % 1024 == 0, "fp8 experts: 1024-byte aligned stage parts");
 
@@ -166,7 +167,8 @@ __device__ __forceinline__ void wgmma_fp8_tile(const WgTile& tl, const i32* __re
 
 // The walk of 4e's grouped_gemm_wgmma_skinny on the FP8 tiles.  GATE_UP* wait at entry (the
 // routing says which weights); DOWN starts its first tile's first slices before its wait (the
-// routing is two launches back: moe_wgmma_skinny.cuh).
+// routing is two launches back: moe_wgmma_skinny.cuh), all ST of them: down's one-token launch
+// (one CTA an SM, ST = 16) thus issues twice the two-CTA launch's bytes before the wait.
 template <typename T, int MODE, int E, int N, int KD, int K, int ST>
 __device__ __forceinline__ void grouped_gemm_wgmma_fp8(const T* __restrict__ x, const TensorMap* w0,
                                                        const TensorMap* w1, const float* __restrict__ s0,
@@ -177,8 +179,10 @@ __device__ __forceinline__ void grouped_gemm_wgmma_fp8(const T* __restrict__ x, 
   static_assert(sizeof(T) == 2, "fp8 experts: 16-bit activations");
   static_assert(KD % 16 == 0, "fp8 experts: FP8 rows of whole 16-byte chunks (TMA strides)");
   static_assert(ST >= 2, "fp8 experts: a ring of at least two stages");
-  static_assert(2 * (wgmma_fp8_smem(ST) + 2 * ST * 8 + 4 * (E + 1) + 1024) <= 228 * 1024,
-                "fp8 experts: two CTAs per SM");
+  // Two CTAs an SM at the 8-stage ring (_moe_fp8.fits); down's one-token launch, one CTA an SM,
+  // runs a deeper one (_moe_fp8.one_token_stages).
+  static_assert((ST <= WF_STAGES ? 2 : 1) * (wgmma_fp8_smem(ST) + 2 * ST * 8 + 4 * (E + 1) + 1024) <= 228 * 1024,
+                "fp8 experts: two CTAs per SM at eight stages, one at more");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   __shared__ int tiles[E + 1];
   constexpr bool EARLY = MODE == DOWN;

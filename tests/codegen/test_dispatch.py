@@ -36,7 +36,8 @@ TUNINGS = [Tuning(), tuned(moe__decode_wgmma=False), tuned(moe__decode_wgmma_fro
            tuned(moe__expert_ffn_upto=0), tuned(moe__expert_ffn_from=300), tuned(moe__align_parallel_above=None),
            tuned(route__fused_upto=0), tuned(route__gemm_above=None), tuned(route__gemm_above=0, route__fused_upto=8),
            tuned(linear__skinny_upto=0), tuned(linear__skinny_upto=1), tuned(attention__prologue_upto=0),
-           tuned(moe__fp8_activations=False)]
+           tuned(moe__fp8_activations=False), tuned(moe__fp8_one_token_down=True),
+           tuned(moe__fp8_one_token_down=True, moe__fp8_activations=False)]
 
 
 def _partitions(rows, probe=(1, 2, 3, 4, 7, 8, 9, 16, 17, 255, 256, 257, 300, 4096, 4097, 1 << 20)):

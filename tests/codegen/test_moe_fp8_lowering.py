@@ -11,7 +11,7 @@ import pytest
 
 from codegen import dispatch, families
 from codegen.errors import LoweringError
-from codegen.families import _moe_fp8
+from codegen.families import _moe_fp8, _moe_wgmma_skinny as S
 from codegen.kernel import KernelLaunch, Options, TensorMapRef, WeightRef
 from ir.formats import FP8, set_format, weight_formats_yaml
 from ir.ops import TType
@@ -97,5 +97,81 @@ def test_fp8_kernels_compile_for_sm90a_without_spills(op, KD, N, dtype):
     G, nid = _node(op, KD, N, E=64, K=6)
     (la,) = [s for s in families.family_for_op(op).lower(nid, G, Options(dtype=dtype)) if s.stage == _moe_fp8.VARIANT]
     assert isinstance(la, KernelLaunch)
+    log = compile_cubin(render_launch(la), la.name, arch="sm_90a", options=("--ptxas-options=-v",)).log
+    assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, log
+
+
+def _fp8_tuning(**moe):
+    from codegen.tuning import MoeTuning, Tuning
+    return Tuning(moe=MoeTuning(**moe))
+
+
+def _fp8_launches(op: str, tuning, KD: int = 1408, N: int = 2048, E: int = 66):
+    G, nid = _node(op, KD, N, E=E, K=6)
+    return [la for la in families.family_for_op(op).lower(nid, G, Options(dtype="bf16", tuning=tuning))
+            if la.stage.startswith(_moe_fp8.VARIANT)]
+
+
+def test_fp8_one_token_down_is_off_by_default_and_serves_t1_only_when_on():
+    """moe.fp8_one_token_down (off): down's FP8 launch at every decode T; on: its one-token launch at
+    T = 1 (one CTA an SM, min(SMS, tiles); twice the FP8 stages of one_token_down_stages: the bf16
+    one-token ring's weight bytes; the same operands and template) and the two-CTA launch from T = 2.
+    gate / up never take it, nor down while one_token_down_stages leaves the bf16 one off (<= 4)."""
+    from codegen import sizes
+    assert not _fp8_tuning().moe.fp8_one_token_down
+    assert [la.stage for la in _fp8_launches("moe_down", _fp8_tuning())] == [_moe_fp8.VARIANT]
+    for st in (0, 4):
+        assert [la.stage for la in _fp8_launches("moe_down", _fp8_tuning(fp8_one_token_down=True,
+                                                                         one_token_down_stages=st))] == [_moe_fp8.VARIANT]
+    assert [la.stage for la in _fp8_launches("moe_gate_up_silu", _fp8_tuning(fp8_one_token_down=True), 2048, 1408)] \
+        == [_moe_fp8.VARIANT]
+    for st in (5, 8):
+        tuning = _fp8_tuning(fp8_one_token_down=True, one_token_down_stages=st)
+        sk, t1 = _fp8_launches("moe_down", tuning)
+        assert (sk.stage, t1.stage) == (_moe_fp8.VARIANT, _moe_fp8.ONE_TOKEN_VARIANT)
+        assert t1.params["stages"] == 2 * st == _moe_fp8.one_token_stages(tuning)
+        assert t1.smem == t1.params["smem"] == 2 * st * (128 * 64 + 32 * 128) + 1024
+        assert _moe_fp8.fits(66, 2 * st, ctas=1) and (st < 8 or not _moe_fp8.fits(66, 2 * st))
+        # the table's one_token fact (the bf16 ring at one CTA an SM) answers for the FP8 ring too
+        assert all(_moe_fp8.fits(E, 2 * st, ctas=1) for E in range(1, 9000, 7) if S.fits(E, st, ctas=1))
+        assert t1.name == sk.name + "_t1" and t1.args == sk.args and t1.template == sk.template
+        assert t1.requires == sk.requires and t1.block == sk.block and t1.params["cols"] == sk.params["cols"] == 128
+        for T in (1, 2, 3, 8, 256):
+            env = {"T": T, "NP": 6 * T, "SMS": 132}
+            ctas = {la.stage: sizes.evaluate(la.grid[0], env) for la in (sk, t1)}
+            tiles = 16 * (6 * T // 32 + min(66, 6 * T))
+            assert ctas == ({_moe_fp8.VARIANT: 0, _moe_fp8.ONE_TOKEN_VARIANT: min(132, tiles)} if T == 1 else
+                            {_moe_fp8.VARIANT: min(264, tiles), _moe_fp8.ONE_TOKEN_VARIANT: 0}), (T, ctas)
+
+
+def test_the_fp8_one_token_row_in_the_table():
+    on = _fp8_tuning(fp8_one_token_down=True)
+    for fp8x in (True, False):
+        facts = {**FP8_FACTS, "fp8x_fits": fp8x, "one_token": True}
+        assert [dispatch.select("moe_down", T, facts, on).variant for T in (1, 2, 256)] == \
+            [_moe_fp8.ONE_TOKEN_VARIANT, _moe_fp8.VARIANT, _moe_fp8.VARIANT]
+        assert dispatch.select("moe_down", 1, {**facts, "one_token": False}, on).variant == _moe_fp8.VARIANT
+        assert dispatch.select("moe_down", 1, facts).variant == _moe_fp8.VARIANT             # the knob's default
+        assert dispatch.select("moe_gate_up_silu", 1, facts, on).variant == _moe_fp8.VARIANT
+
+
+def test_explain_shows_the_fp8_one_token_launch(tmp_path, capsys):
+    spec = tmp_path / "lite_fp8.yaml"
+    spec.write_text(LITE.read_text() + weight_formats_yaml((EXPERTS,), FP8))
+    assert main(["explain", str(spec), "--tokens", "1,2", "--tune", "moe.fp8_one_token_down=true"]) == 0
+    out = capsys.readouterr().out
+    one = out.split("decode, T = 1 ", 1)[1].split("\n\n", 1)[0]
+    two = out.split("decode, T = 2 ", 1)[1].split("\n\n", 1)[0]
+    down = "moe_down__bf16_wfp8__e66__d2048_m1408__wgmma_skinny_fp8"
+    assert f"{down}_t1" in one and "wgmma_skinny_fp8_t1 [tokens 1..1]: FP8 down at one token" in one
+    assert f"{down}_t1" not in two and f"{down}\n" in two and "wgmma_skinny_fp8 [tokens 2..256]" in two
+
+
+@pytest.mark.parametrize("st", [5, 8])
+def test_fp8_one_token_down_compiles_for_sm90a_without_spills(st):
+    from codegen.nvrtc import compile_cubin
+    from codegen.render import render_launch
+    (la,) = [la for la in _fp8_launches("moe_down", _fp8_tuning(fp8_one_token_down=True, one_token_down_stages=st))
+             if la.stage == _moe_fp8.ONE_TOKEN_VARIANT]
     log = compile_cubin(render_launch(la), la.name, arch="sm_90a", options=("--ptxas-options=-v",)).log
     assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, log

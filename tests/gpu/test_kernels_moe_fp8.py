@@ -72,18 +72,20 @@ def dequantized(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.cpu().double() * full
 
 
-def lower_fp8(G, nid, dtype):
-    """The weight-only FP8 launch at every T: moe.fp8_activations off keeps the activations 16-bit above
-    decode too (on, the FP8 x FP8 launches serve there: test_kernels_moe_gemm_fp8.py)."""
-    tuning = Tuning(moe=MoeTuning(fp8_activations=False))
+def lower_fp8(G, nid, dtype, **moe):
+    """The weight-only FP8 launches at every T: moe.fp8_activations off keeps the activations 16-bit above
+    decode too (on, the FP8 x FP8 launches serve there: test_kernels_moe_gemm_fp8.py); `moe`: other knobs
+    (the FP8 variants, off by default)."""
+    tuning = Tuning(moe=MoeTuning(fp8_activations=False, **moe))
     launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype, tuning=tuning))
-    assert [la.stage for la in launches] == [_moe_fp8.VARIANT], [la.stage for la in launches]
-    assert f"{dtype}_{_moe_fp8.NAME}" in launches[0].name, launches[0].name
+    assert all(la.stage.startswith(_moe_fp8.VARIANT) for la in launches), [la.stage for la in launches]
+    assert all(f"{dtype}_{_moe_fp8.NAME}" in la.name for la in launches), [la.name for la in launches]
     return launches
 
 
-def run_case(runner, op, case):
-    """One example: the FP8 launch on poisoned outputs against the reference on the dequantised weights."""
+def run_case(runner, op, case, expect=_moe_fp8.VARIANT, **moe):
+    """One example: the FP8 launches on poisoned outputs against the reference on the dequantised weights;
+    `expect`: the stage of the one launch that runs at the case's T; `moe`: knobs (lower_fp8)."""
     dtype, T, E, K, KD, N = (case[k] for k in ("dtype", "T", "E", "K", "KD", "N"))
     tdt = TORCH_DTYPES[dtype]
     g = torch.Generator().manual_seed(case["seed"])
@@ -108,9 +110,9 @@ def run_case(runner, op, case):
         q, s = quantized_experts(E, N, KD, g, KD ** -0.5)
         weights[name], weights[companion_names(name, FP8)[0]] = q, s
         ref_w[role] = dequantized(q, s)
-    launches = lower_fp8(G, nid, dtype)
+    launches = lower_fp8(G, nid, dtype, **moe)
     env = {"T": T, "NP": T * K, "SMS": torch.cuda.get_device_properties(0).multi_processor_count}
-    assert sizes.evaluate(launches[0].grid[0], env) > 0
+    assert [la.stage for la in launches if sizes.evaluate(la.grid[0], env) > 0] == [expect]
     outs = G.nodes[nid]["outputs"]
     mis = case.get("misalign", "none")
     values = {first: shifted(inp.cuda(), mis == "inputs"), "R": dev_r,
@@ -192,3 +194,30 @@ def test_moe_gate_up_fp8(runner, case):
 @kernel_test(12)
 def test_moe_down_fp8(runner, case):
     run_case(runner, "moe_down", case)
+
+
+@st.composite
+def one_token_cases(draw):
+    """One token: K of E experts one pair each (a one-pair row tile an expert), down's widths of
+    fp8_cases and V2-Lite's in the examples."""
+    E = draw(st.sampled_from((1, 2, 3, 5, 8, 64, 66)))
+    K = draw(st.integers(1, min(E, 9)))
+    chosen = draw(st.permutations(range(E)))[:K]
+    return {**case_of(draw(st.sampled_from(("bf16", "fp16"))), one_token(E, chosen), K,
+                      draw(st.sampled_from(KDS + (1408,))), draw(st.sampled_from(NS + (2048,))),
+                      draw(st.sampled_from(("none", "none", "inputs", "outputs"))), draw(st.integers(0, 2**31 - 1)))}
+
+
+@given(case=one_token_cases())
+@example(case=case_of("bf16", one_token(66, (0, 1, 5, 17, 30, 41, 50, 65)), 8, 1408, 2048))      # V2-Lite b=1: 128 tiles
+@example(case=case_of("bf16", one_token(66, (0, 1, 5, 17, 30, 41, 50, 65, 3)), 9, 1408, 2048))   # 144 tiles on 132 CTAs
+@example(case=case_of("fp16", one_token(3, (2, 0)), 2, 272, 37))                                  # odd N, one box
+@example(case=case_of("bf16", one_token(5, (4,)), 1, 64, 264, "inputs"))                          # KD: one K slice
+@example(case=case_of("fp16", one_token(8, (1, 6, 7)), 3, 144, 136, "outputs"))                   # ceil K block
+@kernel_test(10)
+def test_moe_down_fp8_one_token_launch(runner, case):
+    """Down's FP8 one-token launch (moe.fp8_one_token_down: one CTA an SM, a ring of 16 FP8 stages, all
+    of its first tile's 16 slices issued before its wait) is the one that runs at T = 1 and matches the
+    reference; V2-Lite's 22 K slices wrap the 16-stage ring, and at 144 tiles some of the 132 CTAs
+    (an H100's SMs) walk a second tile."""
+    run_case(runner, "moe_down", case, expect=_moe_fp8.ONE_TOKEN_VARIANT, fp8_one_token_down=True)
