@@ -12,7 +12,7 @@ LoweringError (`check`).
 from __future__ import annotations
 
 from codegen.errors import LoweringError
-from codegen.kernel import KernelLaunch, tensor_map, weight
+from codegen.kernel import KernelLaunch, size, tensor_map, weight
 from ir.formats import FP8, companion_names, weight_format
 
 from . import _moe_wgmma, _moe_wgmma_skinny as S
@@ -89,20 +89,25 @@ def args(weights: dict, act: str, fp8: bool) -> tuple:
 
 
 def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args_: tuple, opts, *, down: bool,
-           run: str | None, one_token: bool = False) -> KernelLaunch:
+           run: str | None, one_token: bool = False, shared: int = 0) -> KernelLaunch:
     """The FP8 launch over the family's operands (the FP8 ones from `args`); `run`: its token-range
-    factor; `one_token`: down's one-token launch (one CTA an SM, the deeper ring)."""
+    factor; `one_token`: down's one-token launch (one CTA an SM, the deeper ring); `shared`: the
+    routing's shared experts, whose first tile gate / up runs before its wait where
+    Tuning.moe.fp8_shared_before_wait is on (the kernel then takes NP for T; name part sh{S}w)."""
     from codegen.render import kernel_name
     cols = S.cols(down=down)
     tiles = f"{S.col_tiles(p['N'], down=down)} * (NP // {BP} + min({p['E']}, NP))"
     variant = ONE_TOKEN_VARIANT if one_token else VARIANT
     stages = one_token_stages(opts.tuning) if one_token else STAGES
+    sh = shared if not down and opts.tuning.moe.fp8_shared_before_wait else 0
+    if sh:
+        args_ = (*args_, size("num_pairs", "NP"))
     params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "variant": variant,
               "threads": S.THREADS, "stages": stages, "smem": smem(stages), "cols": cols, "box_rows": BOX,
-              "box_k": BK, "pairs": BP}
+              "box_k": BK, "pairs": BP, **({"shared": sh} if sh else {})}
     grid = when(f"min(SMS, {tiles})" if one_token else f"min(2 * SMS, {tiles})", run)
+    names = [f"{name_parts[0]}_{NAME}", *name_parts[1:], *([f"sh{sh}w"] if sh else []), variant]
     return KernelLaunch(
-        family=family, template=template, name=kernel_name(family, [f"{name_parts[0]}_{NAME}", *name_parts[1:],
-                                                                   variant]), params=params,
+        family=family, template=template, name=kernel_name(family, names), params=params,
         nodes=(nid,), grid=(grid, 1, 1), block=(S.THREADS, 1, 1), args=args_, smem=smem(stages), stage=variant,
         requires=(S.FEATURE,))

@@ -117,8 +117,9 @@ __device__ __forceinline__ void mma_rA_m64nk16(float (&d)[N / 2], const unsigned
 #undef DSG_WGMMA_RA
 
 // One tile's K loop and epilogue on the consumer warpgroup, BP pairs wide (the tile has <= BP).
-// s0 / s1: the block scales of w0 / w1 (DOWN: both s0).
-template <typename T, int MODE, int N, int KD, int ST, int BP>
+// s0 / s1: the block scales of w0 / w1 (DOWN: both s0).  WAIT: the tile ran before the kernel's PDL
+// wait, which comes between its K loop and its stores (pdl.cuh: no global write before it).
+template <typename T, int MODE, int N, int KD, int ST, int BP, bool WAIT = false>
 __device__ __forceinline__ void wgmma_fp8_tile(const WgTile& tl, const i32* __restrict__ order, unsigned ring,
                                                unsigned long long* full, unsigned long long* empty,
                                                const float* __restrict__ s0, const float* __restrict__ s1,
@@ -162,64 +163,127 @@ __device__ __forceinline__ void wgmma_fp8_tile(const WgTile& tl, const i32* __re
     }
   }
   if (lane == 0) mbar::arrive(&empty[(it - 1) % ST]);
+  if constexpr (WAIT) dsg::pdl_wait();
   wgmma_skinny_store<T, MODE, N, BP>(tl, order, acc0, acc1, out0, out1);
 }
 
+// Thread 0, before the wait: the first PRE weight slices of the walk's first tile (expert e, output
+// columns from n0) into ring stages 0..PRE-1 (the producer then skips issuing them: `preissued`).
+template <int MODE, int N, int PRE>
+__device__ __forceinline__ void wgmma_fp8_issue_first(char* ring, const TensorMap* w0, const TensorMap* w1, int e,
+                                                      int n0, unsigned long long* full) {
+#pragma unroll
+  for (int s = 0; s < PRE; ++s)
+    wgmma_issue_weights<MODE, N, WgFp8Tiles>(ring + s * WF_STAGE_BYTES + WgFp8Tiles::WEIGHTS_AT,
+                                             w0, w1, s * WF_BK, n0, e, &full[s]);
+}
+
+// SH shared experts (moe_wgmma_skinny.cuh's SH: experts 0..SH-1, every token one pair of each at
+// t * K + K - SH + s): a CTA whose first tile is one of theirs runs it whole before the kernel's PDL
+// wait, its pairs from T alone (num_pairs / K) in token order in `sorder`, its stores after the
+// wait; returns the walk's tiles it took (1, else 0).  Tile t of the first SH * cdiv(T, WF_BP) * NCT
+// is the walk's own tile t once the route's offsets are read (its shared experts come first).
+template <typename T, int MODE, int N, int KD, int K, int ST, int SH>
+__device__ __forceinline__ int wgmma_fp8_shared_first(const T* __restrict__ x, const TensorMap* w0,
+                                                      const TensorMap* w1, const float* __restrict__ s0,
+                                                      const float* __restrict__ s1, const i32* __restrict__ order,
+                                                      i32* sorder, char* ring_p,
+                                                      unsigned ring, unsigned long long* full,
+                                                      unsigned long long* empty, T* __restrict__ out0,
+                                                      T* __restrict__ out1, int num_pairs) {
+  constexpr int KT = (KD + WF_BK - 1) / WF_BK, NCT = wgmma_skinny_col_tiles(MODE, N);
+  constexpr int PRE = ST < KT ? ST : KT;
+  const int tokens = num_pairs / K, per = (tokens + WF_BP - 1) / WF_BP;   // row tiles of one shared expert
+  const int t = blockIdx.x;
+  if (t >= SH * per * NCT) return 0;                     // (uniform)
+  WgTile tl;
+  const int rt = (t / NCT) % per;                        // tile t: shared expert t / NCT / per, row tile rt
+  tl.e = t / NCT / per;
+  tl.rows = min(WF_BP, tokens - rt * WF_BP);
+  tl.n0 = (t % NCT) * wgmma_skinny_cols(MODE);
+  if (threadIdx.x == 0) wgmma_fp8_issue_first<MODE, N, PRE>(ring_p, w0, w1, tl.e, tl.n0, full);
+  if ((int)threadIdx.x < tl.rows) sorder[threadIdx.x] = (rt * WF_BP + threadIdx.x) * K + K - SH + tl.e;
+  // its pairs: rows of sorder, from T alone; the route's `order` may not be written yet
+  tl.pbeg = 0;
+  const i32* pairs = sorder;
+  __syncthreads();
+  int it = 0;
+  if (threadIdx.x < 128)
+    wgmma_produce_tile<T, MODE, N, KD, K, ST, WgFp8Tiles>(x, w0, w1, pairs, tl, ring_p, full, empty,
+                                                          aligned_to<16>(x), it, PRE);
+  else if (tl.rows <= 16)
+    wgmma_fp8_tile<T, MODE, N, KD, ST, 16, true>(tl, pairs, ring, full, empty, s0, s1, out0, out1, it);
+  else
+    wgmma_fp8_tile<T, MODE, N, KD, ST, 32, true>(tl, pairs, ring, full, empty, s0, s1, out0, out1, it);
+  return 1;
+}
+
 // The walk of 4e's grouped_gemm_wgmma_skinny on the FP8 tiles.  GATE_UP* wait at entry (the
-// routing says which weights); DOWN starts its first tile's first slices before its wait (the
-// routing is two launches back: moe_wgmma_skinny.cuh), all ST of them: down's one-token launch
-// (one CTA an SM, ST = 16) thus issues twice the two-CTA launch's bytes before the wait.
-template <typename T, int MODE, int E, int N, int KD, int K, int ST>
+// routing says which weights), but with SH shared experts (Tuning.moe.fp8_shared_before_wait) a CTA
+// whose first tile is a shared expert's runs it before its wait (wgmma_fp8_shared_first; num_pairs
+// then gives T).  DOWN starts its first tile's first slices before its wait (the routing is two
+// launches back: moe_wgmma_skinny.cuh), all ST of them: down's one-token launch (one CTA an SM,
+// ST = 16) thus issues twice the two-CTA launch's bytes before the wait.
+template <typename T, int MODE, int E, int N, int KD, int K, int ST, int SH = 0>
 __device__ __forceinline__ void grouped_gemm_wgmma_fp8(const T* __restrict__ x, const TensorMap* w0,
                                                        const TensorMap* w1, const float* __restrict__ s0,
                                                        const float* __restrict__ s1, const i32* __restrict__ order,
                                                        const i32* __restrict__ offsets, T* __restrict__ out0,
-                                                       T* __restrict__ out1, char* smem) {
+                                                       T* __restrict__ out1, char* smem, int num_pairs = 0) {
   using L = WgFp8Tiles;
   static_assert(sizeof(T) == 2, "fp8 experts: 16-bit activations");
   static_assert(KD % 16 == 0, "fp8 experts: FP8 rows of whole 16-byte chunks (TMA strides)");
   static_assert(ST >= 2, "fp8 experts: a ring of at least two stages");
   // Two CTAs an SM at the 8-stage ring (_moe_fp8.fits); down's one-token launch, one CTA an SM,
-  // runs a deeper one (_moe_fp8.one_token_stages).
-  static_assert((ST <= WF_STAGES ? 2 : 1) * (wgmma_fp8_smem(ST) + 2 * ST * 8 + 4 * (E + 1) + 1024) <= 228 * 1024,
+  // runs a deeper one (_moe_fp8.one_token_stages).  (+ the shared tile's pairs, 128 bytes.)
+  static_assert((ST <= WF_STAGES ? 2 : 1) * (wgmma_fp8_smem(ST) + 2 * ST * 8 + 4 * (E + 1) + 4 * WF_BP + 1024) <=
+                    228 * 1024,
                 "fp8 experts: two CTAs per SM at eight stages, one at more");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   __shared__ int tiles[E + 1];
   constexpr bool EARLY = MODE == DOWN;
-  if constexpr (!EARLY) {
+  constexpr bool SHARED_EARLY = !EARLY && SH > 0;
+  __shared__ i32 shared_order[SHARED_EARLY ? WF_BP : 1];   // the early shared tile's pairs
+  if constexpr (!EARLY && !SHARED_EARLY) {
     dsg::pdl_wait();
     dsg::pdl_launch_dependents();
   }
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;
   char* ring_p = smem + (ring - raw);
-  if (threadIdx.x < 32) wgmma_row_tiles<E, WF_BP, EARLY>(offsets, tiles);
+  if constexpr (!SHARED_EARLY) {
+    if (threadIdx.x < 32) wgmma_row_tiles<E, WF_BP, EARLY>(offsets, tiles);
+  }
   if (threadIdx.x == 0) wgmma_ring_init<ST>(full, empty, 4);   // one consumer warpgroup
   __syncthreads();
   constexpr int KT = (KD + WF_BK - 1) / WF_BK, NCT = wgmma_skinny_col_tiles(MODE, N);
   constexpr int PRE = EARLY ? (ST < KT ? ST : KT) : 0;
-  int preissued = 0;
+  int preissued = 0, skip = 0;
+  if constexpr (SHARED_EARLY) {
+    skip = wgmma_fp8_shared_first<T, MODE, N, KD, K, ST, SH>(x, w0, w1, s0, s1, order, shared_order, ring_p, ring,
+                                                             full, empty, out0, out1, num_pairs);
+    dsg::pdl_wait();
+    dsg::pdl_launch_dependents();
+    if (threadIdx.x < 32) wgmma_row_tiles<E, WF_BP, false>(offsets, tiles);
+    __syncthreads();
+  }
   if constexpr (EARLY) {
     if ((int)blockIdx.x < tiles[E] * NCT) {
       preissued = PRE;
       const int t = blockIdx.x;
-      if (threadIdx.x == 0) {
-        const int e = wgmma_tile_expert<E>(tiles, t / NCT), n0 = (t % NCT) * wgmma_skinny_cols(MODE);
-#pragma unroll
-        for (int s = 0; s < PRE; ++s)
-          wgmma_issue_weights<MODE, N, L>(ring_p + s * WF_STAGE_BYTES + L::WEIGHTS_AT, w0, w1, s * WF_BK, n0, e,
-                                          &full[s]);
-      }
+      if (threadIdx.x == 0)
+        wgmma_fp8_issue_first<MODE, N, PRE>(ring_p, w0, w1, wgmma_tile_expert<E>(tiles, t / NCT),
+                                            (t % NCT) * wgmma_skinny_cols(MODE), full);
     }
     dsg::pdl_wait();
     dsg::pdl_launch_dependents();
   }
   if (threadIdx.x < 128) {
-    wgmma_produce<T, MODE, E, N, KD, K, ST, L>(x, w0, w1, order, offsets, tiles, ring_p, full, empty, preissued);
+    wgmma_produce<T, MODE, E, N, KD, K, ST, L>(x, w0, w1, order, offsets, tiles, ring_p, full, empty, preissued, skip);
   } else {
     const int total = tiles[E] * NCT;
-    int it = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    int it = skip * KT;                                  // `skip`: the walk's first tile done already
+    for (int t = blockIdx.x + skip * gridDim.x; t < total; t += gridDim.x) {
       const WgTile tl = wgmma_tile<E, NCT, wgmma_skinny_cols(MODE), WF_BP>(tiles, offsets, t);
       if (tl.rows <= 16) wgmma_fp8_tile<T, MODE, N, KD, ST, 16>(tl, order, ring, full, empty, s0, s1, out0, out1, it);
       else wgmma_fp8_tile<T, MODE, N, KD, ST, 32>(tl, order, ring, full, empty, s0, s1, out0, out1, it);

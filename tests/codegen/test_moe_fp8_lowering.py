@@ -175,3 +175,37 @@ def test_fp8_one_token_down_compiles_for_sm90a_without_spills(st):
              if la.stage == _moe_fp8.ONE_TOKEN_VARIANT]
     log = compile_cubin(render_launch(la), la.name, arch="sm_90a", options=("--ptxas-options=-v",)).log
     assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, log
+
+
+def _shared_launch(op: str, monkeypatch, on: bool, shared: int = 2):
+    """Gate / up's FP8 launch at V2-Lite's widths, lowered as if its routing came from a route with
+    `shared` shared experts (the test graph takes the routing as an input: _moe.routing_shared says 0)."""
+    from codegen.families import _moe
+    monkeypatch.setattr(_moe, "routing_shared", lambda G, routing: shared)
+    G, nid = _node(op, 2048, 1408, E=66, K=8)
+    (la,) = _fp8_launches_of(G, nid, op, _fp8_tuning(fp8_shared_before_wait=on))
+    return la
+
+
+def _fp8_launches_of(G, nid, op, tuning):
+    return [la for la in families.family_for_op(op).lower(nid, G, Options(dtype="bf16", tuning=tuning))
+            if la.stage == _moe_fp8.VARIANT]
+
+
+@pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_gate_up"])
+def test_fp8_shared_before_wait_is_off_by_default_and_names_its_kernel_when_on(op, monkeypatch):
+    """moe.fp8_shared_before_wait (off): gate / up's FP8 launch waits at entry, as on main; on: its
+    kernel takes the shared experts (name part sh2w, template parameter `shared`) and NP for T
+    (num_pairs, its last argument); without shared experts, or for down, nothing changes."""
+    assert not _fp8_tuning().moe.fp8_shared_before_wait
+    off, on = _shared_launch(op, monkeypatch, False), _shared_launch(op, monkeypatch, True)
+    assert "sh2w" not in off.name and "shared" not in off.params and off.args[-1].name != "num_pairs"
+    assert on.name == off.name.replace("__wgmma_skinny_fp8", "__sh2w__wgmma_skinny_fp8")
+    assert on.params == {**off.params, "shared": 2} and on.args == (*off.args, on.args[-1])
+    assert on.args[-1].name == "num_pairs" and on.grid == off.grid and on.smem == off.smem
+    assert _shared_launch(op, monkeypatch, True, shared=0).name == off.name
+    from codegen.families import _moe
+    monkeypatch.setattr(_moe, "routing_shared", lambda G, routing: 2)
+    G, nid = _node("moe_down", 1408, 2048, E=66, K=8)
+    tuned = [la.name for la in _fp8_launches_of(G, nid, "moe_down", _fp8_tuning(fp8_shared_before_wait=True))]
+    assert tuned == [la.name for la in _fp8_launches_of(G, nid, "moe_down", _fp8_tuning())]

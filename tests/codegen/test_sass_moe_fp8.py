@@ -37,3 +37,44 @@ def test_fp8_expert_gemm_widens_into_wgmmas_a_registers(op, KD, N):
     assert any(o.startswith("UTMALDG.3D") for o in ops), sorted(ops)
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "no local memory"
     assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
+
+
+def _before_wait(instrs) -> list:
+    """The instructions on a path from the entry that has not passed a griddepcontrol.wait (ACQBULK),
+    following branches both ways (test_sass_pdl.wait_problem's walk, which checks the same kernels first)."""
+    from test_sass_pdl import _TARGET
+    index = {ins.addr: n for n, ins in enumerate(instrs)}
+    seen: set = set()
+    todo = [0]
+    while todo:
+        n = todo.pop()
+        while n < len(instrs) and n not in seen and instrs[n].opcode != "ACQBULK":
+            seen.add(n)
+            if instrs[n].opcode.startswith("BRA"):
+                todo.append(index[int(_TARGET.search(instrs[n].operands).group(1), 16)])
+                if not instrs[n].guarded:
+                    break
+            n += 1
+    return [instrs[n] for n in sorted(seen)]
+
+
+@pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_gate_up"])
+def test_fp8_shared_tile_runs_before_the_wait_and_stores_after_it(op, monkeypatch):
+    """moe.fp8_shared_before_wait: on a path before the PDL wait the shared tile's weight boxes (TMA), its
+    pair rows' gathers (L2-only cp.async or loads: x, two launches back), its block scales (read-only loads:
+    weights)
+    and its wgmma; no store, no other load (the route's `order` and `offsets` come after the wait);
+    pdl.cuh's contract otherwise (test_sass_pdl.wait_problem, weights allowed); 0 spills."""
+    from test_moe_fp8_lowering import _shared_launch
+    from test_sass_pdl import _two_back_load, wait_problem
+    la = _shared_launch(op, monkeypatch, True)
+    res = compile_cubin(render_launch(la), la.name, arch="sm_90a", options=("--ptxas-options=-v",))
+    (body,) = instructions(res.cubin).values()
+    assert wait_problem(body, weight_loads=True) is None, wait_problem(body, weight_loads=True)
+    early = [i.opcode for i in _before_wait(body)]
+    assert any(o.startswith("UTMALDG") for o in early) and any(o.startswith("HGMMA") for o in early), early
+    assert any(o.startswith("LDGSTS") and ".BYPASS" in o for o in early), early
+    loads = {o for o in early if o.split(".")[0] in ("LDG", "LD", "LDGSTS", "UBLKCP", "SULD")}
+    assert all(o.startswith("LDG.E.CONSTANT") or _two_back_load(o, gathers=True) for o in loads), loads
+    assert not any(o.split(".")[0] in ("STG", "ST", "ATOM", "ATOMG", "RED") for o in early), early
+    assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log

@@ -221,3 +221,112 @@ def test_moe_down_fp8_one_token_launch(runner, case):
     reference; V2-Lite's 22 K slices wrap the 16-stage ring, and at 144 tiles some of the 132 CTAs
     (an H100's SMs) walk a second tile."""
     run_case(runner, "moe_down", case, expect=_moe_fp8.ONE_TOKEN_VARIANT, fp8_one_token_down=True)
+
+
+def _route_then_gate_up_silu(T, S, dtype, g, E=64, K=6, D=2048, M=1408):
+    """V2-Lite's route (S shared experts, laid out as the route lays them: token t's shared pair s at
+    t * (K + S) + K + s) and the FP8 gate_up_silu after it with moe.fp8_shared_before_wait on: (plain
+    launches, PDL launches, weights, values, gate_up_silu's graph and node, its dequantised weights)."""
+    import dataclasses
+    from codegen.families import _moe
+    m = tiny_model()
+    act = lambda *s: TType(s, "act")     # noqa: E731
+    P = K + S
+    route_attrs = {"num_experts": E, "top_k": K, "scoring": "softmax", "method": "greedy", "groups": 1,
+                   "topk_groups": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "shared_experts": S}
+    Gr, nr = single_op_graph(m, "moe_route", route_attrs, {"h": act("T", D)}, {"gate": "router.w"},
+                             outputs=["ids", "rw", "R"])
+    Gg, ng = single_op_graph(m, "moe_gate_up_silu", {"num_experts": E + S, "out_dim": M},
+                             {"h": act("T", D), "R": TType((f"T*{P}", E + S), "routing")},
+                             {"gate": "e.{expert}.gate", "up": "e.{expert}.up"}, outputs=["a"])
+    weights, ref_w = {"router.w": (torch.randn(E, D, generator=g) / D ** 0.5 * 2).cuda()}, {}
+    for role, name in Gg.nodes[ng]["weights"].items():
+        set_format(Gg.graph["weights"], name, FP8)
+        q, s = quantized_experts(E + S, M, D, g, D ** -0.5)
+        weights[name], weights[companion_names(name, FP8)[0]] = q, s
+        ref_w[role] = dequantized(q, s)
+    saved = _moe.routing_shared
+    _moe.routing_shared = lambda G, routing: S       # (the test graph takes the routing as an input)
+    try:
+        expert = lower_fp8(Gg, ng, dtype, fp8_shared_before_wait=True)
+    finally:
+        _moe.routing_shared = saved
+    assert all(f"sh{S}w" in la.name for la in expert), [la.name for la in expert]
+    plain = families.family_for_op("moe_route").lower(nr, Gr, Options(dtype=dtype)) + expert
+    pdl = [dataclasses.replace(la, pdl=True) for la in plain]
+    tdt = TORCH_DTYPES[dtype]
+    values = {"h": torch.randn(T, D, generator=g).to("cuda", tdt),
+              "ids": torch.empty(T, P, dtype=torch.int64, device="cuda"),
+              "rw": torch.empty(T, P, dtype=torch.float32, device="cuda"),
+              "R.order": torch.empty(T * P, dtype=torch.int32, device="cuda"),
+              "R.offsets": torch.empty(E + S + 1, dtype=torch.int32, device="cuda"),
+              "a": torch.empty(T * P, M, dtype=tdt, device="cuda")}
+    return plain, pdl, weights, values, (Gg, ng), ref_w
+
+
+def _chain(runner, launches, values, weights, T, P, sync_each=False):
+    shared: dict = {}
+    for la in launches:
+        shared.update(runner.run_all([la], values=values, weights=weights, sizes={"T": T, "NP": T * P},
+                                     workspaces=shared))
+        if sync_each:
+            torch.cuda.synchronize()
+
+
+def _stale_routing(values):
+    """Before a run: the routing a run must not read before the route writes it, valid but wrong (every
+    pair token 0's, as if of the last step's first token) so that an early read gives wrong rows, not a
+    fault; the outputs poisoned."""
+    values["R.order"].zero_()
+    for k in ("ids", "rw", "a"):
+        poison(values[k])
+
+
+@st.composite
+def shared_chain_cases(draw):
+    return {"T": draw(st.sampled_from((1, 2, 3, 9, 40, 130))), "S": draw(st.integers(1, 3)),
+            "dtype": draw(st.sampled_from(("bf16", "fp16"))), "seed": draw(st.integers(0, 2**31 - 1))}
+
+
+@given(case=shared_chain_cases())
+@example(case={"T": 1, "S": 2, "dtype": "bf16", "seed": 51})     # V2-Lite b=1: 44 shared tiles of 176
+@example(case={"T": 9, "S": 2, "dtype": "bf16", "seed": 52})     # tokens past the first: an early read is wrong
+@example(case={"T": 40, "S": 2, "dtype": "fp16", "seed": 53})    # two 32-pair row tiles a shared expert
+@kernel_test(6)
+def test_moe_gate_up_silu_fp8_shared_tile_before_the_wait_of_a_running_route(runner, case):
+    """moe.fp8_shared_before_wait behind a slow producer: the route (router GEMV, top-k, alignment) runs
+    while gate_up_silu's shared tiles run their K loops, both PDL launches, eagerly and replayed from a
+    captured graph, each run on a new h (a new routing) with the routing left stale and the outputs
+    poisoned before it: a shared tile that read the route's `order` (or anything else of the route)
+    before its wait gathers the stale rows.  Every run's `a` is bitwise the serial run's (route, sync,
+    gate_up_silu), and the serial run is within the 1% bounds of the reference on the dequantised
+    weights, its routing the route's own."""
+    T, S, dtype = case["T"], case["S"], case["dtype"]
+    g = torch.Generator().manual_seed(case["seed"])
+    plain, pdl, weights, values, (Gg, ng), ref_w = _route_then_gate_up_silu(T, S, dtype, g)
+    P = 6 + S
+    serial = {k: v.clone() for k, v in values.items()}
+    _chain(runner, pdl, values, weights, T, P)            # every module loaded before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _chain(runner, pdl, values, weights, T, P)
+    for run in range(6):
+        h = torch.randn(T, values["h"].shape[1], generator=g).to(values["h"])
+        values["h"].copy_(h)
+        serial["h"].copy_(h)
+        _stale_routing(serial)
+        _chain(runner, plain, serial, weights, T, P, sync_each=True)
+        _stale_routing(values)
+        if run % 2:
+            graph.replay()
+        else:
+            _chain(runner, pdl, values, weights, T, P)
+        torch.cuda.synchronize()
+        assert torch.equal(values["a"], serial["a"]), f"run {run}: a differs from the serial run"
+    ids = serial["ids"].cpu()
+    assert (ids[:, 6:] == torch.arange(S)).all(), "the route lays its shared pairs last"
+    from ir.ops.moe import align_ref
+    routing = align_ref(ids, 64 + S)
+    base._record("moe_gate_up_silu fp8 shared", dtype, serial["a"],
+                 base._gate_up_silu_rounded(Gg, ng, serial["h"].cpu(), routing, ref_w, TORCH_DTYPES[dtype]))
