@@ -181,8 +181,11 @@ __device__ __forceinline__ void wgmma_fp8_issue_first(char* ring, const TensorMa
 // SH shared experts (moe_wgmma_skinny.cuh's SH: experts 0..SH-1, every token one pair of each at
 // t * K + K - SH + s): a CTA whose first tile is one of theirs runs it whole before the kernel's PDL
 // wait, its pairs from T alone (num_pairs / K) in token order in `sorder`, its stores after the
-// wait; returns the walk's tiles it took (1, else 0).  Tile t of the first SH * cdiv(T, WF_BP) * NCT
-// is the walk's own tile t once the route's offsets are read (its shared experts come first).
+// wait; returns the walk's tiles it took (1, else 0).  Tile t < SH * NCT is the walk's own tile t
+// once the route's offsets are read (its shared experts come first, one row tile each).  Only while
+// a shared expert is one row tile (T <= WF_BP): the walk's other row tiles of it would take their
+// pairs from the route's `order`, whose order inside a segment follows atomics, not tokens, so
+// tokens 0..31 by T and pairs 32.. by `order` could overlap.
 template <typename T, int MODE, int N, int KD, int K, int ST, int SH>
 __device__ __forceinline__ int wgmma_fp8_shared_first(const T* __restrict__ x, const TensorMap* w0,
                                                       const TensorMap* w1, const float* __restrict__ s0,
@@ -193,16 +196,14 @@ __device__ __forceinline__ int wgmma_fp8_shared_first(const T* __restrict__ x, c
                                                       T* __restrict__ out1, int num_pairs) {
   constexpr int KT = (KD + WF_BK - 1) / WF_BK, NCT = wgmma_skinny_col_tiles(MODE, N);
   constexpr int PRE = ST < KT ? ST : KT;
-  const int tokens = num_pairs / K, per = (tokens + WF_BP - 1) / WF_BP;   // row tiles of one shared expert
-  const int t = blockIdx.x;
-  if (t >= SH * per * NCT) return 0;                     // (uniform)
+  const int tokens = num_pairs / K, t = blockIdx.x;
+  if (tokens > WF_BP || t >= SH * NCT) return 0;          // (uniform)
   WgTile tl;
-  const int rt = (t / NCT) % per;                        // tile t: shared expert t / NCT / per, row tile rt
-  tl.e = t / NCT / per;
-  tl.rows = min(WF_BP, tokens - rt * WF_BP);
+  tl.e = t / NCT;                                         // tile t: shared expert t / NCT, all its pairs
+  tl.rows = tokens;
   tl.n0 = (t % NCT) * wgmma_skinny_cols(MODE);
   if (threadIdx.x == 0) wgmma_fp8_issue_first<MODE, N, PRE>(ring_p, w0, w1, tl.e, tl.n0, full);
-  if ((int)threadIdx.x < tl.rows) sorder[threadIdx.x] = (rt * WF_BP + threadIdx.x) * K + K - SH + tl.e;
+  if ((int)threadIdx.x < tl.rows) sorder[threadIdx.x] = threadIdx.x * K + K - SH + tl.e;
   // its pairs: rows of sorder, from T alone; the route's `order` may not be written yet
   tl.pbeg = 0;
   const i32* pairs = sorder;

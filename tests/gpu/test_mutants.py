@@ -259,7 +259,7 @@ MUTANTS = [
                                      seed=45)), uses_runner=True),
     Mutant("FP8 experts, gate_up_silu's shared tile before the PDL wait reads the route's ids (not yet written)",
            "include/moe_fp8.cuh", "  tl.pbeg = 0;\n  const i32* pairs = sorder;",
-           "  tl.pbeg = tl.e * tokens + rt * WF_BP;\n  const i32* pairs = order;",
+           "  tl.pbeg = tl.e * tokens;\n  const i32* pairs = order;",
            moe_fp8.test_moe_gate_up_silu_fp8_shared_tile_before_the_wait_of_a_running_route,
            dict(case={"T": 9, "S": 2, "dtype": "bf16", "seed": 52}), uses_runner=True),
     Mutant("FP8 experts, down's one-token launch: a tile's block scales from the neighbouring 128-row block",
