@@ -93,7 +93,8 @@ def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args
     """The FP8 launch over the family's operands (the FP8 ones from `args`); `run`: its token-range
     factor; `one_token`: down's one-token launch (one CTA an SM, the deeper ring); `shared`: the
     routing's shared experts, whose first tile gate / up runs before its wait where
-    Tuning.moe.fp8_shared_before_wait is on (the kernel then takes NP for T; name part sh{S}w)."""
+    Tuning.moe.fp8_shared_before_wait is on (the kernel then takes NP for T; name part sh{S}w);
+    Tuning.moe.fp8_widen_ahead: the consumer's widen-ahead tiles (name part wa)."""
     from codegen.render import kernel_name
     cols = S.cols(down=down)
     tiles = f"{S.col_tiles(p['N'], down=down)} * (NP // {BP} + min({p['E']}, NP))"
@@ -102,11 +103,13 @@ def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args
     sh = shared if not down and opts.tuning.moe.fp8_shared_before_wait else 0
     if sh:
         args_ = (*args_, size("num_pairs", "NP"))
+    ahead = opts.tuning.moe.fp8_widen_ahead
+    # (knobs that are off leave the parameters, and so the source, as they were without them)
     params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "variant": variant,
               "threads": S.THREADS, "stages": stages, "smem": smem(stages), "cols": cols, "box_rows": BOX,
-              "box_k": BK, "pairs": BP, **({"shared": sh} if sh else {})}
+              "box_k": BK, "pairs": BP, **({"shared": sh} if sh else {}), **({"ahead": True} if ahead else {})}
     grid = when(f"min(SMS, {tiles})" if one_token else f"min(2 * SMS, {tiles})", run)
-    names = [f"{name_parts[0]}_{NAME}", *name_parts[1:], *([f"sh{sh}w"] if sh else []), variant]
+    names = [f"{name_parts[0]}_{NAME}", *name_parts[1:], *([f"sh{sh}w"] if sh else []), *(["wa"] * ahead), variant]
     return KernelLaunch(
         family=family, template=template, name=kernel_name(family, names), params=params,
         nodes=(nid,), grid=(grid, 1, 1), block=(S.THREADS, 1, 1), args=args_, smem=smem(stages), stage=variant,

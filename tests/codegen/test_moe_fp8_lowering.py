@@ -209,3 +209,41 @@ def test_fp8_shared_before_wait_is_off_by_default_and_names_its_kernel_when_on(o
     G, nid = _node("moe_down", 1408, 2048, E=66, K=8)
     tuned = [la.name for la in _fp8_launches_of(G, nid, "moe_down", _fp8_tuning(fp8_shared_before_wait=True))]
     assert tuned == [la.name for la in _fp8_launches_of(G, nid, "moe_down", _fp8_tuning())]
+
+
+@pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_gate_up", "moe_down"])
+def test_fp8_widen_ahead_is_off_by_default_and_names_its_kernel_when_on(op, monkeypatch):
+    """moe.fp8_widen_ahead (off): the kernels as on main; on: name part wa, parameter `ahead`, the same
+    launch otherwise (grid, shared memory, operands), with the other FP8 knobs too."""
+    assert not _fp8_tuning().moe.fp8_widen_ahead
+    from codegen.families import _moe
+    monkeypatch.setattr(_moe, "routing_shared", lambda G, routing: 2)
+    KD, N = (1408, 2048) if op == "moe_down" else (2048, 1408)
+    G, nid = _node(op, KD, N, E=66, K=8)
+    off = _fp8_launches_of(G, nid, op, _fp8_tuning())
+    for extra in ({}, {"fp8_shared_before_wait": True}):
+        (on,) = _fp8_launches_of(G, nid, op, _fp8_tuning(fp8_widen_ahead=True, **extra))
+        (base,) = _fp8_launches_of(G, nid, op, _fp8_tuning(**extra))
+        assert on.name == base.name.replace("__wgmma_skinny_fp8", "__wa__wgmma_skinny_fp8")
+        assert on.params == {**base.params, "ahead": True} and on.args == base.args and on.grid == base.grid
+        assert on.smem == base.smem and "ahead" not in off[0].params
+
+
+@pytest.mark.parametrize("op,knobs", [("moe_gate_up_silu", {}), ("moe_gate_up", {"fp8_shared_before_wait": True}),
+                                      ("moe_down", {"fp8_one_token_down": True})])
+def test_fp8_widen_ahead_compiles_without_spills_or_serialised_wgmma(op, knobs, monkeypatch):
+    """Every widen-ahead variant compiles for sm_90a within 128 registers, no spills, and ptxas keeps its
+    wgmma asynchronous (no C7514 "wgmma.mma_async instructions are serialized")."""
+    from codegen.families import _moe
+    from codegen.nvrtc import compile_cubin
+    from codegen.render import render_launch
+    monkeypatch.setattr(_moe, "routing_shared", lambda G, routing: 2)
+    KD, N = (1408, 2048) if op == "moe_down" else (2048, 1408)
+    G, nid = _node(op, KD, N, E=66, K=8)
+    tuning = _fp8_tuning(fp8_widen_ahead=True, **knobs)
+    launches = [la for la in families.family_for_op(op).lower(nid, G, Options(dtype="fp16", tuning=tuning))
+                if la.stage.startswith(_moe_fp8.VARIANT)]
+    assert launches and all("__wa__" in la.name for la in launches)
+    for la in launches:
+        log = compile_cubin(render_launch(la), la.name, arch="sm_90a", options=("--ptxas-options=-v",)).log
+        assert "0 bytes spill stores" in log and "0 bytes spill loads" in log and "serialized" not in log, log

@@ -78,3 +78,18 @@ def test_fp8_shared_tile_runs_before_the_wait_and_stores_after_it(op, monkeypatc
     assert all(o.startswith("LDG.E.CONSTANT") or _two_back_load(o, gathers=True) for o in loads), loads
     assert not any(o.split(".")[0] in ("STG", "ST", "ATOM", "ATOMG", "RED") for o in early), early
     assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
+
+
+def test_fp8_widen_ahead_waits_for_one_wgmma_group_of_two():
+    """moe.fp8_widen_ahead: a slice's two boxes go as two wgmma groups, and the consumer waits for the
+    first one alone (WARPGROUP.DEPBAR.LE gsb0, 0x1) before it widens the next slice's first box; main's
+    tile waits for all (0x0) only."""
+    from test_moe_fp8_lowering import _fp8_tuning
+    G, nid = _node("moe_gate_up_silu", 2048, 1408, E=64, K=6)
+    depbars = {}
+    for on in (False, True):
+        (la,) = [s for s in families.family_for_op("moe_gate_up_silu").lower(
+            nid, G, Options(dtype="bf16", tuning=_fp8_tuning(fp8_widen_ahead=on))) if s.stage == "wgmma_skinny_fp8"]
+        (body,) = instructions(compile_cubin(render_launch(la), la.name, arch="sm_90a").cubin).values()
+        depbars[on] = {i.operands.split(",")[-1].strip() for i in body if i.opcode.startswith("WARPGROUP.DEPBAR")}
+    assert "0x1" in depbars[True] and "0x1" not in depbars[False], depbars

@@ -332,3 +332,31 @@ def test_moe_gate_up_silu_fp8_shared_tile_before_the_wait_of_a_running_route(run
     routing = align_ref(ids, 64 + S)
     base._record("moe_gate_up_silu fp8 shared", dtype, serial["a"],
                  base._gate_up_silu_rounded(Gg, ng, serial["h"].cpu(), routing, ref_w, TORCH_DTYPES[dtype]))
+
+
+@st.composite
+def ahead_cases(draw):
+    return {**draw(fp8_cases(KDS, NS + (1408, 2048))), "op": draw(st.sampled_from(("moe_gate_up_silu", "moe_gate_up",
+                                                                                     "moe_down")))}
+
+
+@given(case=ahead_cases())
+@example(case={**case_of("bf16", one_token(64, (0, 3, 9, 17, 40, 63)), 6, 2048, 1408), "op": "moe_gate_up_silu"})
+@example(case={**case_of("bf16", one_token(64, (0, 3, 9, 17, 40, 63)), 6, 1408, 2048), "op": "moe_down"})
+@example(case={**case_of("fp16", (15, 16, 17, 31, 32, 33), 2, 144, 37), "op": "moe_gate_up"})   # both tile widths
+@example(case={**case_of("bf16", (9, 8, 7, 1), 1, 64, 200, "outputs"), "op": "moe_down"})      # one K slice
+@kernel_test(12)
+def test_moe_fp8_widen_ahead(runner, case):
+    """moe.fp8_widen_ahead: each box widened while the box before it is on the tensor core (16-pair tiles;
+    the 32-pair ones keep the plain tile) matches the reference as the plain tile does, every op, one and
+    many K slices (the next slice's first box from the next ring stage, wrapping the ring)."""
+    run_case(runner, case["op"], case, fp8_widen_ahead=True)
+
+
+@given(case=one_token_cases())
+@example(case=case_of("bf16", one_token(66, (0, 1, 5, 17, 30, 41, 50, 65)), 8, 1408, 2048))
+@kernel_test(4)
+def test_moe_down_fp8_one_token_launch_widen_ahead(runner, case):
+    """The one-token launch's 16-stage ring with the widen-ahead tiles."""
+    run_case(runner, "moe_down", case, expect=_moe_fp8.ONE_TOKEN_VARIANT, fp8_one_token_down=True,
+             fp8_widen_ahead=True)
