@@ -4,6 +4,7 @@ decode shapes, and above them the int8 GEMM (gemm_int8) against bf16 cuBLAS and 
     python3 -m bench.perf_linear_int8 [--tokens 1,8,16] [--shapes q+kv_a,o,...] [--gemm-tokens 32,512,16384]
                                       [--json PATH]
     python3 -m bench.perf_linear_int8 --compile-only     # no GPU: registers and spills of every kernel
+    python3 -m bench.perf_linear_int8 --prologue 4 --tokens 1,4,8   # and the kernel that quantises x itself
 
 Prediction (written before the first run, no measurement yet): int8 reads half the bf16 weight bytes, so on the
 large shapes (dense gate_up 2 x 10944 x 2048, dense down, q+kv_a) the int8 kernel alone takes ~0.55-0.65 of the
@@ -18,9 +19,15 @@ warpgroups, one stage of wgmmas in flight), so V2-Lite's int8 linears of one pre
 32 tokens (decode b = 32) a launch has only as many CTAs as 128-row weight tiles (5 .. 171 of 132 SMs), so
 the small shapes read their weights at well under the copy bandwidth.
 
+Prediction for --prologue N (Tuning.linear.i8_prologue_upto; written before its first run): at T <= N the one
+launch that quantises x in each CTA's prologue takes about the int8 kernel alone plus ~0.5-1 us (x's rows from L2,
+two block barriers, the weights' register loads after the prologue instead of before the wait, from L2), so it
+saves ~2 us of the "int8 node" pair's ~quantiser launch and boundary on each int8 linear; at T > N nothing moves.
+
 Each row times, over a CUDA graph that cycles through enough weight copies to exceed ~4x the L2
 (bench.perf_linear.time_cycled): "bf16" the bf16 kernel; "int8 node" the quantiser and the int8 kernel;
-"int8 kernel" the int8 kernel alone on quantised x.  us, the weight bytes read (int8: bytes plus the float32
+"int8 kernel" the int8 kernel alone on quantised x; "int8 prologue" (--prologue N, T <= N) the launches the
+lowering runs at T with that knob: the kernel that quantises x itself, alone.  us, the weight bytes read (int8: bytes plus the float32
 per-channel scales), GB/s and % of the measured copy bandwidth, the ratio to bf16.  Correctness alongside:
 outputs poisoned, then compared bit for bit with ir/formats_int.py's int_linear computed on the CPU (on the
 GPU above 64 tokens; BAD where any output differs; exit status 1).  --gemm-tokens: above linear.skinny_upto,
@@ -43,7 +50,7 @@ from codegen.arch import kernel_target
 from codegen.families import gemm_int8, linear_skinny
 from codegen.kernel import KernelLaunch, LibraryCall, Options
 from codegen.paths import DEFAULT_SPEC
-from codegen.tuning import DEFAULT_TUNING
+from codegen.tuning import DEFAULT_TUNING, LinearTuning, Tuning
 from ir.formats import FORMATS, companion_names
 from ir.ops import TType
 
@@ -51,9 +58,10 @@ ROTATE_BYTES = 256 << 20
 I8 = FORMATS["int8_channel"]
 
 
-def lowered(m, K, rows, silu, int8: bool, arch: str = "sm_90"):
+def lowered(m, K, rows, silu, int8: bool, arch: str = "sm_90", prologue: int = 0):
     """(the node's kernel launches, its library call (None where kernels serve every T), its outputs) at bf16
-    activations for `arch` (sm_89: no int8 GEMM, the exact library call above the skinny range)."""
+    activations for `arch` (sm_89: no int8 GEMM, the exact library call above the skinny range); `prologue`:
+    Tuning.linear.i8_prologue_upto."""
     x = {"x": TType(("T", K), "act")}
     if silu:
         G, nid = single_op_graph(m, "gate_up_silu", {"out_dim": rows[0]}, x, {"gate": "w0", "up": "w1"}, phase="decode")
@@ -65,20 +73,27 @@ def lowered(m, K, rows, silu, int8: bool, arch: str = "sm_90"):
     if int8:
         for name, info in list(G.graph["weights"].items()):
             G.graph["weights"][name] = dataclasses.replace(info, format=I8.name)
-    steps = linear_skinny.lower(nid, G, Options(dtype="bf16", arch=arch))
+    tuning = Tuning(linear=LinearTuning(i8_prologue_upto=prologue))
+    steps = linear_skinny.lower(nid, G, Options(dtype="bf16", arch=arch, tuning=tuning))
     launches = [s for s in steps if isinstance(s, KernelLaunch)]
     calls = [s for s in steps if isinstance(s, LibraryCall)]
     return launches, calls[0] if calls else None, G.nodes[nid]["outputs"]
 
 
-def compile_only(m, names) -> int:
+def at_tokens(launches, T: int) -> list:
+    """The launches whose grids have work at T (what a step of T tokens runs)."""
+    from codegen.sizes import evaluate
+    return [la for la in launches if all(evaluate(g, {"T": T, "SMS": 132}) > 0 for g in la.grid)]
+
+
+def compile_only(m, names, prologue: int = 0) -> int:
     from codegen.nvrtc import compile_cubin
     from codegen.render import render_launch
     bad = 0
     for name in names:
         K, rows, silu = shapes(m)[name]
         for int8 in (False, True):
-            for la in lowered(m, K, rows, silu, int8)[0]:
+            for la in lowered(m, K, rows, silu, int8, prologue=prologue)[0]:
                 res = compile_cubin(render_launch(la), la.name, arch=kernel_target("sm_90", la.requires),
                                     options=("--ptxas-options=-v",))
                 spills, info = ptxas_report(res.log)
@@ -120,6 +135,8 @@ def main() -> int:
     ap.add_argument("--gemm-tokens", default="32,512,16384")
     ap.add_argument("--json", default=None)
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--prologue", type=int, default=0, metavar="N",
+                    help="also time the kernel that quantises x itself at T <= N (Tuning.linear.i8_prologue_upto)")
     args = ap.parse_args()
     m = ir.load_spec(str(DEFAULT_SPEC)).model
     names = [s for s in args.shapes.split(",") if s]
@@ -127,7 +144,7 @@ def main() -> int:
         if name not in shapes(m):
             raise SystemExit(f"unknown shape {name!r} (one of {', '.join(shapes(m))})")
     if args.compile_only:
-        return compile_only(m, names)
+        return compile_only(m, names, args.prologue)
 
     import torch
     import torch.nn.functional as F
@@ -223,6 +240,15 @@ def main() -> int:
             us = time_cycled(lambda i: runner.run(la8, values={"x": x, **ys}, weights=w8[i], sizes={"T": T},
                                                   workspaces=work), copies)
             report(name, T, "int8 kernel", us, int8_bytes, None, base)
+            if T <= args.prologue:
+                (xq,) = at_tokens(lowered(m, K, rows, silu, True, prologue=args.prologue)[0], T)
+                for y in ys.values():
+                    y.fill_(float("nan"))
+                runner.run(xq, values={"x": x, **ys}, weights=w8[0], sizes={"T": T})
+                torch.cuda.synchronize()
+                ok = exact(list(ys.values()), x, w8[0], rows, silu)
+                us = time_cycled(lambda i: runner.run(xq, values={"x": x, **ys}, weights=w8[i], sizes={"T": T}), copies)
+                report(name, T, "int8 prologue", us, int8_bytes, ok, base)
         del w8, wb
         torch.cuda.empty_cache()
     if args.json:

@@ -99,7 +99,8 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
     its tables smaller: _moe_fp8.one_token_stages); fp8_rows (KD % 16 == 0:
     16-byte FP8 rows), fp8_fits (the FP8 decode kernel's shared memory for E experts) and fp8x_fits (the
     FP8 x FP8 prefill kernel's, read where Tuning.moe.fp8_activations is on); int_rows (N even: packed
-    int4's two channels a byte; per group, whole groups of KD)."""
+    int4's two channels a byte; per group, whole groups of KD); int_xq_fits (down's pair rows at
+    Tuning.moe.int_down_prologue_upto tokens fit its shared memory; read only where that knob is on)."""
     m = t.moe
     thr = None if m.prefill_wgmma_above is None else max(m.prefill_wgmma_above, m.gemv_upto)
     # decode's wgmma runs up to the prefill wgmma's threshold (256 where that is off)
@@ -118,8 +119,14 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
             "reads an expert's weights for 32 pairs: tuned for decode, above it NOT a tuned GEMM (int8 wgmma is "
             "to replace it)")
     dynamic = tuple(f for f in INT_FORMATS if FORMATS[f].activation == "token")
-    cases = [Case({"weight_format": dynamic, "dtype": sixteen, "int_rows": True},
-                  _rows(("mma_int", 1, INF, wint)), "integer weights, 16-bit"),
+    int_when = {"weight_format": dynamic, "dtype": sixteen, "int_rows": True}
+    xq = m.int_down_prologue_upto if down else 0
+    cases = [*((Case({**int_when, "int_xq_fits": True},
+                     _rows(("mma_int_xq", 1, xq, "integer weights x int8 activations: each CTA quantises its expert's "
+                                                 "pair rows in its prologue (the quantiser's arithmetic, no launch of "
+                                                 "its own), then mma_int's product"), ("mma_int", xq + 1, INF, wint)),
+                     "integer weights, 16-bit, pair rows quantised in the prologue"),) if xq else ()),
+             Case(int_when, _rows(("mma_int", 1, INF, wint)), "integer weights, 16-bit"),
              Case({"weight_format": INT_FORMATS},
                   _rows((NONE, 1, INF, "integer expert weights: per-token activations (not int8_static), bf16 or "
                                        "fp16, packed int4 with an even width, per group whole 256-groups")),
@@ -174,7 +181,7 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
                       "16-bit without sm_90a or 16-byte rows"))
     return Table("moe_down" if down else "moe_gate_up_silu", "tokens", tuple(cases),
                  ("dtype", "weight_format", "sm_90a", "tma_rows", "decode_wgmma_fits", "prefill_wgmma_fits",
-                  "one_token", "fp8_rows", "fp8_fits", "fp8x_fits", "int_rows"))
+                  "one_token", "fp8_rows", "fp8_fits", "fp8x_fits", "int_rows", *(("int_xq_fits",) if xq else ())))
 
 
 def expert_ffn(t: Tuning = DEFAULT_TUNING) -> Table:
@@ -231,13 +238,33 @@ def linear(t: Tuning = DEFAULT_TUNING) -> Table:
     weight_format (the node's weights': "same" or an ir/formats.py name: FP8's, msModelSlim's int8_channel);
     dtype; sm_90a (the target offers it); fp8_rows (K % 16 == 0: whole 16-byte chunks of the quantised rows);
     fp8_fits (the FP8 GEMM's shared memory); i8_rows (K % 16 == 0: 16-byte strides of the int8 weight's
-    tensor map, and K < 2^17: exact int32 sums); i8_fits (the int8 GEMM's shared memory)."""
+    tensor map, and K < 2^17: exact int32 sums); i8_fits (the int8 GEMM's shared memory); i8_xq_fits (the
+    quantised rows of Tuning.linear.i8_prologue_upto tokens fit the skinny kernel's shared memory; read only
+    where that knob is on)."""
     up = t.linear.skinny_upto
+    xq = min(t.linear.i8_prologue_upto, up)
     i8 = INT8_CHANNEL
     skinny = ("skinny", 1, up, "skinny kernel: each weight byte read once, tokens as the mma's N")
     i8_skinny = ("skinny_wi8", 1, up, "int8 weights: x quantised per token by its own launch, then the skinny "
                                       "kernel's mma.sync s8 x s8 -> s32 with the weights as M (exact, bit-equal "
                                       "to the reference)")
+    i8_xq = ("skinny_wi8_xq", 1, xq, "int8 weights: each CTA quantises x per token into shared memory in its "
+                                     "prologue (the quantiser's arithmetic, no launch of its own), its weights "
+                                     "sent towards L2 before its wait, then the skinny_wi8 product")
+    i8_wgmma = ("i8_wgmma", up + 1, INF, "int8 x int8 wgmma + TMA: x quantised per token by its own launch, exact "
+                                         "int32 sums (wgmma s32.s8.s8), then (float(acc) * s_w) * s_x, bit-equal "
+                                         "to the reference")
+    int_mm = ("int_mm", up + 1, INF, "int8 weights where the int8 GEMM cannot run (no sm_90a, K % 16 != 0 or K >= "
+                                     "2^17): NOT a tuned GEMM -- x quantised per token by torch, the exact integer "
+                                     "product by torch._int_mm (float64 where its shape rules fail), then the scales")
+    gemm_when = {"weight_format": i8, "dtype": ("bf16", "fp16"), "sm_90a": True, "i8_rows": True, "i8_fits": True}
+    gemm_note = "int8 weights, 16-bit activations, sm_90a, K % 16 == 0 and K < 2^17"
+    other_when, other_note = {"weight_format": i8, "dtype": ("bf16", "fp16")}, "int8 weights, 16-bit activations elsewhere"
+    after_xq = (i8_skinny[0], xq + 1, *i8_skinny[2:])
+    prologue = (Case({**gemm_when, "i8_xq_fits": True}, _rows(i8_xq, after_xq, i8_wgmma),
+                     gemm_note + ", x quantised in the prologue"),
+                Case({**other_when, "i8_xq_fits": True}, _rows(i8_xq, after_xq, int_mm),
+                     other_note + ", x quantised in the prologue")) if xq else ()
     return Table("linear", "tokens", (
         Case({"precision": "fp32"}, _rows(("library", 1, INF, "fp32 precision: cuBLAS, weights and output "
                                                               "stay float32")), "fp32 precision (the router)"),
@@ -245,24 +272,16 @@ def linear(t: Tuning = DEFAULT_TUNING) -> Table:
                 _rows(skinny, ("fp8_wgmma", up + 1, INF, "FP8 x FP8 wgmma + TMA: x quantised per token per 128 "
                                                          "columns, fp32 promotion per 128-K block")),
                 "FP8 weights, sm_90a"),) if t.linear.fp8_activations else ()),
-        Case({"weight_format": i8, "dtype": ("bf16", "fp16"), "sm_90a": True, "i8_rows": True, "i8_fits": True},
-             _rows(i8_skinny, ("i8_wgmma", up + 1, INF, "int8 x int8 wgmma + TMA: x quantised per token by its own "
-                                                        "launch, exact int32 sums (wgmma s32.s8.s8), then "
-                                                        "(float(acc) * s_w) * s_x, bit-equal to the reference")),
-             "int8 weights, 16-bit activations, sm_90a, K % 16 == 0 and K < 2^17"),
-        Case({"weight_format": i8, "dtype": ("bf16", "fp16")},
-             _rows(i8_skinny,
-                   ("int_mm", up + 1, INF, "int8 weights where the int8 GEMM cannot run (no sm_90a, K % 16 != 0 "
-                                           "or K >= 2^17): NOT a tuned GEMM -- x quantised per token by torch, the "
-                                           "exact integer product by torch._int_mm (float64 where its shape rules "
-                                           "fail), then the scales")),
-             "int8 weights, 16-bit activations elsewhere"),
+        *prologue,
+        Case(gemm_when, _rows(i8_skinny, i8_wgmma), gemm_note),
+        Case(other_when, _rows(i8_skinny, int_mm), other_note),
         Case({"weight_format": i8}, _rows((NONE, 1, INF, "int8 weights need bf16 or fp16 activations")),
              "int8 weights, fp32 activations"),
         Case({}, _rows(skinny, ("library", up + 1, INF, "cuBLAS GEMM (FP8 weights where the FP8 GEMM cannot run: "
                                                         "dequantised to the activation dtype every call)")),
              "activation precision")),
-        ("precision", "weight_format", "dtype", "sm_90a", "fp8_rows", "fp8_fits", "i8_rows", "i8_fits"))
+        ("precision", "weight_format", "dtype", "sm_90a", "fp8_rows", "fp8_fits", "i8_rows", "i8_fits",
+         *(("i8_xq_fits",) if xq else ())))
 
 
 def prefill_attention(t: Tuning = DEFAULT_TUNING) -> Table:

@@ -72,6 +72,12 @@ class MoeTuning(_Section):
                                             "expert inputs quantised to e4m3 per row per 128 columns for the FP8 x "
                                             "FP8 grouped GEMM (DeepSeek-V3's dynamic activation scheme); false: "
                                             "decode's weight-only FP8 kernel at every T, activations kept 16-bit")
+    int_down_prologue_upto: int = _knob(0, 0, 16, doc="integer expert weights: down quantises its pair rows in each "
+                                                      "CTA's prologue up to this many tokens (no quantiser launch; "
+                                                      "0: never)")
+    fp8_act_epilogue: bool = _knob(False, doc="with fp8_activations: gate_up_silu's FP8 x FP8 epilogue writes a "
+                                              "as e4m3 rows and per-128-column scales (bit-equal to down's "
+                                              "quantiser) in a's place, and down runs without its quantiser launch")
     fp8_one_token_down: bool = _knob(False, doc="FP8 expert weights: down at T = 1 as its own launch, one CTA an SM, "
                                                 "its ring as deep in weight bytes as one_token_down_stages' bf16 ring "
                                                 "(twice the FP8 stages; off while that is <= 4)")
@@ -120,6 +126,8 @@ class LinearTuning(_Section):
     row_tiles: int = _knob(1, choices=(1, 2, 4), doc="skinny kernel: 16-row weight tiles a CTA")
     unroll: int = _knob(4, choices=(1, 2, 4, 8), doc="skinny kernel: weight loads in flight a thread")
     ksplit: int = _knob(1, choices=(1, 2, 4, 8), doc="skinny kernel: K split over a cluster of this many CTAs")
+    i8_prologue_upto: int = _knob(0, 0, 16, doc="skinny kernel, int8 weights: up to this many tokens each CTA "
+                                                "quantises x itself in its prologue (no quantiser launch; 0: never)")
     # FP8 weights (templates/include/fp8.cuh), measured on an H100 (bench/perf_linear_fp8.py): rolling x4 for
     # linear / multi_linear (two CTAs an SM), batch x1 for gate_up_silu (thousands of rows; three CTAs an SM).
     fp8_pipeline: str = _knob("rolling", choices=("rolling", "batch"),

@@ -3,6 +3,7 @@
     dsgraph explain model_specs/deepseek_v2_lite.yaml --tokens 1,48,300,16384 [--phase decode]
     dsgraph explain --knobs              the tuning knobs, their defaults and meaning
     dsgraph explain SPEC --tasks --batch 1,8,32   the decode step's task graph (codegen/tasks.py)
+    dsgraph explain --weights w4a8 --tokens 1   the spec as `dsgraph bench --weights w4a8` compiles it
 
 The answer is the lowering's own: the spec goes through the passes and the families (no NVRTC),
 and at each token count the launches whose grids have work (codegen.sizes, with the step's sizes)
@@ -43,6 +44,10 @@ def add_explain_args(p: argparse.ArgumentParser) -> None:
                    help="decode: each sequence's context length")
     p.add_argument("--sms", type=whole_number(1), default=132, metavar="N",
                    help="SMs of the GPU the grids are sized for (an H100 / H200 has 132)")
+    from .bench import WEIGHTS
+    p.add_argument("--weights", choices=WEIGHTS, default="bf16",
+                   help="the weights' storage, as `dsgraph bench --weights` compiles the spec (fp8: V3's blocks; "
+                        "w8a8 / w4a8: msModelSlim's int8 linears and int8 / packed int4 experts)")
     p.add_argument("--knobs", action="store_true", help="list the tuning knobs and exit")
     p.add_argument("--tasks", action="store_true",
                    help="summarise the decode step's task graph instead (codegen/tasks.py)")
@@ -68,13 +73,13 @@ def run_explain(args) -> int:
         return 0
     for line in explain_lines(args.spec or str(DEFAULT_SPEC), tokens=args.tokens,
                               phases=(args.phase,) if args.phase else PHASES, arch=args.arch, dtype=args.dtype,
-                              context=args.context, sms=args.sms, tuning=tuning):
+                              context=args.context, sms=args.sms, tuning=tuning, weights=args.weights):
         print(line)
     return 0
 
 
 def explain_lines(spec, *, tokens, phases=PHASES, arch=DEFAULTS.arch, dtype=DEFAULTS.dtype, context=512,
-                  sms=132, tuning=None) -> list[str]:
+                  sms=132, tuning=None, weights="bf16") -> list[str]:
     from codegen.bundle import check_block_size, plan_spec
     from codegen.kernel import KernelLaunch, Options
     from codegen.nvrtc import check_target
@@ -83,9 +88,11 @@ def explain_lines(spec, *, tokens, phases=PHASES, arch=DEFAULTS.arch, dtype=DEFA
     check_block_size(DEFAULTS.block_size)
     tuning = as_tuning(tuning)
     opts = Options(arch=arch, dtype=dtype, tuning=tuning)
-    sp = plan_spec(spec, opts, strict=False)
+    from .bench import bench_spec   # the spec with --weights' formats, as the bench compiles it
+    sp = plan_spec(bench_spec(spec, weights), opts, strict=False)
     changed = tuning.changed()
-    lines = [f"{sp.spec.name} ({spec}): {arch}, {dtype}, tuning "
+    lines = [f"{sp.spec.name} ({spec}): {arch}, {dtype}, " + (f"--weights {weights}, " if weights != "bf16" else "")
+             + "tuning "
              + (", ".join(f"{k}={v}" for k, v in changed.items()) if changed else "defaults")]
     for phase in phases:
         G, plan = sp.graphs[phase], sp.plans[phase]
@@ -182,7 +189,8 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
         if op in ("linear", "multi_linear", "gate_up_silu"):
             fmt = s.attrs.get("weight_format") if st == "library" else s.params.get("wfmt")
             if fmt == "int8_channel":   # the quantiser's launch and the int8 kernel are one row
-                i8 = "int_mm" if st == "library" else "i8_wgmma" if s.family == "gemm_int8" else "skinny_wi8"
+                i8 = "int_mm" if st == "library" else "i8_wgmma" if s.family == "gemm_int8" else \
+                    "skinny_wi8_xq" if "xq" in s.params else "skinny_wi8"
                 wanted[(op, i8)] = 1
             else:
                 wanted[(op, "library" if st == "library" else "fp8_wgmma" if s.family == "gemm_fp8" else "skinny")] = 1

@@ -31,6 +31,9 @@ bit-equal to ir/formats_int.py's reference; its name carries "wi8".  Above skinn
 K % 16 == 0, the int8 GEMM (codegen/families/gemm_int8.py: its own quantiser launch over every token, then
 wgmma s32.s8.s8, equally exact) takes the place of the library call; elsewhere the library call (marked
 weight_format int8_channel) is the exact integer product by torch (int_linear), not a tuned GEMM.
+Up to Tuning.linear.i8_prologue_upto tokens (off by default; row skinny_wi8_xq, where the quantised rows fit
+shared memory) the int8 kernel quantises x itself in each CTA's prologue (templates/include/int8_prologue.cuh,
+the quantiser's arithmetic: bit-equal) and the quantiser's launch, a kernel boundary on decode's chain, is gone.
 """
 from __future__ import annotations
 
@@ -238,9 +241,10 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
         found = ", ".join(f"{bound[r]}: {f.name}" for r, f in zip(roles, fmts))
         raise LoweringError(f"the skinny linear takes weights all in {opts.dtype} or all in {INT8.name}, got {found}")
     (K,) = inner_dims(G, x)
+    xq = min(opts.tuning.linear.i8_prologue_upto, opts.tuning.linear.skinny_upto)
     facts = {"precision": "act", "weight_format": INT8.name, "dtype": opts.dtype,
              "sm_90a": has_feature(opts.arch, gemm_int8.FEATURE), "i8_rows": gemm_int8.serves(K),
-             "i8_fits": gemm_int8.fits(opts)}
+             "i8_fits": gemm_int8.fits(opts), "i8_xq_fits": xq_fits(K, xq, warps, row_tiles, opts)}
     rows_ = dispatch.rows(data["op"], facts, opts.tuning)
     none = dispatch.row_range(rows_, dispatch.NONE)
     if none:
@@ -254,23 +258,11 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
         op, _, _, names, outs_, widths = gemm_int8.operands(G, nid)
         gemms += gemm_int8.launches(nid, op, x, K, names, outs_, widths, opts, token_range(lo, hi), lo)
     skinny = dispatch.row_range(rows_, "skinny_wi8")
-    if not skinny:
+    prologue = dispatch.row_range(rows_, "skinny_wi8_xq")
+    if not skinny and not prologue:
         return gemms or [call]
-    ((_, upto),) = skinny
     rows = [data["attrs"]["out_dim"]] * 2 if silu else [inner_dims(G, y)[0] for y in outs]
     act = DTYPES[opts.dtype]
-    qrow = -(-K // 16) * 16
-    below = only_below(upto)
-    ws = (Workspace("x_int8", (f"min(T, {upto})", qrow // 4), "i32"),   # int8 rows of qrow bytes
-          Workspace("x_scale", (f"min(T, {upto})",), "f32"))
-    quant = KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [f"{opts.dtype}_qi8", f"k{K}"]),
-        params={"act": act, "K": K, "qrow": qrow, "threads": QUANT_THREADS, "max_tokens": SKINNY_MAX_TOKENS,
-                "wfmt": INT8.name, "quant": True},
-        nodes=(nid,), grid=(f"T * {below}", 1, 1), block=(QUANT_THREADS, 1, 1),
-        args=(inp("x", act, x), stride("x_stride", x, 0), work("q", "signed char", "x_int8"),
-              work("s", "float", "x_scale"), size("T", "T")),
-        workspace=ws, stage="quant_int8")
     w_args = [f"w{i}" for i in range(len(rows))]
     s_args = [f"s{i}" for i in range(len(rows))]
     y_args = [f"y{i}" for i in range(len(outs))]
@@ -282,18 +274,56 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
     tag = variant_tag(warps, row_tiles, unroll)
     if tag:
         parts.append(tag)
-    args = (work("xq", "signed char", "x_int8", writes=False), work("xs", "float", "x_scale", writes=False),
-            *(weight(a, "signed char", bound[r]) for a, r in zip(w_args, roles)),
-            *(weight(a, "float", companion_names(bound[r], INT8)[0]) for a, r in zip(s_args, roles)),
-            *(out(a, act, y) for a, y in zip(y_args, outs)),
-            size("T", "T"))
-    linear = KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
-        grid=(f"{-(-sum(rows) // (16 * row_tiles))} * {below}", 1, 1), block=(warps * 32, 1, 1), args=args,
-        workspace=ws, stage=data["op"])
+    w_operands = (*(weight(a, "signed char", bound[r]) for a, r in zip(w_args, roles)),
+                  *(weight(a, "float", companion_names(bound[r], INT8)[0]) for a, r in zip(s_args, roles)),
+                  *(out(a, act, y) for a, y in zip(y_args, outs)),
+                  size("T", "T"))
+    ctas = -(-sum(rows) // (16 * row_tiles))
+    steps = []
+    for _, n in prologue:   # x quantised in each CTA's prologue: no quantiser launch, no workspaces
+        nbytes = xq_smem(K, n, warps)
+        steps.append(KernelLaunch(
+            family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [*parts, f"xq{n}"]),
+            params={**params, "xq": n, "smem": nbytes}, nodes=(nid,), grid=(f"{ctas} * {only_below(n)}", 1, 1),
+            block=(warps * 32, 1, 1), args=(inp("x", act, x), stride("x_stride", x, 0), *w_operands),
+            smem=nbytes, stage=data["op"] + "_xq"))
+    for lo, upto in skinny:
+        factor = token_range(lo, upto)
+        qrow = -(-K // 16) * 16
+        ws = (Workspace("x_int8", (f"min(T, {upto})", qrow // 4), "i32"),   # int8 rows of qrow bytes
+              Workspace("x_scale", (f"min(T, {upto})",), "f32"))
+        steps.append(KernelLaunch(
+            family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [f"{opts.dtype}_qi8", f"k{K}"]),
+            params={"act": act, "K": K, "qrow": qrow, "threads": QUANT_THREADS, "max_tokens": SKINNY_MAX_TOKENS,
+                    "wfmt": INT8.name, "quant": True},
+            nodes=(nid,), grid=(f"T * {factor}", 1, 1), block=(QUANT_THREADS, 1, 1),
+            args=(inp("x", act, x), stride("x_stride", x, 0), work("q", "signed char", "x_int8"),
+                  work("s", "float", "x_scale"), size("T", "T")),
+            workspace=ws, stage="quant_int8"))
+        steps.append(KernelLaunch(
+            family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
+            grid=(f"{ctas} * {factor}", 1, 1), block=(warps * 32, 1, 1),
+            args=(work("xq", "signed char", "x_int8", writes=False), work("xs", "float", "x_scale", writes=False),
+                  *w_operands),
+            workspace=ws, stage=data["op"]))
     if gemms:   # the int8 GEMM's row ends the table: no library call
-        return [quant, linear, *gemms]
-    return [quant, linear, dataclasses.replace(call, from_tokens=upto + 1)]
+        return [*steps, *gemms]
+    top = max(hi for _, hi in prologue + skinny)
+    return [*steps, dataclasses.replace(call, from_tokens=top + 1)]
+
+
+def xq_smem(K: int, tokens: int, warps: int) -> int:
+    """Dynamic shared memory of the int8 kernel that quantises `tokens` rows of x itself (int8_prologue.cuh
+    XqSmem): the int8 rows (K rounded up to 16 bytes), their scales, each row's partial maxima a warp."""
+    return tokens * -(-K // 16) * 16 + 4 * tokens + 4 * tokens * warps
+
+
+def xq_fits(K: int, tokens: int, warps: int, row_tiles: int, opts) -> bool:
+    """Whether that kernel's shared memory (its rows and its static partial sums, skinny.cuh red_floats)
+    fits a CTA on the target."""
+    from .mla_decode_attention import smem_limit
+    return tokens > 0 and xq_smem(K, tokens, warps) + 4 * warps * row_tiles * 16 * SKINNY_MAX_TOKENS \
+        <= smem_limit(opts.arch)
 
 
 def tasks(launch, tiling):

@@ -6,7 +6,7 @@ from codegen.kernel import KernelLaunch, inp, out, Options
 
 from ir.formats import FP8, UNSCALED
 
-from . import _moe, _moe_fp8, _moe_grouped, _moe_int
+from . import _moe, _moe_aq, _moe_fp8, _moe_grouped, _moe_int
 
 FAMILY = "moe_down"
 TEMPLATE = "moe_down.cu.j2"
@@ -17,32 +17,39 @@ PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (prog
 ROWS_PER_WARP = 4
 
 
-def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
-    attrs, (a, routing), (y,), bound = _moe.node_io(G, nid)
+def params(nid: str, G, opts: Options) -> dict:
+    """The node's grouped params (_moe.grouped_params; its weight's format as p["fp8"] / p["int"])."""
+    attrs, (a, routing), _, _ = _moe.node_io(G, nid)
     E, D, M = attrs["num_experts"], attrs["out_dim"], _moe.inner(G, nid, a)
     _moe.require_dense(G, nid, a)
     # Rows are per pair here, so the kernel never needs K.
     p = _moe.grouped_params(nid, opts, E=E, N=D, KD=M, K=1, rows_per_warp=ROWS_PER_WARP)
-    act = p["act"]
-    fp8 = _moe_fp8.is_fp8(G, nid, ("weight",), opts)
-    if fp8:
+    if _moe_fp8.is_fp8(G, nid, ("weight",), opts):
         p["fp8"] = True
     ifmt = _moe_int.int_format(G, nid, ("weight",), opts)
     if ifmt:
-        p["int"] = ifmt
+        p["int"], p["pairs"] = ifmt, _moe_int.pairs(G, routing)
+    return p
+
+
+def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
+    _, (a, routing), (y,), bound = _moe.node_io(G, nid)
+    p = params(nid, G, opts)
+    act, ifmt = p["act"], p.get("int")
     experts = {"w": bound["weight"]}
-    w = _moe_int.args(experts, ifmt) if ifmt else _moe_fp8.args(experts, act, fp8)
+    w = _moe_int.args(experts, ifmt) if ifmt else _moe_fp8.args(experts, act, p.get("fp8", False))
     args = (inp("a", act, a), *w,
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out", act, y))
-    return launches(nid, p, args, opts)
+    return launches(nid, p, args, opts, aq=_moe_aq.prefill_hands_off(G, nid, opts))
 
 
-def launches(nid: str, p: dict, args: tuple, opts: Options, *, within=None) -> list[KernelLaunch]:
+def launches(nid: str, p: dict, args: tuple, opts: Options, *, within=None, aq: bool = False) -> list[KernelLaunch]:
     """The grouped launches over `args` (a, w, order, offsets, out); moe_expert_ffn's two-launch
-    path passes its workspace as a and its token ranges as `within`."""
+    path passes its workspace as a and its token ranges as `within`; `aq`: the FP8 x FP8 launch reads
+    a's storage as gate_up_silu's e4m3 hand-off (_moe_aq.py), no quantiser launch."""
     return _moe_grouped.launches(FAMILY, TEMPLATE, [opts.dtype, f"e{p['E']}", f"d{p['N']}_m{p['KD']}"], p, nid,
-                                 args, opts, down=True, within=within)
+                                 args, opts, down=True, within=within, aq=aq)
 
 
 def tasks(launch, tiling):

@@ -10,7 +10,7 @@ from codegen.kernel import KernelLaunch, inp, out, Options
 
 from ir.formats import FP8, UNSCALED
 
-from . import _moe, _moe_fp8, _moe_grouped, _moe_int
+from . import _moe, _moe_aq, _moe_fp8, _moe_grouped, _moe_int
 
 FAMILY = "moe_gate_up_silu"
 TEMPLATE = "moe_gate_up_silu.cu.j2"
@@ -21,34 +21,42 @@ PDL = True    # its kernels keep the contract of templates/include/pdl.cuh (prog
 ROWS_PER_WARP = 2
 
 
-def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
-    attrs, (x, routing), (h,), bound = _moe.node_io(G, nid)
+def params(nid: str, G, opts: Options) -> dict:
+    """The node's grouped params (_moe.grouped_params; its weights' format as p["fp8"] / p["int"])."""
+    attrs, (x, routing), _, _ = _moe.node_io(G, nid)
     E, M, D = attrs["num_experts"], attrs["out_dim"], _moe.inner(G, nid, x)
     K = _moe.pairs_top_k(G, nid, routing)
     _moe.require_dense(G, nid, x)
     p = _moe.grouped_params(nid, opts, E=E, N=M, KD=D, K=K, rows_per_warp=ROWS_PER_WARP)
-    act = p["act"]
-    fp8 = _moe_fp8.is_fp8(G, nid, ("gate", "up"), opts)
-    if fp8:
+    if _moe_fp8.is_fp8(G, nid, ("gate", "up"), opts):
         p["fp8"] = True
     ifmt = _moe_int.int_format(G, nid, ("gate", "up"), opts)
     if ifmt:
         p["int"] = ifmt
+    return p
+
+
+def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
+    _, (x, routing), (h,), bound = _moe.node_io(G, nid)
+    p = params(nid, G, opts)
+    act, ifmt = p["act"], p.get("int")
     experts = {"w_gate": bound["gate"], "w_up": bound["up"]}
-    w = _moe_int.args(experts, ifmt) if ifmt else _moe_fp8.args(experts, act, fp8)
+    w = _moe_int.args(experts, ifmt) if ifmt else _moe_fp8.args(experts, act, p.get("fp8", False))
     args = (inp("x", act, x), *w,
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out", act, h))
-    return launches(nid, p, args, opts, shared=_moe.routing_shared(G, routing))
+    return launches(nid, p, args, opts, shared=_moe.routing_shared(G, routing),
+                    aq=_moe_aq.prefill_hands_off(G, nid, opts))
 
 
-def launches(nid: str, p: dict, args: tuple, opts: Options, *, shared: int = 0, within=None) -> list[KernelLaunch]:
+def launches(nid: str, p: dict, args: tuple, opts: Options, *, shared: int = 0, within=None,
+             aq: bool = False) -> list[KernelLaunch]:
     """The grouped launches over `args` (x, w_gate, w_up, order, offsets, out); moe_expert_ffn's
     two-launch path passes its workspace as out and its token ranges as `within`.  `shared`:
-    _moe.routing_shared."""
+    _moe.routing_shared; `aq`: the FP8 x FP8 launch writes out as down's e4m3 input (_moe_aq.py)."""
     name = [opts.dtype, f"e{p['E']}_k{p['K']}", f"m{p['N']}_d{p['KD']}"]
     return _moe_grouped.launches(FAMILY, TEMPLATE, name, p, nid, args, opts, down=False, shared=shared,
-                                 within=within)
+                                 within=within, aq=aq)
 
 
 def tasks(launch, tiling):

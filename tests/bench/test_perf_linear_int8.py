@@ -1,6 +1,6 @@
 """bench/perf_linear_int8.py on the CPU: it times the launches the lowering runs (bf16: the skinny kernel;
 int8: the quantiser then the int8 kernel, above the kernel's tokens the int8 GEMM's launches on sm_90a and
-the exact library call elsewhere)."""
+the exact library call elsewhere; with --prologue N the kernel that quantises x itself, alone, at T <= N)."""
 from __future__ import annotations
 
 import ir
@@ -20,3 +20,14 @@ def test_the_bench_times_the_lowerings_launches():
         assert quant.params["qrow"] == -(-K // 16) * 16
         (quant, int8), call, _ = pi.lowered(m, K, rows, silu, True, arch="sm_89")
         assert call.attrs["weight_format"] == pi.I8.name and call.from_tokens == int8.params["max_tokens"] + 1
+
+
+def test_with_a_prologue_the_bench_times_the_one_launch_that_runs():
+    m = ir.load_spec(str(DEFAULT_SPEC)).model
+    K, rows, silu = shapes(m)["q+kv_a"]
+    launches, _, _ = pi.lowered(m, K, rows, silu, True, prologue=4)
+    for T in (1, 4):
+        (xq,) = pi.at_tokens(launches, T)
+        assert xq.params["xq"] == 4 and not xq.workspace, T
+    assert [la.stage for la in pi.at_tokens(launches, 5)] == ["quant_int8", "multi_linear"]
+    assert [la.stage for la in pi.at_tokens(pi.lowered(m, K, rows, silu, True)[0], 1)] == ["quant_int8", "multi_linear"]

@@ -13,13 +13,17 @@ templates/include/int8.cuh) against ir/formats_int.py's definitions, computed on
 - both launches on x: equal to int_linear(x) rounded (the reference backend's linear);
 - gate_up_silu: gate and up exact as above, silu(gate) * up within the bf16 / fp16 tolerance (the
   kernel's expf);
-- above 16 tokens, the cuda backend's library call (torch._int_mm or float64 sums): equal to int_linear.
+- above 16 tokens, the cuda backend's library call (torch._int_mm or float64 sums): equal to int_linear;
+- the kernel that quantises x in its own prologue (Tuning.linear.i8_prologue_upto = N, int8_prologue.cuh) at
+  T <= N: its outputs bit-equal to the quantiser launch + int8 kernel pair's (same int32 sums, same two scales;
+  gate_up_silu's too, the epilogue being the same code), and the linears' to the reference.
 
 Hypothesis draws T (1..16), the dtype, K (odd ones: byte weight loads; ones under a 64-wide step),
 one to three stacked weights of odd heights, x as a strided view, misaligned x or weights, the kernel's
 shape.  Outputs and workspaces are poisoned first.  Planted mutants (tests/gpu/test_mutants.py): the
 next channel's weight scale, the last K step dropped, the up rows scaled as their gate, the quantiser
-dividing by a reciprocal multiply, rounding ties away from zero.
+dividing by a reciprocal multiply, rounding ties away from zero; the prologue's scale x1.01, the prologue
+reading row t + 1 for the last row, a weight row missing from the prologue kernel's loads.
 
 Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_linear_int8.py
 """
@@ -37,6 +41,7 @@ from test_kernels_linear import x_view
 
 from codegen.families import gemm_int8, linear_skinny
 from codegen.kernel import KernelLaunch, LibraryCall, Options
+from codegen.tuning import LinearTuning, Tuning
 from ir.formats import FORMATS, companion_names
 from ir.formats_int import int_linear, quantize_activation
 
@@ -317,3 +322,77 @@ def test_fallback_above_the_kernels_tokens_is_exact(op, K):
         g, u = (reference_out(qx, sx, ws, w, dtype).cuda() for w in ("wg", "wu"))
         want = torch.nn.functional.silu(g).mul_(u)
         assert_equal(env["out"], want, f"fallback silu T={T} K={K}")
+
+
+# -- the kernel that quantises x in its own prologue ---------------------------------------------------
+
+def lower_xq(G, nid, dtype, variant, n):
+    """(the prologue kernel for up to n tokens, the quantiser + int8 kernel pair it replaces)."""
+    warps, rt, unroll = variant
+    opts = Options(dtype=dtype, tuning=Tuning(linear=LinearTuning(i8_prologue_upto=n)))
+    steps = linear_skinny.lower(nid, G, opts, warps=warps, row_tiles=rt, unroll=unroll)
+    xq = steps[0]
+    assert isinstance(xq, KernelLaunch) and xq.params.get("xq") == n and not xq.workspace, xq.name
+    return xq, lower_int8(G, nid, dtype, variant)
+
+
+@SETTINGS
+@given(dtype=st.sampled_from(DTYPES), T=st.integers(1, linear_skinny.SKINNY_MAX_TOKENS),
+       n=st.integers(1, linear_skinny.SKINNY_MAX_TOKENS), K=WIDTHS, rows=st.lists(HEIGHTS, min_size=1, max_size=3),
+       silu=st.booleans(), variant=st.sampled_from(VARIANTS), extra=st.sampled_from([0, 0, 1, 8]),
+       offset=st.integers(0, 8), shift=st.sampled_from(["none", "none", "x", "w"]), kind=st.sampled_from(ROW_KINDS),
+       seed=st.integers(0, 2**31))
+# V2-Lite's q + kv_a, o, shared experts at b=1 and at N; odd K (element loads); V3's dense down at N = 4
+@example(dtype="bf16", T=1, n=4, K=2048, rows=[3072, 576], silu=False, variant=VARIANTS[0], extra=0, offset=0,
+         shift="none", kind="random", seed=1)
+@example(dtype="bf16", T=4, n=4, K=2048, rows=[2048], silu=False, variant=VARIANTS[0], extra=0, offset=0,
+         shift="none", kind="ties", seed=2)
+@example(dtype="bf16", T=16, n=16, K=2048, rows=[2816], silu=True, variant=VARIANTS[0], extra=0, offset=0,
+         shift="none", kind="random", seed=3)
+@example(dtype="fp16", T=3, n=5, K=1001, rows=[17, 130, 5], silu=False, variant=VARIANTS[4], extra=1, offset=1,
+         shift="x", kind="ties", seed=4)
+@example(dtype="bf16", T=2, n=4, K=2816, rows=[2048], silu=False, variant=VARIANTS[0], extra=8, offset=8,
+         shift="none", kind="zeros", seed=5)
+@example(dtype="bf16", T=4, n=4, K=18432, rows=[256], silu=False, variant=VARIANTS[0], extra=0, offset=0,
+         shift="none", kind="huge", seed=6)
+def test_linear_int8_prologue_equals_the_quantiser_and_kernel(dtype, T, n, K, rows, silu, variant, extra, offset,
+                                                             shift, kind, seed):
+    """At T <= n the prologue kernel's outputs are bit-equal to the pair's on the same x (x a view whose
+    parent has one more row, ten times larger, after the last: a read past row T - 1 shows)."""
+    n = max(n, T)
+    if not linear_skinny.xq_fits(K, n, variant[0] or 8, variant[1] or 1, Options()):
+        n = T
+    gen = torch.Generator().manual_seed(seed)
+    if silu:   # rows past the 16-bit range would meet silu's -inf / inf (NaN) in both launches: plain rows
+        rows, kind = rows[:1] * 2, "random" if kind in ("ties", "huge") else kind
+        G, nid = single_op_graph(model("lite"), "gate_up_silu", {"out_dim": rows[0]}, {"x": act(K)},
+                                 {"gate": "w0", "up": "w1"})
+        as_int8(G)
+    else:
+        G, nid = graph(rows, K)
+    outs = G.nodes[nid]["outputs"]
+    xq, (quant, launch) = lower_xq(G, nid, dtype, variant, n)
+    names = [f"w{i}" for i in range(len(rows))]
+    ws = int8_weights(names, rows, K, gen)
+    if silu:
+        ws["w1_scale"] = ws["w1_scale"] / 4   # gate over a few units (silu's curve), up near one
+    if shift == "w":
+        ws["w0"] = shifted(ws["w0"])
+    parent = x_view(T + 1, K, dtype, extra, offset, gen)
+    parent[T] *= 10
+    x = special_rows(parent[:T], kind, gen)
+    if shift == "x":
+        x = shifted(x.contiguous())
+    widths = rows[:1] if silu else rows
+    got = {o: empty_out((T, w), dtype) for o, w in zip(outs, widths)}
+    runner().run_all([xq], values={"x": x, **got}, weights=ws, sizes={"T": T})
+    want = {o: empty_out((T, w), dtype) for o, w in zip(outs, widths)}
+    runner().run_all([quant, launch], values={"x": x, **want}, weights=ws, sizes={"T": T}, workspaces=workspaces(T, K))
+    torch.cuda.synchronize()
+    where = f"T={T} n={n} K={K} rows={rows} silu={silu} variant={variant} shift={shift} kind={kind}"
+    for o in outs:
+        assert_equal(got[o], want[o], f"prologue vs pair {o} {where}")
+    if not silu:
+        qx, sx = quantize_activation(x.cpu())
+        for o, name in zip(outs, names):
+            assert_equal(got[o], reference_out(qx, sx, ws, name, dtype), f"prologue vs reference {o} {where}")

@@ -27,6 +27,7 @@ import test_kernels_mla_fp8 as mla_fp8
 import test_kernels_moe as moe
 import test_kernels_moe_expert_ffn as moe_ffn
 import test_kernels_moe_fp8 as moe_fp8
+import test_kernels_moe_fp8_aq as moe_fp8_aq
 import test_kernels_moe_gemm_fp8 as moe_gemm_fp8
 import test_kernels_moe_int as moe_int
 import test_kernels_moe_wgmma as moe_wgmma
@@ -52,6 +53,12 @@ class Mutant:
 def _lite_decode():
     """bf16 decode at V2-Lite's widths (the tensor-core split): 3 sequences, two of them long."""
     return (64, [1, 1, 1], [700, 65, 1300])
+
+
+def _prologue_case(**kw) -> dict:
+    """A fixed example of the int8 prologue kernel's test: V2-Lite's o_proj at its b=4, unless kw says otherwise."""
+    return {**dict(dtype="bf16", T=4, n=4, K=2048, rows=[2048], silu=False, variant=linear_int8.VARIANTS[0], extra=0,
+                   offset=0, shift="none", kind="random"), **kw}
 
 
 MUTANTS = [
@@ -391,6 +398,16 @@ MUTANTS = [
            "include/moe_gemm_fp8.cuh", "src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);",
            "src[i] = pr < 0 ? -1 : pr / (MODE == DOWN ? 2 : K);",
            moe_gemm_fp8.test_moe_down_fp8x, dict(case=moe_gemm_fp8.case_of("bf16", 300, 5, 2, 144, 200, seed=31))),
+    Mutant("FP8 a handed down: a group's scale stored in the neighbouring 128-column group's place",
+           "include/moe_gemm_fp8.cuh", "if (lane == 0) as[(i64)orow * NG + g] = sc;",
+           "if (lane == 0) as[(i64)orow * NG + (g + 1) % NG] = sc;",
+           moe_fp8_aq.test_moe_fp8_act_epilogue, dict(case=moe_fp8_aq.case_of("bf16", 300, 5, 2, 272, 528, seed=45))),
+    Mutant("FP8 a handed down: the scale's 448 off by 1%", "include/moe_gemm_fp8.cuh",
+           "const float sc = amax / fp8q::E4M3_MAX;", "const float sc = amax / (fp8q::E4M3_MAX * 1.01f);",
+           moe_fp8_aq.test_moe_fp8_act_epilogue, dict(case=moe_fp8_aq.case_of("bf16", 300, 5, 2, 272, 256, seed=46))),
+    Mutant("FP8 a handed down: the last partial group's columns past M counted (and stored past the row)",
+           "include/moe_gemm_fp8.cuh", "const bool here = c0 < N;", "const bool here = c0 < tl.n0 + f8::BLOCK;",
+           moe_fp8_aq.test_moe_fp8_act_epilogue, dict(case=moe_fp8_aq.case_of("bf16", 1000, 5, 2, 272, 144, seed=47))),
     Mutant("int8 skinny linear: each row scaled by the next channel's weight scale", "include/int8.cuh",
            "s = m.s[i] + (r - off);", "s = m.s[i] + (r - off + 1);",
            linear_int8.test_linear_int8_exact_on_the_same_quantised_x,
@@ -417,6 +434,29 @@ MUTANTS = [
            "const int q = __float2int_rn(__fdiv_rn(x, s));", "const int q = (int)roundf(__fdiv_rn(x, s));",
            linear_int8.test_quantiser_int8, dict(dtype="bf16", T=3, K=720, extra=0, offset=0, shift=False,
                                                  kind="ties", seed=21)),
+    Mutant("int8 prologue: the scale x1.01", "include/int8_prologue.cuh",
+           "s[dst(tid)] = scale_of(amax);", "s[dst(tid)] = scale_of(amax) * 1.01f;",
+           linear_int8.test_linear_int8_prologue_equals_the_quantiser_and_kernel, _prologue_case(seed=24)),
+    Mutant("int8 prologue: the last row read from the row after it", "include/int8_prologue.cuh",
+           "auto row_of = [&](int t) { return x + (i64)t * x_stride; };",
+           "auto row_of = [&](int t) { return x + (i64)(t + (t == ntok - 1)) * x_stride; };",
+           linear_int8.test_linear_int8_prologue_equals_the_quantiser_and_kernel,
+           _prologue_case(T=3, K=512, rows=[200], extra=8, seed=25)),
+    # the prologue kernel's weights reach L2 by prefetch before its wait (a hint: leaving a row out of it
+    # changes no value) and registers by int8.cuh's loads after it, where a missing row shows
+    Mutant("int8 prologue kernel: weight row 5 of each matrix loaded as zeros", "include/int8.cuh",
+           "w = m.w[i] + (i64)(r - off) * K;", "w = r - off == 5 ? nullptr : m.w[i] + (i64)(r - off) * K;",
+           linear_int8.test_linear_int8_prologue_equals_the_quantiser_and_kernel,
+           _prologue_case(T=2, K=512, rows=[64], seed=26)),
+    Mutant("W4A8 experts, down's prologue: the scale x1.01", "include/int8_prologue.cuh",
+           "s[dst(tid)] = scale_of(amax);", "s[dst(tid)] = scale_of(amax) * 1.01f;",
+           moe_int.test_moe_down_prologue_equals_the_quantiser_and_launch,
+           dict(case=moe_int.case_of("bf16", (2, 1, 1), 1, 512, 200, seed=27), n=4)),
+    Mutant("W4A8 experts, down's prologue: an expert's last pair row read from its first", "include/moe_int_prologue.cuh",
+           "auto row_of = [&](int t) { return a + (i64)pair_of(t) * KD; };",
+           "auto row_of = [&](int t) { return a + (i64)pair_of(t == n - 1 ? 0 : t) * KD; };",
+           moe_int.test_moe_down_prologue_equals_the_quantiser_and_launch,
+           dict(case=moe_int.case_of("bf16", (2, 1, 1), 1, 512, 200, seed=27), n=4)),
     Mutant("W4A8 unpack: the nibbles swapped (the high nibble taken as the even channel)", "include/int4.cuh",
            "even = (w << 4) & 0xF0F0F0F0u;\n  odd = w & 0xF0F0F0F0u;",
            "odd = (w << 4) & 0xF0F0F0F0u;\n  even = w & 0xF0F0F0F0u;",
