@@ -82,8 +82,8 @@ class MoeTuning(_Section):
                                                 "its ring as deep in weight bytes as one_token_down_stages' bf16 ring "
                                                 "(twice the FP8 stages; off while that is <= 4)")
     fp8_shared_before_wait: bool = _knob(False, doc="FP8 expert weights: decode's gate / up runs a shared expert's "
-                                                    "tile before its PDL wait (as bf16's: while the route runs), at T <= 32 "
-                                                    "(one row tile a shared expert)")
+                                                    "tile before its PDL wait (as bf16's: while the route runs), "
+                                                    "at T <= 32 (one row tile a shared expert)")
     fp8_widen_ahead: bool = _knob(False, doc="FP8 expert weights, decode: each 64-row box widened while the box "
                                              "before it (this slice's, or the last slice's) is on the tensor core")
     align_parallel_above: typing.Optional[int] = _knob(6144, 0, 1 << 24,

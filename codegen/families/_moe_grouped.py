@@ -4,8 +4,9 @@ multiplied by its token range (codegen.sizes.token_ranges), so a step runs exact
 
 Not a family (the leading underscore).  The launch builders: _moe (gemv, mma), _moe_wgmma
 (wgmma), _moe_wgmma_skinny (wgmma_skinny, wgmma_skinny_t1), _moe_fp8 (wgmma_skinny_fp8 and
-wgmma_skinny_fp8_t1: FP8 weights, p["fp8"]), _moe_gemm_fp8 (wgmma_fp8: FP8 weights x FP8 activations, its quantiser first),
-_moe_int (mma_int: msModelSlim's integer weights, p["int"]: the format's name); the imports form a tree.
+wgmma_skinny_fp8_t1: FP8 weights, p["fp8"]), _moe_gemm_fp8 (wgmma_fp8: FP8 weights x FP8 activations,
+its quantiser first), _moe_int (mma_int: msModelSlim's integer weights, p["int"]: the format's name); the
+imports form a tree.
 """
 from __future__ import annotations
 

@@ -183,12 +183,14 @@ __device__ __forceinline__ void wgmma_fp8_tile(const WgTile& tl, const i32* __re
         for (int r = 0; r < 4; ++r) a0[j][r] = next0[j][r];
       wgmma::fence();
 #pragma unroll
-      for (int k16 = 0; k16 < WF_BK / 16; ++k16) mma_rA_m64nk16<BF16, BP>(d0, a0[k16], wgmma::desc_advance(db, k16), k16);
+      for (int k16 = 0; k16 < WF_BK / 16; ++k16)
+        mma_rA_m64nk16<BF16, BP>(d0, a0[k16], wgmma::desc_advance(db, k16), k16);
       wgmma::commit();
       fp8_box_fragments<T>(w + WF_BOX * WF_W_ROW_BYTES, a1);
       wgmma::fence();
 #pragma unroll
-      for (int k16 = 0; k16 < WF_BK / 16; ++k16) mma_rA_m64nk16<BF16, BP>(d1, a1[k16], wgmma::desc_advance(db, k16), k16);
+      for (int k16 = 0; k16 < WF_BK / 16; ++k16)
+        mma_rA_m64nk16<BF16, BP>(d1, a1[k16], wgmma::desc_advance(db, k16), k16);
       wgmma::commit();
       if (kt + 1 < KT) {
         wgmma::wait<1>();                                // box 0's group done: its registers free
