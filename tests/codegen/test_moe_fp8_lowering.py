@@ -4,7 +4,9 @@ moe.fp8_activations off; above decode the FP8 x FP8 launches: tests/codegen/test
 carries "wfp8", its weights are 64 x 64-byte tensor maps (64B swizzle) with their block scales beside them;
 the expert FFN runs as the two launches; `dsgraph explain` prints the FP8 rows; what no FP8 kernel serves
 (fp32, an inner width not a multiple of 16, FP8 beside bf16 in one node) is one line; the kernels compile
-for sm_90a without spills."""
+for sm_90a without spills.  The decode refinements' knobs (moe.fp8_one_token_down, fp8_shared_before_wait,
+fp8_widen_ahead): off, the launches are main's; on, which launches, grids, rings, names and operands, and
+each variant compiles without spills."""
 from __future__ import annotations
 
 import pytest

@@ -1,7 +1,8 @@
 """The FP8 expert GEMM (templates/include/moe_fp8.cuh, sm_90a, NVRTC on the CPU) compiles to what it was
 written for: HGMMA with A from registers (the widened FP8 weights), B from a shared-memory descriptor
 (the gathered pair rows), N = 16 and 32; the widening on the conversion units (F2FP.F16.E4M3.UNPACK_B);
-the weights' fragments read with 16-byte shared loads; TMA boxes on mbarriers; no local memory."""
+the weights' fragments read with 16-byte shared loads; TMA boxes on mbarriers; no local memory.  With
+moe.fp8_shared_before_wait, what runs before the PDL wait; with moe.fp8_widen_ahead, the one-group wait."""
 from __future__ import annotations
 
 import os

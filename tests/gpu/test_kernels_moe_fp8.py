@@ -14,6 +14,13 @@ taken from the wrong block moves the result far past the tolerance; outputs are 
 The planted mutants of tests/gpu/test_mutants.py (a K slice scaled by the next K block's scale,
 the ceil row block dropped from the scale layout, the gate and up scales swapped) run through these
 bodies and must fail them.
+
+The decode refinements, each behind its Tuning.moe knob (off by default) and tested with it on: down's
+one-token launch (fp8_one_token_down), gate / up's shared-expert tile before the PDL wait behind the real
+route as a slow PDL producer (fp8_shared_before_wait), the widening under the tensor core
+(fp8_widen_ahead); their mutants: the one-token launch's early slices one K slice off and its tiles'
+scales from the neighbouring row block, the shared tile reading the route's ids before the wait, the
+widened-ahead box from the wrong stage and a box scaled by the next K block's scale.
 """
 from __future__ import annotations
 
