@@ -1,7 +1,11 @@
 """The grouped expert GEMMs with FP8 weights against the bf16 ones at DeepSeek-V2-Lite's decode shapes (a script).
 
-    python3 -m bench.perf_expert_fp8 [--tokens 1,8,32,128] [--json PATH]
+    python3 -m bench.perf_expert_fp8 [--tokens 1,8,32,128] [--json PATH] [--tune moe.fp8_widen_ahead=true ...]
     python3 -m bench.perf_expert_fp8 --compile-only     # no GPU: registers and spills of every kernel
+
+`--tune SECTION.KNOB=VALUE` (repeatable) lowers the FP8 side with those knobs (the bf16 side keeps the
+defaults), e.g. the FP8 decode refinements moe.fp8_one_token_down / moe.fp8_widen_ahead (the bench's routing
+has no shared experts, so moe.fp8_shared_before_wait changes nothing here: time it in the step).
 
 64 experts, top-6, hidden 2048, expert intermediate 1408: moe_gate_up_silu (x [T, 2048] -> [6T, 1408])
 and moe_down ([6T, 1408] -> [6T, 2048]), each the launch its lowering runs at T (bf16: the decode wgmma
@@ -31,6 +35,7 @@ from tests.gpu.harness import single_op_graph, tiny_model
 
 from codegen import families, sizes
 from codegen.kernel import Options
+from codegen.tuning import Tuning, parse_tune
 from ir.formats import FP8, cdiv, companion_names, set_format
 from ir.ops import TType
 
@@ -40,7 +45,7 @@ COPIES = 2
 BAD_ERR = 1e-2
 
 
-def graph(op: str, KD: int, N: int, fp8: bool):
+def graph(op: str, KD: int, N: int, fp8: bool, tuning: Tuning = Tuning()):
     r = TType((f"T*{K}", E), "routing")
     if op == "moe_down":
         G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "out_dim": N},
@@ -53,16 +58,16 @@ def graph(op: str, KD: int, N: int, fp8: bool):
     if fp8:
         for name in G.nodes[nid]["weights"].values():
             set_format(G.graph["weights"], name, FP8)
-    return G, nid, families.family_for_op(op).lower(nid, G, Options(dtype="bf16"))
+    return G, nid, families.family_for_op(op).lower(nid, G, Options(dtype="bf16", tuning=tuning))
 
 
-def compile_only() -> int:
+def compile_only(tuning: Tuning = Tuning()) -> int:
     from codegen.nvrtc import compile_cubin
     from codegen.render import render_launch
     bad = 0
     for op, KD, N in OPS:
         for fp8 in (False, True):
-            for la in graph(op, KD, N, fp8)[2]:
+            for la in graph(op, KD, N, fp8, tuning if fp8 else Tuning())[2]:
                 if "wgmma_skinny" not in la.stage:
                     continue
                 spills, info = ptxas_report(compile_cubin(render_launch(la), la.name, arch="sm_90a",
@@ -90,9 +95,12 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,8,32,128")
     ap.add_argument("--json", default=None)
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--tune", action="append", default=[], metavar="SECTION.KNOB=VALUE",
+                    help="a knob for the FP8 side's lowering (repeatable)")
     args = ap.parse_args()
+    tuning = parse_tune(args.tune)
     if args.compile_only:
-        return compile_only()
+        return compile_only(tuning)
 
     import torch
     import torch.nn.functional as F
@@ -107,7 +115,7 @@ def main() -> int:
     results, bad = [], 0
     for op, KD, N in OPS:
         G, nid, lb = graph(op, KD, N, False)
-        _, _, l8 = graph(op, KD, N, True)
+        _, _, l8 = graph(op, KD, N, True, tuning)
         bound = G.nodes[nid]["weights"]
         wb, w8, deq = [], [], {}
         for c in range(COPIES):

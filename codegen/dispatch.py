@@ -95,7 +95,8 @@ def _rows(*spec) -> tuple[Row, ...]:
 def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
     """Facts: dtype; weight_format; sm_90a (the target offers it); tma_rows (KD % 8 == 0: 16-byte
     rows for TMA and cp.async); decode_wgmma_fits / prefill_wgmma_fits (the kernels' shared memory
-    for E experts); one_token (down's one-token launch fits one CTA an SM); fp8_rows (KD % 16 == 0:
+    for E experts); one_token (down's one-token launch fits one CTA an SM; the FP8 one's ring is as large,
+    its tables smaller: _moe_fp8.one_token_stages); fp8_rows (KD % 16 == 0:
     16-byte FP8 rows), fp8_fits (the FP8 decode kernel's shared memory for E experts) and fp8x_fits (the
     FP8 x FP8 prefill kernel's, read where Tuning.moe.fp8_activations is on); int_rows (N even: packed
     int4's two channels a byte; per group, whole groups of KD); int_xq_fits (down's pair rows at
@@ -131,18 +132,32 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
                                        "fp16, packed int4 with an even width, per group whole 256-groups")),
                   "other integer weights")]
     fp8_when = {"weight_format": FP8.name, "dtype": sixteen, "sm_90a": True, "fp8_rows": True, "fp8_fits": True}
-    if m.fp8_activations and thr is not None:
-        fp8x = ("FP8 x FP8 persistent wgmma + TMA grid: the input quantised to e4m3 per row per 128 columns "
-                "(x once a token, down's a once a pair), fp32 promotion per 128-K block")
-        cases.append(Case({**fp8_when, "fp8x_fits": True},
-                          _rows(("wgmma_skinny_fp8", 1, upper, fp8.split(";")[0]), ("wgmma_fp8", upper + 1, INF, fp8x)),
-                          "FP8 weights, 16-bit, sm_90a, FP8 activations above decode"))
-    cases += [Case(fp8_when, _rows(("wgmma_skinny_fp8", 1, INF, fp8)), "FP8 weights, 16-bit, sm_90a"),
-             Case({"weight_format": FP8.name}, _rows((NONE, 1, INF, "FP8 weights need sm_90a, 16-bit activations "
+    fp8x = ("FP8 x FP8 persistent wgmma + TMA grid: the input quantised to e4m3 per row per 128 columns "
+            "(x once a token, down's a once a pair), fp32 promotion per 128-K block")
+
+    def fp8_cases(when: dict, lead: tuple, note: str) -> list:
+        """The FP8 weights' cases under `when`, the rows `lead` (from T = 1) before the FP8 rows."""
+        lo = 1 + len(lead)
+        out = []
+        if m.fp8_activations and thr is not None:
+            out.append(Case({**when, "fp8x_fits": True},
+                            _rows(*lead, ("wgmma_skinny_fp8", lo, upper, fp8.split(";")[0]),
+                                  ("wgmma_fp8", upper + 1, INF, fp8x)),
+                            "FP8 weights, 16-bit, sm_90a, FP8 activations above decode" + note))
+        out.append(Case(when, _rows(*lead, ("wgmma_skinny_fp8", lo, INF, fp8)), "FP8 weights, 16-bit, sm_90a" + note))
+        return out
+
+    if down and m.fp8_one_token_down and m.one_token_down_stages > 4:
+        fp8_one = (f"FP8 down at one token: a ring of {2 * m.one_token_down_stages} FP8 stages (the bf16 one-token "
+                   "ring's weight bytes), one CTA an SM")
+        cases += fp8_cases({**fp8_when, "one_token": True}, (("wgmma_skinny_fp8_t1", 1, 1, fp8_one),),
+                           ", down's one-token launch")
+    cases += fp8_cases(fp8_when, (), "")
+    cases += [Case({"weight_format": FP8.name}, _rows((NONE, 1, INF, "FP8 weights need sm_90a, 16-bit activations "
                                                                      "and an inner width a multiple of 16")),
-                  "FP8 weights elsewhere"),
-             Case({"dtype": "fp32"}, _rows(("gemv", 1, INF, "fp32 has no tensor-core path: the GEMV at every T")),
-                  "fp32")]
+                   "FP8 weights elsewhere"),
+              Case({"dtype": "fp32"}, _rows(("gemv", 1, INF, "fp32 has no tensor-core path: the GEMV at every T")),
+                   "fp32")]
     if m.decode_wgmma:
         t1 = down and m.one_token_down_stages > 4 and m.decode_wgmma_from == 0
         for fits in (True, False):

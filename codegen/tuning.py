@@ -78,6 +78,14 @@ class MoeTuning(_Section):
     fp8_act_epilogue: bool = _knob(False, doc="with fp8_activations: gate_up_silu's FP8 x FP8 epilogue writes a "
                                               "as e4m3 rows and per-128-column scales (bit-equal to down's "
                                               "quantiser) in a's place, and down runs without its quantiser launch")
+    fp8_one_token_down: bool = _knob(False, doc="FP8 expert weights: down at T = 1 as its own launch, one CTA an SM, "
+                                                "its ring as deep in weight bytes as one_token_down_stages' bf16 ring "
+                                                "(twice the FP8 stages; off while that is <= 4)")
+    fp8_shared_before_wait: bool = _knob(False, doc="FP8 expert weights: decode's gate / up runs a shared expert's "
+                                                    "tile before its PDL wait (as bf16's: while the route runs), "
+                                                    "at T <= 32 (one row tile a shared expert)")
+    fp8_widen_ahead: bool = _knob(False, doc="FP8 expert weights, decode: each 64-row box widened while the box "
+                                             "before it (this slice's, or the last slice's) is on the tensor core")
     align_parallel_above: typing.Optional[int] = _knob(6144, 0, 1 << 24,
                                                         doc="pairs above which the route aligns in count / scan / "
                                                             "scatter launches (none: one CTA always)")

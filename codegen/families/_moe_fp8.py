@@ -12,7 +12,7 @@ LoweringError (`check`).
 from __future__ import annotations
 
 from codegen.errors import LoweringError
-from codegen.kernel import KernelLaunch, tensor_map, weight
+from codegen.kernel import KernelLaunch, size, tensor_map, weight
 from ir.formats import FP8, companion_names, weight_format
 
 from . import _moe_wgmma, _moe_wgmma_skinny as S
@@ -24,6 +24,10 @@ BP = 32                        # pairs a row tile (moe_fp8.cuh WF_BP)
 BOX, BK = S.BOX, S.BK          # 64 rows x 64 K (bytes) a box
 SWIZZLE = 64                   # an FP8 box row is 64 bytes
 STAGES = 8                     # 8 x 12 KB in flight a CTA, two CTAs an SM
+# Down at one token (Tuning.moe.fp8_one_token_down): a launch of its own, one CTA an SM, as the bf16
+# one-token launch (_moe_wgmma_skinny), with a ring that holds as many weight bytes as that one's
+# (one_token_stages): twice the slices in flight a CTA, and twice its first tile's issued before the wait.
+ONE_TOKEN_VARIANT = f"{VARIANT}_t1"    # its stage and kernel-name part
 
 
 def smem(stages: int = STAGES) -> int:
@@ -32,9 +36,17 @@ def smem(stages: int = STAGES) -> int:
     return stages * (S.ROWS * BK + BP * BK * 2) + 1024
 
 
-def fits(E: int, stages: int = STAGES) -> bool:
-    """Two CTAs of this ring and its tables fit an SM's shared memory."""
-    return 2 * (smem(stages) + 2 * stages * 8 + 4 * (E + 1) + 1024) <= S.SM_SHARED
+def fits(E: int, stages: int = STAGES, ctas: int = 2) -> bool:
+    """`ctas` CTAs of this ring and its tables fit an SM's shared memory."""
+    return ctas * (smem(stages) + 2 * stages * 8 + 4 * (E + 1) + 1024) <= S.SM_SHARED
+
+
+def one_token_stages(tuning) -> int:
+    """Down's one-token ring: the weight bytes of the bf16 one-token ring (moe.one_token_down_stages
+    stages of 128 rows x 64 bf16) in FP8 stages (128 rows x 64 bytes).  Its shared memory is the bf16
+    ring's and its tables are smaller (no shared tile's pairs), so the table's one_token fact
+    (_moe_wgmma_skinny.fits at one CTA an SM) says whether it fits too."""
+    return tuning.moe.one_token_down_stages * (S.ROWS * S.BK * 2) // (S.ROWS * BK)
 
 
 def is_fp8(G, nid: str, roles, opts) -> bool:
@@ -76,18 +88,29 @@ def args(weights: dict, act: str, fp8: bool) -> tuple:
     return maps + scales
 
 
-def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args_: tuple, *, down: bool,
-           run: str | None) -> KernelLaunch:
+def launch(family: str, template: str, name_parts: list, p: dict, nid: str, args_: tuple, opts, *, down: bool,
+           run: str | None, one_token: bool = False, shared: int = 0) -> KernelLaunch:
     """The FP8 launch over the family's operands (the FP8 ones from `args`); `run`: its token-range
-    factor."""
+    factor; `one_token`: down's one-token launch (one CTA an SM, the deeper ring); `shared`: the
+    routing's shared experts, whose first tile gate / up runs before its wait where
+    Tuning.moe.fp8_shared_before_wait is on (the kernel then takes NP for T; name part sh{S}w);
+    Tuning.moe.fp8_widen_ahead: the consumer's widen-ahead tiles (name part wa)."""
     from codegen.render import kernel_name
     cols = S.cols(down=down)
     tiles = f"{S.col_tiles(p['N'], down=down)} * (NP // {BP} + min({p['E']}, NP))"
-    params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "variant": VARIANT,
-              "threads": S.THREADS, "stages": STAGES, "smem": smem(), "cols": cols, "box_rows": BOX, "box_k": BK,
-              "pairs": BP}
+    variant = ONE_TOKEN_VARIANT if one_token else VARIANT
+    stages = one_token_stages(opts.tuning) if one_token else STAGES
+    sh = shared if not down and opts.tuning.moe.fp8_shared_before_wait else 0
+    if sh:
+        args_ = (*args_, size("num_pairs", "NP"))
+    ahead = opts.tuning.moe.fp8_widen_ahead
+    # (knobs that are off leave the parameters, and so the source, as they were without them)
+    params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "variant": variant,
+              "threads": S.THREADS, "stages": stages, "smem": smem(stages), "cols": cols, "box_rows": BOX,
+              "box_k": BK, "pairs": BP, **({"shared": sh} if sh else {}), **({"ahead": True} if ahead else {})}
+    grid = when(f"min(SMS, {tiles})" if one_token else f"min(2 * SMS, {tiles})", run)
+    names = [f"{name_parts[0]}_{NAME}", *name_parts[1:], *([f"sh{sh}w"] if sh else []), *(["wa"] * ahead), variant]
     return KernelLaunch(
-        family=family, template=template, name=kernel_name(family, [f"{name_parts[0]}_{NAME}", *name_parts[1:],
-                                                                   VARIANT]), params=params,
-        nodes=(nid,), grid=(when(f"min(2 * SMS, {tiles})", run), 1, 1), block=(S.THREADS, 1, 1), args=args_,
-        smem=smem(), stage=VARIANT, requires=(S.FEATURE,))
+        family=family, template=template, name=kernel_name(family, names), params=params,
+        nodes=(nid,), grid=(grid, 1, 1), block=(S.THREADS, 1, 1), args=args_, smem=smem(stages), stage=variant,
+        requires=(S.FEATURE,))

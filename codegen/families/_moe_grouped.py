@@ -3,9 +3,10 @@ codegen/dispatch.py's grouped_experts table, one launch each over the same opera
 multiplied by its token range (codegen.sizes.token_ranges), so a step runs exactly one.
 
 Not a family (the leading underscore).  The launch builders: _moe (gemv, mma), _moe_wgmma
-(wgmma), _moe_wgmma_skinny (wgmma_skinny, wgmma_skinny_t1), _moe_fp8 (wgmma_skinny_fp8: FP8
-weights, p["fp8"]), _moe_gemm_fp8 (wgmma_fp8: FP8 weights x FP8 activations, its quantiser first),
-_moe_int (mma_int: msModelSlim's integer weights, p["int"]: the format's name); the imports form a tree.
+(wgmma), _moe_wgmma_skinny (wgmma_skinny, wgmma_skinny_t1), _moe_fp8 (wgmma_skinny_fp8 and
+wgmma_skinny_fp8_t1: FP8 weights, p["fp8"]), _moe_gemm_fp8 (wgmma_fp8: FP8 weights x FP8 activations,
+its quantiser first), _moe_int (mma_int: msModelSlim's integer weights, p["int"]: the format's name); the
+imports form a tree.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from . import _moe, _moe_fp8, _moe_gemm_fp8, _moe_int, _moe_wgmma, _moe_wgmma_sk
 
 
 # the launches' order in a node's plan (one of them has work at a given T)
-ORDER = ("gemv", "wgmma_skinny", S.ONE_TOKEN_STAGE, _moe_fp8.VARIANT, _moe_int.XQ_VARIANT, _moe_int.VARIANT, "mma",
-         "wgmma", _moe_gemm_fp8.VARIANT)
+ORDER = ("gemv", "wgmma_skinny", S.ONE_TOKEN_STAGE, _moe_fp8.VARIANT, _moe_fp8.ONE_TOKEN_VARIANT, _moe_int.XQ_VARIANT,
+         _moe_int.VARIANT, "mma", "wgmma", _moe_gemm_fp8.VARIANT)
 
 
 def facts(opts, p: dict, *, down: bool) -> dict:
@@ -64,8 +65,9 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
             out.append(_moe_int.xq_launch(family, name_parts, p, nid, args, opts, run=run))
         elif variant == _moe_int.VARIANT:
             out.extend(_moe_int.launches(family, name_parts, p, nid, args, down=down, run=run))
-        elif variant == _moe_fp8.VARIANT:
-            out.append(_moe_fp8.launch(family, template, name_parts, p, nid, args, down=down, run=run))
+        elif variant in (_moe_fp8.VARIANT, _moe_fp8.ONE_TOKEN_VARIANT):
+            out.append(_moe_fp8.launch(family, template, name_parts, p, nid, args, opts, down=down, run=run,
+                                       one_token=variant == _moe_fp8.ONE_TOKEN_VARIANT, shared=shared))
         elif variant == _moe_gemm_fp8.VARIANT:
             out += _moe_gemm_fp8.launches(family, template, name_parts, p, nid, args, down=down, run=run, aq=aq)
         elif variant == "wgmma":

@@ -35,6 +35,7 @@ constexpr int WF_W_ROW_BYTES = WF_BK;              // an FP8 weight row of a sli
 constexpr int WF_W_BYTES = WF_ROWS * WF_W_ROW_BYTES;                  // 8 KB of weights a stage
 constexpr int WF_STAGE_BYTES = WF_W_BYTES + WF_BP * WS_ROW_BYTES;     // + 4 KB of pair rows: 12 KB
 constexpr int WF_BLOCK = 128;                      // a scale's rows and columns
+constexpr int WF_STAGES = 8;                       // the two-CTA ring (_moe_fp8.STAGES); deeper: one CTA an SM
 static_assert(WF_BLOCK % WF_BK == 0 && WF_BLOCK % WF_BOX == 0, "fp8 experts: a box sees one scale a slice");
 static_assert(WF_W_BYTES % 1024 == 0 && WF_STAGE_BYTES % 1024 == 0, "fp8 experts: 1024-byte aligned stage parts");
 
@@ -115,42 +116,103 @@ __device__ __forceinline__ void mma_rA_m64nk16(float (&d)[N / 2], const unsigned
 #undef DSG_D8
 #undef DSG_WGMMA_RA
 
+// A tile's block scales in its two weights (s0 / s1; DOWN: both s0): its 128 rows lie in one row
+// block, and a 64-wide K slice kt in one 128-wide K block.
+template <int MODE, int N, int KD>
+struct WgFp8Scales {
+  static constexpr int RB = (N + WF_BLOCK - 1) / WF_BLOCK;
+  static constexpr int KB = (KD + WF_BLOCK - 1) / WF_BLOCK;
+  const float* sc0;
+  const float* sc1;
+  __device__ __forceinline__ WgFp8Scales(const WgTile& tl, const float* __restrict__ s0, const float* __restrict__ s1) {
+    const i64 srow = ((i64)tl.e * RB + tl.n0 / WF_BLOCK) * KB;
+    sc0 = s0 + srow;
+    sc1 = (MODE == DOWN ? s0 : s1) + srow;
+  }
+  __device__ __forceinline__ float f0(int kt) const { return __ldg(sc0 + kt * WF_BK / WF_BLOCK); }
+  __device__ __forceinline__ float f1(int kt) const { return __ldg(sc1 + kt * WF_BK / WF_BLOCK); }
+};
+
+// An in-flight wgmma's A registers: kept as they are until its group completes.
+__device__ __forceinline__ void fence_fragments(unsigned (&a)[4][4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[j][0]), "+r"(a[j][1]), "+r"(a[j][2]), "+r"(a[j][3])::"memory");
+}
+
 // One tile's K loop and epilogue on the consumer warpgroup, BP pairs wide (the tile has <= BP).
-// s0 / s1: the block scales of w0 / w1 (DOWN: both s0).
-template <typename T, int MODE, int N, int KD, int ST, int BP>
+// s0 / s1: the block scales of w0 / w1 (DOWN: both s0).  WAIT: the tile ran before the kernel's PDL
+// wait, which comes between its K loop and its stores (pdl.cuh: no global write before it).
+// AHEAD (Tuning.moe.fp8_widen_ahead, 16-pair tiles): the widening under the tensor core: a slice's two
+// 64-row boxes go as two wgmma groups, box 1 widened while box 0's group runs, and the next slice's box 0
+// (its stage awaited first) while box 1's runs, into next0; box 0's registers are rewritten only once its
+// group is done (wait<1>).  The same products, scales and sums.  (At 32 pairs the next box, both boxes'
+// products and the sums need more than 128 registers a thread: ptxas spilled.)
+template <typename T, int MODE, int N, int KD, int ST, int BP, bool WAIT = false, bool AHEAD = false>
 __device__ __forceinline__ void wgmma_fp8_tile(const WgTile& tl, const i32* __restrict__ order, unsigned ring,
                                                unsigned long long* full, unsigned long long* empty,
                                                const float* __restrict__ s0, const float* __restrict__ s1,
                                                T* __restrict__ out0, T* __restrict__ out1, int& it) {
   constexpr bool BF16 = dsg::mma::MmaType<T>::BF16;
-  constexpr int KT = (KD + WF_BK - 1) / WF_BK, RB = (N + WF_BLOCK - 1) / WF_BLOCK;
-  constexpr int KB = (KD + WF_BLOCK - 1) / WF_BLOCK;
+  constexpr int KT = (KD + WF_BK - 1) / WF_BK;
   const int lane = threadIdx.x & 31;
-  // the tile's row of block scales in each weight (its 128 rows lie in one row block)
-  const i64 srow = ((i64)tl.e * RB + tl.n0 / WF_BLOCK) * KB;
-  const float* sc0 = s0 + srow;
-  const float* sc1 = (MODE == DOWN ? s0 : s1) + srow;
+  const WgFp8Scales<MODE, N, KD> sc(tl, s0, s1);
   float acc0[BP / 2], acc1[BP / 2], d0[BP / 2], d1[BP / 2];   // running sums; one slice's products
 #pragma unroll
   for (int i = 0; i < BP / 2; ++i) acc0[i] = acc1[i] = 0.f;
+  static_assert(!AHEAD || BP == 16, "fp8 experts: widen ahead on 16-pair tiles");
+  unsigned next0[AHEAD ? 4 : 1][4];                      // AHEAD: the slice's box 0, widened already
+  if constexpr (AHEAD) {
+    mbar::wait(&full[it % ST], (it / ST) & 1);
+    mbar::fence_proxy_async();
+    fp8_box_fragments<T>(ring + it % ST * WF_STAGE_BYTES, next0);
+  }
   for (int kt = 0; kt < KT; ++kt, ++it) {
     const int s = it % ST;
-    const float f0 = __ldg(sc0 + kt * WF_BK / WF_BLOCK), f1 = __ldg(sc1 + kt * WF_BK / WF_BLOCK);
-    mbar::wait(&full[s], (it / ST) & 1);
-    mbar::fence_proxy_async();                           // the gathered rows were cp.async (generic) writes
+    const float f0 = sc.f0(kt), f1 = sc.f1(kt);
+    if constexpr (!AHEAD) {
+      mbar::wait(&full[s], (it / ST) & 1);
+      mbar::fence_proxy_async();                         // the gathered rows were cp.async (generic) writes
+    }
     const unsigned w = ring + s * WF_STAGE_BYTES;
     const unsigned long long db = wgmma::desc_sw128(w + WF_W_BYTES);
     unsigned a0[4][4], a1[4][4];
-    fp8_box_fragments<T>(w, a0);
-    fp8_box_fragments<T>(w + WF_BOX * WF_W_ROW_BYTES, a1);
-    wgmma::fence();
+    if constexpr (AHEAD) {
 #pragma unroll
-    for (int k16 = 0; k16 < WF_BK / 16; ++k16) {
-      mma_rA_m64nk16<BF16, BP>(d0, a0[k16], wgmma::desc_advance(db, k16), k16);
-      mma_rA_m64nk16<BF16, BP>(d1, a1[k16], wgmma::desc_advance(db, k16), k16);
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a0[j][r] = next0[j][r];
+      wgmma::fence();
+#pragma unroll
+      for (int k16 = 0; k16 < WF_BK / 16; ++k16)
+        mma_rA_m64nk16<BF16, BP>(d0, a0[k16], wgmma::desc_advance(db, k16), k16);
+      wgmma::commit();
+      fp8_box_fragments<T>(w + WF_BOX * WF_W_ROW_BYTES, a1);
+      wgmma::fence();
+#pragma unroll
+      for (int k16 = 0; k16 < WF_BK / 16; ++k16)
+        mma_rA_m64nk16<BF16, BP>(d1, a1[k16], wgmma::desc_advance(db, k16), k16);
+      wgmma::commit();
+      if (kt + 1 < KT) {
+        wgmma::wait<1>();                                // box 0's group done: its registers free
+        fence_fragments(a0);
+        mbar::wait(&full[(it + 1) % ST], ((it + 1) / ST) & 1);
+        mbar::fence_proxy_async();
+        fp8_box_fragments<T>(ring + (it + 1) % ST * WF_STAGE_BYTES, next0);
+      }
+      wgmma::wait<0>();
+      fence_fragments(a1);
+    } else {
+      fp8_box_fragments<T>(w, a0);
+      fp8_box_fragments<T>(w + WF_BOX * WF_W_ROW_BYTES, a1);
+      wgmma::fence();
+#pragma unroll
+      for (int k16 = 0; k16 < WF_BK / 16; ++k16) {
+        mma_rA_m64nk16<BF16, BP>(d0, a0[k16], wgmma::desc_advance(db, k16), k16);
+        mma_rA_m64nk16<BF16, BP>(d1, a1[k16], wgmma::desc_advance(db, k16), k16);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
     }
-    wgmma::commit();
-    wgmma::wait<0>();
     wgmma::fence_operands(d0);
     wgmma::fence_operands(d1);
     if (kt + 1 < KT && lane == 0) mbar::arrive(&empty[s]);
@@ -161,64 +223,133 @@ __device__ __forceinline__ void wgmma_fp8_tile(const WgTile& tl, const i32* __re
     }
   }
   if (lane == 0) mbar::arrive(&empty[(it - 1) % ST]);
+  if constexpr (WAIT) dsg::pdl_wait();
   wgmma_skinny_store<T, MODE, N, BP>(tl, order, acc0, acc1, out0, out1);
 }
 
+// Thread 0, before the wait: the first PRE weight slices of the walk's first tile (expert e, output
+// columns from n0) into ring stages 0..PRE-1 (the producer then skips issuing them: `preissued`).
+template <int MODE, int N, int PRE>
+__device__ __forceinline__ void wgmma_fp8_issue_first(char* ring, const TensorMap* w0, const TensorMap* w1, int e,
+                                                      int n0, unsigned long long* full) {
+#pragma unroll
+  for (int s = 0; s < PRE; ++s)
+    wgmma_issue_weights<MODE, N, WgFp8Tiles>(ring + s * WF_STAGE_BYTES + WgFp8Tiles::WEIGHTS_AT,
+                                             w0, w1, s * WF_BK, n0, e, &full[s]);
+}
+
+// SH shared experts (moe_wgmma_skinny.cuh's SH: experts 0..SH-1, every token one pair of each at
+// t * K + K - SH + s): a CTA whose first tile is one of theirs runs it whole before the kernel's PDL
+// wait, its pairs from T alone (num_pairs / K) in token order in `sorder`, its stores after the
+// wait; returns the walk's tiles it took (1, else 0).  Tile t < SH * NCT is the walk's own tile t
+// once the route's offsets are read (its shared experts come first, one row tile each).  Only while
+// a shared expert is one row tile (T <= WF_BP): the walk's other row tiles of it would take their
+// pairs from the route's `order`, whose order inside a segment follows atomics, not tokens, so
+// tokens 0..31 by T and pairs 32.. by `order` could overlap.
+template <typename T, int MODE, int N, int KD, int K, int ST, int SH, bool AHEAD>
+__device__ __forceinline__ int wgmma_fp8_shared_first(const T* __restrict__ x, const TensorMap* w0,
+                                                      const TensorMap* w1, const float* __restrict__ s0,
+                                                      const float* __restrict__ s1, const i32* __restrict__ order,
+                                                      i32* sorder, char* ring_p,
+                                                      unsigned ring, unsigned long long* full,
+                                                      unsigned long long* empty, T* __restrict__ out0,
+                                                      T* __restrict__ out1, int num_pairs) {
+  constexpr int KT = (KD + WF_BK - 1) / WF_BK, NCT = wgmma_skinny_col_tiles(MODE, N);
+  constexpr int PRE = ST < KT ? ST : KT;
+  const int tokens = num_pairs / K, t = blockIdx.x;
+  if (tokens > WF_BP || t >= SH * NCT) return 0;          // (uniform)
+  WgTile tl;
+  tl.e = t / NCT;                                         // tile t: shared expert t / NCT, all its pairs
+  tl.rows = tokens;
+  tl.n0 = (t % NCT) * wgmma_skinny_cols(MODE);
+  if (threadIdx.x == 0) wgmma_fp8_issue_first<MODE, N, PRE>(ring_p, w0, w1, tl.e, tl.n0, full);
+  if ((int)threadIdx.x < tl.rows) sorder[threadIdx.x] = threadIdx.x * K + K - SH + tl.e;
+  // its pairs: rows of sorder, from T alone; the route's `order` may not be written yet
+  tl.pbeg = 0;
+  const i32* pairs = sorder;
+  __syncthreads();
+  int it = 0;
+  if (threadIdx.x < 128)
+    wgmma_produce_tile<T, MODE, N, KD, K, ST, WgFp8Tiles>(x, w0, w1, pairs, tl, ring_p, full, empty,
+                                                          aligned_to<16>(x), it, PRE);
+  else if (tl.rows <= 16)
+    wgmma_fp8_tile<T, MODE, N, KD, ST, 16, true, AHEAD>(tl, pairs, ring, full, empty, s0, s1, out0, out1, it);
+  else
+    wgmma_fp8_tile<T, MODE, N, KD, ST, 32, true>(tl, pairs, ring, full, empty, s0, s1, out0, out1, it);
+  return 1;
+}
+
 // The walk of 4e's grouped_gemm_wgmma_skinny on the FP8 tiles.  GATE_UP* wait at entry (the
-// routing says which weights); DOWN starts its first tile's first slices before its wait (the
-// routing is two launches back: moe_wgmma_skinny.cuh).
-template <typename T, int MODE, int E, int N, int KD, int K, int ST>
+// routing says which weights), but with SH shared experts (Tuning.moe.fp8_shared_before_wait) a CTA
+// whose first tile is a shared expert's runs it before its wait (wgmma_fp8_shared_first; num_pairs
+// then gives T).  DOWN starts its first tile's first slices before its wait (the routing is two
+// launches back: moe_wgmma_skinny.cuh), all ST of them: down's one-token launch (one CTA an SM,
+// ST = 16) thus issues twice the two-CTA launch's bytes before the wait.
+template <typename T, int MODE, int E, int N, int KD, int K, int ST, int SH = 0, bool AHEAD = false>
 __device__ __forceinline__ void grouped_gemm_wgmma_fp8(const T* __restrict__ x, const TensorMap* w0,
                                                        const TensorMap* w1, const float* __restrict__ s0,
                                                        const float* __restrict__ s1, const i32* __restrict__ order,
                                                        const i32* __restrict__ offsets, T* __restrict__ out0,
-                                                       T* __restrict__ out1, char* smem) {
+                                                       T* __restrict__ out1, char* smem, int num_pairs = 0) {
   using L = WgFp8Tiles;
   static_assert(sizeof(T) == 2, "fp8 experts: 16-bit activations");
   static_assert(KD % 16 == 0, "fp8 experts: FP8 rows of whole 16-byte chunks (TMA strides)");
   static_assert(ST >= 2, "fp8 experts: a ring of at least two stages");
-  static_assert(2 * (wgmma_fp8_smem(ST) + 2 * ST * 8 + 4 * (E + 1) + 1024) <= 228 * 1024,
-                "fp8 experts: two CTAs per SM");
+  // Two CTAs an SM at the 8-stage ring (_moe_fp8.fits); down's one-token launch, one CTA an SM,
+  // runs a deeper one (_moe_fp8.one_token_stages).  (+ the shared tile's pairs, 128 bytes.)
+  static_assert((ST <= WF_STAGES ? 2 : 1) * (wgmma_fp8_smem(ST) + 2 * ST * 8 + 4 * (E + 1) + 4 * WF_BP + 1024) <=
+                    228 * 1024,
+                "fp8 experts: two CTAs per SM at eight stages, one at more");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   __shared__ int tiles[E + 1];
   constexpr bool EARLY = MODE == DOWN;
-  if constexpr (!EARLY) {
+  constexpr bool SHARED_EARLY = !EARLY && SH > 0;
+  __shared__ i32 shared_order[SHARED_EARLY ? WF_BP : 1];   // the early shared tile's pairs
+  if constexpr (!EARLY && !SHARED_EARLY) {
     dsg::pdl_wait();
     dsg::pdl_launch_dependents();
   }
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;
   char* ring_p = smem + (ring - raw);
-  if (threadIdx.x < 32) wgmma_row_tiles<E, WF_BP, EARLY>(offsets, tiles);
+  if constexpr (!SHARED_EARLY) {
+    if (threadIdx.x < 32) wgmma_row_tiles<E, WF_BP, EARLY>(offsets, tiles);
+  }
   if (threadIdx.x == 0) wgmma_ring_init<ST>(full, empty, 4);   // one consumer warpgroup
   __syncthreads();
   constexpr int KT = (KD + WF_BK - 1) / WF_BK, NCT = wgmma_skinny_col_tiles(MODE, N);
   constexpr int PRE = EARLY ? (ST < KT ? ST : KT) : 0;
-  int preissued = 0;
+  int preissued = 0, skip = 0;
+  if constexpr (SHARED_EARLY) {
+    skip = wgmma_fp8_shared_first<T, MODE, N, KD, K, ST, SH, AHEAD>(x, w0, w1, s0, s1, order, shared_order, ring_p,
+                                                                    ring, full, empty, out0, out1, num_pairs);
+    dsg::pdl_wait();
+    dsg::pdl_launch_dependents();
+    if (threadIdx.x < 32) wgmma_row_tiles<E, WF_BP, false>(offsets, tiles);
+    __syncthreads();
+  }
   if constexpr (EARLY) {
     if ((int)blockIdx.x < tiles[E] * NCT) {
       preissued = PRE;
       const int t = blockIdx.x;
-      if (threadIdx.x == 0) {
-        const int e = wgmma_tile_expert<E>(tiles, t / NCT), n0 = (t % NCT) * wgmma_skinny_cols(MODE);
-#pragma unroll
-        for (int s = 0; s < PRE; ++s)
-          wgmma_issue_weights<MODE, N, L>(ring_p + s * WF_STAGE_BYTES + L::WEIGHTS_AT, w0, w1, s * WF_BK, n0, e,
-                                          &full[s]);
-      }
+      if (threadIdx.x == 0)
+        wgmma_fp8_issue_first<MODE, N, PRE>(ring_p, w0, w1, wgmma_tile_expert<E>(tiles, t / NCT),
+                                            (t % NCT) * wgmma_skinny_cols(MODE), full);
     }
     dsg::pdl_wait();
     dsg::pdl_launch_dependents();
   }
   if (threadIdx.x < 128) {
-    wgmma_produce<T, MODE, E, N, KD, K, ST, L>(x, w0, w1, order, offsets, tiles, ring_p, full, empty, preissued);
+    wgmma_produce<T, MODE, E, N, KD, K, ST, L>(x, w0, w1, order, offsets, tiles, ring_p, full, empty, preissued, skip);
   } else {
     const int total = tiles[E] * NCT;
-    int it = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    int it = skip * KT;                                  // `skip`: the walk's first tile done already
+    for (int t = blockIdx.x + skip * gridDim.x; t < total; t += gridDim.x) {
       const WgTile tl = wgmma_tile<E, NCT, wgmma_skinny_cols(MODE), WF_BP>(tiles, offsets, t);
-      if (tl.rows <= 16) wgmma_fp8_tile<T, MODE, N, KD, ST, 16>(tl, order, ring, full, empty, s0, s1, out0, out1, it);
-      else wgmma_fp8_tile<T, MODE, N, KD, ST, 32>(tl, order, ring, full, empty, s0, s1, out0, out1, it);
+      if (tl.rows <= 16)
+        wgmma_fp8_tile<T, MODE, N, KD, ST, 16, false, AHEAD>(tl, order, ring, full, empty, s0, s1, out0, out1, it);
+      else
+        wgmma_fp8_tile<T, MODE, N, KD, ST, 32>(tl, order, ring, full, empty, s0, s1, out0, out1, it);
     }
   }
 }

@@ -24,3 +24,10 @@ def test_the_bench_quantiser_is_v3s_block_rule():
     assert torch.allclose(s[:, 1, 1], w[:, 128:, 128:].abs().amax(dim=(1, 2)) / 448)
     back = torch.stack([dequantize(q[e], (s[e],), FP8) for e in range(2)])
     assert ((back - w).abs() <= w.abs() / 16 + s.repeat_interleave(128, 1)[:, :200].repeat_interleave(128, 2)[:, :, :144]).all()
+
+
+def test_the_bench_lowers_the_fp8_side_with_its_tune_knobs():
+    tuning = pe.parse_tune(["moe.fp8_one_token_down=true", "moe.fp8_widen_ahead=true"])
+    _, _, down = pe.graph("moe_down", pe.M, pe.D, True, tuning)
+    assert [la.stage for la in down][:2] == ["wgmma_skinny_fp8", "wgmma_skinny_fp8_t1"]
+    assert all("__wa__" in la.name for la in down[:2])
