@@ -1,6 +1,7 @@
 """The skinny linear with FP8 weights against the bf16 one at DeepSeek-V2-Lite's decode shapes (a script).
 
-    python3 -m bench.perf_linear_fp8 [--tokens 1,8,16] [--shapes q+kv_a,o,...] [--gemm-tokens 32,512,4096] [--json PATH]
+    python3 -m bench.perf_linear_fp8 [--tokens 1,8,16] [--shapes q+kv_a,o,...] [--gemm-tokens 32,512,4096] [--sms 16,64]
+                                     [--json PATH]
                                      [--fp8-variants default,w8r1u4_rolling,w8r1u1_batch,...]
     python3 -m bench.perf_linear_fp8 --compile-only     # no GPU: registers and spills of every kernel
 
@@ -142,6 +143,9 @@ def main() -> int:
     ap.add_argument("--shapes", default="q,kv_a,q+kv_a,o,dense gate_up,dense down,shared gate_up,shared down")
     ap.add_argument("--fp8-variants", default=FP8_VARIANTS)
     ap.add_argument("--gemm-tokens", default="32,512,4096")
+    ap.add_argument("--sms", default="",
+                    help="gemm_fp8 rows also at these SM counts (the grid and split expressions' SMS: splits = "
+                         "min(8, SMS // tiles), so a small count times the unsplit walk), e.g. 16,32,64")
     ap.add_argument("--json", default=None)
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
@@ -165,6 +169,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}; device-to-device copy {bw / 1e9:.0f} GB/s", flush=True)
     tokens = [int(t) for t in args.tokens.split(",") if t]
     fb_tokens = [int(t) for t in args.gemm_tokens.split(",") if t]
+    sms_counts = [int(c) for c in args.sms.split(",") if c]
     gen = torch.Generator(device="cuda").manual_seed(0)
     results, bad = [], 0
 
@@ -223,6 +228,11 @@ def main() -> int:
                     # x in FP8 adds its own rounding (~2-3% norm-wise): BAD only past 5%
                     report(name, T, f"fp8 wgmma {flops / us / 1e6:6.0f} TFLOP/s", us, fp8_bytes, err, base,
                            bad_err=5e-2)
+                    for sms in sms_counts:   # the same launches sized for `sms` SMs (fewer splits)
+                        sz = {"T": T, "SMS": sms}
+                        us = time_cycled(lambda i: runner.run_all(above, values={"x": x, **ys}, weights=w8[i],
+                                                                  sizes=sz), copies)
+                        report(name, T, f"fp8 wgmma SMS={sms}", us, fp8_bytes, None, base)
                     continue
                 (call,) = above
                 be = CudaBackend.__new__(CudaBackend)
