@@ -73,8 +73,15 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
         elif variant == "wgmma":
             out.append(_moe_wgmma.launch(family, template, name_parts, p, nid, args, down=down, run=run))
         else:
-            out.append(S.launch(family, template, name_parts, p, nid, args, opts, down=down, run=run,
-                                shared=shared, one_token=variant == S.ONE_TOKEN_STAGE))
+            # A shared expert's early tile (before the wait) takes its pairs in token order, the walk's
+            # later tiles of the same expert take the route's `order` (its order inside an expert follows
+            # atomics): the two agree only while a shared expert is one row tile, T <= S.BP.
+            early = _clip(ranges, [(1, S.BP)]) if shared else []
+            late = _clip(ranges, [(S.BP + 1, None)]) if shared else ranges
+            for part, sh in ((early, shared), (late, 0)):
+                if part:
+                    out.append(S.launch(family, template, name_parts, p, nid, args, opts, down=down,
+                                        run=token_ranges(part), shared=sh, one_token=variant == S.ONE_TOKEN_STAGE))
     return out
 
 

@@ -20,7 +20,7 @@ from test_families_moe import DIMS, moe_graphs  # noqa: E402
 
 from codegen import families, sizes  # noqa: E402
 from codegen.families import _moe_wgmma_skinny  # noqa: E402
-from codegen.kernel import Options, TensorMapRef, WeightRef  # noqa: E402
+from codegen.kernel import KernelLaunch, Options, TensorMapRef, WeightRef  # noqa: E402
 from codegen.nvrtc import KernelCompileError, compile_cubin  # noqa: E402
 from codegen.render import render_launch  # noqa: E402
 from codegen.tuning import MoeTuning, Tuning  # noqa: E402
@@ -198,3 +198,23 @@ def test_the_staged_epilogue_compiles_to_whole_chunk_stores_without_spills(op):
         assert off["STG.E.128"] == 0 and on["STG.E.128"] > 0 and on["LDS.128"] > 0 and on["STS.U16"] > 0, sorted(on)
         assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
         assert int(res.log.split("Used ")[1].split(" registers")[0]) <= 128, res.log
+
+
+@pytest.mark.parametrize("phase,tuning", [("prefill", Tuning()), ("decode", _moe(expert_ffn_upto=0))])
+def test_a_shared_experts_early_tile_runs_only_while_it_is_one_row_tile(phase, tuning):
+    """gate / up's early shared tile takes its pairs in token order, the walk's later tiles of the same
+    expert the route's `order`: above one 64-pair row tile a shared expert (T > 64) the two could split its
+    pairs differently, so the launch without the early tile takes those T (V2-Lite: two shared experts)."""
+    from codegen.bundle import plan_spec
+    from codegen.paths import DEFAULT_SPEC
+    plan = plan_spec(str(DEFAULT_SPEC), Options(tuning=tuning), strict=False).plans[phase]
+    gate_up = [s for s in plan.steps if isinstance(s, KernelLaunch) and s.family == "moe_gate_up_silu"
+               and s.stage == "wgmma_skinny"]
+    node = gate_up[0].nodes
+    sk = [la for la in gate_up if la.nodes == node]
+    assert len(sk) == 2 and sum("__sh2w__" in la.name for la in sk) == 1
+    for T in (1, 2, 63, 64, 65, 128, 200, 256):
+        env = {"T": T, "NP": 8 * T, "SMS": 132}
+        runs = [la.name for la in sk if sizes.evaluate(la.grid[0], env) > 0]
+        assert len(runs) == (1 if phase == "prefill" or T <= 256 else 0), (T, runs)
+        assert ("__sh2w__" in runs[0]) == (T <= 64), (T, runs)
