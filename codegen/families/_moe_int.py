@@ -82,7 +82,7 @@ def xq_launch(family: str, name_parts: list, p: dict, nid: str, args_: tuple, op
               "pairs": p["pairs"], "smem": nbytes}
     return KernelLaunch(
         family=family, template=TEMPLATE,
-        name=kernel_name(family, [f"{name_parts[0]}_{TAGS[f.name]}", *name_parts[1:], f"xq{xq}"]),
+        name=kernel_name(family, [f"{name_parts[0]}_{TAGS[f.name]}", *name_parts[1:], f"xq{xq}_p{p['pairs']}"]),
         params=params, nodes=(nid,), grid=(-(-p["N"] // channels(down=True)), when(slots(p["E"]), run), 1),
         block=(THREADS, 1, 1), args=(dataclasses.replace(args_[0], name="a"), *args_[1:]), smem=nbytes,
         stage=XQ_VARIANT)

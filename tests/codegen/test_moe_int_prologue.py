@@ -45,7 +45,7 @@ def test_the_grouped_table_gives_down_the_prologue_where_its_rows_fit():
 def test_with_the_knob_on_down_runs_one_launch_up_to_its_tokens():
     G, nid = _node("moe_down", 1408, 2048, E=64, K=6)
     xq, quant, gemm = _lower(G, nid, _opts(4))
-    assert xq.name == "moe_down__bf16_wi4__e64__d2048_m1408__xq4" and xq.stage == _moe_int.XQ_VARIANT
+    assert xq.name == "moe_down__bf16_wi4__e64__d2048_m1408__xq4_p6" and xq.stage == _moe_int.XQ_VARIANT
     assert xq.params["pairs"] == 6 and not xq.workspace and xq.smem == _moe_int.xq_smem(1408, 4, 6) == 4 * 6 * 1412 + 64
     args = {a.name: a for a in xq.args}
     assert "a" in args and "xq" not in args and args["w"].ctype == "const signed char*"

@@ -101,23 +101,25 @@ RUN_SEED = _run_seed()          # tests/gpu/conftest.py prints it in the header 
 EXAMPLES_SCALE = float(os.environ.get("DSGRAPH_EXAMPLES_SCALE", "1"))
 
 
-def kernel_settings(n: int):
+def kernel_settings(n: int, *, filtering: bool = False):
     """Settings of a kernel property test: `n` examples at the default budget (scaled by
     $DSGRAPH_EXAMPLES_SCALE), a fresh random seed each run ($DSGRAPH_TEST_SEED replays one),
-    no example database; the fixed regression cases sit beside each test as @example."""
+    no example database; the fixed regression cases sit beside each test as @example.  `filtering`: the
+    test rejects most drawn cases (assume) by design, so Hypothesis's filtering health check is off."""
     from hypothesis import HealthCheck, settings
     return settings(max_examples=max(1, round(n * EXAMPLES_SCALE)), deadline=None, database=None,
                     derandomize=False, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.function_scoped_fixture])
+                                           HealthCheck.function_scoped_fixture,
+                                           *([HealthCheck.filter_too_much] if filtering else [])])
 
 
-def kernel_test(n: int):
+def kernel_test(n: int, *, filtering: bool = False):
     """Decorator: kernel_settings(n) plus this run's seed (applied over @given)."""
     from hypothesis import seed
 
     def wrap(fn):
-        return seed(RUN_SEED)(kernel_settings(n)(fn))
+        return seed(RUN_SEED)(kernel_settings(n, filtering=filtering)(fn))
     return wrap
 
 

@@ -323,7 +323,9 @@ def test_moe_down_wi4(case):
     run_case("moe_down", case)
 
 
-@SETTINGS
+# T <= 24 and both widths pairing in int4's bytes reject most drawn cases: Hypothesis's filtering health
+# check fired on one seed (H100, 2026-12-07), though every kept case is checked in full
+@kernel_test(25, filtering=True)
 @given(case=int_cases(tokens=(1, 24)))
 @example(case=case_of("bf16", one_token(64, (0, 3, 9, 17, 40, 63)), 6, 2048, 1408, whole=True))   # V2-Lite b=1
 @example(case=case_of("fp16", (9, 14, 3, 0, 2), 2, 100, 30, shift=True, whole=True))
