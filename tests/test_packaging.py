@@ -58,7 +58,7 @@ def _installed(python: Path, env) -> set[str]:
 
 
 # The default spec's distinct kernels (decode's and prefill's), as `dsgraph compile` counts them
-V2_LITE_KERNELS = 31
+V2_LITE_KERNELS = 32
 
 
 def _check_default_bundle(out: str, bundle: Path) -> None:

@@ -108,8 +108,8 @@ def test_readme_cli_examples_run_as_written(repo_cwd, capsys):
         results[shlex.split(line)[1]] = out + err
     assert results["--version"].startswith("dsgraph ")
     assert (repo_cwd / "my_tiny.yaml").is_file()
-    assert (repo_cwd / "bundle_tiny" / "manifest.json").is_file() and "kernels  32 unique" in results["compile"]
-    assert "0 changed, 0 added, 0 removed, 32 identical kernels" in results["diff"]
+    assert (repo_cwd / "bundle_tiny" / "manifest.json").is_file() and "kernels  33 unique" in results["compile"]
+    assert "0 changed, 0 added, 0 removed, 33 identical kernels" in results["diff"]
     ids = next(line for line in results["generate"].splitlines() if line.startswith("ids:"))
     assert len(ids.split(":")[1].split(",")) == 8 and "(length)" in results["generate"]
 

@@ -51,7 +51,7 @@ def test_a_shared_header_edit_makes_the_goldens_stale_and_shows_in_the_diff(edit
                   headers={k.split("/", 1)[1]: v for k, v in committed.items() if k.startswith("include/")})
     report = compare(golden, _side("worktree", V2_LITE))
     assert report.differs
-    assert report.summary[0].endswith("31 identical kernels; 1 header(s) changed")   # decode attention 3, fused route 1, skinny linears
+    assert report.summary[0].endswith("32 identical kernels; 1 header(s) changed")   # decode attention 3, fused route 1, skinny linears
     assert any("include/norm.cuh (included by" in line and "rms_norm__bf16__d2048" in line
                for line in report.summary)
     assert "+  const float r = rsqrtf(ss / (float)N + 2.f * eps);\n" in report.diff
@@ -83,7 +83,7 @@ def test_a_rope_factor_change_reads_as_changed_kernels(tmp_path, capsys):
     b = _spec_copy(tmp_path, "rope.yaml", "factor: 40.0", "factor: 32.0")
     assert main(["diff", str(V2_LITE), str(b)]) == 1
     out = capsys.readouterr().out
-    assert re.search(r": 7 changed, 0 added, 0 removed, 24 identical", out), out[:3000]
+    assert re.search(r": 7 changed, 0 added, 0 removed, 25 identical", out), out[:3000]
     assert "rope_q__bf16__h16_r64__adj_il__rope" in out and " -> " in out   # renamed, paired by role
     assert re.search(r"^\+constexpr float SCALE = ", out, re.M)
 
