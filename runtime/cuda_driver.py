@@ -201,8 +201,15 @@ class LoadedModule:
                 _raise(err, f"cuModuleGetFunction({kernel_name})",
                        f"module {self.name} has no extern \"C\" kernel of that name")
             self._functions[kernel_name] = func
-        if shared_mem > max(_DEFAULT_DYNAMIC_SMEM, self._dynamic_smem.get(kernel_name, 0)):
-            self._opt_in_shared_mem(kernel_name, func, shared_mem)
+        if shared_mem > self._dynamic_smem.get(kernel_name, 0):
+            # A kernel's dynamic shared memory without an opt-in is the 48 KiB default less its static
+            # shared memory; above that (or above an earlier opt-in) it must be opted in.
+            static = check(driver.cuFuncGetAttribute(
+                driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func), "cuFuncGetAttribute")
+            if shared_mem > _DEFAULT_DYNAMIC_SMEM - static:
+                self._opt_in_shared_mem(kernel_name, func, shared_mem)
+            else:
+                self._dynamic_smem[kernel_name] = _DEFAULT_DYNAMIC_SMEM - static
         return func
 
     def _opt_in_shared_mem(self, kernel_name: str, func, shared_mem: int) -> None:

@@ -242,9 +242,12 @@ MUTANTS = [
            "m.y[0][(i64)tok * N + col] = from_float<T>(s * u);", "m.y[0][(i64)tok * N + col] = from_float<T>(s * u * 1.01f);",
            linear.test_gate_up_silu, dict(dtype="bf16", T=3, K=256, n=40, extra=0, offset=0, shift="none",
                                           variant=linear.VARIANTS[0], seed=15)),
+    # the producer's tasks made slow (100 us each) so that the skipped wait loses the race on any grid of
+    # more than one CTA: without the sleep the last tiles of gate_up_silu land before down reads them
     Mutant("persistent segment: the last member skips its wait (down reads gate_up_silu's output early)",
            "segment.cu.j2", "        dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);",
-           "        if ({{ j }} + 1 < MEMBERS) dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);",
+           "        if ({{ j }} + 1 < MEMBERS) dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);\n"
+           "        if ({{ j }} + 2 == MEMBERS) __nanosleep(100000);",
            persistent.test_segment_equals_the_launches_it_replaces, dict(case=("bf16", "lite"), T=1, seed=50)),
     Mutant("FP8 experts: a K slice scaled by the next K block's scale (gate)", "include/moe_fp8.cuh",
            "return __ldg(sc0 + kt * WF_BK / WF_BLOCK);",
