@@ -264,8 +264,10 @@ def pipeline_knobs(opts: Options) -> frozenset:
     """The knob-gated passes of ir/passes' PIPELINE that `opts` switches on (their Pass.knob, a boolean
     "section.knob" of the tuning): what the compiler passes run_pipeline as `knobs`."""
     from ir.passes import PIPELINE
-    changed = opts.tuning.changed()
-    return frozenset(p.knob for p in PIPELINE if p.knob is not None and changed.get(p.knob) is True)
+    def on(knob: str) -> bool:
+        section, name = knob.split(".")
+        return getattr(getattr(opts.tuning, section), name) is True
+    return frozenset(p.knob for p in PIPELINE if p.knob is not None and on(p.knob))
 
 
 def lower_graph(G: nx.DiGraph, opts: Options | None = None, *, strict: bool = True) -> PhasePlan:

@@ -78,13 +78,13 @@ class MoeTuning(_Section):
     fp8_act_epilogue: bool = _knob(False, doc="with fp8_activations: gate_up_silu's FP8 x FP8 epilogue writes a "
                                               "as e4m3 rows and per-128-column scales (bit-equal to down's "
                                               "quantiser) in a's place, and down runs without its quantiser launch")
-    fp8_one_token_down: bool = _knob(False, doc="FP8 expert weights: down at T = 1 as its own launch, one CTA an SM, "
+    fp8_one_token_down: bool = _knob(True, doc="FP8 expert weights: down at T = 1 as its own launch, one CTA an SM, "
                                                 "its ring as deep in weight bytes as one_token_down_stages' bf16 ring "
                                                 "(twice the FP8 stages; off while that is <= 4)")
-    fp8_shared_before_wait: bool = _knob(False, doc="FP8 expert weights: decode's gate / up runs a shared expert's "
+    fp8_shared_before_wait: bool = _knob(True, doc="FP8 expert weights: decode's gate / up runs a shared expert's "
                                                     "tile before its PDL wait (as bf16's: while the route runs), "
                                                     "at T <= 32 (one row tile a shared expert)")
-    fp8_widen_ahead: bool = _knob(False, doc="FP8 expert weights, decode: each 64-row box widened while the box "
+    fp8_widen_ahead: bool = _knob(True, doc="FP8 expert weights, decode: each 64-row box widened while the box "
                                              "before it (this slice's, or the last slice's) is on the tensor core")
     align_parallel_above: typing.Optional[int] = _knob(6144, 0, 1 << 24,
                                                         doc="pairs above which the route aligns in count / scan / "
@@ -126,7 +126,7 @@ class LinearTuning(_Section):
     row_tiles: int = _knob(1, choices=(1, 2, 4), doc="skinny kernel: 16-row weight tiles a CTA")
     unroll: int = _knob(4, choices=(1, 2, 4, 8), doc="skinny kernel: weight loads in flight a thread")
     ksplit: int = _knob(1, choices=(1, 2, 4, 8), doc="skinny kernel: K split over a cluster of this many CTAs")
-    i8_prologue_upto: int = _knob(0, 0, 16, doc="skinny kernel, int8 weights: up to this many tokens each CTA "
+    i8_prologue_upto: int = _knob(4, 0, 16, doc="skinny kernel, int8 weights: up to this many tokens each CTA "
                                                 "quantises x itself in its prologue (no quantiser launch; 0: never)")
     # FP8 weights (templates/include/fp8.cuh), measured on an H100 (bench/perf_linear_fp8.py): rolling x4 for
     # linear / multi_linear (two CTAs an SM), batch x1 for gate_up_silu (thousands of rows; three CTAs an SM).
@@ -142,14 +142,15 @@ class LinearTuning(_Section):
                                             "128 columns for the FP8 x FP8 GEMM (DeepSeek-V3's dynamic activation "
                                             "scheme); false: the weights dequantised every call, x kept 16-bit "
                                             "(the stored weights exactly, slower)")
-    norm_int8: bool = _knob(False, doc="int8 weights (int8_channel) reading an RMSNorm's output: the norm also "
+    norm_int8: bool = _knob(True, doc="int8 weights (int8_channel) reading an RMSNorm's output: the norm also "
                                        "writes the int8 rows and per-token scales (ir/passes/fuse_norm_int8_quant"
                                        ".py) and its int8 readers skip their quantiser launch")
 
 
 @dataclass(frozen=True)
 class PersistentTuning(_Section):
-    """Decode's persistent launches across ops (codegen/segments.py): not yet run on a GPU, so off."""
+    """Decode's persistent launches across ops (codegen/segments.py): off, the segments of norms and skinny
+    linears measured slower than their launches (H100: bf16 b=1 2.30 -> 2.41 ms; PERF_NOTES v43)."""
     NAME = "persistent"
     segments: bool = _knob(False, doc="decode: each maximal run of consecutive launches whose families have a task "
                                       "body (norms, 16-bit skinny linears) as one persistent segment launch, its "

@@ -57,12 +57,12 @@ def test_explain_follows_the_tuning(capsys):
 @pytest.mark.slow
 def test_explain_with_w4a8_weights_and_the_int8_prologue(capsys):
     """`--weights w4a8` explains the spec the bench compiles with msModelSlim's formats; with
-    linear.i8_prologue_upto=4 every int8 linear of V2-Lite (q + kv_a, o, the dense FFN, the shared
-    experts) runs its prologue kernel alone at b=1, and the quantiser and the int8 kernel at b=8; with
-    moe.int_down_prologue_upto=4 the int4 experts' down likewise."""
+    linear.i8_prologue_upto=4 (the default) and the norms' rows off every int8 linear of V2-Lite (q + kv_a, o,
+    the dense FFN, the shared experts) runs its prologue kernel alone at b=1, and the quantiser and the int8
+    kernel at b=8; with moe.int_down_prologue_upto=4 the int4 experts' down likewise."""
     out = _explain(capsys, "--tokens", "1,8", "--phase", "decode", "--weights", "w4a8",
-                   "--tune", "linear.i8_prologue_upto=4", "--tune", "moe.int_down_prologue_upto=4")
-    assert "--weights w4a8, tuning moe.int_down_prologue_upto=4, linear.i8_prologue_upto=4" in out.splitlines()[0]
+                   "--tune", "linear.norm_int8=false", "--tune", "moe.int_down_prologue_upto=4")
+    assert "--weights w4a8, tuning moe.int_down_prologue_upto=4, linear.norm_int8=False" in out.splitlines()[0]
     d1, d8 = _block(out, "decode, T = 1"), _block(out, "decode, T = 8")
     assert "linear_skinny__bf16_qi8" not in d1 and "skinny_wi8_xq [tokens 1..4]" in d1
     for name in ("k2048__o3072_576__xq4", "k2048__o2048__xq4", "k2048__silu2816__xq4", "k2816__o2048__xq4"):

@@ -41,10 +41,11 @@ def test_the_linear_table_gives_the_prologue_its_tokens_where_the_rows_fit():
     assert [(r.variant, r.span) for r in rows] == [("skinny_wi8_xq", "1..4"), ("skinny_wi8", "5..16"),
                                                    ("i8_wgmma", "17..inf")]
     assert "prologue" in rows[0].reason and "no launch of its own" in rows[0].reason
-    # the rows do not fit, or the knob is off: today's rows
-    today = dispatch.rows("linear", FACTS)
+    # the rows do not fit, or the knob is off: the rows without the prologue
+    off = Tuning(linear=LinearTuning(i8_prologue_upto=0))
+    today = dispatch.rows("linear", FACTS, off)
     assert dispatch.rows("linear", {**FACTS, "i8_xq_fits": False}, t4) == today
-    assert "i8_xq_fits" not in dispatch.table("linear").facts
+    assert "i8_xq_fits" not in dispatch.table("linear", off).facts
     assert [r.variant for r in today] == ["skinny_wi8", "i8_wgmma"]
     # at the skinny kernel's whole range the quantiser's row is gone; the knob is capped by skinny_upto
     t16 = Tuning(linear=LinearTuning(i8_prologue_upto=16))
@@ -83,7 +84,9 @@ def test_with_the_knob_off_the_lowering_is_todays():
     for op in ("multi_linear", "gate_up_silu", "linear"):
         G, nid = _node(op, (I8, I8))
         for arch in ("sm_90", "sm_89"):
-            assert linear_skinny.lower(nid, G, _opts(0, arch=arch)) == linear_skinny.lower(nid, G, Options(arch=arch))
+            steps = linear_skinny.lower(nid, G, _opts(0, arch=arch))
+            launches = [s for s in steps if isinstance(s, KernelLaunch)]
+            assert launches[0].stage == "quant_int8" and not any("xq" in s.params for s in launches), op
 
 
 def test_rows_that_do_not_fit_shared_memory_keep_the_quantiser_launch():
@@ -92,7 +95,7 @@ def test_rows_that_do_not_fit_shared_memory_keep_the_quantiser_launch():
     at four."""
     G, nid = _node("linear", (I8,), K=18432)
     assert "__xq4" in linear_skinny.lower(nid, G, _opts(4))[0].name
-    assert linear_skinny.lower(nid, G, _opts(16)) == linear_skinny.lower(nid, G, Options())
+    assert linear_skinny.lower(nid, G, _opts(16)) == linear_skinny.lower(nid, G, _opts(0))
     limit = smem_limit("sm_90")
     for K in (2048, 2816, 7168, 10944, 16384, 18432):
         assert linear_skinny.xq_fits(K, 4, 8, 1, Options()), K

@@ -39,16 +39,18 @@ def write_int_checkpoint(root, to: str = "w4a8", seed: int = 0):
     return root / to
 
 
-@pytest.fixture(scope="module", params=["w4a8", "w8a8", "w4a8+norm_int8"])
+@pytest.fixture(scope="module", params=["w4a8", "w8a8", "w4a8-quantisers"])
 def w4a8_engines(request, tmp_path_factory):
     """(format, cuda bf16 engine, reference fp32 engine, reference bf16 engine), all on the checkpoint;
-    "+norm_int8": the cuda engine with Tuning.linear.norm_int8 (the norms write their int8 readers' rows)."""
+    the defaults have the norms write their int8 readers' rows (Tuning.linear.norm_int8) and the skinny int8
+    linears quantise x in their prologue up to 4 tokens; "-quantisers": the cuda engine with both off (every int8
+    reader's own quantiser launch)."""
     from codegen.tuning import LinearTuning, Tuning
     from runtime import Engine
-    fmt, _, knob = request.param.partition("+")
+    fmt, _, off = request.param.partition("-")
     path = write_int_checkpoint(tmp_path_factory.mktemp(fmt), fmt)
     kw = dict(device=DEV, block_size=5, num_blocks=64, max_seq_len=128)
-    tuning = Tuning(linear=LinearTuning(norm_int8=True)) if knob else None
+    tuning = Tuning(linear=LinearTuning(norm_int8=False, i8_prologue_upto=0)) if off else None
     ours = Engine.from_pretrained(path, backend="cuda", dtype=torch.bfloat16, tuning=tuning, **kw)
     ref = Engine.from_pretrained(path, backend="reference", dtype=torch.float32, **kw)
     ref_bf16 = Engine.from_pretrained(path, backend="reference", dtype=torch.bfloat16, **kw)
@@ -57,14 +59,14 @@ def w4a8_engines(request, tmp_path_factory):
 
 def test_the_cuda_backend_runs_the_int_kernels(w4a8_engines):
     to, ours, _, _ = w4a8_engines
-    fmt, _, knob = to.partition("+")
+    fmt, _, off = to.partition("-")
     tag = "wi4" if fmt == "w4a8" else "wi8"
     for phase in ("decode", "prefill"):
         names = [getattr(s, "name", "") for s in ours.backend.plans[phase].steps]
         for part in (f"moe_gate_up_silu__bf16_{tag}__", f"moe_down__bf16_{tag}__", "linear_skinny__bf16_wi8__"):
             assert any(n.startswith(part) for n in names), (phase, part, names)
         norms = [n for n in names if "rms_norm__" in n and n.endswith("__qi8")]
-        assert bool(norms) == bool(knob), (phase, names)
+        assert bool(norms) != bool(off), (phase, names)
 
 
 def test_int_logits_within_the_references_own_bf16_error(w4a8_engines):
