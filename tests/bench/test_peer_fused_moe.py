@@ -215,8 +215,9 @@ def test_dsgraphs_side_is_the_fp8_launches_bound_as_the_run_binds_them():
     side = pf.dsgraph_side()
     assert set(side) == {"gate_up", "down", "combine"}
     refs = {}
-    for part in ("gate_up", "down"):    # decode's weight-only kernel; the FP8 x FP8 prefill pair above 256 tokens
-        assert [la.stage for la in side[part][0]] == ["wgmma_skinny_fp8", "quant_x", "wgmma_fp8"]
+    # decode's weight-only kernel (down: and its one-token launch); the FP8 x FP8 prefill pair above 256 tokens
+    for part, decode in (("gate_up", ["wgmma_skinny_fp8"]), ("down", ["wgmma_skinny_fp8", "wgmma_skinny_fp8_t1"])):
+        assert [la.stage for la in side[part][0]] == [*decode, "quant_x", "wgmma_fp8"]
     for part, (launches, weights, output) in side.items():
         assert output == "out"
         refs[part] = {getattr(a.ref, "name", None) for a in launches[0].args}
