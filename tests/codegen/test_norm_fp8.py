@@ -295,3 +295,25 @@ def test_the_norm_variants_compile_without_spills_on_the_quantisers_arithmetic(o
     assert ops["SHFL.BFLY"] >= 4, sorted(ops)
     assert ops["STG.E.64"] > 0, sorted(ops)
     assert wait_problem(instructions(res.cubin)[launch.name], weight_loads=True) is None
+
+
+@pytest.mark.slow
+def test_v2_lite_decode_runs_half_the_quantisers_at_b32_and_b128():
+    """V2-Lite with FP8 weights (`dsgraph bench --weights fp8`'s spec), decode: 56 quantiser launches a step at
+    b = 32 and 128 (q + kv_a and o_proj in 27 layers, the dense gate_up and down), 28 with the knob (the norm-fed
+    q + kv_a and dense gate_up go); none at b = 1 either way; 55 norm launches a step (the final one too), 28
+    of them qf8 (at b = 32 and 128 the MoE input norms keep their plain launch: the experts run FP8 x FP8 above 256)."""
+    from runtime.bench import bench_spec
+    spec = bench_spec(str(ROOT / "model_specs" / "deepseek_v2_lite.yaml"), "fp8")
+    counts = {}
+    for tuning in (Tuning(), ON):
+        opts = Options(arch="sm_90a", tuning=tuning)
+        plan = lower_graph(run_pipeline(ir.build_graph(spec, "decode"), knobs=pipeline_knobs(opts)), opts)
+        for T in (1, 32, 128):
+            env = {"T": T, "B": T, "NP": 8 * T, "MAXQ": 1, "MAXCTX": 512, "TK": T, "W": 8, "SMS": 132}
+            run = [s for s in _launches(plan) if all(sizes.evaluate(g, env) > 0 for g in s.grid)]
+            counts[tuning.linear.norm_fp8, T] = (sum(s.stage == "quant_x" for s in run),
+                                                 sum(s.name.endswith("__qf8") for s in run),
+                                                 sum(s.family in NORMS for s in run))
+    assert counts == {(False, 1): (0, 0, 55), (False, 32): (56, 0, 55), (False, 128): (56, 0, 55),
+                      (True, 1): (0, 0, 55), (True, 32): (28, 28, 55), (True, 128): (28, 28, 55)}, counts
