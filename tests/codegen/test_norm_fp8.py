@@ -317,3 +317,33 @@ def test_v2_lite_decode_runs_half_the_quantisers_at_b32_and_b128():
                                                  sum(s.family in NORMS for s in run))
     assert counts == {(False, 1): (0, 0, 55), (False, 32): (56, 0, 55), (False, 128): (56, 0, 55),
                       (True, 1): (0, 0, 55), (True, 32): (28, 28, 55), (True, 128): (28, 28, 55)}, counts
+
+
+@pytest.mark.slow
+def test_a_bundle_keeps_the_norms_rows_through_the_manifest(tmp_path, monkeypatch):
+    """compile_bundle with the knob (NVRTC stubbed: the machine code is tested above) writes the norms' two
+    launches, the readers' value-bound rows and the rows' buffers, and load_bundle reads back the same plans."""
+    import dataclasses
+    import hashlib
+
+    import codegen.nvrtc as nvrtc
+    from codegen.bundle import compile_bundle, load_bundle
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda source, name, **kw: nvrtc.CompileResult(
+        cubin=b"CUBIN:" + hashlib.sha256(source.encode()).digest(), log=""))
+    path = tmp_path / "tiny.yaml"
+    path.write_text(_spec().text)
+    out = tmp_path / "bundle"
+    compile_bundle(str(path), out, arch="sm_90a", cache_dir=tmp_path / "cache", progress=False, tuning=ON)
+    loaded = load_bundle(out, arch="sm_90a")
+
+    def plain(steps):
+        return [dataclasses.replace(s, origins=()) if isinstance(s, KernelLaunch) else s for s in steps]
+
+    for phase in ir.PHASES:
+        _, want = _plan(phase, ON)
+        got = loaded.plans[phase]
+        assert plain(got.steps) == plain(want.steps), phase
+        assert any(s.name.endswith("__qf8") for s in _launches(got)), phase
+        rows = {name: b for name, b in got.buffers.items() if name.endswith((".qf8", ".sf8"))}
+        assert len(rows) == 4 * TINY["num_hidden_layers"], sorted(rows)
+        assert all(b.dtype == ("i32" if n.endswith(".qf8") else "f32") for n, b in rows.items()), phase
