@@ -114,6 +114,7 @@ def run_pipeline(G: nx.DiGraph, passes: list[Pass] = PIPELINE, knobs: frozenset 
 
 __all__ = ["PIPELINE", "Pass", "run_pipeline", "eliminate_dead", "fuse_add_rms_norm", "fuse_combine_shared_residual",
            "fuse_decode_prologue", "fuse_expert_ffn",
-           "fuse_gate_up_silu", "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_norm_fp8_quant", "fuse_norm_int8_quant", "fuse_q_rope_into_query", "fuse_router",
+           "fuse_gate_up_silu", "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_norm_fp8_quant",
+           "fuse_norm_int8_quant", "fuse_q_rope_into_query", "fuse_router",
            "fuse_shared_experts", "fuse_sibling_linears", "insert_all_reduce", "lower_mla_decode", "lower_mla_prefill", "shard_for_rank",
            "split_rope"]

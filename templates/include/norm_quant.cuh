@@ -1,10 +1,11 @@
 // The quantised rows an RMSNorm writes for its readers, from the normalised row it holds in registers:
 // int8 rows for its int8 readers (ir/passes/fuse_norm_int8_quant.py), the same bytes and scale as
 // quant_int8.cuh's quantiser launch on the norm's stored output; e4m3 rows for its FP8 x FP8 readers
-// (ir/passes/fuse_norm_fp8_quant.py), the same bytes and scales as quant_fp8.cuh's.  The row in registers is already rounded to the activation type
-// (norm.cuh rounds before and after the weight), so |v| and their max are the stored values' exactly;
-// scale_of and quantize1 are the quantiser's own.  Elements past N are zeros in the registers
-// (RowLayout loads zeros there) and add nothing to the max.
+// (ir/passes/fuse_norm_fp8_quant.py), the same bytes and scales as quant_fp8.cuh's.  The row in registers
+// is already rounded to the activation type (norm.cuh rounds before and after the weight), so |v| and
+// their max are the stored values' exactly; the quantisers' own helpers (scale_of, quantize1; e4m3x2)
+// do the rest.  Elements past N are zeros in the registers (RowLayout loads zeros there) and add nothing
+// to the max.
 #pragma once
 #include "quant_fp8.cuh"
 #include "quant_int8.cuh"
@@ -72,8 +73,10 @@ __device__ __forceinline__ void norm_rows_fp8(const float* v, unsigned char* __r
     const float sc = amax / fp8q::E4M3_MAX;
     const int i0 = Layout::index(k, 0);
     if (i0 < N) {   // a chunk is whole or past the end (N % 8 == 0); 8 bytes, i0 % 8 == 0
-      const unsigned lo = (unsigned)fp8q::e4m3x2(c[0] / sc, c[1] / sc) | ((unsigned)fp8q::e4m3x2(c[2] / sc, c[3] / sc) << 16);
-      const unsigned hi = (unsigned)fp8q::e4m3x2(c[4] / sc, c[5] / sc) | ((unsigned)fp8q::e4m3x2(c[6] / sc, c[7] / sc) << 16);
+      const unsigned lo = (unsigned)fp8q::e4m3x2(c[0] / sc, c[1] / sc)
+                          | ((unsigned)fp8q::e4m3x2(c[2] / sc, c[3] / sc) << 16);
+      const unsigned hi = (unsigned)fp8q::e4m3x2(c[4] / sc, c[5] / sc)
+                          | ((unsigned)fp8q::e4m3x2(c[6] / sc, c[7] / sc) << 16);
       *reinterpret_cast<uint2*>(q + i0) = make_uint2(lo, hi);
       if (i0 % fp8q::GROUP == 0) s[i0 / fp8q::GROUP] = sc;
     }
