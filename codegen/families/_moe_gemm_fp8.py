@@ -10,6 +10,9 @@ table, above decode's range, where _moe_wgmma serves 16-bit weights.  Two launch
                 FP8 weights by TMA ([64 rows x 128 bytes] boxes, 128B swizzle), e4m3 x e4m3 wgmma, fp32
                 promotion per 128-K block with the row's and the weight block's scales.
 
+With Tuning.linear.norm_fp8, where the RMSNorm that makes gate / up's x writes x's e4m3 rows and scales
+(ir/passes/fuse_norm_fp8_quant.py), gate / up's GEMM reads those and has no quantiser launch.
+
 With Tuning.moe.fp8_act_epilogue, where _moe_aq.py pairs gate_up_silu with its down: gate_up_silu's GEMM
 is the AQ_VARIANT (128-column items whose epilogue writes a as e4m3 rows and scales in a's storage) and
 down's is the AQ_VARIANT without a quantiser launch, reading them there.

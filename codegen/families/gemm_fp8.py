@@ -7,6 +7,8 @@ library call over the same token range (`lower` gives them for one node at every
 
     quant_x      x [T, K] -> xq [T, K] e4m3, xs [T, ceil(K / 128)] fp32 (templates/include/quant_fp8.cuh):
                  per token per 128 columns, scale = amax / 448 (x ~= q * s); the node's workspaces.
+                 None where the RMSNorm that makes x writes those rows itself (Tuning.linear.norm_fp8,
+                 ir/passes/fuse_norm_fp8_quant.py): the GEMMs read the norm's values instead.
     fp8_wgmma    one launch per weight (a multi_linear's share the quantised x; gate_up_silu's gate and
                  up are one launch): y = sum over 128-K blocks of xs * sw * (xq . w), fp32 promotion per
                  block (templates/include/gemm_fp8.cuh), the weight by TMA (a tensor map of [64, 128]

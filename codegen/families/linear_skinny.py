@@ -19,8 +19,8 @@ Weights in FP8 (fp8_e4m3_block128, ir/formats.py; every weight of the node, bf16
 activations): the kernel reads the FP8 bytes and their block scales (the companion weights
 "<weight>_scale_inv") and widens them in registers (templates/include/fp8.cuh); its name carries
 "wfp8" and its load pipeline is Tuning.linear.fp8_*.  Above skinny_upto, on sm_90a, the FP8 x FP8
-GEMM (codegen/families/gemm_fp8.py: a quantiser launch, then wgmma) takes the place of the library
-call; elsewhere (no sm_90a, K % 16 != 0) the library call dequantises each weight to the activation
+GEMM (codegen/families/gemm_fp8.py: a quantiser launch, then wgmma; no quantiser where the RMSNorm that
+makes x writes x's e4m3 rows, Tuning.linear.norm_fp8) takes the place of the library call; elsewhere (no sm_90a, K % 16 != 0) the library call dequantises each weight to the activation
 dtype (torch) before the cuBLAS GEMM, every step -- correct, not fast.
 
 Weights in int8 (msModelSlim's int8_channel: W8A8_DYNAMIC, every weight of the node, bf16 or fp16
