@@ -4,8 +4,8 @@ not a test).
     python3 -m bench.perf_ab --arm base \
         --arm 'wide:--tune moe.expert_ffn_upto=128' \
         --arm 'both:--tune moe.expert_ffn_upto=128 --tune attention.decode_cluster=4' \
-        [--decode 1x512,8x512,256x512] [--rounds 2] [--check '-j 8 tests/gpu/test_kernels_moe.py -k route']
-        [--out DIR]
+        [--decode 1x512,8x512,256x512] [--prefill 32x512] [--rounds 2]
+        [--check '-j 8 tests/gpu/test_kernels_moe.py -k route'] [--out DIR]
 
 An arm is `NAME` (the default options) or `NAME:OPTIONS`, OPTIONS being `dsgraph bench` options
 (shell quoting), chiefly `--tune SECTION.KNOB=VALUE`, repeatable; an --arm of a name given before
@@ -14,7 +14,8 @@ the cache key covers the options, tuning included, so arms never share a kernel 
 nothing is copied or edited.  --check runs tests/gpu/run_isolated.py with those arguments once,
 before any bench: a wrong kernel is not timed.  The benches run round by round (every arm once,
 then again), so a drift of the machine falls on every arm alike; the table prints each case's step
-time and the expert kernels' read rate for every arm, all rounds side by side.
+time and the expert kernels' read rate for every arm, all rounds side by side (--prefill: each prefill
+case's tokens a second too; none by default).
 """
 from __future__ import annotations
 
@@ -73,10 +74,10 @@ def parse_arms(texts: list[str]) -> list[Arm]:
     return list(arms.values())
 
 
-def bench_command(arm: Arm, decode: str, json_path: str) -> list[str]:
-    """`dsgraph bench` of this tree for one arm: decode cases only, no transformers side."""
+def bench_command(arm: Arm, decode: str, json_path: str, prefill: str = "none") -> list[str]:
+    """`dsgraph bench` of this tree for one arm: its decode (and prefill) cases, no transformers side."""
     return [sys.executable, "-m", "runtime.cli", "bench", *arm.options,
-            "--no-transformers", "--prefill", "none", "--decode", decode, "--json", json_path]
+            "--no-transformers", "--prefill", prefill, "--decode", decode, "--json", json_path]
 
 
 def check_command(check: str) -> list[str]:
@@ -85,8 +86,9 @@ def check_command(check: str) -> list[str]:
 
 
 def summary(results: dict[str, list[dict]]) -> str:
-    """One row per decode case: each arm's ms a step and expert TB/s, every round."""
-    cases: dict[tuple[int, int], dict[str, list[str]]] = {}
+    """One row per decode case: each arm's ms a step and expert TB/s, every round; then one per prefill
+    case: its tokens a second."""
+    cases: dict[tuple, dict[str, list[str]]] = {}
     for name, runs in results.items():
         for run in runs:
             for d in run.get("decode", []):
@@ -94,12 +96,16 @@ def summary(results: dict[str, list[dict]]) -> str:
                 rate = (d.get("routed_experts") or {}).get("bytes_per_s")
                 if rate:
                     cell += f" ({rate / 1e12:.3f})"
-                cases.setdefault((d["batch"], d["context"]), {}).setdefault(name, []).append(cell)
+                cases.setdefault((0, d["batch"], d["context"]), {}).setdefault(name, []).append(cell)
+            for p in run.get("prefill", []):
+                cell = f"{p['tokens_per_s'] / 1e3:.1f}k tok/s"
+                cases.setdefault((1, p["batch"], p["length"]), {}).setdefault(name, []).append(cell)
     names = list(results)
     lines = ["ms a step (expert kernels' TB/s), every round", "| case | " + " | ".join(names) + " |",
              "|---|" + "---|" * len(names)]
-    for (b, c), by_arm in sorted(cases.items()):
-        lines.append(f"| b={b} ctx={c} | " + " | ".join(" / ".join(by_arm.get(n, ["-"])) for n in names) + " |")
+    for (prefill, b, c), by_arm in sorted(cases.items()):
+        label = f"prefill {b}x{c}" if prefill else f"b={b} ctx={c}"
+        lines.append(f"| {label} | " + " | ".join(" / ".join(by_arm.get(n, ["-"])) for n in names) + " |")
     return "\n".join(lines)
 
 
@@ -107,6 +113,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arm", action="append", required=True, help="NAME or NAME:OPTIONS (repeat)")
     ap.add_argument("--decode", default="1x512,8x512,32x512,128x512,256x512", help="bench --decode")
+    ap.add_argument("--prefill", default="none", help="bench --prefill (none: decode cases only)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--check", default=None, help="run_isolated.py arguments (shell quoting), run once first")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/perf_ab"), help="the benches' JSON and logs")
@@ -128,7 +135,7 @@ def main(argv=None) -> int:
             js = os.path.join(out, f"{arm.name}_{r + 1}.json")
             log = os.path.join(out, f"{arm.name}_{r + 1}.log")
             with open(log, "w") as fh:
-                rc = subprocess.run(bench_command(arm, args.decode, js), cwd=REPO_ROOT, stdout=fh,
+                rc = subprocess.run(bench_command(arm, args.decode, js, args.prefill), cwd=REPO_ROOT, stdout=fh,
                                     stderr=subprocess.STDOUT).returncode
             if rc != 0:
                 print(f"perf_ab: arm {arm.name} round {r + 1} failed (rc {rc}), see {log}", flush=True)

@@ -197,7 +197,7 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
     from codegen import dispatch
     from codegen.kernel import KernelLaunch
     if op not in dispatch.TABLES:
-        return ""
+        return _norm_writes(running)
     wanted: dict = {}   # (table op, variant), in order
     for s in running:
         st = s.stage if isinstance(s, KernelLaunch) else "library"
@@ -236,14 +236,30 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
                     for r in case.rows if r.variant == variant and r.covers(T)), None)  # admits the known facts
         if row is not None:
             out.append(f"{variant} [{table.unit} {row.span}]: {row.reason}")
-    if any(isinstance(s, KernelLaunch) and _reads_norm_rows(s) for s in running):
+    read = {_norm_rows(s, "xq") for s in running if isinstance(s, KernelLaunch)}
+    if "int8" in read:
         out.append("here x's int8 rows and scales come from the RMSNorm that makes x (linear.norm_int8), "
+                   "not a quantiser launch")
+    if "fp8" in read:
+        out.append("here x's e4m3 rows and scales come from the RMSNorm that makes x (linear.norm_fp8), "
                    "not a quantiser launch")
     return "; ".join(out)
 
 
-def _reads_norm_rows(launch) -> bool:
-    """Whether the launch reads its quantised input rows from graph values (a norm's,
-    ir/passes/norm_rows.py) instead of its node's quantiser workspace."""
+def _norm_writes(running: list) -> str:
+    """A norm's why: the FP8 x FP8 readers' rows it writes at this size (the int8 ones it writes at every T)."""
+    from codegen.kernel import KernelLaunch
+    if any(isinstance(s, KernelLaunch) and _norm_rows(s, "hq") == "fp8" for s in running):
+        return ("here the RMSNorm also writes its output's e4m3 rows and scales (linear.norm_fp8): a reader "
+                "multiplies it FP8 x FP8 at this size")
+    return ""
+
+
+def _norm_rows(launch, arg: str) -> str | None:
+    """The format ("int8", "fp8") of the quantised rows argument `arg` binds where it binds a norm's rows
+    (graph values, ir/passes/norm_rows.py: a reader's xq, a norm's hq), else None (a quantiser workspace)."""
     from codegen.kernel import ValueRef
-    return any(a.name == "xq" and isinstance(a.ref, ValueRef) for a in launch.args)
+    for a in launch.args:
+        if a.name == arg and isinstance(a.ref, ValueRef):
+            return {".qi8": "int8", ".qf8": "fp8"}.get(a.ref.name[-4:])
+    return None

@@ -10,6 +10,9 @@ table, above decode's range, where _moe_wgmma serves 16-bit weights.  Two launch
                 FP8 weights by TMA ([64 rows x 128 bytes] boxes, 128B swizzle), e4m3 x e4m3 wgmma, fp32
                 promotion per 128-K block with the row's and the weight block's scales.
 
+With Tuning.linear.norm_fp8, where the RMSNorm that makes gate / up's x writes x's e4m3 rows and scales
+(ir/passes/fuse_norm_fp8_quant.py), gate / up's GEMM reads those and has no quantiser launch.
+
 With Tuning.moe.fp8_act_epilogue, where _moe_aq.py pairs gate_up_silu with its down: gate_up_silu's GEMM
 is the AQ_VARIANT (128-column items whose epilogue writes a as e4m3 rows and scales in a's storage) and
 down's is the AQ_VARIANT without a quantiser launch, reading them there.
@@ -24,7 +27,7 @@ from codegen.kernel import Arg, KernelLaunch, SizeRef, TensorMapRef, Workspace, 
 from codegen.render import kernel_name
 from ir.formats import FP8_BLOCK, cdiv
 
-from . import gemm_fp8
+from . import _norm_quant, gemm_fp8
 from ._moe import when
 from .mla_decode_attention import smem_limit
 
@@ -66,13 +69,22 @@ def cols(*, down: bool, aq: bool = False) -> int:
     return BN if down or aq else BN // 2
 
 
+def take_norm_rows(G, x: str, opts, p: dict) -> None:
+    """p["x_f8"]: the e4m3 rows of the experts' input x and their scales where the norm that makes x writes
+    them (_norm_quant.fp8_rows; FP8 weights only): gate / up's FP8 x FP8 GEMM reads them, no quantiser."""
+    rows = _norm_quant.fp8_rows(G, x, opts) if p.get("fp8") else None
+    if rows:
+        p["x_f8"] = rows
+
+
 def launches(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *, down: bool,
              run: str | None, aq: bool = False) -> list[KernelLaunch]:
     """The quantiser's launch over the node's input (args[0]: x or a), then the grouped FP8 GEMM over the
     rest of `args` (the FP8 weights' tensor maps re-boxed for 128-byte rows, their scales, order, offsets,
     the outputs); both grids multiplied by `run`, the row's token-range factor.  `aq` (_moe_aq.py):
     gate_up_silu's GEMM writes its output's storage as a's e4m3 rows and scales; down has no quantiser
-    and its GEMM reads them from args[0]'s storage."""
+    and its GEMM reads them from args[0]'s storage.  gate / up's GEMM alone where p["x_f8"] holds its
+    input's e4m3 rows (take_norm_rows)."""
     act, KD, KB = p["act"], p["KD"], cdiv(p["KD"], FP8_BLOCK)
     q_ws, s_ws = WORKSPACES[down]
     rows = "NP" if down else "T"
@@ -96,14 +108,15 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
     variant = AQ_VARIANT if aq else VARIANT
     params = {"act": act, "E": p["E"], "N": p["N"], "KD": KD, "K": p["K"], "variant": variant, "threads": THREADS,
               "stages": STAGES, "smem": smem(), "cols": c, "box_rows": BOX, "box_k": BK, "bm": BM}
+    normed = None if down else p.get("x_f8")
     if aq and down:      # x and its scales are a's storage: gate_up_silu's epilogue wrote them
         gemm_args, ws = (src, *rest, size("NP", "NP")), ()
     else:
-        gemm_args = (work("xq", "int", q_ws, writes=False), work("xs", "float", s_ws, writes=False), *rest,
-                     *((size("NP", "NP"),) if aq else ()))
+        gemm_args = (*_norm_quant.x_args(normed, q_ws, s_ws, "int"), *rest, *((size("NP", "NP"),) if aq else ()))
+        ws = () if normed else ws
     gemm = KernelLaunch(
         family=family, template=template, name=kernel_name(family, [f"{name_parts[0]}_{NAME}", *name_parts[1:],
                                                                    variant]),
         params=params, nodes=(nid,), grid=(when(f"min(SMS, {tiles})", run), 1, 1), block=(THREADS, 1, 1),
         args=gemm_args, smem=smem(), workspace=ws, stage=variant, requires=(FEATURE,))
-    return [gemm] if aq and down else [quant, gemm]
+    return [gemm] if (aq and down) or normed else [quant, gemm]

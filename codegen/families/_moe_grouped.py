@@ -85,6 +85,13 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
     return out
 
 
+def fp8x_from(opts, p: dict, within=None) -> int | None:
+    """The first token count at which gate / up's launches (params p, token ranges `within` as in
+    `launches`) run FP8 x FP8 (the table's wgmma_fp8 row), None: never (_norm_quant.fp8_from)."""
+    ranges = _clip(dispatch.row_range(table_rows(opts, p, down=False), _moe_gemm_fp8.VARIANT), within)
+    return min((lo for lo, _ in ranges), default=None)
+
+
 def _clip(ranges, within):
     """`ranges` intersected with `within` (both lists of (lo, hi), hi None: no end)."""
     if within is None:

@@ -7,6 +7,8 @@ library call over the same token range (`lower` gives them for one node at every
 
     quant_x      x [T, K] -> xq [T, K] e4m3, xs [T, ceil(K / 128)] fp32 (templates/include/quant_fp8.cuh):
                  per token per 128 columns, scale = amax / 448 (x ~= q * s); the node's workspaces.
+                 None where the RMSNorm that makes x writes those rows itself (Tuning.linear.norm_fp8,
+                 ir/passes/fuse_norm_fp8_quant.py): the GEMMs read the norm's values instead.
     fp8_wgmma    one launch per weight (a multi_linear's share the quantised x; gate_up_silu's gate and
                  up are one launch): y = sum over 128-K blocks of xs * sw * (xq . w), fp32 promotion per
                  block (templates/include/gemm_fp8.cuh), the weight by TMA (a tensor map of [64, 128]
@@ -29,6 +31,7 @@ from codegen.kernel import DTYPES, KernelLaunch, Workspace, inp, out, size, stri
 from codegen.render import kernel_name
 from ir.formats import FP8, FP8_BLOCK, cdiv, companion_names, weight_format
 
+from . import _norm_quant
 from ._dense_util import inner_dims, node_io
 from ._gemm_split import BK, BM, BN, PARTIAL_WORDS, TICKETS, grid, splits
 from ._gemm_split import partials as partials_workspace
@@ -96,10 +99,12 @@ def operands(G, nid: str) -> tuple:
 
 
 def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[str], rows: list[int], opts,
-             factor: str | None, lo: int) -> list[KernelLaunch]:
+             factor: str | None, lo: int, normed: tuple[str, str] | None = None) -> list[KernelLaunch]:
     """The quantiser's launch, then the GEMMs' (one per output), their grids multiplied by `factor`
     (the row's token range, codegen.sizes.token_range); `weights` the bound FP8 weight names in the
-    node's order (gate_up_silu: gate, up), `rows` the output widths, `lo` the row's first T."""
+    node's order (gate_up_silu: gate, up), `rows` the output widths, `lo` the row's first T.  `normed`:
+    the values holding x's e4m3 rows and scales, written by the norm that makes x (_norm_quant.fp8_rows):
+    the GEMMs read them and there is no quantiser launch."""
     if opts.dtype not in ("bf16", "fp16"):
         raise ValueError(f"gemm_fp8 needs 16-bit activations, got {opts.dtype}")
     act = DTYPES[opts.dtype]
@@ -108,6 +113,7 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
     silu = op == "gate_up_silu"
     groups = [(weights, outs[0], rows[0])] if silu else [([w], y, o) for w, y, o in zip(weights, outs, rows)]
     partials = partials_workspace(PARTIALS, "f32", K, [O for _, _, O in groups], silu)
+    x_args = _norm_quant.x_args(normed, XQ, XS, "int")
 
     def only(g: str) -> str:
         return g if factor is None else f"{g} * {factor}"
@@ -135,11 +141,11 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
                     "threads": THREADS, "cols": cols, "box_rows": BOX, "box_k": BK, "bm": BM, "lo": lo,
                     "tickets": TICKETS, "partial_words": PARTIAL_WORDS},
             nodes=(nid,), grid=(only(grid(O, K, silu)), 1, 1), block=(THREADS, 1, 1),
-            args=(work("xq", "int", XQ, writes=False), work("xs", "float", XS, writes=False), *w_args,
-                  out("y", act, y), work("partials", "float", PARTIALS), size("T", "T"),
+            args=(*x_args, *w_args, out("y", act, y), work("partials", "float", PARTIALS), size("T", "T"),
                   size("splits", splits(O, K, silu))),
-            smem=nbytes, workspace=(*ws, partials), stage="fp8_wgmma", requires=(FEATURE,)))
-    return [quant, *gemms]
+            smem=nbytes, workspace=(partials,) if normed else (*ws, partials), stage="fp8_wgmma",
+            requires=(FEATURE,)))
+    return gemms if normed else [quant, *gemms]
 
 
 def _scale(name: str) -> str:

@@ -19,8 +19,8 @@ Weights in FP8 (fp8_e4m3_block128, ir/formats.py; every weight of the node, bf16
 activations): the kernel reads the FP8 bytes and their block scales (the companion weights
 "<weight>_scale_inv") and widens them in registers (templates/include/fp8.cuh); its name carries
 "wfp8" and its load pipeline is Tuning.linear.fp8_*.  Above skinny_upto, on sm_90a, the FP8 x FP8
-GEMM (codegen/families/gemm_fp8.py: a quantiser launch, then wgmma) takes the place of the library
-call; elsewhere (no sm_90a, K % 16 != 0) the library call dequantises each weight to the activation
+GEMM (codegen/families/gemm_fp8.py: a quantiser launch, then wgmma; no quantiser where the RMSNorm that
+makes x writes x's e4m3 rows, Tuning.linear.norm_fp8) takes the place of the library call; elsewhere (no sm_90a, K % 16 != 0) the library call dequantises each weight to the activation
 dtype (torch) before the cuBLAS GEMM, every step -- correct, not fast.
 
 Weights in int8 (msModelSlim's int8_channel: W8A8_DYNAMIC, every weight of the node, bf16 or fp16
@@ -196,22 +196,41 @@ def lower(nid, G, opts, *, warps: int | None = None, row_tiles: int | None = Non
 def _fp8_gemms(nid, G, opts) -> tuple[list, bool]:
     """(gemm_fp8's launches over the linear table's "fp8_wgmma" row, whether no skinny row precedes
     it): none unless the node's weights are all FP8, its activations 16-bit and its x the step's T
-    tokens (the launches' grids read T)."""
+    tokens (the launches' grids read T).  Where the norm that makes x writes x's e4m3 rows
+    (Tuning.linear.norm_fp8) the GEMMs read those and there is no quantiser launch."""
+    row = _fp8_row(nid, G, opts)
+    if row is None:
+        return [], False
+    (lo, hi), alone = row
+    op, x, K, names, outs, rows = gemm_fp8.operands(G, nid)
+    return (gemm_fp8.launches(nid, op, x, K, names, outs, rows, opts, token_range(lo, hi), lo,
+                              _norm_quant.fp8_rows(G, x, opts)), alone)
+
+
+def fp8x_from(nid, G, opts) -> int | None:
+    """The first token count at which the node multiplies its x FP8 x FP8 (gemm_fp8's row), None: never
+    (_norm_quant.fp8_from: where the norm that makes x starts writing x's e4m3 rows)."""
+    row = _fp8_row(nid, G, opts)
+    return None if row is None else row[0][0]
+
+
+def _fp8_row(nid, G, opts) -> tuple[tuple[int, int | None], bool] | None:
+    """((lo, hi) of the linear table's "fp8_wgmma" row, whether no skinny row precedes it), or None where
+    gemm_fp8 does not serve the node (_fp8_gemms' conditions)."""
     data = G.nodes[nid]
     if (data["op"] == "linear" and data["attrs"]["precision"] == "fp32") or opts.dtype not in ("bf16", "fp16"):
-        return [], False
+        return None
     op, x, K, names, outs, rows = gemm_fp8.operands(G, nid)
     if G.graph["values"][x].shape[0] != "T" or not _fp8_weights(G, names, opts):
-        return [], False
+        return None
     facts = {"precision": "act", "weight_format": FP8.name, "sm_90a": has_feature(opts.arch, gemm_fp8.FEATURE),
              "fp8_rows": gemm_fp8.serves(K), "fp8_fits": gemm_fp8.fits(opts)}
     rows_ = dispatch.rows(op, facts, opts.tuning)
     wgmma = dispatch.row_range(rows_, "fp8_wgmma")
     if not wgmma:
-        return [], False
+        return None
     ((lo, hi),) = wgmma
-    return (gemm_fp8.launches(nid, op, x, K, names, outs, rows, opts, token_range(lo, hi), lo),
-            not dispatch.row_range(rows_, "skinny"))
+    return (lo, hi), not dispatch.row_range(rows_, "skinny")
 
 
 def _fp8_weights(G, names: list[str], opts) -> bool:

@@ -25,16 +25,18 @@ def lower(nid: str, G, opts) -> list[KernelLaunch]:
     dt, ct = _moe.act(nid, opts)
     p = {"act": ct, "D": D, "K": K, "S": _moe.combine_shared(attrs),
          "threads": block_threads_for_row(D, ELEM_BYTES[dt]), "eps": c_float(attrs["eps"])}
-    q_params, q_parts, q_args = _norm_quant.extras(G, nid, opts, D)
-    p.update(q_params)
     shared_arg = () if shared is None else (inp("shared", ct, shared),)
-    return [KernelLaunch(
-        family=FAMILY, template=TEMPLATE,
-        name=kernel_name(FAMILY, [opts.dtype, f"k{K}_d{D}", *_moe.shared_tag(p), *q_parts]),
-        params=p, nodes=(nid,), grid=("T", 1, 1), block=(p["threads"], 1, 1),
-        args=(inp("eo", ct, eo), inp("w", "float", w), *shared_arg, inp("residual", ct, residual),
-              weight("nw", ct, wts["weight"]), out("h", ct, h), out("s", ct, s), *q_args,
-              size("T", "T")))]
+
+    def make(q_params, q_parts, q_args, factor):
+        return KernelLaunch(
+            family=FAMILY, template=TEMPLATE,
+            name=kernel_name(FAMILY, [opts.dtype, f"k{K}_d{D}", *_moe.shared_tag(p), *q_parts]),
+            params={**p, **q_params}, nodes=(nid,), grid=(_norm_quant.grid(factor), 1, 1),
+            block=(p["threads"], 1, 1),
+            args=(inp("eo", ct, eo), inp("w", "float", w), *shared_arg, inp("residual", ct, residual),
+                  weight("nw", ct, wts["weight"]), out("h", ct, h), out("s", ct, s), *q_args,
+                  size("T", "T")))
+    return _norm_quant.launches(G, nid, opts, D, make)
 
 
 def tasks(launch, tiling):

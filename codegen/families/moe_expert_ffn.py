@@ -37,7 +37,8 @@ from codegen.kernel import KernelLaunch, Options, Workspace, inp, out, tensor_ma
 
 from ir.formats import FP8, UNSCALED
 
-from . import _moe, _moe_aq, _moe_fp8, _moe_grouped, _moe_int, _moe_wgmma_skinny as S, moe_down, moe_gate_up_silu
+from . import (_moe, _moe_aq, _moe_fp8, _moe_gemm_fp8, _moe_grouped, _moe_int, _moe_wgmma_skinny as S, moe_down,
+               moe_gate_up_silu)
 
 FAMILY = "moe_expert_ffn"
 TEMPLATE = "moe_expert_ffn.cu.j2"
@@ -84,8 +85,10 @@ def facts(opts, gu: dict, dn: dict) -> dict:
     return {"dtype": opts.dtype, "sm_90a": has_feature(opts.arch, S.FEATURE), "decode_wgmma": both}
 
 
-def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
-    attrs, (x, routing), (y,), bound = _moe.node_io(G, nid)
+def params(nid: str, G, opts: Options) -> tuple[dict, dict]:
+    """The gate / up and down halves' grouped params (their weights' format as p["fp8"] / p["int"], the
+    norm's quantised rows of x as gate / up's p["x_f8"] / p["x_rows"])."""
+    attrs, (x, routing), _, _ = _moe.node_io(G, nid)
     E, M, D = attrs["num_experts"], attrs["inner_dim"], attrs["out_dim"]
     if _moe.inner(G, nid, x) != D:
         raise LoweringError(f"moe_expert_ffn {nid}: x has width {_moe.inner(G, nid, x)}, its out_dim is {D}")
@@ -93,17 +96,33 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     _moe.require_dense(G, nid, x)
     gu = _moe.grouped_params(nid, opts, E=E, N=M, KD=D, K=K, rows_per_warp=moe_gate_up_silu.ROWS_PER_WARP)
     dn = _moe.grouped_params(nid, opts, E=E, N=D, KD=M, K=1, rows_per_warp=moe_down.ROWS_PER_WARP)
-    act = gu["act"]
-    ws = Workspace(WORKSPACE, ("NP", M), "act")
-    order, offsets = inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets")
-    fp8 = _moe_fp8.is_fp8(G, nid, ("gate", "up", "down"), opts)
-    if fp8:
+    if _moe_fp8.is_fp8(G, nid, ("gate", "up", "down"), opts):
         gu["fp8"] = dn["fp8"] = True
+        _moe_gemm_fp8.take_norm_rows(G, x, opts, gu)
     ifmt = _moe_int.int_format(G, nid, ("gate", "up", "down"), opts)
     if ifmt:
         gu["int"] = dn["int"] = ifmt
         _moe_int.take_norm_rows(G, x, opts, gu)
         dn["pairs"] = _moe_int.pairs(G, routing)
+    return gu, dn
+
+
+def fp8x_from(nid: str, G, opts: Options) -> int | None:
+    """The first token count at which gate / up's two-launch path multiplies x FP8 x FP8, None: never
+    (_norm_quant.fp8_from)."""
+    gu, dn = params(nid, G, opts)
+    two = dispatch.row_range(dispatch.rows(FAMILY, facts(opts, gu, dn), opts.tuning), "two_launch")
+    return _moe_grouped.fp8x_from(opts, gu, within=two)
+
+
+def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
+    attrs, (x, routing), (y,), bound = _moe.node_io(G, nid)
+    M = attrs["inner_dim"]
+    gu, dn = params(nid, G, opts)
+    act, fp8, ifmt = gu["act"], gu.get("fp8", False), gu.get("int")
+    ws = Workspace(WORKSPACE, ("NP", M), "act")
+    order, offsets = inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets")
+    if ifmt:
         gu_w = _moe_int.args({"w_gate": bound["gate"], "w_up": bound["up"]}, ifmt)
         dn_w = _moe_int.args({"w": bound["down"]}, ifmt)
     else:

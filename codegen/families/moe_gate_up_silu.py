@@ -10,7 +10,7 @@ from codegen.kernel import KernelLaunch, inp, out, Options
 
 from ir.formats import FP8, UNSCALED
 
-from . import _moe, _moe_aq, _moe_fp8, _moe_grouped, _moe_int
+from . import _moe, _moe_aq, _moe_fp8, _moe_gemm_fp8, _moe_grouped, _moe_int
 
 FAMILY = "moe_gate_up_silu"
 TEMPLATE = "moe_gate_up_silu.cu.j2"
@@ -30,11 +30,17 @@ def params(nid: str, G, opts: Options) -> dict:
     p = _moe.grouped_params(nid, opts, E=E, N=M, KD=D, K=K, rows_per_warp=ROWS_PER_WARP)
     if _moe_fp8.is_fp8(G, nid, ("gate", "up"), opts):
         p["fp8"] = True
+        _moe_gemm_fp8.take_norm_rows(G, x, opts, p)
     ifmt = _moe_int.int_format(G, nid, ("gate", "up"), opts)
     if ifmt:
         p["int"] = ifmt
         _moe_int.take_norm_rows(G, x, opts, p)
     return p
+
+
+def fp8x_from(nid: str, G, opts: Options) -> int | None:
+    """The first token count at which the node multiplies x FP8 x FP8, None: never (_norm_quant.fp8_from)."""
+    return _moe_grouped.fp8x_from(opts, params(nid, G, opts))
 
 
 def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:

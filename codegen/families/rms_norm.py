@@ -17,13 +17,17 @@ def lower(nid, G, opts):
     data, ins, outs, w = node_io(G, nid)
     (n,) = inner_dims(G, ins[0])
     threads = block_threads_for_row(n, ELEM_BYTES[opts.dtype])
-    q_params, q_parts, q_args = _norm_quant.extras(G, nid, opts, n)
-    params = {"act": act_ctype(opts), "N": n, "threads": threads, "eps": c_float(data["attrs"]["eps"]), **q_params}
-    return [KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"d{n}", *q_parts]),
-        params=params, nodes=(nid,), grid=("T", 1, 1), block=(threads, 1, 1),
-        args=(inp("x", params["act"], ins[0]), stride("x_stride", ins[0], 0),
-              weight("w", params["act"], w["weight"]), out("out", params["act"], outs[0]), *q_args, size("T", "T")))]
+    params = {"act": act_ctype(opts), "N": n, "threads": threads, "eps": c_float(data["attrs"]["eps"])}
+
+    def make(q_params, q_parts, q_args, factor):
+        return KernelLaunch(
+            family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [opts.dtype, f"d{n}", *q_parts]),
+            params={**params, **q_params}, nodes=(nid,), grid=(_norm_quant.grid(factor), 1, 1),
+            block=(threads, 1, 1),
+            args=(inp("x", params["act"], ins[0]), stride("x_stride", ins[0], 0),
+                  weight("w", params["act"], w["weight"]), out("out", params["act"], outs[0]), *q_args,
+                  size("T", "T")))
+    return _norm_quant.launches(G, nid, opts, n, make)
 
 
 def tasks(launch, tiling):
@@ -34,4 +38,6 @@ def tasks(launch, tiling):
 def segment_body(launch):
     """Its task body in a persistent segment (templates/include/task_bodies.cuh): one token row a task."""
     p = launch.params
+    if _norm_quant.writes_rows(launch):   # the task body writes the 16-bit row only
+        return None
     return {"kind": "rms_norm", "N": p["N"], "eps": p["eps"]}

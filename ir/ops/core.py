@@ -1,6 +1,7 @@
 """Dense building blocks: embedding, linear, norms, residual add, split, SwiGLU."""
 from __future__ import annotations
 
+from ..formats import FP8_BLOCK, cdiv
 from ..formats_int import IntMatrix, linear, qrow, quantized_rows
 from ..lazy import F, torch
 from .base import MULTI_LINEAR_MAX, Attr, Node, OpDef, TType, expect, is_float, register, same_rows
@@ -14,9 +15,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 # The quantised rows a norm may also write for readers that would quantise its output themselves
-# (attrs["quant"], set by ir/passes/fuse_norm_int8_quant.py; never by a spec): "int8" adds q int32
-# [T, qrow(n) / 4] (the int8 rows, four bytes a word) and s float32 [T] (ir/formats_int.py quantized_rows).
-NORM_QUANT = ("int8",)
+# (attrs["quant"], set by ir/passes/fuse_norm_int8_quant.py / fuse_norm_fp8_quant.py; never by a spec):
+# "int8" adds q int32 [T, qrow(n) / 4] (the int8 rows, four bytes a word) and s float32 [T]
+# (ir/formats_int.py quantized_rows); "fp8" adds q int32 [T, n / 4] (e4m3 bytes, four a word) and s float32
+# [T, ceil(n / 128)] (ir/act_quant.py quantize_act_fp8: per token per 128 columns).
+NORM_QUANT = ("int8", "fp8")
 
 
 def norm_quant_types(node, h: TType) -> list[TType]:
@@ -26,12 +29,20 @@ def norm_quant_types(node, h: TType) -> list[TType]:
         return []
     expect(quant in NORM_QUANT, f"a norm's quantised rows are one of {', '.join(NORM_QUANT)}, got {quant!r}")
     rows, n = h.shape
+    if quant == "fp8":
+        expect(n % 16 == 0, f"a norm's FP8 rows are whole 16-byte chunks: width {n} is not a multiple of 16")
+        return [TType((rows, n // 4), "i32"), TType((rows, cdiv(n, FP8_BLOCK)), "f32")]
     return [TType((rows, qrow(n) // 4), "i32"), TType((rows,), "f32")]
 
 
 def norm_quant_ref(node, h: torch.Tensor) -> list:
     """The quantised rows of the normed output h (norm_quant_types), computed from h as its readers would."""
-    return list(quantized_rows(h)) if node.attrs.get("quant") is not None else []
+    quant = node.attrs.get("quant")
+    if quant == "fp8":
+        from ..act_quant import quantize_act_fp8   # imports torch: only where a graph runs
+        q, s = quantize_act_fp8(h)
+        return [q.view(torch.uint8).view(torch.int32), s]
+    return list(quantized_rows(h)) if quant is not None else []
 
 
 @register

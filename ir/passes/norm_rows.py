@@ -1,4 +1,5 @@
-"""What the passes that let an RMSNorm write its readers' quantised rows share (fuse_norm_int8_quant):
+"""What the passes that let an RMSNorm write its readers' quantised rows share (fuse_norm_int8_quant,
+fuse_norm_fp8_quant):
 which ops are norms, which readers multiply a norm's output by weights that quantise it, the names of the
 rows, and the rewrite that adds them to the norm.
 
@@ -7,7 +8,7 @@ launch of their own (one reduction over the row, then the quotients) costs it on
 readers then read the norm's rows.  The norm keeps writing its 16-bit output: the residual stream, the
 readers without quantised weights, and the readers' own fallbacks read it.
 
-Not a pass (no pass function here): ir/passes/fuse_norm_int8_quant.py is one.
+Not a pass (no pass function here): ir/passes/fuse_norm_int8_quant.py and fuse_norm_fp8_quant.py are.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ X_ROLES = {"linear": ("weight",), "multi_linear": None, "gate_up_silu": ("gate",
 
 def row_names(h: str, quant: str) -> tuple[str, str]:
     """The values holding the quantised rows of norm output `h` and their scales."""
-    tag = {"int8": "i8"}[quant]
+    tag = {"int8": "i8", "fp8": "f8"}[quant]
     return f"{h}.q{tag}", f"{h}.s{tag}"
 
 
@@ -52,9 +53,11 @@ def x_formats(G: nx.DiGraph, nid: str, value: str) -> list[WeightFormat]:
     return [weight_format(G, n) for n in names]
 
 
-def add_quant_rows(G: nx.DiGraph, quant: str, wants: Callable[[list[WeightFormat]], bool]) -> nx.DiGraph:
+def add_quant_rows(G: nx.DiGraph, quant: str, wants: Callable[[list[WeightFormat]], bool],
+                   width_problem: Callable[[int], str | None] = lambda n: None) -> nx.DiGraph:
     """A copy of G in which every norm with a reader whose weight formats `wants` also writes its output's
-    quantised rows in format `quant` (attrs["quant"], two more outputs: row_names)."""
+    quantised rows in format `quant` (attrs["quant"], two more outputs: row_names); refused (logged) where
+    `width_problem` of the row width says why the readers cannot take the rows."""
     G = copy_graph(G)
     for norm in [n for op in NORMS for n in nodes_of(G, op)]:
         data = G.nodes[norm]
@@ -64,6 +67,10 @@ def add_quant_rows(G: nx.DiGraph, quant: str, wants: Callable[[list[WeightFormat
             continue
         if G.graph["values"][h].shape[0] != "T":
             refuse(G, norm, takers[0], f"the norm's rows are {G.graph['values'][h].shape[0]}, not the step's tokens")
+            continue
+        problem = width_problem(G.graph["values"][h].shape[1])
+        if problem:
+            refuse(G, norm, takers[0], problem)
             continue
         try:
             give_rows(G, norm, quant)

@@ -75,3 +75,15 @@ def test_the_table_puts_every_round_of_every_arm_side_by_side():
     table = perf_ab.summary({"base": [run(11.1, 3.92e12), run(11.2, 3.91e12)], "al": [run(11.0, 4.01e12)]})
     assert "| case | base | al |" in table
     assert "| b=256 ctx=512 | 11.10 (3.920) / 11.20 (3.910) | 11.00 (4.010) |" in table
+
+
+def test_prefill_cases_are_passed_and_tabled():
+    (arm,) = perf_ab.parse_arms(["nf:--weights=fp8 --tune linear.norm_fp8=true"])   # a bench option's value: =
+    cmd = perf_ab.bench_command(arm, "32x512", "nf_1.json", "32x512")
+    assert cmd[cmd.index("--prefill") + 1] == "32x512"
+    assert cmd[4:7] == ["--weights=fp8", "--tune", "linear.norm_fp8=true"]
+    run = lambda tps: {"decode": [{"batch": 32, "context": 512, "ms": 8.1}],  # noqa: E731
+                       "prefill": [{"batch": 32, "length": 512, "ms": 142.0, "tokens_per_s": tps}]}
+    table = perf_ab.summary({"base": [run(115300.0)], "nf": [run(116400.0)]})
+    assert table.index("| b=32 ctx=512 | 8.10 | 8.10 |") < \
+        table.index("| prefill 32x512 | 115.3k tok/s | 116.4k tok/s |")

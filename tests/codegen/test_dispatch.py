@@ -128,10 +128,11 @@ def test_the_lowering_emits_the_rows_of_the_case_that_holds():
     assert dataclasses.is_dataclass(dispatch.Row)
 
 
-def test_the_norms_int8_rows_move_no_row():
-    """linear.norm_int8 changes who quantises a norm's output (ir/passes/fuse_norm_int8_quant.py), not which
-    kernel serves a size: every table gives the same cases with it on (tests/codegen/test_norm_int8.py has
-    the launches that run at each T, with it on and off)."""
-    on = tuned(linear__norm_int8=True)
+@pytest.mark.parametrize("knob", ["linear__norm_int8", "linear__norm_fp8"])
+def test_the_norms_quantised_rows_move_no_row(knob):
+    """linear.norm_int8 / linear.norm_fp8 change who quantises a norm's output (ir/passes/fuse_norm_int8_quant.py,
+    fuse_norm_fp8_quant.py), not which kernel serves a size: every table gives the same cases with it on
+    (tests/codegen/test_norm_int8.py and test_norm_fp8.py have the launches that run at each T, on and off)."""
+    on = tuned(**{knob: True})
     for op in sorted(dispatch.TABLES):
         assert dispatch.table(op, on) == dispatch.table(op, Tuning()), op

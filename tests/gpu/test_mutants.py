@@ -32,6 +32,7 @@ import test_kernels_moe_gemm_fp8 as moe_gemm_fp8
 import test_kernels_moe_int as moe_int
 import test_kernels_moe_wgmma as moe_wgmma
 import test_kernels_moe_wgmma_skinny as moe_wgmma_skinny
+import test_kernels_norm_fp8 as norm_fp8
 import test_kernels_norm_int8 as norm_int8
 import test_kernels_persistent as persistent
 from harness import GPU_MARKS
@@ -543,6 +544,21 @@ MUTANTS = [
            "i += Layout::NTHREADS) q[i] = 0;", "i += Layout::NTHREADS) q[i] = 1;",
            norm_int8.test_norm_int8_rows_equal_the_quantisers,
            dict(op="rms_norm", dtype="fp16", T=3, n=1001, extra=1, offset=1, wscale=1.0, zeros=False, seed=49)),
+    Mutant("norm's FP8 rows: the scale x1.01", "include/norm_quant.cuh",
+           "const float sc = amax / fp8q::E4M3_MAX;", "const float sc = amax / fp8q::E4M3_MAX * 1.01f;",
+           norm_fp8.test_norm_fp8_rows_equal_the_quantisers,
+           dict(op="fused_add_rms_norm", dtype="bf16", T=17, n=2048, extra=0, offset=0, wscale=1.0, zeros=False,
+                seed=50)),
+    Mutant("norm's FP8 rows: the max over values up to half a bf16 ulp larger (as over the unrounded row)",
+           "include/norm_quant.cuh", "for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(c[e]));",
+           "for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(c[e]) * (1.f + 0x1p-10f));",
+           norm_fp8.test_norm_fp8_rows_equal_the_quantisers,
+           dict(op="rms_norm", dtype="bf16", T=32, n=2048, extra=0, offset=0, wscale=1.0, zeros=False, seed=51)),
+    Mutant("norm's FP8 rows: a group's max shared with its neighbour (the shuffle over the whole warp)",
+           "include/norm_quant.cuh", "for (int m = LANES / 2; m > 0; m >>= 1)", "for (int m = LANES; m > 0; m >>= 1)",
+           norm_fp8.test_norm_fp8_rows_equal_the_quantisers,
+           dict(op="moe_combine_residual_rms_norm", dtype="bf16", T=5, n=2048, extra=0, offset=0, wscale=1.0,
+                zeros=False, seed=52)),
 ]
 
 

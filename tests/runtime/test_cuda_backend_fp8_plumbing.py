@@ -113,3 +113,43 @@ def test_chunked_prefill_decompresses_the_context_with_the_fp8_kv_b(fp8_model, m
         assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
     assert kv_b_rows, "prefill's kv_b library call did not run"
     assert any(prefixed), "no chunk attended to a cached prefix"
+
+
+@pytest.mark.slow
+def test_the_backend_binds_the_norms_fp8_rows(tmp_path, monkeypatch):
+    """Tuning.linear.norm_fp8: the bundle's norms (the input norm, q_a_layernorm, the MoE / MLP input norm)
+    run their qf8 launches beside the plain ones and the FP8 GEMMs bind their rows; the backend gives the rows
+    buffers of their own, which the stub fills with each norm's reference outputs (rows included); the logits
+    are the reference backend's exactly, prefill (a 26-token step: the FP8 GEMMs above 16 tokens) and decode.
+    NVRTC is stubbed: the stub kernels run no machine code."""
+    import hashlib
+
+    import codegen.nvrtc as nvrtc
+    from codegen.kernel import ValueRef
+    from codegen.tuning import LinearTuning, Tuning
+    from ir import PHASES, build_graph
+    from ir.passes import run_pipeline
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda source, name, **kw: nvrtc.CompileResult(
+        cubin=b"CUBIN:" + hashlib.sha256(source.encode()).digest(), log=""))
+    spec = load_spec(spec_from_config(CONFIG, name="tiny_fp8"), file="tiny_fp8.yaml")
+    graphs = {ph: run_pipeline(build_graph(spec, ph), knobs=frozenset({"linear.norm_fp8"})) for ph in PHASES}
+    plain = compile_graphs(spec).graphs
+    weights = random_weights(weight_specs(plain), dtype=torch.bfloat16, device="cpu", seed=7, std=0.3)
+    path = compile_bundle(spec, tmp_path / "bundle", dtype="bf16", block_size=4, cache_dir=tmp_path / "cache",
+                          tuning=Tuning(linear=LinearTuning(norm_fp8=True))).path
+    loaded = load_bundle(path, arch="sm_90", nvrtc_version=nvrtc_version(), dtype="bf16", block_size=4)
+    for phase in PHASES:
+        steps = [s for s in loaded.plans[phase].steps if hasattr(s, "args")]
+        written = {a.ref.name for s in steps if s.name.endswith("__qf8") for a in s.args if a.name == "hq"}
+        read = {a.ref.name for s in steps for a in s.args if a.name == "xq" and isinstance(a.ref, ValueRef)}
+        assert len(written) == 3 * CONFIG["num_hidden_layers"] and read and read <= written, (phase, written, read)
+    backend = SteppedCuda.from_bundle(loaded, weights, dtype=torch.bfloat16, top_k=spec.dims["top_k"])
+    stub = backend.runner = DequantisingKernels(graphs)
+    kw = dict(device="cpu", dtype=torch.bfloat16, block_size=4)
+    ours = Engine(spec, graphs, weights, backend_impl=backend, **kw)
+    ref = Engine(spec, plain, weights, backend="reference", **kw)
+    ps = prompts([1, 5, 20], seed=3)
+    for decode_after in (None, 2):
+        for a, b in zip(ours.logits(ps, decode_after=decode_after), ref.logits(ps, decode_after=decode_after)):
+            assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
+    assert stub.calls > 0
