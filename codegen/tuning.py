@@ -145,7 +145,7 @@ class LinearTuning(_Section):
     norm_int8: bool = _knob(True, doc="int8 weights (int8_channel) reading an RMSNorm's output: the norm also "
                                        "writes the int8 rows and per-token scales (ir/passes/fuse_norm_int8_quant"
                                        ".py) and its int8 readers skip their quantiser launch")
-    norm_fp8: bool = _knob(False, doc="FP8 weights reading an RMSNorm's output: where its readers run FP8 x FP8 "
+    norm_fp8: bool = _knob(True, doc="FP8 weights reading an RMSNorm's output: where its readers run FP8 x FP8 "
                                       "(gemm_fp8 above skinny_upto, the experts' gate_up above decode), the norm "
                                       "also writes the e4m3 rows and scales per 128 columns (ir/passes/"
                                       "fuse_norm_fp8_quant.py) and those readers skip their quantiser launch")

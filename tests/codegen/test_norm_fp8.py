@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 from harness import single_op_graph  # noqa: E402
 
 ON = Tuning(linear=LinearTuning(norm_fp8=True))
+OFF = Tuning(linear=LinearTuning(norm_fp8=False))
 FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 TINY = {  # V2-style, no q_lora: the input norm feeds q + kv_a; D = 144 (a partial 128-group), widths % 16 == 0
     "model_type": "deepseek_v2", "hidden_size": 144, "num_attention_heads": 2, "q_lora_rank": None,
@@ -52,7 +53,7 @@ def _spec():
 
 
 @lru_cache(maxsize=None)
-def _plan(phase: str, tuning: Tuning = Tuning(), arch: str = "sm_90a", dtype: str = "bf16"):
+def _plan(phase: str, tuning: Tuning = OFF, arch: str = "sm_90a", dtype: str = "bf16"):
     opts = Options(arch=arch, dtype=dtype, tuning=tuning)
     G = run_pipeline(ir.build_graph(_spec(), phase), knobs=pipeline_knobs(opts))
     return G, lower_graph(G, opts)
@@ -78,12 +79,14 @@ def _bound(s, name: str):
     return next((a.ref for a in s.args if a.name == name), None)
 
 
-def test_the_knob_is_off_by_default_and_switches_the_pass_on():
-    assert not Tuning().linear.norm_fp8
-    assert "linear.norm_fp8" not in pipeline_knobs(Options())
-    assert "linear.norm_fp8" in pipeline_knobs(Options(tuning=ON))
-    assert ON.flags() == ["--tune linear.norm_fp8=true"]
-    assert Tuning().to_json()["linear"]["norm_fp8"] is False
+def test_the_knob_is_on_by_default_and_switches_the_pass():
+    """On by default: FP8 b=32 8.12 -> 8.07 ms, b=128 9.26 -> 9.24, prefill 32x512 115.2k -> 116.5k tok/s, the
+    logits bit-equal (H100, PERF_NOTES v43)."""
+    assert Tuning().linear.norm_fp8
+    assert "linear.norm_fp8" in pipeline_knobs(Options())
+    assert "linear.norm_fp8" not in pipeline_knobs(Options(tuning=OFF))
+    assert OFF.flags() == ["--tune linear.norm_fp8=false"]
+    assert Tuning().to_json()["linear"]["norm_fp8"] is True
 
 
 @pytest.mark.parametrize("phase", ir.PHASES)
@@ -187,7 +190,7 @@ def test_the_norm_fed_quantisers_counted():
 def test_without_fp8_activations_nothing_changes():
     """linear.fp8_activations and moe.fp8_activations off (the FP8 weights dequantised or widened, x kept
     16-bit): no reader multiplies FP8 x FP8, so the norms keep their plain launches at every T."""
-    no_x = dict(linear=LinearTuning(fp8_activations=False), moe=MoeTuning(fp8_activations=False))
+    no_x = dict(linear=LinearTuning(fp8_activations=False, norm_fp8=False), moe=MoeTuning(fp8_activations=False))
     both = dict(linear=LinearTuning(fp8_activations=False, norm_fp8=True), moe=MoeTuning(fp8_activations=False))
     for phase in ir.PHASES:
         G, on = _plan(phase, Tuning(**both))
@@ -307,7 +310,7 @@ def test_v2_lite_decode_runs_half_the_quantisers_at_b32_and_b128():
     from runtime.bench import bench_spec
     spec = bench_spec(str(ROOT / "model_specs" / "deepseek_v2_lite.yaml"), "fp8")
     counts = {}
-    for tuning in (Tuning(), ON):
+    for tuning in (OFF, ON):
         opts = Options(arch="sm_90a", tuning=tuning)
         plan = lower_graph(run_pipeline(ir.build_graph(spec, "decode"), knobs=pipeline_knobs(opts)), opts)
         for T in (1, 32, 128):

@@ -3,7 +3,7 @@
 // kernel:   rms_norm__bf16__d1536__qi8
 // role:     rms_norm
 // params:   {"N":1536,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","quant_i8":{"qrow":1536},"threads":192}
-// includes: common.cuh, norm.cuh, norm_quant.cuh, pdl.cuh, phases.cuh, quant_int8.cuh, vec.cuh
+// includes: common.cuh, norm.cuh, norm_quant.cuh, pdl.cuh, phases.cuh, quant_fp8.cuh, quant_int8.cuh, vec.cuh
 // nodes:    L0-3.mla.q_a_n
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3_1_w4a8_seed.yaml:73 blocks.mla.ops[1] rms_norm, layers 0-3 (fuse_norm_int8_quant)

@@ -3,7 +3,7 @@
 // kernel:   rms_norm__bf16__d7168__qi8
 // role:     rms_norm
 // params:   {"N":7168,"act":"__nv_bfloat16","eps":"9.999999974752427e-07f","quant_i8":{"qrow":7168},"threads":896}
-// includes: common.cuh, norm.cuh, norm_quant.cuh, pdl.cuh, phases.cuh, quant_int8.cuh, vec.cuh
+// includes: common.cuh, norm.cuh, norm_quant.cuh, pdl.cuh, phases.cuh, quant_fp8.cuh, quant_int8.cuh, vec.cuh
 // nodes:    L0.h_attn
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3_1_w4a8_seed.yaml:61 blocks.decoder_layer.ops[0] rms_norm, layer 0 (fuse_norm_int8_quant)
