@@ -42,11 +42,10 @@ def table_rows(opts, p: dict, *, down: bool) -> tuple:
 
 
 def launches(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, opts, *,
-             down: bool, shared: int = 0, within=None, aq: bool = False) -> list[KernelLaunch]:
+             down: bool, shared: int = 0, within=None) -> list[KernelLaunch]:
     """One launch per variant of the table's rows; `shared`: the routing's shared experts (decode's
     gate / up runs their first tile before its wait); `within`: token ranges the node's launches are
-    limited to (moe_expert_ffn's outside its fused window), None: every T; `aq`: the FP8 x FP8 rows
-    pass a as e4m3 from gate_up_silu's epilogue to down (_moe_aq.py)."""
+    limited to (moe_expert_ffn's outside its fused window), None: every T."""
     rows = table_rows(opts, p, down=down)
     if any(r.variant == dispatch.NONE for r in rows):
         (_moe_int.check if p.get("int") else _moe_fp8.check)(nid, opts, p)
@@ -69,7 +68,7 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
             out.append(_moe_fp8.launch(family, template, name_parts, p, nid, args, opts, down=down, run=run,
                                        one_token=variant == _moe_fp8.ONE_TOKEN_VARIANT, shared=shared))
         elif variant == _moe_gemm_fp8.VARIANT:
-            out += _moe_gemm_fp8.launches(family, template, name_parts, p, nid, args, down=down, run=run, aq=aq)
+            out += _moe_gemm_fp8.launches(family, template, name_parts, p, nid, args, down=down, run=run)
         elif variant == "wgmma":
             out.append(_moe_wgmma.launch(family, template, name_parts, p, nid, args, down=down, run=run))
         else:

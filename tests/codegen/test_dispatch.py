@@ -40,7 +40,7 @@ TUNINGS = [Tuning(), tuned(moe__decode_wgmma=False), tuned(moe__decode_wgmma_fro
            tuned(moe__fp8_activations=False), tuned(linear__i8_prologue_upto=4),
            tuned(linear__i8_prologue_upto=16), tuned(linear__i8_prologue_upto=16, linear__skinny_upto=8),
            tuned(moe__int_down_prologue_upto=4), tuned(moe__int_down_prologue_upto=16),
-           tuned(moe__fp8_act_epilogue=True), tuned(persistent__segments=True),
+           tuned(persistent__segments=True),
            tuned(moe__fp8_one_token_down=True), tuned(moe__fp8_one_token_down=True, moe__fp8_activations=False)]
 
 
