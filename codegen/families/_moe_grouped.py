@@ -21,8 +21,8 @@ from . import _moe, _moe_fp8, _moe_gemm_fp8, _moe_int, _moe_wgmma, _moe_wgmma_sk
 
 
 # the launches' order in a node's plan (one of them has work at a given T)
-ORDER = ("gemv", "wgmma_skinny", S.ONE_TOKEN_STAGE, _moe_fp8.VARIANT, _moe_fp8.ONE_TOKEN_VARIANT, _moe_int.XQ_VARIANT,
-         _moe_int.VARIANT, "mma", "wgmma", _moe_gemm_fp8.VARIANT)
+ORDER = ("gemv", "wgmma_skinny", S.ONE_TOKEN_STAGE, _moe_fp8.VARIANT, _moe_fp8.ONE_TOKEN_VARIANT, _moe_int.VARIANT,
+         "mma", "wgmma", _moe_gemm_fp8.VARIANT)
 
 
 def facts(opts, p: dict, *, down: bool) -> dict:
@@ -33,8 +33,7 @@ def facts(opts, p: dict, *, down: bool) -> dict:
             "sm_90a": has_feature(opts.arch, _moe_wgmma.FEATURE),
             "tma_rows": p["KD"] % 8 == 0, "decode_wgmma_fits": S.fits(p["E"]),
             "prefill_wgmma_fits": _moe_wgmma.fits(opts, p["E"]),
-            "one_token": down and S.fits(p["E"], opts.tuning.moe.one_token_down_stages, ctas=1),
-            "int_xq_fits": down and _moe_int.xq_fits(opts, p)}
+            "one_token": down and S.fits(p["E"], opts.tuning.moe.one_token_down_stages, ctas=1)}
 
 
 def table_rows(opts, p: dict, *, down: bool) -> tuple:
@@ -60,8 +59,6 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
         elif variant == "mma":
             out.append(_moe.mma_launch(family, template, kernel_name(family, [*name_parts, "mma"]), p, nid, args,
                                        run, opts, down=down))
-        elif variant == _moe_int.XQ_VARIANT:
-            out.append(_moe_int.xq_launch(family, name_parts, p, nid, args, opts, run=run))
         elif variant == _moe_int.VARIANT:
             out.extend(_moe_int.launches(family, name_parts, p, nid, args, down=down, run=run))
         elif variant in (_moe_fp8.VARIANT, _moe_fp8.ONE_TOKEN_VARIANT):

@@ -19,7 +19,7 @@ ROWS_PER_WARP = 4
 
 def params(nid: str, G, opts: Options) -> dict:
     """The node's grouped params (_moe.grouped_params; its weight's format as p["fp8"] / p["int"])."""
-    attrs, (a, routing), _, _ = _moe.node_io(G, nid)
+    attrs, (a, _), _, _ = _moe.node_io(G, nid)
     E, D, M = attrs["num_experts"], attrs["out_dim"], _moe.inner(G, nid, a)
     _moe.require_dense(G, nid, a)
     # Rows are per pair here, so the kernel never needs K.
@@ -28,7 +28,7 @@ def params(nid: str, G, opts: Options) -> dict:
         p["fp8"] = True
     ifmt = _moe_int.int_format(G, nid, ("weight",), opts)
     if ifmt:
-        p["int"], p["pairs"] = ifmt, _moe_int.pairs(G, routing)
+        p["int"] = ifmt
     return p
 
 

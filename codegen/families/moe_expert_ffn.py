@@ -103,7 +103,6 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     if ifmt:
         gu["int"] = dn["int"] = ifmt
         _moe_int.take_norm_rows(G, x, opts, gu)
-        dn["pairs"] = _moe_int.pairs(G, routing)
         gu_w = _moe_int.args({"w_gate": bound["gate"], "w_up": bound["up"]}, ifmt)
         dn_w = _moe_int.args({"w": bound["down"]}, ifmt)
     else:
