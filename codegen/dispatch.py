@@ -99,8 +99,7 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
     its tables smaller: _moe_fp8.one_token_stages); fp8_rows (KD % 16 == 0:
     16-byte FP8 rows), fp8_fits (the FP8 decode kernel's shared memory for E experts) and fp8x_fits (the
     FP8 x FP8 prefill kernel's, read where Tuning.moe.fp8_activations is on); int_rows (N even: packed
-    int4's two channels a byte; per group, whole groups of KD); int_xq_fits (down's pair rows at
-    Tuning.moe.int_down_prologue_upto tokens fit its shared memory; read only where that knob is on)."""
+    int4's two channels a byte; per group, whole groups of KD)."""
     m = t.moe
     thr = None if m.prefill_wgmma_above is None else max(m.prefill_wgmma_above, m.gemv_upto)
     # decode's wgmma runs up to the prefill wgmma's threshold (256 where that is off)
@@ -120,13 +119,7 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
             "to replace it)")
     dynamic = tuple(f for f in INT_FORMATS if FORMATS[f].activation == "token")
     int_when = {"weight_format": dynamic, "dtype": sixteen, "int_rows": True}
-    xq = m.int_down_prologue_upto if down else 0
-    cases = [*((Case({**int_when, "int_xq_fits": True},
-                     _rows(("mma_int_xq", 1, xq, "integer weights x int8 activations: each CTA quantises its expert's "
-                                                 "pair rows in its prologue (the quantiser's arithmetic, no launch of "
-                                                 "its own), then mma_int's product"), ("mma_int", xq + 1, INF, wint)),
-                     "integer weights, 16-bit, pair rows quantised in the prologue"),) if xq else ()),
-             Case(int_when, _rows(("mma_int", 1, INF, wint)), "integer weights, 16-bit"),
+    cases = [Case(int_when, _rows(("mma_int", 1, INF, wint)), "integer weights, 16-bit"),
              Case({"weight_format": INT_FORMATS},
                   _rows((NONE, 1, INF, "integer expert weights: per-token activations (not int8_static), bf16 or "
                                        "fp16, packed int4 with an even width, per group whole 256-groups")),
@@ -181,7 +174,7 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
                       "16-bit without sm_90a or 16-byte rows"))
     return Table("moe_down" if down else "moe_gate_up_silu", "tokens", tuple(cases),
                  ("dtype", "weight_format", "sm_90a", "tma_rows", "decode_wgmma_fits", "prefill_wgmma_fits",
-                  "one_token", "fp8_rows", "fp8_fits", "fp8x_fits", "int_rows", *(("int_xq_fits",) if xq else ())))
+                  "one_token", "fp8_rows", "fp8_fits", "fp8x_fits", "int_rows"))
 
 
 def expert_ffn(t: Tuning = DEFAULT_TUNING) -> Table:

@@ -72,12 +72,6 @@ class MoeTuning(_Section):
                                             "expert inputs quantised to e4m3 per row per 128 columns for the FP8 x "
                                             "FP8 grouped GEMM (DeepSeek-V3's dynamic activation scheme); false: "
                                             "decode's weight-only FP8 kernel at every T, activations kept 16-bit")
-    int_down_prologue_upto: int = _knob(0, 0, 16, doc="integer expert weights: down quantises its pair rows in each "
-                                                      "CTA's prologue up to this many tokens (no quantiser launch; "
-                                                      "0: never)")
-    fp8_act_epilogue: bool = _knob(False, doc="with fp8_activations: gate_up_silu's FP8 x FP8 epilogue writes a "
-                                              "as e4m3 rows and per-128-column scales (bit-equal to down's "
-                                              "quantiser) in a's place, and down runs without its quantiser launch")
     fp8_one_token_down: bool = _knob(True, doc="FP8 expert weights: down at T = 1 as its own launch, one CTA an SM, "
                                                 "its ring as deep in weight bytes as one_token_down_stages' bf16 ring "
                                                 "(twice the FP8 stages; off while that is <= 4)")

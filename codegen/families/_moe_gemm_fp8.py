@@ -13,10 +13,6 @@ table, above decode's range, where _moe_wgmma serves 16-bit weights.  Two launch
 With Tuning.linear.norm_fp8, where the RMSNorm that makes gate / up's x writes x's e4m3 rows and scales
 (ir/passes/fuse_norm_fp8_quant.py), gate / up's GEMM reads those and has no quantiser launch.
 
-With Tuning.moe.fp8_act_epilogue, where _moe_aq.py pairs gate_up_silu with its down: gate_up_silu's GEMM
-is the AQ_VARIANT (128-column items whose epilogue writes a as e4m3 rows and scales in a's storage) and
-down's is the AQ_VARIANT without a quantiser launch, reading them there.
-
 Not a family (the leading underscore): a launch builder for _moe_grouped.py.  It serves where the
 target offers sm_90a, the activations are 16-bit, KD % 16 == 0 and Tuning.moe.fp8_activations is on
 (the e4m3 activations are a numerics choice: off, the weight-only FP8 kernel serves every T).
@@ -32,7 +28,6 @@ from ._moe import when
 from .mla_decode_attention import smem_limit
 
 VARIANT = "wgmma_fp8"          # the GEMM launch's stage and kernel-name part
-AQ_VARIANT = "wgmma_fp8_aq"    # ... where gate_up_silu hands down a in e4m3 (moe_gemm_fp8.cuh AQ)
 NAME = "wfp8_afp8"             # the kernel-name part of FP8 weights x FP8 activations
 QUANT_STAGE = "quant_x"        # the quantiser launch's stage (gemm_fp8's)
 FEATURE = gemm_fp8.FEATURE
@@ -64,9 +59,9 @@ def facts(opts, p: dict) -> dict:
     return {"fp8_activations": opts.tuning.moe.fp8_activations, "fp8x_fits": fits(opts, p["E"])}
 
 
-def cols(*, down: bool, aq: bool = False) -> int:
-    """Output columns a walk item (moe_gemm_fp8.cuh fp8x_item_cols): a tile, or AQ's scale group."""
-    return BN if down or aq else BN // 2
+def cols(*, down: bool) -> int:
+    """Output columns a tile (moe_gemm_fp8.cuh fp8x_tile_cols)."""
+    return BN if down else BN // 2
 
 
 def take_norm_rows(G, x: str, opts, p: dict) -> None:
@@ -78,13 +73,11 @@ def take_norm_rows(G, x: str, opts, p: dict) -> None:
 
 
 def launches(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *, down: bool,
-             run: str | None, aq: bool = False) -> list[KernelLaunch]:
+             run: str | None) -> list[KernelLaunch]:
     """The quantiser's launch over the node's input (args[0]: x or a), then the grouped FP8 GEMM over the
     rest of `args` (the FP8 weights' tensor maps re-boxed for 128-byte rows, their scales, order, offsets,
-    the outputs); both grids multiplied by `run`, the row's token-range factor.  `aq` (_moe_aq.py):
-    gate_up_silu's GEMM writes its output's storage as a's e4m3 rows and scales; down has no quantiser
-    and its GEMM reads them from args[0]'s storage.  gate / up's GEMM alone where p["x_f8"] holds its
-    input's e4m3 rows (take_norm_rows)."""
+    the outputs); both grids multiplied by `run`, the row's token-range factor.  gate / up's GEMM alone where
+    p["x_f8"] holds its input's e4m3 rows (take_norm_rows)."""
     act, KD, KB = p["act"], p["KD"], cdiv(p["KD"], FP8_BLOCK)
     q_ws, s_ws = WORKSPACES[down]
     rows = "NP" if down else "T"
@@ -103,20 +96,16 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
         workspace=ws, stage=QUANT_STAGE)
     rest = tuple(tensor_map(a.name, a.ref.weight, (BOX, BK)) if isinstance(a.ref, TensorMapRef) else a
                  for a in args[1:])
-    c = cols(down=down, aq=aq)
+    c = cols(down=down)
     tiles = f"{cdiv(p['N'], c)} * (NP // {BM} + min({p['E']}, NP))"   # bound: one partial row tile per expert
-    variant = AQ_VARIANT if aq else VARIANT
-    params = {"act": act, "E": p["E"], "N": p["N"], "KD": KD, "K": p["K"], "variant": variant, "threads": THREADS,
+    params = {"act": act, "E": p["E"], "N": p["N"], "KD": KD, "K": p["K"], "variant": VARIANT, "threads": THREADS,
               "stages": STAGES, "smem": smem(), "cols": c, "box_rows": BOX, "box_k": BK, "bm": BM}
     normed = None if down else p.get("x_f8")
-    if aq and down:      # x and its scales are a's storage: gate_up_silu's epilogue wrote them
-        gemm_args, ws = (src, *rest, size("NP", "NP")), ()
-    else:
-        gemm_args = (*_norm_quant.x_args(normed, q_ws, s_ws, "int"), *rest, *((size("NP", "NP"),) if aq else ()))
-        ws = () if normed else ws
+    gemm_args = (*_norm_quant.x_args(normed, q_ws, s_ws, "int"), *rest)
+    ws = () if normed else ws
     gemm = KernelLaunch(
         family=family, template=template, name=kernel_name(family, [f"{name_parts[0]}_{NAME}", *name_parts[1:],
-                                                                   variant]),
+                                                                   VARIANT]),
         params=params, nodes=(nid,), grid=(when(f"min(SMS, {tiles})", run), 1, 1), block=(THREADS, 1, 1),
-        args=gemm_args, smem=smem(), workspace=ws, stage=variant, requires=(FEATURE,))
-    return [gemm] if (aq and down) or normed else [quant, gemm]
+        args=gemm_args, smem=smem(), workspace=ws, stage=VARIANT, requires=(FEATURE,))
+    return [gemm] if normed else [quant, gemm]

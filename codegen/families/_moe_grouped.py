@@ -21,8 +21,8 @@ from . import _moe, _moe_fp8, _moe_gemm_fp8, _moe_int, _moe_wgmma, _moe_wgmma_sk
 
 
 # the launches' order in a node's plan (one of them has work at a given T)
-ORDER = ("gemv", "wgmma_skinny", S.ONE_TOKEN_STAGE, _moe_fp8.VARIANT, _moe_fp8.ONE_TOKEN_VARIANT, _moe_int.XQ_VARIANT,
-         _moe_int.VARIANT, "mma", "wgmma", _moe_gemm_fp8.VARIANT)
+ORDER = ("gemv", "wgmma_skinny", S.ONE_TOKEN_STAGE, _moe_fp8.VARIANT, _moe_fp8.ONE_TOKEN_VARIANT, _moe_int.VARIANT,
+         "mma", "wgmma", _moe_gemm_fp8.VARIANT)
 
 
 def facts(opts, p: dict, *, down: bool) -> dict:
@@ -33,8 +33,7 @@ def facts(opts, p: dict, *, down: bool) -> dict:
             "sm_90a": has_feature(opts.arch, _moe_wgmma.FEATURE),
             "tma_rows": p["KD"] % 8 == 0, "decode_wgmma_fits": S.fits(p["E"]),
             "prefill_wgmma_fits": _moe_wgmma.fits(opts, p["E"]),
-            "one_token": down and S.fits(p["E"], opts.tuning.moe.one_token_down_stages, ctas=1),
-            "int_xq_fits": down and _moe_int.xq_fits(opts, p)}
+            "one_token": down and S.fits(p["E"], opts.tuning.moe.one_token_down_stages, ctas=1)}
 
 
 def table_rows(opts, p: dict, *, down: bool) -> tuple:
@@ -42,11 +41,10 @@ def table_rows(opts, p: dict, *, down: bool) -> tuple:
 
 
 def launches(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, opts, *,
-             down: bool, shared: int = 0, within=None, aq: bool = False) -> list[KernelLaunch]:
+             down: bool, shared: int = 0, within=None) -> list[KernelLaunch]:
     """One launch per variant of the table's rows; `shared`: the routing's shared experts (decode's
     gate / up runs their first tile before its wait); `within`: token ranges the node's launches are
-    limited to (moe_expert_ffn's outside its fused window), None: every T; `aq`: the FP8 x FP8 rows
-    pass a as e4m3 from gate_up_silu's epilogue to down (_moe_aq.py)."""
+    limited to (moe_expert_ffn's outside its fused window), None: every T."""
     rows = table_rows(opts, p, down=down)
     if any(r.variant == dispatch.NONE for r in rows):
         (_moe_int.check if p.get("int") else _moe_fp8.check)(nid, opts, p)
@@ -61,15 +59,13 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
         elif variant == "mma":
             out.append(_moe.mma_launch(family, template, kernel_name(family, [*name_parts, "mma"]), p, nid, args,
                                        run, opts, down=down))
-        elif variant == _moe_int.XQ_VARIANT:
-            out.append(_moe_int.xq_launch(family, name_parts, p, nid, args, opts, run=run))
         elif variant == _moe_int.VARIANT:
             out.extend(_moe_int.launches(family, name_parts, p, nid, args, down=down, run=run))
         elif variant in (_moe_fp8.VARIANT, _moe_fp8.ONE_TOKEN_VARIANT):
             out.append(_moe_fp8.launch(family, template, name_parts, p, nid, args, opts, down=down, run=run,
                                        one_token=variant == _moe_fp8.ONE_TOKEN_VARIANT, shared=shared))
         elif variant == _moe_gemm_fp8.VARIANT:
-            out += _moe_gemm_fp8.launches(family, template, name_parts, p, nid, args, down=down, run=run, aq=aq)
+            out += _moe_gemm_fp8.launches(family, template, name_parts, p, nid, args, down=down, run=run)
         elif variant == "wgmma":
             out.append(_moe_wgmma.launch(family, template, name_parts, p, nid, args, down=down, run=run))
         else:

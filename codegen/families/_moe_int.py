@@ -11,9 +11,7 @@ roles: moe_gate_up_silu, moe_down).
 Not a family (the leading underscore): the launch builder of the "mma_int" row of codegen/dispatch.py's
 grouped_experts table (moe_gate_up_silu, moe_down; moe_expert_ffn runs them as its two launches).
 int8_static experts (a per-tensor static activation scale) get the table's "none" row: one LoweringError
-(`check`).  Up to Tuning.moe.int_down_prologue_upto tokens (off by default; the table's "mma_int_xq" row, where
-the rows fit shared memory) moe_down runs one launch that quantises its pair rows in each CTA's prologue
-(templates/include/moe_int_prologue.cuh: the quantiser's arithmetic, bit-equal) instead of the two.
+(`check`).
 """
 from __future__ import annotations
 
@@ -33,7 +31,6 @@ TAGS = {"int4_channel": "wi4", "int4_group256_packed": "wi4g256", "int8_channel"
 SERVED = tuple(TAGS)
 INT_NAMES = tuple(f.name for f in INT_FORMATS)
 VARIANT = "mma_int"                # the launch's stage
-XQ_VARIANT = "mma_int_xq"          # down quantising its pair rows in its prologue (Tuning.moe.int_down_prologue_upto)
 QUANT_STAGE = "quant_i8"
 QUANT_NAME = "qi8"
 TEMPLATE = "moe_int.cu.j2"
@@ -49,43 +46,6 @@ def channels(*, down: bool) -> int:
 def qrow(kd: int) -> int:
     """Bytes of a quantised row (quant_int8.cuh qrow: KD rounded up to 16)."""
     return -(-kd // 16) * 16
-
-
-def pairs(G, routing: str) -> int | None:
-    """Pairs a token of the routing value (its per-pair rows are "T*P"), None where that is not known."""
-    from ir.ops.moe import pairs_per_token
-    return pairs_per_token(G.graph["values"][routing].shape[0])
-
-
-def xq_smem(kd: int, xq: int, pairs_: int) -> int:
-    """Dynamic shared memory of down's prologue kernel (moe_int_prologue.cuh DownXqSmem): the int8 rows of
-    xq tokens' pairs at their pair index, their scales, the partial maxima of up to xq rows a warp."""
-    return xq * pairs_ * (qrow(kd) + 4) + 4 * xq * (THREADS // 32)
-
-
-def xq_fits(opts, p: dict) -> bool:
-    """Whether down's prologue kernel fits a CTA's shared memory (its rows and grouped_wi4's static partial
-    sums: moe_int.cuh red) at Tuning.moe.int_down_prologue_upto tokens."""
-    from .mla_decode_attention import smem_limit
-    xq, per = opts.tuning.moe.int_down_prologue_upto, p.get("pairs")
-    return bool(xq and per) and xq_smem(p["KD"], xq, per) + 4 * (THREADS // 32) * 2 * 4 * 128 <= smem_limit(opts.arch)
-
-
-def xq_launch(family: str, name_parts: list, p: dict, nid: str, args_: tuple, opts, *, run: str | None) -> KernelLaunch:
-    """Down's launch that quantises its pair rows itself (args_: a's pair rows, the weights from `args`,
-    order, offsets, out), running where `run` says (T <= Tuning.moe.int_down_prologue_upto)."""
-    from codegen.render import kernel_name
-    xq, f = opts.tuning.moe.int_down_prologue_upto, FORMATS[p["int"]]
-    nbytes = xq_smem(p["KD"], xq, p["pairs"])
-    params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "variant": XQ_VARIANT, "threads": THREADS,
-              "channels": channels(down=True), "wfmt": f.name, "pack": f.pack, "group": f.group or 0, "xq": xq,
-              "pairs": p["pairs"], "smem": nbytes}
-    return KernelLaunch(
-        family=family, template=TEMPLATE,
-        name=kernel_name(family, [f"{name_parts[0]}_{TAGS[f.name]}", *name_parts[1:], f"xq{xq}_p{p['pairs']}"]),
-        params=params, nodes=(nid,), grid=(-(-p["N"] // channels(down=True)), when(slots(p["E"]), run), 1),
-        block=(THREADS, 1, 1), args=(dataclasses.replace(args_[0], name="a"), *args_[1:]), smem=nbytes,
-        stage=XQ_VARIANT)
 
 
 def int_format(G, nid: str, roles, opts) -> str | None:

@@ -6,7 +6,7 @@ from codegen.kernel import KernelLaunch, inp, out, Options
 
 from ir.formats import FP8, UNSCALED
 
-from . import _moe, _moe_aq, _moe_fp8, _moe_grouped, _moe_int
+from . import _moe, _moe_fp8, _moe_grouped, _moe_int
 
 FAMILY = "moe_down"
 TEMPLATE = "moe_down.cu.j2"
@@ -19,7 +19,7 @@ ROWS_PER_WARP = 4
 
 def params(nid: str, G, opts: Options) -> dict:
     """The node's grouped params (_moe.grouped_params; its weight's format as p["fp8"] / p["int"])."""
-    attrs, (a, routing), _, _ = _moe.node_io(G, nid)
+    attrs, (a, _), _, _ = _moe.node_io(G, nid)
     E, D, M = attrs["num_experts"], attrs["out_dim"], _moe.inner(G, nid, a)
     _moe.require_dense(G, nid, a)
     # Rows are per pair here, so the kernel never needs K.
@@ -28,7 +28,7 @@ def params(nid: str, G, opts: Options) -> dict:
         p["fp8"] = True
     ifmt = _moe_int.int_format(G, nid, ("weight",), opts)
     if ifmt:
-        p["int"], p["pairs"] = ifmt, _moe_int.pairs(G, routing)
+        p["int"] = ifmt
     return p
 
 
@@ -41,15 +41,14 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     args = (inp("a", act, a), *w,
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out", act, y))
-    return launches(nid, p, args, opts, aq=_moe_aq.prefill_hands_off(G, nid, opts))
+    return launches(nid, p, args, opts)
 
 
-def launches(nid: str, p: dict, args: tuple, opts: Options, *, within=None, aq: bool = False) -> list[KernelLaunch]:
+def launches(nid: str, p: dict, args: tuple, opts: Options, *, within=None) -> list[KernelLaunch]:
     """The grouped launches over `args` (a, w, order, offsets, out); moe_expert_ffn's two-launch
-    path passes its workspace as a and its token ranges as `within`; `aq`: the FP8 x FP8 launch reads
-    a's storage as gate_up_silu's e4m3 hand-off (_moe_aq.py), no quantiser launch."""
+    path passes its workspace as a and its token ranges as `within`."""
     return _moe_grouped.launches(FAMILY, TEMPLATE, [opts.dtype, f"e{p['E']}", f"d{p['N']}_m{p['KD']}"], p, nid,
-                                 args, opts, down=True, within=within, aq=aq)
+                                 args, opts, down=True, within=within)
 
 
 def tasks(launch, tiling):

@@ -37,8 +37,7 @@ from codegen.kernel import KernelLaunch, Options, Workspace, inp, out, tensor_ma
 
 from ir.formats import FP8, UNSCALED
 
-from . import (_moe, _moe_aq, _moe_fp8, _moe_gemm_fp8, _moe_grouped, _moe_int, _moe_wgmma_skinny as S, moe_down,
-               moe_gate_up_silu)
+from . import _moe, _moe_fp8, _moe_gemm_fp8, _moe_grouped, _moe_int, _moe_wgmma_skinny as S, moe_down, moe_gate_up_silu
 
 FAMILY = "moe_expert_ffn"
 TEMPLATE = "moe_expert_ffn.cu.j2"
@@ -103,7 +102,6 @@ def params(nid: str, G, opts: Options) -> tuple[dict, dict]:
     if ifmt:
         gu["int"] = dn["int"] = ifmt
         _moe_int.take_norm_rows(G, x, opts, gu)
-        dn["pairs"] = _moe_int.pairs(G, routing)
     return gu, dn
 
 
@@ -138,9 +136,7 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
                 tensor_map("w_up", bound["up"], (S.BOX, S.BK)), tensor_map("w_down", bound["down"], (S.BOX, S.BK)),
                 order, offsets, work("a", act, WORKSPACE), out("out", act, y))
         launches.append(fused_launch(nid, opts, gu, dn, args, sizes.token_range(lo, hi)))
-    aq = _moe_aq.hands_off(opts, gu, dn)    # the workspace carries a as e4m3 from gate_up_silu to down
-    launches += moe_gate_up_silu.launches(nid, gu, gu_args, opts, shared=_moe.routing_shared(G, routing), within=two,
-                                          aq=aq)
-    launches += moe_down.launches(nid, dn, dn_args, opts, within=two, aq=aq)
+    launches += moe_gate_up_silu.launches(nid, gu, gu_args, opts, shared=_moe.routing_shared(G, routing), within=two)
+    launches += moe_down.launches(nid, dn, dn_args, opts, within=two)
     # the FP8 x FP8 and int launches keep their own workspaces beside it (their quantised inputs)
     return [dataclasses.replace(la, workspace=(ws, *la.workspace)) for la in launches]

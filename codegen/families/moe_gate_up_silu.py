@@ -10,7 +10,7 @@ from codegen.kernel import KernelLaunch, inp, out, Options
 
 from ir.formats import FP8, UNSCALED
 
-from . import _moe, _moe_aq, _moe_fp8, _moe_gemm_fp8, _moe_grouped, _moe_int
+from . import _moe, _moe_fp8, _moe_gemm_fp8, _moe_grouped, _moe_int
 
 FAMILY = "moe_gate_up_silu"
 TEMPLATE = "moe_gate_up_silu.cu.j2"
@@ -52,18 +52,16 @@ def lower(nid: str, G, opts: Options) -> list[KernelLaunch]:
     args = (inp("x", act, x), *w,
             inp("order", "i32", f"{routing}.order"), inp("offsets", "i32", f"{routing}.offsets"),
             out("out", act, h))
-    return launches(nid, p, args, opts, shared=_moe.routing_shared(G, routing),
-                    aq=_moe_aq.prefill_hands_off(G, nid, opts))
+    return launches(nid, p, args, opts, shared=_moe.routing_shared(G, routing))
 
 
-def launches(nid: str, p: dict, args: tuple, opts: Options, *, shared: int = 0, within=None,
-             aq: bool = False) -> list[KernelLaunch]:
+def launches(nid: str, p: dict, args: tuple, opts: Options, *, shared: int = 0, within=None) -> list[KernelLaunch]:
     """The grouped launches over `args` (x, w_gate, w_up, order, offsets, out); moe_expert_ffn's
     two-launch path passes its workspace as out and its token ranges as `within`.  `shared`:
-    _moe.routing_shared; `aq`: the FP8 x FP8 launch writes out as down's e4m3 input (_moe_aq.py)."""
+    _moe.routing_shared."""
     name = [opts.dtype, f"e{p['E']}_k{p['K']}", f"m{p['N']}_d{p['KD']}"]
     return _moe_grouped.launches(FAMILY, TEMPLATE, name, p, nid, args, opts, down=False, shared=shared,
-                                 within=within, aq=aq)
+                                 within=within)
 
 
 def tasks(launch, tiling):

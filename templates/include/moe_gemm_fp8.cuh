@@ -27,28 +27,14 @@
 // Ceil blocks: KD % 128 != 0 -- the last block's columns past KD are zeros on both sides (TMA fills
 // the weight's, the gather the rows'); N % 128 != 0 -- weight rows past N are zeros, never stored.
 //
-// AQ (gate_up_silu only, Tuning.moe.fp8_act_epilogue): the epilogue hands down its input already
-// quantised, instead of the 16-bit a that down's own quantiser launch would read back.  A walk item
-// is then one 128-column scale group of 128 pairs: its two 64-column halves (the SILU tile above)
-// run one after the other in the same CTA, each staging its rounded silu(g) * u into its half of the
-// consumer's 256-byte staging rows, so when both are done a warpgroup holds the whole group of its
-// 64 pairs in shared memory and quantises it exactly as quant_fp8.cuh would have from global: one
-// warp a row, 4 columns a lane, amax over the staged (rounded) values, s = amax / 448, q = e4m3(v / s).
-// Why this and not a 2-CTA cluster or an atomicMax on the scale: the amax is complete before any byte
-// is written (one pass, nothing to reconcile), the staging bytes already exist (a SILU tile used half
-// of each row), and what it costs is the quantise pass between items (items are twice as long, half as
-// many).  A half that starts at or past N is left out (no TMA box wholly outside the weight); the
-// group's columns past N are neither counted nor stored.  The e4m3 bytes and scales go where the
-// 16-bit a would have been ([NP, N] 16-bit elements hold the [NP, N] bytes and then the
-// [NP, ceil(N / 128)] fp32 scales): down reads them from there (DOWN with its xq / xs at those
-// addresses), and nothing else reads a at these token counts (codegen/families/_moe_aq.py).
+// Down's quantiser stays its own launch over a: quantising a in gate_up_silu's epilogue (a 128-column
+// scale group's amax spans two SILU tiles) measured slower on an H100 (docs/notes/fp8act.md).
 //
 // Needs 16-bit T (the outputs) and KD % 16 == 0 (whole 16-byte chunks of the quantised rows, 16-byte
 // strides of the weight's tensor map); the lowering emits it only then (_moe_gemm_fp8.py).
 #pragma once
 #include "gemm_fp8.cuh"
 #include "moe_wgmma.cuh"
-#include "quant_fp8.cuh"
 
 namespace dsg {
 namespace moe {
@@ -57,25 +43,8 @@ namespace f8 = dsg::gemm_fp8;
 
 // Output columns a tile covers.
 __host__ __device__ constexpr int fp8x_tile_cols(int mode) { return mode == DOWN ? f8::BN : f8::BN / 2; }
-// Output columns a walk item covers: a tile, or AQ's 128-column scale group (two SILU tiles).
-__host__ __device__ constexpr int fp8x_item_cols(int mode, bool aq) { return aq ? f8::BLOCK : fp8x_tile_cols(mode); }
 // Dynamic shared memory: gemm_fp8.cuh's ring, staging and alignment slack.
 __host__ __device__ constexpr int fp8x_smem(int stages) { return f8::smem_bytes(stages); }
-// AQ's hand-off in a's storage ([NP, N] 16-bit elements, 2 N bytes a row): the [NP, N] e4m3 bytes,
-// then the [NP, ceil(N / 128)] fp32 scales (4-byte aligned: N % 16 == 0): N + 4 ceil(N / 128) <= 2 N.
-template <int N>
-__device__ __forceinline__ float* fp8x_aq_scales(unsigned char* aq, int np) {
-  static_assert(N % 16 == 0 && N + 4 * ((N + 127) / 128) <= 2 * N,
-                "fp8 x fp8 experts: a's e4m3 rows and scales within its 16-bit storage");
-  return reinterpret_cast<float*>(aq + (i64)np * N);
-}
-template <int N>
-__device__ __forceinline__ const float* fp8x_aq_scales(const unsigned char* aq, int np) {
-  return fp8x_aq_scales<N>(const_cast<unsigned char*>(aq), np);
-}
-// The 64-column tiles of an item at n0: one, or AQ's two unless the second starts at or past N.
-template <int N, bool AQ>
-__device__ __forceinline__ int fp8x_halves(int n0) { return AQ && n0 + f8::BOX < N ? 2 : 1; }
 
 // The quantised row of each of a producer thread's tile rows r0 + 16 i (-1: none): the pair's token
 // (pair / K) for the gate_up modes, the pair itself for DOWN.
@@ -127,12 +96,12 @@ __device__ __forceinline__ void fp8x_produce_tile(const unsigned char* __restric
 
 // Producer: the 128 threads of warpgroup 0.  Thread p copies 16-byte chunk p % 8 of tile rows
 // p / 8 + 16 i (i < 8); thread 0 also issues the weight boxes.
-template <int MODE, int E, int N, int KD, int K, int ST, bool AQ>
+template <int MODE, int E, int N, int KD, int K, int ST>
 __device__ __forceinline__ void fp8x_produce(const unsigned char* __restrict__ qx, const TensorMap* w0,
                                              const TensorMap* w1, const i32* __restrict__ order,
                                              const i32* __restrict__ offsets, const int* tiles, char* ring,
                                              unsigned long long* full, unsigned long long* empty) {
-  constexpr int COLS = fp8x_item_cols(MODE, AQ), NCT = (N + COLS - 1) / COLS;
+  constexpr int COLS = fp8x_tile_cols(MODE), NCT = (N + COLS - 1) / COLS;
   const int p = threadIdx.x, r0 = p >> 3;
   if (p == 0) {
     tma::prefetch(w0);
@@ -144,9 +113,7 @@ __device__ __forceinline__ void fp8x_produce(const unsigned char* __restrict__ q
     const WgTile tl = wgmma_tile<E, NCT, COLS>(tiles, offsets, t);
     int src[f8::BM / 16];
     fp8x_src_rows<MODE, K>(order, tl, r0, src);
-    const int halves = fp8x_halves<N, AQ>(tl.n0);
-    for (int h = 0; h < halves; ++h)
-      fp8x_produce_tile<MODE, N, KD, ST>(qx, w0, w1, src, tl.e, tl.n0 + h * f8::BOX, p, ring, full, empty, it);
+    fp8x_produce_tile<MODE, N, KD, ST>(qx, w0, w1, src, tl.e, tl.n0, p, ring, full, empty, it);
   }
   dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
 }
@@ -192,11 +159,11 @@ __device__ __forceinline__ void fp8x_mainloop(float (&acc)[64], float (&part)[64
 }
 
 // Epilogue: acc[4j + 2h + c] is tile row 64 cw + 16 warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + c.
-// Rounded into this warpgroup's staging rows as CH 16-byte chunks from chunk j0 (chunk j of row r at
+// Rounded into this warpgroup's staging rows as CH 16-byte chunks (chunk j of row r at
 // j ^ (r % 8): conflict-free writes and reads); row r is written by warp r / 16 alone.  GATE_UP
 // stages [gate 64 | up 64].
 template <typename T, int MODE, int CH>
-__device__ __forceinline__ void fp8x_stage(const float (&acc)[64], char* staging, int j0, int warp, int lane) {
+__device__ __forceinline__ void fp8x_stage(const float (&acc)[64], char* staging, int warp, int lane) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int rr = warp * 16 + (lane >> 2) + 8 * h;
@@ -216,62 +183,21 @@ __device__ __forceinline__ void fp8x_stage(const float (&acc)[64], char* staging
         }
       }
       struct alignas(4) Pair { T lo, hi; } pr = {from_float<T>(v[0]), from_float<T>(v[1])};
-      *reinterpret_cast<Pair*>(row + (((j0 + jj) ^ (rr & 7)) << 4)) = pr;
+      *reinterpret_cast<Pair*>(row + ((jj ^ (rr & 7)) << 4)) = pr;
     }
   }
 }
 
-// AQ: warp `warp`'s 16 staged rows of the item's 128-column group (the staging holds the rounded
-// 16-bit a), quantised as quant_fp8.cuh quantises a row of a in global memory: a warp a row, 4
-// columns a lane, the same arithmetic in the same order, so the bytes and scales are the ones down's
-// quantiser launch would have made.  Into aq [NP, N] e4m3 (one word a lane) and as [NP, ceil(N / 128)].
-template <typename T, int N>
-__device__ __forceinline__ void fp8x_quantise_group(const char* staging, const WgTile& tl,
-                                                    const i32* __restrict__ order, int cw, int warp, int lane,
-                                                    unsigned char* __restrict__ aq, float* __restrict__ as) {
-  static_assert(N % 16 == 0, "fp8 x fp8 experts: a's e4m3 rows of whole 16-byte chunks (down's gather)");
-  constexpr int NG = (N + f8::BLOCK - 1) / f8::BLOCK;
-  const int g = tl.n0 / f8::BLOCK, c0 = tl.n0 + 4 * lane;
-  const bool here = c0 < N;                            // the lane's 4 columns all exist or none (N % 16 == 0)
-#pragma unroll 1
-  for (int i = 0; i < 16; ++i) {
-    const int r = 16 * warp + i, tr = 64 * cw + r;
-    const int orow = tr < tl.rows ? order[tl.pbeg + tr] : -1;
-    if (orow < 0) continue;                            // uniform over the warp
-    // columns 4 lane .. + 3: half (lane % 2) of 16-byte chunk lane / 2
-    const uint2 w = *reinterpret_cast<const uint2*>(staging + r * f8::OUT_ROW_BYTES +
-                                                    (((lane >> 1) ^ (r & 7)) << 4) + ((lane & 1) << 3));
-    const T* e = reinterpret_cast<const T*>(&w);
-    float v[4];
-    float amax = 0.f;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      v[k] = here ? to_float(e[k]) : 0.f;
-      amax = fmaxf(amax, fabsf(v[k]));
-    }
-    amax = fmaxf(warp_max(amax), fp8q::AMAX_FLOOR);
-    const float sc = amax / fp8q::E4M3_MAX;
-    if (here) {
-      const unsigned lo = fp8q::e4m3x2(v[0] / sc, v[1] / sc), hi = fp8q::e4m3x2(v[2] / sc, v[3] / sc);
-      *reinterpret_cast<unsigned*>(aq + (i64)orow * N + c0) = lo | (hi << 16);
-    }
-    if (lane == 0) as[(i64)orow * NG + g] = sc;
-  }
-}
-
-// Consumer warpgroup cw (0, 1): tile rows 64 cw .. + 64 against the tile's 128 weight rows (AQ: an
-// item's one or two tiles, then its group quantised into aq / as; out0 is not written).
-template <typename T, int MODE, int E, int N, int KD, int K, int ST, bool AQ>
+// Consumer warpgroup cw (0, 1): tile rows 64 cw .. + 64 against the tile's 128 weight rows.
+template <typename T, int MODE, int E, int N, int KD, int K, int ST>
 __device__ __forceinline__ void fp8x_consume(const float* __restrict__ sx, const float* __restrict__ sw0,
                                              const float* __restrict__ sw1, const i32* __restrict__ order,
                                              const i32* __restrict__ offsets, const int* tiles, unsigned ring,
                                              unsigned long long* full, unsigned long long* empty, char* staging,
-                                             T* __restrict__ out0, T* __restrict__ out1, unsigned char* __restrict__ aq,
-                                             float* __restrict__ as, int cw) {
+                                             T* __restrict__ out0, T* __restrict__ out1, int cw) {
   constexpr int KB = (KD + f8::BK - 1) / f8::BK, NB = (N + f8::BLOCK - 1) / f8::BLOCK;
-  constexpr int COLS = fp8x_item_cols(MODE, AQ), NCT = (N + COLS - 1) / COLS;
+  constexpr int COLS = fp8x_tile_cols(MODE), NCT = (N + COLS - 1) / COLS;
   constexpr int CH = (MODE == GATE_UP_SILU ? fp8x_tile_cols(MODE) : f8::BN) / 8;   // 16-byte chunks a tile stages
-  static_assert(!AQ || MODE == GATE_UP_SILU, "fp8 x fp8 experts: the e4m3 hand-off is gate_up_silu's");
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, tid = threadIdx.x & 127;
   // 16-byte row chunks where rows are whole chunks and the bases allow them (uniform), else elements
   const bool vec = N % 8 == 0 && aligned_to<16>(out0) && aligned_to<16>(out1);
@@ -286,28 +212,15 @@ __device__ __forceinline__ void fp8x_consume(const float* __restrict__ sx, const
     const int qa = pa < 0 ? 0 : (MODE == DOWN ? pa : pa / K), qb = pb < 0 ? 0 : (MODE == DOWN ? pb : pb / K);
     const float* sxa = sx + (i64)qa * KB;
     const float* sxb = sx + (i64)qb * KB;
-    // the tile's weight scale block (gate's; up's for the gate_up modes): an AQ item's two tiles share it
+    // the tile's weight scale block (gate's; up's for the gate_up modes)
     const float* swg = sw0 + ((i64)tl.e * NB + tl.n0 / f8::BLOCK) * KB;
     const float* swu = MODE == DOWN ? swg : sw1 + ((i64)tl.e * NB + tl.n0 / f8::BLOCK) * KB;
-    if constexpr (AQ) {
-      const int halves = fp8x_halves<N, AQ>(tl.n0);
-      for (int h = 0; h < halves; ++h) {
-#pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-        fp8x_mainloop<MODE, KD, ST>(acc, part, sxa, sxb, swg, swu, ring, full, empty, cw, lane, it);
-        __syncwarp();                                  // a warp's staging rows are its own: the last item's are read
-        fp8x_stage<T, MODE, CH>(acc, staging, CH * h, warp, lane);
-      }
-      __syncwarp();                                    // the warp's 16 rows hold the group
-      fp8x_quantise_group<T, N>(staging, tl, order, cw, warp, lane, aq, as);
-      continue;
-    }
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
     fp8x_mainloop<MODE, KD, ST>(acc, part, sxa, sxb, swg, swu, ring, full, empty, cw, lane, it);
     // then stored as whole chunks of each pair's row; GATE_UP sends each staged half to its output
     wgmma::warpgroup_sync(1 + cw);                     // the last tile's chunks have all been read
-    fp8x_stage<T, MODE, CH>(acc, staging, 0, warp, lane);
+    fp8x_stage<T, MODE, CH>(acc, staging, warp, lane);
     wgmma::warpgroup_sync(1 + cw);                     // the staging rows are whole
 #pragma unroll
     for (int i = 0; i < 64 * CH / 128; ++i) {
@@ -324,16 +237,13 @@ __device__ __forceinline__ void fp8x_consume(const float* __restrict__ sx, const
 }
 
 // out0 (out1: GATE_UP's up) [NP, N] = the FP8 product above for every pair; w0 / sw0 the weight
-// (gate for the gate_up modes) and its scales, w1 / sw1 up's (DOWN: w0 / sw0 again).  AQ: out0 is
-// not written; aq [NP, N] e4m3 and as [NP, ceil(N / 128)] fp32 take a quantised instead.
-template <typename T, int MODE, int E, int N, int KD, int K, int ST, bool AQ = false>
+// (gate for the gate_up modes) and its scales, w1 / sw1 up's (DOWN: w0 / sw0 again).
+template <typename T, int MODE, int E, int N, int KD, int K, int ST>
 __device__ __forceinline__ void grouped_gemm_fp8x(const unsigned char* __restrict__ qx, const float* __restrict__ sx,
                                                   const TensorMap* w0, const float* __restrict__ sw0,
                                                   const TensorMap* w1, const float* __restrict__ sw1,
                                                   const i32* __restrict__ order, const i32* __restrict__ offsets,
-                                                  T* __restrict__ out0, T* __restrict__ out1, char* smem,
-                                                  unsigned char* __restrict__ aq = nullptr,
-                                                  float* __restrict__ as = nullptr) {
+                                                  T* __restrict__ out0, T* __restrict__ out1, char* smem) {
   static_assert(sizeof(T) == 2, "fp8 x fp8 experts: 16-bit outputs");
   static_assert(KD % 16 == 0, "fp8 x fp8 experts: quantised rows of whole 16-byte chunks");
   static_assert(ST >= 2, "fp8 x fp8 experts: a ring of at least two stages");
@@ -353,12 +263,12 @@ __device__ __forceinline__ void grouped_gemm_fp8x(const unsigned char* __restric
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     wgmma::setmaxnreg_dec<f8::PRODUCER_REGS>();
-    fp8x_produce<MODE, E, N, KD, K, ST, AQ>(qx, w0, w1, order, offsets, tiles, smem + (ring - raw), full, empty);
+    fp8x_produce<MODE, E, N, KD, K, ST>(qx, w0, w1, order, offsets, tiles, smem + (ring - raw), full, empty);
   } else {
     wgmma::setmaxnreg_inc<f8::CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * f8::STAGE_BYTES + (wg - 1) * f8::OUT_BYTES;
-    fp8x_consume<T, MODE, E, N, KD, K, ST, AQ>(sx, sw0, sw1, order, offsets, tiles, ring, full, empty, staging,
-                                               out0, out1, aq, as, wg - 1);
+    fp8x_consume<T, MODE, E, N, KD, K, ST>(sx, sw0, sw1, order, offsets, tiles, ring, full, empty, staging, out0,
+                                           out1, wg - 1);
   }
   dsg::pdl_launch_dependents();
 }

@@ -59,15 +59,14 @@ def test_explain_with_w4a8_weights_and_the_int8_prologue(capsys):
     """`--weights w4a8` explains the spec the bench compiles with msModelSlim's formats; with
     linear.i8_prologue_upto=4 (the default) and the norms' rows off every int8 linear of V2-Lite (q + kv_a, o,
     the dense FFN, the shared experts) runs its prologue kernel alone at b=1, and the quantiser and the int8
-    kernel at b=8; with moe.int_down_prologue_upto=4 the int4 experts' down likewise."""
+    kernel at b=8."""
     out = _explain(capsys, "--tokens", "1,8", "--phase", "decode", "--weights", "w4a8",
-                   "--tune", "linear.norm_int8=false", "--tune", "moe.int_down_prologue_upto=4")
-    assert "--weights w4a8, tuning moe.int_down_prologue_upto=4, linear.norm_int8=False" in out.splitlines()[0]
+                   "--tune", "linear.norm_int8=false")
+    assert "--weights w4a8, tuning linear.norm_int8=False" in out.splitlines()[0]
     d1, d8 = _block(out, "decode, T = 1"), _block(out, "decode, T = 8")
     assert "linear_skinny__bf16_qi8" not in d1 and "skinny_wi8_xq [tokens 1..4]" in d1
     for name in ("k2048__o3072_576__xq4", "k2048__o2048__xq4", "k2048__silu2816__xq4", "k2816__o2048__xq4"):
         assert f"linear_skinny__bf16_wi8__{name}" in d1, name
-    assert "moe_down__bf16_wi4__e64__d2048_m1408__xq4" in d1 and "moe_down__bf16_qi8" not in d1
     assert "linear_skinny__bf16_qi8__k2048, linear_skinny__bf16_wi8__k2048__o3072_576\n" in d8 and "xq4" not in d8
     assert "moe_down__bf16_qi8__k1408" in d8
 

@@ -18,7 +18,7 @@ FACT_VALUES = {"dtype": ("bf16", "fp16", "fp32"), "sm_90a": (True, False), "tma_
                "decode_wgmma": (True, False), "precision": ("fp32", "act"), "mma": (True, False),
                "weight_format": dispatch.WEIGHT_FORMATS, "fp8_rows": (True, False), "fp8_fits": (True, False),
                "fp8x_fits": (True, False), "int_rows": (True, False), "i8_rows": (True, False),
-               "i8_fits": (True, False), "i8_xq_fits": (True, False), "int_xq_fits": (True, False),
+               "i8_fits": (True, False), "i8_xq_fits": (True, False),
                "phase": dispatch.PHASES, "segments": (True, False)}
 
 
@@ -39,8 +39,7 @@ TUNINGS = [Tuning(), tuned(moe__decode_wgmma=False), tuned(moe__decode_wgmma_fro
            tuned(linear__skinny_upto=0), tuned(linear__skinny_upto=1), tuned(attention__prologue_upto=0),
            tuned(moe__fp8_activations=False), tuned(linear__i8_prologue_upto=4),
            tuned(linear__i8_prologue_upto=16), tuned(linear__i8_prologue_upto=16, linear__skinny_upto=8),
-           tuned(moe__int_down_prologue_upto=4), tuned(moe__int_down_prologue_upto=16),
-           tuned(moe__fp8_act_epilogue=True), tuned(persistent__segments=True),
+           tuned(persistent__segments=True),
            tuned(moe__fp8_one_token_down=True), tuned(moe__fp8_one_token_down=True, moe__fp8_activations=False)]
 
 

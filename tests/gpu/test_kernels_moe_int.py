@@ -27,9 +27,7 @@ past an aligned base (byte loads), rows of zeros and rounding ties.  int4 values
 (every nibble), scales differ up to 16x between neighbouring channels, so a scale taken from the wrong
 channel, a swapped nibble or a dropped >> 4 moves outputs far.  Outputs and workspaces are poisoned first.
 Planted mutants (tests/gpu/test_mutants.py): the nibbles swapped, the >> 4 dropped, the next channel's scale
-(gate, down), a pair's x scale from the next token, a group scale off by one group; down's prologue
-(Tuning.moe.int_down_prologue_upto: one launch quantising its expert's pair rows itself, bit-equal to the
-quantiser + int launch pair) with its scale x1.01 and its last row read from its expert's first pair.
+(gate, down), a pair's x scale from the next token, a group scale off by one group.
 
 Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_moe_int.py
 """
@@ -47,7 +45,6 @@ from test_kernels_linear_int8 import assert_equal, special_rows
 from codegen import families
 from codegen.families import _moe_int
 from codegen.kernel import Options
-from codegen.tuning import MoeTuning, Tuning
 from ir.formats import FORMATS, companion_names, set_format
 from ir.formats_int import IntMatrix, pack_int4, quantize_activation
 from ir.graph import node_view
@@ -359,46 +356,3 @@ def test_moe_expert_ffn_wi4(case):
     torch.cuda.synchronize()
     REC_FFN.check(out, want.double(), dtype, f"T={T} E={E} K={K} D={D} M={M} counts={counts[:8]}")
     REC_FFN.example()
-
-
-@SETTINGS
-@given(case=int_cases(tokens=(1, 16)), n=st.integers(1, 16))
-@example(case=case_of("bf16", one_token(64, (0, 3, 9, 17, 40, 63)), 6, 1408, 2048), n=4)           # V2-Lite b=1
-@example(case=case_of("bf16", lite((4, 3, 2, 1, 0, 4)), 6, 1408, 2048), n=4)   # V2-Lite b=4+: experts of 4 pairs
-@example(case=case_of("bf16", one_token(8, range(8)), 8, 2048, 7168), n=4)             # V3's widths at b=1
-@example(case=case_of("fp16", (3, 2, 1, 0), 1, 1001, 90, shift=True, kind="ties"), n=6)      # element loads
-@example(case=case_of("bf16", (2, 1, 1), 1, 512, 200, seed=27), n=4)                         # test_mutants' example
-@example(case=case_of("fp16", (4, 3, 1, 4), 2, 1536, 90, fmt=GROUPED.name), n=8)             # per group
-@example(case=case_of("bf16", one_token(64, (0, 3, 9, 17, 40, 63)), 6, 1408, 2048, fmt="int8_channel"), n=1)
-def test_moe_down_prologue_equals_the_quantiser_and_launch(case, n):
-    """At T <= n, down's launch that quantises its pair rows itself: outputs bit-equal to the quantiser + int
-    launch pair's on the same rows (every format: the product is the same code), and to the exact sums."""
-    dtype, counts, K, KD, N = (case[k] for k in ("dtype", "counts", "K", "KD", "N"))
-    tdt = TORCH_DTYPES[dtype]
-    E, T = len(counts), sum(counts) // K
-    n = max(n, T)
-    gen = torch.Generator().manual_seed(case["seed"])
-    ref_r, dev_r = base._routing(T, E, K, gen, base._ids_with_counts(counts, K, gen))
-    fmt = FORMATS[case["fmt"]]
-    G, nid = graph("moe_down", E, K, KD, N, fmt)
-    opts = Options(dtype=dtype, tuning=Tuning(moe=MoeTuning(int_down_prologue_upto=n)))
-    lower = families.family_for_op("moe_down").lower
-    launches = lower(nid, G, opts)
-    assume(launches[0].stage == _moe_int.XQ_VARIANT)   # the rows fit shared memory at n
-    xq = launches[0]
-    # the pair as the knob-off lowering has it (the knob's own pair runs only above n tokens)
-    quant, launch = lower(nid, G, Options(dtype=dtype))
-    inp = special_rows(torch.randn(T * K, KD, generator=gen).to("cuda", tdt), case["kind"], gen)
-    weights, ref_w = bind_weights(G.nodes[nid]["weights"], {"weight": (E, N, KD)}, gen, case["shift"], fmt)
-    (out_name,) = G.nodes[nid]["outputs"]
-    got, pair = (poison(torch.empty(T * K, N, dtype=tdt, device="cuda")) for _ in range(2))
-    sizes = {"T": T, "NP": T * K}
-    runner().run_all([xq], values={"a": inp, "R": dev_r, out_name: got}, weights=weights, sizes=sizes)
-    runner().run_all([quant, launch], values={"a": inp, "R": dev_r, out_name: pair}, weights=weights, sizes=sizes,
-                     workspaces=quant_workspaces(quant, T * K, KD))
-    torch.cuda.synchronize()
-    msg = f"{fmt.name} T={T} n={n} E={E} K={K} KD={KD} N={N} counts={counts[:8]} shift={case['shift']}"
-    assert_equal(got, pair, f"prologue vs pair {msg}")
-    if not fmt.group:
-        qx, sx = quantize_activation(inp.cpu())
-        assert_equal(got, exact(qx, sx, *ref_w["weight"][:2], ref_r, K, True, dtype), f"prologue vs sums {msg}")

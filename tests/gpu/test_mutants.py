@@ -27,7 +27,6 @@ import test_kernels_mla_fp8 as mla_fp8
 import test_kernels_moe as moe
 import test_kernels_moe_expert_ffn as moe_ffn
 import test_kernels_moe_fp8 as moe_fp8
-import test_kernels_moe_fp8_aq as moe_fp8_aq
 import test_kernels_moe_gemm_fp8 as moe_gemm_fp8
 import test_kernels_moe_int as moe_int
 import test_kernels_moe_wgmma as moe_wgmma
@@ -408,16 +407,6 @@ MUTANTS = [
            "include/moe_gemm_fp8.cuh", "src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);",
            "src[i] = pr < 0 ? -1 : pr / (MODE == DOWN ? 2 : K);",
            moe_gemm_fp8.test_moe_down_fp8x, dict(case=moe_gemm_fp8.case_of("bf16", 300, 5, 2, 144, 200, seed=31))),
-    Mutant("FP8 a handed down: a group's scale stored in the neighbouring 128-column group's place",
-           "include/moe_gemm_fp8.cuh", "if (lane == 0) as[(i64)orow * NG + g] = sc;",
-           "if (lane == 0) as[(i64)orow * NG + (g + 1) % NG] = sc;",
-           moe_fp8_aq.test_moe_fp8_act_epilogue, dict(case=moe_fp8_aq.case_of("bf16", 300, 5, 2, 272, 528, seed=45))),
-    Mutant("FP8 a handed down: the scale's 448 off by 1%", "include/moe_gemm_fp8.cuh",
-           "const float sc = amax / fp8q::E4M3_MAX;", "const float sc = amax / (fp8q::E4M3_MAX * 1.01f);",
-           moe_fp8_aq.test_moe_fp8_act_epilogue, dict(case=moe_fp8_aq.case_of("bf16", 300, 5, 2, 272, 256, seed=46))),
-    Mutant("FP8 a handed down: the last partial group's columns past M counted (and stored past the row)",
-           "include/moe_gemm_fp8.cuh", "const bool here = c0 < N;", "const bool here = c0 < tl.n0 + f8::BLOCK;",
-           moe_fp8_aq.test_moe_fp8_act_epilogue, dict(case=moe_fp8_aq.case_of("bf16", 1000, 5, 2, 272, 144, seed=47))),
     Mutant("int8 skinny linear: each row scaled by the next channel's weight scale", "include/int8.cuh",
            "s = m.s[i] + (r - off);", "s = m.s[i] + (r - off + 1);",
            linear_int8.test_linear_int8_exact_on_the_same_quantised_x,
@@ -458,15 +447,6 @@ MUTANTS = [
            "w = m.w[i] + (i64)(r - off) * K;", "w = r - off == 5 ? nullptr : m.w[i] + (i64)(r - off) * K;",
            linear_int8.test_linear_int8_prologue_equals_the_quantiser_and_kernel,
            _prologue_case(T=2, K=512, rows=[64], seed=26)),
-    Mutant("W4A8 experts, down's prologue: the scale x1.01", "include/int8_prologue.cuh",
-           "s[dst(tid)] = scale_of(amax);", "s[dst(tid)] = scale_of(amax) * 1.01f;",
-           moe_int.test_moe_down_prologue_equals_the_quantiser_and_launch,
-           dict(case=moe_int.case_of("bf16", (2, 1, 1), 1, 512, 200, seed=27), n=4)),
-    Mutant("W4A8 experts, down's prologue: an expert's last pair row read from its first", "include/moe_int_prologue.cuh",
-           "auto row_of = [&](int t) { return a + (i64)pair_of(t) * KD; };",
-           "auto row_of = [&](int t) { return a + (i64)pair_of(t == n - 1 ? 0 : t) * KD; };",
-           moe_int.test_moe_down_prologue_equals_the_quantiser_and_launch,
-           dict(case=moe_int.case_of("bf16", (2, 1, 1), 1, 512, 200, seed=27), n=4)),
     Mutant("W4A8 unpack: the nibbles swapped (the high nibble taken as the even channel)", "include/int4.cuh",
            "even = (w << 4) & 0xF0F0F0F0u;\n  odd = w & 0xF0F0F0F0u;",
            "odd = (w << 4) & 0xF0F0F0F0u;\n  even = w & 0xF0F0F0F0u;",
