@@ -115,7 +115,8 @@ def _graph(m, K, rows, silu, fp8):
 def lowered_chunks(m, K, rows, silu, upto: int) -> tuple[KernelLaunch, KernelLaunch]:
     """(the FP8 skinny launch, its 16-token-chunk launch) under Tuning.linear.fp8_chunks_upto = upto."""
     G, nid = _graph(m, K, rows, silu, True)
-    tuning = dataclasses.replace(DEFAULT_TUNING, linear=dataclasses.replace(DEFAULT_TUNING.linear, fp8_chunks_upto=upto))
+    tuning = dataclasses.replace(DEFAULT_TUNING,
+                                 linear=dataclasses.replace(DEFAULT_TUNING.linear, fp8_chunks_upto=upto))
     plain, chunked = [s for s in linear_skinny.lower(nid, G, Options(dtype="bf16", tuning=tuning))
                       if isinstance(s, KernelLaunch) and s.family == linear_skinny.FAMILY]
     return plain, chunked
@@ -127,7 +128,8 @@ def compile_only(m, names, fp8_variants, chunks: int = 0) -> int:
     bad = 0
     for name in names:
         K, rows, silu = shapes(m)[name]
-        for fp8, v in [(False, BF16_VARIANT), *((True, v) for v in fp8_variants), *([(True, "chunks")] if chunks else [])]:
+        kinds = [(False, BF16_VARIANT), *((True, v) for v in fp8_variants), *([(True, "chunks")] if chunks else [])]
+        for fp8, v in kinds:
             la = lowered_chunks(m, K, rows, silu, chunks)[1] if v == "chunks" else lowered(m, K, rows, silu, v, fp8)[0]
             spills, info = ptxas_report(compile_cubin(render_launch(la), la.name,
                                                       options=("--ptxas-options=-v",)).log)

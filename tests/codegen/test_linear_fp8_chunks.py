@@ -153,3 +153,29 @@ def test_the_chunked_kernels_compile_without_spills_in_the_registers_of_the_smal
         assert "0 bytes spill stores" in log and "0 bytes spill loads" in log, log
         regs.append(int(re.search(r"Used (\d+) registers", log).group(1)))
     assert regs[1] <= regs[0], regs
+
+
+@pytest.mark.slow
+def test_the_chunked_kernel_compiles_in_clusters():
+    """K split over clusters of 2 (along x) with the chunks along y: __cluster_dims__(2, 1, 1).  This shape
+    (rolling x4 in clusters, not a default) spills in today's T <= 16 kernel too (40 bytes); the chunk's
+    token count adds at most a register's worth a thread (12 bytes measured)."""
+    from codegen.nvrtc import compile_cubin
+    from codegen.render import render_launch
+    plain, chunked = [s for s in _lower("linear", "linear.fp8_chunks_upto=32", ksplit=2) if s.family == "linear_skinny"]
+    src = render_launch(chunked)
+    assert "__cluster_dims__(KS, 1, 1)" in src and "linear_fp8_chunk<" in src and '#include "fp8_chunks.cuh"' in src
+    spills = [int(re.search(r"(\d+) bytes spill stores", compile_cubin(render_launch(la), la.name,
+                                                                        options=("--ptxas-options=-v",)).log).group(1))
+              for la in (plain, chunked)]
+    assert spills[1] <= spills[0] + 12, spills
+
+
+def test_the_bench_times_the_chunked_launch():
+    import ir
+    from bench.perf_linear_fp8 import lowered_chunks, shapes
+    m = ir.load_spec(str(ROOT / "model_specs" / "deepseek_v2_lite.yaml")).model
+    plain, chunked = lowered_chunks(m, *shapes(m)["q+kv_a"], 128)
+    assert (plain.name, chunked.name) == ("linear_skinny__bf16_wfp8__k2048__o3072_576",
+                                          "linear_skinny__bf16_wfp8__k2048__o3072_576__c16")
+    assert evaluate(chunked.grid[1], {"T": 128}) == 8
