@@ -112,11 +112,11 @@ def _graph(m, K, rows, silu, fp8):
     return G, nid
 
 
-def lowered_chunks(m, K, rows, silu, upto: int) -> tuple[KernelLaunch, KernelLaunch]:
-    """(the FP8 skinny launch, its 16-token-chunk launch) under Tuning.linear.fp8_chunks_upto = upto."""
+def lowered_chunks(m, K, rows, silu, upto: int, variant: str = FP8_DEFAULT) -> tuple[KernelLaunch, KernelLaunch]:
+    """(the FP8 skinny launch, its 16-token-chunk launch) of `variant` under Tuning.linear.fp8_chunks_upto = upto."""
     G, nid = _graph(m, K, rows, silu, True)
-    tuning = dataclasses.replace(DEFAULT_TUNING,
-                                 linear=dataclasses.replace(DEFAULT_TUNING.linear, fp8_chunks_upto=upto))
+    base = parse_variant(variant)
+    tuning = dataclasses.replace(base, linear=dataclasses.replace(base.linear, fp8_chunks_upto=upto))
     plain, chunked = [s for s in linear_skinny.lower(nid, G, Options(dtype="bf16", tuning=tuning))
                       if isinstance(s, KernelLaunch) and s.family == linear_skinny.FAMILY]
     return plain, chunked
@@ -260,8 +260,9 @@ def main() -> int:
                         us = time_cycled(lambda i: runner.run_all(above, values={"x": x, **ys}, weights=w8[i],
                                                                   sizes=sz), copies)
                         report(name, T, f"fp8 wgmma SMS={sms}", us, fp8_bytes, None, base)
-                    if T <= args.chunks:   # the skinny kernel, T / 16 chunks of tokens along grid.y
-                        _, la8 = lowered_chunks(m, K, rows, silu, args.chunks)
+                    # the skinny kernel, cdiv(T, 16) chunks of tokens along grid.y, in each --fp8-variants shape
+                    for v in fp8_variants if T <= args.chunks else ():
+                        _, la8 = lowered_chunks(m, K, rows, silu, args.chunks, v)
                         for y in ys.values():
                             y.fill_(float("nan"))
                         runner.run(la8, values={"x": x, **ys}, weights=w8[0], sizes={"T": T})
@@ -269,7 +270,7 @@ def main() -> int:
                         err = err_of(list(ys.values()), ref8)
                         us = time_cycled(lambda i: runner.run(la8, values={"x": x, **ys}, weights=w8[i],
                                                               sizes={"T": T}), copies)
-                        report(name, T, f"fp8 chunks x{-(-T // 16)}", us, fp8_bytes, err, base)
+                        report(name, T, f"fp8 chunks x{-(-T // 16)} {v}", us, fp8_bytes, err, base)
                     continue
                 (call,) = above
                 be = CudaBackend.__new__(CudaBackend)
