@@ -179,3 +179,24 @@ def test_the_bench_times_the_chunked_launch():
     assert (plain.name, chunked.name) == ("linear_skinny__bf16_wfp8__k2048__o3072_576",
                                           "linear_skinny__bf16_wfp8__k2048__o3072_576__c16")
     assert evaluate(chunked.grid[1], {"T": 128}) == 8
+
+
+@pytest.mark.slow
+def test_the_decode_arena_holds_no_quantised_x_where_the_chunks_run():
+    """V2-Lite with FP8 weights: at b=32 the chunks' step places no fp8_xq / fp8_xs / fp8_partials bytes (its
+    arena is smaller than today's); at b=128, above the chunks, the same arena as today."""
+    from codegen.bundle import plan_spec
+    from codegen.memplan import ArenaPlan, step_sizes
+    from runtime.bench import bench_spec
+    lite = str(ROOT / "model_specs" / "deepseek_v2_lite.yaml")
+    totals = {}
+    for tune in ((), ("linear.fp8_chunks_upto=64",)):
+        plan = plan_spec(bench_spec(lite, "fp8"), Options(tuning=parse_tune(list(tune))), strict=False).plans["decode"]
+        arena = ArenaPlan(plan.arena)
+        for b in (32, 128):
+            lay = arena.layout(step_sizes("decode", b, plan), 2)
+            fp8_ws = sum(n for name, n in lay.nbytes.items() if name.rsplit("/", 1)[-1].startswith("fp8_"))
+            totals[tune, b] = (lay.total, fp8_ws)
+    on = ("linear.fp8_chunks_upto=64",)
+    assert totals[on, 32][1] == 0 < totals[(), 32][1] and totals[on, 32][0] < totals[(), 32][0], totals
+    assert totals[on, 128] == totals[(), 128], totals
