@@ -200,3 +200,17 @@ def test_the_decode_arena_holds_no_quantised_x_where_the_chunks_run():
     on = ("linear.fp8_chunks_upto=64",)
     assert totals[on, 32][1] == 0 < totals[(), 32][1] and totals[on, 32][0] < totals[(), 32][0], totals
     assert totals[on, 128] == totals[(), 128], totals
+
+
+@pytest.mark.slow
+def test_with_the_norms_e4m3_rows_the_norms_write_them_only_above_the_chunks(capsys):
+    """linear.norm_fp8 reads where gemm_fp8's row starts (linear_skinny.fp8x_from): at b=32 the chunks read
+    the 16-bit x, so the norms write no e4m3 rows; at b=128 they do, for gemm_fp8."""
+    lite = str(ROOT / "model_specs" / "deepseek_v2_lite.yaml")
+    assert main(["explain", lite, "--weights", "fp8", "--phase", "decode", "--tokens", "32,128",
+                 "--tune", "linear.fp8_chunks_upto=64", "--tune", "linear.norm_fp8=true"]) == 0
+    out = capsys.readouterr().out
+    d32, d128 = out.split("decode, T = 32 ", 1)[1].split("\n\n")[0], out.split("decode, T = 128 ", 1)[1]
+    assert "__qf8" not in d32 and "__c16" in d32
+    assert "rms_norm__bf16__d2048__qf8" in d128   # and q + kv_a, the norm's reader, has no quantiser launch
+    assert "runs   gemm_fp8__bf16_wfp8__k2048__o3072, gemm_fp8__bf16_wfp8__k2048__o576" in d128
