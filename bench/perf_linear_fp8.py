@@ -1,7 +1,7 @@
 """The skinny linear with FP8 weights against the bf16 one at DeepSeek-V2-Lite's decode shapes (a script).
 
     python3 -m bench.perf_linear_fp8 [--tokens 1,8,16] [--shapes q+kv_a,o,...] [--gemm-tokens 32,512,4096] [--sms 16,64]
-                                     [--json PATH]
+                                     [--chunks 128] [--json PATH]
                                      [--fp8-variants default,w8r1u4_rolling,w8r1u1_batch,...]
     python3 -m bench.perf_linear_fp8 --compile-only     # no GPU: registers and spills of every kernel
 
@@ -22,7 +22,9 @@ weights (BAD above 1e-2; exit status 1 if any).  --gemm-tokens: what serves the 
 linear.skinny_upto tokens -- on sm_90a the FP8 x FP8 GEMM (gemm_fp8: the quantiser launch, then wgmma; its
 error against float64 on the bf16 x includes x's own FP8 rounding, ~3% norm-wise, so BAD there is 5%),
 elsewhere the library call (dequantise to bf16 each call, then cuBLAS) -- against bf16 cuBLAS on the same
-shape, with TFLOP/s.  Prediction for the FP8 GEMM (written before its first run): at T >= 512 the large
+shape, with TFLOP/s; --chunks N: at the --gemm-tokens values up to N, also the FP8 skinny kernel in 16-token chunks
+(Tuning.linear.fp8_chunks_upto = N: x read as 16-bit, no quantiser; BAD above 1e-2 as at T <= 16).  Prediction for
+the FP8 GEMM (written before its first run): at T >= 512 the large
 shapes at 500-800 TFLOP/s, 1.3-2x bf16 cuBLAS (a wait per 128-K block and the promotion keep it under
 DeepGEMM's ~1300); at T = 32 about cuBLAS's time (one row tile: as many CTAs as 128-column tiles).
 """
@@ -87,6 +89,15 @@ def parse_variant(v: str) -> Tuning:
 
 
 def lowered(m, K, rows, silu, variant, fp8):
+    G, nid = _graph(m, K, rows, silu, fp8)
+    steps = linear_skinny.lower(nid, G, Options(dtype="bf16", tuning=parse_variant(variant)))
+    (la,) = [s for s in steps if isinstance(s, KernelLaunch) and s.family == linear_skinny.FAMILY]
+    above = [s for s in steps if s is not la]   # the library call, or gemm_fp8's launches
+    return la, above, G.nodes[nid]["outputs"]
+
+
+def _graph(m, K, rows, silu, fp8):
+    """The shape's node alone in a decode graph, its weights FP8 if `fp8`."""
     x = {"x": TType(("T", K), "act")}
     if silu:
         G, nid = single_op_graph(m, "gate_up_silu", {"out_dim": rows[0]}, x, {"gate": "w0", "up": "w1"}, phase="decode")
@@ -98,20 +109,28 @@ def lowered(m, K, rows, silu, variant, fp8):
     if fp8:
         for name, info in list(G.graph["weights"].items()):
             G.graph["weights"][name] = dataclasses.replace(info, format=FP8.name)
-    steps = linear_skinny.lower(nid, G, Options(dtype="bf16", tuning=parse_variant(variant)))
-    (la,) = [s for s in steps if isinstance(s, KernelLaunch) and s.family == linear_skinny.FAMILY]
-    above = [s for s in steps if s is not la]   # the library call, or gemm_fp8's launches
-    return la, above, G.nodes[nid]["outputs"]
+    return G, nid
 
 
-def compile_only(m, names, fp8_variants) -> int:
+def lowered_chunks(m, K, rows, silu, upto: int, variant: str = FP8_DEFAULT) -> tuple[KernelLaunch, KernelLaunch]:
+    """(the FP8 skinny launch, its 16-token-chunk launch) of `variant` under Tuning.linear.fp8_chunks_upto = upto."""
+    G, nid = _graph(m, K, rows, silu, True)
+    base = parse_variant(variant)
+    tuning = dataclasses.replace(base, linear=dataclasses.replace(base.linear, fp8_chunks_upto=upto))
+    plain, chunked = [s for s in linear_skinny.lower(nid, G, Options(dtype="bf16", tuning=tuning))
+                      if isinstance(s, KernelLaunch) and s.family == linear_skinny.FAMILY]
+    return plain, chunked
+
+
+def compile_only(m, names, fp8_variants, chunks: int = 0) -> int:
     from codegen.nvrtc import compile_cubin
     from codegen.render import render_launch
     bad = 0
     for name in names:
         K, rows, silu = shapes(m)[name]
-        for fp8, v in [(False, BF16_VARIANT), *((True, v) for v in fp8_variants)]:
-            la, _, _ = lowered(m, K, rows, silu, v, fp8)
+        kinds = [(False, BF16_VARIANT), *((True, v) for v in fp8_variants), *([(True, "chunks")] if chunks else [])]
+        for fp8, v in kinds:
+            la = lowered_chunks(m, K, rows, silu, chunks)[1] if v == "chunks" else lowered(m, K, rows, silu, v, fp8)[0]
             spills, info = ptxas_report(compile_cubin(render_launch(la), la.name,
                                                       options=("--ptxas-options=-v",)).log)
             bad += spills
@@ -146,6 +165,9 @@ def main() -> int:
     ap.add_argument("--sms", default="",
                     help="gemm_fp8 rows also at these SM counts (the grid and split expressions' SMS: splits = "
                          "min(8, SMS // tiles), so a small count times the unsplit walk), e.g. 16,32,64")
+    ap.add_argument("--chunks", type=int, default=0,
+                    help="also the FP8 skinny kernel in 16-token chunks at the --gemm-tokens values up to this "
+                         "(linear.fp8_chunks_upto: 32, 64, 128 or 256)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
@@ -154,8 +176,13 @@ def main() -> int:
     fp8_variants = [v for v in args.fp8_variants.split(",") if v]
     for v in fp8_variants:
         parse_variant(v)
+    if args.chunks:
+        try:
+            dataclasses.replace(DEFAULT_TUNING.linear, fp8_chunks_upto=args.chunks)
+        except TuningError as e:
+            raise SystemExit(f"--chunks: {e}") from None
     if args.compile_only:
-        return compile_only(m, names, fp8_variants)
+        return compile_only(m, names, fp8_variants, args.chunks)
 
     import torch
     import torch.nn.functional as F
@@ -233,6 +260,17 @@ def main() -> int:
                         us = time_cycled(lambda i: runner.run_all(above, values={"x": x, **ys}, weights=w8[i],
                                                                   sizes=sz), copies)
                         report(name, T, f"fp8 wgmma SMS={sms}", us, fp8_bytes, None, base)
+                    # the skinny kernel, cdiv(T, 16) chunks of tokens along grid.y, in each --fp8-variants shape
+                    for v in fp8_variants if T <= args.chunks else ():
+                        _, la8 = lowered_chunks(m, K, rows, silu, args.chunks, v)
+                        for y in ys.values():
+                            y.fill_(float("nan"))
+                        runner.run(la8, values={"x": x, **ys}, weights=w8[0], sizes={"T": T})
+                        torch.cuda.synchronize()
+                        err = err_of(list(ys.values()), ref8)
+                        us = time_cycled(lambda i: runner.run(la8, values={"x": x, **ys}, weights=w8[i],
+                                                              sizes={"T": T}), copies)
+                        report(name, T, f"fp8 chunks x{-(-T // 16)} {v}", us, fp8_bytes, err, base)
                     continue
                 (call,) = above
                 be = CudaBackend.__new__(CudaBackend)

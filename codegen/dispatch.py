@@ -238,6 +238,11 @@ def linear(t: Tuning = DEFAULT_TUNING) -> Table:
     xq = min(t.linear.i8_prologue_upto, up)
     i8 = INT8_CHANNEL
     skinny = ("skinny", 1, up, "skinny kernel: each weight byte read once, tokens as the mma's N")
+    chunks_upto = t.linear.fp8_chunks_upto if up else 0   # the chunks are the skinny kernel's: none without it
+    fp8_chunks = ("skinny_fp8_chunks", up + 1, chunks_upto,
+                  "FP8 skinny kernel in chunks of 16 tokens (grid.y; no quantiser launch): a chunk's CTAs read the "
+                  "same weights as the others' at about the same time, so L2 serves the repeats")
+    fp8_from = max(up, chunks_upto) + 1
     i8_skinny = ("skinny_wi8", 1, up, "int8 weights: x quantised per token by its own launch, then the skinny "
                                       "kernel's mma.sync s8 x s8 -> s32 with the weights as M (exact, bit-equal "
                                       "to the reference)")
@@ -262,8 +267,9 @@ def linear(t: Tuning = DEFAULT_TUNING) -> Table:
         Case({"precision": "fp32"}, _rows(("library", 1, INF, "fp32 precision: cuBLAS, weights and output "
                                                               "stay float32")), "fp32 precision (the router)"),
         *((Case({"weight_format": "fp8_e4m3_block128", "sm_90a": True, "fp8_rows": True, "fp8_fits": True},
-                _rows(skinny, ("fp8_wgmma", up + 1, INF, "FP8 x FP8 wgmma + TMA: x quantised per token per 128 "
-                                                         "columns, fp32 promotion per 128-K block")),
+                _rows(skinny, fp8_chunks,
+                      ("fp8_wgmma", fp8_from, INF, "FP8 x FP8 wgmma + TMA: x quantised per token per 128 "
+                                                   "columns, fp32 promotion per 128-K block")),
                 "FP8 weights, sm_90a"),) if t.linear.fp8_activations else ()),
         *prologue,
         Case(gemm_when, _rows(i8_skinny, i8_wgmma), gemm_note),

@@ -208,7 +208,8 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
                     "skinny_wi8_xq" if "xq" in s.params else "skinny_wi8"
                 wanted[(op, i8)] = 1
             else:
-                wanted[(op, "library" if st == "library" else "fp8_wgmma" if s.family == "gemm_fp8" else "skinny")] = 1
+                wanted[(op, "library" if st == "library" else "fp8_wgmma" if s.family == "gemm_fp8" else
+                         "skinny_fp8_chunks" if "chunk" in s.params else "skinny")] = 1
         elif op == "moe_expert_ffn":
             wanted[(op, "fused" if st == "fused" else "two_launch")] = 1
             if st != "fused" and s.family in dispatch.TABLES:   # and the grouped family's own row (the FP8

@@ -21,7 +21,9 @@ activations): the kernel reads the FP8 bytes and their block scales (the compani
 "wfp8" and its load pipeline is Tuning.linear.fp8_*.  Above skinny_upto, on sm_90a, the FP8 x FP8
 GEMM (codegen/families/gemm_fp8.py: a quantiser launch, then wgmma; no quantiser where the RMSNorm that
 makes x writes x's e4m3 rows, Tuning.linear.norm_fp8) takes the place of the library call; elsewhere (no sm_90a, K % 16 != 0) the library call dequantises each weight to the activation
-dtype (torch) before the cuBLAS GEMM, every step -- correct, not fast.
+dtype (torch) before the cuBLAS GEMM, every step -- correct, not fast.  Where Tuning.linear.fp8_chunks_upto
+is set (off by default), the FP8 skinny kernel also serves skinny_upto < T <= fp8_chunks_upto, its tokens in
+chunks of 16 along grid.y (_fp8_chunks), and the FP8 GEMM starts above it.
 
 Weights in int8 (msModelSlim's int8_channel: W8A8_DYNAMIC, every weight of the node, bf16 or fp16
 activations; codegen/dispatch.py's linear table, rows skinny_wi8 / int_mm): x is quantised per token by
@@ -46,7 +48,7 @@ from codegen.errors import LoweringError
 from codegen.kernel import DTYPES, KernelLaunch, Workspace, inp, out, size, stride, weight, work
 from codegen.render import kernel_name
 from codegen.arch import has_feature
-from codegen.sizes import only_below, token_range
+from codegen.sizes import only_above, only_below, token_range
 from codegen.tuning import DEFAULT_TUNING
 from ir.formats import FORMATS, FP8, companion_names, weight_format
 
@@ -186,7 +188,7 @@ def lower(nid, G, opts, *, warps: int | None = None, row_tiles: int | None = Non
         grid=(f"{ctas} * {only_below(upto)}", 1, 1), block=(warps * 32, 1, 1), args=args,
         stage=data["op"])
     if gemms:   # the FP8 GEMM above the skinny range (its row ends the table: no library call)
-        return [launch, *gemms]
+        return [launch, *_fp8_chunks(nid, G, opts, launch, gemms)]
     call = library_call(nid, data, from_tokens=upto + 1)
     if fp8:
         call = dataclasses.replace(call, attrs={**call.attrs, "weight_format": FP8.name})
@@ -231,6 +233,30 @@ def _fp8_row(nid, G, opts) -> tuple[tuple[int, int | None], bool] | None:
         return None
     ((lo, hi),) = wgmma
     return (lo, hi), not dispatch.row_range(rows_, "skinny")
+
+
+def _fp8_chunks(nid, G, opts, launch: KernelLaunch, gemms: list) -> list:
+    """Between the skinny row and gemm_fp8's (the linear table's "skinny_fp8_chunks",
+    Tuning.linear.fp8_chunks_upto): the node's FP8 skinny kernel `launch` over every T, its tokens in
+    chunks of SKINNY_MAX_TOKENS along grid.y (templates/include/fp8_chunks.cuh), then `gemms`, whose
+    workspaces (the quantised x, the split partials) are sized to nothing where the chunks run.
+    `gemms` alone where the table has no such row."""
+    # gemms exist: the table's FP8 case held for this node
+    facts = {"precision": "act", "weight_format": FP8.name, "sm_90a": True, "fp8_rows": True, "fp8_fits": True}
+    span = dispatch.row_range(dispatch.rows(G.nodes[nid]["op"], facts, opts.tuning), "skinny_fp8_chunks")
+    if not span:
+        return gemms
+    ((lo, hi),) = span
+    p, n = launch.params, SKINNY_MAX_TOKENS
+    ctas = -(-sum(p["rows"]) // (16 * p["rt"])) * p["ks"]
+    chunked = dataclasses.replace(
+        launch, name=kernel_name(FAMILY, [*launch.name.split("__")[1:], f"c{n}"]), params={**p, "chunk": n},
+        grid=(f"{ctas} * {token_range(lo, hi)}", f"cdiv(T, {n})", 1), stage=f"{launch.stage}_chunks")
+    past = only_above(hi)
+
+    def unused_here(ws: Workspace) -> Workspace:
+        return dataclasses.replace(ws, shape=(f"({ws.shape[0]}) * {past}", *ws.shape[1:]))
+    return [chunked, *(dataclasses.replace(g, workspace=tuple(map(unused_here, g.workspace))) for g in gemms)]
 
 
 def _fp8_weights(G, names: list[str], opts) -> bool:

@@ -40,7 +40,9 @@ TUNINGS = [Tuning(), tuned(moe__decode_wgmma=False), tuned(moe__decode_wgmma_fro
            tuned(moe__fp8_activations=False), tuned(linear__i8_prologue_upto=4),
            tuned(linear__i8_prologue_upto=16), tuned(linear__i8_prologue_upto=16, linear__skinny_upto=8),
            tuned(persistent__segments=True),
-           tuned(moe__fp8_one_token_down=True), tuned(moe__fp8_one_token_down=True, moe__fp8_activations=False)]
+           tuned(moe__fp8_one_token_down=True), tuned(moe__fp8_one_token_down=True, moe__fp8_activations=False),
+           tuned(linear__fp8_chunks_upto=128), tuned(linear__fp8_chunks_upto=32, linear__skinny_upto=0),
+           tuned(linear__fp8_chunks_upto=256, linear__skinny_upto=8)]
 
 
 def _partitions(rows, probe=(1, 2, 3, 4, 7, 8, 9, 16, 17, 255, 256, 257, 300, 4096, 4097, 1 << 20)):

@@ -21,6 +21,7 @@ import test_kernels_gemm_int8 as gemm_int8
 import test_kernels_int4_unpack as int4_unpack
 import test_kernels_linear as linear
 import test_kernels_linear_fp8 as linear_fp8
+import test_kernels_linear_fp8_chunks as linear_fp8_chunks
 import test_kernels_linear_int8 as linear_int8
 import test_kernels_mla as mla
 import test_kernels_mla_fp8 as mla_fp8
@@ -342,6 +343,18 @@ MUTANTS = [
            "include/fp8.cuh", "if constexpr (ROLLING) load_step(next, u);", "if constexpr (ROLLING) load_step(next + 1, u);",
            linear_fp8.test_linear_skinny_fp8, dict(dtype="bf16", T=3, K=10944, rows=[256], extra=0, offset=0,
                                                    shift="none", variant=linear_fp8.VARIANTS[0], seed=21)),
+    Mutant("FP8 skinny linear in 16-token chunks: a chunk's output one row late (o_proj at b=40: 3 chunks)",
+           "include/fp8_chunks.cuh", "mine.y[i] = out.y[i] + (i64)t0 * rows[i];",
+           "mine.y[i] = out.y[i] + (i64)(t0 + 1) * rows[i];",
+           linear_fp8_chunks.test_linear_skinny_fp8_chunks,
+           dict(dtype="bf16", T=40, K=2048, rows=[2048], silu=False, extra=0, offset=0, shift="none",
+                variant=linear_fp8.VARIANTS[0], seed=50)),
+    Mutant("FP8 skinny linear in 16-token chunks: the last chunk's tokens not clipped at T (T = 33: 1 token)",
+           "include/fp8_chunks.cuh", "const int chunk_tokens = min(MAX_TOKENS, ntok - t0);",
+           "const int chunk_tokens = MAX_TOKENS;",
+           linear_fp8_chunks.test_linear_skinny_fp8_chunks,
+           dict(dtype="bf16", T=33, K=512, rows=[200, 72], silu=False, extra=0, offset=0, shift="none",
+                variant=linear_fp8.VARIANTS[0], seed=51)),
     Mutant("FP8 gate_up_silu: the up rows scaled with their gate's scales (batch pipeline)", "include/fp8.cuh",
            "acc[rt][nt][2] = fmaf(p[2], sc[rt][1], acc[rt][nt][2]);",
            "acc[rt][nt][2] = fmaf(p[2], sc[rt][0], acc[rt][nt][2]);",
