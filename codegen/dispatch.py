@@ -346,8 +346,9 @@ def segments(t: Tuning = DEFAULT_TUNING) -> Table:
     per_op = ("per_op", 1, INF, "a launch per op: the reference and fallback")
     return Table("segments", "tokens", (
         Case({"phase": "decode", "segments": True},
-             _rows(("segment", 1, INF, "each run of launches with task bodies (norms, 16-bit skinny linears) as "
-                                       "one persistent launch: CTAs take the tiles in order and wait on counters")),
+             _rows(("segment", 1, INF, "each run of launches with task bodies (norms, the MoE combine + norm, "
+                                       "16-bit skinny linears) as one persistent launch: CTAs take the tiles in "
+                                       "order and wait on counters")),
              "decode, persistent.segments on"),
         Case({}, _rows(per_op), "elsewhere")), ("phase", "segments"))
 

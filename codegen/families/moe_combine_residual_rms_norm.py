@@ -42,3 +42,9 @@ def lower(nid: str, G, opts) -> list[KernelLaunch]:
 def tasks(launch, tiling):
     """The decode task graph's tiles (codegen/tasks.py): one per token, its rows only."""
     return tiling.per_token(launch)
+
+
+def segment_body(launch):
+    """Its task body in a persistent segment (templates/include/task_bodies.cuh): one token row a task."""
+    p = launch.params
+    return {"kind": "combine_norm", **{k: p[k] for k in ("D", "K", "S", "eps")}}

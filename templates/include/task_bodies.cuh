@@ -4,7 +4,8 @@
 // functions, the same rounding), so a segment's outputs are bit-equal to the launches it replaces.
 // Every thread of the CTA calls a body; the segment's block size is the member's.
 #pragma once
-#include "norm.cuh"
+#include "norm.cuh"   // before moe_combine.cuh, which uses vec.cuh's RowLayout
+#include "moe_combine.cuh"
 #include "segment.cuh"
 #include "skinny.cuh"
 
@@ -37,6 +38,23 @@ __device__ __forceinline__ void add_rms_norm_task(const T* x, i64 x_stride, cons
   L::store(s + (i64)t * N, v);
   rms_norm_row_loaded<T, N, L>(v, wv, eps, scratch);
   L::store(h + (i64)t * N, v);
+}
+
+// moe_combine_residual_rms_norm.cu.j2's CTA t: s[t] = the MoE layer's output plus the residual (rounded),
+// h[t] = rms_norm(s[t]) * w.  S > 0: the token's last S pairs are the shared experts (no shared input).
+template <typename T, int D, int K, int S, int THREADS>
+__device__ __forceinline__ void combine_rms_norm_task(const T* eo, const float* w, const T* shared,
+                                                      const T* residual, const T* nw, T* h, T* s, float eps, int t,
+                                                      float* scratch) {
+  typedef RowLayout<T, D, THREADS> L;
+  float wv[L::ITEMS], v[L::ITEMS];
+  L::load(nw, wv);
+  moe::combine_row<T, D, K, L, S>(eo, w, shared, residual, t, v);
+#pragma unroll
+  for (int i = 0; i < L::ITEMS; ++i) v[i] = round_to<T>(v[i]);
+  L::store(s + (i64)t * D, v);
+  rms_norm_row_loaded<T, D, L>(v, wv, eps, scratch);
+  L::store(h + (i64)t * D, v);
 }
 
 // A norm's weight row.

@@ -40,11 +40,12 @@ def _compiled(name: str):
     return compile_cubin(render_launch(launch), name, arch="sm_90", options=("--ptxas-options=-v",))
 
 
-def test_v2_lite_has_three_segment_kernels():
-    assert sorted(len(s.params["members"]) for s in _kernels().values()) == [2, 2, 6]
+def test_v2_lite_has_five_segment_kernels():
+    assert sorted(len(s.params["members"]) for s in _kernels().values()) == [2, 2, 2, 2, 6]
+    assert sum(s.params["members"][0]["kind"] == "combine_norm" for s in _kernels().values()) == 2
 
 
-@pytest.mark.parametrize("k", range(3))
+@pytest.mark.parametrize("k", range(5))
 def test_segment_kernel_compiles_without_spills(k):
     log = _compiled(sorted(_kernels())[k]).log
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
@@ -52,7 +53,7 @@ def test_segment_kernel_compiles_without_spills(k):
     assert "0 bytes spill stores, 0 bytes spill loads" in log and "0 bytes stack frame" in log, log
 
 
-@pytest.mark.parametrize("k", range(3))
+@pytest.mark.parametrize("k", range(5))
 def test_segment_kernel_waits_before_it_touches_another_kernels_data(k):
     """pdl.cuh's contract (tests/codegen/test_sass_pdl.py's check): before its wait a segment only
     prefetches its first task's weights towards L2 (prefetches, not loads)."""
@@ -60,7 +61,7 @@ def test_segment_kernel_waits_before_it_touches_another_kernels_data(k):
     assert wait_problem(instructions(_compiled(name).cubin)[name]) is None
 
 
-@pytest.mark.parametrize("k", range(3))
+@pytest.mark.parametrize("k", range(5))
 def test_segment_kernel_keeps_its_memory_order(k):
     cubin = _compiled(sorted(_kernels())[k]).cubin
     ops = opcodes(cubin)
