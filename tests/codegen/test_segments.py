@@ -35,10 +35,11 @@ ON = parse_tune(["persistent.segments=true"])
 
 @functools.lru_cache(maxsize=None)
 def plans(spec: str, dtype: str = "bf16"):
-    """(the decode plan with segments, without)."""
-    if spec == "tiny":
+    """(the decode plan with segments, without); "tiny", "lite_widths": the GPU tests' tiny models."""
+    if spec in ("tiny", "lite_widths"):
         import ir
-        spec = ir.parse_spec(tiny_spec_text(), "tiny.yaml")
+        from test_kernels_persistent import LITE_WIDTHS
+        spec = ir.parse_spec(tiny_spec_text(**(LITE_WIDTHS if spec == "lite_widths" else {})), "tiny.yaml")
     return tuple(plan_spec(spec, Options(dtype=dtype, tuning=t), strict=False).plans["decode"] for t in (ON, Options().tuning))
 
 
@@ -82,6 +83,15 @@ def test_a_moe_layers_combine_norm_joins_the_next_layers_q():
     assert [r.nodes for _, r in pairs][-1] == ("head.logits",)
     (s,) = {s.waits for s in segments.find(plain) if plain.steps[s.steps[0]] is pairs[0][0]}
     assert s == ((), (0,))
+
+
+def test_the_gpu_engine_tests_v2_lite_widths_model_has_the_new_members():
+    """tests/gpu/test_kernels_persistent.py's engine test at V2-Lite's widths runs every body V2-Lite's
+    decode step does."""
+    seg, _ = plans("lite_widths")
+    kinds = {m["kind"] for s in seg.launches if s.family == "segment" for m in s.params["members"]}
+    lite, _ = plans(LITE)
+    assert kinds == {m["kind"] for s in lite.launches if s.family == "segment" for m in s.params["members"]}
 
 
 def test_a_norm_that_writes_quantised_rows_is_no_member():

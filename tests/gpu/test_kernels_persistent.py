@@ -1,17 +1,21 @@
 """Property tests: a persistent decode segment (codegen/segments.py, templates/include/segment.cuh) gives
 bit for bit what the kernel-per-op launches of its members give.
 
-The members are a decode layer's tail as V2-Lite's dense layer runs it: o_proj (a skinny linear), the
-residual add + RMSNorm, the fused gate + up + SwiGLU and the down projection; four launches, one
-segment.  The task bodies call the members' own device functions in their own summation order, so
-the outputs must be equal, not close.  Hypothesis draws the dtype, the widths (V2-Lite's and odd
-ones), T (1..16, the skinny range) and the inputs; each example runs the segment on grids of 1, 2, 3
-and 132 CTAs (one CTA runs every task in order; a few CTAs wait on each other; 132 is an H100's SMs,
-one CTA each), twice (the counters reset themselves), and replays it from a CUDA graph on new
-inputs.  The engine's decode step with segments on gives exactly the logits it gives with them off.
+The chains (CHAINS):
+- mlp: a decode layer's tail as V2-Lite's dense layer runs it: o_proj (a skinny linear), the residual
+  add + RMSNorm, the fused gate + up + SwiGLU and the down projection; four launches, one segment.
+- combine_q: a MoE layer's combine + residual + RMSNorm (moe_combine_residual_rms_norm; with shared
+  experts among the pairs or a shared input) and the next layer's q projection that reads its h.
+The task bodies call the members' own device functions in their own summation order, so the outputs
+must be equal, not close.  Hypothesis draws the chain, the dtype, the widths (V2-Lite's and odd ones),
+T (1..16, the skinny range) and the inputs; each example runs the segment on grids of 1, 2, 3 and 132
+CTAs (one CTA runs every task in order; a few CTAs wait on each other; 132 is an H100's SMs, one CTA
+each), twice (the counters reset themselves), and replays it from a CUDA graph on new inputs.  The
+engine's decode step with segments on gives exactly the logits it gives with them off.
 
-A planted mutant (tests/gpu/test_mutants.py) drops the last member's waits: the down projection then
-reads the SwiGLU output before gate_up_silu's tiles have written it (a slow producer: 10944-wide rows)."""
+Planted mutants (tests/gpu/test_mutants.py) drop the last member's waits: mlp's down projection then
+reads the SwiGLU output before gate_up_silu's tiles have written it (a slow producer: 10944-wide rows);
+combine_q's q projection reads h before the combine's tasks have written it."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +26,7 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from harness import GPU_MARKS
-from kernel_cases import act, empty_out, kernel_test, model, rand, runner, single_op_graph
+from kernel_cases import TType, act, empty_out, kernel_test, model, rand, runner, single_op_graph
 
 from codegen import segments
 from codegen.families import family_for_op
@@ -33,10 +37,18 @@ from codegen.plan import NodeInfo, PhasePlan
 pytestmark = GPU_MARKS
 SETTINGS = kernel_test(12)
 GRIDS = (1, 2, 3, 132)
-# (K of o_proj's input, D hidden, I the MLP's width): V2-Lite's dense layer, odd widths, fp32's. A norm joins
-# a segment of its block size: D's rows must take 256 threads (16-bit 2048, fp32 1024, odd 225..256)
-SHAPES = {"lite": (2048, 2048, 10944), "odd": (41, 255, 53), "wide32": (2048, 1024, 2816)}
-CASES = [("bf16", "lite"), ("fp16", "lite"), ("bf16", "odd"), ("fp16", "odd"), ("fp32", "odd"), ("fp32", "wide32")]
+# mlp: (K of o_proj's input, D hidden, I the MLP's width): V2-Lite's dense layer, odd widths, fp32's.
+# combine_q: (D hidden, K pairs a token, S shared experts among them (0: a shared input), Q q's width).
+# A norm joins a segment of its block size: D's rows must take 256 threads (16-bit 2048, fp32 1024, odd
+# 225..256)
+SHAPES = {"mlp": {"lite": (2048, 2048, 10944), "odd": (41, 255, 53), "wide32": (2048, 1024, 2816)},
+          "combine_q": {"lite": (2048, 8, 2, 3072), "lite_shared_input": (2048, 6, 0, 576), "odd": (255, 3, 1, 41),
+                        "wide32": (1024, 4, 0, 100)}}
+CASES = [("mlp", "bf16", "lite"), ("mlp", "fp16", "lite"), ("mlp", "bf16", "odd"), ("mlp", "fp16", "odd"),
+         ("mlp", "fp32", "odd"), ("mlp", "fp32", "wide32"),
+         ("combine_q", "bf16", "lite"), ("combine_q", "fp16", "lite_shared_input"), ("combine_q", "bf16", "odd"),
+         ("combine_q", "fp32", "wide32")]
+WAITS = {"mlp": ((), (0,), (1,), (2,)), "combine_q": ((), (0,))}
 
 
 def _member(m, op, attrs, inputs, weights, outputs, dtype) -> KernelLaunch:
@@ -44,45 +56,79 @@ def _member(m, op, attrs, inputs, weights, outputs, dtype) -> KernelLaunch:
     return next(s for s in family_for_op(op).lower(nid, G, Options(dtype=dtype)) if isinstance(s, KernelLaunch))
 
 
-@functools.lru_cache(maxsize=None)
-def chain(dtype: str, shape: str):
-    """(the members' launches in plan order, the segment's launch) of x -> o_proj -> y; (y, res) ->
-    h, s; h -> gate_up_silu -> g; g -> down -> z."""
-    K, D, I = SHAPES[shape]
+def _members(name: str, dtype: str, shape: str) -> list:
+    """mlp: x -> o_proj -> y; (y, res) -> h, s; h -> gate_up_silu -> g; g -> down -> z.
+    combine_q: (eo, w, [shared], res) -> h, s; h -> q."""
     m = model("lite")
-    members = [
-        _member(m, "linear", {"out_dim": D}, {"x": act(K)}, {"weight": "wo"}, ["y"], dtype),
-        _member(m, "fused_add_rms_norm", {}, {"y": act(D), "res": act(D)}, {"weight": "wn"}, ["h", "s"], dtype),
-        _member(m, "gate_up_silu", {"out_dim": I}, {"h": act(D)}, {"gate": "wg", "up": "wu"}, ["g"], dtype),
-        _member(m, "linear", {"out_dim": D}, {"g": act(I)}, {"weight": "wd"}, ["z"], dtype),
+    if name == "mlp":
+        K, D, I = SHAPES[name][shape]
+        return [
+            _member(m, "linear", {"out_dim": D}, {"x": act(K)}, {"weight": "wo"}, ["y"], dtype),
+            _member(m, "fused_add_rms_norm", {}, {"y": act(D), "res": act(D)}, {"weight": "wn"}, ["h", "s"], dtype),
+            _member(m, "gate_up_silu", {"out_dim": I}, {"h": act(D)}, {"gate": "wg", "up": "wu"}, ["g"], dtype),
+            _member(m, "linear", {"out_dim": D}, {"g": act(I)}, {"weight": "wd"}, ["z"], dtype),
+        ]
+    D, K, S, Q = SHAPES[name][shape]
+    ins = {"eo": TType((f"T*{K}", D), "act"), "w": TType(("T", K), "f32"), **({} if S else {"shared": act(D)}),
+           "res": act(D)}
+    return [
+        _member(m, "moe_combine_residual_rms_norm", {"shared_experts": S} if S else {}, ins, {"weight": "wn"},
+                ["h", "s"], dtype),
+        _member(m, "linear", {"out_dim": Q}, {"h": act(D)}, {"weight": "wq"}, ["q"], dtype),
     ]
+
+
+@functools.lru_cache(maxsize=None)
+def chain(name: str, dtype: str, shape: str):
+    """(the members' launches in plan order, the segment's launch)."""
+    members = _members(name, dtype, shape)
     plan = PhasePlan("decode", steps=members, nodes={s.nodes[0]: NodeInfo(None, ()) for s in members})
     (seg,) = segments.find(plan)
-    assert seg.steps == (0, 1, 2, 3) and seg.waits == ((), (0,), (1,), (2,))
+    assert seg.steps == tuple(range(len(members))) and seg.waits == WAITS[name]
     launch = segment_family.launch(members, [segments.body(s) for s in members], seg.waits, lead=seg.lead,
                                    gate=None, pdl=True)
     return members, launch
 
 
-def inputs(dtype, shape, T, gen):
-    K, D, I = SHAPES[shape]
-    values = {"x": rand((T, K), dtype, gen=gen, scale=3.0), "res": rand((T, D), dtype, gen=gen)}
-    weights = {"wo": rand((D, K), dtype, gen=gen, scale=K ** -0.5), "wn": rand((D,), dtype, gen=gen) + 1,
-               "wg": rand((I, D), dtype, gen=gen, scale=D ** -0.5), "wu": rand((I, D), dtype, gen=gen, scale=D ** -0.5),
-               "wd": rand((D, I), dtype, gen=gen, scale=I ** -0.5)}
+def inputs(name, dtype, shape, T, gen):
+    if name == "mlp":
+        K, D, I = SHAPES[name][shape]
+        values = {"x": rand((T, K), dtype, gen=gen, scale=3.0), "res": rand((T, D), dtype, gen=gen)}
+        weights = {"wo": rand((D, K), dtype, gen=gen, scale=K ** -0.5), "wn": rand((D,), dtype, gen=gen) + 1,
+                   "wg": rand((I, D), dtype, gen=gen, scale=D ** -0.5),
+                   "wu": rand((I, D), dtype, gen=gen, scale=D ** -0.5),
+                   "wd": rand((D, I), dtype, gen=gen, scale=I ** -0.5)}
+        return values, weights
+    D, K, S, Q = SHAPES[name][shape]
+    w = torch.rand(T, K, generator=gen) * (2.0 / K)   # routing weights summing to about 1, the shared pairs 1
+    if S:
+        w[:, K - S:] = 1.0
+    w[0, 0] = 0.0                                      # a pair of weight 0 is skipped (its row may be unwritten)
+    values = {"eo": rand((T * K, D), dtype, gen=gen), "w": w.cuda(), "res": rand((T, D), dtype, gen=gen)}
+    if not S:
+        values["shared"] = rand((T, D), dtype, gen=gen)
+    weights = {"wn": rand((D,), dtype, gen=gen) + 1, "wq": rand((Q, D), dtype, gen=gen, scale=D ** -0.5)}
     return values, weights
 
 
-def outputs(dtype, shape, T):
-    K, D, I = SHAPES[shape]
-    return {"y": empty_out((T, D), dtype), "h": empty_out((T, D), dtype), "s": empty_out((T, D), dtype),
-            "g": empty_out((T, I), dtype), "z": empty_out((T, D), dtype)}
+def outputs(name, dtype, shape, T):
+    if name == "mlp":
+        K, D, I = SHAPES[name][shape]
+        return {"y": empty_out((T, D), dtype), "h": empty_out((T, D), dtype), "s": empty_out((T, D), dtype),
+                "g": empty_out((T, I), dtype), "z": empty_out((T, D), dtype)}
+    D, K, S, Q = SHAPES[name][shape]
+    return {"h": empty_out((T, D), dtype), "s": empty_out((T, D), dtype), "q": empty_out((T, Q), dtype)}
 
 
-def per_op(members, values, weights, T, dtype, shape):
-    outs = outputs(dtype, shape, T)
+def sizes(name, shape, T) -> dict:
+    return {"T": T, "SMS": 132, **({"NP": T * SHAPES[name][shape][1]} if name == "combine_q" else {})}
+
+
+def per_op(members, values, weights, T, case):
+    name, dtype, shape = case
+    outs = outputs(*case, T)
     for launch in members:
-        runner().run_all([launch], values={**values, **outs}, weights=weights, sizes={"T": T})
+        runner().run_all([launch], values={**values, **outs}, weights=weights, sizes=sizes(name, shape, T))
     torch.cuda.synchronize()
     return outs
 
@@ -94,50 +140,61 @@ def assert_equal(got, want, what):
 
 @SETTINGS
 @given(case=st.sampled_from(CASES), T=st.integers(1, 16), seed=st.integers(0, 2**31))
-@example(case=("bf16", "lite"), T=1, seed=1)
-@example(case=("bf16", "lite"), T=16, seed=2)
-@example(case=("fp32", "odd"), T=9, seed=3)
+@example(case=("mlp", "bf16", "lite"), T=1, seed=1)
+@example(case=("mlp", "bf16", "lite"), T=16, seed=2)
+@example(case=("mlp", "fp32", "odd"), T=9, seed=3)
+@example(case=("combine_q", "bf16", "lite"), T=1, seed=5)
+@example(case=("combine_q", "bf16", "odd"), T=16, seed=6)
 def test_segment_equals_the_launches_it_replaces(case, T, seed):
-    dtype, shape = case
-    members, launch = chain(dtype, shape)
-    values, weights = inputs(dtype, shape, T, torch.Generator().manual_seed(seed))
-    want = per_op(members, values, weights, T, dtype, shape)
+    name, dtype, shape = case
+    members, launch = chain(*case)
+    values, weights = inputs(*case, T, torch.Generator().manual_seed(seed))
+    want = per_op(members, values, weights, T, case)
     for grid in GRIDS:
         forced = dataclasses.replace(launch, grid=(str(grid), 1, 1))
         for run in range(2):     # the second launch finds the counters the first one reset
-            got = outputs(dtype, shape, T)
-            runner().run_all([forced], values={**values, **got}, weights=weights, sizes={"T": T, "SMS": 132})
+            got = outputs(*case, T)
+            runner().run_all([forced], values={**values, **got}, weights=weights, sizes=sizes(name, shape, T))
             torch.cuda.synchronize()
             assert_equal(got, want, f"{grid} CTAs, run {run + 1}")
 
 
 @SETTINGS
 @given(case=st.sampled_from(CASES), T=st.integers(1, 16), seed=st.integers(0, 2**31))
-@example(case=("bf16", "lite"), T=1, seed=4)
+@example(case=("mlp", "bf16", "lite"), T=1, seed=4)
+@example(case=("combine_q", "bf16", "lite"), T=1, seed=7)
 def test_segment_replays_in_a_cuda_graph(case, T, seed):
     """Captured once, replayed on new inputs written into the captured buffers: each replay equals
     the kernel-per-op launches on those inputs (a counter left unreset would hang or skip tasks)."""
-    dtype, shape = case
-    members, launch = chain(dtype, shape)
+    name, dtype, shape = case
+    members, launch = chain(*case)
     gen = torch.Generator().manual_seed(seed)
-    values, weights = inputs(dtype, shape, T, gen)
-    got = outputs(dtype, shape, T)
-    sizes = {"T": T, "SMS": 132}
-    runner().run_all([launch], values={**values, **got}, weights=weights, sizes=sizes)   # loads the module
+    values, weights = inputs(*case, T, gen)
+    got = outputs(*case, T)
+    at = sizes(name, shape, T)
+    runner().run_all([launch], values={**values, **got}, weights=weights, sizes=at)   # loads the module
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        runner().run_all([launch], values={**values, **got}, weights=weights, sizes=sizes)
+        runner().run_all([launch], values={**values, **got}, weights=weights, sizes=at)
     for replay in range(3):
-        fresh, _ = inputs(dtype, shape, T, gen)
-        for name, t in fresh.items():
-            values[name].copy_(t)
+        fresh, _ = inputs(*case, T, gen)
+        for k, t in fresh.items():
+            values[k].copy_(t)
         for t in got.values():
             t.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert_equal(got, per_op(members, values, weights, T, dtype, shape), f"replay {replay + 1}")
+        assert_equal(got, per_op(members, values, weights, T, case), f"replay {replay + 1}")
+
+
+def _same_logits(on, off, prompts):
+    for graphs in (False, True):
+        on.backend.use_graphs = off.backend.use_graphs = graphs
+        for a, b in zip(on.logits(prompts, decode_after=2), off.logits(prompts, decode_after=2)):
+            assert torch.isfinite(b).all()
+            assert torch.equal(a, b), f"segments on and off differ (decode graphs {'on' if graphs else 'off'})"
 
 
 def test_engine_decode_with_segments_gives_the_same_logits(tmp_path):
@@ -152,8 +209,25 @@ def test_engine_decode_with_segments_gives_the_same_logits(tmp_path):
     off = Engine.from_pretrained(path, **kw)
     on = Engine.from_spec(off.spec, weights=off.backend.weights, tuning=parse_tune(["persistent.segments=true"]), **kw)
     assert any(la.family == "segment" for la in on.backend.plans["decode"].launches)
-    prompts = [[3, 17, 5, 22, 9, 41, 7], [11], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
-    for graphs in (False, True):
-        on.backend.use_graphs = off.backend.use_graphs = graphs
-        for a, b in zip(on.logits(prompts, decode_after=2), off.logits(prompts, decode_after=2)):
-            assert torch.equal(a, b), f"segments on and off differ (decode graphs {'on' if graphs else 'off'})"
+    _same_logits(on, off, [[3, 17, 5, 22, 9, 41, 7], [11], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]])
+
+
+# V2-Lite's widths where the segments' members see them (hidden 2048: the norms take the skinny linears'
+# 256 threads; its MLA dims: the tensor-core attention chain), few heads, experts and layers
+LITE_WIDTHS = dict(hidden=2048, heads=2, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                   intermediate=1408, moe_intermediate=64, experts=8, shared_experts=2, top_k=6, layers=3)
+
+
+def test_engine_decode_with_segments_gives_the_same_logits_at_v2_lite_widths():
+    """bf16 at V2-Lite's widths (random weights): the MoE layers' combine + norm join the next q (the
+    last one the lm head) in segments; the logits equal those with segments off, eager and replayed."""
+    from runtime import Engine
+    from codegen.tuning import parse_tune
+    from harness import tiny_spec
+    kw = dict(backend="cuda", device="cuda", dtype=torch.bfloat16, block_size=64, num_blocks=16, max_seq_len=256)
+    off = Engine.from_spec(tiny_spec(**LITE_WIDTHS), seed=3, **kw)
+    on = Engine.from_spec(off.spec, weights=off.backend.weights, tuning=parse_tune(["persistent.segments=true"]), **kw)
+    kinds = {m["kind"] for la in on.backend.plans["decode"].launches if la.family == "segment"
+             for m in la.params["members"]}
+    assert "combine_norm" in kinds
+    _same_logits(on, off, [[3, 17, 5, 22, 9, 41, 7], [11], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18] * 6])

@@ -53,6 +53,18 @@ class Mutant:
     uses_runner: bool = False  # the MoE tests take the KernelRunner as an argument
 
 
+# a segment member's waits and the barrier after them (templates/segment.cu.j2)
+SEGMENT_WAITS = ("{% for w in m.waits %}\n        dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);\n"
+                 "{% endfor %}\n        dsg::seg::waited();")
+
+
+def segment_first_reader_skips() -> str:
+    """SEGMENT_WAITS with member 1's waits left out and member 0's tasks slowed by 100 us (so that
+    member 1 reads member 0's outputs before they are written on any grid of more than one CTA)."""
+    return SEGMENT_WAITS.replace("        dsg::seg::wait_member", "        if ({{ j }} != 1) dsg::seg::wait_member") \
+        .replace("        dsg::seg::waited();", "        if ({{ j }} == 0) __nanosleep(100000);\n        dsg::seg::waited();")
+
+
 def _lite_decode():
     """bf16 decode at V2-Lite's widths (the tensor-core split): 3 sequences, two of them long."""
     return (64, [1, 1, 1], [700, 65, 1300])
@@ -249,7 +261,12 @@ MUTANTS = [
            "segment.cu.j2", "        dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);",
            "        if ({{ j }} + 1 < MEMBERS) dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);\n"
            "        if ({{ j }} + 2 == MEMBERS) __nanosleep(100000);",
-           persistent.test_segment_equals_the_launches_it_replaces, dict(case=("bf16", "lite"), T=1, seed=50)),
+           persistent.test_segment_equals_the_launches_it_replaces, dict(case=("mlp", "bf16", "lite"), T=1, seed=50)),
+    # the first member (its producer, made slow as above: 100 us a task) and member 1 skipping its waits
+    Mutant("persistent segment: q skips its wait on the combine + norm (it reads h before the combine writes it)",
+           "segment.cu.j2", SEGMENT_WAITS, segment_first_reader_skips(),
+           persistent.test_segment_equals_the_launches_it_replaces, dict(case=("combine_q", "bf16", "lite"), T=1,
+                                                                         seed=51)),
     Mutant("FP8 experts: a K slice scaled by the next K block's scale (gate)", "include/moe_fp8.cuh",
            "return __ldg(sc0 + kt * WF_BK / WF_BLOCK);",
            "return __ldg(sc0 + min(kt * WF_BK / WF_BLOCK + 1, KB - 1));",
