@@ -347,8 +347,8 @@ def segments(t: Tuning = DEFAULT_TUNING) -> Table:
     return Table("segments", "tokens", (
         Case({"phase": "decode", "segments": True},
              _rows(("segment", 1, INF, "each run of launches with task bodies (norms, the MoE combine + norm, "
-                                       "16-bit skinny linears) as one persistent launch: CTAs take the tiles in "
-                                       "order and wait on counters")),
+                                       "16-bit skinny linears, the tensor-core V up-projection) as one persistent "
+                                       "launch: CTAs take the tiles in order and wait on counters")),
              "decode, persistent.segments on"),
         Case({}, _rows(per_op), "elsewhere")), ("phase", "segments"))
 

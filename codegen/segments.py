@@ -1,10 +1,12 @@
 """Persistent decode segments: each maximal run of consecutive decode launches whose families give a
-task body (`segment_body(launch)`: the norms, the 16-bit skinny linears) becomes one launch of the
-`segment` family (codegen/families/segment.py), whose CTAs take the members' tiles in plan order and
-wait on counters instead of on kernel boundaries (templates/include/segment.cuh).
+task body (`segment_body(launch)`: the norms, the MoE combine + norm, the 16-bit skinny linears, the
+tensor-core V up-projection) becomes one launch of the `segment` family (codegen/families/segment.py),
+whose CTAs take the members' tiles in plan order and wait on counters instead of on kernel boundaries
+(templates/include/segment.cuh).  A member's tiles are its launch's CTAs; a 3-D grid's (v_up's) are
+numbered as one index, its body decoding them.
 
-    steps:   ... route | linear o | fused_add_rms_norm | gate_up_silu | linear down | route ...
-    after:   ... route | segment(o, norm, gate_up_silu, down) | route ...
+    steps:   ... attention | v_up | linear o | fused_add_rms_norm | route ... | combine_norm | linear q | query ...
+    after:   ... attention | segment(v_up, o, norm) | route ... | segment(combine_norm, q) | query ...
 
 What may sit inside a run: member launches, views (a split: no work), and library calls that do not
 run where the segment does (a linear's cuBLAS call from skinny_upto + 1 tokens on).  A run ends at
@@ -48,13 +50,17 @@ class Segment:
 
 
 def body(step):
-    """The member family's task body of a launch, or None (not a member)."""
-    if not isinstance(step, KernelLaunch) or step.workspace or tuple(step.grid[1:]) != (1, 1):
+    """The member family's task body of a launch, or None (not a member).  A launch with a 2-D or 3-D
+    grid is a member where its body takes the grid's y and z extents (grid_yz) as one task index."""
+    if not isinstance(step, KernelLaunch) or step.workspace:
         return None
     if any(k.startswith("quant") and v for k, v in step.params.items()):
         return None     # a norm that also writes quantised rows for its readers: the bodies write no such rows
     declare = getattr(families.family_named(step.family), "segment_body", None)
-    return declare(step) if declare is not None else None
+    out = declare(step) if declare is not None else None
+    if out is not None and list(step.grid[1:]) != out.get("grid_yz", [1, 1]):
+        return None
+    return out
 
 
 def _sizes(T: int) -> dict:

@@ -155,9 +155,10 @@ class PersistentTuning(_Section):
     linears measured slower than their launches (H100: bf16 b=1 2.30 -> 2.41 ms; PERF_NOTES v43)."""
     NAME = "persistent"
     segments: bool = _knob(False, doc="decode: each maximal run of consecutive launches whose families have a task "
-                                      "body (norms, the MoE combine + norm, 16-bit skinny linears) as one persistent "
-                                      "segment launch, its CTAs taking the tiles in order and waiting on counters "
-                                      "instead of kernel boundaries (off: a launch per op)")
+                                      "body (norms, the MoE combine + norm, 16-bit skinny linears, the tensor-core V "
+                                      "up-projection) as one persistent segment launch, its CTAs taking the tiles "
+                                      "in order and waiting on counters instead of kernel boundaries (off: a "
+                                      "launch per op)")
 
 
 @dataclass(frozen=True)

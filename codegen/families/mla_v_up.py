@@ -106,3 +106,14 @@ def tasks(launch, tiling):
     ol, out_ = tiling.value_of(launch, "ol"), tiling.value_of(launch, "out")
     return [tiling.tile(h, [tiling.box(ol, None, (h, h + 1))], [tiling.cols(out_, h * V, (h + 1) * V)])
             for h in range(H)]
+
+
+def segment_body(launch):
+    """Its task body in a persistent segment (templates/include/task_bodies.cuh): a CTA (token chunk, head,
+    row block) a task, the 3-D grid as one index (grid_yz: its y and z extents); the tensor-core kernel
+    with kv_b in the activation dtype.  None else."""
+    p = launch.params
+    if not p["mma"] or p["fp8"]:
+        return None
+    return {"kind": "v_up", **{k: p[k] for k in ("H", "N", "V", "C", "TN", "mt", "ks", "cps", "smem_bytes")},
+            "grid_yz": list(launch.grid[1:])}

@@ -2,7 +2,7 @@
 (codegen/segments.py decides the runs; templates/segment.cu.j2, templates/include/segment.cuh).
 
 It implements no graph op: `launch` builds it from the member launches.  Member j's arguments are
-its own, renamed m<j>_<name>, plus m<j>_tasks (its grid, the tasks it brings: evaluated by the
+its own, renamed m<j>_<name>, plus m<j>_tasks (its grid's CTAs, the tasks it brings: evaluated by the
 runtime like any size); its body (the member family's `segment_body`) names the device function.
 The launch's nodes are the members' with the lead first: the runtime binds the ctx kv_cache of the
 node that leads (codegen/segments.py picks the member that binds one)."""
@@ -32,7 +32,15 @@ def lower(nid, G, opts):
 def smem_floats(body: dict) -> int:
     if body["kind"] == "linear":
         return body["warps"] * body["rt"] * SKINNY_RED_TILE
+    if body["kind"] == "v_up":
+        return -(-body["smem_bytes"] // 4)       # mla_absorb.cuh AbsorbVUp::SMEM
     return NORM_SCRATCH
+
+
+def member_tasks(m: KernelLaunch) -> str:
+    """A member's task count: its grid's CTAs (a 3-D grid's y and z are constants: its body's grid_yz)."""
+    x, y, z = m.grid
+    return x if (y, z) == (1, 1) else f"({x}) * {y * z}"
 
 
 def launch(members, bodies, waits, *, lead: int, gate: str | None, pdl: bool) -> KernelLaunch:
@@ -40,20 +48,20 @@ def launch(members, bodies, waits, *, lead: int, gate: str | None, pdl: bool) ->
     `waits` (per member, the earlier members it waits for); `lead` the member whose node leads;
     `gate` the factor of the token range every member runs in (None: every T)."""
     threads = {m.block for m in members}
-    if len(threads) != 1 or any(tuple(m.grid[1:]) != (1, 1) for m in members):
-        raise LoweringError(f"a segment's members share one block size and have 1-D grids: "
-                            f"{', '.join(m.name for m in members)}")
+    if len(threads) != 1 or any(list(m.grid[1:]) != b.get("grid_yz", [1, 1]) for m, b in zip(members, bodies)):
+        raise LoweringError(f"a segment's members share one block size and have 1-D grids (or bodies that take "
+                            f"theirs): {', '.join(m.name for m in members)}")
     (block,) = threads
     act = members[0].params["act"]
     args, infos = [], []
     for j, (m, body, w) in enumerate(zip(members, bodies, waits)):
         args += [dataclasses.replace(a, name=f"m{j}_{a.name}") for a in m.args]
-        args.append(Arg(f"m{j}_tasks", "int", SizeRef(m.grid[0])))
+        args.append(Arg(f"m{j}_tasks", "int", SizeRef(member_tasks(m))))
         infos.append({**body, "kernel": m.name, "waits": list(w)})
     params = {"act": act, "threads": block[0], "members": infos, "smem_floats": max(map(smem_floats, bodies))}
     digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
     dtype = {c: d for d, c in DTYPES.items()}[act]
-    total = " + ".join(f"({m.grid[0]})" for m in members)
+    total = " + ".join(f"({member_tasks(m)})" for m in members)
     grid = f"min(SMS, {total})" + (f" * {gate}" if gate else "")
     nodes = [n for m in (members[lead], *members[:lead], *members[lead + 1:]) for n in m.nodes]
     origins = tuple(o for m in members for o in m.origins)

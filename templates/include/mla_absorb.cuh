@@ -289,10 +289,17 @@ struct AbsorbVUp {
   __device__ static __forceinline__ void run(const T* __restrict__ ol, i64 ol_s0, i64 ol_s1,
                                              typename WS::Src kv_b, T* __restrict__ out, int T_,
                                              unsigned char* smem) {
-    const int h = blockIdx.y;
+    run_cta(ol, ol_s0, ol_s1, kv_b, out, T_, smem, blockIdx.x, gridDim.x, blockIdx.y, blockIdx.z);
+  }
+
+  // The CTA of token chunk tch (of ntch), head h and weight-row block z: run's, or a persistent
+  // segment's task (task_bodies.cuh), which has no 3-D grid of its own.
+  __device__ static __forceinline__ void run_cta(const T* __restrict__ ol, i64 ol_s0, i64 ol_s1,
+                                                 typename WS::Src kv_b, T* __restrict__ out, int T_,
+                                                 unsigned char* smem, int tch, int ntch, int h, int z) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int mt = warp % MT, ks = warp / MT;
-    const int v0 = blockIdx.z * MB;
+    const int v0 = z * MB;
     Weights wt;
     WS::load(wt, kv_b, h, v0 + mt * 16 + g, ks);
     pdl_wait();   // o_lat comes from the attention kernel; the weights do not
@@ -301,7 +308,7 @@ struct AbsorbVUp {
     float* red = reinterpret_cast<float*>(smem);
     const bool o_vec = aligned16(ol) && ol_s0 % 8 == 0 && ol_s1 % 8 == 0;
     const int tw = TN;
-    for (int t0 = blockIdx.x * tw; t0 < T_; t0 += gridDim.x * tw) {
+    for (int t0 = tch * tw; t0 < T_; t0 += ntch * tw) {
       const int ntok = min(tw, T_ - t0);
       stage_rows<T, C, CP, THREADS>(o_s, ol + (i64)t0 * ol_s0 + (i64)h * ol_s1, ol_s0, ntok, o_vec);
       mma::cp_async_wait<0>();

@@ -6,6 +6,7 @@
 #pragma once
 #include "norm.cuh"   // before moe_combine.cuh, which uses vec.cuh's RowLayout
 #include "moe_combine.cuh"
+#include "mla_absorb.cuh"
 #include "segment.cuh"
 #include "skinny.cuh"
 
@@ -55,6 +56,25 @@ __device__ __forceinline__ void combine_rms_norm_task(const T* eo, const float* 
   L::store(s + (i64)t * D, v);
   rms_norm_row_loaded<T, D, L>(v, wv, eps, scratch);
   L::store(h + (i64)t * D, v);
+}
+
+// mla_v_up.cu.j2's tensor-core CTA (token chunk, head, row block) of a 3-D grid (tasks / (H * GZ), H, GZ):
+// task `tile` is that grid's CTA ((chunk * H + h) * GZ + z).
+template <typename T, int H, int N, int V, int C, int TN, int MT, int KS, int CPS, int GZ>
+__device__ __forceinline__ void v_up_task(const T* ol, i64 ol_s0, i64 ol_s1, const T* kv_b, T* out, int ntok, int tile,
+                                          int tasks, float* smem) {
+  typedef absorb::AbsorbVUp<T, H, N, V, C, TN, MT, KS, CPS> VUp;
+  VUp::run_cta(ol, ol_s0, ol_s1, kv_b, out, ntok, reinterpret_cast<unsigned char*>(smem), tile / (H * GZ),
+               tasks / (H * GZ), tile / GZ % H, tile % GZ);
+}
+
+// The W_UV rows of a v_up task: head h's rows z * MT * 16 .. +MT * 16 - 1 (kv_b rows h * (N + V) + N + v).
+template <typename T, int H, int N, int V, int C, int MT, int GZ>
+__device__ __forceinline__ void v_up_prefetch(const T* kv_b, int tile) {
+  const int h = tile / GZ % H, v0 = tile % GZ * MT * 16;
+  prefetch_rows(MT * 16, (long long)C * sizeof(T), [&](int r) {
+    return v0 + r < V ? kv_b + ((i64)h * (N + V) + N + v0 + r) * C : (const T*)nullptr;
+  });
 }
 
 // A norm's weight row.

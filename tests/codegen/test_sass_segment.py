@@ -41,7 +41,7 @@ def _compiled(name: str):
 
 
 def test_v2_lite_has_five_segment_kernels():
-    assert sorted(len(s.params["members"]) for s in _kernels().values()) == [2, 2, 2, 2, 6]
+    assert sorted(len(s.params["members"]) for s in _kernels().values()) == [2, 2, 2, 3, 7]
     assert sum(s.params["members"][0]["kind"] == "combine_norm" for s in _kernels().values()) == 2
 
 

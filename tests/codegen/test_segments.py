@@ -53,15 +53,15 @@ def _launches_at(plan, T: int) -> list:
 def test_v2_lite_b1_runs_its_norms_and_skinny_linears_as_segments():
     seg, plain = plans(LITE)
     found = segments.find(plain)
-    # layer 0: rms_norm + q; o, the norm, the dense MLP's two linears, layer 1's norm and q; each MoE
-    # layer's o and norm (its route ends the run); each MoE layer's combine + norm and the next layer's q
-    # (the last one's: the lm head)
-    assert sorted(len(s.steps) for s in found) == [2] * 53 + [6]
+    # layer 0: rms_norm + q; v_up, o, the norm, the dense MLP's two linears, layer 1's norm and q; each
+    # MoE layer's v_up, o and norm (its route ends the run); each MoE layer's combine + norm and the next
+    # layer's q (the last one's: the lm head)
+    assert sorted(len(s.steps) for s in found) == [2] * 27 + [3] * 26 + [7]
     assert all(s.upto == 16 for s in found)      # the skinny linears' range (linear.skinny_upto)
     for s in found:
         assert list(s.steps) == sorted(s.steps) and all(segments.body(plain.steps[i]) for i in s.steps)
         assert all(w < j for j, ws in enumerate(s.waits) for w in ws)
-    assert len(_launches_at(plain, 1)) == 272 and len(_launches_at(seg, 1)) == 214
+    assert len(_launches_at(plain, 1)) == 272 and len(_launches_at(seg, 1)) == 187
     # above the skinny range every member runs its own launch again, and no segment runs
     assert [s.name for s in _launches_at(seg, 17)] == [s.name for s in _launches_at(plain, 17)]
     assert sum(s.family == "segment" for s in _launches_at(seg, 16)) == 54
@@ -94,6 +94,36 @@ def test_the_gpu_engine_tests_v2_lite_widths_model_has_the_new_members():
     assert kinds == {m["kind"] for s in lite.launches if s.family == "segment" for m in s.params["members"]}
 
 
+def test_v_up_joins_o_projs_run_its_3d_grid_as_one_task_index():
+    """mla_v_up's body takes its grid (token chunks, heads, row blocks) as one index: its tasks are the
+    grid's CTAs, and o_proj, which reads its output, waits for all of them."""
+    from codegen.families import segment as family
+    _, plain = plans(LITE)
+    found = [s for s in segments.find(plain) if plain.steps[s.steps[0]].family == "mla_v_up"]
+    assert len(found) == 27
+    for s in found:
+        v_up, o = plain.steps[s.steps[0]], plain.steps[s.steps[1]]
+        assert segments.body(v_up)["grid_yz"] == [16, 4] and s.waits[1] == (0,)
+        assert family.member_tasks(v_up) == f"({v_up.grid[0]}) * 64"
+        out_ = next(a.ref.name for a in v_up.args if a.name == "out")
+        assert any(a.name == "x" and a.ref.name == out_ for a in o.args)
+    seg, _ = plans(LITE)
+    launch = next(x for x in seg.launches if x.family == "segment" and x.params["members"][0]["kind"] == "v_up")
+    assert launch.params["smem_floats"] == 34816 // 4        # AbsorbVUp::SMEM at V2-Lite's widths
+
+
+def test_a_launch_with_a_3d_grid_is_a_member_only_where_its_body_takes_that_grid():
+    from codegen.families import mla_v_up
+    _, plain = plans(LITE)
+    v_up = next(s for s in plain.launches if s.family == "mla_v_up")
+    assert segments.body(v_up) is not None
+    assert segments.body(dataclasses.replace(v_up, grid=(v_up.grid[0], 16, 8)))["grid_yz"] == [16, 8]
+    assert segments.body(dataclasses.replace(v_up, params={**v_up.params, "fp8": True})) is None
+    assert mla_v_up.segment_body(dataclasses.replace(v_up, params={**v_up.params, "mma": False})) is None
+    norm = next(s for s in plain.launches if s.family == "rms_norm")
+    assert segments.body(dataclasses.replace(norm, grid=("T", 2, 1))) is None
+
+
 def test_a_norm_that_writes_quantised_rows_is_no_member():
     """A norm with int8 rows for its readers (norm_quant.cuh) writes more than its body does."""
     _, plain = plans(LITE)
@@ -114,8 +144,8 @@ def test_segments_are_off_by_default_and_at_prefill():
 
 def test_a_segment_launch_carries_every_members_arguments_and_nodes():
     seg, plain = plans(LITE)
-    launch = next(s for s in seg.launches if s.family == "segment" and len(s.params["members"]) == 6)
-    members = [plain.steps[i] for i in next(s for s in segments.find(plain) if len(s.steps) == 6).steps]
+    launch = next(s for s in seg.launches if s.family == "segment" and len(s.params["members"]) == 7)
+    members = [plain.steps[i] for i in next(s for s in segments.find(plain) if len(s.steps) == 7).steps]
     assert [m["kernel"] for m in launch.params["members"]] == [m.name for m in members]
     assert {a.name for a in launch.args} == {f"m{j}_{a.name}" for j, m in enumerate(members) for a in m.args} | \
         {f"m{j}_tasks" for j in range(len(members))}
@@ -260,7 +290,7 @@ def _first_segment_of(g, by_op, family: str) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["moe_combine_residual_rms_norm"])
+@pytest.mark.parametrize("family", ["moe_combine_residual_rms_norm", "mla_v_up"])
 def test_v2_lite_b1_member_orders_read_what_the_per_op_step_reads_and_its_wait_matters(family):
     """The members with V2-Lite-only shapes (the tiny model's rows are too narrow for the block size
     of the skinny linears): any order the waits allow is clean, one without the member's wait is not."""
@@ -277,6 +307,6 @@ def test_explain_shows_the_segments_and_the_launches_they_save():
     from runtime.cli_explain import explain_lines
     lines = explain_lines(LITE, tokens=[1, 17], phases=("decode",), tuning=ON)
     found = [line.strip() for line in lines if line.strip().startswith("segments:")]
-    assert found == ["segments: 54 persistent launches run 112 members' tiles: 272 launches -> 214"]
+    assert found == ["segments: 54 persistent launches run 139 members' tiles: 272 launches -> 187"]
     assert any("segment [tokens 1..inf]" in line for line in lines)
     assert not any("segments:" in line for line in explain_lines(LITE, tokens=[1], phases=("decode",)))
