@@ -6,6 +6,9 @@ The chains (CHAINS):
   add + RMSNorm, the fused gate + up + SwiGLU and the down projection; four launches, one segment.
 - combine_q: a MoE layer's combine + residual + RMSNorm (moe_combine_residual_rms_norm; with shared
   experts among the pairs or a shared input) and the next layer's q projection that reads its h.
+- vup_o: the attention's tail at V2-Lite's MLA widths: the tensor-core V up-projection (mla_v_up, its
+  3-D grid as one task index; o_lat contiguous or a strided, unaligned view), o_proj and the residual
+  add + RMSNorm.
 The task bodies call the members' own device functions in their own summation order, so the outputs
 must be equal, not close.  Hypothesis draws the chain, the dtype, the widths (V2-Lite's and odd ones),
 T (1..16, the skinny range) and the inputs; each example runs the segment on grids of 1, 2, 3 and 132
@@ -15,7 +18,8 @@ engine's decode step with segments on gives exactly the logits it gives with the
 
 Planted mutants (tests/gpu/test_mutants.py) drop the last member's waits: mlp's down projection then
 reads the SwiGLU output before gate_up_silu's tiles have written it (a slow producer: 10944-wide rows);
-combine_q's q projection reads h before the combine's tasks have written it."""
+combine_q's q projection reads h before the combine's tasks have written it; vup_o's o_proj reads the
+V up-projection's output before its tasks have written it."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,16 +43,25 @@ SETTINGS = kernel_test(12)
 GRIDS = (1, 2, 3, 132)
 # mlp: (K of o_proj's input, D hidden, I the MLP's width): V2-Lite's dense layer, odd widths, fp32's.
 # combine_q: (D hidden, K pairs a token, S shared experts among them (0: a shared input), Q q's width).
+# vup_o: (the o_lat view's lead: 0 contiguous, 1 a row pitch of C + 8 from element 1, every scalar path);
+# the widths are V2-Lite's (model("lite")), where v_up's tensor-core CTA has 256 threads.
 # A norm joins a segment of its block size: D's rows must take 256 threads (16-bit 2048, fp32 1024, odd
 # 225..256)
 SHAPES = {"mlp": {"lite": (2048, 2048, 10944), "odd": (41, 255, 53), "wide32": (2048, 1024, 2816)},
           "combine_q": {"lite": (2048, 8, 2, 3072), "lite_shared_input": (2048, 6, 0, 576), "odd": (255, 3, 1, 41),
-                        "wide32": (1024, 4, 0, 100)}}
+                        "wide32": (1024, 4, 0, 100)},
+          "vup_o": {"lite": (0,), "lite_strided": (1,)}}
 CASES = [("mlp", "bf16", "lite"), ("mlp", "fp16", "lite"), ("mlp", "bf16", "odd"), ("mlp", "fp16", "odd"),
          ("mlp", "fp32", "odd"), ("mlp", "fp32", "wide32"),
          ("combine_q", "bf16", "lite"), ("combine_q", "fp16", "lite_shared_input"), ("combine_q", "bf16", "odd"),
-         ("combine_q", "fp32", "wide32")]
-WAITS = {"mlp": ((), (0,), (1,), (2,)), "combine_q": ((), (0,))}
+         ("combine_q", "fp32", "wide32"), ("vup_o", "bf16", "lite"), ("vup_o", "fp16", "lite"),
+         ("vup_o", "bf16", "lite_strided")]
+WAITS = {"mlp": ((), (0,), (1,), (2,)), "combine_q": ((), (0,)), "vup_o": ((), (0,), (1,))}
+
+
+def _mla_dims():
+    d = model("lite").dims
+    return d["heads"], d["kv_lora_rank"], d["qk_nope_head_dim"], d["v_head_dim"], d["hidden"]
 
 
 def _member(m, op, attrs, inputs, weights, outputs, dtype) -> KernelLaunch:
@@ -67,6 +80,13 @@ def _members(name: str, dtype: str, shape: str) -> list:
             _member(m, "fused_add_rms_norm", {}, {"y": act(D), "res": act(D)}, {"weight": "wn"}, ["h", "s"], dtype),
             _member(m, "gate_up_silu", {"out_dim": I}, {"h": act(D)}, {"gate": "wg", "up": "wu"}, ["g"], dtype),
             _member(m, "linear", {"out_dim": D}, {"g": act(I)}, {"weight": "wd"}, ["z"], dtype),
+        ]
+    if name == "vup_o":
+        H, C, N, V, D = _mla_dims()
+        return [
+            _member(m, "mla_v_up", {}, {"o_lat": act(H, C)}, {"kv_b": "kvb"}, ["o"], dtype),
+            _member(m, "linear", {"out_dim": D}, {"o": act(H * V)}, {"weight": "wo"}, ["y"], dtype),
+            _member(m, "fused_add_rms_norm", {}, {"y": act(D), "res": act(D)}, {"weight": "wn"}, ["h", "s"], dtype),
         ]
     D, K, S, Q = SHAPES[name][shape]
     ins = {"eo": TType((f"T*{K}", D), "act"), "w": TType(("T", K), "f32"), **({} if S else {"shared": act(D)}),
@@ -99,6 +119,14 @@ def inputs(name, dtype, shape, T, gen):
                    "wu": rand((I, D), dtype, gen=gen, scale=D ** -0.5),
                    "wd": rand((D, I), dtype, gen=gen, scale=I ** -0.5)}
         return values, weights
+    if name == "vup_o":
+        H, C, N, V, D = _mla_dims()
+        (lead,) = SHAPES[name][shape]
+        o_lat = rand((T, H, C + 8 * lead), dtype, gen=gen)[:, :, lead:lead + C]
+        values = {"o_lat": o_lat, "res": rand((T, D), dtype, gen=gen)}
+        weights = {"kvb": rand((H * (N + V), C), dtype, gen=gen, scale=0.1),
+                   "wo": rand((D, H * V), dtype, gen=gen, scale=(H * V) ** -0.5), "wn": rand((D,), dtype, gen=gen) + 1}
+        return values, weights
     D, K, S, Q = SHAPES[name][shape]
     w = torch.rand(T, K, generator=gen) * (2.0 / K)   # routing weights summing to about 1, the shared pairs 1
     if S:
@@ -116,6 +144,10 @@ def outputs(name, dtype, shape, T):
         K, D, I = SHAPES[name][shape]
         return {"y": empty_out((T, D), dtype), "h": empty_out((T, D), dtype), "s": empty_out((T, D), dtype),
                 "g": empty_out((T, I), dtype), "z": empty_out((T, D), dtype)}
+    if name == "vup_o":
+        H, C, N, V, D = _mla_dims()
+        return {"o": empty_out((T, H * V), dtype), "y": empty_out((T, D), dtype), "h": empty_out((T, D), dtype),
+                "s": empty_out((T, D), dtype)}
     D, K, S, Q = SHAPES[name][shape]
     return {"h": empty_out((T, D), dtype), "s": empty_out((T, D), dtype), "q": empty_out((T, Q), dtype)}
 
@@ -145,6 +177,8 @@ def assert_equal(got, want, what):
 @example(case=("mlp", "fp32", "odd"), T=9, seed=3)
 @example(case=("combine_q", "bf16", "lite"), T=1, seed=5)
 @example(case=("combine_q", "bf16", "odd"), T=16, seed=6)
+@example(case=("vup_o", "bf16", "lite"), T=1, seed=8)
+@example(case=("vup_o", "bf16", "lite_strided"), T=16, seed=9)
 def test_segment_equals_the_launches_it_replaces(case, T, seed):
     name, dtype, shape = case
     members, launch = chain(*case)
@@ -163,6 +197,7 @@ def test_segment_equals_the_launches_it_replaces(case, T, seed):
 @given(case=st.sampled_from(CASES), T=st.integers(1, 16), seed=st.integers(0, 2**31))
 @example(case=("mlp", "bf16", "lite"), T=1, seed=4)
 @example(case=("combine_q", "bf16", "lite"), T=1, seed=7)
+@example(case=("vup_o", "bf16", "lite"), T=1, seed=10)
 def test_segment_replays_in_a_cuda_graph(case, T, seed):
     """Captured once, replayed on new inputs written into the captured buffers: each replay equals
     the kernel-per-op launches on those inputs (a counter left unreset would hang or skip tasks)."""
@@ -219,8 +254,9 @@ LITE_WIDTHS = dict(hidden=2048, heads=2, kv_lora_rank=512, qk_nope_head_dim=128,
 
 
 def test_engine_decode_with_segments_gives_the_same_logits_at_v2_lite_widths():
-    """bf16 at V2-Lite's widths (random weights): the MoE layers' combine + norm join the next q (the
-    last one the lm head) in segments; the logits equal those with segments off, eager and replayed."""
+    """bf16 at V2-Lite's widths (random weights): the V up-projections join o_proj's runs, the MoE layers'
+    combine + norm the next q (the last one the lm head); the logits equal those with segments off,
+    eager and replayed."""
     from runtime import Engine
     from codegen.tuning import parse_tune
     from harness import tiny_spec
@@ -229,5 +265,5 @@ def test_engine_decode_with_segments_gives_the_same_logits_at_v2_lite_widths():
     on = Engine.from_spec(off.spec, weights=off.backend.weights, tuning=parse_tune(["persistent.segments=true"]), **kw)
     kinds = {m["kind"] for la in on.backend.plans["decode"].launches if la.family == "segment"
              for m in la.params["members"]}
-    assert "combine_norm" in kinds
+    assert {"combine_norm", "v_up"} <= kinds
     _same_logits(on, off, [[3, 17, 5, 22, 9, 41, 7], [11], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18] * 6])
