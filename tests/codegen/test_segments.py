@@ -105,6 +105,7 @@ def test_v_up_joins_o_projs_run_its_3d_grid_as_one_task_index():
         v_up, o = plain.steps[s.steps[0]], plain.steps[s.steps[1]]
         assert segments.body(v_up)["grid_yz"] == [16, 4] and s.waits[1] == (0,)
         assert family.member_tasks(v_up) == f"({v_up.grid[0]}) * 64"
+        assert [size_exprs.evaluate(family.member_tasks(v_up), {"T": T}) for T in (1, 32, 33)] == [64, 64, 128]
         out_ = next(a.ref.name for a in v_up.args if a.name == "out")
         assert any(a.name == "x" and a.ref.name == out_ for a in o.args)
     seg, _ = plans(LITE)
