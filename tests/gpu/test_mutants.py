@@ -262,14 +262,13 @@ MUTANTS = [
            "        if ({{ j }} + 1 < MEMBERS) dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);\n"
            "        if ({{ j }} + 2 == MEMBERS) __nanosleep(100000);",
            persistent.test_segment_equals_the_launches_it_replaces, dict(case=("mlp", "bf16", "lite"), T=1, seed=50)),
-    # the first member (its producer, made slow as above: 100 us a task) and member 1 skipping its waits
+    # member 1 skips its waits on member 0, its producer, whose tasks are made slow as above (100 us each)
     Mutant("persistent segment: q skips its wait on the combine + norm (it reads h before the combine writes it)",
            "segment.cu.j2", SEGMENT_WAITS, segment_first_reader_skips(),
            persistent.test_segment_equals_the_launches_it_replaces, dict(case=("combine_q", "bf16", "lite"), T=1,
                                                                          seed=51)),
     Mutant("persistent segment: o_proj skips its wait on the V up-projection (it reads o before v_up writes it)",
-           "segment.cu.j2", "        dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);",
-           "        if ({{ j }} != 1) dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);",
+           "segment.cu.j2", SEGMENT_WAITS, segment_first_reader_skips(),
            persistent.test_segment_equals_the_launches_it_replaces, dict(case=("vup_o", "bf16", "lite"), T=1,
                                                                          seed=52)),
     Mutant("FP8 experts: a K slice scaled by the next K block's scale (gate)", "include/moe_fp8.cuh",
