@@ -49,16 +49,20 @@ class Segment:
     upto: int | None                     # it runs at 1 <= T <= upto (None: every T)
 
 
-def body(step):
-    """The member family's task body of a launch, or None (not a member).  A launch with a 2-D or 3-D
-    grid is a member where its body takes the grid's y and z extents (grid_yz) as one task index."""
+# Tuning.persistent.members: the level from which a body kind is a member
+LEVELS = {"rms_norm": 1, "add_rms_norm": 1, "linear": 1, "combine_norm": 2, "v_up": 2}
+ALL = max(LEVELS.values())
+
+
+def body(step, level: int = ALL):
+    """The member family's task body of a launch, or None (not a member, or not at this members level).
+    A launch with a 2-D or 3-D grid is a member where its body takes the grid's y and z extents (grid_yz)
+    as one task index."""
     if not isinstance(step, KernelLaunch) or step.workspace:
         return None
-    if any(k.startswith("quant") and v for k, v in step.params.items()):
-        return None     # a norm that also writes quantised rows for its readers: the bodies write no such rows
     declare = getattr(families.family_named(step.family), "segment_body", None)
     out = declare(step) if declare is not None else None
-    if out is not None and list(step.grid[1:]) != out.get("grid_yz", [1, 1]):
+    if out is None or LEVELS[out["kind"]] > level or list(step.grid[1:]) != out.get("grid_yz", [1, 1]):
         return None
     return out
 
@@ -105,8 +109,8 @@ class _Run:
         return not self.steps or (step.block == self.block and (None in (layer, self.layer) or layer == self.layer))
 
 
-def find(plan) -> list[Segment]:
-    """The plan's segments (runs of two members or more), in order."""
+def find(plan, level: int = ALL) -> list[Segment]:
+    """The plan's segments (runs of two members or more, members at `level`), in order."""
     out, run = [], _Run([])
 
     def close(r: _Run) -> _Run:
@@ -123,7 +127,7 @@ def find(plan) -> list[Segment]:
                 continue
             run = close(run)
             continue
-        reach = runs_upto(step) if body(step) is not None else 0
+        reach = runs_upto(step) if body(step, level) is not None else 0
         if reach == 0:
             run = close(run)
             continue
@@ -180,11 +184,12 @@ def rows(plan, tuning):
 
 
 def apply(plan, opts):
-    """The plan with its segments (codegen/dispatch.py's segments table: decode, with the knob on), its
-    arena re-planned; the plan itself where the table says a launch per op."""
+    """The plan with its segments (codegen/dispatch.py's segments table: decode, with the knob on; the
+    members Tuning.persistent.members names), its arena re-planned; the plan itself where the table says
+    a launch per op."""
     if not dispatch.row_range(rows(plan, opts.tuning), "segment"):
         return plan
-    segs = find(plan)
+    segs = find(plan, opts.tuning.persistent.members)
     if not segs:
         return plan
     from .families import segment as family

@@ -159,6 +159,9 @@ class PersistentTuning(_Section):
                                       "up-projection) as one persistent segment launch, its CTAs taking the tiles "
                                       "in order and waiting on counters instead of kernel boundaries (off: a "
                                       "launch per op)")
+    members: int = _knob(2, choices=(1, 2), doc="with segments: which launches have task bodies; 1: the norms and "
+                                                "16-bit skinny linears (as measured in PERF_NOTES v43); 2: also the "
+                                                "MoE combine + norm and the tensor-core V up-projection")
 
 
 @dataclass(frozen=True)

@@ -47,4 +47,6 @@ def tasks(launch, tiling):
 def segment_body(launch):
     """Its task body in a persistent segment (templates/include/task_bodies.cuh): one token row a task."""
     p = launch.params
+    if _norm_quant.writes_rows(launch):   # the task body writes the 16-bit rows only
+        return None
     return {"kind": "combine_norm", **{k: p[k] for k in ("D", "K", "S", "eps")}}

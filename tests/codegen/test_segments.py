@@ -126,13 +126,27 @@ def test_a_launch_with_a_3d_grid_is_a_member_only_where_its_body_takes_that_grid
 
 
 def test_a_norm_that_writes_quantised_rows_is_no_member():
-    """A norm with int8 rows for its readers (norm_quant.cuh) writes more than its body does."""
+    """A norm with int8 or e4m3 rows for its readers (norm_quant.cuh) writes more than its body does."""
     _, plain = plans(LITE)
     for family in ("rms_norm", "fused_add_rms_norm", "moe_combine_residual_rms_norm"):
         norm = next(s for s in plain.launches if s.family == family)
         assert segments.body(norm) is not None
-        quant = dataclasses.replace(norm, params={**norm.params, "quant_i8": {"qrow": 2048}})
-        assert segments.body(quant) is None
+        for key in ("quant_i8", "quant_f8"):
+            quant = dataclasses.replace(norm, params={**norm.params, key: {"qrow": 2048}})
+            assert segments.body(quant) is None
+
+
+def test_members_level_1_keeps_the_norms_and_skinny_linears_alone():
+    """Tuning.persistent.members=1: the segments PERF_NOTES v43 measured (28 launches at b=1, 272 -> 240),
+    for an A/B of the combine and v_up members on the GPU."""
+    _, plain = plans(LITE)
+    found = segments.find(plain, 1)
+    assert sorted(len(s.steps) for s in found) == [2] * 27 + [6]
+    kinds = {segments.body(plain.steps[i])["kind"] for s in found for i in s.steps}
+    assert kinds == {"rms_norm", "add_rms_norm", "linear"}
+    one = segments.apply(plain, Options(tuning=parse_tune(["persistent.segments=true", "persistent.members=1"])))
+    assert len(_launches_at(one, 1)) == 240
+    assert segments.body(next(s for s in plain.launches if s.family == "mla_v_up"), 1) is None
 
 
 def test_segments_are_off_by_default_and_at_prefill():
