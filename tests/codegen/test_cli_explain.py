@@ -106,13 +106,12 @@ def test_compile_with_tune_is_another_bundle_that_records_it(tmp_path, capsys, m
 
 @pytest.mark.slow
 def test_explain_with_fp8_weights_and_the_norms_fp8_rows(capsys):
-    """`--weights fp8 --tune linear.norm_fp8=true` on V2-Lite's prefill: at T = 1 the norms' plain launches
+    """`--weights fp8` (linear.norm_fp8 on by default) on V2-Lite's prefill: at T = 1 the norms' plain launches
     and the skinny kernels; at T = 32 the input norms write the e4m3 rows and q + kv_a's GEMMs read them (no
     quantiser), o_proj keeps its quantiser; at T = 16384 the MoE input norms write them too and the experts'
     gate_up reads them, down keeps its quantiser."""
-    out = _explain(capsys, "--tokens", "1,32,16384", "--phase", "prefill", "--weights", "fp8",
-                   "--tune", "linear.norm_fp8=true")
-    assert "--weights fp8, tuning linear.norm_fp8=True" in out.splitlines()[0]
+    out = _explain(capsys, "--tokens", "1,32,16384", "--phase", "prefill", "--weights", "fp8")
+    assert "--weights fp8, tuning defaults" in out.splitlines()[0]
     p1, p32, p16k = (_block(out, f"prefill, T = {T}") for T in (1, 32, 16384))
     assert "__qf8" not in p1 and "e4m3 rows" not in p1 and "quant_x" not in p1
     assert "rms_norm__bf16__d2048__qf8" in p32 and "moe_combine_residual_rms_norm__bf16__k8_d2048__shared2__qf8" in p32

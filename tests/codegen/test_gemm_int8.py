@@ -25,6 +25,8 @@ from codegen.kernel import KernelLaunch, LibraryCall, Options, TensorMapRef, Wei
 from codegen.tuning import LinearTuning, Tuning  # noqa: E402
 
 FIRST = linear_skinny.SKINNY_MAX_TOKENS + 1
+# the int8 readers' own quantiser launches (the prologue and the norms' rows have their own tests)
+QUANT = Tuning(linear=LinearTuning(i8_prologue_upto=0, norm_int8=False))
 
 
 def _running(steps, T):
@@ -35,7 +37,7 @@ def _running(steps, T):
 @pytest.mark.parametrize("op", ["linear", "multi_linear", "gate_up_silu"])
 def test_above_the_skinny_range_the_quantiser_and_the_int8_gemm_run(op):
     G, nid = _node(op, (I8, I8))
-    steps = linear_skinny.lower(nid, G, Options())
+    steps = linear_skinny.lower(nid, G, Options(tuning=QUANT))
     assert not any(isinstance(s, LibraryCall) for s in steps)
     gemms = 2 if op == "multi_linear" else 1
     assert [s.stage for s in steps] == ["quant_int8", op, "quant_i8", *["i8_wgmma"] * gemms]
@@ -92,7 +94,7 @@ def test_at_decode_batches_k_splits_until_the_tiles_fill_the_sms(op):
     the SM count), splits 1 and no partials.  The node's one int32 partials workspace holds the largest
     GEMM's.  The same at an H200-like 132 SMs, a smaller part's 78 and a large one's 170."""
     G, nid = _node(op, (I8, I8))
-    launches = [s for s in linear_skinny.lower(nid, G, Options()) if s.stage == "i8_wgmma"]
+    launches = [s for s in linear_skinny.lower(nid, G, Options(tuning=QUANT)) if s.stage == "i8_wgmma"]
     # (tiles at T <= 128) per GEMM: q 3072 / 128, kv_a 576 (a 64-row ceil tile), o_proj 2048,
     # gate_up_silu's 10944 output columns in 64-column tiles
     tiles = {"multi_linear": [24, 5], "linear": [16], "gate_up_silu": [171]}[op]
@@ -120,10 +122,10 @@ def test_at_decode_batches_k_splits_until_the_tiles_fill_the_sms(op):
 
 def test_a_short_k_splits_at_most_once_a_stage():
     G, nid = _node("linear", (I8,), K=256)                  # two 128-byte K stages
-    (la,) = [s for s in linear_skinny.lower(nid, G, Options()) if s.stage == "i8_wgmma"]
+    (la,) = [s for s in linear_skinny.lower(nid, G, Options(tuning=QUANT)) if s.stage == "i8_wgmma"]
     assert _geometry(la, 32) == (16 * 2, 2, 16 * 2)
     G, nid = _node("linear", (I8,), K=112)                  # one (partial) K stage: never split
-    (la,) = [s for s in linear_skinny.lower(nid, G, Options()) if s.stage == "i8_wgmma"]
+    (la,) = [s for s in linear_skinny.lower(nid, G, Options(tuning=QUANT)) if s.stage == "i8_wgmma"]
     assert _geometry(la, 32) == (16, 1, 0)
 
 
@@ -138,9 +140,9 @@ def test_the_split_shares_the_fp8_gemms_expressions():
 
 @pytest.mark.parametrize("opts, K, why", [(Options(arch="sm_89"), 2048, "no sm_90a"),
                                           (Options(arch="sm_80"), 2048, "no sm_90a"),
-                                          (Options(), 1001, "K % 16 != 0: no tensor map of the weight"),
-                                          (Options(), 2056, "K % 16 != 0"),
-                                          (Options(), 1 << 17, "int32 sums could overflow")])
+                                          (Options(tuning=QUANT), 1001, "K % 16 != 0: no tensor map of the weight"),
+                                          (Options(tuning=QUANT), 2056, "K % 16 != 0"),
+                                          (Options(tuning=QUANT), 1 << 17, "int32 sums could overflow")])
 def test_the_exact_library_call_stays_where_the_int8_gemm_cannot_run(opts, K, why):
     G, nid = _node("linear", (I8,), K=K)
     steps = linear_skinny.lower(nid, G, opts)
@@ -152,7 +154,7 @@ def test_the_exact_library_call_stays_where_the_int8_gemm_cannot_run(opts, K, wh
 def test_the_dispatch_facts_follow_the_shape_rules():
     assert gemm_int8.serves(16) and gemm_int8.serves(2048) and gemm_int8.serves(131056)
     assert not gemm_int8.serves(1001) and not gemm_int8.serves(8) and not gemm_int8.serves(1 << 17)
-    assert gemm_int8.fits(Options()) and not gemm_int8.fits(Options(arch="sm_80"))
+    assert gemm_int8.fits(Options(tuning=QUANT)) and not gemm_int8.fits(Options(arch="sm_80"))
     facts = {"precision": "act", "weight_format": I8, "dtype": "fp16", "sm_90a": True, "i8_rows": True,
              "i8_fits": True}
     assert [(r.variant, r.span) for r in dispatch.rows("gate_up_silu", facts)] == \
@@ -170,7 +172,7 @@ def test_without_the_skinny_kernel_the_int8_gemm_serves_every_t():
 
 def test_the_family_lowers_one_node_alone_at_every_t_and_says_what_it_cannot_serve():
     G, nid = _node("gate_up_silu", (I8, I8))
-    quant, gemm = gemm_int8.lower(nid, G, Options())
+    quant, gemm = gemm_int8.lower(nid, G, Options(tuning=QUANT))
     assert quant.grid[0] == "T" and gemm.grid[0] == gemm_split.grid(10944, 2048, True)
     assert sizes.evaluate(gemm.grid[0], {"T": 300, "SMS": 132}) == 132
     G, nid = _node("linear", (None,), K=1001)
@@ -200,7 +202,7 @@ def test_a_spec_with_int8_linears_plans_the_gemm_workspaces_over_its_node_alone(
     from codegen.manifest import phase_from_json, phase_to_json
     from codegen.memplan import workspace_slot
     spec = ir.load_spec(_int8_spec_text(), file="t.yaml")
-    plan = plan_spec(spec, Options()).plans["prefill"]
+    plan = plan_spec(spec, Options(tuning=QUANT)).plans["prefill"]
     nodes = {la.nodes[0] for la in plan.launches if la.family == gemm_int8.FAMILY}
     assert len(nodes) >= 4
     slots = {s.name: s for s in plan.arena}
@@ -231,7 +233,7 @@ def test_the_int8_gemm_compiles_to_int8_wgmma_without_spills(op, K, dtype):
     from sass import instructions
     from test_sass_pdl import wait_problem
     G, nid = _node(op, (I8, I8), K=K)
-    quant, *launches = [s for s in linear_skinny.lower(nid, G, Options(dtype=dtype)) if isinstance(s, KernelLaunch)
+    quant, *launches = [s for s in linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=QUANT)) if isinstance(s, KernelLaunch)
                         and s.family == gemm_int8.FAMILY]
     for la in launches:
         res = _compile(la)

@@ -29,7 +29,9 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 from harness import single_op_graph  # noqa: E402
 
 I8 = "int8_channel"
-NO_90A = Options(arch="sm_89")   # no wgmma: the exact library call serves above the skinny range
+# the int8 readers' own quantiser launches (the prologue and the norms' rows have their own tests)
+QUANT = Tuning(linear=LinearTuning(i8_prologue_upto=0, norm_int8=False))
+NO_90A = Options(arch="sm_89", tuning=QUANT)   # no wgmma: the exact library call serves above the skinny range
 WEIGHT_LOAD = "LDG.E.NA.LTC128B.128.CONSTANT"
 
 
@@ -95,7 +97,7 @@ def test_int8_weights_lower_to_the_quantiser_the_int8_kernel_and_the_exact_call_
 
 def test_odd_widths_pad_the_quantised_rows_to_16_bytes():
     G, nid = _node("linear", (I8,), K=1001)
-    quant, launch, _ = linear_skinny.lower(nid, G, Options(dtype="fp16"))   # K % 16 != 0: no int8 GEMM
+    quant, launch, _ = linear_skinny.lower(nid, G, Options(dtype="fp16", tuning=QUANT))   # K % 16 != 0: no int8 GEMM
     assert quant.params["qrow"] == 1008 and launch.workspace[0].shape == ("min(T, 16)", 252)
     assert launch.name == "linear_skinny__fp16_wi8__k1001__o2048"
 
@@ -116,8 +118,8 @@ def test_skinny_upto_zero_leaves_only_the_exact_call_without_sm_90a():
 
 
 @pytest.mark.parametrize("formats, opts, message", [
-    ((I8, None), Options(), "all in bf16 or all in int8_channel, got q: int8_channel, kv_a: bf16"),
-    ((I8, "fp8_e4m3_block128"), Options(), "got q: int8_channel, kv_a: fp8_e4m3_block128"),
+    ((I8, None), Options(tuning=QUANT), "all in bf16 or all in int8_channel, got q: int8_channel, kv_a: bf16"),
+    ((I8, "fp8_e4m3_block128"), Options(tuning=QUANT), "got q: int8_channel, kv_a: fp8_e4m3_block128"),
     ((I8, I8), Options(dtype="fp32"), "int8 weights need bf16 or fp16 activations, not fp32"),
     ((I8, I8), Options(tuning=Tuning(linear=LinearTuning(ksplit=2))), "splits K inside a CTA only"),
 ])
@@ -132,7 +134,7 @@ def test_what_the_int8_kernel_cannot_take_is_one_line(formats, opts, message):
 def test_fp8s_and_clusters_knobs_are_refused_for_int8_weights(kw):
     G, nid = _node()
     with pytest.raises(LoweringError, match="no load pipelines"):
-        linear_skinny.lower(nid, G, Options(), **kw)
+        linear_skinny.lower(nid, G, Options(tuning=QUANT), **kw)
 
 
 def _int8_spec_text() -> str:
@@ -153,7 +155,7 @@ def test_a_spec_with_int8_linears_lowers_every_phase():
     from ir.passes import run_pipeline
     spec = ir.load_spec(_int8_spec_text(), file="t.yaml")
     for phase in ("decode", "prefill"):
-        for opts in (Options(), NO_90A):
+        for opts in (Options(tuning=QUANT), NO_90A):
             plan = lower_graph(run_pipeline(ir.build_graph(spec, phase)), opts)
             launches = [s for s in plan.steps if isinstance(s, KernelLaunch)]
             quant = [s for s in launches if s.stage == "quant_int8"]
@@ -174,7 +176,7 @@ def test_an_int8_linear_over_rows_other_than_the_steps_tokens_is_the_exact_call_
                              {"weight": "o"})
     for name in G.graph["weights"]:
         G.graph["weights"][name] = dataclasses.replace(G.graph["weights"][name], format=I8)
-    (call,) = linear_skinny.lower(nid, G, Options())
+    (call,) = linear_skinny.lower(nid, G, Options(tuning=QUANT))
     assert isinstance(call, LibraryCall) and call.attrs["weight_format"] == I8 and call.from_tokens == 1, call
 
 
@@ -192,11 +194,11 @@ def test_an_int8_bundle_keeps_its_steps_through_the_manifest(tmp_path, monkeypat
     path = tmp_path / "tiny.yaml"
     path.write_text(_int8_spec_text())
     out = tmp_path / "bundle"
-    compile_bundle(str(path), out, cache_dir=tmp_path / "cache", progress=False)
+    compile_bundle(str(path), out, cache_dir=tmp_path / "cache", progress=False, tuning=QUANT)
     loaded = load_bundle(out, arch="sm_90")
     spec = ir.load_spec(str(path))
     for phase in ("decode", "prefill"):
-        want = [s for s in lower_graph(run_pipeline(ir.build_graph(spec, phase)), Options()).steps
+        want = [s for s in lower_graph(run_pipeline(ir.build_graph(spec, phase)), Options(tuning=QUANT)).steps
                 if (s.params.get("wfmt") if isinstance(s, KernelLaunch) else s.attrs.get("weight_format")) == I8]
         got = [s for s in loaded.plans[phase].steps
                if (s.params.get("wfmt") if isinstance(s, KernelLaunch) else s.attrs.get("weight_format")) == I8]
@@ -207,9 +209,9 @@ def test_an_int8_bundle_keeps_its_steps_through_the_manifest(tmp_path, monkeypat
 def test_explain_names_the_int8_rows():
     from runtime.cli_explain import _reason
     G, nid = _node("linear", (I8,))
-    steps = linear_skinny.lower(nid, G, Options())
-    assert _reason("linear", steps[:2], 4, Options(), {}).startswith("skinny_wi8 [tokens 1..16]: int8 weights")
-    assert _reason("linear", steps[2:], 40, Options(), {}).startswith("i8_wgmma [tokens 17..inf]: int8 x int8")
+    steps = linear_skinny.lower(nid, G, Options(tuning=QUANT))
+    assert _reason("linear", steps[:2], 4, Options(tuning=QUANT), {}).startswith("skinny_wi8 [tokens 1..16]: int8 weights")
+    assert _reason("linear", steps[2:], 40, Options(tuning=QUANT), {}).startswith("i8_wgmma [tokens 17..inf]: int8 x int8")
     steps = linear_skinny.lower(nid, G, NO_90A)
     assert _reason("linear", steps[2:], 40, NO_90A, {}).startswith("int_mm [tokens 17..inf]: int8 weights")
 
@@ -227,7 +229,7 @@ def _compile(launch, arch="sm_90"):
                                                 ("linear", "bf16", 18432, "sm_90")])   # V3's down K
 def test_the_int8_kernel_is_imma_on_16_byte_weight_loads_without_spills(op, dtype, K, arch):
     G, nid = _node(op, (I8, I8), K=K)
-    quant, launch = linear_skinny.lower(nid, G, Options(dtype=dtype))[:2]
+    quant, launch = linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=QUANT))[:2]
     res = _compile(launch, arch)
     assert "0 bytes stack frame" in res.log and "0 bytes spill stores" in res.log, res.log
     ops = opcodes(res.cubin)

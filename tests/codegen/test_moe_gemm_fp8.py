@@ -15,14 +15,17 @@ import pytest
 from codegen import dispatch, families, sizes
 from codegen.families import _moe_fp8, _moe_gemm_fp8, gemm_fp8
 from codegen.kernel import KernelLaunch, Options, SizeRef, TensorMapRef, ValueRef, WeightRef, WorkspaceRef
-from codegen.tuning import MoeTuning, Tuning
+from codegen.tuning import LinearTuning, MoeTuning, Tuning
 from ir.formats import FP8
 from sass import cuobjdump, opcodes
 from test_moe_fp8_lowering import FP8_FACTS, _node
 from tiny import ROOT
 
 FIRST = 257                                    # the first T above decode's range at the default tuning
-WEIGHT_ONLY = Tuning(moe=MoeTuning(fp8_activations=False))
+WEIGHT_ONLY = Tuning(moe=MoeTuning(fp8_activations=False, fp8_one_token_down=False))
+# the quantiser's launch before every FP8 x FP8 GEMM and down's one launch at every decode T (the norms' rows and
+# the one-token down, both on by default, have their own tests)
+QX = Tuning(moe=MoeTuning(fp8_one_token_down=False), linear=LinearTuning(norm_fp8=False))
 
 
 def _running(steps, T, K):
@@ -34,7 +37,7 @@ def _running(steps, T, K):
 def test_above_decode_the_quantiser_and_the_fp8_gemm_run(op):
     down = op == "moe_down"
     G, nid = _node(op, 144, 200, E=8, K=2)
-    steps = families.family_for_op(op).lower(nid, G, Options(dtype="bf16"))
+    steps = families.family_for_op(op).lower(nid, G, Options(dtype="bf16", tuning=QX))
     assert [s.stage for s in steps] == [_moe_fp8.VARIANT, "quant_x", "wgmma_fp8"]
     for T in (1, 8, 256):
         assert _running(steps, T, 2) == [_moe_fp8.VARIANT]
@@ -69,7 +72,7 @@ def test_the_knob_off_keeps_the_weight_only_kernel_at_every_t():
         assert [s.stage for s in steps] == [_moe_fp8.VARIANT]
         assert _running(steps, 16384, 2) == [_moe_fp8.VARIANT]
     assert Tuning().to_json()["moe"]["fp8_activations"] is True
-    assert WEIGHT_ONLY.flags() == ["--tune moe.fp8_activations=false"]
+    assert WEIGHT_ONLY.flags() == ["--tune moe.fp8_activations=false", "--tune moe.fp8_one_token_down=false"]
 
 
 def test_the_dispatch_rows_and_their_bounds():
@@ -104,7 +107,7 @@ def test_the_expert_ffn_keeps_its_workspace_and_the_quantisers():
                              {"gate": "e.{expert}.gate", "up": "e.{expert}.up", "down": "e.{expert}.down"})
     for name in G.nodes[nid]["weights"].values():
         set_format(G.graph["weights"], name, FP8)
-    steps = moe_expert_ffn.lower(nid, G, Options(dtype="bf16"))
+    steps = moe_expert_ffn.lower(nid, G, Options(dtype="bf16", tuning=QX))
     prefill = [s for s in steps if _running([s], FIRST, 2)]
     assert [s.stage for s in prefill] == ["quant_x", "wgmma_fp8", "quant_x", "wgmma_fp8"]
     gu_q, gu, dn_q, dn = prefill
@@ -129,7 +132,7 @@ def test_a_tiny_fp8_models_prefill_plan_lowers_to_the_fp8_x_fp8_launches():
     tiny = json.loads((ROOT / "model_specs" / "hf_configs" / "deepseek_tiny.json").read_text())
     spec = ir.load_spec(spec_from_config(tiny, name="tiny") + "\n"
                         + weight_formats_yaml(("model.layers.*.mlp.*_proj.weight",), FP8), file="t.yaml")
-    plan = plan_spec(spec, Options()).plans["prefill"]
+    plan = plan_spec(spec, Options(tuning=QX)).plans["prefill"]
     gemms = [la for la in plan.launches if la.stage == "wgmma_fp8"]
     assert {la.family for la in gemms} == {"moe_gate_up_silu", "moe_down"}, [la.name for la in gemms]
     slots = {s.name: s for s in plan.arena}

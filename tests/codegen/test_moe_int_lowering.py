@@ -263,7 +263,7 @@ def test_an_int_expert_bundle_keeps_its_steps_through_the_manifest(tmp_path, mon
     import hashlib
     import codegen.nvrtc as nvrtc
     from codegen.bundle import compile_bundle, load_bundle
-    from codegen.lower import lower_graph
+    from codegen.lower import lower_graph, pipeline_knobs
     from ir.config_to_spec import spec_from_config
     from ir.passes import run_pipeline
     monkeypatch.setattr(nvrtc, "compile_cubin", lambda source, name, **kw: nvrtc.CompileResult(
@@ -281,5 +281,5 @@ def test_an_int_expert_bundle_keeps_its_steps_through_the_manifest(tmp_path, mon
         return [dataclasses.replace(s, origins=()) for s in steps
                 if isinstance(s, KernelLaunch) and s.template == _moe_int.TEMPLATE]
     for phase in ("decode", "prefill"):
-        want = ours(lower_graph(run_pipeline(ir.build_graph(spec, phase)), Options()).steps)
+        want = ours(lower_graph(run_pipeline(ir.build_graph(spec, phase), knobs=pipeline_knobs(Options())), Options()).steps)
         assert want and ours(loaded.plans[phase].steps) == want, phase
