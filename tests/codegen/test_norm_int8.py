@@ -75,9 +75,9 @@ def test_the_knob_is_on_by_default_and_switches_the_pass():
     """On by default (measured: W4A8 b=1 1.86 -> 1.72 ms with the prologue knob, H100); a default that is on
     runs its pass as an explicit one does (pipeline_knobs reads the values, not what a flag changed)."""
     assert Tuning().linear.norm_int8
-    assert pipeline_knobs(Options()) == frozenset({"linear.norm_int8"})
-    assert pipeline_knobs(Options(tuning=ON)) == frozenset({"linear.norm_int8"})
-    assert pipeline_knobs(Options(tuning=OFF)) == frozenset()
+    assert "linear.norm_int8" in pipeline_knobs(Options())
+    assert "linear.norm_int8" in pipeline_knobs(Options(tuning=ON))
+    assert "linear.norm_int8" not in pipeline_knobs(Options(tuning=OFF))
     assert OFF.flags() == ["--tune linear.i8_prologue_upto=0", "--tune linear.norm_int8=false"]
 
 
