@@ -202,7 +202,7 @@ def apply(plan, opts):
             members = [plan.steps[k] for k in s.steps]
             gate = None if s.upto is None else size_exprs.only_below(s.upto)
             steps.append(family.launch(members, [body(m) for m in members], s.waits, lead=s.lead, gate=gate,
-                                       pdl=opts.pdl))
+                                       pdl=opts.pdl, ctas=opts.tuning.persistent.ctas_per_sm))
         if i in member:
             if member[i].upto is not None:      # the member's own launch serves the larger T
                 above = size_exprs.only_above(member[i].upto)

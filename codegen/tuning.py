@@ -162,6 +162,10 @@ class PersistentTuning(_Section):
     members: int = _knob(2, choices=(1, 2), doc="with segments: which launches have task bodies; 1: the norms and "
                                                 "16-bit skinny linears (as measured in PERF_NOTES v43); 2: also the "
                                                 "MoE combine + norm and the tensor-core V up-projection")
+    ctas_per_sm: int = _knob(1, choices=(1, 2), doc="with segments: the segment kernel's CTAs an SM (its launch "
+                                                    "bounds, its grid at most this times SMS); 2 caps registers at "
+                                                    "128 a thread, as a skinny linear's own launch runs; a segment "
+                                                    "whose shared memory does not fit twice an SM keeps 1")
 
 
 @dataclass(frozen=True)

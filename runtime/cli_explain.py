@@ -136,9 +136,14 @@ def _segment_lines(plan, sizes: dict, T: int, opts) -> list[str]:
     after = sum(1 for s in plan.launches if _runs(s, sizes, T))
     members = sum(len(s.params["members"]) for s in segs)
     row = dispatch.select("segments", T, {"phase": plan.phase, "segments": True}, opts.tuning)
-    return [f"  segments: {len(segs)} persistent launches run {members} members' tiles: "
-            f"{after + members - len(segs)} launches -> {after}",
-            f"    why    {row.variant} [tokens {row.span}]: {row.reason}"]
+    lines = [f"  segments: {len(segs)} persistent launches run {members} members' tiles: "
+             f"{after + members - len(segs)} launches -> {after}",
+             f"    why    {row.variant} [tokens {row.span}]: {row.reason}"]
+    if opts.tuning.persistent.ctas_per_sm != 1:
+        two = sum("ctas" in s.params for s in segs)
+        lines.append(f"    ctas   {opts.tuning.persistent.ctas_per_sm} an SM: {two} of {len(segs)}")
+        lines += [f"    ctas   1 an SM: {s.name}: {s.params['ctas_refused']}" for s in segs if "ctas_refused" in s.params]
+    return lines
 
 
 def task_lines(spec, *, batches, arch=DEFAULTS.arch, dtype=DEFAULTS.dtype, context=512, sms=132,
