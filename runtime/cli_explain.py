@@ -142,7 +142,8 @@ def _segment_lines(plan, sizes: dict, T: int, opts) -> list[str]:
     if opts.tuning.persistent.ctas_per_sm != 1:
         two = sum("ctas" in s.params for s in segs)
         lines.append(f"    ctas   {opts.tuning.persistent.ctas_per_sm} an SM: {two} of {len(segs)}")
-        lines += [f"    ctas   1 an SM: {s.name}: {s.params['ctas_refused']}" for s in segs if "ctas_refused" in s.params]
+        lines += [f"    ctas   1 an SM: {s.name}: {s.params['ctas_refused']}"
+                  for s in segs if "ctas_refused" in s.params]
     return lines
 
 

@@ -13,7 +13,7 @@ The task bodies call the members' own device functions in their own summation or
 must be equal, not close.  Hypothesis draws the chain, the dtype, the widths (V2-Lite's and odd ones),
 T (1..16, the skinny range) and the inputs; each example runs the segment on grids of 1, 2, 3 and 132
 CTAs (one CTA runs every task in order; a few CTAs wait on each other; 132 is an H100's SMs, one CTA
-each), twice (the counters reset themselves), and replays it from a CUDA graph on new inputs.  The
+each; with persistent.ctas_per_sm=2 also 264, two an SM), twice (the counters reset themselves), and replays it from a CUDA graph on new inputs.  The
 engine's decode step with segments on gives exactly the logits it gives with them off.
 
 Planted mutants (tests/gpu/test_mutants.py) drop the last member's waits: mlp's down projection then
@@ -41,6 +41,8 @@ from codegen.plan import NodeInfo, PhasePlan
 pytestmark = GPU_MARKS
 SETTINGS = kernel_test(12)
 GRIDS = (1, 2, 3, 132)
+# persistent.ctas_per_sm=2: also 264 CTAs, two an H100 SM, all resident at once (the kernel's launch bounds)
+GRIDS_AT = {1: GRIDS, 2: GRIDS + (264,)}
 # mlp: (K of o_proj's input, D hidden, I the MLP's width): V2-Lite's dense layer, odd widths, fp32's.
 # combine_q: (D hidden, K pairs a token, S shared experts among them (0: a shared input), Q q's width).
 # vup_o: (the o_lat view's lead: 0 contiguous, 1 a row pitch of C + 8 from element 1, every scalar path);
@@ -99,14 +101,14 @@ def _members(name: str, dtype: str, shape: str) -> list:
 
 
 @functools.lru_cache(maxsize=None)
-def chain(name: str, dtype: str, shape: str):
-    """(the members' launches in plan order, the segment's launch)."""
+def chain(name: str, dtype: str, shape: str, ctas: int = 1):
+    """(the members' launches in plan order, the segment's launch at `ctas` CTAs an SM)."""
     members = _members(name, dtype, shape)
     plan = PhasePlan("decode", steps=members, nodes={s.nodes[0]: NodeInfo(None, ()) for s in members})
     (seg,) = segments.find(plan)
     assert seg.steps == tuple(range(len(members))) and seg.waits == WAITS[name]
     launch = segment_family.launch(members, [segments.body(s) for s in members], seg.waits, lead=seg.lead,
-                                   gate=None, pdl=True)
+                                   gate=None, pdl=True, ctas=ctas)
     return members, launch
 
 
@@ -179,12 +181,13 @@ def assert_equal(got, want, what):
 @example(case=("combine_q", "bf16", "odd"), T=16, seed=6)
 @example(case=("vup_o", "bf16", "lite"), T=1, seed=8)
 @example(case=("vup_o", "bf16", "lite_strided"), T=16, seed=9)
-def test_segment_equals_the_launches_it_replaces(case, T, seed):
+@pytest.mark.parametrize("ctas", (1, 2))
+def test_segment_equals_the_launches_it_replaces(ctas, case, T, seed):
     name, dtype, shape = case
-    members, launch = chain(*case)
+    members, launch = chain(*case, ctas)
     values, weights = inputs(*case, T, torch.Generator().manual_seed(seed))
     want = per_op(members, values, weights, T, case)
-    for grid in GRIDS:
+    for grid in GRIDS_AT[ctas]:
         forced = dataclasses.replace(launch, grid=(str(grid), 1, 1))
         for run in range(2):     # the second launch finds the counters the first one reset
             got = outputs(*case, T)
@@ -198,11 +201,12 @@ def test_segment_equals_the_launches_it_replaces(case, T, seed):
 @example(case=("mlp", "bf16", "lite"), T=1, seed=4)
 @example(case=("combine_q", "bf16", "lite"), T=1, seed=7)
 @example(case=("vup_o", "bf16", "lite"), T=1, seed=10)
-def test_segment_replays_in_a_cuda_graph(case, T, seed):
+@pytest.mark.parametrize("ctas", (1, 2))
+def test_segment_replays_in_a_cuda_graph(ctas, case, T, seed):
     """Captured once, replayed on new inputs written into the captured buffers: each replay equals
     the kernel-per-op launches on those inputs (a counter left unreset would hang or skip tasks)."""
     name, dtype, shape = case
-    members, launch = chain(*case)
+    members, launch = chain(*case, ctas)
     gen = torch.Generator().manual_seed(seed)
     values, weights = inputs(*case, T, gen)
     got = outputs(*case, T)

@@ -57,6 +57,12 @@ class Mutant:
 SEGMENT_WAITS = ("{% for w in m.waits %}\n        dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);\n"
                  "{% endfor %}\n        dsg::seg::waited();")
 
+# the last member skips its waits, the member before it made slow (100 us a task)
+SEGMENT_WAIT = "        dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);"
+SEGMENT_LAST_SKIPS = ("        if ({{ j }} + 1 < MEMBERS) "
+                      "dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);\n"
+                      "        if ({{ j }} + 2 == MEMBERS) __nanosleep(100000);")
+
 
 def segment_first_reader_skips() -> str:
     """SEGMENT_WAITS with member 1's waits left out and member 0's tasks slowed by 100 us (so that
@@ -258,18 +264,23 @@ MUTANTS = [
     # the producer's tasks made slow (100 us each) so that the skipped wait loses the race on any grid of
     # more than one CTA: without the sleep the last tiles of gate_up_silu land before down reads them
     Mutant("persistent segment: the last member skips its wait (down reads gate_up_silu's output early)",
-           "segment.cu.j2", "        dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);",
-           "        if ({{ j }} + 1 < MEMBERS) dsg::seg::wait_member(counters, {{ w }}, (unsigned)tasks[{{ w }}]);\n"
-           "        if ({{ j }} + 2 == MEMBERS) __nanosleep(100000);",
-           persistent.test_segment_equals_the_launches_it_replaces, dict(case=("mlp", "bf16", "lite"), T=1, seed=50)),
+           "segment.cu.j2", SEGMENT_WAIT, SEGMENT_LAST_SKIPS,
+           persistent.test_segment_equals_the_launches_it_replaces, dict(ctas=1, case=("mlp", "bf16", "lite"), T=1,
+                                                                         seed=50)),
+    # the same at two CTAs an SM (persistent.ctas_per_sm=2: its launch bounds, 264 CTAs among the grids)
+    Mutant("persistent segment, two CTAs an SM: the last member skips its wait (down reads gate_up_silu's output "
+           "early)",
+           "segment.cu.j2", SEGMENT_WAIT, SEGMENT_LAST_SKIPS,
+           persistent.test_segment_equals_the_launches_it_replaces, dict(ctas=2, case=("mlp", "bf16", "lite"), T=1,
+                                                                         seed=53)),
     # member 1 skips its waits on member 0, its producer, whose tasks are made slow as above (100 us each)
     Mutant("persistent segment: q skips its wait on the combine + norm (it reads h before the combine writes it)",
            "segment.cu.j2", SEGMENT_WAITS, segment_first_reader_skips(),
-           persistent.test_segment_equals_the_launches_it_replaces, dict(case=("combine_q", "bf16", "lite"), T=1,
-                                                                         seed=51)),
+           persistent.test_segment_equals_the_launches_it_replaces, dict(ctas=1, case=("combine_q", "bf16", "lite"),
+                                                                         T=1, seed=51)),
     Mutant("persistent segment: o_proj skips its wait on the V up-projection (it reads o before v_up writes it)",
            "segment.cu.j2", SEGMENT_WAITS, segment_first_reader_skips(),
-           persistent.test_segment_equals_the_launches_it_replaces, dict(case=("vup_o", "bf16", "lite"), T=1,
+           persistent.test_segment_equals_the_launches_it_replaces, dict(ctas=1, case=("vup_o", "bf16", "lite"), T=1,
                                                                          seed=52)),
     Mutant("FP8 experts: a K slice scaled by the next K block's scale (gate)", "include/moe_fp8.cuh",
            "return __ldg(sc0 + kt * WF_BK / WF_BLOCK);",
