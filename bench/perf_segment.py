@@ -7,7 +7,8 @@ The chains are tests/gpu/test_kernels_persistent.py's, at V2-Lite's widths (test
   o_norm  o_proj (skinny linear 2048 -> 2048) + fused_add_rms_norm: the 27 two-member segments of b=1;
   mlp     o_proj, the norm, gate_up_silu (2048 -> 2 x 10944) and down (10944 -> 2048): layer 0's dense MLP.
 Each arm runs the chain `iters` times in one CUDA graph, as the engine replays a step (runtime/timing.py's
-graph_us: us per chain, median of 3 replays):
+graph_us: us per chain, median of 3 replays), cycling over `copies` copies of the weights so that they come
+from DRAM as in a step (o_norm's 8.4 MB would stay in L2):
   launches   the members' own launches, programmatic dependent launches (PDL) as the engine's;
   single/N   each member as a one-member segment at N CTAs an SM (no counter hand-off inside): single -
              launches is the segment kernel's own cost (its launch bounds, seg::fresh reads of x, the task
@@ -19,6 +20,7 @@ Every arm's outputs are checked equal to the launches' before it is timed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -69,6 +71,31 @@ def compile_only(names, dtype, ctas_list, arch) -> int:
     return 1 if bad else 0
 
 
+def time_chain(name: str, T: int, a, ctas_list, runner, sms: int) -> dict:
+    """{arm: us a chain} for the chain `name` at T tokens; stops where an arm's outputs differ."""
+    import torch
+
+    from runtime.timing import graph_us
+    values, weights = inputs("mlp", a.dtype, "lite", T, torch.Generator().manual_seed(T))
+    copies = [weights] + [{k: w.clone() for k, w in weights.items()} for _ in range(a.copies - 1)]
+    at = {**sizes("mlp", "lite", T), "SMS": sms}
+    want, row = None, {}
+    for arm, launches in arms(name, a.dtype, ctas_list).items():
+        outs = outputs("mlp", a.dtype, "lite", T)
+        calls = itertools.count()
+
+        def run():
+            runner.run_all(launches, values={**values, **outs}, weights=copies[next(calls) % len(copies)], sizes=at)
+        run()
+        torch.cuda.synchronize()
+        got = {k: outs[k].clone() for k in CHAINS[name][1]}
+        want = want or got
+        if any(not torch.equal(got[k], want[k]) for k in want):
+            raise SystemExit(f"{name} T={T}: {arm} differs from the launches")
+        row[arm] = graph_us(run, iters=max(a.iters, len(copies)))
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,16")
@@ -76,43 +103,30 @@ def main() -> int:
     ap.add_argument("--chains", default="o_norm,mlp")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--copies", type=int, default=8, help="weight copies cycled (1: the weights stay in L2)")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--arch", default="sm_90")
     a = ap.parse_args()
     names = [c for c in a.chains.split(",") if c]
     bad = [c for c in names if c not in CHAINS]
     ctas_list = [int(c) for c in a.ctas.split(",") if c]
-    if bad or not set(ctas_list) <= {1, 2}:
-        raise SystemExit(f"chains are {', '.join(CHAINS)} and CTAs an SM 1 or 2; got {a.chains!r}, {a.ctas!r}")
+    if bad or not set(ctas_list) <= {1, 2} or a.copies < 1:
+        raise SystemExit(f"chains are {', '.join(CHAINS)}, CTAs an SM 1 or 2, copies >= 1; got {a.chains!r}, "
+                         f"{a.ctas!r}, {a.copies}")
     if a.compile_only:
         return compile_only(names, a.dtype, ctas_list, a.arch)
 
     import torch
 
     from runtime.launcher import KernelRunner
-    from runtime.timing import graph_us
     runner = KernelRunner()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"# {torch.cuda.get_device_name()} ({sms} SMs), {a.dtype}: us a chain, {a.iters} chains a CUDA graph")
+    print(f"# {torch.cuda.get_device_name()} ({sms} SMs), {a.dtype}: us a chain, {a.iters} chains a CUDA graph, "
+          f"{a.copies} weight copies")
     for name in names:
         for T in (int(t) for t in a.tokens.split(",")):
-            values, weights = inputs("mlp", a.dtype, "lite", T, torch.Generator().manual_seed(T))
-            at = {**sizes("mlp", "lite", T), "SMS": sms}
-            want = None
-            row = {}
-            for arm, launches in arms(name, a.dtype, ctas_list).items():
-                outs = outputs("mlp", a.dtype, "lite", T)
-                def run():
-                    runner.run_all(launches, values={**values, **outs}, weights=weights, sizes=at)
-                run()
-                torch.cuda.synchronize()
-                got = {k: outs[k].clone() for k in CHAINS[name][1]}
-                want = want or got
-                if any(not torch.equal(got[k], want[k]) for k in want):
-                    raise SystemExit(f"{name} T={T}: {arm} differs from the launches")
-                row[arm] = graph_us(run, iters=a.iters)
-            cols = "  ".join(f"{arm} {us:7.2f}" for arm, us in row.items())
-            print(f"{name:<7} T={T:<3} {cols}", flush=True)
+            row = time_chain(name, T, a, ctas_list, runner, sms)
+            print(f"{name:<7} T={T:<3} " + "  ".join(f"{arm} {us:7.2f}" for arm, us in row.items()), flush=True)
     return 0
 
 
