@@ -99,8 +99,6 @@ def launch_for(m, K: int, rows: list[int], variant: str, dtype: str = "bf16",
 
 
 def compile_only(m, names, variants, arch) -> int:
-    from codegen.nvrtc import compile_cubin
-    from codegen.render import render_launch
     bad = 0
     done = set()
     for name in names:
@@ -110,11 +108,19 @@ def compile_only(m, names, variants, arch) -> int:
             if la.name in done:
                 continue
             done.add(la.name)
-            spills, info = ptxas_report(compile_cubin(render_launch(la), la.name, arch=arch,
-                                                      options=("--ptxas-options=-v",)).log)
-            bad += spills
-            print(f"{name:<16} {v:<9} {la.name:<48} {'SPILLS ' if spills else ''}{info}", flush=True)
+            bad += compile_and_report(la, f"{name:<16} {v:<9} {la.name:<48}", arch)
     return 1 if bad else 0
+
+
+def compile_and_report(la, label: str, arch: str) -> bool:
+    """Compiles one launch's kernel with ptxas -v and prints `label` with its registers, shared memory and
+    spills; whether it spills."""
+    from codegen.nvrtc import compile_cubin
+    from codegen.render import render_launch
+    spills, info = ptxas_report(compile_cubin(render_launch(la), la.name, arch=arch,
+                                              options=("--ptxas-options=-v",)).log)
+    print(f"{label} {'SPILLS ' if spills else ''}{info}", flush=True)
+    return spills
 
 
 def ptxas_report(log: str) -> tuple[bool, str]:

@@ -54,9 +54,7 @@ def arms(name: str, dtype: str, ctas_list) -> dict:
 
 
 def compile_only(names, dtype, ctas_list, arch) -> int:
-    from bench.perf_linear import ptxas_report
-    from codegen.nvrtc import compile_cubin
-    from codegen.render import render_launch
+    from bench.perf_linear import compile_and_report
     bad, done = 0, set()
     for name in names:
         for arm, launches in arms(name, dtype, ctas_list).items():
@@ -64,10 +62,7 @@ def compile_only(names, dtype, ctas_list, arch) -> int:
                 if la.name in done:
                     continue
                 done.add(la.name)
-                spills, info = ptxas_report(compile_cubin(render_launch(la), la.name, arch=arch,
-                                                          options=("--ptxas-options=-v",)).log)
-                bad += spills
-                print(f"{name:<7} {arm:<10} {la.name:<42} {'SPILLS ' if spills else ''}{info}", flush=True)
+                bad += compile_and_report(la, f"{name:<7} {arm:<10} {la.name:<42}", arch)
     return 1 if bad else 0
 
 
