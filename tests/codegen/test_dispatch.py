@@ -41,7 +41,7 @@ TUNINGS = [Tuning(), tuned(moe__decode_wgmma=False), tuned(moe__decode_wgmma_fro
            tuned(linear__i8_prologue_upto=16), tuned(linear__i8_prologue_upto=16, linear__skinny_upto=8),
            tuned(persistent__segments=True),
            tuned(moe__fp8_one_token_down=True), tuned(moe__fp8_one_token_down=True, moe__fp8_activations=False),
-           tuned(linear__fp8_chunks_upto=128), tuned(linear__fp8_chunks_upto=32, linear__skinny_upto=0),
+           tuned(linear__fp8_chunks_upto=0), tuned(linear__fp8_chunks_upto=128), tuned(linear__fp8_chunks_upto=32, linear__skinny_upto=0),
            tuned(linear__fp8_chunks_upto=256, linear__skinny_upto=8)]
 
 
@@ -89,7 +89,8 @@ def test_a_table_says_which_case_holds_and_refuses_no_case():
         == "fused"
     assert dispatch.select("linear", 17, {"precision": "act"}).variant == "library"
     fp8 = {"precision": "act", "weight_format": "fp8_e4m3_block128", "sm_90a": True, "fp8_rows": True, "fp8_fits": True}
-    assert [dispatch.select("linear", t, fp8).variant for t in (16, 17, 16384)] == ["skinny", "fp8_wgmma", "fp8_wgmma"]
+    assert [dispatch.select("linear", t, fp8).variant for t in (16, 17, 64, 65, 16384)] == \
+        ["skinny", "skinny_fp8_chunks", "skinny_fp8_chunks", "fp8_wgmma", "fp8_wgmma"]
     assert dispatch.select("linear", 17, {**fp8, "sm_90a": False}).variant == "library"
     assert dispatch.select("linear", 17, {**fp8, "fp8_rows": False}).variant == "library"
     assert dispatch.select("linear", 17, {**fp8, "weight_format": "same"}).variant == "library"

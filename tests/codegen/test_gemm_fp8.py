@@ -24,7 +24,9 @@ from codegen.tuning import LinearTuning, Tuning  # noqa: E402
 from ir.formats import FP8  # noqa: E402
 
 # every FP8 x FP8 GEMM with its own quantiser launch (the norms' rows, on by default, have their own tests)
-NO_NORM_ROWS = Tuning(linear=LinearTuning(norm_fp8=False))
+# the FP8 x FP8 GEMM from T = 17: the skinny kernel's 16-token chunks (on at 64 by default) off
+GEMM_FROM_17 = Tuning(linear=LinearTuning(fp8_chunks_upto=0))
+NO_NORM_ROWS = Tuning(linear=LinearTuning(norm_fp8=False, fp8_chunks_upto=0))
 
 FIRST = linear_skinny.SKINNY_MAX_TOKENS + 1
 
@@ -37,7 +39,7 @@ def _running(steps, T):
 @pytest.mark.parametrize("op", ["linear", "multi_linear", "gate_up_silu"])
 def test_above_the_skinny_range_the_quantiser_and_the_fp8_gemm_run(op):
     G, nid = _node(op, (FP8.name, FP8.name))
-    steps = linear_skinny.lower(nid, G, Options())
+    steps = linear_skinny.lower(nid, G, Options(tuning=GEMM_FROM_17))
     assert not any(isinstance(s, LibraryCall) for s in steps)
     gemms = 2 if op == "multi_linear" else 1
     assert [s.stage for s in steps] == [op, "quant_x", *["fp8_wgmma"] * gemms]
@@ -85,7 +87,7 @@ def test_at_decode_batches_k_splits_until_the_tiles_fill_the_sms(op):
     `splits` argument is the same number; from there on one CTA a tile (a persistent walk past the SM
     count), splits 1 and no partials.  The node's one partials workspace holds the largest GEMM's."""
     G, nid = _node(op, (FP8.name, FP8.name))
-    launches = [s for s in linear_skinny.lower(nid, G, Options()) if s.stage == "fp8_wgmma"]
+    launches = [s for s in linear_skinny.lower(nid, G, Options(tuning=GEMM_FROM_17)) if s.stage == "fp8_wgmma"]
     # (tiles at T <= 128, weight rows) per GEMM: q 3072 / 128, kv_a 576 (a 64-row ceil tile), o_proj
     # 2048, gate_up_silu's 10944 output columns in 64-column tiles
     tiles = {"multi_linear": [24, 5], "linear": [16], "gate_up_silu": [171]}[op]
@@ -112,23 +114,23 @@ def test_at_decode_batches_k_splits_until_the_tiles_fill_the_sms(op):
 
 def test_a_short_k_splits_at_most_once_a_block():
     G, nid = _node("linear", (FP8.name,), K=256)             # two K blocks
-    (la,) = [s for s in linear_skinny.lower(nid, G, Options()) if s.stage == "fp8_wgmma"]
+    (la,) = [s for s in linear_skinny.lower(nid, G, Options(tuning=GEMM_FROM_17)) if s.stage == "fp8_wgmma"]
     assert _geometry(la, 32) == (16 * 2, 2, 16 * 2)
     G, nid = _node("linear", (FP8.name,), K=112)             # one (ceil) K block: never split
-    (la,) = [s for s in linear_skinny.lower(nid, G, Options()) if s.stage == "fp8_wgmma"]
+    (la,) = [s for s in linear_skinny.lower(nid, G, Options(tuning=GEMM_FROM_17)) if s.stage == "fp8_wgmma"]
     assert _geometry(la, 32) == (16, 1, 0)
 
 
 def test_the_dequantising_library_call_stays_where_the_fp8_gemm_cannot_run():
     G, nid = _node("linear", (FP8.name,))
-    for opts in (Options(arch="sm_80"), Options(arch="sm_89")):
+    for opts in (Options(arch="sm_80", tuning=GEMM_FROM_17), Options(arch="sm_89", tuning=GEMM_FROM_17)):
         (call,) = [s for s in linear_skinny.lower(nid, G, opts) if isinstance(s, LibraryCall)]
         assert call.from_tokens == FIRST and call.attrs["weight_format"] == FP8.name
     G, nid = _node("linear", (FP8.name,), K=300)            # not whole 16-byte chunks
-    (call,) = [s for s in linear_skinny.lower(nid, G, Options()) if isinstance(s, LibraryCall)]
+    (call,) = [s for s in linear_skinny.lower(nid, G, Options(tuning=GEMM_FROM_17)) if isinstance(s, LibraryCall)]
     assert call.attrs["weight_format"] == FP8.name
     G, nid = _node("linear", (None,))                      # bf16 weights: cuBLAS as before
-    assert not any(s.family == gemm_fp8.FAMILY for s in linear_skinny.lower(nid, G, Options())
+    assert not any(s.family == gemm_fp8.FAMILY for s in linear_skinny.lower(nid, G, Options(tuning=GEMM_FROM_17))
                    if isinstance(s, KernelLaunch))
 
 
@@ -141,7 +143,7 @@ def test_without_the_skinny_kernel_the_fp8_gemm_serves_every_t():
 
 def test_the_dispatch_row_names_the_fp8_gemm():
     facts = {"precision": "act", "weight_format": FP8.name, "sm_90a": True, "fp8_rows": True, "fp8_fits": True}
-    row = dispatch.select("linear", FIRST, facts)
+    row = dispatch.select("linear", FIRST, facts, GEMM_FROM_17)
     assert row.variant == "fp8_wgmma" and "promotion per 128-K block" in row.reason and row.span == f"{FIRST}..inf"
 
 
@@ -152,7 +154,7 @@ def test_the_fp8_gemm_compiles_to_fp8_wgmma_without_spills(op, K, dtype):
     from codegen.nvrtc import compile_cubin
     from codegen.render import render_launch
     G, nid = _node(op, (FP8.name, FP8.name), K=K)
-    quant, *launches = [s for s in linear_skinny.lower(nid, G, Options(dtype=dtype)) if isinstance(s, KernelLaunch)
+    quant, *launches = [s for s in linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=GEMM_FROM_17)) if isinstance(s, KernelLaunch)
                         and s.family == gemm_fp8.FAMILY]
     for la in launches:
         res = compile_cubin(render_launch(la), la.name, arch=kernel_target("sm_90", la.requires),
@@ -208,9 +210,9 @@ def test_a_spec_with_fp8_linears_plans_the_quantiser_and_the_gemm_with_their_wor
 def test_the_family_lowers_one_node_alone_at_every_t_and_says_what_it_cannot_serve():
     from codegen.errors import LoweringError
     G, nid = _node("gate_up_silu", (FP8.name, FP8.name))
-    steps = gemm_fp8.lower(nid, G, Options())
+    steps = gemm_fp8.lower(nid, G, Options(tuning=GEMM_FROM_17))
     assert [s.stage for s in steps] == ["quant_x", "fp8_wgmma"] and _running(steps, 1) == ["quant_x", "fp8_wgmma"]
-    assert [s.name for s in steps] == [s.name for s in linear_skinny.lower(nid, G, Options())[1:]]
+    assert [s.name for s in steps] == [s.name for s in linear_skinny.lower(nid, G, Options(tuning=GEMM_FROM_17))[1:]]
     G, nid = _node("linear", (None,), K=300)
     with pytest.raises(LoweringError, match="gemm_fp8 cannot serve linear .*: o is bf16; K = 300 is not a multiple "
                                             "of 16; target sm_80 lacks sm_90a"):
@@ -229,7 +231,7 @@ def test_explain_shows_the_fp8_gemm_above_the_skinny_range(capsys, tmp_path):
     spec = tmp_path / "tiny_fp8.yaml"
     spec.write_text(spec_from_config(tiny, name="tiny") + "\n"
                     + weight_formats_yaml(("model.layers.*.self_attn.o_proj.weight",), FP8))
-    assert main(["explain", str(spec), "--tokens", "16,17", "--phase", "prefill"]) == 0
+    assert main(["explain", str(spec), "--tokens", "16,17", "--phase", "prefill", "--tune", "linear.fp8_chunks_upto=0"]) == 0
     out = capsys.readouterr().out
     at16, at17 = out.split("prefill, T = 16 ", 1)[1].split("prefill, T = 17 ", 1)
     assert "linear_skinny__bf16_wfp8__k128__o128" in at16 and "gemm_fp8" not in at16

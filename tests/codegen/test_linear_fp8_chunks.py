@@ -1,4 +1,4 @@
-"""The FP8 skinny kernel in 16-token chunks (Tuning.linear.fp8_chunks_upto, off by default; CPU): the linear
+"""The FP8 skinny kernel in 16-token chunks (Tuning.linear.fp8_chunks_upto, on at 64 by default; CPU): the linear
 table's row, which launches run at each T with the knob off and on (the chunked launch's grid.y, no quantiser
 launch in its range, gemm_fp8 above it with its workspaces empty below), `dsgraph explain`, and the chunked
 kernels' machine code (NVRTC for sm_90a with ptxas -v: no spills, the registers of the T <= 16 kernel).
@@ -25,6 +25,7 @@ from runtime.cli import main  # noqa: E402
 FP8_FACTS = {"precision": "act", "weight_format": "fp8_e4m3_block128", "sm_90a": True, "fp8_rows": True,
              "fp8_fits": True}
 TOKENS = (1, 16, 17, 32, 64, 65, 128, 129)
+OFF = "linear.fp8_chunks_upto=0"
 
 
 def _lower(op: str, *tune: str, arch: str = "sm_90a", **shape) -> list:
@@ -43,15 +44,16 @@ def _running(steps, T: int) -> list[tuple[str, tuple]]:
     return out
 
 
-def test_the_knob_is_off_by_default_and_takes_its_choices_only():
-    assert LinearTuning().fp8_chunks_upto == 0
+def test_the_knob_is_on_at_64_by_default_and_takes_its_choices_only():
+    assert LinearTuning().fp8_chunks_upto == 64
     assert parse_tune(["linear.fp8_chunks_upto=128"]).linear.fp8_chunks_upto == 128
     with pytest.raises(TuningError, match="must be one of 0, 32, 64, 128, 256, got 48"):
         parse_tune(["linear.fp8_chunks_upto=48"])
 
 
 @pytest.mark.parametrize("tune, expect", [
-    ((), {16: "skinny", 17: "fp8_wgmma", 128: "fp8_wgmma"}),
+    ((OFF,), {16: "skinny", 17: "fp8_wgmma", 128: "fp8_wgmma"}),
+    ((), {16: "skinny", 17: "skinny_fp8_chunks", 64: "skinny_fp8_chunks", 65: "fp8_wgmma"}),
     (("linear.fp8_chunks_upto=64",), {16: "skinny", 17: "skinny_fp8_chunks", 64: "skinny_fp8_chunks",
                                       65: "fp8_wgmma"}),
     (("linear.fp8_chunks_upto=128", "linear.skinny_upto=8"), {8: "skinny", 9: "skinny_fp8_chunks",
@@ -71,7 +73,7 @@ def test_the_linear_tables_fp8_case_gives_the_chunks_their_range(tune, expect):
 def test_which_launches_run_at_each_token_count(op, width):
     """Off: the skinny kernel up to 16, the quantiser and gemm_fp8 above (today's launches).  On at 64: the
     chunked kernel at 17-64 with cdiv(T, 16) chunks along y and no quantiser, gemm_fp8 from 65."""
-    off, on = _lower(op), _lower(op, "linear.fp8_chunks_upto=64")
+    off, on = _lower(op, OFF), _lower(op, "linear.fp8_chunks_upto=64")
     assert [s.name for s in off] == [s.name for s in on if not s.name.endswith("__c16")]
     gemm = [n for n, _ in _running(off, 17)]
     assert gemm[0] == "quant_x" and len(gemm) == (3 if op == "multi_linear" else 2)
@@ -93,7 +95,7 @@ def test_which_launches_run_at_each_token_count(op, width):
 
 
 def test_gemm_fp8s_workspaces_are_empty_where_the_chunks_run():
-    off, on = _lower("multi_linear"), _lower("multi_linear", "linear.fp8_chunks_upto=128")
+    off, on = _lower("multi_linear", OFF), _lower("multi_linear", "linear.fp8_chunks_upto=128")
     for a, b in zip([s for s in off if s.workspace], [s for s in on if s.workspace]):
         assert [w.name for w in a.workspace] == [w.name for w in b.workspace] and b.name == a.name
         for wa, wb in zip(a.workspace, b.workspace):
@@ -190,7 +192,7 @@ def test_the_decode_arena_holds_no_quantised_x_where_the_chunks_run():
     from runtime.bench import bench_spec
     lite = str(ROOT / "model_specs" / "deepseek_v2_lite.yaml")
     totals = {}
-    for tune in ((), ("linear.fp8_chunks_upto=64",)):
+    for tune in ((OFF,), ("linear.fp8_chunks_upto=64",)):
         plan = plan_spec(bench_spec(lite, "fp8"), Options(tuning=parse_tune(list(tune))), strict=False).plans["decode"]
         arena = ArenaPlan(plan.arena)
         for b in (32, 128):
@@ -198,8 +200,8 @@ def test_the_decode_arena_holds_no_quantised_x_where_the_chunks_run():
             fp8_ws = sum(n for name, n in lay.nbytes.items() if name.rsplit("/", 1)[-1].startswith("fp8_"))
             totals[tune, b] = (lay.total, fp8_ws)
     on = ("linear.fp8_chunks_upto=64",)
-    assert totals[on, 32][1] == 0 < totals[(), 32][1] and totals[on, 32][0] < totals[(), 32][0], totals
-    assert totals[on, 128] == totals[(), 128], totals
+    assert totals[on, 32][1] == 0 < totals[(OFF,), 32][1] and totals[on, 32][0] < totals[(OFF,), 32][0], totals
+    assert totals[on, 128] == totals[(OFF,), 128], totals
 
 
 @pytest.mark.slow

@@ -34,8 +34,10 @@ from ir.passes.norm_rows import NORMS, give_rows, row_names  # noqa: E402
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 from harness import single_op_graph  # noqa: E402
 
-ON = Tuning(linear=LinearTuning(norm_fp8=True))
-OFF = Tuning(linear=LinearTuning(norm_fp8=False))
+# the FP8 x FP8 readers from T = 17: the skinny kernel's 16-token chunks (on at 64 by default) read the 16-bit x
+# (tests/codegen/test_linear_fp8_chunks.py has the norms' rows with the chunks on)
+ON = Tuning(linear=LinearTuning(norm_fp8=True, fp8_chunks_upto=0))
+OFF = Tuning(linear=LinearTuning(norm_fp8=False, fp8_chunks_upto=0))
 FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 TINY = {  # V2-style, no q_lora: the input norm feeds q + kv_a; D = 144 (a partial 128-group), widths % 16 == 0
     "model_type": "deepseek_v2", "hidden_size": 144, "num_attention_heads": 2, "q_lora_rank": None,
@@ -85,7 +87,7 @@ def test_the_knob_is_on_by_default_and_switches_the_pass():
     assert Tuning().linear.norm_fp8
     assert "linear.norm_fp8" in pipeline_knobs(Options())
     assert "linear.norm_fp8" not in pipeline_knobs(Options(tuning=OFF))
-    assert OFF.flags() == ["--tune linear.norm_fp8=false"]
+    assert Tuning(linear=LinearTuning(norm_fp8=False)).flags() == ["--tune linear.norm_fp8=false"]
     assert Tuning().to_json()["linear"]["norm_fp8"] is True
 
 
@@ -190,8 +192,8 @@ def test_the_norm_fed_quantisers_counted():
 def test_without_fp8_activations_nothing_changes():
     """linear.fp8_activations and moe.fp8_activations off (the FP8 weights dequantised or widened, x kept
     16-bit): no reader multiplies FP8 x FP8, so the norms keep their plain launches at every T."""
-    no_x = dict(linear=LinearTuning(fp8_activations=False, norm_fp8=False), moe=MoeTuning(fp8_activations=False))
-    both = dict(linear=LinearTuning(fp8_activations=False, norm_fp8=True), moe=MoeTuning(fp8_activations=False))
+    no_x = dict(linear=LinearTuning(fp8_activations=False, norm_fp8=False, fp8_chunks_upto=0), moe=MoeTuning(fp8_activations=False))
+    both = dict(linear=LinearTuning(fp8_activations=False, norm_fp8=True, fp8_chunks_upto=0), moe=MoeTuning(fp8_activations=False))
     for phase in ir.PHASES:
         G, on = _plan(phase, Tuning(**both))
         _, off = _plan(phase, Tuning(**no_x))

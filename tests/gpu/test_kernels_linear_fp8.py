@@ -25,7 +25,7 @@ from kernel_cases import Recorder, act, empty_out, kernel_test, model, rand, ref
 from test_kernels_linear import silu_reference, x_view
 
 from codegen.families import gemm_fp8, linear_skinny
-from codegen.tuning import LinearTuning
+from codegen.tuning import LinearTuning, Tuning
 from codegen.kernel import KernelLaunch, LibraryCall, Options
 from ir.formats import FP8, cdiv, companion_names, scale_shape
 
@@ -93,11 +93,15 @@ def fp8_weights(names, heights, K, gen, scale) -> tuple[dict, dict]:
     return kernel, ref
 
 
+# above 16 tokens gemm_fp8 or the library call (the 16-token chunks: test_kernels_linear_fp8_chunks.py)
+GEMM_ABOVE = Tuning(linear=LinearTuning(fp8_chunks_upto=0))
+
+
 def lower_fp8(G, nid, dtype, variant, K):
     """The skinny FP8 launch; above 16 tokens the node runs gemm_fp8's GEMM where it serves K and the
     dequantising library call only where it does not."""
     warps, rt, unroll, ks, pipeline = variant
-    steps = linear_skinny.lower(nid, G, Options(dtype=dtype), warps=warps, row_tiles=rt, unroll=unroll, ksplit=ks,
+    steps = linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=GEMM_ABOVE), warps=warps, row_tiles=rt, unroll=unroll, ksplit=ks,
                                 pipeline=pipeline)
     launches = [s for s in steps if isinstance(s, KernelLaunch) and s.family == linear_skinny.FAMILY]
     calls = [s for s in steps if isinstance(s, LibraryCall)]
