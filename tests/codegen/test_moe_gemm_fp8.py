@@ -169,3 +169,62 @@ def test_the_fp8_gemm_compiles_to_fp8_wgmma_without_spills(op, KD, N, E, K, dtyp
     assert any(o.startswith("UTMALDG.3D") for o in ops) and ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0, sorted(ops)
     assert not any(o.startswith("HGMMA") for o in ops), "the product runs on FP8 operands, not widened ones"
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "no local memory"
+
+
+OVERLAP = Tuning(moe=MoeTuning(fp8_overlap=True))
+
+
+def _gemm_launches(op, KD, N, E, K, tuning):
+    G, nid = _node(op, KD, N, E=E, K=K)
+    return [s for s in families.family_for_op(op).lower(nid, G, Options(dtype="bf16", tuning=tuning))
+            if s.stage == "wgmma_fp8"]
+
+
+@pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_gate_up", "moe_down"])
+def test_fp8_overlap_reaches_the_kernel_only_when_on(op):
+    """moe.fp8_overlap off (the default): the GEMM's name, parameters and source as without the knob; on: name
+    part ovl, parameter `overlap`, the template's OVL argument, and nothing else changed (the quantiser's launch
+    neither)."""
+    from codegen.render import render_launch
+    assert Tuning().moe.fp8_overlap is False and OVERLAP.flags() == ["--tune moe.fp8_overlap=true"]
+    G, nid = _node(op, 144, 200)
+    off, on = (families.family_for_op(op).lower(nid, G, Options(dtype="bf16", tuning=t)) for t in (Tuning(), OVERLAP))
+    assert [s.stage for s in off] == [s.stage for s in on]
+    (a,) = [s for s in off if s.stage == "wgmma_fp8"]
+    (b,) = [s for s in on if s.stage == "wgmma_fp8"]
+    assert "overlap" not in a.params and "__ovl__" not in a.name and ", true>(" not in render_launch(a)
+    assert b.name == a.name.replace("__wgmma_fp8", "__ovl__wgmma_fp8") and b.params == {**a.params, "overlap": True}
+    assert (b.grid, b.block, b.smem, b.args, b.workspace) == (a.grid, a.block, a.smem, a.args, a.workspace)
+    assert render_launch(b).count(", true>(") == 1
+    assert [(s.name, s.params) for s in off if s.stage != "wgmma_fp8"] == \
+        [(s.name, s.params) for s in on if s.stage != "wgmma_fp8"]
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
+@pytest.mark.parametrize("op,KD,N,E,K", [("moe_gate_up_silu", 2048, 1408, 66, 8),   # V2-Lite: 16 K blocks
+                                          ("moe_down", 1408, 2048, 66, 8),          # 11
+                                          ("moe_gate_up", 720, 200, 8, 2)])         # 6, a ceil block
+def test_fp8_overlap_compiles_to_one_group_in_flight_without_spills(op, KD, N, E, K):
+    """moe.fp8_overlap for sm_90a: acc + two fp32 tiles (192 registers) fit the consumers' setmaxnreg budget
+    without spills; ptxas neither serialises the wgmmas (C7514) nor injects waits (C7517) -- either would
+    undo the overlap; the consumer waits for all but the newest group (WARPGROUP.DEPBAR.LE gsb0, 0x1) where
+    the plain loop waits for all (0x0) only; the loop issues 4 QGMMA a block at four sites (the first block,
+    two a trip, the last two blocks' second)."""
+    from codegen.arch import kernel_target
+    from codegen.nvrtc import compile_cubin
+    from codegen.render import render_launch
+    from sass import instructions
+    depbars = {}
+    for overlap in (False, True):
+        (la,) = _gemm_launches(op, KD, N, E, K, OVERLAP if overlap else Tuning())
+        res = compile_cubin(render_launch(la), la.name, arch=kernel_target("sm_90", la.requires),
+                            options=("--ptxas-options=-v",))
+        assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
+        assert "C7514" not in res.log and "C7517" not in res.log, res.log
+        (body,) = instructions(res.cubin).values()
+        depbars[overlap] = {i.operands.split(",")[-1].strip() for i in body if i.opcode == "WARPGROUP.DEPBAR.LE"}
+        # (the opcode pattern stops at the shape's lower-case x: whole text)
+        assert sum((i.opcode + i.operands).startswith("QGMMA.64x128x32.F32.E4M3.E4M3") for i in body) == \
+            (16 if overlap else 4)
+        assert not any(i.opcode.startswith(("LDL", "STL")) for i in body), "no local memory"
+    assert depbars == {False: {"0x0"}, True: {"0x0", "0x1"}}, depbars
