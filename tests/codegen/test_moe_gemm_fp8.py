@@ -228,3 +228,20 @@ def test_fp8_overlap_compiles_to_one_group_in_flight_without_spills(op, KD, N, E
             (16 if overlap else 4)
         assert not any(i.opcode.startswith(("LDL", "STL")) for i in body), "no local memory"
     assert depbars == {False: {"0x0"}, True: {"0x0", "0x1"}}, depbars
+
+
+def test_fp8_overlap_reaches_every_fp8_x_fp8_gemm_of_a_tiny_models_plan():
+    """With moe.fp8_overlap on, every FP8 x FP8 expert GEMM of the tiny FP8 model's prefill plan is the ovl kernel
+    (gate / up reading the norm's e4m3 rows included: linear.norm_fp8 is on by default); the rest of the plan's
+    launches are the knob-off plan's."""
+    import ir
+    from codegen.bundle import plan_spec
+    from ir.config_to_spec import spec_from_config
+    from ir.formats import weight_formats_yaml
+    tiny = json.loads((ROOT / "model_specs" / "hf_configs" / "deepseek_tiny.json").read_text())
+    spec = ir.load_spec(spec_from_config(tiny, name="tiny") + "\n"
+                        + weight_formats_yaml(("model.layers.*.mlp.*_proj.weight",), FP8), file="t.yaml")
+    off, on = (plan_spec(spec, Options(tuning=t)).plans["prefill"].launches for t in (Tuning(), OVERLAP))
+    gemms = [la.name for la in on if la.stage == "wgmma_fp8"]
+    assert gemms and all("__ovl__" in n for n in gemms), gemms
+    assert [la.name.replace("__ovl__", "__") for la in on] == [la.name for la in off]
