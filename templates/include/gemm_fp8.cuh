@@ -270,8 +270,9 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ qx, co
   dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
 }
 
-// Consumer warpgroup cw (0, 1): token rows 64 cw .. + 64 of each tile against its 128 weight rows.
-template <typename T, int MODE, int O, int K, int ST>
+// Consumer warpgroup cw (0, 1): token rows 64 cw .. + 64 of each tile against its 128 weight rows.  OVL
+// (Tuning.moe.fp8_overlap): each K block's promotion under the next block's wgmma (mainloop_overlap).
+template <typename T, int MODE, int O, int K, int ST, bool OVL>
 __device__ __forceinline__ void consume(const float* __restrict__ sx, const float* __restrict__ sw0,
                                         const float* __restrict__ sw1, int num_tokens, int splits,
                                         float* __restrict__ partials, unsigned int* __restrict__ tickets,
@@ -296,7 +297,13 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
     const float* swu = MODE == SILU ? sw1 + (n0 / BLOCK) * KB : swg;
 #pragma unroll
     for (int k = 0; k < 64; ++k) acc[k] = 0.f;
-    mainloop<MODE == SILU, ST>(acc, part, {sxa, sxb, swg, swu}, ring, full, empty, cw, lane, kr.first, kr.end, it);
+    const ScaleRows sr = {sxa, sxb, swg, swu};
+    if constexpr (OVL) {
+      float next[64];                                  // the next block's fp32 tile, in flight while one is promoted
+      mainloop_overlap<MODE == SILU, ST>(acc, part, next, sr, ring, full, empty, cw, lane, kr.first, kr.end, it);
+    } else {
+      mainloop<MODE == SILU, ST>(acc, part, sr, ring, full, empty, cw, lane, kr.first, kr.end, it);
+    }
     const bool row_ok[2] = {ra < num_tokens, rb < num_tokens};
     if (splits > 1 && !split_arrive(acc, partials, tickets, w, tiles, splits, row_ok, &last)) continue;
 
@@ -343,8 +350,8 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
 // then at most the tiles, else exactly tiles * splits); `partials`: splits * tiles * PARTIAL_WORDS
 // floats where splits > 1 (else possibly empty); `tickets`: TICKETS counters, zero between launches.
 // The lowering splits only while the tiles fit the tickets; past that (uniform) the CTA exits with
-// y unwritten rather than index past them.
-template <typename T, int MODE, int O, int K, int ST, int TICKETS>
+// y unwritten rather than index past them.  OVL: the consumers' overlapped K loop (consume).
+template <typename T, int MODE, int O, int K, int ST, int TICKETS, bool OVL = false>
 __device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const float* __restrict__ sx,
                                      const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
                                      const float* __restrict__ sw1, T* __restrict__ y, float* __restrict__ partials,
@@ -370,7 +377,7 @@ __device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const
   } else {
     wgmma::setmaxnreg_inc<CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * STAGE_BYTES + (wg - 1) * OUT_BYTES;
-    consume<T, MODE, O, K, ST>(sx, sw0, sw1, num_tokens, splits, partials, tickets, ring, full, empty, staging, y,
+    consume<T, MODE, O, K, ST, OVL>(sx, sw0, sw1, num_tokens, splits, partials, tickets, ring, full, empty, staging, y,
                                wg - 1);
   }
   dsg::pdl_launch_dependents();

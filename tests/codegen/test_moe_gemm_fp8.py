@@ -231,9 +231,9 @@ def test_fp8_overlap_compiles_to_one_group_in_flight_without_spills(op, KD, N, E
 
 
 def test_fp8_overlap_reaches_every_fp8_x_fp8_gemm_of_a_tiny_models_plan():
-    """With moe.fp8_overlap on, every FP8 x FP8 expert GEMM of the tiny FP8 model's prefill plan is the ovl kernel
-    (gate / up reading the norm's e4m3 rows included: linear.norm_fp8 is on by default); the rest of the plan's
-    launches are the knob-off plan's."""
+    """With moe.fp8_overlap on, every FP8 x FP8 GEMM of the tiny FP8 model's prefill plan is the ovl kernel: the
+    experts' (gate / up reading the norm's e4m3 rows included: linear.norm_fp8 is on by default) and the dense
+    MLP's gemm_fp8; the rest of the plan's launches are the knob-off plan's."""
     import ir
     from codegen.bundle import plan_spec
     from ir.config_to_spec import spec_from_config
@@ -242,6 +242,8 @@ def test_fp8_overlap_reaches_every_fp8_x_fp8_gemm_of_a_tiny_models_plan():
     spec = ir.load_spec(spec_from_config(tiny, name="tiny") + "\n"
                         + weight_formats_yaml(("model.layers.*.mlp.*_proj.weight",), FP8), file="t.yaml")
     off, on = (plan_spec(spec, Options(tuning=t)).plans["prefill"].launches for t in (Tuning(), OVERLAP))
-    gemms = [la.name for la in on if la.stage == "wgmma_fp8"]
-    assert gemms and all("__ovl__" in n for n in gemms), gemms
-    assert [la.name.replace("__ovl__", "__") for la in on] == [la.name for la in off]
+    experts = [la.name for la in on if la.stage == "wgmma_fp8"]
+    assert experts and all("__ovl__" in n for n in experts), experts
+    dense = [la.name for la in on if la.stage == "fp8_wgmma"]
+    assert dense and all(n.endswith("__ovl") for n in dense), dense
+    assert [la.name.replace("__ovl__", "__").removesuffix("__ovl") for la in on] == [la.name for la in off]
