@@ -247,3 +247,20 @@ def test_fp8_overlap_reaches_every_fp8_x_fp8_gemm_of_a_tiny_models_plan():
     dense = [la.name for la in on if la.stage == "fp8_wgmma"]
     assert dense and all(n.endswith("__ovl") for n in dense), dense
     assert [la.name.replace("__ovl__", "__").removesuffix("__ovl") for la in on] == [la.name for la in off]
+
+
+def test_fp8_overlap_reaches_the_expert_ffns_two_launch_path():
+    """moe_expert_ffn above decode's range runs gate_up_silu's and down's FP8 x FP8 GEMMs: both take the knob."""
+    from codegen.families import moe_expert_ffn
+    from tests.gpu.harness import single_op_graph, tiny_model
+    from ir.formats import set_format
+    from ir.ops import TType
+    G, nid = single_op_graph(tiny_model(), "moe_expert_ffn", {"num_experts": 8, "inner_dim": 144, "out_dim": 272},
+                             {"x": TType(("T", 272), "act"), "R": TType(("T*2", 8), "routing")},
+                             {"gate": "e.{expert}.gate", "up": "e.{expert}.up", "down": "e.{expert}.down"})
+    for name in G.nodes[nid]["weights"].values():
+        set_format(G.graph["weights"], name, FP8)
+    for tuning, ovl in ((QX, False), (Tuning(moe=MoeTuning(fp8_one_token_down=False, fp8_overlap=True),
+                                             linear=LinearTuning(norm_fp8=False)), True)):
+        gemms = [s for s in moe_expert_ffn.lower(nid, G, Options(dtype="bf16", tuning=tuning)) if s.stage == "wgmma_fp8"]
+        assert len(gemms) == 2 and all(("__ovl__" in s.name) == ovl for s in gemms), [s.name for s in gemms]
