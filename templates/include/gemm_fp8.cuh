@@ -377,8 +377,8 @@ __device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const
   } else {
     wgmma::setmaxnreg_inc<CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * STAGE_BYTES + (wg - 1) * OUT_BYTES;
-    consume<T, MODE, O, K, ST, OVL>(sx, sw0, sw1, num_tokens, splits, partials, tickets, ring, full, empty, staging, y,
-                               wg - 1);
+    consume<T, MODE, O, K, ST, OVL>(sx, sw0, sw1, num_tokens, splits, partials, tickets, ring, full, empty, staging,
+                                    y, wg - 1);
   }
   dsg::pdl_launch_dependents();
 }
