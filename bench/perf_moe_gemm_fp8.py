@@ -1,7 +1,7 @@
 """The prefill expert GEMMs with FP8 weights x FP8 activations against the bf16 ones at DeepSeek-V2-Lite's
 shapes (a script).
 
-    python3 -m bench.perf_moe_gemm_fp8 [--tokens 4096,16384] [--json PATH]
+    python3 -m bench.perf_moe_gemm_fp8 [--tokens 4096,16384] [--json PATH] [--tune moe.fp8_overlap=true ...]
     python3 -m bench.perf_moe_gemm_fp8 --compile-only     # no GPU: registers and spills of every kernel
 
 64 experts, top-6, hidden 2048, expert intermediate 1408 (issue 49's target: prefill 32 x 512 tokens):
@@ -11,7 +11,10 @@ launch then the FP8 x FP8 grid (moe_gemm_fp8.cuh).  Routed uniformly at random. 
 runtime.timing.graph_us (the launches in one CUDA graph, median of 3 replays; weights stay in L2 or not
 as they fall: the GEMMs are compute-bound here).  A row prints us, TFLOP/s of the GEMM alone and of
 quantiser + GEMM (2 x pairs x N x KD, gate_up twice), and the FP8 row its norm-wise error against
-float64 on the kernel's own quantised rows (BAD above 1e-2; exit status 1 if any).
+float64 on the kernel's own quantised rows (BAD above 1e-2; exit status 1 if any).  `--tune
+SECTION.KNOB=VALUE` (repeatable) adds an FP8 arm lowered with those knobs, timed on the same inputs and
+machine: its GEMM alone against the default's, its error, and whether its output is the default's bit for
+bit (A/B of one knob in one call).
 
 Prediction (written before the first run): the FP8 grid does the bf16 grid's tile walk with half the
 bytes a K element and twice the tensor-core rate, so its GEMM should run at ~1.6-1.8x the bf16 grid's
@@ -31,6 +34,7 @@ from tests.gpu.harness import single_op_graph, tiny_model
 
 from codegen import families, sizes
 from codegen.kernel import Options
+from codegen.tuning import Tuning, parse_tune
 from ir.formats import FP8, cdiv, companion_names, set_format
 from ir.ops import TType
 
@@ -39,7 +43,7 @@ OPS = (("moe_gate_up_silu", D, M), ("moe_down", M, D))   # (op, KD, N)
 BAD_ERR = 1e-2
 
 
-def graph(op: str, KD: int, N: int, fp8: bool):
+def graph(op: str, KD: int, N: int, fp8: bool, tuning: Tuning | None = None):
     r = TType((f"T*{K}", E), "routing")
     if op == "moe_down":
         G, nid = single_op_graph(tiny_model(), op, {"num_experts": E, "out_dim": N},
@@ -51,7 +55,7 @@ def graph(op: str, KD: int, N: int, fp8: bool):
     if fp8:
         for name in G.nodes[nid]["weights"].values():
             set_format(G.graph["weights"], name, FP8)
-    return G, nid, families.family_for_op(op).lower(nid, G, Options(dtype="bf16"))
+    return G, nid, families.family_for_op(op).lower(nid, G, Options(dtype="bf16", tuning=tuning or Tuning()))
 
 
 def running(launches, T: int, sms: int):
@@ -59,14 +63,15 @@ def running(launches, T: int, sms: int):
     return [la for la in launches if all(sizes.evaluate(g, env) > 0 for g in la.grid)]
 
 
-def compile_only() -> int:
+def compile_only(tuning: Tuning) -> int:
     from codegen.arch import kernel_target
     from codegen.nvrtc import compile_cubin
     from codegen.render import render_launch
     bad = 0
+    arms = [(False, None), (True, None)] + ([(True, tuning)] if tuning.changed() else [])
     for op, KD, N in OPS:
-        for fp8 in (False, True):
-            for la in running(graph(op, KD, N, fp8)[2], 16384, 132):
+        for fp8, tune in arms:
+            for la in running(graph(op, KD, N, fp8, tune)[2], 16384, 132):
                 spills, info = ptxas_report(compile_cubin(render_launch(la), la.name,
                                                           arch=kernel_target("sm_90", la.requires),
                                                           options=("--ptxas-options=-v",)).log)
@@ -80,9 +85,13 @@ def main() -> int:
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--json", default=None)
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--tune", action="append", default=[], metavar="SECTION.KNOB=VALUE",
+                    help="an FP8 arm lowered with these knobs besides the default one (repeatable)")
     args = ap.parse_args()
+    tuning = parse_tune(args.tune)
+    tuned = " ".join(tuning.flags())
     if args.compile_only:
-        return compile_only()
+        return compile_only(tuning)
 
     import torch
 
@@ -99,6 +108,7 @@ def main() -> int:
     for op, KD, N in OPS:
         G, nid, lb = graph(op, KD, N, False)
         _, _, l8 = graph(op, KD, N, True)
+        lt = graph(op, KD, N, True, tuning)[2] if tuning.changed() else None
         bound = G.nodes[nid]["weights"]
         wb, w8, fp8w = {}, {}, {}
         for role, name in bound.items():
@@ -137,6 +147,13 @@ def main() -> int:
                 g, u = prods["gate"].bfloat16().double(), prods["up"].bfloat16().double()
                 ref = (g * torch.sigmoid(g)).bfloat16().double() * u
             err = float((y.double() - ref).norm() / ref.norm())
+            if lt:                                        # the tuned arm on the same inputs (and quantised rows)
+                rt, y0 = running(lt, T, sms), y.clone()
+                y.fill_(float("nan"))
+                run(rt, w8)
+                torch.cuda.synchronize()
+                err_t = float((y.double() - ref).norm() / ref.norm())
+                same = bool((y.view(torch.int16) == y0.view(torch.int16)).all())
             del prods, ref
             us_b = graph_us(lambda: run(rb, wb), iters=10)
             us_8 = graph_us(lambda: run(r8, w8), iters=10)
@@ -148,6 +165,15 @@ def main() -> int:
                   f"x{us_b / us_8:4.2f}  err {err:.1e}{flag}", flush=True)
             results.append({"op": op, "T": T, "bf16_us": us_b, "fp8_us": us_8, "fp8_gemm_us": us_g, "flops": flops,
                             "err": err})
+            if lt:
+                gemm_t = [la for la in rt if la.stage != r8[0].stage]      # all but the quantiser
+                us_t = graph_us(lambda: run(gemm_t, w8), iters=10)
+                flag = "  BAD" if not err_t <= BAD_ERR else ""
+                bad += bool(flag)
+                print(f"{'':<17} {tuned}: GEMM alone {us_t:9.1f} us {flops / us_t / 1e6:6.0f} TFLOP/s "
+                      f"x{us_g / us_t:4.2f} of the default's  err {err_t:.1e}  bit-equal to the default: "
+                      f"{'yes' if same else 'NO'}{flag}", flush=True)
+                results[-1].update({"tuned": tuned, "tuned_gemm_us": us_t, "tuned_err": err_t, "tuned_same": same})
         del wb, w8, fp8w
         torch.cuda.empty_cache()
     if args.json:

@@ -80,6 +80,11 @@ class MoeTuning(_Section):
                                                     "at T <= 32 (one row tile a shared expert)")
     fp8_widen_ahead: bool = _knob(True, doc="FP8 expert weights, decode: each 64-row box widened while the box "
                                              "before it (this slice's, or the last slice's) is on the tensor core")
+    fp8_overlap: bool = _knob(False, doc="the FP8 x FP8 GEMMs, the experts' at prefill (fp8_activations) AND the "
+                                          "linears' (gemm_fp8, linear.fp8_activations): each 128-K block's "
+                                          "promotion (wait, scales, 64 FMAs, freeing its stage) runs while the next "
+                                          "block's wgmma does, into a second fp32 tile (the same sums bit for bit; "
+                                          "kernel name part ovl)")
     align_parallel_above: typing.Optional[int] = _knob(6144, 0, 1 << 24,
                                                         doc="pairs above which the route aligns in count / scan / "
                                                             "scatter launches (none: one CTA always)")

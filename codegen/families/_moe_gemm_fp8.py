@@ -72,12 +72,13 @@ def take_norm_rows(G, x: str, opts, p: dict) -> None:
         p["x_f8"] = rows
 
 
-def launches(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, *, down: bool,
+def launches(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, opts, *, down: bool,
              run: str | None) -> list[KernelLaunch]:
     """The quantiser's launch over the node's input (args[0]: x or a), then the grouped FP8 GEMM over the
     rest of `args` (the FP8 weights' tensor maps re-boxed for 128-byte rows, their scales, order, offsets,
     the outputs); both grids multiplied by `run`, the row's token-range factor.  gate / up's GEMM alone where
-    p["x_f8"] holds its input's e4m3 rows (take_norm_rows)."""
+    p["x_f8"] holds its input's e4m3 rows (take_norm_rows).  Tuning.moe.fp8_overlap: the GEMM's consumers
+    promote each K block under the next block's wgmma (parameter `overlap`, name part ovl)."""
     act, KD, KB = p["act"], p["KD"], cdiv(p["KD"], FP8_BLOCK)
     q_ws, s_ws = WORKSPACES[down]
     rows = "NP" if down else "T"
@@ -98,14 +99,17 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
                  for a in args[1:])
     c = cols(down=down)
     tiles = f"{cdiv(p['N'], c)} * (NP // {BM} + min({p['E']}, NP))"   # bound: one partial row tile per expert
+    overlap = opts.tuning.moe.fp8_overlap
+    # (off, the parameters, and so the source, are as they were without the knob)
     params = {"act": act, "E": p["E"], "N": p["N"], "KD": KD, "K": p["K"], "variant": VARIANT, "threads": THREADS,
-              "stages": STAGES, "smem": smem(), "cols": c, "box_rows": BOX, "box_k": BK, "bm": BM}
+              "stages": STAGES, "smem": smem(), "cols": c, "box_rows": BOX, "box_k": BK, "bm": BM,
+              **({"overlap": True} if overlap else {})}
     normed = None if down else p.get("x_f8")
     gemm_args = (*_norm_quant.x_args(normed, q_ws, s_ws, "int"), *rest)
     ws = () if normed else ws
     gemm = KernelLaunch(
         family=family, template=template, name=kernel_name(family, [f"{name_parts[0]}_{NAME}", *name_parts[1:],
-                                                                   VARIANT]),
+                                                                   *(["ovl"] * overlap), VARIANT]),
         params=params, nodes=(nid,), grid=(when(f"min(SMS, {tiles})", run), 1, 1), block=(THREADS, 1, 1),
         args=gemm_args, smem=smem(), workspace=ws, stage=VARIANT, requires=(FEATURE,))
     return [gemm] if normed else [quant, gemm]

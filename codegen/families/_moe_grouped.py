@@ -65,7 +65,7 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
             out.append(_moe_fp8.launch(family, template, name_parts, p, nid, args, opts, down=down, run=run,
                                        one_token=variant == _moe_fp8.ONE_TOKEN_VARIANT, shared=shared))
         elif variant == _moe_gemm_fp8.VARIANT:
-            out += _moe_gemm_fp8.launches(family, template, name_parts, p, nid, args, down=down, run=run)
+            out += _moe_gemm_fp8.launches(family, template, name_parts, p, nid, args, opts, down=down, run=run)
         elif variant == "wgmma":
             out.append(_moe_wgmma.launch(family, template, name_parts, p, nid, args, down=down, run=run))
         else:

@@ -102,6 +102,114 @@ __device__ __forceinline__ void mma_m64n128k32(float (&d)[64], unsigned long lon
 }
 #undef DSG_F8_D8
 
+// ---- The consumers' K loop, shared with the grouped experts (moe_gemm_fp8.cuh) ----
+// Where a thread's two rows' scales (sxa, sxb: rows a and a + 8) and the tile's weight scale blocks
+// (swg; swu: the second half's, gate_up's up rows) are, one float a K block.
+struct ScaleRows {
+  const float *sxa, *sxb, *swg, *swu;
+};
+// One K block's four scales.
+struct BlockScales {
+  float xa, xb, wg, wu;
+};
+__device__ __forceinline__ BlockScales block_scales(const ScaleRows& r, int kb) {
+  const float xa = r.sxa[kb], xb = r.sxb[kb], wg = r.swg[kb], wu = r.swu[kb];
+  return {xa, xb, wg, wu};
+}
+
+// Ring step `it`'s stage, once landed, times consumer warpgroup cw's 64 rows: 4 wgmma into a fresh fp32
+// tile `part`, committed as one group (not waited for).
+template <int ST>
+__device__ __forceinline__ void issue_block(float (&part)[64], unsigned ring, unsigned long long* full, int it,
+                                            int cw) {
+  const int s = it % ST;
+  mbar::wait(&full[s], (it / ST) & 1);
+  mbar::fence_proxy_async();                           // the token rows were cp.async (generic) writes
+  const unsigned a = ring + s * STAGE_BYTES + cw * 64 * ROW_BYTES;
+  const unsigned b = ring + s * STAGE_BYTES + BM * ROW_BYTES;
+  const unsigned long long da = wgmma::desc_sw128(a), db = wgmma::desc_sw128(b);
+  wgmma::fence();
+#pragma unroll
+  for (int k32 = 0; k32 < BK / 32; ++k32)
+    mma_m64n128k32(part, wgmma::desc_advance(da, k32), wgmma::desc_advance(db, k32), k32);
+  wgmma::commit();
+}
+
+// A block's product, its wgmma group complete: free the stage of ring step `it` (its reads are done),
+// then promote -- the fp32 tile scaled by its rows' and weight block's scales into the sum.  HALVES:
+// columns 64.. (j >= 8) take the second weight scale.
+template <bool HALVES, int ST>
+__device__ __forceinline__ void retire_block(float (&acc)[64], float (&part)[64], const BlockScales& sc,
+                                             unsigned long long* empty, int it, int lane) {
+  wgmma::fence_operands(part);
+  if (lane == 0) mbar::arrive(&empty[it % ST]);        // the stage is read: free it
+  const float ga = sc.xa * sc.wg, gb = sc.xb * sc.wg, ua = sc.xa * sc.wu, ub = sc.xb * sc.wu;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const bool up = HALVES && j >= 8;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      acc[4 * j + c] = fmaf(part[4 * j + c], up ? ua : ga, acc[4 * j + c]);
+      acc[4 * j + 2 + c] = fmaf(part[4 * j + 2 + c], up ? ub : gb, acc[4 * j + 2 + c]);
+    }
+  }
+}
+
+// K blocks [kb0, kb1) of a tile (ring steps it, it + 1, ...): acc += each block's promoted product, one
+// block at a time (its wgmma group waited for, then promoted).
+template <bool HALVES, int ST>
+__device__ __forceinline__ void mainloop(float (&acc)[64], float (&part)[64], const ScaleRows& r, unsigned ring,
+                                         unsigned long long* full, unsigned long long* empty, int cw, int lane,
+                                         int kb0, int kb1, int& it) {
+  for (int kb = kb0; kb < kb1; ++kb, ++it) {
+    const BlockScales sc = block_scales(r, kb);        // the scales first: their loads run while the stage lands
+    issue_block<ST>(part, ring, full, it, cw);
+    wgmma::wait<0>();
+    retire_block<HALVES, ST>(acc, part, sc, empty, it, lane);
+  }
+}
+
+// mainloop's sums, with each block's promotion under the next block's wgmma: block kb + 1's group goes into
+// the other fp32 tile before block kb's is waited for (wait<1>: all but the newest group done), so the
+// tensor cores are busy while kb is promoted.  The same FMAs in the same order per accumulator (blocks
+// promoted in kb order): bit-equal sums.  ST >= 2: kb's stage stays held while kb + 1's lands.
+template <bool HALVES, int ST>
+__device__ __forceinline__ void mainloop_overlap(float (&acc)[64], float (&p0)[64], float (&p1)[64],
+                                                 const ScaleRows& r, unsigned ring, unsigned long long* full,
+                                                 unsigned long long* empty, int cw, int lane, int kb0, int kb1,
+                                                 int& it) {
+  static_assert(ST >= 2, "gemm_fp8: the overlapped K loop holds two stages");
+  const int it0 = it - kb0;                            // block kb's ring step: it0 + kb
+  it += kb1 - kb0;
+  if (kb0 >= kb1) return;
+  BlockScales s0 = block_scales(r, kb0);
+  issue_block<ST>(p0, ring, full, it0 + kb0, cw);
+  // two blocks a trip, so that each fp32 tile is a fixed set of registers: p0 holds the even steps, and
+  // at the top of a trip block kb's group (in p0) is in flight
+  int kb = kb0;
+  for (; kb + 2 < kb1; kb += 2) {
+    const BlockScales s1 = block_scales(r, kb + 1);
+    issue_block<ST>(p1, ring, full, it0 + kb + 1, cw);
+    wgmma::wait<1>();
+    retire_block<HALVES, ST>(acc, p0, s0, empty, it0 + kb, lane);
+    s0 = block_scales(r, kb + 2);
+    issue_block<ST>(p0, ring, full, it0 + kb + 2, cw);
+    wgmma::wait<1>();
+    retire_block<HALVES, ST>(acc, p1, s1, empty, it0 + kb + 1, lane);
+  }
+  if (kb + 1 < kb1) {                                  // two blocks left: kb in flight, then kb + 1
+    const BlockScales s1 = block_scales(r, kb + 1);
+    issue_block<ST>(p1, ring, full, it0 + kb + 1, cw);
+    wgmma::wait<1>();
+    retire_block<HALVES, ST>(acc, p0, s0, empty, it0 + kb, lane);
+    wgmma::wait<0>();
+    retire_block<HALVES, ST>(acc, p1, s1, empty, it0 + kb + 1, lane);
+  } else {                                             // one: kb in flight
+    wgmma::wait<0>();
+    retire_block<HALVES, ST>(acc, p0, s0, empty, it0 + kb, lane);
+  }
+}
+
 // The ring's barriers (thread 0; the caller's __syncthreads publishes them): full[s] awaits the
 // producer's 128 copy arrivals + its expect_tx, empty[s] one arrival per consumer warp.
 template <int ST>
@@ -162,8 +270,9 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ qx, co
   dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
 }
 
-// Consumer warpgroup cw (0, 1): token rows 64 cw .. + 64 of each tile against its 128 weight rows.
-template <typename T, int MODE, int O, int K, int ST>
+// Consumer warpgroup cw (0, 1): token rows 64 cw .. + 64 of each tile against its 128 weight rows.  OVL
+// (Tuning.moe.fp8_overlap): each K block's promotion under the next block's wgmma (mainloop_overlap).
+template <typename T, int MODE, int O, int K, int ST, bool OVL>
 __device__ __forceinline__ void consume(const float* __restrict__ sx, const float* __restrict__ sw0,
                                         const float* __restrict__ sw1, int num_tokens, int splits,
                                         float* __restrict__ partials, unsigned int* __restrict__ tickets,
@@ -188,34 +297,12 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
     const float* swu = MODE == SILU ? sw1 + (n0 / BLOCK) * KB : swg;
 #pragma unroll
     for (int k = 0; k < 64; ++k) acc[k] = 0.f;
-    for (int kb = kr.first; kb < kr.end; ++kb, ++it) {
-      const int s = it % ST;
-      // the scales first: their loads run while the stage lands
-      const float xa = sxa[kb], xb = sxb[kb], wg = swg[kb], wu = swu[kb];
-      mbar::wait(&full[s], (it / ST) & 1);
-      mbar::fence_proxy_async();                       // the token rows were cp.async (generic) writes
-      const unsigned a = ring + s * STAGE_BYTES + cw * 64 * ROW_BYTES;
-      const unsigned b = ring + s * STAGE_BYTES + BM * ROW_BYTES;
-      const unsigned long long da = wgmma::desc_sw128(a), db = wgmma::desc_sw128(b);
-      wgmma::fence();
-#pragma unroll
-      for (int k32 = 0; k32 < BK / 32; ++k32)
-        mma_m64n128k32(part, wgmma::desc_advance(da, k32), wgmma::desc_advance(db, k32), k32);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_operands(part);
-      if (lane == 0) mbar::arrive(&empty[s]);          // the stage is read: free it
-      // promotion: this block's fp32 tile, scaled by its token and weight scales, into the sum
-      const float ga = xa * wg, gb = xb * wg, ua = xa * wu, ub = xb * wu;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const bool up = MODE == SILU && j >= 8;
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          acc[4 * j + c] = fmaf(part[4 * j + c], up ? ua : ga, acc[4 * j + c]);
-          acc[4 * j + 2 + c] = fmaf(part[4 * j + 2 + c], up ? ub : gb, acc[4 * j + 2 + c]);
-        }
-      }
+    const ScaleRows sr = {sxa, sxb, swg, swu};
+    if constexpr (OVL) {
+      float next[64];                                  // the next block's fp32 tile, in flight while one is promoted
+      mainloop_overlap<MODE == SILU, ST>(acc, part, next, sr, ring, full, empty, cw, lane, kr.first, kr.end, it);
+    } else {
+      mainloop<MODE == SILU, ST>(acc, part, sr, ring, full, empty, cw, lane, kr.first, kr.end, it);
     }
     const bool row_ok[2] = {ra < num_tokens, rb < num_tokens};
     if (splits > 1 && !split_arrive(acc, partials, tickets, w, tiles, splits, row_ok, &last)) continue;
@@ -263,8 +350,8 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
 // then at most the tiles, else exactly tiles * splits); `partials`: splits * tiles * PARTIAL_WORDS
 // floats where splits > 1 (else possibly empty); `tickets`: TICKETS counters, zero between launches.
 // The lowering splits only while the tiles fit the tickets; past that (uniform) the CTA exits with
-// y unwritten rather than index past them.
-template <typename T, int MODE, int O, int K, int ST, int TICKETS>
+// y unwritten rather than index past them.  OVL: the consumers' overlapped K loop (consume).
+template <typename T, int MODE, int O, int K, int ST, int TICKETS, bool OVL = false>
 __device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const float* __restrict__ sx,
                                      const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
                                      const float* __restrict__ sw1, T* __restrict__ y, float* __restrict__ partials,
@@ -290,8 +377,8 @@ __device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const
   } else {
     wgmma::setmaxnreg_inc<CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * STAGE_BYTES + (wg - 1) * OUT_BYTES;
-    consume<T, MODE, O, K, ST>(sx, sw0, sw1, num_tokens, splits, partials, tickets, ring, full, empty, staging, y,
-                               wg - 1);
+    consume<T, MODE, O, K, ST, OVL>(sx, sw0, sw1, num_tokens, splits, partials, tickets, ring, full, empty, staging,
+                                    y, wg - 1);
   }
   dsg::pdl_launch_dependents();
 }

@@ -118,46 +118,6 @@ __device__ __forceinline__ void fp8x_produce(const unsigned char* __restrict__ q
   dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
 }
 
-// One tile's K loop for consumer warpgroup cw: acc (zeroed by the caller) += the FP8 product of its 64
-// tile rows (row scales sxa / sxb) against the tile's 128 weight rows (scales swg, swu), promoted per
-// 128-K block.
-template <int MODE, int KD, int ST>
-__device__ __forceinline__ void fp8x_mainloop(float (&acc)[64], float (&part)[64], const float* sxa, const float* sxb,
-                                              const float* swg, const float* swu, unsigned ring,
-                                              unsigned long long* full, unsigned long long* empty, int cw, int lane,
-                                              int& it) {
-  constexpr int KB = (KD + f8::BK - 1) / f8::BK;
-  for (int kb = 0; kb < KB; ++kb, ++it) {
-    const int s = it % ST;
-    // the scales first: their loads run while the stage lands
-    const float xa = sxa[kb], xb = sxb[kb], wg = swg[kb], wu = swu[kb];
-    mbar::wait(&full[s], (it / ST) & 1);
-    mbar::fence_proxy_async();                         // the gathered rows were cp.async (generic) writes
-    const unsigned a = ring + s * f8::STAGE_BYTES + cw * 64 * f8::ROW_BYTES;
-    const unsigned b = ring + s * f8::STAGE_BYTES + f8::BM * f8::ROW_BYTES;
-    const unsigned long long da = wgmma::desc_sw128(a), db = wgmma::desc_sw128(b);
-    wgmma::fence();
-#pragma unroll
-    for (int k32 = 0; k32 < f8::BK / 32; ++k32)
-      f8::mma_m64n128k32(part, wgmma::desc_advance(da, k32), wgmma::desc_advance(db, k32), k32);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_operands(part);
-    if (lane == 0) mbar::arrive(&empty[s]);            // the stage is read: free it
-    // promotion: this block's fp32 tile, scaled by its row and weight scales, into the sum
-    const float ga = xa * wg, gb = xb * wg, ua = xa * wu, ub = xb * wu;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const bool up = MODE != DOWN && j >= 8;
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        acc[4 * j + c] = fmaf(part[4 * j + c], up ? ua : ga, acc[4 * j + c]);
-        acc[4 * j + 2 + c] = fmaf(part[4 * j + 2 + c], up ? ub : gb, acc[4 * j + 2 + c]);
-      }
-    }
-  }
-}
-
 // Epilogue: acc[4j + 2h + c] is tile row 64 cw + 16 warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + c.
 // Rounded into this warpgroup's staging rows as CH 16-byte chunks (chunk j of row r at
 // j ^ (r % 8): conflict-free writes and reads); row r is written by warp r / 16 alone.  GATE_UP
@@ -188,8 +148,10 @@ __device__ __forceinline__ void fp8x_stage(const float (&acc)[64], char* staging
   }
 }
 
-// Consumer warpgroup cw (0, 1): tile rows 64 cw .. + 64 against the tile's 128 weight rows.
-template <typename T, int MODE, int E, int N, int KD, int K, int ST>
+// Consumer warpgroup cw (0, 1): tile rows 64 cw .. + 64 against the tile's 128 weight rows.  OVL
+// (Tuning.moe.fp8_overlap): each K block's promotion under the next block's wgmma (gemm_fp8.cuh
+// mainloop_overlap; the same sums bit for bit).
+template <typename T, int MODE, int E, int N, int KD, int K, int ST, bool OVL>
 __device__ __forceinline__ void fp8x_consume(const float* __restrict__ sx, const float* __restrict__ sw0,
                                              const float* __restrict__ sw1, const i32* __restrict__ order,
                                              const i32* __restrict__ offsets, const int* tiles, unsigned ring,
@@ -217,7 +179,14 @@ __device__ __forceinline__ void fp8x_consume(const float* __restrict__ sx, const
     const float* swu = MODE == DOWN ? swg : sw1 + ((i64)tl.e * NB + tl.n0 / f8::BLOCK) * KB;
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-    fp8x_mainloop<MODE, KD, ST>(acc, part, sxa, sxb, swg, swu, ring, full, empty, cw, lane, it);
+    // acc += the FP8 product of the tile's 64 rows against its 128 weight rows, promoted per 128-K block
+    const f8::ScaleRows sr = {sxa, sxb, swg, swu};
+    if constexpr (OVL) {
+      float next[64];                                  // the next block's fp32 tile, in flight while one is promoted
+      f8::mainloop_overlap<MODE != DOWN, ST>(acc, part, next, sr, ring, full, empty, cw, lane, 0, KB, it);
+    } else {
+      f8::mainloop<MODE != DOWN, ST>(acc, part, sr, ring, full, empty, cw, lane, 0, KB, it);
+    }
     // then stored as whole chunks of each pair's row; GATE_UP sends each staged half to its output
     wgmma::warpgroup_sync(1 + cw);                     // the last tile's chunks have all been read
     fp8x_stage<T, MODE, CH>(acc, staging, warp, lane);
@@ -238,7 +207,8 @@ __device__ __forceinline__ void fp8x_consume(const float* __restrict__ sx, const
 
 // out0 (out1: GATE_UP's up) [NP, N] = the FP8 product above for every pair; w0 / sw0 the weight
 // (gate for the gate_up modes) and its scales, w1 / sw1 up's (DOWN: w0 / sw0 again).
-template <typename T, int MODE, int E, int N, int KD, int K, int ST>
+// OVL: the consumers' overlapped K loop (fp8x_consume).
+template <typename T, int MODE, int E, int N, int KD, int K, int ST, bool OVL = false>
 __device__ __forceinline__ void grouped_gemm_fp8x(const unsigned char* __restrict__ qx, const float* __restrict__ sx,
                                                   const TensorMap* w0, const float* __restrict__ sw0,
                                                   const TensorMap* w1, const float* __restrict__ sw1,
@@ -267,7 +237,7 @@ __device__ __forceinline__ void grouped_gemm_fp8x(const unsigned char* __restric
   } else {
     wgmma::setmaxnreg_inc<f8::CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * f8::STAGE_BYTES + (wg - 1) * f8::OUT_BYTES;
-    fp8x_consume<T, MODE, E, N, KD, K, ST>(sx, sw0, sw1, order, offsets, tiles, ring, full, empty, staging, out0,
+    fp8x_consume<T, MODE, E, N, KD, K, ST, OVL>(sx, sw0, sw1, order, offsets, tiles, ring, full, empty, staging, out0,
                                            out1, wg - 1);
   }
   dsg::pdl_launch_dependents();

@@ -20,7 +20,7 @@ from codegen.arch import kernel_target  # noqa: E402
 from codegen.families import _gemm_split as gemm_split  # noqa: E402
 from codegen.families import gemm_fp8, linear_skinny  # noqa: E402
 from codegen.kernel import KernelLaunch, LibraryCall, Options, TensorMapRef, WeightRef, WorkspaceRef  # noqa: E402
-from codegen.tuning import LinearTuning, Tuning  # noqa: E402
+from codegen.tuning import LinearTuning, MoeTuning, Tuning  # noqa: E402
 from ir.formats import FP8  # noqa: E402
 
 # every FP8 x FP8 GEMM with its own quantiser launch (the norms' rows, on by default, have their own tests)
@@ -237,3 +237,43 @@ def test_explain_shows_the_fp8_gemm_above_the_skinny_range(capsys, tmp_path):
     assert "linear_skinny__bf16_wfp8__k128__o128" in at16 and "gemm_fp8" not in at16
     assert "gemm_fp8__bf16__k128__quant_x, gemm_fp8__bf16_wfp8__k128__o128" in at17
     assert f"fp8_wgmma [tokens {FIRST}..inf]: FP8 x FP8 wgmma + TMA" in at17
+
+
+OVERLAP = Tuning(moe=MoeTuning(fp8_overlap=True))
+
+
+@pytest.mark.parametrize("op", ["multi_linear", "gate_up_silu", "linear"])
+def test_fp8_overlap_reaches_the_gemms_only_when_on(op):
+    """moe.fp8_overlap covers gemm_fp8 too: off, the GEMMs' names, parameters and source as without the knob;
+    on, name part ovl, parameter `overlap` and the template's OVL argument, nothing else changed (the
+    quantiser's launch neither)."""
+    from codegen.render import render_launch
+    G, nid = _node(op, (FP8.name, FP8.name), K=2048)
+    off, on = ([s for s in linear_skinny.lower(nid, G, Options(tuning=t)) if isinstance(s, KernelLaunch)
+                and s.family == gemm_fp8.FAMILY] for t in (Tuning(), OVERLAP))
+    assert on[0].name == off[0].name and on[0].params == off[0].params and len(on) == len(off) > 1
+    for a, b in zip(off[1:], on[1:]):
+        assert "overlap" not in a.params and not a.name.endswith("__ovl") and ", true>(" not in render_launch(a)
+        assert b.name == a.name + "__ovl" and b.params == {**a.params, "overlap": True}
+        assert (b.grid, b.block, b.smem, b.args, b.workspace) == (a.grid, a.block, a.smem, a.args, a.workspace)
+        assert render_launch(b).count(", true>(") == 1
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
+@pytest.mark.parametrize("op, K", [("multi_linear", 2048), ("gate_up_silu", 2048), ("linear", 10944)])
+def test_fp8_overlap_gemm_compiles_without_spills_or_serialised_wgmma(op, K):
+    """moe.fp8_overlap on gemm_fp8 (split K included) for sm_90a: acc + two fp32 tiles without spills, no
+    serialised wgmma (C7514) or injected wait (C7517), one group left in flight (WARPGROUP.DEPBAR.LE gsb0, 0x1)."""
+    from codegen.nvrtc import compile_cubin
+    from codegen.render import render_launch
+    from sass import instructions
+    G, nid = _node(op, (FP8.name, FP8.name), K=K)
+    launches = [s for s in linear_skinny.lower(nid, G, Options(tuning=OVERLAP)) if isinstance(s, KernelLaunch)
+                and s.family == gemm_fp8.FAMILY and s.stage == "fp8_wgmma"]
+    for la in launches:
+        res = compile_cubin(render_launch(la), la.name, arch=kernel_target("sm_90", la.requires),
+                            options=("--ptxas-options=-v",))
+        assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
+        assert "C7514" not in res.log and "C7517" not in res.log, res.log
+        (body,) = instructions(res.cubin).values()
+        assert {i.operands.split(",")[-1].strip() for i in body if i.opcode == "WARPGROUP.DEPBAR.LE"} == {"0x0", "0x1"}

@@ -169,3 +169,98 @@ def test_the_fp8_gemm_compiles_to_fp8_wgmma_without_spills(op, KD, N, E, K, dtyp
     assert any(o.startswith("UTMALDG.3D") for o in ops) and ops["LDGSTS.E.BYPASS.LTC128B.128"] > 0, sorted(ops)
     assert not any(o.startswith("HGMMA") for o in ops), "the product runs on FP8 operands, not widened ones"
     assert not any(o.startswith(("LDL", "STL")) for o in ops), "no local memory"
+
+
+OVERLAP = Tuning(moe=MoeTuning(fp8_overlap=True))
+
+
+def _gemm_launches(op, KD, N, E, K, tuning):
+    G, nid = _node(op, KD, N, E=E, K=K)
+    return [s for s in families.family_for_op(op).lower(nid, G, Options(dtype="bf16", tuning=tuning))
+            if s.stage == "wgmma_fp8"]
+
+
+@pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_gate_up", "moe_down"])
+def test_fp8_overlap_reaches_the_kernel_only_when_on(op):
+    """moe.fp8_overlap off (the default): the GEMM's name, parameters and source as without the knob; on: name
+    part ovl, parameter `overlap`, the template's OVL argument, and nothing else changed (the quantiser's launch
+    neither)."""
+    from codegen.render import render_launch
+    assert Tuning().moe.fp8_overlap is False and OVERLAP.flags() == ["--tune moe.fp8_overlap=true"]
+    G, nid = _node(op, 144, 200)
+    off, on = (families.family_for_op(op).lower(nid, G, Options(dtype="bf16", tuning=t)) for t in (Tuning(), OVERLAP))
+    assert [s.stage for s in off] == [s.stage for s in on]
+    (a,) = [s for s in off if s.stage == "wgmma_fp8"]
+    (b,) = [s for s in on if s.stage == "wgmma_fp8"]
+    assert "overlap" not in a.params and "__ovl__" not in a.name and ", true>(" not in render_launch(a)
+    assert b.name == a.name.replace("__wgmma_fp8", "__ovl__wgmma_fp8") and b.params == {**a.params, "overlap": True}
+    assert (b.grid, b.block, b.smem, b.args, b.workspace) == (a.grid, a.block, a.smem, a.args, a.workspace)
+    assert render_launch(b).count(", true>(") == 1
+    assert [(s.name, s.params) for s in off if s.stage != "wgmma_fp8"] == \
+        [(s.name, s.params) for s in on if s.stage != "wgmma_fp8"]
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
+@pytest.mark.parametrize("op,KD,N,E,K", [("moe_gate_up_silu", 2048, 1408, 66, 8),   # V2-Lite: 16 K blocks
+                                          ("moe_down", 1408, 2048, 66, 8),          # 11
+                                          ("moe_gate_up", 720, 200, 8, 2)])         # 6, a ceil block
+def test_fp8_overlap_compiles_to_one_group_in_flight_without_spills(op, KD, N, E, K):
+    """moe.fp8_overlap for sm_90a: acc + two fp32 tiles (192 registers) fit the consumers' setmaxnreg budget
+    without spills; ptxas neither serialises the wgmmas (C7514) nor injects waits (C7517) -- either would
+    undo the overlap; the consumer waits for all but the newest group (WARPGROUP.DEPBAR.LE gsb0, 0x1) where
+    the plain loop waits for all (0x0) only; the loop issues 4 QGMMA a block at four sites (the first block,
+    two a trip, the last two blocks' second)."""
+    from codegen.arch import kernel_target
+    from codegen.nvrtc import compile_cubin
+    from codegen.render import render_launch
+    from sass import instructions
+    depbars = {}
+    for overlap in (False, True):
+        (la,) = _gemm_launches(op, KD, N, E, K, OVERLAP if overlap else Tuning())
+        res = compile_cubin(render_launch(la), la.name, arch=kernel_target("sm_90", la.requires),
+                            options=("--ptxas-options=-v",))
+        assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
+        assert "C7514" not in res.log and "C7517" not in res.log, res.log
+        (body,) = instructions(res.cubin).values()
+        depbars[overlap] = {i.operands.split(",")[-1].strip() for i in body if i.opcode == "WARPGROUP.DEPBAR.LE"}
+        # (the opcode pattern stops at the shape's lower-case x: whole text)
+        assert sum((i.opcode + i.operands).startswith("QGMMA.64x128x32.F32.E4M3.E4M3") for i in body) == \
+            (16 if overlap else 4)
+        assert not any(i.opcode.startswith(("LDL", "STL")) for i in body), "no local memory"
+    assert depbars == {False: {"0x0"}, True: {"0x0", "0x1"}}, depbars
+
+
+def test_fp8_overlap_reaches_every_fp8_x_fp8_gemm_of_a_tiny_models_plan():
+    """With moe.fp8_overlap on, every FP8 x FP8 GEMM of the tiny FP8 model's prefill plan is the ovl kernel: the
+    experts' (gate / up reading the norm's e4m3 rows included: linear.norm_fp8 is on by default) and the dense
+    MLP's gemm_fp8; the rest of the plan's launches are the knob-off plan's."""
+    import ir
+    from codegen.bundle import plan_spec
+    from ir.config_to_spec import spec_from_config
+    from ir.formats import weight_formats_yaml
+    tiny = json.loads((ROOT / "model_specs" / "hf_configs" / "deepseek_tiny.json").read_text())
+    spec = ir.load_spec(spec_from_config(tiny, name="tiny") + "\n"
+                        + weight_formats_yaml(("model.layers.*.mlp.*_proj.weight",), FP8), file="t.yaml")
+    off, on = (plan_spec(spec, Options(tuning=t)).plans["prefill"].launches for t in (Tuning(), OVERLAP))
+    experts = [la.name for la in on if la.stage == "wgmma_fp8"]
+    assert experts and all("__ovl__" in n for n in experts), experts
+    dense = [la.name for la in on if la.stage == "fp8_wgmma"]
+    assert dense and all(n.endswith("__ovl") for n in dense), dense
+    assert [la.name.replace("__ovl__", "__").removesuffix("__ovl") for la in on] == [la.name for la in off]
+
+
+def test_fp8_overlap_reaches_the_expert_ffns_two_launch_path():
+    """moe_expert_ffn above decode's range runs gate_up_silu's and down's FP8 x FP8 GEMMs: both take the knob."""
+    from codegen.families import moe_expert_ffn
+    from tests.gpu.harness import single_op_graph, tiny_model
+    from ir.formats import set_format
+    from ir.ops import TType
+    G, nid = single_op_graph(tiny_model(), "moe_expert_ffn", {"num_experts": 8, "inner_dim": 144, "out_dim": 272},
+                             {"x": TType(("T", 272), "act"), "R": TType(("T*2", 8), "routing")},
+                             {"gate": "e.{expert}.gate", "up": "e.{expert}.up", "down": "e.{expert}.down"})
+    for name in G.nodes[nid]["weights"].values():
+        set_format(G.graph["weights"], name, FP8)
+    for tuning, ovl in ((QX, False), (Tuning(moe=MoeTuning(fp8_one_token_down=False, fp8_overlap=True),
+                                             linear=LinearTuning(norm_fp8=False)), True)):
+        gemms = [s for s in moe_expert_ffn.lower(nid, G, Options(dtype="bf16", tuning=tuning)) if s.stage == "wgmma_fp8"]
+        assert len(gemms) == 2 and all(("__ovl__" in s.name) == ovl for s in gemms), [s.name for s in gemms]

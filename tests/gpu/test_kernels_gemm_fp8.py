@@ -25,6 +25,10 @@ each time, and wants the first run's output bit for bit (the partials are summed
 Its mutants: the ticket never reset, the last split's partial left out of the sum, a split's K range
 one block short.
 
+Tuning.moe.fp8_overlap (each K block promoted under the next block's wgmma, split K included):
+`test_linear_fp8_gemm_overlap` checks its launch against the reference as above and bit for bit against
+the knob-off launch on the same inputs.
+
 Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gemm_fp8.py
 """
 from __future__ import annotations
@@ -41,6 +45,7 @@ from test_kernels_linear_fp8 import as_fp8, quantized
 
 from codegen.families import gemm_fp8, linear_skinny
 from codegen.kernel import KernelLaunch, LibraryCall, Options
+from codegen.tuning import MoeTuning, Tuning
 from ir.act_quant import dequantize_act_fp8, dequantize_weight_fp8, linear_fp8, quantize_act_fp8
 from ir.formats import FP8, cdiv, companion_names
 
@@ -84,12 +89,14 @@ def split_counts(launches, T: int) -> list[int]:
             for la in launches if la.stage == "fp8_wgmma"]
 
 
-def gemm_launches(G, nid, dtype):
-    """The node's launches that run above the skinny range: gemm_fp8's quantiser, then its GEMMs."""
-    steps = linear_skinny.lower(nid, G, Options(dtype=dtype))
+def gemm_launches(G, nid, dtype, overlap=False):
+    """The node's launches that run above the skinny range: gemm_fp8's quantiser, then its GEMMs (with
+    Tuning.moe.fp8_overlap as asked)."""
+    steps = linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=Tuning(moe=MoeTuning(fp8_overlap=overlap))))
     assert not [s for s in steps if isinstance(s, LibraryCall)], "FP8 weights above 16 tokens: no library call"
     launches = [s for s in steps if isinstance(s, KernelLaunch) and s.family == gemm_fp8.FAMILY]
     assert [la.stage for la in launches[:1]] == ["quant_x"] and all(la.stage == "fp8_wgmma" for la in launches[1:])
+    assert all(la.name.endswith("__ovl") == overlap for la in launches[1:]), [la.name for la in launches]
     return launches
 
 
@@ -138,7 +145,8 @@ def check_quantiser(x, work, msg):
     return q, s
 
 
-def run_case(dtype, T, K, rows, extra, offset, zero_rows, shift, seed):
+def run_case(dtype, T, K, rows, extra, offset, zero_rows, shift, seed, overlap=False):
+    """One example against the reference; the outputs by name."""
     m = model("lite")
     gen = torch.Generator().manual_seed(seed)
     if len(rows) == 1:
@@ -153,18 +161,20 @@ def run_case(dtype, T, K, rows, extra, offset, zero_rows, shift, seed):
     for i, n in enumerate(rows):
         ws[f"w{i}"], ws[companion_names(f"w{i}", FP8)[0]] = quantized(n, K, gen, K ** -0.5)
     ys = {o: shifted(empty_out((T, n), dtype), shift) for o, n in zip(outs, rows)}
-    launches = gemm_launches(G, nid, dtype)
+    launches = gemm_launches(G, nid, dtype, overlap)
     S = split_counts(launches, T)
     SPLITS[max(S)] += 1
     work = runner().run_all(launches, values={"x": x, **ys}, weights=ws, sizes={"T": T},
                             workspaces=poisoned_workspaces(T, K))
     torch.cuda.synchronize()
-    msg = f"T={T} K={K} rows={list(rows)} extra={extra} zero_rows={zero_rows} shift={shift} splits={S}"
+    msg = (f"T={T} K={K} rows={list(rows)} extra={extra} zero_rows={zero_rows} shift={shift} splits={S} "
+           f"overlap={overlap}")
     q, s = check_quantiser(x, work, msg)
     for i, o in enumerate(outs):
         w, sw = ws[f"w{i}"], ws[companion_names(f"w{i}", FP8)[0]]
         REC.check(ys[o], linear_fp8(q, s, w, sw), dtype, f"{o} {msg}", slack=ACC_SLACK * abs_products(q, s, w, sw))
     REC.example()
+    return ys
 
 
 @SETTINGS
@@ -188,6 +198,27 @@ def run_case(dtype, T, K, rows, extra, offset, zero_rows, shift, seed):
 def test_linear_fp8_gemm(dtype, T, K, rows, extra, offset, zero_rows, shift, seed):
     assume(T * K * sum(rows) <= MAX_MACS)
     run_case(dtype, T, K, rows, extra, offset, zero_rows, shift, seed)
+
+
+@kernel_test(12)
+@given(dtype=st.sampled_from(DTYPES), T=TOKENS, K=WIDTHS, rows=st.lists(HEIGHTS, min_size=1, max_size=2),
+       zero_rows=st.sampled_from([0, 0, 1, 5]), shift=st.sampled_from([False, False, True]), seed=st.integers(0, 2**31))
+# V2-Lite: q + kv_a at 512 tokens (16 K blocks), o_proj at 16384; the dense down split at T = 32 (85.5 blocks
+# over 8 splits: odd and even ranges); a ceil block of 16 columns (17 blocks); one block alone
+@example(dtype="bf16", T=512, K=2048, rows=[3072, 576], zero_rows=0, shift=False, seed=21)
+@example(dtype="bf16", T=16384, K=2048, rows=[2048], zero_rows=0, shift=False, seed=22)
+@example(dtype="bf16", T=32, K=10944, rows=[2048], zero_rows=1, shift=False, seed=23)
+@example(dtype="fp16", T=FIRST, K=2064, rows=[129], zero_rows=0, shift=True, seed=24)
+@example(dtype="bf16", T=300, K=128, rows=[200], zero_rows=5, shift=False, seed=25)
+def test_linear_fp8_gemm_overlap(dtype, T, K, rows, zero_rows, shift, seed):
+    """moe.fp8_overlap on gemm_fp8: the launch against the reference (run_case), and its outputs the knob-off
+    launch's bit for bit (the same FMAs in the same order per accumulator; split K sums the same partials)."""
+    assume(T * K * sum(rows) <= MAX_MACS)
+    on = run_case(dtype, T, K, rows, 0, 0, zero_rows, shift, seed, overlap=True)
+    off = run_case(dtype, T, K, rows, 0, 0, zero_rows, shift, seed)
+    for o in on:
+        same = on[o].view(torch.int16) == off[o].view(torch.int16)
+        assert bool(same.all()), f"{o} T={T} K={K} rows={rows}: {int((~same).sum())} elements differ with the overlap"
 
 
 def abs_products(q, s, w, sw):

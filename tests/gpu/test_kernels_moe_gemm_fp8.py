@@ -18,8 +18,11 @@ of 128-pair tiles over 16384 pairs), widths with ceil blocks (KD a multiple of 1
 past a 64 / 128-row tile), rows whose scales differ by up to 2^8 and all-zero rows, the input or the
 outputs one element past an aligned base (the quantiser's element loads; the GEMM's element stores).
 Outputs are poisoned (NaN) and the workspaces too (e4m3 0x7f, NaN scales), so an element no kernel writes
-fails.  The planted mutants of tests/gpu/test_mutants.py (a K block's x scale from another pair, the
-ceil K block dropped, the promotion skipped for the last K block, the gate and up scales swapped) run
+fails.  Half the examples run with Tuning.moe.fp8_overlap on (each K block promoted under the next
+block's wgmma), and test_moe_fp8x_overlap_is_bit_equal checks that its outputs are the knob-off launch's
+bit for bit.  The planted mutants of tests/gpu/test_mutants.py (a K block's x scale from another pair, the
+ceil K block dropped, the promotion skipped for the first K block, the gate and up scales swapped; with
+the overlap: the promotion of the other fp32 tile, a block promoted with its neighbour's scales) run
 through these bodies and must fail them.
 
 Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_moe_gemm_fp8.py
@@ -39,6 +42,7 @@ from test_kernels_moe_fp8 import quantized_experts
 from codegen import families, sizes
 from codegen.families import _moe_gemm_fp8, gemm_fp8
 from codegen.kernel import Options
+from codegen.tuning import MoeTuning, Tuning
 from ir.act_quant import grouped_linear_fp8
 from ir.formats import FP8, cdiv, companion_names, set_format
 from ir.ops import TType
@@ -81,11 +85,12 @@ def routing_ids(T: int, E: int, K: int, kind: str, g) -> torch.Tensor:
     return logits.topk(K, dim=1).indices
 
 
-def case_of(dtype, T, E, K, KD, N, *, routing="uniform", counts=None, misalign="none", zero_rows=0, seed=31):
+def case_of(dtype, T, E, K, KD, N, *, routing="uniform", counts=None, misalign="none", zero_rows=0, seed=31,
+            overlap=False):
     if counts is not None:
         assert sum(counts) == T * K and len(counts) == E and max(counts) <= T, (counts, T, K)
     return {"dtype": dtype, "T": T, "E": E, "K": K, "KD": KD, "N": N, "routing": routing, "counts": counts,
-            "misalign": misalign, "zero_rows": zero_rows, "seed": seed}
+            "misalign": misalign, "zero_rows": zero_rows, "seed": seed, "overlap": overlap}
 
 
 @st.composite
@@ -95,7 +100,8 @@ def cases(draw, kds=KDS, ns=NS):
     case = case_of(draw(st.sampled_from(("bf16", "fp16"))), draw(TOKENS), E, K, draw(st.sampled_from(kds)),
                    draw(st.sampled_from(ns)), routing=draw(st.sampled_from(ROUTINGS)),
                    misalign=draw(st.sampled_from(("none", "none", "inputs", "outputs"))),
-                   zero_rows=draw(st.sampled_from((0, 0, 1, 5))), seed=draw(st.integers(0, 2**31 - 1)))
+                   zero_rows=draw(st.sampled_from((0, 0, 1, 5))), seed=draw(st.integers(0, 2**31 - 1)),
+                   overlap=draw(st.booleans()))
     assume(case["T"] * K * case["N"] * case["KD"] <= MAX_MACS)
     return case
 
@@ -114,13 +120,16 @@ def graph(op: str, E: int, K: int, KD: int, N: int):
     return G, nid
 
 
-def fp8x_launches(G, nid, dtype, env):
-    """The node's launches with work at the step's sizes: the quantiser, then the FP8 x FP8 GEMM."""
-    launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, Options(dtype=dtype))
+def fp8x_launches(G, nid, dtype, env, overlap=False):
+    """The node's launches with work at the step's sizes: the quantiser, then the FP8 x FP8 GEMM (with
+    Tuning.moe.fp8_overlap as asked)."""
+    opts = Options(dtype=dtype, tuning=Tuning(moe=MoeTuning(fp8_overlap=overlap)))
+    launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, opts)
     running = [la for la in launches if all(sizes.evaluate(g, env) > 0 for g in la.grid)]
     assert [la.stage for la in running] == [_moe_gemm_fp8.QUANT_STAGE, _moe_gemm_fp8.VARIANT], \
         [la.stage for la in running]
     assert f"{dtype}_{_moe_gemm_fp8.NAME}" in running[1].name, running[1].name
+    assert ("__ovl__" in running[1].name) == overlap, running[1].name
     return running
 
 
@@ -135,9 +144,10 @@ def _abs8(q: torch.Tensor) -> torch.Tensor:
     return q.float().abs().to(torch.float8_e4m3fn)
 
 
-def run_case(op: str, case: dict) -> None:
+def launch_case(op: str, case: dict, overlap: bool):
+    """The case's inputs (all drawn from its seed: the same for the same case) through the node's two launches;
+    the graph, ids, FP8 weights, x, the outputs by name and the workspaces."""
     dtype, T, E, K, KD, N = (case[k] for k in ("dtype", "T", "E", "K", "KD", "N"))
-    td = TORCH_DTYPES[dtype]
     down = op == "moe_down"
     g = torch.Generator().manual_seed(case["seed"])
     ids = base._ids_with_counts(case["counts"], K, g) if case["counts"] else routing_ids(T, E, K, case["routing"], g)
@@ -149,7 +159,7 @@ def run_case(op: str, case: dict) -> None:
         weights[name], weights[companion_names(name, FP8)[0]] = q, s
         fp8w[role] = (q, s)
     env = {"T": T, "NP": T * K, "SMS": torch.cuda.get_device_properties(0).multi_processor_count}
-    launches = fp8x_launches(G, nid, dtype, env)
+    launches = fp8x_launches(G, nid, dtype, env, overlap)
     rows = T * K if down else T
     x_scale = gemm_tests.SILU_X if op == "moe_gate_up_silu" else 1.0
     x = shifted(gemm_tests.x_tokens(rows, KD, dtype, 0, 0, case["zero_rows"], g, x_scale).contiguous(),
@@ -159,8 +169,17 @@ def run_case(op: str, case: dict) -> None:
     work = runner().run_all(launches, values={"a" if down else "x": x, "R": dev_r, **ys}, weights=weights,
                             sizes={"T": T, "NP": T * K}, workspaces=poisoned_workspaces(rows, KD, down))
     torch.cuda.synchronize()
+    return G, nid, ids, fp8w, x, ys, work
+
+
+def run_case(op: str, case: dict) -> None:
+    dtype, T, E, K, KD, N = (case[k] for k in ("dtype", "T", "E", "K", "KD", "N"))
+    td = TORCH_DTYPES[dtype]
+    down = op == "moe_down"
+    G, nid, ids, fp8w, x, ys, work = launch_case(op, case, case.get("overlap", False))
+    outs = G.nodes[nid]["outputs"]
     msg = (f"{op} T={T} E={E} K={K} KD={KD} N={N} routing={case['routing']} counts={case['counts'] is not None} "
-           f"misalign={case['misalign']} zero_rows={case['zero_rows']}")
+           f"misalign={case['misalign']} zero_rows={case['zero_rows']} overlap={case.get('overlap', False)}")
     q_ws, s_ws = _moe_gemm_fp8.WORKSPACES[down]
     qx, sx = gemm_tests.check_quantiser(x, {gemm_fp8.XQ: work[q_ws], gemm_fp8.XS: work[s_ws]}, msg)
     pair_rows = torch.arange(T * K, device="cuda")
@@ -209,6 +228,9 @@ def lite_counts(T, K, E=64, hot=(300, 257, 129, 128, 127, 64, 0, 1)):
 @example(case=case_of("fp16", 16384, 8, 2, 144, 37, routing="hot", seed=3))
 # a partial K block of 16 columns, misaligned x and zero tokens; N past a 64-column tile
 @example(case=case_of("bf16", FIRST, 5, 3, 272, 200, routing="empty", misalign="inputs", zero_rows=5, seed=4))
+# the overlapped K loop (moe.fp8_overlap): V2-Lite (16 K blocks: an even count); 3.5 blocks (a ceil block, an odd count)
+@example(case=case_of("bf16", 300, 64, 6, 2048, 1408, counts=lite_counts(300, 6), overlap=True))
+@example(case=case_of("bf16", 300, 256, 8, 448, 2048, routing="skewed", seed=2, overlap=True))
 def test_moe_gate_up_silu_fp8x(case):
     run_case("moe_gate_up_silu", case)
 
@@ -219,6 +241,9 @@ def test_moe_gate_up_silu_fp8x(case):
 @example(case=case_of("bf16", 300, 256, 8, 2048, 448, routing="skewed", seed=6))              # V3, hidden shrunk
 @example(case=case_of("fp16", 1000, 3, 2, 272, 190, routing="empty", misalign="outputs", seed=7))  # N - n0 <= 64
 @example(case=case_of("bf16", 16384, 8, 2, 112, 65, routing="hot", zero_rows=5, seed=8))
+# the overlapped K loop: V2-Lite's 11 K blocks; one K block (the loop's one-block tail alone)
+@example(case=case_of("bf16", 300, 64, 6, 1408, 2048, counts=lite_counts(300, 6), overlap=True))
+@example(case=case_of("fp16", 1000, 3, 2, 112, 190, routing="empty", misalign="outputs", seed=7, overlap=True))
 def test_moe_down_fp8x(case):
     run_case("moe_down", case)
 
@@ -228,3 +253,27 @@ def test_moe_down_fp8x(case):
 @example(case=case_of("bf16", 400, 4, 2, 272, 200, routing="skewed", misalign="outputs", seed=9))
 def test_moe_gate_up_fp8x(case):
     run_case("moe_gate_up", case)
+
+
+OPS = ("moe_gate_up_silu", "moe_gate_up", "moe_down")
+
+
+@kernel_test(8)
+@given(op=st.sampled_from(OPS), case=cases(kds=(128, 144, 272, 720, 1408, 2048), ns=(37, 200, 264)))
+# K blocks: 11 (V2-Lite's down), 5.6 (a ceil block: 6, even), 2.1 (3, odd), 1; few pairs an expert, and one expert
+# taking every token of 16384 (128 row tiles: many tiles a CTA, the ring's steps carried across tiles)
+@example(op="moe_down", case=case_of("bf16", 300, 64, 6, 1408, 2048, counts=lite_counts(300, 6), seed=60))
+@example(op="moe_gate_up_silu", case=case_of("bf16", 257, 16, 2, 720, 200, routing="skewed", seed=61))
+@example(op="moe_gate_up", case=case_of("fp16", 400, 4, 2, 272, 200, routing="empty", misalign="outputs", seed=62))
+@example(op="moe_down", case=case_of("bf16", 16384, 8, 2, 720, 37, routing="hot", seed=63))
+@example(op="moe_gate_up_silu", case=case_of("bf16", 2048, 8, 2, 128, 264, routing="uniform", zero_rows=5, seed=64))
+def test_moe_fp8x_overlap_is_bit_equal(op, case):
+    """moe.fp8_overlap: each block's promotion under the next block's wgmma, the same FMAs in the same order per
+    accumulator: the outputs are the knob-off launch's bit for bit, poisoned elements included."""
+    off = launch_case(op, case, overlap=False)
+    on = launch_case(op, case, overlap=True)
+    for name in off[0].nodes[off[1]]["outputs"]:
+        a, b = off[5][name], on[5][name]
+        same = a.view(torch.int16) == b.view(torch.int16)
+        assert bool(same.all()), (f"{op} {case}: {name} differs at {int((~same).sum())} of {same.numel()} elements, "
+                                  f"first at {(~same).nonzero()[0].tolist()}")

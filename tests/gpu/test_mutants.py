@@ -71,6 +71,13 @@ def segment_first_reader_skips() -> str:
         .replace("        dsg::seg::waited();", "        if ({{ j }} == 0) __nanosleep(100000);\n        dsg::seg::waited();")
 
 
+# gemm_fp8.cuh's K loop, shared by the dense FP8 GEMM and the FP8 x FP8 experts: a K block's four scales
+SCALES_SITE = "const float xa = r.sxa[kb], xb = r.sxb[kb], wg = r.swg[kb], wu = r.swu[kb];"
+FIRST_BLOCK_XA_FROM_XB = ("const float xa = kb == 0 ? r.sxb[kb] : r.sxa[kb], xb = r.sxb[kb], wg = r.swg[kb], "
+                          "wu = r.swu[kb];")
+SCALES_RETURN = "return {xa, xb, wg, wu};"
+FIRST_BLOCK_UNPROMOTED = "return {kb == 0 ? 0.f : xa, kb == 0 ? 0.f : xb, wg, wu};"
+
 def _lite_decode():
     """bf16 decode at V2-Lite's widths (the tensor-core split): 3 sequences, two of them long."""
     return (64, [1, 1, 1], [700, 65, 1300])
@@ -392,9 +399,8 @@ MUTANTS = [
            "acc[rt][nt][2] = fmaf(p[2], sc[rt][0], acc[rt][nt][2]);",
            linear_fp8.test_gate_up_silu_fp8, dict(dtype="bf16", T=4, K=512, n=136, extra=0, offset=0, shift="none",
                                                   variant=linear_fp8.VARIANTS[0], seed=20)),
-    Mutant("FP8 GEMM: the first K block of a consumer's upper rows takes the next token's x scale",
-           "include/gemm_fp8.cuh", "const float xa = sxa[kb], xb = sxb[kb], wg = swg[kb], wu = swu[kb];",
-           "const float xa = sxa[kb + (kb == 0 && ra + 1 < num_tokens ? KB : 0)], xb = sxb[kb], wg = swg[kb], wu = swu[kb];",
+    Mutant("FP8 GEMM: the first K block of a consumer's upper rows takes the x scale of the token 8 rows on",
+           "include/gemm_fp8.cuh", SCALES_SITE, FIRST_BLOCK_XA_FROM_XB,
            gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=200, K=512, rows=[256], extra=0, offset=0, zero_rows=0,
                                                shift=False, seed=22)),
     Mutant("FP8 GEMM: the ceil K block dropped (K = 2064: 16 columns past the last whole block)",
@@ -402,10 +408,8 @@ MUTANTS = [
            "const bool ok = m0 + r < num_tokens && kc < K / BK * BK;",
            gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=40, K=2064, rows=[576], extra=0, offset=0, zero_rows=0,
                                                shift=False, seed=23)),
-    Mutant("FP8 GEMM: the promotion skipped for the last K block", "include/gemm_fp8.cuh",
-           "const float ga = xa * wg, gb = xb * wg, ua = xa * wu, ub = xb * wu;",
-           "const float ga = kb == KB - 1 ? 0.f : xa * wg, gb = kb == KB - 1 ? 0.f : xb * wg, "
-           "ua = kb == KB - 1 ? 0.f : xa * wu, ub = kb == KB - 1 ? 0.f : xb * wu;",
+    Mutant("FP8 GEMM: the promotion skipped for the first K block", "include/gemm_fp8.cuh",
+           SCALES_RETURN, FIRST_BLOCK_UNPROMOTED,
            gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=300, K=2048, rows=[2048], extra=0, offset=0,
                                                zero_rows=0, shift=False, seed=24)),
     Mutant("FP8 GEMM: the up rows scaled with their gate's block scales (gate_up_silu)", "include/gemm_fp8.cuh",
@@ -429,25 +433,33 @@ MUTANTS = [
            "return {z * kb / splits, (z + 1) * kb / splits - (splits > 1)};",
            gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=32, K=2048, rows=[3072, 576], extra=0, offset=0,
                                                zero_rows=0, shift=False, seed=43)),
-    Mutant("FP8 x FP8 experts: the last K block of a consumer's upper rows takes the scale of the pair 8 rows on",
-           "include/moe_gemm_fp8.cuh", "const float xa = sxa[kb], xb = sxb[kb], wg = swg[kb], wu = swu[kb];",
-           "const float xa = kb == KB - 1 ? sxb[kb] : sxa[kb], xb = sxb[kb], wg = swg[kb], wu = swu[kb];",
+    Mutant("FP8 x FP8 experts: the first K block of a consumer's upper rows takes the scale of the pair 8 rows on",
+           "include/gemm_fp8.cuh", SCALES_SITE, FIRST_BLOCK_XA_FROM_XB,
            moe_gemm_fp8.test_moe_gate_up_silu_fp8x,
            dict(case=moe_gemm_fp8.case_of("bf16", 300, 5, 2, 256, 200, routing="skewed", seed=27))),
     Mutant("FP8 x FP8 experts: the ceil K block dropped (KD = 272: 16 columns past the last whole block)",
            "include/moe_gemm_fp8.cuh", "const bool ok = src[i] >= 0 && kc < KD;",
            "const bool ok = src[i] >= 0 && kc < KD / f8::BK * f8::BK;",
            moe_gemm_fp8.test_moe_down_fp8x, dict(case=moe_gemm_fp8.case_of("bf16", 300, 5, 2, 272, 200, seed=28))),
-    Mutant("FP8 x FP8 experts: the promotion skipped for the last K block", "include/moe_gemm_fp8.cuh",
-           "const float ga = xa * wg, gb = xb * wg, ua = xa * wu, ub = xb * wu;",
-           "const float ga = kb == KB - 1 ? 0.f : xa * wg, gb = kb == KB - 1 ? 0.f : xb * wg, "
-           "ua = kb == KB - 1 ? 0.f : xa * wu, ub = kb == KB - 1 ? 0.f : xb * wu;",
+    Mutant("FP8 x FP8 experts: the promotion skipped for the first K block", "include/gemm_fp8.cuh",
+           SCALES_RETURN, FIRST_BLOCK_UNPROMOTED,
            moe_gemm_fp8.test_moe_down_fp8x, dict(case=moe_gemm_fp8.case_of("bf16", 400, 8, 3, 1408, 264, seed=29))),
-    Mutant("FP8 x FP8 experts: the gate and up scales swapped", "include/moe_gemm_fp8.cuh",
-           "const float ga = xa * wg, gb = xb * wg, ua = xa * wu, ub = xb * wu;",
-           "const float ga = xa * wu, gb = xb * wu, ua = xa * wg, ub = xb * wg;",
+    Mutant("FP8 x FP8 experts: the gate and up scales swapped", "include/gemm_fp8.cuh",
+           "const float ga = sc.xa * sc.wg, gb = sc.xb * sc.wg, ua = sc.xa * sc.wu, ub = sc.xb * sc.wu;",
+           "const float ga = sc.xa * sc.wu, gb = sc.xb * sc.wu, ua = sc.xa * sc.wg, ub = sc.xb * sc.wg;",
            moe_gemm_fp8.test_moe_gate_up_silu_fp8x,
            dict(case=moe_gemm_fp8.case_of("bf16", 300, 5, 2, 528, 200, routing="uniform", seed=30))),
+    Mutant("FP8 x FP8 experts, overlapped K loop: an even block promotes the other fp32 tile (the next block's)",
+           "include/gemm_fp8.cuh", "    retire_block<HALVES, ST>(acc, p0, s0, empty, it0 + kb, lane);\n    s0 =",
+           "    retire_block<HALVES, ST>(acc, p1, s0, empty, it0 + kb, lane);\n    s0 =",
+           moe_gemm_fp8.test_moe_down_fp8x,
+           dict(case=moe_gemm_fp8.case_of("bf16", 300, 5, 2, 1408, 200, seed=32, overlap=True))),
+    Mutant("FP8 x FP8 experts, overlapped K loop: the last of 6 K blocks (KD = 720) promoted with the 5th's scales",
+           "include/gemm_fp8.cuh",
+           "// two blocks left: kb in flight, then kb + 1\n    const BlockScales s1 = block_scales(r, kb + 1);",
+           "// two blocks left: kb in flight, then kb + 1\n    const BlockScales s1 = s0;",
+           moe_gemm_fp8.test_moe_gate_up_silu_fp8x,
+           dict(case=moe_gemm_fp8.case_of("bf16", 300, 5, 2, 720, 200, routing="skewed", seed=33, overlap=True))),
     Mutant("FP8 x FP8 experts: down's rows read as gate_up's (a pair's token row, not its own)",
            "include/moe_gemm_fp8.cuh", "src[i] = pr < 0 ? -1 : (MODE == DOWN ? pr : pr / K);",
            "src[i] = pr < 0 ? -1 : pr / (MODE == DOWN ? 2 : K);",
