@@ -210,6 +210,36 @@ __device__ __forceinline__ void mainloop_overlap(float (&acc)[64], float (&p0)[6
   }
 }
 
+// The epilogue's staging of a consumer warpgroup's tile: acc[4j + 2h + c] is row 16 warp + lane / 4 + 8h of
+// its 64, column 8j + 2 (lane % 4) + c.  Rounded into the staging rows as CH 16-byte chunks (chunk j of row r
+// at j ^ (r % 8): conflict-free writes and reads); row r is written by warp r / 16 alone.  SILU_MUL: columns
+// j < 8 are gate's, acc[32 + ...] the same columns of up: silu(gate) * up staged.
+template <typename T, bool SILU_MUL, int CH>
+__device__ __forceinline__ void stage_acc_rows(const float (&acc)[64], char* staging, int warp, int lane) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int rr = warp * 16 + (lane >> 2) + 8 * h;
+    char* row = staging + rr * OUT_ROW_BYTES + 4 * (lane & 3);
+#pragma unroll
+    for (int jj = 0; jj < CH; ++jj) {
+      const int at = 4 * jj + 2 * h;
+      float v[2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        if constexpr (SILU_MUL) {
+          // silu(g) * u rounded where the unfused ops round (moe_wgmma.cuh's fast SiLU)
+          const float gr = round_to<T>(acc[at + c]), ur = round_to<T>(acc[32 + at + c]);
+          v[c] = round_to<T>(__fdividef(gr, 1.f + __expf(-gr))) * ur;
+        } else {
+          v[c] = acc[at + c];
+        }
+      }
+      struct alignas(4) Pair { T lo, hi; } pr = {from_float<T>(v[0]), from_float<T>(v[1])};
+      *reinterpret_cast<Pair*>(row + ((jj ^ (rr & 7)) << 4)) = pr;
+    }
+  }
+}
+
 // The ring's barriers (thread 0; the caller's __syncthreads publishes them): full[s] awaits the
 // producer's 128 copy arrivals + its expect_tx, empty[s] one arrival per consumer warp.
 template <int ST>
@@ -307,32 +337,9 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
     const bool row_ok[2] = {ra < num_tokens, rb < num_tokens};
     if (splits > 1 && !split_arrive(acc, partials, tickets, w, tiles, splits, row_ok, &last)) continue;
 
-    // Epilogue: acc[4j + 2h + c] is tile row 64 cw + 16 warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + c.
-    // Rounded into this warpgroup's staging rows (16-byte chunk j of row r at chunk j ^ (r % 8):
-    // conflict-free writes and reads), then stored as whole chunks.
+    // Epilogue: rounded into this warpgroup's staging rows, then stored as whole chunks.
     wgmma::warpgroup_sync(1 + cw);                     // the last tile's chunks have all been read
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int rr = warp * 16 + (lane >> 2) + 8 * h;
-      char* row = staging + rr * OUT_ROW_BYTES + 4 * (lane & 3);
-#pragma unroll
-      for (int jj = 0; jj < CH; ++jj) {
-        const int at = 4 * jj + 2 * h;
-        float v[2];
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          if constexpr (MODE == SILU) {
-            // silu(g) * u rounded where the unfused ops round (moe_wgmma.cuh's fast SiLU)
-            const float gr = round_to<T>(acc[at + c]), ur = round_to<T>(acc[32 + at + c]);
-            v[c] = round_to<T>(__fdividef(gr, 1.f + __expf(-gr))) * ur;
-          } else {
-            v[c] = acc[at + c];
-          }
-        }
-        struct alignas(4) Pair { T lo, hi; } pr = {from_float<T>(v[0]), from_float<T>(v[1])};
-        *reinterpret_cast<Pair*>(row + ((jj ^ (rr & 7)) << 4)) = pr;
-      }
-    }
+    stage_acc_rows<T, MODE == SILU, CH>(acc, staging, warp, lane);
     wgmma::warpgroup_sync(1 + cw);                     // the staging rows are whole
 #pragma unroll
     for (int q = 0; q < 64 * CH / 128; ++q) {

@@ -118,36 +118,6 @@ __device__ __forceinline__ void fp8x_produce(const unsigned char* __restrict__ q
   dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
 }
 
-// Epilogue: acc[4j + 2h + c] is tile row 64 cw + 16 warp + lane / 4 + 8h, column 8j + 2 (lane % 4) + c.
-// Rounded into this warpgroup's staging rows as CH 16-byte chunks (chunk j of row r at
-// j ^ (r % 8): conflict-free writes and reads); row r is written by warp r / 16 alone.  GATE_UP
-// stages [gate 64 | up 64].
-template <typename T, int MODE, int CH>
-__device__ __forceinline__ void fp8x_stage(const float (&acc)[64], char* staging, int warp, int lane) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int rr = warp * 16 + (lane >> 2) + 8 * h;
-    char* row = staging + rr * f8::OUT_ROW_BYTES + 4 * (lane & 3);
-#pragma unroll
-    for (int jj = 0; jj < CH; ++jj) {
-      const int at = 4 * jj + 2 * h;
-      float v[2];
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        if constexpr (MODE == GATE_UP_SILU) {
-          // silu(g) * u rounded where the unfused ops round (moe_wgmma.cuh's fast SiLU)
-          const float gr = round_to<T>(acc[at + c]), ur = round_to<T>(acc[32 + at + c]);
-          v[c] = round_to<T>(__fdividef(gr, 1.f + __expf(-gr))) * ur;
-        } else {
-          v[c] = acc[at + c];
-        }
-      }
-      struct alignas(4) Pair { T lo, hi; } pr = {from_float<T>(v[0]), from_float<T>(v[1])};
-      *reinterpret_cast<Pair*>(row + ((jj ^ (rr & 7)) << 4)) = pr;
-    }
-  }
-}
-
 // Consumer warpgroup cw (0, 1): tile rows 64 cw .. + 64 against the tile's 128 weight rows.  OVL
 // (Tuning.moe.fp8_overlap): each K block's promotion under the next block's wgmma (gemm_fp8.cuh
 // mainloop_overlap; the same sums bit for bit).
@@ -189,7 +159,7 @@ __device__ __forceinline__ void fp8x_consume(const float* __restrict__ sx, const
     }
     // then stored as whole chunks of each pair's row; GATE_UP sends each staged half to its output
     wgmma::warpgroup_sync(1 + cw);                     // the last tile's chunks have all been read
-    fp8x_stage<T, MODE, CH>(acc, staging, warp, lane);
+    f8::stage_acc_rows<T, MODE == GATE_UP_SILU, CH>(acc, staging, warp, lane);   // GATE_UP: [gate 64 | up 64]
     wgmma::warpgroup_sync(1 + cw);                     // the staging rows are whole
 #pragma unroll
     for (int i = 0; i < 64 * CH / 128; ++i) {
