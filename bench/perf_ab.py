@@ -85,6 +85,14 @@ def check_command(check: str) -> list[str]:
     return [sys.executable, "tests/gpu/run_isolated.py", *shlex.split(check)]
 
 
+def arm_line(name: str, rnd: int, run: dict) -> str:
+    """One arm's round as soon as it ends (a call cut short by its time limit still leaves every finished arm's
+    numbers): each decode case's ms a step, each prefill case's tokens a second."""
+    cells = [f"b={d['batch']} ctx={d['context']} {d['ms']:.2f} ms" for d in run.get("decode", [])]
+    cells += [f"prefill {p['batch']}x{p['length']} {p['tokens_per_s'] / 1e3:.1f}k tok/s" for p in run.get("prefill", [])]
+    return f"perf_ab: {name} round {rnd}: " + (", ".join(cells) or "no cases")
+
+
 def summary(results: dict[str, list[dict]]) -> str:
     """One row per decode case: each arm's ms a step and expert TB/s, every round; then one per prefill
     case: its tokens a second."""
@@ -142,6 +150,7 @@ def main(argv=None) -> int:
                 continue
             with open(js) as fh:
                 results[arm.name].append(json.load(fh))
+            print(arm_line(arm.name, r + 1, results[arm.name][-1]), flush=True)
     print(summary(results))
     return 0
 
