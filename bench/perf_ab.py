@@ -89,7 +89,8 @@ def arm_line(name: str, rnd: int, run: dict) -> str:
     """One arm's round as soon as it ends (a call cut short by its time limit still leaves every finished arm's
     numbers): each decode case's ms a step, each prefill case's tokens a second."""
     cells = [f"b={d['batch']} ctx={d['context']} {d['ms']:.2f} ms" for d in run.get("decode", [])]
-    cells += [f"prefill {p['batch']}x{p['length']} {p['tokens_per_s'] / 1e3:.1f}k tok/s" for p in run.get("prefill", [])]
+    cells += [f"prefill {p['batch']}x{p['length']} {p['tokens_per_s'] / 1e3:.1f}k tok/s"
+              for p in run.get("prefill", [])]
     return f"perf_ab: {name} round {rnd}: " + (", ".join(cells) or "no cases")
 
 
