@@ -1,6 +1,7 @@
 // The pieces of a persistent one-byte-operand wgmma GEMM (sm_90a) that do not depend on the operand
 // type: its tile, the mbarrier ring, the producer warpgroup and the epilogue's staged 16-byte stores.
-// gemm_int8.cuh builds on it (int8 x int8 -> int32); gemm_fp8.cuh holds the same pieces for e4m3.
+// gemm_int8.cuh (int8 x int8 -> int32) and gemm_fp8.cuh (e4m3 x e4m3 -> fp32, and through it the
+// grouped experts of moe_gemm_fp8.cuh) build on it.
 //
 //   * a persistent grid walks work items i = blockIdx.x, + gridDim.x, ...: tile t = i % tiles, row
 //     tile t / NCT (BM tokens), column tile t % NCT, so the CTAs running together share the tokens'
