@@ -83,16 +83,10 @@ __device__ __forceinline__ BlockScales block_scales(const ScaleRows& r, int kb) 
 template <int ST>
 __device__ __forceinline__ void issue_block(float (&part)[64], unsigned ring, unsigned long long* full, int it,
                                             int cw) {
-  const int s = it % ST;
-  mbar::wait(&full[s], (it / ST) & 1);
-  mbar::fence_proxy_async();                           // the token rows were cp.async (generic) writes
-  const unsigned a = ring + s * STAGE_BYTES + cw * 64 * ROW_BYTES;
-  const unsigned b = ring + s * STAGE_BYTES + BM * ROW_BYTES;
-  const unsigned long long da = wgmma::desc_sw128(a), db = wgmma::desc_sw128(b);
-  wgmma::fence();
+  const StageDescs d = landed_stage<ST>(ring, full, it, cw);
 #pragma unroll
   for (int k32 = 0; k32 < BK / 32; ++k32)
-    mma_m64n128k32(part, wgmma::desc_advance(da, k32), wgmma::desc_advance(db, k32), k32);
+    mma_m64n128k32(part, wgmma::desc_advance(d.a, k32), wgmma::desc_advance(d.b, k32), k32);
   wgmma::commit();
 }
 
