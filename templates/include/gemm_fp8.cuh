@@ -11,22 +11,12 @@
 // block's columns past K are zeros on both sides (TMA fills the weight's, the copies the tokens');
 // O % 128 != 0 -- the weight rows past O are zeros and their columns are never stored.
 //
-// Shape (the structure of moe_wgmma.cuh's grouped GEMM, without the routing):
-//   * a persistent grid walks tiles t = blockIdx.x, + gridDim.x, ...: row tile t / NCT (128
-//     tokens), column tile t % NCT, so the CTAs running together share the tokens' row tile;
-//   * warpgroup 0 produces (registers given back with setmaxnreg), warpgroups 1 and 2 consume, each
-//     64 of the tile's 128 tokens against its 128 weight rows, through a ring of ST stages
-//     handshaken on mbarriers (full: landed; empty: both consumers are done with it);
-//   * a stage is one 128-wide K block: 128 bytes a row, the 128B swizzle wgmma reads.  The weight
-//     rows as two TMA boxes of 64 rows; the token rows by the producer's 128 threads with 16-byte
-//     cp.async into the same swizzled layout (their address changes with T every step, so no tensor
-//     map of them is encoded on the host), reported to the stage's barrier as they land;
+// The tile walk, the ring, the producer and the staged stores are gemm_ring.cuh's (the structure of
+// moe_wgmma.cuh's grouped GEMM, without the routing; a stage is one 128-wide K block, one scale block):
 //   * LINEAR: the tile's 128 weight rows are one 128-row scale block (n0 % 128 == 0), one weight
 //     scale a stage.  SILU (gate_up_silu): 64 gate rows then the same 64 up rows (n0 % 64 == 0: one
 //     scale block each), so a thread's column j < 8 (gate) and j + 8 (up) are one output column and
-//     silu(gate) * up fuses in registers; 64 output columns a tile;
-//   * the epilogue rounds the tile into the consumer's 16 KB of shared memory and stores whole
-//     16-byte chunks of rows (moe_wgmma.cuh's reasons).
+//     silu(gate) * up fuses in registers; 64 output columns a tile.
 //
 // Split K (decode batches): gemm_split.cuh's -- `splits` CTAs a tile, each a contiguous range of K
 // blocks with the promotion per block as above, fp32 partial tiles summed in split order by the
@@ -36,6 +26,7 @@
 // the lowering emits it only then (codegen/families/gemm_fp8.py).
 #pragma once
 #include "common.cuh"
+#include "gemm_ring.cuh"
 #include "mbarrier.cuh"
 #include "mma.cuh"
 #include "pdl.cuh"
@@ -46,41 +37,11 @@
 namespace dsg {
 namespace gemm_fp8 {
 
+using namespace dsg::gemm_ring;
 using namespace dsg::gemm_split;
-constexpr int LINEAR = 0, SILU = 1;
-constexpr int BLOCK = 128;            // the scale blocks of both operands
-constexpr int BM = 128;               // tokens per tile: two consumer warpgroups x 64
-constexpr int BN = 128;               // weight rows per tile
-constexpr int BK = 128;               // K per stage: one 128-byte swizzled row of e4m3, one scale block
-constexpr int BOX = 64;               // weight rows per TMA box, two a stage
-constexpr int THREADS = 384;          // producer warpgroup + two consumer warpgroups
+constexpr int BLOCK = 128;            // the scale blocks of both operands: one a stage's K (BK)
 constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
-constexpr int ROW_BYTES = BK;                           // 128: the swizzle span
-constexpr int STAGE_BYTES = (BM + BN) * ROW_BYTES;      // 32 KB
-constexpr int OUT_ROW_BYTES = 128 * 2;                  // a staged row: up to 128 16-bit columns
-constexpr int OUT_BYTES = 64 * OUT_ROW_BYTES;           // 16 KB a consumer warpgroup
 static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 256 <= 65536, "gemm_fp8: register file");
-
-// One staged 16-byte chunk (8 columns from `col`) of an output row to dst: whole where vec (O % 8 == 0
-// and a 16-byte aligned base), else element by element up to O.
-template <typename T, int O>
-__device__ __forceinline__ void store_chunk(T* dst, const uint4& chunk, int col, bool vec) {
-  if (vec) {
-    *reinterpret_cast<uint4*>(dst) = chunk;
-  } else {
-    const T* e = reinterpret_cast<const T*>(&chunk);
-#pragma unroll
-    for (int k = 0; k < 8; ++k)
-      if (col + k < O) dst[k] = e[k];
-  }
-}
-
-// Output columns a tile covers.
-__host__ __device__ constexpr int tile_cols(int mode) { return mode == SILU ? BN / 2 : BN; }
-
-// Dynamic shared memory: the ring, the two consumers' staging, and slack to start the ring on a
-// 1024-byte boundary (128B swizzle).
-__host__ __device__ constexpr int smem_bytes(int stages) { return stages * STAGE_BYTES + 2 * OUT_BYTES + 1024; }
 
 // ---- d (64 x 128 fp32) (+)= a (64 x 32 e4m3) * b (32 x 128 e4m3), both K-major in shared memory ----
 // Same register layout as wgmma.cuh's: d[4j + 2h + c] = (row 16 w + l / 4 + 8 h, column 8 j + 2 (l % 4) + c),
@@ -122,16 +83,10 @@ __device__ __forceinline__ BlockScales block_scales(const ScaleRows& r, int kb) 
 template <int ST>
 __device__ __forceinline__ void issue_block(float (&part)[64], unsigned ring, unsigned long long* full, int it,
                                             int cw) {
-  const int s = it % ST;
-  mbar::wait(&full[s], (it / ST) & 1);
-  mbar::fence_proxy_async();                           // the token rows were cp.async (generic) writes
-  const unsigned a = ring + s * STAGE_BYTES + cw * 64 * ROW_BYTES;
-  const unsigned b = ring + s * STAGE_BYTES + BM * ROW_BYTES;
-  const unsigned long long da = wgmma::desc_sw128(a), db = wgmma::desc_sw128(b);
-  wgmma::fence();
+  const StageDescs d = landed_stage<ST>(ring, full, it, cw);
 #pragma unroll
   for (int k32 = 0; k32 < BK / 32; ++k32)
-    mma_m64n128k32(part, wgmma::desc_advance(da, k32), wgmma::desc_advance(db, k32), k32);
+    mma_m64n128k32(part, wgmma::desc_advance(d.a, k32), wgmma::desc_advance(d.b, k32), k32);
   wgmma::commit();
 }
 
@@ -240,66 +195,6 @@ __device__ __forceinline__ void stage_acc_rows(const float (&acc)[64], char* sta
   }
 }
 
-// The ring's barriers (thread 0; the caller's __syncthreads publishes them): full[s] awaits the
-// producer's 128 copy arrivals + its expect_tx, empty[s] one arrival per consumer warp.
-template <int ST>
-__device__ __forceinline__ void ring_init(unsigned long long* full, unsigned long long* empty) {
-#pragma unroll
-  for (int s = 0; s < ST; ++s) {
-    mbar::init(&full[s], 128 + 1);
-    mbar::init(&empty[s], 8);
-  }
-  mbar::init_fence();
-}
-
-// Producer: the 128 threads of warpgroup 0.  Thread p copies 16-byte chunk p % 8 of token rows
-// p / 8 + 16 j (j < 8): a warp covers four whole 128-byte row slices per instruction, and all of a
-// thread's rows share r % 8, so one swizzled chunk position.  Thread 0 also issues the weight boxes.
-template <int MODE, int O, int K, int ST>
-__device__ __forceinline__ void produce(const unsigned char* __restrict__ qx, const TensorMap* w0, const TensorMap* w1,
-                                        int num_tokens, int splits, char* ring, unsigned long long* full,
-                                        unsigned long long* empty) {
-  constexpr int KB = (K + BK - 1) / BK, NCT = (O + tile_cols(MODE) - 1) / tile_cols(MODE);
-  const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
-  const int chunk = (c ^ (r0 & 7)) * 16;               // 128B swizzle: c ^ (row % 8)
-  if (p == 0) {
-    tma::prefetch(w0);
-    if (MODE == SILU) tma::prefetch(w1);
-  }
-  const int tiles = (num_tokens + BM - 1) / BM * NCT;
-  int it = 0;
-  for (int i = blockIdx.x; i < tiles * splits; i += gridDim.x) {
-    const Item w = item_of(i, tiles);
-    const KRange kr = k_range(w.split, splits, KB);
-    const int m0 = w.tile / NCT * BM, n0 = w.tile % NCT * tile_cols(MODE);
-    // the second LINEAR box starts past O when O - n0 <= BOX: left out (its columns are never
-    // stored), so no box lies wholly outside the tensor
-    const bool box1 = MODE == SILU || n0 + BOX < O;
-    for (int kb = kr.first; kb < kr.end; ++kb, ++it) {
-      const int s = it % ST;
-      mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
-      char* a = ring + s * STAGE_BYTES;
-      char* b = a + BM * ROW_BYTES;
-      const int k0 = kb * BK;
-      if (p == 0) {
-        mbar::arrive_expect_tx(&full[s], (box1 ? 2 : 1) * BOX * ROW_BYTES);
-        tma::load_2d(b, w0, k0, n0, &full[s]);
-        if (box1) tma::load_2d(b + BOX * ROW_BYTES, MODE == SILU ? w1 : w0, k0, MODE == SILU ? n0 : n0 + BOX, &full[s]);
-      }
-      const int kc = k0 + 16 * c;                      // this thread's 16 columns (bytes) of K
-#pragma unroll
-      for (int j = 0; j < BM / 16; ++j) {
-        const int r = r0 + 16 * j;
-        const bool ok = m0 + r < num_tokens && kc < K;  // else zeros: rows past T, K past the ceil block's end
-        const unsigned char* from = qx + (ok ? (i64)(m0 + r) * K + kc : 0);
-        dsg::mma::cp_async16(a + r * ROW_BYTES + chunk, from, ok ? 16 : 0);
-      }
-      mbar::arrive_on_cp_async(&full[s]);
-    }
-  }
-  dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
-}
-
 // Consumer warpgroup cw (0, 1): token rows 64 cw .. + 64 of each tile against its 128 weight rows.  OVL
 // (Tuning.moe.fp8_overlap): each K block's promotion under the next block's wgmma (mainloop_overlap).
 template <typename T, int MODE, int O, int K, int ST, bool OVL>
@@ -312,7 +207,7 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
   constexpr int CH = COLS / 8;                         // 16-byte chunks of a staged row
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, tid = threadIdx.x & 127;
   const bool vec = O % 8 == 0 && (reinterpret_cast<unsigned long long>(y) & 15ull) == 0;   // uniform: whole 16-byte chunks, else elements
-  const int tiles = (num_tokens + BM - 1) / BM * NCT;
+  const int tiles = num_tiles(num_tokens, MODE, O);
   __shared__ int last;                                 // split_arrive's answer to the consumers
   float acc[64], part[64];
   int it = 0;
@@ -371,8 +266,7 @@ __device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const
   static_assert(smem_bytes(ST) + 2 * ST * 8 + 16 <= 227 * 1024, "gemm_fp8: ring + staging exceed a CTA's 227 KB");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
   dsg::pdl_wait();                                     // qx and sx are the quantiser's output
-  constexpr int NCT = (O + tile_cols(MODE) - 1) / tile_cols(MODE);
-  if (splits > 1 && (num_tokens + BM - 1) / BM * NCT > TICKETS) return;
+  if (splits > 1 && num_tiles(num_tokens, MODE, O) > TICKETS) return;
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;        // 128B-swizzle tiles start on 1024-byte boundaries
   if (threadIdx.x == 0) ring_init<ST>(full, empty);
@@ -380,7 +274,7 @@ __device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     wgmma::setmaxnreg_dec<PRODUCER_REGS>();
-    produce<MODE, O, K, ST>(qx, w0, w1, num_tokens, splits, smem + (ring - raw), full, empty);
+    produce<MODE, O, K, K, ST>(qx, w0, w1, num_tokens, splits, smem + (ring - raw), full, empty);
   } else {
     wgmma::setmaxnreg_inc<CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * STAGE_BYTES + (wg - 1) * OUT_BYTES;

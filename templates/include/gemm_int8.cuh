@@ -93,21 +93,15 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
     const float xs[2] = {sx[min(ra, num_tokens - 1)], sx[min(rb, num_tokens - 1)]};
     int prev = -1;                                     // the stage whose wgmmas may still be in flight
     for (int kb = kr.first; kb < kr.end; ++kb, ++it) {
-      const int s = it % ST;
-      mbar::wait(&full[s], (it / ST) & 1);
-      mbar::fence_proxy_async();                       // the token rows were cp.async (generic) writes
-      const unsigned a = ring + s * STAGE_BYTES + cw * 64 * ROW_BYTES;
-      const unsigned b = ring + s * STAGE_BYTES + BM * ROW_BYTES;
-      const unsigned long long da = wgmma::desc_sw128(a), db = wgmma::desc_sw128(b);
-      wgmma::fence();
+      const StageDescs d = landed_stage<ST>(ring, full, it, cw);
 #pragma unroll
       for (int k32 = 0; k32 < BK / 32; ++k32)
-        mma_m64n128k32(acc, wgmma::desc_advance(da, k32), wgmma::desc_advance(db, k32),
+        mma_m64n128k32(acc, wgmma::desc_advance(d.a, k32), wgmma::desc_advance(d.b, k32),
                        (kb - kr.first) | k32);
       wgmma::commit();
       wgmma::wait<1>();                                // the previous stage's wgmmas are done: free it
       if (prev >= 0 && lane == 0) mbar::arrive(&empty[prev]);
-      prev = s;
+      prev = it % ST;
     }
     wgmma::wait<0>();
     fence_acc(acc);

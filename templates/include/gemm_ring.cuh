@@ -1,6 +1,7 @@
 // The pieces of a persistent one-byte-operand wgmma GEMM (sm_90a) that do not depend on the operand
 // type: its tile, the mbarrier ring, the producer warpgroup and the epilogue's staged 16-byte stores.
-// gemm_int8.cuh builds on it (int8 x int8 -> int32); gemm_fp8.cuh holds the same pieces for e4m3.
+// gemm_int8.cuh (int8 x int8 -> int32) and gemm_fp8.cuh (e4m3 x e4m3 -> fp32, and through it the
+// grouped experts of moe_gemm_fp8.cuh) build on it.
 //
 //   * a persistent grid walks work items i = blockIdx.x, + gridDim.x, ...: tile t = i % tiles, row
 //     tile t / NCT (BM tokens), column tile t % NCT, so the CTAs running together share the tokens'
@@ -21,6 +22,7 @@
 #include "mbarrier.cuh"
 #include "mma.cuh"
 #include "tma.cuh"
+#include "wgmma.cuh"
 
 namespace dsg {
 namespace gemm_ring {
@@ -70,6 +72,23 @@ __device__ __forceinline__ void ring_init(unsigned long long* full, unsigned lon
     mbar::init(&empty[s], 8);
   }
   mbar::init_fence();
+}
+
+// Consumer warpgroup cw's operands of ring step `it`'s stage, once landed: its 64 token rows (a) and the
+// 128 weight rows (b) as 128B-swizzle wgmma descriptors, the wgmma fence issued.
+struct StageDescs {
+  unsigned long long a, b;
+};
+template <int ST>
+__device__ __forceinline__ StageDescs landed_stage(unsigned ring, unsigned long long* full, int it, int cw) {
+  const int s = it % ST;
+  mbar::wait(&full[s], (it / ST) & 1);
+  mbar::fence_proxy_async();                           // the token rows were cp.async (generic) writes
+  const unsigned a = ring + s * STAGE_BYTES + cw * 64 * ROW_BYTES;
+  const unsigned b = ring + s * STAGE_BYTES + BM * ROW_BYTES;
+  const StageDescs d = {wgmma::desc_sw128(a), wgmma::desc_sw128(b)};
+  wgmma::fence();
+  return d;
 }
 
 // Producer: the 128 threads of warpgroup 0.  Token rows of q [T, QROW] bytes (QROW % 16 == 0, its

@@ -14,7 +14,7 @@
 //
 // The walk of 4d: a persistent grid over (row tile of 128 pairs of one expert, column tile), the row
 // tiles numbered over the experts in order (wgmma_row_tiles); warpgroup 0 produces, warpgroups 1 and
-// 2 consume 64 pairs each through a ring of ST stages.  The tile and stage of gemm_fp8.cuh:
+// 2 consume 64 pairs each through a ring of ST stages.  The tile and stage of gemm_ring.cuh:
 //   * a stage is one 128-wide K block (one scale block): the tile's 128 weight rows as two TMA boxes
 //     of 64 rows x 128 bytes (128B swizzle) from the 3-D tensor map [E, N, KD]; the 128 pair rows
 //     GATHERED from qx by the producer's threads with 16-byte cp.async (TMA cannot gather rows);
@@ -43,7 +43,7 @@ namespace f8 = dsg::gemm_fp8;
 
 // Output columns a tile covers.
 __host__ __device__ constexpr int fp8x_tile_cols(int mode) { return mode == DOWN ? f8::BN : f8::BN / 2; }
-// Dynamic shared memory: gemm_fp8.cuh's ring, staging and alignment slack.
+// Dynamic shared memory: gemm_ring.cuh's ring, staging and alignment slack.
 __host__ __device__ constexpr int fp8x_smem(int stages) { return f8::smem_bytes(stages); }
 
 // The quantised row of each of a producer thread's tile rows r0 + 16 i (-1: none): the pair's token

@@ -404,7 +404,7 @@ MUTANTS = [
            gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=200, K=512, rows=[256], extra=0, offset=0, zero_rows=0,
                                                shift=False, seed=22)),
     Mutant("FP8 GEMM: the ceil K block dropped (K = 2064: 16 columns past the last whole block)",
-           "include/gemm_fp8.cuh", "const bool ok = m0 + r < num_tokens && kc < K;",
+           "include/gemm_ring.cuh", "const bool ok = m0 + r < num_tokens && kc < K;",
            "const bool ok = m0 + r < num_tokens && kc < K / BK * BK;",
            gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=40, K=2064, rows=[576], extra=0, offset=0, zero_rows=0,
                                                shift=False, seed=23)),
