@@ -88,12 +88,16 @@ def parse_variant(v: str) -> Tuning:
         raise SystemExit(f"variant {v!r}: {e}") from None
 
 
+def with_chunks(variant: str, upto: int) -> Tuning:
+    """`variant`'s tuning with Tuning.linear.fp8_chunks_upto = upto (0: gemm_fp8 from skinny_upto + 1)."""
+    base = parse_variant(variant)
+    return dataclasses.replace(base, linear=dataclasses.replace(base.linear, fp8_chunks_upto=upto))
+
+
 def lowered(m, K, rows, silu, variant, fp8):
     G, nid = _graph(m, K, rows, silu, fp8)
-    base = parse_variant(variant)
     # above the skinny range: gemm_fp8 (its 16-token chunks are timed by --chunks, lowered_chunks)
-    tuning = dataclasses.replace(base, linear=dataclasses.replace(base.linear, fp8_chunks_upto=0))
-    steps = linear_skinny.lower(nid, G, Options(dtype="bf16", tuning=tuning))
+    steps = linear_skinny.lower(nid, G, Options(dtype="bf16", tuning=with_chunks(variant, 0)))
     (la,) = [s for s in steps if isinstance(s, KernelLaunch) and s.family == linear_skinny.FAMILY]
     above = [s for s in steps if s is not la]   # the library call, or gemm_fp8's launches
     return la, above, G.nodes[nid]["outputs"]
@@ -118,9 +122,8 @@ def _graph(m, K, rows, silu, fp8):
 def lowered_chunks(m, K, rows, silu, upto: int, variant: str = FP8_DEFAULT) -> tuple[KernelLaunch, KernelLaunch]:
     """(the FP8 skinny launch, its 16-token-chunk launch) of `variant` under Tuning.linear.fp8_chunks_upto = upto."""
     G, nid = _graph(m, K, rows, silu, True)
-    base = parse_variant(variant)
-    tuning = dataclasses.replace(base, linear=dataclasses.replace(base.linear, fp8_chunks_upto=upto))
-    plain, chunked = [s for s in linear_skinny.lower(nid, G, Options(dtype="bf16", tuning=tuning))
+    opts = Options(dtype="bf16", tuning=with_chunks(variant, upto))
+    plain, chunked = [s for s in linear_skinny.lower(nid, G, opts)
                       if isinstance(s, KernelLaunch) and s.family == linear_skinny.FAMILY]
     return plain, chunked
 

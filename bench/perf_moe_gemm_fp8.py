@@ -29,7 +29,7 @@ import argparse
 import json
 import sys
 
-from bench.perf_linear import ptxas_report
+from bench.perf_linear import compile_and_report
 from tests.gpu.harness import single_op_graph, tiny_model
 
 from codegen import families, sizes
@@ -65,18 +65,12 @@ def running(launches, T: int, sms: int):
 
 def compile_only(tuning: Tuning) -> int:
     from codegen.arch import kernel_target
-    from codegen.nvrtc import compile_cubin
-    from codegen.render import render_launch
     bad = 0
     arms = [(False, None), (True, None)] + ([(True, tuning)] if tuning.changed() else [])
     for op, KD, N in OPS:
         for fp8, tune in arms:
             for la in running(graph(op, KD, N, fp8, tune)[2], 16384, 132):
-                spills, info = ptxas_report(compile_cubin(render_launch(la), la.name,
-                                                          arch=kernel_target("sm_90", la.requires),
-                                                          options=("--ptxas-options=-v",)).log)
-                bad += spills
-                print(f"{la.name:<72} {'SPILLS ' if spills else ''}{info}", flush=True)
+                bad += compile_and_report(la, f"{la.name:<72}", kernel_target("sm_90", la.requires))
     return 1 if bad else 0
 
 

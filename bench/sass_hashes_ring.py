@@ -38,13 +38,13 @@ def launches():
         for dtype in ("bf16", "fp16"):
             for op, K in SHAPES:
                 G, nid = test_linear_fp8._node(op, (FP8.name,) * (1 if op == "linear" else 2), K=K)
-                out += [(f"fp8 {dtype} ovl={ovl}", s) for s in linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=tun))
-                        if getattr(s, "stage", "") == "fp8_wgmma"]
+                steps = linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=tun))
+                out += [(f"fp8 {dtype} ovl={ovl}", s) for s in steps if getattr(s, "stage", "") == "fp8_wgmma"]
     for dtype in ("bf16", "fp16"):
         for op, K in SHAPES:
             G, nid = test_linear_int8._node(op, (test_linear_int8.I8,) * (1 if op == "linear" else 2), K=K)
-            out += [(f"int8 {dtype}", s) for s in linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=test_linear_int8.QUANT))
-                    if getattr(s, "stage", "") == "i8_wgmma"]
+            steps = linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=test_linear_int8.QUANT))
+            out += [(f"int8 {dtype}", s) for s in steps if getattr(s, "stage", "") == "i8_wgmma"]
     return out
 
 
