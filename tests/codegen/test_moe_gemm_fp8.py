@@ -97,8 +97,8 @@ def test_the_shared_memory_bound_takes_v3s_experts():
     assert not _moe_gemm_fp8.fits(Options(), 1024)
 
 
-def test_the_expert_ffn_keeps_its_workspace_and_the_quantisers():
-    from codegen.families import moe_expert_ffn
+def _fp8_expert_ffn():
+    """(graph, node) of a lone moe_expert_ffn node (8 experts, 272 -> 144 -> 272, top-2) with FP8 weights."""
     from tests.gpu.harness import single_op_graph, tiny_model
     from ir.formats import set_format
     from ir.ops import TType
@@ -107,6 +107,12 @@ def test_the_expert_ffn_keeps_its_workspace_and_the_quantisers():
                              {"gate": "e.{expert}.gate", "up": "e.{expert}.up", "down": "e.{expert}.down"})
     for name in G.nodes[nid]["weights"].values():
         set_format(G.graph["weights"], name, FP8)
+    return G, nid
+
+
+def test_the_expert_ffn_keeps_its_workspace_and_the_quantisers():
+    from codegen.families import moe_expert_ffn
+    G, nid = _fp8_expert_ffn()
     steps = moe_expert_ffn.lower(nid, G, Options(dtype="bf16", tuning=QX))
     prefill = [s for s in steps if _running([s], FIRST, 2)]
     assert [s.stage for s in prefill] == ["quant_x", "wgmma_fp8", "quant_x", "wgmma_fp8"]
@@ -252,14 +258,7 @@ def test_fp8_overlap_reaches_every_fp8_x_fp8_gemm_of_a_tiny_models_plan():
 def test_fp8_overlap_reaches_the_expert_ffns_two_launch_path():
     """moe_expert_ffn above decode's range runs gate_up_silu's and down's FP8 x FP8 GEMMs: both take the knob."""
     from codegen.families import moe_expert_ffn
-    from tests.gpu.harness import single_op_graph, tiny_model
-    from ir.formats import set_format
-    from ir.ops import TType
-    G, nid = single_op_graph(tiny_model(), "moe_expert_ffn", {"num_experts": 8, "inner_dim": 144, "out_dim": 272},
-                             {"x": TType(("T", 272), "act"), "R": TType(("T*2", 8), "routing")},
-                             {"gate": "e.{expert}.gate", "up": "e.{expert}.up", "down": "e.{expert}.down"})
-    for name in G.nodes[nid]["weights"].values():
-        set_format(G.graph["weights"], name, FP8)
+    G, nid = _fp8_expert_ffn()
     for tuning, ovl in ((QX, False), (Tuning(moe=MoeTuning(fp8_one_token_down=False, fp8_overlap=True),
                                              linear=LinearTuning(norm_fp8=False)), True)):
         gemms = [s for s in moe_expert_ffn.lower(nid, G, Options(dtype="bf16", tuning=tuning)) if s.stage == "wgmma_fp8"]
