@@ -1,7 +1,7 @@
 """The prefill expert GEMMs with FP8 weights x FP8 activations against the bf16 ones at DeepSeek-V2-Lite's
 shapes (a script).
 
-    python3 -m bench.perf_moe_gemm_fp8 [--tokens 4096,16384] [--json PATH] [--tune moe.fp8_overlap=true ...]
+    python3 -m bench.perf_moe_gemm_fp8 [--tokens 4096,16384] [--json PATH] [--tune moe.fp8_overlap=false ...]
     python3 -m bench.perf_moe_gemm_fp8 --compile-only     # no GPU: registers and spills of every kernel
 
 64 experts, top-6, hidden 2048, expert intermediate 1408 (issue 49's target: prefill 32 x 512 tokens):

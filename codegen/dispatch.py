@@ -133,9 +133,10 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
         lo = 1 + len(lead)
         out = []
         if m.fp8_activations and thr is not None:
+            above = upper if m.fp8_activations_above is None else max(m.fp8_activations_above, lo - 1)
             out.append(Case({**when, "fp8x_fits": True},
-                            _rows(*lead, ("wgmma_skinny_fp8", lo, upper, fp8.split(";")[0]),
-                                  ("wgmma_fp8", upper + 1, INF, fp8x)),
+                            _rows(*lead, ("wgmma_skinny_fp8", lo, above, fp8.split(";")[0]),
+                                  ("wgmma_fp8", above + 1, INF, fp8x)),
                             "FP8 weights, 16-bit, sm_90a, FP8 activations above decode" + note))
         out.append(Case(when, _rows(*lead, ("wgmma_skinny_fp8", lo, INF, fp8)), "FP8 weights, 16-bit, sm_90a" + note))
         return out

@@ -107,19 +107,20 @@ def test_compile_with_tune_is_another_bundle_that_records_it(tmp_path, capsys, m
 @pytest.mark.slow
 def test_explain_with_fp8_weights_and_the_norms_fp8_rows(capsys):
     """`--weights fp8` (linear.norm_fp8 on by default) on V2-Lite's prefill: at T = 1 the norms' plain launches
-    and the skinny kernels; at T = 128 (above the FP8 skinny kernel's 16-token chunks) the input norms write the e4m3 rows and q + kv_a's GEMMs read them (no
-    quantiser), o_proj keeps its quantiser; at T = 16384 the MoE input norms write them too and the experts'
-    gate_up reads them, down keeps its quantiser."""
+    and the skinny kernels; at T = 128 (above the FP8 skinny kernel's 16-token chunks and the experts' weight-only
+    tiles, moe.fp8_activations_above) the input norms write the e4m3 rows and q + kv_a's GEMMs read them (no
+    quantiser), o_proj keeps its quantiser, the MoE input norms write them too and the experts' gate_up reads them,
+    down keeps its quantiser; the same at T = 16384.  Every FP8 x FP8 GEMM is the overlapped one (moe.fp8_overlap)."""
     out = _explain(capsys, "--tokens", "1,128,16384", "--phase", "prefill", "--weights", "fp8")
     assert "--weights fp8, tuning defaults" in out.splitlines()[0]
     p1, p128, p16k = (_block(out, f"prefill, T = {T}") for T in (1, 128, 16384))
     assert "__qf8" not in p1 and "e4m3 rows" not in p1 and "quant_x" not in p1
     assert "rms_norm__bf16__d2048__qf8" in p128 and "moe_combine_residual_rms_norm__bf16__k8_d2048__shared2__qf8" in p128
-    assert "runs   gemm_fp8__bf16_wfp8__k2048__o3072, gemm_fp8__bf16_wfp8__k2048__o576\n" in p128
+    assert "runs   gemm_fp8__bf16_wfp8__k2048__o3072__ovl, gemm_fp8__bf16_wfp8__k2048__o576__ovl\n" in p128
     assert "x's e4m3 rows and scales come from the RMSNorm that makes x (linear.norm_fp8)" in p128
     assert "the RMSNorm also writes its output's e4m3 rows and scales (linear.norm_fp8)" in p128
-    assert "gemm_fp8__bf16__k2048__quant_x, gemm_fp8__bf16_wfp8__k2048__o2048\n" in p128      # o_proj
-    assert "fused_add_rms_norm__bf16__d2048\n" in p128                                          # the MoE input norms
-    assert "runs   moe_gate_up_silu__bf16_wfp8_afp8__e66_k8__m1408_d2048__wgmma_fp8\n" in p16k
-    assert "gemm_fp8__bf16__k1408__quant_x, moe_down__bf16_wfp8_afp8__e66__d2048_m1408__wgmma_fp8" in p16k
-    assert "fused_add_rms_norm__bf16__d2048__qf8" in p16k and "fused_add_rms_norm__bf16__d2048\n" not in p16k
+    assert "gemm_fp8__bf16__k2048__quant_x, gemm_fp8__bf16_wfp8__k2048__o2048__ovl\n" in p128      # o_proj
+    for p in (p128, p16k):
+        assert "runs   moe_gate_up_silu__bf16_wfp8_afp8__e66_k8__m1408_d2048__ovl__wgmma_fp8\n" in p
+        assert "gemm_fp8__bf16__k1408__quant_x, moe_down__bf16_wfp8_afp8__e66__d2048_m1408__ovl__wgmma_fp8" in p
+        assert "fused_add_rms_norm__bf16__d2048__qf8" in p and "fused_add_rms_norm__bf16__d2048\n" not in p

@@ -24,9 +24,10 @@ from codegen.tuning import LinearTuning, MoeTuning, Tuning  # noqa: E402
 from ir.formats import FP8  # noqa: E402
 
 # every FP8 x FP8 GEMM with its own quantiser launch (the norms' rows, on by default, have their own tests)
-# the FP8 x FP8 GEMM from T = 17: the skinny kernel's 16-token chunks (on at 64 by default) off
-GEMM_FROM_17 = Tuning(linear=LinearTuning(fp8_chunks_upto=0))
-NO_NORM_ROWS = Tuning(linear=LinearTuning(norm_fp8=False, fp8_chunks_upto=0))
+# the FP8 x FP8 GEMM from T = 17: the skinny kernel's 16-token chunks (on at 64 by default) off; its plain K loop
+# (moe.fp8_overlap, on by default, has its own tests below)
+GEMM_FROM_17 = Tuning(linear=LinearTuning(fp8_chunks_upto=0), moe=MoeTuning(fp8_overlap=False))
+NO_NORM_ROWS = Tuning(linear=LinearTuning(norm_fp8=False, fp8_chunks_upto=0), moe=MoeTuning(fp8_overlap=False))
 
 FIRST = linear_skinny.SKINNY_MAX_TOKENS + 1
 
@@ -240,6 +241,7 @@ def test_explain_shows_the_fp8_gemm_above_the_skinny_range(capsys, tmp_path):
 
 
 OVERLAP = Tuning(moe=MoeTuning(fp8_overlap=True))
+NO_OVERLAP = Tuning(moe=MoeTuning(fp8_overlap=False))
 
 
 @pytest.mark.parametrize("op", ["multi_linear", "gate_up_silu", "linear"])
@@ -250,7 +252,7 @@ def test_fp8_overlap_reaches_the_gemms_only_when_on(op):
     from codegen.render import render_launch
     G, nid = _node(op, (FP8.name, FP8.name), K=2048)
     off, on = ([s for s in linear_skinny.lower(nid, G, Options(tuning=t)) if isinstance(s, KernelLaunch)
-                and s.family == gemm_fp8.FAMILY] for t in (Tuning(), OVERLAP))
+                and s.family == gemm_fp8.FAMILY] for t in (NO_OVERLAP, OVERLAP))
     assert on[0].name == off[0].name and on[0].params == off[0].params and len(on) == len(off) > 1
     for a, b in zip(off[1:], on[1:]):
         assert "overlap" not in a.params and not a.name.endswith("__ovl") and ", true>(" not in render_launch(a)

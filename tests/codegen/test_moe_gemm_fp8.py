@@ -21,7 +21,7 @@ from sass import cuobjdump, opcodes
 from test_moe_fp8_lowering import FP8_FACTS, _node
 from tiny import ROOT
 
-FIRST = 257                                    # the first T above decode's range at the default tuning
+FIRST = Tuning().moe.fp8_activations_above + 1  # the first T on the FP8 x FP8 GEMM at the default tuning (17)
 WEIGHT_ONLY = Tuning(moe=MoeTuning(fp8_activations=False, fp8_one_token_down=False))
 # the quantiser's launch before every FP8 x FP8 GEMM and down's one launch at every decode T (the norms' rows and
 # the one-token down, both on by default, have their own tests)
@@ -39,7 +39,7 @@ def test_above_decode_the_quantiser_and_the_fp8_gemm_run(op):
     G, nid = _node(op, 144, 200, E=8, K=2)
     steps = families.family_for_op(op).lower(nid, G, Options(dtype="bf16", tuning=QX))
     assert [s.stage for s in steps] == [_moe_fp8.VARIANT, "quant_x", "wgmma_fp8"]
-    for T in (1, 8, 256):
+    for T in (1, 8, FIRST - 1):
         assert _running(steps, T, 2) == [_moe_fp8.VARIANT]
     for T in (FIRST, 1000, 16384):
         assert _running(steps, T, 2) == ["quant_x", "wgmma_fp8"]
@@ -81,15 +81,19 @@ def test_the_dispatch_rows_and_their_bounds():
         row = dispatch.select(op, FIRST, facts)
         assert row.variant == "wgmma_fp8" and "promotion per 128-K block" in row.reason and row.span == f"{FIRST}..inf"
         assert dispatch.select(op, FIRST - 1, facts).variant == _moe_fp8.VARIANT
-        moved = Tuning(moe=MoeTuning(prefill_wgmma_above=64))
+        moved = Tuning(moe=MoeTuning(fp8_activations_above=64))
         assert [dispatch.select(op, t, facts, moved).variant for t in (64, 65)] == [_moe_fp8.VARIANT, "wgmma_fp8"]
+        # none: the FP8 x FP8 GEMM from where bf16's prefill wgmma starts
+        follows = Tuning(moe=MoeTuning(fp8_activations_above=None, prefill_wgmma_above=64))
+        assert [dispatch.select(op, t, facts, follows).variant for t in (64, 65)] == [_moe_fp8.VARIANT, "wgmma_fp8"]
         assert dispatch.select(op, 16384, facts, Tuning(moe=MoeTuning(prefill_wgmma_above=None))).variant \
             == _moe_fp8.VARIANT
         assert dispatch.select(op, FIRST, {**facts, "sm_90a": False}).variant == dispatch.NONE
     # bf16 experts are untouched
     bf16 = {"dtype": "bf16", "weight_format": "same", "sm_90a": True, "tma_rows": True, "decode_wgmma_fits": True,
             "prefill_wgmma_fits": True, "fp8x_fits": True}
-    assert dispatch.select("moe_down", FIRST, bf16).variant == "wgmma"
+    assert [dispatch.select("moe_down", t, bf16).variant for t in (FIRST, 256, 257)] == \
+        ["wgmma_skinny", "wgmma_skinny", "wgmma"]
 
 
 def test_the_shared_memory_bound_takes_v3s_experts():
@@ -178,6 +182,7 @@ def test_the_fp8_gemm_compiles_to_fp8_wgmma_without_spills(op, KD, N, E, K, dtyp
 
 
 OVERLAP = Tuning(moe=MoeTuning(fp8_overlap=True))
+NO_OVERLAP = Tuning(moe=MoeTuning(fp8_overlap=False))
 
 
 def _gemm_launches(op, KD, N, E, K, tuning):
@@ -188,13 +193,13 @@ def _gemm_launches(op, KD, N, E, K, tuning):
 
 @pytest.mark.parametrize("op", ["moe_gate_up_silu", "moe_gate_up", "moe_down"])
 def test_fp8_overlap_reaches_the_kernel_only_when_on(op):
-    """moe.fp8_overlap off (the default): the GEMM's name, parameters and source as without the knob; on: name
+    """moe.fp8_overlap off: the GEMM's name, parameters and source as without the knob; on: name
     part ovl, parameter `overlap`, the template's OVL argument, and nothing else changed (the quantiser's launch
     neither)."""
     from codegen.render import render_launch
-    assert Tuning().moe.fp8_overlap is False and OVERLAP.flags() == ["--tune moe.fp8_overlap=true"]
+    assert Tuning().moe.fp8_overlap is True and NO_OVERLAP.flags() == ["--tune moe.fp8_overlap=false"]
     G, nid = _node(op, 144, 200)
-    off, on = (families.family_for_op(op).lower(nid, G, Options(dtype="bf16", tuning=t)) for t in (Tuning(), OVERLAP))
+    off, on = (families.family_for_op(op).lower(nid, G, Options(dtype="bf16", tuning=t)) for t in (NO_OVERLAP, OVERLAP))
     assert [s.stage for s in off] == [s.stage for s in on]
     (a,) = [s for s in off if s.stage == "wgmma_fp8"]
     (b,) = [s for s in on if s.stage == "wgmma_fp8"]
@@ -222,7 +227,7 @@ def test_fp8_overlap_compiles_to_one_group_in_flight_without_spills(op, KD, N, E
     from sass import instructions
     depbars = {}
     for overlap in (False, True):
-        (la,) = _gemm_launches(op, KD, N, E, K, OVERLAP if overlap else Tuning())
+        (la,) = _gemm_launches(op, KD, N, E, K, OVERLAP if overlap else NO_OVERLAP)
         res = compile_cubin(render_launch(la), la.name, arch=kernel_target("sm_90", la.requires),
                             options=("--ptxas-options=-v",))
         assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
@@ -247,7 +252,7 @@ def test_fp8_overlap_reaches_every_fp8_x_fp8_gemm_of_a_tiny_models_plan():
     tiny = json.loads((ROOT / "model_specs" / "hf_configs" / "deepseek_tiny.json").read_text())
     spec = ir.load_spec(spec_from_config(tiny, name="tiny") + "\n"
                         + weight_formats_yaml(("model.layers.*.mlp.*_proj.weight",), FP8), file="t.yaml")
-    off, on = (plan_spec(spec, Options(tuning=t)).plans["prefill"].launches for t in (Tuning(), OVERLAP))
+    off, on = (plan_spec(spec, Options(tuning=t)).plans["prefill"].launches for t in (NO_OVERLAP, OVERLAP))
     experts = [la.name for la in on if la.stage == "wgmma_fp8"]
     assert experts and all("__ovl__" in n for n in experts), experts
     dense = [la.name for la in on if la.stage == "fp8_wgmma"]
@@ -259,7 +264,7 @@ def test_fp8_overlap_reaches_the_expert_ffns_two_launch_path():
     """moe_expert_ffn above decode's range runs gate_up_silu's and down's FP8 x FP8 GEMMs: both take the knob."""
     from codegen.families import moe_expert_ffn
     G, nid = _fp8_expert_ffn()
-    for tuning, ovl in ((QX, False), (Tuning(moe=MoeTuning(fp8_one_token_down=False, fp8_overlap=True),
-                                             linear=LinearTuning(norm_fp8=False)), True)):
+    for ovl in (False, True):
+        tuning = Tuning(moe=MoeTuning(fp8_one_token_down=False, fp8_overlap=ovl), linear=LinearTuning(norm_fp8=False))
         gemms = [s for s in moe_expert_ffn.lower(nid, G, Options(dtype="bf16", tuning=tuning)) if s.stage == "wgmma_fp8"]
         assert len(gemms) == 2 and all(("__ovl__" in s.name) == ovl for s in gemms), [s.name for s in gemms]

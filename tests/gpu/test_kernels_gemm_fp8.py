@@ -45,7 +45,7 @@ from test_kernels_linear_fp8 import as_fp8, quantized
 
 from codegen.families import gemm_fp8, linear_skinny
 from codegen.kernel import KernelLaunch, LibraryCall, Options
-from codegen.tuning import MoeTuning, Tuning
+from codegen.tuning import LinearTuning, MoeTuning, Tuning
 from ir.act_quant import dequantize_act_fp8, dequantize_weight_fp8, linear_fp8, quantize_act_fp8
 from ir.formats import FP8, cdiv, companion_names
 
@@ -91,8 +91,9 @@ def split_counts(launches, T: int) -> list[int]:
 
 def gemm_launches(G, nid, dtype, overlap=False):
     """The node's launches that run above the skinny range: gemm_fp8's quantiser, then its GEMMs (with
-    Tuning.moe.fp8_overlap as asked)."""
-    steps = linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=Tuning(moe=MoeTuning(fp8_overlap=overlap))))
+    Tuning.moe.fp8_overlap as asked; the FP8 skinny kernel's chunks off, so the GEMM runs from 17 tokens)."""
+    tuning = Tuning(moe=MoeTuning(fp8_overlap=overlap), linear=LinearTuning(fp8_chunks_upto=0))
+    steps = linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=tuning))
     assert not [s for s in steps if isinstance(s, LibraryCall)], "FP8 weights above 16 tokens: no library call"
     launches = [s for s in steps if isinstance(s, KernelLaunch) and s.family == gemm_fp8.FAMILY]
     assert [la.stage for la in launches[:1]] == ["quant_x"] and all(la.stage == "fp8_wgmma" for la in launches[1:])
