@@ -79,8 +79,8 @@ def _graph(K, rows, silu):
 @SETTINGS
 @given(dtype=st.sampled_from(DTYPES), T=st.integers(CHUNK + 1, UPTO), K=WIDTHS,
        rows=st.lists(HEIGHTS, min_size=1, max_size=3), silu=st.booleans(), big=st.booleans(),
-       extra=st.sampled_from([0, 0, 1, 8, 64]), offset=st.integers(0, 64), shift=st.sampled_from(["none", "none", "x", "w"]),
-       variant=st.sampled_from(VARIANTS), seed=st.integers(0, 2**31))
+       extra=st.sampled_from([0, 0, 1, 8, 64]), offset=st.integers(0, 64),
+       shift=st.sampled_from(["none", "none", "x", "w"]), variant=st.sampled_from(VARIANTS), seed=st.integers(0, 2**31))
 # V2-Lite's q + kv_a, o_proj, the dense FFN and the shared experts at b=32 / 128 (2 and 8 chunks); a last
 # chunk of 1 token and of 15; sums past 2^24
 @example(dtype="bf16", T=32, K=2048, rows=[3072, 576], silu=False, big=False, extra=0, offset=0, shift="none",
