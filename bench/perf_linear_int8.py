@@ -5,6 +5,7 @@ decode shapes, and above them the int8 GEMM (gemm_int8) against bf16 cuBLAS and 
                                       [--json PATH]
     python3 -m bench.perf_linear_int8 --compile-only     # no GPU: registers and spills of every kernel
     python3 -m bench.perf_linear_int8 --prologue 4 --tokens 1,4,8   # and the kernel that quantises x itself
+    python3 -m bench.perf_linear_int8 --tokens 16 --gemm-tokens 32,64,128 --chunks 128   # and the 16-token chunks
 
 Prediction (written before the first run, no measurement yet): int8 reads half the bf16 weight bytes, so on the
 large shapes (dense gate_up 2 x 10944 x 2048, dense down, q+kv_a) the int8 kernel alone takes ~0.55-0.65 of the
@@ -27,7 +28,9 @@ saves ~2 us of the "int8 node" pair's ~quantiser launch and boundary on each int
 Each row times, over a CUDA graph that cycles through enough weight copies to exceed ~4x the L2
 (bench.perf_linear.time_cycled): "bf16" the bf16 kernel; "int8 node" the quantiser and the int8 kernel;
 "int8 kernel" the int8 kernel alone on quantised x; "int8 prologue" (--prologue N, T <= N) the launches the
-lowering runs at T with that knob: the kernel that quantises x itself, alone.  us, the weight bytes read (int8: bytes plus the float32
+lowering runs at T with that knob: the kernel that quantises x itself, alone; "int8 chunks" (--chunks N, 16 < T <= N,
+Tuning.linear.i8_chunks_upto) the quantiser and the int8 kernel in 16-token chunks, "chunks kernel" the chunked
+kernel alone on quantised x (where the norm writes x's int8 rows, the chunks' node is that kernel alone).  us, the weight bytes read (int8: bytes plus the float32
 per-channel scales), GB/s and % of the measured copy bandwidth, the ratio to bf16.  Correctness alongside:
 outputs poisoned, then compared bit for bit with ir/formats_int.py's int_linear computed on the CPU (on the
 GPU above 64 tokens; BAD where any output differs; exit status 1).  --gemm-tokens: above linear.skinny_upto,
@@ -58,10 +61,10 @@ ROTATE_BYTES = 256 << 20
 I8 = FORMATS["int8_channel"]
 
 
-def lowered(m, K, rows, silu, int8: bool, arch: str = "sm_90", prologue: int = 0):
+def lowered(m, K, rows, silu, int8: bool, arch: str = "sm_90", prologue: int = 0, chunks: int = 0):
     """(the node's kernel launches, its library call (None where kernels serve every T), its outputs) at bf16
     activations for `arch` (sm_89: no int8 GEMM, the exact library call above the skinny range); `prologue`:
-    Tuning.linear.i8_prologue_upto."""
+    Tuning.linear.i8_prologue_upto; `chunks`: Tuning.linear.i8_chunks_upto."""
     x = {"x": TType(("T", K), "act")}
     if silu:
         G, nid = single_op_graph(m, "gate_up_silu", {"out_dim": rows[0]}, x, {"gate": "w0", "up": "w1"}, phase="decode")
@@ -73,7 +76,7 @@ def lowered(m, K, rows, silu, int8: bool, arch: str = "sm_90", prologue: int = 0
     if int8:
         for name, info in list(G.graph["weights"].items()):
             G.graph["weights"][name] = dataclasses.replace(info, format=I8.name)
-    tuning = Tuning(linear=LinearTuning(i8_prologue_upto=prologue))
+    tuning = Tuning(linear=LinearTuning(i8_prologue_upto=prologue, i8_chunks_upto=chunks))
     steps = linear_skinny.lower(nid, G, Options(dtype="bf16", arch=arch, tuning=tuning))
     launches = [s for s in steps if isinstance(s, KernelLaunch)]
     calls = [s for s in steps if isinstance(s, LibraryCall)]
@@ -86,14 +89,14 @@ def at_tokens(launches, T: int) -> list:
     return [la for la in launches if all(evaluate(g, {"T": T, "SMS": 132}) > 0 for g in la.grid)]
 
 
-def compile_only(m, names, prologue: int = 0) -> int:
+def compile_only(m, names, prologue: int = 0, chunks: int = 0) -> int:
     from codegen.nvrtc import compile_cubin
     from codegen.render import render_launch
     bad = 0
     for name in names:
         K, rows, silu = shapes(m)[name]
         for int8 in (False, True):
-            for la in lowered(m, K, rows, silu, int8, prologue=prologue)[0]:
+            for la in lowered(m, K, rows, silu, int8, prologue=prologue, chunks=chunks if int8 else 0)[0]:
                 res = compile_cubin(render_launch(la), la.name, arch=kernel_target("sm_90", la.requires),
                                     options=("--ptxas-options=-v",))
                 spills, info = ptxas_report(res.log)
@@ -137,6 +140,9 @@ def main() -> int:
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--prologue", type=int, default=0, metavar="N",
                     help="also time the kernel that quantises x itself at T <= N (Tuning.linear.i8_prologue_upto)")
+    ap.add_argument("--chunks", type=int, default=0, metavar="N",
+                    help="also time the int8 skinny kernel in 16-token chunks at the --gemm-tokens <= N "
+                         "(Tuning.linear.i8_chunks_upto)")
     args = ap.parse_args()
     m = ir.load_spec(str(DEFAULT_SPEC)).model
     names = [s for s in args.shapes.split(",") if s]
@@ -144,7 +150,7 @@ def main() -> int:
         if name not in shapes(m):
             raise SystemExit(f"unknown shape {name!r} (one of {', '.join(shapes(m))})")
     if args.compile_only:
-        return compile_only(m, names, args.prologue)
+        return compile_only(m, names, args.prologue, args.chunks)
 
     import torch
     import torch.nn.functional as F
@@ -208,6 +214,23 @@ def main() -> int:
                                                               sizes={"T": T}, workspaces=work), copies)
                     report(name, T, "int8 GEMM", us, int8_bytes, ok, base)
                 del ys, work
+                if T <= args.chunks:
+                    quant, chunked = at_tokens(lowered(m, K, rows, silu, True, chunks=args.chunks)[0], T)
+                    ys = {o: torch.full((T, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                          for o, n in zip(outs, rows[:1] if silu else rows)}
+                    work = {"x_int8": torch.zeros((T, quant.params["qrow"] // 4), dtype=torch.int32, device="cuda"),
+                            "x_scale": torch.zeros(T, device="cuda")}
+                    runner.run_all([quant, chunked], values={"x": x, **ys}, weights=w8[0], sizes={"T": T},
+                                   workspaces=work)
+                    torch.cuda.synchronize()
+                    ok = exact(list(ys.values()), x, w8[0], rows, silu)
+                    us = time_cycled(lambda i: runner.run_all([quant, chunked], values={"x": x, **ys},
+                                                              weights=w8[i], sizes={"T": T}, workspaces=work), copies)
+                    report(name, T, "int8 chunks", us, int8_bytes, ok, base)
+                    us = time_cycled(lambda i: runner.run(chunked, values={"x": x, **ys}, weights=w8[i],
+                                                          sizes={"T": T}, workspaces=work), copies)
+                    report(name, T, "chunks kernel", us, int8_bytes, None, base)
+                    del ys, work
                 _, call, outs = lowered(m, K, rows, silu, True, arch="sm_89")
                 be = CudaBackend.__new__(CudaBackend)
                 fn = CudaBackend._gate_up_silu if silu else CudaBackend._linear

@@ -250,9 +250,14 @@ def linear(t: Tuning = DEFAULT_TUNING) -> Table:
     i8_xq = ("skinny_wi8_xq", 1, xq, "int8 weights: each CTA quantises x per token into shared memory in its "
                                      "prologue (the quantiser's arithmetic, no launch of its own), its weights "
                                      "sent towards L2 before its wait, then the skinny_wi8 product")
-    i8_wgmma = ("i8_wgmma", up + 1, INF, "int8 x int8 wgmma + TMA: x quantised per token by its own launch, exact "
-                                         "int32 sums (wgmma s32.s8.s8), then (float(acc) * s_w) * s_x, bit-equal "
-                                         "to the reference")
+    i8_chunks_upto = t.linear.i8_chunks_upto if up else 0   # as the FP8 chunks: none without the skinny kernel
+    i8_chunks = ("skinny_wi8_chunks", up + 1, i8_chunks_upto,
+                 "int8 skinny kernel in chunks of 16 tokens (grid.y) on x's int8 rows (the quantiser's launch or the "
+                 "norm's rows): a chunk's CTAs read the same weights as the others' at about the same time, so L2 "
+                 "serves the repeats")
+    i8_wgmma = ("i8_wgmma", max(up, i8_chunks_upto) + 1, INF,
+                "int8 x int8 wgmma + TMA: x quantised per token by its own launch, exact int32 sums (wgmma "
+                "s32.s8.s8), then (float(acc) * s_w) * s_x, bit-equal to the reference")
     int_mm = ("int_mm", up + 1, INF, "int8 weights where the int8 GEMM cannot run (no sm_90a, K % 16 != 0 or K >= "
                                      "2^17): NOT a tuned GEMM -- x quantised per token by torch, the exact integer "
                                      "product by torch._int_mm (float64 where its shape rules fail), then the scales")
@@ -260,7 +265,7 @@ def linear(t: Tuning = DEFAULT_TUNING) -> Table:
     gemm_note = "int8 weights, 16-bit activations, sm_90a, K % 16 == 0 and K < 2^17"
     other_when, other_note = {"weight_format": i8, "dtype": ("bf16", "fp16")}, "int8 weights, 16-bit activations elsewhere"
     after_xq = (i8_skinny[0], xq + 1, *i8_skinny[2:])
-    prologue = (Case({**gemm_when, "i8_xq_fits": True}, _rows(i8_xq, after_xq, i8_wgmma),
+    prologue = (Case({**gemm_when, "i8_xq_fits": True}, _rows(i8_xq, after_xq, i8_chunks, i8_wgmma),
                      gemm_note + ", x quantised in the prologue"),
                 Case({**other_when, "i8_xq_fits": True}, _rows(i8_xq, after_xq, int_mm),
                      other_note + ", x quantised in the prologue")) if xq else ()
@@ -273,7 +278,7 @@ def linear(t: Tuning = DEFAULT_TUNING) -> Table:
                                                    "columns, fp32 promotion per 128-K block")),
                 "FP8 weights, sm_90a"),) if t.linear.fp8_activations else ()),
         *prologue,
-        Case(gemm_when, _rows(i8_skinny, i8_wgmma), gemm_note),
+        Case(gemm_when, _rows(i8_skinny, i8_chunks, i8_wgmma), gemm_note),
         Case(other_when, _rows(i8_skinny, int_mm), other_note),
         Case({"weight_format": i8}, _rows((NONE, 1, INF, "int8 weights need bf16 or fp16 activations")),
              "int8 weights, fp32 activations"),

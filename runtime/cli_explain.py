@@ -211,7 +211,8 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
             fmt = s.attrs.get("weight_format") if st == "library" else s.params.get("wfmt")
             if fmt == "int8_channel":   # the quantiser's launch and the int8 kernel are one row
                 i8 = "int_mm" if st == "library" else "i8_wgmma" if s.family == "gemm_int8" else \
-                    "skinny_wi8_xq" if "xq" in s.params else "skinny_wi8"
+                    "skinny_wi8_xq" if "xq" in s.params else \
+                    "skinny_wi8_chunks" if "chunk" in s.params else "skinny_wi8"
                 wanted[(op, i8)] = 1
             else:
                 wanted[(op, "library" if st == "library" else "fp8_wgmma" if s.family == "gemm_fp8" else

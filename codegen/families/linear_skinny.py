@@ -247,16 +247,27 @@ def _fp8_chunks(nid, G, opts, launch: KernelLaunch, gemms: list) -> list:
     if not span:
         return gemms
     ((lo, hi),) = span
+    return [_chunked(launch, lo, hi), *_above(gemms, hi)]
+
+
+def _chunked(launch: KernelLaunch, lo: int, hi: int) -> KernelLaunch:
+    """The skinny kernel `launch` over lo <= T <= hi, its tokens in chunks of SKINNY_MAX_TOKENS along grid.y
+    (templates/include/fp8_chunks.cuh, int8_chunks.cuh): kernel-name part "c16", stage "<op>_chunks"."""
     p, n = launch.params, SKINNY_MAX_TOKENS
-    ctas = -(-sum(p["rows"]) // (16 * p["rt"])) * p["ks"]
-    chunked = dataclasses.replace(
+    ctas = -(-sum(p["rows"]) // (16 * p["rt"])) * p.get("ks", 1)
+    return dataclasses.replace(
         launch, name=kernel_name(FAMILY, [*launch.name.split("__")[1:], f"c{n}"]), params={**p, "chunk": n},
         grid=(f"{ctas} * {token_range(lo, hi)}", f"cdiv(T, {n})", 1), stage=f"{launch.stage}_chunks")
+
+
+def _above(gemms: list, hi: int) -> list:
+    """The GEMM launches above the chunks (from hi + 1 tokens), their workspaces (the quantised x, the split
+    partials) sized to nothing where the chunks run."""
     past = only_above(hi)
 
     def unused_here(ws: Workspace) -> Workspace:
         return dataclasses.replace(ws, shape=(f"({ws.shape[0]}) * {past}", *ws.shape[1:]))
-    return [chunked, *(dataclasses.replace(g, workspace=tuple(map(unused_here, g.workspace))) for g in gemms)]
+    return [dataclasses.replace(g, workspace=tuple(map(unused_here, g.workspace))) for g in gemms]
 
 
 def _fp8_weights(G, names: list[str], opts) -> bool:
@@ -307,8 +318,11 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
         gemms += gemm_int8.launches(nid, op, x, K, names, outs_, widths, opts, token_range(lo, hi), lo, normed)
     skinny = dispatch.row_range(rows_, "skinny_wi8")
     prologue = dispatch.row_range(rows_, "skinny_wi8_xq")
+    chunks = dispatch.row_range(rows_, "skinny_wi8_chunks")   # Tuning.linear.i8_chunks_upto: above skinny_upto
     if not skinny and not prologue:
         return gemms or [call]
+    if chunks:   # the int8 GEMM starts above the chunks
+        gemms = _above(gemms, chunks[-1][1])
     rows = [data["attrs"]["out_dim"]] * 2 if silu else [inner_dims(G, y)[0] for y in outs]
     act = DTYPES[opts.dtype]
     w_args = [f"w{i}" for i in range(len(rows))]
@@ -329,10 +343,11 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
     ctas = -(-sum(rows) // (16 * row_tiles))
     if normed:   # the norm that makes x wrote its int8 rows: they win over the prologue's and the quantiser's
         first, top = min(a for a, _ in prologue + skinny), max(b for _, b in prologue + skinny)
-        steps = [KernelLaunch(
+        plain = KernelLaunch(
             family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
             grid=(f"{ctas} * {token_range(first, top)}", 1, 1), block=(warps * 32, 1, 1),
-            args=(*_norm_quant.x_args(normed, "x_int8", "x_scale"), *w_operands), stage=data["op"])]
+            args=(*_norm_quant.x_args(normed, "x_int8", "x_scale"), *w_operands), stage=data["op"])
+        steps = [plain, *(_chunked(plain, lo, hi) for lo, hi in chunks)]
         return [*steps, *gemms] if gemms else [*steps, dataclasses.replace(call, from_tokens=top + 1)]
     steps = []
     for _, n in prologue:   # x quantised in each CTA's prologue: no quantiser launch, no workspaces
@@ -342,11 +357,13 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
             params={**params, "xq": n, "smem": nbytes}, nodes=(nid,), grid=(f"{ctas} * {only_below(n)}", 1, 1),
             block=(warps * 32, 1, 1), args=(inp("x", act, x), stride("x_stride", x, 0), *w_operands),
             smem=nbytes, stage=data["op"] + "_xq"))
-    for lo, upto in skinny:
-        factor = token_range(lo, upto)
+    quantised = skinny + chunks   # the kernels that read the quantiser's rows: one contiguous range
+    if quantised:
+        lo, top = quantised[0][0], quantised[-1][1]
+        factor = token_range(lo, top)
         qrow = -(-K // 16) * 16
-        ws = (Workspace("x_int8", (f"min(T, {upto})", qrow // 4), "i32"),   # int8 rows of qrow bytes
-              Workspace("x_scale", (f"min(T, {upto})",), "f32"))
+        ws = (Workspace("x_int8", (f"min(T, {top})", qrow // 4), "i32"),   # int8 rows of qrow bytes
+              Workspace("x_scale", (f"min(T, {top})",), "f32"))
         steps.append(KernelLaunch(
             family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [f"{opts.dtype}_qi8", f"k{K}"]),
             params={"act": act, "K": K, "qrow": qrow, "threads": QUANT_THREADS, "max_tokens": SKINNY_MAX_TOKENS,
@@ -355,12 +372,14 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
             args=(inp("x", act, x), stride("x_stride", x, 0), work("q", "signed char", "x_int8"),
                   work("s", "float", "x_scale"), size("T", "T")),
             workspace=ws, stage="quant_int8"))
-        steps.append(KernelLaunch(
+        plain = KernelLaunch(
             family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts), params=params, nodes=(nid,),
-            grid=(f"{ctas} * {factor}", 1, 1), block=(warps * 32, 1, 1),
+            grid=(f"{ctas} * {token_range(*skinny[0]) if skinny else 0}", 1, 1), block=(warps * 32, 1, 1),
             args=(work("xq", "signed char", "x_int8", writes=False), work("xs", "float", "x_scale", writes=False),
                   *w_operands),
-            workspace=ws, stage=data["op"]))
+            workspace=ws, stage=data["op"])
+        steps += [plain] if skinny else []
+        steps += [_chunked(plain, lo, hi) for lo, hi in chunks]
     if gemms:   # the int8 GEMM's row ends the table: no library call
         return [*steps, *gemms]
     top = max(hi for _, hi in prologue + skinny)

@@ -42,7 +42,9 @@ TUNINGS = [Tuning(), tuned(moe__decode_wgmma=False), tuned(moe__decode_wgmma_fro
            tuned(persistent__segments=True),
            tuned(moe__fp8_one_token_down=True), tuned(moe__fp8_one_token_down=True, moe__fp8_activations=False),
            tuned(linear__fp8_chunks_upto=0), tuned(linear__fp8_chunks_upto=128), tuned(linear__fp8_chunks_upto=32, linear__skinny_upto=0),
-           tuned(linear__fp8_chunks_upto=256, linear__skinny_upto=8)]
+           tuned(linear__fp8_chunks_upto=256, linear__skinny_upto=8),
+           tuned(linear__i8_chunks_upto=128), tuned(linear__i8_chunks_upto=32, linear__skinny_upto=0),
+           tuned(linear__i8_chunks_upto=256, linear__skinny_upto=8, linear__i8_prologue_upto=16)]
 
 
 def _partitions(rows, probe=(1, 2, 3, 4, 7, 8, 9, 16, 17, 255, 256, 257, 300, 4096, 4097, 1 << 20)):

@@ -23,6 +23,7 @@ import test_kernels_linear as linear
 import test_kernels_linear_fp8 as linear_fp8
 import test_kernels_linear_fp8_chunks as linear_fp8_chunks
 import test_kernels_linear_int8 as linear_int8
+import test_kernels_linear_int8_chunks as linear_int8_chunks
 import test_kernels_mla as mla
 import test_kernels_mla_fp8 as mla_fp8
 import test_kernels_moe as moe
@@ -477,6 +478,23 @@ MUTANTS = [
            linear_int8.test_linear_int8_exact_on_the_same_quantised_x,
            dict(dtype="bf16", T=9, K=2048, rows=[256], variant=linear_int8.VARIANTS[1], big=False, shift="none",
                 seed=17)),
+    Mutant("int8 skinny linear in 16-token chunks: a chunk's output one row late (o_proj at b=40: 3 chunks)",
+           "include/int8_chunks.cuh", "mine.y[i] = out.y[i] + (i64)t0 * rows[i];",
+           "mine.y[i] = out.y[i] + (i64)(t0 + 1) * rows[i];",
+           linear_int8_chunks.test_linear_skinny_int8_chunks,
+           dict(dtype="bf16", T=40, K=2048, rows=[2048], silu=False, big=False, extra=0, offset=0, shift="none",
+                variant=linear_int8.VARIANTS[0], seed=52)),
+    Mutant("int8 skinny linear in 16-token chunks: the last chunk's tokens not clipped at T (T = 33: 1 token)",
+           "include/int8_chunks.cuh", "const int chunk_tokens = min(MAX_TOKENS, ntok - t0);",
+           "const int chunk_tokens = MAX_TOKENS;",
+           linear_int8_chunks.test_linear_skinny_int8_chunks,
+           dict(dtype="bf16", T=33, K=512, rows=[200, 72], silu=False, big=False, extra=0, offset=0, shift="none",
+                variant=linear_int8.VARIANTS[0], seed=53)),
+    Mutant("int8 skinny linear in 16-token chunks: every chunk scaled by the first chunk's x scales",
+           "include/int8_chunks.cuh", "sx + t0, m, mine", "sx, m, mine",
+           linear_int8_chunks.test_linear_skinny_int8_chunks,
+           dict(dtype="bf16", T=48, K=2048, rows=[10944], silu=True, big=False, extra=0, offset=0, shift="none",
+                variant=linear_int8.VARIANTS[0], seed=54)),
     Mutant("int8 gate_up_silu: the up rows scaled with their gate's scale", "include/int8.cuh",
            "i8_scale(total(i + 2), __ldg(su), x_scale)", "i8_scale(total(i + 2), __ldg(s), x_scale)",
            linear_int8.test_gate_up_silu_int8, dict(dtype="bf16", T=4, K=512, n=136,
