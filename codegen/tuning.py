@@ -159,6 +159,10 @@ class LinearTuning(_Section):
                                      "launch), the FP8 x FP8 GEMM above (0: never; also never while skinny_upto is 0). "
                                      "64: H100 FP8 b=32 8.14 -> 7.59 ms, b=64 8.68 -> 8.49; 128 loses at b=128 "
                                      "(9.30 -> 9.60: 8 chunks re-read x)")
+    gemm_weights_early: bool = _knob(False, doc="the dense one-byte GEMMs (gemm_fp8, gemm_int8): each CTA issues the "
+                                                "weight boxes of its first ring stages before the PDL wait, so the "
+                                                "weights' DRAM round trip overlaps the kernel before (kernel name part "
+                                                "ew); the token rows still after the wait")
 
 
 @dataclass(frozen=True)
