@@ -147,7 +147,8 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
         nbytes = smem(STAGES)
         gemms.append(KernelLaunch(
             family=FAMILY, template=TEMPLATE,
-            name=kernel_name(FAMILY, [f"{opts.dtype}_wi8", f"k{K}", f"silu{O}" if silu else f"o{O}", *(["ew"] * early)]),
+            name=kernel_name(FAMILY, [f"{opts.dtype}_wi8", f"k{K}", f"silu{O}" if silu else f"o{O}",
+                                      *(["ew"] * early)]),
             params={"variant": "gemm", "act": act, "K": K, "qrow": q, "O": O, "silu": silu, "stages": STAGES,
                     "smem": nbytes, "threads": THREADS, "cols": cols, "box_rows": BOX, "box_k": BK, "bm": BM,
                     "lo": lo, "wfmt": INT8.name, "tickets": TICKETS, "partial_words": PARTIAL_WORDS,

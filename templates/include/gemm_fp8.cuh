@@ -266,7 +266,7 @@ __device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const
                 "gemm_fp8: a stage holds one scale block of K, a tile one of the weight's rows (each half for SILU)");
   static_assert(smem_bytes(ST) + 2 * ST * 8 + 16 <= 227 * 1024, "gemm_fp8: ring + staging exceed a CTA's 227 KB");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
-  if constexpr (EARLY) begin_early<MODE, O, K, ST, TICKETS>(w0, w1, num_tokens, splits, smem, full, empty);
+  if constexpr (EARLY) begin_early<MODE, O, K, K, ST, TICKETS>(w0, w1, num_tokens, splits, smem, full, empty);
   dsg::pdl_wait();                                     // qx and sx are the quantiser's output
   if (splits > 1 && num_tiles(num_tokens, MODE, O) > TICKETS) return;
   const unsigned raw = smem_u32(smem);
@@ -276,7 +276,8 @@ __device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     wgmma::setmaxnreg_dec<PRODUCER_REGS>();
-    produce<MODE, O, K, K, ST, EARLY>(qx, w0, w1, num_tokens, splits, smem + (ring - raw), full, empty);
+    produce<MODE, O, K, K, ST, EARLY ? AFTER_AHEAD : ALL>(qx, w0, w1, num_tokens, splits, smem + (ring - raw), full,
+                                                          empty);
   } else {
     wgmma::setmaxnreg_inc<CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * STAGE_BYTES + (wg - 1) * OUT_BYTES;

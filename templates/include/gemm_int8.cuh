@@ -170,7 +170,7 @@ __device__ __forceinline__ void gemm(const signed char* __restrict__ qx, const f
   static_assert(ST >= 2, "gemm_int8: a ring of at least two stages (one stage's wgmmas stay in flight)");
   static_assert(smem_bytes(ST) + 2 * ST * 8 <= 227 * 1024, "gemm_int8: ring + staging exceed a CTA's 227 KB");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
-  if constexpr (EARLY) begin_early<MODE, O, K, ST, TICKETS>(w0, w1, num_tokens, splits, smem, full, empty);
+  if constexpr (EARLY) begin_early<MODE, O, K, QROW, ST, TICKETS>(w0, w1, num_tokens, splits, smem, full, empty);
   dsg::pdl_wait();                                     // qx and sx are the quantiser's output
   if (splits > 1 && num_tiles(num_tokens, MODE, O) > TICKETS) return;
   const unsigned raw = smem_u32(smem);
@@ -180,8 +180,8 @@ __device__ __forceinline__ void gemm(const signed char* __restrict__ qx, const f
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     wgmma::setmaxnreg_dec<PRODUCER_REGS>();
-    produce<MODE, O, K, QROW, ST, EARLY>(reinterpret_cast<const unsigned char*>(qx), w0, w1, num_tokens,
-                                  splits, smem + (ring - raw), full, empty);
+    produce<MODE, O, K, QROW, ST, EARLY ? AFTER_AHEAD : ALL>(reinterpret_cast<const unsigned char*>(qx), w0, w1,
+                                                             num_tokens, splits, smem + (ring - raw), full, empty);
   } else {
     wgmma::setmaxnreg_inc<CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * STAGE_BYTES + (wg - 1) * OUT_BYTES;

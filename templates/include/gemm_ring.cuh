@@ -91,59 +91,20 @@ __device__ __forceinline__ StageDescs landed_stage(unsigned ring, unsigned long 
   return d;
 }
 
-// Thread 0: the weight boxes of a stage (b: its weight rows) -- K bytes k0.. of the tile whose weight rows
-// start at n0 -- announced to its full barrier.  The second LINEAR box starts past O when O - n0 <= BOX:
-// left out (its columns are never stored), so no box lies wholly outside the tensor.
-template <int MODE, int O>
-__device__ __forceinline__ void issue_weights(char* b, const TensorMap* w0, const TensorMap* w1, int k0, int n0,
-                                              unsigned long long* full) {
-  const bool box1 = MODE == SILU || n0 + BOX < O;
-  mbar::arrive_expect_tx(full, (box1 ? 2 : 1) * BOX * ROW_BYTES);
-  tma::load_2d(b, w0, k0, n0, full);
-  if (box1) tma::load_2d(b + BOX * ROW_BYTES, MODE == SILU ? w1 : w0, k0, MODE == SILU ? n0 : n0 + BOX, full);
-}
-
-// Thread 0, before pdl_wait (Tuning.linear.gemm_weights_early): the weight boxes of the first min(ST, the
-// CTA's ring steps) steps of produce's walk -- the ones a fresh ring admits with no empty-barrier wait --
-// so that the weights' DRAM round trip overlaps the kernel before.  produce<..., EARLY = true> then copies
-// only those stages' token rows.  Weights only, which no kernel writes (pdl.cuh); num_tokens and splits
-// are launch arguments.
-template <int MODE, int O, int K, int ST>
-__device__ __forceinline__ void issue_early(const TensorMap* w0, const TensorMap* w1, int num_tokens, int splits,
-                                            char* ring, unsigned long long* full) {
-  constexpr int KB = (K + BK - 1) / BK, NCT = (O + tile_cols(MODE) - 1) / tile_cols(MODE);
-  const int tiles = num_tiles(num_tokens, MODE, O);
-  int it = 0;
-  for (int i = blockIdx.x; i < tiles * splits && it < ST; i += gridDim.x) {
-    const gemm_split::Item w = gemm_split::item_of(i, tiles);
-    const gemm_split::KRange kr = gemm_split::k_range(w.split, splits, KB);
-    const int n0 = w.tile % NCT * tile_cols(MODE);
-    for (int kb = kr.first; kb < kr.end && it < ST; ++kb, ++it)
-      issue_weights<MODE, O>(ring + it * STAGE_BYTES + BM * ROW_BYTES, w0, w1, kb * BK, n0, &full[it]);
-  }
-}
-
-// The start of a GEMM whose weights go before pdl_wait (EARLY): thread 0 inits the ring's barriers and
-// issues the first stages' weights, unless the CTA will take the kernel's split-K exit after the wait
-// (splits > 1 and more tiles than TICKETS: uniform, from the launch arguments) -- a CTA must not exit
-// with TMA in flight into its shared memory.  The caller's __syncthreads after the wait publishes the
-// barriers.
-template <int MODE, int O, int K, int ST, int TICKETS>
-__device__ __forceinline__ void begin_early(const TensorMap* w0, const TensorMap* w1, int num_tokens, int splits,
-                                            char* smem, unsigned long long* full, unsigned long long* empty) {
-  if (threadIdx.x != 0 || (splits > 1 && num_tiles(num_tokens, MODE, O) > TICKETS)) return;
-  ring_init<ST>(full, empty);
-  const unsigned raw = smem_u32(smem);
-  issue_early<MODE, O, K, ST>(w0, w1, num_tokens, splits, smem + (((raw + 1023u) & ~1023u) - raw), full);
-}
+// Which part of the producer's work a call does.  ALL: the whole of it.  AHEAD (Tuning.linear.gemm_weights_early;
+// thread 0 alone, before pdl_wait): the weight boxes of the first min(ST, the CTA's ring steps) steps only --
+// the steps a fresh ring admits with no empty-barrier wait -- so that the weights' DRAM round trip overlaps the
+// kernel before (weights, which no kernel writes: pdl.cuh; num_tokens and splits are launch arguments).
+// AFTER_AHEAD (after the wait): the rest, the token rows of those first steps included.
+enum Part { ALL, AHEAD, AFTER_AHEAD };
 
 // Producer: the 128 threads of warpgroup 0.  Token rows of q [T, QROW] bytes (QROW % 16 == 0, its
 // first K bytes the row's); thread p copies 16-byte chunk p % 8 of token rows p / 8 + 16 j (j < 8):
 // a warp covers four whole 128-byte row slices per instruction, and all of a thread's rows share
 // r % 8, so one swizzled chunk position.  Bytes past K and rows past T land as zeros (as TMA fills
 // the weight's box past K and past O).  Thread 0 also issues the weight boxes.  A work item's stages
-// are its split's K blocks.  EARLY: the weights of the first ST ring steps were issued already (issue_early).
-template <int MODE, int O, int K, int QROW, int ST, bool EARLY = false>
+// are its split's K blocks.  PART: which of this work the call does (Part).
+template <int MODE, int O, int K, int QROW, int ST, int PART = ALL>
 __device__ __forceinline__ void produce(const unsigned char* __restrict__ q, const TensorMap* w0, const TensorMap* w1,
                                         int num_tokens, int splits, char* ring, unsigned long long* full,
                                         unsigned long long* empty) {
@@ -161,13 +122,24 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ q, con
     const gemm_split::Item w = gemm_split::item_of(i, tiles);
     const gemm_split::KRange kr = gemm_split::k_range(w.split, splits, KB);
     const int m0 = w.tile / NCT * BM, n0 = w.tile % NCT * tile_cols(MODE);
+    // the second LINEAR box starts past O when O - n0 <= BOX: left out (its columns are never
+    // stored), so no box lies wholly outside the tensor
+    const bool box1 = MODE == SILU || n0 + BOX < O;
     for (int kb = kr.first; kb < kr.end; ++kb, ++it) {
+      if constexpr (PART == AHEAD) {
+        if (it == ST) return;
+      }
       const int s = it % ST;
-      mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
+      if constexpr (PART != AHEAD) mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
       char* a = ring + s * STAGE_BYTES;
       char* b = a + BM * ROW_BYTES;
       const int k0 = kb * BK;
-      if (p == 0 && !(EARLY && it < ST)) issue_weights<MODE, O>(b, w0, w1, k0, n0, &full[s]);
+      if (p == 0 && (PART == ALL || (PART == AHEAD) == (it < ST))) {
+        mbar::arrive_expect_tx(&full[s], (box1 ? 2 : 1) * BOX * ROW_BYTES);
+        tma::load_2d(b, w0, k0, n0, &full[s]);
+        if (box1) tma::load_2d(b + BOX * ROW_BYTES, MODE == SILU ? w1 : w0, k0, MODE == SILU ? n0 : n0 + BOX, &full[s]);
+      }
+      if constexpr (PART == AHEAD) continue;
       const int kc = k0 + 16 * c;                      // this thread's 16 columns (bytes) of K
 #pragma unroll
       for (int j = 0; j < BM / 16; ++j) {
@@ -179,7 +151,22 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ q, con
       mbar::arrive_on_cp_async(&full[s]);
     }
   }
-  dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
+  if constexpr (PART != AHEAD) dsg::mma::cp_async_wait<0>();   // nothing of this thread's left in flight at exit
+}
+
+// The start of a GEMM whose weights go before pdl_wait: thread 0 inits the ring's barriers and issues the
+// first stages' weights (produce's AHEAD part), unless the CTA will take the kernel's split-K exit after the
+// wait (splits > 1 and more tiles than TICKETS: uniform, from the launch arguments) -- a CTA must not exit
+// with TMA in flight into its shared memory.  The caller's __syncthreads after the wait publishes the
+// barriers; its producer then runs the AFTER_AHEAD part.
+template <int MODE, int O, int K, int QROW, int ST, int TICKETS>
+__device__ __forceinline__ void begin_early(const TensorMap* w0, const TensorMap* w1, int num_tokens, int splits,
+                                            char* smem, unsigned long long* full, unsigned long long* empty) {
+  if (threadIdx.x != 0 || (splits > 1 && num_tiles(num_tokens, MODE, O) > TICKETS)) return;
+  ring_init<ST>(full, empty);
+  const unsigned raw = smem_u32(smem);
+  produce<MODE, O, K, QROW, ST, AHEAD>(nullptr, w0, w1, num_tokens, splits, smem + (((raw + 1023u) & ~1023u) - raw),
+                                       full, empty);
 }
 
 }  // namespace gemm_ring
