@@ -51,8 +51,7 @@ def check_early(off, on, x1, x2, outs, weights, T, workspaces, msg):
     same(outputs(), want1, "the early launch")
 
     x = x1.clone()
-    work = workspaces()
-    run(_pdl(on), x, work)                          # compiled and loaded before the capture
+    work = run(_pdl(on), x, workspaces())           # compiled and loaded before the capture; every workspace
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
