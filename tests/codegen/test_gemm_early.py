@@ -69,20 +69,21 @@ def _before_wait(instrs) -> list:
 
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
-@pytest.mark.parametrize("family, op, K", [("fp8", "multi_linear", 2048), ("fp8", "gate_up_silu", 2048),
-                                           ("fp8", "linear", 10944), ("int8", "multi_linear", 2048),
-                                           ("int8", "gate_up_silu", 2048)])
-def test_the_early_gemms_issue_tma_before_the_wait_without_spills(family, op, K):
-    """V2-Lite's shapes (q + kv_a, gate_up_silu, the dense down), knob off and on: 0 spills (the early issue runs
-    before setmaxnreg, on the launch bound's registers; the producer's loop after it within its 56, or ptxas
-    would spill), no serialised wgmma; on a path before the wait: a TMA box where the knob is on, none where
-    off, no other global access and no exit (test_sass_pdl.wait_problem with TMA boxes allowed)."""
+@pytest.mark.parametrize("family, op, K, overlap", [
+    ("fp8", "multi_linear", 2048, True), ("fp8", "gate_up_silu", 2048, True), ("fp8", "linear", 10944, True),
+    ("fp8", "linear", 2048, False), ("int8", "multi_linear", 2048, False), ("int8", "gate_up_silu", 2048, False)])
+def test_the_early_gemms_issue_tma_before_the_wait_without_spills(family, op, K, overlap):
+    """V2-Lite's shapes (q + kv_a, gate_up_silu, the dense down, o_proj without the overlap), knob off and on:
+    0 spills (the early issue runs before setmaxnreg, on the launch bound's registers; the producer's loop
+    after it within its 56, or ptxas would spill), no serialised wgmma; on a path before the wait: a TMA box
+    where the knob is on, none where off, no other global access and no exit (test_sass_pdl.wait_problem with
+    TMA boxes allowed)."""
     from test_sass_pdl import wait_problem
 
     from codegen.nvrtc import compile_cubin
     from codegen.render import render_launch
     for early in (False, True):
-        for la in _launches(family, op, _tuning(early), K=K)[1:]:
+        for la in _launches(family, op, _tuning(early, overlap), K=K)[1:]:
             res = compile_cubin(render_launch(la), la.name, arch=kernel_target("sm_90", la.requires),
                                 options=("--ptxas-options=-v",))
             assert "0 bytes spill stores" in res.log and "0 bytes spill loads" in res.log, res.log
