@@ -1,7 +1,7 @@
 """The skinny linear with FP8 weights against the bf16 one at DeepSeek-V2-Lite's decode shapes (a script).
 
     python3 -m bench.perf_linear_fp8 [--tokens 1,8,16] [--shapes q+kv_a,o,...] [--gemm-tokens 32,512,4096] [--sms 16,64]
-                                     [--chunks 128] [--json PATH]
+                                     [--chunks 128] [--json PATH] [--tune linear.gemm_weights_early=true ...]
                                      [--fp8-variants default,w8r1u4_rolling,w8r1u1_batch,...]
     python3 -m bench.perf_linear_fp8 --compile-only     # no GPU: registers and spills of every kernel
 
@@ -22,7 +22,10 @@ weights (BAD above 1e-2; exit status 1 if any).  --gemm-tokens: what serves the 
 linear.skinny_upto tokens -- on sm_90a the FP8 x FP8 GEMM (gemm_fp8: the quantiser launch, then wgmma; its
 error against float64 on the bf16 x includes x's own FP8 rounding, ~3% norm-wise, so BAD there is 5%),
 elsewhere the library call (dequantise to bf16 each call, then cuBLAS) -- against bf16 cuBLAS on the same
-shape, with TFLOP/s; --chunks N: at the --gemm-tokens values up to N, also the FP8 skinny kernel in 16-token chunks
+shape, with TFLOP/s; --tune SECTION.KNOB=VALUE (repeatable): the FP8 GEMM's launches also as programmatic
+dependent launches (as a model's bundle runs them: the GEMM may start while the quantiser drains), once with
+the default knobs and once with these ("fp8 wgmma pdl" rows; the same inputs, so the errors agree); --chunks N:
+at the --gemm-tokens values up to N, also the FP8 skinny kernel in 16-token chunks
 (Tuning.linear.fp8_chunks_upto = N: x read as 16-bit, no quantiser; BAD above 1e-2 as at T <= 16).  Prediction for
 the FP8 GEMM (written before its first run): at T >= 512 the large
 shapes at 500-800 TFLOP/s, 1.3-2x bf16 cuBLAS (a wait per 128-K block and the promotion keep it under
@@ -44,7 +47,7 @@ import ir
 from codegen.families import linear_skinny
 from codegen.kernel import KernelLaunch, Options
 from codegen.paths import DEFAULT_SPEC
-from codegen.tuning import DEFAULT_TUNING, Tuning, TuningError
+from codegen.tuning import DEFAULT_TUNING, Tuning, TuningError, parse_tune
 from ir.formats import FP8, companion_names, scale_shape
 from ir.ops import TType
 
@@ -94,10 +97,12 @@ def with_chunks(variant: str, upto: int) -> Tuning:
     return dataclasses.replace(base, linear=dataclasses.replace(base.linear, fp8_chunks_upto=upto))
 
 
-def lowered(m, K, rows, silu, variant, fp8):
+def lowered(m, K, rows, silu, variant, fp8, tuning: Tuning | None = None):
+    """(the skinny launch, what serves above the skinny range, the outputs) under `variant`'s tuning, or
+    `tuning` where given."""
     G, nid = _graph(m, K, rows, silu, fp8)
     # above the skinny range: gemm_fp8 (its 16-token chunks are timed by --chunks, lowered_chunks)
-    steps = linear_skinny.lower(nid, G, Options(dtype="bf16", tuning=with_chunks(variant, 0)))
+    steps = linear_skinny.lower(nid, G, Options(dtype="bf16", tuning=tuning or with_chunks(variant, 0)))
     (la,) = [s for s in steps if isinstance(s, KernelLaunch) and s.family == linear_skinny.FAMILY]
     above = [s for s in steps if s is not la]   # the library call, or gemm_fp8's launches
     return la, above, G.nodes[nid]["outputs"]
@@ -176,7 +181,17 @@ def main() -> int:
                          "(linear.fp8_chunks_upto: 32, 64, 128 or 256)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--tune", action="append", default=[], metavar="SECTION.KNOB=VALUE",
+                    help="the FP8 GEMM rows also as programmatic dependent launches, with the default knobs and "
+                         "with these (repeatable), e.g. linear.gemm_weights_early=true")
     args = ap.parse_args()
+    try:   # the GEMM from skinny_upto + 1 in both arms, as the other rows (the chunks have --chunks)
+        label = " ".join(f.removeprefix("--tune ") for f in parse_tune(args.tune).flags())
+        pdl_arms = [("", with_chunks(FP8_DEFAULT, 0)),
+                    (f" {label}", parse_tune([*args.tune, "linear.fp8_chunks_upto=0"]))]
+    except TuningError as e:
+        raise SystemExit(f"--tune: {e}") from None
+    pdl_arms = pdl_arms if args.tune else []
     m = ir.load_spec(str(DEFAULT_SPEC)).model
     names = [s for s in args.shapes.split(",") if s]
     fp8_variants = [v for v in args.fp8_variants.split(",") if v]
@@ -266,6 +281,17 @@ def main() -> int:
                         us = time_cycled(lambda i: runner.run_all(above, values={"x": x, **ys}, weights=w8[i],
                                                                   sizes=sz), copies)
                         report(name, T, f"fp8 wgmma SMS={sms}", us, fp8_bytes, None, base)
+                    for label, arm in pdl_arms:   # as a bundle launches them, default knobs and --tune's
+                        pdl = [dataclasses.replace(la, pdl=True) for la in lowered(m, K, rows, silu, FP8_DEFAULT,
+                                                                                   True, arm)[1]]
+                        for y in ys.values():
+                            y.fill_(float("nan"))
+                        runner.run_all(pdl, values={"x": x, **ys}, weights=w8[0], sizes={"T": T})
+                        torch.cuda.synchronize()
+                        err = err_of(list(ys.values()), ref8)
+                        us = time_cycled(lambda i: runner.run_all(pdl, values={"x": x, **ys}, weights=w8[i],
+                                                                  sizes={"T": T}), copies)
+                        report(name, T, f"fp8 wgmma pdl{label}", us, fp8_bytes, err, base, bad_err=5e-2)
                     # the skinny kernel, cdiv(T, 16) chunks of tokens along grid.y, in each --fp8-variants shape
                     for v in fp8_variants if T <= args.chunks else ():
                         _, la8 = lowered_chunks(m, K, rows, silu, args.chunks, v)

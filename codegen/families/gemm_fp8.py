@@ -106,7 +106,8 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
     the values holding x's e4m3 rows and scales, written by the norm that makes x (_norm_quant.fp8_rows):
     the GEMMs read them and there is no quantiser launch.  Tuning.moe.fp8_overlap (which covers the FP8 x FP8
     GEMMs of the experts and of the linears): the consumers promote each K block under the next block's wgmma
-    (parameter `overlap`, name part ovl)."""
+    (parameter `overlap`, name part ovl).  Tuning.linear.gemm_weights_early: the first ring stages' weights
+    issued before the PDL wait (parameter `early`, name part ew)."""
     if opts.dtype not in ("bf16", "fp16"):
         raise ValueError(f"gemm_fp8 needs 16-bit activations, got {opts.dtype}")
     act = DTYPES[opts.dtype]
@@ -127,7 +128,7 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
         args=(inp("x", act, x), stride("x_stride", x, 0), work("xq", "int", XQ), work("xs", "float", XS),
               size("T", "T")),
         workspace=ws, stage="quant_x")
-    overlap = opts.tuning.moe.fp8_overlap
+    overlap, early = opts.tuning.moe.fp8_overlap, opts.tuning.linear.gemm_weights_early
     gemms = []
     for ws_names, y, O in groups:
         cols = BN // 2 if silu else BN
@@ -140,10 +141,11 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
         gemms.append(KernelLaunch(
             family=FAMILY, template=TEMPLATE,
             name=kernel_name(FAMILY, [f"{opts.dtype}_wfp8", f"k{K}", f"silu{O}" if silu else f"o{O}",
-                                      *(["ovl"] * overlap)]),
+                                      *(["ovl"] * overlap), *(["ew"] * early)]),
             params={"variant": "gemm", "act": act, "K": K, "O": O, "silu": silu, "stages": STAGES, "smem": nbytes,
                     "threads": THREADS, "cols": cols, "box_rows": BOX, "box_k": BK, "bm": BM, "lo": lo,
-                    "tickets": TICKETS, "partial_words": PARTIAL_WORDS, **({"overlap": True} if overlap else {})},
+                    "tickets": TICKETS, "partial_words": PARTIAL_WORDS, **({"overlap": True} if overlap else {}),
+                    **({"early": True} if early else {})},
             nodes=(nid,), grid=(only(grid(O, K, silu)), 1, 1), block=(THREADS, 1, 1),
             args=(*x_args, *w_args, out("y", act, y), work("partials", "float", PARTIALS), size("T", "T"),
                   size("splits", splits(O, K, silu))),

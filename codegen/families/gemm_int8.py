@@ -112,7 +112,8 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
     (the row's token range, codegen.sizes.token_range); `weights` the bound int8 weight names in the
     node's order (gate_up_silu: gate, up), `rows` the output widths, `lo` the row's first T.  `normed`:
     the values holding x's int8 rows and scales, written by the norm that makes x (_norm_quant.int8_rows):
-    the GEMMs read them and there is no quantiser launch."""
+    the GEMMs read them and there is no quantiser launch.  Tuning.linear.gemm_weights_early: the first ring
+    stages' weights issued before the PDL wait (parameter `early`, name part ew)."""
     if opts.dtype not in ("bf16", "fp16"):
         raise ValueError(f"gemm_int8 needs 16-bit activations, got {opts.dtype}")
     act = DTYPES[opts.dtype]
@@ -135,6 +136,7 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
     cols = BN // 2 if silu else BN
     partials = partials_workspace(PARTIALS, "i32", K, [O for _, _, O in groups], silu)
     x_args = _norm_quant.x_args(normed, XQ, XS)
+    early = opts.tuning.linear.gemm_weights_early
     gemms = []
     for names, y, O in groups:
         if silu:
@@ -145,10 +147,12 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
         nbytes = smem(STAGES)
         gemms.append(KernelLaunch(
             family=FAMILY, template=TEMPLATE,
-            name=kernel_name(FAMILY, [f"{opts.dtype}_wi8", f"k{K}", f"silu{O}" if silu else f"o{O}"]),
+            name=kernel_name(FAMILY, [f"{opts.dtype}_wi8", f"k{K}", f"silu{O}" if silu else f"o{O}",
+                                      *(["ew"] * early)]),
             params={"variant": "gemm", "act": act, "K": K, "qrow": q, "O": O, "silu": silu, "stages": STAGES,
                     "smem": nbytes, "threads": THREADS, "cols": cols, "box_rows": BOX, "box_k": BK, "bm": BM,
-                    "lo": lo, "wfmt": INT8.name, "tickets": TICKETS, "partial_words": PARTIAL_WORDS},
+                    "lo": lo, "wfmt": INT8.name, "tickets": TICKETS, "partial_words": PARTIAL_WORDS,
+                    **({"early": True} if early else {})},
             nodes=(nid,), grid=(only(grid(O, K, silu)), 1, 1), block=(THREADS, 1, 1),
             args=(*x_args, *w_args, out("y", act, y), work("partials", "int", PARTIALS), size("T", "T"),
                   size("splits", splits(O, K, silu))),

@@ -29,6 +29,10 @@ Tuning.moe.fp8_overlap (each K block promoted under the next block's wgmma, spli
 `test_linear_fp8_gemm_overlap` checks its launch against the reference as above and bit for bit against
 the knob-off launch on the same inputs.
 
+Tuning.linear.gemm_weights_early (the first ring stages' weights issued before the PDL wait; overlap off and
+on, split K included): `test_fp8_gemm_weights_early` wants the knob-off outputs bit for bit, eagerly and from
+a CUDA graph with PDL replayed for two inputs (gemm_early_cases.py: the wait must still order x).
+
 Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gemm_fp8.py
 """
 from __future__ import annotations
@@ -89,15 +93,18 @@ def split_counts(launches, T: int) -> list[int]:
             for la in launches if la.stage == "fp8_wgmma"]
 
 
-def gemm_launches(G, nid, dtype, overlap=False):
+def gemm_launches(G, nid, dtype, overlap=False, early=False):
     """The node's launches that run above the skinny range: gemm_fp8's quantiser, then its GEMMs (with
-    Tuning.moe.fp8_overlap as asked; the FP8 skinny kernel's chunks off, so the GEMM runs from 17 tokens)."""
-    tuning = Tuning(moe=MoeTuning(fp8_overlap=overlap), linear=LinearTuning(fp8_chunks_upto=0))
+    Tuning.moe.fp8_overlap and Tuning.linear.gemm_weights_early as asked; the FP8 skinny kernel's chunks off,
+    so the GEMM runs from 17 tokens)."""
+    tuning = Tuning(moe=MoeTuning(fp8_overlap=overlap),
+                    linear=LinearTuning(fp8_chunks_upto=0, gemm_weights_early=early))
     steps = linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=tuning))
     assert not [s for s in steps if isinstance(s, LibraryCall)], "FP8 weights above 16 tokens: no library call"
     launches = [s for s in steps if isinstance(s, KernelLaunch) and s.family == gemm_fp8.FAMILY]
     assert [la.stage for la in launches[:1]] == ["quant_x"] and all(la.stage == "fp8_wgmma" for la in launches[1:])
-    assert all(la.name.endswith("__ovl") == overlap for la in launches[1:]), [la.name for la in launches]
+    assert all(la.name.removesuffix("__ew").endswith("__ovl") == overlap and la.name.endswith("__ew") == early
+               for la in launches[1:]), [la.name for la in launches]
     return launches
 
 
@@ -381,3 +388,40 @@ def test_split_gemm_runs_again_the_same(dtype, T, shape, seed):
         graph.replay()
         same_as_first(f"graph replay {rep}")
     REC.example()
+
+
+@kernel_test(10)
+@given(dtype=st.sampled_from(DTYPES), T=st.one_of(st.integers(FIRST, 256), st.sampled_from([128, 1000, 4096])),
+       shape=st.sampled_from(SPLIT_SHAPES + [(2048, "silu")]), overlap=st.booleans(), seed=st.integers(0, 2**31))
+# V2-Lite's o_proj, q + kv_a and dense down at the decode batches the brief measured (K split), gate_up_silu
+@example(dtype="bf16", T=32, shape=SPLIT_SHAPES[1], overlap=True, seed=61)
+@example(dtype="bf16", T=128, shape=SPLIT_SHAPES[0], overlap=True, seed=62)
+@example(dtype="bf16", T=32, shape=SPLIT_SHAPES[2], overlap=False, seed=63)
+@example(dtype="fp16", T=64, shape=(2048, "silu"), overlap=True, seed=64)
+def test_fp8_gemm_weights_early(dtype, T, shape, overlap, seed):
+    """linear.gemm_weights_early: the knob-off outputs bit for bit, eagerly and from a PDL graph replayed for
+    two inputs (gemm_early_cases.check_early)."""
+    from gemm_early_cases import check_early
+    K, rows = shape
+    gen = torch.Generator().manual_seed(seed)
+    m = model("lite")
+    silu = rows == "silu"
+    if silu:
+        rows, (G, nid) = (1408,), single_op_graph(m, "gate_up_silu", {"out_dim": 1408}, {"x": act(K)},
+                                                   {"gate": "w0", "up": "w1"})
+        names = ["w0", "w1"]
+    elif len(rows) == 1:
+        (G, nid), names = single_op_graph(m, "linear", {"out_dim": rows[0]}, {"x": act(K)}, {"weight": "w0"}), ["w0"]
+    else:
+        G, nid = single_op_graph(m, "multi_linear", {"out_dims": list(rows)}, {"x": act(K)},
+                                 {f"weight{i}": f"w{i}" for i in range(len(rows))})
+        names = [f"w{i}" for i in range(len(rows))]
+    as_fp8(G)
+    ws = {}
+    for i, name in enumerate(names):
+        ws[name], ws[companion_names(name, FP8)[0]] = quantized(rows[min(i, len(rows) - 1)], K, gen, K ** -0.5)
+    x1, x2 = (x_tokens(T, K, dtype, 0, 0, 0, gen, SILU_X if silu else 1.0).contiguous() for _ in range(2))
+    outs = {o: empty_out((T, n), dtype) for o, n in zip(G.nodes[nid]["outputs"], rows)}
+    off, on = (gemm_launches(G, nid, dtype, overlap, early) for early in (False, True))
+    check_early(off, on, x1, x2, outs, ws, T, lambda: poisoned_workspaces(T, K),
+                f"T={T} K={K} rows={list(rows)} overlap={overlap} splits={split_counts(on, T)}")

@@ -27,6 +27,10 @@ result is held to the same bit-exact reference.  V2-Lite's linears at T = 32 mus
 twice from a captured CUDA graph, outputs and partials poisoned each time, and wants the first run's
 output bit for bit.  Its mutants: the ticket never reset, the last split's partial left out of the sum.
 
+Tuning.linear.gemm_weights_early (the first ring stages' weights issued before the PDL wait, split K included):
+`test_int8_gemm_weights_early` wants the knob-off outputs bit for bit, eagerly and from a CUDA graph with PDL
+replayed for two inputs (gemm_early_cases.py: the wait must still order x).
+
 Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gemm_int8.py
 """
 from __future__ import annotations
@@ -46,6 +50,7 @@ from codegen import sizes
 from codegen.families import _gemm_split as gemm_split
 from codegen.families import gemm_int8, linear_skinny
 from codegen.kernel import KernelLaunch, LibraryCall, Options
+from codegen.tuning import LinearTuning, Tuning
 from ir.formats import companion_names
 from ir.formats_int import int_linear, quantize_activation
 
@@ -84,12 +89,15 @@ def split_counts(launches, T: int) -> list[int]:
             for la in launches if la.stage == "i8_wgmma"]
 
 
-def gemm_launches(G, nid, dtype):
-    """The node's launches that run above the skinny range: gemm_int8's quantiser, then its GEMMs."""
-    steps = linear_skinny.lower(nid, G, Options(dtype=dtype))
+def gemm_launches(G, nid, dtype, early=False):
+    """The node's launches that run above the skinny range: gemm_int8's quantiser, then its GEMMs (with
+    Tuning.linear.gemm_weights_early as asked)."""
+    tuning = Tuning(linear=LinearTuning(gemm_weights_early=early))
+    steps = linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=tuning))
     assert not [s for s in steps if isinstance(s, LibraryCall)], "int8 weights above 16 tokens, sm_90a: no library call"
     launches = [s for s in steps if isinstance(s, KernelLaunch) and s.family == gemm_int8.FAMILY]
     assert [la.stage for la in launches[:1]] == ["quant_i8"] and all(la.stage == "i8_wgmma" for la in launches[1:])
+    assert all(la.name.endswith("__ew") == early for la in launches[1:]), [la.name for la in launches]
     return launches
 
 
@@ -319,3 +327,33 @@ def test_split_int8_gemm_runs_again_the_same(dtype, T, shape, seed):
         poison_all()
         graph.replay()
         same_as_first(f"graph replay {rep}")
+
+
+@kernel_test(10)
+@given(dtype=st.sampled_from(DTYPES), T=st.one_of(st.integers(FIRST, 256), st.sampled_from([128, 1000, 4096])),
+       shape=st.sampled_from(SPLIT_SHAPES + [(2048, "silu")]), seed=st.integers(0, 2**31))
+# V2-Lite's o_proj, q + kv_a and dense down at the decode batches W4A8 runs them (K split), gate_up_silu
+@example(dtype="bf16", T=32, shape=SPLIT_SHAPES[1], seed=61)
+@example(dtype="bf16", T=128, shape=SPLIT_SHAPES[0], seed=62)
+@example(dtype="bf16", T=32, shape=SPLIT_SHAPES[2], seed=63)
+@example(dtype="fp16", T=64, shape=(2048, "silu"), seed=64)
+def test_int8_gemm_weights_early(dtype, T, shape, seed):
+    """linear.gemm_weights_early: the knob-off outputs bit for bit, eagerly and from a PDL graph replayed for
+    two inputs (gemm_early_cases.check_early)."""
+    from gemm_early_cases import check_early
+    K, rows = shape
+    gen = torch.Generator().manual_seed(seed)
+    if rows == "silu":
+        rows = (1408,)
+        G, nid = single_op_graph(model("lite"), "gate_up_silu", {"out_dim": rows[0]}, {"x": act(K)},
+                                 {"gate": "wg", "up": "wu"})
+        as_int8(G)
+        ws = int8_weights(["wg", "wu"], [rows[0], rows[0]], K, gen)
+    else:
+        G, nid, _ = linear_graph(K, rows)
+        ws = int8_weights([f"w{i}" for i in range(len(rows))], rows, K, gen)
+    x1, x2 = (x_view(T, K, dtype, 0, 0, gen).contiguous() for _ in range(2))
+    outs = {o: empty_out((T, n), dtype) for o, n in zip(G.nodes[nid]["outputs"], rows)}
+    off, on = (gemm_launches(G, nid, dtype, early) for early in (False, True))
+    check_early(off, on, x1, x2, outs, ws, T, lambda: poisoned_workspaces(T, K, on),
+                f"T={T} K={K} rows={list(rows)} splits={split_counts(on, T)}")

@@ -76,6 +76,9 @@ def segment_first_reader_skips() -> str:
 SCALES_SITE = "const float xa = r.sxa[kb], xb = r.sxb[kb], wg = r.swg[kb], wu = r.swu[kb];"
 FIRST_BLOCK_XA_FROM_XB = ("const float xa = kb == 0 ? r.sxb[kb] : r.sxa[kb], xb = r.sxb[kb], wg = r.swg[kb], "
                           "wu = r.swu[kb];")
+# gemm_ring.cuh's producer, AHEAD part (linear.gemm_weights_early): where the issue before the wait stops
+EARLY_STEPS = "if (it == ST) return;"
+EARLY_STEPS_ONE_MORE = "if (it == ST + 1) return;"
 SCALES_RETURN = "return {xa, xb, wg, wu};"
 FIRST_BLOCK_UNPROMOTED = "return {kb == 0 ? 0.f : xa, kb == 0 ? 0.f : xb, wg, wu};"
 
@@ -429,6 +432,17 @@ MUTANTS = [
            "for (int z = 0; z < splits; ++z) {", "for (int z = 0; z < splits - 1; ++z) {",
            gemm_fp8.test_linear_fp8_gemm, dict(dtype="bf16", T=32, K=2048, rows=[2048], extra=0, offset=0,
                                                zero_rows=0, shift=False, seed=42)),
+    # linear.gemm_weights_early: the issue before the wait covers one ring step more than the producer skips
+    # after it -- step ST's weights land in stage 0 over step 0's (and its barrier takes an extra arrival);
+    # 16 K blocks a CTA (T = 1000: 128 tiles, no split).  Fewer (a stage whose weights never come) would hang.
+    Mutant("GEMM weights early (FP8): one ring step more issued before the wait than the producer skips",
+           "include/gemm_ring.cuh", EARLY_STEPS, EARLY_STEPS_ONE_MORE,
+           gemm_fp8.test_fp8_gemm_weights_early, dict(dtype="bf16", T=1000, shape=gemm_fp8.SPLIT_SHAPES[1],
+                                                      overlap=False, seed=71)),
+    Mutant("GEMM weights early (int8): one ring step more issued before the wait than the producer skips",
+           "include/gemm_ring.cuh", EARLY_STEPS, EARLY_STEPS_ONE_MORE,
+           gemm_int8.test_int8_gemm_weights_early, dict(dtype="bf16", T=1000, shape=gemm_int8.SPLIT_SHAPES[1],
+                                                        seed=72)),
     Mutant("FP8 GEMM split K: each split's K range one block short", "include/gemm_split.cuh",
            "return {z * kb / splits, (z + 1) * kb / splits};",
            "return {z * kb / splits, (z + 1) * kb / splits - (splits > 1)};",

@@ -157,8 +157,9 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
 // split; the lowering's grid is then at most the tiles, else exactly tiles * splits); `partials`: splits *
 // tiles * PARTIAL_WORDS int32 where splits > 1 (else possibly empty); `tickets`: TICKETS counters, zero
 // between launches.  The lowering splits only while the tiles fit the tickets; past that (uniform) the
-// CTA exits with y unwritten rather than index past them.
-template <typename T, int MODE, int O, int K, int QROW, int ST, int TICKETS>
+// CTA exits with y unwritten rather than index past them.  EARLY (Tuning.linear.gemm_weights_early): the
+// first ring stages' weights issued before pdl_wait (gemm_ring.cuh begin_early).
+template <typename T, int MODE, int O, int K, int QROW, int ST, int TICKETS, bool EARLY = false>
 __device__ __forceinline__ void gemm(const signed char* __restrict__ qx, const float* __restrict__ sx,
                                      const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
                                      const float* __restrict__ sw1, T* __restrict__ y, int* __restrict__ partials,
@@ -169,17 +170,18 @@ __device__ __forceinline__ void gemm(const signed char* __restrict__ qx, const f
   static_assert(ST >= 2, "gemm_int8: a ring of at least two stages (one stage's wgmmas stay in flight)");
   static_assert(smem_bytes(ST) + 2 * ST * 8 <= 227 * 1024, "gemm_int8: ring + staging exceed a CTA's 227 KB");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
+  if constexpr (EARLY) begin_early<MODE, O, K, QROW, ST, TICKETS>(w0, w1, num_tokens, splits, smem, full, empty);
   dsg::pdl_wait();                                     // qx and sx are the quantiser's output
   if (splits > 1 && num_tiles(num_tokens, MODE, O) > TICKETS) return;
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;        // 128B-swizzle tiles start on 1024-byte boundaries
-  if (threadIdx.x == 0) ring_init<ST>(full, empty);
+  if (!EARLY && threadIdx.x == 0) ring_init<ST>(full, empty);
   __syncthreads();
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     wgmma::setmaxnreg_dec<PRODUCER_REGS>();
-    produce<MODE, O, K, QROW, ST>(reinterpret_cast<const unsigned char*>(qx), w0, w1, num_tokens,
-                                  splits, smem + (ring - raw), full, empty);
+    produce<MODE, O, K, QROW, ST, EARLY ? AFTER_AHEAD : ALL>(reinterpret_cast<const unsigned char*>(qx), w0, w1,
+                                                             num_tokens, splits, smem + (ring - raw), full, empty);
   } else {
     wgmma::setmaxnreg_inc<CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * STAGE_BYTES + (wg - 1) * OUT_BYTES;

@@ -91,13 +91,20 @@ __device__ __forceinline__ StageDescs landed_stage(unsigned ring, unsigned long 
   return d;
 }
 
+// Which part of the producer's work a call does.  ALL: the whole of it.  AHEAD (Tuning.linear.gemm_weights_early;
+// thread 0 alone, before pdl_wait): the weight boxes of the first min(ST, the CTA's ring steps) steps only --
+// the steps a fresh ring admits with no empty-barrier wait -- so that the weights' DRAM round trip overlaps the
+// kernel before (weights, which no kernel writes: pdl.cuh; num_tokens and splits are launch arguments).
+// AFTER_AHEAD (after the wait): the rest, the token rows of those first steps included.
+enum Part { ALL, AHEAD, AFTER_AHEAD };
+
 // Producer: the 128 threads of warpgroup 0.  Token rows of q [T, QROW] bytes (QROW % 16 == 0, its
 // first K bytes the row's); thread p copies 16-byte chunk p % 8 of token rows p / 8 + 16 j (j < 8):
 // a warp covers four whole 128-byte row slices per instruction, and all of a thread's rows share
 // r % 8, so one swizzled chunk position.  Bytes past K and rows past T land as zeros (as TMA fills
 // the weight's box past K and past O).  Thread 0 also issues the weight boxes.  A work item's stages
-// are its split's K blocks.
-template <int MODE, int O, int K, int QROW, int ST>
+// are its split's K blocks.  PART: which of this work the call does (Part).
+template <int MODE, int O, int K, int QROW, int ST, int PART = ALL>
 __device__ __forceinline__ void produce(const unsigned char* __restrict__ q, const TensorMap* w0, const TensorMap* w1,
                                         int num_tokens, int splits, char* ring, unsigned long long* full,
                                         unsigned long long* empty) {
@@ -119,16 +126,20 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ q, con
     // stored), so no box lies wholly outside the tensor
     const bool box1 = MODE == SILU || n0 + BOX < O;
     for (int kb = kr.first; kb < kr.end; ++kb, ++it) {
+      if constexpr (PART == AHEAD) {
+        if (it == ST) return;
+      }
       const int s = it % ST;
-      mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
+      if constexpr (PART != AHEAD) mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
       char* a = ring + s * STAGE_BYTES;
       char* b = a + BM * ROW_BYTES;
       const int k0 = kb * BK;
-      if (p == 0) {
+      if (p == 0 && (PART == ALL || (PART == AHEAD) == (it < ST))) {
         mbar::arrive_expect_tx(&full[s], (box1 ? 2 : 1) * BOX * ROW_BYTES);
         tma::load_2d(b, w0, k0, n0, &full[s]);
         if (box1) tma::load_2d(b + BOX * ROW_BYTES, MODE == SILU ? w1 : w0, k0, MODE == SILU ? n0 : n0 + BOX, &full[s]);
       }
+      if constexpr (PART == AHEAD) continue;
       const int kc = k0 + 16 * c;                      // this thread's 16 columns (bytes) of K
 #pragma unroll
       for (int j = 0; j < BM / 16; ++j) {
@@ -140,7 +151,22 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ q, con
       mbar::arrive_on_cp_async(&full[s]);
     }
   }
-  dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
+  if constexpr (PART != AHEAD) dsg::mma::cp_async_wait<0>();   // nothing of this thread's left in flight at exit
+}
+
+// The start of a GEMM whose weights go before pdl_wait: thread 0 inits the ring's barriers and issues the
+// first stages' weights (produce's AHEAD part), unless the CTA will take the kernel's split-K exit after the
+// wait (splits > 1 and more tiles than TICKETS: uniform, from the launch arguments) -- a CTA must not exit
+// with TMA in flight into its shared memory.  The caller's __syncthreads after the wait publishes the
+// barriers; its producer then runs the AFTER_AHEAD part.
+template <int MODE, int O, int K, int QROW, int ST, int TICKETS>
+__device__ __forceinline__ void begin_early(const TensorMap* w0, const TensorMap* w1, int num_tokens, int splits,
+                                            char* smem, unsigned long long* full, unsigned long long* empty) {
+  if (threadIdx.x != 0 || (splits > 1 && num_tiles(num_tokens, MODE, O) > TICKETS)) return;
+  ring_init<ST>(full, empty);
+  const unsigned raw = smem_u32(smem);
+  produce<MODE, O, K, QROW, ST, AHEAD>(nullptr, w0, w1, num_tokens, splits, smem + (((raw + 1023u) & ~1023u) - raw),
+                                       full, empty);
 }
 
 }  // namespace gemm_ring
