@@ -159,7 +159,7 @@ class LinearTuning(_Section):
                                      "launch), the FP8 x FP8 GEMM above (0: never; also never while skinny_upto is 0). "
                                      "64: H100 FP8 b=32 8.14 -> 7.59 ms, b=64 8.68 -> 8.49; 128 loses at b=128 "
                                      "(9.30 -> 9.60: 8 chunks re-read x)")
-    i8_chunks_upto: int = _knob(0, choices=(0, 32, 64, 128, 256),
+    i8_chunks_upto: int = _knob(32, choices=(0, 32, 64, 128, 256),
                                 doc="int8 weights, sm_90a (the int8 GEMM's case): from skinny_upto + 1 up to this "
                                     "many tokens the int8 skinny kernel runs in chunks of 16 tokens (grid.y) on x's "
                                     "int8 rows (the quantiser's or the norm's), the int8 GEMM above (0: never; also "

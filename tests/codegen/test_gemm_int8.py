@@ -26,7 +26,8 @@ from codegen.tuning import LinearTuning, Tuning  # noqa: E402
 
 FIRST = linear_skinny.SKINNY_MAX_TOKENS + 1
 # the int8 readers' own quantiser launches (the prologue and the norms' rows have their own tests)
-QUANT = Tuning(linear=LinearTuning(i8_prologue_upto=0, norm_int8=False))
+# ... and gemm_int8 from 17 tokens: the skinny kernel's 16-token chunks (on at 32 by default) off
+QUANT = Tuning(linear=LinearTuning(i8_prologue_upto=0, norm_int8=False, i8_chunks_upto=0))
 
 
 def _running(steps, T):
@@ -157,8 +158,10 @@ def test_the_dispatch_facts_follow_the_shape_rules():
     assert gemm_int8.fits(Options(tuning=QUANT)) and not gemm_int8.fits(Options(arch="sm_80"))
     facts = {"precision": "act", "weight_format": I8, "dtype": "fp16", "sm_90a": True, "i8_rows": True,
              "i8_fits": True}
-    assert [(r.variant, r.span) for r in dispatch.rows("gate_up_silu", facts)] == \
+    assert [(r.variant, r.span) for r in dispatch.rows("gate_up_silu", facts, QUANT)] == \
         [("skinny_wi8", "1..16"), ("i8_wgmma", "17..inf")]
+    assert [(r.variant, r.span) for r in dispatch.rows("gate_up_silu", facts)] == \
+        [("skinny_wi8", "1..16"), ("skinny_wi8_chunks", "17..32"), ("i8_wgmma", "33..inf")]   # the default chunks
     assert dispatch.select("linear", 1, {**facts, "dtype": "fp32"}).variant == dispatch.NONE
 
 

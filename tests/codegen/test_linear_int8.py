@@ -30,7 +30,8 @@ from harness import single_op_graph  # noqa: E402
 
 I8 = "int8_channel"
 # the int8 readers' own quantiser launches (the prologue and the norms' rows have their own tests)
-QUANT = Tuning(linear=LinearTuning(i8_prologue_upto=0, norm_int8=False))
+# ... and gemm_int8 from 17 tokens: the skinny kernel's 16-token chunks (on at 32 by default) off
+QUANT = Tuning(linear=LinearTuning(i8_prologue_upto=0, norm_int8=False, i8_chunks_upto=0))
 NO_90A = Options(arch="sm_89", tuning=QUANT)   # no wgmma: the exact library call serves above the skinny range
 WEIGHT_LOAD = "LDG.E.NA.LTC128B.128.CONSTANT"
 
@@ -58,7 +59,7 @@ def test_the_linear_table_has_int8_rows_at_16_bit_and_none_at_fp32():
     assert dispatch.select("linear", 16, facts).variant == "skinny_wi8"
     above = dispatch.select("linear", 17, facts)
     assert above.variant == "int_mm" and "NOT a tuned GEMM" in above.reason and "exact" in above.reason
-    gemm = dispatch.select("linear", 17, {**facts, "sm_90a": True, "i8_rows": True, "i8_fits": True})
+    gemm = dispatch.select("linear", 17, {**facts, "sm_90a": True, "i8_rows": True, "i8_fits": True}, QUANT)
     assert gemm.variant == "i8_wgmma" and "bit-equal" in gemm.reason and gemm.span == "17..inf"
     for missing in ("sm_90a", "i8_rows", "i8_fits"):
         wanting = {**facts, "sm_90a": True, "i8_rows": True, "i8_fits": True, missing: False}

@@ -26,6 +26,7 @@ GEMM_FACTS = {"precision": "act", "weight_format": I8, "dtype": "bf16", "sm_90a"
               "i8_fits": True}
 TOKENS = (1, 16, 17, 32, 64, 65, 128, 129)
 ON = "linear.i8_chunks_upto=64"
+OFF = "linear.i8_chunks_upto=0"
 LITE = str(ROOT / "model_specs" / "deepseek_v2_lite.yaml")
 
 
@@ -45,15 +46,16 @@ def _running(steps, T: int) -> list[tuple[str, tuple]]:
     return out
 
 
-def test_the_knob_is_off_by_default_and_takes_its_choices_only():
-    assert LinearTuning().i8_chunks_upto == 0
+def test_the_knob_is_on_at_32_by_default_and_takes_its_choices_only():
+    assert LinearTuning().i8_chunks_upto == 32
     assert parse_tune(["linear.i8_chunks_upto=128"]).linear.i8_chunks_upto == 128
     with pytest.raises(TuningError, match="must be one of 0, 32, 64, 128, 256, got 48"):
         parse_tune(["linear.i8_chunks_upto=48"])
 
 
 @pytest.mark.parametrize("tune, facts, expect", [
-    ((), GEMM_FACTS, {16: "skinny_wi8", 17: "i8_wgmma", 128: "i8_wgmma"}),
+    ((OFF,), GEMM_FACTS, {16: "skinny_wi8", 17: "i8_wgmma", 128: "i8_wgmma"}),
+    ((), GEMM_FACTS, {16: "skinny_wi8", 17: "skinny_wi8_chunks", 32: "skinny_wi8_chunks", 33: "i8_wgmma"}),
     ((ON,), GEMM_FACTS, {16: "skinny_wi8", 17: "skinny_wi8_chunks", 64: "skinny_wi8_chunks", 65: "i8_wgmma"}),
     (("linear.i8_chunks_upto=128", "linear.skinny_upto=8"), GEMM_FACTS,
      {8: "skinny_wi8", 9: "skinny_wi8_chunks", 128: "skinny_wi8_chunks", 129: "i8_wgmma"}),
@@ -76,7 +78,7 @@ def test_which_launches_run_at_each_token_count(op, ctas):
     """Off: the prologue kernel up to 4, the quantiser and the int8 kernel up to 16, gemm_int8 (its quantiser and
     GEMMs) above.  On at 64: the quantiser and the chunked kernel at 17-64, cdiv(T, 16) chunks along y, no
     gemm_int8; from 65 as off."""
-    off, on = _lower(op), _lower(op, ON)
+    off, on = _lower(op, OFF), _lower(op, ON)
     assert [s.name for s in off] == [s.name for s in on if not s.name.endswith("__c16")]
     for T in TOKENS:
         if T <= 4:
@@ -96,7 +98,7 @@ def test_which_launches_run_at_each_token_count(op, ctas):
 
 
 def test_the_quantisers_rows_cover_the_chunks_and_gemm_int8s_workspaces_are_empty_there():
-    off, on = _lower("multi_linear"), _lower("multi_linear", "linear.i8_chunks_upto=128")
+    off, on = _lower("multi_linear", OFF), _lower("multi_linear", "linear.i8_chunks_upto=128")
     (quant,) = [s for s in on if s.stage == "quant_int8"]
     for w in quant.workspace:
         assert [evaluate(w.shape[0], {"T": T}) for T in (5, 16, 17, 100, 128, 129)] == [5, 16, 17, 100, 128, 128]
@@ -129,7 +131,7 @@ def test_off_the_int8_gemms_case_no_chunks():
     nothing."""
     for steps in (_lower("linear", ON, arch="sm_80"), _lower("linear", ON, "linear.skinny_upto=0")):
         assert not any(isinstance(s, KernelLaunch) and "chunk" in s.params for s in steps)
-    assert _lower("linear", ON, arch="sm_80") == _lower("linear", arch="sm_80")
+    assert _lower("linear", ON, arch="sm_80") == _lower("linear", OFF, arch="sm_80")
 
 
 def test_explain_names_the_chunks_row_and_the_norms_rows_feed_them(capsys):
@@ -184,12 +186,12 @@ def test_the_decode_arena_holds_no_gemm_int8_workspaces_where_the_chunks_run():
     from codegen.memplan import ArenaPlan, step_sizes
     from runtime.bench import bench_spec
     totals = {}
-    for tune in ((), (ON,)):
+    for tune in ((OFF,), (ON,)):
         plan = plan_spec(bench_spec(LITE, "w4a8"), Options(tuning=parse_tune(list(tune))), strict=False).plans["decode"]
         arena = ArenaPlan(plan.arena)
         for b in (32, 128):
             lay = arena.layout(step_sizes("decode", b, plan), 2)
             i8_ws = sum(n for name, n in lay.nbytes.items() if name.rsplit("/", 1)[-1].startswith("i8_"))
             totals[tune, b] = (lay.total, i8_ws)
-    assert totals[(ON,), 32][1] == 0 < totals[(), 32][1], totals
-    assert totals[(ON,), 128] == totals[(), 128], totals
+    assert totals[(ON,), 32][1] == 0 < totals[(OFF,), 32][1], totals
+    assert totals[(ON,), 128] == totals[(OFF,), 128], totals

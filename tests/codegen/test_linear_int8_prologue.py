@@ -21,11 +21,12 @@ from codegen.families.mla_decode_attention import smem_limit  # noqa: E402
 from codegen.kernel import KernelLaunch, LibraryCall, Options  # noqa: E402
 from codegen.tuning import LinearTuning, Tuning  # noqa: E402
 
+# the tunings below keep the int8 chunks (linear.i8_chunks_upto, on at 32 by default) off: gemm_int8 from 17 tokens
 FACTS = {"precision": "act", "weight_format": I8, "dtype": "bf16", "sm_90a": True, "i8_rows": True, "i8_fits": True}
 
 
 def _opts(n: int, **kw) -> Options:
-    return Options(tuning=Tuning(linear=LinearTuning(i8_prologue_upto=n, **kw.pop("linear", {}))), **kw)
+    return Options(tuning=Tuning(linear=LinearTuning(i8_chunks_upto=0, i8_prologue_upto=n, **kw.pop("linear", {}))), **kw)
 
 
 def _running(steps, T: int) -> list[str]:
@@ -36,22 +37,22 @@ def _running(steps, T: int) -> list[str]:
 
 
 def test_the_linear_table_gives_the_prologue_its_tokens_where_the_rows_fit():
-    t4 = Tuning(linear=LinearTuning(i8_prologue_upto=4))
+    t4 = Tuning(linear=LinearTuning(i8_chunks_upto=0, i8_prologue_upto=4))
     rows = dispatch.rows("linear", {**FACTS, "i8_xq_fits": True}, t4)
     assert [(r.variant, r.span) for r in rows] == [("skinny_wi8_xq", "1..4"), ("skinny_wi8", "5..16"),
                                                    ("i8_wgmma", "17..inf")]
     assert "prologue" in rows[0].reason and "no launch of its own" in rows[0].reason
     # the rows do not fit, or the knob is off: the rows without the prologue
-    off = Tuning(linear=LinearTuning(i8_prologue_upto=0))
+    off = Tuning(linear=LinearTuning(i8_chunks_upto=0, i8_prologue_upto=0))
     today = dispatch.rows("linear", FACTS, off)
     assert dispatch.rows("linear", {**FACTS, "i8_xq_fits": False}, t4) == today
     assert "i8_xq_fits" not in dispatch.table("linear", off).facts
     assert [r.variant for r in today] == ["skinny_wi8", "i8_wgmma"]
     # at the skinny kernel's whole range the quantiser's row is gone; the knob is capped by skinny_upto
-    t16 = Tuning(linear=LinearTuning(i8_prologue_upto=16))
+    t16 = Tuning(linear=LinearTuning(i8_chunks_upto=0, i8_prologue_upto=16))
     assert [(r.variant, r.span) for r in dispatch.rows("linear", {**FACTS, "sm_90a": False, "i8_xq_fits": True}, t16)] \
         == [("skinny_wi8_xq", "1..16"), ("int_mm", "17..inf")]
-    t16_8 = Tuning(linear=LinearTuning(i8_prologue_upto=16, skinny_upto=8))
+    t16_8 = Tuning(linear=LinearTuning(i8_chunks_upto=0, i8_prologue_upto=16, skinny_upto=8))
     assert dispatch.rows("linear", {**FACTS, "i8_xq_fits": True}, t16_8)[0].span == "1..8"
 
 

@@ -2,13 +2,13 @@
 // template: gemm_int8.cu.j2
 // kernel:   gemm_int8__bf16__k16384__quant_i8
 // role:     gemm_int8.quant_i8
-// params:   {"K":16384,"act":"__nv_bfloat16","lo":17,"qrow":16384,"threads":256,"variant":"quant","wfmt":"int8_channel"}
+// params:   {"K":16384,"act":"__nv_bfloat16","lo":33,"qrow":16384,"threads":256,"variant":"quant","wfmt":"int8_channel"}
 // includes: common.cuh, pdl.cuh, phases.cuh, quant_int8.cuh, vec.cuh
 // nodes:    L0-3.mla.y
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3_1_w4a8_seed.yaml:82 blocks.mla.ops[10] linear, layers 0-3 (as written)
 
-// The int8 GEMM's activation quantiser above 16 tokens: x [T, K] (rows x_stride apart: may be a view),
+// The int8 GEMM's activation quantiser above 32 tokens: x [T, K] (rows x_stride apart: may be a view),
 // K = 16384 -> q [T, 16384] int8 (zero padded) and s [T] float32, per token, symmetric, round half to even
 // (templates/include/quant_int8.cuh; ir/formats_int.py quantize_activation); one CTA a token.
 #include "quant_int8.cuh"

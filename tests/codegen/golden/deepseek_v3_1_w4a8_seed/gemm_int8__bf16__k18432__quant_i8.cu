@@ -2,13 +2,13 @@
 // template: gemm_int8.cu.j2
 // kernel:   gemm_int8__bf16__k18432__quant_i8
 // role:     gemm_int8.quant_i8
-// params:   {"K":18432,"act":"__nv_bfloat16","lo":17,"qrow":18432,"threads":256,"variant":"quant","wfmt":"int8_channel"}
+// params:   {"K":18432,"act":"__nv_bfloat16","lo":33,"qrow":18432,"threads":256,"variant":"quant","wfmt":"int8_channel"}
 // includes: common.cuh, pdl.cuh, phases.cuh, quant_int8.cuh, vec.cuh
 // nodes:    L0-2.dense_ffn.y
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3_1_w4a8_seed.yaml:91 blocks.dense_ffn.ops[3] linear, layers 0-2 (as written)
 
-// The int8 GEMM's activation quantiser above 16 tokens: x [T, K] (rows x_stride apart: may be a view),
+// The int8 GEMM's activation quantiser above 32 tokens: x [T, K] (rows x_stride apart: may be a view),
 // K = 18432 -> q [T, 18432] int8 (zero padded) and s [T] float32, per token, symmetric, round half to even
 // (templates/include/quant_int8.cuh; ir/formats_int.py quantize_activation); one CTA a token.
 #include "quant_int8.cuh"

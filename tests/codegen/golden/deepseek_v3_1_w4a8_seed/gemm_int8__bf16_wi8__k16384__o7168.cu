@@ -2,13 +2,13 @@
 // template: gemm_int8.cu.j2
 // kernel:   gemm_int8__bf16_wi8__k16384__o7168
 // role:     gemm_int8.i8_wgmma
-// params:   {"K":16384,"O":7168,"act":"__nv_bfloat16","bm":128,"box_k":128,"box_rows":64,"cols":128,"lo":17,"partial_words":16384,"qrow":16384,"silu":false,"smem":230400,"stages":6,"threads":384,"tickets":1024,"variant":"gemm","wfmt":"int8_channel"}
+// params:   {"K":16384,"O":7168,"act":"__nv_bfloat16","bm":128,"box_k":128,"box_rows":64,"cols":128,"lo":33,"partial_words":16384,"qrow":16384,"silu":false,"smem":230400,"stages":6,"threads":384,"tickets":1024,"variant":"gemm","wfmt":"int8_channel"}
 // includes: common.cuh, gemm_int8.cuh, gemm_ring.cuh, gemm_split.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, pdl.cuh, phases.cuh, quant_int8.cuh, tickets.cuh, tma.cuh, vec.cuh, wgmma.cuh
 // nodes:    L0-3.mla.y
 // implements (spec op, layers, passes that fused it):
 //   deepseek_v3_1_w4a8_seed.yaml:82 blocks.mla.ops[10] linear, layers 0-3 (as written)
 
-// linear above 16 tokens, int8 x int8: y [T, 7168] = x W^T from the quantised x (xq, xs) and the int8
+// linear above 32 tokens, int8 x int8: y [T, 7168] = x W^T from the quantised x (xq, xs) and the int8
 // weight W [7168, 16384] with its per-channel scales (sw); exact int32 sums, then (float(acc) * s_w) * s_x
 // (templates/include/gemm_int8.cuh), 128 output columns a tile.
 // K split over `splits` CTAs a tile where the tiles are fewer than the SMs (decode batches): the int32

@@ -2,7 +2,7 @@
 // template: gemm_int8.cu.j2
 // kernel:   gemm_int8__bf16_wi8__k7168__silu18432
 // role:     gemm_int8.i8_wgmma
-// params:   {"K":7168,"O":18432,"act":"__nv_bfloat16","bm":128,"box_k":128,"box_rows":64,"cols":64,"lo":17,"partial_words":16384,"qrow":7168,"silu":true,"smem":230400,"stages":6,"threads":384,"tickets":1024,"variant":"gemm","wfmt":"int8_channel"}
+// params:   {"K":7168,"O":18432,"act":"__nv_bfloat16","bm":128,"box_k":128,"box_rows":64,"cols":64,"lo":33,"partial_words":16384,"qrow":7168,"silu":true,"smem":230400,"stages":6,"threads":384,"tickets":1024,"variant":"gemm","wfmt":"int8_channel"}
 // includes: common.cuh, gemm_int8.cuh, gemm_ring.cuh, gemm_split.cuh, l2_policy.cuh, mbarrier.cuh, mma.cuh, pdl.cuh, phases.cuh, quant_int8.cuh, tickets.cuh, tma.cuh, vec.cuh, wgmma.cuh
 // nodes:    L0-2.dense_ffn.g
 // implements (spec op, layers, passes that fused it):
@@ -10,7 +10,7 @@
 //   deepseek_v3_1_w4a8_seed.yaml:89 blocks.dense_ffn.ops[1] linear, layers 0-2 (fuse_sibling_linears, fuse_gate_up_silu)
 //   deepseek_v3_1_w4a8_seed.yaml:90 blocks.dense_ffn.ops[2] silu_and_mul, layers 0-2 (fuse_gate_up_silu)
 
-// gate_up_silu above 16 tokens, int8 x int8: y [T, 18432] = silu(x Wg^T) * (x Wu^T) from the quantised x
+// gate_up_silu above 32 tokens, int8 x int8: y [T, 18432] = silu(x Wg^T) * (x Wu^T) from the quantised x
 // (xq, xs) and the int8 gate / up weights [18432, 7168] with their per-channel scales (sg, su); exact int32
 // sums, then (float(acc) * s_w) * s_x (templates/include/gemm_int8.cuh), 64 output columns a tile.
 // K split over `splits` CTAs a tile where the tiles are fewer than the SMs (decode batches): the int32
