@@ -23,18 +23,9 @@ __device__ __forceinline__ void linear_fp8_chunk(const T* __restrict__ x, i64 x_
                                                  const Fp8Mats<sizeof...(ROWS)>& m,
                                                  const Mats<T, sizeof...(ROWS)>& out, int ntok, float* red) {
   constexpr int rows[] = {ROWS...};
-  constexpr int NOUT = SILU ? 1 : (int)sizeof...(ROWS);
-  // The chunk's output pointers wait in shared memory: read only by the store, after the barrier that
-  // starts it (skinny.cuh reduce_store), so they hold no registers through the weight loop (in registers
-  // they pushed o_proj's kernel past its 128 and spilled).
-  __shared__ Mats<T, sizeof...(ROWS)> mine;
-  const int t0 = (int)blockIdx.y * MAX_TOKENS;
-  const int chunk_tokens = min(MAX_TOKENS, ntok - t0);
-  if (threadIdx.x == 0) {
-    mine = out;
-#pragma unroll
-    for (int i = 0; i < NOUT; ++i) mine.y[i] = out.y[i] + (i64)t0 * rows[i];
-  }
+  __shared__ Mats<T, sizeof...(ROWS)> mine;            // skinny.cuh chunk_outputs (the store: reduce_store)
+  const int t0 = (int)blockIdx.y * MAX_TOKENS, chunk_tokens = min(MAX_TOKENS, ntok - t0);
+  chunk_outputs<SILU ? 1 : (int)sizeof...(ROWS)>(out, mine, rows, t0);
   linear_fp8<T, K, WARPS, RT, U, ROLLING, KS, SILU, ROWS...>(x + (i64)t0 * x_stride, x_stride, m, mine,
                                                              chunk_tokens, red);
 }

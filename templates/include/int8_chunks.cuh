@@ -23,19 +23,11 @@ __device__ __forceinline__ void linear_i8_chunk(const signed char* __restrict__ 
                                                 const I8Mats<sizeof...(ROWS)>& m, const Mats<T, sizeof...(ROWS)>& out,
                                                 int ntok, int* red) {
   constexpr int rows[] = {ROWS...};
-  constexpr int NOUT = SILU ? 1 : (int)sizeof...(ROWS);
-  // The chunk's output pointers wait in shared memory: read only by the store, after the barrier that
-  // starts it (i8_store), so they hold no registers through the weight loop.
-  __shared__ Mats<T, sizeof...(ROWS)> mine;
-  const int t0 = (int)blockIdx.y * MAX_TOKENS;
-  const int chunk_tokens = min(MAX_TOKENS, ntok - t0);
-  if (threadIdx.x == 0) {
-    mine = out;
-#pragma unroll
-    for (int i = 0; i < NOUT; ++i) mine.y[i] = out.y[i] + (i64)t0 * rows[i];
-  }
-  linear_i8<T, K, WARPS, RT, U, SILU, ROWS...>(qx + (i64)t0 * dsg::quant::qrow(K), sx + t0, m, mine, chunk_tokens,
-                                               red);
+  __shared__ Mats<T, sizeof...(ROWS)> mine;            // skinny.cuh chunk_outputs (the store: i8_store)
+  const int t0 = (int)blockIdx.y * MAX_TOKENS, chunk_tokens = min(MAX_TOKENS, ntok - t0);
+  chunk_outputs<SILU ? 1 : (int)sizeof...(ROWS)>(out, mine, rows, t0);
+  linear_i8<T, K, WARPS, RT, U, SILU, ROWS...>(qx + (i64)t0 * dsg::quant::qrow(K), sx + t0, m, mine,
+                                               chunk_tokens, red);
 }
 
 }  // namespace skinny

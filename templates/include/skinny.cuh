@@ -59,6 +59,20 @@ struct Mats {
   T* y[N];
 };
 
+// The skinny kernels past MAX_TOKENS run in chunks of MAX_TOKENS tokens along grid.y (fp8_chunks.cuh,
+// int8_chunks.cuh); chunk blockIdx.y starts at token t0.  Its outputs: `mine`, the caller's __shared__ copy of
+// out with each of the NOUT outputs (rows[i] elements a token) offset by t0 rows.  Thread 0 writes it and only
+// the store reads it, after the barrier that starts the store, so the pointers hold no registers through the
+// weight loop (in registers they pushed o_proj's FP8 kernel past its 128 and spilled).
+template <int NOUT, typename T, int N>
+__device__ __forceinline__ void chunk_outputs(const Mats<T, N>& out, Mats<T, N>& mine, const int (&rows)[N], int t0) {
+  if (threadIdx.x == 0) {
+    mine = out;
+#pragma unroll
+    for (int i = 0; i < NOUT; ++i) mine.y[i] = out.y[i] + (i64)t0 * rows[i];
+  }
+}
+
 // Floats of shared memory for the warps' partial sums (both paths use the same amount), and with
 // KS > 1 the CTA's own sum that the cluster reads.
 __host__ __device__ constexpr int red_floats(int warps, int rt, int ks) {
