@@ -257,6 +257,14 @@ def main() -> int:
             def err_of(ys, refs):
                 return max(float((y.double() - r).norm() / r.norm()) for y, r in zip(ys, refs))
 
+            def checked(run, ys, refs):
+                """run(i) (weight copy i) once on outputs poisoned with NaN: (its error against refs, its time)."""
+                for y in ys.values():
+                    y.fill_(float("nan"))
+                run(0)
+                torch.cuda.synchronize()
+                return err_of(list(ys.values()), refs), time_cycled(run, copies)
+
             if T > DEFAULT_TUNING.linear.skinny_upto:   # the FP8 GEMM or the library call serves T
                 if silu:
                     base = time_cycled(lambda i: gate_up_silu_ref(x, bf16[i][0], bf16[i][1]), copies)
@@ -268,11 +276,8 @@ def main() -> int:
                 if isinstance(above[0], KernelLaunch):
                     ys = {o: torch.full((T, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                           for o, n in zip(outs, rows[:1] if silu else rows)}
-                    runner.run_all(above, values={"x": x, **ys}, weights=w8[0], sizes={"T": T})
-                    torch.cuda.synchronize()
-                    err = err_of(list(ys.values()), ref8)
-                    us = time_cycled(lambda i: runner.run_all(above, values={"x": x, **ys}, weights=w8[i],
-                                                              sizes={"T": T}), copies)
+                    err, us = checked(lambda i: runner.run_all(above, values={"x": x, **ys}, weights=w8[i],
+                                                               sizes={"T": T}), ys, ref8)
                     # x in FP8 adds its own rounding (~2-3% norm-wise): BAD only past 5%
                     report(name, T, f"fp8 wgmma {flops / us / 1e6:6.0f} TFLOP/s", us, fp8_bytes, err, base,
                            bad_err=5e-2)
@@ -284,24 +289,14 @@ def main() -> int:
                     for label, arm in pdl_arms:   # as a bundle launches them, default knobs and --tune's
                         pdl = [dataclasses.replace(la, pdl=True) for la in lowered(m, K, rows, silu, FP8_DEFAULT,
                                                                                    True, arm)[1]]
-                        for y in ys.values():
-                            y.fill_(float("nan"))
-                        runner.run_all(pdl, values={"x": x, **ys}, weights=w8[0], sizes={"T": T})
-                        torch.cuda.synchronize()
-                        err = err_of(list(ys.values()), ref8)
-                        us = time_cycled(lambda i: runner.run_all(pdl, values={"x": x, **ys}, weights=w8[i],
-                                                                  sizes={"T": T}), copies)
+                        err, us = checked(lambda i: runner.run_all(pdl, values={"x": x, **ys}, weights=w8[i],
+                                                                   sizes={"T": T}), ys, ref8)
                         report(name, T, f"fp8 wgmma pdl{label}", us, fp8_bytes, err, base, bad_err=5e-2)
                     # the skinny kernel, cdiv(T, 16) chunks of tokens along grid.y, in each --fp8-variants shape
                     for v in fp8_variants if T <= args.chunks else ():
                         _, la8 = lowered_chunks(m, K, rows, silu, args.chunks, v)
-                        for y in ys.values():
-                            y.fill_(float("nan"))
-                        runner.run(la8, values={"x": x, **ys}, weights=w8[0], sizes={"T": T})
-                        torch.cuda.synchronize()
-                        err = err_of(list(ys.values()), ref8)
-                        us = time_cycled(lambda i: runner.run(la8, values={"x": x, **ys}, weights=w8[i],
-                                                              sizes={"T": T}), copies)
+                        err, us = checked(lambda i: runner.run(la8, values={"x": x, **ys}, weights=w8[i],
+                                                               sizes={"T": T}), ys, ref8)
                         report(name, T, f"fp8 chunks x{-(-T // 16)} {v}", us, fp8_bytes, err, base)
                     continue
                 (call,) = above
@@ -319,19 +314,13 @@ def main() -> int:
             la, _, outs = lowered(m, K, rows, silu, BF16_VARIANT, False)
             ys = {o: torch.full((T, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                   for o, n in zip(outs, rows[:1] if silu else rows)}
-            runner.run(la, values={"x": x, **ys}, weights=wb[0], sizes={"T": T})
-            torch.cuda.synchronize()
-            err = err_of(list(ys.values()), refb)
-            base = time_cycled(lambda i: runner.run(la, values={"x": x, **ys}, weights=wb[i], sizes={"T": T}), copies)
+            err, base = checked(lambda i: runner.run(la, values={"x": x, **ys}, weights=wb[i], sizes={"T": T}),
+                                ys, refb)
             report(name, T, f"bf16 {BF16_VARIANT}", base, bf16_bytes, err)
             for v in fp8_variants:
                 la8, _, _ = lowered(m, K, rows, silu, v, True)
-                for y in ys.values():
-                    y.fill_(float("nan"))
-                runner.run(la8, values={"x": x, **ys}, weights=w8[0], sizes={"T": T})
-                torch.cuda.synchronize()
-                err = err_of(list(ys.values()), ref8)
-                us = time_cycled(lambda i: runner.run(la8, values={"x": x, **ys}, weights=w8[i], sizes={"T": T}), copies)
+                err, us = checked(lambda i: runner.run(la8, values={"x": x, **ys}, weights=w8[i], sizes={"T": T}),
+                                  ys, ref8)
                 report(name, T, f"fp8 {v}", us, fp8_bytes, err, base)
         del bf16, qs, wb, w8
         torch.cuda.empty_cache()
