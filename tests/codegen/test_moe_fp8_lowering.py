@@ -61,7 +61,12 @@ def test_the_fp8_row_serves_decode_and_every_token_count_with_16_bit_activations
         for T in (1, 2, 8, 32, 128, 192, 256, 300, 16384):
             assert dispatch.select(op, T, FP8_FACTS, weight_only).variant == _moe_fp8.VARIANT
             assert dispatch.select(op, T, {**FP8_FACTS, "fp8x_fits": False}).variant == _moe_fp8.VARIANT
+            above = Tuning().moe.fp8_activations_above   # 16: the FP8 x FP8 GEMM from 17 tokens
             assert dispatch.select(op, T, {**FP8_FACTS, "fp8x_fits": True}).variant == \
+                (_moe_fp8.VARIANT if T <= above else "wgmma_fp8")
+            # none: decode's tiles up to bf16's prefill threshold (256)
+            follow = Tuning(moe=MoeTuning(fp8_activations_above=None))
+            assert dispatch.select(op, T, {**FP8_FACTS, "fp8x_fits": True}, follow).variant == \
                 (_moe_fp8.VARIANT if T <= 256 else "wgmma_fp8")
 
 
@@ -88,7 +93,7 @@ def test_explain_shows_the_fp8_rows_and_the_two_launches(tmp_path, capsys):
         assert "moe_down__bf16_wfp8__e66__d2048_m1408__wgmma_skinny_fp8" in block
         assert "wgmma_skinny_fp8 [tokens 1..256]" in block and "moe_expert_ffn__" not in block
     prefill = out.split("prefill, T = 300 ", 1)[1].split("\n\n", 1)[0]
-    assert "gemm_fp8__bf16__k1408__quant_x, moe_down__bf16_wfp8_afp8__e66__d2048_m1408__wgmma_fp8" in prefill
+    assert "gemm_fp8__bf16__k1408__quant_x, moe_down__bf16_wfp8_afp8__e66__d2048_m1408__ovl__wgmma_fp8" in prefill
     assert "wgmma_fp8 [tokens 257..inf]: FP8 x FP8" in prefill
 
 
@@ -105,12 +110,15 @@ def test_fp8_kernels_compile_for_sm90a_without_spills(op, KD, N, dtype):
 
 # bf16's decode refinements on the FP8 tiles (on by default): each test below turns on the ones it names
 FP8_DECODE_OFF = {"fp8_one_token_down": False, "fp8_shared_before_wait": False, "fp8_widen_ahead": False}
-FP8_DECODE_OFF_FLAGS = [f for k in FP8_DECODE_OFF for f in ("--tune", f"moe.{k}=false")]
+# ... on decode's tiles over bf16's decode range, 1-256 (by default the FP8 x FP8 GEMM takes T > 16)
+TILES_TO_256 = {"fp8_activations_above": None}
+FP8_DECODE_OFF_FLAGS = [f for k in FP8_DECODE_OFF for f in ("--tune", f"moe.{k}=false")] + \
+    ["--tune", "moe.fp8_activations_above=none"]
 
 
 def _fp8_tuning(**moe):
     from codegen.tuning import MoeTuning, Tuning
-    return Tuning(moe=MoeTuning(**{**FP8_DECODE_OFF, **moe}))
+    return Tuning(moe=MoeTuning(**{**FP8_DECODE_OFF, **TILES_TO_256, **moe}))
 
 
 def test_the_fp8_decode_refinements_are_on_by_default():

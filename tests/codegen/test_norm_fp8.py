@@ -35,9 +35,12 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 from harness import single_op_graph  # noqa: E402
 
 # the FP8 x FP8 readers from T = 17: the skinny kernel's 16-token chunks (on at 64 by default) read the 16-bit x
-# (tests/codegen/test_linear_fp8_chunks.py has the norms' rows with the chunks on)
-ON = Tuning(linear=LinearTuning(norm_fp8=True, fp8_chunks_upto=0))
-OFF = Tuning(linear=LinearTuning(norm_fp8=False, fp8_chunks_upto=0))
+# (tests/codegen/test_linear_fp8_chunks.py has the norms' rows with the chunks on); the experts' FP8 x FP8 GEMM
+# from 257, where bf16's prefill GEMM starts (by default from 17: moe.fp8_activations_above; the same test file's
+# explain test has the MoE input norms' rows at b=32)
+EXPERTS_256 = MoeTuning(fp8_activations_above=None)
+ON = Tuning(linear=LinearTuning(norm_fp8=True, fp8_chunks_upto=0), moe=EXPERTS_256)
+OFF = Tuning(linear=LinearTuning(norm_fp8=False, fp8_chunks_upto=0), moe=EXPERTS_256)
 FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 TINY = {  # V2-style, no q_lora: the input norm feeds q + kv_a; D = 144 (a partial 128-group), widths % 16 == 0
     "model_type": "deepseek_v2", "hidden_size": 144, "num_attention_heads": 2, "q_lora_rank": None,

@@ -268,7 +268,7 @@ def test_with_the_prologue_knob_too_the_norms_rows_win():
     """linear.i8_prologue_upto on as well: a norm-fed int8 linear reads the norm's rows at every T its
     skinny kernel serves (no prologue variant, no quantiser); a linear whose input no norm makes (o_proj, the
     dense down) quantises x in its prologue as that knob asks."""
-    both = Tuning(linear=LinearTuning(norm_int8=True, i8_prologue_upto=8))
+    both = Tuning(linear=LinearTuning(norm_int8=True, i8_prologue_upto=8, i8_chunks_upto=0))   # (the chunks' own test)
     G, plan = _plan("decode", both)
     fed = _norm_fed(G)
     skinny = [s for s in _launches(plan) if s.family == "linear_skinny" and s.params.get("wfmt") == "int8_channel"]
