@@ -164,7 +164,8 @@ class LinearTuning(_Section):
                                     "many tokens the int8 skinny kernel runs in chunks of 16 tokens (grid.y) on x's "
                                     "int8 rows (the quantiser's or the norm's), the int8 GEMM above (0: never; also "
                                     "never while skinny_upto is 0). 32: H100 W4A8 b=32 5.86 -> 5.01 ms; 64 loses "
-                                    "for the dense gate_up at 64 tokens (38 -> 67 us: x re-read by 4 chunks)")
+                                    "for the dense gate_up at 64 tokens (38 -> 67 us: 4 chunks re-read its 45 MB "
+                                    "past L2)")
     gemm_weights_early: bool = _knob(False, doc="the dense one-byte GEMMs (gemm_fp8, gemm_int8): each CTA issues the "
                                                 "weight boxes of its first ring stages before the PDL wait, so the "
                                                 "weights' DRAM round trip overlaps the kernel before (kernel name part "
