@@ -170,6 +170,11 @@ class LinearTuning(_Section):
                                                 "weight boxes of its first ring stages before the PDL wait, so the "
                                                 "weights' DRAM round trip overlaps the kernel before (kernel name part "
                                                 "ew); the token rows still after the wait")
+    gemm_split_min_kb: int = _knob(1, choices=(1, 2, 4, 8),
+                                   doc="the dense one-byte GEMMs' split K: each split keeps at least this many "
+                                       "128-wide K blocks (the tile's last CTA reads the other splits' partials "
+                                       "alone, so a short split costs more than it streams: H100 o_proj at 128 "
+                                       "tokens 15.4 us split 8 ways, 12.3 split 2-4 ways)")
 
 
 @dataclass(frozen=True)

@@ -22,32 +22,32 @@ def tiles(O: int, silu: bool) -> str:
     return f"cdiv(T, {BM}) * {cdiv(O, BN // 2 if silu else BN)}"
 
 
-def splits(O: int, K: int, silu: bool) -> str:
+def splits(O: int, K: int, silu: bool, min_kb: int = 1) -> str:
     """CTAs a tile (the kernel's `splits`): enough splits of K that tiles * splits reaches the SM count,
-    at most SPLIT_MAX and one K block each; 1 where the tiles alone fill the SMs or would not fit the
-    tickets."""
-    cap = min(SPLIT_MAX, cdiv(K, BK))
+    at most SPLIT_MAX and `min_kb` K blocks each (Tuning.linear.gemm_split_min_kb); 1 where the tiles
+    alone fill the SMs or would not fit the tickets."""
+    cap = max(1, min(SPLIT_MAX, cdiv(K, BK) // min_kb))
     if cap == 1:
         return "1"
     return f"max(1, min({cap}, min(SMS, {TICKETS}) // max(1, {tiles(O, silu)})))"
 
 
-def grid(O: int, K: int, silu: bool) -> str:
+def grid(O: int, K: int, silu: bool, min_kb: int = 1) -> str:
     """The GEMM's grid: one CTA a tile up to the SM count (a persistent walk past it), times the
     splits (> 1 only where the tiles are fewer than half the SMs: then exactly tiles * splits)."""
-    return f"min(SMS, {tiles(O, silu)}) * {splits(O, K, silu)}"
+    return f"min(SMS, {tiles(O, silu)}) * {splits(O, K, silu, min_kb)}"
 
 
-def partial_rows(O: int, K: int, silu: bool) -> str:
+def partial_rows(O: int, K: int, silu: bool, min_kb: int = 1) -> str:
     """Partial tiles a split GEMM writes (splits * tiles; none where it does not split)."""
-    S = splits(O, K, silu)
+    S = splits(O, K, silu, min_kb)
     return "0" if S == "1" else f"({S}) * {tiles(O, silu)} * min(1, ({S}) - 1)"
 
 
-def partials(name: str, dtype: str, K: int, widths: list[int], silu: bool) -> Workspace:
+def partials(name: str, dtype: str, K: int, widths: list[int], silu: bool, min_kb: int = 1) -> Workspace:
     """The node's partials workspace (rows of PARTIAL_WORDS `dtype` words): its GEMMs (output widths
     `widths`) run one after another, so one workspace as large as the largest needs."""
-    need = sorted({partial_rows(O, K, silu) for O in widths} - {"0"})
+    need = sorted({partial_rows(O, K, silu, min_kb) for O in widths} - {"0"})
     rows = need[0] if need else "0"
     for r in need[1:]:
         rows = f"max({rows}, {r})"

@@ -115,7 +115,8 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
     ws = (Workspace(XQ, ("T", K // 4), "i32"), Workspace(XS, ("T", KB), "f32"))
     silu = op == "gate_up_silu"
     groups = [(weights, outs[0], rows[0])] if silu else [([w], y, o) for w, y, o in zip(weights, outs, rows)]
-    partials = partials_workspace(PARTIALS, "f32", K, [O for _, _, O in groups], silu)
+    min_kb = opts.tuning.linear.gemm_split_min_kb
+    partials = partials_workspace(PARTIALS, "f32", K, [O for _, _, O in groups], silu, min_kb)
     x_args = _norm_quant.x_args(normed, XQ, XS, "int")
 
     def only(g: str) -> str:
@@ -146,9 +147,9 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
                     "threads": THREADS, "cols": cols, "box_rows": BOX, "box_k": BK, "bm": BM, "lo": lo,
                     "tickets": TICKETS, "partial_words": PARTIAL_WORDS, **({"overlap": True} if overlap else {}),
                     **({"early": True} if early else {})},
-            nodes=(nid,), grid=(only(grid(O, K, silu)), 1, 1), block=(THREADS, 1, 1),
+            nodes=(nid,), grid=(only(grid(O, K, silu, min_kb)), 1, 1), block=(THREADS, 1, 1),
             args=(*x_args, *w_args, out("y", act, y), work("partials", "float", PARTIALS), size("T", "T"),
-                  size("splits", splits(O, K, silu))),
+                  size("splits", splits(O, K, silu, min_kb))),
             smem=nbytes, workspace=(partials,) if normed else (*ws, partials), stage="fp8_wgmma",
             requires=(FEATURE,)))
     return gemms if normed else [quant, *gemms]

@@ -134,7 +134,8 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
     silu = op == "gate_up_silu"
     groups = [(weights, outs[0], rows[0])] if silu else [([w], y, o) for w, y, o in zip(weights, outs, rows)]
     cols = BN // 2 if silu else BN
-    partials = partials_workspace(PARTIALS, "i32", K, [O for _, _, O in groups], silu)
+    min_kb = opts.tuning.linear.gemm_split_min_kb
+    partials = partials_workspace(PARTIALS, "i32", K, [O for _, _, O in groups], silu, min_kb)
     x_args = _norm_quant.x_args(normed, XQ, XS)
     early = opts.tuning.linear.gemm_weights_early
     gemms = []
@@ -153,9 +154,9 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
                     "smem": nbytes, "threads": THREADS, "cols": cols, "box_rows": BOX, "box_k": BK, "bm": BM,
                     "lo": lo, "wfmt": INT8.name, "tickets": TICKETS, "partial_words": PARTIAL_WORDS,
                     **({"early": True} if early else {})},
-            nodes=(nid,), grid=(only(grid(O, K, silu)), 1, 1), block=(THREADS, 1, 1),
+            nodes=(nid,), grid=(only(grid(O, K, silu, min_kb)), 1, 1), block=(THREADS, 1, 1),
             args=(*x_args, *w_args, out("y", act, y), work("partials", "int", PARTIALS), size("T", "T"),
-                  size("splits", splits(O, K, silu))),
+                  size("splits", splits(O, K, silu, min_kb))),
             smem=nbytes, workspace=(partials,) if normed else (*ws, partials), stage="i8_wgmma",
             requires=(FEATURE,)))
     return gemms if normed else [quant, *gemms]

@@ -113,6 +113,31 @@ def test_at_decode_batches_k_splits_until_the_tiles_fill_the_sms(op):
         assert splits == S and grid == (t * S if S > 1 else min(4096, t))
 
 
+@pytest.mark.parametrize("min_kb", [2, 4, 8])
+def test_the_split_keeps_gemm_split_min_kb_blocks_each(min_kb):
+    """Tuning.linear.gemm_split_min_kb caps the splits at KB // min_kb (V2-Lite's K = 2048: 16 blocks), so
+    the tile's last CTA sums fewer partials; a K of fewer blocks than min_kb is not split; the grid, the
+    kernel's `splits` and the partials workspace follow; the kernels themselves are the knob-off ones."""
+    tuning = Tuning(linear=LinearTuning(fp8_chunks_upto=0, gemm_split_min_kb=min_kb), moe=MoeTuning(fp8_overlap=False))
+    G, nid = _node("multi_linear", (FP8.name, FP8.name))
+    off = [s for s in linear_skinny.lower(nid, G, Options(tuning=GEMM_FROM_17)) if s.stage == "fp8_wgmma"]
+    on = [s for s in linear_skinny.lower(nid, G, Options(tuning=tuning)) if s.stage == "fp8_wgmma"]
+    assert [la.name for la in on] == [la.name for la in off] and [la.params for la in on] == [la.params for la in off]
+    cap = 16 // min_kb
+    for T in (FIRST, 32, 128, 129, 256):
+        rows = []
+        for la, n in zip(on, (24, 5)):                       # q's and kv_a's tiles at T <= 128
+            t = -(-T // 128) * n
+            S = max(1, min(cap, 132 // t))
+            grid, splits, partial_rows = _geometry(la, T)
+            assert splits == S and grid == (t * S if S > 1 else min(132, t)), (la.name, T, min_kb, grid, splits)
+            rows.append(t * S if S > 1 else 0)
+        assert partial_rows == max(rows)
+    G, nid = _node("linear", (FP8.name,), K=256)             # two K blocks: split only where min_kb allows
+    (la,) = [s for s in linear_skinny.lower(nid, G, Options(tuning=tuning)) if s.stage == "fp8_wgmma"]
+    assert _geometry(la, 32)[1] == (2 if min_kb == 1 else 1)
+
+
 def test_a_short_k_splits_at_most_once_a_block():
     G, nid = _node("linear", (FP8.name,), K=256)             # two K blocks
     (la,) = [s for s in linear_skinny.lower(nid, G, Options(tuning=GEMM_FROM_17)) if s.stage == "fp8_wgmma"]

@@ -121,6 +121,17 @@ def test_at_decode_batches_k_splits_until_the_tiles_fill_the_sms(op):
         assert splits == S and grid == (t * S if S > 1 else min(4096, t))
 
 
+def test_the_split_keeps_gemm_split_min_kb_stages_each():
+    """Tuning.linear.gemm_split_min_kb reaches the int8 GEMM as the FP8 one (test_gemm_fp8 has the cases):
+    o_proj's 16 K stages split at most 4 ways at 4 stages a split, 2 at 8."""
+    G, nid = _node("linear", (I8,))
+    for min_kb, S in ((1, 8), (4, 4), (8, 2)):
+        tuning = Tuning(linear=LinearTuning(i8_prologue_upto=0, norm_int8=False, i8_chunks_upto=0,
+                                            gemm_split_min_kb=min_kb))
+        (la,) = [s for s in linear_skinny.lower(nid, G, Options(tuning=tuning)) if s.stage == "i8_wgmma"]
+        assert _geometry(la, 32) == (16 * S, S, 16 * S), (min_kb, _geometry(la, 32))
+
+
 def test_a_short_k_splits_at_most_once_a_stage():
     G, nid = _node("linear", (I8,), K=256)                  # two 128-byte K stages
     (la,) = [s for s in linear_skinny.lower(nid, G, Options(tuning=QUANT)) if s.stage == "i8_wgmma"]

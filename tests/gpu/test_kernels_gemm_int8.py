@@ -89,10 +89,11 @@ def split_counts(launches, T: int) -> list[int]:
             for la in launches if la.stage == "i8_wgmma"]
 
 
-def gemm_launches(G, nid, dtype, early=False):
+def gemm_launches(G, nid, dtype, early=False, min_kb=1):
     """The node's launches that run above the skinny range: gemm_int8's quantiser, then its GEMMs (with
-    Tuning.linear.gemm_weights_early as asked)."""
-    tuning = Tuning(linear=LinearTuning(gemm_weights_early=early))
+    Tuning.linear.gemm_weights_early and gemm_split_min_kb as asked; the int8 skinny kernel's chunks off, so
+    the GEMM and its quantiser run from 17 tokens)."""
+    tuning = Tuning(linear=LinearTuning(i8_chunks_upto=0, gemm_weights_early=early, gemm_split_min_kb=min_kb))
     steps = linear_skinny.lower(nid, G, Options(dtype=dtype, tuning=tuning))
     assert not [s for s in steps if isinstance(s, LibraryCall)], "int8 weights above 16 tokens, sm_90a: no library call"
     launches = [s for s in steps if isinstance(s, KernelLaunch) and s.family == gemm_int8.FAMILY]
@@ -153,7 +154,7 @@ def linear_graph(K, rows):
     return G, nid, G.nodes[nid]["outputs"]
 
 
-def run_case(dtype, T, K, rows, extra, offset, kind, big, shift, seed):
+def run_case(dtype, T, K, rows, extra, offset, kind, big, shift, seed, min_kb=1):
     """Runs the node at T and checks it bit for bit; returns the GEMMs' split counts."""
     gen = torch.Generator().manual_seed(seed)
     G, nid, outs = linear_graph(K, rows)
@@ -161,7 +162,7 @@ def run_case(dtype, T, K, rows, extra, offset, kind, big, shift, seed):
     ws = int8_weights(names, rows, K, gen, big=big)
     x = tokens(T, K, dtype, extra, offset, kind, big, gen)
     ys = {o: shifted(empty_out((T, n), dtype), shift) for o, n in zip(outs, rows)}
-    launches = gemm_launches(G, nid, dtype)
+    launches = gemm_launches(G, nid, dtype, min_kb=min_kb)
     S = split_counts(launches, T)
     SPLITS[max(S)] += 1
     work = runner().run_all(launches, values={"x": x, **ys}, weights=ws, sizes={"T": T},
@@ -259,6 +260,17 @@ def test_v2_lite_linears_split_at_a_decode_batch_of_32(shape):
     S = split_counts(gemm_launches(G, nid, "bf16"), 32)
     assert min(S) > 1, f"K={K} rows={list(rows)}: a GEMM does not split K at T = 32 ({S})"
     assert run_case("bf16", 32, K, list(rows), 0, 0, "random", False, False, 21) == S
+
+
+@pytest.mark.parametrize("min_kb", [4, 8])
+def test_fewer_longer_splits_stay_exact(min_kb):
+    """Tuning.linear.gemm_split_min_kb: q + kv_a and o_proj at T = 32 and 128 split into at most 16 // min_kb
+    K ranges (fewer partials for the last CTA to sum) and stay bit-equal to the reference."""
+    for shape in SPLIT_SHAPES[:2]:
+        K, rows = shape
+        for T in (32, 128):
+            S = run_case("bf16", T, K, list(rows), 0, 0, "random", False, False, 23, min_kb=min_kb)
+            assert 1 < max(S) <= 16 // min_kb, (shape, T, S)
 
 
 @kernel_test(8)

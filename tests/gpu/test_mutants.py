@@ -76,9 +76,20 @@ def segment_first_reader_skips() -> str:
 SCALES_SITE = "const float xa = r.sxa[kb], xb = r.sxb[kb], wg = r.swg[kb], wu = r.swu[kb];"
 FIRST_BLOCK_XA_FROM_XB = ("const float xa = kb == 0 ? r.sxb[kb] : r.sxa[kb], xb = r.sxb[kb], wg = r.swg[kb], "
                           "wu = r.swu[kb];")
-# gemm_ring.cuh's producer, AHEAD part (linear.gemm_weights_early): where the issue before the wait stops
-EARLY_STEPS = "if (it == ST) return;"
-EARLY_STEPS_ONE_MORE = "if (it == ST + 1) return;"
+# gemm_ring.cuh's producer (linear.gemm_weights_early): where the AHEAD part stops and which steps' weights
+# each part issues.  The mutant issues step ST before the wait (into stage 0, over step 0's weights, one
+# arrival early on its barrier) while AFTER_AHEAD still issues it: both places must move for the two parts
+# to disagree (the issue condition alone guards the return).
+EARLY_STEPS = """        if (it == ST) return;
+      }
+      const int s = it % ST;
+      if constexpr (PART != AHEAD) mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
+      char* a = ring + s * STAGE_BYTES;
+      char* b = a + BM * ROW_BYTES;
+      const int k0 = kb * BK;
+      if (p == 0 && (PART == ALL || (PART == AHEAD) == (it < ST))) {"""
+EARLY_STEPS_ONE_MORE = (EARLY_STEPS.replace("if (it == ST) return;", "if (it == ST + 1) return;")
+                        .replace("(PART == AHEAD) == (it < ST)", "(PART == AHEAD ? it <= ST : it >= ST)"))
 SCALES_RETURN = "return {xa, xb, wg, wu};"
 FIRST_BLOCK_UNPROMOTED = "return {kb == 0 ? 0.f : xa, kb == 0 ? 0.f : xb, wg, wu};"
 
