@@ -116,10 +116,10 @@ def test_explain_with_fp8_weights_and_the_norms_fp8_rows(capsys):
     p1, p128, p16k = (_block(out, f"prefill, T = {T}") for T in (1, 128, 16384))
     assert "__qf8" not in p1 and "e4m3 rows" not in p1 and "quant_x" not in p1
     assert "rms_norm__bf16__d2048__qf8" in p128 and "moe_combine_residual_rms_norm__bf16__k8_d2048__shared2__qf8" in p128
-    assert "runs   gemm_fp8__bf16_wfp8__k2048__o3072__ovl, gemm_fp8__bf16_wfp8__k2048__o576__ovl\n" in p128
+    assert "runs   gemm_fp8__bf16_wfp8__k2048__o3072__ovl__ew, gemm_fp8__bf16_wfp8__k2048__o576__ovl__ew\n" in p128
     assert "x's e4m3 rows and scales come from the RMSNorm that makes x (linear.norm_fp8)" in p128
     assert "the RMSNorm also writes its output's e4m3 rows and scales (linear.norm_fp8)" in p128
-    assert "gemm_fp8__bf16__k2048__quant_x, gemm_fp8__bf16_wfp8__k2048__o2048__ovl\n" in p128      # o_proj
+    assert "gemm_fp8__bf16__k2048__quant_x, gemm_fp8__bf16_wfp8__k2048__o2048__ovl__ew\n" in p128      # o_proj
     for p in (p128, p16k):
         assert "runs   moe_gate_up_silu__bf16_wfp8_afp8__e66_k8__m1408_d2048__ovl__wgmma_fp8\n" in p
         assert "gemm_fp8__bf16__k1408__quant_x, moe_down__bf16_wfp8_afp8__e66__d2048_m1408__ovl__wgmma_fp8" in p

@@ -26,8 +26,10 @@ from ir.formats import FP8  # noqa: E402
 # every FP8 x FP8 GEMM with its own quantiser launch (the norms' rows, on by default, have their own tests)
 # the FP8 x FP8 GEMM from T = 17: the skinny kernel's 16-token chunks (on at 64 by default) off; its plain K loop
 # (moe.fp8_overlap, on by default, has its own tests below)
-GEMM_FROM_17 = Tuning(linear=LinearTuning(fp8_chunks_upto=0), moe=MoeTuning(fp8_overlap=False))
-NO_NORM_ROWS = Tuning(linear=LinearTuning(norm_fp8=False, fp8_chunks_upto=0), moe=MoeTuning(fp8_overlap=False))
+# (gemm_weights_early and gemm_split_min_kb, on by default, have their tests in test_gemm_early.py and below)
+PLAIN = dict(fp8_chunks_upto=0, gemm_weights_early=False, gemm_split_min_kb=1)
+GEMM_FROM_17 = Tuning(linear=LinearTuning(**PLAIN), moe=MoeTuning(fp8_overlap=False))
+NO_NORM_ROWS = Tuning(linear=LinearTuning(norm_fp8=False, **PLAIN), moe=MoeTuning(fp8_overlap=False))
 
 FIRST = linear_skinny.SKINNY_MAX_TOKENS + 1
 
@@ -118,7 +120,7 @@ def test_the_split_keeps_gemm_split_min_kb_blocks_each(min_kb):
     """Tuning.linear.gemm_split_min_kb caps the splits at KB // min_kb (V2-Lite's K = 2048: 16 blocks), so
     the tile's last CTA sums fewer partials; a K of fewer blocks than min_kb is not split; the grid, the
     kernel's `splits` and the partials workspace follow; the kernels themselves are the knob-off ones."""
-    tuning = Tuning(linear=LinearTuning(fp8_chunks_upto=0, gemm_split_min_kb=min_kb), moe=MoeTuning(fp8_overlap=False))
+    tuning = Tuning(linear=LinearTuning(**{**PLAIN, "gemm_split_min_kb": min_kb}), moe=MoeTuning(fp8_overlap=False))
     G, nid = _node("multi_linear", (FP8.name, FP8.name))
     off = [s for s in linear_skinny.lower(nid, G, Options(tuning=GEMM_FROM_17)) if s.stage == "fp8_wgmma"]
     on = [s for s in linear_skinny.lower(nid, G, Options(tuning=tuning)) if s.stage == "fp8_wgmma"]
@@ -265,8 +267,9 @@ def test_explain_shows_the_fp8_gemm_above_the_skinny_range(capsys, tmp_path):
     assert f"fp8_wgmma [tokens {FIRST}..inf]: FP8 x FP8 wgmma + TMA" in at17
 
 
-OVERLAP = Tuning(moe=MoeTuning(fp8_overlap=True))
-NO_OVERLAP = Tuning(moe=MoeTuning(fp8_overlap=False))
+# the dense GEMMs' other name part, ew (linear.gemm_weights_early, on by default), off: the names end in ovl or not
+OVERLAP = Tuning(moe=MoeTuning(fp8_overlap=True), linear=LinearTuning(gemm_weights_early=False))
+NO_OVERLAP = Tuning(moe=MoeTuning(fp8_overlap=False), linear=LinearTuning(gemm_weights_early=False))
 
 
 @pytest.mark.parametrize("op", ["multi_linear", "gate_up_silu", "linear"])

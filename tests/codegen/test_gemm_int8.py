@@ -26,8 +26,10 @@ from codegen.tuning import LinearTuning, Tuning  # noqa: E402
 
 FIRST = linear_skinny.SKINNY_MAX_TOKENS + 1
 # the int8 readers' own quantiser launches (the prologue and the norms' rows have their own tests)
-# ... and gemm_int8 from 17 tokens: the skinny kernel's 16-token chunks (on at 32 by default) off
-QUANT = Tuning(linear=LinearTuning(i8_prologue_upto=0, norm_int8=False, i8_chunks_upto=0))
+# ... and gemm_int8 from 17 tokens: the skinny kernel's 16-token chunks (on at 32 by default) off; the knob-off
+# GEMMs (gemm_weights_early and gemm_split_min_kb, on by default, have their tests in test_gemm_early.py and below)
+QUANT = Tuning(linear=LinearTuning(i8_prologue_upto=0, norm_int8=False, i8_chunks_upto=0, gemm_weights_early=False,
+                                    gemm_split_min_kb=1))
 
 
 def _running(steps, T):
@@ -127,7 +129,7 @@ def test_the_split_keeps_gemm_split_min_kb_stages_each():
     G, nid = _node("linear", (I8,))
     for min_kb, S in ((1, 8), (4, 4), (8, 2)):
         tuning = Tuning(linear=LinearTuning(i8_prologue_upto=0, norm_int8=False, i8_chunks_upto=0,
-                                            gemm_split_min_kb=min_kb))
+                                            gemm_weights_early=False, gemm_split_min_kb=min_kb))
         (la,) = [s for s in linear_skinny.lower(nid, G, Options(tuning=tuning)) if s.stage == "i8_wgmma"]
         assert _geometry(la, 32) == (16 * S, S, 16 * S), (min_kb, _geometry(la, 32))
 

@@ -218,4 +218,4 @@ def test_with_the_norms_e4m3_rows_the_norms_write_them_only_above_the_chunks(cap
     attention_norms = re.compile(r"\b(rms_norm|moe_combine_residual_rms_norm)__bf16__\w*__qf8")
     assert not attention_norms.search(d32) and "__c16" in d32 and "fused_add_rms_norm__bf16__d2048__qf8" in d32
     assert "rms_norm__bf16__d2048__qf8" in d128   # and q + kv_a, the norm's reader, has no quantiser launch
-    assert "runs   gemm_fp8__bf16_wfp8__k2048__o3072__ovl, gemm_fp8__bf16_wfp8__k2048__o576__ovl" in d128
+    assert "runs   gemm_fp8__bf16_wfp8__k2048__o3072__ovl__ew, gemm_fp8__bf16_wfp8__k2048__o576__ovl__ew" in d128

@@ -252,7 +252,10 @@ def test_fp8_overlap_reaches_every_fp8_x_fp8_gemm_of_a_tiny_models_plan():
     tiny = json.loads((ROOT / "model_specs" / "hf_configs" / "deepseek_tiny.json").read_text())
     spec = ir.load_spec(spec_from_config(tiny, name="tiny") + "\n"
                         + weight_formats_yaml(("model.layers.*.mlp.*_proj.weight",), FP8), file="t.yaml")
-    off, on = (plan_spec(spec, Options(tuning=t)).plans["prefill"].launches for t in (NO_OVERLAP, OVERLAP))
+    # the dense GEMMs' other name part, ew (linear.gemm_weights_early, on by default), off: their names end in ovl
+    plain = LinearTuning(gemm_weights_early=False)
+    off, on = (plan_spec(spec, Options(tuning=Tuning(moe=MoeTuning(fp8_overlap=o), linear=plain))).plans["prefill"]
+               .launches for o in (False, True))
     experts = [la.name for la in on if la.stage == "wgmma_fp8"]
     assert experts and all("__ovl__" in n for n in experts), experts
     dense = [la.name for la in on if la.stage == "fp8_wgmma"]
