@@ -26,7 +26,7 @@
 // Barriers of a PACK 2 stage: `landed` (thread 0's expect_tx, the TMA's bytes) gates the unpackers; `full`
 // counts the 128 gather arrivals (cp.async) and the 128 unpackers' arrivals, so the consumers see the
 // stage only once unpacked; the staging buffer is overwritten only after `empty`, i.e. after every
-// unpacker arrived on `full`.
+// unpacker arrived on `full`.  The unpack of a step runs IWG_LAG steps behind its issue (iwg_unpack_step).
 //
 // Needs 16-bit outputs, KD % 16 == 0 (whole 16-byte chunks; 16-byte strides of the tensor maps), KD < 2^17
 // and, for PACK 2, N a multiple of the tile's channels (whole packed boxes); the lowering emits it only
@@ -104,7 +104,24 @@ __device__ __forceinline__ void iwg_unpack(const char* pk, char* b, int p) {
   }
 }
 
-// One tile's stages (weight rows from n0 of expert e, the tile's gathered rows src) into the ring.
+// PACK 2: ring step `step`'s packed boxes, once landed, unpacked into its stage, which is then full (with its
+// gathered rows).  The producer unpacks step it - IWG_LAG after issuing step it, so each packed box has
+// IWG_LAG steps' time to land while the producer issues on (a step waiting on its own box would expose the
+// TMA's latency every step); IWG_LAG <= ST - 1 keeps the ring live (step it's empty wait needs step it - ST
+// full), ST - 2 leaves the consumers a landed stage ahead.
+constexpr int IWG_LAG = 2;
+template <int MODE, int ST>
+__device__ __forceinline__ void iwg_unpack_step(char* ring_, char* unpack, unsigned long long* full,
+                                                unsigned long long* landed, int step, int p) {
+  const int s = step % ST;
+  mbar::wait(&landed[s], (step / ST) & 1);
+  iwg_unpack<MODE>(unpack + s * iwg_unpack_bytes(2), ring_ + s * ring::STAGE_BYTES + ring::BM * ring::ROW_BYTES, p);
+  mbar::fence_proxy_async();                           // the unpacked rows are generic writes wgmma reads
+  mbar::arrive(&full[s]);
+}
+
+// One tile's stages (weight rows from n0 of expert e, the tile's gathered rows src) into the ring; PACK 2 also
+// unpacks the step IWG_LAG before each (iwg_unpack_step).
 template <int MODE, int N, int KD, int PACK, int ST, int R>
 __device__ __forceinline__ void iwg_produce_tile(const unsigned char* __restrict__ qx, const TensorMap* w0,
                                                  const TensorMap* w1, const int (&src)[R], int e, int n0, int p,
@@ -144,12 +161,7 @@ __device__ __forceinline__ void iwg_produce_tile(const unsigned char* __restrict
       dsg::mma::cp_async16(a + (r0 + 16 * i) * ring::ROW_BYTES + chunk, from, ok ? 16 : 0);
     }
     mbar::arrive_on_cp_async(&full[s]);
-    if constexpr (PACK == 2) {
-      mbar::wait(&landed[s], (it / ST) & 1);
-      iwg_unpack<MODE>(pk, b, p);
-      mbar::fence_proxy_async();                       // the unpacked rows are generic writes wgmma reads
-      mbar::arrive(&full[s]);
-    }
+    if (PACK == 2 && it >= IWG_LAG) iwg_unpack_step<MODE, ST>(ring_, unpack, full, landed, it - IWG_LAG, p);
   }
 }
 
@@ -173,6 +185,10 @@ __device__ __forceinline__ void iwg_produce(const unsigned char* __restrict__ qx
     int src[ring::BM / 16];
     fp8x_src_rows<MODE, K>(order, tl, r0, src);
     iwg_produce_tile<MODE, N, KD, PACK, ST>(qx, w0, w1, src, tl.e, tl.n0, p, ring_, unpack, full, empty, landed, it);
+  }
+  if constexpr (PACK == 2) {
+    for (int step = it < IWG_LAG ? 0 : it - IWG_LAG; step < it; ++step)   // the last steps' boxes
+      iwg_unpack_step<MODE, ST>(ring_, unpack, full, landed, step, p);
   }
   dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
 }
@@ -265,7 +281,8 @@ __device__ __forceinline__ void grouped_gemm_int(const signed char* __restrict__
   static_assert(KD < 131072, "int wgmma experts: int32 accumulators are exact below KD = 2^17");
   static_assert(PACK == 1 || (PACK == 2 && N % iwg_tile_cols(MODE) == 0),
                 "int wgmma experts: packed int4 in whole boxes of the tile's channels");
-  static_assert(ST >= 2, "int wgmma experts: a ring of at least two stages");
+  static_assert(ST >= 2 && (PACK == 1 || ST >= IWG_LAG + 1), "int wgmma experts: a ring of at least two stages, "
+                "packed int4 more than the unpack's lag");
   static_assert(ring::BM == WG_BM, "int wgmma experts: the row tiles of wgmma_row_tiles");
   static_assert(iwg_smem(PACK, ST) + 3 * ST * 8 + 4 * (E + 1) <= 227 * 1024,
                 "int wgmma experts: ring + staging + row-tile table exceed a CTA's 227 KB (_moe_gemm_int.fits)");

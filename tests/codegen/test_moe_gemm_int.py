@@ -193,6 +193,7 @@ def test_a_tiny_w4a8_bundle_keeps_the_gemm_through_the_manifest(tmp_path, monkey
         assert ours(loaded.plans[phase].steps) == want, phase
 
 
+@pytest.mark.slow
 def test_explain_shows_the_row():
     from runtime.cli import main as cli_main
     import contextlib
@@ -206,6 +207,7 @@ def test_explain_shows_the_row():
     assert "moe_down__bf16_wi4__e64__d2048_m1408__wgmma_int" in text, text
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
 @pytest.mark.parametrize("fmt", SERVED)
 @pytest.mark.parametrize("op,KD,N,E,K", [("moe_gate_up_silu", 2048, 1408, 64, 6),   # V2-Lite
