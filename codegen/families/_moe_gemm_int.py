@@ -56,15 +56,15 @@ def cols(*, down: bool) -> int:
     return BN if down else BN // 2
 
 
-def facts(opts, p: dict, *, down: bool) -> dict:
+def facts(opts, p: dict) -> dict:
     """The conditions of the grouped_experts table's wgmma_int row: int_wgmma_rows (a served format, KD % 16 == 0
-    for whole 16-byte chunks and tensor-map strides, KD < 2^17 for exact int32 sums, packed int4 in whole boxes
-    of a tile's channels) and int_wgmma_fits (the ring, staging and row-tile table in a CTA's shared memory)."""
+    for whole 16-byte chunks and tensor-map strides, KD < 2^17 for exact int32 sums, packed int4's N even) and
+    int_wgmma_fits (the ring, staging and row-tile table in a CTA's shared memory)."""
     fmt = p.get("int")
     if fmt not in SERVED:
         return {"int_wgmma_rows": False, "int_wgmma_fits": False}
     pack = FORMATS[fmt].pack
-    rows = p["KD"] % 16 == 0 and p["KD"] < MAX_KD and (pack == 1 or p["N"] % cols(down=down) == 0)
+    rows = p["KD"] % 16 == 0 and p["KD"] < MAX_KD and p["N"] % pack == 0
     return {"int_wgmma_rows": rows, "int_wgmma_fits": smem(pack) + static_smem(pack, p["E"]) <= smem_limit(opts.arch)}
 
 

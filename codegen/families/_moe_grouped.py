@@ -29,7 +29,7 @@ def facts(opts, p: dict, *, down: bool) -> dict:
     """The conditions of the grouped_experts table for this node and target (p["fp8"]: FP8 weights;
     p["int"]: an integer format's name)."""
     return {"dtype": opts.dtype, "weight_format": p.get("int") or (FP8.name if p.get("fp8") else "same"),
-            **_moe_fp8.facts(opts, p), **_moe_int.facts(opts, p), **_moe_gemm_int.facts(opts, p, down=down),
+            **_moe_fp8.facts(opts, p), **_moe_int.facts(opts, p), **_moe_gemm_int.facts(opts, p),
             "fp8x_fits": _moe_gemm_fp8.fits(opts, p["E"]),
             "sm_90a": has_feature(opts.arch, _moe_wgmma.FEATURE),
             "tma_rows": p["KD"] % 8 == 0, "decode_wgmma_fits": S.fits(p["E"]),

@@ -28,9 +28,14 @@
 // stage only once unpacked; the staging buffer is overwritten only after `empty`, i.e. after every
 // unpacker arrived on `full`.  The unpack of a step runs IWG_LAG steps behind its issue (iwg_unpack_step).
 //
+// Ceil widths: KD % 128 != 0 -- the last box's bytes past KD are zeros on both sides (TMA fills the weight's,
+// the gather the rows'); N % (tile channels) != 0 -- the packed or int8 rows past N (N / 2 packed) are zeros
+// from TMA and their channels are never stored (a box always starts inside the tensor: n0 < N; PACK 1 DOWN
+// leaves out a second box that would start past N).
+//
 // Needs 16-bit outputs, KD % 16 == 0 (whole 16-byte chunks; 16-byte strides of the tensor maps), KD < 2^17
-// and, for PACK 2, N a multiple of the tile's channels (whole packed boxes); the lowering emits it only
-// then (codegen/families/_moe_gemm_int.py), else mma_int serves.
+// and, for PACK 2, N even; the lowering emits it only then (codegen/families/_moe_gemm_int.py), else mma_int
+// serves.
 #pragma once
 #include "gemm_int8.cuh"
 #include "int4.cuh"
@@ -279,8 +284,7 @@ __device__ __forceinline__ void grouped_gemm_int(const signed char* __restrict__
   static_assert(sizeof(T) == 2, "int wgmma experts: 16-bit outputs");
   static_assert(KD % 16 == 0, "int wgmma experts: quantised rows of whole 16-byte chunks");
   static_assert(KD < 131072, "int wgmma experts: int32 accumulators are exact below KD = 2^17");
-  static_assert(PACK == 1 || (PACK == 2 && N % iwg_tile_cols(MODE) == 0),
-                "int wgmma experts: packed int4 in whole boxes of the tile's channels");
+  static_assert(PACK == 1 || (PACK == 2 && N % 2 == 0), "int wgmma experts: packed int4, two output channels a byte");
   static_assert(ST >= 2 && (PACK == 1 || ST >= IWG_LAG + 1), "int wgmma experts: a ring of at least two stages, "
                 "packed int4 more than the unpack's lag");
   static_assert(ring::BM == WG_BM, "int wgmma experts: the row tiles of wgmma_row_tiles");

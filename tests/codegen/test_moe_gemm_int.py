@@ -63,16 +63,16 @@ def test_the_table_rows(op):
 def test_the_facts_refuse_what_the_kernel_cannot_serve():
     opts = Options(tuning=ON)
     p = {"int": "int4_channel", "KD": 2048, "N": 1408, "E": 64}
-    assert _moe_gemm_int.facts(opts, p, down=False) == {"int_wgmma_rows": True, "int_wgmma_fits": True}
-    assert not _moe_gemm_int.facts(opts, {**p, "N": 1408 + 64}, down=True)["int_wgmma_rows"]   # packed: whole boxes
-    assert _moe_gemm_int.facts(opts, {**p, "N": 1408 + 64}, down=False)["int_wgmma_rows"]
-    assert not _moe_gemm_int.facts(opts, {**p, "KD": 2040}, down=False)["int_wgmma_rows"]       # KD % 16
-    assert not _moe_gemm_int.facts(opts, {**p, "KD": 1 << 17}, down=False)["int_wgmma_rows"]    # exact int32 sums
-    assert _moe_gemm_int.facts(opts, {**p, "int": "int8_channel", "N": 37}, down=True)["int_wgmma_rows"]
-    assert _moe_gemm_int.facts(opts, {**p, "int": "int4_group256_packed"}, down=True) == \
+    assert _moe_gemm_int.facts(opts, p) == {"int_wgmma_rows": True, "int_wgmma_fits": True}
+    assert _moe_gemm_int.facts(opts, {**p, "N": 176})["int_wgmma_rows"]            # partial packed boxes: TMA's zeros
+    assert not _moe_gemm_int.facts(opts, {**p, "N": 177})["int_wgmma_rows"]        # two channels a byte
+    assert not _moe_gemm_int.facts(opts, {**p, "KD": 2040})["int_wgmma_rows"]      # KD % 16
+    assert not _moe_gemm_int.facts(opts, {**p, "KD": 1 << 17})["int_wgmma_rows"]   # exact int32 sums
+    assert _moe_gemm_int.facts(opts, {**p, "int": "int8_channel", "N": 37})["int_wgmma_rows"]
+    assert _moe_gemm_int.facts(opts, {**p, "int": "int4_group256_packed"}) == \
         {"int_wgmma_rows": False, "int_wgmma_fits": False}
-    assert _moe_gemm_int.facts(opts, {**p, "E": 256}, down=True)["int_wgmma_fits"]             # V3's experts
-    assert not _moe_gemm_int.facts(opts, {**p, "E": 16384}, down=True)["int_wgmma_fits"]
+    assert _moe_gemm_int.facts(opts, {**p, "E": 256})["int_wgmma_fits"]            # V3's experts
+    assert not _moe_gemm_int.facts(opts, {**p, "E": 16384})["int_wgmma_fits"]
 
 
 def test_the_shared_memory_of_each_format():
@@ -130,16 +130,18 @@ def test_other_integer_formats_keep_mma_int(fmt):
         assert [s.stage for s in _lower(G, nid, Options(tuning=ON))] == [_moe_int.QUANT_STAGE, _moe_int.VARIANT]
 
 
-@pytest.mark.parametrize("op,KD,N,fmt", [("moe_down", 1408, 2048 + 64, "int4_channel"),   # not whole packed boxes
-                                         ("moe_gate_up_silu", 1001, 1408, "int8_channel"),  # KD % 16
+@pytest.mark.parametrize("op,KD,N,fmt", [("moe_gate_up_silu", 1001, 1408, "int8_channel"),  # KD % 16
                                          ("moe_down", 72, 34, "int4_channel")])
 def test_shapes_the_kernel_cannot_serve_keep_mma_int(op, KD, N, fmt):
     G, nid = _node(op, KD, N, E=8, fmt=FORMATS[fmt])
     assert [s.stage for s in _lower(G, nid, Options(tuning=ON))] == [_moe_int.QUANT_STAGE, _moe_int.VARIANT]
 
 
-def test_odd_int8_widths_take_the_gemm():
-    G, nid = _node("moe_down", 144, 37, E=2, fmt=FORMATS["int8_channel"])
+@pytest.mark.parametrize("op,KD,N,fmt", [("moe_down", 144, 37, "int8_channel"),      # N odd: one value a byte
+                                         ("moe_down", 176, 144, "int4_channel"),     # a partial packed box
+                                         ("moe_gate_up_silu", 144, 176, "int4_channel")])
+def test_ceil_widths_take_the_gemm(op, KD, N, fmt):
+    G, nid = _node(op, KD, N, E=2, fmt=FORMATS[fmt])
     assert "wgmma_int" in [s.stage for s in _lower(G, nid, Options(tuning=ON))]
 
 

@@ -12,7 +12,7 @@ The integer sums are exact on both kernels and the epilogues round at the same p
 
 Hypothesis draws T from 65 to 600, E (1 .. 64), top-k, a skewed routing (some experts empty, some taking most
 pairs: several row tiles an expert, partial last tiles), KD a multiple of 16 (ceil K boxes where KD % 128 != 0),
-N whole packed boxes for int4 (down: 128 channels, gate_up: 64) and any N for int8 (columns past N), outputs
+N even for int4 and any N for int8, whole column tiles or not (rows past N: TMA's zeros, never stored), outputs
 one element past an aligned base (element stores).  Weights span the format's whole range (every nibble),
 scales differ up to 16x between neighbouring channels: a swapped nibble, a channel permuted wrongly or a dropped
 /16 moves the outputs far.  Outputs and workspaces are poisoned first.  Planted mutants (tests/gpu/
@@ -49,8 +49,8 @@ ON = Tuning(moe=MoeTuning(int_wgmma_above=ABOVE))
 REC = Recorder("moe_gate_up_silu wgmma_int")
 REC_FFN = Recorder("moe_expert_ffn wgmma_int")
 KDS = (16, 144, 272, 528, 1408, 2048)
-NS = {"int4_channel": {True: (128, 256, 2048), False: (64, 192, 1408)},
-      "int8_channel": {True: (37, 200, 256, 2048), False: (37, 90, 192, 1408)}}
+NS = {"int4_channel": {True: (2, 128, 144, 200, 256, 2048), False: (2, 64, 90, 176, 192, 1408)},
+      "int8_channel": {True: (37, 144, 200, 256, 2048), False: (37, 90, 176, 192, 1408)}}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -147,6 +147,8 @@ def run_case(case: dict) -> None:
 @example(case=case_of("moe_down", "int4_channel", 200, 256, 8, 2048, 7168))
 @example(case=case_of("moe_down", "int8_channel", 65, 2, 2, 144, 37, shift=True))              # ceil K, N odd
 @example(case=case_of("moe_gate_up_silu", "int8_channel", 65, 1, 1, 16, 37))                  # one K box
+@example(case=case_of("moe_down", "int4_channel", 90, 8, 3, 176, 144, empty=1, shift=True))     # the e2e tiny's
+@example(case=case_of("moe_gate_up_silu", "int4_channel", 90, 8, 3, 144, 176, empty=1))         # widths
 @example(case=case_of("moe_down", "int4_channel", 300, 5, 2, 528, 256, seed=16))               # test_mutants'
 @example(case=case_of("moe_gate_up_silu", "int4_channel", 300, 5, 2, 528, 192, seed=16))        # test_mutants'
 def test_moe_gemm_int_bit_equal_to_mma_int(case):
