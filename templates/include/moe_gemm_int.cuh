@@ -14,7 +14,8 @@
 // No per-K-block promotion: the int32 tile sums all of K (|16 q x| <= 128 * 127 < 2^14 a product, so
 // |acc| < KD * 2^14 < 2^31 for KD < 2^17).
 //
-// PACK 1 (int8_channel): the weight rows are int8 boxes as gemm_int8.cuh's.  PACK 2 (int4_channel, two
+// PACK 1 (int8_channel): the weight rows are int8 boxes, produced by moe_gemm_fp8.cuh's producer unchanged
+// (fp8x_produce: the same ring, boxes and gather for any one-byte operands).  PACK 2 (int4_channel, two
 // int4 a byte along N: byte[j, k] = (q[2j + 1, k] << 4) | (q[2j, k] & 0xF)): TMA brings the PACKED rows
 // into a staging buffer of the stage (DOWN: 64 packed rows = 128 channels; the gate_up modes: 32 packed
 // gate rows, then the same 32 up rows), and the producer's 128 threads unpack each 16-byte chunk into the
@@ -125,9 +126,10 @@ __device__ __forceinline__ void iwg_unpack_step(char* ring_, char* unpack, unsig
   mbar::arrive(&full[s]);
 }
 
-// One tile's stages (weight rows from n0 of expert e, the tile's gathered rows src) into the ring; PACK 2 also
-// unpacks the step IWG_LAG before each (iwg_unpack_step).
-template <int MODE, int N, int KD, int PACK, int ST, int R>
+// PACK 2, one tile's stages (packed weight rows from n0 / 2 of expert e, the tile's gathered rows src) into the
+// ring, unpacking the step IWG_LAG before each (iwg_unpack_step).  (PACK 1 runs moe_gemm_fp8.cuh's producer
+// as it is: the same ring, boxes and gather for one-byte operands.)
+template <int MODE, int KD, int ST, int R>
 __device__ __forceinline__ void iwg_produce_tile(const unsigned char* __restrict__ qx, const TensorMap* w0,
                                                  const TensorMap* w1, const int (&src)[R], int e, int n0, int p,
                                                  char* ring_, char* unpack, unsigned long long* full,
@@ -135,66 +137,50 @@ __device__ __forceinline__ void iwg_produce_tile(const unsigned char* __restrict
   constexpr int KB = (KD + ring::BK - 1) / ring::BK;
   const int c = p & 7, r0 = p >> 3;
   const int chunk = (c ^ (r0 & 7)) * 16;               // 128B swizzle: c ^ (row % 8)
-  // PACK 1 DOWN's second box starts past N when N - n0 <= 64: left out (its columns are never stored)
-  const bool box1 = MODE != DOWN || n0 + ring::BOX < N;
   for (int kb = 0; kb < KB; ++kb, ++it) {
     const int s = it % ST;
     mbar::wait(&empty[s], ((it / ST) & 1) ^ 1);
     char* a = ring_ + s * ring::STAGE_BYTES;
-    char* b = a + ring::BM * ring::ROW_BYTES;
-    char* pk = unpack + s * iwg_unpack_bytes(PACK);
+    char* pk = unpack + s * iwg_unpack_bytes(2);
     const int k0 = kb * ring::BK;
-    if (p == 0) {
-      if constexpr (PACK == 2) {
-        // packed rows from n0 / 2: DOWN one box of 64, the gate_up modes gate's 32 then up's 32
-        mbar::arrive_expect_tx(&landed[s], iwg_unpack_bytes(PACK));
-        tma::load_3d(pk, w0, k0, n0 / 2, e, &landed[s]);
-        if (MODE != DOWN) tma::load_3d(pk + iwg_unpack_bytes(PACK) / 2, w1, k0, n0 / 2, e, &landed[s]);
-      } else {
-        mbar::arrive_expect_tx(&full[s], (box1 ? 2 : 1) * ring::BOX * ring::ROW_BYTES);
-        tma::load_3d(b, w0, k0, n0, e, &full[s]);
-        if (box1)
-          tma::load_3d(b + ring::BOX * ring::ROW_BYTES, MODE == DOWN ? w0 : w1, k0, MODE == DOWN ? n0 + ring::BOX : n0,
-                       e, &full[s]);
-      }
+    if (p == 0) {                                      // DOWN one box of 64 packed rows, gate_up gate's 32, up's 32
+      mbar::arrive_expect_tx(&landed[s], iwg_unpack_bytes(2));
+      tma::load_3d(pk, w0, k0, n0 / 2, e, &landed[s]);
+      if (MODE != DOWN) tma::load_3d(pk + iwg_unpack_bytes(2) / 2, w1, k0, n0 / 2, e, &landed[s]);
     }
-    const int kc = k0 + 16 * c;                        // this thread's 16 columns (bytes) of K
+    // the pair rows: thread p's 16 bytes of K of rows r0 + 16 i (zeros past the tile and past KD)
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const bool ok = src[i] >= 0 && kc < KD;          // else zeros: rows past the tile, K past the ceil block
-      const unsigned char* from = qx + (ok ? (i64)src[i] * KD + kc : 0);
-      dsg::mma::cp_async16(a + (r0 + 16 * i) * ring::ROW_BYTES + chunk, from, ok ? 16 : 0);
+    for (int i = 0, kc = k0 + 16 * c; i < R; ++i) {
+      const int off = src[i] >= 0 && kc < KD ? 16 : 0;
+      dsg::mma::cp_async16(a + (r0 + 16 * i) * ring::ROW_BYTES + chunk, qx + (off ? (i64)src[i] * KD + kc : 0), off);
     }
     mbar::arrive_on_cp_async(&full[s]);
-    if (PACK == 2 && it >= IWG_LAG) iwg_unpack_step<MODE, ST>(ring_, unpack, full, landed, it - IWG_LAG, p);
+    if (it >= IWG_LAG) iwg_unpack_step<MODE, ST>(ring_, unpack, full, landed, it - IWG_LAG, p);
   }
 }
 
-// Producer: the 128 threads of warpgroup 0 (fp8x_produce's walk).
-template <int MODE, int E, int N, int KD, int K, int PACK, int ST>
+// PACK 2's producer: the 128 threads of warpgroup 0 on fp8x_produce's walk, then the last steps' unpacks.
+template <int MODE, int E, int N, int KD, int K, int ST>
 __device__ __forceinline__ void iwg_produce(const unsigned char* __restrict__ qx, const TensorMap* w0,
                                             const TensorMap* w1, const i32* __restrict__ order,
                                             const i32* __restrict__ offsets, const int* tiles, char* ring_,
                                             char* unpack, unsigned long long* full, unsigned long long* empty,
                                             unsigned long long* landed) {
   constexpr int COLS = iwg_tile_cols(MODE), NCT = (N + COLS - 1) / COLS;
-  const int p = threadIdx.x, r0 = p >> 3;
+  const int p = threadIdx.x;
   if (p == 0) {
     tma::prefetch(w0);
     if (MODE != DOWN) tma::prefetch(w1);
   }
-  const int total = tiles[E] * NCT;
   int it = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+  for (int t = blockIdx.x; t < tiles[E] * NCT; t += gridDim.x) {
     const WgTile tl = wgmma_tile<E, NCT, COLS>(tiles, offsets, t);
     int src[ring::BM / 16];
-    fp8x_src_rows<MODE, K>(order, tl, r0, src);
-    iwg_produce_tile<MODE, N, KD, PACK, ST>(qx, w0, w1, src, tl.e, tl.n0, p, ring_, unpack, full, empty, landed, it);
+    fp8x_src_rows<MODE, K>(order, tl, p >> 3, src);
+    iwg_produce_tile<MODE, KD, ST>(qx, w0, w1, src, tl.e, tl.n0, p, ring_, unpack, full, empty, landed, it);
   }
-  if constexpr (PACK == 2) {
-    for (int step = it < IWG_LAG ? 0 : it - IWG_LAG; step < it; ++step)   // the last steps' boxes
-      iwg_unpack_step<MODE, ST>(ring_, unpack, full, landed, step, p);
-  }
+  for (int step = it < IWG_LAG ? 0 : it - IWG_LAG; step < it; ++step)   // the last steps' boxes
+    iwg_unpack_step<MODE, ST>(ring_, unpack, full, landed, step, p);
   dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
 }
 
@@ -302,9 +288,13 @@ __device__ __forceinline__ void grouped_gemm_int(const signed char* __restrict__
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     wgmma::setmaxnreg_dec<i8g::PRODUCER_REGS>();
-    char* unpack = ring_ + ST * ring::STAGE_BYTES + 2 * ring::OUT_BYTES;   // 1024-byte aligned: whole stages
-    iwg_produce<MODE, E, N, KD, K, PACK, ST>(reinterpret_cast<const unsigned char*>(qx), w0, w1, order, offsets,
-                                             tiles, ring_, unpack, full, empty, landed);
+    const unsigned char* q = reinterpret_cast<const unsigned char*>(qx);
+    if constexpr (PACK == 2) {
+      char* unpack = ring_ + ST * ring::STAGE_BYTES + 2 * ring::OUT_BYTES;   // 1024-byte aligned: whole stages
+      iwg_produce<MODE, E, N, KD, K, ST>(q, w0, w1, order, offsets, tiles, ring_, unpack, full, empty, landed);
+    } else {
+      fp8x_produce<MODE, E, N, KD, K, ST>(q, w0, w1, order, offsets, tiles, ring_, full, empty);
+    }
   } else {
     wgmma::setmaxnreg_inc<i8g::CONSUMER_REGS>();
     char* staging = ring_ + ST * ring::STAGE_BYTES + (wg - 1) * ring::OUT_BYTES;
