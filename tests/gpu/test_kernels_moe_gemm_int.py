@@ -30,7 +30,7 @@ import test_kernels_moe as base
 from harness import GPU_MARKS, TORCH_DTYPES, poison, shifted
 from kernel_cases import Recorder, kernel_test, runner
 from test_kernels_linear_int8 import assert_equal
-from test_kernels_moe_int import bind_weights, exact, graph, quant_workspaces, silu_mul, up_near_one
+from test_kernels_moe_int import bind_weights, graph, quant_workspaces, silu_mul, up_near_one
 
 from codegen import families
 from codegen.families import _moe_gemm_int, _moe_int
@@ -84,6 +84,22 @@ def cases(draw, ops=("moe_gate_up_silu", "moe_down")):
 def case_of(op, fmt, T, E, K, KD, N, *, dtype="bf16", empty=0, shift=False, seed=7):
     return {"op": op, "fmt": fmt, "dtype": dtype, "T": T, "E": E, "K": K, "empty": empty, "KD": KD, "N": N,
             "shift": shift, "seed": seed}
+
+
+def exact(qx, sx, q, s, routing, K: int, down: bool, dtype) -> torch.Tensor:
+    """test_kernels_moe_int.exact's numbers (CPU, the activation type): ((float32(acc) * s_w) * s_x), acc each
+    pair's sum with its expert's weights -- here float64 on the GPU, exact as the int64 one (integers below
+    2^53; prefill's widths would take the CPU minutes an example)."""
+    order, off = routing["order"].long(), routing["offsets"].tolist()
+    qd, sxd = qx.to("cuda", torch.float64), sx.reshape(-1).cuda()
+    out = torch.zeros((order.numel(), q.shape[1]), dtype=torch.float32, device="cuda")
+    for e in range(q.shape[0]):
+        pairs = order[off[e]:off[e + 1]].cuda()
+        if pairs.numel():
+            rows = pairs if down else pairs // K
+            acc = (qd[rows] @ q[e].to("cuda", torch.float64).T).float()
+            out[pairs] = (acc * s[e].cuda().reshape(1, -1)) * sxd[rows].reshape(-1, 1)
+    return out.cpu().to(TORCH_DTYPES[dtype])
 
 
 def lowered(G, nid, dtype, tuning) -> list:
