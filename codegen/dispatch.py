@@ -99,7 +99,8 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
     its tables smaller: _moe_fp8.one_token_stages); fp8_rows (KD % 16 == 0:
     16-byte FP8 rows), fp8_fits (the FP8 decode kernel's shared memory for E experts) and fp8x_fits (the
     FP8 x FP8 prefill kernel's, read where Tuning.moe.fp8_activations is on); int_rows (N even: packed
-    int4's two channels a byte; per group, whole groups of KD)."""
+    int4's two channels a byte; per group, whole groups of KD); int_wgmma_rows / int_wgmma_fits (the int8 wgmma
+    GEMM's shapes and shared memory, read where Tuning.moe.int_wgmma_above is set: _moe_gemm_int.facts)."""
     m = t.moe
     thr = None if m.prefill_wgmma_above is None else max(m.prefill_wgmma_above, m.gemv_upto)
     # decode's wgmma runs up to the prefill wgmma's threshold (256 where that is off)
@@ -119,7 +120,16 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
             "to replace it)")
     dynamic = tuple(f for f in INT_FORMATS if FORMATS[f].activation == "token")
     int_when = {"weight_format": dynamic, "dtype": sixteen, "int_rows": True}
-    cases = [Case(int_when, _rows(("mma_int", 1, INF, wint)), "integer weights, 16-bit"),
+    iw = m.int_wgmma_above
+    iwg = ("persistent int8 wgmma + TMA grid: the rows quantised per row by the same launch, gathered by the routing's "
+           "order, s8 x s8 -> s32 over all of K (exact, bit-equal to mma_int; packed int4 unpacked in shared memory). "
+           "Per-channel int4 / int8 only: per-group int4 promotes each 256-k group with its scale, int4_channel_byte "
+           "has no benchmark checkpoint (both keep mma_int)")
+    cases = ([Case({**int_when, "weight_format": ("int4_channel", "int8_channel"), "sm_90a": True,
+                    "int_wgmma_rows": True, "int_wgmma_fits": True},
+                   _rows(("mma_int", 1, iw, wint), ("wgmma_int", iw + 1, INF, iwg)),
+                   "per-channel int4 / int8 weights, 16-bit, sm_90a, int_wgmma_above")] if iw is not None else []) + [
+             Case(int_when, _rows(("mma_int", 1, INF, wint)), "integer weights, 16-bit"),
              Case({"weight_format": INT_FORMATS},
                   _rows((NONE, 1, INF, "integer expert weights: per-token activations (not int8_static), bf16 or "
                                        "fp16, packed int4 with an even width, per group whole 256-groups")),
@@ -175,7 +185,7 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
                       "16-bit without sm_90a or 16-byte rows"))
     return Table("moe_down" if down else "moe_gate_up_silu", "tokens", tuple(cases),
                  ("dtype", "weight_format", "sm_90a", "tma_rows", "decode_wgmma_fits", "prefill_wgmma_fits",
-                  "one_token", "fp8_rows", "fp8_fits", "fp8x_fits", "int_rows"))
+                  "one_token", "fp8_rows", "fp8_fits", "fp8x_fits", "int_rows", "int_wgmma_rows", "int_wgmma_fits"))
 
 
 def expert_ffn(t: Tuning = DEFAULT_TUNING) -> Table:

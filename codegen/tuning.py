@@ -93,6 +93,11 @@ class MoeTuning(_Section):
     align_parallel_above: typing.Optional[int] = _knob(6144, 0, 1 << 24,
                                                         doc="pairs above which the route aligns in count / scan / "
                                                             "scatter launches (none: one CTA always)")
+    int_wgmma_above: typing.Optional[int] = _knob(
+        None, choices=(16, 64, 256, 1024),
+        doc="int4_channel / int8_channel expert weights, sm_90a: above this many tokens the persistent grouped int8 "
+            "wgmma GEMM (moe_gemm_int.cuh: exact int32 sums of all of K, bit-equal to mma_int), mma_int up to it "
+            "(none: mma_int at every T). Not yet run on a GPU")
 
 
 @dataclass(frozen=True)

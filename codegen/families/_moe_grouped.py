@@ -5,8 +5,8 @@ multiplied by its token range (codegen.sizes.token_ranges), so a step runs exact
 Not a family (the leading underscore).  The launch builders: _moe (gemv, mma), _moe_wgmma
 (wgmma), _moe_wgmma_skinny (wgmma_skinny, wgmma_skinny_t1), _moe_fp8 (wgmma_skinny_fp8 and
 wgmma_skinny_fp8_t1: FP8 weights, p["fp8"]), _moe_gemm_fp8 (wgmma_fp8: FP8 weights x FP8 activations,
-its quantiser first), _moe_int (mma_int: msModelSlim's integer weights, p["int"]: the format's name); the
-imports form a tree.
+its quantiser first), _moe_int (mma_int: msModelSlim's integer weights, p["int"]: the format's name), _moe_gemm_int (wgmma_int:
+per-channel integer weights at prefill, _moe_int's quantiser first); the imports form a tree.
 """
 from __future__ import annotations
 
@@ -17,19 +17,20 @@ from codegen.render import kernel_name
 from codegen.sizes import token_ranges
 from ir.formats import FP8
 
-from . import _moe, _moe_fp8, _moe_gemm_fp8, _moe_int, _moe_wgmma, _moe_wgmma_skinny as S
+from . import _moe, _moe_fp8, _moe_gemm_fp8, _moe_gemm_int, _moe_int, _moe_wgmma, _moe_wgmma_skinny as S
 
 
 # the launches' order in a node's plan (one of them has work at a given T)
 ORDER = ("gemv", "wgmma_skinny", S.ONE_TOKEN_STAGE, _moe_fp8.VARIANT, _moe_fp8.ONE_TOKEN_VARIANT, _moe_int.VARIANT,
-         "mma", "wgmma", _moe_gemm_fp8.VARIANT)
+         "mma", "wgmma", _moe_gemm_fp8.VARIANT, _moe_gemm_int.VARIANT)
 
 
 def facts(opts, p: dict, *, down: bool) -> dict:
     """The conditions of the grouped_experts table for this node and target (p["fp8"]: FP8 weights;
     p["int"]: an integer format's name)."""
     return {"dtype": opts.dtype, "weight_format": p.get("int") or (FP8.name if p.get("fp8") else "same"),
-            **_moe_fp8.facts(opts, p), **_moe_int.facts(opts, p), "fp8x_fits": _moe_gemm_fp8.fits(opts, p["E"]),
+            **_moe_fp8.facts(opts, p), **_moe_int.facts(opts, p), **_moe_gemm_int.facts(opts, p),
+            "fp8x_fits": _moe_gemm_fp8.fits(opts, p["E"]),
             "sm_90a": has_feature(opts.arch, _moe_wgmma.FEATURE),
             "tma_rows": p["KD"] % 8 == 0, "decode_wgmma_fits": S.fits(p["E"]),
             "prefill_wgmma_fits": _moe_wgmma.fits(opts, p["E"]),
@@ -61,6 +62,8 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
                                        run, opts, down=down))
         elif variant == _moe_int.VARIANT:
             out.extend(_moe_int.launches(family, name_parts, p, nid, args, down=down, run=run))
+        elif variant == _moe_gemm_int.VARIANT:
+            out += _moe_gemm_int.launches(family, name_parts, p, nid, args, down=down, run=run)
         elif variant in (_moe_fp8.VARIANT, _moe_fp8.ONE_TOKEN_VARIANT):
             out.append(_moe_fp8.launch(family, template, name_parts, p, nid, args, opts, down=down, run=run,
                                        one_token=variant == _moe_fp8.ONE_TOKEN_VARIANT, shared=shared))

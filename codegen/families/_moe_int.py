@@ -103,6 +103,31 @@ def take_norm_rows(G, x: str, opts, p: dict) -> None:
         p["x_rows"] = rows
 
 
+def workspaces(p: dict, *, down: bool) -> tuple[Workspace, Workspace]:
+    """The quantised rows the experts read (4 bytes a word) and their scales; names apart for gate_up_silu and
+    down: moe_expert_ffn's two launches are one node's (one workspace set)."""
+    q, s = ("aq_i8", "as_f32") if down else ("xq_i8", "xs_f32")
+    rows = "NP" if down else "T"
+    return Workspace(q, (rows, qrow(p["KD"]) // 4), "i32"), Workspace(s, (rows,), "f32")
+
+
+def quantiser(family: str, name_parts: list, p: dict, nid: str, x, *, down: bool, run: str | None) -> KernelLaunch:
+    """The launch quantising the rows the experts read (x's token rows, or down's pair rows `x`) per row into
+    `workspaces`; `run`: its token-range factor.  The grouped int GEMMs (mma_int, _moe_gemm_int's wgmma_int)
+    read them."""
+    from codegen.render import kernel_name
+    rows = "NP" if down else "T"
+    kd = p["KD"]
+    ws = workspaces(p, down=down)
+    return KernelLaunch(
+        family=family, template=TEMPLATE, name=kernel_name(family, [f"{name_parts[0]}_{QUANT_NAME}", f"k{kd}"]),
+        params={"act": p["act"], "KD": kd, "qrow": qrow(kd), "threads": QUANT_THREADS, "variant": QUANT_STAGE},
+        nodes=(nid,), grid=(when(rows, run), 1, 1), block=(QUANT_THREADS, 1, 1),
+        args=(dataclasses.replace(x, name="x"), work("q", "signed char", ws[0].name),
+              work("s", "float", ws[1].name), size("rows", rows)),
+        workspace=ws, stage=QUANT_STAGE)
+
+
 def launches(family: str, name_parts: list, p: dict, nid: str, args_: tuple, *, down: bool,
              run: str | None) -> list[KernelLaunch]:
     """The quantiser's launch and the grouped int launch over the family's operands (args_: the rows
@@ -110,25 +135,15 @@ def launches(family: str, name_parts: list, p: dict, nid: str, args_: tuple, *, 
     factor.  The int launch alone where p["x_rows"] holds gate / up's quantised input (take_norm_rows)."""
     from codegen.render import kernel_name
     x, rest = args_[0], args_[1:]
-    rows = "NP" if down else "T"
-    kd = p["KD"]
-    # names apart for gate_up_silu and down: moe_expert_ffn's two launches are one node's (one workspace set)
-    q, s = ("aq_i8", "as_f32") if down else ("xq_i8", "xs_f32")
-    ws = (Workspace(q, (rows, qrow(kd) // 4), "i32"), Workspace(s, (rows,), "f32"))
-    quant = KernelLaunch(
-        family=family, template=TEMPLATE, name=kernel_name(family, [f"{name_parts[0]}_{QUANT_NAME}", f"k{kd}"]),
-        params={"act": p["act"], "KD": kd, "qrow": qrow(kd), "threads": QUANT_THREADS, "variant": QUANT_STAGE},
-        nodes=(nid,), grid=(when(rows, run), 1, 1), block=(QUANT_THREADS, 1, 1),
-        args=(dataclasses.replace(x, name="x"), work("q", "signed char", q), work("s", "float", s),
-              size("rows", rows)),
-        workspace=ws, stage=QUANT_STAGE)
+    ws = workspaces(p, down=down)
+    quant = quantiser(family, name_parts, p, nid, x, down=down, run=run)
     cols = channels(down=down)
     f = FORMATS[p["int"]]
-    params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": kd, "K": p["K"], "variant": VARIANT,
+    params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "variant": VARIANT,
               "threads": THREADS, "channels": cols, "down": down, "wfmt": f.name, "pack": f.pack,
               "group": f.group or 0}
     normed = None if down else p.get("x_rows")
-    x_args = _norm_quant.x_args(normed, q, s)
+    x_args = _norm_quant.x_args(normed, ws[0].name, ws[1].name)
     gemm = KernelLaunch(
         family=family, template=TEMPLATE,
         name=kernel_name(family, [f"{name_parts[0]}_{TAGS[f.name]}", *name_parts[1:]]),

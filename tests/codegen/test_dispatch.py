@@ -18,7 +18,8 @@ FACT_VALUES = {"dtype": ("bf16", "fp16", "fp32"), "sm_90a": (True, False), "tma_
                "decode_wgmma": (True, False), "precision": ("fp32", "act"), "mma": (True, False),
                "weight_format": dispatch.WEIGHT_FORMATS, "fp8_rows": (True, False), "fp8_fits": (True, False),
                "fp8x_fits": (True, False), "int_rows": (True, False), "i8_rows": (True, False),
-               "i8_fits": (True, False), "i8_xq_fits": (True, False),
+               "i8_fits": (True, False), "i8_xq_fits": (True, False), "int_wgmma_rows": (True, False),
+               "int_wgmma_fits": (True, False),
                "phase": dispatch.PHASES, "segments": (True, False)}
 
 
@@ -44,7 +45,8 @@ TUNINGS = [Tuning(), tuned(moe__decode_wgmma=False), tuned(moe__decode_wgmma_fro
            tuned(linear__fp8_chunks_upto=0), tuned(linear__fp8_chunks_upto=128), tuned(linear__fp8_chunks_upto=32, linear__skinny_upto=0),
            tuned(linear__fp8_chunks_upto=256, linear__skinny_upto=8),
            tuned(linear__i8_chunks_upto=128), tuned(linear__i8_chunks_upto=32, linear__skinny_upto=0),
-           tuned(linear__i8_chunks_upto=256, linear__skinny_upto=8, linear__i8_prologue_upto=16)]
+           tuned(linear__i8_chunks_upto=256, linear__skinny_upto=8, linear__i8_prologue_upto=16),
+           tuned(moe__int_wgmma_above=16), tuned(moe__int_wgmma_above=1024, moe__decode_wgmma=False)]
 
 
 def _partitions(rows, probe=(1, 2, 3, 4, 7, 8, 9, 16, 17, 255, 256, 257, 300, 4096, 4097, 1 << 20)):

@@ -7,7 +7,8 @@ packed int4 per channel (W4A8_DYNAMIC 1.0.0) or int8 (w8a8), kv_b, the router, n
 checkpoint as stored: decode runs the int8 skinny linears (linear_skinny wi8) and the int expert kernels
 (moe_gate_up_silu / moe_down wi4 or wi8: a per-row int8 quantiser, then mma.sync s8, int4 unpacked in
 registers); prefill the same up to 16 tokens, the exact int8 library call for the dense linears above, and
-the int expert kernels at every T.
+the int expert kernels at every T ("-wgmma": the experts on the int8 wgmma GEMM above 16 tokens,
+Tuning.moe.int_wgmma_above).
 
 - logits (prefill, and paged decode after 4 tokens): our error against the reference in fp32 is at most 1.5x
   the reference's own in bf16 (the same quantised weights, the same bf16 rounding points);
@@ -39,18 +40,20 @@ def write_int_checkpoint(root, to: str = "w4a8", seed: int = 0):
     return root / to
 
 
-@pytest.fixture(scope="module", params=["w4a8", "w8a8", "w4a8-quantisers"])
+@pytest.fixture(scope="module", params=["w4a8", "w8a8", "w4a8-quantisers", "w4a8-wgmma", "w8a8-wgmma"])
 def w4a8_engines(request, tmp_path_factory):
     """(format, cuda bf16 engine, reference fp32 engine, reference bf16 engine), all on the checkpoint;
     the defaults have the norms write their int8 readers' rows (Tuning.linear.norm_int8) and the skinny int8
     linears quantise x in their prologue up to 4 tokens; "-quantisers": the cuda engine with both off (every int8
-    reader's own quantiser launch)."""
-    from codegen.tuning import LinearTuning, Tuning
+    reader's own quantiser launch); "-wgmma": the routed experts on the int8 wgmma GEMM above 16 tokens
+    (Tuning.moe.int_wgmma_above: the 30-token prefill runs it)."""
+    from codegen.tuning import LinearTuning, MoeTuning, Tuning
     from runtime import Engine
-    fmt, _, off = request.param.partition("-")
+    fmt, _, variant = request.param.partition("-")
     path = write_int_checkpoint(tmp_path_factory.mktemp(fmt), fmt)
     kw = dict(device=DEV, block_size=5, num_blocks=64, max_seq_len=128)
-    tuning = Tuning(linear=LinearTuning(norm_int8=False, i8_prologue_upto=0)) if off else None
+    tuning = {"": None, "quantisers": Tuning(linear=LinearTuning(norm_int8=False, i8_prologue_upto=0)),
+              "wgmma": Tuning(moe=MoeTuning(int_wgmma_above=16))}[variant]
     ours = Engine.from_pretrained(path, backend="cuda", dtype=torch.bfloat16, tuning=tuning, **kw)
     ref = Engine.from_pretrained(path, backend="reference", dtype=torch.float32, **kw)
     ref_bf16 = Engine.from_pretrained(path, backend="reference", dtype=torch.bfloat16, **kw)
@@ -59,14 +62,16 @@ def w4a8_engines(request, tmp_path_factory):
 
 def test_the_cuda_backend_runs_the_int_kernels(w4a8_engines):
     to, ours, _, _ = w4a8_engines
-    fmt, _, off = to.partition("-")
+    fmt, _, variant = to.partition("-")
     tag = "wi4" if fmt == "w4a8" else "wi8"
     for phase in ("decode", "prefill"):
         names = [getattr(s, "name", "") for s in ours.backend.plans[phase].steps]
         for part in (f"moe_gate_up_silu__bf16_{tag}__", f"moe_down__bf16_{tag}__", "linear_skinny__bf16_wi8__"):
             assert any(n.startswith(part) for n in names), (phase, part, names)
         norms = [n for n in names if "rms_norm__" in n and n.endswith("__qi8")]
-        assert bool(norms) != bool(off), (phase, names)
+        assert bool(norms) != (variant == "quantisers"), (phase, names)
+        wgmma = [n for n in names if n.endswith("__wgmma_int")]
+        assert len(wgmma) == (2 * 1 if variant == "wgmma" else 0), (phase, names)   # gate_up_silu, down: 1 MoE layer
 
 
 def test_int_logits_within_the_references_own_bf16_error(w4a8_engines):

@@ -30,6 +30,7 @@ import test_kernels_moe as moe
 import test_kernels_moe_expert_ffn as moe_ffn
 import test_kernels_moe_fp8 as moe_fp8
 import test_kernels_moe_gemm_fp8 as moe_gemm_fp8
+import test_kernels_moe_gemm_int as moe_gemm_int
 import test_kernels_moe_int as moe_int
 import test_kernels_moe_wgmma as moe_wgmma
 import test_kernels_moe_wgmma_skinny as moe_wgmma_skinny
@@ -565,6 +566,15 @@ MUTANTS = [
            "const float ge = gr[rt][0] != nullptr ? __ldg(gr[rt][0] + (grp ^ 1)) : 0.f;",
            moe_int.test_moe_gate_up_silu_wi4,
            dict(case=moe_int.case_of("bf16", (5, 4, 3), 2, 512, 200, fmt=moe_int.GROUPED.name, seed=17))),
+    Mutant("int8 wgmma experts: the unpacked even and odd int4 boxes swapped (down)", "include/moe_gemm_int.cuh",
+           "*reinterpret_cast<uint4*>(even_row) = ev;\n    *reinterpret_cast<uint4*>(odd_row) = od;",
+           "*reinterpret_cast<uint4*>(even_row) = od;\n    *reinterpret_cast<uint4*>(odd_row) = ev;",
+           moe_gemm_int.test_moe_gemm_int_bit_equal_to_mma_int,
+           dict(case=moe_gemm_int.case_of("moe_down", "int4_channel", 300, 5, 2, 528, 256, seed=16))),
+    Mutant("int8 wgmma experts: the /16 of the unpacked int4 sums dropped (gate_up_silu)", "include/moe_gemm_int.cuh",
+           "return PACK == 2 ? acc >> 4 : acc;", "return acc;",
+           moe_gemm_int.test_moe_gemm_int_bit_equal_to_mma_int,
+           dict(case=moe_gemm_int.case_of("moe_gate_up_silu", "int4_channel", 300, 5, 2, 528, 192, seed=16))),
     Mutant("int8 GEMM: each column scaled by the next channel's weight scale", "include/gemm_int8.cuh",
            "swg[c] = __ldg(sw0 + col);", "swg[c] = __ldg(sw0 + min(col + 1, O - 1));",
            gemm_int8.test_linear_int8_gemm, dict(dtype="bf16", T=200, K=512, rows=[256], extra=0, offset=0,
