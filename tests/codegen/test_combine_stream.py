@@ -142,3 +142,10 @@ def test_the_stream_compiles_without_spills_in_its_register_budget(shape, rows, 
     assert any(o.startswith("LDGSTS") for o in ops), sorted(ops)      # the stage's 16-byte cp.async
     assert any(o.startswith("LDGDEPBAR") or o.startswith("DEPBAR") for o in ops), sorted(ops)
     assert wait_problem(instructions(res.cubin)[stream.name], weight_loads=True) is None
+
+
+def test_explain_says_where_the_stream_runs():
+    from runtime.cli_explain import _norm_writes
+    plain, stream = _lower(above=256)
+    assert _norm_writes([plain]) == ""
+    assert _norm_writes([stream]).startswith("streamed (moe.combine_stream_above)")
