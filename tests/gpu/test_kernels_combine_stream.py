@@ -5,11 +5,12 @@ linear.norm_fp8).  The streaming kernel sums the same rows in the same order wit
 reduces the sum of squares over the same threads, so nothing may differ.
 
 Hypothesis draws T (1..3000, odd T included), the width (V2-Lite's 2048, V3's 7168, small and partial rows), K
-and S (the shared experts as pairs, or a shared input), the dtype, the rows (none, int8, fp8), misaligned inputs
-(the rows then come from global memory, not the stage), the SM count the grid is sized for (1, 3 or the device's:
-from every token in one CTA to one token a CTA), other ranks' pairs (weight 0, NaN rows: skipped, not multiplied),
-token sizes spread over 2^8.  Outputs are poisoned first.  Planted mutant (tests/gpu/test_mutants.py): the next
-token's copies read the current token's residual.
+and S (the shared experts as pairs, or a shared input), the dtype (fp32 too: its 16-byte slices are 4 floats), the
+rows (none, int8, fp8), misaligned inputs (the rows then come from global memory, not the stage), the SM count the
+grid is sized for (1, 3 or the device's: from every token in one CTA to one token a CTA), other ranks' pairs
+(weight 0, NaN rows: skipped, not multiplied), token sizes spread over 2^8.  Outputs are poisoned first.  Planted
+mutants (tests/gpu/test_mutants.py): the next token's copies read the current token's rows; the sums read the
+stage without waiting for the copies.
 
 Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_combine_stream.py
 """
@@ -98,8 +99,8 @@ def run_combine(case: dict, *, stream: bool) -> dict:
 def cases(draw):
     K = draw(st.integers(1, 9))
     D = draw(WIDTHS)
-    dtype = draw(st.sampled_from(("bf16", "fp16", "bf16")))
     rows = draw(st.sampled_from((None, "int8", "fp8"))) if D % 16 == 0 else draw(st.sampled_from((None, "int8")))
+    dtype = draw(st.sampled_from(("bf16", "fp16", "bf16") + (() if rows else ("fp32",))))   # rows: 16-bit only
     T = draw(st.one_of(st.integers(1, 64), st.integers(1, 1500).map(lambda k: 2 * k + 1)))
     T = min(T, 20_000_000 // (D * (K + 2)) * 2 + 1)   # at most ~80 MB of rows a case
     return {"T": T, "D": D, "K": K,
