@@ -27,7 +27,7 @@ struct CombineStream {
   static constexpr int BYTES = ROWS * D * (int)sizeof(T);
 
   // Whether every row the stage copies starts 16-byte aligned (rows are D elements, whole slices,
-  // apart); else the caller sums through combine_row's own loads.
+  // apart); else the caller sums from global memory (Direct).
   __device__ static __forceinline__ bool aligned(const T* eo, const T* shared, const T* residual) {
     return aligned16(eo) && aligned16(residual) && (S > 0 || aligned16(shared));
   }
