@@ -94,9 +94,9 @@ class MoeTuning(_Section):
                                                         doc="pairs above which the route aligns in count / scan / "
                                                             "scatter launches (none: one CTA always)")
     combine_stream_above: typing.Optional[int] = _knob(
-        None, 0, 1 << 20, doc="moe_combine_residual_rms_norm above this many tokens: a CTA an SM slot streams tokens, "
-                              "the next token's rows copied into shared memory (cp.async) while this one's norm "
-                              "reduces; the same bits (none: a CTA a token at every T)")
+        None, 0, 1 << 20, doc="prefill's moe_combine_residual_rms_norm above this many tokens: a CTA an SM slot "
+                              "streams tokens, the next token's rows copied into shared memory (cp.async) while this "
+                              "one's norm reduces; the same bits (none: a CTA a token at every T; decode: always)")
 
 
 @dataclass(frozen=True)

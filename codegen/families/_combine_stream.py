@@ -46,12 +46,14 @@ def _and(factor: str | None, other: str) -> str:
     return other if factor is None else f"{factor} * {other}"
 
 
-def launches(p: dict, elem: int, opts, make, norm_launches) -> list:
+def launches(G, p: dict, elem: int, opts, make, norm_launches) -> list:
     """The node's launches: norm_launches(make) (the plain ones, _norm_quant's split by quantised rows)
-    at every T where the knob is off or the stream cannot run; else those up to the knob's T and the
-    same split of streaming launches above it."""
+    at every T where the knob is off, in a decode plan, or where the stream cannot run; else those up to
+    the knob's T and the same split of streaming launches above it.  Decode plans keep the plain launch
+    alone: a stream gains only past SMS x cps tokens (a token a CTA below), and a launch that is no
+    persistent-segment member would end a segment's run there (codegen/segments.py find)."""
     above = opts.tuning.moe.combine_stream_above
-    stream = None if above is None else plan(p, elem)
+    stream = None if above is None or G.graph.get("phase") == "decode" else plan(p, elem)
     if stream is None:
         return norm_launches(make)
     plain = [] if above == 0 else norm_launches(lambda qp, qn, qa, f: make(qp, qn, qa, _and(f, only_below(above))))

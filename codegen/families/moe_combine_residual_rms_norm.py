@@ -4,7 +4,7 @@ next layer's input norm (or the final norm) in one sweep over the row, one CTA p
 rounding points are the unfused chain's (moe_combine_residual, then rms_norm of the rounded s).
 With shared_experts S > 0 the inputs are [eo, w, residual], as moe_combine_residual's.
 
-Above Tuning.moe.combine_stream_above tokens its "st" launches serve the step instead (_combine_stream.py:
+Above Tuning.moe.combine_stream_above tokens its "st" launches serve a prefill step instead (_combine_stream.py:
 a CTA an SM slot, the tokens streamed through shared memory; the same bits)."""
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def lower(nid: str, G, opts) -> list[KernelLaunch]:
             args=(inp("eo", ct, eo), inp("w", "float", w), *shared_arg, inp("residual", ct, residual),
                   weight("nw", ct, wts["weight"]), out("h", ct, h), out("s", ct, s), *q_args,
                   size("T", "T")))
-    return _combine_stream.launches(p, ELEM_BYTES[dt], opts, make,
+    return _combine_stream.launches(G, p, ELEM_BYTES[dt], opts, make,
                                     lambda m: _norm_quant.launches(G, nid, opts, D, m))
 
 

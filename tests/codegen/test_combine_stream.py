@@ -2,7 +2,8 @@
 _combine_stream.py) on the CPU: off by default, and off the lowering is today's; on, the plain launches keep T up
 to the knob and the streaming ones ("__st") serve above it, one of them at every T, for the plain rows and the
 int8 / e4m3 ones; their grid is the CTAs the SMs hold at once, their stage the token's rows; rows not of whole
-16-byte slices or a stage past a CTA's shared memory keep the plain launch; no persistent-segment member; V2-Lite's
+16-byte slices or a stage past a CTA's shared memory keep the plain launch, and so do decode plans; no
+persistent-segment member; a bundle keeps them through its manifest; V2-Lite's
 and V3's variants (the dispatch tables unchanged) render and compile for sm_90a without spills within the
 registers their CTAs an SM leave, keeping the PDL contract, with 16-byte cp.async (LDGSTS) for the stage."""
 from __future__ import annotations
@@ -102,6 +103,10 @@ def test_the_stream_is_no_segment_member_and_moves_no_dispatch_row():
     plain, stream = _lower(above=256)
     fam = families.family_named(OP)
     assert fam.segment_body(plain) is not None and fam.segment_body(stream) is None
+    G, nid = _graph(*V2_LITE, None)
+    G.graph["phase"] = "decode"      # decode plans keep the plain launch alone: their segments unchanged
+    (la,) = family_for_op(OP).lower(nid, G, Options(tuning=Tuning(moe=MoeTuning(combine_stream_above=0))))
+    assert la.grid == ("T", 1, 1) and "stream" not in la.params
     on = Tuning(moe=MoeTuning(combine_stream_above=0))
     for op in sorted(dispatch.TABLES):
         assert dispatch.table(op, on) == dispatch.table(op, Tuning()), op
@@ -149,3 +154,38 @@ def test_explain_says_where_the_stream_runs():
     plain, stream = _lower(above=256)
     assert _norm_writes([plain]) == ""
     assert _norm_writes([stream]).startswith("streamed (moe.combine_stream_above)")
+
+
+@pytest.mark.slow
+def test_a_bundle_keeps_the_streaming_launches_through_the_manifest(tmp_path, monkeypatch):
+    """compile_bundle with the knob (NVRTC stubbed: the machine code is tested above) writes the streaming
+    launches, their stage bytes and grids, and load_bundle reads back the same plans."""
+    import dataclasses
+    import hashlib
+
+    import codegen.nvrtc as nvrtc
+    from codegen.bundle import compile_bundle, load_bundle
+    from codegen.kernel import KernelLaunch
+    from codegen.lower import lower_graph, pipeline_knobs
+    from ir.passes import run_pipeline
+    from test_norm_fp8 import _spec
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda source, name, **kw: nvrtc.CompileResult(
+        cubin=b"CUBIN:" + hashlib.sha256(source.encode()).digest(), log=""))
+    on = Tuning(moe=MoeTuning(combine_stream_above=256))
+    path = tmp_path / "tiny.yaml"
+    path.write_text(_spec().text)
+    compile_bundle(str(path), tmp_path / "bundle", arch="sm_90a", cache_dir=tmp_path / "cache", progress=False,
+                   tuning=on)
+    loaded = load_bundle(tmp_path / "bundle", arch="sm_90a")
+
+    def plain(steps):
+        return [dataclasses.replace(s, origins=()) if isinstance(s, KernelLaunch) else s for s in steps]
+
+    for phase in ir.PHASES:
+        opts = Options(arch="sm_90a", tuning=on)
+        want = lower_graph(run_pipeline(ir.build_graph(_spec(), phase), knobs=pipeline_knobs(opts)), opts)
+        got = loaded.plans[phase]
+        assert plain(got.steps) == plain(want.steps), phase
+        streams = [s for s in got.steps if isinstance(s, KernelLaunch) and "stream" in s.params]
+        assert all(s.smem == s.params["stream"]["smem"] > 0 for s in streams), phase
+        assert bool(streams) == (phase == "prefill"), phase    # decode: the plain launches alone
