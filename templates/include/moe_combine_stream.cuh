@@ -57,18 +57,28 @@ struct CombineStream {
     for (int k = 0; k < R; ++k) wk[k] = w[(i64)t * K + k];
   }
 
-  // A token's rows where they are: the stage's, or (rows not 16-byte aligned) token t's in global memory,
-  // read a row at a time by RowLayout's loads (combine_row's all-rows-at-once registers would leave the
-  // staged path, which needs few, short of them).
+  // A token's rows where they are, row r as RowLayout's v (zeros past D): the stage's (16-byte aligned: one
+  // 16-byte shared load a chunk, no alignment test), or (rows not 16-byte aligned) token t's in global
+  // memory, read a row at a time by RowLayout's loads (combine_row's all-rows-at-once registers would leave
+  // the staged path, which needs few, short of them).
   struct Staged {
     const T* stage;
-    __device__ __forceinline__ const T* operator()(int r) const { return stage + r * D; }
+    __device__ __forceinline__ void operator()(int r, float (&e)[L::ITEMS]) const {
+#pragma unroll
+      for (int c = 0; c < L::CHUNKS; ++c) {
+        const int i0 = L::index(c, 0);
+        if (i0 < D) load16(stage + r * D + i0, e + c * L::VEC);
+        else
+#pragma unroll
+          for (int j = 0; j < L::VEC; ++j) e[c * L::VEC + j] = 0.f;
+      }
+    }
   };
   struct Direct {
     const T *eo, *shared, *residual;
     int t;
-    __device__ __forceinline__ const T* operator()(int r) const {
-      return r < K ? eo + ((i64)t * K + r) * D : r == RESID_ROW ? residual + (i64)t * D : shared + (i64)t * D;
+    __device__ __forceinline__ void operator()(int r, float (&e)[L::ITEMS]) const {
+      L::load(r < K ? eo + ((i64)t * K + r) * D : r == RESID_ROW ? residual + (i64)t * D : shared + (i64)t * D, e);
     }
   };
 
@@ -82,7 +92,7 @@ struct CombineStream {
 #pragma unroll
     for (int k = 0; k < R; ++k)
       if (wk[k] != 0.f) {
-        L::load(rows(k), e);
+        rows(k, e);
 #pragma unroll
         for (int i = 0; i < L::ITEMS; ++i) v[i] += e[i] * wk[k];
       }
@@ -92,18 +102,18 @@ struct CombineStream {
       for (int i = 0; i < L::ITEMS; ++i) sh[i] = 0.f;
 #pragma unroll
       for (int j = 0; j < S; ++j) {
-        L::load(rows(R + j), e);
+        rows(R + j, e);
 #pragma unroll
         for (int i = 0; i < L::ITEMS; ++i) sh[i] += e[i];
       }
 #pragma unroll
       for (int i = 0; i < L::ITEMS; ++i) e[i] = round_to<T>(sh[i]);
     } else {
-      L::load(rows(SHARED_ROW), e);
+      rows(SHARED_ROW, e);
     }
 #pragma unroll
     for (int i = 0; i < L::ITEMS; ++i) v[i] = plus_shared<T>(v[i], e[i]);
-    L::load(rows(RESID_ROW), e);
+    rows(RESID_ROW, e);
 #pragma unroll
     for (int i = 0; i < L::ITEMS; ++i) v[i] = plus_residual<T>(v[i], e[i]);
   }
