@@ -96,7 +96,7 @@ class MoeTuning(_Section):
     combine_stream_above: typing.Optional[int] = _knob(
         None, 0, 1 << 20, doc="prefill's moe_combine_residual_rms_norm above this many tokens: a CTA an SM slot "
                               "streams tokens, the next token's rows copied into shared memory (cp.async) while this "
-                              "one's norm reduces; the same bits (none: a CTA a token at every T; decode: always)")
+                              "one's norm reduces; the same bits (none: a CTA a token at every T, as decode always)")
 
 
 @dataclass(frozen=True)
