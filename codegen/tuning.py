@@ -98,6 +98,10 @@ class MoeTuning(_Section):
         doc="int4_channel / int8_channel expert weights, sm_90a: above this many tokens the persistent grouped int8 "
             "wgmma GEMM (moe_gemm_int.cuh: exact int32 sums of all of K, bit-equal to mma_int), mma_int up to it "
             "(none: mma_int at every T). Not yet run on a GPU")
+    combine_stream_above: typing.Optional[int] = _knob(
+        None, 0, 1 << 20, doc="prefill's moe_combine_residual_rms_norm above this many tokens: a CTA an SM slot "
+                              "streams tokens, the next token's rows copied into shared memory (cp.async) while this "
+                              "one's norm reduces; the same bits (none: a CTA a token at every T, as decode always)")
 
 
 @dataclass(frozen=True)

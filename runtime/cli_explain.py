@@ -255,12 +255,17 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
 
 
 def _norm_writes(running: list) -> str:
-    """A norm's why: the FP8 x FP8 readers' rows it writes at this size (the int8 ones it writes at every T)."""
+    """A norm's why: the FP8 x FP8 readers' rows it writes at this size (the int8 ones it writes at every T),
+    and the MoE combine + norm's streaming launch where it runs."""
     from codegen.kernel import KernelLaunch
+    out = []
     if any(isinstance(s, KernelLaunch) and _norm_rows(s, "hq") == "fp8" for s in running):
-        return ("here the RMSNorm also writes its output's e4m3 rows and scales (linear.norm_fp8): a reader "
-                "multiplies it FP8 x FP8 at this size")
-    return ""
+        out.append("here the RMSNorm also writes its output's e4m3 rows and scales (linear.norm_fp8): a reader "
+                   "multiplies it FP8 x FP8 at this size")
+    if any(isinstance(s, KernelLaunch) and "stream" in s.params for s in running):
+        out.append("streamed (moe.combine_stream_above): CTAs the SMs hold at once, the next token's rows in "
+                   "flight while this one's norm reduces")
+    return "; ".join(out)
 
 
 def _norm_rows(launch, arg: str) -> str | None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import test_kernels_combine_stream as combine_stream
 import test_kernels_dense as dense
 import test_kernels_gemm_fp8 as gemm_fp8
 import test_kernels_gemm_int8 as gemm_int8
@@ -171,6 +172,16 @@ MUTANTS = [
            "v[i] = plus_residual<T>(plus_shared<T>(v[i], es[0][i]), res[i]) * 1.01f;",
            moe.test_moe_combine_residual_rms_norm, dict(case=moe._combine_case("bf16", 1, 8, 2048, S=2)),
            uses_runner=True),
+    Mutant("streamed combine + norm: the next token's copies read the current token's rows",
+           "moe_combine_residual_rms_norm_stream.cu.j2",
+           "Stream::issue(eo, w, sh, residual, t + gridDim.x, stage, wk);",
+           "Stream::issue(eo, w, sh, residual, t, stage, wk);",
+           combine_stream.test_streamed_combine_is_bit_equal_to_the_plain_kernel,
+           dict(case=combine_stream._case(1001, 2048, 8, 2, None, sms=3))),
+    Mutant("streamed combine + norm: the sums read the stage without waiting for the copies",
+           "include/moe_combine_stream.cuh", "    mma::cp_async_wait<0>();\n", "",
+           combine_stream.test_streamed_combine_is_bit_equal_to_the_plain_kernel,
+           dict(case=combine_stream._case(1001, 2048, 8, 2, "fp8", sms=3))),
     Mutant("shared experts' pair weight x1.01 (the fused route, fuse_shared_experts)", "include/moe_router.cuh",
            "weights[lane] = 1.f;", "weights[lane] = 1.01f;",
            moe.test_moe_route_fused, dict(case=moe._shape_case("v2_lite", "bf16", 9)), uses_runner=True),
