@@ -362,8 +362,9 @@ def _lower_int8(nid, G, opts, *, warps: int, row_tiles: int, unroll: int):
         lo, top = quantised[0][0], quantised[-1][1]
         factor = token_range(lo, top)
         qrow = -(-K // 16) * 16
-        ws = (Workspace("x_int8", (f"min(T, {top})", qrow // 4), "i32"),   # int8 rows of qrow bytes
-              Workspace("x_scale", (f"min(T, {top})",), "f32"))
+        rows = f"min(T, {top}) * min(1, {top} // max(T, 1))"   # none above the range: the GEMM has its own
+        ws = (Workspace("x_int8", (rows, qrow // 4), "i32"),   # int8 rows of qrow bytes
+              Workspace("x_scale", (rows,), "f32"))
         steps.append(KernelLaunch(
             family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [f"{opts.dtype}_qi8", f"k{K}"]),
             params={"act": act, "K": K, "qrow": qrow, "threads": QUANT_THREADS, "max_tokens": SKINNY_MAX_TOKENS,
