@@ -48,9 +48,12 @@ SPECS = ("deepseek_v2_lite", "deepseek_v2", "deepseek_v3")
 # tests/codegen/test_sass_absorb.py checks that those loads are the weight's), the skinny linears
 # their first batch of weight chunks (skinny.cuh mma_tiles: load_weights(0), then the wait); the
 # router's gate goes towards L2 with prefetches, which are not loads.  The row norms load their
-# weight row first (rms_norm.cu.j2, fused_add_rms_norm.cu.j2, moe_combine_residual_rms_norm.cu.j2).
+# weight row first (rms_norm.cu.j2, fused_add_rms_norm.cu.j2, moe_combine_residual_rms_norm.cu.j2).  The
+# dense one-byte GEMMs issue their first ring stages' weight boxes by TMA (linear.gemm_weights_early, on by
+# default; tests/codegen/test_gemm_early.py checks that nothing but those UTMALDG precedes their wait).
 WEIGHT_LOADS_BEFORE_WAIT: frozenset = frozenset({"mla_decode_query", "mla_v_up", "linear_skinny", "rms_norm",
-                                                 "fused_add_rms_norm", "moe_combine_residual_rms_norm"})
+                                                 "fused_add_rms_norm", "moe_combine_residual_rms_norm",
+                                                 "gemm_fp8", "gemm_int8"})
 # Families whose kernels read before pdl_wait() what the kernel two launches back wrote (pdl.cuh: the
 # kernel between waits before it lets them launch), through L2 only (LDG ... .STRONG.GPU), and start
 # weight boxes by TMA (UTMALDG: tensor maps bind weights only); any other load before the wait is
