@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from codegen.sizes import only_above, only_below
 
+from .mla_decode_attention import smem_limit
+from .segment import CTA_RESERVED_SMEM, SM_SMEM
+
 TEMPLATE = "moe_combine_residual_rms_norm_stream.cu.j2"
 NAME = "st"                 # the kernel-name part
-SM_SMEM = 233472            # H100 / H200: shared memory an SM (228 KB)
-CTA_SMEM_MAX = 232448       # ... and a CTA's dynamic shared memory at most (227 KB)
-CTA_RESERVED = 2048         # the 1 KB the driver reserves a CTA, and the kernel's static shared memory
+CTA_SMEM_MAX = smem_limit("sm_90a")     # a CTA's dynamic shared memory at most (227 KB), of SM_SMEM an SM
+CTA_RESERVED = CTA_RESERVED_SMEM + 1024  # what the driver reserves a CTA, and the kernel's static shared memory
 REGS_A_THREAD = 64          # the register budget the CTAs an SM (cps) leave each thread: 65536 / 64 threads
 
 

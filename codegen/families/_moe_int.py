@@ -116,9 +116,9 @@ def quantiser(family: str, name_parts: list, p: dict, nid: str, x, *, down: bool
     `workspaces`; `run`: its token-range factor.  The grouped int GEMMs (mma_int, _moe_gemm_int's wgmma_int)
     read them."""
     from codegen.render import kernel_name
-    rows = "NP" if down else "T"
     kd = p["KD"]
     ws = workspaces(p, down=down)
+    rows = ws[1].shape[0]
     return KernelLaunch(
         family=family, template=TEMPLATE, name=kernel_name(family, [f"{name_parts[0]}_{QUANT_NAME}", f"k{kd}"]),
         params={"act": p["act"], "KD": kd, "qrow": qrow(kd), "threads": QUANT_THREADS, "variant": QUANT_STAGE},
