@@ -197,12 +197,12 @@ __device__ __forceinline__ void stage_acc_rows(const float (&acc)[64], char* sta
 
 // Consumer warpgroup cw (0, 1): token rows 64 cw .. + 64 of each tile against its 128 weight rows.  OVL
 // (Tuning.moe.fp8_overlap): each K block's promotion under the next block's wgmma (mainloop_overlap).
-template <typename T, int MODE, int O, int K, int ST, bool OVL>
+template <typename T, int MODE, int O, int K, int ST, bool OVL, typename G>
 __device__ __forceinline__ void consume(const float* __restrict__ sx, const float* __restrict__ sw0,
                                         const float* __restrict__ sw1, int num_tokens, int splits,
                                         float* __restrict__ partials, unsigned int* __restrict__ tickets,
                                         unsigned ring, unsigned long long* full, unsigned long long* empty,
-                                        char* staging, T* __restrict__ y, int cw) {
+                                        char* staging, T* __restrict__ y, int cw, G grid) {
   constexpr int KB = (K + BK - 1) / BK, COLS = tile_cols(MODE), NCT = (O + COLS - 1) / COLS;
   constexpr int CH = COLS / 8;                         // 16-byte chunks of a staged row
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, tid = threadIdx.x & 127;
@@ -211,7 +211,7 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
   __shared__ int last;                                 // split_arrive's answer to the consumers
   float acc[64], part[64];
   int it = 0;
-  for (int i = blockIdx.x; i < tiles * splits; i += gridDim.x) {
+  for (int i = grid.cta(); i < tiles * splits; i += grid.ctas()) {
     const Item w = item_of(i, tiles);
     const KRange kr = k_range(w.split, splits, KB);
     const int m0 = w.tile / NCT * BM, n0 = w.tile % NCT * COLS;
@@ -254,11 +254,14 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
 // The lowering splits only while the tiles fit the tickets; past that (uniform) the CTA exits with
 // y unwritten rather than index past them.  OVL: the consumers' overlapped K loop (consume).  EARLY
 // (Tuning.linear.gemm_weights_early): the first ring stages' weights issued before pdl_wait (begin_early).
-template <typename T, int MODE, int O, int K, int ST, int TICKETS, bool OVL = false, bool EARLY = false>
-__device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const float* __restrict__ sx,
-                                     const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
-                                     const float* __restrict__ sw1, T* __restrict__ y, float* __restrict__ partials,
-                                     unsigned int* __restrict__ tickets, int num_tokens, int splits, char* smem) {
+// grid: the CTAs that run this GEMM (gemm: the whole grid; gemm_multi.cuh: a part's, gemm_ring.cuh PartGrid).
+template <typename T, int MODE, int O, int K, int ST, int TICKETS, bool OVL = false, bool EARLY = false,
+          typename G = WholeGrid>
+__device__ __forceinline__ void gemm_slice(const unsigned char* __restrict__ qx, const float* __restrict__ sx,
+                                           const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
+                                           const float* __restrict__ sw1, T* __restrict__ y,
+                                           float* __restrict__ partials, unsigned int* __restrict__ tickets,
+                                           int num_tokens, int splits, char* smem, G grid) {
   static_assert(sizeof(T) == 2, "gemm_fp8: 16-bit output");
   static_assert(K % 16 == 0, "gemm_fp8: token rows of whole 16-byte chunks");
   static_assert(ST >= 2, "gemm_fp8: a ring of at least two stages");
@@ -266,7 +269,7 @@ __device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const
                 "gemm_fp8: a stage holds one scale block of K, a tile one of the weight's rows (each half for SILU)");
   static_assert(smem_bytes(ST) + 2 * ST * 8 + 16 <= 227 * 1024, "gemm_fp8: ring + staging exceed a CTA's 227 KB");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
-  if constexpr (EARLY) begin_early<MODE, O, K, K, ST, TICKETS>(w0, w1, num_tokens, splits, smem, full, empty);
+  if constexpr (EARLY) begin_early<MODE, O, K, K, ST, TICKETS>(w0, w1, num_tokens, splits, smem, full, empty, grid);
   dsg::pdl_wait();                                     // qx and sx are the quantiser's output
   if (splits > 1 && num_tiles(num_tokens, MODE, O) > TICKETS) return;
   const unsigned raw = smem_u32(smem);
@@ -277,14 +280,24 @@ __device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const
   if (wg == 0) {
     wgmma::setmaxnreg_dec<PRODUCER_REGS>();
     produce<MODE, O, K, K, ST, EARLY ? AFTER_AHEAD : ALL>(qx, w0, w1, num_tokens, splits, smem + (ring - raw), full,
-                                                          empty);
+                                                          empty, grid);
   } else {
     wgmma::setmaxnreg_inc<CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * STAGE_BYTES + (wg - 1) * OUT_BYTES;
     consume<T, MODE, O, K, ST, OVL>(sx, sw0, sw1, num_tokens, splits, partials, tickets, ring, full, empty, staging,
-                                    y, wg - 1);
+                                    y, wg - 1, grid);
   }
   dsg::pdl_launch_dependents();
+}
+
+// The GEMM on the whole grid (one launch, one weight).
+template <typename T, int MODE, int O, int K, int ST, int TICKETS, bool OVL = false, bool EARLY = false>
+__device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const float* __restrict__ sx,
+                                     const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
+                                     const float* __restrict__ sw1, T* __restrict__ y, float* __restrict__ partials,
+                                     unsigned int* __restrict__ tickets, int num_tokens, int splits, char* smem) {
+  gemm_slice<T, MODE, O, K, ST, TICKETS, OVL, EARLY>(qx, sx, w0, sw0, w1, sw1, y, partials, tickets, num_tokens,
+                                                     splits, smem, WholeGrid{});
 }
 
 }  // namespace gemm_fp8

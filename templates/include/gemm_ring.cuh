@@ -3,9 +3,11 @@
 // gemm_int8.cuh (int8 x int8 -> int32) and gemm_fp8.cuh (e4m3 x e4m3 -> fp32, and through it the
 // grouped experts of moe_gemm_fp8.cuh) build on it.
 //
-//   * a persistent grid walks work items i = blockIdx.x, + gridDim.x, ...: tile t = i % tiles, row
-//     tile t / NCT (BM tokens), column tile t % NCT, so the CTAs running together share the tokens'
-//     row tile; K split i / tiles of `splits` (gemm_split.cuh; 1: the whole of K, item = tile);
+//   * a persistent grid walks work items i = cta, + ctas, ...: tile t = i % tiles, row tile t / NCT
+//     (BM tokens), column tile t % NCT, so the CTAs running together share the tokens' row tile; K split
+//     i / tiles of `splits` (gemm_split.cuh; 1: the whole of K, item = tile).  cta / ctas: blockIdx.x /
+//     gridDim.x (WholeGrid), or the CTA's place among its part's CTAs where one launch runs several GEMMs
+//     (PartGrid, gemm_multi.cuh);
 //   * warpgroup 0 produces (registers given back with setmaxnreg), warpgroups 1 and 2 consume, each
 //     64 of the tile's 128 tokens against its 128 weight rows, through a ring of ST stages handshaken
 //     on mbarriers (full: landed; empty: both consumers are done with it);
@@ -37,6 +39,19 @@ constexpr int ROW_BYTES = BK;                           // 128: the swizzle span
 constexpr int STAGE_BYTES = (BM + BN) * ROW_BYTES;      // 32 KB
 constexpr int OUT_ROW_BYTES = 128 * 2;                  // a staged row: up to 128 16-bit columns
 constexpr int OUT_BYTES = 64 * OUT_ROW_BYTES;           // 16 KB a consumer warpgroup
+
+// The CTAs that walk one GEMM's work items: the whole grid (a launch of one GEMM) -- read where the walk
+// reads them, so that its machine code is that of a walk over blockIdx.x / gridDim.x ...
+struct WholeGrid {
+  __device__ __forceinline__ int cta() const { return blockIdx.x; }
+  __device__ __forceinline__ int ctas() const { return gridDim.x; }
+};
+// ... or one part's CTAs of a launch of several (gemm_multi.cuh): CTA `first` of `count`.
+struct PartGrid {
+  int first, count;
+  __device__ __forceinline__ int cta() const { return first; }
+  __device__ __forceinline__ int ctas() const { return count; }
+};
 
 // Output columns a tile covers.
 __host__ __device__ constexpr int tile_cols(int mode) { return mode == SILU ? BN / 2 : BN; }
@@ -103,11 +118,12 @@ enum Part { ALL, AHEAD, AFTER_AHEAD };
 // a warp covers four whole 128-byte row slices per instruction, and all of a thread's rows share
 // r % 8, so one swizzled chunk position.  Bytes past K and rows past T land as zeros (as TMA fills
 // the weight's box past K and past O).  Thread 0 also issues the weight boxes.  A work item's stages
-// are its split's K blocks.  PART: which of this work the call does (Part).
-template <int MODE, int O, int K, int QROW, int ST, int PART = ALL>
+// are its split's K blocks.  PART: which of this work the call does (Part).  grid: the CTAs of the walk
+// (WholeGrid, PartGrid).
+template <int MODE, int O, int K, int QROW, int ST, int PART = ALL, typename G = WholeGrid>
 __device__ __forceinline__ void produce(const unsigned char* __restrict__ q, const TensorMap* w0, const TensorMap* w1,
                                         int num_tokens, int splits, char* ring, unsigned long long* full,
-                                        unsigned long long* empty) {
+                                        unsigned long long* empty, G grid) {
   static_assert(QROW % 16 == 0 && QROW >= K, "gemm_ring: token rows of whole 16-byte chunks");
   constexpr int KB = (K + BK - 1) / BK, NCT = (O + tile_cols(MODE) - 1) / tile_cols(MODE);
   const int p = threadIdx.x, c = p & 7, r0 = p >> 3;
@@ -118,7 +134,7 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ q, con
   }
   const int tiles = num_tiles(num_tokens, MODE, O);
   int it = 0;
-  for (int i = blockIdx.x; i < tiles * splits; i += gridDim.x) {
+  for (int i = grid.cta(); i < tiles * splits; i += grid.ctas()) {
     const gemm_split::Item w = gemm_split::item_of(i, tiles);
     const gemm_split::KRange kr = gemm_split::k_range(w.split, splits, KB);
     const int m0 = w.tile / NCT * BM, n0 = w.tile % NCT * tile_cols(MODE);
@@ -159,14 +175,14 @@ __device__ __forceinline__ void produce(const unsigned char* __restrict__ q, con
 // wait (splits > 1 and more tiles than TICKETS: uniform, from the launch arguments) -- a CTA must not exit
 // with TMA in flight into its shared memory.  The caller's __syncthreads after the wait publishes the
 // barriers; its producer then runs the AFTER_AHEAD part.
-template <int MODE, int O, int K, int QROW, int ST, int TICKETS>
+template <int MODE, int O, int K, int QROW, int ST, int TICKETS, typename G>
 __device__ __forceinline__ void begin_early(const TensorMap* w0, const TensorMap* w1, int num_tokens, int splits,
-                                            char* smem, unsigned long long* full, unsigned long long* empty) {
+                                            char* smem, unsigned long long* full, unsigned long long* empty, G grid) {
   if (threadIdx.x != 0 || (splits > 1 && num_tiles(num_tokens, MODE, O) > TICKETS)) return;
   ring_init<ST>(full, empty);
   const unsigned raw = smem_u32(smem);
   produce<MODE, O, K, QROW, ST, AHEAD>(nullptr, w0, w1, num_tokens, splits, smem + (((raw + 1023u) & ~1023u) - raw),
-                                       full, empty);
+                                       full, empty, grid);
 }
 
 }  // namespace gemm_ring

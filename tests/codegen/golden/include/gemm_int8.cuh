@@ -70,12 +70,12 @@ __device__ __forceinline__ void fence_acc(int (&d)[64]) {
 }
 
 // Consumer warpgroup cw (0, 1): token rows 64 cw .. + 64 of each tile against its 128 weight rows.
-template <typename T, int MODE, int O, int K, int ST>
+template <typename T, int MODE, int O, int K, int ST, typename G>
 __device__ __forceinline__ void consume(const float* __restrict__ sx, const float* __restrict__ sw0,
                                         const float* __restrict__ sw1, int num_tokens, int splits,
                                         int* __restrict__ partials, unsigned int* __restrict__ tickets,
                                         unsigned ring, unsigned long long* full, unsigned long long* empty,
-                                        char* staging, T* __restrict__ y, int cw) {
+                                        char* staging, T* __restrict__ y, int cw, G grid) {
   constexpr int KB = (K + BK - 1) / BK, COLS = tile_cols(MODE), NCT = (O + COLS - 1) / COLS;
   constexpr int CH = COLS / 8;                         // 16-byte chunks of a staged row
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, tid = threadIdx.x & 127;
@@ -84,7 +84,7 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
   __shared__ int last;                                 // split_arrive's answer to the consumers
   int acc[64];
   int it = 0;
-  for (int i = blockIdx.x; i < tiles * splits; i += gridDim.x) {
+  for (int i = grid.cta(); i < tiles * splits; i += grid.ctas()) {
     const Item w = item_of(i, tiles);
     const KRange kr = k_range(w.split, splits, KB);
     const int m0 = w.tile / NCT * BM, n0 = w.tile % NCT * COLS;
@@ -159,18 +159,21 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
 // between launches.  The lowering splits only while the tiles fit the tickets; past that (uniform) the
 // CTA exits with y unwritten rather than index past them.  EARLY (Tuning.linear.gemm_weights_early): the
 // first ring stages' weights issued before pdl_wait (gemm_ring.cuh begin_early).
-template <typename T, int MODE, int O, int K, int QROW, int ST, int TICKETS, bool EARLY = false>
-__device__ __forceinline__ void gemm(const signed char* __restrict__ qx, const float* __restrict__ sx,
-                                     const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
-                                     const float* __restrict__ sw1, T* __restrict__ y, int* __restrict__ partials,
-                                     unsigned int* __restrict__ tickets, int num_tokens, int splits, char* smem) {
+// grid: the CTAs that run this GEMM (gemm: the whole grid; gemm_multi.cuh: a part's, gemm_ring.cuh PartGrid).
+template <typename T, int MODE, int O, int K, int QROW, int ST, int TICKETS, bool EARLY = false,
+          typename G = WholeGrid>
+__device__ __forceinline__ void gemm_slice(const signed char* __restrict__ qx, const float* __restrict__ sx,
+                                           const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
+                                           const float* __restrict__ sw1, T* __restrict__ y, int* __restrict__ partials,
+                                           unsigned int* __restrict__ tickets, int num_tokens, int splits, char* smem,
+                                           G grid) {
   static_assert(sizeof(T) == 2, "gemm_int8: 16-bit output");
   static_assert(K % 16 == 0, "gemm_int8: weight rows 16-byte multiples apart (TMA strides)");
   static_assert(K < 131072, "gemm_int8: int32 accumulators are exact below K = 2^17");
   static_assert(ST >= 2, "gemm_int8: a ring of at least two stages (one stage's wgmmas stay in flight)");
   static_assert(smem_bytes(ST) + 2 * ST * 8 <= 227 * 1024, "gemm_int8: ring + staging exceed a CTA's 227 KB");
   __shared__ __align__(8) unsigned long long full[ST], empty[ST];
-  if constexpr (EARLY) begin_early<MODE, O, K, QROW, ST, TICKETS>(w0, w1, num_tokens, splits, smem, full, empty);
+  if constexpr (EARLY) begin_early<MODE, O, K, QROW, ST, TICKETS>(w0, w1, num_tokens, splits, smem, full, empty, grid);
   dsg::pdl_wait();                                     // qx and sx are the quantiser's output
   if (splits > 1 && num_tiles(num_tokens, MODE, O) > TICKETS) return;
   const unsigned raw = smem_u32(smem);
@@ -181,14 +184,25 @@ __device__ __forceinline__ void gemm(const signed char* __restrict__ qx, const f
   if (wg == 0) {
     wgmma::setmaxnreg_dec<PRODUCER_REGS>();
     produce<MODE, O, K, QROW, ST, EARLY ? AFTER_AHEAD : ALL>(reinterpret_cast<const unsigned char*>(qx), w0, w1,
-                                                             num_tokens, splits, smem + (ring - raw), full, empty);
+                                                             num_tokens, splits, smem + (ring - raw), full, empty,
+                                                             grid);
   } else {
     wgmma::setmaxnreg_inc<CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * STAGE_BYTES + (wg - 1) * OUT_BYTES;
     consume<T, MODE, O, K, ST>(sx, sw0, sw1, num_tokens, splits, partials, tickets, ring, full, empty, staging, y,
-                               wg - 1);
+                               wg - 1, grid);
   }
   dsg::pdl_launch_dependents();
+}
+
+// The GEMM on the whole grid (one launch, one weight).
+template <typename T, int MODE, int O, int K, int QROW, int ST, int TICKETS, bool EARLY = false>
+__device__ __forceinline__ void gemm(const signed char* __restrict__ qx, const float* __restrict__ sx,
+                                     const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
+                                     const float* __restrict__ sw1, T* __restrict__ y, int* __restrict__ partials,
+                                     unsigned int* __restrict__ tickets, int num_tokens, int splits, char* smem) {
+  gemm_slice<T, MODE, O, K, QROW, ST, TICKETS, EARLY>(qx, sx, w0, sw0, w1, sw1, y, partials, tickets, num_tokens,
+                                                      splits, smem, WholeGrid{});
 }
 
 }  // namespace gemm_int8
