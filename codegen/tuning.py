@@ -186,6 +186,12 @@ class LinearTuning(_Section):
                                        "alone, so a short split costs more than it streams: H100 o_proj at 128 "
                                        "tokens 15.4 us split 8 ways, 12.3 split 2-4 ways). 4 against 1: H100 "
                                        "b=128 FP8 8.81 -> 8.58 ms, W4A8 7.34 -> 6.93")
+    gemm_multi: bool = _knob(False, doc="a multi_linear whose weights the dense one-byte GEMM serves (all FP8: "
+                                        "gemm_fp8, all int8_channel: gemm_int8; MLA's q + kv_a): its GEMMs as the "
+                                        "parts of ONE launch, each part's CTAs running its own launch's tile walk "
+                                        "(bit-equal outputs; kernel name part o<O0>_o<O1>..), instead of a launch a "
+                                        "weight whose second waits for the first under PDL. Not yet run on a "
+                                        "GPU")
 
 
 @dataclass(frozen=True)

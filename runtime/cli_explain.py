@@ -251,7 +251,17 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
     if "fp8" in read:
         out.append("here x's e4m3 rows and scales come from the RMSNorm that makes x (linear.norm_fp8), "
                    "not a quantiser launch")
+    if op == "multi_linear":
+        out += _gemm_multi_note(running)
     return "; ".join(out)
+
+
+def _gemm_multi_note(running: list) -> list:
+    """A multi_linear's one-byte GEMMs as one launch (linear.gemm_multi)."""
+    from codegen.kernel import KernelLaunch
+    fused = [s.params["parts"] for s in running if isinstance(s, KernelLaunch) and s.params.get("variant") == "multi"]
+    return [f"here its {len(fused[0])} weights' GEMMs are one launch, each weight's CTAs walking its own launch's "
+            f"tiles (linear.gemm_multi)"] if fused else []
 
 
 def _norm_writes(running: list) -> str:

@@ -29,7 +29,7 @@ from codegen.kernel import DTYPES, KernelLaunch, Workspace, inp, out, size, stri
 from codegen.render import kernel_name
 from ir.formats import FORMATS, cdiv, companion_names, weight_format
 
-from . import _norm_quant
+from . import _gemm_multi, _norm_quant
 from ._dense_util import inner_dims, node_io
 from ._gemm_split import BK, BM, BN, PARTIAL_WORDS, TICKETS, grid, splits
 from ._gemm_split import partials as partials_workspace
@@ -113,7 +113,8 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
     node's order (gate_up_silu: gate, up), `rows` the output widths, `lo` the row's first T.  `normed`:
     the values holding x's int8 rows and scales, written by the norm that makes x (_norm_quant.int8_rows):
     the GEMMs read them and there is no quantiser launch.  Tuning.linear.gemm_weights_early: the first ring
-    stages' weights issued before the PDL wait (parameter `early`, name part ew)."""
+    stages' weights issued before the PDL wait (parameter `early`, name part ew).  Tuning.linear.gemm_multi: a
+    multi_linear's GEMMs as one launch (codegen/families/_gemm_multi.py)."""
     if opts.dtype not in ("bf16", "fp16"):
         raise ValueError(f"gemm_int8 needs 16-bit activations, got {opts.dtype}")
     act = DTYPES[opts.dtype]
@@ -135,7 +136,9 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
     groups = [(weights, outs[0], rows[0])] if silu else [([w], y, o) for w, y, o in zip(weights, outs, rows)]
     cols = BN // 2 if silu else BN
     min_kb = opts.tuning.linear.gemm_split_min_kb
-    partials = partials_workspace(PARTIALS, "i32", K, [O for _, _, O in groups], silu, min_kb)
+    multi = _gemm_multi.fuses(op, rows, opts.tuning)   # Tuning.linear.gemm_multi: one launch of the GEMMs
+    partials = (_gemm_multi.partials(PARTIALS, "i32", K, rows, min_kb) if multi else
+                partials_workspace(PARTIALS, "i32", K, [O for _, _, O in groups], silu, min_kb))
     x_args = _norm_quant.x_args(normed, XQ, XS)
     early = opts.tuning.linear.gemm_weights_early
     gemms = []
@@ -159,6 +162,8 @@ def launches(nid: str, op: str, x: str, K: int, weights: list[str], outs: list[s
                   size("splits", splits(O, K, silu, min_kb))),
             smem=nbytes, workspace=(partials,) if normed else (*ws, partials), stage="i8_wgmma",
             requires=(FEATURE,)))
+    if multi:
+        gemms = [_gemm_multi.fuse(gemms, rows, K, min_kb, factor)]
     return gemms if normed else [quant, *gemms]
 
 
