@@ -19,6 +19,7 @@ import test_kernels_combine_stream as combine_stream
 import test_kernels_dense as dense
 import test_kernels_gemm_fp8 as gemm_fp8
 import test_kernels_gemm_int8 as gemm_int8
+import test_kernels_gemm_multi as gemm_multi
 import test_kernels_int4_unpack as int4_unpack
 import test_kernels_linear as linear
 import test_kernels_linear_fp8 as linear_fp8
@@ -84,6 +85,9 @@ FIRST_BLOCK_XA_FROM_XB = ("const float xa = kb == 0 ? r.sxb[kb] : r.sxa[kb], xb 
 # bytes on a barrier phase already done, an unspecified launch failure the harness does not count as caught.)
 EARLY_BOX = "tma::load_2d(b, w0, k0, n0, &full[s]);"
 EARLY_BOX_SPLIT_0 = "tma::load_2d(b, w0, PART == AHEAD ? (kb - kr.first) * BK : k0, n0, &full[s]);"
+# gemm_fp8.cu.j2 / gemm_int8.cu.j2, linear.gemm_multi: the weight, scales and output a part's GEMM is called with
+MULTI_SCALES = "&w{{ loop.index0 }}, sw{{ loop.index0 }}, nullptr, nullptr, y{{ loop.index0 }},"
+MULTI_SCALES_OF_PART_0 = "&w{{ loop.index0 }}, sw0, nullptr, nullptr, y{{ loop.index0 }},"
 SCALES_RETURN = "return {xa, xb, wg, wu};"
 FIRST_BLOCK_UNPROMOTED = "return {kb == 0 ? 0.f : xa, kb == 0 ? 0.f : xb, wg, wu};"
 
@@ -456,6 +460,16 @@ MUTANTS = [
            "include/gemm_ring.cuh", EARLY_BOX, EARLY_BOX_SPLIT_0,
            gemm_int8.test_int8_gemm_weights_early, dict(dtype="bf16", T=32, shape=gemm_int8.SPLIT_SHAPES[1],
                                                         seed=72)),
+    # linear.gemm_multi: part 1's tiles (kv_a) scaled by part 0's (q's) weight scales -- wrong values, read in
+    # bounds (q's scales are the larger), not a trap; V2-Lite's q + kv_a at the decode batch of 128
+    Mutant("GEMM multi (FP8): part 1's tiles take part 0's weight scales (q + kv_a, T = 128)",
+           "gemm_fp8.cu.j2", MULTI_SCALES, MULTI_SCALES_OF_PART_0,
+           gemm_multi.test_fp8_gemm_multi, dict(dtype="bf16", T=128, K=2048, rows=gemm_multi.LITE, min_kb=4,
+                                                early=True, overlap=True, zero_rows=0, shift=False, seed=81)),
+    Mutant("GEMM multi (int8): part 1's tiles take part 0's weight scales (q + kv_a, T = 128)",
+           "gemm_int8.cu.j2", MULTI_SCALES, MULTI_SCALES_OF_PART_0,
+           gemm_multi.test_int8_gemm_multi, dict(dtype="bf16", T=128, K=2048, rows=gemm_multi.LITE, min_kb=4,
+                                                 early=True, kind="random", shift=False, seed=82)),
     Mutant("FP8 GEMM split K: each split's K range one block short", "include/gemm_split.cuh",
            "return {z * kb / splits, (z + 1) * kb / splits};",
            "return {z * kb / splits, (z + 1) * kb / splits - (splits > 1)};",
