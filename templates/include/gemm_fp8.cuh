@@ -254,14 +254,15 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
 // The lowering splits only while the tiles fit the tickets; past that (uniform) the CTA exits with
 // y unwritten rather than index past them.  OVL: the consumers' overlapped K loop (consume).  EARLY
 // (Tuning.linear.gemm_weights_early): the first ring stages' weights issued before pdl_wait (begin_early).
-// grid: the CTAs that run this GEMM (gemm: the whole grid; gemm_multi.cuh: a part's, gemm_ring.cuh PartGrid).
+// grid: the CTAs that run this GEMM (gemm_ring.cuh WholeGrid: a launch of one; PartGrid: a part's CTAs of a
+// launch of several, gemm_multi.cuh).
 template <typename T, int MODE, int O, int K, int ST, int TICKETS, bool OVL = false, bool EARLY = false,
           typename G = WholeGrid>
-__device__ __forceinline__ void gemm_slice(const unsigned char* __restrict__ qx, const float* __restrict__ sx,
-                                           const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
-                                           const float* __restrict__ sw1, T* __restrict__ y,
-                                           float* __restrict__ partials, unsigned int* __restrict__ tickets,
-                                           int num_tokens, int splits, char* smem, G grid) {
+__device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const float* __restrict__ sx,
+                                     const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
+                                     const float* __restrict__ sw1, T* __restrict__ y, float* __restrict__ partials,
+                                     unsigned int* __restrict__ tickets, int num_tokens, int splits, char* smem,
+                                     G grid = G{}) {
   static_assert(sizeof(T) == 2, "gemm_fp8: 16-bit output");
   static_assert(K % 16 == 0, "gemm_fp8: token rows of whole 16-byte chunks");
   static_assert(ST >= 2, "gemm_fp8: a ring of at least two stages");
@@ -288,16 +289,6 @@ __device__ __forceinline__ void gemm_slice(const unsigned char* __restrict__ qx,
                                     y, wg - 1, grid);
   }
   dsg::pdl_launch_dependents();
-}
-
-// The GEMM on the whole grid (one launch, one weight).
-template <typename T, int MODE, int O, int K, int ST, int TICKETS, bool OVL = false, bool EARLY = false>
-__device__ __forceinline__ void gemm(const unsigned char* __restrict__ qx, const float* __restrict__ sx,
-                                     const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
-                                     const float* __restrict__ sw1, T* __restrict__ y, float* __restrict__ partials,
-                                     unsigned int* __restrict__ tickets, int num_tokens, int splits, char* smem) {
-  gemm_slice<T, MODE, O, K, ST, TICKETS, OVL, EARLY>(qx, sx, w0, sw0, w1, sw1, y, partials, tickets, num_tokens,
-                                                     splits, smem, WholeGrid{});
 }
 
 }  // namespace gemm_fp8

@@ -159,14 +159,15 @@ __device__ __forceinline__ void consume(const float* __restrict__ sx, const floa
 // between launches.  The lowering splits only while the tiles fit the tickets; past that (uniform) the
 // CTA exits with y unwritten rather than index past them.  EARLY (Tuning.linear.gemm_weights_early): the
 // first ring stages' weights issued before pdl_wait (gemm_ring.cuh begin_early).
-// grid: the CTAs that run this GEMM (gemm: the whole grid; gemm_multi.cuh: a part's, gemm_ring.cuh PartGrid).
+// grid: the CTAs that run this GEMM (gemm_ring.cuh WholeGrid: a launch of one; PartGrid: a part's CTAs of a
+// launch of several, gemm_multi.cuh).
 template <typename T, int MODE, int O, int K, int QROW, int ST, int TICKETS, bool EARLY = false,
           typename G = WholeGrid>
-__device__ __forceinline__ void gemm_slice(const signed char* __restrict__ qx, const float* __restrict__ sx,
-                                           const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
-                                           const float* __restrict__ sw1, T* __restrict__ y, int* __restrict__ partials,
-                                           unsigned int* __restrict__ tickets, int num_tokens, int splits, char* smem,
-                                           G grid) {
+__device__ __forceinline__ void gemm(const signed char* __restrict__ qx, const float* __restrict__ sx,
+                                     const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
+                                     const float* __restrict__ sw1, T* __restrict__ y, int* __restrict__ partials,
+                                     unsigned int* __restrict__ tickets, int num_tokens, int splits, char* smem,
+                                     G grid = G{}) {
   static_assert(sizeof(T) == 2, "gemm_int8: 16-bit output");
   static_assert(K % 16 == 0, "gemm_int8: weight rows 16-byte multiples apart (TMA strides)");
   static_assert(K < 131072, "gemm_int8: int32 accumulators are exact below K = 2^17");
@@ -193,16 +194,6 @@ __device__ __forceinline__ void gemm_slice(const signed char* __restrict__ qx, c
                                wg - 1, grid);
   }
   dsg::pdl_launch_dependents();
-}
-
-// The GEMM on the whole grid (one launch, one weight).
-template <typename T, int MODE, int O, int K, int QROW, int ST, int TICKETS, bool EARLY = false>
-__device__ __forceinline__ void gemm(const signed char* __restrict__ qx, const float* __restrict__ sx,
-                                     const TensorMap* w0, const float* __restrict__ sw0, const TensorMap* w1,
-                                     const float* __restrict__ sw1, T* __restrict__ y, int* __restrict__ partials,
-                                     unsigned int* __restrict__ tickets, int num_tokens, int splits, char* smem) {
-  gemm_slice<T, MODE, O, K, QROW, ST, TICKETS, EARLY>(qx, sx, w0, sw0, w1, sw1, y, partials, tickets, num_tokens,
-                                                      splits, smem, WholeGrid{});
 }
 
 }  // namespace gemm_int8

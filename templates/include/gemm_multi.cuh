@@ -1,12 +1,12 @@
 // One launch of several dense one-byte GEMMs over the same quantised x: a multi_linear's weights (MLA's q and
-// kv_a) as the parts of one grid (Tuning.linear.gemm_multi; gemm_fp8.cuh, gemm_int8.cuh gemm_slice).  One
+// kv_a) as the parts of one grid (Tuning.linear.gemm_multi; gemm_fp8.cuh, gemm_int8.cuh gemm).  One
 // launch instead of one a weight: under PDL the second GEMM's launch waited for the whole of the first, so its
 // launch floor sat on the step's chain.
 //
 //   * part p owns the CTAs [base_p, base_{p + 1}) of the grid (base_0 = 0; the last part's end is gridDim.x):
 //     each part as many CTAs as its own launch would have (the lowering's prefix sums of the parts' grids,
 //     size expressions of T and SMS evaluated at run time, like each part's `splits`);
-//   * a CTA runs its part's gemm_slice on a PartGrid (gemm_ring.cuh): CTA c = blockIdx.x - base_p of the
+//   * a CTA runs its part's gemm on a PartGrid (gemm_ring.cuh): CTA c = blockIdx.x - base_p of the
 //     part's CTAs, where its own launch's CTA c reads c and the grid from blockIdx.x / gridDim.x (WholeGrid):
 //     the same work items, K ranges, ring steps, split partials and split-order sums as that CTA -- the same
 //     code on the same sums in the same order -- so each part's output is bit-equal to its own launch's;
