@@ -166,10 +166,14 @@ def test_a_linear_and_a_gate_up_silu_are_not_touched(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_fused_kernel_compiles_without_spills_and_no_more_registers(family):
     """NVRTC + ptxas -v for sm_90a at V2-Lite's q + kv_a (with the default overlap and early weights): 0 spills,
-    no serialised wgmma (C7514 / C7517), registers at most the single launch's, wgmma in the SASS."""
+    no serialised wgmma (C7514 / C7517), registers at most the single launch's, wgmma in the SASS; on a path
+    before either part's PDL wait its weights' TMA boxes and nothing else of global memory, no exit
+    (test_sass_pdl.wait_problem, as test_gemm_early checks the single launches)."""
     import re
 
-    from sass import cuobjdump, opcodes
+    from sass import cuobjdump, instructions, opcodes
+    from test_gemm_early import _before_wait
+    from test_sass_pdl import wait_problem
 
     from codegen.arch import kernel_target
     from codegen.nvrtc import compile_cubin
@@ -187,6 +191,10 @@ def test_the_fused_kernel_compiles_without_spills_and_no_more_registers(family):
     assert n <= single, (n, single)
     if cuobjdump() is not None:
         assert any("GMMA." in op for op in opcodes(cubin)), "no wgmma in the fused kernel"   # QGMMA (e4m3), IGMMA (s8)
+        (body,) = instructions(cubin).values()
+        early = {i.opcode.split(".")[0] for i in _before_wait(body)}
+        assert "UTMALDG" in early and not early & {"LDG", "LDGSTS", "STG", "ATOMG", "RED", "EXIT", "RET"}, sorted(early)
+        assert wait_problem(body, two_back=True) is None, wait_problem(body, two_back=True)
 
 
 @pytest.mark.slow
