@@ -27,13 +27,17 @@ struct Slot {
 // base[p]: the first CTA of part p (base[0] = 0, increasing); the last part runs to the grid's end.
 template <int P>
 __device__ __forceinline__ Slot slot_of(const int (&base)[P]) {
-  static_assert(P >= 1, "gemm_multi: one part at least");
+  static_assert(P >= 2, "gemm_multi: two parts at least");
   const int b = blockIdx.x;
-  Slot s = {0, {b, P > 1 ? base[1 % P] : (int)gridDim.x}};
+  int part = 0, first = 0, end = base[1];
 #pragma unroll
-  for (int q = 1; q < P; ++q)
-    if (b >= base[q]) s = {q, {b - base[q], (q + 1 < P ? base[(q + 1) % P] : (int)gridDim.x) - base[q]}};
-  return s;
+  for (int q = 1; q < P; ++q) {                       // the last base at or below b is the part's
+    const bool in = b >= base[q];
+    part = in ? q : part;
+    first = in ? base[q] : first;
+    end = in ? (q + 1 < P ? base[q + 1 < P ? q + 1 : q] : (int)gridDim.x) : end;
+  }
+  return {part, {b - first, end - first}};
 }
 
 }  // namespace gemm_multi
