@@ -87,6 +87,15 @@ def test_one_gemm_launch_for_q_and_kv_a(family, T):
                                                                     off[1].pdl)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_one_launch_survives_the_manifest(family):
+    import json
+
+    from codegen.manifest import step_from_json, step_to_json
+    (fused,) = _launches(family, True)[1:]
+    assert step_from_json(json.loads(json.dumps(step_to_json(fused)))) == fused
+
+
 def _refs(launch: KernelLaunch, suffix: str = "") -> dict:
     """Argument name (less `suffix`) -> (C type, what it binds), of the weight, scale and output arguments."""
     return {a.name.removesuffix(suffix): (a.ctype, a.ref) for a in launch.args
