@@ -192,6 +192,10 @@ class LinearTuning(_Section):
                                         "(bit-equal outputs; kernel name part o<O0>_o<O1>..), instead of a launch a "
                                         "weight whose second waits for the first under PDL. Not yet run on a "
                                         "GPU")
+    v_up_fp8: bool = _knob(False, doc="decode, FP8 weights reading mla_v_up's output (o_proj) where V = 128: where "
+                                      "o_proj runs FP8 x FP8 (gemm_fp8), v_up also writes the e4m3 rows and scales "
+                                      "per 128 columns (a head's V columns; ir/passes/fuse_v_up_fp8_quant.py) from "
+                                      "a CTA a whole head, and o_proj skips its quantiser launch")
 
 
 @dataclass(frozen=True)

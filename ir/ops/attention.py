@@ -11,6 +11,7 @@ from __future__ import annotations
 from .. import rope as rope_math
 from ..lazy import torch
 from .base import Attr, OpDef, TType, expect, register, same_rows
+from .core import norm_quant_ref, norm_quant_types
 
 PAIRS = ("adjacent", "halves")
 OUTPUTS = ("interleaved", "halves")
@@ -374,16 +375,22 @@ class MlaVUp(OpDef):
     scaled_weights = ("kv_b",)
     weights = {"kv_b": True}
     doc = "o_lat [T, H, C] -> o [T, H*V] = o_lat @ W_UV^T (the V half of kv_b, applied after attention)"
+    # attrs["quant"] = "fp8" (ir/passes/fuse_v_up_fp8_quant.py; never a spec): o's e4m3 rows and per-128-column
+    # scales as two more outputs, as a norm's (ir/ops/core.py norm_quant_types): quantize_act_fp8(o).
 
     @classmethod
     def infer(cls, node, ins, model):
         (ol,) = ins
         d = model.dims
         expect(ol.shape[1:] == (d["heads"], d["kv_lora_rank"]), f"mla_v_up expects [T, H, C], got {ol}")
-        return [TType((ol.shape[0], d["heads"] * d["v_head_dim"]), "act")], {"kv_b": _kv_b_shape(model)}
+        expect(node.attrs.get("quant") in (None, "fp8"), f"mla_v_up writes fp8 rows or none, not "
+                                                         f"{node.attrs.get('quant')!r}")
+        o = TType((ol.shape[0], d["heads"] * d["v_head_dim"]), "act")
+        return [o, *norm_quant_types(node, o)], {"kv_b": _kv_b_shape(model)}
 
     @classmethod
     def run(cls, node, ins, w, ctx):
         _, w_uv = split_kv_b(w["kv_b"], node.model)
         o = torch.einsum("thc,hvc->thv", ins[0], w_uv)
-        return [o.reshape(o.shape[0], -1)]
+        o = o.reshape(o.shape[0], -1)
+        return [o, *norm_quant_ref(node, o)]

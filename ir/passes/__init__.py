@@ -27,6 +27,7 @@ from .fuse_kv_norm_rope_cache import fuse_kv_norm_rope_cache
 from .fuse_moe_silu import fuse_moe_silu
 from .fuse_norm_fp8_quant import fuse_norm_fp8_quant
 from .fuse_norm_int8_quant import fuse_norm_int8_quant
+from .fuse_v_up_fp8_quant import fuse_v_up_fp8_quant
 from .fuse_q_rope_into_query import fuse_q_rope_into_query
 from .fuse_router import fuse_router
 from .fuse_shared_experts import fuse_shared_experts
@@ -80,6 +81,8 @@ PIPELINE: list[Pass] = [
                                                                          # writes their int8 rows
     Pass(fuse_norm_fp8_quant,          BOTH, knob="linear.norm_fp8"),    # ... feeding FP8 x FP8 GEMMs, their
                                                                          # e4m3 rows and scales
+    Pass(fuse_v_up_fp8_quant,          DECODE, knob="linear.v_up_fp8"),  # mla_v_up feeding FP8 o_proj: its
+                                                                         # e4m3 rows and scales
     # Clean-up
     Pass(eliminate_dead,               BOTH),     # drop ops nobody reads (cache writes always stay)
 ]
@@ -115,6 +118,6 @@ def run_pipeline(G: nx.DiGraph, passes: list[Pass] = PIPELINE, knobs: frozenset 
 __all__ = ["PIPELINE", "Pass", "run_pipeline", "eliminate_dead", "fuse_add_rms_norm", "fuse_combine_shared_residual",
            "fuse_decode_prologue", "fuse_expert_ffn",
            "fuse_gate_up_silu", "fuse_kv_norm_rope_cache", "fuse_moe_silu", "fuse_norm_fp8_quant",
-           "fuse_norm_int8_quant", "fuse_q_rope_into_query", "fuse_router",
+           "fuse_norm_int8_quant", "fuse_q_rope_into_query", "fuse_router", "fuse_v_up_fp8_quant",
            "fuse_shared_experts", "fuse_sibling_linears", "insert_all_reduce", "lower_mla_decode", "lower_mla_prefill", "shard_for_rank",
            "split_rope"]

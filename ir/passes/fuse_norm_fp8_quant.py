@@ -11,7 +11,7 @@ from ..formats import FP8, WeightFormat
 from .norm_rows import add_quant_rows
 
 
-def _all_fp8(fmts: list[WeightFormat]) -> bool:
+def all_fp8(fmts: list[WeightFormat]) -> bool:
     """Weights all in DeepSeek-V3's FP8 blocks: above the skinny range their reader quantises its input per
     token per 128 columns to e4m3 (ir/act_quant.py quantize_act_fp8) before the FP8 x FP8 GEMM."""
     return bool(fmts) and all(f is FP8 for f in fmts)
@@ -41,4 +41,4 @@ def fuse_norm_fp8_quant(G: nx.DiGraph) -> nx.DiGraph:
     as their input; h is still written for every other reader and for the skinny range, where the FP8
     kernels read 16-bit x.  Refused (logged) where D % 16 != 0: the FP8 GEMMs do not take such rows.
     """
-    return add_quant_rows(G, "fp8", _all_fp8, _width_problem)
+    return add_quant_rows(G, "fp8", all_fp8, _width_problem)
