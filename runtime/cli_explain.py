@@ -121,7 +121,7 @@ def explain_lines(spec, *, tokens, phases=PHASES, arch=DEFAULTS.arch, dtype=DEFA
                 where = f"{nid}" + (f" (+{count - 1} alike)" if count > 1 else "")
                 lines.append(f"  {op:<24} {where}")
                 lines.append(f"    runs   {kernels}")
-                why = _reason(op, running, T, opts, G.nodes[nid]["attrs"])
+                why = _reason(op, running, T, opts, G.nodes[nid]["attrs"], G=G, nid=nid)
                 if why:
                     lines.append(f"    why    {why}")
     return lines
@@ -198,8 +198,9 @@ def _name(step) -> str:
     return step.name if isinstance(step, KernelLaunch) else f"library {step.call}"
 
 
-def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
-    """The reasons of the table rows behind the running launches ("variant [range]: why; ...")."""
+def _reason(op: str, running: list, T: int, opts, attrs: dict, G=None, nid: str | None = None) -> str:
+    """The reasons of the table rows behind the running launches ("variant [range]: why; ..."); with the graph
+    G and the node nid, also who makes a reader's e4m3 rows and why mla_v_up does not (its pass's refusal)."""
     from codegen import dispatch
     from codegen.kernel import KernelLaunch
     if op not in dispatch.TABLES:
@@ -249,10 +250,14 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
         out.append("here x's int8 rows and scales come from the RMSNorm that makes x (linear.norm_int8), "
                    "not a quantiser launch")
     if "fp8" in read:
-        out.append("here x's e4m3 rows and scales come from the RMSNorm that makes x (linear.norm_fp8), "
-                   "not a quantiser launch")
+        v_up = G is not None and any(_rows_maker(G, s) == "mla_v_up" for s in running if isinstance(s, KernelLaunch))
+        out.append("here x's e4m3 rows and scales come from " + (
+            "mla_v_up, which makes x (linear.v_up_fp8; a CTA a head: its 128 columns are one group)" if v_up else
+            "the RMSNorm that makes x (linear.norm_fp8)") + ", not a quantiser launch")
     if op == "multi_linear":
         out += _gemm_multi_note(running)
+    if op == "mla_v_up":
+        out += _v_up_rows(running, opts, attrs, G, nid)
     return "; ".join(out)
 
 
@@ -262,6 +267,26 @@ def _gemm_multi_note(running: list) -> list:
     fused = [s.params["parts"] for s in running if isinstance(s, KernelLaunch) and s.params.get("variant") == "multi"]
     return [f"here its {len(fused[0])} weights' GEMMs are one launch, each weight's CTAs walking its own launch's "
             f"tiles (linear.gemm_multi)"] if fused else []
+
+
+def _rows_maker(G, launch) -> str | None:
+    """The op of the node that makes the quantised rows a reader's xq binds, None: its own workspace."""
+    from codegen.kernel import ValueRef
+    from ir.graph import value_producers
+    ref = next((a.ref for a in launch.args if a.name == "xq"), None)
+    if not isinstance(ref, ValueRef) or ref.name not in value_producers(G):
+        return None
+    return G.nodes[value_producers(G)[ref.name]]["op"]
+
+
+def _v_up_rows(running: list, opts, attrs: dict, G, nid: str | None) -> list[str]:
+    """mla_v_up's why about o_proj's e4m3 rows: written here (the qf8 launch runs), or why not with the knob on."""
+    if any("quant_f8" in s.params for s in running if hasattr(s, "params")):
+        return ["here v_up also writes o's e4m3 rows and scales (linear.v_up_fp8): o_proj multiplies o FP8 x FP8 "
+                "at this size, and a CTA holds a whole head (one 128-column group), so o_proj runs no quantiser"]
+    if not opts.tuning.linear.v_up_fp8 or attrs.get("quant") or G is None:
+        return []
+    return [f"o_proj keeps its quantiser: {r}" for r in G.graph.get("refusals", []) if f"{nid} (mla_v_up)" in r]
 
 
 def _norm_writes(running: list) -> str:

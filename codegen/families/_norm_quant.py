@@ -21,6 +21,7 @@ from codegen.kernel import KernelLaunch, inp, out, work
 from codegen.sizes import only_above, only_below
 from ir.formats import FP8_BLOCK, cdiv
 from ir.formats_int import qrow
+from ir.graph import value_producers
 from ir.passes.norm_rows import quant_rows, row_names
 from ir.passes.rewrite import readers_of
 
@@ -86,9 +87,10 @@ def _sixteen_bit(opts, quant: str) -> None:
 def fp8_from(G, nid: str, opts) -> int | None:
     """The first token count at which a reader of norm `nid`'s output multiplies it FP8 x FP8 and reads the
     norm's rows there (its family's `fp8x_from(node, G, opts)`: gemm_fp8's row of the linear table, the
-    grouped experts' wgmma_fp8 row), None: none does or the options do not read them."""
+    grouped experts' wgmma_fp8 row), None: none does or the options do not read them.  The same for
+    mla_v_up's rows (ir/passes/fuse_v_up_fp8_quant.py): `nid` may be any node that writes "fp8" rows."""
     from codegen.families import family_for_op
-    if not opts.tuning.linear.norm_fp8:
+    if not _fp8_rows_on(G, nid, opts):
         return None
     h = G.nodes[nid]["outputs"][0]
     firsts = []
@@ -107,10 +109,21 @@ def int8_rows(G, x: str, opts) -> tuple[str, str] | None:
 
 
 def fp8_rows(G, x: str, opts) -> tuple[str, str] | None:
-    """(rows, scales): x's e4m3 rows and per-128-column scales where the norm that makes x writes them and the
-    options read them (Tuning.linear.norm_fp8), else None.  The norm writes them from fp8_from's T on, the
-    first T of its readers' FP8 x FP8 launches, so a reader binds them over exactly its own range."""
-    return quant_rows(G, x, "fp8") if opts.tuning.linear.norm_fp8 else None
+    """(rows, scales): x's e4m3 rows and per-128-column scales where the node that makes x writes them (a norm,
+    or mla_v_up) and the options read them (Tuning.linear.norm_fp8, v_up_fp8), else None.  The maker writes
+    them from fp8_from's T on, the first T of its readers' FP8 x FP8 launches, so a reader binds them over
+    exactly its own range."""
+    rows = quant_rows(G, x, "fp8")
+    return rows if rows and _fp8_rows_on(G, value_producers(G)[x], opts) else None
+
+
+def _fp8_rows_on(G, nid: str, opts) -> bool:
+    """Whether node `nid`'s e4m3 rows are written and read under `opts`: a norm's with Tuning.linear.norm_fp8,
+    mla_v_up's where its family writes them (mla_v_up.writes_fp8_rows: the knob and its tiling)."""
+    if G.nodes[nid]["op"] == "mla_v_up":
+        from . import mla_v_up
+        return mla_v_up.writes_fp8_rows(G, nid, opts)
+    return opts.tuning.linear.norm_fp8
 
 
 def x_args(normed: tuple[str, str] | None, q_ws: str, s_ws: str, q_ctype: str = "signed char") -> tuple:

@@ -22,13 +22,23 @@ element by element.
 kv_b in FP8 (fp8_e4m3_block128): the tensor-core kernel with 8-byte weight loads, each weight widened
 and multiplied by its 128-block scale in registers (templates/include/mla_absorb_fp8.cuh UvWeightsFp8);
 codegen/dispatch.py's v_up row mma_fp8.  Where the tensor-core kernel does not serve (fp32, odd dims),
-FP8 kv_b is a LoweringError."""
+FP8 kv_b is a LoweringError.
+
+o's e4m3 rows (Tuning.linear.v_up_fp8; ir/passes/fuse_v_up_fp8_quant.py gave the node attrs["quant"] =
+"fp8" and the values o.qf8 / o.sf8): from the first T at which o_proj multiplies o FP8 x FP8 (its family's
+fp8x_from: gemm_fp8's row) the node's launch is the "qf8" variant: the tensor-core kernel with a CTA a
+whole head (MT = V / 16, 16-token tiles: the KS partial tiles of 128 rows fit the static 48 KB), which,
+after storing o, reads back its head's 128 columns of each of its tokens and quantises them as the norms
+do (templates/include/v_up_rows.cuh: norm_quant.cuh's norm_rows_fp8, quant_fp8.cuh's arithmetic); o_proj
+then reads those rows and has no quantiser launch.  The same k slices and partial-sum order as the plain
+kernel, so o is the same bits.  Below that T the plain launch (o alone)."""
 from __future__ import annotations
 
 from codegen.kernel import KernelLaunch, inp, out, size, stride
 from codegen.render import kernel_name
 from ir.formats import FP8, UNSCALED
 
+from . import _norm_quant
 from ._absorb import dtype_part, kv_b_args, kv_b_format, token_chunks
 from ._dense_util import ELEM_BYTES, LoweringError, act_ctype, dims, inner_dims, node_io, vec16
 
@@ -48,22 +58,42 @@ TC_TOKENS = 32           # tokens per tile: 4 n8 tiles, 16 accumulators per thre
 TC_MTILES = 2            # m16 weight-row tiles per CTA: 2 -> 64 CTAs a token chunk at V2-Lite
 TC_SLICE_CHUNKS = 4      # 32-column chunks per warp at most (k slice): 2 * 4 16-byte registers
 TC_CHUNKS = 8            # token chunks (grid x) at most
+ROWS_TOKENS = 16         # the qf8 variant's token tile
+MAX_THREADS = 1024
 
 
-def tensor_core_params(V: int, C: int, dtype: str) -> dict | None:
-    """AbsorbVUp's template params, or None where the CUDA-core kernel serves (fp32, C % 32 != 0,
-    or a staged tile over the static shared memory)."""
+def tensor_core_params(V: int, C: int, dtype: str, tokens: int = TC_TOKENS, mtiles: int = TC_MTILES) -> dict | None:
+    """AbsorbVUp's template params (token tiles of `tokens`, at most `mtiles` m16 row tiles a CTA), or None
+    where the CUDA-core kernel serves (fp32, C % 32 != 0, or a staged tile over the static shared memory)."""
     if dtype not in ("bf16", "fp16") or C % 32:
         return None
     nch = C // 32
     ks = -(-nch // TC_SLICE_CHUNKS)
     cps = -(-nch // ks)
-    mt = min(TC_MTILES, -(-V // 16))
+    mt = min(mtiles, -(-V // 16))
     pitch = C + ((32 - C % 64) + 64) % 64              # AbsorbVUp::CP
-    smem = max(TC_TOKENS * pitch * 2, ks * TC_TOKENS * (16 * mt + 4) * 4)
-    if smem > STATIC_SMEM:
+    smem = max(tokens * pitch * 2, ks * tokens * (16 * mt + 4) * 4)
+    if smem > STATIC_SMEM or 32 * mt * ks > MAX_THREADS:
         return None
-    return {"TN": TC_TOKENS, "mt": mt, "ks": ks, "cps": cps, "threads": 32 * mt * ks, "smem_bytes": smem}
+    return {"TN": tokens, "mt": mt, "ks": ks, "cps": cps, "threads": 32 * mt * ks, "smem_bytes": smem}
+
+
+def rows_params(V: int, C: int, dtype: str) -> dict | None:
+    """The qf8 variant's params: a CTA a whole head (V % 16 == 0, one grid z), the plain kernel's k slices
+    (so the same sums), 16-token tiles; None where that does not fit a CTA."""
+    if V % 16:
+        return None
+    p = tensor_core_params(V, C, dtype, ROWS_TOKENS, V // 16)
+    plain = tensor_core_params(V, C, dtype)
+    return p if p and plain and (p["ks"], p["cps"]) == (plain["ks"], plain["cps"]) else None
+
+
+def writes_fp8_rows(G, nid: str, opts) -> bool:
+    """Whether the node's launches write o's e4m3 rows where o_proj reads them (_norm_quant.fp8_rows): the pass
+    gave it the rows, Tuning.linear.v_up_fp8 is on and the qf8 variant's tiling fits."""
+    V, (_, C) = dims(G)["v_head_dim"], inner_dims(G, G.nodes[nid]["inputs"][0])
+    return (G.nodes[nid]["attrs"].get("quant") == "fp8" and opts.tuning.linear.v_up_fp8
+            and rows_params(V, C, opts.dtype) is not None)
 
 
 def lower(nid, G, opts):
@@ -75,12 +105,9 @@ def lower(nid, G, opts):
     tc = tensor_core_params(V, C, opts.dtype)
     fp8, _ = kv_b_format(G, nid, w["kv_b"], opts, "mla_v_up", tc is not None)
     parts = [dtype_part(opts.dtype, fp8), f"h{H}_n{N}_v{V}_c{C}"]
-    if tc is not None:
-        params = {"act": act, "H": H, "N": N, "V": V, "C": C, "mma": True, "fp8": fp8, **tc}
-        parts.append(f"mma_t{tc['TN']}_m{tc['mt']}")
-        grid = (token_chunks(TC_TOKENS, TC_CHUNKS), H, -(-V // (16 * tc["mt"])))
-        threads = tc["threads"]
-    else:
+    args = (inp("ol", act, ins[0]), stride("ol_s0", ins[0], 0), stride("ol_s1", ins[0], 1),
+            *kv_b_args(w["kv_b"], act, fp8), out("out", act, outs[0]), size("T", "T"))
+    if tc is None:
         eb = ELEM_BYTES[opts.dtype]
         vec = vec16(C, eb)
         rows_per_cta = (THREADS // 32) * RPW
@@ -91,12 +118,20 @@ def lower(nid, G, opts):
         params = {"act": act, "H": H, "N": N, "V": V, "C": C, "TT": TT, "rpw": RPW,
                   "threads": THREADS, "vec": vec, "mma": False, "fp8": False}
         grid = (f"min(cdiv(T, {TT}), {TCH})", H, -(-V // rows_per_cta))
-        threads = THREADS
-    return [KernelLaunch(
-        family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts),
-        params=params, nodes=(nid,), grid=grid, block=(threads, 1, 1),
-        args=(inp("ol", act, ins[0]), stride("ol_s0", ins[0], 0), stride("ol_s1", ins[0], 1),
-              *kv_b_args(w["kv_b"], act, fp8), out("out", act, outs[0]), size("T", "T")))]
+        return [KernelLaunch(
+            family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, parts),
+            params=params, nodes=(nid,), grid=grid, block=(THREADS, 1, 1), args=args)]
+
+    def mma(q_params: dict, q_parts: list, q_args: tuple, factor: str | None) -> KernelLaunch:
+        """The tensor-core launch; with o's e4m3 rows (q_params: _norm_quant's "quant_f8") the qf8 variant."""
+        p = rows_params(V, C, opts.dtype) if q_params else tc
+        chunks = token_chunks(p["TN"], TC_CHUNKS)
+        return KernelLaunch(
+            family=FAMILY, template=TEMPLATE, name=kernel_name(FAMILY, [*parts, f"mma_t{p['TN']}_m{p['mt']}", *q_parts]),
+            params={"act": act, "H": H, "N": N, "V": V, "C": C, "mma": True, "fp8": fp8, **p, **q_params},
+            nodes=(nid,), grid=(chunks if factor is None else f"{chunks} * {factor}", H, -(-V // (16 * p["mt"]))),
+            block=(p["threads"], 1, 1), args=args + q_args)
+    return _norm_quant.launches(G, nid, opts, H * V, mma)
 
 
 def tasks(launch, tiling):
@@ -113,7 +148,7 @@ def segment_body(launch):
     row block) a task, the 3-D grid as one index (grid_yz: its y and z extents); the tensor-core kernel
     with kv_b in the activation dtype.  None else."""
     p = launch.params
-    if not p["mma"] or p["fp8"]:
+    if not p["mma"] or p["fp8"] or "quant_f8" in p:
         return None
     return {"kind": "v_up", **{k: p[k] for k in ("H", "N", "V", "C", "TN", "mt", "ks", "cps", "smem_bytes")},
             "grid_yz": list(launch.grid[1:])}
