@@ -30,7 +30,8 @@ from ir.passes import run_pipeline  # noqa: E402
 from ir.passes.norm_rows import give_rows, row_names  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-from harness import single_op_graph  # noqa: E402
+from harness import single_op_graph, tiny_model  # noqa: E402
+from test_norm_fp8 import _bound, _launches, rows_live_to_their_readers  # noqa: E402
 
 ON = Tuning(linear=LinearTuning(v_up_fp8=True))
 OFF = Tuning()
@@ -51,17 +52,9 @@ def _plan(phase: str, tuning: Tuning = OFF, arch: str = "sm_90a"):
     return G, lower_graph(G, opts)
 
 
-def _launches(plan):
-    return [s for s in plan.steps if isinstance(s, KernelLaunch)]
-
-
 def _running(plan, T: int) -> list:
     env = {"T": T, "B": T, "NP": 8 * T, "MAXQ": 1, "MAXCTX": 512, "TK": T, "W": 8, "SMS": 132}
     return [s for s in _launches(plan) if all(sizes.evaluate(g, env) > 0 for g in s.grid)]
-
-
-def _bound(s, name: str):
-    return next((a.ref for a in s.args if a.name == name), None)
 
 
 def _o_proj_quantisers(G, run) -> list:
@@ -127,21 +120,9 @@ def test_o_proj_binds_v_ups_rows_and_workspaces_go(T):
 
 
 def test_the_rows_live_from_v_up_to_o_proj():
-    from codegen.memplan import node_groups
     G, plan = _plan("decode", ON)
-    slots = {s.name: s for s in plan.arena}
-    groups = node_groups(plan.steps)
-    seen = 0
-    for at, (node, _) in enumerate(groups):
-        if G.nodes[node]["op"] != "mla_v_up":
-            continue
-        q, sc = row_names(G.nodes[node]["outputs"][0], "fp8")
-        readers = [i for i, (_, st) in enumerate(groups) if i != at and any(
-            isinstance(a.ref, ValueRef) and a.ref.name == q for s in st if isinstance(s, KernelLaunch) for a in s.args)]
-        assert readers and slots[q].first == at and slots[q].last == readers[-1], (node, slots[q], readers)
-        assert (slots[sc].first, slots[sc].last) == (slots[q].first, slots[q].last)
-        seen += 1
-    assert seen == LAYERS
+    nodes = rows_live_to_their_readers(G, plan)   # the norms' with qf8 launches too
+    assert sum(G.nodes[n]["op"] == "mla_v_up" for n in nodes) == LAYERS
 
 
 def test_prefill_and_plans_without_the_fp8_gemm_are_untouched():
@@ -177,10 +158,13 @@ def test_a_v_other_than_128_keeps_the_quantiser_and_explain_says_why(capsys, tmp
     assert "a 128-column group of o is not one head's V columns (V = 16)" in out
 
 
-def _graph(fp8: bool, V: int = 128, H: int = 16, C: int = 512):
-    m = ir.load_spec(str(ROOT / "model_specs" / "deepseek_v2_lite.yaml")).model
-    if V != 128:
-        m.dims["v_head_dim"] = V
+def _graph(fp8: bool, H: int = 16, C: int = 512):
+    """A lone mla_v_up with o's rows: V2-Lite's (H 16, C 512), else test_e2e_v_up_fp8.py's dims (H 3, C 192)."""
+    if (H, C) == (16, 512):
+        m = ir.load_spec(str(ROOT / "model_specs" / "deepseek_v2_lite.yaml")).model
+    else:
+        m = tiny_model(hidden=144, heads=H, kv_lora_rank=C, qk_rope_head_dim=16, qk_nope_head_dim=48, v_head_dim=128,
+                       intermediate=208, moe_intermediate=176)
     G, nid = single_op_graph(m, "mla_v_up", {}, {"o_lat": TType(("T", H, C), "act")}, {"kv_b": "kvb"},
                              phase="decode")
     if fp8:
@@ -188,10 +172,10 @@ def _graph(fp8: bool, V: int = 128, H: int = 16, C: int = 512):
     return G, give_rows(G, nid, "fp8")
 
 
-def _qf8_launch(fp8: bool, monkeypatch, **opts):
+def _qf8_launch(fp8: bool, monkeypatch, H: int = 16, C: int = 512, **opts):
     """The qf8 launch alone: a reader multiplying FP8 x FP8 from T = 1 on (no real reader here)."""
     monkeypatch.setattr(_norm_quant, "fp8_from", lambda G, nid, o: 1)
-    G, nid = _graph(fp8)
+    G, nid = _graph(fp8, H=H, C=C)
     (launch,) = family_for_op("mla_v_up").lower(nid, G, Options(arch="sm_90a", tuning=ON, **opts))
     return launch
 
@@ -232,20 +216,20 @@ def _compile(launch):
 
 
 @pytest.mark.skipif(cuobjdump() is None, reason="needs cuobjdump and nvdisasm (the test extra)")
-@pytest.mark.parametrize("fp8, dtype", [(True, "bf16"), (True, "fp16"), (False, "bf16")])
-def test_the_qf8_variants_compile_and_read_o_back_coherently(fp8, dtype, monkeypatch):
-    """FP8 kv_b (V2-Lite's): 64 registers, no spills.  16-bit kv_b: 8 bytes spilled, in AbsorbVUp's own loop (the
-    same 8 bytes without the rows' call): 1024 threads leave 64 registers a thread and the 16-bit weight slice
-    takes 32.  The rows: e4m3 conversions, true divisions, the half-warp max, 8-byte stores; o read back with
-    coherent 16-byte loads (not LDG.CONSTANT: this kernel wrote o)."""
+@pytest.mark.parametrize("fp8, dtype, H, C, spill", [(True, "bf16", 16, 512, 0), (True, "fp16", 16, 512, 0),
+                                                     (False, "bf16", 16, 512, 8), (True, "bf16", 3, 192, 0)])
+def test_the_qf8_variants_compile_and_read_o_back_coherently(fp8, dtype, H, C, spill, monkeypatch):
+    """FP8 kv_b (V2-Lite's; and test_e2e_v_up_fp8.py's C = 192: 512 threads): no spills.  16-bit kv_b at C = 512:
+    8 bytes spilled, in AbsorbVUp's own loop (the same 8 bytes without the rows' call): 1024 threads leave 64
+    registers a thread and the 16-bit weight slice takes 32.  The rows: e4m3 conversions, true divisions, the
+    half-warp max, 8-byte stores; o read back with coherent 16-byte loads (not LDG.CONSTANT: this kernel wrote o)."""
     from test_sass_pdl import wait_problem
-    res = _compile(_qf8_launch(fp8, monkeypatch, dtype=dtype))
-    assert "Used 64 registers" in res.log, res.log
-    assert ("0 bytes spill stores" if fp8 else "8 bytes spill stores") in res.log, res.log
+    launch = _qf8_launch(fp8, monkeypatch, H=H, C=C, dtype=dtype)
+    res = _compile(launch)
+    assert f"{spill} bytes spill stores" in res.log, res.log
     ops = opcodes(res.cubin)
     assert any(o.startswith("F2FP") and "E4M3" in o for o in ops), sorted(ops)
     assert ops["FCHK"] > 0 and ops["MUFU.RCP"] > 0 and ops["SHFL.BFLY"] >= 4 and ops["STG.E.64"] > 0, sorted(ops)
-    launch = _qf8_launch(fp8, monkeypatch, dtype=dtype)
     instrs = instructions(res.cubin)[launch.name]
     # the kernel's last 16-byte load is the read-back of o, coherent (the weights' are .CONSTANT: read-only)
     assert [i.opcode for i in instrs if i.opcode.startswith("LDG") and ".128" in i.opcode][-1] == "LDG.E.128"

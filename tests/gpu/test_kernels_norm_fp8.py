@@ -133,6 +133,12 @@ def test_norm_fp8_rows_equal_the_quantisers(op, dtype, T, n, extra, offset, wsca
     for o in plain:   # h (and s) unchanged by the rows
         assert_equal(got[o], plain[o], f"{msg}: output {o} against the plain kernel")
     assert q.shape == (T, n // 4) and s.shape == (T, cdiv(n, FP8_BLOCK))
+    check_rows(h, q, s, dtype, zeros, msg)
+
+
+def check_rows(h, q, s, dtype: str, zeros: bool, msg: str) -> None:
+    """A kernel's e4m3 rows q and scales s of its own output h: bit-equal to the quantiser launch's on h, the
+    scales to ir/act_quant.py's (the bytes within its one step); token 0 all zeros (zeros): the floor's scale."""
     xq, xs = quantiser_launch(h, dtype)
     assert_equal(q, xq, f"{msg}: e4m3 rows against the quantiser launch")
     assert_equal(s, xs, f"{msg}: scales against the quantiser launch")

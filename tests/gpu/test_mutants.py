@@ -39,6 +39,7 @@ import test_kernels_moe_wgmma_skinny as moe_wgmma_skinny
 import test_kernels_norm_fp8 as norm_fp8
 import test_kernels_norm_int8 as norm_int8
 import test_kernels_persistent as persistent
+import test_kernels_v_up_fp8 as v_up_fp8
 from harness import GPU_MARKS
 from kernel_cases import templates_from
 
@@ -662,6 +663,10 @@ MUTANTS = [
            norm_fp8.test_norm_fp8_rows_equal_the_quantisers,
            dict(op="moe_combine_residual_rms_norm", dtype="bf16", T=5, n=2048, extra=0, offset=0, wscale=1.0,
                 zeros=False, seed=52)),
+    Mutant("v_up's FP8 rows: a head's bytes and scale from the neighbouring head's 128 columns",
+           "include/v_up_rows.cuh", "if (vec) load16(row + i0, v);", "if (vec) load16(row + (i0 ^ V), v);",
+           v_up_fp8.test_v_up_fp8_rows_equal_the_quantisers,
+           dict(fp8=True, dtype="bf16", T=65, lead=0, odd_out=False, zeros=False, seed=53)),
 ]
 
 
