@@ -139,7 +139,13 @@ def tasks(launch, tiling):
     o_lat[:, h] and writing its V columns of the output."""
     H, V = launch.params["H"], launch.params["V"]
     ol, out_ = tiling.value_of(launch, "ol"), tiling.value_of(launch, "out")
-    return [tiling.tile(h, [tiling.box(ol, None, (h, h + 1))], [tiling.cols(out_, h * V, (h + 1) * V)])
+
+    def rows(h: int) -> list:   # the qf8 launch's: head h's e4m3 bytes (V / 4 words) and its scale
+        if "quant_f8" not in launch.params:
+            return []
+        hq, hs = tiling.value_of(launch, "hq"), tiling.value_of(launch, "hs")
+        return [tiling.cols(hq, h * V // 4, (h + 1) * V // 4), tiling.cols(hs, h, h + 1)]
+    return [tiling.tile(h, [tiling.box(ol, None, (h, h + 1))], [tiling.cols(out_, h * V, (h + 1) * V), *rows(h)])
             for h in range(H)]
 
 

@@ -249,3 +249,17 @@ def test_explain_names_the_rows_and_their_maker(capsys):
     assert "runs   gemm_fp8__bf16_wfp8__k2048__o2048__ovl__ew\n" in d128
     assert "x's e4m3 rows and scales come from mla_v_up, which makes x (linear.v_up_fp8" in d128
     assert "gemm_fp8__bf16__k2048__quant_x" not in d128 and "gemm_fp8__bf16__k10944__quant_x" in d128
+
+
+def test_the_task_graph_orders_o_proj_after_the_heads_that_write_its_rows():
+    """The decode task graph at b = 128 (codegen/tasks.py): the qf8 tiles declare head h's e4m3 words and scale
+    too, so codegen/taskcheck.py's own bookkeeping finds every reader of the rows after their writers."""
+    from codegen.taskcheck import problems
+    from codegen.tasks import build_task_graph
+    _, plan = _plan("decode", ON)
+    g = build_task_graph(plan, 128)
+    assert problems(g, g.tiling) == []
+    rows = [(w.value, w.box) for t in g.tasks for w in t.writes if w.value.endswith((".qf8", ".sf8"))
+            and w.value.startswith("L0.mla.o")]
+    assert sorted(rows) == sorted([("L0.mla.o.qf8", ((0, 128), (32 * h, 32 * h + 32))) for h in range(16)]
+                                  + [("L0.mla.o.sf8", ((0, 128), (h, h + 1))) for h in range(16)])
