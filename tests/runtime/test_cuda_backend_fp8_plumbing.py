@@ -153,3 +153,42 @@ def test_the_backend_binds_the_norms_fp8_rows(tmp_path, monkeypatch):
         for a, b in zip(ours.logits(ps, decode_after=decode_after), ref.logits(ps, decode_after=decode_after)):
             assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
     assert stub.calls > 0
+
+
+@pytest.mark.slow
+def test_the_backend_binds_v_ups_fp8_rows(tmp_path, monkeypatch):
+    """Tuning.linear.v_up_fp8 on CONFIG with v_head_dim 128 (a head's V columns one group), the FP8 GEMM from 17
+    tokens (fp8_chunks_upto 0): decode at 20 sequences runs each layer's qf8 v_up and o_proj's gemm_fp8 on its
+    rows (no quantiser); the backend gives the rows buffers, the stub fills them with v_up's reference outputs;
+    the logits are the reference backend's exactly.  NVRTC is stubbed."""
+    import hashlib
+
+    import codegen.nvrtc as nvrtc
+    from codegen.kernel import ValueRef
+    from codegen.tuning import LinearTuning, Tuning
+    from ir import PHASES, build_graph
+    from ir.passes import run_pipeline
+    monkeypatch.setattr(nvrtc, "compile_cubin", lambda source, name, **kw: nvrtc.CompileResult(
+        cubin=b"CUBIN:" + hashlib.sha256(source.encode()).digest(), log=""))
+    spec = load_spec(spec_from_config({**CONFIG, "v_head_dim": 128}, name="tiny_fp8"), file="tiny_fp8.yaml")
+    graphs = {ph: run_pipeline(build_graph(spec, ph), knobs=frozenset({"linear.v_up_fp8", "linear.norm_fp8"}))
+              for ph in PHASES}
+    plain = compile_graphs(spec).graphs
+    weights = random_weights(weight_specs(plain), dtype=torch.bfloat16, device="cpu", seed=7, std=0.3)
+    path = compile_bundle(spec, tmp_path / "bundle", dtype="bf16", block_size=4, cache_dir=tmp_path / "cache",
+                          tuning=Tuning(linear=LinearTuning(v_up_fp8=True, fp8_chunks_upto=0))).path
+    loaded = load_bundle(path, arch="sm_90", nvrtc_version=nvrtc_version(), dtype="bf16", block_size=4)
+    steps = [s for s in loaded.plans["decode"].steps if hasattr(s, "args")]
+    written = {a.ref.name for s in steps if s.family == "mla_v_up" and s.name.endswith("__qf8")
+               for a in s.args if a.name == "hq"}
+    read = {a.ref.name for s in steps for a in s.args if a.name == "xq" and isinstance(a.ref, ValueRef)}
+    assert len(written) == CONFIG["num_hidden_layers"] and written <= read, (written, read)
+    backend = SteppedCuda.from_bundle(loaded, weights, dtype=torch.bfloat16, top_k=spec.dims["top_k"])
+    stub = backend.runner = DequantisingKernels(graphs)
+    kw = dict(device="cpu", dtype=torch.bfloat16, block_size=4)
+    ours = Engine(spec, graphs, weights, backend_impl=backend, **kw)
+    ref = Engine(spec, plain, weights, backend="reference", **kw)
+    ps = prompts([3] * 20, seed=4)
+    for a, b in zip(ours.logits(ps, decode_after=2), ref.logits(ps, decode_after=2)):
+        assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
+    assert stub.calls > 0
