@@ -195,3 +195,24 @@ def test_the_cluster_walk_covers_every_tile_once_and_keeps_the_ranks_in_step(see
     odd = [e for e, c in enumerate(counts) if (c + 127) // 128 % 2 == 1]
     empties = {(e, n) for s in mc.values() for (e, _, r, n) in s if r == 0}
     assert empties == {(e, n) for e in odd for n in range(nct)}
+
+
+def test_the_knob_reaches_a_tiny_models_prefill_plan():
+    """With moe.fp8_multicast on, the tiny FP8 model's prefill plan holds each expert GEMM twice -- the plain one
+    (decode's sizes) and the mc one -- and every other launch as the knob-off plan's."""
+    import json
+
+    import ir
+    from codegen.bundle import plan_spec
+    from ir.config_to_spec import spec_from_config
+    from ir.formats import FP8, weight_formats_yaml
+    from tiny import ROOT
+    tiny = json.loads((ROOT / "model_specs" / "hf_configs" / "deepseek_tiny.json").read_text())
+    spec = ir.load_spec(spec_from_config(tiny, name="tiny") + "\n"
+                        + weight_formats_yaml(("model.layers.*.mlp.*_proj.weight",), FP8), file="t.yaml")
+    off, on = (plan_spec(spec, Options(tuning=Tuning(moe=MoeTuning(fp8_multicast=m)))).plans["prefill"].launches
+               for m in (False, True))
+    mc = [la.name for la in on if "multicast" in la.params]
+    assert mc and all("__mc__" in n for n in mc), mc
+    assert [la.name for la in on if "multicast" not in la.params] == [la.name for la in off]
+    assert sorted(n.replace("__mc__", "__") for n in mc) == sorted(la.name for la in off if la.stage == "wgmma_fp8")
