@@ -201,12 +201,13 @@ def _name(step) -> str:
 def _reason(op: str, running: list, T: int, opts, attrs: dict) -> str:
     """The reasons of the table rows behind the running launches ("variant [range]: why; ...")."""
     from codegen import dispatch
+    from codegen.families import _moe_gemm_fp8
     from codegen.kernel import KernelLaunch
     if op not in dispatch.TABLES:
         return _norm_writes(running)
     wanted: dict = {}   # (table op, variant), in order
     for s in running:
-        st = s.stage if isinstance(s, KernelLaunch) else "library"
+        st = _moe_gemm_fp8.row_variant(s) if isinstance(s, KernelLaunch) else "library"
         if op in ("linear", "multi_linear", "gate_up_silu"):
             fmt = s.attrs.get("weight_format") if st == "library" else s.params.get("wfmt")
             if fmt == "int8_channel":   # the quantiser's launch and the int8 kernel are one row

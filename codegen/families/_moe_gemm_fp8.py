@@ -43,6 +43,12 @@ STAGES = gemm_fp8.STAGES
 WORKSPACES = {False: ("moe_xq", "moe_xs"), True: ("moe_aq", "moe_as")}
 
 
+def row_variant(launch) -> str:
+    """The table row behind a launch of the grouped families: the multicast GEMM's (its stage is VARIANT's), else
+    the launch's stage."""
+    return MC_VARIANT if launch.stage == VARIANT and launch.params.get("multicast") else launch.stage
+
+
 def smem(stages: int = STAGES) -> int:
     """moe_gemm_fp8.cuh fp8x_smem: gemm_fp8.cuh's ring, staging and alignment slack."""
     return gemm_fp8.smem(stages)

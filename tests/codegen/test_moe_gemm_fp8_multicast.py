@@ -216,3 +216,17 @@ def test_the_knob_reaches_a_tiny_models_prefill_plan():
     assert mc and all("__mc__" in n for n in mc), mc
     assert [la.name for la in on if "multicast" not in la.params] == [la.name for la in off]
     assert sorted(n.replace("__mc__", "__") for n in mc) == sorted(la.name for la in off if la.stage == "wgmma_fp8")
+
+
+def test_explain_names_the_multicast_row(capsys):
+    """`dsgraph explain` with the knob: prefill above decode's range runs the mc GEMMs for the wgmma_fp8_mc row's
+    reason; at decode's sizes the plain GEMM, its row saying why no multicast."""
+    from runtime.cli import main
+    assert main(["explain", "--weights", "fp8", "--phase", "prefill", "--tokens", "200,16384",
+                 "--tune", "moe.fp8_multicast=true"]) == 0
+    out = capsys.readouterr().out
+    small = out.split("prefill, T = 200 ", 1)[1].split("\n\n", 1)[0]
+    big = out.split("prefill, T = 16384 ", 1)[1].split("\n\n", 1)[0]
+    assert "__mc__" not in small and "wgmma_fp8 [tokens 17..256]" in small and "no multicast" in small
+    assert "moe_down__bf16_wfp8_afp8__e66__d2048_m1408__ovl__mc__wgmma_fp8" in big
+    assert "wgmma_fp8_mc [tokens 257..inf]" in big and "multicasting half" in big
