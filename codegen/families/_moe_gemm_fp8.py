@@ -10,6 +10,10 @@ table, above decode's range, where _moe_wgmma serves 16-bit weights.  Two launch
                 FP8 weights by TMA ([64 rows x 128 bytes] boxes, 128B swizzle), e4m3 x e4m3 wgmma, fp32
                 promotion per 128-K block with the row's and the weight block's scales.
 
+With Tuning.moe.fp8_multicast, above decode's range (the table's wgmma_fp8_mc row) the GEMM runs on clusters
+of two CTAs, two row tiles of one expert an item, each CTA multicasting half of a stage's weight boxes to both
+(moe_gemm_fp8.cuh MC); decode's sizes keep the plain launch.
+
 With Tuning.linear.norm_fp8, where the RMSNorm that makes gate / up's x writes x's e4m3 rows and scales
 (ir/passes/fuse_norm_fp8_quant.py), gate / up's GEMM reads those and has no quantiser launch.
 
@@ -88,9 +92,9 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
     rest of `args` (the FP8 weights' tensor maps re-boxed for 128-byte rows, their scales, order, offsets,
     the outputs): the plain GEMM over the token ranges `ranges` (the table's wgmma_fp8 row), the multicast
     one (clusters of two, Tuning.moe.fp8_multicast: parameter `multicast`, name part mc) over `mc_ranges`
-    (its wgmma_fp8_mc row), the quantiser over both; each grid multiplied by its ranges' factor.  gate / up's GEMM alone where
-    p["x_f8"] holds its input's e4m3 rows (take_norm_rows).  Tuning.moe.fp8_overlap: the GEMM's consumers
-    promote each K block under the next block's wgmma (parameter `overlap`, name part ovl)."""
+    (its wgmma_fp8_mc row), the quantiser over both; each grid multiplied by its ranges' factor.  gate / up's
+    GEMM alone where p["x_f8"] holds its input's e4m3 rows (take_norm_rows).  Tuning.moe.fp8_overlap: the GEMM's
+    consumers promote each K block under the next block's wgmma (parameter `overlap`, name part ovl)."""
     act, KD, KB = p["act"], p["KD"], cdiv(p["KD"], FP8_BLOCK)
     q_ws, s_ws = WORKSPACES[down]
     rows = "NP" if down else "T"

@@ -239,7 +239,7 @@ __device__ __forceinline__ void grouped_gemm_fp8x(const unsigned char* __restric
   if (threadIdx.x < 32) wgmma_row_tiles<E, MC ? 2 * f8::BM : f8::BM>(offsets, tiles);   // MC: items of two row tiles
   if (threadIdx.x == 0) f8::ring_init<ST, MC ? 2 : 1>(full, empty);
   __syncthreads();
-  if constexpr (MC) cluster::sync();                   // the peer's barriers initialised before any multicast or release
+  if constexpr (MC) cluster::sync();                   // the peer's barriers ready before its multicast / releases
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     wgmma::setmaxnreg_dec<f8::PRODUCER_REGS>();
@@ -247,8 +247,8 @@ __device__ __forceinline__ void grouped_gemm_fp8x(const unsigned char* __restric
   } else {
     wgmma::setmaxnreg_inc<f8::CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * f8::STAGE_BYTES + (wg - 1) * f8::OUT_BYTES;
-    fp8x_consume<T, MODE, E, N, KD, K, ST, OVL, MC>(sx, sw0, sw1, order, offsets, tiles, ring, full, empty, staging, out0,
-                                           out1, wg - 1);
+    fp8x_consume<T, MODE, E, N, KD, K, ST, OVL, MC>(sx, sw0, sw1, order, offsets, tiles, ring, full, empty, staging,
+                                                    out0, out1, wg - 1);
   }
   if constexpr (MC) cluster::sync();                   // no CTA exits while its peer may still write into it
   dsg::pdl_launch_dependents();
