@@ -144,9 +144,16 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
         out = []
         if m.fp8_activations and thr is not None:
             above = upper if m.fp8_activations_above is None else max(m.fp8_activations_above, lo - 1)
+            # fp8_multicast: prefill's GEMM (above decode's range) on clusters of two; decode's sizes keep a
+            # CTA a tile (a cluster's second row tile would mostly be empty there)
+            mc = upper if m.fp8_multicast else None
+            fp8x_rows = (("wgmma_fp8", above + 1, INF, fp8x),) if mc is None else \
+                (("wgmma_fp8", above + 1, mc, fp8x + " (decode's sizes: a CTA a tile, no multicast)"),
+                 ("wgmma_fp8_mc", max(above, mc) + 1, INF, fp8x + "; clusters of two CTAs on two row tiles of one "
+                                                                  "expert, each multicasting half of a stage's weight "
+                                                                  "boxes to both"))
             out.append(Case({**when, "fp8x_fits": True},
-                            _rows(*lead, ("wgmma_skinny_fp8", lo, above, fp8.split(";")[0]),
-                                  ("wgmma_fp8", above + 1, INF, fp8x)),
+                            _rows(*lead, ("wgmma_skinny_fp8", lo, above, fp8.split(";")[0]), *fp8x_rows),
                             "FP8 weights, 16-bit, sm_90a, FP8 activations above decode" + note))
         out.append(Case(when, _rows(*lead, ("wgmma_skinny_fp8", lo, INF, fp8)), "FP8 weights, 16-bit, sm_90a" + note))
         return out

@@ -102,6 +102,11 @@ class MoeTuning(_Section):
         None, 0, 1 << 20, doc="prefill's moe_combine_residual_rms_norm above this many tokens: a CTA an SM slot "
                               "streams tokens, the next token's rows copied into shared memory (cp.async) while this "
                               "one's norm reduces; the same bits (none: a CTA a token at every T, as decode always)")
+    fp8_multicast: bool = _knob(False, doc="the experts' FP8 x FP8 GEMM (fp8_activations) above decode's range "
+                                           "(prefill_wgmma_above): clusters of two CTAs on two row tiles of one expert "
+                                           "and one weight tile, each CTA multicasting half of every stage's weight "
+                                           "boxes to both (L2 -> SM bytes a stage 32 -> 24 KB; the same sums bit for "
+                                           "bit; kernel name part mc). Not yet run on a GPU")
 
 
 @dataclass(frozen=True)

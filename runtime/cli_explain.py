@@ -202,12 +202,13 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict, G=None, nid: str 
     """The reasons of the table rows behind the running launches ("variant [range]: why; ..."); with the graph
     G and the node nid, also who makes a reader's e4m3 rows and why mla_v_up does not (its pass's refusal)."""
     from codegen import dispatch
+    from codegen.families import _moe_gemm_fp8
     from codegen.kernel import KernelLaunch
     if op not in dispatch.TABLES:
         return _norm_writes(running)
     wanted: dict = {}   # (table op, variant), in order
     for s in running:
-        st = s.stage if isinstance(s, KernelLaunch) else "library"
+        st = _moe_gemm_fp8.row_variant(s) if isinstance(s, KernelLaunch) else "library"
         if op in ("linear", "multi_linear", "gate_up_silu"):
             fmt = s.attrs.get("weight_format") if st == "library" else s.params.get("wfmt")
             if fmt == "int8_channel":   # the quantiser's launch and the int8 kernel are one row

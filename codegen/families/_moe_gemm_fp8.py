@@ -10,6 +10,10 @@ table, above decode's range, where _moe_wgmma serves 16-bit weights.  Two launch
                 FP8 weights by TMA ([64 rows x 128 bytes] boxes, 128B swizzle), e4m3 x e4m3 wgmma, fp32
                 promotion per 128-K block with the row's and the weight block's scales.
 
+With Tuning.moe.fp8_multicast, above decode's range (the table's wgmma_fp8_mc row) the GEMM runs on clusters
+of two CTAs, two row tiles of one expert an item, each CTA multicasting half of a stage's weight boxes to both
+(moe_gemm_fp8.cuh MC); decode's sizes keep the plain launch.
+
 With Tuning.linear.norm_fp8, where the RMSNorm that makes gate / up's x writes x's e4m3 rows and scales
 (ir/passes/fuse_norm_fp8_quant.py), gate / up's GEMM reads those and has no quantiser launch.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from codegen.kernel import Arg, KernelLaunch, SizeRef, TensorMapRef, Workspace, size, tensor_map, work
 from codegen.render import kernel_name
+from codegen.sizes import token_ranges
 from ir.formats import FP8_BLOCK, cdiv
 
 from . import _norm_quant, gemm_fp8
@@ -28,6 +33,9 @@ from ._moe import when
 from .mla_decode_attention import smem_limit
 
 VARIANT = "wgmma_fp8"          # the GEMM launch's stage and kernel-name part
+MC_VARIANT = "wgmma_fp8_mc"    # the table's row of the multicast GEMM (Tuning.moe.fp8_multicast; stage VARIANT)
+VARIANTS = (VARIANT, MC_VARIANT)
+CLUSTER = 2                    # CTAs of a multicast cluster (moe_gemm_fp8.cuh MC: __cluster_dims__(2, 1, 1))
 NAME = "wfp8_afp8"             # the kernel-name part of FP8 weights x FP8 activations
 QUANT_STAGE = "quant_x"        # the quantiser launch's stage (gemm_fp8's)
 FEATURE = gemm_fp8.FEATURE
@@ -37,6 +45,12 @@ STAGES = gemm_fp8.STAGES
 # The node's workspaces: its input quantised (4 e4m3 bytes a word) and the scales; gate_up's and
 # down's differ by name, since moe_expert_ffn's node runs both.
 WORKSPACES = {False: ("moe_xq", "moe_xs"), True: ("moe_aq", "moe_as")}
+
+
+def row_variant(launch) -> str:
+    """The table row behind a launch of the grouped families: the multicast GEMM's (its stage is VARIANT's), else
+    the launch's stage."""
+    return MC_VARIANT if launch.stage == VARIANT and launch.params.get("multicast") else launch.stage
 
 
 def smem(stages: int = STAGES) -> int:
@@ -73,17 +87,20 @@ def take_norm_rows(G, x: str, opts, p: dict) -> None:
 
 
 def launches(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, opts, *, down: bool,
-             run: str | None) -> list[KernelLaunch]:
+             ranges: list, mc_ranges: list = ()) -> list[KernelLaunch]:
     """The quantiser's launch over the node's input (args[0]: x or a), then the grouped FP8 GEMM over the
     rest of `args` (the FP8 weights' tensor maps re-boxed for 128-byte rows, their scales, order, offsets,
-    the outputs); both grids multiplied by `run`, the row's token-range factor.  gate / up's GEMM alone where
-    p["x_f8"] holds its input's e4m3 rows (take_norm_rows).  Tuning.moe.fp8_overlap: the GEMM's consumers
-    promote each K block under the next block's wgmma (parameter `overlap`, name part ovl)."""
+    the outputs): the plain GEMM over the token ranges `ranges` (the table's wgmma_fp8 row), the multicast
+    one (clusters of two, Tuning.moe.fp8_multicast: parameter `multicast`, name part mc) over `mc_ranges`
+    (its wgmma_fp8_mc row), the quantiser over both; each grid multiplied by its ranges' factor.  gate / up's
+    GEMM alone where p["x_f8"] holds its input's e4m3 rows (take_norm_rows).  Tuning.moe.fp8_overlap: the GEMM's
+    consumers promote each K block under the next block's wgmma (parameter `overlap`, name part ovl)."""
     act, KD, KB = p["act"], p["KD"], cdiv(p["KD"], FP8_BLOCK)
     q_ws, s_ws = WORKSPACES[down]
     rows = "NP" if down else "T"
     ws = (Workspace(q_ws, (rows, KD // 4), "i32"), Workspace(s_ws, (rows, KB), "f32"))
     src = args[0]
+    run = token_ranges([*ranges, *mc_ranges])
     quant = KernelLaunch(
         family=gemm_fp8.FAMILY, template=gemm_fp8.TEMPLATE,
         name=kernel_name(gemm_fp8.FAMILY, [name_parts[0], f"k{KD}", "quant_x"]),
@@ -97,19 +114,31 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
         workspace=ws, stage=QUANT_STAGE)
     rest = tuple(tensor_map(a.name, a.ref.weight, (BOX, BK)) if isinstance(a.ref, TensorMapRef) else a
                  for a in args[1:])
-    c = cols(down=down)
-    tiles = f"{cdiv(p['N'], c)} * (NP // {BM} + min({p['E']}, NP))"   # bound: one partial row tile per expert
-    overlap = opts.tuning.moe.fp8_overlap
-    # (off, the parameters, and so the source, are as they were without the knob)
-    params = {"act": act, "E": p["E"], "N": p["N"], "KD": KD, "K": p["K"], "variant": VARIANT, "threads": THREADS,
-              "stages": STAGES, "smem": smem(), "cols": c, "box_rows": BOX, "box_k": BK, "bm": BM,
-              **({"overlap": True} if overlap else {})}
     normed = None if down else p.get("x_f8")
     gemm_args = (*_norm_quant.x_args(normed, q_ws, s_ws, "int"), *rest)
-    ws = () if normed else ws
-    gemm = KernelLaunch(
+    gemms = [_gemm(family, template, name_parts, p, nid, gemm_args, opts, down=down, multicast=mc,
+                   workspace=() if normed else ws, run=token_ranges(part))
+             for mc, part in ((False, ranges), (True, mc_ranges)) if part]
+    return gemms if normed else [quant, *gemms]
+
+
+def _gemm(family: str, template: str, name_parts: list, p: dict, nid: str, args: tuple, opts, *, down: bool,
+          multicast: bool, workspace: tuple, run: str | None) -> KernelLaunch:
+    """The grouped FP8 GEMM's launch: a persistent grid of one CTA an SM, or (multicast) of clusters of two
+    over items of two row tiles -- an even grid, 2 * floor(SMS / 2) CTAs at most."""
+    c = cols(down=down)
+    overlap = opts.tuning.moe.fp8_overlap
+    if multicast:   # bound: one partial item (two row tiles) per expert
+        grid = f"{CLUSTER} * min(SMS // {CLUSTER}, {cdiv(p['N'], c)} * (NP // {CLUSTER * BM} + min({p['E']}, NP)))"
+    else:           # bound: one partial row tile per expert
+        grid = f"min(SMS, {cdiv(p['N'], c)} * (NP // {BM} + min({p['E']}, NP)))"
+    # (off, the parameters, and so the source, are as they were without the knobs)
+    params = {"act": p["act"], "E": p["E"], "N": p["N"], "KD": p["KD"], "K": p["K"], "variant": VARIANT,
+              "threads": THREADS, "stages": STAGES, "smem": smem(), "cols": c, "box_rows": BOX, "box_k": BK, "bm": BM,
+              **({"overlap": True} if overlap else {}), **({"multicast": True} if multicast else {})}
+    return KernelLaunch(
         family=family, template=template, name=kernel_name(family, [f"{name_parts[0]}_{NAME}", *name_parts[1:],
-                                                                   *(["ovl"] * overlap), VARIANT]),
-        params=params, nodes=(nid,), grid=(when(f"min(SMS, {tiles})", run), 1, 1), block=(THREADS, 1, 1),
-        args=gemm_args, smem=smem(), workspace=ws, stage=VARIANT, requires=(FEATURE,))
-    return [gemm] if normed else [quant, gemm]
+                                                                   *(["ovl"] * overlap), *(["mc"] * multicast),
+                                                                   VARIANT]),
+        params=params, nodes=(nid,), grid=(when(grid, run), 1, 1), block=(THREADS, 1, 1),
+        args=args, smem=smem(), workspace=workspace, stage=VARIANT, requires=(FEATURE,))

@@ -22,7 +22,7 @@ from . import _moe, _moe_fp8, _moe_gemm_fp8, _moe_gemm_int, _moe_int, _moe_wgmma
 
 # the launches' order in a node's plan (one of them has work at a given T)
 ORDER = ("gemv", "wgmma_skinny", S.ONE_TOKEN_STAGE, _moe_fp8.VARIANT, _moe_fp8.ONE_TOKEN_VARIANT, _moe_int.VARIANT,
-         "mma", "wgmma", _moe_gemm_fp8.VARIANT, _moe_gemm_int.VARIANT)
+         "mma", "wgmma", *_moe_gemm_fp8.VARIANTS, _moe_gemm_int.VARIANT)
 
 
 def facts(opts, p: dict, *, down: bool) -> dict:
@@ -49,6 +49,7 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
     rows = table_rows(opts, p, down=down)
     if any(r.variant == dispatch.NONE for r in rows):
         (_moe_int.check if p.get("int") else _moe_fp8.check)(nid, opts, p)
+    fp8x = {v: _clip(dispatch.row_range(rows, v), within) for v in _moe_gemm_fp8.VARIANTS}
     out = []
     for variant in sorted({r.variant for r in rows}, key=ORDER.index):
         ranges = _clip(dispatch.row_range(rows, variant), within)
@@ -67,8 +68,11 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
         elif variant in (_moe_fp8.VARIANT, _moe_fp8.ONE_TOKEN_VARIANT):
             out.append(_moe_fp8.launch(family, template, name_parts, p, nid, args, opts, down=down, run=run,
                                        one_token=variant == _moe_fp8.ONE_TOKEN_VARIANT, shared=shared))
-        elif variant == _moe_gemm_fp8.VARIANT:
-            out += _moe_gemm_fp8.launches(family, template, name_parts, p, nid, args, opts, down=down, run=run)
+        elif variant in _moe_gemm_fp8.VARIANTS:
+            if variant == _moe_gemm_fp8.MC_VARIANT and fp8x[_moe_gemm_fp8.VARIANT]:
+                continue        # emitted with the plain GEMM: one quantiser launch for both
+            out += _moe_gemm_fp8.launches(family, template, name_parts, p, nid, args, opts, down=down,
+                                          ranges=fp8x[_moe_gemm_fp8.VARIANT], mc_ranges=fp8x[_moe_gemm_fp8.MC_VARIANT])
         elif variant == "wgmma":
             out.append(_moe_wgmma.launch(family, template, name_parts, p, nid, args, down=down, run=run))
         else:
@@ -87,7 +91,8 @@ def launches(family: str, template: str, name_parts: list, p: dict, nid: str, ar
 def fp8x_from(opts, p: dict, within=None) -> int | None:
     """The first token count at which gate / up's launches (params p, token ranges `within` as in
     `launches`) run FP8 x FP8 (the table's wgmma_fp8 row), None: never (_norm_quant.fp8_from)."""
-    ranges = _clip(dispatch.row_range(table_rows(opts, p, down=False), _moe_gemm_fp8.VARIANT), within)
+    rows = table_rows(opts, p, down=False)
+    ranges = [r for v in _moe_gemm_fp8.VARIANTS for r in _clip(dispatch.row_range(rows, v), within)]
     return min((lo for lo, _ in ranges), default=None)
 
 

@@ -25,6 +25,7 @@
 // Needs K % 16 == 0 (whole 16-byte chunks of q rows; 16-byte strides for the weight's tensor map);
 // the lowering emits it only then (codegen/families/gemm_fp8.py).
 #pragma once
+#include "cluster.cuh"
 #include "common.cuh"
 #include "gemm_ring.cuh"
 #include "mbarrier.cuh"
@@ -90,14 +91,22 @@ __device__ __forceinline__ void issue_block(float (&part)[64], unsigned ring, un
   wgmma::commit();
 }
 
+// A consumer warp's arrival that frees a stage: on this CTA's empty barrier and, MC (a cluster of two
+// whose weight boxes are multicast), on the peer's, since the peer's producer writes this CTA's slot too.
+template <bool MC>
+__device__ __forceinline__ void release_stage(unsigned long long* empty_s) {
+  mbar::arrive(empty_s);
+  if constexpr (MC) mbar::arrive_cluster(empty_s, cluster::rank() ^ 1u);
+}
+
 // A block's product, its wgmma group complete: free the stage of ring step `it` (its reads are done),
 // then promote -- the fp32 tile scaled by its rows' and weight block's scales into the sum.  HALVES:
 // columns 64.. (j >= 8) take the second weight scale.
-template <bool HALVES, int ST>
+template <bool HALVES, int ST, bool MC = false>
 __device__ __forceinline__ void retire_block(float (&acc)[64], float (&part)[64], const BlockScales& sc,
                                              unsigned long long* empty, int it, int lane) {
   wgmma::fence_operands(part);
-  if (lane == 0) mbar::arrive(&empty[it % ST]);        // the stage is read: free it
+  if (lane == 0) release_stage<MC>(&empty[it % ST]);  // the stage is read: free it (MC: the peer's too)
   const float ga = sc.xa * sc.wg, gb = sc.xb * sc.wg, ua = sc.xa * sc.wu, ub = sc.xb * sc.wu;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
@@ -111,8 +120,9 @@ __device__ __forceinline__ void retire_block(float (&acc)[64], float (&part)[64]
 }
 
 // K blocks [kb0, kb1) of a tile (ring steps it, it + 1, ...): acc += each block's promoted product, one
-// block at a time (its wgmma group waited for, then promoted).
-template <bool HALVES, int ST>
+// block at a time (its wgmma group waited for, then promoted).  MC: each stage freed on the cluster peer's
+// empty barrier too (release_stage: the peer multicasts into this CTA's ring).
+template <bool HALVES, int ST, bool MC = false>
 __device__ __forceinline__ void mainloop(float (&acc)[64], float (&part)[64], const ScaleRows& r, unsigned ring,
                                          unsigned long long* full, unsigned long long* empty, int cw, int lane,
                                          int kb0, int kb1, int& it) {
@@ -120,7 +130,7 @@ __device__ __forceinline__ void mainloop(float (&acc)[64], float (&part)[64], co
     const BlockScales sc = block_scales(r, kb);        // the scales first: their loads run while the stage lands
     issue_block<ST>(part, ring, full, it, cw);
     wgmma::wait<0>();
-    retire_block<HALVES, ST>(acc, part, sc, empty, it, lane);
+    retire_block<HALVES, ST, MC>(acc, part, sc, empty, it, lane);
   }
 }
 
@@ -128,7 +138,7 @@ __device__ __forceinline__ void mainloop(float (&acc)[64], float (&part)[64], co
 // the other fp32 tile before block kb's is waited for (wait<1>: all but the newest group done), so the
 // tensor cores are busy while kb is promoted.  The same FMAs in the same order per accumulator (blocks
 // promoted in kb order): bit-equal sums.  ST >= 2: kb's stage stays held while kb + 1's lands.
-template <bool HALVES, int ST>
+template <bool HALVES, int ST, bool MC = false>
 __device__ __forceinline__ void mainloop_overlap(float (&acc)[64], float (&p0)[64], float (&p1)[64],
                                                  const ScaleRows& r, unsigned ring, unsigned long long* full,
                                                  unsigned long long* empty, int cw, int lane, int kb0, int kb1,
@@ -146,22 +156,22 @@ __device__ __forceinline__ void mainloop_overlap(float (&acc)[64], float (&p0)[6
     const BlockScales s1 = block_scales(r, kb + 1);
     issue_block<ST>(p1, ring, full, it0 + kb + 1, cw);
     wgmma::wait<1>();
-    retire_block<HALVES, ST>(acc, p0, s0, empty, it0 + kb, lane);
+    retire_block<HALVES, ST, MC>(acc, p0, s0, empty, it0 + kb, lane);
     s0 = block_scales(r, kb + 2);
     issue_block<ST>(p0, ring, full, it0 + kb + 2, cw);
     wgmma::wait<1>();
-    retire_block<HALVES, ST>(acc, p1, s1, empty, it0 + kb + 1, lane);
+    retire_block<HALVES, ST, MC>(acc, p1, s1, empty, it0 + kb + 1, lane);
   }
   if (kb + 1 < kb1) {                                  // two blocks left: kb in flight, then kb + 1
     const BlockScales s1 = block_scales(r, kb + 1);
     issue_block<ST>(p1, ring, full, it0 + kb + 1, cw);
     wgmma::wait<1>();
-    retire_block<HALVES, ST>(acc, p0, s0, empty, it0 + kb, lane);
+    retire_block<HALVES, ST, MC>(acc, p0, s0, empty, it0 + kb, lane);
     wgmma::wait<0>();
-    retire_block<HALVES, ST>(acc, p1, s1, empty, it0 + kb + 1, lane);
+    retire_block<HALVES, ST, MC>(acc, p1, s1, empty, it0 + kb + 1, lane);
   } else {                                             // one: kb in flight
     wgmma::wait<0>();
-    retire_block<HALVES, ST>(acc, p0, s0, empty, it0 + kb, lane);
+    retire_block<HALVES, ST, MC>(acc, p0, s0, empty, it0 + kb, lane);
   }
 }
 

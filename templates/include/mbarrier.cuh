@@ -23,6 +23,13 @@ __device__ __forceinline__ void init_fence() {
 __device__ __forceinline__ void arrive(unsigned long long* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
+// One arrival on the barrier at `bar`'s offset in the shared memory of cluster CTA `rank` (sm_90): a
+// consumer that frees a stage its peer's multicast copies write into tells that peer too.  The default
+// .release.cta, as CUTLASS's ClusterBarrier::arrive: .release.cluster costs a MEMBAR.ALL.GPU an arrival.
+__device__ __forceinline__ void arrive_cluster(unsigned long long* bar, unsigned rank) {
+  asm volatile("{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
+               " mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(smem_u32(bar)), "r"(rank) : "memory");
+}
 // One arrival, announcing `bytes` still to come from bulk / tensor copies in this phase.
 __device__ __forceinline__ void arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");

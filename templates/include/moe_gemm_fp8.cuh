@@ -27,6 +27,17 @@
 // Ceil blocks: KD % 128 != 0 -- the last block's columns past KD are zeros on both sides (TMA fills
 // the weight's, the gather the rows'); N % 128 != 0 -- weight rows past N are zeros, never stored.
 //
+// MC (Tuning.moe.fp8_multicast, launched with __cluster_dims__(2, 1, 1)): a cluster of two CTAs takes
+// an item of two consecutive row tiles of one expert against one column tile -- rank r row tile 2 i + r
+// (wgmma_row_tiles over 2 * BM pairs, fp8x_tile); the second one empty where the expert's count is odd:
+// that CTA runs the stages on zero rows and stores nothing.  The two CTAs' rings stay in step (the same
+// items, the same K blocks), and each CTA's thread 0 issues ONE of a stage's two weight boxes, multicast
+// into both CTAs (rank 0 box 0, rank 1 box 1): each full barrier still expects the stage's whole weight
+// bytes, each empty barrier a release from both CTAs' consumers (release_stage), since a refill writes
+// the peer's slot too.  The weight bytes a stage moves from L2 into an SM halve (32 -> 24 KB a stage).
+// The tile's arithmetic is unchanged -- only where its weight bytes come from -- so the outputs are
+// bit-equal to the kernel without it.
+//
 // Down's quantiser stays its own launch over a: quantising a in gate_up_silu's epilogue (a 128-column
 // scale group's amax spans two SILU tiles) measured slower on an H100 (docs/notes/fp8act.md).
 //
@@ -58,8 +69,27 @@ __device__ __forceinline__ void fp8x_src_rows(const i32* __restrict__ order, con
   }
 }
 
-// One tile's stages (weight rows from n0, the tile's gathered rows src) into the ring.
-template <int MODE, int N, int KD, int ST, int R>
+// The walk's first item and stride: a CTA's (blockIdx.x / gridDim.x), MC a cluster's of two.
+template <bool MC> __device__ __forceinline__ int fp8x_first() { return MC ? blockIdx.x >> 1 : blockIdx.x; }
+template <bool MC> __device__ __forceinline__ int fp8x_stride() { return MC ? gridDim.x >> 1 : gridDim.x; }
+
+// Item t of the walk (t < tiles[E] * NCT): wgmma_tile's tile, MC this CTA's row tile of the item's two.
+template <int E, int NCT, int COLS, bool MC>
+__device__ __forceinline__ WgTile fp8x_tile(const int* tiles, const i32* __restrict__ offsets, int t) {
+  if constexpr (!MC) {
+    return wgmma_tile<E, NCT, COLS>(tiles, offsets, t);
+  } else {
+    WgTile tl = wgmma_tile<E, NCT, COLS, 2 * f8::BM>(tiles, offsets, t);
+    const int r = (int)cluster::rank();
+    tl.pbeg += r * f8::BM;                             // rank r: row tile 2 i + r
+    tl.rows = max(0, min(f8::BM, tl.rows - r * f8::BM));
+    return tl;
+  }
+}
+
+// One tile's stages (weight rows from n0, the tile's gathered rows src) into the ring.  MC: thread 0
+// issues this rank's box only, multicast to both CTAs (the stage's whole weight bytes expected all the same).
+template <int MODE, int N, int KD, int ST, bool MC, int R>
 __device__ __forceinline__ void fp8x_produce_tile(const unsigned char* __restrict__ qx, const TensorMap* w0,
                                                   const TensorMap* w1, const int (&src)[R], int e, int n0, int p,
                                                   char* ring, unsigned long long* full, unsigned long long* empty,
@@ -78,10 +108,18 @@ __device__ __forceinline__ void fp8x_produce_tile(const unsigned char* __restric
     const int k0 = kb * f8::BK;
     if (p == 0) {
       mbar::arrive_expect_tx(&full[s], (box1 ? 2 : 1) * f8::BOX * f8::ROW_BYTES);
-      tma::load_3d(b, w0, k0, n0, e, &full[s]);
-      if (box1)
-        tma::load_3d(b + f8::BOX * f8::ROW_BYTES, MODE == DOWN ? w0 : w1, k0, MODE == DOWN ? n0 + f8::BOX : n0, e,
-                     &full[s]);
+      if constexpr (MC) {
+        if (cluster::rank() == 0)
+          tma::load_3d_multicast(b, w0, k0, n0, e, &full[s], 0b11);
+        else if (box1)
+          tma::load_3d_multicast(b + f8::BOX * f8::ROW_BYTES, MODE == DOWN ? w0 : w1, k0,
+                                 MODE == DOWN ? n0 + f8::BOX : n0, e, &full[s], 0b11);
+      } else {
+        tma::load_3d(b, w0, k0, n0, e, &full[s]);
+        if (box1)
+          tma::load_3d(b + f8::BOX * f8::ROW_BYTES, MODE == DOWN ? w0 : w1, k0, MODE == DOWN ? n0 + f8::BOX : n0, e,
+                       &full[s]);
+      }
     }
     const int kc = k0 + 16 * c;                        // this thread's 16 columns (bytes) of K
 #pragma unroll
@@ -96,7 +134,7 @@ __device__ __forceinline__ void fp8x_produce_tile(const unsigned char* __restric
 
 // Producer: the 128 threads of warpgroup 0.  Thread p copies 16-byte chunk p % 8 of tile rows
 // p / 8 + 16 i (i < 8); thread 0 also issues the weight boxes.
-template <int MODE, int E, int N, int KD, int K, int ST>
+template <int MODE, int E, int N, int KD, int K, int ST, bool MC>
 __device__ __forceinline__ void fp8x_produce(const unsigned char* __restrict__ qx, const TensorMap* w0,
                                              const TensorMap* w1, const i32* __restrict__ order,
                                              const i32* __restrict__ offsets, const int* tiles, char* ring,
@@ -109,19 +147,19 @@ __device__ __forceinline__ void fp8x_produce(const unsigned char* __restrict__ q
   }
   const int total = tiles[E] * NCT;
   int it = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const WgTile tl = wgmma_tile<E, NCT, COLS>(tiles, offsets, t);
+  for (int t = fp8x_first<MC>(); t < total; t += fp8x_stride<MC>()) {
+    const WgTile tl = fp8x_tile<E, NCT, COLS, MC>(tiles, offsets, t);
     int src[f8::BM / 16];
     fp8x_src_rows<MODE, K>(order, tl, r0, src);
-    fp8x_produce_tile<MODE, N, KD, ST>(qx, w0, w1, src, tl.e, tl.n0, p, ring, full, empty, it);
+    fp8x_produce_tile<MODE, N, KD, ST, MC>(qx, w0, w1, src, tl.e, tl.n0, p, ring, full, empty, it);
   }
   dsg::mma::cp_async_wait<0>();                        // nothing of this thread's left in flight at exit
 }
 
 // Consumer warpgroup cw (0, 1): tile rows 64 cw .. + 64 against the tile's 128 weight rows.  OVL
 // (Tuning.moe.fp8_overlap): each K block's promotion under the next block's wgmma (gemm_fp8.cuh
-// mainloop_overlap; the same sums bit for bit).
-template <typename T, int MODE, int E, int N, int KD, int K, int ST, bool OVL>
+// mainloop_overlap; the same sums bit for bit).  MC: stages freed on the peer's barriers too.
+template <typename T, int MODE, int E, int N, int KD, int K, int ST, bool OVL, bool MC>
 __device__ __forceinline__ void fp8x_consume(const float* __restrict__ sx, const float* __restrict__ sw0,
                                              const float* __restrict__ sw1, const i32* __restrict__ order,
                                              const i32* __restrict__ offsets, const int* tiles, unsigned ring,
@@ -136,8 +174,8 @@ __device__ __forceinline__ void fp8x_consume(const float* __restrict__ sx, const
   const int total = tiles[E] * NCT;
   float acc[64], part[64];
   int it = 0;
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const WgTile tl = wgmma_tile<E, NCT, COLS>(tiles, offsets, t);
+  for (int t = fp8x_first<MC>(); t < total; t += fp8x_stride<MC>()) {
+    const WgTile tl = fp8x_tile<E, NCT, COLS, MC>(tiles, offsets, t);
     // this thread's two tile rows' quantised rows (rows past the tile: row 0's scales, never stored)
     const int ra = 64 * cw + 16 * warp + (lane >> 2), rb = ra + 8;
     const int pa = ra < tl.rows ? order[tl.pbeg + ra] : -1, pb = rb < tl.rows ? order[tl.pbeg + rb] : -1;
@@ -153,9 +191,9 @@ __device__ __forceinline__ void fp8x_consume(const float* __restrict__ sx, const
     const f8::ScaleRows sr = {sxa, sxb, swg, swu};
     if constexpr (OVL) {
       float next[64];                                  // the next block's fp32 tile, in flight while one is promoted
-      f8::mainloop_overlap<MODE != DOWN, ST>(acc, part, next, sr, ring, full, empty, cw, lane, 0, KB, it);
+      f8::mainloop_overlap<MODE != DOWN, ST, MC>(acc, part, next, sr, ring, full, empty, cw, lane, 0, KB, it);
     } else {
-      f8::mainloop<MODE != DOWN, ST>(acc, part, sr, ring, full, empty, cw, lane, 0, KB, it);
+      f8::mainloop<MODE != DOWN, ST, MC>(acc, part, sr, ring, full, empty, cw, lane, 0, KB, it);
     }
     // then stored as whole chunks of each pair's row; GATE_UP sends each staged half to its output
     wgmma::warpgroup_sync(1 + cw);                     // the last tile's chunks have all been read
@@ -177,8 +215,9 @@ __device__ __forceinline__ void fp8x_consume(const float* __restrict__ sx, const
 
 // out0 (out1: GATE_UP's up) [NP, N] = the FP8 product above for every pair; w0 / sw0 the weight
 // (gate for the gate_up modes) and its scales, w1 / sw1 up's (DOWN: w0 / sw0 again).
-// OVL: the consumers' overlapped K loop (fp8x_consume).
-template <typename T, int MODE, int E, int N, int KD, int K, int ST, bool OVL = false>
+// OVL: the consumers' overlapped K loop (fp8x_consume).  MC: clusters of two sharing each stage's weight
+// boxes (the header); the kernel is then launched with __cluster_dims__(2, 1, 1) and an even grid.
+template <typename T, int MODE, int E, int N, int KD, int K, int ST, bool OVL = false, bool MC = false>
 __device__ __forceinline__ void grouped_gemm_fp8x(const unsigned char* __restrict__ qx, const float* __restrict__ sx,
                                                   const TensorMap* w0, const float* __restrict__ sw0,
                                                   const TensorMap* w1, const float* __restrict__ sw1,
@@ -197,19 +236,21 @@ __device__ __forceinline__ void grouped_gemm_fp8x(const unsigned char* __restric
   dsg::pdl_wait();                                     // offsets, order, qx and sx: earlier kernels' outputs
   const unsigned raw = smem_u32(smem);
   const unsigned ring = (raw + 1023u) & ~1023u;        // 128B-swizzle tiles start on 1024-byte boundaries
-  if (threadIdx.x < 32) wgmma_row_tiles<E>(offsets, tiles);
-  if (threadIdx.x == 0) f8::ring_init<ST>(full, empty);
+  if (threadIdx.x < 32) wgmma_row_tiles<E, MC ? 2 * f8::BM : f8::BM>(offsets, tiles);   // MC: items of two row tiles
+  if (threadIdx.x == 0) f8::ring_init<ST, MC ? 2 : 1>(full, empty);
   __syncthreads();
+  if constexpr (MC) cluster::sync();                   // the peer's barriers ready before its multicast / releases
   const int wg = threadIdx.x >> 7;
   if (wg == 0) {
     wgmma::setmaxnreg_dec<f8::PRODUCER_REGS>();
-    fp8x_produce<MODE, E, N, KD, K, ST>(qx, w0, w1, order, offsets, tiles, smem + (ring - raw), full, empty);
+    fp8x_produce<MODE, E, N, KD, K, ST, MC>(qx, w0, w1, order, offsets, tiles, smem + (ring - raw), full, empty);
   } else {
     wgmma::setmaxnreg_inc<f8::CONSUMER_REGS>();
     char* staging = smem + (ring - raw) + ST * f8::STAGE_BYTES + (wg - 1) * f8::OUT_BYTES;
-    fp8x_consume<T, MODE, E, N, KD, K, ST, OVL>(sx, sw0, sw1, order, offsets, tiles, ring, full, empty, staging, out0,
-                                           out1, wg - 1);
+    fp8x_consume<T, MODE, E, N, KD, K, ST, OVL, MC>(sx, sw0, sw1, order, offsets, tiles, ring, full, empty, staging,
+                                                    out0, out1, wg - 1);
   }
+  if constexpr (MC) cluster::sync();                   // no CTA exits while its peer may still write into it
   dsg::pdl_launch_dependents();
 }
 

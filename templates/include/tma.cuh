@@ -46,6 +46,18 @@ __device__ __forceinline__ void load_3d(void* dst, const TensorMap* map, int c0,
       : "memory");
 }
 
+// load_3d into the same shared offset of every CTA of the cluster whose bit is set in `mask` (bit r:
+// rank r), its bytes counted on the barrier at bar's offset in each of them.
+__device__ __forceinline__ void load_3d_multicast(void* dst, const TensorMap* map, int c0, int c1, int c2,
+                                                  unsigned long long* bar, unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%4, %5, %6}], [%2], %3;\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(smem_u32(bar)), "h"(mask),
+        "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
 // load_3d with an L2 policy (l2_policy.cuh) on the box's lines.
 __device__ __forceinline__ void load_3d(void* dst, const TensorMap* map, int c0, int c1, int c2,
                                         unsigned long long* bar, unsigned long long policy) {

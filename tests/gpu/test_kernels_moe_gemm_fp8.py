@@ -23,7 +23,11 @@ block's wgmma), and test_moe_fp8x_overlap_is_bit_equal checks that its outputs a
 bit for bit.  The planted mutants of tests/gpu/test_mutants.py (a K block's x scale from another pair, the
 ceil K block dropped, the promotion skipped for the first K block, the gate and up scales swapped; with
 the overlap: the promotion of the other fp32 tile, a block promoted with its neighbour's scales) run
-through these bodies and must fail them.
+through these bodies and must fail them.  A quarter of the examples run with Tuning.moe.fp8_multicast on
+(clusters of two CTAs on two row tiles of one expert, each multicasting half of a stage's weight boxes), and
+test_moe_fp8x_multicast_is_bit_equal checks its outputs against the knob-off launch's bit for bit (experts of
+1, 2 and 3 row tiles: a cluster's second tile empty); its mutants (rank 1 on rank 0's row tile, rank 1's box
+landing on box 0's half) run through test_moe_down_fp8x.
 
 Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_moe_gemm_fp8.py
 """
@@ -86,11 +90,12 @@ def routing_ids(T: int, E: int, K: int, kind: str, g) -> torch.Tensor:
 
 
 def case_of(dtype, T, E, K, KD, N, *, routing="uniform", counts=None, misalign="none", zero_rows=0, seed=31,
-            overlap=False):
+            overlap=False, multicast=False):
     if counts is not None:
         assert sum(counts) == T * K and len(counts) == E and max(counts) <= T, (counts, T, K)
     return {"dtype": dtype, "T": T, "E": E, "K": K, "KD": KD, "N": N, "routing": routing, "counts": counts,
-            "misalign": misalign, "zero_rows": zero_rows, "seed": seed, "overlap": overlap}
+            "misalign": misalign, "zero_rows": zero_rows, "seed": seed, "overlap": overlap,
+            **({"multicast": True} if multicast else {})}
 
 
 @st.composite
@@ -101,7 +106,7 @@ def cases(draw, kds=KDS, ns=NS):
                    draw(st.sampled_from(ns)), routing=draw(st.sampled_from(ROUTINGS)),
                    misalign=draw(st.sampled_from(("none", "none", "inputs", "outputs"))),
                    zero_rows=draw(st.sampled_from((0, 0, 1, 5))), seed=draw(st.integers(0, 2**31 - 1)),
-                   overlap=draw(st.booleans()))
+                   overlap=draw(st.booleans()), multicast=draw(st.sampled_from((False, False, False, True))))
     assume(case["T"] * K * case["N"] * case["KD"] <= MAX_MACS)
     return case
 
@@ -120,16 +125,18 @@ def graph(op: str, E: int, K: int, KD: int, N: int):
     return G, nid
 
 
-def fp8x_launches(G, nid, dtype, env, overlap=False):
+def fp8x_launches(G, nid, dtype, env, overlap=False, multicast=False):
     """The node's launches with work at the step's sizes: the quantiser, then the FP8 x FP8 GEMM (with
-    Tuning.moe.fp8_overlap as asked)."""
-    opts = Options(dtype=dtype, tuning=Tuning(moe=MoeTuning(fp8_overlap=overlap)))
+    Tuning.moe.fp8_overlap and Tuning.moe.fp8_multicast as asked: every T here is above decode's range, where
+    the multicast GEMM serves)."""
+    opts = Options(dtype=dtype, tuning=Tuning(moe=MoeTuning(fp8_overlap=overlap, fp8_multicast=multicast)))
     launches = families.family_for_op(G.nodes[nid]["op"]).lower(nid, G, opts)
     running = [la for la in launches if all(sizes.evaluate(g, env) > 0 for g in la.grid)]
     assert [la.stage for la in running] == [_moe_gemm_fp8.QUANT_STAGE, _moe_gemm_fp8.VARIANT], \
         [la.stage for la in running]
     assert f"{dtype}_{_moe_gemm_fp8.NAME}" in running[1].name, running[1].name
     assert ("__ovl__" in running[1].name) == overlap, running[1].name
+    assert ("__mc__" in running[1].name) == multicast, running[1].name
     return running
 
 
@@ -144,7 +151,7 @@ def _abs8(q: torch.Tensor) -> torch.Tensor:
     return q.float().abs().to(torch.float8_e4m3fn)
 
 
-def launch_case(op: str, case: dict, overlap: bool):
+def launch_case(op: str, case: dict, overlap: bool, multicast: bool = False):
     """The case's inputs (all drawn from its seed: the same for the same case) through the node's two launches;
     the graph, ids, FP8 weights, x, the outputs by name and the workspaces."""
     dtype, T, E, K, KD, N = (case[k] for k in ("dtype", "T", "E", "K", "KD", "N"))
@@ -159,7 +166,7 @@ def launch_case(op: str, case: dict, overlap: bool):
         weights[name], weights[companion_names(name, FP8)[0]] = q, s
         fp8w[role] = (q, s)
     env = {"T": T, "NP": T * K, "SMS": torch.cuda.get_device_properties(0).multi_processor_count}
-    launches = fp8x_launches(G, nid, dtype, env, overlap)
+    launches = fp8x_launches(G, nid, dtype, env, overlap, multicast)
     rows = T * K if down else T
     x_scale = gemm_tests.SILU_X if op == "moe_gate_up_silu" else 1.0
     x = shifted(gemm_tests.x_tokens(rows, KD, dtype, 0, 0, case["zero_rows"], g, x_scale).contiguous(),
@@ -176,10 +183,11 @@ def run_case(op: str, case: dict) -> None:
     dtype, T, E, K, KD, N = (case[k] for k in ("dtype", "T", "E", "K", "KD", "N"))
     td = TORCH_DTYPES[dtype]
     down = op == "moe_down"
-    G, nid, ids, fp8w, x, ys, work = launch_case(op, case, case.get("overlap", False))
+    G, nid, ids, fp8w, x, ys, work = launch_case(op, case, case.get("overlap", False), case.get("multicast", False))
     outs = G.nodes[nid]["outputs"]
     msg = (f"{op} T={T} E={E} K={K} KD={KD} N={N} routing={case['routing']} counts={case['counts'] is not None} "
-           f"misalign={case['misalign']} zero_rows={case['zero_rows']} overlap={case.get('overlap', False)}")
+           f"misalign={case['misalign']} zero_rows={case['zero_rows']} overlap={case.get('overlap', False)} "
+           f"multicast={case.get('multicast', False)}")
     q_ws, s_ws = _moe_gemm_fp8.WORKSPACES[down]
     qx, sx = gemm_tests.check_quantiser(x, {gemm_fp8.XQ: work[q_ws], gemm_fp8.XS: work[s_ws]}, msg)
     pair_rows = torch.arange(T * K, device="cuda")
@@ -244,6 +252,8 @@ def test_moe_gate_up_silu_fp8x(case):
 # the overlapped K loop: V2-Lite's 11 K blocks; one K block (the loop's one-block tail alone)
 @example(case=case_of("bf16", 300, 64, 6, 1408, 2048, counts=lite_counts(300, 6), overlap=True))
 @example(case=case_of("fp16", 1000, 3, 2, 112, 190, routing="empty", misalign="outputs", seed=7, overlap=True))
+# the multicast GEMM (moe.fp8_multicast): V2-Lite (experts of 3, 2 and 1 row tiles: a cluster's second tile empty)
+@example(case=case_of("bf16", 300, 64, 6, 1408, 2048, counts=lite_counts(300, 6), overlap=True, multicast=True))
 def test_moe_down_fp8x(case):
     run_case("moe_down", case)
 
@@ -270,10 +280,32 @@ OPS = ("moe_gate_up_silu", "moe_gate_up", "moe_down")
 def test_moe_fp8x_overlap_is_bit_equal(op, case):
     """moe.fp8_overlap: each block's promotion under the next block's wgmma, the same FMAs in the same order per
     accumulator: the outputs are the knob-off launch's bit for bit, poisoned elements included."""
-    off = launch_case(op, case, overlap=False)
-    on = launch_case(op, case, overlap=True)
+    _bit_equal(op, case, launch_case(op, case, overlap=False), launch_case(op, case, overlap=True))
+
+
+def _bit_equal(op, case, off, on):
     for name in off[0].nodes[off[1]]["outputs"]:
         a, b = off[5][name], on[5][name]
         same = a.view(torch.int16) == b.view(torch.int16)
         assert bool(same.all()), (f"{op} {case}: {name} differs at {int((~same).sum())} of {same.numel()} elements, "
                                   f"first at {(~same).nonzero()[0].tolist()}")
+
+
+@kernel_test(10)
+@given(op=st.sampled_from(OPS), case=cases(kds=(128, 144, 272, 720, 1408, 2048), ns=(37, 64, 65, 200, 264)))
+# V2-Lite: experts of 3 (300, 257 pairs), 2 (129) and 1 (128, 127, 64, 1) row tiles and an empty one; V3's 256
+# experts (most of 1 tile); one expert taking every token of 16384 (128 tiles: 64 items of two); experts of 3, 1
+# and 4 tiles (300, 100, 400 pairs); DOWN with N - n0 <= 64 (rank 1 issues no box: N = 65, 190)
+@example(op="moe_gate_up_silu", case=case_of("bf16", 300, 64, 6, 2048, 1408, counts=lite_counts(300, 6), seed=70))
+@example(op="moe_down", case=case_of("bf16", 300, 64, 6, 1408, 2048, counts=lite_counts(300, 6), seed=71))
+@example(op="moe_down", case=case_of("bf16", 300, 256, 8, 2048, 448, routing="skewed", seed=72))
+@example(op="moe_gate_up_silu", case=case_of("bf16", 16384, 8, 2, 720, 200, routing="hot", seed=73))
+@example(op="moe_gate_up", case=case_of("fp16", 400, 4, 2, 272, 200, counts=[300, 0, 100, 400], misalign="outputs",
+                                        seed=74))
+@example(op="moe_down", case=case_of("fp16", 1000, 3, 2, 272, 65, routing="empty", seed=75))
+@example(op="moe_down", case=case_of("bf16", 1000, 3, 2, 112, 190, routing="uniform", seed=76))
+def test_moe_fp8x_multicast_is_bit_equal(op, case):
+    """moe.fp8_multicast: the tile's arithmetic unchanged, only where its weight bytes come from: the outputs are
+    the knob-off launch's bit for bit (both with the case's overlap), poisoned elements included."""
+    ovl = case.get("overlap", False)
+    _bit_equal(op, case, launch_case(op, case, overlap=ovl), launch_case(op, case, overlap=ovl, multicast=True))

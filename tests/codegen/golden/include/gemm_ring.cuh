@@ -78,13 +78,14 @@ __device__ __forceinline__ void store_chunk(T* dst, const uint4& chunk, int col,
 }
 
 // The ring's barriers (thread 0; the caller's __syncthreads publishes them): full[s] awaits the
-// producer's 128 copy arrivals + its expect_tx, empty[s] one arrival per consumer warp.
-template <int ST>
+// producer's 128 copy arrivals + its expect_tx, empty[s] one arrival per consumer warp of each of the
+// CTAS CTAs whose consumers read the stage's multicast weights (1: this CTA's alone).
+template <int ST, int CTAS = 1>
 __device__ __forceinline__ void ring_init(unsigned long long* full, unsigned long long* empty) {
 #pragma unroll
   for (int s = 0; s < ST; ++s) {
     mbar::init(&full[s], 128 + 1);
-    mbar::init(&empty[s], 8);
+    mbar::init(&empty[s], 8 * CTAS);
   }
   mbar::init_fence();
 }
