@@ -293,7 +293,7 @@ __device__ __forceinline__ void grouped_gemm_int(const signed char* __restrict__
       char* unpack = ring_ + ST * ring::STAGE_BYTES + 2 * ring::OUT_BYTES;   // 1024-byte aligned: whole stages
       iwg_produce<MODE, E, N, KD, K, ST>(q, w0, w1, order, offsets, tiles, ring_, unpack, full, empty, landed);
     } else {
-      fp8x_produce<MODE, E, N, KD, K, ST>(q, w0, w1, order, offsets, tiles, ring_, full, empty);
+      fp8x_produce<MODE, E, N, KD, K, ST, false>(q, w0, w1, order, offsets, tiles, ring_, full, empty);
     }
   } else {
     wgmma::setmaxnreg_inc<i8g::CONSUMER_REGS>();
