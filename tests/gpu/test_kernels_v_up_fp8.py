@@ -13,7 +13,7 @@ Hypothesis draws T (1..300 and the token-tile edges: 16-token tiles, 8 chunks, C
 in FP8 (V2-Lite's) or 16-bit, o_lat as a view at an offset into wider rows (lead), o misaligned by one element
 (the read-back's element loads), tokens whose sizes differ by up to 2^8 and all-zero tokens (the AMAX_FLOOR
 scale).  v_up's input is the attention's output o_lat; the context and the pages behind it shape nothing here
-(tests/gpu/test_e2e_fp8.py's "v_up_fp8" param runs the whole decode step).  Outputs and rows are poisoned first.
+(tests/gpu/test_e2e_v_up_fp8.py runs the whole decode step).  Outputs and rows are poisoned first.
 Planted mutant (tests/gpu/test_mutants.py): head h's rows quantised from the neighbouring head's columns.
 
 Run: python -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_v_up_fp8.py
