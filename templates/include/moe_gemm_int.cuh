@@ -113,8 +113,10 @@ __device__ __forceinline__ void iwg_unpack(const char* pk, char* b, int p) {
 // PACK 2: ring step `step`'s packed boxes, once landed, unpacked into its stage, which is then full (with its
 // gathered rows).  The producer unpacks step it - IWG_LAG after issuing step it, so each packed box has
 // IWG_LAG steps' time to land while the producer issues on (a step waiting on its own box would expose the
-// TMA's latency every step); IWG_LAG <= ST - 1 keeps the ring live (step it's empty wait needs step it - ST
-// full), ST - 2 leaves the consumers a landed stage ahead.
+// TMA's latency every step).  IWG_LAG <= ST - 2 keeps the ring live: step it's empty wait needs step it - ST
+// released, and a consumer releases a stage only after its wgmmas of the NEXT step are issued (wait<1>), i.e.
+// after step it - ST + 1 is full -- unpacked at producer step it - ST + 1 + IWG_LAG, which must come before
+// step it (IWG_LAG = ST - 1 deadlocks at the first step it whose it - ST and it - ST + 1 are one tile's).
 constexpr int IWG_LAG = 2;
 template <int MODE, int ST>
 __device__ __forceinline__ void iwg_unpack_step(char* ring_, char* unpack, unsigned long long* full,
@@ -271,8 +273,8 @@ __device__ __forceinline__ void grouped_gemm_int(const signed char* __restrict__
   static_assert(KD % 16 == 0, "int wgmma experts: quantised rows of whole 16-byte chunks");
   static_assert(KD < 131072, "int wgmma experts: int32 accumulators are exact below KD = 2^17");
   static_assert(PACK == 1 || (PACK == 2 && N % 2 == 0), "int wgmma experts: packed int4, two output channels a byte");
-  static_assert(ST >= 2 && (PACK == 1 || ST >= IWG_LAG + 1), "int wgmma experts: a ring of at least two stages, "
-                "packed int4 more than the unpack's lag");
+  static_assert(ST >= 2 && (PACK == 1 || ST >= IWG_LAG + 2), "int wgmma experts: a ring of at least two stages, "
+                "packed int4 at least two more than the unpack's lag (iwg_unpack_step)");
   static_assert(ring::BM == WG_BM, "int wgmma experts: the row tiles of wgmma_row_tiles");
   static_assert(iwg_smem(PACK, ST) + 3 * ST * 8 + 4 * (E + 1) <= 227 * 1024,
                 "int wgmma experts: ring + staging + row-tile table exceed a CTA's 227 KB (_moe_gemm_int.fits)");

@@ -82,6 +82,65 @@ def test_the_shared_memory_of_each_format():
         assert _moe_gemm_int.smem(pack) + _moe_gemm_int.static_smem(pack, 256) <= 227 * 1024
 
 
+
+def _ring_runs(st: int, lag: int, tiles: list[int]) -> bool:
+    """moe_gemm_int.cuh's packed int4 handshake as two actors (the producer warpgroup; the consumers, which
+    do the same waits), run until neither can move: True when both finish, False on a deadlock.  Producer
+    step it: wait empty (step it - ST released), issue the box and the gathered rows, then unpack step
+    it - lag once landed (full[it - lag]: the rows' and the unpackers' arrivals); after the walk the last lag
+    steps' unpacks.  Consumer: wait full[it], its wgmmas, then release the previous step of the tile (wait<1>);
+    at a tile's end the last one (wait<0>).  `tiles`: the K blocks of each of the CTA's tiles."""
+    steps = sum(tiles)
+    full, released = set(), set()
+
+    def producer():
+        for it in range(steps):
+            yield lambda it=it: it < st or it - st in released
+            if it >= lag:
+                full.add(it - lag)          # landed long since: TMA's wait is not the question here
+        for step in range(max(0, steps - lag), steps):
+            full.add(step)
+        yield None
+
+    def consumer():
+        it = 0
+        for kb_count in tiles:
+            prev = None
+            for _ in range(kb_count):
+                yield lambda it=it: it in full
+                if prev is not None:
+                    released.add(prev)
+                prev, it = it, it + 1
+            released.add(prev)
+        yield None
+
+    actors = [producer(), consumer()]
+    waits = [next(a) for a in actors]
+    while any(w is not None for w in waits):
+        moved = False
+        for i, w in enumerate(waits):
+            if w is not None and w():
+                waits[i], moved = next(actors[i]), True
+        if not moved:
+            return False
+    return True
+
+
+def test_the_packed_ring_is_live_at_its_stages_and_lag():
+    """The unpack of step it - IWG_LAG comes after step it's empty wait, and a consumer frees a stage only once
+    the next step's wgmmas are issued: the ring needs ST >= IWG_LAG + 2 (a 3-stage ring, or IWG_LAG 3 at 4
+    stages, deadlocks once two consecutive K blocks of one tile are a ring's length behind); the kernel's
+    static_assert says so."""
+    import re
+    text = (ROOT / "templates" / "include" / "moe_gemm_int.cuh").read_text()
+    lag = int(re.search(r"constexpr int IWG_LAG = (\d+);", text).group(1))
+    st = _moe_gemm_int.STAGES[2]
+    for tiles in ([1], [2], [16], [1, 1, 1, 1, 1], [3, 1, 11], [11] * 4):
+        assert _ring_runs(st, lag, tiles), (st, lag, tiles)
+    assert not _ring_runs(lag + 1, lag, [16]) and not _ring_runs(st, st - 1, [16])
+    assert not _ring_runs(lag + 1, lag, [1, 2, 1, 1])   # steps 1 and 2 of one tile, a stage apart
+    assert _ring_runs(lag + 1, lag, [1] * 8)            # one K block a tile frees each stage at once
+    assert "ST >= IWG_LAG + 2" in text
 @pytest.mark.parametrize("fmt", SERVED)
 @pytest.mark.parametrize("op,KD,N", [("moe_gate_up_silu", 2048, 1408), ("moe_down", 1408, 2048)])
 def test_launches_below_and_above_the_knob(op, KD, N, fmt):

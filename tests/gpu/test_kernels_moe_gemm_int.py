@@ -159,8 +159,10 @@ def run_case(case: dict) -> None:
 @example(case=case_of("moe_down", "int4_channel", 512, 64, 6, 1408, 2048))
 @example(case=case_of("moe_gate_up_silu", "int8_channel", 512, 64, 6, 2048, 1408, dtype="fp16"))
 @example(case=case_of("moe_down", "int8_channel", 300, 8, 2, 1408, 2048, empty=3, shift=True))
-@example(case=case_of("moe_gate_up_silu", "int4_channel", 200, 256, 8, 7168, 2048, empty=3))   # V3's widths
-@example(case=case_of("moe_down", "int4_channel", 200, 256, 8, 2048, 7168))
+# V3's experts and K (7168, 2048), the outputs shrunk: its whole widths draw 7.5e9 int4 weights on the CPU
+# (~90 s of torch.randint a gate_up example), past run_isolated's 240 s with the rest of this test
+@example(case=case_of("moe_gate_up_silu", "int4_channel", 200, 256, 8, 7168, 192, empty=3))
+@example(case=case_of("moe_down", "int4_channel", 200, 256, 8, 2048, 448))
 @example(case=case_of("moe_down", "int8_channel", 65, 2, 2, 144, 37, shift=True))              # ceil K, N odd
 @example(case=case_of("moe_gate_up_silu", "int8_channel", 65, 1, 1, 16, 37))                  # one K box
 @example(case=case_of("moe_down", "int4_channel", 90, 8, 3, 176, 144, empty=1, shift=True))     # the e2e tiny's
