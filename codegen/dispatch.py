@@ -121,8 +121,9 @@ def grouped_experts(t: Tuning = DEFAULT_TUNING, *, down: bool = False) -> Table:
     dynamic = tuple(f for f in INT_FORMATS if FORMATS[f].activation == "token")
     int_when = {"weight_format": dynamic, "dtype": sixteen, "int_rows": True}
     iw = m.int_wgmma_above
-    iwg = ("persistent int8 wgmma + TMA grid: the rows quantised per row by the same launch, gathered by the routing's "
-           "order, s8 x s8 -> s32 over all of K (exact, bit-equal to mma_int; packed int4 unpacked in shared memory). "
+    iwg = ("persistent int8 wgmma + TMA grid: the rows quantised per row by mma_int's quantiser launch, gathered by "
+           "the routing's order, s8 x s8 -> s32 over all of K (exact, bit-equal to mma_int; packed int4 unpacked in "
+           "shared memory). "
            "Per-channel int4 / int8 only: per-group int4 promotes each 256-k group with its scale, int4_channel_byte "
            "has no benchmark checkpoint (both keep mma_int)")
     cases = ([Case({**int_when, "weight_format": ("int4_channel", "int8_channel"), "sm_90a": True,

@@ -266,6 +266,25 @@ def test_explain_shows_the_row():
     text = buf.getvalue()
     assert "moe_gate_up_silu__bf16_wi4__e64_k6__m1408_d2048__wgmma_int" in text, text
     assert "moe_down__bf16_wi4__e64__d2048_m1408__wgmma_int" in text, text
+    # and why: the row's reason under each expert GEMM (the int cases name their formats as a tuple)
+    whys = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("why    wgmma_int [tokens 65..inf]: ")]
+    assert len(whys) == 2, text
+
+
+@pytest.mark.slow
+def test_explain_says_why_the_integer_experts_run_mma_int():
+    """Below the knob's T, and with the knob off, the grouped int rows' reason is mma_int's, with its span (decode
+    runs the expert FFN's two launches: its why names their own tables' rows)."""
+    from runtime.cli import main as cli_main
+    import contextlib
+    import io
+    for tune, span in ((["--tune", "moe.int_wgmma_above=64"], "1..64"), ([], "1..inf")):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert cli_main(["explain", "--weights", "w4a8", *tune, "--tokens", "32", "--phase", "decode"]) == 0
+        text = buf.getvalue()
+        whys = [ln for ln in text.splitlines() if ln.strip().startswith("why    two_launch [tokens 1..inf]: ")]
+        assert len(whys) == 1 and f"; mma_int [tokens {span}]: integer weights x int8" in whys[0], text
 
 
 @pytest.mark.slow
