@@ -70,6 +70,12 @@ class Case:
                 return False
         return True
 
+    def admits(self, known: dict) -> bool:
+        """It holds for the known facts whatever the open ones are: a fact `known` lacks is open, and a condition
+        on it (one value, or any of a tuple of them) can be met."""
+        return self.holds({k: known.get(k, want[0] if isinstance(want, tuple) else want)
+                           for k, want in self.when.items()})
+
 
 @dataclass(frozen=True)
 class Table:

@@ -245,7 +245,7 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict, G=None, nid: str 
     out: list = []
     for table_op, variant in wanted:
         table = dispatch.table(table_op, opts.tuning)
-        row = next((r for case in table.cases if _admits(case, known)   # the first case that admits the
+        row = next((r for case in table.cases if case.admits(known)   # the first case that admits the
                     for r in case.rows if r.variant == variant and r.covers(T)), None)  # known facts
         if row is not None:
             out.append(f"{variant} [{table.unit} {row.span}]: {row.reason}")
@@ -263,12 +263,6 @@ def _reason(op: str, running: list, T: int, opts, attrs: dict, G=None, nid: str 
     if op == "mla_v_up":
         out += _v_up_rows(running, opts, attrs, G, nid)
     return "; ".join(out)
-
-
-def _admits(case, known: dict) -> bool:
-    """The case holds for the known facts, whatever the open ones are (a fact the case does not name is open, and
-    a condition on an open fact, one value or any of a tuple of them, can be met)."""
-    return case.holds({k: known.get(k, want[0] if isinstance(want, tuple) else want) for k, want in case.when.items()})
 
 
 def _gemm_multi_note(running: list) -> list:

@@ -82,7 +82,6 @@ def test_the_shared_memory_of_each_format():
         assert _moe_gemm_int.smem(pack) + _moe_gemm_int.static_smem(pack, 256) <= 227 * 1024
 
 
-
 def _ring_runs(st: int, lag: int, tiles: list[int]) -> bool:
     """moe_gemm_int.cuh's packed int4 handshake as two actors (the producer warpgroup; the consumers, which
     do the same waits), run until neither can move: True when both finish, False on a deadlock.  Producer
@@ -141,6 +140,8 @@ def test_the_packed_ring_is_live_at_its_stages_and_lag():
     assert not _ring_runs(lag + 1, lag, [1, 2, 1, 1])   # steps 1 and 2 of one tile, a stage apart
     assert _ring_runs(lag + 1, lag, [1] * 8)            # one K block a tile frees each stage at once
     assert "ST >= IWG_LAG + 2" in text
+
+
 @pytest.mark.parametrize("fmt", SERVED)
 @pytest.mark.parametrize("op,KD,N", [("moe_gate_up_silu", 2048, 1408), ("moe_down", 1408, 2048)])
 def test_launches_below_and_above_the_knob(op, KD, N, fmt):
